@@ -1,0 +1,448 @@
+"""Policy-optimisation objectives: pure torch functions over shape-documented tensors.
+
+Shapes: ``B`` sequences, ``T`` response positions (right-padded), ``V`` vocabulary. ``mask`` is a
+float or bool ``(B, T)`` tensor, 1 on real response tokens. ``group_index`` is a ``LongTensor (B,)``;
+sequences sharing a value are the responses to one prompt (groups may differ in size and order).
+
+One small unit per algorithm, chosen through read-only tables (``ADVANTAGES``, ``AGGREGATIONS``,
+``BEHAVIOUR_WEIGHTS``); ``policy_loss`` composes them from an ``ObjectiveParams``. Formulas follow
+``shared/ALGORITHMS.md`` (GRPO, Dr. GRPO, DAPO, AReaL's decoupled PPO, truncated IS).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from dataclasses import dataclass
+from types import MappingProxyType
+from typing import Callable, Mapping, Optional, TypeVar
+
+import torch
+from torch import Tensor
+
+_V = TypeVar("_V")
+
+
+def _lookup(table: Mapping[str, _V], name: str, what: str) -> _V:
+    if name not in table:
+        raise ValueError(f"unknown {what} {name!r}; choose one of {sorted(table)}")
+    return table[name]
+
+
+def _as_float(x: Tensor) -> Tensor:
+    return x if x.is_floating_point() else x.to(torch.get_default_dtype())
+
+
+# --------------------------------------------------------------------------- advantages
+
+
+def _group_stats(rewards: Tensor, group_index: Tensor) -> tuple[Tensor, Tensor, Tensor]:
+    """Per sequence: reward minus its group mean, its group's unbiased std, and whether its group
+    is constant (all rewards equal, or a single response). All ``(B,)``."""
+    rewards = _as_float(rewards)
+    uniq, inv = torch.unique(group_index, return_inverse=True)
+    zeros = rewards.new_zeros(uniq.numel())
+    counts = zeros.index_add(0, inv, torch.ones_like(rewards))
+    mean = zeros.index_add(0, inv, rewards) / counts
+    centred = rewards - mean[inv]
+    var = zeros.index_add(0, inv, centred.square()) / (counts - 1).clamp_min(1)
+    lo = zeros.scatter_reduce(0, inv, rewards, "amin", include_self=False)
+    hi = zeros.scatter_reduce(0, inv, rewards, "amax", include_self=False)
+    return centred, var.sqrt()[inv], (lo == hi)[inv]
+
+
+def grpo_advantages(rewards: Tensor, group_index: Tensor, eps: float = 1e-6) -> Tensor:
+    """GRPO: ``(r - mean_group) / (std_group + eps)``, ``(B,)``.
+
+    The std is the unbiased one (``torch.std``'s default, as verl computes it). A constant group,
+    including a group of one, gets exactly 0 (no rounding residue from the mean, no NaN)."""
+    centred, std, constant = _group_stats(rewards, group_index)
+    return torch.where(constant, 0.0, centred / (std + eps))
+
+
+def dr_grpo_advantages(rewards: Tensor, group_index: Tensor) -> Tensor:
+    """Dr. GRPO: ``r - mean_group`` with no std division, ``(B,)``; constant groups get 0."""
+    centred, _, constant = _group_stats(rewards, group_index)
+    return torch.where(constant, 0.0, centred)
+
+
+def batch_normalized_advantages(rewards: Tensor, group_index: Tensor, eps: float = 1e-6) -> Tensor:
+    """Group-mean-centred rewards divided by their unbiased std over the whole batch, ``(B,)``.
+
+    The centred values are not re-centred on the batch mean. A batch of one gets 0."""
+    centred = dr_grpo_advantages(rewards, group_index)
+    std = centred.std() if centred.numel() > 1 else centred.new_zeros(())
+    return centred / (std + eps)
+
+
+AdvantageFn = Callable[[Tensor, Tensor], Tensor]
+ADVANTAGES: Mapping[str, AdvantageFn] = MappingProxyType(
+    {"grpo": grpo_advantages, "dr_grpo": dr_grpo_advantages, "batch": batch_normalized_advantages}
+)
+
+
+# --------------------------------------------------------------------------- per-token losses
+
+
+def clipped_policy_loss(
+    logprobs: Tensor,
+    old_logprobs: Tensor,
+    advantages: Tensor,
+    *,
+    clip_low: float = 0.2,
+    clip_high: float = 0.28,
+    dual_clip: Optional[float] = None,
+) -> tuple[Tensor, Tensor]:
+    """PPO clipped surrogate per token: ``max(-A*rho, -A*clip(rho, 1-clip_low, 1+clip_high))``.
+
+    ``logprobs``, ``old_logprobs``: ``(B, T)``; ``advantages``: ``(B,)`` (broadcast over tokens) or
+    ``(B, T)``. Gradient flows through ``logprobs`` only. With ``dual_clip = c > 1`` the loss of a
+    negative-advantage token is also bounded by ``-A*c`` (verl's rule). Returns ``(loss, clipfrac)``,
+    both ``(B, T)``; ``clipfrac`` is 1.0 where a clipped branch (ratio or dual clip) is active, i.e.
+    where the token's gradient is zero."""
+    if dual_clip is not None and dual_clip <= 1.0:
+        raise ValueError(f"dual_clip={dual_clip}: must be > 1 (verl uses 3.0), or None to turn it off")
+    adv = advantages.detach()
+    adv = adv.unsqueeze(-1) if adv.dim() == 1 else adv
+    ratio = torch.exp(logprobs - old_logprobs.detach())
+    unclipped = -adv * ratio
+    clipped = -adv * torch.clamp(ratio, 1.0 - clip_low, 1.0 + clip_high)
+    loss = torch.maximum(unclipped, clipped)
+    is_clipped = clipped > unclipped
+    if dual_clip is not None:
+        bound = -adv * dual_clip
+        dual = (adv < 0) & (loss > bound)
+        loss = torch.where(dual, bound, loss)
+        is_clipped = is_clipped | dual
+    return loss, is_clipped.to(loss.dtype)
+
+
+def kl_k3(logprobs: Tensor, ref_logprobs: Tensor) -> Tensor:
+    """k3 estimator of KL(pi || pi_ref) per token, ``(B, T)``: ``exp(d) - d - 1``, ``d = ref - lp``.
+    Non-negative; gradient flows through ``logprobs`` only."""
+    d = ref_logprobs.detach() - logprobs
+    return torch.exp(d) - d - 1.0
+
+
+def entropy_from_logits(logits: Tensor) -> Tensor:
+    """Entropy of the softmax over the last axis, ``(B, T, V) -> (B, T)``, via ``log_softmax`` (no
+    overflow for large logits; ``-inf`` logits contribute 0, not NaN)."""
+    logp = torch.log_softmax(logits.to(torch.promote_types(logits.dtype, torch.float32)), dim=-1)
+    finite_logp = torch.where(torch.isfinite(logp), logp, 0.0)
+    return -(logp.exp() * finite_logp).sum(-1)
+
+
+# --------------------------------------------------------------------------- aggregation
+
+
+def _masked_sum(loss: Tensor, mask: Tensor, dim: Optional[int] = None) -> Tensor:
+    masked = torch.where(mask.bool(), loss, 0.0)
+    return masked.sum() if dim is None else masked.sum(dim)
+
+
+def _token_mean(loss: Tensor, mask: Tensor, max_len: Optional[int]) -> Tensor:
+    return _masked_sum(loss, mask) / mask.sum().clamp_min(1)
+
+
+def _seq_mean(loss: Tensor, mask: Tensor, max_len: Optional[int]) -> Tensor:
+    lengths = mask.to(loss.dtype).sum(-1)
+    per_seq = _masked_sum(loss, mask, dim=-1) / lengths.clamp_min(1)
+    return per_seq.sum() / (lengths > 0).sum().clamp_min(1)
+
+
+def _seq_sum_const(loss: Tensor, mask: Tensor, max_len: Optional[int]) -> Tensor:
+    if max_len is None or max_len <= 0:
+        raise ValueError(
+            f"loss_agg 'seq_sum_const' (Dr. GRPO) divides by a constant length but got max_len={max_len}; "
+            "pass max_len = the generation's maximum response length"
+        )
+    return _masked_sum(loss, mask) / (loss.shape[0] * max_len)
+
+
+AggregationFn = Callable[[Tensor, Tensor, Optional[int]], Tensor]
+AGGREGATIONS: Mapping[str, AggregationFn] = MappingProxyType(
+    {"token_mean": _token_mean, "seq_mean": _seq_mean, "seq_sum_const": _seq_sum_const}
+)
+
+
+def aggregate(loss: Tensor, mask: Tensor, mode: str, max_len: Optional[int] = None) -> Tensor:
+    """Reduce a ``(B, T)`` per-token loss to a scalar over ``mask``.
+
+    ``token_mean`` (DAPO): sum over all tokens / number of tokens in the batch. ``seq_mean`` (GRPO):
+    mean over each sequence, then over the sequences that have at least one token. ``seq_sum_const``
+    (Dr. GRPO): sum over tokens / ``(B * max_len)``, ``max_len`` required. An all-zero mask gives 0,
+    still attached to the graph (no NaN)."""
+    return _lookup(AGGREGATIONS, mode, "loss aggregation")(loss, mask, max_len)
+
+
+# --------------------------------------------------------------------------- DAPO reward shaping
+
+
+def overlong_penalty(lengths: Tensor, max_len: int, cache_len: int) -> Tensor:
+    """DAPO soft overlong punishment, ``(B,) -> (B,)``, added to the correctness reward: 0 up to
+    ``max_len - cache_len``, then linear down to -1 at ``max_len``, and -1 beyond."""
+    if not 0 < cache_len <= max_len:
+        raise ValueError(f"overlong cache_len={cache_len} must be in (0, max_len={max_len}]")
+    lengths = _as_float(lengths)
+    ramp = ((max_len - cache_len) - lengths) / cache_len
+    return torch.where(lengths > max_len, -1.0, ramp.clamp(max=0.0))
+
+
+def overlong_filter_mask(truncated: Tensor) -> Tensor:
+    """DAPO overlong filtering: ``(B,)`` float mask, 0 for truncated sequences, 1 otherwise."""
+    return (~truncated.bool()).to(torch.get_default_dtype())
+
+
+def nonconstant_groups(rewards: Tensor, group_index: Tensor) -> Tensor:
+    """Dynamic sampling: ``BoolTensor (B,)``, true where the sequence's group has reward variance
+    > 0. Groups of one are constant (they carry no group-relative signal)."""
+    return ~_group_stats(rewards, group_index)[2]
+
+
+def count_constant_groups(rewards: Tensor, group_index: Tensor) -> int:
+    """Number of groups (not sequences) whose rewards are all equal."""
+    constant = _group_stats(rewards, group_index)[2]
+    return int(torch.unique(group_index[constant]).numel())
+
+
+# --------------------------------------------------------------------------- off-policy correction
+
+
+def _token_log_ratio(log_ratio: Tensor, mask: Optional[Tensor]) -> Tensor:
+    return log_ratio
+
+
+def _sequence_log_ratio(log_ratio: Tensor, mask: Optional[Tensor]) -> Tensor:
+    total = log_ratio.sum(-1) if mask is None else _masked_sum(log_ratio, mask, dim=-1)
+    return total.unsqueeze(-1).expand_as(log_ratio)
+
+
+_IS_LEVELS: Mapping[str, Callable[[Tensor, Optional[Tensor]], Tensor]] = MappingProxyType(
+    {"token": _token_log_ratio, "sequence": _sequence_log_ratio}
+)
+
+
+def _log_ratio(old_logprobs: Tensor, behaviour_logprobs: Tensor, level: str, mask: Optional[Tensor]) -> Tensor:
+    log_ratio = (old_logprobs - behaviour_logprobs).detach()
+    return _lookup(_IS_LEVELS, level, "importance-weight level")(log_ratio, mask)
+
+
+def truncated_is_weights(
+    old_logprobs: Tensor,
+    behaviour_logprobs: Tensor,
+    cap: float = 3.0,
+    level: str = "token",
+    mask: Optional[Tensor] = None,
+) -> Tensor:
+    """Truncated importance weights ``min(pi_old / pi_behave, cap)``, ``(B, T)``, detached.
+
+    ``level="sequence"`` uses the product of the token ratios over ``mask`` (all tokens when
+    ``mask`` is None), truncated and broadcast to every token. Default cap 3.0 (TRL)."""
+    return torch.exp(_log_ratio(old_logprobs, behaviour_logprobs, level, mask).clamp(max=math.log(cap)))
+
+
+def masked_is_weights(
+    old_logprobs: Tensor,
+    behaviour_logprobs: Tensor,
+    *,
+    low: float = 0.0,
+    high: float = 3.0,
+    level: str = "token",
+    mask: Optional[Tensor] = None,
+) -> Tensor:
+    """Masked importance weights, ``(B, T)``, detached: the ratio ``pi_old / pi_behave`` where it
+    lies in ``[low, high]``, 0 outside (AReaL's behaviour-weight masking caps only above: low=0)."""
+    ratio = torch.exp(_log_ratio(old_logprobs, behaviour_logprobs, level, mask))
+    return torch.where((ratio >= low) & (ratio <= high), ratio, 0.0)
+
+
+BehaviourWeightFn = Callable[[Tensor, Tensor, float, Optional[Tensor]], Tensor]
+BEHAVIOUR_WEIGHTS: Mapping[str, BehaviourWeightFn] = MappingProxyType(
+    {
+        "truncate": lambda prox, behave, cap, mask: truncated_is_weights(prox, behave, cap=cap, mask=mask),
+        "mask": lambda prox, behave, cap, mask: masked_is_weights(prox, behave, high=cap, mask=mask),
+        "none": lambda prox, behave, cap, mask: torch.ones_like(prox).detach(),
+    }
+)
+
+
+def decoupled_ppo_loss(
+    logprobs: Tensor,
+    proximal_logprobs: Tensor,
+    behaviour_logprobs: Tensor,
+    advantages: Tensor,
+    *,
+    clip_low: float,
+    clip_high: float,
+    dual_clip: Optional[float] = None,
+    behaviour_weight: str = "truncate",
+    cap: float = 3.0,
+    mask: Optional[Tensor] = None,
+) -> tuple[Tensor, dict[str, Tensor]]:
+    """AReaL's decoupled PPO per token: ``w * max(-A*u, -A*clip(u, 1-clip_low, 1+clip_high))``.
+
+    ``u = exp(logprobs - proximal)``; ``w = BEHAVIOUR_WEIGHTS[behaviour_weight]`` of
+    ``exp(proximal - behaviour)``, detached. All log-prob tensors ``(B, T)``, ``advantages`` ``(B,)``
+    or ``(B, T)``. With proximal == behaviour (on-policy) this is ``clipped_policy_loss``. Returns
+    ``(loss (B, T), stats)``, stats holding ``(B, T)`` tensors ``clipfrac``, ``ratio`` and
+    ``behaviour_weight``, all detached."""
+    weight_fn = _lookup(BEHAVIOUR_WEIGHTS, behaviour_weight, "behaviour_weight")
+    loss, clipfrac = clipped_policy_loss(
+        logprobs, proximal_logprobs, advantages, clip_low=clip_low, clip_high=clip_high, dual_clip=dual_clip
+    )
+    weight = weight_fn(proximal_logprobs.detach(), behaviour_logprobs.detach(), cap, mask)
+    ratio = torch.exp(logprobs - proximal_logprobs).detach()
+    return weight * loss, {"clipfrac": clipfrac, "ratio": ratio, "behaviour_weight": weight}
+
+
+def staleness(trainer_version: int, versions: Tensor) -> Tensor:
+    """Inherent staleness per sequence, ``LongTensor (B,)``: trainer version minus the version that
+    generated the sequence."""
+    lag = trainer_version - versions.long()
+    if (lag < 0).any():
+        raise ValueError(
+            f"a sequence has version {int(versions.max())} > trainer_version={trainer_version}; "
+            "a sequence cannot come from weights newer than the trainer's: check version bookkeeping"
+        )
+    return lag
+
+
+# --------------------------------------------------------------------------- configuration and entry point
+
+
+@dataclass(frozen=True)
+class ObjectiveParams:
+    """Which objective to optimise. Defaults are plain GRPO; see ``PRESETS`` for DAPO, Dr. GRPO."""
+
+    advantage: str = "grpo"
+    """Key of ``ADVANTAGES``. GRPO and DAPO: "grpo" (group std); Dr. GRPO: "dr_grpo"; also "batch"."""
+    loss_agg: str = "seq_mean"
+    """Key of ``AGGREGATIONS``. GRPO: "seq_mean"; DAPO: "token_mean"; Dr. GRPO: "seq_sum_const"."""
+    clip_low: float = 0.2
+    """Lower clip ``eps_low``: ratio floor ``1 - clip_low``. PPO/GRPO/DAPO: 0.2."""
+    clip_high: float = 0.2
+    """Upper clip ``eps_high``: ratio ceiling ``1 + clip_high``. PPO/GRPO: 0.2; DAPO clip-higher: 0.28."""
+    dual_clip: Optional[float] = None
+    """Dual-clip bound ``c > 1`` on negative-advantage losses; off in the papers (verl offers 3.0)."""
+    overlong_shaping: bool = False
+    """DAPO soft overlong punishment added to the reward (``overlong_penalty``); DAPO: on."""
+    overlong_cache_len: int = 4096
+    """DAPO ``L_cache`` for the soft punishment; paper: 4096 (with an expected max of 16384)."""
+    overlong_filter: bool = False
+    """DAPO overlong filtering: drop truncated sequences from the loss. Off in the final DAPO recipe."""
+    dynamic_sampling: bool = False
+    """DAPO dynamic sampling: drop groups with constant rewards and resample; DAPO: on."""
+    max_sampling_rounds: int = 10
+    """Cap on generation rounds when dynamic sampling (verl's DAPO example: 10)."""
+    behaviour_weight: str = "truncate"
+    """Key of ``BEHAVIOUR_WEIGHTS`` for ``pi_prox / pi_behave``. Truncated IS (TRL); exactly 1 on-policy."""
+    is_cap: float = 3.0
+    """Truncation cap (or upper mask bound) of the behaviour weight; TRL default 3.0."""
+    kl_coef: float = 0.0
+    """Weight of the k3 KL to the reference. DAPO and TRL: 0 (off); the original GRPO paper: 0.04."""
+
+    def __post_init__(self) -> None:
+        for value, table, name in (
+            (self.advantage, ADVANTAGES, "advantage"),
+            (self.loss_agg, AGGREGATIONS, "loss_agg"),
+            (self.behaviour_weight, BEHAVIOUR_WEIGHTS, "behaviour_weight"),
+        ):
+            _lookup(table, value, name)
+        if not (0.0 <= self.clip_low < 1.0 and self.clip_high >= 0.0):
+            raise ValueError(
+                f"clip_low={self.clip_low}, clip_high={self.clip_high}: need 0 <= clip_low < 1, clip_high >= 0"
+            )
+        if self.dual_clip is not None and self.dual_clip <= 1.0:
+            raise ValueError(f"dual_clip={self.dual_clip} must be > 1 (verl uses 3.0) or None to turn it off")
+        if self.overlong_cache_len <= 0 or self.max_sampling_rounds < 1:
+            raise ValueError("overlong_cache_len must be > 0 and max_sampling_rounds >= 1")
+        if self.is_cap <= 0.0 or self.kl_coef < 0.0:
+            raise ValueError(f"is_cap={self.is_cap} must be > 0 and kl_coef={self.kl_coef} >= 0")
+
+
+_GRPO = ObjectiveParams()
+PRESETS: Mapping[str, ObjectiveParams] = MappingProxyType(
+    {
+        "grpo": _GRPO,
+        "dapo": dataclasses.replace(
+            _GRPO, clip_high=0.28, loss_agg="token_mean", dynamic_sampling=True, overlong_shaping=True
+        ),
+        "dr_grpo": dataclasses.replace(_GRPO, advantage="dr_grpo", loss_agg="seq_sum_const"),
+    }
+)
+
+
+@dataclass(frozen=True)
+class PolicyBatch:
+    """One update's tensors. Invariant: every ``(B, T)`` tensor shares ``mask``'s shape.
+
+    ``logprobs`` (B, T): current policy, with grad. ``old_logprobs`` (B, T): proximal, the
+    trainer's recomputation before the update; on-policy equal to ``behaviour_logprobs`` (B, T),
+    the sampler's. ``advantages`` (B,). ``mask`` (B, T): 1 on response tokens. ``max_len``: the
+    generation's maximum response length. ``versions`` (B,): weight version that generated each
+    sequence, given together with ``trainer_version``. ``ref_logprobs`` (B, T): reference model,
+    needed when ``kl_coef > 0``."""
+
+    logprobs: Tensor
+    old_logprobs: Tensor
+    behaviour_logprobs: Tensor
+    advantages: Tensor
+    mask: Tensor
+    max_len: int
+    versions: Optional[Tensor] = None
+    trainer_version: Optional[int] = None
+    ref_logprobs: Optional[Tensor] = None
+
+    def __post_init__(self) -> None:
+        shape = tuple(self.mask.shape)
+        named = {"logprobs": self.logprobs, "old_logprobs": self.old_logprobs,
+                 "behaviour_logprobs": self.behaviour_logprobs, "ref_logprobs": self.ref_logprobs}
+        bad = {k: tuple(v.shape) for k, v in named.items() if v is not None and tuple(v.shape) != shape}
+        if len(shape) != 2 or bad:
+            raise ValueError(f"PolicyBatch: mask must be (B, T) and match {bad or 'it'}; mask is {shape}")
+        if self.advantages.shape[0] != shape[0]:
+            raise ValueError(
+                f"PolicyBatch: advantages {tuple(self.advantages.shape)} must start with B={shape[0]}"
+            )
+        if (self.versions is None) != (self.trainer_version is None):
+            raise ValueError("PolicyBatch: pass versions and trainer_version together (both or neither)")
+
+
+def _masked_mean(x: Tensor, mask: Tensor) -> float:
+    return float(_masked_sum(x.detach(), mask) / mask.sum().clamp_min(1))
+
+
+def policy_loss(batch: PolicyBatch, params: ObjectiveParams) -> tuple[Tensor, dict[str, float]]:
+    """Scalar loss for one update and its metrics (python floats).
+
+    Decoupled PPO with ``params.behaviour_weight`` ("none" gives the standard clipped loss), plus
+    ``kl_coef * k3`` per token, aggregated by ``params.loss_agg``. Metrics: ``loss``, ``clipfrac``,
+    ``ratio`` and ``behaviour_weight`` (token means), ``kl`` when ``ref_logprobs`` is given, and
+    ``staleness_mean`` / ``staleness_max`` when ``versions`` is given."""
+    if params.kl_coef > 0.0 and batch.ref_logprobs is None:
+        raise ValueError(
+            f"kl_coef={params.kl_coef} needs batch.ref_logprobs; compute reference log-probs or set kl_coef=0"
+        )
+    mask = batch.mask
+    token_loss, stats = decoupled_ppo_loss(
+        batch.logprobs, batch.old_logprobs, batch.behaviour_logprobs, batch.advantages,
+        clip_low=params.clip_low, clip_high=params.clip_high, dual_clip=params.dual_clip,
+        behaviour_weight=params.behaviour_weight, cap=params.is_cap, mask=mask,
+    )
+    metrics: dict[str, float] = {}
+    if batch.ref_logprobs is not None:
+        kl = kl_k3(batch.logprobs, batch.ref_logprobs)
+        metrics["kl"] = _masked_mean(kl, mask)
+        if params.kl_coef > 0.0:
+            token_loss = token_loss + params.kl_coef * kl
+    loss = aggregate(token_loss, mask, params.loss_agg, max_len=batch.max_len)
+    metrics.update(
+        loss=float(loss.detach()),
+        clipfrac=_masked_mean(stats["clipfrac"], mask),
+        ratio=_masked_mean(stats["ratio"], mask),
+        behaviour_weight=_masked_mean(stats["behaviour_weight"], mask),
+    )
+    if batch.versions is not None and batch.trainer_version is not None:
+        lag = staleness(batch.trainer_version, batch.versions)
+        metrics.update(staleness_mean=float(lag.float().mean()), staleness_max=float(lag.max()))
+    return loss, metrics
