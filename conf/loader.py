@@ -1,0 +1,68 @@
+"""Compose the Hydra config tree, merge it into the typed schema and validate it.
+
+Everything here runs before the workspace is touched: a typo fails with a message naming the key.
+"""
+
+from __future__ import annotations
+
+import re
+from dataclasses import asdict
+from pathlib import Path
+from typing import Any, Sequence
+
+from conf.schema import Config, ConfigError, validate
+
+CONF_DIR = Path(__file__).resolve().parent
+
+
+def _explain_composition(err: Exception, overrides: Sequence[str]) -> str:
+    text = f"{err} {err.__cause__ or ''}"
+    missing = re.search(r"override '([^']+)'", text) or re.search(r"Key '([^']+)' is not in struct", text)
+    if missing:
+        key = missing.group(1)
+        return f"unknown config key '{key}': check the spelling (`laminar config` prints every key)"
+    group = re.search(r"Could not find '([^'/]+)/([^']+)'", text)
+    if group:
+        name, option = group.groups()
+        options = sorted(p.stem for p in (CONF_DIR / name).glob("*.yaml"))
+        return f"unknown option {name}={option}: choose one of {', '.join(options)}"
+    return f"cannot compose config from overrides {list(overrides)}: {err}"
+
+
+def load_config(overrides: Sequence[str] = ()) -> Config:
+    """Hydra overrides (``key=value``, ``group=option``) -> a validated :class:`Config`.
+
+    Raises :class:`ConfigError` naming the offending key and what to change.
+    """
+    from hydra import compose, initialize_config_dir
+    from hydra.errors import HydraException
+    from omegaconf import OmegaConf
+    from omegaconf.errors import OmegaConfBaseException
+
+    try:
+        with initialize_config_dir(config_dir=str(CONF_DIR), version_base=None):
+            raw = compose(config_name="config", overrides=list(overrides))
+    except HydraException as err:
+        raise ConfigError(_explain_composition(err, overrides)) from None
+    try:
+        merged = OmegaConf.merge(OmegaConf.structured(Config), raw)
+        cfg = OmegaConf.to_object(merged)
+    except OmegaConfBaseException as err:
+        key = getattr(err, "full_key", None) or "?"
+        msg = str(err).splitlines()[0]
+        if "not in struct" in str(err) or type(err).__name__ == "ConfigKeyError":
+            raise ConfigError(f"unknown config key '{key}': check the spelling (`laminar config` prints every key)") from None
+        raise ConfigError(f"config key '{key}': {msg}; give {key} a value of the type its default has") from None
+    assert isinstance(cfg, Config)
+    return validate(cfg)
+
+
+def to_dict(cfg: Any) -> dict:
+    """A config dataclass (or subtree) as plain JSON-ready data."""
+    return asdict(cfg)
+
+
+def to_yaml(cfg: Config) -> str:
+    from omegaconf import OmegaConf
+
+    return OmegaConf.to_yaml(OmegaConf.structured(cfg))

@@ -1,0 +1,137 @@
+"""Content-addressed artifact store under ``<workspace>/artifacts/<kind>/<sha256>/``.
+
+An artifact is a folder; it exists only once its ``manifest.json`` is written (temp name, fsync,
+rename), so a crash mid-write never leaves something that looks complete.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import shutil
+import time
+import uuid
+from contextlib import contextmanager
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any, Iterator
+
+MANIFEST = "manifest.json"
+
+
+@dataclass(frozen=True)
+class ArtifactRef:
+    """A small, JSON-serialisable handle on a complete artifact. ``path`` is absolute."""
+
+    kind: str
+    sha256: str
+    path: str
+
+    def file(self, name: str) -> Path:
+        return Path(self.path) / name
+
+    def to_dict(self) -> dict:
+        return asdict(self)
+
+    @classmethod
+    def from_dict(cls, d: dict) -> "ArtifactRef":
+        return cls(kind=d["kind"], sha256=d["sha256"], path=d["path"])
+
+
+@dataclass
+class PendingArtifact:
+    """A folder being written; ``meta`` goes into the manifest."""
+
+    kind: str
+    dir: Path
+    meta: dict[str, Any] = field(default_factory=dict)
+    ref: "ArtifactRef | None" = None  # set once the artifact is published
+
+
+def hash_tree(root: Path) -> str:
+    """sha256 over the relative paths and bytes of every file under ``root`` (manifest excluded)."""
+    h = hashlib.sha256()
+    for path in sorted(p for p in root.rglob("*") if p.is_file() and p.name != MANIFEST):
+        h.update(path.relative_to(root).as_posix().encode() + b"\0")
+        with open(path, "rb") as f:
+            for chunk in iter(lambda: f.read(1 << 20), b""):
+                h.update(chunk)
+        h.update(b"\0")
+    return h.hexdigest()
+
+
+def hash_file(path: Path) -> str:
+    h = hashlib.sha256()
+    with open(path, "rb") as f:
+        for chunk in iter(lambda: f.read(1 << 20), b""):
+            h.update(chunk)
+    return h.hexdigest()
+
+
+def write_json_atomic(path: Path, data: Any) -> None:
+    """Write JSON to ``path`` through a temp name, fsync and rename."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_name(f".{path.name}.{uuid.uuid4().hex}.tmp")
+    with open(tmp, "w") as f:
+        json.dump(data, f, indent=2, sort_keys=True, default=str)
+        f.flush()
+        os.fsync(f.fileno())
+    os.replace(tmp, path)
+    dir_fd = os.open(path.parent, os.O_RDONLY)
+    try:
+        os.fsync(dir_fd)
+    finally:
+        os.close(dir_fd)
+
+
+class ArtifactStore:
+    def __init__(self, root: Path):
+        self.root = Path(root)
+        self.tmp_root = self.root / ".tmp"
+
+    def clean_tmp(self) -> None:
+        """Drop folders left by writers that crashed (they never got a manifest)."""
+        shutil.rmtree(self.tmp_root, ignore_errors=True)
+
+    @contextmanager
+    def create(self, kind: str, meta: dict[str, Any] | None = None) -> Iterator[PendingArtifact]:
+        """Write files into ``pending.dir``; on clean exit the folder is hashed, moved into place and
+        sealed with a manifest. On an exception nothing is published."""
+        self.tmp_root.mkdir(parents=True, exist_ok=True)
+        pending = PendingArtifact(kind=kind, dir=self.tmp_root / f"{kind}-{uuid.uuid4().hex}", meta=dict(meta or {}))
+        pending.dir.mkdir()
+        try:
+            yield pending
+            pending.ref = self.publish(pending)
+        finally:
+            shutil.rmtree(pending.dir, ignore_errors=True)
+
+    def publish(self, pending: PendingArtifact) -> ArtifactRef:
+        sha = hash_tree(pending.dir)
+        final = self.root / pending.kind / sha
+        if not (final / MANIFEST).exists():
+            shutil.rmtree(final, ignore_errors=True)  # a half-moved folder of an earlier crash
+            final.parent.mkdir(parents=True, exist_ok=True)
+            os.replace(pending.dir, final)
+            files = sorted(p.relative_to(final).as_posix() for p in final.rglob("*") if p.is_file())
+            write_json_atomic(final / MANIFEST, {
+                "kind": pending.kind, "sha256": sha, "created": time.time(), "files": files, "meta": pending.meta,
+            })
+        return ArtifactRef(kind=pending.kind, sha256=sha, path=str(final))
+
+    def write(self, kind: str, writer, meta: dict[str, Any] | None = None) -> ArtifactRef:
+        """Call ``writer(dir)`` to fill a new artifact and return its ref."""
+        with self.create(kind, meta) as pending:
+            writer(pending.dir)
+        assert pending.ref is not None
+        return pending.ref
+
+    def exists(self, ref: ArtifactRef | dict) -> bool:
+        if isinstance(ref, dict):
+            ref = ArtifactRef.from_dict(ref)
+        return (Path(ref.path) / MANIFEST).exists()
+
+    def manifest(self, ref: ArtifactRef) -> dict:
+        with open(Path(ref.path) / MANIFEST) as f:
+            return json.load(f)

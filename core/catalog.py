@@ -1,0 +1,112 @@
+"""The DuckDB catalog: one file per workspace holding curation and lineage tables.
+
+Only the flow process writes it; connections are short-lived so that read-only commands
+(``laminar status``) can open it between writes. Every table has a key that makes a retried write
+idempotent (``INSERT ... ON CONFLICT DO NOTHING`` / ``DO UPDATE``).
+"""
+
+from __future__ import annotations
+
+import json
+from contextlib import contextmanager
+from pathlib import Path
+from typing import Any, Iterator, Sequence
+
+SCHEMA = """
+CREATE TABLE IF NOT EXISTS runs (
+    run_id VARCHAR PRIMARY KEY,
+    started_at TIMESTAMP, finished_at TIMESTAMP, status VARCHAR,
+    command VARCHAR, config_json VARCHAR, prefect_flow_run_id VARCHAR
+);
+CREATE TABLE IF NOT EXISTS stage_runs (
+    run_id VARCHAR, stage VARCHAR, status VARCHAR, cache_key VARCHAR,
+    config_hash VARCHAR, inputs_hash VARCHAR, source_hash VARCHAR, seed BIGINT,
+    started_at TIMESTAMP, finished_at TIMESTAMP, seconds DOUBLE,
+    prefect_task_run_id VARCHAR, outputs_json VARCHAR, metrics_json VARCHAR,
+    PRIMARY KEY (run_id, stage)
+);
+CREATE TABLE IF NOT EXISTS artifacts (
+    kind VARCHAR, sha256 VARCHAR, path VARCHAR, created_at TIMESTAMP,
+    stage VARCHAR, cache_key VARCHAR, meta_json VARCHAR,
+    PRIMARY KEY (kind, sha256)
+);
+CREATE TABLE IF NOT EXISTS artifact_edges (
+    parent_kind VARCHAR, parent_sha VARCHAR, child_kind VARCHAR, child_sha VARCHAR,
+    stage VARCHAR, cache_key VARCHAR,
+    PRIMARY KEY (parent_sha, child_sha, stage)
+);
+CREATE TABLE IF NOT EXISTS checkpoints (
+    checkpoint_sha VARCHAR PRIMARY KEY, stage VARCHAR, step BIGINT, base_sha VARCHAR,
+    cache_key VARCHAR, created_at TIMESTAMP
+);
+CREATE TABLE IF NOT EXISTS consumed_prompts (
+    checkpoint_sha VARCHAR, prompt_id VARCHAR, n_trajectories BIGINT,
+    PRIMARY KEY (checkpoint_sha, prompt_id)
+);
+CREATE TABLE IF NOT EXISTS prompts (
+    prompt_id VARCHAR PRIMARY KEY, source VARCHAR, split VARCHAR,
+    problem VARCHAR, answer VARCHAR, level INTEGER, artifact_sha VARCHAR
+);
+CREATE TABLE IF NOT EXISTS eval_results (
+    checkpoint_sha VARCHAR, benchmark VARCHAR, problem_id VARCHAR, sample_idx INTEGER,
+    response VARCHAR, pred VARCHAR, correct BOOLEAN, error VARCHAR,
+    length INTEGER, truncated BOOLEAN, level VARCHAR,
+    PRIMARY KEY (checkpoint_sha, benchmark, problem_id, sample_idx)
+);
+CREATE TABLE IF NOT EXISTS metrics (
+    cache_key VARCHAR, stage VARCHAR, step BIGINT, name VARCHAR, value DOUBLE,
+    PRIMARY KEY (cache_key, stage, step, name)
+);
+"""
+
+
+class Catalog:
+    def __init__(self, path: Path):
+        self.path = Path(path)
+
+    @contextmanager
+    def connect(self, read_only: bool = False) -> Iterator[Any]:
+        import duckdb
+
+        if read_only and not self.path.exists():
+            con = duckdb.connect(":memory:")
+            con.execute(SCHEMA)
+        else:
+            self.path.parent.mkdir(parents=True, exist_ok=True)
+            con = duckdb.connect(str(self.path), read_only=read_only)
+            if not read_only:
+                con.execute(SCHEMA)
+        try:
+            yield con
+        finally:
+            con.close()
+
+    @contextmanager
+    def transaction(self) -> Iterator[Any]:
+        """All-or-nothing writes: a crash inside leaves no partial rows."""
+        with self.connect() as con:
+            con.execute("BEGIN TRANSACTION")
+            try:
+                yield con
+            except BaseException:
+                con.execute("ROLLBACK")
+                raise
+            con.execute("COMMIT")
+
+    def query(self, sql: str, params: Sequence[Any] = ()) -> list[dict]:
+        with self.connect(read_only=True) as con:
+            cur = con.execute(sql, list(params))
+            cols = [d[0] for d in cur.description]
+            return [dict(zip(cols, row)) for row in cur.fetchall()]
+
+    def insert_rows(self, con: Any, table: str, rows: Sequence[dict], on_conflict: str = "DO NOTHING") -> None:
+        if not rows:
+            return
+        cols = list(rows[0])
+        sql = (f"INSERT INTO {table} ({', '.join(cols)}) VALUES ({', '.join('?' * len(cols))}) "
+               f"ON CONFLICT {on_conflict}")
+        con.executemany(sql, [[r[c] for c in cols] for r in rows])
+
+
+def dumps(obj: Any) -> str:
+    return json.dumps(obj, sort_keys=True, default=str)

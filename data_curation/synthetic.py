@@ -1,0 +1,125 @@
+"""Synthetic arithmetic with graded difficulty: the embedded default task.
+
+Difficulty grows with operand size and the number of operations. Every problem has a step-by-step
+gold solution (left to right, one operation per line) ending in ``#### <answer>``, the final-answer
+marker the verifier reads. Generation is deterministic from the seed; the held-out set is drawn
+first and the pool never contains one of its expressions.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import random
+from dataclasses import dataclass
+
+# level -> (number of operations, largest operand). Each operand is 1..largest (the first 0..largest);
+# running totals stay in 0..MAX_TOTAL: a subtraction is only drawn when the total stays non-negative,
+# an addition only when it stays <= MAX_TOTAL. Difficulty grows with the length of the chain, each
+# step a one- or two-digit fact the model must get right.
+LEVELS: dict[int, tuple[int, int]] = {
+    1: (1, 9),
+    2: (2, 9),
+    3: (3, 9),
+    4: (4, 9),
+    5: (5, 9),
+}
+MAX_TOTAL = 19
+OPS = ("+", "-")
+
+
+@dataclass(frozen=True)
+class Problem:
+    """One arithmetic problem. ``answer`` is the canonical integer string."""
+
+    prompt_id: str
+    problem: str
+    solution: str
+    answer: str
+    level: int
+    split: str
+
+
+def _solve(operands: list[int], ops: list[str]) -> tuple[list[str], int]:
+    steps, acc = [], operands[0]
+    for op, x in zip(ops, operands[1:]):
+        new = acc + x if op == "+" else acc - x
+        steps.append(f"{acc}{op}{x}={new}")
+        acc = new
+    return steps, acc
+
+
+def _make(rng: random.Random, level: int) -> tuple[str, str, str]:
+    n_ops, largest = LEVELS[level]
+    operands, ops = [rng.randint(0, largest)], []
+    total = operands[0]
+    for _ in range(n_ops):
+        x = rng.randint(1, largest)
+        allowed = [op for op in OPS if (op == "+" and total + x <= MAX_TOTAL) or (op == "-" and total - x >= 0)]
+        op = rng.choice(allowed)
+        total = total + x if op == "+" else total - x
+        operands.append(x)
+        ops.append(op)
+    expr = str(operands[0]) + "".join(f"{op}{x}" for op, x in zip(ops, operands[1:]))
+    steps, answer = _solve(operands, ops)
+    solution = "\n".join(steps + [f"#### {answer}"])
+    return expr, solution, str(answer)
+
+
+def problem_text(expr: str) -> str:
+    return f"What is {expr}?"
+
+
+def prompt_id(text: str) -> str:
+    return "arith-" + hashlib.sha256(text.encode()).hexdigest()[:16]
+
+
+def generate(seed: int, pool_size: int, heldout_size: int, levels: list[int]) -> tuple[list[Problem], list[Problem]]:
+    """(pool, heldout): disjoint, levels balanced round-robin, deterministic from ``seed``."""
+    rng = random.Random(f"arith:{seed}")
+    seen: set[str] = set()
+
+    def draw(n: int, split: str) -> list[Problem]:
+        """Levels in rotation; a level whose distinct problems run out leaves the rotation."""
+        out: list[Problem] = []
+        active = list(levels)
+        misses = {lv: 0 for lv in levels}
+        turn = 0
+        while len(out) < n:
+            if not active:
+                raise ValueError(f"cannot draw {n} distinct {split} problems from levels {levels}; "
+                                 "lower data.pool_size or data.heldout_size")
+            level = active[turn % len(active)]
+            turn += 1
+            expr, solution, answer = _make(rng, level)
+            if expr in seen:
+                misses[level] += 1
+                if misses[level] > 500:
+                    active.remove(level)
+                continue
+            misses[level] = 0
+            seen.add(expr)
+            text = problem_text(expr)
+            out.append(Problem(prompt_id(text), text, solution, answer, level, split))
+        return out
+
+    heldout = draw(heldout_size, "heldout")
+    pool = draw(pool_size, "pool")
+    return pool, heldout
+
+
+PROMPT_TEMPLATE = "{problem}\n"
+"""How the arithmetic task is put to a model without a chat template (the tiny default)."""
+
+
+def write_dataset(out_dir, *, seed: int, pool_size: int, heldout_size: int, levels: list[int]) -> dict[str, float]:
+    """Write ``pool.parquet`` and ``heldout.parquet`` (columns: prompt_id, problem, solution, answer,
+    level, split) into ``out_dir``; returns counts."""
+    from dataclasses import asdict
+    from pathlib import Path
+
+    import polars as pl
+
+    pool, heldout = generate(seed, pool_size, heldout_size, levels)
+    for name, rows in (("pool", pool), ("heldout", heldout)):
+        pl.DataFrame([asdict(p) for p in rows]).write_parquet(Path(out_dir) / f"{name}.parquet")
+    return {"pool_prompts": float(len(pool)), "heldout_prompts": float(len(heldout))}

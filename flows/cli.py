@@ -1,0 +1,129 @@
+"""The ``laminar`` command. Parses arguments and validates the config before anything heavy is
+imported or any file is written; then hands over to the flow."""
+
+from __future__ import annotations
+
+import argparse
+import os
+import shlex
+import sys
+import time
+import uuid
+from datetime import datetime, timezone
+
+
+def _parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="laminar", description="Curation, RL training and evaluation as one cached DAG.")
+    sub = p.add_subparsers(dest="command", required=True)
+    for name, text in (("run", "run the pipeline (cached stages are skipped)"),
+                       ("status", "each stage cached or stale for the current config, and why"),
+                       ("config", "print the resolved config")):
+        sp = sub.add_parser(name, help=text)
+        sp.add_argument("overrides", nargs="*", help="Hydra overrides: key=value, group=option")
+        sp.add_argument("--workspace", default=os.environ.get("LAMINAR_WORKSPACE", "./workspace"),
+                        help="workspace folder (default ./workspace)")
+        if name == "run":
+            sp.add_argument("--force", action="append", default=[], metavar="STAGE",
+                            help="rerun STAGE even if cached (repeatable)")
+    return p
+
+
+def _load(overrides):
+    from conf.loader import load_config
+    from conf.schema import ConfigError
+
+    try:
+        return load_config(overrides)
+    except ConfigError as err:
+        print(f"laminar: config error: {err}", file=sys.stderr)
+        raise SystemExit(2)
+
+
+def cmd_config(args) -> int:
+    from conf.loader import to_yaml
+
+    print(to_yaml(_load(args.overrides)), end="")
+    return 0
+
+
+def cmd_status(args) -> int:
+    from core.workspace import Workspace
+    from tasks.runner import plan
+
+    cfg = _load(args.overrides)
+    for p in plan(cfg, Workspace.at(args.workspace)):
+        print(f"{p.stage:<12} {p.status:<7} {p.reason}")
+    return 0
+
+
+def cmd_run(args) -> int:
+    from conf.loader import to_yaml
+    from core.artifacts import write_json_atomic
+    from core.workspace import Workspace, WorkspaceBusy
+    from tasks.prefect_env import configure_prefect
+    from tasks.stages import STAGE_BY_NAME
+
+    cfg = _load(args.overrides)
+    unknown = [s for s in args.force if s not in STAGE_BY_NAME]
+    if unknown:
+        print(f"laminar: unknown stage {unknown}; stages are {', '.join(STAGE_BY_NAME)}", file=sys.stderr)
+        return 2
+    ws = Workspace.at(args.workspace)
+    try:
+        with ws.lock():
+            ws.create()
+            ws.artifacts.clean_tmp()
+            configure_prefect(ws)
+            run_id = datetime.now(timezone.utc).strftime("%Y%m%d-%H%M%S-") + uuid.uuid4().hex[:6]
+            run_dir = ws.run_dir(run_id)
+            run_dir.mkdir(parents=True)
+            (run_dir / "config.yaml").write_text(to_yaml(cfg))
+            command = shlex.join(["laminar", *sys.argv[1:]])
+            (run_dir / "command.txt").write_text(command + "\n")
+            return _run(cfg, ws, run_id, args, command)
+    except WorkspaceBusy as err:
+        print(f"laminar: {err}", file=sys.stderr)
+        return 3
+
+
+def _run(cfg, ws, run_id, args, command) -> int:
+    import json
+    import logging
+
+    from core.artifacts import write_json_atomic
+    from core.catalog import dumps
+    from conf.loader import to_dict
+
+    logging.getLogger("transformers").setLevel(logging.ERROR)
+    t0 = time.perf_counter()
+    with ws.catalog.transaction() as con:
+        con.execute("INSERT INTO runs VALUES (?, now(), NULL, 'running', ?, ?, NULL)",
+                    [run_id, command, dumps(to_dict(cfg))])
+    from flows.pipeline import laminar_pipeline
+    from tasks.summary import build_summary, format_table
+
+    status = "failed"
+    try:
+        outcomes = laminar_pipeline(overrides=list(args.overrides), workspace=str(ws.root), run_id=run_id,
+                                    force=list(args.force))
+        summary = build_summary(run_id, outcomes, time.perf_counter() - t0)
+        write_json_atomic(ws.run_dir(run_id) / "summary.json", summary)
+        print(format_table(summary))
+        print(f"summary: {ws.run_dir(run_id) / 'summary.json'}")
+        status = "completed"
+        return 0
+    finally:
+        with ws.catalog.transaction() as con:
+            con.execute("UPDATE runs SET finished_at = now(), status = ? WHERE run_id = ?", [status, run_id])
+
+
+COMMANDS = {"run": cmd_run, "status": cmd_status, "config": cmd_config}
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = _parser().parse_args(argv)
+    return COMMANDS[args.command](args)
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

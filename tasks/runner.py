@@ -1,0 +1,150 @@
+"""Runs stages as Prefect tasks with the pipeline's cache keys, and records lineage in the catalog.
+
+``run_stage`` is called by the flow for each stage in DAG order. The Prefect task's
+``cache_key_fn`` returns the stage's key, so an unchanged stage returns its cached result (small
+artifact refs, JSON-serialised) without running its body; the catalog rows are written after
+every stage, ran or cached, in one transaction with idempotent keys.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass
+from datetime import datetime, timezone
+from typing import Any
+
+from conf.schema import Config
+from core.artifacts import ArtifactRef
+from core.catalog import dumps
+from core.workspace import Workspace
+from tasks.cache import CacheKey, make_key
+from tasks.stages import STAGE_BY_NAME, STAGES, Stage, StageContext, StageResult
+
+
+@dataclass
+class StageOutcome:
+    stage: str
+    status: str  # "ran" | "cached"
+    seconds: float
+    key: CacheKey
+    result: StageResult
+    task_run_id: str | None
+
+
+def stage_key(stage: Stage, cfg: Config, inputs: dict[str, ArtifactRef]) -> CacheKey:
+    return make_key(stage.name, stage.config(cfg), {k: v.sha256 for k, v in inputs.items()}, stage.modules, cfg.seed)
+
+
+def _execute(stage_name: str, key: str, cfg: Config, workspace: str, inputs: dict[str, dict], device: str) -> dict:
+    """The body of every stage task: run the library function, return JSON-ready artifact refs."""
+    ws = Workspace.at(workspace)
+    ctx = StageContext(cfg=cfg, store=ws.artifacts, inputs={k: ArtifactRef.from_dict(v) for k, v in inputs.items()},
+                       device=device)
+    return STAGE_BY_NAME[stage_name].body(ctx).to_dict()
+
+
+_TASKS: dict[str, Any] = {}
+
+
+def prefect_task(stage: Stage):
+    """One Prefect task per stage, keyed by the pipeline's cache key, results stored as JSON."""
+    if stage.name not in _TASKS:
+        from prefect import task
+
+        _TASKS[stage.name] = task(
+            _execute, name=stage.name, cache_key_fn=lambda _ctx, params: params["key"],
+            persist_result=True, result_serializer="json", log_prints=False,
+        )
+    return _TASKS[stage.name]
+
+
+def run_stage(stage_name: str, cfg: Config, ws: Workspace, run_id: str, upstream: dict[str, StageOutcome],
+              force: bool = False) -> StageOutcome:
+    from training.model import resolve_device
+
+    device = resolve_device(cfg.device)
+    stage = STAGE_BY_NAME[stage_name]
+    inputs = {name: upstream[src].result.artifacts[out] for name, (src, out) in stage.inputs.items()}
+    key = stage_key(stage, cfg, inputs)
+    t0 = time.perf_counter()
+    started = datetime.now(timezone.utc)
+    task = prefect_task(stage)
+    params = dict(stage_name=stage.name, key=key.digest, cfg=cfg, workspace=str(ws.root),
+                  inputs={k: v.to_dict() for k, v in inputs.items()}, device=device)
+    state = task.with_options(refresh_cache=force or None)(**params, return_state=True)
+    result = StageResult.from_dict(state.result())
+    status = "cached" if state.name == "Cached" else "ran"
+    if status == "cached" and not all(ws.artifacts.exists(r) for r in result.artifacts.values()):
+        # Prefect remembers a result whose artifact is gone (workspace cleaned by hand): rebuild it.
+        state = task.with_options(refresh_cache=True)(**params, return_state=True)
+        result, status = StageResult.from_dict(state.result()), "ran"
+    outcome = StageOutcome(stage.name, status, time.perf_counter() - t0, key, result,
+                           str(state.state_details.task_run_id) if state.state_details.task_run_id else None)
+    record(ws, run_id, stage, outcome, inputs, started, cfg, device)
+    return outcome
+
+
+def record(ws: Workspace, run_id: str, stage: Stage, out: StageOutcome, inputs: dict[str, ArtifactRef],
+           started: datetime, cfg: Config, device: str) -> None:
+    """Lineage rows for one stage, all or nothing."""
+    ctx = StageContext(cfg=cfg, store=ws.artifacts, inputs=inputs, device=device)
+    k = out.key
+    with ws.catalog.transaction() as con:
+        con.execute(
+            "INSERT INTO stage_runs VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?, now(), ?, ?, ?, ?) "
+            "ON CONFLICT DO UPDATE SET status = excluded.status, finished_at = excluded.finished_at, "
+            "seconds = excluded.seconds, outputs_json = excluded.outputs_json, metrics_json = excluded.metrics_json",
+            [run_id, stage.name, out.status, k.digest, k.config_hash, k.inputs_hash, k.source_hash, k.seed,
+             started, out.seconds, out.task_run_id, dumps(out.result.to_dict()["artifacts"]), dumps(out.result.metrics)])
+        for ref in out.result.artifacts.values():
+            manifest = ws.artifacts.manifest(ref)
+            con.execute("INSERT INTO artifacts VALUES (?, ?, ?, now(), ?, ?, ?) ON CONFLICT DO NOTHING",
+                        [ref.kind, ref.sha256, ref.path, stage.name, k.digest, dumps(manifest.get("meta", {}))])
+            for parent in inputs.values():
+                con.execute("INSERT INTO artifact_edges VALUES (?, ?, ?, ?, ?, ?) ON CONFLICT DO NOTHING",
+                            [parent.kind, parent.sha256, ref.kind, ref.sha256, stage.name, k.digest])
+        if stage.record is not None:
+            stage.record(con, ctx, out.result, k.digest)
+
+
+@dataclass
+class StagePlan:
+    stage: str
+    status: str  # "cached" | "stale"
+    reason: str
+    key: CacheKey | None
+
+
+def plan(cfg: Config, ws: Workspace) -> list[StagePlan]:
+    """Each stage cached or stale for ``cfg``, and why: read-only, no Prefect, no stage body."""
+    import json
+
+    cat = ws.catalog
+    produced: dict[str, dict[str, ArtifactRef]] = {}
+    out: list[StagePlan] = []
+    for stage in STAGES:
+        missing = [src for src, _ in stage.inputs.values() if src not in produced]
+        if missing:
+            out.append(StagePlan(stage.name, "stale", f"upstream {', '.join(sorted(set(missing)))} must run first", None))
+            continue
+        inputs = {name: produced[src][o] for name, (src, o) in stage.inputs.items()}
+        key = stage_key(stage, cfg, inputs)
+        rows = cat.query("SELECT outputs_json FROM stage_runs WHERE stage = ? AND cache_key = ? "
+                         "ORDER BY finished_at DESC LIMIT 1", [stage.name, key.digest])
+        refs = {n: ArtifactRef.from_dict(d) for n, d in json.loads(rows[0]["outputs_json"]).items()} if rows else {}
+        if rows and all(ws.artifacts.exists(r) for r in refs.values()):
+            produced[stage.name] = refs
+            out.append(StagePlan(stage.name, "cached", "key matches a finished run", key))
+            continue
+        last = cat.query("SELECT config_hash, inputs_hash, source_hash, seed FROM stage_runs WHERE stage = ? "
+                         "ORDER BY finished_at DESC LIMIT 1", [stage.name])
+        if not last:
+            reason = "never ran in this workspace"
+        elif rows:
+            reason = "its artifact is missing from the store"
+        else:
+            prev = CacheKey(stage.name, last[0]["config_hash"], last[0]["inputs_hash"], last[0]["source_hash"],
+                            last[0]["seed"])
+            reason = "changed since last run: " + ", ".join(key.changed_parts(prev) or ["key"])
+        out.append(StagePlan(stage.name, "stale", reason, key))
+    return out

@@ -1,0 +1,43 @@
+"""The end-of-run table and ``summary.json``: per stage ran/cached, wall time, key metrics."""
+
+from __future__ import annotations
+
+from typing import Sequence
+
+from tasks.runner import StageOutcome
+from tasks.stages import STAGE_BY_NAME
+
+
+def build_summary(run_id: str, outcomes: Sequence[StageOutcome], seconds: float) -> dict:
+    by = {o.stage: o for o in outcomes}
+    metrics: dict[str, float | None] = {}
+    for label, stage in (("heldout_accuracy_warmup", "eval_warmup"), ("heldout_accuracy_rl", "eval_rl")):
+        m = by[stage].result.metrics if stage in by else {}
+        metrics[label] = m.get("arith_heldout", {}).get("accuracy")
+    if metrics["heldout_accuracy_warmup"] is not None and metrics["heldout_accuracy_rl"] is not None:
+        metrics["heldout_accuracy_gain"] = metrics["heldout_accuracy_rl"] - metrics["heldout_accuracy_warmup"]
+    return {
+        "run_id": run_id,
+        "seconds": seconds,
+        "stages": {o.stage: {"status": o.status, "seconds": round(o.seconds, 3), "cache_key": o.key.digest,
+                             "artifacts": {k: v.sha256 for k, v in o.result.artifacts.items()},
+                             "metrics": o.result.metrics} for o in outcomes},
+        "metrics": metrics,
+        "checkpoints": {s: by[s].result.artifacts["model"].sha256 for s in ("warmup", "rl") if s in by},
+    }
+
+
+def format_table(summary: dict) -> str:
+    lines = [f"{'stage':<12} {'status':<7} {'seconds':>8}  metrics", "-" * 72]
+    for name, s in summary["stages"].items():
+        try:
+            headline = STAGE_BY_NAME[name].headline(s["metrics"])
+        except (KeyError, TypeError, ValueError):
+            headline = ""
+        lines.append(f"{name:<12} {s['status']:<7} {s['seconds']:>8.1f}  {headline}")
+    m = summary["metrics"]
+    lines.append("-" * 72)
+    fmt = lambda v: "n/a" if v is None else f"{v:.3f}"  # noqa: E731
+    lines.append(f"held-out accuracy: warm-up {fmt(m.get('heldout_accuracy_warmup'))} -> "
+                 f"RL {fmt(m.get('heldout_accuracy_rl'))}   total {summary['seconds']:.1f}s   run {summary['run_id']}")
+    return "\n".join(lines)

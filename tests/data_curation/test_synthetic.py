@@ -1,0 +1,46 @@
+import re
+from collections import Counter
+
+from data_curation.synthetic import LEVELS, MAX_TOTAL, generate, write_dataset
+from evaluation.verifier import Verifier
+
+
+def test_deterministic_and_seed_dependent():
+    a = generate(0, 500, 100, [1, 2, 3, 4, 5])
+    b = generate(0, 500, 100, [1, 2, 3, 4, 5])
+    c = generate(1, 500, 100, [1, 2, 3, 4, 5])
+    assert a == b
+    assert [p.problem for p in a[0]] != [p.problem for p in c[0]]
+
+
+def test_pool_and_heldout_disjoint_and_all_levels_present():
+    pool, held = generate(0, 2000, 200, [1, 2, 3, 4, 5])
+    assert len(pool) == 2000 and len(held) == 200
+    assert not {p.problem for p in pool} & {p.problem for p in held}
+    assert len({p.prompt_id for p in pool}) == 2000
+    assert set(Counter(p.level for p in held)) == {1, 2, 3, 4, 5}
+
+
+def test_solutions_are_step_by_step_and_correct():
+    pool, _ = generate(0, 300, 50, [1, 2, 3, 4, 5])
+    with Verifier() as v:
+        verdicts = v.verify_batch([p.solution for p in pool], [p.answer for p in pool])
+    assert all(x.correct for x in verdicts)
+    for p in pool:
+        steps = p.solution.splitlines()[:-1]
+        assert len(steps) == LEVELS[p.level][0]  # one line per operation
+        for s in steps:
+            lhs, rhs = s.split("=")
+            assert eval(lhs) == int(rhs) and 0 <= int(rhs) <= MAX_TOTAL  # noqa: S307 - test data we made
+        expr = re.match(r"What is (.*)\?", p.problem).group(1)
+        assert eval(expr) == int(p.answer)  # noqa: S307
+
+
+def test_write_dataset_parquet(tmp_path):
+    import polars as pl
+
+    counts = write_dataset(tmp_path, seed=0, pool_size=100, heldout_size=20, levels=[1, 3])
+    pool = pl.read_parquet(tmp_path / "pool.parquet")
+    assert counts == {"pool_prompts": 100.0, "heldout_prompts": 20.0}
+    assert set(pool.columns) == {"prompt_id", "problem", "solution", "answer", "level", "split"}
+    assert set(pool["level"].unique()) == {1, 3}

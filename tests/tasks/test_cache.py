@@ -1,0 +1,31 @@
+from conf.loader import load_config
+from tasks.cache import make_key, module_closure, source_fingerprint
+from tasks.stages import STAGE_BY_NAME
+
+
+def test_closure_follows_project_imports_only():
+    names = [n for n, _ in module_closure(("training.stages",))]
+    assert "training.rl.engine" in names and "training.objectives" in names and "conf.schema" in names
+    assert not any(n.startswith(("torch", "prefect", "tasks", "flows")) for n in names)
+    data_names = [n for n, _ in module_closure(("data_curation.synthetic",))]
+    assert not any(n.startswith("training") for n in data_names)
+
+
+def test_key_parts_say_what_changed():
+    a = make_key("rl", {"lr": 1}, {"model": "abc"}, ("training.stages",), 0)
+    b = make_key("rl", {"lr": 2}, {"model": "abc"}, ("training.stages",), 0)
+    c = make_key("rl", {"lr": 1}, {"model": "abd"}, ("training.stages",), 1)
+    assert a.digest != b.digest and b.changed_parts(a) == ["config"]
+    assert c.changed_parts(a) == ["inputs", "seed"]
+    assert make_key("rl", {"lr": 1}, {"model": "abc"}, ("training.stages",), 0) == a
+
+
+def test_rl_lr_changes_only_rl_config_hash():
+    base, other = load_config([]), load_config(["rl.lr=0.01"])
+    changed = [s for s, st in STAGE_BY_NAME.items() if st.config(base) != st.config(other)]
+    assert changed == ["rl"]
+
+
+def test_fingerprint_depends_on_module_set():
+    assert source_fingerprint(["data_curation.synthetic"]) != source_fingerprint(["training.stages"])
+    assert source_fingerprint(["training.stages"]) == source_fingerprint(["training.stages"])

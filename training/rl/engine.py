@@ -1,0 +1,89 @@
+"""The built-in rollout engine: batched sampling with a KV cache, driving the model directly.
+
+It records the behaviour log-prob of every sampled token (under the temperature-scaled
+distribution it sampled from) and the weight version that produced it. Any Hugging Face causal LM
+works; the decode loop is a plain ``forward(past_key_values=...)`` loop, which costs far less per
+step than ``generate`` for small models.
+"""
+
+from __future__ import annotations
+
+from typing import Sequence
+
+import numpy as np
+import torch
+
+from training.rl.records import GenRequest, Trajectory, WeightsUpdate
+
+
+class TorchEngine:
+    def __init__(self, model, tokenizer, device: str = "cpu", batch_size: int = 256):
+        self.model = model.to(device).eval()
+        self.tokenizer = tokenizer
+        self.device = device
+        self.batch_size = batch_size
+        self.version = 0
+        self.eos_id = tokenizer.eos_token_id
+        self.pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else self.eos_id
+
+    def load_weights(self, update: WeightsUpdate) -> None:
+        state = {k: torch.from_numpy(v) for k, v in update.state.items()}
+        self.model.load_state_dict(state, strict=False)
+        self.version = update.version
+
+    def generate(self, requests: Sequence[GenRequest], max_new_tokens: int, temperature: float,
+                 generator: torch.Generator, progress=None) -> list[Trajectory]:
+        """Sample one response per request, in batches of ``batch_size``; output order = input order."""
+        out: list[Trajectory] = []
+        for start in range(0, len(requests), self.batch_size):
+            chunk = list(requests[start:start + self.batch_size])
+            out.extend(self._generate_batch(chunk, max_new_tokens, temperature, generator))
+            if progress is not None:
+                progress.update(len(chunk))
+        return out
+
+    @torch.inference_mode()
+    def _generate_batch(self, requests: list[GenRequest], max_new_tokens: int, temperature: float,
+                        generator: torch.Generator) -> list[Trajectory]:
+        from transformers import DynamicCache
+
+        prompts = [r.prompt.prompt_tokens for r in requests]
+        bsz, plen = len(prompts), max(len(p) for p in prompts)
+        input_ids = torch.full((bsz, plen), self.pad_id, dtype=torch.long)
+        attn = torch.zeros((bsz, plen), dtype=torch.long)
+        for i, p in enumerate(prompts):  # left padding keeps every sequence's next token at the end
+            input_ids[i, plen - len(p):] = torch.tensor(p)
+            attn[i, plen - len(p):] = 1
+        input_ids, attn = input_ids.to(self.device), attn.to(self.device)
+        positions = (attn.cumsum(-1) - 1).clamp(min=0)
+        cache = DynamicCache()
+        tokens = torch.empty((bsz, max_new_tokens), dtype=torch.long)
+        logps = torch.zeros((bsz, max_new_tokens))
+        lengths = torch.full((bsz,), max_new_tokens, dtype=torch.long)
+        done = torch.zeros(bsz, dtype=torch.bool)
+        step_ids, step_pos = input_ids, positions
+        for t in range(max_new_tokens):
+            logits = self.model(input_ids=step_ids, attention_mask=attn, position_ids=step_pos,
+                                past_key_values=cache, use_cache=True).logits[:, -1, :]
+            logprobs = torch.log_softmax(logits.float() / temperature, dim=-1).cpu()
+            nxt = torch.multinomial(logprobs.exp(), 1, generator=generator).squeeze(1)
+            tokens[:, t] = nxt
+            logps[:, t] = logprobs.gather(1, nxt[:, None]).squeeze(1)
+            newly = (nxt == self.eos_id) & ~done
+            lengths[newly] = t + 1
+            done |= newly
+            if bool(done.all()):
+                break
+            step_ids = nxt[:, None].to(self.device)
+            step_pos = step_pos[:, -1:] + 1
+            attn = torch.cat([attn, torch.ones((bsz, 1), dtype=attn.dtype, device=self.device)], dim=1)
+        return [self._trajectory(r, tokens[i, :lengths[i]], logps[i, :lengths[i]], bool(done[i]))
+                for i, r in enumerate(requests)]
+
+    def _trajectory(self, req: GenRequest, toks: torch.Tensor, logps: torch.Tensor, finished: bool) -> Trajectory:
+        ids = toks.tolist()
+        body = ids[:-1] if finished else ids
+        return Trajectory(kind="trajectory", prompt=req.prompt, sample_idx=req.sample_idx,
+                          response_tokens=tuple(ids), behaviour_logprobs=tuple(np.asarray(logps, dtype=np.float64).tolist()),
+                          version=self.version, finished=finished,
+                          text=self.tokenizer.decode(body, skip_special_tokens=True))

@@ -1,0 +1,80 @@
+"""Typed records passed between the RL phases (sample -> score -> update -> publish).
+
+The same records travel between Ray actors in the asynchronous runtime, so they hold plain Python
+lists and numpy arrays, never tensors tied to a device or a DictConfig.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Literal
+
+import numpy as np
+
+
+@dataclass(frozen=True)
+class PromptItem:
+    """One training or evaluation prompt. ``prompt_tokens`` start with BOS when the tokenizer has one."""
+
+    prompt_id: str
+    text: str
+    answer: str
+    prompt_tokens: tuple[int, ...]
+    level: int | None = None
+
+
+@dataclass(frozen=True)
+class GenRequest:
+    """Generate one response to ``prompt`` (the ``sample_idx``-th of its group)."""
+
+    prompt: PromptItem
+    sample_idx: int
+
+
+@dataclass(frozen=True)
+class Trajectory:
+    """One sampled response. Invariant: ``len(response_tokens) == len(behaviour_logprobs)``; every
+    token was sampled by weight ``version`` and its behaviour log-prob was recorded at sampling time
+    (temperature-scaled distribution). ``finished`` is False when generation hit the length cap."""
+
+    kind: Literal["trajectory"]
+    prompt: PromptItem
+    sample_idx: int
+    response_tokens: tuple[int, ...]
+    behaviour_logprobs: tuple[float, ...]
+    version: int
+    finished: bool
+    text: str
+
+
+@dataclass(frozen=True)
+class ScoredGroup:
+    """All responses to one prompt with their rewards. Invariant: ``len(rewards) == len(trajectories)``."""
+
+    kind: Literal["scored_group"]
+    prompt_id: str
+    trajectories: tuple[Trajectory, ...]
+    rewards: tuple[float, ...]
+    correct: tuple[bool, ...]
+
+
+@dataclass(frozen=True)
+class UpdateStats:
+    """What one optimizer step did; ``version`` is the trainer's weight version after the step."""
+
+    kind: Literal["update_stats"]
+    version: int
+    loss: float
+    grad_norm: float
+    n_sequences: int
+    n_tokens: int
+    metrics: dict[str, float] = field(default_factory=dict)
+
+
+@dataclass(frozen=True)
+class WeightsUpdate:
+    """A published weight version: parameter name -> numpy array (object-store friendly)."""
+
+    kind: Literal["weights_update"]
+    version: int
+    state: dict[str, np.ndarray]
