@@ -36,18 +36,22 @@ class DataConfig:
     pool_size: int = 6000
     heldout_size: int = 300
     levels: List[int] = field(default_factory=lambda: [1, 2, 3, 4, 5])
+    demo_error_rate: float = 0.15
+    """Per-step chance that a warm-up demonstration's result is off by 1-2 (an imperfect teacher);
+    gold solutions and answers stay exact. RL with the verifier is what corrects the slips."""
 
 
 @dataclass
 class SFTConfig:
-    """Warm-up supervised fine-tuning on gold solutions of the prompt pool."""
+    """Warm-up supervised fine-tuning on the prompt pool's demonstrations (of ``levels``)."""
 
-    steps: int = 400
-    batch_size: int = 64
+    steps: int = 600
+    batch_size: int = 32
     lr: float = 3e-3
     warmup_steps: int = 20
     weight_decay: float = 0.0
     max_grad_norm: float = 1.0
+    levels: List[int] = field(default_factory=lambda: [1, 2, 3, 4, 5])
 
 
 @dataclass
@@ -57,10 +61,10 @@ class RLConfig:
 
     algorithm: str = "grpo"
     mode: str = "sync"
-    steps: int = 60
+    steps: int = 100
     prompts_per_step: int = 16
     group_size: int = 8
-    lr: float = 5e-4
+    lr: float = 1e-4
     max_new_tokens: int = 64
     temperature: float = 1.0
     clip_low: Optional[float] = None  # None: the algorithm preset's value (training.objectives.PRESETS)
@@ -149,6 +153,11 @@ def validate(cfg: Config) -> Config:
     bad_levels = [lv for lv in cfg.data.levels if lv not in range(1, 6)]
     if bad_levels or not cfg.data.levels:
         raise ConfigError(f"data.levels={cfg.data.levels}: levels are 1..5; pick a non-empty subset")
+    if not 0 <= cfg.data.demo_error_rate < 1:
+        raise ConfigError(f"data.demo_error_rate={cfg.data.demo_error_rate} must be in [0, 1)")
+    if not set(cfg.sft.levels) & set(cfg.data.levels):
+        raise ConfigError(f"sft.levels={cfg.sft.levels} shares no level with data.levels={cfg.data.levels}; "
+                          "warm-up would have no examples")
     if cfg.rl.clip_low is not None and not 0 <= cfg.rl.clip_low < 1:
         raise ConfigError(f"rl.clip_low={cfg.rl.clip_low} must be in [0, 1)")
     if cfg.rl.clip_high is not None and cfg.rl.clip_high < 0:

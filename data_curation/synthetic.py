@@ -37,18 +37,25 @@ class Problem:
     answer: str
     level: int
     split: str
+    demonstration: str
+    """The warm-up SFT target: the gold solution, except that with ``demo_error_rate`` per step a
+    result is off by 1 or 2 (and the chain carries the slip on), like demonstrations from an
+    imperfect teacher. ``solution`` and ``answer`` are always correct."""
 
 
-def _solve(operands: list[int], ops: list[str]) -> tuple[list[str], int]:
+def _solve(operands: list[int], ops: list[str], slip: random.Random | None = None, rate: float = 0.0) -> str:
+    """The step-by-step solution; with ``slip``, each step's result is off by 1 or 2 with prob ``rate``."""
     steps, acc = [], operands[0]
     for op, x in zip(ops, operands[1:]):
         new = acc + x if op == "+" else acc - x
+        if slip is not None and slip.random() < rate:
+            new = max(0, new + slip.choice((-2, -1, 1, 2))) or new + 1
         steps.append(f"{acc}{op}{x}={new}")
         acc = new
-    return steps, acc
+    return "\n".join(steps + [f"#### {acc}"])
 
 
-def _make(rng: random.Random, level: int) -> tuple[str, str, str]:
+def _make(rng: random.Random, level: int) -> tuple[str, list[int], list[str]]:
     n_ops, largest = LEVELS[level]
     operands, ops = [rng.randint(0, largest)], []
     total = operands[0]
@@ -60,9 +67,7 @@ def _make(rng: random.Random, level: int) -> tuple[str, str, str]:
         operands.append(x)
         ops.append(op)
     expr = str(operands[0]) + "".join(f"{op}{x}" for op, x in zip(ops, operands[1:]))
-    steps, answer = _solve(operands, ops)
-    solution = "\n".join(steps + [f"#### {answer}"])
-    return expr, solution, str(answer)
+    return expr, operands, ops
 
 
 def problem_text(expr: str) -> str:
@@ -73,9 +78,12 @@ def prompt_id(text: str) -> str:
     return "arith-" + hashlib.sha256(text.encode()).hexdigest()[:16]
 
 
-def generate(seed: int, pool_size: int, heldout_size: int, levels: list[int]) -> tuple[list[Problem], list[Problem]]:
-    """(pool, heldout): disjoint, levels balanced round-robin, deterministic from ``seed``."""
+def generate(seed: int, pool_size: int, heldout_size: int, levels: list[int],
+             demo_error_rate: float = 0.0) -> tuple[list[Problem], list[Problem]]:
+    """(pool, heldout): disjoint, levels balanced round-robin, deterministic from ``seed``. The
+    problems do not depend on ``demo_error_rate`` (slips draw from their own generator)."""
     rng = random.Random(f"arith:{seed}")
+    slip = random.Random(f"arith-demo:{seed}")
     seen: set[str] = set()
 
     def draw(n: int, split: str) -> list[Problem]:
@@ -90,7 +98,7 @@ def generate(seed: int, pool_size: int, heldout_size: int, levels: list[int]) ->
                                  "lower data.pool_size or data.heldout_size")
             level = active[turn % len(active)]
             turn += 1
-            expr, solution, answer = _make(rng, level)
+            expr, operands, ops = _make(rng, level)
             if expr in seen:
                 misses[level] += 1
                 if misses[level] > 500:
@@ -99,7 +107,10 @@ def generate(seed: int, pool_size: int, heldout_size: int, levels: list[int]) ->
             misses[level] = 0
             seen.add(expr)
             text = problem_text(expr)
-            out.append(Problem(prompt_id(text), text, solution, answer, level, split))
+            solution = _solve(operands, ops)
+            demonstration = _solve(operands, ops, slip, demo_error_rate)
+            answer = solution.rsplit("#### ", 1)[1]
+            out.append(Problem(prompt_id(text), text, solution, answer, level, split, demonstration))
         return out
 
     heldout = draw(heldout_size, "heldout")
@@ -111,15 +122,16 @@ PROMPT_TEMPLATE = "{problem}\n"
 """How the arithmetic task is put to a model without a chat template (the tiny default)."""
 
 
-def write_dataset(out_dir, *, seed: int, pool_size: int, heldout_size: int, levels: list[int]) -> dict[str, float]:
+def write_dataset(out_dir, *, seed: int, pool_size: int, heldout_size: int, levels: list[int],
+                  demo_error_rate: float = 0.0) -> dict[str, float]:
     """Write ``pool.parquet`` and ``heldout.parquet`` (columns: prompt_id, problem, solution, answer,
-    level, split) into ``out_dir``; returns counts."""
+    level, split, demonstration) into ``out_dir``; returns counts."""
     from dataclasses import asdict
     from pathlib import Path
 
     import polars as pl
 
-    pool, heldout = generate(seed, pool_size, heldout_size, levels)
+    pool, heldout = generate(seed, pool_size, heldout_size, levels, demo_error_rate)
     for name, rows in (("pool", pool), ("heldout", heldout)):
         pl.DataFrame([asdict(p) for p in rows]).write_parquet(Path(out_dir) / f"{name}.parquet")
     return {"pool_prompts": float(len(pool)), "heldout_prompts": float(len(heldout))}

@@ -58,7 +58,6 @@ def cmd_status(args) -> int:
 
 def cmd_run(args) -> int:
     from conf.loader import to_yaml
-    from core.artifacts import write_json_atomic
     from core.workspace import Workspace, WorkspaceBusy
     from tasks.prefect_env import configure_prefect
     from tasks.stages import STAGE_BY_NAME
@@ -87,7 +86,6 @@ def cmd_run(args) -> int:
 
 
 def _run(cfg, ws, run_id, args, command) -> int:
-    import json
     import logging
 
     from core.artifacts import write_json_atomic
@@ -95,6 +93,12 @@ def _run(cfg, ws, run_id, args, command) -> int:
     from conf.loader import to_dict
 
     logging.getLogger("transformers").setLevel(logging.ERROR)
+    handler = logging.FileHandler(ws.logs / f"{run_id}.log")
+    handler.setFormatter(logging.Formatter("%(asctime)s %(name)s %(levelname)s %(message)s"))
+    laminar_log = logging.getLogger("laminar")
+    laminar_log.setLevel(logging.INFO)
+    laminar_log.addHandler(handler)
+    laminar_log.propagate = False
     t0 = time.perf_counter()
     with ws.catalog.transaction() as con:
         con.execute("INSERT INTO runs VALUES (?, now(), NULL, 'running', ?, ?, NULL)",

@@ -8,6 +8,7 @@ every stage, ran or cached, in one transaction with idempotent keys.
 
 from __future__ import annotations
 
+import logging
 import time
 from dataclasses import dataclass
 from datetime import datetime, timezone
@@ -19,6 +20,8 @@ from core.catalog import dumps
 from core.workspace import Workspace
 from tasks.cache import CacheKey, make_key
 from tasks.stages import STAGE_BY_NAME, STAGES, Stage, StageContext, StageResult
+
+LOG = logging.getLogger("laminar.tasks")
 
 
 @dataclass
@@ -81,6 +84,7 @@ def run_stage(stage_name: str, cfg: Config, ws: Workspace, run_id: str, upstream
     outcome = StageOutcome(stage.name, status, time.perf_counter() - t0, key, result,
                            str(state.state_details.task_run_id) if state.state_details.task_run_id else None)
     record(ws, run_id, stage, outcome, inputs, started, cfg, device)
+    LOG.info("stage %s %s in %.1fs key %s", stage.name, status, outcome.seconds, key.digest[:16])
     return outcome
 
 

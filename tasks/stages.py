@@ -67,7 +67,8 @@ def _data_body(ctx: StageContext) -> StageResult:
 
     d = ctx.cfg.data
     ref, metrics = _produce(ctx, DATASET, lambda out: write_dataset(
-        out, seed=ctx.cfg.seed, pool_size=d.pool_size, heldout_size=d.heldout_size, levels=list(d.levels)))
+        out, seed=ctx.cfg.seed, pool_size=d.pool_size, heldout_size=d.heldout_size, levels=list(d.levels),
+        demo_error_rate=d.demo_error_rate))
     return StageResult({DATASET: ref}, metrics)
 
 

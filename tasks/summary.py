@@ -41,3 +41,18 @@ def format_table(summary: dict) -> str:
     lines.append(f"held-out accuracy: warm-up {fmt(m.get('heldout_accuracy_warmup'))} -> "
                  f"RL {fmt(m.get('heldout_accuracy_rl'))}   total {summary['seconds']:.1f}s   run {summary['run_id']}")
     return "\n".join(lines)
+
+
+def publish_prefect_artifacts(outcomes: Sequence[StageOutcome]) -> None:
+    """The stage table as a Prefect table artifact of the current flow run."""
+    from prefect.artifacts import create_table_artifact
+
+    rows = []
+    for o in outcomes:
+        try:
+            headline = STAGE_BY_NAME[o.stage].headline(o.result.metrics)
+        except (KeyError, TypeError, ValueError):
+            headline = ""
+        rows.append({"stage": o.stage, "status": o.status, "seconds": round(o.seconds, 2),
+                     "cache_key": o.key.digest[:16], "metrics": headline})
+    create_table_artifact(table=rows, key="laminar-stages", description="Stages of this run: ran or cached")

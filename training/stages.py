@@ -7,10 +7,8 @@ Each reads its inputs from artifact folders and writes a Hugging Face checkpoint
 from __future__ import annotations
 
 import json
-import os
+import logging
 from pathlib import Path
-from typing import Callable
-
 import torch
 from tqdm.auto import tqdm
 
@@ -20,6 +18,9 @@ from training.objectives import PRESETS
 from training.rl.loop import RLResult, format_step, run_sync
 from training.rl.records import PromptItem
 from training.sft import SFTExample, train_sft
+
+
+LOG = logging.getLogger("laminar.training")
 
 
 def setup_torch(threads: int, seed: int) -> None:
@@ -70,11 +71,11 @@ def build_base_model(cfg: ModelConfig, seed: int, out_dir: Path) -> dict[str, fl
 
 def warmup(model_dir: Path, data_dir: Path, cfg: SFTConfig, *, template: str, seed: int, device: str,
            out_dir: Path) -> dict[str, float]:
-    """Warm-up SFT on the gold solutions of the prompt pool."""
+    """Warm-up SFT on the prompt pool's demonstrations (``data.demo_error_rate`` of their steps slip)."""
     model, tokenizer = load_model(model_dir, device)
-    rows = read_table(Path(data_dir) / "pool.parquet")
+    rows = [r for r in read_table(Path(data_dir) / "pool.parquet") if r.get("level") in set(cfg.levels)]
     examples = [SFTExample(encode_prompt(tokenizer, template.format(problem=r["problem"])),
-                           encode_response(tokenizer, r["solution"])) for r in rows]
+                           encode_response(tokenizer, r["demonstration"])) for r in rows]
     with tqdm(total=cfg.steps, desc="warmup sft", unit="step", leave=False) as bar:
         metrics = train_sft(model, examples, steps=cfg.steps, batch_size=cfg.batch_size, lr=cfg.lr,
                             warmup_steps=cfg.warmup_steps, weight_decay=cfg.weight_decay,
@@ -85,7 +86,7 @@ def warmup(model_dir: Path, data_dir: Path, cfg: SFTConfig, *, template: str, se
 
 
 def rl(model_dir: Path, data_dir: Path, cfg: RLConfig, *, template: str, seed: int, device: str, out_dir: Path,
-       verifier, log: Callable[[str], None] = print) -> RLResult:
+       verifier) -> RLResult:
     """RL from the warm-up checkpoint on the prompt pool; writes the final checkpoint, the per-step
     history (``history.jsonl``) and the prompts trained on (``consumed.json``)."""
     import dataclasses
@@ -100,8 +101,10 @@ def rl(model_dir: Path, data_dir: Path, cfg: RLConfig, *, template: str, seed: i
     params = dataclasses.replace(params, **overrides)
     with tqdm(total=cfg.steps, desc=f"rl {cfg.algorithm}/{cfg.mode}", unit="step", leave=False) as bar:
         def on_step(m: dict) -> None:
+            line = format_step(m, cfg.steps)
             bar.update(1)
-            bar.write(format_step(m, cfg.steps))
+            bar.write(line)
+            LOG.info(line)
 
         result = run_sync(model, tokenizer, prompts, verifier, params, steps=cfg.steps,
                           prompts_per_step=cfg.prompts_per_step, group_size=cfg.group_size, lr=cfg.lr,

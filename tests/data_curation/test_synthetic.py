@@ -42,5 +42,21 @@ def test_write_dataset_parquet(tmp_path):
     counts = write_dataset(tmp_path, seed=0, pool_size=100, heldout_size=20, levels=[1, 3])
     pool = pl.read_parquet(tmp_path / "pool.parquet")
     assert counts == {"pool_prompts": 100.0, "heldout_prompts": 20.0}
-    assert set(pool.columns) == {"prompt_id", "problem", "solution", "answer", "level", "split"}
+    assert set(pool.columns) == {"prompt_id", "problem", "solution", "answer", "level", "split", "demonstration"}
     assert set(pool["level"].unique()) == {1, 3}
+
+
+def test_demonstration_slips_at_the_configured_rate_without_changing_problems():
+    exact, _ = generate(0, 1000, 50, [1, 2, 3, 4, 5], demo_error_rate=0.0)
+    noisy, _ = generate(0, 1000, 50, [1, 2, 3, 4, 5], demo_error_rate=0.2)
+    assert [p.problem for p in exact] == [p.problem for p in noisy]
+    assert [p.answer for p in exact] == [p.answer for p in noisy]
+    assert all(p.demonstration == p.solution for p in exact)
+    steps = slipped = 0
+    for p in noisy:
+        for line in p.demonstration.splitlines()[:-1]:
+            lhs, rhs = line.split("=")
+            steps += 1
+            slipped += eval(lhs) != int(rhs)  # noqa: S307
+        assert len(p.demonstration.splitlines()) == len(p.solution.splitlines())
+    assert 0.17 < slipped / steps < 0.23

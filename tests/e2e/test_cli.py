@@ -11,9 +11,9 @@ import pytest
 
 ROOT = Path(__file__).resolve().parents[2]
 LAMINAR = [sys.executable, "-m", "flows.cli"]
-# Smaller than the default (fewer prompts, steps and samples), same task and model shape.
-SMALL = ["data.pool_size=3000", "data.heldout_size=150", "sft.steps=250", "rl.steps=30",
-         "eval.n_samples=4"]
+# Smaller than the default: 60 RL steps instead of 100 (warm-up must stay long enough for the tiny
+# model to learn to copy operands, which it does between 400 and 600 steps).
+SMALL = ["rl.steps=60"]
 
 pytestmark = pytest.mark.e2e
 
