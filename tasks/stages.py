@@ -123,9 +123,10 @@ def _eval_body(ctx: StageContext) -> StageResult:
         Path(ctx.inputs[MODEL].path), Path(ctx.inputs[DATASET].path), ctx.cfg.eval,
         templates={HELDOUT: PROMPT_TEMPLATE}, seed=ctx.cfg.seed, device=ctx.device, out_dir=out),
         meta={"checkpoint": ctx.inputs[MODEL].sha256})
+    avg = f"avg@{ctx.cfg.eval.n_samples}"
     return StageResult({EVAL: ref}, {"checkpoint": ctx.inputs[MODEL].sha256,
                                       **{b: {"accuracy": s["accuracy"], "mean_length": s["mean_length"],
-                                             "by_level": {lv: v[next(iter(v))] for lv, v in s.get("by_level", {}).items()}}
+                                             "by_level": {lv: v[avg] for lv, v in s.get("by_level", {}).items()}}
                                          for b, s in summary.items()}})
 
 
