@@ -17,6 +17,12 @@ CONF_DIR = Path(__file__).resolve().parent
 
 def _explain_composition(err: Exception, overrides: Sequence[str]) -> str:
     text = f"{err} {err.__cause__ or ''}"
+    typed = re.search(r"Error merging override ([^=\s]+)=", text)
+    if typed:
+        key = typed.group(1).lstrip("+~")
+        why = str(err.__cause__ or err).strip().splitlines()[0]
+        return (f"config key '{key}': {why}; give {key} a value of the type its default has "
+                "(`laminar config` shows it)")
     missing = re.search(r"override '([^']+)'", text) or re.search(r"Key '([^']+)' is not in struct", text)
     if missing:
         key = missing.group(1)
@@ -29,6 +35,20 @@ def _explain_composition(err: Exception, overrides: Sequence[str]) -> str:
     return f"cannot compose config from overrides {list(overrides)}: {err}"
 
 
+def _unknown_keys(node: Any, schema: Any, prefix: str = "") -> list[str]:
+    """Keys in the composed config that the schema does not have (``+key=...`` appends them)."""
+    from dataclasses import fields, is_dataclass
+
+    known = {f.name: f for f in fields(schema)}
+    found = []
+    for key in node.keys():
+        if key not in known:
+            found.append(prefix + str(key))
+        elif is_dataclass(known[key].default_factory() if callable(known[key].default_factory) else None):
+            found += _unknown_keys(node[key], type(known[key].default_factory()), f"{prefix}{key}.")
+    return found
+
+
 def load_config(overrides: Sequence[str] = ()) -> Config:
     """Hydra overrides (``key=value``, ``group=option``) -> a validated :class:`Config`.
 
@@ -39,11 +59,18 @@ def load_config(overrides: Sequence[str] = ()) -> Config:
     from omegaconf import OmegaConf
     from omegaconf.errors import OmegaConfBaseException
 
+    from hydra.core.config_store import ConfigStore
+
+    # The schema is the base of config.yaml's defaults list: every key exists and is typed at compose time.
+    ConfigStore.instance().store(name="laminar_schema", node=Config)
     try:
         with initialize_config_dir(config_dir=str(CONF_DIR), version_base=None):
             raw = compose(config_name="config", overrides=list(overrides))
     except HydraException as err:
         raise ConfigError(_explain_composition(err, overrides)) from None
+    unknown = _unknown_keys(raw, Config)
+    if unknown:
+        raise ConfigError(f"unknown config key '{unknown[0]}': check the spelling (`laminar config` prints every key)")
     try:
         merged = OmegaConf.merge(OmegaConf.structured(Config), raw)
         cfg = OmegaConf.to_object(merged)

@@ -67,10 +67,20 @@ class RLConfig:
     lr: float = 1e-4
     max_new_tokens: int = 64
     temperature: float = 1.0
-    clip_low: Optional[float] = None  # None: the algorithm preset's value (training.objectives.PRESETS)
-    clip_high: Optional[float] = None
     max_grad_norm: float = 1.0
     weight_decay: float = 0.0
+    # Overrides of the algorithm's preset (training.objectives.PRESETS); None keeps the preset's value.
+    clip_low: Optional[float] = None
+    clip_high: Optional[float] = None
+    dual_clip: Optional[float] = None
+    dynamic_sampling: Optional[bool] = None
+    max_sampling_rounds: Optional[int] = None
+    overlong_shaping: Optional[bool] = None
+    overlong_filter: Optional[bool] = None
+    kl_coef: Optional[float] = None
+    overlong_cache_len: int = 16
+    """DAPO's soft-punishment buffer L_cache, in tokens before ``max_new_tokens`` (the paper uses
+    4,096 of 20,480; here 16 of 64, the same order of share)."""
 
 
 @dataclass
@@ -98,7 +108,7 @@ class Config:
 
 MODEL_KINDS = ("tiny", "hf")
 DATA_SOURCES = ("arith",)
-RL_ALGORITHMS = ("grpo",)
+RL_ALGORITHMS = ("grpo", "dapo", "dr_grpo")  # the keys of training.objectives.PRESETS (a test checks)
 RL_MODES = ("sync",)
 DEVICES = ("cpu", "cuda", "auto")
 
@@ -158,6 +168,15 @@ def validate(cfg: Config) -> Config:
     if not set(cfg.sft.levels) & set(cfg.data.levels):
         raise ConfigError(f"sft.levels={cfg.sft.levels} shares no level with data.levels={cfg.data.levels}; "
                           "warm-up would have no examples")
+    if not 0 < cfg.rl.overlong_cache_len < cfg.rl.max_new_tokens:
+        raise ConfigError(f"rl.overlong_cache_len={cfg.rl.overlong_cache_len} must be in (0, rl.max_new_tokens="
+                          f"{cfg.rl.max_new_tokens})")
+    if cfg.rl.dual_clip is not None and cfg.rl.dual_clip <= 1:
+        raise ConfigError(f"rl.dual_clip={cfg.rl.dual_clip} must be > 1 (verl uses 3.0) or null")
+    if cfg.rl.max_sampling_rounds is not None and cfg.rl.max_sampling_rounds < 1:
+        raise ConfigError("rl.max_sampling_rounds must be >= 1")
+    if cfg.rl.kl_coef is not None and cfg.rl.kl_coef < 0:
+        raise ConfigError("rl.kl_coef must be >= 0")
     if cfg.rl.clip_low is not None and not 0 <= cfg.rl.clip_low < 1:
         raise ConfigError(f"rl.clip_low={cfg.rl.clip_low} must be in [0, 1)")
     if cfg.rl.clip_high is not None and cfg.rl.clip_high < 0:

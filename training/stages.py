@@ -6,6 +6,7 @@ Each reads its inputs from artifact folders and writes a Hugging Face checkpoint
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import logging
 from pathlib import Path
@@ -14,7 +15,7 @@ from tqdm.auto import tqdm
 
 from conf.schema import ModelConfig, RLConfig, SFTConfig
 from training.model import build_char_tokenizer, build_tiny_model, encode_prompt, encode_response, load_model, save_model
-from training.objectives import PRESETS
+from training.objectives import PRESETS, ObjectiveParams
 from training.rl.loop import RLResult, format_step, run_sync
 from training.rl.records import PromptItem
 from training.sft import SFTExample, train_sft
@@ -85,20 +86,26 @@ def warmup(model_dir: Path, data_dir: Path, cfg: SFTConfig, *, template: str, se
     return metrics
 
 
+OVERRIDABLE = ("clip_low", "clip_high", "dual_clip", "dynamic_sampling", "max_sampling_rounds",
+               "overlong_shaping", "overlong_filter", "kl_coef")
+
+
+def objective_params(cfg: RLConfig) -> ObjectiveParams:
+    """The algorithm's preset with the config's explicit overrides (None keeps the preset)."""
+    overrides = {k: getattr(cfg, k) for k in OVERRIDABLE if getattr(cfg, k) is not None}
+    return dataclasses.replace(PRESETS[cfg.algorithm], overlong_cache_len=cfg.overlong_cache_len, **overrides)
+
+
 def rl(model_dir: Path, data_dir: Path, cfg: RLConfig, *, template: str, seed: int, device: str, out_dir: Path,
        verifier) -> RLResult:
     """RL from the warm-up checkpoint on the prompt pool; writes the final checkpoint, the per-step
     history (``history.jsonl``) and the prompts trained on (``consumed.json``)."""
-    import dataclasses
-
     model, tokenizer = load_model(model_dir, device)
     rows = read_table(Path(data_dir) / "pool.parquet")
     prompts = [PromptItem(prompt_id=r["prompt_id"], text=r["problem"], answer=r["answer"],
                           prompt_tokens=encode_prompt(tokenizer, template.format(problem=r["problem"])),
                           level=r.get("level")) for r in rows]
-    params = PRESETS[cfg.algorithm]
-    overrides = {k: v for k, v in (("clip_low", cfg.clip_low), ("clip_high", cfg.clip_high)) if v is not None}
-    params = dataclasses.replace(params, **overrides)
+    params = objective_params(cfg)
     with tqdm(total=cfg.steps, desc=f"rl {cfg.algorithm}/{cfg.mode}", unit="step", leave=False) as bar:
         def on_step(m: dict) -> None:
             line = format_step(m, cfg.steps)

@@ -14,7 +14,7 @@ from typing import Callable, Sequence
 
 import torch
 
-from training.objectives import ObjectiveParams
+from training.objectives import ObjectiveParams, overlong_penalty
 from training.rl.engine import TorchEngine
 from training.rl.records import GenRequest, PromptItem, ScoredGroup, Trajectory, UpdateStats
 from training.rl.trainer import PolicyTrainer
@@ -57,15 +57,63 @@ def sample_phase(engine: TorchEngine, prompts: Sequence[PromptItem], group_size:
     return engine.generate(requests, max_new_tokens, temperature, generator)
 
 
-def score_phase(trajectories: Sequence[Trajectory], verifier) -> list[ScoredGroup]:
-    """Group trajectories by prompt (in first-seen order) and score each with the shared verifier."""
+def score_phase(trajectories: Sequence[Trajectory], verifier,
+                shaping: Callable[[Trajectory], float] | None = None) -> list[ScoredGroup]:
+    """Group trajectories by prompt (in first-seen order) and score each with the shared verifier;
+    ``shaping`` adds a term to the reward (DAPO's overlong punishment), never to ``correct``."""
     verdicts = verifier.verify_batch([t.text for t in trajectories], [t.prompt.answer for t in trajectories])
     by_prompt: dict[str, list[tuple[Trajectory, object]]] = {}
     for t, v in zip(trajectories, verdicts):
         by_prompt.setdefault(t.prompt.prompt_id, []).append((t, v))
+    extra = shaping or (lambda _t: 0.0)
     return [ScoredGroup(kind="scored_group", prompt_id=pid, trajectories=tuple(t for t, _ in items),
-                        rewards=tuple(v.reward for _, v in items), correct=tuple(v.correct for _, v in items))
+                        rewards=tuple(v.reward + extra(t) for t, v in items),
+                        correct=tuple(v.correct for _, v in items))
             for pid, items in by_prompt.items()]
+
+
+def overlong_shaping(params: ObjectiveParams, max_new_tokens: int) -> Callable[[Trajectory], float] | None:
+    """DAPO's soft overlong punishment as a reward term, or None when the objective does not use it."""
+    if not params.overlong_shaping:
+        return None
+
+    def shape(t: Trajectory) -> float:
+        length = torch.tensor([len(t.response_tokens)])
+        return float(overlong_penalty(length, max_new_tokens, params.overlong_cache_len)[0])
+    return shape
+
+
+@dataclass
+class Collected:
+    """The groups one step trains on, and what dynamic sampling discarded to get them."""
+
+    groups: list[ScoredGroup]
+    rounds: int
+    dropped_groups: int
+    generated: int
+
+
+def collect_phase(engine: TorchEngine, cursor: PromptCursor, verifier, params: ObjectiveParams, *,
+                  prompts_per_step: int, group_size: int, max_new_tokens: int, temperature: float,
+                  generator: torch.Generator) -> Collected:
+    """Sample and score groups for one step. With dynamic sampling (DAPO), groups whose rewards are
+    all equal carry no signal and are dropped; sampling continues, ``prompts_per_step`` prompts a
+    round, until the batch is full or ``max_sampling_rounds`` rounds have run."""
+    shaping = overlong_shaping(params, max_new_tokens)
+    kept: list[ScoredGroup] = []
+    dropped = generated = rounds = 0
+    max_rounds = params.max_sampling_rounds if params.dynamic_sampling else 1
+    while len(kept) < prompts_per_step and rounds < max_rounds:
+        rounds += 1
+        trajectories = sample_phase(engine, cursor.take(prompts_per_step), group_size,
+                                    max_new_tokens=max_new_tokens, temperature=temperature, generator=generator)
+        generated += len(trajectories)
+        for group in score_phase(trajectories, verifier, shaping):
+            if params.dynamic_sampling and len(set(group.correct)) == 1:
+                dropped += 1
+            else:
+                kept.append(group)
+    return Collected(kept[:prompts_per_step], rounds, dropped, generated)
 
 
 def update_phase(trainer: PolicyTrainer, groups: Sequence[ScoredGroup]) -> UpdateStats:
@@ -77,19 +125,23 @@ def publish_phase(trainer: PolicyTrainer, engine: TorchEngine) -> int:
     return engine.version
 
 
-def step_metrics(step: int, groups: Sequence[ScoredGroup], stats: UpdateStats, gen_s: float, train_s: float) -> dict:
+def step_metrics(step: int, collected: Collected, stats: UpdateStats | None, gen_s: float, train_s: float) -> dict:
+    groups = collected.groups
     trajs = [t for g in groups for t in g.trajectories]
-    rewards = [r for g in groups for r in g.rewards]
+    n = max(1, len(trajs))
     n_tokens = sum(len(t.response_tokens) for t in trajs)
-    constant = sum(1 for g in groups if len(set(g.rewards)) == 1)
     return {
-        "step": float(step), "reward": sum(rewards) / len(rewards),
-        "accuracy": sum(c for g in groups for c in g.correct) / len(rewards),
-        "response_length": n_tokens / len(trajs),
-        "truncated": sum(not t.finished for t in trajs) / len(trajs),
-        "constant_groups": float(constant), "loss": stats.loss, "grad_norm": stats.grad_norm,
+        "step": float(step), "reward": sum(r for g in groups for r in g.rewards) / n,
+        "accuracy": sum(c for g in groups for c in g.correct) / n,
+        "response_length": n_tokens / n,
+        "truncated": sum(not t.finished for t in trajs) / n,
+        "constant_groups": float(sum(1 for g in groups if len(set(g.correct)) == 1)),
+        "dropped_groups": float(collected.dropped_groups), "sampling_rounds": float(collected.rounds),
+        "trained_trajectories": float(len(trajs)), "generated_trajectories": float(collected.generated),
+        "loss": stats.loss if stats else float("nan"), "grad_norm": stats.grad_norm if stats else float("nan"),
         "gen_seconds": gen_s, "train_seconds": train_s, "gen_tokens_per_s": n_tokens / max(gen_s, 1e-9),
-        **{k: float(v) for k, v in stats.metrics.items()},
+        "entropy": float("nan"), "clipfrac": float("nan"),
+        **({k: float(v) for k, v in stats.metrics.items()} if stats else {}),
     }
 
 
@@ -97,7 +149,7 @@ def format_step(m: dict, total: int) -> str:
     """One fixed-format line per RL step."""
     return (f"step {int(m['step']):4d}/{total} | reward {m['reward']:.3f} | acc {m['accuracy']:.3f} | "
             f"len {m['response_length']:5.1f} | entropy {m['entropy']:.3f} | clipfrac {m['clipfrac']:.3f} | "
-            f"const_groups {int(m['constant_groups']):3d} | gen {m['gen_seconds']:.2f}s | "
+            f"dropped {int(m['dropped_groups']):3d} | gen {m['gen_seconds']:.2f}s | "
             f"train {m['train_seconds']:.2f}s | tok/s {m['gen_tokens_per_s']:.0f}")
 
 
@@ -117,19 +169,20 @@ def run_sync(model, tokenizer, prompts: Sequence[PromptItem], verifier, params: 
     cursor = PromptCursor(prompts, seed)
     result = RLResult()
     for step in range(1, steps + 1):
-        batch_prompts = cursor.take(prompts_per_step)
         generator = torch.Generator().manual_seed(seed * 1_000_003 + step)
         t0 = time.perf_counter()
-        trajectories = sample_phase(engine, batch_prompts, group_size, max_new_tokens=max_new_tokens,
-                                    temperature=temperature, generator=generator)
+        collected = collect_phase(engine, cursor, verifier, params, prompts_per_step=prompts_per_step,
+                                  group_size=group_size, max_new_tokens=max_new_tokens, temperature=temperature,
+                                  generator=generator)
         gen_s = time.perf_counter() - t0
-        groups = score_phase(trajectories, verifier)
         t1 = time.perf_counter()
-        stats = update_phase(trainer, groups)
-        publish_phase(trainer, engine)
-        metrics = step_metrics(step, groups, stats, gen_s, time.perf_counter() - t1)
+        stats = None
+        if collected.groups:  # all groups dropped after the last round: no signal, no update
+            stats = update_phase(trainer, collected.groups)
+            publish_phase(trainer, engine)
+        metrics = step_metrics(step, collected, stats, gen_s, time.perf_counter() - t1)
         result.history.append(metrics)
-        result.consumed.update(t.prompt.prompt_id for t in trajectories)
+        result.consumed.update(t.prompt.prompt_id for g in collected.groups for t in g.trajectories)
         if on_step is not None:
             on_step(metrics)
     trainer.model.eval()

@@ -6,6 +6,7 @@ computes advantages and the objective chosen by ``ObjectiveParams`` (see ``train
 
 from __future__ import annotations
 
+import copy
 from dataclasses import dataclass
 from typing import Sequence
 
@@ -33,6 +34,7 @@ class TrainBatch:
     rewards: torch.Tensor
     group_index: torch.Tensor
     versions: torch.Tensor
+    finished: torch.Tensor
 
 
 def build_batch(groups: Sequence[ScoredGroup], pad_id: int) -> TrainBatch:
@@ -61,6 +63,7 @@ def build_batch(groups: Sequence[ScoredGroup], pad_id: int) -> TrainBatch:
         mask=mask, rewards=torch.tensor([r for _, _, r in trajs], dtype=torch.float32),
         group_index=torch.tensor([g for g, _, _ in trajs], dtype=torch.long),
         versions=torch.tensor([t.version for _, t, _ in trajs], dtype=torch.long),
+        finished=torch.tensor([t.finished for _, t, _ in trajs], dtype=torch.bool),
     )
 
 
@@ -90,6 +93,8 @@ class PolicyTrainer:
         self.pad_id = pad_id
         self.device = device
         self.version = 0
+        # a frozen copy of the starting weights, only when the objective has a KL term
+        self.ref_model = copy.deepcopy(model).eval().requires_grad_(False) if params.kl_coef > 0 else None
 
     def update(self, groups: Sequence[ScoredGroup]) -> UpdateStats:
         batch = build_batch(groups, self.pad_id)
@@ -97,10 +102,17 @@ class PolicyTrainer:
         logits = response_logits(self.model, batch, self.device)
         logprobs = token_logprobs(logits, batch.targets.to(self.device), self.temperature)
         mask = batch.mask.to(self.device)
+        if self.params.overlong_filter:  # DAPO: truncated responses carry no loss
+            mask = mask * batch.finished.to(self.device, mask.dtype)[:, None]
+        ref_logprobs = None
+        if self.ref_model is not None:
+            with torch.no_grad():
+                ref_logprobs = token_logprobs(response_logits(self.ref_model, batch, self.device),
+                                              batch.targets.to(self.device), self.temperature)
         pbatch = PolicyBatch(
             logprobs=logprobs, old_logprobs=logprobs.detach(), behaviour_logprobs=batch.behaviour.to(self.device),
             advantages=advantages, mask=mask, max_len=self.max_new_tokens,
-            versions=batch.versions, trainer_version=self.version,
+            versions=batch.versions, trainer_version=self.version, ref_logprobs=ref_logprobs,
         )
         loss, metrics = policy_loss(pbatch, self.params)
         self.opt.zero_grad(set_to_none=True)

@@ -1,0 +1,101 @@
+"""The objectives wired into the loop: dynamic sampling, overlong shaping and filtering, KL, presets."""
+
+from dataclasses import dataclass, replace
+
+import torch
+
+from conf.loader import load_config
+from conf.schema import RL_ALGORITHMS, ModelConfig
+from training.model import build_char_tokenizer, build_tiny_model, encode_prompt
+from training.objectives import PRESETS
+from training.rl.engine import TorchEngine
+from training.rl.loop import PromptCursor, collect_phase, score_phase
+from training.rl.records import PromptItem, ScoredGroup, Trajectory
+from training.rl.trainer import PolicyTrainer
+from training.stages import objective_params
+
+MICRO = ModelConfig(hidden_size=32, intermediate_size=64, num_layers=1, num_heads=2, num_kv_heads=1, max_seq_len=32)
+
+
+@dataclass(frozen=True)
+class Verdict:
+    correct: bool
+
+    @property
+    def reward(self) -> float:
+        return float(self.correct)
+
+
+class ByPrompt:
+    """Prompts 'easy*' are always right, 'hard*' always wrong, others right when the text starts with a digit."""
+
+    def verify_batch(self, responses, golds):
+        return [Verdict(g == "easy" or (g == "mixed" and r[:1].isdigit())) for r, g in zip(responses, golds)]
+
+
+def _setup(kinds):
+    tok = build_char_tokenizer()
+    model = build_tiny_model(MICRO, tok, seed=0)
+    prompts = [PromptItem(f"{k}{i}", k, k, encode_prompt(tok, f"{k}{i}\n")) for i, k in enumerate(kinds)]
+    return tok, model, prompts
+
+
+def test_rl_algorithms_are_the_presets():
+    assert set(RL_ALGORITHMS) == set(PRESETS)
+
+
+def test_config_overrides_reach_the_objective():
+    cfg = load_config(["rl.algorithm=dapo", "rl.clip_high=0.3", "rl.kl_coef=0.01"]).rl
+    p = objective_params(cfg)
+    assert p.clip_high == 0.3 and p.kl_coef == 0.01 and p.dynamic_sampling and p.loss_agg == "token_mean"
+    assert p.overlong_cache_len == cfg.overlong_cache_len
+    assert objective_params(load_config(["rl.algorithm=dr_grpo"]).rl).advantage == "dr_grpo"
+
+
+def test_dynamic_sampling_drops_constant_groups_and_refills():
+    tok, model, prompts = _setup(["easy", "hard", "mixed", "mixed"] * 4)
+    engine = TorchEngine(model, tok)
+    params = replace(PRESETS["dapo"], max_sampling_rounds=10, overlong_cache_len=1)
+    got = collect_phase(engine, PromptCursor(prompts, 0), ByPrompt(), params, prompts_per_step=4, group_size=8,
+                        max_new_tokens=2, temperature=1.0, generator=torch.Generator().manual_seed(0))
+    assert len(got.groups) == 4 and got.rounds >= 2 and got.dropped_groups >= 4
+    assert all(len(set(g.correct)) == 2 for g in got.groups)
+    assert got.generated == got.rounds * 4 * 8
+    plain = collect_phase(engine, PromptCursor(prompts, 0), ByPrompt(), PRESETS["grpo"], prompts_per_step=4,
+                          group_size=8, max_new_tokens=2, temperature=1.0, generator=torch.Generator().manual_seed(0))
+    assert plain.rounds == 1 and plain.dropped_groups == 0 and len(plain.groups) == 4
+
+
+def test_dynamic_sampling_stops_at_the_round_cap():
+    tok, model, prompts = _setup(["easy", "hard"] * 4)
+    params = replace(PRESETS["dapo"], max_sampling_rounds=3, overlong_cache_len=1)
+    got = collect_phase(TorchEngine(model, tok), PromptCursor(prompts, 0), ByPrompt(), params, prompts_per_step=4,
+                        group_size=4, max_new_tokens=2, temperature=1.0, generator=torch.Generator().manual_seed(0))
+    assert got.groups == [] and got.rounds == 3 and got.dropped_groups == 12
+
+
+def test_overlong_shaping_changes_reward_not_correctness():
+    tok, _, (p,) = _setup(["easy"])
+    mk = lambda n: Trajectory("trajectory", p, 0, tuple([5] * n), tuple([0.0] * n), 0, n < 64, "7")  # noqa: E731
+    params = PRESETS["dapo"]  # max 64, cache 16 below: 0 up to 48, linear to -1 at 64, -1 beyond
+    from training.rl.loop import overlong_shaping
+    shape = overlong_shaping(replace(params, overlong_cache_len=16), 64)
+    (g,) = score_phase([mk(40), mk(56), mk(64), mk(70)], ByPrompt(), shape)
+    assert g.correct == (True, True, True, True)
+    assert g.rewards == (1.0, 0.5, 0.0, 0.0)
+    assert overlong_shaping(PRESETS["grpo"], 64) is None
+
+
+def test_overlong_filter_and_kl_in_the_trainer():
+    tok, model, (p,) = _setup(["mixed"])
+    long_t = Trajectory("trajectory", p, 0, (5, 6, 7), (-1.0, -1.0, -1.0), 0, False, "567")
+    short_t = Trajectory("trajectory", p, 1, (5, tok.eos_token_id), (-1.0, -1.0), 0, True, "5")
+    group = ScoredGroup("scored_group", p.prompt_id, (long_t, short_t), (0.0, 1.0), (False, True))
+    params = replace(PRESETS["grpo"], overlong_filter=True, kl_coef=0.1)
+    trainer = PolicyTrainer(model, params, lr=1e-3, weight_decay=0.0, max_grad_norm=1.0, temperature=1.0,
+                            max_new_tokens=3, pad_id=tok.pad_token_id, device="cpu")
+    stats = trainer.update([group])
+    assert stats.metrics["kl"] == 0.0  # first step: policy == reference
+    assert stats.n_tokens == 2  # the truncated response is masked out
+    stats2 = trainer.update([group])
+    assert stats2.metrics["kl"] > 0.0 and stats2.version == 2
