@@ -1,25 +1,12 @@
 """The synchronous loop's phases on a micro model: grouping, the data cursor, and real learning."""
 
-from dataclasses import dataclass
-
 import torch
+from rl_fakes import MICRO, Verdict
 
-from conf.schema import ModelConfig
 from training.model import build_char_tokenizer, build_tiny_model, encode_prompt
 from training.objectives import PRESETS
 from training.rl.loop import PromptCursor, run_sync, score_phase
 from training.rl.records import PromptItem, Trajectory
-
-MICRO = ModelConfig(hidden_size=32, intermediate_size=64, num_layers=1, num_heads=2, num_kv_heads=1, max_seq_len=32)
-
-
-@dataclass(frozen=True)
-class Verdict:
-    correct: bool
-
-    @property
-    def reward(self) -> float:
-        return float(self.correct)
 
 
 class StartsWithDigit:

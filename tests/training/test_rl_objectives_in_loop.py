@@ -1,11 +1,12 @@
 """The objectives wired into the loop: dynamic sampling, overlong shaping and filtering, KL, presets."""
 
-from dataclasses import dataclass, replace
+from dataclasses import replace
 
 import torch
+from rl_fakes import MICRO, Verdict
 
 from conf.loader import load_config
-from conf.schema import RL_ALGORITHMS, ModelConfig
+from conf.schema import RL_ALGORITHMS
 from training.model import build_char_tokenizer, build_tiny_model, encode_prompt
 from training.objectives import PRESETS
 from training.rl.engine import TorchEngine
@@ -13,17 +14,6 @@ from training.rl.loop import PromptCursor, collect_phase, score_phase
 from training.rl.records import PromptItem, ScoredGroup, Trajectory
 from training.rl.trainer import PolicyTrainer
 from training.stages import objective_params
-
-MICRO = ModelConfig(hidden_size=32, intermediate_size=64, num_layers=1, num_heads=2, num_kv_heads=1, max_seq_len=32)
-
-
-@dataclass(frozen=True)
-class Verdict:
-    correct: bool
-
-    @property
-    def reward(self) -> float:
-        return float(self.correct)
 
 
 class ByPrompt:

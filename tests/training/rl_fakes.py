@@ -1,0 +1,18 @@
+"""Small real fakes shared by the RL loop tests: a micro model config and a verdict record."""
+
+from dataclasses import dataclass
+
+from conf.schema import ModelConfig
+
+MICRO = ModelConfig(hidden_size=32, intermediate_size=64, num_layers=1, num_heads=2, num_kv_heads=1, max_seq_len=32)
+
+
+@dataclass(frozen=True)
+class Verdict:
+    """What the loop reads of a verifier's verdict."""
+
+    correct: bool
+
+    @property
+    def reward(self) -> float:
+        return float(self.correct)
