@@ -80,7 +80,8 @@ def main() -> None:
     print("|---|---|---|---|---|---|---|---|")
     for algo in args.algorithms:
         rs = [r for r in results if r["algorithm"] == algo]
-        print(f"| {algo} | {mean([r['acc_rl'] for r in rs]):.3f} | {', '.join(f'{r['acc_rl']:.3f}' for r in rs)} | "
+        per_seed = ", ".join(f"{r['acc_rl']:.3f}" for r in rs)
+        print(f"| {algo} | {mean([r['acc_rl'] for r in rs]):.3f} | {per_seed} | "
               f"{mean([r['acc_rl'] - r['acc_warmup'] for r in rs]):+.3f} | "
               f"{mean([r['entropy_first10pct'] for r in rs]):.3f} -> {mean([r['entropy_last10pct'] for r in rs]):.3f} | "
               f"{sum(r['dropped_groups'] for r in rs):.0f} | {sum(r['generated'] for r in rs):.0f} / "
