@@ -2,8 +2,8 @@
 
 Hydra composes the YAML tree in ``conf/``; :func:`conf.load_config` merges the result into these
 dataclasses, so an unknown key or a wrong type fails at start, before anything is written.
-Cross-field rules live in :func:`validate`. Every default lives here or in the YAML tree (the YAML
-repeats only what a config group changes).
+Cross-field rules live in :func:`validate`. Every default lives here; the YAML tree sets only what
+a config group changes.
 """
 
 from __future__ import annotations
@@ -92,6 +92,8 @@ class EvalConfig:
     temperature: float = 1.0
     max_new_tokens: int = 64
     batch_size: int = 256
+    verifier_timeout_s: float = 5.0
+    """Per-answer limit of the math-verify worker (the RL reward uses the same verifier and limit)."""
 
 
 @dataclass
@@ -132,7 +134,8 @@ def _positive(cfg: Config, *keys: str) -> None:
 
 
 def validate(cfg: Config) -> Config:
-    """Cross-field checks: impossible combinations fail here, before any write."""
+    """Cross-field checks: impossible combinations fail here, before any write. Checks that need the
+    libraries or the file system (benchmark names, model folders) are in ``tasks.preflight``."""
     _one_of("model.kind", cfg.model.kind, MODEL_KINDS)
     _one_of("data.source", cfg.data.source, DATA_SOURCES)
     _one_of("rl.algorithm", cfg.rl.algorithm, RL_ALGORITHMS)
@@ -168,9 +171,6 @@ def validate(cfg: Config) -> Config:
     if not set(cfg.sft.levels) & set(cfg.data.levels):
         raise ConfigError(f"sft.levels={cfg.sft.levels} shares no level with data.levels={cfg.data.levels}; "
                           "warm-up would have no examples")
-    if not 0 < cfg.rl.overlong_cache_len < cfg.rl.max_new_tokens:
-        raise ConfigError(f"rl.overlong_cache_len={cfg.rl.overlong_cache_len} must be in (0, rl.max_new_tokens="
-                          f"{cfg.rl.max_new_tokens})")
     if cfg.rl.dual_clip is not None and cfg.rl.dual_clip <= 1:
         raise ConfigError(f"rl.dual_clip={cfg.rl.dual_clip} must be > 1 (verl uses 3.0) or null")
     if cfg.rl.max_sampling_rounds is not None and cfg.rl.max_sampling_rounds < 1:

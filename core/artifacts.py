@@ -85,6 +85,17 @@ def write_json_atomic(path: Path, data: Any) -> None:
         os.close(dir_fd)
 
 
+def _fsync_tree(root: Path) -> None:
+    """Flush every file's data to disk, so a manifest never seals files still in the page cache."""
+    for path in root.rglob("*"):
+        if path.is_file():
+            fd = os.open(path, os.O_RDONLY)
+            try:
+                os.fsync(fd)
+            finally:
+                os.close(fd)
+
+
 class ArtifactStore:
     def __init__(self, root: Path):
         self.root = Path(root)
@@ -99,7 +110,9 @@ class ArtifactStore:
         """Write files into ``pending.dir``; on clean exit the folder is hashed, moved into place and
         sealed with a manifest. On an exception nothing is published."""
         self.tmp_root.mkdir(parents=True, exist_ok=True)
-        pending = PendingArtifact(kind=kind, dir=self.tmp_root / f"{kind}-{uuid.uuid4().hex}", meta=dict(meta or {}))
+        # ``meta`` is kept by reference: the writer may add to it until the artifact is published
+        pending = PendingArtifact(kind=kind, dir=self.tmp_root / f"{kind}-{uuid.uuid4().hex}",
+                                  meta=meta if meta is not None else {})
         pending.dir.mkdir()
         try:
             yield pending
@@ -113,6 +126,7 @@ class ArtifactStore:
         if not (final / MANIFEST).exists():
             shutil.rmtree(final, ignore_errors=True)  # a half-moved folder of an earlier crash
             final.parent.mkdir(parents=True, exist_ok=True)
+            _fsync_tree(pending.dir)
             os.replace(pending.dir, final)
             files = sorted(p.relative_to(final).as_posix() for p in final.rglob("*") if p.is_file())
             write_json_atomic(final / MANIFEST, {

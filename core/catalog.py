@@ -44,14 +44,16 @@ CREATE TABLE IF NOT EXISTS consumed_prompts (
     PRIMARY KEY (checkpoint_sha, prompt_id)
 );
 CREATE TABLE IF NOT EXISTS prompts (
-    prompt_id VARCHAR PRIMARY KEY, source VARCHAR, split VARCHAR,
-    problem VARCHAR, answer VARCHAR, level INTEGER, artifact_sha VARCHAR
+    artifact_sha VARCHAR, prompt_id VARCHAR, source VARCHAR, split VARCHAR,
+    problem VARCHAR, answer VARCHAR, level INTEGER,
+    PRIMARY KEY (artifact_sha, prompt_id)
 );
+-- eval_sha: the evaluation artifact (its config), so two evaluations of one checkpoint never mix
 CREATE TABLE IF NOT EXISTS eval_results (
-    checkpoint_sha VARCHAR, benchmark VARCHAR, problem_id VARCHAR, sample_idx INTEGER,
+    checkpoint_sha VARCHAR, eval_sha VARCHAR, benchmark VARCHAR, problem_id VARCHAR, sample_idx INTEGER,
     response VARCHAR, pred VARCHAR, correct BOOLEAN, error VARCHAR,
     length INTEGER, truncated BOOLEAN, level VARCHAR,
-    PRIMARY KEY (checkpoint_sha, benchmark, problem_id, sample_idx)
+    PRIMARY KEY (checkpoint_sha, eval_sha, benchmark, problem_id, sample_idx)
 );
 CREATE TABLE IF NOT EXISTS metrics (
     cache_key VARCHAR, stage VARCHAR, step BIGINT, name VARCHAR, value DOUBLE,

@@ -46,10 +46,9 @@ def evaluate_items(model, tokenizer, items: Sequence[BenchmarkItem], *, template
     generator = torch.Generator().manual_seed(seed)
     trajectories = engine.generate(requests, max_new_tokens, temperature, generator, progress=progress)
     verdicts = verifier.verify_batch([t.text for t in trajectories], [t.prompt.answer for t in trajectories])
-    by_id = {(it.problem_id): it for it in items}
     rows = []
-    for req, traj, v in zip(requests, trajectories, verdicts):
-        item = by_id[req.prompt.prompt_id]
+    for i, (req, traj, v) in enumerate(zip(requests, trajectories, verdicts)):
+        item = items[i // n_samples]  # requests are item-major; ids may repeat across benchmarks
         rows.append(EvalRow(benchmark=item.benchmark, problem_id=item.problem_id, sample_idx=req.sample_idx,
                             response=traj.text, pred=v.pred, correct=v.correct, error=v.error,
                             length=len(traj.response_tokens), truncated=not traj.finished, level=item.level))

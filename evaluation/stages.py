@@ -37,7 +37,7 @@ def evaluate_checkpoint(model_dir: Path, data_dir: Path | None, cfg: EvalConfig,
 
     model, tokenizer = load_model(model_dir, device)
     items = [it for name in cfg.benchmarks for it in load_items(name, data_dir)]
-    with Verifier(timeout_s=5.0) as verifier, \
+    with Verifier(timeout_s=cfg.verifier_timeout_s) as verifier, \
             tqdm(total=len(items) * cfg.n_samples, desc="evaluate", unit="sample", leave=False) as bar:
         rows = evaluate_items(model, tokenizer, items, templates=templates, n_samples=cfg.n_samples,
                               temperature=cfg.temperature, max_new_tokens=cfg.max_new_tokens,

@@ -28,12 +28,17 @@ def _parser() -> argparse.ArgumentParser:
     return p
 
 
-def _load(overrides):
+def _load(overrides, preflight: bool = False):
     from conf.loader import load_config
     from conf.schema import ConfigError
 
     try:
-        return load_config(overrides)
+        cfg = load_config(overrides)
+        if preflight:
+            from tasks.preflight import preflight as check
+
+            check(cfg)
+        return cfg
     except ConfigError as err:
         print(f"laminar: config error: {err}", file=sys.stderr)
         raise SystemExit(2)
@@ -62,7 +67,7 @@ def cmd_run(args) -> int:
     from tasks.prefect_env import configure_prefect
     from tasks.stages import STAGE_BY_NAME
 
-    cfg = _load(args.overrides)
+    cfg = _load(args.overrides, preflight=True)
     unknown = [s for s in args.force if s not in STAGE_BY_NAME]
     if unknown:
         print(f"laminar: unknown stage {unknown}; stages are {', '.join(STAGE_BY_NAME)}", file=sys.stderr)

@@ -35,7 +35,10 @@ class StageOutcome:
 
 
 def stage_key(stage: Stage, cfg: Config, inputs: dict[str, ArtifactRef]) -> CacheKey:
-    return make_key(stage.name, stage.config(cfg), {k: v.sha256 for k, v in inputs.items()}, stage.modules, cfg.seed)
+    hashes = {k: v.sha256 for k, v in inputs.items()}
+    if stage.external is not None:
+        hashes.update(stage.external(cfg))
+    return make_key(stage.name, stage.config(cfg), hashes, stage.modules, cfg.seed)
 
 
 def _execute(stage_name: str, key: str, cfg: Config, workspace: str, inputs: dict[str, dict], device: str) -> dict:

@@ -51,9 +51,13 @@ class Stage:
     body: Callable[[StageContext], StageResult]
     record: Callable[[Any, StageContext, StageResult, str], None] | None = None
     headline: Callable[[dict], str] = lambda m: ""
+    external: Callable[[Config], dict[str, str]] | None = None
+    """Hashes of inputs from outside the store (a local model folder, vendored benchmark files):
+    they enter the cache key like artifact inputs, so replacing the files reruns the stage."""
 
 
 def _produce(ctx: StageContext, kind: str, fn: Callable[[Path], dict], meta: dict | None = None) -> tuple[ArtifactRef, dict]:
+    """Run ``fn`` into a new artifact of ``kind``; ``meta`` (which ``fn`` may fill) goes into its manifest."""
     with ctx.store.create(kind, meta) as pending:
         metrics = fn(pending.dir)
     assert pending.ref is not None
@@ -73,7 +77,8 @@ def _data_body(ctx: StageContext) -> StageResult:
 
 
 def _base_model_body(ctx: StageContext) -> StageResult:
-    from training.stages import build_base_model, setup_torch
+    from training.base import build_base_model
+    from training.setup import setup_torch
 
     setup_torch(ctx.cfg.threads, ctx.cfg.seed)
     ref, metrics = _produce(ctx, MODEL, lambda out: build_base_model(ctx.cfg.model, ctx.cfg.seed, out))
@@ -82,7 +87,8 @@ def _base_model_body(ctx: StageContext) -> StageResult:
 
 def _warmup_body(ctx: StageContext) -> StageResult:
     from data_curation.synthetic import PROMPT_TEMPLATE
-    from training.stages import setup_torch, warmup
+    from training.setup import setup_torch
+    from training.warmup import warmup
 
     setup_torch(ctx.cfg.threads, ctx.cfg.seed)
     ref, metrics = _produce(ctx, MODEL, lambda out: warmup(
@@ -94,29 +100,32 @@ def _warmup_body(ctx: StageContext) -> StageResult:
 def _rl_body(ctx: StageContext) -> StageResult:
     from data_curation.synthetic import PROMPT_TEMPLATE
     from evaluation.verifier import Verifier
-    from training.stages import rl, setup_torch
+    from training.rl.stage import TIMING_KEYS, rl
+    from training.setup import setup_torch
 
     setup_torch(ctx.cfg.threads, ctx.cfg.seed)
+    meta: dict = {}
 
     def run(out: Path) -> dict:
-        with Verifier(timeout_s=5.0) as verifier:
+        with Verifier(timeout_s=ctx.cfg.eval.verifier_timeout_s) as verifier:
             result = rl(Path(ctx.inputs[MODEL].path), Path(ctx.inputs[DATASET].path), ctx.cfg.rl,
                         template=PROMPT_TEMPLATE, seed=ctx.cfg.seed, device=ctx.device, out_dir=out,
                         verifier=verifier)
+        meta["timings"] = [{k: m[k] for k in ("step", *TIMING_KEYS)} for m in result.history]
         last = result.history[-5:] if result.history else []
         mean = lambda k: sum(m[k] for m in last) / max(1, len(last))  # noqa: E731
         return {"steps": len(result.history), "trajectories": sum(result.consumed.values()),
                 "reward_last5": mean("reward") if last else None,
                 "reward_first": result.history[0]["reward"] if result.history else None}
 
-    ref, metrics = _produce(ctx, MODEL, run)
+    ref, metrics = _produce(ctx, MODEL, run, meta)
     return StageResult({MODEL: ref}, metrics)
 
 
 def _eval_body(ctx: StageContext) -> StageResult:
     from data_curation.synthetic import PROMPT_TEMPLATE
     from evaluation.stages import HELDOUT, evaluate_checkpoint
-    from training.stages import setup_torch
+    from training.setup import setup_torch
 
     setup_torch(ctx.cfg.threads, ctx.cfg.seed)
     ref, summary = _produce(ctx, EVAL, lambda out: evaluate_checkpoint(
@@ -136,7 +145,7 @@ def _record_data(con, ctx: StageContext, res: StageResult, key: str) -> None:
     ref = res.artifacts[DATASET]
     for split in ("pool", "heldout"):
         con.execute(
-            "INSERT INTO prompts SELECT prompt_id, 'arith', split, problem, answer, level, ? "
+            "INSERT INTO prompts SELECT ?, prompt_id, 'arith', split, problem, answer, level "
             "FROM read_parquet(?) ON CONFLICT DO NOTHING", [ref.sha256, str(ref.file(f"{split}.parquet"))])
 
 
@@ -152,10 +161,12 @@ def _record_rl(con, ctx: StageContext, res: StageResult, key: str) -> None:
     _record_checkpoint(con, ctx, res, key, "rl", int(res.metrics.get("steps") or 0))
     rows = []
     with open(ref.file("history.jsonl")) as f:
-        for line in f:
-            m = json.loads(line)
-            rows += [(key, "rl", int(m["step"]), name, float(v)) for name, v in m.items() if name != "step"]
-    con.executemany("INSERT INTO metrics VALUES (?, ?, ?, ?, ?) ON CONFLICT DO NOTHING", rows)
+        steps = [json.loads(line) for line in f]
+    timings = ctx.store.manifest(ref).get("meta", {}).get("timings", [])
+    for m in steps + timings:
+        rows += [(key, "rl", int(m["step"]), name, float(v)) for name, v in m.items() if name != "step"]
+    con.executemany("INSERT INTO metrics VALUES (?, ?, ?, ?, ?) ON CONFLICT DO UPDATE SET value = excluded.value",
+                    rows)
     with open(ref.file("consumed.json")) as f:
         consumed = json.load(f)
     con.executemany("INSERT INTO consumed_prompts VALUES (?, ?, ?) ON CONFLICT DO NOTHING",
@@ -165,35 +176,53 @@ def _record_rl(con, ctx: StageContext, res: StageResult, key: str) -> None:
 def _record_eval(con, ctx: StageContext, res: StageResult, key: str) -> None:
     ref = res.artifacts[EVAL]
     con.execute(
-        "INSERT INTO eval_results SELECT ?, benchmark, problem_id, sample_idx, response, pred, correct, error, "
+        "INSERT INTO eval_results SELECT ?, ?, benchmark, problem_id, sample_idx, response, pred, correct, error, "
         "length, truncated, level FROM read_parquet(?) ON CONFLICT DO NOTHING",
-        [ctx.inputs[MODEL].sha256, str(ref.file("rows.parquet"))])
+        [ctx.inputs[MODEL].sha256, ref.sha256, str(ref.file("rows.parquet"))])
 
 
 def _eval_headline(m: dict) -> str:
     return "  ".join(f"{b} acc {v['accuracy']:.3f}" for b, v in m.items() if isinstance(v, dict))
 
 
+# ---- inputs from outside the store ---------------------------------------------------------------
+
+def _model_files(cfg: Config) -> dict[str, str]:
+    from core.artifacts import hash_tree
+
+    return {"model.path": hash_tree(Path(cfg.model.path).expanduser())} if cfg.model.kind == "hf" else {}
+
+
+def _benchmark_files(cfg: Config) -> dict[str, str]:
+    from core.artifacts import hash_file
+    from evaluation.benchmarks import benchmark_path
+    from evaluation.stages import HELDOUT
+
+    return {f"benchmark:{b}": hash_file(benchmark_path(b)) for b in cfg.eval.benchmarks if b != HELDOUT}
+
+
 # ---- the DAG --------------------------------------------------------------------------------------
 
-_EVAL_MODULES = ("evaluation.stages", "data_curation.synthetic", "training.stages")
+_EVAL_MODULES = ("evaluation.stages", "data_curation.synthetic", "training.setup")
 
 STAGES: tuple[Stage, ...] = (
     Stage("data", {}, lambda c: asdict(c.data), ("data_curation.synthetic",), _data_body, _record_data,
           lambda m: f"pool {int(m['pool_prompts'])}  heldout {int(m['heldout_prompts'])}"),
-    Stage("base_model", {}, lambda c: asdict(c.model), ("training.stages",), _base_model_body,
+    Stage("base_model", {}, lambda c: asdict(c.model), ("training.base", "training.setup"), _base_model_body,
           lambda con, ctx, res, key: _record_checkpoint(con, ctx, res, key, "base_model", 0),
-          lambda m: f"params {int(m['parameters']):,}"),
+          lambda m: f"params {int(m['parameters']):,}", _model_files),
     Stage("warmup", {MODEL: ("base_model", MODEL), DATASET: ("data", DATASET)}, lambda c: asdict(c.sft),
-          ("training.stages", "data_curation.synthetic"), _warmup_body,
+          ("training.warmup", "training.setup", "data_curation.synthetic"), _warmup_body,
           lambda con, ctx, res, key: _record_checkpoint(con, ctx, res, key, "warmup", ctx.cfg.sft.steps),
           lambda m: f"loss {m['sft_loss_first']:.3f} -> {m['sft_loss_ema']:.3f}"),
     Stage("eval_warmup", {MODEL: ("warmup", MODEL), DATASET: ("data", DATASET)}, lambda c: asdict(c.eval),
-          _EVAL_MODULES, _eval_body, _record_eval, _eval_headline),
-    Stage("rl", {MODEL: ("warmup", MODEL), DATASET: ("data", DATASET)}, lambda c: asdict(c.rl),
-          ("training.stages", "data_curation.synthetic", "evaluation.verifier"), _rl_body, _record_rl,
+          _EVAL_MODULES, _eval_body, _record_eval, _eval_headline, _benchmark_files),
+    Stage("rl", {MODEL: ("warmup", MODEL), DATASET: ("data", DATASET)},
+          lambda c: {**asdict(c.rl), "verifier_timeout_s": c.eval.verifier_timeout_s},
+          ("training.rl.stage", "training.setup", "data_curation.synthetic", "evaluation.verifier"), _rl_body,
+          _record_rl,
           lambda m: f"reward {m['reward_first']:.3f} -> {m['reward_last5']:.3f} (last 5)" if m.get("steps") else ""),
     Stage("eval_rl", {MODEL: ("rl", MODEL), DATASET: ("data", DATASET)}, lambda c: asdict(c.eval),
-          _EVAL_MODULES, _eval_body, _record_eval, _eval_headline),
+          _EVAL_MODULES, _eval_body, _record_eval, _eval_headline, _benchmark_files),
 )
 STAGE_BY_NAME = {s.name: s for s in STAGES}

@@ -4,20 +4,20 @@ from tasks.stages import STAGE_BY_NAME
 
 
 def test_closure_follows_project_imports_only():
-    names = [n for n, _ in module_closure(("training.stages",))]
-    assert "training.rl.engine" in names and "training.objectives" in names and "conf.schema" in names
-    assert not any(n.startswith(("torch", "prefect", "tasks", "flows")) for n in names)
+    names = [n for n, _ in module_closure(("training.rl.stage",))]
+    assert "training.rl.engine" in names and "training.objectives" in names and "training.model" in names
+    assert not any(n.startswith(("torch", "prefect", "tasks", "flows", "conf")) for n in names)
     data_names = [n for n, _ in module_closure(("data_curation.synthetic",))]
     assert not any(n.startswith("training") for n in data_names)
 
 
 def test_key_parts_say_what_changed():
-    a = make_key("rl", {"lr": 1}, {"model": "abc"}, ("training.stages",), 0)
-    b = make_key("rl", {"lr": 2}, {"model": "abc"}, ("training.stages",), 0)
-    c = make_key("rl", {"lr": 1}, {"model": "abd"}, ("training.stages",), 1)
+    a = make_key("rl", {"lr": 1}, {"model": "abc"}, ("training.rl.stage",), 0)
+    b = make_key("rl", {"lr": 2}, {"model": "abc"}, ("training.rl.stage",), 0)
+    c = make_key("rl", {"lr": 1}, {"model": "abd"}, ("training.rl.stage",), 1)
     assert a.digest != b.digest and b.changed_parts(a) == ["config"]
     assert c.changed_parts(a) == ["inputs", "seed"]
-    assert make_key("rl", {"lr": 1}, {"model": "abc"}, ("training.stages",), 0) == a
+    assert make_key("rl", {"lr": 1}, {"model": "abc"}, ("training.rl.stage",), 0) == a
 
 
 def test_rl_lr_changes_only_rl_config_hash():
@@ -27,5 +27,14 @@ def test_rl_lr_changes_only_rl_config_hash():
 
 
 def test_fingerprint_depends_on_module_set():
-    assert source_fingerprint(["data_curation.synthetic"]) != source_fingerprint(["training.stages"])
-    assert source_fingerprint(["training.stages"]) == source_fingerprint(["training.stages"])
+    assert source_fingerprint(["data_curation.synthetic"]) != source_fingerprint(["training.rl.stage"])
+    assert source_fingerprint(["training.rl.stage"]) == source_fingerprint(["training.rl.stage"])
+
+
+def test_rl_code_does_not_reach_earlier_stages():
+    """Editing the RL objective or engine must not rerun warm-up (DESIGN: only the stage and what follows)."""
+    closures = {name: {m for m, _ in module_closure(tuple(sorted(st.modules)))} for name, st in STAGE_BY_NAME.items()}
+    for stage in ("data", "base_model", "warmup"):
+        assert not any(m.startswith(("training.rl", "training.objectives")) for m in closures[stage]), stage
+    assert "training.objectives" in closures["rl"]
+    assert "training.sft" in closures["warmup"] and "training.sft" not in closures["rl"]

@@ -13,7 +13,7 @@ from training.rl.engine import TorchEngine
 from training.rl.loop import PromptCursor, collect_phase, score_phase
 from training.rl.records import PromptItem, ScoredGroup, Trajectory
 from training.rl.trainer import PolicyTrainer
-from training.stages import objective_params
+from training.rl.stage import objective_params
 
 
 class ByPrompt:

@@ -4,7 +4,7 @@ import pytest
 
 from conf.schema import ModelConfig
 from training.model import build_char_tokenizer, build_tiny_model, load_model, save_model
-from training.stages import build_base_model
+from training.base import build_base_model
 
 
 def test_hf_model_path_goes_through_the_same_loading_code(tmp_path):

@@ -1,0 +1,34 @@
+"""Checks that need the stage libraries or the file system, run before any write (after the
+schema's own validation): a bad benchmark name or model folder fails here, not mid-pipeline."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from conf.schema import Config, ConfigError
+
+
+def preflight(cfg: Config) -> None:
+    from evaluation.benchmarks import BENCHMARKS
+    from evaluation.stages import HELDOUT
+
+    valid = (HELDOUT, *BENCHMARKS)
+    unknown = [b for b in cfg.eval.benchmarks if b not in valid]
+    if unknown:
+        raise ConfigError(f"eval.benchmarks: unknown benchmark {unknown[0]!r}; choose from {', '.join(valid)}")
+    if cfg.model.kind == "hf":
+        path = Path(cfg.model.path).expanduser()
+        if not (path / "config.json").is_file():
+            raise ConfigError(f"model.path={path} is not a save_pretrained folder (no config.json)")
+        if not list(path.glob("*.safetensors")):
+            raise ConfigError(f"model.path={path} has no *.safetensors weights; pickled weights are never loaded, "
+                              "convert them to safetensors first")
+    from training.rl.stage import objective_params
+
+    try:
+        params = objective_params(cfg.rl)
+    except ValueError as err:
+        raise ConfigError(f"rl: {err}") from None
+    if params.overlong_shaping and not 0 < cfg.rl.overlong_cache_len < cfg.rl.max_new_tokens:
+        raise ConfigError(f"rl.overlong_cache_len={cfg.rl.overlong_cache_len} must be in (0, rl.max_new_tokens="
+                          f"{cfg.rl.max_new_tokens}) when overlong shaping is on ({cfg.rl.algorithm})")
