@@ -69,6 +69,10 @@ class RLConfig:
     temperature: float = 1.0
     max_grad_norm: float = 1.0
     weight_decay: float = 0.0
+    minibatches: int = 1
+    """Optimizer steps per collected batch (verl's ppo_mini_batch split). With 1 the update is
+    on-policy and the clip bounds never bind; with more, later steps are clipped against the
+    proximal log-probs taken before the first."""
     # Overrides of the algorithm's preset (training.objectives.PRESETS); None keeps the preset's value.
     clip_low: Optional[float] = None
     clip_high: Optional[float] = None
@@ -153,7 +157,7 @@ def validate(cfg: Config) -> Config:
         raise ConfigError(
             f"model.num_heads={cfg.model.num_heads} must be a multiple of model.num_kv_heads={cfg.model.num_kv_heads}"
         )
-    _positive(cfg, "sft.batch_size", "sft.lr", "rl.prompts_per_step", "rl.lr", "rl.max_new_tokens",
+    _positive(cfg, "sft.batch_size", "sft.lr", "rl.prompts_per_step", "rl.minibatches", "rl.lr", "rl.max_new_tokens",
               "rl.temperature", "eval.n_samples", "eval.temperature", "eval.max_new_tokens",
               "eval.batch_size", "data.pool_size", "data.heldout_size")
     if cfg.sft.steps < 0 or cfg.rl.steps < 0:

@@ -89,3 +89,19 @@ def test_overlong_filter_and_kl_in_the_trainer():
     assert stats.n_tokens == 2  # the truncated response is masked out
     stats2 = trainer.update([group])
     assert stats2.metrics["kl"] > 0.0 and stats2.version == 2
+
+
+def test_minibatches_make_the_clip_bind():
+    tok, model, prompts = _setup(["mixed"] * 4)
+    engine = TorchEngine(model, tok)
+    got = collect_phase(engine, PromptCursor(prompts, 0), ByPrompt(), PRESETS["grpo"], prompts_per_step=4,
+                        group_size=8, max_new_tokens=3, temperature=1.0, generator=torch.Generator().manual_seed(0))
+    one = PolicyTrainer(model, PRESETS["grpo"], lr=5e-2, weight_decay=0.0, max_grad_norm=10.0, temperature=1.0,
+                        max_new_tokens=3, pad_id=tok.pad_token_id, device="cpu")
+    stats = one.update(got.groups)
+    assert stats.metrics["clipfrac"] == 0.0 and stats.metrics["ratio"] == 1.0 and stats.version == 1
+    four = PolicyTrainer(model, PRESETS["grpo"], lr=5e-2, weight_decay=0.0, max_grad_norm=10.0, temperature=1.0,
+                         max_new_tokens=3, pad_id=tok.pad_token_id, device="cpu", minibatches=4)
+    stats = four.update(got.groups)
+    assert stats.version == 1 and stats.n_sequences == 32
+    assert stats.metrics["clipfrac"] > 0.0 and stats.metrics["ratio"] != 1.0

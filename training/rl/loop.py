@@ -155,7 +155,7 @@ def format_step(m: dict, total: int) -> str:
 
 def run_sync(model, tokenizer, prompts: Sequence[PromptItem], verifier, params: ObjectiveParams, *, steps: int,
              prompts_per_step: int, group_size: int, lr: float, weight_decay: float, max_grad_norm: float,
-             max_new_tokens: int, temperature: float, seed: int, device: str,
+             max_new_tokens: int, temperature: float, seed: int, device: str, minibatches: int = 1,
              on_step: Callable[[dict], None] | None = None) -> RLResult:
     """Synchronous GRPO-family RL: generate a batch of groups with the current weights, score it,
     take one update and refresh the sampler's weights. Trains ``model`` in place."""
@@ -164,7 +164,7 @@ def run_sync(model, tokenizer, prompts: Sequence[PromptItem], verifier, params: 
     torch.manual_seed(seed)
     trainer = PolicyTrainer(model, params, lr=lr, weight_decay=weight_decay, max_grad_norm=max_grad_norm,
                             temperature=temperature, max_new_tokens=max_new_tokens,
-                            pad_id=tokenizer.pad_token_id, device=device)
+                            pad_id=tokenizer.pad_token_id, device=device, minibatches=minibatches)
     engine = TorchEngine(copy.deepcopy(model), tokenizer, device=device)
     cursor = PromptCursor(prompts, seed)
     result = RLResult()

@@ -54,7 +54,7 @@ def rl(model_dir: Path, data_dir: Path, cfg: RLConfig, *, template: str, seed: i
                           prompts_per_step=cfg.prompts_per_step, group_size=cfg.group_size, lr=cfg.lr,
                           weight_decay=cfg.weight_decay, max_grad_norm=cfg.max_grad_norm,
                           max_new_tokens=cfg.max_new_tokens, temperature=cfg.temperature, seed=seed,
-                          device=device, on_step=on_step)
+                          device=device, minibatches=cfg.minibatches, on_step=on_step)
     save_model(model.to("cpu"), tokenizer, out_dir)
     with open(Path(out_dir) / "history.jsonl", "w") as f:
         for m in result.history:

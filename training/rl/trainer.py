@@ -7,6 +7,7 @@ computes advantages and the objective chosen by ``ObjectiveParams`` (see ``train
 from __future__ import annotations
 
 import copy
+import dataclasses
 from dataclasses import dataclass
 from typing import Sequence
 
@@ -35,6 +36,10 @@ class TrainBatch:
     group_index: torch.Tensor
     versions: torch.Tensor
     finished: torch.Tensor
+
+    def rows(self, idx: torch.Tensor) -> "TrainBatch":
+        """The sub-batch of sequences ``idx`` (shapes as above with B = len(idx))."""
+        return TrainBatch(*(getattr(self, f.name)[idx] for f in dataclasses.fields(self)))
 
 
 def build_batch(groups: Sequence[ScoredGroup], pad_id: int) -> TrainBatch:
@@ -80,10 +85,11 @@ def token_logprobs(logits: torch.Tensor, targets: torch.Tensor, temperature: flo
 
 
 class PolicyTrainer:
-    """Owns the trained model and its optimizer; ``version`` counts optimizer steps taken."""
+    """Owns the trained model and its optimizer; ``version`` counts updates (one per publish)."""
 
     def __init__(self, model, params: ObjectiveParams, *, lr: float, weight_decay: float,
-                 max_grad_norm: float, temperature: float, max_new_tokens: int, pad_id: int, device: str):
+                 max_grad_norm: float, temperature: float, max_new_tokens: int, pad_id: int, device: str,
+                 minibatches: int = 1):
         self.model = model.to(device).train()
         self.params = params
         self.opt = torch.optim.AdamW(model.parameters(), lr=lr, weight_decay=weight_decay, betas=(0.9, 0.99))
@@ -92,41 +98,59 @@ class PolicyTrainer:
         self.max_new_tokens = max_new_tokens
         self.pad_id = pad_id
         self.device = device
+        self.minibatches = minibatches
         self.version = 0
         # a frozen copy of the starting weights, only when the objective has a KL term
         self.ref_model = copy.deepcopy(model).eval().requires_grad_(False) if params.kl_coef > 0 else None
 
     def update(self, groups: Sequence[ScoredGroup]) -> UpdateStats:
+        """One publishable update from ``groups``: advantages over the whole batch, then
+        ``minibatches`` optimizer steps on consecutive slices. With one minibatch the proximal
+        policy is the current one (ratio 1, clipping inactive); with more, the proximal log-probs
+        are computed once before the first step, so later steps are clipped against them."""
         batch = build_batch(groups, self.pad_id)
         advantages = ADVANTAGES[self.params.advantage](batch.rewards, batch.group_index).to(self.device)
-        logits = response_logits(self.model, batch, self.device)
-        logprobs = token_logprobs(logits, batch.targets.to(self.device), self.temperature)
         mask = batch.mask.to(self.device)
         if self.params.overlong_filter:  # DAPO: truncated responses carry no loss
             mask = mask * batch.finished.to(self.device, mask.dtype)[:, None]
-        ref_logprobs = None
-        if self.ref_model is not None:
-            with torch.no_grad():
-                ref_logprobs = token_logprobs(response_logits(self.ref_model, batch, self.device),
-                                              batch.targets.to(self.device), self.temperature)
-        pbatch = PolicyBatch(
-            logprobs=logprobs, old_logprobs=logprobs.detach(), behaviour_logprobs=batch.behaviour.to(self.device),
-            advantages=advantages, mask=mask, max_len=self.max_new_tokens,
-            versions=batch.versions, trainer_version=self.version, ref_logprobs=ref_logprobs,
-        )
-        loss, metrics = policy_loss(pbatch, self.params)
-        self.opt.zero_grad(set_to_none=True)
-        loss.backward()
-        grad_norm = float(torch.nn.utils.clip_grad_norm_(self.model.parameters(), self.max_grad_norm))
-        self.opt.step()
-        self.version += 1
+        targets = batch.targets.to(self.device)
         with torch.no_grad():
-            ent = entropy_from_logits(logits.detach() / self.temperature)
-            metrics["entropy"] = float((ent * mask).sum() / mask.sum().clamp_min(1))
-            metrics["sampler_logprob_gap"] = float(((logprobs.detach() - pbatch.behaviour_logprobs).abs() * mask).sum()
-                                                   / mask.sum().clamp_min(1))
-        return UpdateStats(kind="update_stats", version=self.version, loss=float(loss.detach()), grad_norm=grad_norm,
-                           n_sequences=int(mask.shape[0]), n_tokens=int(mask.sum()), metrics=metrics)
+            ref = (token_logprobs(response_logits(self.ref_model, batch, self.device), targets, self.temperature)
+                   if self.ref_model is not None else None)
+            proximal = (token_logprobs(response_logits(self.model, batch, self.device), targets, self.temperature)
+                        if self.minibatches > 1 else None)
+        n = mask.shape[0]
+        chunks = [idx for idx in torch.arange(n).chunk(min(self.minibatches, n))]
+        per_chunk: list[dict[str, float]] = []
+        losses, norms = [], []
+        for idx in chunks:
+            logits = response_logits(self.model, batch.rows(idx), self.device)
+            logprobs = token_logprobs(logits, targets[idx], self.temperature)
+            pbatch = PolicyBatch(
+                logprobs=logprobs, old_logprobs=proximal[idx] if proximal is not None else logprobs.detach(),
+                behaviour_logprobs=batch.behaviour[idx].to(self.device), advantages=advantages[idx], mask=mask[idx],
+                max_len=self.max_new_tokens, versions=batch.versions[idx], trainer_version=self.version,
+                ref_logprobs=ref[idx] if ref is not None else None,
+            )
+            loss, metrics = policy_loss(pbatch, self.params)
+            self.opt.zero_grad(set_to_none=True)
+            loss.backward()
+            norms.append(float(torch.nn.utils.clip_grad_norm_(self.model.parameters(), self.max_grad_norm)))
+            self.opt.step()
+            losses.append(float(loss.detach()))
+            with torch.no_grad():
+                m = mask[idx]
+                denom = m.sum().clamp_min(1)
+                metrics["entropy"] = float((entropy_from_logits(logits.detach() / self.temperature) * m).sum() / denom)
+                metrics["sampler_logprob_gap"] = float(((pbatch.old_logprobs - pbatch.behaviour_logprobs).abs() * m).sum()
+                                                       / denom)
+            per_chunk.append(metrics)
+        self.version += 1
+        merged = {k: sum(c[k] for c in per_chunk) / len(per_chunk) for k in per_chunk[0]}
+        if "staleness_max" in merged:
+            merged["staleness_max"] = max(c["staleness_max"] for c in per_chunk)
+        return UpdateStats(kind="update_stats", version=self.version, loss=sum(losses) / len(losses),
+                           grad_norm=max(norms), n_sequences=n, n_tokens=int(mask.sum()), metrics=merged)
 
     def publish(self) -> WeightsUpdate:
         state = {k: v.detach().to("cpu").numpy().copy() for k, v in self.model.state_dict().items()}
