@@ -17,9 +17,15 @@ def _parser() -> argparse.ArgumentParser:
     sub = p.add_subparsers(dest="command", required=True)
     for name, text in (("run", "run the pipeline (cached stages are skipped)"),
                        ("status", "each stage cached or stale for the current config, and why"),
-                       ("config", "print the resolved config")):
+                       ("config", "print the resolved config"),
+                       ("eval", "evaluate one checkpoint: ckpt=<sha prefix or save_pretrained folder> [overrides]"),
+                       ("report", "write report.md and plots for a run (default: the latest completed run)")):
         sp = sub.add_parser(name, help=text)
-        sp.add_argument("overrides", nargs="*", help="Hydra overrides: key=value, group=option")
+        if name == "report":
+            sp.add_argument("run_id", nargs="?", default=None, help="run id (default: the latest completed run)")
+        else:
+            sp.add_argument("overrides", nargs="*", help="Hydra overrides: key=value, group=option"
+                            + ("; ckpt=<checkpoint sha prefix or folder> is required" if name == "eval" else ""))
         sp.add_argument("--workspace", default=os.environ.get("LAMINAR_WORKSPACE", "./workspace"),
                         help="workspace folder (default ./workspace)")
         if name == "run":
@@ -126,7 +132,73 @@ def _run(cfg, ws, run_id, args, command) -> int:
             con.execute("UPDATE runs SET finished_at = now(), status = ? WHERE run_id = ?", [status, run_id])
 
 
-COMMANDS = {"run": cmd_run, "status": cmd_status, "config": cmd_config}
+def _split_ckpt(overrides: list[str]) -> tuple[str, list[str]]:
+    """``ckpt=...`` is not a config key: take it out of the overrides before composing the config."""
+    ckpts = [o.split("=", 1)[1] for o in overrides if o.startswith("ckpt=")]
+    if len(ckpts) != 1 or not ckpts[0]:
+        print("laminar: eval needs exactly one ckpt=<checkpoint sha prefix or save_pretrained folder>, e.g. "
+              "`laminar eval ckpt=3f2a9c eval.benchmarks=[arith_heldout]` (a run's summary.json lists its checkpoints)",
+              file=sys.stderr)
+        raise SystemExit(2)
+    return ckpts[0], [o for o in overrides if not o.startswith("ckpt=")]
+
+
+def cmd_eval(args) -> int:
+    from conf.loader import to_yaml
+    from core.workspace import Workspace, WorkspaceBusy
+    from tasks.checkpoint_eval import EvalInputError, evaluate, format_eval
+
+    ckpt, overrides = _split_ckpt(args.overrides)
+    cfg = _load(overrides, preflight=True)
+    ws = Workspace.at(args.workspace)
+    try:
+        with ws.lock():
+            ws.create()
+            ws.artifacts.clean_tmp()
+            run_id = "eval-" + datetime.now(timezone.utc).strftime("%Y%m%d-%H%M%S-") + uuid.uuid4().hex[:6]
+            command = shlex.join(["laminar", *sys.argv[1:]])
+            _quiet_transformers()
+            try:
+                report = evaluate(cfg, ws, ckpt, run_id, command)
+            except EvalInputError as err:
+                print(f"laminar: {err}", file=sys.stderr)
+                return 2
+            run_dir = ws.run_dir(run_id)
+            (run_dir / "config.yaml").write_text(to_yaml(cfg))
+            (run_dir / "command.txt").write_text(command + "\n")
+    except WorkspaceBusy as err:
+        print(f"laminar: {err}", file=sys.stderr)
+        return 3
+    print(format_eval(report))
+    print(f"summary: {ws.run_dir(run_id) / 'summary.json'}")
+    return 0
+
+
+def cmd_report(args) -> int:
+    from core.workspace import Workspace
+    from tasks.report import ReportError, write
+
+    ws = Workspace.at(args.workspace)
+    if not ws.catalog.path.exists():
+        print(f"laminar: no catalog in {ws.root}; pass --workspace DIR of a workspace `laminar run` used",
+              file=sys.stderr)
+        return 2
+    try:
+        path = write(ws, args.run_id)
+    except ReportError as err:
+        print(f"laminar: {err}", file=sys.stderr)
+        return 2
+    print(f"report: {path}")
+    return 0
+
+
+def _quiet_transformers() -> None:
+    import logging
+
+    logging.getLogger("transformers").setLevel(logging.ERROR)
+
+
+COMMANDS = {"run": cmd_run, "status": cmd_status, "config": cmd_config, "eval": cmd_eval, "report": cmd_report}
 
 
 def main(argv: list[str] | None = None) -> int:

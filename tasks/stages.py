@@ -128,15 +128,21 @@ def _eval_body(ctx: StageContext) -> StageResult:
     from training.setup import setup_torch
 
     setup_torch(ctx.cfg.threads, ctx.cfg.seed)
+    data = ctx.inputs.get(DATASET)  # absent for `laminar eval` when no data artifact exists
     ref, summary = _produce(ctx, EVAL, lambda out: evaluate_checkpoint(
-        Path(ctx.inputs[MODEL].path), Path(ctx.inputs[DATASET].path), ctx.cfg.eval,
+        Path(ctx.inputs[MODEL].path), Path(data.path) if data else None, ctx.cfg.eval,
         templates={HELDOUT: PROMPT_TEMPLATE}, seed=ctx.cfg.seed, device=ctx.device, out_dir=out),
         meta={"checkpoint": ctx.inputs[MODEL].sha256})
-    avg = f"avg@{ctx.cfg.eval.n_samples}"
-    return StageResult({EVAL: ref}, {"checkpoint": ctx.inputs[MODEL].sha256,
-                                      **{b: {"accuracy": s["accuracy"], "mean_length": s["mean_length"],
-                                             "by_level": {lv: v[avg] for lv, v in s.get("by_level", {}).items()}}
-                                         for b, s in summary.items()}})
+    return StageResult({EVAL: ref}, eval_metrics(ctx.inputs[MODEL].sha256, summary, ctx.cfg.eval.n_samples))
+
+
+def eval_metrics(checkpoint: str, summary: dict, n_samples: int) -> dict:
+    """A stage result's metrics from an evaluation summary (benchmark -> evaluation.metrics summary)."""
+    avg = f"avg@{n_samples}"
+    return {"checkpoint": checkpoint,
+            **{b: {"accuracy": s["accuracy"], "mean_length": s["mean_length"],
+                   "by_level": {lv: v[avg] for lv, v in s.get("by_level", {}).items()}}
+               for b, s in summary.items()}}
 
 
 # ---- catalog records beyond the generic lineage rows ---------------------------------------------
@@ -179,6 +185,14 @@ def _record_eval(con, ctx: StageContext, res: StageResult, key: str) -> None:
         "INSERT INTO eval_results SELECT ?, ?, benchmark, problem_id, sample_idx, response, pred, correct, error, "
         "length, truncated, level FROM read_parquet(?) ON CONFLICT DO NOTHING",
         [ctx.inputs[MODEL].sha256, ref.sha256, str(ref.file("rows.parquet"))])
+
+
+def _record_adhoc_eval(con, ctx: StageContext, res: StageResult, key: str) -> None:
+    """``laminar eval``: a checkpoint from outside the store gets a ``checkpoints`` row (stage
+    ``external``); one from the store already has its row, which is left as it is."""
+    con.execute("INSERT INTO checkpoints VALUES (?, 'external', NULL, NULL, NULL, now()) ON CONFLICT DO NOTHING",
+                [ctx.inputs[MODEL].sha256])
+    _record_eval(con, ctx, res, key)
 
 
 def _eval_headline(m: dict) -> str:
@@ -226,3 +240,9 @@ STAGES: tuple[Stage, ...] = (
           _EVAL_MODULES, _eval_body, _record_eval, _eval_headline, _benchmark_files),
 )
 STAGE_BY_NAME = {s.name: s for s in STAGES}
+
+EVAL_STAGE = Stage("eval", {MODEL: ("", MODEL), DATASET: ("", DATASET)}, lambda c: asdict(c.eval), _EVAL_MODULES,
+                   _eval_body, _record_adhoc_eval, _eval_headline, _benchmark_files)
+"""``laminar eval`` on any checkpoint: not part of the DAG (its inputs come from the command line:
+a checkpoint and the latest data artifact, which may be absent), same body and key scheme as the
+DAG's eval stages."""

@@ -56,3 +56,26 @@ def publish_prefect_artifacts(outcomes: Sequence[StageOutcome]) -> None:
         rows.append({"stage": o.stage, "status": o.status, "seconds": round(o.seconds, 2),
                      "cache_key": o.key.digest[:16], "metrics": headline})
     create_table_artifact(table=rows, key="laminar-stages", description="Stages of this run: ran or cached")
+    publish_eval_markdown(outcomes)
+
+
+def publish_eval_markdown(outcomes: Sequence[StageOutcome]) -> None:
+    """The benchmark table of the run's eval stages (as in ``laminar report``) as a Prefect markdown artifact."""
+    import json
+
+    from prefect.artifacts import create_markdown_artifact
+
+    from evaluation.report import EvalGroup, markdown_benchmark_table
+
+    evals = []
+    for stage, role in (("eval_warmup", "warmup"), ("eval_rl", "rl")):
+        o = next((o for o in outcomes if o.stage == stage), None)
+        if o is None or "eval" not in o.result.artifacts:
+            continue
+        with open(o.result.artifacts["eval"].file("summary.json")) as f:
+            for bench, s in json.load(f).items():
+                evals.append(EvalGroup(role, o.result.metrics.get("checkpoint", ""), o.result.artifacts["eval"].sha256,
+                                       bench, s, True))
+    if evals:
+        create_markdown_artifact(markdown=markdown_benchmark_table(evals), key="laminar-benchmarks",
+                                 description="Benchmark accuracy per checkpoint (laminar report has the plots)")

@@ -1,0 +1,100 @@
+"""``laminar report``: gather a pipeline run's records from the catalog and write its report
+(``<workspace>/runs/<run-id>/report/``) through ``evaluation.report``. Read-only on the catalog."""
+
+from __future__ import annotations
+
+import json
+from collections import defaultdict
+from pathlib import Path
+
+from core.workspace import Workspace
+from tasks.stages import EVAL, MODEL, STAGE_BY_NAME
+
+CHECKPOINT_STAGES = ("base_model", "warmup", "rl")
+ROLE_ORDER = (*CHECKPOINT_STAGES, "external")
+OWN_EVALS = {"eval_warmup": "warmup", "eval_rl": "rl"}
+
+
+class ReportError(ValueError):
+    pass
+
+
+def default_run(ws: Workspace) -> str:
+    """The latest completed pipeline run (one that has an ``rl`` stage; ``laminar eval`` runs have not)."""
+    rows = ws.catalog.query(
+        "SELECT r.run_id FROM runs r WHERE r.status = 'completed' AND EXISTS "
+        "(SELECT 1 FROM stage_runs s WHERE s.run_id = r.run_id AND s.stage = 'rl') "
+        "ORDER BY r.finished_at DESC LIMIT 1")
+    if not rows:
+        raise ReportError(f"no completed `laminar run` in {ws.root}; run the pipeline first or name a run id")
+    return rows[0]["run_id"]
+
+
+def _headline(stage: str, metrics: dict) -> str:
+    try:
+        return STAGE_BY_NAME[stage].headline(metrics)
+    except (KeyError, TypeError, ValueError):
+        return ""
+
+
+def gather(ws: Workspace, run_id: str):
+    from evaluation.report import EvalGroup, ReportData, summarize_eval_rows
+
+    cat = ws.catalog
+    run = cat.query("SELECT run_id, status, command FROM runs WHERE run_id = ?", [run_id])
+    if not run:
+        known = [r["run_id"] for r in cat.query("SELECT run_id FROM runs ORDER BY started_at DESC LIMIT 5")]
+        raise ReportError(f"no run {run_id!r} in {ws.root}" + (f"; recent runs: {', '.join(known)}" if known else ""))
+    stages = cat.query("SELECT stage, status, seconds, cache_key, outputs_json, metrics_json FROM stage_runs "
+                       "WHERE run_id = ? ORDER BY started_at", [run_id])
+    data = ReportData(run_id=run_id, status=run[0]["status"], command=run[0]["command"] or "")
+    roles: dict[str, str] = {}  # checkpoint sha -> role
+    own: set[tuple[str, str]] = set()  # (checkpoint, eval artifact) made by this run's eval stages
+    outputs = {s["stage"]: json.loads(s["outputs_json"] or "{}") for s in stages}
+    for s in stages:
+        data.stages.append({"stage": s["stage"], "status": s["status"], "seconds": s["seconds"],
+                            "cache_key": s["cache_key"],
+                            "headline": _headline(s["stage"], json.loads(s["metrics_json"] or "{}"))})
+        if s["stage"] in CHECKPOINT_STAGES and MODEL in outputs[s["stage"]]:
+            roles[outputs[s["stage"]][MODEL]["sha256"]] = s["stage"]
+        elif s["stage"] == "eval":  # a `laminar eval` run: its checkpoint, under the role the catalog gives it
+            sha = json.loads(s["metrics_json"] or "{}").get("checkpoint")
+            found = cat.query("SELECT stage FROM checkpoints WHERE checkpoint_sha = ?", [sha]) if sha else []
+            if found:
+                roles[sha] = found[0]["stage"] if found[0]["stage"] in ROLE_ORDER else "external"
+                own.add((sha, outputs["eval"][EVAL]["sha256"]))
+    for stage, role in OWN_EVALS.items():
+        if EVAL in outputs.get(stage, {}) and MODEL in outputs.get(role, {}):
+            own.add((outputs[role][MODEL]["sha256"], outputs[stage][EVAL]["sha256"]))
+    if roles:
+        marks = ", ".join("?" * len(roles))
+        rows = cat.query(
+            "SELECT e.checkpoint_sha, e.eval_sha, e.benchmark, e.problem_id, e.sample_idx, e.pred, e.correct, "
+            f"e.error, e.length, e.truncated, e.level FROM eval_results e WHERE e.checkpoint_sha IN ({marks})",
+            list(roles))
+        created = {r["sha256"]: r["created_at"] for r in cat.query(
+            "SELECT sha256, created_at FROM artifacts WHERE kind = ?", [EVAL])}
+        groups: dict[tuple[str, str, str], list[dict]] = defaultdict(list)
+        for r in rows:
+            groups[(r["checkpoint_sha"], r["eval_sha"], r["benchmark"])].append(r)
+        order = sorted(groups, key=lambda g: (ROLE_ORDER.index(roles[g[0]]), g[2],
+                                              str(created.get(g[1], ""))))
+        data.evals = [EvalGroup(roles[c], c, e, b, summarize_eval_rows(groups[(c, e, b)]), (c, e) in own)
+                      for c, e, b in order]
+    rl = next((s for s in stages if s["stage"] == "rl"), None)
+    if rl is not None:
+        series: dict[str, list[tuple[int, float]]] = defaultdict(list)
+        for m in cat.query("SELECT step, name, value FROM metrics WHERE cache_key = ? AND stage = 'rl' "
+                           "ORDER BY step", [rl["cache_key"]]):
+            series[m["name"]].append((int(m["step"]), float(m["value"])))
+        data.rl_metrics = dict(series)
+    return data
+
+
+def write(ws: Workspace, run_id: str | None = None) -> Path:
+    """Write the report of ``run_id`` (default: the latest completed pipeline run; a ``laminar eval``
+    run id reports that evaluation); returns report.md."""
+    from evaluation.report import write_report
+
+    run_id = run_id or default_run(ws)
+    return write_report(gather(ws, run_id), ws.run_dir(run_id) / "report")
