@@ -45,7 +45,7 @@ class DataConfig:
 class SFTConfig:
     """Warm-up supervised fine-tuning on the prompt pool's demonstrations (of ``levels``)."""
 
-    steps: int = 600
+    steps: int = 800
     batch_size: int = 32
     lr: float = 3e-3
     warmup_steps: int = 20
