@@ -12,7 +12,7 @@ import pytest
 ROOT = Path(__file__).resolve().parents[2]
 LAMINAR = [sys.executable, "-m", "flows.cli"]
 # Smaller than the default: 60 RL steps instead of 100 (warm-up must stay long enough for the tiny
-# model to learn to copy operands, which it does between 400 and 600 steps).
+# model to learn to copy operands: for some seeds that takes more than 600 steps).
 SMALL = ["rl.steps=60"]
 
 pytestmark = pytest.mark.e2e
