@@ -74,6 +74,10 @@ class RLConfig:
     on-policy and the clip bounds never bind; with more, later steps are clipped against the
     proximal log-probs taken before the first."""
     # Overrides of the algorithm's preset (training.objectives.PRESETS); None keeps the preset's value.
+    advantage: Optional[str] = None  # grpo | dr_grpo | batch
+    loss_agg: Optional[str] = None  # token_mean | seq_mean | seq_sum_const
+    behaviour_weight: Optional[str] = None  # truncate | mask | none (off-policy correction)
+    is_cap: Optional[float] = None
     clip_low: Optional[float] = None
     clip_high: Optional[float] = None
     dual_clip: Optional[float] = None

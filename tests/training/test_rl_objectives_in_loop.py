@@ -40,6 +40,18 @@ def test_config_overrides_reach_the_objective():
     assert p.clip_high == 0.3 and p.kl_coef == 0.01 and p.dynamic_sampling and p.loss_agg == "token_mean"
     assert p.overlong_cache_len == cfg.overlong_cache_len
     assert objective_params(load_config(["rl.algorithm=dr_grpo"]).rl).advantage == "dr_grpo"
+    p = objective_params(load_config(["rl.advantage=batch", "rl.loss_agg=token_mean", "rl.behaviour_weight=mask"]).rl)
+    assert (p.advantage, p.loss_agg, p.behaviour_weight) == ("batch", "token_mean", "mask")
+
+
+def test_bad_objective_names_fail_before_any_write():
+    import pytest
+
+    from conf.schema import ConfigError
+    from tasks.preflight import preflight
+
+    with pytest.raises(ConfigError, match="loss_agg"):
+        preflight(load_config(["rl.loss_agg=mean_of_means"]))
 
 
 def test_dynamic_sampling_drops_constant_groups_and_refills():

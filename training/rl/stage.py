@@ -24,8 +24,8 @@ LOG = logging.getLogger("laminar.training")
 TIMING_KEYS = ("gen_seconds", "train_seconds", "gen_tokens_per_s")
 
 
-OVERRIDABLE = ("clip_low", "clip_high", "dual_clip", "dynamic_sampling", "max_sampling_rounds",
-               "overlong_shaping", "overlong_filter", "kl_coef")
+OVERRIDABLE = ("advantage", "loss_agg", "behaviour_weight", "is_cap", "clip_low", "clip_high", "dual_clip",
+               "dynamic_sampling", "max_sampling_rounds", "overlong_shaping", "overlong_filter", "kl_coef")
 
 
 def objective_params(cfg: RLConfig) -> ObjectiveParams:
