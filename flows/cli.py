@@ -68,7 +68,6 @@ def cmd_status(args) -> int:
 
 
 def cmd_run(args) -> int:
-    from conf.loader import to_yaml
     from core.workspace import Workspace, WorkspaceBusy
     from tasks.prefect_env import configure_prefect
     from tasks.stages import STAGE_BY_NAME
@@ -84,12 +83,9 @@ def cmd_run(args) -> int:
             ws.create()
             ws.artifacts.clean_tmp()
             configure_prefect(ws)
-            run_id = datetime.now(timezone.utc).strftime("%Y%m%d-%H%M%S-") + uuid.uuid4().hex[:6]
-            run_dir = ws.run_dir(run_id)
-            run_dir.mkdir(parents=True)
-            (run_dir / "config.yaml").write_text(to_yaml(cfg))
-            command = shlex.join(["laminar", *sys.argv[1:]])
-            (run_dir / "command.txt").write_text(command + "\n")
+            run_id, command = _new_run_id(), _command()
+            ws.run_dir(run_id).mkdir(parents=True)
+            _save_run_files(ws, run_id, cfg, command)
             return _run(cfg, ws, run_id, args, command)
     except WorkspaceBusy as err:
         print(f"laminar: {err}", file=sys.stderr)
@@ -144,7 +140,6 @@ def _split_ckpt(overrides: list[str]) -> tuple[str, list[str]]:
 
 
 def cmd_eval(args) -> int:
-    from conf.loader import to_yaml
     from core.workspace import Workspace, WorkspaceBusy
     from tasks.checkpoint_eval import EvalInputError, evaluate, format_eval
 
@@ -155,17 +150,14 @@ def cmd_eval(args) -> int:
         with ws.lock():
             ws.create()
             ws.artifacts.clean_tmp()
-            run_id = "eval-" + datetime.now(timezone.utc).strftime("%Y%m%d-%H%M%S-") + uuid.uuid4().hex[:6]
-            command = shlex.join(["laminar", *sys.argv[1:]])
+            run_id, command = _new_run_id("eval-"), _command()
             _quiet_transformers()
             try:
                 report = evaluate(cfg, ws, ckpt, run_id, command)
             except EvalInputError as err:
                 print(f"laminar: {err}", file=sys.stderr)
                 return 2
-            run_dir = ws.run_dir(run_id)
-            (run_dir / "config.yaml").write_text(to_yaml(cfg))
-            (run_dir / "command.txt").write_text(command + "\n")
+            _save_run_files(ws, run_id, cfg, command)
     except WorkspaceBusy as err:
         print(f"laminar: {err}", file=sys.stderr)
         return 3
@@ -190,6 +182,23 @@ def cmd_report(args) -> int:
         return 2
     print(f"report: {path}")
     return 0
+
+
+def _new_run_id(prefix: str = "") -> str:
+    return prefix + datetime.now(timezone.utc).strftime("%Y%m%d-%H%M%S-") + uuid.uuid4().hex[:6]
+
+
+def _command() -> str:
+    return shlex.join(["laminar", *sys.argv[1:]])
+
+
+def _save_run_files(ws, run_id: str, cfg, command: str) -> None:
+    """The resolved config and the exact command beside the run's outputs."""
+    from conf.loader import to_yaml
+
+    run_dir = ws.run_dir(run_id)
+    (run_dir / "config.yaml").write_text(to_yaml(cfg))
+    (run_dir / "command.txt").write_text(command + "\n")
 
 
 def _quiet_transformers() -> None:

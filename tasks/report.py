@@ -8,7 +8,7 @@ from collections import defaultdict
 from pathlib import Path
 
 from core.workspace import Workspace
-from tasks.stages import EVAL, MODEL, STAGE_BY_NAME
+from tasks.stages import EVAL, MODEL, stage_headline
 
 CHECKPOINT_STAGES = ("base_model", "warmup", "rl")
 ROLE_ORDER = (*CHECKPOINT_STAGES, "external")
@@ -30,13 +30,6 @@ def default_run(ws: Workspace) -> str:
     return rows[0]["run_id"]
 
 
-def _headline(stage: str, metrics: dict) -> str:
-    try:
-        return STAGE_BY_NAME[stage].headline(metrics)
-    except (KeyError, TypeError, ValueError):
-        return ""
-
-
 def gather(ws: Workspace, run_id: str):
     from evaluation.report import EvalGroup, ReportData, summarize_eval_rows
 
@@ -54,7 +47,7 @@ def gather(ws: Workspace, run_id: str):
     for s in stages:
         data.stages.append({"stage": s["stage"], "status": s["status"], "seconds": s["seconds"],
                             "cache_key": s["cache_key"],
-                            "headline": _headline(s["stage"], json.loads(s["metrics_json"] or "{}"))})
+                            "headline": stage_headline(s["stage"], json.loads(s["metrics_json"] or "{}"))})
         if s["stage"] in CHECKPOINT_STAGES and MODEL in outputs[s["stage"]]:
             roles[outputs[s["stage"]][MODEL]["sha256"]] = s["stage"]
         elif s["stage"] == "eval":  # a `laminar eval` run: its checkpoint, under the role the catalog gives it

@@ -56,6 +56,14 @@ class Stage:
     they enter the cache key like artifact inputs, so replacing the files reruns the stage."""
 
 
+def stage_headline(stage: str, metrics: dict) -> str:
+    """The stage's one-line metric summary; empty when its metrics lack what the line shows."""
+    try:
+        return STAGE_BY_NAME[stage].headline(metrics)
+    except (KeyError, TypeError, ValueError):
+        return ""
+
+
 def _produce(ctx: StageContext, kind: str, fn: Callable[[Path], dict], meta: dict | None = None) -> tuple[ArtifactRef, dict]:
     """Run ``fn`` into a new artifact of ``kind``; ``meta`` (which ``fn`` may fill) goes into its manifest."""
     with ctx.store.create(kind, meta) as pending:

@@ -5,7 +5,7 @@ from __future__ import annotations
 from typing import Sequence
 
 from tasks.runner import StageOutcome
-from tasks.stages import STAGE_BY_NAME
+from tasks.stages import stage_headline
 
 
 def build_summary(run_id: str, outcomes: Sequence[StageOutcome], seconds: float) -> dict:
@@ -30,11 +30,7 @@ def build_summary(run_id: str, outcomes: Sequence[StageOutcome], seconds: float)
 def format_table(summary: dict) -> str:
     lines = [f"{'stage':<12} {'status':<7} {'seconds':>8}  metrics", "-" * 72]
     for name, s in summary["stages"].items():
-        try:
-            headline = STAGE_BY_NAME[name].headline(s["metrics"])
-        except (KeyError, TypeError, ValueError):
-            headline = ""
-        lines.append(f"{name:<12} {s['status']:<7} {s['seconds']:>8.1f}  {headline}")
+        lines.append(f"{name:<12} {s['status']:<7} {s['seconds']:>8.1f}  {stage_headline(name, s['metrics'])}")
     m = summary["metrics"]
     lines.append("-" * 72)
     fmt = lambda v: "n/a" if v is None else f"{v:.3f}"  # noqa: E731
@@ -49,10 +45,7 @@ def publish_prefect_artifacts(outcomes: Sequence[StageOutcome]) -> None:
 
     rows = []
     for o in outcomes:
-        try:
-            headline = STAGE_BY_NAME[o.stage].headline(o.result.metrics)
-        except (KeyError, TypeError, ValueError):
-            headline = ""
+        headline = stage_headline(o.stage, o.result.metrics)
         rows.append({"stage": o.stage, "status": o.status, "seconds": round(o.seconds, 2),
                      "cache_key": o.key.digest[:16], "metrics": headline})
     create_table_artifact(table=rows, key="laminar-stages", description="Stages of this run: ran or cached")
