@@ -29,10 +29,30 @@ class ModelConfig:
 
 
 @dataclass
+class SourceConfig:
+    """One prompt pool file (or folder, or Hugging Face dataset) and how its fields map."""
+
+    name: str = "pool"
+    path: str = ""
+    """A jsonl/json/parquet file, a folder, or (format=hf) a local dataset folder or a hub name.
+    A relative path that does not exist from the working directory is read from the project root."""
+    format: str = "auto"  # auto | jsonl | json | parquet | hf | verl
+    problem_field: str = "problem"
+    answer_field: str = "answer"
+    id_field: Optional[str] = None
+    level_field: Optional[str] = None
+    subject_field: Optional[str] = None
+    extra_fields: List[str] = field(default_factory=list)
+    split: str = "train"
+
+
+@dataclass
 class DataConfig:
-    """The prompt pool and the held-out evaluation set of the synthetic arithmetic task."""
+    """The prompt pool: ``source=arith`` draws the synthetic arithmetic task (pool and held-out set)
+    and adds ``sources``; ``source=files`` takes only ``sources`` (``data=math`` is one such preset)."""
 
     source: str = "arith"
+    sources: List[SourceConfig] = field(default_factory=list)
     pool_size: int = 6000
     heldout_size: int = 300
     levels: List[int] = field(default_factory=lambda: [1, 2, 3, 4, 5])
@@ -87,6 +107,8 @@ class RLConfig:
     overlong_filter: Optional[bool] = None
     kl_coef: Optional[float] = None
     overlong_cache_len: int = 16
+    eval_every: int = 25
+    """Evaluate the held-out/benchmark set (``eval.*``) inside the run every N steps and at the end; 0 = off."""
     """DAPO's soft-punishment buffer L_cache, in tokens before ``max_new_tokens`` (the paper uses
     4,096 of 20,480; here 16 of 64, the same order of share)."""
 
@@ -105,6 +127,73 @@ class EvalConfig:
 
 
 @dataclass
+class DedupConfig:
+    near_threshold: float = 0.85
+    """Estimated Jaccard similarity of character 5-gram shingles at or above which two prompts are near duplicates."""
+
+
+@dataclass
+class DecontamConfig:
+    ngram: int = 13
+    """Word n-gram length; a prompt sharing one n-gram with any item of ``eval.benchmarks`` is excluded."""
+
+
+@dataclass
+class DifficultyConfig:
+    samples: int = 4
+    max_prompts: int = 1500
+    """Prompts sampled (a seeded subset of the pool when larger); 0 = all."""
+    temperature: float = 1.0
+    max_new_tokens: int = 64
+
+
+@dataclass
+class DartConfig:
+    """Difficulty-aware rejection sampling (DART) for the RFT dataset."""
+
+    strategy: str = "prop2diff"  # prop2diff | uniform | vanilla
+    k_u: int = 4
+    k_p: int = 8
+    max_trials: int = 32
+    budget: int = 8000
+    round_size: int = 2048
+    temperature: float = 1.0
+
+
+@dataclass
+class RFTConfig:
+    """Rejection fine-tuning on DART's correct responses; ``steps=0`` passes the model through."""
+
+    steps: int = 200
+    batch_size: int = 32
+    lr: float = 1e-3
+    warmup_steps: int = 10
+
+
+@dataclass
+class SelectConfig:
+    """HIVE: coarse learning-edge selection before RL, online pruning during RL."""
+
+    strategy: str = "hive"  # hive | uniform (every curated prompt, no online pruning)
+    max_prompts: Optional[int] = None
+    history: str = "run"
+    """run: the history of this run's upstream stages only (cached like any stage); workspace: also
+    every earlier RL run's group rewards in the catalog (the key then covers that history)."""
+    online_greso: bool = True
+    online_entropy: str = "median"  # median | paper | off
+
+
+@dataclass
+class CurationConfig:
+    dedup: DedupConfig = field(default_factory=DedupConfig)
+    decontam: DecontamConfig = field(default_factory=DecontamConfig)
+    difficulty: DifficultyConfig = field(default_factory=DifficultyConfig)
+    dart: DartConfig = field(default_factory=DartConfig)
+    rft: RFTConfig = field(default_factory=RFTConfig)
+    select: SelectConfig = field(default_factory=SelectConfig)
+
+
+@dataclass
 class Config:
     seed: int = 0
     device: str = "cpu"
@@ -114,10 +203,15 @@ class Config:
     sft: SFTConfig = field(default_factory=SFTConfig)
     rl: RLConfig = field(default_factory=RLConfig)
     eval: EvalConfig = field(default_factory=EvalConfig)
+    curation: CurationConfig = field(default_factory=CurationConfig)
 
 
 MODEL_KINDS = ("tiny", "hf")
-DATA_SOURCES = ("arith",)
+DATA_SOURCES = ("arith", "files")
+SOURCE_FORMATS = ("auto", "jsonl", "json", "parquet", "hf", "verl")
+DART_STRATEGIES = ("prop2diff", "uniform", "vanilla")
+SELECT_STRATEGIES = ("hive", "uniform")
+ENTROPY_RULES = ("median", "paper", "off")
 RL_ALGORITHMS = ("grpo", "dapo", "dr_grpo")  # the keys of training.objectives.PRESETS (a test checks)
 RL_MODES = ("sync",)
 DEVICES = ("cpu", "cuda", "auto")
@@ -164,8 +258,8 @@ def validate(cfg: Config) -> Config:
     _positive(cfg, "sft.batch_size", "sft.lr", "rl.prompts_per_step", "rl.minibatches", "rl.lr", "rl.max_new_tokens",
               "rl.temperature", "eval.n_samples", "eval.temperature", "eval.max_new_tokens",
               "eval.batch_size", "data.pool_size", "data.heldout_size")
-    if cfg.sft.steps < 0 or cfg.rl.steps < 0:
-        raise ConfigError("sft.steps and rl.steps must be >= 0")
+    if cfg.sft.steps < 0 or cfg.rl.steps < 0 or cfg.rl.eval_every < 0:
+        raise ConfigError("sft.steps, rl.steps and rl.eval_every must be >= 0")
     if cfg.rl.group_size < 2:
         raise ConfigError(
             f"rl.group_size={cfg.rl.group_size}: group advantages need at least 2 responses per prompt; "
@@ -189,6 +283,36 @@ def validate(cfg: Config) -> Config:
         raise ConfigError(f"rl.clip_low={cfg.rl.clip_low} must be in [0, 1)")
     if cfg.rl.clip_high is not None and cfg.rl.clip_high < 0:
         raise ConfigError(f"rl.clip_high={cfg.rl.clip_high} must be >= 0")
+    _validate_curation(cfg)
     if not cfg.eval.benchmarks:
         raise ConfigError("eval.benchmarks is empty; name at least one, e.g. eval.benchmarks=[arith_heldout]")
     return cfg
+
+
+def _validate_curation(cfg: Config) -> None:
+    if cfg.data.source == "files" and not cfg.data.sources:
+        raise ConfigError("data.source=files needs data.sources (a list of files); or use data=math")
+    names = [s.name for s in cfg.data.sources]
+    if len(set(names)) != len(names) or "arith" in names and cfg.data.source == "arith":
+        raise ConfigError(f"data.sources names must be unique (and not 'arith' with data.source=arith): {names}")
+    for i, src in enumerate(cfg.data.sources):
+        _one_of(f"data.sources[{i}].format", src.format, SOURCE_FORMATS)
+        if not src.path:
+            raise ConfigError(f"data.sources[{i}].path is empty; name a file, folder or dataset")
+    c = cfg.curation
+    _one_of("curation.dart.strategy", c.dart.strategy, DART_STRATEGIES)
+    _one_of("curation.select.strategy", c.select.strategy, SELECT_STRATEGIES)
+    _one_of("curation.select.online_entropy", c.select.online_entropy, ENTROPY_RULES)
+    _one_of("curation.select.history", c.select.history, ("run", "workspace"))
+    if not 0 < c.dedup.near_threshold <= 1:
+        raise ConfigError(f"curation.dedup.near_threshold={c.dedup.near_threshold} must be in (0, 1]")
+    _positive(cfg, "curation.decontam.ngram", "curation.difficulty.samples", "curation.difficulty.temperature",
+              "curation.difficulty.max_new_tokens", "curation.dart.k_u", "curation.dart.k_p",
+              "curation.dart.round_size", "curation.dart.temperature", "curation.rft.batch_size", "curation.rft.lr")
+    if c.difficulty.samples < 2:
+        raise ConfigError("curation.difficulty.samples must be >= 2 to tell the learning edge (0 < pass rate < 1)")
+    if c.difficulty.max_prompts < 0 or c.dart.budget < 0 or c.dart.max_trials < 0 or c.rft.steps < 0:
+        raise ConfigError("curation.difficulty.max_prompts, curation.dart.budget, curation.dart.max_trials and "
+                          "curation.rft.steps must be >= 0")
+    if c.select.max_prompts is not None and c.select.max_prompts < 1:
+        raise ConfigError("curation.select.max_prompts must be >= 1 or null")

@@ -52,8 +52,45 @@ CREATE TABLE IF NOT EXISTS prompts (
 CREATE TABLE IF NOT EXISTS eval_results (
     checkpoint_sha VARCHAR, eval_sha VARCHAR, benchmark VARCHAR, problem_id VARCHAR, sample_idx INTEGER,
     response VARCHAR, pred VARCHAR, correct BOOLEAN, error VARCHAR,
-    length INTEGER, truncated BOOLEAN, level VARCHAR,
+    length INTEGER, truncated BOOLEAN, level VARCHAR, subject VARCHAR,
     PRIMARY KEY (checkpoint_sha, eval_sha, benchmark, problem_id, sample_idx)
+);
+ALTER TABLE eval_results ADD COLUMN IF NOT EXISTS subject VARCHAR;
+-- curation decisions, keyed by the artifact that made them (a cached rerun inserts nothing new)
+CREATE TABLE IF NOT EXISTS quarantine (
+    artifact_sha VARCHAR, source VARCHAR, source_row BIGINT, raw VARCHAR, reason VARCHAR,
+    PRIMARY KEY (artifact_sha, source, source_row)
+);
+CREATE TABLE IF NOT EXISTS duplicates (
+    artifact_sha VARCHAR, source VARCHAR, source_row BIGINT, prompt_id VARCHAR, canonical_id VARCHAR,
+    kind VARCHAR, similarity DOUBLE,
+    PRIMARY KEY (artifact_sha, source, source_row)
+);
+CREATE TABLE IF NOT EXISTS contamination (
+    artifact_sha VARCHAR, prompt_id VARCHAR, source VARCHAR, benchmark VARCHAR, benchmark_problem_id VARCHAR,
+    matched VARCHAR, overlap BIGINT,
+    PRIMARY KEY (artifact_sha, prompt_id, benchmark, benchmark_problem_id)
+);
+CREATE TABLE IF NOT EXISTS attempts (
+    artifact_sha VARCHAR, model_sha VARCHAR, prompt_id VARCHAR, n BIGINT, n_correct BIGINT, pass_rate DOUBLE,
+    mean_length DOUBLE, mean_entropy DOUBLE, level INTEGER,
+    PRIMARY KEY (artifact_sha, prompt_id)
+);
+CREATE TABLE IF NOT EXISTS dart_stats (
+    artifact_sha VARCHAR, prompt_id VARCHAR, fail_rate DOUBLE, target BIGINT, trials BIGINT, corrects BIGINT,
+    stopped_reason VARCHAR, level INTEGER,
+    PRIMARY KEY (artifact_sha, prompt_id)
+);
+CREATE TABLE IF NOT EXISTS selections (
+    artifact_sha VARCHAR, prompt_id VARCHAR, pass_rate_est DOUBLE, score DOUBLE, n_observations BIGINT,
+    selected BOOLEAN, reason VARCHAR,
+    PRIMARY KEY (artifact_sha, prompt_id)
+);
+-- HIVE's reward history: one row per rolled-out group (difficulty sampling and every RL step)
+CREATE TABLE IF NOT EXISTS reward_history (
+    source_sha VARCHAR, origin VARCHAR, step BIGINT, idx BIGINT, prompt_id VARCHAR, mean_reward DOUBLE,
+    n BIGINT, recorded_at TIMESTAMP,
+    PRIMARY KEY (source_sha, step, idx)
 );
 CREATE TABLE IF NOT EXISTS metrics (
     cache_key VARCHAR, stage VARCHAR, step BIGINT, name VARCHAR, value DOUBLE,

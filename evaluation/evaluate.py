@@ -31,6 +31,7 @@ class EvalRow:
     length: int
     truncated: bool
     level: str | None
+    subject: str | None = None
 
 
 def evaluate_items(model, tokenizer, items: Sequence[BenchmarkItem], *, templates: dict[str, str | None],
@@ -51,7 +52,8 @@ def evaluate_items(model, tokenizer, items: Sequence[BenchmarkItem], *, template
         item = items[i // n_samples]  # requests are item-major; ids may repeat across benchmarks
         rows.append(EvalRow(benchmark=item.benchmark, problem_id=item.problem_id, sample_idx=req.sample_idx,
                             response=traj.text, pred=v.pred, correct=v.correct, error=v.error,
-                            length=len(traj.response_tokens), truncated=not traj.finished, level=item.level))
+                            length=len(traj.response_tokens), truncated=not traj.finished, level=item.level,
+                            subject=item.subject))
     return rows
 
 

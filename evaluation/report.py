@@ -16,8 +16,8 @@ __all__ = ["EvalGroup", "ReportData", "format_eval_table", "markdown_benchmark_t
            "write_report", "PLOTS"]
 
 PLOTS = {"benchmarks": "benchmark_accuracy.png", "rl": "rl_reward_length.png", "levels": "accuracy_by_level.png"}
-ROLE_LABELS = {"base_model": "base", "warmup": "warm-up", "rl": "RL", "external": "external"}
-_COLORS = {"base": "#9e9e9e", "warm-up": "#4c72b0", "RL": "#dd8452", "external": "#55a868"}
+ROLE_LABELS = {"base_model": "base", "warmup": "warm-up", "rft": "RFT", "rl": "RL", "external": "external"}
+_COLORS = {"base": "#9e9e9e", "warm-up": "#4c72b0", "RFT": "#8172b3", "RL": "#dd8452", "external": "#55a868"}
 
 
 @dataclass(frozen=True)
@@ -120,18 +120,19 @@ def _headline_evals(evals: Sequence[EvalGroup]) -> dict[tuple[str, str], EvalGro
     return chosen
 
 
-def _level_rows(evals: Sequence[EvalGroup]) -> tuple[list[str], list[str], list[list[Any]]]:
+def _level_rows(evals: Sequence[EvalGroup], by: str = "by_level") -> tuple[list[str], list[str], list[list[Any]]]:
+    """Rows (benchmark, level or subject, accuracy per checkpoint role) of the ``by`` breakdown."""
     chosen = _headline_evals(evals)
-    roles = [r for r in ROLE_LABELS if any(k[0] == r and chosen[k].summary.get("by_level") for k in chosen)]
+    roles = [r for r in ROLE_LABELS if any(k[0] == r and chosen[k].summary.get(by) for k in chosen)]
     rows = []
     for bench in sorted({b for _, b in chosen}):
-        levels = sorted({lv for r in roles for lv in chosen.get((r, bench), _EMPTY).summary.get("by_level", {})},
+        levels = sorted({lv for r in roles for lv in chosen.get((r, bench), _EMPTY).summary.get(by, {})},
                         key=_level_order)
         for lv in levels:
             row: list[Any] = [bench, lv]
             for r in roles:
                 s = chosen.get((r, bench), _EMPTY).summary
-                v = s.get("by_level", {}).get(lv)
+                v = s.get(by, {}).get(lv)
                 row.append(v[f"avg@{s['n_samples']}"] if v else "")
             rows.append(row)
     return roles, [ROLE_LABELS.get(r, r) for r in roles], rows
@@ -183,11 +184,14 @@ def plot_benchmarks(evals: Sequence[EvalGroup], path: Path) -> None:
 def plot_rl(rl_metrics: Mapping[str, Sequence[tuple[int, float]]], path: Path) -> None:
     plt = _pyplot()
     fig, (ax1, ax2) = plt.subplots(1, 2, figsize=(10, 3.8))
-    for name, ax in (("reward", ax1), ("accuracy", ax1), ("response_length", ax2)):
+    in_run = sorted(n for n in rl_metrics if n.startswith("eval_") and n != "eval_seconds")
+    for name, ax in (("reward", ax1), ("accuracy", ax1), *((n, ax1) for n in in_run), ("response_length", ax2)):
         points = rl_metrics.get(name, [])
         if points:
-            ax.plot([s for s, _ in points], [v for _, v in points], marker="." if len(points) < 40 else None,
-                    label=name.replace("_", " "))
+            ax.plot([s for s, _ in points], [v for _, v in points],
+                    marker="o" if name in in_run else ("." if len(points) < 40 else None),
+                    label=name.replace("eval_", "held-out eval: ").replace("_", " ") if name in in_run
+                    else name.replace("_", " "))
     ax1.set_title("RL reward over steps")
     ax1.set_xlabel("step")
     ax1.set_ylabel("mean per trajectory")
@@ -238,7 +242,8 @@ def plot_levels(evals: Sequence[EvalGroup], path: Path) -> None:
 
 def _rl_table(rl_metrics: Mapping[str, Sequence[tuple[int, float]]]) -> str:
     rows = []
-    for name in ("reward", "accuracy", "response_length", "truncated", "entropy"):
+    in_run = sorted(n for n in rl_metrics if n.startswith("eval_") and n != "eval_seconds")
+    for name in ("reward", "accuracy", "response_length", "truncated", "entropy", *in_run):
         pts = rl_metrics.get(name)
         if pts:
             tail = [v for _, v in pts[-5:]]
@@ -250,6 +255,7 @@ def render_markdown(data: ReportData) -> str:
     stage_rows = [[s["stage"], s["status"], f"{float(s['seconds'] or 0):.1f}", s.get("headline", "")]
                   for s in data.stages]
     _, labels, level_rows = _level_rows(data.evals)
+    _, subject_labels, subject_rows = _level_rows(data.evals, "by_subject")
     parts = [
         f"# Laminar run {data.run_id}", "",
         f"status: **{data.status}**  ", f"command: `{data.command}`", "",
@@ -263,6 +269,8 @@ def render_markdown(data: ReportData) -> str:
         _md(["benchmark", "level", *labels], level_rows) if level_rows else "_no per-level results_", "",
         f"![accuracy per level]({PLOTS['levels']})", "",
     ]
+    if subject_rows:
+        parts += ["## Accuracy per subject", "", _md(["benchmark", "subject", *subject_labels], subject_rows), ""]
     return "\n".join(parts)
 
 

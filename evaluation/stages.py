@@ -46,10 +46,35 @@ def evaluate_checkpoint(model_dir: Path, data_dir: Path | None, cfg: EvalConfig,
     pl.DataFrame([r.__dict__ for r in rows], schema={
         "benchmark": pl.Utf8, "problem_id": pl.Utf8, "sample_idx": pl.Int32, "response": pl.Utf8, "pred": pl.Utf8,
         "correct": pl.Boolean, "error": pl.Utf8, "length": pl.Int32, "truncated": pl.Boolean, "level": pl.Utf8,
+        "subject": pl.Utf8,
     }).write_parquet(Path(out_dir) / "rows.parquet")
     with open(Path(out_dir) / "summary.json", "w") as f:
         json.dump(summary, f, indent=2, sort_keys=True)
     return summary
 
 
-__all__ = ["EvalRow", "evaluate_checkpoint", "load_items", "HELDOUT"]
+def in_run_evaluator(tokenizer, data_dir: Path | None, cfg: EvalConfig, *, templates: dict[str, str | None],
+                     seed: int, device: str, verifier):
+    """A callback for evaluation every N RL steps: ``model -> {"eval_<benchmark>": avg@n, "eval_seconds": s}``.
+    Same items, sampling and verifier as the eval stages, so the last in-run value of a checkpoint
+    matches its eval stage's accuracy."""
+    import time
+
+    items = [it for name in cfg.benchmarks if name != HELDOUT or data_dir is not None
+             for it in load_items(name, data_dir)]
+
+    def evaluate(model) -> dict[str, float]:
+        t0 = time.perf_counter()
+        was_training = model.training
+        model.eval()
+        rows = evaluate_items(model, tokenizer, items, templates=templates, n_samples=cfg.n_samples,
+                              temperature=cfg.temperature, max_new_tokens=cfg.max_new_tokens,
+                              batch_size=cfg.batch_size, seed=seed, device=device, verifier=verifier)
+        model.train(was_training)
+        out = {f"eval_{b}": s["accuracy"] for b, s in summarize_rows(rows, cfg.n_samples).items()}
+        return {**out, "eval_seconds": time.perf_counter() - t0}
+
+    return evaluate
+
+
+__all__ = ["EvalRow", "evaluate_checkpoint", "in_run_evaluator", "load_items", "HELDOUT"]

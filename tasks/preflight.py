@@ -23,6 +23,12 @@ def preflight(cfg: Config) -> None:
         if not list(path.glob("*.safetensors")):
             raise ConfigError(f"model.path={path} has no *.safetensors weights; pickled weights are never loaded, "
                               "convert them to safetensors first")
+    from data_curation.sources import resolve_source_path
+
+    for i, src in enumerate(cfg.data.sources):
+        if resolve_source_path(src.path) is None and src.format != "hf":
+            raise ConfigError(f"data.sources[{i}].path={src.path!r}: no such file or folder "
+                              "(only format=hf may name a hub dataset)")
     from training.rl.stage import objective_params
 
     try:

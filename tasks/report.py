@@ -10,9 +10,9 @@ from pathlib import Path
 from core.workspace import Workspace
 from tasks.stages import EVAL, MODEL, stage_headline
 
-CHECKPOINT_STAGES = ("base_model", "warmup", "rl")
+CHECKPOINT_STAGES = ("base_model", "warmup", "rft", "rl")
 ROLE_ORDER = (*CHECKPOINT_STAGES, "external")
-OWN_EVALS = {"eval_warmup": "warmup", "eval_rl": "rl"}
+OWN_EVALS = {"eval_warmup": "warmup", "eval_rft": "rft", "eval_rl": "rl"}
 
 
 class ReportError(ValueError):
@@ -63,7 +63,7 @@ def gather(ws: Workspace, run_id: str):
         marks = ", ".join("?" * len(roles))
         rows = cat.query(
             "SELECT e.checkpoint_sha, e.eval_sha, e.benchmark, e.problem_id, e.sample_idx, e.pred, e.correct, "
-            f"e.error, e.length, e.truncated, e.level FROM eval_results e WHERE e.checkpoint_sha IN ({marks})",
+            f"e.error, e.length, e.truncated, e.level, e.subject FROM eval_results e WHERE e.checkpoint_sha IN ({marks})",
             list(roles))
         created = {r["sha256"]: r["created_at"] for r in cat.query(
             "SELECT sha256, created_at FROM artifacts WHERE kind = ?", [EVAL])}

@@ -34,10 +34,10 @@ class StageOutcome:
     task_run_id: str | None
 
 
-def stage_key(stage: Stage, cfg: Config, inputs: dict[str, ArtifactRef]) -> CacheKey:
+def stage_key(stage: Stage, cfg: Config, inputs: dict[str, ArtifactRef], ws: Workspace | None = None) -> CacheKey:
     hashes = {k: v.sha256 for k, v in inputs.items()}
     if stage.external is not None:
-        hashes.update(stage.external(cfg))
+        hashes.update(stage.external(cfg, ws.catalog if ws is not None else None))
     return make_key(stage.name, stage.config(cfg), hashes, stage.modules, cfg.seed)
 
 
@@ -45,7 +45,7 @@ def _execute(stage_name: str, key: str, cfg: Config, workspace: str, inputs: dic
     """The body of every stage task: run the library function, return JSON-ready artifact refs."""
     ws = Workspace.at(workspace)
     ctx = StageContext(cfg=cfg, store=ws.artifacts, inputs={k: ArtifactRef.from_dict(v) for k, v in inputs.items()},
-                       device=device)
+                       device=device, catalog=ws.catalog)
     return STAGE_BY_NAME[stage_name].body(ctx).to_dict()
 
 
@@ -71,7 +71,7 @@ def run_stage(stage_name: str, cfg: Config, ws: Workspace, run_id: str, upstream
     device = resolve_device(cfg.device)
     stage = STAGE_BY_NAME[stage_name]
     inputs = {name: upstream[src].result.artifacts[out] for name, (src, out) in stage.inputs.items()}
-    key = stage_key(stage, cfg, inputs)
+    key = stage_key(stage, cfg, inputs, ws)
     t0 = time.perf_counter()
     started = datetime.now(timezone.utc)
     task = prefect_task(stage)
@@ -135,7 +135,7 @@ def plan(cfg: Config, ws: Workspace) -> list[StagePlan]:
             out.append(StagePlan(stage.name, "stale", f"upstream {', '.join(sorted(set(missing)))} must run first", None))
             continue
         inputs = {name: produced[src][o] for name, (src, o) in stage.inputs.items()}
-        key = stage_key(stage, cfg, inputs)
+        key = stage_key(stage, cfg, inputs, ws)
         rows = cat.query("SELECT outputs_json FROM stage_runs WHERE stage = ? AND cache_key = ? "
                          "ORDER BY finished_at DESC LIMIT 1", [stage.name, key.digest])
         refs = {n: ArtifactRef.from_dict(d) for n, d in json.loads(rows[0]["outputs_json"]).items()} if rows else {}

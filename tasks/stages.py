@@ -14,6 +14,7 @@ from core.artifacts import ArtifactRef, ArtifactStore
 from core.catalog import Catalog
 
 MODEL, DATASET, EVAL = "model", "dataset", "eval"
+PROMPTS, ATTEMPTS, RFT_DATA, SELECTION = "prompts", "attempts", "rft_data", "selection"
 
 
 @dataclass
@@ -22,6 +23,8 @@ class StageContext:
     store: ArtifactStore
     inputs: dict[str, ArtifactRef]
     device: str
+    catalog: Catalog | None = None
+    """Read-only use in bodies (HIVE's workspace history); only record hooks write."""
 
 
 @dataclass
@@ -51,9 +54,10 @@ class Stage:
     body: Callable[[StageContext], StageResult]
     record: Callable[[Any, StageContext, StageResult, str], None] | None = None
     headline: Callable[[dict], str] = lambda m: ""
-    external: Callable[[Config], dict[str, str]] | None = None
-    """Hashes of inputs from outside the store (a local model folder, vendored benchmark files):
-    they enter the cache key like artifact inputs, so replacing the files reruns the stage."""
+    external: Callable[[Config, Catalog | None], dict[str, str]] | None = None
+    """Hashes of inputs from outside the store (a local model folder, vendored benchmark files, the
+    workspace's reward history): they enter the cache key like artifact inputs, so replacing them
+    reruns the stage."""
 
 
 def stage_headline(stage: str, metrics: dict) -> str:
@@ -74,14 +78,66 @@ def _produce(ctx: StageContext, kind: str, fn: Callable[[Path], dict], meta: dic
 
 # ---- bodies -------------------------------------------------------------------------------------
 
+def template(cfg: Config) -> str:
+    """The prompt template of the training pool: the bare problem for the synthetic task, the
+    \\boxed{} instruction of the benchmarks for real pools (a chat template wraps either)."""
+    from data_curation.synthetic import PROMPT_TEMPLATE
+    from evaluation.benchmarks import DEFAULT_TEMPLATE
+
+    return PROMPT_TEMPLATE if cfg.data.source == "arith" else DEFAULT_TEMPLATE
+
+
+def _eval_templates() -> dict[str, str | None]:
+    from data_curation.synthetic import PROMPT_TEMPLATE
+    from evaluation.stages import HELDOUT
+
+    return {HELDOUT: PROMPT_TEMPLATE}
+
+
 def _data_body(ctx: StageContext) -> StageResult:
+    from data_curation.sources import ARITH_SOURCE, snapshot_sources, write_sources
     from data_curation.synthetic import write_dataset
 
     d = ctx.cfg.data
-    ref, metrics = _produce(ctx, DATASET, lambda out: write_dataset(
-        out, seed=ctx.cfg.seed, pool_size=d.pool_size, heldout_size=d.heldout_size, levels=list(d.levels),
-        demo_error_rate=d.demo_error_rate))
+
+    def build(out: Path) -> dict:
+        metrics: dict = {}
+        specs = []
+        if d.source == "arith":
+            metrics = write_dataset(out, seed=ctx.cfg.seed, pool_size=d.pool_size, heldout_size=d.heldout_size,
+                                    levels=list(d.levels), demo_error_rate=d.demo_error_rate)
+            specs.append(dict(ARITH_SOURCE))
+        specs += snapshot_sources(d.sources, out)
+        write_sources(out, specs)
+        return {**metrics, "sources": float(len(specs))}
+
+    ref, metrics = _produce(ctx, DATASET, build)
     return StageResult({DATASET: ref}, metrics)
+
+
+def _ingest_body(ctx: StageContext) -> StageResult:
+    from data_curation.ingest import SourceSpec, ingest
+    from data_curation.sources import read_sources
+
+    specs = []
+    for spec in read_sources(Path(ctx.inputs[DATASET].path)):
+        spec["extra_fields"] = tuple(spec.get("extra_fields") or ())
+        specs.append(SourceSpec(**spec))
+    ref, metrics = _produce(ctx, PROMPTS, lambda out: ingest(
+        specs, out, near_dup_threshold=ctx.cfg.curation.dedup.near_threshold, seed=ctx.cfg.seed))
+    return StageResult({PROMPTS: ref}, metrics)
+
+
+def _decontaminate_body(ctx: StageContext) -> StageResult:
+    from data_curation.decontaminate import decontaminate
+    from evaluation.stages import HELDOUT, load_items
+
+    data = Path(ctx.inputs[DATASET].path)
+    has_heldout = (data / "heldout.parquet").exists()
+    items = [it for b in ctx.cfg.eval.benchmarks if b != HELDOUT or has_heldout for it in load_items(b, data)]
+    ref, metrics = _produce(ctx, PROMPTS, lambda out: decontaminate(
+        Path(ctx.inputs[PROMPTS].file("prompts.parquet")), items, out, ngram=ctx.cfg.curation.decontam.ngram))
+    return StageResult({PROMPTS: ref}, metrics)
 
 
 def _base_model_body(ctx: StageContext) -> StageResult:
@@ -94,35 +150,146 @@ def _base_model_body(ctx: StageContext) -> StageResult:
 
 
 def _warmup_body(ctx: StageContext) -> StageResult:
-    from data_curation.synthetic import PROMPT_TEMPLATE
     from training.setup import setup_torch
     from training.warmup import warmup
 
     setup_torch(ctx.cfg.threads, ctx.cfg.seed)
     ref, metrics = _produce(ctx, MODEL, lambda out: warmup(
-        Path(ctx.inputs[MODEL].path), Path(ctx.inputs[DATASET].path), ctx.cfg.sft, template=PROMPT_TEMPLATE,
-        seed=ctx.cfg.seed, device=ctx.device, out_dir=out))
+        Path(ctx.inputs[MODEL].path), ctx.inputs[PROMPTS].file("prompts.parquet"), ctx.cfg.sft,
+        template=template(ctx.cfg), seed=ctx.cfg.seed, device=ctx.device, out_dir=out))
     return StageResult({MODEL: ref}, metrics)
 
 
-def _rl_body(ctx: StageContext) -> StageResult:
-    from data_curation.synthetic import PROMPT_TEMPLATE
+def _difficulty_body(ctx: StageContext) -> StageResult:
+    from data_curation.sampling import estimate_difficulty
     from evaluation.verifier import Verifier
+    from training.setup import setup_torch
+
+    setup_torch(ctx.cfg.threads, ctx.cfg.seed)
+    c = ctx.cfg.curation.difficulty
+
+    def run(out: Path) -> dict:
+        with Verifier(timeout_s=ctx.cfg.eval.verifier_timeout_s) as verifier:
+            return estimate_difficulty(
+                Path(ctx.inputs[MODEL].path), ctx.inputs[PROMPTS].file("prompts.parquet"), out, samples=c.samples,
+                max_prompts=c.max_prompts, temperature=c.temperature, max_new_tokens=c.max_new_tokens,
+                template=template(ctx.cfg), seed=ctx.cfg.seed, device=ctx.device, verifier=verifier)
+
+    ref, metrics = _produce(ctx, ATTEMPTS, run, {"model": ctx.inputs[MODEL].sha256})
+    return StageResult({ATTEMPTS: ref}, metrics)
+
+
+def _dart_body(ctx: StageContext) -> StageResult:
+    from data_curation.dart import DartParams
+    from data_curation.sampling import dart_sample
+    from evaluation.verifier import Verifier
+    from training.setup import setup_torch
+
+    setup_torch(ctx.cfg.threads, ctx.cfg.seed)
+    c = ctx.cfg.curation.dart
+    params = DartParams(strategy=c.strategy, k_u=c.k_u, k_p=c.k_p, max_trials=c.max_trials, budget=c.budget,
+                        round_size=c.round_size)
+
+    def run(out: Path) -> dict:
+        with Verifier(timeout_s=ctx.cfg.eval.verifier_timeout_s) as verifier:
+            return dart_sample(
+                Path(ctx.inputs[MODEL].path), ctx.inputs[PROMPTS].file("prompts.parquet"),
+                ctx.inputs[ATTEMPTS].file("attempts.parquet"), out, params,
+                max_new_tokens=ctx.cfg.curation.difficulty.max_new_tokens, temperature=c.temperature,
+                template=template(ctx.cfg), seed=ctx.cfg.seed, device=ctx.device, verifier=verifier)
+
+    ref, metrics = _produce(ctx, RFT_DATA, run)
+    return StageResult({RFT_DATA: ref}, metrics)
+
+
+def _rft_body(ctx: StageContext) -> StageResult:
+    from training.rft import rft
+    from training.setup import setup_torch
+
+    setup_torch(ctx.cfg.threads, ctx.cfg.seed)
+    ref, metrics = _produce(ctx, MODEL, lambda out: rft(
+        Path(ctx.inputs[MODEL].path), ctx.inputs[RFT_DATA].file("rft.parquet"), ctx.cfg.curation.rft,
+        template=template(ctx.cfg), seed=ctx.cfg.seed, device=ctx.device, out_dir=out))
+    return StageResult({MODEL: ref}, metrics)
+
+
+def workspace_history(catalog: Catalog | None) -> "Any":
+    """Every RL group reward in the workspace's catalog, in the order it was recorded."""
+    import polars as pl
+
+    if catalog is None:
+        return None
+    rows = catalog.query("SELECT prompt_id, mean_reward, n, origin FROM reward_history WHERE origin = 'rl' "
+                         "ORDER BY recorded_at, source_sha, step, idx")
+    return pl.DataFrame(rows, schema={"prompt_id": pl.Utf8, "mean_reward": pl.Float64, "n": pl.Int64,
+                                      "origin": pl.Utf8})
+
+
+def _select_body(ctx: StageContext) -> StageResult:
+    import polars as pl
+
+    from data_curation.hive import select_learning_edge
+
+    c = ctx.cfg.curation.select
+
+    def run(out: Path) -> dict:
+        prompts = pl.read_parquet(ctx.inputs[PROMPTS].file("prompts.parquet"))
+        attempts = pl.read_parquet(ctx.inputs[ATTEMPTS].file("attempts.parquet"))
+        history = pl.read_parquet(ctx.inputs[ATTEMPTS].file("history.parquet")).select(
+            "prompt_id", "mean_reward", "n", "origin")
+        if c.history == "workspace":
+            prior = workspace_history(ctx.catalog)
+            if prior is not None and prior.height:
+                history = pl.concat([history, prior])
+        history = history.with_columns(seq=pl.int_range(pl.len(), dtype=pl.Int64))
+        history.write_parquet(out / "history.parquet")
+        if c.strategy == "uniform":
+            decisions = prompts.select("prompt_id").with_columns(
+                pass_rate_est=pl.lit(None, pl.Float64), score=pl.lit(None, pl.Float64),
+                n_observations=pl.lit(0, pl.Int64), selected=pl.lit(True), reason=pl.lit("uniform"))
+        else:
+            decisions = select_learning_edge(attempts, history, max_prompts=c.max_prompts)
+        decisions.write_parquet(out / "selection.parquet")
+        chosen = decisions.filter(pl.col("selected"))["prompt_id"]
+        kept = prompts.filter(pl.col("prompt_id").is_in(chosen.implode()))
+        kept.write_parquet(out / "prompts.parquet")
+        counts = decisions.group_by("reason").len().to_dicts()
+        return {"candidates": float(prompts.height), "selected": float(kept.height),
+                **{f"reason_{r['reason']}": float(r["len"]) for r in counts}}
+
+    ref, metrics = _produce(ctx, SELECTION, run)
+    return StageResult({SELECTION: ref}, metrics)
+
+
+def _rl_body(ctx: StageContext) -> StageResult:
+    from evaluation.stages import in_run_evaluator
+    from evaluation.verifier import Verifier
+    from training.model import load_model
     from training.rl.stage import TIMING_KEYS, rl
     from training.setup import setup_torch
 
     setup_torch(ctx.cfg.threads, ctx.cfg.seed)
     meta: dict = {}
+    data = Path(ctx.inputs[DATASET].path)
 
     def run(out: Path) -> dict:
         with Verifier(timeout_s=ctx.cfg.eval.verifier_timeout_s) as verifier:
-            result = rl(Path(ctx.inputs[MODEL].path), Path(ctx.inputs[DATASET].path), ctx.cfg.rl,
-                        template=PROMPT_TEMPLATE, seed=ctx.cfg.seed, device=ctx.device, out_dir=out,
-                        verifier=verifier)
-        meta["timings"] = [{k: m[k] for k in ("step", *TIMING_KEYS)} for m in result.history]
+            evaluate = None
+            if ctx.cfg.rl.eval_every > 0:
+                _, tokenizer = load_model(ctx.inputs[MODEL].path)
+                evaluate = in_run_evaluator(tokenizer, data if (data / "heldout.parquet").exists() else None,
+                                            ctx.cfg.eval, templates=_eval_templates(), seed=ctx.cfg.seed,
+                                            device=ctx.device, verifier=verifier)
+            sel = ctx.inputs[SELECTION]
+            result = rl(Path(ctx.inputs[MODEL].path), sel.file("prompts.parquet"), ctx.cfg.rl,
+                        template=template(ctx.cfg), seed=ctx.cfg.seed, device=ctx.device, out_dir=out,
+                        verifier=verifier, select=ctx.cfg.curation.select, history_path=sel.file("history.parquet"),
+                        evaluate=evaluate)
+        meta["timings"] = [{k: m[k] for k in ("step", *TIMING_KEYS) if k in m} for m in result.history]
         last = result.history[-5:] if result.history else []
         mean = lambda k: sum(m[k] for m in last) / max(1, len(last))  # noqa: E731
         return {"steps": len(result.history), "trajectories": sum(result.consumed.values()),
+                "generated": int(sum(m["generated_trajectories"] for m in result.history)),
                 "reward_last5": mean("reward") if last else None,
                 "reward_first": result.history[0]["reward"] if result.history else None}
 
@@ -131,15 +298,14 @@ def _rl_body(ctx: StageContext) -> StageResult:
 
 
 def _eval_body(ctx: StageContext) -> StageResult:
-    from data_curation.synthetic import PROMPT_TEMPLATE
-    from evaluation.stages import HELDOUT, evaluate_checkpoint
+    from evaluation.stages import evaluate_checkpoint
     from training.setup import setup_torch
 
     setup_torch(ctx.cfg.threads, ctx.cfg.seed)
     data = ctx.inputs.get(DATASET)  # absent for `laminar eval` when no data artifact exists
     ref, summary = _produce(ctx, EVAL, lambda out: evaluate_checkpoint(
         Path(ctx.inputs[MODEL].path), Path(data.path) if data else None, ctx.cfg.eval,
-        templates={HELDOUT: PROMPT_TEMPLATE}, seed=ctx.cfg.seed, device=ctx.device, out_dir=out),
+        templates=_eval_templates(), seed=ctx.cfg.seed, device=ctx.device, out_dir=out),
         meta={"checkpoint": ctx.inputs[MODEL].sha256})
     return StageResult({EVAL: ref}, eval_metrics(ctx.inputs[MODEL].sha256, summary, ctx.cfg.eval.n_samples))
 
@@ -158,9 +324,52 @@ def eval_metrics(checkpoint: str, summary: dict, n_samples: int) -> dict:
 def _record_data(con, ctx: StageContext, res: StageResult, key: str) -> None:
     ref = res.artifacts[DATASET]
     for split in ("pool", "heldout"):
-        con.execute(
-            "INSERT INTO prompts SELECT ?, prompt_id, 'arith', split, problem, answer, level "
-            "FROM read_parquet(?) ON CONFLICT DO NOTHING", [ref.sha256, str(ref.file(f"{split}.parquet"))])
+        if ref.file(f"{split}.parquet").exists():
+            con.execute(
+                "INSERT INTO prompts SELECT ?, prompt_id, 'arith', split, problem, answer, level "
+                "FROM read_parquet(?) ON CONFLICT DO NOTHING", [ref.sha256, str(ref.file(f"{split}.parquet"))])
+
+
+def _insert_parquet(con, table: str, columns: str, ref: ArtifactRef, file: str) -> None:
+    """Rows of one of the artifact's parquet files into ``table``, keyed by the artifact's sha."""
+    con.execute(f"INSERT INTO {table} SELECT ?, {columns} FROM read_parquet(?) ON CONFLICT DO NOTHING",
+                [ref.sha256, str(ref.file(file))])
+
+
+def _record_ingest(con, ctx: StageContext, res: StageResult, key: str) -> None:
+    ref = res.artifacts[PROMPTS]
+    _insert_parquet(con, "prompts", "prompt_id, source, 'pool', problem, answer, level", ref, "prompts.parquet")
+    _insert_parquet(con, "quarantine", "source, source_row, raw, reason", ref, "quarantine.parquet")
+    _insert_parquet(con, "duplicates", "source, source_row, prompt_id, canonical_id, kind, similarity", ref,
+                    "duplicates.parquet")
+
+
+def _record_decontaminate(con, ctx: StageContext, res: StageResult, key: str) -> None:
+    _insert_parquet(con, "contamination", "prompt_id, source, benchmark, benchmark_problem_id, matched, overlap",
+                    res.artifacts[PROMPTS], "contamination.parquet")
+
+
+def _record_history(con, ref: ArtifactRef, file: str) -> None:
+    con.execute("INSERT INTO reward_history SELECT ?, origin, step, idx, prompt_id, mean_reward, n, now() "
+                "FROM read_parquet(?) ON CONFLICT DO NOTHING", [ref.sha256, str(ref.file(file))])
+
+
+def _record_difficulty(con, ctx: StageContext, res: StageResult, key: str) -> None:
+    ref = res.artifacts[ATTEMPTS]
+    con.execute("INSERT INTO attempts SELECT ?, ?, prompt_id, n, n_correct, pass_rate, mean_length, mean_entropy, "
+                "level FROM read_parquet(?) ON CONFLICT DO NOTHING",
+                [ref.sha256, ctx.inputs[MODEL].sha256, str(ref.file("attempts.parquet"))])
+    _record_history(con, ref, "history.parquet")
+
+
+def _record_dart(con, ctx: StageContext, res: StageResult, key: str) -> None:
+    _insert_parquet(con, "dart_stats", "prompt_id, fail_rate, target, trials, corrects, stopped_reason, level",
+                    res.artifacts[RFT_DATA], "dart_stats.parquet")
+
+
+def _record_select(con, ctx: StageContext, res: StageResult, key: str) -> None:
+    _insert_parquet(con, "selections", "prompt_id, pass_rate_est, score, n_observations, selected, reason",
+                    res.artifacts[SELECTION], "selection.parquet")
 
 
 def _record_checkpoint(con, ctx: StageContext, res: StageResult, key: str, stage: str, step: int | None) -> None:
@@ -185,13 +394,15 @@ def _record_rl(con, ctx: StageContext, res: StageResult, key: str) -> None:
         consumed = json.load(f)
     con.executemany("INSERT INTO consumed_prompts VALUES (?, ?, ?) ON CONFLICT DO NOTHING",
                     [(ref.sha256, pid, n) for pid, n in consumed.items()])
+    _record_history(con, ref, "rewards.parquet")
 
 
 def _record_eval(con, ctx: StageContext, res: StageResult, key: str) -> None:
     ref = res.artifacts[EVAL]
     con.execute(
-        "INSERT INTO eval_results SELECT ?, ?, benchmark, problem_id, sample_idx, response, pred, correct, error, "
-        "length, truncated, level FROM read_parquet(?) ON CONFLICT DO NOTHING",
+        "INSERT INTO eval_results BY NAME SELECT ? AS checkpoint_sha, ? AS eval_sha, benchmark, problem_id, "
+        "sample_idx, response, pred, correct, error, length, truncated, level, subject FROM read_parquet(?, "
+        "union_by_name = true) ON CONFLICT DO NOTHING",
         [ctx.inputs[MODEL].sha256, ref.sha256, str(ref.file("rows.parquet"))])
 
 
@@ -209,13 +420,13 @@ def _eval_headline(m: dict) -> str:
 
 # ---- inputs from outside the store ---------------------------------------------------------------
 
-def _model_files(cfg: Config) -> dict[str, str]:
+def _model_files(cfg: Config, catalog: Catalog | None = None) -> dict[str, str]:
     from core.artifacts import hash_tree
 
     return {"model.path": hash_tree(Path(cfg.model.path).expanduser())} if cfg.model.kind == "hf" else {}
 
 
-def _benchmark_files(cfg: Config) -> dict[str, str]:
+def _benchmark_files(cfg: Config, catalog: Catalog | None = None) -> dict[str, str]:
     from core.artifacts import hash_file
     from evaluation.benchmarks import benchmark_path
     from evaluation.stages import HELDOUT
@@ -223,27 +434,89 @@ def _benchmark_files(cfg: Config) -> dict[str, str]:
     return {f"benchmark:{b}": hash_file(benchmark_path(b)) for b in cfg.eval.benchmarks if b != HELDOUT}
 
 
+def _source_files(cfg: Config, catalog: Catalog | None = None) -> dict[str, str]:
+    from data_curation.sources import source_hashes
+
+    return source_hashes(cfg.data.sources)
+
+
+def _history_fingerprint(cfg: Config, catalog: Catalog | None = None) -> dict[str, str]:
+    """With ``curation.select.history=workspace`` the selection depends on every RL reward recorded
+    in the catalog: its fingerprint enters the key, so new history reruns ``select``."""
+    if cfg.curation.select.history != "workspace" or catalog is None:
+        return {}
+    import hashlib
+
+    rows = catalog.query("SELECT source_sha, count(*) AS n FROM reward_history WHERE origin = 'rl' "
+                         "GROUP BY source_sha ORDER BY source_sha")
+    return {"history:workspace": hashlib.sha256(dumps(rows).encode()).hexdigest()}
+
+
 # ---- the DAG --------------------------------------------------------------------------------------
 
 _EVAL_MODULES = ("evaluation.stages", "data_curation.synthetic", "training.setup")
+_SAMPLING_MODULES = ("data_curation.sampling", "training.setup", "evaluation.verifier", "data_curation.synthetic",
+                     "evaluation.benchmarks")
+
+
+def _headline(fmt: str, *keys: str) -> Callable[[dict], str]:
+    return lambda m: fmt.format(**{k: m[k] for k in keys})
+
 
 STAGES: tuple[Stage, ...] = (
-    Stage("data", {}, lambda c: asdict(c.data), ("data_curation.synthetic",), _data_body, _record_data,
-          lambda m: f"pool {int(m['pool_prompts'])}  heldout {int(m['heldout_prompts'])}"),
+    Stage("data", {}, lambda c: asdict(c.data), ("data_curation.synthetic", "data_curation.sources"), _data_body,
+          _record_data, lambda m: (f"pool {int(m['pool_prompts'])}  heldout {int(m['heldout_prompts'])}  "
+                                   if "pool_prompts" in m else "") + f"sources {int(m['sources'])}",
+          _source_files),
+    Stage("ingest", {DATASET: ("data", DATASET)}, lambda c: asdict(c.curation.dedup),
+          ("data_curation.ingest", "data_curation.sources"), _ingest_body, _record_ingest,
+          _headline("rows {rows_in:.0f}  ingested {ingested:.0f}  quarantined {quarantined:.0f}  "
+                    "duplicates {duplicates_exact:.0f}+{duplicates_near:.0f} near", "rows_in", "ingested", "quarantined",
+                    "duplicates_exact", "duplicates_near")),
+    Stage("decontaminate", {PROMPTS: ("ingest", PROMPTS), DATASET: ("data", DATASET)},
+          lambda c: {**asdict(c.curation.decontam), "benchmarks": list(c.eval.benchmarks)},
+          ("data_curation.decontaminate", "evaluation.stages"), _decontaminate_body, _record_decontaminate,
+          _headline("clean {clean:.0f}  contaminated {contaminated:.0f}", "clean", "contaminated"), _benchmark_files),
     Stage("base_model", {}, lambda c: asdict(c.model), ("training.base", "training.setup"), _base_model_body,
           lambda con, ctx, res, key: _record_checkpoint(con, ctx, res, key, "base_model", 0),
           lambda m: f"params {int(m['parameters']):,}", _model_files),
-    Stage("warmup", {MODEL: ("base_model", MODEL), DATASET: ("data", DATASET)}, lambda c: asdict(c.sft),
-          ("training.warmup", "training.setup", "data_curation.synthetic"), _warmup_body,
+    Stage("warmup", {MODEL: ("base_model", MODEL), PROMPTS: ("decontaminate", PROMPTS)},
+          lambda c: {**asdict(c.sft), "template": template(c)},
+          ("training.warmup", "training.setup"), _warmup_body,
           lambda con, ctx, res, key: _record_checkpoint(con, ctx, res, key, "warmup", ctx.cfg.sft.steps),
           lambda m: f"loss {m['sft_loss_first']:.3f} -> {m['sft_loss_ema']:.3f}"),
     Stage("eval_warmup", {MODEL: ("warmup", MODEL), DATASET: ("data", DATASET)}, lambda c: asdict(c.eval),
           _EVAL_MODULES, _eval_body, _record_eval, _eval_headline, _benchmark_files),
-    Stage("rl", {MODEL: ("warmup", MODEL), DATASET: ("data", DATASET)},
-          lambda c: {**asdict(c.rl), "verifier_timeout_s": c.eval.verifier_timeout_s},
-          ("training.rl.stage", "training.setup", "data_curation.synthetic", "evaluation.verifier"), _rl_body,
-          _record_rl,
-          lambda m: f"reward {m['reward_first']:.3f} -> {m['reward_last5']:.3f} (last 5)" if m.get("steps") else ""),
+    Stage("difficulty", {MODEL: ("warmup", MODEL), PROMPTS: ("decontaminate", PROMPTS)},
+          lambda c: {**asdict(c.curation.difficulty), "template": template(c),
+                     "verifier_timeout_s": c.eval.verifier_timeout_s},
+          _SAMPLING_MODULES, _difficulty_body, _record_difficulty,
+          _headline("prompts {prompts_sampled:.0f}  pass {mean_pass_rate:.3f}  edge {learning_edge:.0f}  "
+                    "all-correct {all_correct:.0f}  all-wrong {all_wrong:.0f}", "prompts_sampled", "mean_pass_rate",
+                    "learning_edge", "all_correct", "all_wrong")),
+    Stage("dart", {MODEL: ("warmup", MODEL), PROMPTS: ("decontaminate", PROMPTS), ATTEMPTS: ("difficulty", ATTEMPTS)},
+          lambda c: {**asdict(c.curation.dart), "max_new_tokens": c.curation.difficulty.max_new_tokens,
+                     "template": template(c), "verifier_timeout_s": c.eval.verifier_timeout_s},
+          (*_SAMPLING_MODULES, "data_curation.dart"), _dart_body, _record_dart,
+          lambda m: f"{m.get('trials', 0):.0f} trials  {m['rft_examples']:.0f} correct responses"),
+    Stage("rft", {MODEL: ("warmup", MODEL), RFT_DATA: ("dart", RFT_DATA)},
+          lambda c: {**asdict(c.curation.rft), "template": template(c)}, ("training.rft", "training.setup"),
+          _rft_body, lambda con, ctx, res, key: _record_checkpoint(con, ctx, res, key, "rft", ctx.cfg.curation.rft.steps),
+          lambda m: f"{m['rft_examples']:.0f} examples" + (f"  loss {m['rft_loss_first']:.3f} -> {m['rft_loss_ema']:.3f}"
+                                                            if m.get("rft_steps") else "  (passed through)")),
+    Stage("eval_rft", {MODEL: ("rft", MODEL), DATASET: ("data", DATASET)}, lambda c: asdict(c.eval),
+          _EVAL_MODULES, _eval_body, _record_eval, _eval_headline, _benchmark_files),
+    Stage("select", {PROMPTS: ("decontaminate", PROMPTS), ATTEMPTS: ("difficulty", ATTEMPTS)},
+          lambda c: asdict(c.curation.select), ("data_curation.hive",), _select_body, _record_select,
+          _headline("selected {selected:.0f} of {candidates:.0f}", "selected", "candidates"), _history_fingerprint),
+    Stage("rl", {MODEL: ("rft", MODEL), SELECTION: ("select", SELECTION), DATASET: ("data", DATASET)},
+          lambda c: {**asdict(c.rl), "verifier_timeout_s": c.eval.verifier_timeout_s, "template": template(c),
+                     "select": asdict(c.curation.select),
+                     **({"eval": asdict(c.eval)} if c.rl.eval_every else {})},
+          ("training.rl.stage", "training.setup", "data_curation.hive", "evaluation.verifier", "evaluation.stages"),
+          _rl_body, _record_rl,
+          lambda m: (f"reward {m['reward_first']:.3f} -> {m['reward_last5']:.3f} (last 5)  "
+                     f"{m.get('generated', 0):.0f} rollouts") if m.get("steps") else ""),
     Stage("eval_rl", {MODEL: ("rl", MODEL), DATASET: ("data", DATASET)}, lambda c: asdict(c.eval),
           _EVAL_MODULES, _eval_body, _record_eval, _eval_headline, _benchmark_files),
 )

@@ -23,8 +23,25 @@ def build_summary(run_id: str, outcomes: Sequence[StageOutcome], seconds: float)
                              "artifacts": {k: v.sha256 for k, v in o.result.artifacts.items()},
                              "metrics": o.result.metrics} for o in outcomes},
         "metrics": metrics,
-        "checkpoints": {s: by[s].result.artifacts["model"].sha256 for s in ("warmup", "rl") if s in by},
+        "checkpoints": {s: by[s].result.artifacts["model"].sha256 for s in ("warmup", "rft", "rl") if s in by},
+        "curation": reconciliation(by),
     }
+
+
+def reconciliation(by: dict) -> dict[str, int]:
+    """Where the pool's rows went: rows in = ingested + quarantined + duplicates; ingested =
+    clean + contaminated; selected is what RL draws from."""
+    m = lambda stage: by[stage].result.metrics if stage in by else {}  # noqa: E731
+    ing, dec, sel = m("ingest"), m("decontaminate"), m("select")
+    if not ing:
+        return {}
+    out = {"rows_in": ing["rows_in"], "ingested": ing["ingested"], "quarantined": ing["quarantined"],
+           "duplicates": ing["duplicates_exact"] + ing["duplicates_near"]}
+    if dec:
+        out["contaminated"] = dec["contaminated"]
+    if sel:
+        out["selected"] = sel["selected"]
+    return {k: int(v) for k, v in out.items()}
 
 
 def format_table(summary: dict) -> str:
@@ -33,6 +50,8 @@ def format_table(summary: dict) -> str:
         lines.append(f"{name:<12} {s['status']:<7} {s['seconds']:>8.1f}  {stage_headline(name, s['metrics'])}")
     m = summary["metrics"]
     lines.append("-" * 72)
+    if summary.get("curation"):
+        lines.append("curation: " + "  ".join(f"{k.replace('_', ' ')} {v}" for k, v in summary["curation"].items()))
     fmt = lambda v: "n/a" if v is None else f"{v:.3f}"  # noqa: E731
     lines.append(f"held-out accuracy: warm-up {fmt(m.get('heldout_accuracy_warmup'))} -> "
                  f"RL {fmt(m.get('heldout_accuracy_rl'))}   total {summary['seconds']:.1f}s   run {summary['run_id']}")

@@ -1,4 +1,4 @@
-"""The warm-up stage: SFT on the prompt pool's demonstrations."""
+"""The warm-up stage: SFT on the curated prompt pool's demonstrations."""
 
 from __future__ import annotations
 
@@ -12,13 +12,23 @@ from training.setup import read_table
 from training.sft import SFTExample, train_sft
 
 
-def warmup(model_dir: Path, data_dir: Path, cfg: SFTConfig, *, template: str, seed: int, device: str,
+def target(row: dict) -> str:
+    """What warm-up imitates: the demonstration when the pool has one, else the worked solution, else
+    just the final answer in the ``#### <answer>`` form the verifier reads."""
+    for key in ("demonstration", "solution"):
+        if row.get(key):
+            return row[key]
+    return f"#### {row['answer']}"
+
+
+def warmup(model_dir: Path, prompts_path: Path, cfg: SFTConfig, *, template: str, seed: int, device: str,
            out_dir: Path) -> dict[str, float]:
-    """Warm-up SFT on the prompt pool's demonstrations (``data.demo_error_rate`` of their steps slip)."""
+    """Warm-up SFT on the curated pool's demonstrations (for the synthetic task ``data.demo_error_rate``
+    of their steps slip); prompts without a level are always used, the others when in ``cfg.levels``."""
     model, tokenizer = load_model(model_dir, device)
-    rows = [r for r in read_table(Path(data_dir) / "pool.parquet") if r.get("level") in set(cfg.levels)]
+    rows = [r for r in read_table(Path(prompts_path)) if r.get("level") is None or r.get("level") in set(cfg.levels)]
     examples = [SFTExample(encode_prompt(tokenizer, template.format(problem=r["problem"])),
-                           encode_response(tokenizer, r["demonstration"])) for r in rows]
+                           encode_response(tokenizer, target(r))) for r in rows]
     with tqdm(total=cfg.steps, desc="warmup sft", unit="step", leave=False) as bar:
         metrics = train_sft(model, examples, steps=cfg.steps, batch_size=cfg.batch_size, lr=cfg.lr,
                             warmup_steps=cfg.warmup_steps, weight_decay=cfg.weight_decay,

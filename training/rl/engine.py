@@ -13,7 +13,7 @@ from typing import Sequence
 import numpy as np
 import torch
 
-from training.rl.records import GenRequest, Trajectory, WeightsUpdate
+from training.rl.records import GenRequest, PromptItem, Trajectory, WeightsUpdate
 
 
 class TorchEngine:
@@ -44,6 +44,27 @@ class TorchEngine:
         return out
 
     @torch.inference_mode()
+    def prompt_entropy(self, prompts: Sequence[PromptItem]) -> list[float]:
+        """HIVE's prompt entropy V(x): the mean, over prompt positions 2..L, of the full-vocabulary
+        entropy of the current policy's next-token distribution (temperature 1). One forward pass,
+        no generation."""
+        out: list[float] = []
+        for start in range(0, len(prompts), self.batch_size):
+            chunk = prompts[start:start + self.batch_size]
+            width = max(len(p.prompt_tokens) for p in chunk)
+            ids = torch.full((len(chunk), width), self.pad_id, dtype=torch.long)
+            attn = torch.zeros_like(ids)
+            for i, p in enumerate(chunk):  # right padding: positions need no shift
+                ids[i, :len(p.prompt_tokens)] = torch.tensor(p.prompt_tokens)
+                attn[i, :len(p.prompt_tokens)] = 1
+            logits = self.model(input_ids=ids.to(self.device), attention_mask=attn.to(self.device)).logits[:, :-1]
+            logp = torch.log_softmax(logits.float(), dim=-1)
+            ent = -(logp.exp() * logp).nan_to_num().sum(-1).cpu()  # [B, width-1]: predicting tokens 2..width
+            mask = attn[:, 1:].float()
+            out.extend((ent * mask).sum(1).div(mask.sum(1).clamp(min=1)).tolist())
+        return out
+
+    @torch.inference_mode()
     def _generate_batch(self, requests: list[GenRequest], max_new_tokens: int, temperature: float,
                         generator: torch.Generator) -> list[Trajectory]:
         from transformers import DynamicCache
@@ -60,6 +81,7 @@ class TorchEngine:
         cache = DynamicCache()
         tokens = torch.empty((bsz, max_new_tokens), dtype=torch.long)
         logps = torch.zeros((bsz, max_new_tokens))
+        ent_sum = torch.zeros(bsz)
         lengths = torch.full((bsz,), max_new_tokens, dtype=torch.long)
         done = torch.zeros(bsz, dtype=torch.bool)
         step_ids, step_pos = input_ids, positions
@@ -67,7 +89,9 @@ class TorchEngine:
             logits = self.model(input_ids=step_ids, attention_mask=attn, position_ids=step_pos,
                                 past_key_values=cache, use_cache=True).logits[:, -1, :]
             logprobs = torch.log_softmax(logits.float() / temperature, dim=-1).cpu()
-            nxt = torch.multinomial(logprobs.exp(), 1, generator=generator).squeeze(1)
+            probs = logprobs.exp()
+            nxt = torch.multinomial(probs, 1, generator=generator).squeeze(1)
+            ent_sum += torch.where(done, 0.0, -(probs * logprobs).nan_to_num().sum(-1))
             tokens[:, t] = nxt
             logps[:, t] = logprobs.gather(1, nxt[:, None]).squeeze(1)
             newly = (nxt == self.eos_id) & ~done
@@ -78,13 +102,15 @@ class TorchEngine:
             step_ids = nxt[:, None].to(self.device)
             step_pos = step_pos[:, -1:] + 1
             attn = torch.cat([attn, torch.ones((bsz, 1), dtype=attn.dtype, device=self.device)], dim=1)
-        return [self._trajectory(r, tokens[i, :lengths[i]], logps[i, :lengths[i]], bool(done[i]))
+        mean_ent = (ent_sum / lengths.clamp(min=1)).tolist()
+        return [self._trajectory(r, tokens[i, :lengths[i]], logps[i, :lengths[i]], bool(done[i]), mean_ent[i])
                 for i, r in enumerate(requests)]
 
-    def _trajectory(self, req: GenRequest, toks: torch.Tensor, logps: torch.Tensor, finished: bool) -> Trajectory:
+    def _trajectory(self, req: GenRequest, toks: torch.Tensor, logps: torch.Tensor, finished: bool,
+                    mean_entropy: float) -> Trajectory:
         ids = toks.tolist()
         body = ids[:-1] if finished else ids
         return Trajectory(kind="trajectory", prompt=req.prompt, sample_idx=req.sample_idx,
                           response_tokens=tuple(ids), behaviour_logprobs=tuple(np.asarray(logps, dtype=np.float64).tolist()),
                           version=self.version, finished=finished,
-                          text=self.tokenizer.decode(body, skip_special_tokens=True))
+                          text=self.tokenizer.decode(body, skip_special_tokens=True), mean_entropy=mean_entropy)

@@ -26,6 +26,8 @@ class RLResult:
 
     history: list[dict[str, float]] = field(default_factory=list)
     consumed: Counter = field(default_factory=Counter)
+    rewards: list[tuple[int, str, float, int]] = field(default_factory=list)
+    """(step, prompt_id, mean correctness, responses) of every rolled-out group: the reward history."""
 
 
 class PromptCursor:
@@ -48,6 +50,75 @@ class PromptCursor:
                 self._epoch = epoch
             out.append(self.prompts[self._epoch_order[offset]])
             self.position += 1
+        return out
+
+    def observe(self, groups: Sequence[ScoredGroup]) -> None:
+        """Uniform sampling learns nothing from rewards."""
+
+    def step_counts(self) -> dict[str, float]:
+        return {}
+
+
+class HiveSource:
+    """HIVE's online selection in front of the cursor (arXiv 2603.25184; stage 1 after GRESO).
+
+    Raw batches drawn from the cursor first meet GRESO's filter, which skips a prompt with a
+    probability that grows with its recent run of all-correct or all-wrong groups; the survivors
+    are scored by prompt entropy under the current policy (one forward pass) and only those at or
+    above the pool's median (``rule``) are kept. Every rolled-out group's mean correctness goes back
+    into the history, and GRESO's skip bases adapt to the observed zero-variance ratios."""
+
+    def __init__(self, cursor: PromptCursor, engine: TorchEngine, *, greso=None, entropy_rule: str = "median",
+                 seed: int = 0, min_raw_batch: int = 32):
+        self.cursor = cursor
+        self.engine = engine
+        self.greso = greso
+        self.entropy_rule = entropy_rule
+        self.rng = random.Random(f"hive:{seed}")
+        self.min_raw_batch = min_raw_batch
+        self.buffer: list[PromptItem] = []
+        self._counts = Counter()
+
+    @property
+    def position(self) -> int:
+        return self.cursor.position
+
+    def take(self, n: int) -> list[PromptItem]:
+        from data_curation.hive import prompt_entropy_keep
+
+        for _ in range(1000):  # GRESO never skips with certainty (keep prob >= 0.01): this ends
+            if len(self.buffer) >= n:
+                break
+            raw = self.cursor.take(max(self.min_raw_batch, 2 * n))
+            self._counts["drawn_prompts"] += len(raw)
+            if self.greso is not None:
+                by_id = {p.prompt_id: p for p in raw}
+                kept_ids, skipped = self.greso.filter([p.prompt_id for p in raw], self.rng)
+                raw = [by_id[i] for i in kept_ids]
+                self._counts["skipped_prompts"] += len(skipped)
+            if self.entropy_rule != "off" and len(raw) > 1:
+                keep = prompt_entropy_keep(self.engine.prompt_entropy(raw), self.entropy_rule)
+                self._counts["pruned_prompts"] += sum(1 for k in keep if not k)
+                raw = [p for p, k in zip(raw, keep) if k]
+            self.buffer.extend(raw)
+        out, self.buffer = self.buffer[:n], self.buffer[n:]
+        return out
+
+    def observe(self, groups: Sequence[ScoredGroup]) -> None:
+        if self.greso is None or not groups:
+            return
+        easy = hard = 0
+        for g in groups:
+            mean = sum(g.correct) / len(g.correct)
+            self.greso.observe(g.prompt_id, mean)
+            easy += mean == 1.0
+            hard += mean == 0.0
+        self.greso.end_step(easy / len(groups), hard / len(groups))
+
+    def step_counts(self) -> dict[str, float]:
+        """Prompts drawn from the cursor, skipped by GRESO and pruned by entropy since the last call."""
+        out = {k: float(self._counts[k]) for k in ("drawn_prompts", "skipped_prompts", "pruned_prompts")}
+        self._counts.clear()
         return out
 
 
@@ -91,9 +162,11 @@ class Collected:
     rounds: int
     dropped_groups: int
     generated: int
+    rolled_out: list[ScoredGroup] = field(default_factory=list)
+    """Every group sampled this step, kept or dropped (the reward history records them all)."""
 
 
-def collect_phase(engine: TorchEngine, cursor: PromptCursor, verifier, params: ObjectiveParams, *,
+def collect_phase(engine: TorchEngine, cursor: PromptCursor | HiveSource, verifier, params: ObjectiveParams, *,
                   prompts_per_step: int, group_size: int, max_new_tokens: int, temperature: float,
                   generator: torch.Generator) -> Collected:
     """Sample and score groups for one step. With dynamic sampling (DAPO), groups whose rewards are
@@ -101,6 +174,7 @@ def collect_phase(engine: TorchEngine, cursor: PromptCursor, verifier, params: O
     round, until the batch is full or ``max_sampling_rounds`` rounds have run."""
     shaping = overlong_shaping(params, max_new_tokens)
     kept: list[ScoredGroup] = []
+    all_groups: list[ScoredGroup] = []
     dropped = generated = rounds = 0
     max_rounds = params.max_sampling_rounds if params.dynamic_sampling else 1
     while len(kept) < prompts_per_step and rounds < max_rounds:
@@ -108,12 +182,15 @@ def collect_phase(engine: TorchEngine, cursor: PromptCursor, verifier, params: O
         trajectories = sample_phase(engine, cursor.take(prompts_per_step), group_size,
                                     max_new_tokens=max_new_tokens, temperature=temperature, generator=generator)
         generated += len(trajectories)
-        for group in score_phase(trajectories, verifier, shaping):
+        scored = score_phase(trajectories, verifier, shaping)
+        cursor.observe(scored)
+        all_groups.extend(scored)
+        for group in scored:
             if params.dynamic_sampling and len(set(group.correct)) == 1:
                 dropped += 1
             else:
                 kept.append(group)
-    return Collected(kept[:prompts_per_step], rounds, dropped, generated)
+    return Collected(kept[:prompts_per_step], rounds, dropped, generated, all_groups)
 
 
 def update_phase(trainer: PolicyTrainer, groups: Sequence[ScoredGroup]) -> UpdateStats:
@@ -140,7 +217,7 @@ def step_metrics(step: int, collected: Collected, stats: UpdateStats | None, gen
         "trained_trajectories": float(len(trajs)), "generated_trajectories": float(collected.generated),
         "loss": stats.loss if stats else float("nan"), "grad_norm": stats.grad_norm if stats else float("nan"),
         "gen_seconds": gen_s, "train_seconds": train_s, "gen_tokens_per_s": n_tokens / max(gen_s, 1e-9),
-        "entropy": float("nan"), "clipfrac": float("nan"),
+        "entropy": sum(t.mean_entropy for t in trajs) / n if trajs else float("nan"), "clipfrac": float("nan"),
         **({k: float(v) for k, v in stats.metrics.items()} if stats else {}),
     }
 
@@ -156,7 +233,9 @@ def format_step(m: dict, total: int) -> str:
 def run_sync(model, tokenizer, prompts: Sequence[PromptItem], verifier, params: ObjectiveParams, *, steps: int,
              prompts_per_step: int, group_size: int, lr: float, weight_decay: float, max_grad_norm: float,
              max_new_tokens: int, temperature: float, seed: int, device: str, minibatches: int = 1,
-             on_step: Callable[[dict], None] | None = None) -> RLResult:
+             on_step: Callable[[dict], None] | None = None,
+             source: Callable[[PromptCursor, TorchEngine], PromptCursor | HiveSource] | None = None,
+             evaluate: Callable[[object], dict[str, float]] | None = None, eval_every: int = 0) -> RLResult:
     """Synchronous GRPO-family RL: generate a batch of groups with the current weights, score it,
     take one update and refresh the sampler's weights. Trains ``model`` in place."""
     import copy
@@ -167,11 +246,12 @@ def run_sync(model, tokenizer, prompts: Sequence[PromptItem], verifier, params: 
                             pad_id=tokenizer.pad_token_id, device=device, minibatches=minibatches)
     engine = TorchEngine(copy.deepcopy(model), tokenizer, device=device)
     cursor = PromptCursor(prompts, seed)
+    prompt_source = source(cursor, engine) if source is not None else cursor
     result = RLResult()
     for step in range(1, steps + 1):
         generator = torch.Generator().manual_seed(seed * 1_000_003 + step)
         t0 = time.perf_counter()
-        collected = collect_phase(engine, cursor, verifier, params, prompts_per_step=prompts_per_step,
+        collected = collect_phase(engine, prompt_source, verifier, params, prompts_per_step=prompts_per_step,
                                   group_size=group_size, max_new_tokens=max_new_tokens, temperature=temperature,
                                   generator=generator)
         gen_s = time.perf_counter() - t0
@@ -181,7 +261,12 @@ def run_sync(model, tokenizer, prompts: Sequence[PromptItem], verifier, params: 
             stats = update_phase(trainer, collected.groups)
             publish_phase(trainer, engine)
         metrics = step_metrics(step, collected, stats, gen_s, time.perf_counter() - t1)
+        metrics.update(prompt_source.step_counts())
+        if evaluate is not None and eval_every > 0 and (step % eval_every == 0 or step == steps):
+            metrics.update(evaluate(engine.model))
         result.history.append(metrics)
+        result.rewards.extend((step, g.prompt_id, sum(g.correct) / len(g.correct), len(g.correct))
+                              for g in collected.rolled_out)
         result.consumed.update(t.prompt.prompt_id for g in collected.groups for t in g.trajectories)
         if on_step is not None:
             on_step(metrics)

@@ -45,6 +45,8 @@ class Trajectory:
     version: int
     finished: bool
     text: str
+    mean_entropy: float = float("nan")
+    """Mean full-vocabulary entropy (nats) of the sampling distribution over the response's tokens."""
 
 
 @dataclass(frozen=True)

@@ -1,7 +1,8 @@
-"""The RL stage: from the warm-up checkpoint on the prompt pool, with the configured objective.
+"""The RL stage: from the RFT checkpoint on the selected prompts, with the configured objective.
 
 Writes the final checkpoint, the per-step history (``history.jsonl``, without wall-clock timings so
-that identical weights hash identically) and the prompts trained on (``consumed.json``).
+that identical weights hash identically), the prompts trained on (``consumed.json``) and every
+rolled-out group's mean reward (``rewards.parquet``: the reward history HIVE selects from next).
 """
 
 from __future__ import annotations
@@ -11,9 +12,11 @@ import json
 import logging
 from pathlib import Path
 
+from typing import Callable
+
 from tqdm.auto import tqdm
 
-from conf.schema import RLConfig
+from conf.schema import RLConfig, SelectConfig
 from training.model import encode_prompt, load_model, save_model
 from training.objectives import PRESETS, ObjectiveParams
 from training.rl.loop import RLResult, format_step, run_sync
@@ -21,7 +24,7 @@ from training.rl.records import PromptItem
 from training.setup import read_table
 
 LOG = logging.getLogger("laminar.training")
-TIMING_KEYS = ("gen_seconds", "train_seconds", "gen_tokens_per_s")
+TIMING_KEYS = ("gen_seconds", "train_seconds", "gen_tokens_per_s", "eval_seconds")
 
 
 OVERRIDABLE = ("advantage", "loss_agg", "behaviour_weight", "is_cap", "clip_low", "clip_high", "dual_clip",
@@ -34,11 +37,31 @@ def objective_params(cfg: RLConfig) -> ObjectiveParams:
     return dataclasses.replace(PRESETS[cfg.algorithm], overlong_cache_len=cfg.overlong_cache_len, **overrides)
 
 
-def rl(model_dir: Path, data_dir: Path, cfg: RLConfig, *, template: str, seed: int, device: str, out_dir: Path,
-       verifier) -> RLResult:
-    """RL from the warm-up checkpoint on the prompt pool (see the module docstring for what it writes)."""
+def hive_source(select: SelectConfig, history_path: Path | None, seed: int):
+    """The RL loop's prompt source for ``curation.select``: None (uniform: the seeded cursor) or a
+    factory of HIVE's online source, its GRESO history seeded from ``history_path``."""
+    if select.strategy != "hive" or (not select.online_greso and select.online_entropy == "off"):
+        return None
+    from data_curation.hive import GresoFilter
+    from training.rl.loop import HiveSource
+
+    history = None
+    if select.online_greso and history_path is not None and Path(history_path).exists():
+        import polars as pl
+
+        history = pl.read_parquet(history_path)
+    greso = GresoFilter(history) if select.online_greso else None
+    return lambda cursor, engine: HiveSource(cursor, engine, greso=greso, entropy_rule=select.online_entropy,
+                                             seed=seed)
+
+
+def rl(model_dir: Path, prompts_path: Path, cfg: RLConfig, *, template: str, seed: int, device: str, out_dir: Path,
+       verifier, select: SelectConfig | None = None, history_path: Path | None = None,
+       evaluate: Callable[[object], dict[str, float]] | None = None) -> RLResult:
+    """RL from ``model_dir`` on the prompts of ``prompts_path`` (see the module docstring for what
+    it writes). ``select`` turns on HIVE's online pruning; ``evaluate`` runs every ``cfg.eval_every`` steps."""
     model, tokenizer = load_model(model_dir, device)
-    rows = read_table(Path(data_dir) / "pool.parquet")
+    rows = read_table(Path(prompts_path))
     prompts = [PromptItem(prompt_id=r["prompt_id"], text=r["problem"], answer=r["answer"],
                           prompt_tokens=encode_prompt(tokenizer, template.format(problem=r["problem"])),
                           level=r.get("level")) for r in rows]
@@ -54,11 +77,19 @@ def rl(model_dir: Path, data_dir: Path, cfg: RLConfig, *, template: str, seed: i
                           prompts_per_step=cfg.prompts_per_step, group_size=cfg.group_size, lr=cfg.lr,
                           weight_decay=cfg.weight_decay, max_grad_norm=cfg.max_grad_norm,
                           max_new_tokens=cfg.max_new_tokens, temperature=cfg.temperature, seed=seed,
-                          device=device, minibatches=cfg.minibatches, on_step=on_step)
+                          device=device, minibatches=cfg.minibatches, on_step=on_step,
+                          source=hive_source(select, history_path, seed) if select is not None else None,
+                          evaluate=evaluate, eval_every=cfg.eval_every)
     save_model(model.to("cpu"), tokenizer, out_dir)
     with open(Path(out_dir) / "history.jsonl", "w") as f:
         for m in result.history:
             f.write(json.dumps({k: v for k, v in m.items() if k not in TIMING_KEYS}, sort_keys=True) + "\n")
     with open(Path(out_dir) / "consumed.json", "w") as f:
         json.dump(dict(sorted(result.consumed.items())), f, indent=1)
+    import polars as pl
+
+    pl.DataFrame(result.rewards, schema={"step": pl.Int64, "prompt_id": pl.Utf8, "mean_reward": pl.Float64,
+                                         "n": pl.Int64}, orient="row").with_columns(
+        idx=pl.int_range(pl.len(), dtype=pl.Int64), origin=pl.lit("rl")).select(
+        "step", "idx", "prompt_id", "mean_reward", "n", "origin").write_parquet(Path(out_dir) / "rewards.parquet")
     return result
