@@ -108,7 +108,8 @@ class RLConfig:
     kl_coef: Optional[float] = None
     overlong_cache_len: int = 16
     eval_every: int = 25
-    """Evaluate the held-out/benchmark set (``eval.*``) inside the run every N steps and at the end; 0 = off."""
+    """Evaluate ``eval.benchmarks`` inside the run every N steps (the eval stages cover the start and
+    the end); 0 = off."""
     """DAPO's soft-punishment buffer L_cache, in tokens before ``max_new_tokens`` (the paper uses
     4,096 of 20,480; here 16 of 64, the same order of share)."""
 

@@ -11,7 +11,8 @@ from tasks.stages import stage_headline
 def build_summary(run_id: str, outcomes: Sequence[StageOutcome], seconds: float) -> dict:
     by = {o.stage: o for o in outcomes}
     metrics: dict[str, float | None] = {}
-    for label, stage in (("heldout_accuracy_warmup", "eval_warmup"), ("heldout_accuracy_rl", "eval_rl")):
+    for label, stage in (("heldout_accuracy_warmup", "eval_warmup"), ("heldout_accuracy_rft", "eval_rft"),
+                         ("heldout_accuracy_rl", "eval_rl")):
         m = by[stage].result.metrics if stage in by else {}
         metrics[label] = m.get("arith_heldout", {}).get("accuracy")
     if metrics["heldout_accuracy_warmup"] is not None and metrics["heldout_accuracy_rl"] is not None:
@@ -54,7 +55,7 @@ def format_table(summary: dict) -> str:
         lines.append("curation: " + "  ".join(f"{k.replace('_', ' ')} {v}" for k, v in summary["curation"].items()))
     fmt = lambda v: "n/a" if v is None else f"{v:.3f}"  # noqa: E731
     lines.append(f"held-out accuracy: warm-up {fmt(m.get('heldout_accuracy_warmup'))} -> "
-                 f"RL {fmt(m.get('heldout_accuracy_rl'))}   total {summary['seconds']:.1f}s   run {summary['run_id']}")
+                 f"RFT {fmt(m.get('heldout_accuracy_rft'))} -> RL {fmt(m.get('heldout_accuracy_rl'))}   total {summary['seconds']:.1f}s   run {summary['run_id']}")
     return "\n".join(lines)
 
 
@@ -80,7 +81,7 @@ def publish_eval_markdown(outcomes: Sequence[StageOutcome]) -> None:
     from evaluation.report import EvalGroup, markdown_benchmark_table
 
     evals = []
-    for stage, role in (("eval_warmup", "warmup"), ("eval_rl", "rl")):
+    for stage, role in (("eval_warmup", "warmup"), ("eval_rft", "rft"), ("eval_rl", "rl")):
         o = next((o for o in outcomes if o.stage == stage), None)
         if o is None or "eval" not in o.result.artifacts:
             continue

@@ -71,7 +71,7 @@ def train_sft(model, examples: Sequence[SFTExample], *, steps: int, batch_size: 
         torch.nn.utils.clip_grad_norm_(model.parameters(), max_grad_norm)
         opt.step()
         sched.step()
-        value = float(loss)
+        value = float(loss.detach())
         first = value if step == 0 else first
         ema = value if ema is None else 0.9 * ema + 0.1 * value
         last = value

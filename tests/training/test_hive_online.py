@@ -74,17 +74,17 @@ def test_run_sync_with_hive_source_records_history_and_in_run_evals():
         return {"eval_toy": 0.5, "eval_seconds": 0.0}
 
     greso = GresoFilter(None)
-    result = run_sync(model, tok, _prompts(tok, 32), StartsWithDigit(), PRESETS["grpo"], steps=4, prompts_per_step=4,
+    result = run_sync(model, tok, _prompts(tok, 32), StartsWithDigit(), PRESETS["grpo"], steps=5, prompts_per_step=4,
                       group_size=4, lr=1e-2, weight_decay=0.0, max_grad_norm=1.0, max_new_tokens=3, temperature=1.0,
                       seed=0, device="cpu",
                       source=lambda cursor, engine: HiveSource(cursor, engine, greso=greso, seed=0),
                       evaluate=evaluate, eval_every=2)
     assert len(calls) == 2 and calls == [False, False]  # steps 2 and 4, model in eval mode
-    assert [("eval_toy" in m) for m in result.history] == [False, True, False, True]
+    assert [("eval_toy" in m) for m in result.history] == [False, True, False, True, False]
     assert sum(m["pruned_prompts"] for m in result.history) > 0
     assert all("skipped_prompts" in m for m in result.history)
-    assert len(result.rewards) == 4 * 4 and {r[0] for r in result.rewards} == {1, 2, 3, 4}
-    assert len(greso.history_rows()) == 16  # every rolled-out group observed
+    assert len(result.rewards) == 5 * 4 and {r[0] for r in result.rewards} == {1, 2, 3, 4, 5}
+    assert len(greso.history_rows()) == 20  # every rolled-out group observed
 
 
 def test_difficulty_writes_attempts_and_history(tmp_path):

@@ -262,7 +262,7 @@ def run_sync(model, tokenizer, prompts: Sequence[PromptItem], verifier, params: 
             publish_phase(trainer, engine)
         metrics = step_metrics(step, collected, stats, gen_s, time.perf_counter() - t1)
         metrics.update(prompt_source.step_counts())
-        if evaluate is not None and eval_every > 0 and (step % eval_every == 0 or step == steps):
+        if evaluate is not None and eval_every > 0 and step % eval_every == 0 and step < steps:
             metrics.update(evaluate(engine.model))
         result.history.append(metrics)
         result.rewards.extend((step, g.prompt_id, sum(g.correct) / len(g.correct), len(g.correct))
