@@ -130,13 +130,21 @@ class EvalConfig:
 @dataclass
 class DedupConfig:
     near_threshold: float = 0.85
-    """Estimated Jaccard similarity of character 5-gram shingles at or above which two prompts are near duplicates."""
+    """Jaccard similarity (MinHash/LSH candidates, exact Jaccard check) of the prompts' shingles (a bag
+    of words plus ordered 5-grams of numbers, operators and symbols) at or above which two prompts
+    are near duplicates."""
+    same_answer: bool = True
+    """Near duplicates must also share the answer: MATH has sibling problems ("sum" vs "product" of
+    the roots) that differ in one word and are different problems."""
 
 
 @dataclass
 class DecontamConfig:
     ngram: int = 13
-    """Word n-gram length; a prompt sharing one n-gram with any item of ``eval.benchmarks`` is excluded."""
+    """Token n-gram length (words, numbers and punctuation are tokens); a text shorter than this is one gram."""
+    min_coverage: float = 0.7
+    """A prompt is contaminated when the n-grams it shares with a benchmark item cover at least this
+    share of the item's tokens (one shared 13-gram alone flags LaTeX boilerplate: 1,299 of MATH train)."""
 
 
 @dataclass
@@ -307,6 +315,8 @@ def _validate_curation(cfg: Config) -> None:
     _one_of("curation.select.history", c.select.history, ("run", "workspace"))
     if not 0 < c.dedup.near_threshold <= 1:
         raise ConfigError(f"curation.dedup.near_threshold={c.dedup.near_threshold} must be in (0, 1]")
+    if not 0 < c.decontam.min_coverage <= 1:
+        raise ConfigError(f"curation.decontam.min_coverage={c.decontam.min_coverage} must be in (0, 1]")
     _positive(cfg, "curation.decontam.ngram", "curation.difficulty.samples", "curation.difficulty.temperature",
               "curation.difficulty.max_new_tokens", "curation.dart.k_u", "curation.dart.k_p",
               "curation.dart.round_size", "curation.dart.temperature", "curation.rft.batch_size", "curation.rft.lr")

@@ -143,11 +143,11 @@ class DartPlanner:
     """
 
     def __init__(self, attempts: "pl.DataFrame | str | Path", params: DartParams = DartParams()):
-        import duckdb
+        from data_curation.db import memory_db
 
         self.params = params
         self.rounds = 0
-        self._con = duckdb.connect(":memory:")
+        self._con = memory_db()
         self._con.execute(_STATE_SQL)
         _register(self._con, "dart_attempts", attempts)
         self.n_prompts = self._load(attempts)

@@ -102,7 +102,7 @@ def select_learning_edge(attempts: "pl.DataFrame | str | Path", history: "pl.Dat
     the edge), source ('history' | 'attempts'); edge prompts first in rank order, then the rest by
     score (desc) and prompt id. ``con``: a DuckDB connection to run on (default: a fresh in-memory one).
     """
-    import duckdb
+    from data_curation.db import memory_db
 
     if not 0.0 <= min_pass < max_pass <= 1.0:
         raise ValueError(f"hive: need 0 <= min_pass < max_pass <= 1, got min_pass={min_pass}, max_pass={max_pass}")
@@ -111,7 +111,7 @@ def select_learning_edge(attempts: "pl.DataFrame | str | Path", history: "pl.Dat
     if recent_k < 1:
         raise ValueError(f"hive: recent_k = {recent_k} must be >= 1")
     own = con is None
-    con = duckdb.connect(":memory:") if own else con
+    con = memory_db() if own else con
     a = _register(con, attempts, "hive_attempts")
     h = _register(con, history, "hive_history") if history is not None else None
     try:
@@ -208,9 +208,9 @@ class GresoFilter:
             self._runs = self._load_runs(history, origins)
 
     def _load_runs(self, history: Any, origins: Sequence[str] | None) -> dict[str, tuple[int, int]]:
-        import duckdb
+        from data_curation.db import memory_db
 
-        con = duckdb.connect(":memory:")
+        con = memory_db()
         try:
             h = _register(con, history, "greso_history")
             cols = _columns(con, h, {"prompt_id", "seq", "mean_reward"}, "history")

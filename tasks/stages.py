@@ -124,7 +124,8 @@ def _ingest_body(ctx: StageContext) -> StageResult:
         spec["extra_fields"] = tuple(spec.get("extra_fields") or ())
         specs.append(SourceSpec(**spec))
     ref, metrics = _produce(ctx, PROMPTS, lambda out: ingest(
-        specs, out, near_dup_threshold=ctx.cfg.curation.dedup.near_threshold, seed=ctx.cfg.seed))
+        specs, out, near_dup_threshold=ctx.cfg.curation.dedup.near_threshold,
+        near_dup_same_answer=ctx.cfg.curation.dedup.same_answer, seed=ctx.cfg.seed))
     return StageResult({PROMPTS: ref}, metrics)
 
 
@@ -136,7 +137,8 @@ def _decontaminate_body(ctx: StageContext) -> StageResult:
     has_heldout = (data / "heldout.parquet").exists()
     items = [it for b in ctx.cfg.eval.benchmarks if b != HELDOUT or has_heldout for it in load_items(b, data)]
     ref, metrics = _produce(ctx, PROMPTS, lambda out: decontaminate(
-        Path(ctx.inputs[PROMPTS].file("prompts.parquet")), items, out, ngram=ctx.cfg.curation.decontam.ngram))
+        Path(ctx.inputs[PROMPTS].file("prompts.parquet")), items, out, ngram=ctx.cfg.curation.decontam.ngram,
+        min_coverage=ctx.cfg.curation.decontam.min_coverage))
     return StageResult({PROMPTS: ref}, metrics)
 
 
@@ -469,7 +471,7 @@ STAGES: tuple[Stage, ...] = (
                                    if "pool_prompts" in m else "") + f"sources {int(m['sources'])}",
           _source_files),
     Stage("ingest", {DATASET: ("data", DATASET)}, lambda c: asdict(c.curation.dedup),
-          ("data_curation.ingest", "data_curation.sources"), _ingest_body, _record_ingest,
+          ("data_curation.ingest", "data_curation.sources", "data_curation.dedup"), _ingest_body, _record_ingest,
           _headline("rows {rows_in:.0f}  ingested {ingested:.0f}  quarantined {quarantined:.0f}  "
                     "duplicates {duplicates_exact:.0f}+{duplicates_near:.0f} near", "rows_in", "ingested", "quarantined",
                     "duplicates_exact", "duplicates_near")),
