@@ -390,12 +390,14 @@ def _record_rl(con, ctx: StageContext, res: StageResult, key: str) -> None:
     timings = ctx.store.manifest(ref).get("meta", {}).get("timings", [])
     for m in steps + timings:
         rows += [(key, "rl", int(m["step"]), name, float(v)) for name, v in m.items() if name != "step"]
-    con.executemany("INSERT INTO metrics VALUES (?, ?, ?, ?, ?) ON CONFLICT DO UPDATE SET value = excluded.value",
-                    rows)
+    if rows:  # DuckDB's executemany refuses an empty list (rl.steps=0)
+        con.executemany("INSERT INTO metrics VALUES (?, ?, ?, ?, ?) ON CONFLICT DO UPDATE SET value = excluded.value",
+                        rows)
     with open(ref.file("consumed.json")) as f:
         consumed = json.load(f)
-    con.executemany("INSERT INTO consumed_prompts VALUES (?, ?, ?) ON CONFLICT DO NOTHING",
-                    [(ref.sha256, pid, n) for pid, n in consumed.items()])
+    if consumed:
+        con.executemany("INSERT INTO consumed_prompts VALUES (?, ?, ?) ON CONFLICT DO NOTHING",
+                        [(ref.sha256, pid, n) for pid, n in consumed.items()])
     _record_history(con, ref, "rewards.parquet")
 
 

@@ -20,7 +20,8 @@ ROOT = Path(__file__).resolve().parents[2]
 TINY = ["data.pool_size=200", "data.heldout_size=20", "sft.steps=10", "sft.batch_size=8", "rl.steps=2",
         "rl.prompts_per_step=4", "rl.group_size=2", "rl.max_new_tokens=32", "eval.n_samples=2",
         "eval.max_new_tokens=32", "model.hidden_size=32", "model.intermediate_size=64", "model.num_layers=1",
-        "model.num_heads=2", "model.num_kv_heads=1"]
+        "model.num_heads=2", "model.num_kv_heads=1", "curation.difficulty.max_prompts=50",
+        "curation.difficulty.max_new_tokens=16", "curation.dart.budget=200", "curation.rft.steps=5"]
 EVAL = ["eval.n_samples=2", "eval.max_new_tokens=32"]
 HELDOUT = 20
 PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
