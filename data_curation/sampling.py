@@ -16,11 +16,11 @@ import polars as pl
 
 def prompt_items(rows: Sequence[dict], tokenizer, template: str) -> list:
     """``PromptItem``s from curated prompt rows (prompt_id, problem, answer, level)."""
-    from training.model import encode_prompt
+    from training.model import encode_problem
     from training.rl.records import PromptItem
 
     return [PromptItem(prompt_id=r["prompt_id"], text=r["problem"], answer=r["answer"],
-                       prompt_tokens=encode_prompt(tokenizer, template.format(problem=r["problem"])),
+                       prompt_tokens=encode_problem(tokenizer, template, r["problem"]),
                        level=r.get("level")) for r in rows]
 
 

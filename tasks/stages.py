@@ -250,7 +250,8 @@ def _select_body(ctx: StageContext) -> StageResult:
                 pass_rate_est=pl.lit(None, pl.Float64), score=pl.lit(None, pl.Float64),
                 n_observations=pl.lit(0, pl.Int64), selected=pl.lit(True), reason=pl.lit("uniform"))
         else:
-            decisions = select_learning_edge(attempts, history, max_prompts=c.max_prompts)
+            decisions = top_up(select_learning_edge(attempts, history, max_prompts=c.max_prompts), prompts,
+                               ctx.cfg.rl.prompts_per_step)
         decisions.write_parquet(out / "selection.parquet")
         chosen = decisions.filter(pl.col("selected"))["prompt_id"]
         kept = prompts.filter(pl.col("prompt_id").is_in(chosen.implode()))
@@ -261,6 +262,28 @@ def _select_body(ctx: StageContext) -> StageResult:
 
     ref, metrics = _produce(ctx, SELECTION, run)
     return StageResult({SELECTION: ref}, metrics)
+
+
+def top_up(decisions, prompts, minimum: int):
+    """With fewer than ``minimum`` prompts at the learning edge (a model that solves nothing yet),
+    RL still needs a batch: the most uncertain of the rest are added, then unobserved prompts, each
+    recorded with reason ``top_up``."""
+    import polars as pl
+
+    short = minimum - int(decisions["selected"].sum())
+    if short <= 0:
+        return decisions
+    unseen = prompts.select("prompt_id").join(decisions.select("prompt_id"), on="prompt_id", how="anti")
+    rest = pl.concat([decisions.filter(~pl.col("selected")).sort(["score", "prompt_id"], descending=[True, False],
+                                                                  nulls_last=True).select("prompt_id"),
+                      unseen.sort("prompt_id")])
+    extra = rest.head(short)["prompt_id"].implode()
+    decisions = decisions.with_columns(
+        reason=pl.when(pl.col("prompt_id").is_in(extra)).then(pl.lit("top_up")).otherwise(pl.col("reason")),
+        selected=pl.col("selected") | pl.col("prompt_id").is_in(extra))
+    added = unseen.filter(pl.col("prompt_id").is_in(extra)).with_columns(selected=pl.lit(True),
+                                                                         reason=pl.lit("top_up"))
+    return pl.concat([decisions, added], how="diagonal_relaxed")
 
 
 def _rl_body(ctx: StageContext) -> StageResult:
@@ -511,7 +534,7 @@ STAGES: tuple[Stage, ...] = (
     Stage("eval_rft", {MODEL: ("rft", MODEL), DATASET: ("data", DATASET)}, lambda c: asdict(c.eval),
           _EVAL_MODULES, _eval_body, _record_eval, _eval_headline, _benchmark_files),
     Stage("select", {PROMPTS: ("decontaminate", PROMPTS), ATTEMPTS: ("difficulty", ATTEMPTS)},
-          lambda c: asdict(c.curation.select), ("data_curation.hive",), _select_body, _record_select,
+          lambda c: {**asdict(c.curation.select), "min_prompts": c.rl.prompts_per_step}, ("data_curation.hive",), _select_body, _record_select,
           _headline("selected {selected:.0f} of {candidates:.0f}", "selected", "candidates"), _history_fingerprint),
     Stage("rl", {MODEL: ("rft", MODEL), SELECTION: ("select", SELECTION), DATASET: ("data", DATASET)},
           lambda c: {**asdict(c.rl), "verifier_timeout_s": c.eval.verifier_timeout_s, "template": template(c),

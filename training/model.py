@@ -86,6 +86,12 @@ def encode_prompt(tokenizer, text: str) -> tuple[int, ...]:
     return tuple(bos + list(ids))
 
 
+def encode_problem(tokenizer, template: str, problem: str) -> tuple[int, ...]:
+    """``encode_prompt`` of ``template`` with ``{problem}`` replaced (only that placeholder, so
+    templates such as ``\\boxed{}`` need no brace escaping)."""
+    return encode_prompt(tokenizer, template.replace("{problem}", problem))
+
+
 def encode_response(tokenizer, text: str) -> tuple[int, ...]:
     """Response token ids ending with EOS (the SFT target)."""
     return tuple(tokenizer(text, add_special_tokens=False)["input_ids"] + [tokenizer.eos_token_id])

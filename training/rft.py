@@ -7,7 +7,7 @@ from pathlib import Path
 from tqdm.auto import tqdm
 
 from conf.schema import RFTConfig
-from training.model import encode_prompt, encode_response, load_model, save_model
+from training.model import encode_problem, encode_response, load_model, save_model
 from training.setup import read_table
 from training.sft import SFTExample, train_sft
 
@@ -18,7 +18,7 @@ def rft(model_dir: Path, rft_path: Path, cfg: RFTConfig, *, template: str, seed:
     correct response to learn from, the model passes through unchanged (and says so)."""
     model, tokenizer = load_model(model_dir, device)
     rows = read_table(Path(rft_path))
-    examples = [SFTExample(encode_prompt(tokenizer, template.format(problem=r["problem"])),
+    examples = [SFTExample(encode_problem(tokenizer, template, r["problem"]),
                            encode_response(tokenizer, r["response"])) for r in rows]
     metrics: dict[str, float] = {"rft_examples": float(len(examples)), "rft_steps": 0.0}
     if cfg.steps > 0 and examples:

@@ -7,7 +7,7 @@ from pathlib import Path
 from tqdm.auto import tqdm
 
 from conf.schema import SFTConfig
-from training.model import encode_prompt, encode_response, load_model, save_model
+from training.model import encode_problem, encode_response, load_model, save_model
 from training.setup import read_table
 from training.sft import SFTExample, train_sft
 
@@ -27,7 +27,7 @@ def warmup(model_dir: Path, prompts_path: Path, cfg: SFTConfig, *, template: str
     of their steps slip); prompts without a level are always used, the others when in ``cfg.levels``."""
     model, tokenizer = load_model(model_dir, device)
     rows = [r for r in read_table(Path(prompts_path)) if r.get("level") is None or r.get("level") in set(cfg.levels)]
-    examples = [SFTExample(encode_prompt(tokenizer, template.format(problem=r["problem"])),
+    examples = [SFTExample(encode_problem(tokenizer, template, r["problem"]),
                            encode_response(tokenizer, target(r))) for r in rows]
     with tqdm(total=cfg.steps, desc="warmup sft", unit="step", leave=False) as bar:
         metrics = train_sft(model, examples, steps=cfg.steps, batch_size=cfg.batch_size, lr=cfg.lr,

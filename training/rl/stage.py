@@ -17,7 +17,7 @@ from typing import Callable
 from tqdm.auto import tqdm
 
 from conf.schema import RLConfig, SelectConfig
-from training.model import encode_prompt, load_model, save_model
+from training.model import encode_problem, load_model, save_model
 from training.objectives import PRESETS, ObjectiveParams
 from training.rl.loop import RLResult, format_step, run_sync
 from training.rl.records import PromptItem
@@ -62,8 +62,11 @@ def rl(model_dir: Path, prompts_path: Path, cfg: RLConfig, *, template: str, see
     it writes). ``select`` turns on HIVE's online pruning; ``evaluate`` runs every ``cfg.eval_every`` steps."""
     model, tokenizer = load_model(model_dir, device)
     rows = read_table(Path(prompts_path))
+    if not rows and cfg.steps > 0:
+        raise ValueError(f"RL has no prompts to train on ({prompts_path} is empty): check the curation counts "
+                         "(quarantined, contaminated, selected) in the run table")
     prompts = [PromptItem(prompt_id=r["prompt_id"], text=r["problem"], answer=r["answer"],
-                          prompt_tokens=encode_prompt(tokenizer, template.format(problem=r["problem"])),
+                          prompt_tokens=encode_problem(tokenizer, template, r["problem"]),
                           level=r.get("level")) for r in rows]
     params = objective_params(cfg)
     with tqdm(total=cfg.steps, desc=f"rl {cfg.algorithm}/{cfg.mode}", unit="step", leave=False) as bar:
