@@ -5,33 +5,73 @@ from __future__ import annotations
 
 import argparse
 import os
-import shlex
 import sys
-import time
-import uuid
-from datetime import datetime, timezone
 
 
-def _parser() -> argparse.ArgumentParser:
+def _workspace_arg(sp) -> None:
+    sp.add_argument("--workspace", default=os.environ.get("LAMINAR_WORKSPACE", "./workspace"),
+                    help="workspace folder (default ./workspace, or $LAMINAR_WORKSPACE)")
+
+
+def _overrides_arg(sp, extra: str = "") -> None:
+    sp.add_argument("overrides", nargs="*", help="Hydra overrides: key=value, group=option" + extra)
+
+
+def _parser() -> tuple[argparse.ArgumentParser, dict[str, argparse.ArgumentParser]]:
     p = argparse.ArgumentParser(prog="laminar", description="Curation, RL training and evaluation as one cached DAG.")
     sub = p.add_subparsers(dest="command", required=True)
-    for name, text in (("run", "run the pipeline (cached stages are skipped)"),
-                       ("status", "each stage cached or stale for the current config, and why"),
-                       ("config", "print the resolved config"),
-                       ("eval", "evaluate one checkpoint: ckpt=<sha prefix or save_pretrained folder> [overrides]"),
-                       ("report", "write report.md and plots for a run (default: the latest completed run)")):
-        sp = sub.add_parser(name, help=text)
-        if name == "report":
-            sp.add_argument("run_id", nargs="?", default=None, help="run id (default: the latest completed run)")
-        else:
-            sp.add_argument("overrides", nargs="*", help="Hydra overrides: key=value, group=option"
-                            + ("; ckpt=<checkpoint sha prefix or folder> is required" if name == "eval" else ""))
-        sp.add_argument("--workspace", default=os.environ.get("LAMINAR_WORKSPACE", "./workspace"),
-                        help="workspace folder (default ./workspace)")
-        if name == "run":
-            sp.add_argument("--force", action="append", default=[], metavar="STAGE",
-                            help="rerun STAGE even if cached (repeatable)")
-    return p
+
+    sp = sub.add_parser("run", help="run the pipeline (cached stages are skipped)")
+    _overrides_arg(sp)
+    sp.add_argument("--force", action="append", default=[], metavar="STAGE", help="rerun STAGE even if cached (repeatable)")
+    sp.add_argument("--until", metavar="STAGE", help="run only STAGE and the stages it needs")
+    _workspace_arg(sp)
+
+    sp = sub.add_parser("rerun", help="rerun STAGE and everything downstream of it; its upstream comes from cache")
+    sp.add_argument("stage", help="the stage to rerun")
+    _overrides_arg(sp)
+    _workspace_arg(sp)
+
+    sp = sub.add_parser("status", help="each stage cached or stale for the current config, and why")
+    _overrides_arg(sp)
+    _workspace_arg(sp)
+
+    sp = sub.add_parser("config", help="print the resolved config")
+    _overrides_arg(sp)
+    _workspace_arg(sp)
+
+    sp = sub.add_parser("eval", help="evaluate one checkpoint: ckpt=<sha prefix or save_pretrained folder> [overrides]")
+    _overrides_arg(sp, "; ckpt=<checkpoint sha prefix or folder> is required")
+    _workspace_arg(sp)
+
+    sp = sub.add_parser("report", help="write report.md and plots for a run (default: the latest completed run)")
+    sp.add_argument("run_id", nargs="?", default=None, help="run id (default: the latest completed run)")
+    _workspace_arg(sp)
+
+    sp = sub.add_parser("runs", help="runs and checkpoints with their headline metrics")
+    sp.add_argument("--json", action="store_true", help="print JSON")
+    sp.add_argument("--limit", type=int, default=None, help="only the N latest runs")
+    _workspace_arg(sp)
+
+    sp = sub.add_parser("lineage", help="a checkpoint's upstream tree down to its sources, prompts and evaluations")
+    sp.add_argument("checkpoint", help="a checkpoint (or any artifact) sha prefix, or a save_pretrained folder")
+    sp.add_argument("--json", action="store_true", help="print JSON (same as --format json)")
+    sp.add_argument("--format", choices=("text", "json", "openlineage"), default=None,
+                    help="openlineage: one OpenLineage run event (JSON) per stage, one per line")
+    sp.add_argument("--prompts", action="store_true", help="every prompt id the checkpoint trained on, and how often")
+    _workspace_arg(sp)
+
+    sp = sub.add_parser("serve", help="serve the pipeline as a Prefect deployment on a cron schedule")
+    sp.add_argument("--cron", required=True, help="cron expression, e.g. '0 3 * * *' (every day at 03:00)")
+    sp.add_argument("--name", default=None, help="deployment name (default: laminar-<workspace folder name>)")
+    sp.add_argument("--port", type=int, default=4200,
+                    help="port of the Prefect server started when PREFECT_API_URL is unset (default 4200; "
+                         "another free port when taken; 0: any free port)")
+    sp.add_argument("--force", action="append", default=[], metavar="STAGE", help="rerun STAGE in every run")
+    sp.add_argument("--until", metavar="STAGE", help="run only STAGE and the stages it needs")
+    _overrides_arg(sp)
+    _workspace_arg(sp)
+    return p, dict(sub.choices)
 
 
 def _load(overrides, preflight: bool = False):
@@ -67,65 +107,43 @@ def cmd_status(args) -> int:
     return 0
 
 
-def cmd_run(args) -> int:
-    from core.workspace import Workspace, WorkspaceBusy
-    from tasks.prefect_env import configure_prefect
-    from tasks.stages import STAGE_BY_NAME
+def _selection(**kw):
+    from tasks.operate import UnknownStage, select
 
-    cfg = _load(args.overrides, preflight=True)
-    unknown = [s for s in args.force if s not in STAGE_BY_NAME]
-    if unknown:
-        print(f"laminar: unknown stage {unknown}; stages are {', '.join(STAGE_BY_NAME)}", file=sys.stderr)
-        return 2
-    ws = Workspace.at(args.workspace)
     try:
-        with ws.lock():
-            ws.create()
-            ws.artifacts.clean_tmp()
-            configure_prefect(ws)
-            run_id, command = _new_run_id(), _command()
-            ws.run_dir(run_id).mkdir(parents=True)
-            _save_run_files(ws, run_id, cfg, command)
-            return _run(cfg, ws, run_id, args, command)
+        return select(**kw)
+    except UnknownStage as err:
+        print(f"laminar: {err}", file=sys.stderr)
+        raise SystemExit(2)
+
+
+def _pipeline(**kwargs):
+    """The Prefect flow, imported only once the workspace has configured Prefect."""
+    from flows.pipeline import laminar_pipeline
+
+    return laminar_pipeline(**kwargs)
+
+
+def _execute(overrides: list[str], workspace: str, selection) -> int:
+    from core.workspace import Workspace, WorkspaceBusy
+    from tasks.operate import command_line, run_pipeline
+
+    cfg = _load(overrides, preflight=True)
+    try:
+        run_pipeline(cfg, Workspace.at(workspace), _pipeline, overrides=overrides, selection=selection,
+                     command=command_line())
     except WorkspaceBusy as err:
         print(f"laminar: {err}", file=sys.stderr)
         return 3
+    return 0
 
 
-def _run(cfg, ws, run_id, args, command) -> int:
-    import logging
+def cmd_run(args) -> int:
+    return _execute(args.overrides, args.workspace, _selection(until=args.until, force=args.force))
 
-    from core.artifacts import write_json_atomic
-    from core.catalog import dumps
-    from conf.loader import to_dict
 
-    logging.getLogger("transformers").setLevel(logging.ERROR)
-    handler = logging.FileHandler(ws.logs / f"{run_id}.log")
-    handler.setFormatter(logging.Formatter("%(asctime)s %(name)s %(levelname)s %(message)s"))
-    laminar_log = logging.getLogger("laminar")
-    laminar_log.setLevel(logging.INFO)
-    laminar_log.addHandler(handler)
-    laminar_log.propagate = False
-    t0 = time.perf_counter()
-    with ws.catalog.transaction() as con:
-        con.execute("INSERT INTO runs VALUES (?, now(), NULL, 'running', ?, ?, NULL)",
-                    [run_id, command, dumps(to_dict(cfg))])
-    from flows.pipeline import laminar_pipeline
-    from tasks.summary import build_summary, format_table
-
-    status = "failed"
-    try:
-        outcomes = laminar_pipeline(overrides=list(args.overrides), workspace=str(ws.root), run_id=run_id,
-                                    force=list(args.force))
-        summary = build_summary(run_id, outcomes, time.perf_counter() - t0)
-        write_json_atomic(ws.run_dir(run_id) / "summary.json", summary)
-        print(format_table(summary))
-        print(f"summary: {ws.run_dir(run_id) / 'summary.json'}")
-        status = "completed"
-        return 0
-    finally:
-        with ws.catalog.transaction() as con:
-            con.execute("UPDATE runs SET finished_at = now(), status = ? WHERE run_id = ?", [status, run_id])
+def cmd_rerun(args) -> int:
+    return _execute(args.overrides, args.workspace, _selection(rerun=args.stage))
 
 
 def _split_ckpt(overrides: list[str]) -> tuple[str, list[str]]:
@@ -148,16 +166,21 @@ def cmd_eval(args) -> int:
     ws = Workspace.at(args.workspace)
     try:
         with ws.lock():
+            from tasks.operate import command_line, mark_interrupted, new_run_id, save_run_files
+
             ws.create()
             ws.artifacts.clean_tmp()
-            run_id, command = _new_run_id("eval-"), _command()
+            for stale in mark_interrupted(ws):
+                print(f"laminar: run {stale} never finished (its process was killed); marked interrupted",
+                      file=sys.stderr)
+            run_id, command = new_run_id("eval-"), command_line()
             _quiet_transformers()
             try:
                 report = evaluate(cfg, ws, ckpt, run_id, command)
             except EvalInputError as err:
                 print(f"laminar: {err}", file=sys.stderr)
                 return 2
-            _save_run_files(ws, run_id, cfg, command)
+            save_run_files(ws, run_id, cfg, command)
     except WorkspaceBusy as err:
         print(f"laminar: {err}", file=sys.stderr)
         return 3
@@ -184,21 +207,70 @@ def cmd_report(args) -> int:
     return 0
 
 
-def _new_run_id(prefix: str = "") -> str:
-    return prefix + datetime.now(timezone.utc).strftime("%Y%m%d-%H%M%S-") + uuid.uuid4().hex[:6]
+def cmd_runs(args) -> int:
+    import json
+
+    from core.workspace import Workspace
+    from tasks.operate import format_runs, list_runs
+
+    ws = Workspace.at(args.workspace)
+    if not ws.catalog.path.exists():
+        print(f"laminar: no catalog in {ws.root}; pass --workspace DIR of a workspace `laminar run` used",
+              file=sys.stderr)
+        return 2
+    listing = list_runs(ws, args.limit)
+    print(json.dumps(listing, indent=2, default=str) if args.json else format_runs(listing))
+    return 0
 
 
-def _command() -> str:
-    return shlex.join(["laminar", *sys.argv[1:]])
+def cmd_lineage(args) -> int:
+    import json
+
+    from core.workspace import Workspace
+    from tasks.lineage import LineageError, format_lineage, lineage, openlineage_events
+
+    fmt = args.format or ("json" if args.json else "text")
+    try:
+        lin = lineage(Workspace.at(args.workspace), args.checkpoint, prompts=args.prompts)
+    except LineageError as err:
+        print(f"laminar: {err}", file=sys.stderr)
+        return 2
+    if fmt == "openlineage":
+        for event in openlineage_events(lin):
+            print(json.dumps(event, default=str))
+    elif fmt == "json":
+        print(json.dumps(lin, indent=2, default=str))
+    else:
+        print(format_lineage(lin))
+    return 0
 
 
-def _save_run_files(ws, run_id: str, cfg, command: str) -> None:
-    """The resolved config and the exact command beside the run's outputs."""
-    from conf.loader import to_yaml
+def cmd_serve(args) -> int:
+    from core.workspace import Workspace
+    from tasks.operate import command_line
+    from tasks.serving import ServeError, prefect_api
 
-    run_dir = ws.run_dir(run_id)
-    (run_dir / "config.yaml").write_text(to_yaml(cfg))
-    (run_dir / "command.txt").write_text(command + "\n")
+    _load(args.overrides, preflight=True)
+    selection = _selection(until=args.until, force=args.force)
+    ws = Workspace.at(args.workspace)
+    name = args.name or f"laminar-{ws.root.name}"
+    try:
+        with prefect_api(ws, args.port, args.cron) as api_url:
+            from flows.serve import serve
+
+            print(f"laminar: serving deployment laminar-run/{name} on cron {args.cron!r} for workspace {ws.root}\n"
+                  f"laminar: Prefect API {api_url}  UI {api_url.removesuffix('/api')}  (Ctrl-C stops; "
+                  f"`prefect deployment run laminar-run/{name}` triggers a run now)", flush=True)
+            serve(name, args.cron, {"overrides": list(args.overrides), "workspace": str(ws.root),
+                                    "force": selection.force, "until": args.until,
+                                    "command": command_line() + "  # scheduled run"},
+                  description=f"laminar pipeline on {ws.root}: {' '.join(args.overrides) or 'default config'}")
+    except ServeError as err:
+        print(f"laminar: {err}", file=sys.stderr)
+        return 2
+    except KeyboardInterrupt:
+        pass
+    return 0
 
 
 def _quiet_transformers() -> None:
@@ -207,11 +279,19 @@ def _quiet_transformers() -> None:
     logging.getLogger("transformers").setLevel(logging.ERROR)
 
 
-COMMANDS = {"run": cmd_run, "status": cmd_status, "config": cmd_config, "eval": cmd_eval, "report": cmd_report}
+COMMANDS = {"run": cmd_run, "rerun": cmd_rerun, "status": cmd_status, "config": cmd_config, "eval": cmd_eval,
+            "report": cmd_report, "runs": cmd_runs, "lineage": cmd_lineage, "serve": cmd_serve}
 
 
 def main(argv: list[str] | None = None) -> int:
-    args = _parser().parse_args(argv)
+    """Options may come before, between or after the overrides (`laminar run data=math --until select x=1`)."""
+    argv = list(sys.argv[1:] if argv is None else argv)
+    parser, commands = _parser()
+    if argv and argv[0] in commands:
+        args = commands[argv[0]].parse_intermixed_args(argv[1:])
+        args.command = argv[0]
+    else:
+        args = parser.parse_args(argv)
     return COMMANDS[args.command](args)
 
 

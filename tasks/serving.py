@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import socket
 import subprocess
 import sys
@@ -30,15 +31,31 @@ class ServeError(RuntimeError):
     pass
 
 
+_CRON_FIELD = re.compile(r"^[0-9A-Za-z*/,?#LW-]+$")
+
+
+def check_cron_shape(expr: str) -> str:
+    """Five (or six) cron fields of cron characters: a check that needs no Prefect import, so an
+    obviously wrong expression fails before anything is written."""
+    fields = expr.split()
+    if len(fields) not in (5, 6) or not all(_CRON_FIELD.match(f) for f in fields):
+        raise ServeError(f"--cron {expr!r} is not a cron expression (five fields: minute hour day month "
+                         "weekday, e.g. '0 3 * * *' for every day at 03:00)")
+    return expr
+
+
 def check_cron(expr: str) -> str:
     """Prefect's own cron validation; call it once ``PREFECT_API_URL`` is settled (it imports Prefect)."""
     from prefect.client.schemas.schedules import CronSchedule
 
+    check_cron_shape(expr)
     try:
         CronSchedule(cron=expr)
     except ValueError as err:
+        errors = getattr(err, "errors", None)
+        why = errors()[0]["msg"] if callable(errors) else str(err).splitlines()[0]
         raise ServeError(f"--cron {expr!r} is not a cron expression (five fields: minute hour day month "
-                         f"weekday, e.g. '0 3 * * *'): {str(err).splitlines()[-1].strip()}") from None
+                         f"weekday, e.g. '0 3 * * *'): {why}") from None
     return expr
 
 
@@ -112,6 +129,29 @@ def local_server(ws: Workspace, port: int, startup_s: float = 180.0, ui: bool = 
                 os.killpg(proc.pid, 9)
                 proc.wait()
         log.close()
+
+
+@contextmanager
+def prefect_api(ws: Workspace, port: int, cron: str) -> Iterator[str]:
+    """The Prefect API ``laminar serve`` registers with, for ``ws``: the one ``PREFECT_API_URL`` names,
+    else a local server on ``port`` (taken: another free one; 0: any) started here and stopped on exit.
+    Sets the environment before Prefect is imported, then checks ``cron`` (raises ServeError) before
+    the server starts."""
+    from tasks.prefect_env import configure_prefect
+
+    check_cron_shape(cron)  # before anything is written
+    configure_prefect(ws)
+    external = os.environ.get("PREFECT_API_URL")
+    if not external:
+        port = free_port(port)
+        os.environ["PREFECT_API_URL"] = f"http://127.0.0.1:{port}/api"
+    ws.create()  # Prefect makes its home (inside the workspace) on import
+    check_cron(cron)
+    if external:
+        yield external
+        return
+    with local_server(ws, port) as api_url:
+        yield api_url
 
 
 def attach_served_api(ws: Workspace) -> str | None:
