@@ -113,3 +113,16 @@ def test_difficulty_writes_attempts_and_history(tmp_path):
     history = pl.read_parquet(out / "history.parquet")
     assert history.columns == ["step", "idx", "prompt_id", "mean_reward", "n", "origin"] and history.height == 20
     assert m["learning_edge"] + m["all_correct"] + m["all_wrong"] == 20
+
+
+def test_greso_round_size_and_one_group_per_prompt():
+    assert HiveSource.round_size(4, 0.5, 16) == 10  # ceil(1.25 * 4 / 0.5)
+    assert HiveSource.round_size(1, 0.0, 16) == 4  # at least a quarter batch
+    assert HiveSource.round_size(16, 0.9, 16) == 24  # at most 1.5 batches
+    tok = build_char_tokenizer()
+    engine = TorchEngine(build_tiny_model(MICRO, tok, seed=0), tok)
+    items = _prompts(tok, 5)  # fewer prompts than a raw batch: the cursor wraps into the next epoch
+    source = HiveSource(PromptCursor(items, 0), engine, greso=None, entropy_rule="off", seed=0)
+    for _ in range(4):
+        batch = source.take(4)
+        assert len({p.prompt_id for p in batch}) == len(batch)

@@ -6,6 +6,7 @@ phases onto separate workers without changing them.
 
 from __future__ import annotations
 
+import math
 import random
 import time
 from collections import Counter
@@ -101,8 +102,20 @@ class HiveSource:
                 self._counts["pruned_prompts"] += sum(1 for k in keep if not k)
                 raw = [p for p, k in zip(raw, keep) if k]
             self.buffer.extend(raw)
-        out, self.buffer = self.buffer[:n], self.buffer[n:]
+        out: list[PromptItem] = []
+        rest: list[PromptItem] = []
+        for p in self.buffer:  # one group per prompt in a batch; a repeat waits for the next batch
+            (rest if len(out) >= n or any(q.prompt_id == p.prompt_id for q in out) else out).append(p)
+        self.buffer = rest
         return out
+
+    @staticmethod
+    def round_size(remaining: int, zero_var_ratio: float, batch: int) -> int:
+        """GRESO's size of a further sampling round: enough prompts for the ``remaining`` groups at
+        the zero-variance ratio seen so far, with 25% headroom, within [batch/4, 1.5 batch] (GRESO:
+        64..384 for a batch of 256), instead of dynamic sampling's full batch per round."""
+        need = math.ceil(1.25 * remaining / max(1.0 - zero_var_ratio, 0.05))
+        return max(max(1, batch // 4), min(need, batch + batch // 2))
 
     def observe(self, groups: Sequence[ScoredGroup]) -> None:
         if self.greso is None or not groups:
@@ -179,7 +192,10 @@ def collect_phase(engine: TorchEngine, cursor: PromptCursor | HiveSource, verifi
     max_rounds = params.max_sampling_rounds if params.dynamic_sampling else 1
     while len(kept) < prompts_per_step and rounds < max_rounds:
         rounds += 1
-        trajectories = sample_phase(engine, cursor.take(prompts_per_step), group_size,
+        n = prompts_per_step
+        if rounds > 1 and hasattr(cursor, "round_size"):
+            n = cursor.round_size(prompts_per_step - len(kept), dropped / max(1, len(all_groups)), prompts_per_step)
+        trajectories = sample_phase(engine, cursor.take(n), group_size,
                                     max_new_tokens=max_new_tokens, temperature=temperature, generator=generator)
         generated += len(trajectories)
         scored = score_phase(trajectories, verifier, shaping)
