@@ -49,7 +49,8 @@ def gather(ws: Workspace, run_id: str):
                             "cache_key": s["cache_key"],
                             "headline": stage_headline(s["stage"], json.loads(s["metrics_json"] or "{}"))})
         if s["stage"] in CHECKPOINT_STAGES and MODEL in outputs[s["stage"]]:
-            roles[outputs[s["stage"]][MODEL]["sha256"]] = s["stage"]
+            # the first stage keeps a checkpoint's role: RFT with nothing to learn passes warm-up's weights on
+            roles.setdefault(outputs[s["stage"]][MODEL]["sha256"], s["stage"])
         elif s["stage"] == "eval":  # a `laminar eval` run: its checkpoint, under the role the catalog gives it
             sha = json.loads(s["metrics_json"] or "{}").get("checkpoint")
             found = cat.query("SELECT stage FROM checkpoints WHERE checkpoint_sha = ?", [sha]) if sha else []
