@@ -303,9 +303,15 @@ def test_an_edited_source_file_reruns_exactly_the_downstream_stages(first, tmp_p
 # ---- serve -------------------------------------------------------------------------------------------------
 
 def _api(url: str, path: str, body: dict | None = None, method: str = "POST"):
+    """One call to the Prefect server; a 503 (its database busy while the served run starts up) is
+    retried a few times, any other error fails."""
     import httpx
 
-    r = httpx.request(method, url + path, json=body, timeout=30)
+    for attempt in range(10):
+        r = httpx.request(method, url + path, json=body, timeout=30)
+        if r.status_code != 503 or attempt == 9:
+            break
+        time.sleep(2)
     r.raise_for_status()
     return r.json()
 
