@@ -20,20 +20,11 @@ from __future__ import annotations
 import argparse
 import json
 import statistics
-import subprocess
-import sys
 from pathlib import Path
 
+from objectives import run  # noqa: E402  (the same `laminar run` driver; benchmarks/ is the script's path)
+
 ROOT = Path(__file__).resolve().parent.parent
-
-
-def run(ws: Path, overrides: list[str]) -> dict:
-    cmd = [sys.executable, "-m", "flows.cli", "run", *overrides, "--workspace", str(ws)]
-    proc = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True)
-    if proc.returncode != 0:
-        raise SystemExit(f"{' '.join(cmd)} failed:\n{proc.stderr[-3000:]}")
-    latest = max((ws / "runs").iterdir(), key=lambda p: p.stat().st_mtime)
-    return json.loads((latest / "summary.json").read_text())
 
 
 def query(ws: Path, sql: str, params: list) -> list[tuple]:
