@@ -289,7 +289,7 @@ def top_up(decisions, prompts, minimum: int):
 def _rl_body(ctx: StageContext) -> StageResult:
     from evaluation.stages import in_run_evaluator
     from evaluation.verifier import Verifier
-    from training.model import load_model
+    from training.model import load_tokenizer
     from training.rl.stage import TIMING_KEYS, rl
     from training.setup import setup_torch
 
@@ -301,7 +301,7 @@ def _rl_body(ctx: StageContext) -> StageResult:
         with Verifier(timeout_s=ctx.cfg.eval.verifier_timeout_s) as verifier:
             evaluate = None
             if ctx.cfg.rl.eval_every > 0:
-                _, tokenizer = load_model(ctx.inputs[MODEL].path)
+                tokenizer = load_tokenizer(ctx.inputs[MODEL].path)
                 evaluate = in_run_evaluator(tokenizer, data if (data / "heldout.parquet").exists() else None,
                                             ctx.cfg.eval, templates=_eval_templates(), seed=ctx.cfg.seed,
                                             device=ctx.device, verifier=verifier)

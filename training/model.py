@@ -58,13 +58,21 @@ def save_model(model, tokenizer, out_dir: Path) -> None:
 
 def load_model(path: str | Path, device: str = "cpu"):
     """(model, tokenizer) from a ``save_pretrained`` folder; weights only through safetensors."""
-    from transformers import AutoModelForCausalLM, AutoTokenizer
+    from transformers import AutoModelForCausalLM
+
+    tokenizer = load_tokenizer(path)
+    model = AutoModelForCausalLM.from_pretrained(str(path), use_safetensors=True, dtype=torch.float32)
+    return model.to(device), tokenizer
+
+
+def load_tokenizer(path: str | Path):
+    """The tokenizer of a ``save_pretrained`` folder (pad falls back to EOS), without its weights."""
+    from transformers import AutoTokenizer
 
     tokenizer = AutoTokenizer.from_pretrained(str(path))
-    model = AutoModelForCausalLM.from_pretrained(str(path), use_safetensors=True, dtype=torch.float32)
     if tokenizer.pad_token_id is None:
         tokenizer.pad_token = tokenizer.eos_token
-    return model.to(device), tokenizer
+    return tokenizer
 
 
 def resolve_device(device: str) -> str:
