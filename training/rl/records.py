@@ -29,6 +29,23 @@ class GenRequest:
 
     prompt: PromptItem
     sample_idx: int
+    group_uid: int = 0
+    """Which issue of ``prompt`` this request belongs to (the prompt queue's position when it was
+    drawn): the experience buffer assembles groups by it, so a prompt seen in two epochs forms two groups."""
+
+
+@dataclass(frozen=True)
+class Partial:
+    """An in-flight response handed from one rollout to another (repack, interrupt, or a failure
+    re-queue): the tokens sampled so far with their behaviour log-probs. The receiver continues it by
+    re-prefilling prompt + tokens. ``version`` is the weight version that sampled the first token
+    (and, outside ``partial`` mode, every token); ``entropy_sum`` sums the per-token entropies."""
+
+    request: GenRequest
+    tokens: tuple[int, ...]
+    logprobs: tuple[float, ...]
+    version: int
+    entropy_sum: float = 0.0
 
 
 @dataclass(frozen=True)
@@ -47,6 +64,11 @@ class Trajectory:
     text: str
     mean_entropy: float = float("nan")
     """Mean full-vocabulary entropy (nats) of the sampling distribution over the response's tokens."""
+    group_uid: int = 0
+    """The request's ``group_uid`` (see ``GenRequest``)."""
+    last_version: int = -1
+    """The version that sampled the last token; equals ``version`` except in ``partial`` mode, where a
+    response interrupted by an update continues under newer weights (-1: same as ``version``)."""
 
 
 @dataclass(frozen=True)
