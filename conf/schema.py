@@ -107,11 +107,30 @@ class RLConfig:
     overlong_filter: Optional[bool] = None
     kl_coef: Optional[float] = None
     overlong_cache_len: int = 16
+    """DAPO's soft-punishment buffer L_cache, in tokens before ``max_new_tokens`` (the paper uses
+    4,096 of 20,480; here 16 of 64, the same order of share)."""
     eval_every: int = 25
     """Evaluate ``eval.benchmarks`` inside the run every N steps (the eval stages cover the start and
     the end); 0 = off."""
-    """DAPO's soft-punishment buffer L_cache, in tokens before ``max_new_tokens`` (the paper uses
-    4,096 of 20,480; here 16 of 64, the same order of share)."""
+    runtime: str = "auto"
+    """``local``: the in-process synchronous loop (sync only; deterministic metrics on the CPU);
+    ``ray``: the Laminar runtime (trainer, relays, rollouts as Ray actors; every mode);
+    ``auto``: local for ``mode=sync``, ray otherwise."""
+    max_staleness: Optional[int] = 4
+    """Asynchronous modes: a group generated more than this many versions behind the trainer is
+    regenerated instead of trained on (null: no bound, as in the Laminar paper)."""
+    rollout_capacity: int = 64
+    """Concurrent sequences per rollout (continuous batching)."""
+    chunk_steps: int = 8
+    """Decode steps per rollout call between the manager's looks (occupancy, pulls, repacks)."""
+    repack_interval_s: float = 0.5
+    repack_b: int = 0
+    """Repack's B: the batch below which decoding is memory-bound; 0 = ``rollout_capacity``."""
+    checkpoint_every: int = 10
+    """Ray runtime: an atomic checkpoint every N updates (0 = off); a rerun resumes from the last."""
+
+    def uses_ray(self) -> bool:
+        return self.runtime == "ray" or (self.runtime == "auto" and self.mode != "sync")
 
 
 @dataclass
@@ -203,6 +222,24 @@ class CurationConfig:
 
 
 @dataclass
+class ClusterConfig:
+    """Where the Ray roles run. ``address=null`` starts Ray locally; ``address=auto`` or
+    ``HOST:PORT`` joins a running cluster (``ray start --head``). One relay runs on every node;
+    rollouts go round-robin over the nodes (head first), the trainer on node ``trainer_node``.
+    CPUs per role are Ray logical resources (fractions allowed)."""
+
+    address: Optional[str] = None
+    num_cpus: Optional[int] = None
+    rollouts: int = 2
+    trainer_cpus: float = 0.5
+    rollout_cpus: float = 0.5
+    relay_cpus: float = 0.05
+    actor_threads: int = 1
+    trainer_node: int = 0
+    max_restarts: int = 3
+
+
+@dataclass
 class Config:
     seed: int = 0
     device: str = "cpu"
@@ -213,6 +250,7 @@ class Config:
     rl: RLConfig = field(default_factory=RLConfig)
     eval: EvalConfig = field(default_factory=EvalConfig)
     curation: CurationConfig = field(default_factory=CurationConfig)
+    cluster: ClusterConfig = field(default_factory=ClusterConfig)
 
 
 MODEL_KINDS = ("tiny", "hf")
@@ -222,7 +260,8 @@ DART_STRATEGIES = ("prop2diff", "uniform", "vanilla")
 SELECT_STRATEGIES = ("hive", "uniform")
 ENTROPY_RULES = ("median", "paper", "off")
 RL_ALGORITHMS = ("grpo", "dapo", "dr_grpo")  # the keys of training.objectives.PRESETS (a test checks)
-RL_MODES = ("sync",)
+RL_MODES = ("sync", "one_step", "partial", "laminar")
+RL_RUNTIMES = ("auto", "local", "ray")
 DEVICES = ("cpu", "cuda", "auto")
 
 
@@ -251,6 +290,15 @@ def validate(cfg: Config) -> Config:
     _one_of("data.source", cfg.data.source, DATA_SOURCES)
     _one_of("rl.algorithm", cfg.rl.algorithm, RL_ALGORITHMS)
     _one_of("rl.mode", cfg.rl.mode, RL_MODES)
+    _one_of("rl.runtime", cfg.rl.runtime, RL_RUNTIMES)
+    if cfg.rl.runtime == "local" and cfg.rl.mode != "sync":
+        raise ConfigError(f"rl.mode={cfg.rl.mode} needs the Ray runtime: drop rl.runtime=local (or set rl.runtime=ray)")
+    if cfg.rl.max_staleness is not None and cfg.rl.max_staleness < 0:
+        raise ConfigError("rl.max_staleness must be >= 0 or null")
+    _positive(cfg, "rl.rollout_capacity", "rl.chunk_steps", "rl.repack_interval_s", "cluster.rollouts",
+              "cluster.actor_threads")
+    if cfg.rl.checkpoint_every < 0 or cfg.rl.repack_b < 0:
+        raise ConfigError("rl.checkpoint_every and rl.repack_b must be >= 0")
     _one_of("device", cfg.device, DEVICES)
     if cfg.model.kind == "hf" and not cfg.model.path:
         raise ConfigError("model=hf needs a local model folder: add model.path=DIR (a save_pretrained folder)")

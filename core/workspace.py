@@ -41,6 +41,11 @@ class Workspace:
     def logs(self) -> Path:
         return self.root / "logs"
 
+    def stage_state(self, stage: str, key: str) -> Path:
+        """Resumable state of one stage run (RL checkpoints), keyed like the stage's cache: a rerun
+        of the same stage with the same inputs and config finds it; a finished stage's is removed."""
+        return self.root / "state" / f"{stage}-{key[:20]}"
+
     def run_dir(self, run_id: str) -> Path:
         return self.root / "runs" / run_id
 

@@ -44,9 +44,15 @@ def stage_key(stage: Stage, cfg: Config, inputs: dict[str, ArtifactRef], ws: Wor
 def _execute(stage_name: str, key: str, cfg: Config, workspace: str, inputs: dict[str, dict], device: str) -> dict:
     """The body of every stage task: run the library function, return JSON-ready artifact refs."""
     ws = Workspace.at(workspace)
+    state = ws.stage_state(stage_name, key)
     ctx = StageContext(cfg=cfg, store=ws.artifacts, inputs={k: ArtifactRef.from_dict(v) for k, v in inputs.items()},
-                       device=device, catalog=ws.catalog)
-    return STAGE_BY_NAME[stage_name].body(ctx).to_dict()
+                       device=device, catalog=ws.catalog, state_dir=state)
+    out = STAGE_BY_NAME[stage_name].body(ctx).to_dict()
+    if state.exists():  # the artifact is complete: its resumable state is spent
+        import shutil
+
+        shutil.rmtree(state, ignore_errors=True)
+    return out
 
 
 _TASKS: dict[str, Any] = {}

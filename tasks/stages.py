@@ -25,6 +25,8 @@ class StageContext:
     device: str
     catalog: Catalog | None = None
     """Read-only use in bodies (HIVE's workspace history); only record hooks write."""
+    state_dir: Path | None = None
+    """Where a long stage keeps resumable state between attempts (RL checkpoints); None: no resume."""
 
 
 @dataclass
@@ -309,7 +311,7 @@ def _rl_body(ctx: StageContext) -> StageResult:
             result = rl(Path(ctx.inputs[MODEL].path), sel.file("prompts.parquet"), ctx.cfg.rl,
                         template=template(ctx.cfg), seed=ctx.cfg.seed, device=ctx.device, out_dir=out,
                         verifier=verifier, select=ctx.cfg.curation.select, history_path=sel.file("history.parquet"),
-                        evaluate=evaluate)
+                        evaluate=evaluate, cluster=ctx.cfg.cluster, state_dir=ctx.state_dir)
         meta["timings"] = [{k: m[k] for k in ("step", *TIMING_KEYS) if k in m} for m in result.history]
         last = result.history[-5:] if result.history else []
         mean = lambda k: sum(m[k] for m in last) / max(1, len(last))  # noqa: E731
@@ -539,8 +541,9 @@ STAGES: tuple[Stage, ...] = (
     Stage("rl", {MODEL: ("rft", MODEL), SELECTION: ("select", SELECTION), DATASET: ("data", DATASET)},
           lambda c: {**asdict(c.rl), "verifier_timeout_s": c.eval.verifier_timeout_s, "template": template(c),
                      "select": asdict(c.curation.select),
+                     **({"cluster": asdict(c.cluster)} if c.rl.uses_ray() else {}),
                      **({"eval": asdict(c.eval)} if c.rl.eval_every else {})},
-          ("training.rl.stage", "training.setup", "data_curation.hive", "evaluation.verifier", "evaluation.stages"),
+          ("training.rl.stage", "training.rl.runtime", "training.rl.actors", "training.setup", "data_curation.hive", "evaluation.verifier", "evaluation.stages"),
           _rl_body, _record_rl,
           lambda m: (f"reward {m['reward_first']:.3f} -> {m['reward_last5']:.3f} (last 5)  "
                      f"{m.get('generated', 0):.0f} rollouts") if m.get("steps") else ""),

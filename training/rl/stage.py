@@ -16,7 +16,7 @@ from typing import Callable
 
 from tqdm.auto import tqdm
 
-from conf.schema import RLConfig, SelectConfig
+from conf.schema import ClusterConfig, RLConfig, SelectConfig
 from training.model import encode_problem, load_model, save_model
 from training.objectives import PRESETS, ObjectiveParams
 from training.rl.loop import RLResult, format_step, run_sync
@@ -24,7 +24,8 @@ from training.rl.records import PromptItem
 from training.setup import read_table
 
 LOG = logging.getLogger("laminar.training")
-TIMING_KEYS = ("gen_seconds", "train_seconds", "gen_tokens_per_s", "eval_seconds")
+TIMING_KEYS = ("gen_seconds", "train_seconds", "gen_tokens_per_s", "eval_seconds", "tokens_per_s", "occupancy",
+               "publish_stall_s", "wall_seconds", "repacks")
 
 
 OVERRIDABLE = ("advantage", "loss_agg", "behaviour_weight", "is_cap", "clip_low", "clip_high", "dual_clip",
@@ -55,11 +56,29 @@ def hive_source(select: SelectConfig, history_path: Path | None, seed: int):
                                              seed=seed)
 
 
+def runtime_config(cfg: RLConfig, cluster: ClusterConfig | None, state_dir: Path | None):
+    from training.rl.runtime import RuntimeConfig
+
+    c = cluster or ClusterConfig()
+    return RuntimeConfig(
+        mode=cfg.mode, rollouts=c.rollouts, capacity=cfg.rollout_capacity, chunk_steps=cfg.chunk_steps,
+        max_staleness=cfg.max_staleness, repack_interval_s=cfg.repack_interval_s, repack_b=cfg.repack_b,
+        checkpoint_every=cfg.checkpoint_every if state_dir is not None else 0,
+        checkpoint_dir=Path(state_dir) / "checkpoints" if state_dir is not None else None,
+        address=c.address, num_cpus=c.num_cpus, trainer_cpus=c.trainer_cpus, rollout_cpus=c.rollout_cpus,
+        relay_cpus=c.relay_cpus, actor_threads=c.actor_threads, trainer_node=c.trainer_node,
+        max_restarts=c.max_restarts)
+
+
 def rl(model_dir: Path, prompts_path: Path, cfg: RLConfig, *, template: str, seed: int, device: str, out_dir: Path,
        verifier, select: SelectConfig | None = None, history_path: Path | None = None,
-       evaluate: Callable[[object], dict[str, float]] | None = None) -> RLResult:
+       evaluate: Callable[[object], dict[str, float]] | None = None, cluster: ClusterConfig | None = None,
+       state_dir: Path | None = None) -> RLResult:
     """RL from ``model_dir`` on the prompts of ``prompts_path`` (see the module docstring for what
-    it writes). ``select`` turns on HIVE's online pruning; ``evaluate`` runs every ``cfg.eval_every`` steps."""
+    it writes). ``select`` turns on HIVE's online pruning; ``evaluate`` runs every ``cfg.eval_every`` steps.
+    With ``cfg.uses_ray()`` the Laminar runtime runs the roles on Ray (``cluster``) and checkpoints
+    into ``state_dir``, resuming from it after a crash; it also writes ``timeline.json``/``.png`` and
+    ``runtime.json`` (throughput, staleness histogram, repacks, failures)."""
     model, tokenizer = load_model(model_dir, device)
     rows = read_table(Path(prompts_path))
     if not rows and cfg.steps > 0:
@@ -76,13 +95,23 @@ def rl(model_dir: Path, prompts_path: Path, cfg: RLConfig, *, template: str, see
             bar.write(line)
             LOG.info(line)
 
-        result = run_sync(model, tokenizer, prompts, verifier, params, steps=cfg.steps,
-                          prompts_per_step=cfg.prompts_per_step, group_size=cfg.group_size, lr=cfg.lr,
-                          weight_decay=cfg.weight_decay, max_grad_norm=cfg.max_grad_norm,
-                          max_new_tokens=cfg.max_new_tokens, temperature=cfg.temperature, seed=seed,
-                          device=device, minibatches=cfg.minibatches, on_step=on_step,
-                          source=hive_source(select, history_path, seed) if select is not None else None,
-                          evaluate=evaluate, eval_every=cfg.eval_every)
+        common = dict(steps=cfg.steps, prompts_per_step=cfg.prompts_per_step, group_size=cfg.group_size, lr=cfg.lr,
+                      weight_decay=cfg.weight_decay, max_grad_norm=cfg.max_grad_norm,
+                      max_new_tokens=cfg.max_new_tokens, temperature=cfg.temperature, seed=seed,
+                      device=device, minibatches=cfg.minibatches, on_step=on_step,
+                      source=hive_source(select, history_path, seed) if select is not None else None,
+                      evaluate=evaluate, eval_every=cfg.eval_every)
+        if cfg.uses_ray():
+            from training.rl.runtime import LaminarRuntime
+
+            del model
+            runtime = LaminarRuntime(Path(model_dir), prompts, verifier, params,
+                                     rc=runtime_config(cfg, cluster, state_dir), **common)
+            result = runtime.run()
+            model = runtime.final_model
+            write_runtime_report(runtime, Path(out_dir))
+        else:
+            result = run_sync(model, tokenizer, prompts, verifier, params, **common)
     save_model(model.to("cpu"), tokenizer, out_dir)
     with open(Path(out_dir) / "history.jsonl", "w") as f:
         for m in result.history:
@@ -96,3 +125,15 @@ def rl(model_dir: Path, prompts_path: Path, cfg: RLConfig, *, template: str, see
         idx=pl.int_range(pl.len(), dtype=pl.Int64), origin=pl.lit("rl")).select(
         "step", "idx", "prompt_id", "mean_reward", "n", "origin").write_parquet(Path(out_dir) / "rewards.parquet")
     return result
+
+
+def write_runtime_report(runtime, out_dir: Path) -> None:
+    """The Laminar runtime's timeline (JSON and PNG) and its run summary (``runtime.json``)."""
+    from evaluation.timeline import plot_timeline, summarize_timeline
+
+    with open(out_dir / "timeline.json", "w") as f:
+        json.dump(runtime.timeline, f)
+    summary = {**runtime.summary, "timeline": summarize_timeline(runtime.timeline)}
+    with open(out_dir / "runtime.json", "w") as f:
+        json.dump(summary, f, indent=1, sort_keys=True, default=str)
+    plot_timeline(runtime.timeline, out_dir / "timeline.png", title=f"rl.mode={runtime.mode.name}")

@@ -1,0 +1,224 @@
+"""The Ray roles of the Laminar runtime: trainer, relay, rollout.
+
+Each class is a plain Python class; ``training.rl.runtime`` wraps it with ``ray.remote``. Weights
+travel as ``{name: numpy array}`` dicts put once into the object store by the trainer; relays hold
+the ObjectRef (one copy per node, shared zero-copy by that node's rollouts) and forward the ref
+along the chain, never the bytes. No pickle files: checkpoints are safetensors + JSON.
+"""
+
+from __future__ import annotations
+
+import os
+import time
+from pathlib import Path
+
+import numpy as np
+
+
+def _setup(threads: int, seed: int) -> None:
+    import torch
+
+    from training.setup import setup_torch
+
+    setup_torch(threads, seed)
+    torch.set_num_interop_threads(1) if torch.get_num_interop_threads() != 1 else None
+
+
+class RelayWorker:
+    """Holds recent weight versions (as object refs) in this node's host memory and forwards each
+    new version to the next relay in the chain in the background."""
+
+    def __init__(self, name: str, keep_recent: int = 2):
+        self.name = name
+        self.keep_recent = keep_recent
+        self.versions: dict[int, object] = {}
+        self.next = None
+        self.pinned: set[int] = set()
+        self._local: dict[int, dict] = {}
+
+    def ping(self) -> dict:
+        return {"name": self.name, "pid": os.getpid(), "node": _node_id(), "versions": sorted(self.versions)}
+
+    def set_next(self, handle) -> None:
+        self.next = handle
+
+    def push(self, version: int, box: list) -> int:
+        """Receive ``box = [ObjectRef]`` of version ``version``; materialise it on this node (so the
+        node's rollouts read it from local shared memory), keep it, forward the ref onwards."""
+        import ray
+
+        if version in self.versions:
+            return version
+        ref = box[0]
+        self._local[version] = ray.get(ref)  # pulls one copy to this node; arrays stay zero-copy views
+        self.versions[version] = ref
+        if self.next is not None:
+            try:
+                self.next.push.remote(version, box)  # fire and forget: the chain pipelines
+            except Exception:  # noqa: BLE001 - a dead successor is the manager's to cut out
+                pass
+        self._retain()
+        return version
+
+    def forward_latest(self) -> int:
+        """Send the newest version to the successor again (after a rebuilt relay joined)."""
+        if self.next is not None and self.versions:
+            v = max(self.versions)
+            self.next.push.remote(v, [self.versions[v]])
+            return v
+        return -1
+
+    def retain(self, versions: list[int]) -> None:
+        self.pinned = set(versions)
+        self._retain()
+
+    def _retain(self) -> None:
+        if not self.versions:
+            return
+        latest = max(self.versions)
+        keep = {v for v in self.versions if v > latest - self.keep_recent} | self.pinned
+        for v in [v for v in self.versions if v not in keep]:
+            self.versions.pop(v)
+            self._local.pop(v, None)
+
+    def latest(self, min_version: int = -1) -> tuple[int, list] | None:
+        if not self.versions or max(self.versions) < min_version:
+            return None
+        v = max(self.versions)
+        return v, [self.versions[v]]
+
+    def get(self, version: int) -> tuple[int, list] | None:
+        return (version, [self.versions[version]]) if version in self.versions else None
+
+
+class RolloutWorker:
+    """A rollout: the continuous-batching engine behind one Ray actor. ``step`` is the only busy
+    call: it optionally pulls the latest weights from the relay, takes new requests and handed-over
+    partials, then decodes for up to ``chunk`` steps and returns what finished plus its status."""
+
+    def __init__(self, name: str, model_dir: str, *, device: str, capacity: int, max_new_tokens: int,
+                 temperature: float, seed: int, threads: int = 1):
+        _setup(threads, seed)
+        from training.model import load_model
+        from training.rl.continuous import ContinuousEngine
+
+        self.name = name
+        model, tokenizer = load_model(Path(model_dir), device)
+        self.engine = ContinuousEngine(model, tokenizer, device=device, capacity=capacity,
+                                       max_new_tokens=max_new_tokens, temperature=temperature, seed=seed)
+        self.engine.version = -1  # no published version loaded yet: the first step pulls
+
+    def ping(self) -> dict:
+        return {"name": self.name, "pid": os.getpid(), "node": _node_id(), "version": self.engine.version}
+
+    def pull(self, relay, min_version: int = -1, wait_s: float = 30.0) -> dict:
+        """Load the relay's latest version (at least ``min_version``, waiting up to ``wait_s``)."""
+        import ray
+
+        t0 = time.perf_counter()
+        while True:
+            try:
+                got = ray.get(relay.latest.remote(min_version), timeout=wait_s)
+            except Exception as e:  # noqa: BLE001 - dead or unreachable relay: the manager bypasses it
+                return {"ok": False, "error": type(e).__name__, "seconds": time.perf_counter() - t0}
+            if got is not None:
+                break
+            if time.perf_counter() - t0 > wait_s:
+                return {"ok": False, "error": "timeout", "seconds": time.perf_counter() - t0}
+            time.sleep(0.005)
+        version, box = got
+        if version != self.engine.version:
+            state = ray.get(box[0])
+            self.engine.load_state(state, version)
+        return {"ok": True, "version": version, "seconds": time.perf_counter() - t0}
+
+    def step(self, chunk: int, *, submit=(), inject=(), relay=None, min_version: int = -1,
+             admitting: bool = True) -> dict:
+        pulled = None
+        if relay is not None:
+            pulled = self.pull(relay, min_version)
+        self.engine.admitting = admitting
+        if inject:
+            self.engine.inject(list(inject))
+        if submit:
+            self.engine.submit(list(submit))
+        t0 = time.perf_counter()
+        finished = self.engine.step(chunk) if (self.engine.status()["active"] or self.engine.status()["queued"]) else []
+        return {"finished": finished, "status": self.engine.status(), "pulled": pulled,
+                "busy_s": time.perf_counter() - t0}
+
+    def extract(self) -> dict:
+        partials, queued = self.engine.extract(include_queued=True)
+        return {"partials": partials, "queued": queued, "status": self.engine.status()}
+
+
+class TrainerWorker:
+    """The policy trainer behind one Ray actor: ``train`` takes one publishable update from whole
+    scored groups and pushes ``(version, weights)`` once to the master relay, then returns."""
+
+    def __init__(self, model_dir: str, params, *, lr: float, weight_decay: float, max_grad_norm: float,
+                 temperature: float, max_new_tokens: int, device: str, minibatches: int, seed: int, threads: int = 1):
+        _setup(threads, seed)
+        from training.model import load_model
+        from training.rl.trainer import PolicyTrainer
+
+        model, tokenizer = load_model(Path(model_dir), device)
+        self.trainer = PolicyTrainer(model, params, lr=lr, weight_decay=weight_decay, max_grad_norm=max_grad_norm,
+                                     temperature=temperature, max_new_tokens=max_new_tokens,
+                                     pad_id=tokenizer.pad_token_id, device=device, minibatches=minibatches)
+        self.master = None
+        self._last_box: list | None = None
+
+    def ping(self) -> dict:
+        return {"pid": os.getpid(), "node": _node_id(), "version": self.trainer.version}
+
+    def set_master(self, relay) -> None:
+        self.master = relay
+
+    def publish(self) -> float:
+        """Put the current weights into the object store once and hand the ref to the master relay
+        without waiting for it: the stall is the device-to-host copy plus one ``ray.put``."""
+        import ray
+
+        t0 = time.perf_counter()
+        state = {k: v.detach().to("cpu").numpy().copy() for k, v in self.trainer.model.state_dict().items()}
+        self._last_box = [ray.put(state)]
+        if self.master is not None:
+            self.master.push.remote(self.trainer.version, self._last_box)
+        return time.perf_counter() - t0
+
+    def republish(self) -> int:
+        if self._last_box is not None and self.master is not None:
+            self.master.push.remote(self.trainer.version, self._last_box)
+        return self.trainer.version
+
+    def train(self, groups) -> dict:
+        t0 = time.perf_counter()
+        stats = self.trainer.update(groups)
+        train_s = time.perf_counter() - t0
+        stall = self.publish()
+        return {"stats": stats, "train_s": train_s, "publish_stall_s": stall}
+
+    def state(self) -> dict[str, np.ndarray]:
+        return {k: v.detach().to("cpu").numpy().copy() for k, v in self.trainer.model.state_dict().items()}
+
+    def save(self, directory: str) -> None:
+        from training.rl.checkpoint import save_trainer_state
+
+        save_trainer_state(Path(directory), self.trainer.model, self.trainer.opt, version=self.trainer.version)
+
+    def load(self, directory: str) -> int:
+        from training.rl.checkpoint import load_trainer_state
+
+        info = load_trainer_state(Path(directory), self.trainer.model, self.trainer.opt)
+        self.trainer.version = int(info["version"])
+        return self.trainer.version
+
+
+def _node_id() -> str:
+    try:
+        import ray
+
+        return ray.get_runtime_context().get_node_id()
+    except Exception:  # noqa: BLE001 - outside Ray (unit tests)
+        return "local"

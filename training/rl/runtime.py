@@ -1,0 +1,698 @@
+"""The Laminar runtime: trainer, relays and rollouts as Ray actors, driven by the control plane.
+
+The driver (this module, in the RL stage's process) is the rollout manager and holds the
+experience buffer: plain Python from ``training.rl.control``. It keeps at most one call in flight
+per actor and reacts to whichever returns first (``ray.wait``):
+
+- a rollout's ``step`` returns finished trajectories (into the buffer) and its status (occupancy);
+  the driver then tops it up with prompts, hands it partials from a repack, tells it to pull;
+- the trainer's ``train`` returns after one update, having pushed the new version to the master
+  relay; the mode decides what rollouts do about it (``control.MODES``);
+- a rollout that dies loses only its in-flight requests, which go back to the prompt queue; Ray
+  restarts it and it pulls weights from its node's relay. A relay that dies is cut out of the
+  chain (its node's rollouts bypass to the master) and rebuilt.
+
+Checkpoints (``rl.checkpoint_every``) hold the trainer's weights, optimizer and RNG, the data
+cursor, the prompt queue, buffered trajectories and the requests in flight; a rerun resumes from
+the last complete one with the same prompt order.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import time
+from collections import Counter
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Callable, Sequence
+
+import torch
+
+from training.objectives import ObjectiveParams
+from training.rl import control
+from training.rl.control import MODES, ExperienceBuffer, PromptQueue, RelayChain, RolloutView
+from training.rl.loop import Collected, PromptCursor, RLResult, overlong_shaping, score_phase, step_metrics
+from training.rl.records import GenRequest, Partial, PromptItem, ScoredGroup, Trajectory
+
+LOG = logging.getLogger("laminar.training")
+
+
+@dataclass
+class RuntimeConfig:
+    """Everything the runtime needs beyond the RL hyper-parameters (see ``conf.schema.ClusterConfig``)."""
+
+    mode: str = "laminar"
+    rollouts: int = 2
+    capacity: int = 64
+    chunk_steps: int = 8
+    max_staleness: int | None = 4
+    repack_interval_s: float = 0.5
+    repack_b: int = 0
+    checkpoint_every: int = 0
+    checkpoint_dir: Path | None = None
+    address: str | None = None
+    num_cpus: float | None = None
+    trainer_cpus: float = 0.5
+    rollout_cpus: float = 0.5
+    relay_cpus: float = 0.05
+    actor_threads: int = 1
+    keep_versions: int = 2
+    max_restarts: int = 3
+    trainer_node: int = 0
+    namespace: str | None = None
+
+
+@dataclass
+class _Rollout:
+    name: str
+    node: str
+    handle: object
+    relay: str
+    future: object = None
+    op: str = ""
+    assigned: dict = field(default_factory=dict)
+    """(group_uid, sample_idx) -> GenRequest for work this rollout holds (queued or active)."""
+    version: int = -1
+    active: int = 0
+    queued: int = 0
+    prev_active: int = 0
+    alive: bool = True
+    draining: bool = False
+    pending_inject: list = field(default_factory=list)
+    extract_to: str | None = None
+    restarts: int = 0
+    pid: int = 0
+    dead_since: float = 0.0
+
+
+class LaminarRuntime:
+    """One RL run on Ray in any of ``control.MODES``. ``run()`` returns an ``RLResult`` whose history
+    has one dict per update, plus ``self.timeline`` and ``self.summary``."""
+
+    def __init__(self, model_dir: Path, prompts: Sequence[PromptItem], verifier, params: ObjectiveParams, *,
+                 steps: int, prompts_per_step: int, group_size: int, lr: float, weight_decay: float,
+                 max_grad_norm: float, max_new_tokens: int, temperature: float, seed: int, device: str,
+                 minibatches: int, rc: RuntimeConfig,
+                 source: Callable | None = None, on_step: Callable[[dict], None] | None = None,
+                 evaluate: Callable[[object], dict[str, float]] | None = None, eval_every: int = 0):
+        if rc.mode not in MODES:
+            raise ValueError(f"rl.mode={rc.mode!r}: expected one of {sorted(MODES)}")
+        self.mode = MODES[rc.mode]
+        self.model_dir = Path(model_dir)
+        self.prompts = list(prompts)
+        self.verifier = verifier
+        self.params = params
+        self.steps = steps
+        self.n = prompts_per_step
+        self.group_size = group_size
+        self.train_kw = dict(lr=lr, weight_decay=weight_decay, max_grad_norm=max_grad_norm, temperature=temperature,
+                             max_new_tokens=max_new_tokens, minibatches=minibatches)
+        self.max_new_tokens = max_new_tokens
+        self.temperature = temperature
+        self.seed = seed
+        self.device = device
+        self.rc = rc
+        self.source_factory = source
+        self.on_step = on_step
+        self.evaluate = evaluate
+        self.eval_every = eval_every
+        self.timeline: dict = {"rollouts": [], "samples": [], "events": [], "updates": []}
+        self.summary: dict = {}
+
+    # ------------------------------------------------------------------------------------------ setup
+    def _start_ray(self):
+        import ray
+
+        self._own_ray = not ray.is_initialized()
+        if self._own_ray:
+            env = {"OMP_NUM_THREADS": str(self.rc.actor_threads), "MKL_NUM_THREADS": str(self.rc.actor_threads),
+                   "TOKENIZERS_PARALLELISM": "false"}
+            kw = dict(include_dashboard=False, logging_level=logging.WARNING, log_to_driver=True,
+                      runtime_env={"env_vars": env}, namespace=self.rc.namespace)
+            if self.rc.address:
+                ray.init(address=self.rc.address, **kw)
+            else:
+                ray.init(num_cpus=self.rc.num_cpus or os.cpu_count(), **kw)
+        return ray
+
+    def _build(self, ray) -> None:
+        from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
+
+        from training.rl.actors import RelayWorker, RolloutWorker, TrainerWorker
+
+        nodes = sorted((n["NodeID"] for n in ray.nodes() if n.get("Alive")), key=lambda n: n)
+        head = ray.get_runtime_context().get_node_id()
+        self.nodes = [head] + [n for n in nodes if n != head]
+        pin = lambda node: NodeAffinitySchedulingStrategy(node_id=node, soft=False)  # noqa: E731
+        self._Relay = ray.remote(num_cpus=self.rc.relay_cpus, max_concurrency=8)(RelayWorker)
+        self._pin = pin
+        self.relays: dict[str, object] = {}
+        chain = []
+        for i, node in enumerate(self.nodes):
+            name = f"relay-{i}"
+            self.relays[name] = self._Relay.options(scheduling_strategy=pin(node)).remote(name, self.rc.keep_versions)
+            chain.append((name, node))
+        self.chain = RelayChain(chain)
+        self._relay_seq = len(chain)
+        self._wire_chain()
+        Rollout = ray.remote(num_cpus=self.rc.rollout_cpus, max_restarts=self.rc.max_restarts)(RolloutWorker)
+        self.rollouts: dict[str, _Rollout] = {}
+        for i in range(self.rc.rollouts):
+            node = self.nodes[i % len(self.nodes)]
+            name = f"rollout-{i}"
+            handle = Rollout.options(scheduling_strategy=pin(node)).remote(
+                name, str(self.model_dir), device=self.device, capacity=self.rc.capacity,
+                max_new_tokens=self.max_new_tokens, temperature=self.temperature, seed=self.seed,
+                threads=self.rc.actor_threads)
+            self.rollouts[name] = _Rollout(name, node, handle, self.chain.relay_for(node))
+        self.timeline["rollouts"] = list(self.rollouts)
+        Trainer = ray.remote(num_cpus=self.rc.trainer_cpus)(TrainerWorker)
+        self.trainer = Trainer.options(scheduling_strategy=pin(self.nodes[self.rc.trainer_node % len(self.nodes)])).remote(
+            str(self.model_dir), self.params, device=self.device, seed=self.seed, threads=self.rc.actor_threads,
+            **self.train_kw)
+        ray.get(self.trainer.set_master.remote(self.relays[self.chain.master]))
+        for r in self.rollouts.values():
+            r.pid = ray.get(r.handle.ping.remote())["pid"]
+
+    def _wire_chain(self) -> None:
+        import ray
+
+        ray.get([self.relays[a].set_next.remote(self.relays[b] if b else None) for a, b in self.chain.links()])
+
+    # ------------------------------------------------------------------------------------------ run
+    def run(self) -> RLResult:
+        ray = self._start_ray()
+        try:
+            self._build(ray)
+            return self._loop(ray)
+        finally:
+            self._teardown(ray)
+
+    def _teardown(self, ray) -> None:
+        for handle in [getattr(self, "trainer", None), *[r.handle for r in getattr(self, "rollouts", {}).values()],
+                       *getattr(self, "relays", {}).values()]:
+            if handle is not None:
+                try:
+                    ray.kill(handle, no_restart=True)
+                except Exception:  # noqa: BLE001
+                    pass
+        if getattr(self, "_own_ray", False):
+            ray.shutdown()
+
+    def _loop(self, ray) -> RLResult:
+        from training.model import load_model
+        from training.rl.engine import TorchEngine
+
+        torch.manual_seed(self.seed)
+        model, tokenizer = load_model(self.model_dir, "cpu")
+        self.local_engine = TorchEngine(model, tokenizer, device="cpu")  # HIVE's prompt entropy, in-run eval
+        self.local_version = 0
+        cursor = PromptCursor(self.prompts, self.seed)
+        self.cursor = cursor
+        source = self.source_factory(cursor, self.local_engine) if self.source_factory else cursor
+        self.source = source
+        self.queue = PromptQueue(source, self.group_size)
+        shaping = overlong_shaping(self.params, self.max_new_tokens)
+        keep = (lambda g: len(set(g.correct)) > 1) if self.params.dynamic_sampling else None
+        self.buffer = ExperienceBuffer(self.group_size, lambda trajs: score_phase(trajs, self.verifier, shaping)[0],
+                                       keep=keep, max_staleness=self.rc.max_staleness)
+        result = RLResult()
+        self.result = result
+        self.version = 0
+        self.t0 = time.perf_counter()
+        self.counts = Counter()
+        self._resume(ray)
+        # version 0 (or the resumed version) goes to the relays before any rollout starts
+        ray.get(self.trainer.publish.remote())
+        self.latest = self.version
+        trainer_future = None
+        trainer_groups: list[tuple[int, ScoredGroup]] = []
+        last_update_t = time.perf_counter()
+        last_repack = time.perf_counter()
+        last_relay_check = time.perf_counter()
+        window = _Window()
+        # batched modes: batch index -> uids; the batch being generated
+        self.batch_idx = self.version
+        self.batch_uids: set[int] = set()
+        self.batch_rounds = 0
+        self.batch_open = False
+        while self.version < self.steps:
+            now = time.perf_counter()
+            # ---- trainer
+            if trainer_future is None:
+                groups = self._trainable()
+                if groups:
+                    trainer_groups = groups
+                    trainer_future = self.trainer.train.remote([g for _, g in groups])
+                    window.train_started = now
+            # ---- batched modes open the next batch
+            if self.mode.batched:
+                self._maybe_open_batch()
+            # ---- rollouts
+            for r in self.rollouts.values():
+                if r.future is None and r.alive:
+                    self._dispatch(r)
+            # ---- repack (laminar): periodic
+            if self.mode.repack and now - last_repack > self.rc.repack_interval_s:
+                self._repack()
+                last_repack = now
+            if now - last_relay_check > 1.0:
+                self._check_relays(ray)
+                self._revive(ray)
+                last_relay_check = now
+            futures = [r.future for r in self.rollouts.values() if r.future is not None]
+            if trainer_future is not None:
+                futures.append(trainer_future)
+            if not futures:
+                if self.counts["idle_spins"] > 20000:
+                    raise RuntimeError("the runtime stalled: no work in flight and nothing to train")
+                self.counts["idle_spins"] += 1
+                time.sleep(0.01)
+                continue
+            done, _ = ray.wait(futures, num_returns=1, timeout=1.0)
+            for fut in done:
+                if fut is trainer_future:
+                    out = ray.get(fut)  # a dead trainer ends the run: rerun resumes from the checkpoint
+                    trainer_future = None
+                    self._after_update(ray, out, trainer_groups, window, time.perf_counter() - last_update_t)
+                    last_update_t = time.perf_counter()
+                    if self.mode.repack:
+                        self._repack()
+                        last_repack = time.perf_counter()
+                    continue
+                r = next(x for x in self.rollouts.values() if x.future is fut)
+                self._on_rollout_result(ray, r, fut, window)
+        self._finish_summary()
+        state = ray.get(self.trainer.state.remote())
+        model.load_state_dict({k: torch.from_numpy(v.copy()) for k, v in state.items()})
+        self.final_model = model
+        return result
+
+    # ------------------------------------------------------------------------------------------ batches
+    def _maybe_open_batch(self) -> None:
+        """sync / one_step: batch b (the groups of update b+1) starts once batch b-1 is fully generated
+        and the trainer has reached version b - max_ahead; rollouts pull that version first."""
+        if self.batch_open:
+            if self.batch_uids and all(u in self.buffer.done or u in self.buffer.ready for u in self.batch_uids):
+                kept = sum(1 for u in self.batch_uids if u in self.buffer.ready)
+                max_rounds = self.params.max_sampling_rounds if self.params.dynamic_sampling else 1
+                if kept < self.n and self.batch_rounds < max_rounds:
+                    need = self.n - kept
+                    if hasattr(self.source, "round_size"):
+                        need = self.source.round_size(need, self.buffer.stats.filtered / max(1, len(self.batch_uids)),
+                                                      self.n)
+                    self._issue_batch(need)
+                    return
+                self.batch_open = False
+                self.closed_batches = getattr(self, "closed_batches", []) + [set(self.batch_uids)]
+            return
+        if len(getattr(self, "closed_batches", [])) > self.mode.max_ahead:
+            return  # the trainer has not caught up
+        if self.version < self.batch_idx - self.mode.max_ahead or self.batch_idx >= self.steps:
+            return
+        self.batch_open = True
+        self.batch_rounds = 0
+        self.batch_uids = set()
+        self.batch_min_version = max(0, self.batch_idx - self.mode.max_ahead)
+        self._issue_batch(self.n)
+        self.batch_idx += 1
+
+    def _issue_batch(self, n_groups: int) -> None:
+        self.batch_rounds += 1
+        self._refresh_local()
+        reqs = list(self.queue.retry) + self.queue.take_groups(n_groups)
+        self.queue.retry.clear()
+        self.batch_uids |= {q.group_uid for q in reqs}
+        alive = [r for r in self.rollouts.values() if r.alive] or list(self.rollouts.values())
+        # whole groups round-robin over rollouts
+        by_group: dict[int, list[GenRequest]] = {}
+        for q in reqs:
+            by_group.setdefault(q.group_uid, []).append(q)
+        for i, uid in enumerate(sorted(by_group)):
+            r = alive[i % len(alive)]
+            r.pending_inject.extend(by_group[uid])  # fresh requests also ride in pending_inject (GenRequest)
+
+    def _trainable(self) -> list[tuple[int, ScoredGroup]]:
+        if self.mode.batched:
+            closed = getattr(self, "closed_batches", [])
+            if not closed:
+                return []
+            uids, self.closed_batches = closed[0], closed[1:]
+            groups = self.buffer.take_uids(uids, self.n, self.version)
+            if not groups:  # every group filtered (dynamic sampling): no update; the batch index repeats
+                self.counts["empty_batches"] += 1
+                self.batch_idx -= 1
+            return groups
+        if self.buffer.n_ready() < self.n:
+            return []
+        groups, stale = self.buffer.take(self.n, self.version)
+        for uid, g in stale:  # too stale: regenerate the prompt under newer weights
+            self.buffer.forget(uid)
+            self.queue.requeue(GenRequest(prompt=t.prompt, sample_idx=t.sample_idx, group_uid=uid)
+                               for t in g.trajectories)
+        if len(groups) < self.n:  # put back and wait for a full batch
+            for uid, g in reversed(groups):
+                self.buffer.ready[uid] = g
+                self.buffer.ready.move_to_end(uid, last=False)
+                self.buffer.done.discard(uid)
+            return []
+        return groups
+
+    # ------------------------------------------------------------------------------------------ rollouts
+    def _dispatch(self, r: _Rollout) -> None:
+        if r.extract_to is not None:
+            r.future, r.op = r.handle.extract.remote(), "extract"
+            return
+        relay = None
+        min_version = -1
+        if r.version < 0:
+            relay = self.relays[r.relay]
+        elif self.mode.batched:
+            if r.version < getattr(self, "batch_min_version", 0) and r.active == 0 and r.queued == 0:
+                relay, min_version = self.relays[r.relay], self.batch_min_version
+        elif self.mode.interrupt:
+            if r.version < self.latest:
+                relay = self.relays[r.relay]
+                if r.active:
+                    self.counts["interrupts"] += 1
+                    self._event(r, "interrupt", self.latest)
+        elif self.mode.drain:
+            if r.version < self.latest and r.active == 0 and r.queued == 0 and not r.pending_inject:
+                relay = self.relays[r.relay]
+        draining = self.mode.drain and r.version < self.latest and relay is None
+        admitting = not draining
+        inject: list[Partial] = []
+        submit: list[GenRequest] = []
+        for item in r.pending_inject:
+            (inject if isinstance(item, Partial) else submit).append(item)
+        r.pending_inject = []
+        if inject and self.mode.drain:
+            ok = [p for p in inject if p.version == r.version]
+            lost = [p for p in inject if p.version != r.version]
+            if lost:  # the receiver moved on: the responses restart from their prompt
+                self.counts["repack_lost"] += len(lost)
+                self.queue.requeue(p.request for p in lost)
+            inject = ok
+        if not self.mode.batched and admitting:
+            free = self.rc.capacity - (r.active + r.queued + len(inject) + len(submit))
+            if free > 0:
+                self._refresh_local()
+                submit.extend(self.queue.take(free))
+        for q in submit:
+            r.assigned[(q.group_uid, q.sample_idx)] = q
+        for p in inject:
+            r.assigned[(p.request.group_uid, p.request.sample_idx)] = p.request
+        if relay is None and not submit and not inject and r.active == 0 and r.queued == 0:
+            return  # idle
+        r.draining = draining
+        r.future = r.handle.step.remote(self.rc.chunk_steps, submit=submit, inject=inject, relay=relay,
+                                        min_version=min_version, admitting=admitting)
+        r.op = "step"
+
+    def _on_rollout_result(self, ray, r: _Rollout, fut, window) -> None:
+        from ray.exceptions import RayActorError
+
+        op = r.op
+        r.future, r.op = None, ""
+        try:
+            out = ray.get(fut)
+        except RayActorError:
+            self._rollout_died(r)
+            return
+        status = out["status"]
+        now = time.perf_counter() - self.t0
+        if op == "extract":
+            dst = self.rollouts[r.extract_to]
+            r.extract_to = None
+            if out["partials"]:
+                dst.pending_inject.extend(out["partials"])
+                self._event(r, "repack_out", status["version"])
+                self._event(dst, "repack_in", status["version"])
+            self.queue.requeue(q for q in out["queued"])
+            for q in out["queued"]:
+                r.assigned.pop((q.group_uid, q.sample_idx), None)
+            for p in out["partials"]:
+                r.assigned.pop((p.request.group_uid, p.request.sample_idx), None)
+        else:
+            pulled = out.get("pulled")
+            if pulled is not None:
+                if pulled["ok"]:
+                    if pulled["version"] != r.version:
+                        self._event(r, "pull", pulled["version"])
+                        self.counts["pulls"] += 1
+                else:
+                    self.counts["pull_failures"] += 1
+                    self._relay_suspect(r.relay)
+            for t in out["finished"]:
+                r.assigned.pop((t.group_uid, t.sample_idx), None)
+                self.buffer.add(t)
+                window.generated_tokens += len(t.response_tokens)
+                window.generated += 1
+            self._record_completed()
+            window.busy_s += out["busy_s"]
+        r.prev_active = r.active
+        r.version, r.active, r.queued = status["version"], status["active"], status["queued"]
+        occ = status["active"] / max(1, status["capacity"])
+        window.occupancy.append(occ)
+        self.timeline["samples"].append({"t": now, "rollout": r.name, "occupancy": occ, "active": status["active"]})
+
+    def _record_completed(self) -> None:
+        completed = self.buffer.pop_completed()
+        self.source.observe([g for _, g in completed])
+        step = self.version + 1
+        self.result.rewards.extend((step, g.prompt_id, sum(g.correct) / len(g.correct), len(g.correct))
+                                   for _, g in completed)
+
+    def _rollout_died(self, r: _Rollout) -> None:
+        """A dead rollout loses only its in-flight work: back to the prompt queue by prompt id."""
+        lost = list(r.assigned.values())
+        lost += [p.request if isinstance(p, Partial) else p for p in r.pending_inject]
+        r.assigned.clear()
+        r.pending_inject = []
+        r.extract_to = None
+        for other in self.rollouts.values():
+            if other.extract_to == r.name:
+                other.extract_to = None
+        self.queue.requeue(lost)
+        if self.mode.batched:  # the batch distributes its own requests
+            self.queue.retry.clear()
+            alive = [x for x in self.rollouts.values() if x.alive and x is not r] or [r]
+            for i, q in enumerate(lost):
+                alive[i % len(alive)].pending_inject.append(q)
+        r.alive = False
+        r.dead_since = time.perf_counter()
+        r.active = r.queued = r.prev_active = 0
+        r.version = -1
+        self.counts["rollout_failures"] += 1
+        self.counts["requeued_requests"] += len(lost)
+        self._event(r, "restart", -1)
+        LOG.warning("%s died: %d in-flight requests re-queued; waiting for Ray to restart it", r.name, len(lost))
+
+    def _revive(self, ray) -> None:
+        for r in self.rollouts.values():
+            if r.alive:
+                continue
+            try:
+                info = ray.get(r.handle.ping.remote(), timeout=0.5)
+            except Exception:  # noqa: BLE001 - still restarting (or gone for good)
+                continue
+            r.alive, r.pid, r.restarts = True, info["pid"], r.restarts + 1
+            r.version = -1  # pulls from its relay on the next dispatch
+            LOG.warning("%s is back (pid %d)", r.name, r.pid)
+
+    # ------------------------------------------------------------------------------------------ relays
+    def _relay_suspect(self, name: str) -> None:
+        self._suspects = getattr(self, "_suspects", set()) | {name}
+
+    def _check_relays(self, ray) -> None:
+        dead = []
+        for name in list(self.chain.order):
+            try:
+                ray.get(self.relays[name].ping.remote(), timeout=2.0)
+            except Exception:  # noqa: BLE001
+                dead.append(name)
+        for name in dead:
+            self._rebuild_relay(ray, name)
+        self._suspects = set()
+
+    def _rebuild_relay(self, ray, name: str) -> None:
+        """Cut a dead relay out of the chain (its node's rollouts bypass to a live relay), start a new
+        one on the same node at the tail of the chain, and feed it the latest version."""
+        was_master = name == self.chain.master
+        node = self.chain.node_of[name]
+        self.chain.remove(name)
+        self.counts["relay_failures"] += 1
+        self.timeline["events"].append({"t": time.perf_counter() - self.t0, "rollout": "", "kind": "relay_dead",
+                                        "version": self.latest, "relay": name})
+        new = f"relay-{self._relay_seq}"
+        self._relay_seq += 1
+        self.relays[new] = self._Relay.options(scheduling_strategy=self._pin(node)).remote(new, self.rc.keep_versions)
+        self.chain.add(new, node)
+        self._wire_chain()
+        if was_master:
+            ray.get(self.trainer.set_master.remote(self.relays[self.chain.master]))
+            ray.get(self.trainer.republish.remote())
+        else:
+            ray.get(self.relays[self.chain.master].forward_latest.remote())
+            self._forward_chain(ray)
+        for r in self.rollouts.values():
+            r.relay = self.chain.relay_for(r.node)
+        LOG.warning("relay %s died: cut out of the chain, rebuilt as %s", name, new)
+
+    def _forward_chain(self, ray) -> None:
+        for a, b in self.chain.links():
+            if b is not None:
+                ray.get(self.relays[a].forward_latest.remote())
+
+    # ------------------------------------------------------------------------------------------ repack
+    def _repack(self) -> None:
+        views = [RolloutView(r.name, r.version, r.queued + len(r.pending_inject), r.active, r.prev_active,
+                             self.rc.capacity, alive=r.alive and r.extract_to is None)
+                 for r in self.rollouts.values()]
+        moves = control.plan_repack(views, self.rc.repack_b or self.rc.capacity)
+        for m in moves:
+            src, dst = self.rollouts[m.src], self.rollouts[m.dst]
+            if src.extract_to is None and dst.extract_to is None:
+                src.extract_to = m.dst
+                self.counts["repacks"] += 1
+                self._window_repacks = getattr(self, "_window_repacks", 0) + 1
+
+    # ------------------------------------------------------------------------------------------ updates
+    def _refresh_local(self) -> None:
+        """Keep the driver's copy of the policy (HIVE's prompt entropy) at the latest version."""
+        if self.source is self.cursor or self.local_version == self.latest:
+            return
+        import ray
+
+        got = ray.get(self.relays[self.chain.master].latest.remote())
+        if got is not None:
+            version, box = got
+            self.local_engine.model.load_state_dict({k: torch.from_numpy(v.copy()) for k, v in ray.get(box[0]).items()})
+            self.local_version = version
+
+    def _after_update(self, ray, out: dict, groups: list[tuple[int, ScoredGroup]], window, wall: float) -> None:
+        stats = out["stats"]
+        self.version = stats.version
+        self.latest = self.version
+        self.timeline["updates"].append({"t": time.perf_counter() - self.t0, "version": self.version})
+        kept = [g for _, g in groups]
+        collected = Collected(kept, rounds=1, dropped_groups=self.buffer.stats.filtered - window.filtered_before,
+                              generated=window.generated)
+        m = step_metrics(self.version, collected, stats, wall, out["train_s"])
+        trained_tokens = sum(len(t.response_tokens) for g in kept for t in g.trajectories)
+        st = [self.version - 1 - ExperienceBuffer.group_version(g) for g in kept]
+        m.update({
+            "trained_tokens": float(trained_tokens), "tokens_per_s": trained_tokens / max(wall, 1e-9),
+            "staleness_mean": sum(st) / max(1, len(st)), "staleness_max": float(max(st) if st else 0),
+            "occupancy": sum(window.occupancy) / max(1, len(window.occupancy)),
+            "repacks": float(getattr(self, "_window_repacks", 0)), "publish_stall_s": out["publish_stall_s"],
+            "gen_tokens_per_s": window.generated_tokens / max(wall, 1e-9), "wall_seconds": time.perf_counter() - self.t0,
+        })
+        m.update(self.source.step_counts())
+        self._window_repacks = 0
+        window.reset(self.buffer.stats.filtered)
+        if self.evaluate is not None and self.eval_every > 0 and self.version % self.eval_every == 0 \
+                and self.version < self.steps:
+            state = ray.get(self.trainer.state.remote())
+            self.local_engine.model.load_state_dict({k: torch.from_numpy(v.copy()) for k, v in state.items()})
+            self.local_version = self.version
+            m.update(self.evaluate(self.local_engine.model))
+        self.result.history.append(m)
+        self.result.consumed.update(t.prompt.prompt_id for g in kept for t in g.trajectories)
+        self.trained_uids = getattr(self, "trained_uids", []) + [u for u, _ in groups]
+        if self.on_step is not None:
+            self.on_step(m)
+        if self.rc.checkpoint_every and self.rc.checkpoint_dir and self.version % self.rc.checkpoint_every == 0 \
+                and self.version < self.steps:
+            self._checkpoint(ray)
+
+    # ------------------------------------------------------------------------------------------ checkpoints
+    def _in_flight(self) -> list[GenRequest]:
+        reqs = [q for r in self.rollouts.values() for q in r.assigned.values()]
+        reqs += [p.request if isinstance(p, Partial) else p for r in self.rollouts.values() for p in r.pending_inject]
+        reqs += list(self.queue.retry)
+        seen, out = set(), []
+        for q in sorted(reqs, key=lambda q: (q.group_uid, q.sample_idx)):
+            if (q.group_uid, q.sample_idx) not in seen:
+                seen.add((q.group_uid, q.sample_idx))
+                out.append(q)
+        return out
+
+    def _checkpoint(self, ray) -> None:
+        from training.rl.checkpoint import save_json, write_checkpoint
+
+        def writer(tmp: Path) -> None:
+            ray.get(self.trainer.save.remote(str(tmp)))
+            save_json(tmp, "runtime.json", {
+                "version": self.version, "cursor": self.cursor.position, "queue": self.queue.state(),
+                "in_flight": [control.request_to_json(q) for q in self._in_flight()],
+                "buffer": self.buffer.state(), "history": self.result.history,
+                "consumed": dict(self.result.consumed), "rewards": [list(x) for x in self.result.rewards],
+                "trained_uids": getattr(self, "trained_uids", []), "mode": self.mode.name,
+                "batch_idx": self.batch_idx,
+            })
+        path = write_checkpoint(Path(self.rc.checkpoint_dir), self.version, writer)
+        self.counts["checkpoints"] += 1
+        LOG.info("checkpoint %s", path)
+
+    def _resume(self, ray) -> None:
+        if not (self.rc.checkpoint_dir and Path(self.rc.checkpoint_dir).exists()):
+            return
+        from training.rl.checkpoint import latest_checkpoint, load_json
+
+        ckpt = latest_checkpoint(Path(self.rc.checkpoint_dir))
+        if ckpt is None:
+            return
+        state = load_json(ckpt, "runtime.json")
+        self.version = ray.get(self.trainer.load.remote(str(ckpt)))
+        self.cursor.position = state["cursor"]
+        self.queue.load_state(state["queue"])
+        self.queue.requeue(control.request_from_json(q) for q in state["in_flight"])
+        self.buffer.load_state(state["buffer"])
+        self.result.history = state["history"]
+        self.result.consumed = Counter(state["consumed"])
+        self.result.rewards = [tuple(x) for x in state["rewards"]]
+        self.trained_uids = state["trained_uids"]
+        self.resumed_from = int(state["version"])
+        self.counts["resumed"] = 1
+        LOG.warning("resuming RL from checkpoint %s (update %d)", ckpt, self.version)
+
+    # ------------------------------------------------------------------------------------------ report
+    def _event(self, r: _Rollout, kind: str, version: int) -> None:
+        self.timeline["events"].append({"t": time.perf_counter() - self.t0, "rollout": r.name, "kind": kind,
+                                        "version": version})
+
+    def _finish_summary(self) -> None:
+        hist = self.result.history
+        wall = time.perf_counter() - self.t0
+        trained = sum(m.get("trained_tokens", 0) for m in hist)
+        self.summary = {
+            "mode": self.mode.name, "updates": len(hist), "wall_seconds": wall,
+            "trained_tokens": trained, "tokens_per_s": trained / max(wall, 1e-9),
+            "staleness_histogram": {str(k): v for k, v in sorted(self.buffer.stats.staleness.items())},
+            "duplicates_ignored": self.buffer.stats.duplicates, "stale_dropped": self.buffer.stats.stale_dropped,
+            **{k: v for k, v in self.counts.items() if k != "idle_spins"},
+            "publish_stall_s": [m.get("publish_stall_s", 0.0) for m in hist],
+            "rollouts": self.rc.rollouts, "relays": list(self.chain.order),
+            "relay_nodes": {n: self.chain.node_of[n] for n in self.chain.order},
+            "rollout_relays": {r.name: r.relay for r in self.rollouts.values()},
+            "rollout_nodes": {r.name: r.node for r in self.rollouts.values()},
+            "trained_uids": getattr(self, "trained_uids", []),
+        }
+
+
+@dataclass
+class _Window:
+    """Counters since the last update."""
+
+    occupancy: list = field(default_factory=list)
+    generated: int = 0
+    generated_tokens: int = 0
+    busy_s: float = 0.0
+    filtered_before: int = 0
+    train_started: float = 0.0
+
+    def reset(self, filtered: int) -> None:
+        self.occupancy, self.generated, self.generated_tokens, self.busy_s = [], 0, 0, 0.0
+        self.filtered_before = filtered
