@@ -322,9 +322,10 @@ def validate(cfg: Config) -> Config:
             f"rl.group_size={cfg.rl.group_size}: group advantages need at least 2 responses per prompt; "
             "set rl.group_size>=2"
         )
-    bad_levels = [lv for lv in cfg.data.levels if lv not in range(1, 6)]
+    bad_levels = [lv for lv in cfg.data.levels if lv not in range(1, 9)]
     if bad_levels or not cfg.data.levels:
-        raise ConfigError(f"data.levels={cfg.data.levels}: levels are 1..5; pick a non-empty subset")
+        raise ConfigError(f"data.levels={cfg.data.levels}: levels are 1..8 (6-8: long chains of 10, 20, 30 "
+                          "operations); pick a non-empty list (a level listed twice is drawn twice as often)")
     if not 0 <= cfg.data.demo_error_rate < 1:
         raise ConfigError(f"data.demo_error_rate={cfg.data.demo_error_rate} must be in [0, 1)")
     if not set(cfg.sft.levels) & set(cfg.data.levels):

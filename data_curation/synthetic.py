@@ -23,6 +23,11 @@ LEVELS: dict[int, tuple[int, int]] = {
     3: (3, 9),
     4: (4, 9),
     5: (5, 9),
+    # long chains, outside the default mix: a few of them among short problems give the long-tailed
+    # response lengths of reasoning workloads (benchmarks/rl_throughput.py)
+    6: (10, 9),
+    7: (20, 9),
+    8: (30, 9),
 }
 MAX_TOTAL = 19
 OPS = ("+", "-")

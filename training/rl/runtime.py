@@ -601,6 +601,7 @@ class LaminarRuntime:
         self.result.history.append(m)
         self.result.consumed.update(t.prompt.prompt_id for g in kept for t in g.trajectories)
         self.trained_uids = getattr(self, "trained_uids", []) + [u for u, _ in groups]
+        self.lengths = getattr(self, "lengths", []) + [len(t.response_tokens) for g in kept for t in g.trajectories]
         if self.on_step is not None:
             self.on_step(m)
         if self.rc.checkpoint_every and self.rc.checkpoint_dir and self.version % self.rc.checkpoint_every == 0 \
@@ -679,6 +680,7 @@ class LaminarRuntime:
             "rollout_relays": {r.name: r.relay for r in self.rollouts.values()},
             "rollout_nodes": {r.name: r.node for r in self.rollouts.values()},
             "trained_uids": getattr(self, "trained_uids", []),
+            "response_lengths": getattr(self, "lengths", []),
         }
 
 

@@ -1,0 +1,129 @@
+"""Trained tokens/s of the four RL modes on one long-tailed workload, side by side, equal resources.
+
+The workload: the arithmetic task with a mix of short problems (2-4 operations) and, one prompt in
+ten, 30-operation chains, so response lengths are long-tailed (the script prints the measured p50
+and p99 of the trained responses; the target is p99 >= 5x p50). A warm-up model is trained once
+through the pipeline (`laminar run --until warmup`, cached in the benchmark workspace); then every
+mode runs the same number of updates from it on the Ray runtime with the same rollouts, capacity
+and CPUs. Reports trained tokens/s per mode and the ratio to sync, staleness, repacks and publish
+stall, and writes each mode's timeline plot (``--out``).
+
+    .venv/bin/python benchmarks/rl_throughput.py [--updates 12] [--rollouts 2] [--modes sync laminar]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import sys
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT))
+
+WORKLOAD = ["data.levels=[2,3,4,2,3,4,2,3,4,8]", "data.pool_size=1500", "data.heldout_size=50",
+            "sft.levels=[2,3,4,8]", "model.max_seq_len=448", "rl.max_new_tokens=320", "eval.max_new_tokens=320"]
+
+
+def warmup(ws: Path, seed: int) -> tuple[Path, Path]:
+    from benchmarks.objectives import run
+
+    summary = run(ws, [f"seed={seed}", *WORKLOAD, "--until", "warmup"])
+    stages = summary["stages"]
+    model = ws / "artifacts" / "model" / stages["warmup"]["artifacts"]["model"]
+    data = ws / "artifacts" / "dataset" / stages["data"]["artifacts"]["dataset"]
+    return model, data
+
+
+def percentile(xs: list[int], q: float) -> float:
+    xs = sorted(xs)
+    return float(xs[min(len(xs) - 1, int(q * len(xs)))]) if xs else float("nan")
+
+
+def run_mode(mode: str, model_dir: Path, prompts, args, out: Path) -> dict:
+    from conf.loader import load_config
+    from evaluation.timeline import plot_timeline, summarize_timeline
+    from evaluation.verifier import Verifier
+    from training.rl.runtime import LaminarRuntime, RuntimeConfig
+    from training.rl.stage import objective_params
+
+    cfg = load_config([f"seed={args.seed}", *WORKLOAD, f"rl.algorithm={args.algorithm}"])
+    rc = RuntimeConfig(mode=mode, rollouts=args.rollouts, capacity=args.capacity, chunk_steps=args.chunk_steps,
+                       max_staleness=None if mode == "laminar" and args.unbounded else cfg.rl.max_staleness,
+                       repack_interval_s=cfg.rl.repack_interval_s, num_cpus=args.cpus,
+                       trainer_cpus=cfg.cluster.trainer_cpus, rollout_cpus=cfg.cluster.rollout_cpus,
+                       relay_cpus=cfg.cluster.relay_cpus)
+    with Verifier(timeout_s=cfg.eval.verifier_timeout_s) as verifier:
+        rt = LaminarRuntime(model_dir, prompts, verifier, objective_params(cfg.rl), steps=args.updates,
+                            prompts_per_step=args.prompts_per_step, group_size=args.group_size, lr=cfg.rl.lr,
+                            weight_decay=0.0, max_grad_norm=1.0, max_new_tokens=cfg.rl.max_new_tokens,
+                            temperature=1.0, seed=args.seed, device="cpu", minibatches=1, rc=rc)
+        t0 = time.perf_counter()
+        rt.run()
+        total = time.perf_counter() - t0
+    s = rt.summary
+    tl = summarize_timeline(rt.timeline)
+    occ = [r["mean_occupancy"] for r in tl["rollouts"].values()]
+    plot_timeline(rt.timeline, out / f"timeline_{mode}.png", title=f"rl.mode={mode}: one row per rollout")
+    (out / f"timeline_{mode}.json").write_text(json.dumps(rt.timeline))
+    stalls = s["publish_stall_s"]
+    return {"mode": mode, "tokens_per_s": s["tokens_per_s"], "wall_s": s["wall_seconds"], "with_startup_s": total,
+            "trained_tokens": s["trained_tokens"], "updates": s["updates"],
+            "p50_len": percentile(s["response_lengths"], 0.5), "p99_len": percentile(s["response_lengths"], 0.99),
+            "staleness": s["staleness_histogram"], "repacks": s.get("repacks", 0), "pulls": s.get("pulls", 0),
+            "interrupts": s.get("interrupts", 0), "occupancy": statistics.fmean(occ) if occ else float("nan"),
+            "publish_stall_ms": 1000 * statistics.median(stalls) if stalls else float("nan")}
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--modes", nargs="+", default=["sync", "one_step", "partial", "laminar"])
+    ap.add_argument("--updates", type=int, default=12)
+    ap.add_argument("--rollouts", type=int, default=2)
+    ap.add_argument("--capacity", type=int, default=64)
+    ap.add_argument("--chunk-steps", type=int, default=8)
+    ap.add_argument("--prompts-per-step", type=int, default=16)
+    ap.add_argument("--group-size", type=int, default=8)
+    ap.add_argument("--cpus", type=int, default=2)
+    ap.add_argument("--algorithm", default="grpo")
+    ap.add_argument("--unbounded", action="store_true", help="laminar without a staleness bound (as the paper)")
+    ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--workspace", type=Path, default=ROOT / "workspace-bench-throughput")
+    ap.add_argument("--out", type=Path, default=None)
+    ap.add_argument("--json-out", type=Path)
+    args = ap.parse_args()
+    out = args.out or args.workspace / "throughput"
+    out.mkdir(parents=True, exist_ok=True)
+    model_dir, data_dir = warmup(args.workspace, args.seed)
+    from data_curation.synthetic import PROMPT_TEMPLATE
+    from training.model import encode_problem, load_tokenizer
+    from training.rl.records import PromptItem
+    from training.setup import read_table
+
+    tok = load_tokenizer(model_dir)
+    rows = read_table(data_dir / "pool.parquet")
+    prompts = [PromptItem(r["prompt_id"], r["problem"], r["answer"], encode_problem(tok, PROMPT_TEMPLATE, r["problem"]),
+                          r["level"]) for r in rows]
+    results = []
+    for mode in args.modes:
+        print(f"running {mode} ...", flush=True)
+        results.append(run_mode(mode, model_dir, prompts, args, out))
+        print(json.dumps(results[-1]), flush=True)
+    base = next((r for r in results if r["mode"] == "sync"), results[0])
+    print(f"\n{args.rollouts} rollouts x capacity {args.capacity}, {args.updates} updates of "
+          f"{args.prompts_per_step}x{args.group_size}, {args.cpus} CPUs; timelines in {out}")
+    print("| mode | trained tok/s | vs sync | wall s | p50/p99 len | occupancy | staleness | repacks | "
+          "publish stall ms |")
+    print("|---|---|---|---|---|---|---|---|---|")
+    for r in results:
+        print(f"| {r['mode']} | {r['tokens_per_s']:.0f} | {r['tokens_per_s'] / base['tokens_per_s']:.2f}x | "
+              f"{r['wall_s']:.1f} | {r['p50_len']:.0f}/{r['p99_len']:.0f} | {r['occupancy']:.2f} | "
+              f"{r['staleness']} | {r['repacks']} | {r['publish_stall_ms']:.1f} |")
+    if args.json_out:
+        args.json_out.write_text(json.dumps(results, indent=1))
+
+
+if __name__ == "__main__":
+    main()
