@@ -111,7 +111,7 @@ class RolloutWorker:
     def ping(self) -> dict:
         return {"name": self.name, "pid": os.getpid(), "node": _node_id(), "version": self.engine.version}
 
-    def pull(self, relay, min_version: int = -1, wait_s: float = 30.0) -> dict:
+    def pull(self, relay, min_version: int = -1, wait_s: float = 10.0) -> dict:
         """Load the relay's latest version (at least ``min_version``, waiting up to ``wait_s``)."""
         import ray
 

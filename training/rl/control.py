@@ -165,20 +165,22 @@ class ExperienceBuffer:
     def group_version(group: ScoredGroup) -> int:
         return min(t.version for t in group.trajectories)
 
-    def take(self, n: int, trainer_version: int) -> tuple[list[tuple[int, ScoredGroup]], list[tuple[int, ScoredGroup]]]:
-        """Up to ``n`` ready groups (oldest issued first) within the staleness bound, marked trained;
-        and the groups dropped as too stale (the caller requeues their prompts)."""
-        out, stale = [], []
-        for uid in list(self.ready):
-            if len(out) >= n:
-                break
-            group = self.ready.pop(uid)
-            staleness = trainer_version - self.group_version(group)
-            if self.max_staleness is not None and staleness > self.max_staleness:
-                stale.append((uid, group))
+    def take(self, n: int, trainer_version: int, *, full: bool = False
+             ) -> tuple[list[tuple[int, ScoredGroup]], list[tuple[int, ScoredGroup]]]:
+        """Up to ``n`` ready groups (oldest issued first) within the staleness bound, marked trained
+        (with ``full``, none unless ``n`` are ready); and the groups dropped as too stale (the caller
+        requeues their prompts)."""
+        stale = []
+        if self.max_staleness is not None:
+            for uid in [u for u, g in self.ready.items() if trainer_version - self.group_version(g) > self.max_staleness]:
+                stale.append((uid, self.ready.pop(uid)))
                 self.stats.stale_dropped += 1
-                continue
-            self.stats.staleness[staleness] += 1
+        if full and len(self.ready) < n:
+            return [], stale
+        out = []
+        for uid in list(self.ready)[:n]:
+            group = self.ready.pop(uid)
+            self.stats.staleness[trainer_version - self.group_version(group)] += 1
             self.done.add(uid)
             out.append((uid, group))
         return out, stale

@@ -82,6 +82,8 @@ class _Rollout:
     pending_inject: list = field(default_factory=list)
     extract_to: str | None = None
     restarts: int = 0
+    awaiting: int = 0
+    """Repacks on their way to this rollout (it must not pull a new version before they land)."""
     pid: int = 0
     dead_since: float = 0.0
 
@@ -346,17 +348,11 @@ class LaminarRuntime:
             return groups
         if self.buffer.n_ready() < self.n:
             return []
-        groups, stale = self.buffer.take(self.n, self.version)
+        groups, stale = self.buffer.take(self.n, self.version, full=True)
         for uid, g in stale:  # too stale: regenerate the prompt under newer weights
             self.buffer.forget(uid)
             self.queue.requeue(GenRequest(prompt=t.prompt, sample_idx=t.sample_idx, group_uid=uid)
                                for t in g.trajectories)
-        if len(groups) < self.n:  # put back and wait for a full batch
-            for uid, g in reversed(groups):
-                self.buffer.ready[uid] = g
-                self.buffer.ready.move_to_end(uid, last=False)
-                self.buffer.done.discard(uid)
-            return []
         return groups
 
     # ------------------------------------------------------------------------------------------ rollouts
@@ -378,8 +374,10 @@ class LaminarRuntime:
                     self.counts["interrupts"] += 1
                     self._event(r, "interrupt", self.latest)
         elif self.mode.drain:
-            if r.version < self.latest and r.active == 0 and r.queued == 0 and not r.pending_inject:
-                relay = self.relays[r.relay]
+            # version-atomic: pull only when no response is in flight here (queued requests have not
+            # started, so they run under the new version) and no repack is about to hand some over
+            if r.version < self.latest and r.active == 0 and not r.pending_inject and not r.awaiting:
+                relay, min_version = self.relays[r.relay], self.latest
         draining = self.mode.drain and r.version < self.latest and relay is None
         admitting = not draining
         inject: list[Partial] = []
@@ -423,12 +421,16 @@ class LaminarRuntime:
         status = out["status"]
         now = time.perf_counter() - self.t0
         if op == "extract":
-            dst = self.rollouts[r.extract_to]
+            dst = self.rollouts.get(r.extract_to) if r.extract_to else None
             r.extract_to = None
-            if out["partials"]:
+            if dst is not None:
+                dst.awaiting = max(0, dst.awaiting - 1)
+            if out["partials"] and dst is not None and dst.alive:
                 dst.pending_inject.extend(out["partials"])
                 self._event(r, "repack_out", status["version"])
                 self._event(dst, "repack_in", status["version"])
+            elif out["partials"]:  # the receiver died meanwhile: the responses restart from their prompts
+                self.queue.requeue(p.request for p in out["partials"])
             self.queue.requeue(q for q in out["queued"])
             for q in out["queued"]:
                 r.assigned.pop((q.group_uid, q.sample_idx), None)
@@ -470,7 +472,11 @@ class LaminarRuntime:
         lost += [p.request if isinstance(p, Partial) else p for p in r.pending_inject]
         r.assigned.clear()
         r.pending_inject = []
+        if r.extract_to in self.rollouts:
+            dst = self.rollouts[r.extract_to]
+            dst.awaiting = max(0, dst.awaiting - 1)
         r.extract_to = None
+        r.awaiting = 0
         for other in self.rollouts.values():
             if other.extract_to == r.name:
                 other.extract_to = None
@@ -555,6 +561,7 @@ class LaminarRuntime:
             src, dst = self.rollouts[m.src], self.rollouts[m.dst]
             if src.extract_to is None and dst.extract_to is None:
                 src.extract_to = m.dst
+                dst.awaiting += 1
                 self.counts["repacks"] += 1
                 self._window_repacks = getattr(self, "_window_repacks", 0) + 1
 
