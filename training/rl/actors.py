@@ -143,13 +143,16 @@ class RolloutWorker:
         if submit:
             self.engine.submit(list(submit))
         t0 = time.perf_counter()
-        finished = self.engine.step(chunk) if (self.engine.status()["active"] or self.engine.status()["queued"]) else []
+        st = self.engine.status()
+        # no published weights yet (a fresh or restarted actor): hold the work until the first pull
+        ready = self.engine.version >= 0 and (st["active"] or st["queued"])
+        finished = self.engine.step(chunk) if ready else []
         return {"finished": finished, "status": self.engine.status(), "pulled": pulled,
-                "busy_s": time.perf_counter() - t0}
+                "busy_s": time.perf_counter() - t0, "pid": os.getpid()}
 
     def extract(self) -> dict:
         partials, queued = self.engine.extract(include_queued=True)
-        return {"partials": partials, "queued": queued, "status": self.engine.status()}
+        return {"partials": partials, "queued": queued, "status": self.engine.status(), "pid": os.getpid()}
 
 
 class TrainerWorker:

@@ -86,6 +86,7 @@ class _Rollout:
     """Repacks on their way to this rollout (it must not pull a new version before they land)."""
     pid: int = 0
     dead_since: float = 0.0
+    last_sent: list = field(default_factory=list)
 
 
 class LaminarRuntime:
@@ -390,7 +391,7 @@ class LaminarRuntime:
             lost = [p for p in inject if p.version != r.version]
             if lost:  # the receiver moved on: the responses restart from their prompt
                 self.counts["repack_lost"] += len(lost)
-                self.queue.requeue(p.request for p in lost)
+                self._requeue([p.request for p in lost])
             inject = ok
         if not self.mode.batched and admitting:
             free = self.rc.capacity - (r.active + r.queued + len(inject) + len(submit))
@@ -401,6 +402,8 @@ class LaminarRuntime:
             r.assigned[(q.group_uid, q.sample_idx)] = q
         for p in inject:
             r.assigned[(p.request.group_uid, p.request.sample_idx)] = p.request
+        r.last_sent = [(q.group_uid, q.sample_idx) for q in submit] + \
+            [(p.request.group_uid, p.request.sample_idx) for p in inject]
         if relay is None and not submit and not inject and r.active == 0 and r.queued == 0:
             return  # idle
         r.draining = draining
@@ -420,6 +423,17 @@ class LaminarRuntime:
             return
         status = out["status"]
         now = time.perf_counter() - self.t0
+        if out["pid"] != r.pid:  # Ray restarted it between two calls: what it held is gone
+            fresh = set(r.last_sent) if op == "step" else set()
+            lost = [q for k, q in r.assigned.items() if k not in fresh]
+            for q in lost:
+                r.assigned.pop((q.group_uid, q.sample_idx))
+            self._requeue(lost)
+            self.counts["rollout_failures"] += 1
+            self.counts["requeued_requests"] += len(lost)
+            self._event(r, "restart", -1)
+            r.pid, r.restarts = out["pid"], r.restarts + 1
+            LOG.warning("%s was restarted (pid %d): %d requests re-queued", r.name, r.pid, len(lost))
         if op == "extract":
             dst = self.rollouts.get(r.extract_to) if r.extract_to else None
             r.extract_to = None
@@ -430,8 +444,8 @@ class LaminarRuntime:
                 self._event(r, "repack_out", status["version"])
                 self._event(dst, "repack_in", status["version"])
             elif out["partials"]:  # the receiver died meanwhile: the responses restart from their prompts
-                self.queue.requeue(p.request for p in out["partials"])
-            self.queue.requeue(q for q in out["queued"])
+                self._requeue([p.request for p in out["partials"]])
+            self._requeue(out["queued"])
             for q in out["queued"]:
                 r.assigned.pop((q.group_uid, q.sample_idx), None)
             for p in out["partials"]:
@@ -459,6 +473,19 @@ class LaminarRuntime:
         window.occupancy.append(occ)
         self.timeline["samples"].append({"t": now, "rollout": r.name, "occupancy": occ, "active": status["active"]})
 
+    def _requeue(self, requests) -> None:
+        """Lost or returned requests go back first in line. Batched modes hand them straight to a
+        live rollout: their batch cannot close without them."""
+        requests = list(requests)
+        if not requests:
+            return
+        if not self.mode.batched:
+            self.queue.requeue(requests)
+            return
+        alive = [x for x in self.rollouts.values() if x.alive] or list(self.rollouts.values())
+        for i, q in enumerate(sorted(requests, key=lambda q: (q.group_uid, q.sample_idx))):
+            alive[i % len(alive)].pending_inject.append(q)
+
     def _record_completed(self) -> None:
         completed = self.buffer.pop_completed()
         self.source.observe([g for _, g in completed])
@@ -480,13 +507,8 @@ class LaminarRuntime:
         for other in self.rollouts.values():
             if other.extract_to == r.name:
                 other.extract_to = None
-        self.queue.requeue(lost)
-        if self.mode.batched:  # the batch distributes its own requests
-            self.queue.retry.clear()
-            alive = [x for x in self.rollouts.values() if x.alive and x is not r] or [r]
-            for i, q in enumerate(lost):
-                alive[i % len(alive)].pending_inject.append(q)
         r.alive = False
+        self._requeue(lost)
         r.dead_since = time.perf_counter()
         r.active = r.queued = r.prev_active = 0
         r.version = -1
@@ -527,14 +549,14 @@ class LaminarRuntime:
         one on the same node at the tail of the chain, and feed it the latest version."""
         was_master = name == self.chain.master
         node = self.chain.node_of[name]
-        self.chain.remove(name)
-        self.counts["relay_failures"] += 1
-        self.timeline["events"].append({"t": time.perf_counter() - self.t0, "rollout": "", "kind": "relay_dead",
-                                        "version": self.latest, "relay": name})
         new = f"relay-{self._relay_seq}"
         self._relay_seq += 1
         self.relays[new] = self._Relay.options(scheduling_strategy=self._pin(node)).remote(new, self.rc.keep_versions)
         self.chain.add(new, node)
+        self.chain.remove(name)
+        self.counts["relay_failures"] += 1
+        self.timeline["events"].append({"t": time.perf_counter() - self.t0, "rollout": "", "kind": "relay_dead",
+                                        "version": self.latest, "relay": name})
         self._wire_chain()
         if was_master:
             ray.get(self.trainer.set_master.remote(self.relays[self.chain.master]))
@@ -608,6 +630,7 @@ class LaminarRuntime:
         self.result.history.append(m)
         self.result.consumed.update(t.prompt.prompt_id for g in kept for t in g.trajectories)
         self.trained_uids = getattr(self, "trained_uids", []) + [u for u, _ in groups]
+        self.trained_prompts = getattr(self, "trained_prompts", []) + [(u, g.prompt_id) for u, g in groups]
         self.lengths = getattr(self, "lengths", []) + [len(t.response_tokens) for g in kept for t in g.trajectories]
         if self.on_step is not None:
             self.on_step(m)
@@ -688,6 +711,7 @@ class LaminarRuntime:
             "rollout_nodes": {r.name: r.node for r in self.rollouts.values()},
             "trained_uids": getattr(self, "trained_uids", []),
             "response_lengths": getattr(self, "lengths", []),
+            "trained_prompts": getattr(self, "trained_prompts", []),
         }
 
 
