@@ -59,7 +59,8 @@ def run_mode(mode: str, model_dir: Path, prompts, args, out: Path) -> dict:
         rt = LaminarRuntime(model_dir, prompts, verifier, objective_params(cfg.rl), steps=args.updates,
                             prompts_per_step=args.prompts_per_step, group_size=args.group_size, lr=cfg.rl.lr,
                             weight_decay=0.0, max_grad_norm=1.0, max_new_tokens=cfg.rl.max_new_tokens,
-                            temperature=1.0, seed=args.seed, device="cpu", minibatches=1, rc=rc)
+                            temperature=1.0, seed=args.seed, device="cpu", minibatches=1, rc=rc,
+                            micro_batch_tokens=cfg.rl.micro_batch_tokens)
         t0 = time.perf_counter()
         rt.run()
         total = time.perf_counter() - t0
@@ -93,6 +94,8 @@ def main() -> None:
     ap.add_argument("--workspace", type=Path, default=ROOT / "workspace-bench-throughput")
     ap.add_argument("--out", type=Path, default=None)
     ap.add_argument("--json-out", type=Path)
+    ap.add_argument("--stall-rollouts", type=int, nargs="*", default=[],
+                    help="also run laminar with each of these rollout counts and compare the publish stall")
     args = ap.parse_args()
     out = args.out or args.workspace / "throughput"
     out.mkdir(parents=True, exist_ok=True)
@@ -107,22 +110,34 @@ def main() -> None:
     prompts = [PromptItem(r["prompt_id"], r["problem"], r["answer"], encode_problem(tok, PROMPT_TEMPLATE, r["problem"]),
                           r["level"]) for r in rows]
     results = []
-    for mode in args.modes:
+    for mode in args.modes if args.modes != ["none"] else []:
         print(f"running {mode} ...", flush=True)
         results.append(run_mode(mode, model_dir, prompts, args, out))
         print(json.dumps(results[-1]), flush=True)
-    base = next((r for r in results if r["mode"] == "sync"), results[0])
+    base = next((r for r in results if r["mode"] == "sync"), results[0] if results else None)
     print(f"\n{args.rollouts} rollouts x capacity {args.capacity}, {args.updates} updates of "
           f"{args.prompts_per_step}x{args.group_size}, {args.cpus} CPUs; timelines in {out}")
     print("| mode | trained tok/s | vs sync | wall s | p50/p99 len | occupancy | staleness | repacks | "
           "publish stall ms |")
     print("|---|---|---|---|---|---|---|---|---|")
-    for r in results:
+    for r in results if base else []:
         print(f"| {r['mode']} | {r['tokens_per_s']:.0f} | {r['tokens_per_s'] / base['tokens_per_s']:.2f}x | "
               f"{r['wall_s']:.1f} | {r['p50_len']:.0f}/{r['p99_len']:.0f} | {r['occupancy']:.2f} | "
               f"{r['staleness']} | {r['repacks']} | {r['publish_stall_ms']:.1f} |")
+    stalls = []
+    for n in args.stall_rollouts:
+        print(f"publish stall with {n} rollouts ...", flush=True)
+        r = run_mode("laminar", model_dir, prompts, argparse.Namespace(**{**vars(args), "rollouts": n}), out)
+        stalls.append({"rollouts": n, **r})
+    if stalls:
+        lo = min(r["publish_stall_ms"] for r in stalls)
+        print("\n| rollouts | publish stall ms (median) | vs lowest | trained tok/s |")
+        print("|---|---|---|---|")
+        for r in stalls:
+            print(f"| {r['rollouts']} | {r['publish_stall_ms']:.2f} | {r['publish_stall_ms'] / lo:.2f}x | "
+                  f"{r['tokens_per_s']:.0f} |")
     if args.json_out:
-        args.json_out.write_text(json.dumps(results, indent=1))
+        args.json_out.write_text(json.dumps({"modes": results, "stall": stalls}, indent=1))
 
 
 if __name__ == "__main__":

@@ -90,6 +90,10 @@ class RLConfig:
     max_grad_norm: float = 1.0
     weight_decay: float = 0.0
     minibatches: int = 1
+    micro_batch_tokens: int = 8192
+    """The trainer splits each optimizer step's sequences into length-sorted micro-batches of at most
+    this many padded tokens and accumulates their gradients (the loss weights keep it equal to one
+    big batch): a few long responses no longer pad every short one. 0 = one batch."""
     """Optimizer steps per collected batch (verl's ppo_mini_batch split). With 1 the update is
     on-policy and the clip bounds never bind; with more, later steps are clipped against the
     proximal log-probs taken before the first."""
@@ -297,8 +301,8 @@ def validate(cfg: Config) -> Config:
         raise ConfigError("rl.max_staleness must be >= 0 or null")
     _positive(cfg, "rl.rollout_capacity", "rl.chunk_steps", "rl.repack_interval_s", "cluster.rollouts",
               "cluster.actor_threads")
-    if cfg.rl.checkpoint_every < 0 or cfg.rl.repack_b < 0:
-        raise ConfigError("rl.checkpoint_every and rl.repack_b must be >= 0")
+    if cfg.rl.checkpoint_every < 0 or cfg.rl.repack_b < 0 or cfg.rl.micro_batch_tokens < 0:
+        raise ConfigError("rl.checkpoint_every, rl.repack_b and rl.micro_batch_tokens must be >= 0")
     _one_of("device", cfg.device, DEVICES)
     if cfg.model.kind == "hf" and not cfg.model.path:
         raise ConfigError("model=hf needs a local model folder: add model.path=DIR (a save_pretrained folder)")

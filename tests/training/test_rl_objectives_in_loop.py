@@ -2,12 +2,13 @@
 
 from dataclasses import replace
 
+import pytest
 import torch
 from rl_fakes import MICRO, Verdict
 
 from conf.loader import load_config
 from conf.schema import RL_ALGORITHMS
-from training.model import build_char_tokenizer, build_tiny_model, encode_prompt
+from training.model import build_char_tokenizer, build_tiny_model, encode_problem, encode_prompt
 from training.objectives import PRESETS
 from training.rl.engine import TorchEngine
 from training.rl.loop import PromptCursor, collect_phase, score_phase
@@ -117,3 +118,38 @@ def test_minibatches_make_the_clip_bind():
     stats = four.update(got.groups)
     assert stats.version == 1 and stats.n_sequences == 32
     assert stats.metrics["clipfrac"] > 0.0 and stats.metrics["ratio"] != 1.0
+
+
+@pytest.mark.parametrize("algorithm", ["grpo", "dapo", "dr_grpo"])
+def test_micro_batches_give_the_gradient_of_one_batch(algorithm):
+    """Length-sorted micro-batches with loss shares: the same update as one padded batch."""
+    import copy
+
+    from training.rl.trainer import micro_batches
+
+    tok = build_char_tokenizer()
+    model = build_tiny_model(MICRO, tok, seed=0)
+    p = PromptItem("p", "1+2", "3", encode_problem(tok, "{problem}\n", "1+2"), 1)
+    gen = torch.Generator().manual_seed(0)
+    groups = []
+    for g in range(3):
+        trajs = []
+        for i in range(4):
+            n = [2, 3, 9, 17][(g + i) % 4]
+            toks = tuple(int(x) for x in torch.randint(5, 40, (n,), generator=gen))
+            trajs.append(Trajectory("trajectory", p, i, toks, tuple(float(-x) for x in torch.rand(n, generator=gen)),
+                                    0, i != 3, "3" if i % 2 else "4"))
+        groups.append(ScoredGroup("scored_group", f"p{g}", tuple(trajs), tuple(float(i % 2) for i in range(4)),
+                                  tuple(bool(i % 2) for i in range(4))))
+    params = PRESETS[algorithm]
+    kw = dict(lr=1e-2, weight_decay=0.0, max_grad_norm=100.0, temperature=1.0, max_new_tokens=20,
+              pad_id=tok.pad_token_id, device="cpu")
+    whole = PolicyTrainer(copy.deepcopy(model), params, **kw)
+    split = PolicyTrainer(copy.deepcopy(model), params, micro_batch_tokens=40, **kw)
+    lengths = torch.tensor([len(t.prompt.prompt_tokens) + len(t.response_tokens) for g in groups for t in g.trajectories])
+    assert len(micro_batches(lengths, torch.arange(12), 40)) >= 3
+    a, b = whole.update(groups), split.update(groups)
+    assert a.loss == pytest.approx(b.loss, abs=1e-5) and a.grad_norm == pytest.approx(b.grad_norm, rel=1e-4)
+    for (name, x), (_, y) in zip(whole.model.named_parameters(), split.model.named_parameters()):
+        # the accumulated gradient (left in .grad by the step); Adam would blow float noise up to lr
+        assert torch.allclose(x.grad, y.grad, atol=1e-6, rtol=1e-4), name

@@ -160,7 +160,8 @@ class TrainerWorker:
     scored groups and pushes ``(version, weights)`` once to the master relay, then returns."""
 
     def __init__(self, model_dir: str, params, *, lr: float, weight_decay: float, max_grad_norm: float,
-                 temperature: float, max_new_tokens: int, device: str, minibatches: int, seed: int, threads: int = 1):
+                 temperature: float, max_new_tokens: int, device: str, minibatches: int, seed: int, threads: int = 1,
+                 micro_batch_tokens: int = 0):
         _setup(threads, seed)
         from training.model import load_model
         from training.rl.trainer import PolicyTrainer
@@ -168,7 +169,8 @@ class TrainerWorker:
         model, tokenizer = load_model(Path(model_dir), device)
         self.trainer = PolicyTrainer(model, params, lr=lr, weight_decay=weight_decay, max_grad_norm=max_grad_norm,
                                      temperature=temperature, max_new_tokens=max_new_tokens,
-                                     pad_id=tokenizer.pad_token_id, device=device, minibatches=minibatches)
+                                     pad_id=tokenizer.pad_token_id, device=device, minibatches=minibatches,
+                                     micro_batch_tokens=micro_batch_tokens)
         self.master = None
         self._last_box: list | None = None
 

@@ -249,6 +249,7 @@ def format_step(m: dict, total: int) -> str:
 def run_sync(model, tokenizer, prompts: Sequence[PromptItem], verifier, params: ObjectiveParams, *, steps: int,
              prompts_per_step: int, group_size: int, lr: float, weight_decay: float, max_grad_norm: float,
              max_new_tokens: int, temperature: float, seed: int, device: str, minibatches: int = 1,
+             micro_batch_tokens: int = 0,
              on_step: Callable[[dict], None] | None = None,
              source: Callable[[PromptCursor, TorchEngine], PromptCursor | HiveSource] | None = None,
              evaluate: Callable[[object], dict[str, float]] | None = None, eval_every: int = 0) -> RLResult:
@@ -259,7 +260,8 @@ def run_sync(model, tokenizer, prompts: Sequence[PromptItem], verifier, params: 
     torch.manual_seed(seed)
     trainer = PolicyTrainer(model, params, lr=lr, weight_decay=weight_decay, max_grad_norm=max_grad_norm,
                             temperature=temperature, max_new_tokens=max_new_tokens,
-                            pad_id=tokenizer.pad_token_id, device=device, minibatches=minibatches)
+                            pad_id=tokenizer.pad_token_id, device=device, minibatches=minibatches,
+                            micro_batch_tokens=micro_batch_tokens)
     engine = TorchEngine(copy.deepcopy(model), tokenizer, device=device)
     cursor = PromptCursor(prompts, seed)
     prompt_source = source(cursor, engine) if source is not None else cursor

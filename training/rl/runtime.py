@@ -96,7 +96,7 @@ class LaminarRuntime:
     def __init__(self, model_dir: Path, prompts: Sequence[PromptItem], verifier, params: ObjectiveParams, *,
                  steps: int, prompts_per_step: int, group_size: int, lr: float, weight_decay: float,
                  max_grad_norm: float, max_new_tokens: int, temperature: float, seed: int, device: str,
-                 minibatches: int, rc: RuntimeConfig,
+                 minibatches: int, rc: RuntimeConfig, micro_batch_tokens: int = 0,
                  source: Callable | None = None, on_step: Callable[[dict], None] | None = None,
                  evaluate: Callable[[object], dict[str, float]] | None = None, eval_every: int = 0):
         if rc.mode not in MODES:
@@ -110,7 +110,8 @@ class LaminarRuntime:
         self.n = prompts_per_step
         self.group_size = group_size
         self.train_kw = dict(lr=lr, weight_decay=weight_decay, max_grad_norm=max_grad_norm, temperature=temperature,
-                             max_new_tokens=max_new_tokens, minibatches=minibatches)
+                             max_new_tokens=max_new_tokens, minibatches=minibatches,
+                             micro_batch_tokens=micro_batch_tokens)
         self.max_new_tokens = max_new_tokens
         self.temperature = temperature
         self.seed = seed

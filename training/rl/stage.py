@@ -98,7 +98,7 @@ def rl(model_dir: Path, prompts_path: Path, cfg: RLConfig, *, template: str, see
         common = dict(steps=cfg.steps, prompts_per_step=cfg.prompts_per_step, group_size=cfg.group_size, lr=cfg.lr,
                       weight_decay=cfg.weight_decay, max_grad_norm=cfg.max_grad_norm,
                       max_new_tokens=cfg.max_new_tokens, temperature=cfg.temperature, seed=seed,
-                      device=device, minibatches=cfg.minibatches, on_step=on_step,
+                      device=device, minibatches=cfg.minibatches, micro_batch_tokens=cfg.micro_batch_tokens, on_step=on_step,
                       source=hive_source(select, history_path, seed) if select is not None else None,
                       evaluate=evaluate, eval_every=cfg.eval_every)
         if cfg.uses_ray():

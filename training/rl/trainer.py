@@ -41,6 +41,45 @@ class TrainBatch:
         """The sub-batch of sequences ``idx`` (shapes as above with B = len(idx))."""
         return TrainBatch(*(getattr(self, f.name)[idx] for f in dataclasses.fields(self)))
 
+    def trimmed(self) -> "TrainBatch":
+        """The same sequences with L and T cut to the longest row here (everything beyond is padding)."""
+        width = max(1, int(self.attention_mask.sum(1).max()))
+        tmax = max(1, int(self.mask.sum(1).max()))
+        cut = {"input_ids": width, "attention_mask": width, "positions": tmax, "targets": tmax, "behaviour": tmax,
+               "mask": tmax}
+        return TrainBatch(*(getattr(self, f.name)[:, :cut[f.name]] if f.name in cut else getattr(self, f.name)
+                            for f in dataclasses.fields(self)))
+
+
+def micro_batches(lengths: torch.Tensor, idx: torch.Tensor, token_budget: int) -> list[torch.Tensor]:
+    """Split rows ``idx`` into micro-batches of similar length whose padded size (rows x longest
+    row) stays within ``token_budget`` (verl's dynamic batch size): longest first, so a batch of
+    mostly short responses and a few long ones is not padded to the longest. 0 = one micro-batch."""
+    if token_budget <= 0 or len(idx) <= 1:
+        return [idx]
+    order = idx[torch.argsort(lengths[idx], descending=True, stable=True)].tolist()
+    out, cur, cur_max = [], [], 0
+    for i in order:
+        n = int(lengths[i])
+        if cur and max(cur_max, n) * (len(cur) + 1) > token_budget:
+            out.append(torch.tensor(cur))
+            cur, cur_max = [], 0
+        cur.append(i)
+        cur_max = max(cur_max, n)
+    out.append(torch.tensor(cur))
+    return out
+
+
+def micro_share(mask_mb: torch.Tensor, mask_all: torch.Tensor, loss_agg: str) -> float:
+    """The weight of a micro-batch's loss so that the weighted sum equals the loss of the whole
+    batch under ``loss_agg`` (token_mean: share of tokens; seq_mean: share of sequences with a
+    token; seq_sum_const: share of sequences)."""
+    if loss_agg == "token_mean":
+        return float(mask_mb.sum() / mask_all.sum().clamp(min=1))
+    if loss_agg == "seq_mean":
+        return float((mask_mb.sum(1) > 0).sum() / (mask_all.sum(1) > 0).sum().clamp(min=1))
+    return mask_mb.shape[0] / mask_all.shape[0]
+
 
 def build_batch(groups: Sequence[ScoredGroup], pad_id: int) -> TrainBatch:
     trajs = [(g, t, r) for g, grp in enumerate(groups) for t, r in zip(grp.trajectories, grp.rewards)]
@@ -89,7 +128,7 @@ class PolicyTrainer:
 
     def __init__(self, model, params: ObjectiveParams, *, lr: float, weight_decay: float,
                  max_grad_norm: float, temperature: float, max_new_tokens: int, pad_id: int, device: str,
-                 minibatches: int = 1):
+                 minibatches: int = 1, micro_batch_tokens: int = 0):
         self.model = model.to(device).train()
         self.params = params
         self.opt = torch.optim.AdamW(model.parameters(), lr=lr, weight_decay=weight_decay, betas=(0.9, 0.99))
@@ -99,6 +138,7 @@ class PolicyTrainer:
         self.pad_id = pad_id
         self.device = device
         self.minibatches = minibatches
+        self.micro_batch_tokens = micro_batch_tokens
         self.version = 0
         # a frozen copy of the starting weights, only when the objective has a KL term
         self.ref_model = copy.deepcopy(model).eval().requires_grad_(False) if params.kl_coef > 0 else None
@@ -114,36 +154,59 @@ class PolicyTrainer:
         if self.params.overlong_filter:  # DAPO: truncated responses carry no loss
             mask = mask * batch.finished.to(self.device, mask.dtype)[:, None]
         targets = batch.targets.to(self.device)
+        lengths = batch.attention_mask.sum(1)
+        n, tmax = mask.shape
+        everything = torch.arange(n)
+
+        def logprobs_of(model) -> torch.Tensor:  # (B, T), computed micro-batch by micro-batch
+            out = torch.zeros((n, tmax), device=self.device)
+            for mb in micro_batches(lengths, everything, self.micro_batch_tokens):
+                sub = batch.rows(mb).trimmed()
+                t = sub.mask.shape[1]
+                out[mb.to(self.device), :t] = token_logprobs(response_logits(model, sub, self.device),
+                                                             targets[mb, :t], self.temperature)
+            return out
+
         with torch.no_grad():
-            ref = (token_logprobs(response_logits(self.ref_model, batch, self.device), targets, self.temperature)
-                   if self.ref_model is not None else None)
-            proximal = (token_logprobs(response_logits(self.model, batch, self.device), targets, self.temperature)
-                        if self.minibatches > 1 else None)
-        n = mask.shape[0]
+            ref = logprobs_of(self.ref_model) if self.ref_model is not None else None
+            proximal = logprobs_of(self.model) if self.minibatches > 1 else None
         chunks = [idx for idx in torch.arange(n).chunk(min(self.minibatches, n))]
         per_chunk: list[dict[str, float]] = []
         losses, norms = [], []
         for idx in chunks:
-            logits = response_logits(self.model, batch.rows(idx), self.device)
-            logprobs = token_logprobs(logits, targets[idx], self.temperature)
-            pbatch = PolicyBatch(
-                logprobs=logprobs, old_logprobs=proximal[idx] if proximal is not None else logprobs.detach(),
-                behaviour_logprobs=batch.behaviour[idx].to(self.device), advantages=advantages[idx], mask=mask[idx],
-                max_len=self.max_new_tokens, versions=batch.versions[idx], trainer_version=self.version,
-                ref_logprobs=ref[idx] if ref is not None else None,
-            )
-            loss, metrics = policy_loss(pbatch, self.params)
             self.opt.zero_grad(set_to_none=True)
-            loss.backward()
+            metrics: dict[str, float] = {}
+            chunk_loss = 0.0
+            for mb in micro_batches(lengths, idx, self.micro_batch_tokens):
+                sub = batch.rows(mb).trimmed()
+                t = sub.mask.shape[1]
+                logits = response_logits(self.model, sub, self.device)
+                logprobs = token_logprobs(logits, targets[mb, :t], self.temperature)
+                m = mask[mb, :t]
+                pbatch = PolicyBatch(
+                    logprobs=logprobs, old_logprobs=proximal[mb, :t] if proximal is not None else logprobs.detach(),
+                    behaviour_logprobs=sub.behaviour.to(self.device), advantages=advantages[mb], mask=m,
+                    max_len=self.max_new_tokens, versions=sub.versions, trainer_version=self.version,
+                    ref_logprobs=ref[mb, :t] if ref is not None else None,
+                )
+                loss, mb_metrics = policy_loss(pbatch, self.params)
+                share = micro_share(m, mask[idx], self.params.loss_agg)
+                (loss * share).backward()
+                chunk_loss += float(loss.detach()) * share
+                with torch.no_grad():
+                    denom = m.sum().clamp_min(1)
+                    mb_metrics["entropy"] = float((entropy_from_logits(logits.detach() / self.temperature) * m).sum()
+                                                  / denom)
+                    mb_metrics["sampler_logprob_gap"] = float(((pbatch.old_logprobs - pbatch.behaviour_logprobs).abs()
+                                                               * m).sum() / denom)
+                for k, v in mb_metrics.items():
+                    if k == "staleness_max":
+                        metrics[k] = max(metrics.get(k, v), v)
+                    else:
+                        metrics[k] = metrics.get(k, 0.0) + share * v
             norms.append(float(torch.nn.utils.clip_grad_norm_(self.model.parameters(), self.max_grad_norm)))
             self.opt.step()
-            losses.append(float(loss.detach()))
-            with torch.no_grad():
-                m = mask[idx]
-                denom = m.sum().clamp_min(1)
-                metrics["entropy"] = float((entropy_from_logits(logits.detach() / self.temperature) * m).sum() / denom)
-                metrics["sampler_logprob_gap"] = float(((pbatch.old_logprobs - pbatch.behaviour_logprobs).abs() * m).sum()
-                                                       / denom)
+            losses.append(chunk_loss)
             per_chunk.append(metrics)
         self.version += 1
         merged = {k: sum(c[k] for c in per_chunk) / len(per_chunk) for k in per_chunk[0]}

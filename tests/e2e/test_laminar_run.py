@@ -1,0 +1,71 @@
+"""`laminar run rl.mode=laminar` through the real CLI: the Ray runtime inside the pipeline, its
+report files, and (slow) a trainer killed with SIGKILL mid-run, then `laminar run` again resuming
+from the last complete checkpoint."""
+
+from __future__ import annotations
+
+import json
+import signal
+import subprocess
+import time
+from pathlib import Path
+
+import pytest
+
+from tests.configs import TINY_CURATED
+from tests.e2e.test_operate import laminar, popen, summaries
+
+pytestmark = pytest.mark.e2e
+
+
+def rl_artifact(ws: Path, summary: dict) -> Path:
+    return ws / "artifacts" / "model" / summary["stages"]["rl"]["artifacts"]["model"]
+
+
+def test_laminar_mode_runs_in_the_pipeline(tmp_path):
+    ws = tmp_path / "ws"
+    laminar("run", *TINY_CURATED, "rl.mode=laminar", "rl.steps=4", "--until", "rl", ws=ws)
+    (summary,) = summaries(ws).values()
+    art = rl_artifact(ws, summary)
+    runtime = json.loads((art / "runtime.json").read_text())
+    assert runtime["mode"] == "laminar" and runtime["updates"] == 4
+    assert (art / "timeline.png").stat().st_size > 1000 and (art / "model.safetensors").exists()
+    assert len(runtime["trained_uids"]) == len(set(runtime["trained_uids"])) == 16
+    assert not list((ws / "state").glob("rl-*"))  # the finished stage's resumable state is gone
+    history = [json.loads(line) for line in (art / "history.jsonl").read_text().splitlines()]
+    assert len(history) == 4 and all("staleness_mean" in m for m in history)
+
+
+def _trainer_pids() -> list[int]:
+    out = subprocess.run(["pgrep", "-f", "ray::TrainerWorker"], capture_output=True, text=True).stdout
+    return [int(p) for p in out.split()]
+
+
+@pytest.mark.slow
+def test_sigkill_the_trainer_then_laminar_run_resumes(tmp_path):
+    ws = tmp_path / "ws"
+    args = ("run", *TINY_CURATED, "rl.mode=laminar", "rl.steps=40", "rl.checkpoint_every=5", "--until", "rl")
+    laminar("run", *TINY_CURATED, "--until", "select", ws=ws)  # curation first, so the kill lands in RL
+    proc = popen(*args, ws=ws, stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
+    deadline = time.time() + 300
+    marker = None
+    while time.time() < deadline and marker is None:
+        found = sorted(ws.glob("state/rl-*/checkpoints/step-*/COMPLETE.json"))
+        marker = found[-1] if found else None
+        time.sleep(0.2)
+    assert marker is not None, "no checkpoint appeared"
+    pids = _trainer_pids()
+    assert pids, "no trainer actor process"
+    for pid in pids:
+        subprocess.run(["kill", "-9", str(pid)])
+    out, _ = proc.communicate(timeout=300)
+    assert proc.returncode != 0, "the run survived its trainer"
+    state = marker.parents[2]
+    assert state.exists() and list(state.glob("checkpoints/step-*/COMPLETE.json"))
+    laminar(*args, ws=ws)  # the rerun resumes
+    latest = max(summaries(ws).values(), key=lambda s: s["run_id"])
+    runtime = json.loads((rl_artifact(ws, latest) / "runtime.json").read_text())
+    assert runtime.get("resumed") == 1 and runtime["updates"] == 40
+    uids = runtime["trained_uids"]
+    assert len(uids) == len(set(uids)) == 40 * 4
+    assert not state.exists()
