@@ -51,7 +51,7 @@ def run_mode(mode: str, model_dir: Path, prompts, args, out: Path) -> dict:
 
     cfg = load_config([f"seed={args.seed}", *WORKLOAD, f"rl.algorithm={args.algorithm}"])
     rc = RuntimeConfig(mode=mode, rollouts=args.rollouts, capacity=args.capacity, chunk_steps=args.chunk_steps,
-                       max_staleness=None if mode == "laminar" and args.unbounded else cfg.rl.max_staleness,
+                       max_staleness=None if mode != "sync" and args.unbounded else cfg.rl.max_staleness,
                        repack_interval_s=cfg.rl.repack_interval_s, num_cpus=args.cpus,
                        trainer_cpus=cfg.cluster.trainer_cpus, rollout_cpus=cfg.cluster.rollout_cpus,
                        relay_cpus=cfg.cluster.relay_cpus)
@@ -89,7 +89,8 @@ def main() -> None:
     ap.add_argument("--group-size", type=int, default=8)
     ap.add_argument("--cpus", type=int, default=2)
     ap.add_argument("--algorithm", default="grpo")
-    ap.add_argument("--unbounded", action="store_true", help="laminar without a staleness bound (as the paper)")
+    ap.add_argument("--unbounded", action="store_true",
+                    help="asynchronous modes without a staleness bound (as the paper); default rl.max_staleness")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--workspace", type=Path, default=ROOT / "workspace-bench-throughput")
     ap.add_argument("--out", type=Path, default=None)

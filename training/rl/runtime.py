@@ -20,6 +20,7 @@ the last complete one with the same prompt order.
 from __future__ import annotations
 
 import logging
+import math
 import os
 import time
 from collections import Counter
@@ -136,9 +137,12 @@ class LaminarRuntime:
                       runtime_env={"env_vars": env}, namespace=self.rc.namespace)
             if self.rc.address:
                 ray.init(address=self.rc.address, **kw)
-            else:
-                ray.init(num_cpus=self.rc.num_cpus or os.cpu_count(), **kw)
+            else:  # Ray's CPUs are a scheduling resource: enough for every role, however many cores
+                ray.init(num_cpus=max(self.rc.num_cpus or os.cpu_count(), math.ceil(self._cpus_needed(1))), **kw)
         return ray
+
+    def _cpus_needed(self, nodes: int) -> float:
+        return self.rc.trainer_cpus + self.rc.rollouts * self.rc.rollout_cpus + nodes * self.rc.relay_cpus
 
     def _build(self, ray) -> None:
         from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
@@ -146,6 +150,13 @@ class LaminarRuntime:
         from training.rl.actors import RelayWorker, RolloutWorker, TrainerWorker
 
         nodes = sorted((n["NodeID"] for n in ray.nodes() if n.get("Alive")), key=lambda n: n)
+        have = ray.cluster_resources().get("CPU", 0.0)
+        if have + 1e-9 < self._cpus_needed(len(nodes)):
+            raise RuntimeError(
+                f"the Ray cluster has {have:g} CPUs but the RL roles need {self._cpus_needed(len(nodes)):g} "
+                f"(trainer {self.rc.trainer_cpus:g} + {self.rc.rollouts} rollouts x {self.rc.rollout_cpus:g} + "
+                f"{len(nodes)} relays x {self.rc.relay_cpus:g}): lower cluster.rollout_cpus / cluster.trainer_cpus "
+                "or add nodes; the actors would otherwise wait for resources forever")
         head = ray.get_runtime_context().get_node_id()
         self.nodes = [head] + [n for n in nodes if n != head]
         pin = lambda node: NodeAffinitySchedulingStrategy(node_id=node, soft=False)  # noqa: E731
