@@ -15,7 +15,8 @@ from evaluation.metrics import summarize
 __all__ = ["EvalGroup", "ReportData", "format_eval_table", "markdown_benchmark_table", "summarize_eval_rows",
            "write_report", "PLOTS"]
 
-PLOTS = {"benchmarks": "benchmark_accuracy.png", "rl": "rl_reward_length.png", "levels": "accuracy_by_level.png"}
+PLOTS = {"benchmarks": "benchmark_accuracy.png", "rl": "rl_reward_length.png", "levels": "accuracy_by_level.png",
+         "timeline": "rl_timeline.png"}
 ROLE_LABELS = {"base_model": "base", "warmup": "warm-up", "rft": "RFT", "rl": "RL", "external": "external"}
 _COLORS = {"base": "#9e9e9e", "warm-up": "#4c72b0", "RFT": "#8172b3", "RL": "#dd8452", "external": "#55a868"}
 
@@ -43,6 +44,8 @@ class ReportData:
     stages: list[dict] = field(default_factory=list)  # stage, status, seconds, headline, cache_key
     evals: list[EvalGroup] = field(default_factory=list)
     rl_metrics: dict[str, list[tuple[int, float]]] = field(default_factory=dict)
+    runtime: dict | None = None
+    """The Laminar runtime's ``runtime.json`` (asynchronous RL modes), with ``timeline`` its timeline."""
 
 
 def summarize_eval_rows(rows: Sequence[Mapping[str, Any]]) -> dict:
@@ -271,6 +274,17 @@ def render_markdown(data: ReportData) -> str:
     ]
     if subject_rows:
         parts += ["## Accuracy per subject", "", _md(["benchmark", "subject", *subject_labels], subject_rows), ""]
+    if data.runtime:
+        rt = data.runtime
+        occ = {name: r["mean_occupancy"] for name, r in rt.get("timeline_summary", {}).get("rollouts", {}).items()}
+        parts += ["## RL runtime", "",
+                  _md(["mode", "updates", "trained tokens/s", "staleness histogram", "repacks", "pulls",
+                       "rollout failures", "relay failures", "mean occupancy"],
+                      [[rt.get("mode"), rt.get("updates"), f"{rt.get('tokens_per_s', 0):.0f}",
+                        rt.get("staleness_histogram"), rt.get("repacks", 0), rt.get("pulls", 0),
+                        rt.get("rollout_failures", 0), rt.get("relay_failures", 0),
+                        ", ".join(f"{k} {v:.2f}" for k, v in occ.items())]]), "",
+                  f"![rollout timeline]({PLOTS['timeline']})", ""]
     return "\n".join(parts)
 
 
@@ -281,6 +295,11 @@ def write_report(data: ReportData, out_dir: Path) -> Path:
     plot_benchmarks(data.evals, out_dir / PLOTS["benchmarks"])
     plot_rl(data.rl_metrics, out_dir / PLOTS["rl"])
     plot_levels(data.evals, out_dir / PLOTS["levels"])
+    if data.runtime and data.runtime.get("timeline"):
+        from evaluation.timeline import plot_timeline
+
+        plot_timeline(data.runtime["timeline"], out_dir / PLOTS["timeline"],
+                      title=f"rl.mode={data.runtime.get('mode')}: one row per rollout")
     path = out_dir / "report.md"
     tmp = path.with_name(".report.md.tmp")
     tmp.write_text(render_markdown(data))

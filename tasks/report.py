@@ -82,6 +82,12 @@ def gather(ws: Workspace, run_id: str):
                            "ORDER BY step", [rl["cache_key"]]):
             series[m["name"]].append((int(m["step"]), float(m["value"])))
         data.rl_metrics = dict(series)
+        art = json.loads(rl["outputs_json"] or "{}").get(MODEL)
+        runtime = Path(art["path"]) / "runtime.json" if art else None
+        if runtime is not None and runtime.exists():
+            data.runtime = json.loads(runtime.read_text())
+            data.runtime["timeline_summary"] = data.runtime.pop("timeline", {})
+            data.runtime["timeline"] = json.loads((runtime.parent / "timeline.json").read_text())
     return data
 
 

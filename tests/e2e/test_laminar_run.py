@@ -34,6 +34,10 @@ def test_laminar_mode_runs_in_the_pipeline(tmp_path):
     assert not list((ws / "state").glob("rl-*"))  # the finished stage's resumable state is gone
     history = [json.loads(line) for line in (art / "history.jsonl").read_text().splitlines()]
     assert len(history) == 4 and all("staleness_mean" in m for m in history)
+    laminar("report", summary["run_id"], ws=ws)  # the run report shows the runtime and its timeline
+    report = ws / "runs" / summary["run_id"] / "report"
+    assert "## RL runtime" in (report / "report.md").read_text()
+    assert (report / "rl_timeline.png").stat().st_size > 1000
 
 
 def _trainer_pids() -> list[int]:

@@ -182,14 +182,18 @@ class TrainerWorker:
 
     def publish(self) -> float:
         """Put the current weights into the object store once and hand the ref to the master relay
-        without waiting for it: the stall is the device-to-host copy plus one ``ray.put``."""
+        without waiting for it: the stall is the device-to-host copy plus one ``ray.put``.
+        ``self.last_publish_cpu_s`` is the same stall in this thread's CPU time (what the trainer
+        itself spends, without the waits a crowded machine adds)."""
         import ray
 
+        c0 = time.thread_time()
         t0 = time.perf_counter()
         state = {k: v.detach().to("cpu").numpy().copy() for k, v in self.trainer.model.state_dict().items()}
         self._last_box = [ray.put(state)]
         if self.master is not None:
             self.master.push.remote(self.trainer.version, self._last_box)
+        self.last_publish_cpu_s = time.thread_time() - c0
         return time.perf_counter() - t0
 
     def republish(self) -> int:
@@ -202,7 +206,7 @@ class TrainerWorker:
         stats = self.trainer.update(groups)
         train_s = time.perf_counter() - t0
         stall = self.publish()
-        return {"stats": stats, "train_s": train_s, "publish_stall_s": stall}
+        return {"stats": stats, "train_s": train_s, "publish_stall_s": stall, "publish_cpu_s": self.last_publish_cpu_s}
 
     def state(self) -> dict[str, np.ndarray]:
         return {k: v.detach().to("cpu").numpy().copy() for k, v in self.trainer.model.state_dict().items()}

@@ -628,6 +628,7 @@ class LaminarRuntime:
             "staleness_mean": sum(st) / max(1, len(st)), "staleness_max": float(max(st) if st else 0),
             "occupancy": sum(window.occupancy) / max(1, len(window.occupancy)),
             "repacks": float(getattr(self, "_window_repacks", 0)), "publish_stall_s": out["publish_stall_s"],
+            "publish_cpu_s": out.get("publish_cpu_s", float("nan")),
             "gen_tokens_per_s": window.generated_tokens / max(wall, 1e-9), "wall_seconds": time.perf_counter() - self.t0,
         })
         m.update(self.source.step_counts())
@@ -717,6 +718,7 @@ class LaminarRuntime:
             "duplicates_ignored": self.buffer.stats.duplicates, "stale_dropped": self.buffer.stats.stale_dropped,
             **{k: v for k, v in self.counts.items() if k != "idle_spins"},
             "publish_stall_s": [m.get("publish_stall_s", 0.0) for m in hist],
+            "publish_cpu_s": [m.get("publish_cpu_s", 0.0) for m in hist],
             "rollouts": self.rc.rollouts, "relays": list(self.chain.order),
             "relay_nodes": {n: self.chain.node_of[n] for n in self.chain.order},
             "rollout_relays": {r.name: r.relay for r in self.rollouts.values()},

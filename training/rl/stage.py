@@ -25,7 +25,7 @@ from training.setup import read_table
 
 LOG = logging.getLogger("laminar.training")
 TIMING_KEYS = ("gen_seconds", "train_seconds", "gen_tokens_per_s", "eval_seconds", "tokens_per_s", "occupancy",
-               "publish_stall_s", "wall_seconds", "repacks")
+               "publish_stall_s", "publish_cpu_s", "wall_seconds", "repacks")
 
 
 OVERRIDABLE = ("advantage", "loss_agg", "behaviour_weight", "is_cap", "clip_low", "clip_high", "dual_clip",
