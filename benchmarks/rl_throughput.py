@@ -42,7 +42,7 @@ def percentile(xs: list[int], q: float) -> float:
     return float(xs[min(len(xs) - 1, int(q * len(xs)))]) if xs else float("nan")
 
 
-def run_mode(mode: str, model_dir: Path, prompts, args, out: Path) -> dict:
+def run_mode(mode: str, model_dir: Path, prompts, args, out: Path, tag: str = "") -> dict:
     from conf.loader import load_config
     from evaluation.timeline import plot_timeline, summarize_timeline
     from evaluation.verifier import Verifier
@@ -67,8 +67,8 @@ def run_mode(mode: str, model_dir: Path, prompts, args, out: Path) -> dict:
     s = rt.summary
     tl = summarize_timeline(rt.timeline)
     occ = [r["mean_occupancy"] for r in tl["rollouts"].values()]
-    plot_timeline(rt.timeline, out / f"timeline_{mode}.png", title=f"rl.mode={mode}: one row per rollout")
-    (out / f"timeline_{mode}.json").write_text(json.dumps(rt.timeline))
+    plot_timeline(rt.timeline, out / f"timeline_{mode}{tag}.png", title=f"rl.mode={mode}: one row per rollout")
+    (out / f"timeline_{mode}{tag}.json").write_text(json.dumps(rt.timeline))
     stalls = s["publish_stall_s"]
     return {"mode": mode, "tokens_per_s": s["tokens_per_s"], "wall_s": s["wall_seconds"], "with_startup_s": total,
             "trained_tokens": s["trained_tokens"], "updates": s["updates"],
@@ -129,7 +129,8 @@ def main() -> None:
     stalls = []
     for n in args.stall_rollouts:
         print(f"publish stall with {n} rollouts ...", flush=True)
-        r = run_mode("laminar", model_dir, prompts, argparse.Namespace(**{**vars(args), "rollouts": n}), out)
+        r = run_mode("laminar", model_dir, prompts, argparse.Namespace(**{**vars(args), "rollouts": n}), out,
+                     tag=f"_rollouts{n}")
         stalls.append({"rollouts": n, **r})
     if stalls:
         lo = min(r["publish_stall_ms"] for r in stalls)

@@ -93,6 +93,7 @@ def test_laminar_mode_trains_whole_groups_and_draws_a_timeline(local_ray, model_
     assert plot_timeline(rt.timeline, tmp_path / "t.png").stat().st_size > 1000
 
 
+@pytest.mark.slow
 def test_sync_has_no_staleness_and_one_step_at_most_one(local_ray, model_dir, prompts):
     rt = make_runtime(model_dir, prompts, "sync", steps=3)
     result = rt.run()
@@ -105,6 +106,7 @@ def test_sync_has_no_staleness_and_one_step_at_most_one(local_ray, model_dir, pr
     assert "1" in rt.summary["staleness_histogram"]  # it really ran a step ahead
 
 
+@pytest.mark.slow
 def test_partial_mode_interrupts_and_continues_under_new_weights(local_ray, model_dir, prompts):
     rt = make_runtime(model_dir, prompts, "partial", steps=5)
     result = rt.run()
