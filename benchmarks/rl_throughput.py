@@ -27,6 +27,12 @@ WORKLOAD = ["data.levels=[2,3,4,2,3,4,2,3,4,8]", "data.pool_size=1500", "data.he
             "sft.levels=[2,3,4,8]", "model.max_seq_len=448", "rl.max_new_tokens=320", "eval.max_new_tokens=320"]
 
 
+# --small-model: a cheaper model whose decode step stays flatter in the batch on this CPU, nearer the
+# regime of GPU decoding (memory-bound up to large batches) that Laminar targets
+SMALL_MODEL = ["model.hidden_size=64", "model.intermediate_size=192", "model.num_layers=2", "model.num_heads=2",
+               "model.num_kv_heads=1"]
+
+
 def warmup(ws: Path, seed: int) -> tuple[Path, Path]:
     from benchmarks.objectives import run
 
@@ -98,7 +104,11 @@ def main() -> None:
     ap.add_argument("--json-out", type=Path)
     ap.add_argument("--stall-rollouts", type=int, nargs="*", default=[],
                     help="also run laminar with each of these rollout counts and compare the publish stall")
+    ap.add_argument("--small-model", action="store_true",
+                    help="the smaller model (hidden 64, 2 layers): decode cost flat in the batch, as on a GPU")
     args = ap.parse_args()
+    if args.small_model:
+        WORKLOAD.extend(SMALL_MODEL)
     out = args.out or args.workspace / "throughput"
     out.mkdir(parents=True, exist_ok=True)
     model_dir, data_dir = warmup(args.workspace, args.seed)

@@ -239,6 +239,9 @@ class ClusterConfig:
     rollout_cpus: float = 0.5
     relay_cpus: float = 0.05
     actor_threads: int = 1
+    """torch threads per rollout (and per trainer, unless ``trainer_threads`` is set)."""
+    trainer_threads: int = 0
+    """torch threads of the trainer; 0 = ``actor_threads``."""
     trainer_node: int = 0
     max_restarts: int = 3
 

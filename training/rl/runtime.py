@@ -58,6 +58,7 @@ class RuntimeConfig:
     rollout_cpus: float = 0.5
     relay_cpus: float = 0.05
     actor_threads: int = 1
+    trainer_threads: int = 1
     keep_versions: int = 2
     max_restarts: int = 3
     trainer_node: int = 0
@@ -184,7 +185,7 @@ class LaminarRuntime:
         self.timeline["rollouts"] = list(self.rollouts)
         Trainer = ray.remote(num_cpus=self.rc.trainer_cpus)(TrainerWorker)
         self.trainer = Trainer.options(scheduling_strategy=pin(self.nodes[self.rc.trainer_node % len(self.nodes)])).remote(
-            str(self.model_dir), self.params, device=self.device, seed=self.seed, threads=self.rc.actor_threads,
+            str(self.model_dir), self.params, device=self.device, seed=self.seed, threads=self.rc.trainer_threads,
             **self.train_kw)
         ray.get(self.trainer.set_master.remote(self.relays[self.chain.master]))
         for r in self.rollouts.values():

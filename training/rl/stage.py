@@ -66,7 +66,8 @@ def runtime_config(cfg: RLConfig, cluster: ClusterConfig | None, state_dir: Path
         checkpoint_every=cfg.checkpoint_every if state_dir is not None else 0,
         checkpoint_dir=Path(state_dir) / "checkpoints" if state_dir is not None else None,
         address=c.address, num_cpus=c.num_cpus, trainer_cpus=c.trainer_cpus, rollout_cpus=c.rollout_cpus,
-        relay_cpus=c.relay_cpus, actor_threads=c.actor_threads, trainer_node=c.trainer_node,
+        relay_cpus=c.relay_cpus, actor_threads=c.actor_threads, trainer_threads=c.trainer_threads or c.actor_threads,
+        trainer_node=c.trainer_node,
         max_restarts=c.max_restarts)
 
 
