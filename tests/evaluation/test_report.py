@@ -37,6 +37,7 @@ def test_tables_and_plots(tmp_path):
                       evals, {"reward": [(1, 0.1), (2, 0.3)], "response_length": [(1, 20.0), (2, 18.0)]})
     path = write_report(data, tmp_path / "report")
     assert path.read_text().startswith("# Laminar run run-1")
-    for name in PLOTS.values():
+    assert not (tmp_path / "report" / PLOTS["timeline"]).exists()  # only a Ray-runtime RL run has a timeline
+    for name in (PLOTS[k] for k in PLOTS if k != "timeline"):
         png = (tmp_path / "report" / name).read_bytes()
         assert png[:4] == b"\x89PNG" and len(png) > 5000
