@@ -76,6 +76,7 @@ def check_whole_groups_once(rt, result, group_size=4):
     assert sum(result.consumed.values()) == group_size * len(uids)
 
 
+@pytest.mark.slow  # make test keeps tests/e2e/test_laminar_run.py (the same runtime through the pipeline)
 def test_laminar_mode_trains_whole_groups_and_draws_a_timeline(local_ray, model_dir, prompts, tmp_path):
     rt = make_runtime(model_dir, prompts, "laminar", steps=6)
     result = rt.run()
