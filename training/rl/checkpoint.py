@@ -29,6 +29,8 @@ import shutil
 from pathlib import Path
 from typing import Any, Callable
 
+from core.artifacts import hash_file
+
 __all__ = [
     "MARKER", "write_checkpoint", "latest_checkpoint", "list_checkpoints", "checkpoint_step", "is_complete",
     "save_trainer_state", "load_trainer_state", "save_json", "load_json",
@@ -63,14 +65,6 @@ def _hash_and_fsync(path: Path) -> str:
         for chunk in iter(lambda: f.read(1 << 20), b""):
             h.update(chunk)
         os.fsync(f.fileno())
-    return h.hexdigest()
-
-
-def _sha256(path: Path) -> str:
-    h = hashlib.sha256()
-    with open(path, "rb") as f:
-        for chunk in iter(lambda: f.read(1 << 20), b""):
-            h.update(chunk)
     return h.hexdigest()
 
 
@@ -153,7 +147,7 @@ def is_complete(path: Path, *, verify: bool = True) -> bool:
     for name, digest in marker["files"].items():
         f = path / name
         try:
-            if not f.is_file() or _sha256(f) != digest:
+            if not f.is_file() or hash_file(f) != digest:
                 return False
         except OSError:
             return False

@@ -87,7 +87,6 @@ class _Rollout:
     awaiting: int = 0
     """Repacks on their way to this rollout (it must not pull a new version before they land)."""
     pid: int = 0
-    dead_since: float = 0.0
     last_sent: list = field(default_factory=list)
 
 
@@ -261,7 +260,6 @@ class LaminarRuntime:
                 if groups:
                     trainer_groups = groups
                     trainer_future = self.trainer.train.remote([g for _, g in groups])
-                    window.train_started = now
             # ---- batched modes open the next batch
             if self.mode.batched:
                 self._maybe_open_batch()
@@ -471,15 +469,13 @@ class LaminarRuntime:
                         self._event(r, "pull", pulled["version"])
                         self.counts["pulls"] += 1
                 else:
-                    self.counts["pull_failures"] += 1
-                    self._relay_suspect(r.relay)
+                    self.counts["pull_failures"] += 1  # the periodic relay check finds a dead one
             for t in out["finished"]:
                 r.assigned.pop((t.group_uid, t.sample_idx), None)
                 self.buffer.add(t)
                 window.generated_tokens += len(t.response_tokens)
                 window.generated += 1
             self._record_completed()
-            window.busy_s += out["busy_s"]
         r.prev_active = r.active
         r.version, r.active, r.queued = status["version"], status["active"], status["queued"]
         occ = status["active"] / max(1, status["capacity"])
@@ -522,7 +518,6 @@ class LaminarRuntime:
                 other.extract_to = None
         r.alive = False
         self._requeue(lost)
-        r.dead_since = time.perf_counter()
         r.active = r.queued = r.prev_active = 0
         r.version = -1
         self.counts["rollout_failures"] += 1
@@ -543,9 +538,6 @@ class LaminarRuntime:
             LOG.warning("%s is back (pid %d)", r.name, r.pid)
 
     # ------------------------------------------------------------------------------------------ relays
-    def _relay_suspect(self, name: str) -> None:
-        self._suspects = getattr(self, "_suspects", set()) | {name}
-
     def _check_relays(self, ray) -> None:
         dead = []
         for name in list(self.chain.order):
@@ -555,7 +547,6 @@ class LaminarRuntime:
                 dead.append(name)
         for name in dead:
             self._rebuild_relay(ray, name)
-        self._suspects = set()
 
     def _rebuild_relay(self, ray, name: str) -> None:
         """Cut a dead relay out of the chain (its node's rollouts bypass to a live relay), start a new
@@ -737,10 +728,8 @@ class _Window:
     occupancy: list = field(default_factory=list)
     generated: int = 0
     generated_tokens: int = 0
-    busy_s: float = 0.0
     filtered_before: int = 0
-    train_started: float = 0.0
 
     def reset(self, filtered: int) -> None:
-        self.occupancy, self.generated, self.generated_tokens, self.busy_s = [], 0, 0, 0.0
+        self.occupancy, self.generated, self.generated_tokens = [], 0, 0
         self.filtered_before = filtered
