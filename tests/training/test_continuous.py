@@ -270,3 +270,51 @@ def test_load_state_with_active_sequences_continues_them_under_new_weights(tok):
     for t in after:
         assert cont[_key(t)].response_tokens == t.response_tokens
 
+
+
+def test_lazy_retirement_gives_the_same_trajectories(tok):
+    """The GPU decode loop (finished rows masked on the device, leaving only every ``sync_every``
+    steps) samples exactly what the step-by-step loop samples."""
+    model = _model(tok)
+    reqs = _requests(tok, 8, 2)
+    eager = ContinuousEngine(model, tok, capacity=4, max_new_tokens=MAX_NEW)
+    assert eager.sync_every == 1  # the CPU default
+    a = {_key(t): t for t in _staggered(eager, [reqs[:5], reqs[5:]])}
+    lazy = ContinuousEngine(model, tok, capacity=4, max_new_tokens=MAX_NEW, sync_every=5)
+    b = {_key(t): t for t in _staggered(lazy, [reqs[:5], reqs[5:]])}
+    assert a.keys() == b.keys() and len(a) == len(reqs)
+    for k in a:
+        assert a[k].response_tokens == b[k].response_tokens and a[k].finished == b[k].finished
+        np.testing.assert_allclose(a[k].behaviour_logprobs, b[k].behaviour_logprobs, atol=1e-5)
+        assert a[k].mean_entropy == pytest.approx(b[k].mean_entropy, abs=1e-5)
+        assert (a[k].version, a[k].last_version) == (b[k].version, b[k].last_version)
+        _check_trajectory(b[k], tok)
+    assert lazy.status()["active"] == 0 and lazy.status()["kv_tokens"] == 0
+
+
+def test_extract_only_some_requests_keeps_the_others_running(tok):
+    from training.rl.continuous import request_key
+
+    model = _model(tok)
+    reqs = _requests(tok, 4, 1)
+    ref = ContinuousEngine(model, tok, capacity=4, max_new_tokens=MAX_NEW)
+    ref.submit(reqs)
+    expected = {_key(t): t for t in _drain(ref)}
+    engine = ContinuousEngine(model, tok, capacity=3, max_new_tokens=MAX_NEW)
+    engine.submit(reqs)
+    done = engine.step(2)
+    running = [r.request for r in engine._rows]
+    assert len(running) >= 2, "the test needs two running rows"
+    pick = {request_key(running[0]), request_key(reqs[3])}  # one running, one queued
+    partials, queued = engine.extract(only=pick)
+    assert [request_key(p.request) for p in partials] == [request_key(running[0])]
+    assert [request_key(r) for r in queued] == [request_key(reqs[3])]
+    assert engine.status()["active"] == len(running) - 1 and engine.status()["queued"] == 0
+    rest = _drain(engine)
+    other = ContinuousEngine(model, tok, capacity=3, max_new_tokens=MAX_NEW)
+    other.inject(partials)
+    other.submit(queued)
+    got = {_key(t): t for t in done + rest + _drain(other)}
+    assert got.keys() == expected.keys()
+    for k, t in expected.items():
+        assert got[k].response_tokens == t.response_tokens

@@ -25,6 +25,15 @@ vectorised in torch int64 ops) instead of a generator's stream. A request theref
 tokens whether it runs alone, in a full batch, or is extracted midway and continued on another engine
 with the same weights; only float noise in the logits from a different batch shape could flip a
 near-tie (see ``tests/training/test_continuous.py``).
+
+**GPU path.** On CUDA the model runs in bfloat16 (``dtype="auto"``; sampling stays in float32/float64)
+and the decode loop does not synchronise with the host every step: a row that samples EOS or reaches
+the cap is marked finished on the device (its later samples are discarded by masked updates, so its
+tokens, log-probs, entropy and version stay exactly what they were when it finished), and finished rows
+leave the batch, and queued requests take their slots, only every ``sync_every`` decode steps (8 on
+CUDA) and at the end of every ``step`` call. On the CPU ``sync_every`` is 1: rows leave after every
+step, bit-for-bit the behaviour without lazy retirement. Trajectories do not depend on ``sync_every``
+(``tests/training/test_continuous.py`` checks it on the CPU).
 """
 
 from __future__ import annotations
@@ -72,6 +81,11 @@ def _mix(z: torch.Tensor) -> torch.Tensor:
     return z ^ _srl(z, 31)
 
 
+def request_key(request: GenRequest) -> tuple[str, int, int]:
+    """What identifies a request within a run: (prompt id, group_uid, sample_idx)."""
+    return (request.prompt.prompt_id, int(request.group_uid), int(request.sample_idx))
+
+
 def row_key(seed: int, request: GenRequest) -> int:
     """The noise key of one request: (seed, prompt id, group_uid, sample_idx) hashed to 64 bits. The
     prompt id is hashed with blake2b (stable across processes, unlike ``hash``) so that two prompts
@@ -92,6 +106,17 @@ def gumbel_uniforms(keys: torch.Tensor, t: torch.Tensor, vocab: torch.Tensor) ->
     return (_srl(h, 11).double() + 0.5) * (1.0 / (1 << 53))          # 53 random bits, never 0 or 1
 
 
+def _resolve_dtype(dtype: str, cuda: bool):
+    """The dtype to cast the model to, or None to leave it as loaded. ``auto``: bfloat16 on a CUDA
+    device that supports it, unchanged elsewhere (the CPU path keeps the checkpoint's float32)."""
+    if dtype == "auto":
+        return torch.bfloat16 if cuda and torch.cuda.is_bf16_supported() else None
+    table = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+    if dtype not in table:
+        raise ValueError(f"dtype must be auto, float32, bfloat16 or float16, got {dtype!r}")
+    return table[dtype]
+
+
 @dataclass
 class _Row:
     request: GenRequest
@@ -109,12 +134,18 @@ class ContinuousEngine:
     """
 
     def __init__(self, model, tokenizer, *, device: str = "cpu", capacity: int = 64, max_new_tokens: int = 64,
-                 temperature: float = 1.0, seed: int = 0):
+                 temperature: float = 1.0, seed: int = 0, dtype: str = "auto", sync_every: int = 0):
         if capacity < 1 or max_new_tokens < 1:
             raise ValueError("capacity and max_new_tokens must be >= 1")
         if not temperature > 0:
             raise ValueError(f"temperature must be > 0, got {temperature}")
-        self.model = model.to(device).eval()
+        if sync_every < 0:
+            raise ValueError(f"sync_every must be >= 0 (0: automatic), got {sync_every}")
+        cuda = torch.device(device).type == "cuda"
+        model_dtype = _resolve_dtype(dtype, cuda)
+        self.model = (model.to(device) if model_dtype is None else model.to(device=device, dtype=model_dtype)).eval()
+        self.sync_every = int(sync_every) if sync_every else (8 if cuda else 1)
+        """Decode steps between host synchronisations (finished rows leave, queued ones join)."""
         self.tokenizer = tokenizer
         self.device = device
         self.capacity = capacity
@@ -172,33 +203,58 @@ class ContinuousEngine:
         out: list[Trajectory] = []
         with torch.inference_mode():
             self._admit(out)
-            for _ in range(max_steps):
+            for i in range(max_steps):
                 if not self._rows:
                     break
-                self._decode(out)
-                self._admit(out)
+                self._decode()
+                if (i + 1) % self.sync_every == 0 or i == max_steps - 1:
+                    self._retire_finished(out)
+                    self._admit(out)
         return out
 
-    def extract(self, include_queued: bool = True) -> tuple[list[Partial], list[GenRequest]]:
+    def extract(self, include_queued: bool = True, only=None) -> tuple[list[Partial], list[GenRequest]]:
         """Remove every active sequence (as a ``Partial`` with its tokens so far) and, when
         ``include_queued``, every queued partial and request. Returns (partials, requests), the queued
         partials (first in line) ahead of the active rows; an active row's tokens include the pending
-        one, so the receiver re-prefills them all and samples the next token."""
+        one, so the receiver re-prefills them all and samples the next token.
+
+        ``only``: a set of ``request_key``s; then just those requests leave (the others keep running,
+        their cache untouched)."""
         partials: list[Partial] = []
         requests: list[GenRequest] = []
+
+        def chosen(r: GenRequest) -> bool:
+            return only is None or request_key(r) in only
+
         if include_queued:
-            partials.extend(self._partials)
-            requests.extend(self._queue)
-            self._partials.clear()
-            self._queue.clear()
+            partials.extend(p for p in self._partials if chosen(p.request))
+            requests.extend(r for r in self._queue if chosen(r))
+            if only is None:
+                self._partials.clear()
+                self._queue.clear()
+            else:
+                self._partials = deque(p for p in self._partials if not chosen(p.request))
+                self._queue = deque(r for r in self._queue if not chosen(r))
         if self._rows:
-            toks, lps, ngen, ent = (x.cpu() for x in (self._toks, self._lps, self._ngen, self._ent))
-            for i, row in enumerate(self._rows):
-                n = int(ngen[i])
-                partials.append(Partial(request=row.request, tokens=tuple(toks[i, :n].tolist()),
-                                        logprobs=tuple(lps[i, :n].tolist()), version=row.version,
-                                        entropy_sum=float(ent[i])))
-        self._reset_batch()
+            take = [i for i, row in enumerate(self._rows) if chosen(row.request)]
+            if take:
+                toks, lps, ngen, ent = (x.cpu() for x in (self._toks, self._lps, self._ngen, self._ent))
+                for i in take:
+                    row = self._rows[i]
+                    n = int(ngen[i])
+                    partials.append(Partial(request=row.request, tokens=tuple(toks[i, :n].tolist()),
+                                            logprobs=tuple(lps[i, :n].tolist()), version=row.version,
+                                            entropy_sum=float(ent[i])))
+            if len(take) == len(self._rows):
+                self._reset_batch()
+            elif take:
+                gone = set(take)
+                keep = torch.tensor([i for i in range(len(self._rows)) if i not in gone], dtype=torch.long,
+                                    device=self.device)
+                self._rows = [r for i, r in enumerate(self._rows) if i not in gone]
+                self._select(keep)
+        elif only is None:
+            self._reset_batch()
         return partials, requests
 
     def status(self) -> dict:
@@ -344,28 +400,46 @@ class ContinuousEngine:
         self._keys = torch.cat([self._keys, st["keys"]])
         self._lastv = torch.cat([self._lastv, st["lastv"]])
 
-    def _decode(self, out: list[Trajectory]) -> None:
-        """One decode step for every active row: feed the pending tokens, sample the next ones."""
+    def _finished_mask(self) -> torch.Tensor:
+        """[B] bool, on the device: the row's last sample was EOS or it reached ``max_new_tokens``."""
+        last = self._toks.gather(1, (self._ngen - 1)[:, None]).squeeze(1)
+        return (last == self.eos_id) | (self._ngen >= self.max_new_tokens)
+
+    def _decode(self) -> None:
+        """One decode step for every row in the batch: feed the pending tokens, sample the next ones.
+
+        With ``sync_every == 1`` every row is live here (finished rows left after the previous step).
+        Otherwise rows that finished since the last synchronisation are still in the batch: their
+        samples are discarded by masked updates computed on the device, without a host sync."""
         b = len(self._rows)
         attn = torch.cat([self._attn, torch.ones((b, 1), dtype=torch.long, device=self.device)], dim=1)
         logits = self.model(input_ids=self._next[:, None], attention_mask=attn, position_ids=self._pos[:, None],
                             past_key_values=self._cache, use_cache=True).logits[:, -1, :]
         self._attn = attn
         nxt, lp, ent = self._sample(logits, self._keys, self._ngen)
-        idx = self._ngen[:, None]
-        self._toks.scatter_(1, idx, nxt[:, None])
-        self._lps.scatter_(1, idx, lp[:, None])
-        self._ngen += 1
-        self._ent += ent
+        if self.sync_every == 1:
+            idx = self._ngen[:, None]
+            self._toks.scatter_(1, idx, nxt[:, None])
+            self._lps.scatter_(1, idx, lp[:, None])
+            self._ngen += 1
+            self._ent += ent
+            self._lastv.fill_(self.version)
+        else:
+            live = ~self._finished_mask()
+            idx = self._ngen.clamp(max=self.max_new_tokens - 1)[:, None]
+            self._toks.scatter_(1, idx, torch.where(live, nxt, self._toks.gather(1, idx).squeeze(1))[:, None])
+            self._lps.scatter_(1, idx, torch.where(live, lp, self._lps.gather(1, idx).squeeze(1))[:, None])
+            self._ngen += live.long()
+            self._ent += torch.where(live, ent, torch.zeros_like(ent))
+            self._lastv = torch.where(live, torch.full_like(self._lastv, self.version), self._lastv)
         self._pos += 1
         self._next = nxt
-        self._lastv.fill_(self.version)
-        self._retire_finished(out)
 
     def _retire_finished(self, out: list[Trajectory]) -> None:
         """Rows whose last sample was EOS or reached ``max_new_tokens`` leave the batch now."""
-        last = self._toks.gather(1, (self._ngen - 1)[:, None]).squeeze(1)
-        fin = (last == self.eos_id) | (self._ngen >= self.max_new_tokens)
+        if not self._rows:
+            return
+        fin = self._finished_mask()
         if not bool(fin.any()):
             return
         fin_idx = fin.nonzero().squeeze(1).cpu().tolist()
