@@ -1,0 +1,602 @@
+"""The rollout protocol: what the runtime asks of a generation engine, in process or across a pipe.
+
+Every rollout engine (the built-in ``ContinuousEngine``, vLLM in its own Python environment) speaks
+``RolloutEngine``:
+
+- ``submit(requests, sampling=None)``: queue prompts (token ids, request ids = (prompt id, group_uid,
+  sample_idx), optional ``SamplingSpec``);
+- ``step(max_steps)``: decode; returns the ``Trajectory``s that finished, each tagged with the weight
+  version that sampled it and carrying its behaviour log-probs (one per response token);
+- ``abort(request_ids=None, include_queued=True)``: take in-flight sequences out as ``Partial``s
+  (tokens so far, their log-probs, version) plus still-queued requests, for repack;
+- ``inject(partials)``: continue handed-over partials (first in line, admitted even when not
+  ``admitting``);
+- ``load_weights(version, state=None, path=None)``: new weights, as named arrays or a safetensors
+  file; the version moves with them;
+- ``status()``: ``version``, ``active``, ``queued``, ``capacity``, ``kv_tokens``, ``admitting``.
+
+``ContinuousEngine``'s own names (``extract``, ``load_state``) are kept as aliases so the runtime can
+drive any engine through one surface.
+
+**Wire format** (``EngineProcess`` <-> ``serve``): frames on the worker's stdin/stdout, each a 4-byte
+big-endian length then one msgpack map. A call is ``{"id": n, "op": name, ...fields}``; the reply is
+``{"id": n, "ok": true, "result": ...}`` or ``{"id": n, "ok": false, "error": {"type", "message"}}``.
+A bad message (undecodable, not a map, unknown op, missing or mistyped field) gets an error reply and
+the worker keeps serving. Weights never travel inline: the client writes one safetensors file (in
+``/dev/shm`` when it exists) and sends its path; nothing is pickled. Ops: ``hello``, ``submit``,
+``inject``, ``step``, ``abort``, ``load_weights``, ``configure`` (``admitting``, ``version``),
+``status``, ``shutdown``.
+
+This module imports neither torch nor Ray nor Prefect (only the standard library, numpy, msgpack and
+the plain records), so vLLM's environment can import it; safetensors is imported when weights move.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+import struct
+import subprocess
+import sys
+import tempfile
+import threading
+from collections import deque
+from dataclasses import dataclass
+from pathlib import Path
+from typing import IO, Any, Iterable, Mapping, Protocol, Sequence, runtime_checkable
+
+import msgpack
+import numpy as np
+
+from training.rl.records import GenRequest, Partial, PromptItem, Trajectory
+
+PROTOCOL_VERSION = 1
+MAX_FRAME = 1 << 30
+REPO_ROOT = Path(__file__).resolve().parents[2]
+
+
+class ProtocolError(RuntimeError):
+    """A malformed message, an unsupported request, or an engine-side failure reported over the
+    protocol (``remote_type`` names the exception raised on the other side)."""
+
+    def __init__(self, message: str, remote_type: str = "ProtocolError"):
+        super().__init__(message)
+        self.remote_type = remote_type
+
+
+@dataclass(frozen=True)
+class SamplingSpec:
+    """How to sample: the temperature the behaviour log-probs refer to, the response length cap and
+    the seed of the sampler's noise."""
+
+    temperature: float = 1.0
+    max_new_tokens: int = 64
+    seed: int = 0
+
+
+RequestId = tuple  # (prompt_id: str, group_uid: int, sample_idx: int)
+
+
+def request_id(req: GenRequest) -> RequestId:
+    return (req.prompt.prompt_id, int(req.group_uid), int(req.sample_idx))
+
+
+@runtime_checkable
+class RolloutEngine(Protocol):
+    """The engine surface the runtime drives (see the module docstring)."""
+
+    version: int
+    admitting: bool
+    capacity: int
+
+    def submit(self, requests: Sequence[GenRequest], sampling: SamplingSpec | None = None) -> None: ...
+
+    def inject(self, partials: Sequence[Partial]) -> None: ...
+
+    def step(self, max_steps: int) -> list[Trajectory]: ...
+
+    def abort(self, request_ids: Iterable[RequestId] | None = None,
+              include_queued: bool = True) -> tuple[list[Partial], list[GenRequest]]: ...
+
+    def load_weights(self, version: int, state: Mapping[str, np.ndarray] | None = None,
+                     path: str | None = None) -> None: ...
+
+    def status(self) -> dict: ...
+
+    def close(self) -> None: ...
+
+
+class EngineBase:
+    """Shared conveniences for ``RolloutEngine`` implementations: the ``ContinuousEngine`` aliases
+    and the sampling check."""
+
+    sampling: SamplingSpec
+
+    def extract(self, include_queued: bool = True) -> tuple[list[Partial], list[GenRequest]]:
+        return self.abort(None, include_queued)
+
+    def load_state(self, state: Mapping[str, np.ndarray], version: int) -> None:
+        self.load_weights(version, state=state)
+
+    def check_sampling(self, sampling: SamplingSpec | None) -> None:
+        """Engines sample at the temperature, cap and seed they were built with (the behaviour
+        log-probs and the batch-independent noise depend on them): a different spec is an error."""
+        if sampling is not None and sampling != self.sampling:
+            raise ProtocolError(f"this engine samples with {self.sampling}, got {sampling}: start an engine "
+                                "with those sampling settings instead")
+
+    def close(self) -> None:
+        pass
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        self.close()
+
+
+def load_safetensors(path: str) -> dict[str, np.ndarray]:
+    from safetensors.numpy import load_file
+
+    return load_file(path)
+
+
+def weights_dir() -> str:
+    """Where weight files for a worker go: shared memory when the OS has it."""
+    return "/dev/shm" if os.path.isdir("/dev/shm") and os.access("/dev/shm", os.W_OK) else tempfile.gettempdir()
+
+
+def write_weights(state: Mapping[str, np.ndarray], directory: str | None = None) -> str:
+    """One safetensors file holding ``state``; returns its path (the caller deletes it)."""
+    from safetensors.numpy import save_file
+
+    fd, path = tempfile.mkstemp(prefix="laminar-weights-", suffix=".safetensors", dir=directory or weights_dir())
+    os.close(fd)
+    save_file({k: np.ascontiguousarray(v) for k, v in state.items()}, path)
+    return path
+
+
+# --------------------------------------------------------------------------------------- encoding
+
+def _req_to_wire(r: GenRequest) -> dict:
+    return {"prompt_id": r.prompt.prompt_id, "prompt_tokens": list(r.prompt.prompt_tokens),
+            "sample_idx": int(r.sample_idx), "group_uid": int(r.group_uid)}
+
+
+def _field(d: Mapping, name: str, kinds, what: str):
+    if not isinstance(d, Mapping):
+        raise ProtocolError(f"{what}: expected a map, got {type(d).__name__}")
+    if name not in d:
+        raise ProtocolError(f"{what}: missing field {name!r}")
+    v = d[name]
+    allowed = kinds if isinstance(kinds, tuple) else (kinds,)
+    if not isinstance(v, allowed) or (isinstance(v, bool) and bool not in allowed):
+        raise ProtocolError(f"{what}: field {name!r} must be {_kind_name(kinds)}, got {type(v).__name__}")
+    return v
+
+
+def _kind_name(kinds) -> str:
+    kinds = kinds if isinstance(kinds, tuple) else (kinds,)
+    return " or ".join(k.__name__ for k in kinds)
+
+
+def _int_list(v, what: str) -> list[int]:
+    if not isinstance(v, (list, tuple)) or not all(isinstance(x, int) and not isinstance(x, bool) for x in v):
+        raise ProtocolError(f"{what}: expected a list of token ids")
+    return [int(x) for x in v]
+
+
+def _float_list(v, what: str) -> list[float]:
+    if not isinstance(v, (list, tuple)) or not all(isinstance(x, (int, float)) and not isinstance(x, bool) for x in v):
+        raise ProtocolError(f"{what}: expected a list of numbers")
+    return [float(x) for x in v]
+
+
+def req_from_wire(d: Mapping, known: Mapping[RequestId, GenRequest] | None = None) -> GenRequest:
+    what = "request"
+    pid = _field(d, "prompt_id", str, what)
+    toks = _int_list(_field(d, "prompt_tokens", (list, tuple), what), what + ".prompt_tokens")
+    if not toks:
+        raise ProtocolError(f"request {pid!r}: empty prompt_tokens")
+    sidx = _field(d, "sample_idx", int, what)
+    guid = _field(d, "group_uid", int, what)
+    if known is not None and (pid, guid, sidx) in known:
+        return known[(pid, guid, sidx)]
+    return GenRequest(PromptItem(pid, "", "", tuple(toks)), int(sidx), group_uid=int(guid))
+
+
+def partial_to_wire(p: Partial) -> dict:
+    return {"request": _req_to_wire(p.request), "tokens": list(p.tokens), "logprobs": list(p.logprobs),
+            "version": int(p.version), "entropy_sum": float(p.entropy_sum)}
+
+
+def partial_from_wire(d: Mapping, known=None) -> Partial:
+    what = "partial"
+    req = req_from_wire(_field(d, "request", Mapping, what), known)
+    toks = _int_list(_field(d, "tokens", (list, tuple), what), what + ".tokens")
+    lps = _float_list(_field(d, "logprobs", (list, tuple), what), what + ".logprobs")
+    if len(toks) != len(lps):
+        raise ProtocolError(f"partial {request_id(req)}: {len(toks)} tokens but {len(lps)} logprobs")
+    return Partial(req, tuple(toks), tuple(lps), int(_field(d, "version", int, what)),
+                   float(d.get("entropy_sum", 0.0)))
+
+
+def traj_to_wire(t: Trajectory) -> dict:
+    req = GenRequest(t.prompt, t.sample_idx, t.group_uid)
+    return {"request": _req_to_wire(req), "tokens": list(t.response_tokens),
+            "logprobs": list(t.behaviour_logprobs), "version": int(t.version),
+            "last_version": int(t.last_version), "finished": bool(t.finished), "text": t.text,
+            "mean_entropy": float(t.mean_entropy)}
+
+
+def traj_from_wire(d: Mapping, known=None) -> Trajectory:
+    what = "trajectory"
+    req = req_from_wire(_field(d, "request", Mapping, what), known)
+    toks = _int_list(_field(d, "tokens", (list, tuple), what), what + ".tokens")
+    lps = _float_list(_field(d, "logprobs", (list, tuple), what), what + ".logprobs")
+    if len(toks) != len(lps):
+        raise ProtocolError(f"trajectory {request_id(req)}: {len(toks)} tokens but {len(lps)} logprobs")
+    return Trajectory(kind="trajectory", prompt=req.prompt, sample_idx=req.sample_idx, response_tokens=tuple(toks),
+                      behaviour_logprobs=tuple(lps), version=int(_field(d, "version", int, what)),
+                      finished=bool(_field(d, "finished", bool, what)), text=str(d.get("text", "")),
+                      mean_entropy=float(d.get("mean_entropy", math.nan)), group_uid=req.group_uid,
+                      last_version=int(d.get("last_version", -1)))
+
+
+def sampling_to_wire(s: SamplingSpec | None):
+    return None if s is None else {"temperature": s.temperature, "max_new_tokens": s.max_new_tokens, "seed": s.seed}
+
+
+def sampling_from_wire(d) -> SamplingSpec | None:
+    if d is None:
+        return None
+    return SamplingSpec(float(_field(d, "temperature", (int, float), "sampling")),
+                        int(_field(d, "max_new_tokens", int, "sampling")), int(_field(d, "seed", int, "sampling")))
+
+
+def write_frame(stream: IO[bytes], obj: Any) -> None:
+    data = msgpack.packb(obj, use_bin_type=True)
+    stream.write(struct.pack(">I", len(data)) + data)
+    stream.flush()
+
+
+def write_raw_frame(stream: IO[bytes], data: bytes) -> None:
+    stream.write(struct.pack(">I", len(data)) + data)
+    stream.flush()
+
+
+def _read_exact(stream: IO[bytes], n: int) -> bytes | None:
+    buf = bytearray()
+    while len(buf) < n:
+        chunk = stream.read(n - len(buf))
+        if not chunk:
+            return None
+        buf += chunk
+    return bytes(buf)
+
+
+def read_frame_bytes(stream: IO[bytes]) -> bytes | None:
+    """The next frame's payload, or None at end of stream."""
+    head = _read_exact(stream, 4)
+    if head is None:
+        return None
+    (n,) = struct.unpack(">I", head)
+    if n > MAX_FRAME:
+        raise ProtocolError(f"frame of {n} bytes exceeds the {MAX_FRAME}-byte limit")
+    data = _read_exact(stream, n)
+    if data is None:
+        raise ProtocolError("stream ended inside a frame")
+    return data
+
+
+# ------------------------------------------------------------------------------------ worker side
+
+def _status_clean(st: Mapping) -> dict:
+    return {k: (v if isinstance(v, (bool, int, float, str)) or v is None else str(v)) for k, v in st.items()}
+
+
+def handle(engine, msg: Any, info: Mapping) -> tuple[Any, bool]:
+    """Run one decoded call against ``engine``: (result, keep_serving). Raises ProtocolError (or the
+    engine's own error) for a bad call; ``serve`` turns it into an error reply."""
+    if not isinstance(msg, Mapping):
+        raise ProtocolError(f"a call must be a map, got {type(msg).__name__}")
+    op = msg.get("op")
+    if not isinstance(op, str):
+        raise ProtocolError("a call needs a string field 'op'")
+    if op == "hello":
+        return {"protocol": PROTOCOL_VERSION, **info, "status": _status_clean(engine.status())}, True
+    if op == "submit":
+        reqs = [req_from_wire(r) for r in _field(msg, "requests", (list, tuple), "submit")]
+        engine.submit(reqs, sampling_from_wire(msg.get("sampling")))
+        return {"queued": engine.status()["queued"]}, True
+    if op == "inject":
+        parts = [partial_from_wire(p) for p in _field(msg, "partials", (list, tuple), "inject")]
+        engine.inject(parts)
+        return {"queued": engine.status()["queued"]}, True
+    if op == "step":
+        n = _field(msg, "max_steps", int, "step")
+        if n < 0:
+            raise ProtocolError(f"step: max_steps must be >= 0, got {n}")
+        done = engine.step(n)
+        return {"finished": [traj_to_wire(t) for t in done], "status": _status_clean(engine.status())}, True
+    if op == "abort":
+        ids = msg.get("request_ids")
+        if ids is not None:
+            if not isinstance(ids, (list, tuple)) or not all(isinstance(i, (list, tuple)) and len(i) == 3 for i in ids):
+                raise ProtocolError("abort: request_ids must be null or a list of [prompt_id, group_uid, sample_idx]")
+            ids = [(str(a), int(b), int(c)) for a, b, c in ids]
+        parts, reqs = engine.abort(ids, bool(msg.get("include_queued", True)))
+        return {"partials": [partial_to_wire(p) for p in parts], "requests": [_req_to_wire(r) for r in reqs]}, True
+    if op == "load_weights":
+        version = _field(msg, "version", int, "load_weights")
+        path = _field(msg, "path", str, "load_weights")
+        if not os.path.isfile(path):
+            raise ProtocolError(f"load_weights: no weights file at {path}")
+        engine.load_weights(version, path=path)
+        return {"version": engine.version}, True
+    if op == "configure":
+        if "admitting" in msg:
+            engine.admitting = bool(_field(msg, "admitting", bool, "configure"))
+        if "version" in msg:
+            engine.version = int(_field(msg, "version", int, "configure"))
+        return _status_clean(engine.status()), True
+    if op == "status":
+        return _status_clean(engine.status()), True
+    if op == "shutdown":
+        return {}, False
+    raise ProtocolError(f"unknown op {op!r}; known: hello, submit, inject, step, abort, load_weights, configure, "
+                        "status, shutdown")
+
+
+def serve(engine, rfile: IO[bytes], wfile: IO[bytes], info: Mapping | None = None) -> None:
+    """The worker loop: answer calls from ``rfile`` on ``wfile`` until ``shutdown`` or end of input."""
+    info = dict(info or {})
+    while True:
+        try:
+            data = read_frame_bytes(rfile)
+        except ProtocolError as e:  # a broken frame boundary: nothing after it can be trusted
+            write_frame(wfile, {"id": None, "ok": False, "error": {"type": "ProtocolError", "message": str(e)}})
+            return
+        if data is None:
+            return
+        call_id = None
+        try:
+            try:
+                msg = msgpack.unpackb(data, raw=False, strict_map_key=False)
+            except Exception as e:  # noqa: BLE001 - any undecodable payload
+                raise ProtocolError(f"undecodable frame ({type(e).__name__}: {e})") from None
+            call_id = msg.get("id") if isinstance(msg, Mapping) else None
+            result, keep = handle(engine, msg, info)
+            reply = {"id": call_id, "ok": True, "result": result}
+        except Exception as e:  # noqa: BLE001 - reported to the caller, the worker keeps serving
+            reply, keep = {"id": call_id, "ok": False, "error": {"type": type(e).__name__, "message": str(e)}}, True
+        write_frame(wfile, reply)
+        if not keep:
+            return
+
+
+def protocol_streams() -> tuple[IO[bytes], IO[bytes]]:
+    """(input, output) binary streams for ``serve`` in a worker process. The protocol keeps the
+    process's original stdout; file descriptor 1 is then pointed at stderr, so that anything a library
+    prints cannot corrupt the frames."""
+    out = os.fdopen(os.dup(sys.stdout.fileno()), "wb", buffering=0)
+    sys.stdout.flush()
+    os.dup2(sys.stderr.fileno(), sys.stdout.fileno())
+    return sys.stdin.buffer, out
+
+
+# ------------------------------------------------------------------------------------ client side
+
+class EngineProcess(EngineBase):
+    """A ``RolloutEngine`` served by a worker process over the wire format (stdin/stdout pipes).
+
+    ``command`` starts the worker (e.g. ``[python, "-m", "training.rl.vllm_worker", "--engine", "vllm",
+    ...]``); its stderr goes to a log file whose tail is quoted when the worker dies. Requests keep
+    their full records on this side (answers, texts), so trajectories and partials come back with the
+    same ``PromptItem`` the caller submitted. ``version`` and ``admitting`` are mirrored locally and
+    pushed to the worker when set."""
+
+    def __init__(self, command: Sequence[str], *, env: Mapping[str, str] | None = None, cwd: str | None = None,
+                 start_timeout: float = 600.0, weights_dir: str | None = None):
+        self.command = list(command)
+        self._log = tempfile.NamedTemporaryFile(prefix="laminar-engine-", suffix=".log", delete=False)
+        full_env = dict(os.environ)
+        full_env["PYTHONPATH"] = os.pathsep.join([str(REPO_ROOT)] + [p for p in full_env.get("PYTHONPATH", "").split(
+            os.pathsep) if p])
+        full_env.update(env or {})
+        self.proc = subprocess.Popen(self.command, stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=self._log,
+                                     cwd=cwd or str(REPO_ROOT), env=full_env)
+        self._next_id = 0
+        self._lock = threading.Lock()
+        self._known: dict[RequestId, GenRequest] = {}
+        self._weights_dir = weights_dir
+        self._timer = threading.Timer(start_timeout, self._kill_slow_start)
+        self._timer.start()
+        try:
+            self.info = self.call("hello")
+        finally:
+            self._timer.cancel()
+        if self.info.get("protocol") != PROTOCOL_VERSION:
+            self.close()
+            raise ProtocolError(f"worker speaks protocol {self.info.get('protocol')}, this client {PROTOCOL_VERSION}")
+        st = self.info["status"]
+        self.capacity = int(st["capacity"])
+        self._version = int(st["version"])
+        self._admitting = bool(st["admitting"])
+        self.sampling = SamplingSpec(float(self.info["temperature"]), int(self.info["max_new_tokens"]),
+                                     int(self.info["seed"]))
+        self.engine_name = self.info.get("engine", "?")
+
+    def _kill_slow_start(self) -> None:
+        if self.proc.poll() is None:
+            self.proc.kill()
+
+    # -- transport
+    def _log_tail(self, n: int = 3000) -> str:
+        try:
+            return Path(self._log.name).read_text(errors="replace")[-n:]
+        except OSError:
+            return ""
+
+    def _died(self, why: str) -> ProtocolError:
+        code = self.proc.poll()
+        return ProtocolError(f"engine process {why} (exit code {code}); its log {self._log.name} ends:\n"
+                             f"{self._log_tail()}", "EngineDied")
+
+    def _roundtrip(self, payload: bytes | None, obj: Mapping | None) -> Any:
+        with self._lock:
+            if self.proc.poll() is not None:
+                raise self._died("is not running")
+            try:
+                if payload is not None:
+                    write_raw_frame(self.proc.stdin, payload)
+                else:
+                    write_frame(self.proc.stdin, obj)
+                data = read_frame_bytes(self.proc.stdout)
+            except (BrokenPipeError, OSError) as e:
+                raise self._died(f"pipe failed ({type(e).__name__})") from None
+            if data is None:
+                raise self._died("closed its output")
+        reply = msgpack.unpackb(data, raw=False, strict_map_key=False)
+        if not reply.get("ok"):
+            err = reply.get("error") or {}
+            raise ProtocolError(f"engine error {err.get('type')}: {err.get('message')}", err.get("type", "?"))
+        return reply.get("result")
+
+    def call(self, op: str, **fields) -> Any:
+        self._next_id += 1
+        return self._roundtrip(None, {"id": self._next_id, "op": op, **fields})
+
+    def call_raw(self, payload: bytes) -> Any:
+        """Send an arbitrary frame payload (tests of malformed messages)."""
+        return self._roundtrip(payload, None)
+
+    # -- RolloutEngine
+    @property
+    def version(self) -> int:
+        return self._version
+
+    @version.setter
+    def version(self, v: int) -> None:
+        self.call("configure", version=int(v))
+        self._version = int(v)
+
+    @property
+    def admitting(self) -> bool:
+        return self._admitting
+
+    @admitting.setter
+    def admitting(self, v: bool) -> None:
+        if bool(v) != self._admitting:
+            self.call("configure", admitting=bool(v))
+            self._admitting = bool(v)
+
+    def submit(self, requests: Sequence[GenRequest], sampling: SamplingSpec | None = None) -> None:
+        requests = list(requests)
+        if not requests:
+            return
+        self.call("submit", requests=[_req_to_wire(r) for r in requests], sampling=sampling_to_wire(sampling))
+        for r in requests:
+            self._known[request_id(r)] = r
+
+    def inject(self, partials: Sequence[Partial]) -> None:
+        partials = list(partials)
+        if not partials:
+            return
+        self.call("inject", partials=[partial_to_wire(p) for p in partials])
+        for p in partials:
+            self._known[request_id(p.request)] = p.request
+
+    def step(self, max_steps: int) -> list[Trajectory]:
+        res = self.call("step", max_steps=int(max_steps))
+        out = [traj_from_wire(t, self._known) for t in res["finished"]]
+        for t in out:
+            self._known.pop((t.prompt.prompt_id, t.group_uid, t.sample_idx), None)
+        self._last_status = res["status"]
+        return out
+
+    def abort(self, request_ids=None, include_queued: bool = True) -> tuple[list[Partial], list[GenRequest]]:
+        ids = None if request_ids is None else [list(i) for i in request_ids]
+        res = self.call("abort", request_ids=ids, include_queued=bool(include_queued))
+        parts = [partial_from_wire(p, self._known) for p in res["partials"]]
+        reqs = [req_from_wire(r, self._known) for r in res["requests"]]
+        for r in [p.request for p in parts] + reqs:
+            self._known.pop(request_id(r), None)
+        return parts, reqs
+
+    def load_weights(self, version: int, state: Mapping[str, np.ndarray] | None = None,
+                     path: str | None = None) -> None:
+        if (state is None) == (path is None):
+            raise ValueError("load_weights takes exactly one of state= and path=")
+        tmp = None
+        if state is not None:
+            tmp = path = write_weights(state, self._weights_dir)
+        try:
+            res = self.call("load_weights", version=int(version), path=str(path))
+        finally:
+            if tmp is not None:
+                os.unlink(tmp)
+        self._version = int(res["version"])
+
+    def status(self) -> dict:
+        st = self.call("status")
+        self._version, self._admitting = int(st["version"]), bool(st["admitting"])
+        return st
+
+    def close(self) -> None:
+        if getattr(self, "proc", None) is None:
+            return
+        if self.proc.poll() is None:
+            try:
+                self.call("shutdown")
+            except ProtocolError:
+                pass
+            try:
+                self.proc.wait(timeout=10)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+                self.proc.wait()
+        for s in (self.proc.stdin, self.proc.stdout):
+            try:
+                s.close()
+            except OSError:
+                pass
+        self._log.close()
+        try:
+            os.unlink(self._log.name)
+        except OSError:
+            pass
+        self.proc = None
+
+    def __del__(self):
+        try:
+            if getattr(self, "proc", None) is not None and self.proc.poll() is None:
+                self.proc.kill()
+        except Exception:  # noqa: BLE001 - interpreter shutdown
+            pass
+
+
+# ------------------------------------------------------------------------- shared engine helpers
+
+class PendingQueue:
+    """FIFO of queued requests and injected partials (partials first) with selective removal: the
+    bookkeeping an engine without its own admission control (vLLM behind ``VllmEngine``) needs."""
+
+    def __init__(self):
+        self.partials: deque[Partial] = deque()
+        self.requests: deque[GenRequest] = deque()
+
+    def __len__(self) -> int:
+        return len(self.partials) + len(self.requests)
+
+    def take(self, ids: set | None) -> tuple[list[Partial], list[GenRequest]]:
+        if ids is None:
+            out = (list(self.partials), list(self.requests))
+            self.partials.clear()
+            self.requests.clear()
+            return out
+        parts = [p for p in self.partials if request_id(p.request) in ids]
+        reqs = [r for r in self.requests if request_id(r) in ids]
+        self.partials = deque(p for p in self.partials if request_id(p.request) not in ids)
+        self.requests = deque(r for r in self.requests if request_id(r) not in ids)
+        return parts, reqs
