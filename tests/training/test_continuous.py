@@ -16,6 +16,15 @@ SMALL = ModelConfig(hidden_size=32, intermediate_size=64, num_layers=2, num_head
 MAX_NEW = 16
 
 
+@pytest.fixture(scope="module", autouse=True)
+def one_thread():
+    """The tiny model runs fastest on one thread: two threads on a busy 2-core machine mostly wait."""
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(before)
+
+
 @pytest.fixture(scope="module")
 def tok():
     return build_char_tokenizer()

@@ -61,8 +61,18 @@ def _local(assets, state=None):
     return eng
 
 
+@pytest.fixture(scope="module", autouse=True)
+def one_thread():
+    """The tiny model runs fastest on one thread (and the worker process uses one): two threads on a
+    busy 2-core machine mostly wait for each other."""
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(before)
+
+
 @pytest.fixture(scope="module")
-def assets(tmp_path_factory):
+def assets(tmp_path_factory, one_thread):
     tok = build_char_tokenizer()
     a, b = _model(tok, 0), _model(tok, 1)
     model_dir = tmp_path_factory.mktemp("rollout-model")
