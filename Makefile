@@ -7,7 +7,7 @@ STAMP := $(VENV)/.installed-$(shell cat requirements.txt pyproject.toml | sha256
 WORKSPACE ?= ./workspace
 ARGS ?=
 
-.PHONY: run test test-slow test-all venv clean
+.PHONY: run test test-slow test-all venv clean vllm-env
 
 venv: $(STAMP)
 
@@ -33,3 +33,16 @@ test-all: venv
 
 clean:
 	rm -rf $(WORKSPACE)
+
+# make vllm-env : vLLM's own environment for rollout.engine=vllm (vLLM pins torch, transformers and
+# fastapi against Prefect's, so it cannot share .venv). Needs a CUDA machine with network access to
+# PyPI. The worker imports the project by path (a .pth file), never its dependencies.
+VLLM_VENV ?= .venv-vllm
+VLLM_SPEC ?= vllm==0.33.*
+
+vllm-env:
+	test -x $(VLLM_VENV)/bin/python || $(PY) -m venv $(VLLM_VENV)
+	$(VLLM_VENV)/bin/python -m pip install --quiet --upgrade pip
+	$(VLLM_VENV)/bin/python -m pip install --quiet "$(VLLM_SPEC)" "msgpack==1.2.4" safetensors
+	$(VLLM_VENV)/bin/python -c "import site, sys; open(site.getsitepackages()[0] + '/laminar.pth', 'w').write(sys.argv[1] + '\n')" "$(CURDIR)"
+	$(VLLM_VENV)/bin/python -c "import vllm, msgpack, safetensors, training.rl.vllm_worker; print('vllm', vllm.__version__, 'ready')"

@@ -84,6 +84,15 @@ def assets(tmp_path_factory, one_thread):
     return {"tok": tok, "A": _state(a), "B": _state(b), "dir": str(model_dir), "reqs": reqs, "expected": expected}
 
 
+def _vllm_interpreter():
+    """A Python that can import vllm, or None."""
+    py = vllm_python()
+    if py is not None:
+        ok = subprocess.run([py, "-c", "import vllm"], capture_output=True, timeout=300).returncode == 0
+        return py if ok else None
+    return sys.executable if importlib.util.find_spec("vllm") is not None else None
+
+
 @pytest.fixture(scope="module", params=KINDS)
 def shared_engine(request, assets):
     kind = request.param
@@ -93,12 +102,13 @@ def shared_engine(request, assets):
         eng = make_engine("torch-process", assets["dir"], capacity=CAP, max_new_tokens=MAX_NEW,
                           env={"OMP_NUM_THREADS": "1"})
     else:
-        py = vllm_python()
-        if py is None and importlib.util.find_spec("vllm") is None:
-            pytest.skip("vLLM is not importable here: no .venv-vllm/bin/python, no $LAMINAR_VLLM_PYTHON and no "
-                        "vllm module in this interpreter (run `make vllm-env` on a CUDA machine to test it)")
+        py = _vllm_interpreter()
+        if py is None:
+            pytest.skip("vLLM is not importable here: neither .venv-vllm/bin/python nor $LAMINAR_VLLM_PYTHON can "
+                        "import vllm, and this interpreter has no vllm module (run `make vllm-env` on a CUDA "
+                        "machine to test it)")
         eng = make_engine("vllm", assets["dir"], device="cuda", capacity=CAP, max_new_tokens=MAX_NEW,
-                          python=py or sys.executable, vllm_args=["--vllm-gpu-memory-utilization", "0.3"])
+                          python=py, vllm_args=["--vllm-gpu-memory-utilization", "0.3"])
     yield kind, eng
     eng.close()
 
