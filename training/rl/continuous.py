@@ -142,6 +142,7 @@ class ContinuousEngine:
         if sync_every < 0:
             raise ValueError(f"sync_every must be >= 0 (0: automatic), got {sync_every}")
         cuda = torch.device(device).type == "cuda"
+        self._cuda = cuda
         model_dtype = _resolve_dtype(dtype, cuda)
         self.model = (model.to(device) if model_dtype is None else model.to(device=device, dtype=model_dtype)).eval()
         self.sync_every = int(sync_every) if sync_every else (8 if cuda else 1)
@@ -309,8 +310,11 @@ class ContinuousEngine:
         ids, attn = ids.to(self.device), attn.to(self.device)
         positions = (attn.cumsum(-1) - 1).clamp(min=0)
         cache = DynamicCache()
+        # on CUDA only the last position's logits are computed (a 150k vocabulary makes the full
+        # [B, T, V] tensor gigabytes); the CPU path keeps the full forward, bit for bit as before
+        extra = {"logits_to_keep": 1} if self._cuda else {}
         logits = self.model(input_ids=ids, attention_mask=attn, position_ids=positions, past_key_values=cache,
-                            use_cache=True).logits[:, -1, :]
+                            use_cache=True, **extra).logits[:, -1, :]
         if not bool(attn.all()):
             pad = (attn == 0)[:, None, :, None]
             for layer in cache.layers:

@@ -54,7 +54,9 @@ class WeightLoader:
         from safetensors.torch import load_file
 
         weights = load_file(path, device="cpu")
-        self.model_runner.model.load_weights(weights=weights.items())
+        runner = self.model_runner
+        model = runner.get_model() if hasattr(runner, "get_model") else runner.model  # unwrapped (no graph wrapper)
+        model.load_weights(weights=weights.items())
         return len(weights)
 
 
