@@ -1,0 +1,89 @@
+"""The static-slot engine (fixed-shape decode for CUDA graphs) samples what ``ContinuousEngine``
+samples: joins into a running batch, cache compaction and growth, lazy retirement, extract/inject
+and weight loads with sequences in flight. Runs on the CPU without graphs (the captured forward is
+the same eager forward)."""
+
+import numpy as np
+import pytest
+import torch
+
+from training.rl.continuous import ContinuousEngine, request_key
+from training.rl.static_slots import StaticSlotEngine
+
+from test_continuous import MAX_NEW, _drain, _key, _model, _requests, _staggered
+
+
+@pytest.fixture(scope="module", autouse=True)
+def one_thread():
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(before)
+
+
+@pytest.fixture(scope="module")
+def tok():
+    from training.model import build_char_tokenizer
+
+    return build_char_tokenizer()
+
+
+def _same(a: dict, b: dict) -> None:
+    assert a.keys() == b.keys()
+    for k in a:
+        assert a[k].response_tokens == b[k].response_tokens and a[k].finished == b[k].finished
+        np.testing.assert_allclose(a[k].behaviour_logprobs, b[k].behaviour_logprobs, atol=1e-5)
+        assert a[k].mean_entropy == pytest.approx(b[k].mean_entropy, abs=1e-5)
+        assert (a[k].version, a[k].last_version) == (b[k].version, b[k].last_version)
+
+
+@pytest.mark.parametrize("sync_every", [1, 3])
+def test_static_slots_match_the_dynamic_engine_through_compaction_and_growth(tok, sync_every):
+    model = _model(tok)
+    reqs = _requests(tok, 12, 2)
+    waves = [reqs[:3], reqs[3:9], reqs[9:]]
+    ref = {_key(t): t for t in _staggered(ContinuousEngine(model, tok, capacity=3, max_new_tokens=MAX_NEW), waves)}
+    eng = StaticSlotEngine(model, tok, capacity=3, max_new_tokens=MAX_NEW, static_width=20, sync_every=sync_every)
+    got = {_key(t): t for t in _staggered(eng, waves)}
+    _same(ref, got)
+    assert eng._width > 20 and eng.compactions >= 1  # the cache grew and was compacted
+    assert eng.status() == {"version": 0, "queued": 0, "active": 0, "capacity": 3, "kv_tokens": 0, "admitting": True}
+    assert not eng.cuda_graphs  # CPU: eager forward
+
+
+def test_static_slots_hand_over_and_load_weights_like_the_dynamic_engine(tok):
+    model = _model(tok)
+    reqs = _requests(tok, 6, 2)
+    ref = ContinuousEngine(model, tok, capacity=4, max_new_tokens=MAX_NEW)
+    ref.submit(reqs)
+    expected = {_key(t): t for t in _drain(ref)}
+
+    eng = StaticSlotEngine(model, tok, capacity=4, max_new_tokens=MAX_NEW, static_width=24)
+    eng.submit(reqs)
+    done = eng.step(3)
+    running = [r.request for r in eng._rows]
+    one, _ = eng.extract(include_queued=False, only={request_key(running[0])})
+    assert len(one) == 1 and eng.status()["active"] == len(running) - 1
+    partials, queued = eng.extract()
+    assert eng.status()["active"] == 0 and eng.status()["kv_tokens"] == 0
+    other = StaticSlotEngine(model, tok, capacity=3, max_new_tokens=MAX_NEW, static_width=24)
+    other.submit(_requests(tok, 2, 1, offset=40))  # busy with other work when the partials arrive
+    other.step(2)
+    other.inject(one + partials)
+    other.submit(queued)
+    ours = {r.prompt.prompt_id for r in reqs}
+    got = {_key(t): t for t in done + [t for t in _drain(other) if t.prompt.prompt_id in ours]}
+    _same(expected, got)
+
+    # a weight load with sequences in flight: the same continuation as the dynamic engine's
+    new = _model(tok, seed=1)
+    state = {k: v.detach().numpy().copy() for k, v in new.state_dict().items()}
+    runs = []
+    for cls, kw in ((ContinuousEngine, {}), (StaticSlotEngine, {"static_width": 24})):
+        e = cls(_model(tok), tok, capacity=4, max_new_tokens=MAX_NEW, **kw)
+        e.submit(reqs[:6])
+        out = e.step(3)
+        e.load_state(state, 1)
+        runs.append({_key(t): t for t in out + _drain(e)})
+    _same(runs[0], runs[1])
+    assert any(t.last_version == 1 and t.version == 0 for t in runs[1].values())
