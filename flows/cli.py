@@ -61,6 +61,10 @@ def _parser() -> tuple[argparse.ArgumentParser, dict[str, argparse.ArgumentParse
     sp.add_argument("--prompts", action="store_true", help="every prompt id the checkpoint trained on, and how often")
     _workspace_arg(sp)
 
+    sp = sub.add_parser("simulate", help="simulate RL modes at cluster scale (discrete-event, the real control plane)")
+    _overrides_arg(sp, " of conf/simulate.yaml, e.g. cluster.nodes=16 model.preset=qwen2.5-32b modes=[sync,laminar]")
+    _workspace_arg(sp)
+
     sp = sub.add_parser("serve", help="serve the pipeline as a Prefect deployment on a cron schedule")
     sp.add_argument("--cron", required=True, help="cron expression, e.g. '0 3 * * *' (every day at 03:00)")
     sp.add_argument("--name", default=None, help="deployment name (default: laminar-<workspace folder name>)")
@@ -273,6 +277,26 @@ def cmd_serve(args) -> int:
     return 0
 
 
+def cmd_simulate(args) -> int:
+    from conf.schema import ConfigError
+    from conf.simulate import load_simulate_config
+    from tasks.simulate import resolve, run_simulation
+
+    try:
+        cfg = load_simulate_config(args.overrides)
+        resolve(cfg)
+    except ConfigError as err:
+        print(f"laminar: config error: {err}", file=sys.stderr)
+        return 2
+    done = run_simulation(cfg, args.workspace, progress=lambda line: print(f"simulated {line}", flush=True))
+    print(done["table"])
+    speed = done["summary"]["laminar_speedup"]
+    if speed:
+        print("laminar speedup over " + ", ".join(f"{m} {x:.2f}x" for m, x in speed.items()))
+    print(f"summary: {done['out'] / 'simulate.json'}  timelines: {done['out']}/timeline_<mode>.png")
+    return 0
+
+
 def _quiet_transformers() -> None:
     import logging
 
@@ -280,7 +304,8 @@ def _quiet_transformers() -> None:
 
 
 COMMANDS = {"run": cmd_run, "rerun": cmd_rerun, "status": cmd_status, "config": cmd_config, "eval": cmd_eval,
-            "report": cmd_report, "runs": cmd_runs, "lineage": cmd_lineage, "serve": cmd_serve}
+            "report": cmd_report, "runs": cmd_runs, "lineage": cmd_lineage, "serve": cmd_serve,
+            "simulate": cmd_simulate}
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -10,7 +10,9 @@ simulator all drive these same classes:
 - ``plan_repack``: Laminar's best-fit consolidation of long-tail rollouts within one weight version.
 - ``RelayChain``: the relay order the master forwards along; a dead relay is cut out, a rebuilt
   one joins at the tail; each node's rollouts pull from their node's relay, or bypass to a live one.
-- ``MODES``: what each of ``sync | one_step | partial | laminar`` does at an update.
+- ``MODES``: what each of ``sync | one_step | partial | laminar`` does at an update;
+  ``dispatch_plan`` / ``may_open_batch`` / ``round_robin_groups``: the per-rollout and per-batch
+  scheduling decisions the runtime's driver takes from them.
 """
 
 from __future__ import annotations
@@ -50,6 +52,71 @@ MODES: dict[str, ModeSpec] = {
     "partial": ModeSpec("partial", batched=False, max_ahead=0, interrupt=True, drain=False, repack=False),
     "laminar": ModeSpec("laminar", batched=False, max_ahead=0, interrupt=False, drain=True, repack=True),
 }
+
+
+@dataclass(frozen=True)
+class DispatchPlan:
+    """What the manager tells a rollout at its next call: ``pull`` the latest weights first (at least
+    ``min_version``; -1: whatever the relay has), whether that pull interrupts active responses
+    (``partial`` mode), and whether the rollout may start queued requests (``admitting``; False while
+    it drains towards a newer version)."""
+
+    pull: bool
+    min_version: int
+    interrupt: bool
+    admitting: bool
+
+
+def dispatch_plan(mode: ModeSpec, *, version: int, latest: int, active: int, queued: int, pending: bool,
+                  awaiting: int, batch_min_version: int = 0) -> DispatchPlan:
+    """The mode's decision for one rollout (the real runtime's ``_dispatch`` and the simulator both
+    call this). ``version``: the rollout's weights (-1: none loaded yet); ``latest``: the trainer's;
+    ``pending``: work handed to it that it has not started; ``awaiting``: repacks on their way to it.
+
+    - a rollout with no weights pulls;
+    - batched modes pull the batch's version once the rollout is empty;
+    - ``interrupt``: pull as soon as a newer version exists, active responses continue under it;
+    - ``drain``: pull only when nothing is in flight here (version-atomic); until then stop admitting."""
+    pull, min_version, interrupt = False, -1, False
+    if version < 0:
+        pull = True
+    elif mode.batched:
+        if version < batch_min_version and active == 0 and queued == 0:
+            pull, min_version = True, batch_min_version
+    elif mode.interrupt:
+        if version < latest:
+            pull, interrupt = True, active > 0
+    elif mode.drain:
+        if version < latest and active == 0 and not pending and not awaiting:
+            pull, min_version = True, latest
+    draining = mode.drain and version < latest and not pull
+    return DispatchPlan(pull=pull, min_version=min_version, interrupt=interrupt, admitting=not draining)
+
+
+def may_open_batch(mode: ModeSpec, *, version: int, batch_idx: int, steps: int, closed_waiting: int) -> bool:
+    """Batched modes: batch ``batch_idx`` (the groups of update ``batch_idx + 1``) may be issued once at
+    most ``max_ahead`` closed batches wait for the trainer and the trainer has reached version
+    ``batch_idx - max_ahead``; never past ``steps``."""
+    if closed_waiting > mode.max_ahead:
+        return False
+    return version >= batch_idx - mode.max_ahead and batch_idx < steps
+
+
+def batch_min_version(mode: ModeSpec, batch_idx: int) -> int:
+    """The weight version a batched mode generates batch ``batch_idx`` with (rollouts pull it first)."""
+    return max(0, batch_idx - mode.max_ahead)
+
+
+def round_robin_groups(requests: Sequence[GenRequest], n_rollouts: int) -> list[list[GenRequest]]:
+    """Batched modes: whole groups dealt round-robin over ``n_rollouts`` rollouts in ``group_uid``
+    order; returns one request list per rollout."""
+    by_group: dict[int, list[GenRequest]] = {}
+    for q in requests:
+        by_group.setdefault(q.group_uid, []).append(q)
+    out: list[list[GenRequest]] = [[] for _ in range(max(1, n_rollouts))]
+    for i, uid in enumerate(sorted(by_group)):
+        out[i % len(out)].extend(by_group[uid])
+    return out
 
 
 # ----------------------------------------------------------------------------------------------- prompts

@@ -63,6 +63,38 @@ class RuntimeConfig:
     max_restarts: int = 3
     trainer_node: int = 0
     namespace: str | None = None
+    trainer_backend: str = "torch"
+    ds_config: dict | None = None
+    trainer_ranks: int = 1
+    trainer_strategy: str = "PACK"
+    dist_backend: str = "auto"
+    rollout_nodes: tuple = ()
+    extensions_dir: str | None = None
+
+
+class _TrainerGroup:
+    """The trainer's ranks as one handle. ``call`` invokes a method on every rank and returns rank
+    0's ref (the other ranks' refs wait in ``pending`` until ``settle``); ``get`` calls every rank
+    and returns rank 0's value; ``lead`` is rank 0 alone (it talks to the relays)."""
+
+    def __init__(self, handles: list, pg=None):
+        self.handles = handles
+        self.lead = handles[0]
+        self.pg = pg
+        self.pending: list = []
+
+    def call(self, method: str, *args):
+        refs = [getattr(h, method).remote(*args) for h in self.handles]
+        self.pending = refs[1:]
+        return refs[0]
+
+    def settle(self, ray) -> None:
+        if self.pending:
+            ray.get(self.pending)
+        self.pending = []
+
+    def get(self, ray, method: str, *args):
+        return ray.get([getattr(h, method).remote(*args) for h in self.handles])[0]
 
 
 @dataclass
@@ -142,7 +174,8 @@ class LaminarRuntime:
         return ray
 
     def _cpus_needed(self, nodes: int) -> float:
-        return self.rc.trainer_cpus + self.rc.rollouts * self.rc.rollout_cpus + nodes * self.rc.relay_cpus
+        return (self.rc.trainer_ranks * self.rc.trainer_cpus + self.rc.rollouts * self.rc.rollout_cpus
+                + nodes * self.rc.relay_cpus)
 
     def _build(self, ray) -> None:
         from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
@@ -154,7 +187,7 @@ class LaminarRuntime:
         if have + 1e-9 < self._cpus_needed(len(nodes)):
             raise RuntimeError(
                 f"the Ray cluster has {have:g} CPUs but the RL roles need {self._cpus_needed(len(nodes)):g} "
-                f"(trainer {self.rc.trainer_cpus:g} + {self.rc.rollouts} rollouts x {self.rc.rollout_cpus:g} + "
+                f"(trainer {self.rc.trainer_ranks} x {self.rc.trainer_cpus:g} + {self.rc.rollouts} rollouts x {self.rc.rollout_cpus:g} + "
                 f"{len(nodes)} relays x {self.rc.relay_cpus:g}): lower cluster.rollout_cpus / cluster.trainer_cpus "
                 "or add nodes; the actors would otherwise wait for resources forever")
         head = ray.get_runtime_context().get_node_id()
@@ -174,7 +207,8 @@ class LaminarRuntime:
         Rollout = ray.remote(num_cpus=self.rc.rollout_cpus, max_restarts=self.rc.max_restarts)(RolloutWorker)
         self.rollouts: dict[str, _Rollout] = {}
         for i in range(self.rc.rollouts):
-            node = self.nodes[i % len(self.nodes)]
+            node = (self.nodes[self.rc.rollout_nodes[i % len(self.rc.rollout_nodes)] % len(self.nodes)]
+                    if self.rc.rollout_nodes else self.nodes[i % len(self.nodes)])
             name = f"rollout-{i}"
             handle = Rollout.options(scheduling_strategy=pin(node)).remote(
                 name, str(self.model_dir), device=self.device, capacity=self.rc.capacity,
@@ -182,13 +216,46 @@ class LaminarRuntime:
                 threads=self.rc.actor_threads)
             self.rollouts[name] = _Rollout(name, node, handle, self.chain.relay_for(node))
         self.timeline["rollouts"] = list(self.rollouts)
-        Trainer = ray.remote(num_cpus=self.rc.trainer_cpus)(TrainerWorker)
-        self.trainer = Trainer.options(scheduling_strategy=pin(self.nodes[self.rc.trainer_node % len(self.nodes)])).remote(
-            str(self.model_dir), self.params, device=self.device, seed=self.seed, threads=self.rc.trainer_threads,
-            **self.train_kw)
-        ray.get(self.trainer.set_master.remote(self.relays[self.chain.master]))
+        self.trainer = self._build_trainers(ray, TrainerWorker)
+        ray.get(self.trainer.lead.set_master.remote(self.relays[self.chain.master]))
         for r in self.rollouts.values():
             r.pid = ray.get(r.handle.ping.remote())["pid"]
+
+    def _build_trainers(self, ray, TrainerWorker) -> _TrainerGroup:
+        """One trainer actor per rank. One rank is pinned to ``cluster.trainer_node``; several form a
+        placement group (``cluster.trainer_strategy``: PACK, SPREAD, STRICT_PACK, STRICT_SPREAD) and
+        meet in a ``torch.distributed`` rendezvous at rank 0's address."""
+        from ray.util.placement_group import placement_group
+        from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
+
+        ranks = self.rc.trainer_ranks
+        Trainer = ray.remote(num_cpus=self.rc.trainer_cpus)(TrainerWorker)
+        pg = None
+        if ranks > 1:
+            pg = placement_group([{"CPU": self.rc.trainer_cpus}] * ranks, strategy=self.rc.trainer_strategy)
+            ready, _ = ray.wait([pg.ready()], timeout=120)
+            if not ready:
+                raise RuntimeError(f"the trainer's placement group ({ranks} x {self.rc.trainer_cpus:g} CPU, "
+                                   f"{self.rc.trainer_strategy}) could not be placed on this cluster within 120 s")
+        dist_backend = self.rc.dist_backend
+        if dist_backend == "auto":
+            dist_backend = "nccl" if str(self.device).startswith("cuda") else "gloo"
+        handles = []
+        for rank in range(ranks):
+            strategy = (PlacementGroupSchedulingStrategy(pg, placement_group_bundle_index=rank) if pg is not None
+                        else self._pin(self.nodes[self.rc.trainer_node % len(self.nodes)]))
+            handles.append(Trainer.options(scheduling_strategy=strategy).remote(
+                str(self.model_dir), self.params, device=self.device, seed=self.seed, threads=self.rc.trainer_threads,
+                backend=self.rc.trainer_backend, ds_config=self.rc.ds_config, rank=rank, world_size=ranks,
+                dist_backend=dist_backend, extensions_dir=self.rc.extensions_dir, **self.train_kw))
+        group = _TrainerGroup(handles, pg)
+        if ranks > 1 or self.rc.trainer_backend != "torch":
+            addr, port = ray.get(handles[0].address.remote())
+            infos = ray.get([h.start.remote(addr, port) for h in handles])
+        else:
+            infos = [ray.get(handles[0].ping.remote())]
+        self.trainer_nodes = [i["node"] for i in infos]
+        return group
 
     def _wire_chain(self) -> None:
         import ray
@@ -205,13 +272,21 @@ class LaminarRuntime:
             self._teardown(ray)
 
     def _teardown(self, ray) -> None:
-        for handle in [getattr(self, "trainer", None), *[r.handle for r in getattr(self, "rollouts", {}).values()],
+        group = getattr(self, "trainer", None)
+        for handle in [*(group.handles if group is not None else []), *[r.handle for r in getattr(self, "rollouts", {}).values()],
                        *getattr(self, "relays", {}).values()]:
             if handle is not None:
                 try:
                     ray.kill(handle, no_restart=True)
                 except Exception:  # noqa: BLE001
                     pass
+        if group is not None and group.pg is not None:
+            try:
+                from ray.util.placement_group import remove_placement_group
+
+                remove_placement_group(group.pg)
+            except Exception:  # noqa: BLE001
+                pass
         if getattr(self, "_own_ray", False):
             ray.shutdown()
 
@@ -239,7 +314,7 @@ class LaminarRuntime:
         self.counts = Counter()
         self._resume(ray)
         # version 0 (or the resumed version) goes to the relays before any rollout starts
-        ray.get(self.trainer.publish.remote())
+        self.trainer.get(ray, "publish")
         self.latest = self.version
         trainer_future = None
         trainer_groups: list[tuple[int, ScoredGroup]] = []
@@ -259,7 +334,7 @@ class LaminarRuntime:
                 groups = self._trainable()
                 if groups:
                     trainer_groups = groups
-                    trainer_future = self.trainer.train.remote([g for _, g in groups])
+                    trainer_future = self.trainer.call("train", [g for _, g in groups])
             # ---- batched modes open the next batch
             if self.mode.batched:
                 self._maybe_open_batch()
@@ -288,6 +363,7 @@ class LaminarRuntime:
             for fut in done:
                 if fut is trainer_future:
                     out = ray.get(fut)  # a dead trainer ends the run: rerun resumes from the checkpoint
+                    self.trainer.settle(ray)
                     trainer_future = None
                     self._after_update(ray, out, trainer_groups, window, time.perf_counter() - last_update_t)
                     last_update_t = time.perf_counter()
@@ -298,7 +374,7 @@ class LaminarRuntime:
                 r = next(x for x in self.rollouts.values() if x.future is fut)
                 self._on_rollout_result(ray, r, fut, window)
         self._finish_summary()
-        state = ray.get(self.trainer.state.remote())
+        state = self.trainer.get(ray, "state")
         model.load_state_dict({k: torch.from_numpy(v.copy()) for k, v in state.items()})
         self.final_model = model
         return result
@@ -321,14 +397,13 @@ class LaminarRuntime:
                 self.batch_open = False
                 self.closed_batches = getattr(self, "closed_batches", []) + [set(self.batch_uids)]
             return
-        if len(getattr(self, "closed_batches", [])) > self.mode.max_ahead:
-            return  # the trainer has not caught up
-        if self.version < self.batch_idx - self.mode.max_ahead or self.batch_idx >= self.steps:
-            return
+        if not control.may_open_batch(self.mode, version=self.version, batch_idx=self.batch_idx, steps=self.steps,
+                                      closed_waiting=len(getattr(self, "closed_batches", []))):
+            return  # the trainer has not caught up, or every batch is issued
         self.batch_open = True
         self.batch_rounds = 0
         self.batch_uids = set()
-        self.batch_min_version = max(0, self.batch_idx - self.mode.max_ahead)
+        self.batch_min_version = control.batch_min_version(self.mode, self.batch_idx)
         self._issue_batch(self.n)
         self.batch_idx += 1
 
@@ -339,13 +414,9 @@ class LaminarRuntime:
         self.queue.retry.clear()
         self.batch_uids |= {q.group_uid for q in reqs}
         alive = [r for r in self.rollouts.values() if r.alive] or list(self.rollouts.values())
-        # whole groups round-robin over rollouts
-        by_group: dict[int, list[GenRequest]] = {}
-        for q in reqs:
-            by_group.setdefault(q.group_uid, []).append(q)
-        for i, uid in enumerate(sorted(by_group)):
-            r = alive[i % len(alive)]
-            r.pending_inject.extend(by_group[uid])  # fresh requests also ride in pending_inject (GenRequest)
+        # whole groups round-robin over rollouts; fresh requests also ride in pending_inject (GenRequest)
+        for r, share in zip(alive, control.round_robin_groups(reqs, len(alive))):
+            r.pending_inject.extend(share)
 
     def _trainable(self) -> list[tuple[int, ScoredGroup]]:
         if self.mode.batched:
@@ -372,26 +443,19 @@ class LaminarRuntime:
         if r.extract_to is not None:
             r.future, r.op = r.handle.extract.remote(), "extract"
             return
-        relay = None
-        min_version = -1
-        if r.version < 0:
-            relay = self.relays[r.relay]
-        elif self.mode.batched:
-            if r.version < getattr(self, "batch_min_version", 0) and r.active == 0 and r.queued == 0:
-                relay, min_version = self.relays[r.relay], self.batch_min_version
-        elif self.mode.interrupt:
-            if r.version < self.latest:
-                relay = self.relays[r.relay]
-                if r.active:
-                    self.counts["interrupts"] += 1
-                    self._event(r, "interrupt", self.latest)
-        elif self.mode.drain:
-            # version-atomic: pull only when no response is in flight here (queued requests have not
-            # started, so they run under the new version) and no repack is about to hand some over
-            if r.version < self.latest and r.active == 0 and not r.pending_inject and not r.awaiting:
-                relay, min_version = self.relays[r.relay], self.latest
-        draining = self.mode.drain and r.version < self.latest and relay is None
-        admitting = not draining
+        # the mode's decision (shared with the simulator): pull first? interrupt? admit queued requests?
+        # laminar is version-atomic: it pulls only when no response is in flight here (queued requests
+        # have not started, so they run under the new version) and no repack is about to hand some over
+        plan = control.dispatch_plan(self.mode, version=r.version, latest=self.latest, active=r.active,
+                                     queued=r.queued, pending=bool(r.pending_inject), awaiting=r.awaiting,
+                                     batch_min_version=getattr(self, "batch_min_version", 0))
+        relay = self.relays[r.relay] if plan.pull else None
+        min_version = plan.min_version
+        if plan.interrupt:
+            self.counts["interrupts"] += 1
+            self._event(r, "interrupt", self.latest)
+        draining = not plan.admitting
+        admitting = plan.admitting
         inject: list[Partial] = []
         submit: list[GenRequest] = []
         for item in r.pending_inject:
@@ -563,8 +627,8 @@ class LaminarRuntime:
                                         "version": self.latest, "relay": name})
         self._wire_chain()
         if was_master:
-            ray.get(self.trainer.set_master.remote(self.relays[self.chain.master]))
-            ray.get(self.trainer.republish.remote())
+            ray.get(self.trainer.lead.set_master.remote(self.relays[self.chain.master]))
+            ray.get(self.trainer.lead.republish.remote())
         else:
             ray.get(self.relays[self.chain.master].forward_latest.remote())
             self._forward_chain(ray)
@@ -628,7 +692,7 @@ class LaminarRuntime:
         window.reset(self.buffer.stats.filtered)
         if self.evaluate is not None and self.eval_every > 0 and self.version % self.eval_every == 0 \
                 and self.version < self.steps:
-            state = ray.get(self.trainer.state.remote())
+            state = self.trainer.get(ray, "state")
             self.local_engine.model.load_state_dict({k: torch.from_numpy(v.copy()) for k, v in state.items()})
             self.local_version = self.version
             m.update(self.evaluate(self.local_engine.model))
@@ -659,7 +723,7 @@ class LaminarRuntime:
         from training.rl.checkpoint import save_json, write_checkpoint
 
         def writer(tmp: Path) -> None:
-            ray.get(self.trainer.save.remote(str(tmp)))
+            self.trainer.get(ray, "save", str(tmp))
             save_json(tmp, "runtime.json", {
                 "version": self.version, "cursor": self.cursor.position, "queue": self.queue.state(),
                 "in_flight": [control.request_to_json(q) for q in self._in_flight()],
@@ -681,7 +745,7 @@ class LaminarRuntime:
         if ckpt is None:
             return
         state = load_json(ckpt, "runtime.json")
-        self.version = ray.get(self.trainer.load.remote(str(ckpt)))
+        self.version = self.trainer.get(ray, "load", str(ckpt))
         self.cursor.position = state["cursor"]
         self.queue.load_state(state["queue"])
         self.queue.requeue(control.request_from_json(q) for q in state["in_flight"])
@@ -715,6 +779,7 @@ class LaminarRuntime:
             "relay_nodes": {n: self.chain.node_of[n] for n in self.chain.order},
             "rollout_relays": {r.name: r.relay for r in self.rollouts.values()},
             "rollout_nodes": {r.name: r.node for r in self.rollouts.values()},
+            "trainer_backend": self.rc.trainer_backend, "trainer_nodes": getattr(self, "trainer_nodes", []),
             "trained_uids": getattr(self, "trained_uids", []),
             "response_lengths": getattr(self, "lengths", []),
             "trained_prompts": getattr(self, "trained_prompts", []),

@@ -1,0 +1,187 @@
+"""The cluster-scale simulator: deterministic, conserving, within the staleness bound, driving the
+real control plane (no copy of it), and ``laminar simulate`` end to end on a tiny shape."""
+
+from __future__ import annotations
+
+import dataclasses
+import inspect
+import json
+
+import pytest
+
+from training.rl import control
+from training.rl import simulate as sim
+
+
+def tiny(**over) -> sim.SimConfig:
+    base = {
+        "cluster": {"nodes": 2, "gpus_per_node": 4, "trainer_share": 0.25},
+        "workload": {"prompts_per_step": 8, "group_size": 4, "steps": 6, "max_output": 2048, "prompt_len": 64,
+                     "lengths": {"median": 200, "p99_over_median": 10}},
+        "sched": {"capacity": 16, "repack_interval_s": 1.0},
+        "cost": {"train_gen_share": 0.0, "mfu_train": 0.02},
+        "warmup_updates": 1,
+    }
+    for key, value in over.items():
+        base[key] = {**base.get(key, {}), **value} if isinstance(value, dict) else value
+    return sim.config_from_dict(base)
+
+
+@pytest.mark.parametrize("mode", sorted(sim.SIM_MODES))
+def test_deterministic_and_conserving(mode):
+    cfg = tiny()
+    a, b = sim.Simulator(cfg, mode).run(), sim.Simulator(cfg, mode).run()
+    assert a.summary() == b.summary()
+    assert a.timeline == b.timeline
+    # every group trained at most once; trained groups == steps x batch
+    assert len(a.trained_uids) == len(set(a.trained_uids)) == cfg.workload.steps * cfg.workload.prompts_per_step
+    assert a.updates == cfg.workload.steps
+    assert sum(a.staleness_histogram.values()) == a.trained_groups
+    assert a.trained_tokens > 0 and a.wall_s > 0
+
+
+def test_seed_changes_the_lengths():
+    a = sim.Simulator(tiny(), "laminar").run()
+    b = sim.Simulator(tiny(seed=1), "laminar").run()
+    assert a.trained_tokens != b.trained_tokens
+
+
+@pytest.mark.parametrize("mode", ["partial", "laminar"])
+def test_staleness_bound_respected(mode):
+    cfg = tiny(sched={"max_staleness": 1}, workload={"steps": 8})
+    r = sim.Simulator(cfg, mode).run()
+    assert max(int(k) for k in r.staleness_histogram) <= 1
+    assert len(r.trained_uids) == len(set(r.trained_uids))
+
+
+def test_batched_modes_staleness():
+    assert set(sim.Simulator(tiny(), "sync").run().staleness_histogram) == {"0"}
+    assert set(sim.Simulator(tiny(), "one_step").run().staleness_histogram) <= {"0", "1"}
+
+
+def test_laminar_beats_sync_on_a_long_tail():
+    cfg = tiny(workload={"steps": 8, "lengths": {"median": 150, "p99_over_median": 12}})
+    res = sim.simulate(cfg, ["sync", "laminar"])
+    assert res["laminar"].steady_tokens_per_s > 1.3 * res["sync"].steady_tokens_per_s
+    assert res["laminar"].idle_share < res["sync"].idle_share
+
+
+def test_simulator_and_runtime_share_the_control_plane(monkeypatch):
+    """The simulator calls the planner, the buffer and the mode decisions of ``training.rl.control``
+    (spied here), and the real runtime references the very same objects."""
+    calls = {"plan_repack": 0, "dispatch_plan": 0, "add": 0, "take": 0, "take_uids": 0, "may_open_batch": 0}
+
+    def spy(name, fn):
+        def wrapped(*a, **k):
+            calls[name] += 1
+            return fn(*a, **k)
+        return wrapped
+
+    monkeypatch.setattr(control, "plan_repack", spy("plan_repack", control.plan_repack))
+    monkeypatch.setattr(control, "dispatch_plan", spy("dispatch_plan", control.dispatch_plan))
+    monkeypatch.setattr(control, "may_open_batch", spy("may_open_batch", control.may_open_batch))
+    for name in ("add", "take", "take_uids"):
+        monkeypatch.setattr(control.ExperienceBuffer, name, spy(name, getattr(control.ExperienceBuffer, name)))
+    sim.Simulator(tiny(), "laminar").run()
+    sim.Simulator(tiny(), "sync").run()
+    assert all(calls[k] > 0 for k in calls), calls
+    # the simulator holds no copy of the planner or the buffer
+    assert sim.ExperienceBuffer is control.ExperienceBuffer and sim.PromptQueue is control.PromptQueue
+    assert sim.RolloutView is control.RolloutView and sim.RelayChain is control.RelayChain
+    src = inspect.getsource(sim)
+    assert "def plan_repack" not in src and "def is_repack_source" not in src and "class ExperienceBuffer" not in src
+    # the real runtime calls the same functions through the same module
+    from training.rl import runtime
+
+    rt = inspect.getsource(runtime)
+    for used in ("control.plan_repack(", "control.dispatch_plan(", "control.may_open_batch(",
+                 "control.round_robin_groups(", "ExperienceBuffer(", "self.buffer.take(", "self.buffer.take_uids("):
+        assert used in rt, used
+    assert runtime.control is control and runtime.ExperienceBuffer is control.ExperienceBuffer
+    assert runtime.MODES is control.MODES and all(sim.SIM_MODES[m] is control.MODES[m] for m in control.MODES)
+
+
+def test_repack_happens_and_is_counted():
+    cfg = tiny(workload={"steps": 8, "lengths": {"median": 150, "p99_over_median": 15}},
+               sched={"repack_interval_s": 0.2})
+    r = sim.Simulator(cfg, "laminar").run()
+    assert r.repacks > 0
+    kinds = {e["kind"] for e in r.timeline["events"]}
+    assert {"repack_out", "repack_in", "pull"} <= kinds
+
+
+def test_dispatch_plan_matches_the_modes():
+    m = control.MODES
+    kw = dict(active=3, queued=0, pending=False, awaiting=0)
+    assert control.dispatch_plan(m["laminar"], version=0, latest=1, **kw) == control.DispatchPlan(False, -1, False, False)
+    assert control.dispatch_plan(m["laminar"], version=0, latest=1, **{**kw, "active": 0}).pull
+    p = control.dispatch_plan(m["partial"], version=0, latest=1, **kw)
+    assert p.pull and p.interrupt and p.admitting
+    assert not control.dispatch_plan(m["sync"], version=0, latest=1, batch_min_version=1, **kw).pull
+    assert control.dispatch_plan(m["sync"], version=0, latest=1, batch_min_version=1,
+                                 **{**kw, "active": 0}).pull
+    assert control.dispatch_plan(m["one_step"], version=-1, latest=0, **kw).pull
+
+
+def test_timeline_plots_with_the_runtime_function(tmp_path):
+    from evaluation.timeline import plot_timeline, summarize_timeline
+
+    r = sim.Simulator(tiny(timeline_rollouts=3), "laminar").run()
+    assert len(r.timeline["rollouts"]) == 3
+    s = summarize_timeline(r.timeline)
+    assert s["updates"] == 6 and set(s["rollouts"]) == set(r.timeline["rollouts"])
+    assert plot_timeline(r.timeline, tmp_path / "t.png").stat().st_size > 1000
+
+
+def test_calibrate_train_share_hits_the_share():
+    cfg = tiny(cost={"train_gen_share": 0.8}, cluster={"colocate_sync": True})
+    new, info = sim.calibrate_train_share(cfg)
+    r = sim.Simulator(new, "sync").run()
+    assert 0.7 < r.generation_share < 0.9, (r.generation_share, info)
+
+
+def test_conf_schema_mirrors_the_simulator():
+    from conf.simulate import SimulateConfig
+
+    def names(cls):
+        out = {}
+        for f in dataclasses.fields(cls):
+            d = f.default_factory() if f.default_factory is not dataclasses.MISSING else None
+            out[f.name] = names(type(d)) if dataclasses.is_dataclass(d) else None
+        return out
+
+    ours, theirs = names(SimulateConfig), names(sim.SimConfig)
+    theirs["model"]["preset"] = None
+    ours.pop("out")
+    assert ours == theirs
+
+
+def test_config_errors_before_any_write(tmp_path):
+    from flows.cli import main
+
+    ws = tmp_path / "ws"
+    assert main(["simulate", "cluster.nodse=2", "--workspace", str(ws)]) == 2
+    assert main(["simulate", "model.preset=qwen9", "--workspace", str(ws)]) == 2
+    assert main(["simulate", "modes=[sync,fast]", "--workspace", str(ws)]) == 2
+    assert not ws.exists()
+
+
+def test_cli_end_to_end(tmp_path, capsys):
+    from flows.cli import main
+
+    out = tmp_path / "sim"
+    rc = main(["simulate", "cluster.nodes=2", "cluster.gpus_per_node=4", "workload.prompts_per_step=8",
+               "workload.group_size=4", "workload.steps=4", "workload.max_output=2048",
+               "workload.lengths.median=200", "sched.capacity=16", "timeline_rollouts=4",
+               "modes=[sync,laminar]", f"out={out}", "--workspace", str(tmp_path / "ws")])
+    assert rc == 0
+    text = capsys.readouterr().out
+    assert "| laminar |" in text and "| sync |" in text and "laminar speedup over sync" in text
+    summary = json.loads((out / "simulate.json").read_text())
+    assert set(summary["modes"]) == {"sync", "laminar"}
+    assert summary["calibration"]["train_gen_share"] == 0.83
+    for mode in ("sync", "laminar"):
+        assert (out / f"timeline_{mode}.png").stat().st_size > 1000
+        m = summary["modes"][mode]
+        assert m["updates"] == 4 and m["trained_groups"] == 32
+        assert {"idle_share", "staleness_histogram", "repacks", "tokens_per_s"} <= set(m)
