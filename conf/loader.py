@@ -93,3 +93,24 @@ def to_yaml(cfg: Config) -> str:
     from omegaconf import OmegaConf
 
     return OmegaConf.to_yaml(OmegaConf.structured(cfg))
+
+
+def deepspeed_config(name: str) -> dict:
+    """The DeepSpeed JSON that ``trainer.deepspeed`` names: ``conf/deepspeed/<name>.json`` or a path."""
+    import json
+
+    path = CONF_DIR / "deepspeed" / f"{name}.json"
+    if not path.exists():
+        path = Path(name)
+    if not path.is_file():
+        options = sorted(p.stem for p in (CONF_DIR / "deepspeed").glob("*.json"))
+        raise ConfigError(f"trainer.deepspeed={name!r}: no such config; choose one of {', '.join(options)} "
+                          "or give the path of a DeepSpeed JSON file")
+    try:
+        cfg = json.loads(path.read_text(encoding="utf-8"))
+    except json.JSONDecodeError as err:
+        raise ConfigError(f"trainer.deepspeed={name!r}: {path} is not valid JSON ({err})") from None
+    stage = cfg.get("zero_optimization", {}).get("stage", 0)
+    if stage not in (0, 1, 2, 3):
+        raise ConfigError(f"trainer.deepspeed={name!r}: zero_optimization.stage={stage} must be 0-3")
+    return cfg

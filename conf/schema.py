@@ -244,7 +244,31 @@ class ClusterConfig:
     trainer_threads: int = 0
     """torch threads of the trainer; 0 = ``actor_threads``."""
     trainer_node: int = 0
+    """Node index (0 = head) of a single-rank trainer."""
+    trainer_strategy: str = "PACK"
+    """Placement of several trainer ranks (``trainer.ranks`` > 1): a Ray placement group with this
+    strategy (PACK, SPREAD, STRICT_PACK, STRICT_SPREAD)."""
+    rollout_nodes: List[int] = field(default_factory=list)
+    """Node indices the rollouts go to, round-robin (empty: every node, head first)."""
     max_restarts: int = 3
+
+
+@dataclass
+class TrainerConfig:
+    """The RL trainer. ``backend=torch``: torch AdamW; ``deepspeed``: DeepSpeed ZeRO from the JSON
+    file ``deepspeed`` names (``conf/deepspeed/<name>.json``: zero2, zero3; or a path), bf16 where the
+    device has it, on the CPU with gloo. ``ranks`` > 1: data-parallel trainer ranks as Ray actors in a
+    placement group (``cluster.trainer_strategy``), rank 0 publishes. Anything but one torch rank
+    runs RL on the Ray runtime (``rl.runtime=auto`` picks it)."""
+
+    backend: str = "torch"
+    deepspeed: str = "zero2"
+    ranks: int = 1
+    dist_backend: str = "auto"
+    """torch.distributed backend of the trainer group: auto = nccl on CUDA, gloo on the CPU."""
+
+    def is_default(self) -> bool:
+        return self.backend == "torch" and self.ranks == 1
 
 
 @dataclass
@@ -259,6 +283,7 @@ class Config:
     eval: EvalConfig = field(default_factory=EvalConfig)
     curation: CurationConfig = field(default_factory=CurationConfig)
     cluster: ClusterConfig = field(default_factory=ClusterConfig)
+    trainer: TrainerConfig = field(default_factory=TrainerConfig)
 
 
 MODEL_KINDS = ("tiny", "hf")
@@ -270,6 +295,9 @@ ENTROPY_RULES = ("median", "paper", "off")
 RL_ALGORITHMS = ("grpo", "dapo", "dr_grpo")  # the keys of training.objectives.PRESETS (a test checks)
 RL_MODES = ("sync", "one_step", "partial", "laminar")
 RL_RUNTIMES = ("auto", "local", "ray")
+TRAINER_BACKENDS = ("torch", "deepspeed")
+DIST_BACKENDS = ("auto", "gloo", "nccl")
+PLACEMENT_STRATEGIES = ("PACK", "SPREAD", "STRICT_PACK", "STRICT_SPREAD")
 DEVICES = ("cpu", "cuda", "auto")
 
 
@@ -301,6 +329,19 @@ def validate(cfg: Config) -> Config:
     _one_of("rl.runtime", cfg.rl.runtime, RL_RUNTIMES)
     if cfg.rl.runtime == "local" and cfg.rl.mode != "sync":
         raise ConfigError(f"rl.mode={cfg.rl.mode} needs the Ray runtime: drop rl.runtime=local (or set rl.runtime=ray)")
+    _one_of("trainer.backend", cfg.trainer.backend, TRAINER_BACKENDS)
+    _one_of("trainer.dist_backend", cfg.trainer.dist_backend, DIST_BACKENDS)
+    _one_of("cluster.trainer_strategy", cfg.cluster.trainer_strategy, PLACEMENT_STRATEGIES)
+    _positive(cfg, "trainer.ranks")
+    if not cfg.trainer.is_default():
+        if cfg.rl.runtime == "local":
+            raise ConfigError(f"trainer.backend={cfg.trainer.backend} trainer.ranks={cfg.trainer.ranks} needs the Ray "
+                              "runtime: drop rl.runtime=local (or set rl.runtime=ray)")
+        cfg.rl.runtime = "ray"  # auto: the trainer's backend and ranks live on the Ray runtime
+    if cfg.trainer.dist_backend == "nccl" and cfg.device == "cpu":
+        raise ConfigError("trainer.dist_backend=nccl needs device=cuda; use gloo (or auto) on the CPU")
+    if any(n < 0 for n in cfg.cluster.rollout_nodes):
+        raise ConfigError(f"cluster.rollout_nodes={cfg.cluster.rollout_nodes}: node indices are >= 0 (0 = head)")
     if cfg.rl.max_staleness is not None and cfg.rl.max_staleness < 0:
         raise ConfigError("rl.max_staleness must be >= 0 or null")
     _positive(cfg, "rl.rollout_capacity", "rl.chunk_steps", "rl.repack_interval_s", "cluster.rollouts",

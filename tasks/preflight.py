@@ -38,3 +38,12 @@ def preflight(cfg: Config) -> None:
     if params.overlong_shaping and not 0 < cfg.rl.overlong_cache_len < cfg.rl.max_new_tokens:
         raise ConfigError(f"rl.overlong_cache_len={cfg.rl.overlong_cache_len} must be in (0, rl.max_new_tokens="
                           f"{cfg.rl.max_new_tokens}) when overlong shaping is on ({cfg.rl.algorithm})")
+    if cfg.trainer.backend == "deepspeed":
+        from conf.loader import deepspeed_config
+
+        deepspeed_config(cfg.trainer.deepspeed)
+        import importlib.util
+
+        if importlib.util.find_spec("deepspeed") is None:
+            raise ConfigError("trainer.backend=deepspeed: the deepspeed package is not installed "
+                              "(it is in requirements.txt: run `make test` or `pip install -r requirements.txt`)")

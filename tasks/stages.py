@@ -311,7 +311,8 @@ def _rl_body(ctx: StageContext) -> StageResult:
             result = rl(Path(ctx.inputs[MODEL].path), sel.file("prompts.parquet"), ctx.cfg.rl,
                         template=template(ctx.cfg), seed=ctx.cfg.seed, device=ctx.device, out_dir=out,
                         verifier=verifier, select=ctx.cfg.curation.select, history_path=sel.file("history.parquet"),
-                        evaluate=evaluate, cluster=ctx.cfg.cluster, state_dir=ctx.state_dir)
+                        evaluate=evaluate, cluster=ctx.cfg.cluster, state_dir=ctx.state_dir,
+                        trainer=ctx.cfg.trainer)
         meta["timings"] = [{k: m[k] for k in ("step", *TIMING_KEYS) if k in m} for m in result.history]
         last = result.history[-5:] if result.history else []
         mean = lambda k: sum(m[k] for m in last) / max(1, len(last))  # noqa: E731
@@ -542,8 +543,9 @@ STAGES: tuple[Stage, ...] = (
           lambda c: {**asdict(c.rl), "verifier_timeout_s": c.eval.verifier_timeout_s, "template": template(c),
                      "select": asdict(c.curation.select),
                      **({"cluster": asdict(c.cluster)} if c.rl.uses_ray() else {}),
+                     **({"trainer": asdict(c.trainer)} if not c.trainer.is_default() else {}),
                      **({"eval": asdict(c.eval)} if c.rl.eval_every else {})},
-          ("training.rl.stage", "training.rl.runtime", "training.rl.actors", "training.setup", "data_curation.hive", "evaluation.verifier", "evaluation.stages"),
+          ("training.rl.stage", "training.rl.runtime", "training.rl.actors", "training.rl.trainer", "training.setup", "data_curation.hive", "evaluation.verifier", "evaluation.stages"),
           _rl_body, _record_rl,
           lambda m: (f"reward {m['reward_first']:.3f} -> {m['reward_last5']:.3f} (last 5)  "
                      f"{m.get('generated', 0):.0f} rollouts") if m.get("steps") else ""),

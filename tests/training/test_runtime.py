@@ -169,16 +169,21 @@ def test_a_killed_relay_is_bypassed_and_rebuilt(local_ray, model_dir, prompts):
 
 
 @pytest.mark.slow
-def test_sigkill_the_trainer_then_resume_from_the_last_checkpoint(local_ray, model_dir, prompts, tmp_path):
+@pytest.mark.parametrize("backend", ["torch", "deepspeed"])
+def test_sigkill_the_trainer_then_resume_from_the_last_checkpoint(local_ray, model_dir, prompts, tmp_path, backend):
+    from conf.loader import deepspeed_config
     from training.rl.checkpoint import latest_checkpoint, load_json
 
     ckpt = tmp_path / "ckpt"
+    kw = dict(trainer_backend=backend, ds_config=deepspeed_config("zero2") if backend == "deepspeed" else None,
+              extensions_dir=str(tmp_path / "ext"))
 
     def on_step(m):
         if m["step"] == 5:
-            os.kill(ray.get(rt.trainer.ping.remote())["pid"], signal.SIGKILL)
+            os.kill(ray.get(rt.trainer.lead.ping.remote())["pid"], signal.SIGKILL)
 
-    rt = make_runtime(model_dir, prompts, "laminar", steps=8, on_step=on_step, checkpoint_dir=ckpt, checkpoint_every=2)
+    rt = make_runtime(model_dir, prompts, "laminar", steps=8, on_step=on_step, checkpoint_dir=ckpt, checkpoint_every=2,
+                      **kw)
     with pytest.raises(ray.exceptions.RayActorError):
         rt.run()
     last = latest_checkpoint(ckpt)
@@ -186,9 +191,12 @@ def test_sigkill_the_trainer_then_resume_from_the_last_checkpoint(local_ray, mod
     saved = load_json(last, "runtime.json")
     buffered = {t["group_uid"] for t in saved["buffer"]["partial"] + saved["buffer"]["ready"]}
     in_flight = {q["group_uid"] for q in saved["in_flight"]}
-    rt2 = make_runtime(model_dir, prompts, "laminar", steps=8, checkpoint_dir=ckpt, checkpoint_every=2)
+    if backend == "deepspeed":  # DeepSpeed's own checkpoint files, inside the atomic folder
+        assert (last / "deepspeed").is_dir() and not (last / "optimizer.safetensors").exists()
+    rt2 = make_runtime(model_dir, prompts, "laminar", steps=8, checkpoint_dir=ckpt, checkpoint_every=2, **kw)
     result = rt2.run()
     assert rt2.summary.get("resumed") == 1 and len(result.history) == 8
+    assert rt2.summary["trainer_backend"] == backend
     uids = rt2.summary["trained_uids"]
     assert uids[:len(saved["trained_uids"])] == saved["trained_uids"] and len(uids) == len(set(uids))
     # the same prompt order: uid k is the k-th prompt of the seeded cursor in both runs
@@ -221,6 +229,35 @@ def test_two_node_cluster_one_relay_per_node_rollouts_pull_locally(model_dir, pr
         for name, relay in s["rollout_relays"].items():  # each rollout pulls from its own node's relay
             assert s["relay_nodes"][relay] == s["rollout_nodes"][name]
         assert len(set(s["rollout_nodes"].values())) == 2
+        check_whole_groups_once(rt, result)
+    finally:
+        ray.shutdown()
+        cluster.shutdown()
+
+
+@pytest.mark.slow
+def test_two_node_cluster_places_trainer_ranks_and_rollouts_per_config(model_dir, prompts):
+    """cluster.trainer_strategy=STRICT_SPREAD puts the two trainer ranks on different nodes;
+    cluster.rollout_nodes=[1] puts both rollouts on the second node, pulling from its relay."""
+    from ray.cluster_utils import Cluster
+
+    if ray.is_initialized():
+        ray.shutdown()
+    cluster = Cluster(initialize_head=True, head_node_args={"num_cpus": 1})
+    cluster.add_node(num_cpus=1)
+    try:
+        ray.init(address=cluster.address, include_dashboard=False, logging_level="WARNING")
+        cluster.wait_for_nodes()
+        rt = make_runtime(model_dir, prompts, "laminar", steps=3, rollouts=2, address=cluster.address,
+                          trainer_cpus=0.25, rollout_cpus=0.25, relay_cpus=0.05, trainer_ranks=2,
+                          trainer_strategy="STRICT_SPREAD", rollout_nodes=(1,))
+        result = rt.run()
+        s = rt.summary
+        head, worker = rt.nodes
+        assert sorted(s["trainer_nodes"]) == sorted([head, worker])  # one rank per node
+        assert set(s["rollout_nodes"].values()) == {worker}
+        assert all(s["relay_nodes"][relay] == worker for relay in s["rollout_relays"].values())
+        assert len(s["relays"]) == 2
         check_whole_groups_once(rt, result)
     finally:
         ray.shutdown()

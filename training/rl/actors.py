@@ -156,43 +156,90 @@ class RolloutWorker:
 
 
 class TrainerWorker:
-    """The policy trainer behind one Ray actor: ``train`` takes one publishable update from whole
-    scored groups and pushes ``(version, weights)`` once to the master relay, then returns."""
+    """One rank of the policy trainer behind a Ray actor: ``train`` takes one publishable update
+    from whole scored groups; rank 0 then pushes ``(version, weights)`` once to the master relay.
+
+    ``backend``: ``torch`` (AdamW) or ``deepspeed`` (ZeRO from ``ds_config``). With ``world_size``
+    > 1 (or DeepSpeed) the ranks form a ``torch.distributed`` group: the driver asks rank 0 for a
+    rendezvous ``address()`` and then calls ``start(addr, port)`` on every rank together; a single
+    torch rank needs no group and starts at once."""
 
     def __init__(self, model_dir: str, params, *, lr: float, weight_decay: float, max_grad_norm: float,
                  temperature: float, max_new_tokens: int, device: str, minibatches: int, seed: int, threads: int = 1,
-                 micro_batch_tokens: int = 0):
+                 micro_batch_tokens: int = 0, backend: str = "torch", ds_config: dict | None = None, rank: int = 0,
+                 world_size: int = 1, dist_backend: str = "gloo", extensions_dir: str | None = None):
         _setup(threads, seed)
         from training.model import load_model
-        from training.rl.trainer import PolicyTrainer
 
+        if extensions_dir:  # DeepSpeed's JIT-built ops stay inside the workspace
+            os.environ["TORCH_EXTENSIONS_DIR"] = extensions_dir
         model, tokenizer = load_model(Path(model_dir), device)
-        self.trainer = PolicyTrainer(model, params, lr=lr, weight_decay=weight_decay, max_grad_norm=max_grad_norm,
-                                     temperature=temperature, max_new_tokens=max_new_tokens,
-                                     pad_id=tokenizer.pad_token_id, device=device, minibatches=minibatches,
-                                     micro_batch_tokens=micro_batch_tokens)
+        self._kw = dict(params=params, lr=lr, weight_decay=weight_decay, max_grad_norm=max_grad_norm,
+                        temperature=temperature, max_new_tokens=max_new_tokens, pad_id=tokenizer.pad_token_id,
+                        device=device, minibatches=minibatches, micro_batch_tokens=micro_batch_tokens, rank=rank,
+                        world_size=world_size)
+        self._model = model
+        self.backend, self.ds_config, self.dist_backend = backend, ds_config, dist_backend
+        self.rank, self.world_size = rank, world_size
+        self.trainer = None
         self.master = None
         self._last_box: list | None = None
+        if not self.needs_group():
+            self.start()
+
+    def needs_group(self) -> bool:
+        return self.world_size > 1 or self.backend == "deepspeed"
+
+    def address(self) -> tuple[str, int]:
+        """A rendezvous address on this actor's node (rank 0): its IP and a free port."""
+        import socket
+
+        import ray
+
+        with socket.socket() as s:
+            s.bind(("", 0))
+            port = s.getsockname()[1]
+        return ray.util.get_node_ip_address(), port
+
+    def start(self, master_addr: str | None = None, master_port: int | None = None) -> dict:
+        """Join the process group (when there is one) and build the trainer."""
+        from training.rl.trainer import DeepSpeedPolicyTrainer, PolicyTrainer, init_distributed
+
+        if self.trainer is None:
+            if self.needs_group():
+                init_distributed(self.dist_backend, self.rank, self.world_size, master_addr, master_port,
+                                 deepspeed_comm=self.backend == "deepspeed")
+            kw = dict(self._kw)
+            params = kw.pop("params")
+            if self.backend == "deepspeed":
+                self.trainer = DeepSpeedPolicyTrainer(self._model, params, ds_config=self.ds_config or {}, **kw)
+            else:
+                self.trainer = PolicyTrainer(self._model, params, **kw)
+            self._model = None
+        return self.ping()
 
     def ping(self) -> dict:
-        return {"pid": os.getpid(), "node": _node_id(), "version": self.trainer.version}
+        return {"pid": os.getpid(), "node": _node_id(), "rank": self.rank,
+                "version": self.trainer.version if self.trainer is not None else None}
 
     def set_master(self, relay) -> None:
         self.master = relay
 
     def publish(self) -> float:
         """Put the current weights into the object store once and hand the ref to the master relay
-        without waiting for it: the stall is the device-to-host copy plus one ``ray.put``.
+        without waiting for it: the stall is the device-to-host copy plus one ``ray.put`` (rank 0;
+        with ZeRO-3 every rank joins the gather, only rank 0 puts).
         ``self.last_publish_cpu_s`` is the same stall in this thread's CPU time (what the trainer
         itself spends, without the waits a crowded machine adds)."""
         import ray
 
         c0 = time.thread_time()
         t0 = time.perf_counter()
-        state = {k: v.detach().to("cpu").numpy().copy() for k, v in self.trainer.model.state_dict().items()}
-        self._last_box = [ray.put(state)]
-        if self.master is not None:
-            self.master.push.remote(self.trainer.version, self._last_box)
+        state = self.trainer.full_state() if self.rank == 0 or getattr(self.trainer, "zero_stage", 0) == 3 else None
+        if self.rank == 0:
+            self._last_box = [ray.put(state)]
+            if self.master is not None:
+                self.master.push.remote(self.trainer.version, self._last_box)
         self.last_publish_cpu_s = time.thread_time() - c0
         return time.perf_counter() - t0
 
@@ -208,18 +255,31 @@ class TrainerWorker:
         stall = self.publish()
         return {"stats": stats, "train_s": train_s, "publish_stall_s": stall, "publish_cpu_s": self.last_publish_cpu_s}
 
-    def state(self) -> dict[str, np.ndarray]:
-        return {k: v.detach().to("cpu").numpy().copy() for k, v in self.trainer.model.state_dict().items()}
+    def state(self) -> dict[str, np.ndarray] | None:
+        state = self.trainer.full_state() if self.rank == 0 or getattr(self.trainer, "zero_stage", 0) == 3 else None
+        return state if self.rank == 0 else None
 
     def save(self, directory: str) -> None:
+        """Every rank calls: DeepSpeed writes its shards through its own API (inside the caller's
+        atomic checkpoint folder, on storage every trainer node sees); rank 0 writes the version and
+        RNG (and, with torch, the weights and optimizer) as safetensors + JSON."""
         from training.rl.checkpoint import save_trainer_state
 
-        save_trainer_state(Path(directory), self.trainer.model, self.trainer.opt, version=self.trainer.version)
+        if self.backend == "deepspeed":
+            self.trainer.save(directory)
+            if self.rank == 0:
+                save_trainer_state(Path(directory), None, None, version=self.trainer.version)
+        elif self.rank == 0:
+            save_trainer_state(Path(directory), self.trainer.model, self.trainer.opt, version=self.trainer.version)
 
     def load(self, directory: str) -> int:
         from training.rl.checkpoint import load_trainer_state
 
-        info = load_trainer_state(Path(directory), self.trainer.model, self.trainer.opt)
+        if self.backend == "deepspeed":
+            self.trainer.load(directory)
+            info = load_trainer_state(Path(directory), None, None)
+        else:
+            info = load_trainer_state(Path(directory), self.trainer.model, self.trainer.opt)
         self.trainer.version = int(info["version"])
         return self.trainer.version
 

@@ -355,15 +355,21 @@ def save_trainer_state(dir: Path, model, optimizer, *, version: int, extra: dict
       initialised),
     - ``trainer_state.json``: version, ``extra``, the optimizer's param groups (lr, betas, eps,
       weight_decay, ...) and non-tensor state, Python's ``random`` and NumPy's global RNG state.
+
+    ``model=None`` / ``optimizer=None`` leave their files out (a backend that checkpoints them
+    through its own API, e.g. DeepSpeed, keeps only the version and RNG here).
     """
     import torch
     from safetensors.torch import save_file, save_model
 
     dir = Path(dir)
     dir.mkdir(parents=True, exist_ok=True)
-    save_model(model, str(dir / MODEL_FILE))
-    opt_json, opt_tensors = _optimizer_payload(optimizer)
-    save_file(opt_tensors, str(dir / OPTIMIZER_FILE))
+    if model is not None:
+        save_model(model, str(dir / MODEL_FILE))
+    opt_json = None
+    if optimizer is not None:
+        opt_json, opt_tensors = _optimizer_payload(optimizer)
+        save_file(opt_tensors, str(dir / OPTIMIZER_FILE))
     rng = {"torch": torch.get_rng_state().clone()}
     n_cuda = 0
     if torch.cuda.is_available() and torch.cuda.is_initialized():
@@ -375,7 +381,7 @@ def save_trainer_state(dir: Path, model, optimizer, *, version: int, extra: dict
         "version": int(version),
         "extra": extra if extra is not None else {},
         "optimizer": opt_json,
-        "optimizer_class": type(optimizer).__name__,
+        "optimizer_class": type(optimizer).__name__ if optimizer is not None else None,
         "python_random": _encode(random.getstate(), "python_random", {}),
         "numpy_random": _numpy_state(),
         "cuda_devices": n_cuda,
@@ -386,19 +392,21 @@ def save_trainer_state(dir: Path, model, optimizer, *, version: int, extra: dict
 
 def load_trainer_state(dir: Path, model, optimizer) -> dict:
     """Restore what :func:`save_trainer_state` wrote into ``model`` and ``optimizer`` (built the same
-    way as when saved: same parameters and param-group layout) and restore the torch, CUDA, Python
+    way as when saved: same parameters and param-group layout; ``None`` skips one) and restore the torch, CUDA, Python
     and NumPy RNGs. Returns ``{"version", "extra", "optimizer_class", "torch_version"}``."""
     import torch
     from safetensors.torch import load_file, load_model
 
     dir = Path(dir)
     state = json.loads((dir / STATE_FILE).read_text(encoding="utf-8"))
-    if state.get("optimizer_class") not in (None, type(optimizer).__name__):
+    if optimizer is not None and state.get("optimizer_class") not in (None, type(optimizer).__name__):
         raise ValueError(f"checkpoint optimizer is {state['optimizer_class']}, got {type(optimizer).__name__}")
-    device = next((p.device for p in model.parameters()), torch.device("cpu"))
-    load_model(model, str(dir / MODEL_FILE), strict=True, device=str(device))
-    opt_tensors = load_file(str(dir / OPTIMIZER_FILE))
-    optimizer.load_state_dict(_optimizer_from_payload(state["optimizer"], opt_tensors))
+    if model is not None:
+        device = next((p.device for p in model.parameters()), torch.device("cpu"))
+        load_model(model, str(dir / MODEL_FILE), strict=True, device=str(device))
+    if optimizer is not None:
+        opt_tensors = load_file(str(dir / OPTIMIZER_FILE))
+        optimizer.load_state_dict(_optimizer_from_payload(state["optimizer"], opt_tensors))
 
     rng = load_file(str(dir / RNG_FILE))
     torch.set_rng_state(rng["torch"])

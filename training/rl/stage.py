@@ -16,7 +16,7 @@ from typing import Callable
 
 from tqdm.auto import tqdm
 
-from conf.schema import ClusterConfig, RLConfig, SelectConfig
+from conf.schema import ClusterConfig, RLConfig, SelectConfig, TrainerConfig
 from training.model import encode_problem, load_model, save_model
 from training.objectives import PRESETS, ObjectiveParams
 from training.rl.loop import RLResult, format_step, run_sync
@@ -56,11 +56,18 @@ def hive_source(select: SelectConfig, history_path: Path | None, seed: int):
                                              seed=seed)
 
 
-def runtime_config(cfg: RLConfig, cluster: ClusterConfig | None, state_dir: Path | None):
+def runtime_config(cfg: RLConfig, cluster: ClusterConfig | None, state_dir: Path | None,
+                   trainer: TrainerConfig | None = None):
+    from conf.loader import deepspeed_config
     from training.rl.runtime import RuntimeConfig
 
     c = cluster or ClusterConfig()
+    t = trainer or TrainerConfig()
     return RuntimeConfig(
+        trainer_backend=t.backend, trainer_ranks=t.ranks, dist_backend=t.dist_backend,
+        ds_config=deepspeed_config(t.deepspeed) if t.backend == "deepspeed" else None,
+        trainer_strategy=c.trainer_strategy, rollout_nodes=tuple(c.rollout_nodes),
+        extensions_dir=str(Path(state_dir).parent / "torch_extensions") if state_dir is not None else None,
         mode=cfg.mode, rollouts=c.rollouts, capacity=cfg.rollout_capacity, chunk_steps=cfg.chunk_steps,
         max_staleness=cfg.max_staleness, repack_interval_s=cfg.repack_interval_s, repack_b=cfg.repack_b,
         checkpoint_every=cfg.checkpoint_every if state_dir is not None else 0,
@@ -74,7 +81,7 @@ def runtime_config(cfg: RLConfig, cluster: ClusterConfig | None, state_dir: Path
 def rl(model_dir: Path, prompts_path: Path, cfg: RLConfig, *, template: str, seed: int, device: str, out_dir: Path,
        verifier, select: SelectConfig | None = None, history_path: Path | None = None,
        evaluate: Callable[[object], dict[str, float]] | None = None, cluster: ClusterConfig | None = None,
-       state_dir: Path | None = None) -> RLResult:
+       state_dir: Path | None = None, trainer: TrainerConfig | None = None) -> RLResult:
     """RL from ``model_dir`` on the prompts of ``prompts_path`` (see the module docstring for what
     it writes). ``select`` turns on HIVE's online pruning; ``evaluate`` runs every ``cfg.eval_every`` steps.
     With ``cfg.uses_ray()`` the Laminar runtime runs the roles on Ray (``cluster``) and checkpoints
@@ -107,7 +114,7 @@ def rl(model_dir: Path, prompts_path: Path, cfg: RLConfig, *, template: str, see
 
             del model
             runtime = LaminarRuntime(Path(model_dir), prompts, verifier, params,
-                                     rc=runtime_config(cfg, cluster, state_dir), **common)
+                                     rc=runtime_config(cfg, cluster, state_dir, trainer), **common)
             result = runtime.run()
             model = runtime.final_model
             write_runtime_report(runtime, Path(out_dir))

@@ -124,11 +124,18 @@ def token_logprobs(logits: torch.Tensor, targets: torch.Tensor, temperature: flo
 
 
 class PolicyTrainer:
-    """Owns the trained model and its optimizer; ``version`` counts updates (one per publish)."""
+    """Owns the trained model and its optimizer; ``version`` counts updates (one per publish).
+
+    Data parallel over ``world_size`` ranks (``torch.distributed`` already initialised): every rank
+    receives the whole batch, computes the advantages over all of it, and trains on its share of
+    the rows (length-balanced); each micro-batch's loss weight is its share of the *whole* batch,
+    so the gradients summed over the ranks equal the single-rank gradient exactly. The backend
+    hooks (``_zero_grad``, ``_backward``, ``_step``, ``full_state``) are plain torch here and
+    DeepSpeed's engine in :class:`DeepSpeedPolicyTrainer`."""
 
     def __init__(self, model, params: ObjectiveParams, *, lr: float, weight_decay: float,
                  max_grad_norm: float, temperature: float, max_new_tokens: int, pad_id: int, device: str,
-                 minibatches: int = 1, micro_batch_tokens: int = 0):
+                 minibatches: int = 1, micro_batch_tokens: int = 0, rank: int = 0, world_size: int = 1):
         self.model = model.to(device).train()
         self.params = params
         self.opt = torch.optim.AdamW(model.parameters(), lr=lr, weight_decay=weight_decay, betas=(0.9, 0.99))
@@ -139,9 +146,59 @@ class PolicyTrainer:
         self.device = device
         self.minibatches = minibatches
         self.micro_batch_tokens = micro_batch_tokens
+        self.rank = rank
+        self.world_size = world_size
         self.version = 0
         # a frozen copy of the starting weights, only when the objective has a KL term
         self.ref_model = copy.deepcopy(model).eval().requires_grad_(False) if params.kl_coef > 0 else None
+
+    # ------------------------------------------------------------------ backend hooks (plain torch)
+    def _zero_grad(self) -> None:
+        self.opt.zero_grad(set_to_none=True)
+
+    def _backward(self, loss: torch.Tensor, boundary: bool) -> None:
+        loss.backward()
+
+    def _step(self) -> float:
+        if self.world_size > 1:  # sum the ranks' partial gradients (their loss weights sum to 1)
+            import torch.distributed as dist
+
+            for p in self.model.parameters():
+                if p.grad is None:
+                    p.grad = torch.zeros_like(p)
+                dist.all_reduce(p.grad, op=dist.ReduceOp.SUM)
+        norm = float(torch.nn.utils.clip_grad_norm_(self.model.parameters(), self.max_grad_norm))
+        self.opt.step()
+        return norm
+
+    def full_state(self) -> dict[str, np.ndarray]:
+        """The full weights as host arrays (float32 for dtypes NumPy lacks, e.g. bf16)."""
+        return _host_arrays(self.model.state_dict())
+
+    def _my_rows(self, idx: torch.Tensor, lengths: torch.Tensor) -> tuple[torch.Tensor, bool]:
+        """This rank's rows of ``idx``: every ``world_size``-th by length, so ranks get similar token
+        counts. A rank left without a row gets the first one with loss weight 0 (it must still join
+        the collectives); the flag says so."""
+        if self.world_size == 1:
+            return idx, False
+        order = idx[torch.argsort(lengths[idx], descending=True, stable=True)]
+        mine = order[self.rank::self.world_size]
+        return (mine, False) if len(mine) else (order[:1], True)
+
+    def _reduce_metrics(self, metrics: dict[str, float], loss: float) -> tuple[dict[str, float], float]:
+        if self.world_size == 1:
+            return metrics, loss
+        import torch.distributed as dist
+
+        keys = sorted(metrics)
+        summed = torch.tensor([metrics[k] for k in keys if k != "staleness_max"] + [loss], dtype=torch.float64)
+        dist.all_reduce(summed, op=dist.ReduceOp.SUM)
+        out = dict(zip([k for k in keys if k != "staleness_max"], summed[:-1].tolist()))
+        if "staleness_max" in metrics:
+            top = torch.tensor([metrics["staleness_max"]], dtype=torch.float64)
+            dist.all_reduce(top, op=dist.ReduceOp.MAX)
+            out["staleness_max"] = float(top[0])
+        return out, float(summed[-1])
 
     def update(self, groups: Sequence[ScoredGroup]) -> UpdateStats:
         """One publishable update from ``groups``: advantages over the whole batch, then
@@ -174,10 +231,12 @@ class PolicyTrainer:
         per_chunk: list[dict[str, float]] = []
         losses, norms = [], []
         for idx in chunks:
-            self.opt.zero_grad(set_to_none=True)
+            self._zero_grad()
             metrics: dict[str, float] = {}
             chunk_loss = 0.0
-            for mb in micro_batches(lengths, idx, self.micro_batch_tokens):
+            mine, idle = self._my_rows(idx, lengths)
+            mbs = micro_batches(lengths, mine, self.micro_batch_tokens)
+            for j, mb in enumerate(mbs):
                 sub = batch.rows(mb).trimmed()
                 t = sub.mask.shape[1]
                 logits = response_logits(self.model, sub, self.device)
@@ -190,8 +249,8 @@ class PolicyTrainer:
                     ref_logprobs=ref[mb, :t] if ref is not None else None,
                 )
                 loss, mb_metrics = policy_loss(pbatch, self.params)
-                share = micro_share(m, mask[idx], self.params.loss_agg)
-                (loss * share).backward()
+                share = 0.0 if idle else micro_share(m, mask[idx], self.params.loss_agg)
+                self._backward(loss * share, boundary=j == len(mbs) - 1)
                 chunk_loss += float(loss.detach()) * share
                 with torch.no_grad():
                     denom = m.sum().clamp_min(1)
@@ -204,8 +263,8 @@ class PolicyTrainer:
                         metrics[k] = max(metrics.get(k, v), v)
                     else:
                         metrics[k] = metrics.get(k, 0.0) + share * v
-            norms.append(float(torch.nn.utils.clip_grad_norm_(self.model.parameters(), self.max_grad_norm)))
-            self.opt.step()
+            norms.append(self._step())
+            metrics, chunk_loss = self._reduce_metrics(metrics, chunk_loss)
             losses.append(chunk_loss)
             per_chunk.append(metrics)
         self.version += 1
@@ -216,5 +275,105 @@ class PolicyTrainer:
                            grad_norm=max(norms), n_sequences=n, n_tokens=int(mask.sum()), metrics=merged)
 
     def publish(self) -> WeightsUpdate:
-        state = {k: v.detach().to("cpu").numpy().copy() for k, v in self.model.state_dict().items()}
-        return WeightsUpdate(kind="weights_update", version=self.version, state=state)
+        return WeightsUpdate(kind="weights_update", version=self.version, state=self.full_state())
+
+
+def _host_arrays(state: dict[str, torch.Tensor]) -> dict[str, np.ndarray]:
+    out = {}
+    for k, v in state.items():
+        v = v.detach()
+        if v.dtype in (torch.bfloat16, torch.float16):
+            v = v.float()
+        out[k] = v.to("cpu").numpy().copy()
+    return out
+
+
+def deepspeed_config(base: dict, *, max_grad_norm: float, world_size: int, device: str) -> dict:
+    """The DeepSpeed config the trainer runs with: ``base`` (a ``conf/deepspeed/*.json`` file) plus
+    what the trainer owns. Gradient accumulation is the trainer's token-budget micro-batching
+    (``rl.micro_batch_tokens``, boundaries set explicitly), so DeepSpeed's own batch sizes are 1 per
+    rank; clipping is ``rl.max_grad_norm``; bf16 is on where the device has it (``"auto"``)."""
+    cfg = copy.deepcopy(base)
+    cfg.pop("_comment", None)
+    cfg.update(train_micro_batch_size_per_gpu=1, gradient_accumulation_steps=1, train_batch_size=world_size,
+               gradient_clipping=max_grad_norm, zero_allow_untested_optimizer=True)
+    bf16 = cfg.get("bf16", {}).get("enabled", "auto")
+    if bf16 == "auto":
+        bf16 = str(device).startswith("cuda") and torch.cuda.is_available() and torch.cuda.is_bf16_supported()
+    cfg["bf16"] = {"enabled": bool(bf16)}
+    cfg.setdefault("steps_per_print", 1 << 30)
+    cfg.setdefault("wall_clock_breakdown", False)
+    return cfg
+
+
+class DeepSpeedPolicyTrainer(PolicyTrainer):
+    """The same update on DeepSpeed's engine (ZeRO-1/2/3 from ``ds_config``). ``torch.distributed``
+    must be initialised (``init_distributed``). The client optimizer is torch's AdamW (no fused-Adam
+    build); micro-batch gradients accumulate until the boundary the trainer sets; DeepSpeed averages
+    gradients over ranks, so each rank's loss is scaled by the world size to keep the exact sum."""
+
+    def __init__(self, model, params: ObjectiveParams, *, ds_config: dict, **kw):
+        super().__init__(model, params, **kw)
+        import deepspeed
+
+        cfg = deepspeed_config(ds_config, max_grad_norm=self.max_grad_norm, world_size=self.world_size,
+                               device=self.device)
+        self.zero_stage = int(cfg.get("zero_optimization", {}).get("stage", 0))
+        self.engine, self.opt, _, _ = deepspeed.initialize(model=self.model, optimizer=self.opt, config=cfg)
+        self.model = self.engine.module
+
+    def _zero_grad(self) -> None:  # the engine clears gradients after each step
+        return None
+
+    def _backward(self, loss: torch.Tensor, boundary: bool) -> None:
+        self.engine.set_gradient_accumulation_boundary(boundary)
+        self.engine.backward(loss * self.world_size, scale_wrt_gas=False)
+
+    def _step(self) -> float:
+        self.engine.step()
+        norm = self.engine.get_global_grad_norm()
+        return float(norm) if norm is not None else 0.0
+
+    def full_state(self) -> dict[str, np.ndarray]:
+        """ZeRO-3 partitions the parameters: gather them once (a collective: every rank calls)."""
+        if self.zero_stage == 3:
+            import deepspeed
+
+            with deepspeed.zero.GatheredParameters(list(self.model.parameters()), modifier_rank=None):
+                return _host_arrays(self.model.state_dict())
+        return _host_arrays(self.model.state_dict())
+
+    def save(self, directory: str) -> None:
+        """DeepSpeed's own checkpoint (every rank writes its shards) inside the caller's atomic
+        folder, plus the version and RNG state (rank 0)."""
+        self.engine.save_checkpoint(directory, tag="deepspeed", save_latest=False)
+
+    def load(self, directory: str) -> None:
+        path, _ = self.engine.load_checkpoint(directory, tag="deepspeed", load_optimizer_states=True,
+                                              load_lr_scheduler_states=False)
+        if path is None:
+            raise FileNotFoundError(f"no DeepSpeed checkpoint under {directory}")
+
+
+def init_distributed(backend: str, rank: int, world_size: int, master_addr: str, master_port: int,
+                     *, deepspeed_comm: bool) -> None:
+    """Join the trainer group's process group (``backend`` gloo on the CPU, nccl on GPUs). With
+    DeepSpeed, through ``deepspeed.init_distributed`` (its shared-memory inference all-reduce op,
+    a 1-2 minute JIT build that training never uses, is skipped)."""
+    import os
+
+    os.environ.update(MASTER_ADDR=master_addr, MASTER_PORT=str(master_port), RANK=str(rank),
+                      WORLD_SIZE=str(world_size), LOCAL_RANK="0")
+    if deepspeed_comm:
+        import deepspeed
+        import deepspeed.ops
+
+        deepspeed.ops.__compatible_ops__["deepspeed_shm_comm"] = False
+        deepspeed.init_distributed(dist_backend=backend, rank=rank, world_size=world_size,
+                                   auto_mpi_discovery=False, init_method=f"tcp://{master_addr}:{master_port}")
+    else:
+        import torch.distributed as dist
+
+        dist.init_process_group(backend, rank=rank, world_size=world_size,
+                                init_method=f"tcp://{master_addr}:{master_port}")
+

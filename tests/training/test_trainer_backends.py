@@ -1,0 +1,71 @@
+"""Trainer backends: DeepSpeed ZeRO (CPU, gloo) and data-parallel ranks give the same updates as
+one torch rank, because each rank's loss weight is its share of the whole batch."""
+
+from __future__ import annotations
+
+import json
+import socket
+
+import numpy as np
+import pytest
+import torch
+import torch.multiprocessing as mp
+from dist_worker import TRAIN_KW, random_groups, run_rank
+from rl_fakes import MICRO
+from safetensors.numpy import load_file
+
+from training.model import build_char_tokenizer, build_tiny_model
+from training.objectives import PRESETS
+from training.rl.trainer import PolicyTrainer, deepspeed_config
+
+UPDATES = 2
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _reference():
+    tok = build_char_tokenizer()
+    trainer = PolicyTrainer(build_tiny_model(MICRO, tok, seed=0), PRESETS["grpo"], pad_id=tok.pad_token_id, **TRAIN_KW)
+    stats = [trainer.update(random_groups(tok, seed=s)) for s in range(UPDATES)]
+    return stats, trainer.full_state()
+
+
+def _spawn(world: int, backend: str, stage: int, tmp_path) -> tuple[list[dict], dict]:
+    mp.start_processes(run_rank, args=(world, _free_port(), backend, stage, UPDATES, str(tmp_path)), nprocs=world,
+                       join=True, start_method="spawn")
+    return json.loads((tmp_path / "stats.json").read_text()), load_file(str(tmp_path / "weights.safetensors"))
+
+
+def _assert_same(stats, state, ref_stats, ref_state):
+    for got, want in zip(stats, ref_stats):
+        assert got["loss"] == pytest.approx(want.loss, rel=1e-4, abs=1e-6)
+        assert got["grad_norm"] == pytest.approx(want.grad_norm, rel=1e-4)
+    assert set(state) == set(ref_state)
+    for k, v in ref_state.items():  # two AdamW steps of lr 1e-3 from the same start
+        np.testing.assert_allclose(state[k], v, atol=2e-5, err_msg=k)
+
+
+def test_deepspeed_config_sets_what_the_trainer_owns():
+    cfg = deepspeed_config({"zero_optimization": {"stage": 2}, "bf16": {"enabled": "auto"}, "_comment": "x"},
+                           max_grad_norm=0.5, world_size=4, device="cpu")
+    assert cfg["gradient_clipping"] == 0.5 and cfg["train_batch_size"] == 4 and cfg["bf16"] == {"enabled": False}
+    assert "_comment" not in cfg and cfg["gradient_accumulation_steps"] == 1
+
+
+@pytest.mark.parametrize("world,backend,stage", [(2, "torch", 0), (1, "deepspeed", 2)])
+def test_backend_matches_one_torch_rank(world, backend, stage, tmp_path):
+    ref_stats, ref_state = _reference()
+    stats, state = _spawn(world, backend, stage, tmp_path)
+    _assert_same(stats, state, ref_stats, ref_state)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("stage", [2, 3])
+def test_two_deepspeed_ranks_match_one_torch_rank(stage, tmp_path):
+    ref_stats, ref_state = _reference()
+    stats, state = _spawn(2, "deepspeed", stage, tmp_path)
+    _assert_same(stats, state, ref_stats, ref_state)
