@@ -1,6 +1,7 @@
 """Rollout protocol conformance: one suite run against every engine that speaks it.
 
 - ``torch``: the built-in ``ContinuousEngine`` in process (``TorchRolloutEngine``);
+- ``torch-static``: the static-slot variant (fixed-shape decode for CUDA graphs), in process;
 - ``torch-process``: the same engine in a worker process, over the msgpack wire format;
 - ``vllm``: vLLM's worker in its own environment; skipped, with the reason, where vLLM is absent.
 """
@@ -16,14 +17,14 @@ import torch
 
 from conf.schema import ModelConfig
 from training.model import build_char_tokenizer, build_tiny_model, encode_prompt, save_model
-from training.rl.engines import TorchRolloutEngine, make_engine, vllm_python
+from training.rl.engines import StaticTorchRolloutEngine, TorchRolloutEngine, make_engine, vllm_python
 from training.rl.protocol import ProtocolError, RolloutEngine, SamplingSpec, request_id
 from training.rl.records import GenRequest, PromptItem
 
 SMALL = ModelConfig(hidden_size=32, intermediate_size=64, num_layers=2, num_heads=4, num_kv_heads=2, max_seq_len=128)
 MAX_NEW = 12
 CAP = 4
-KINDS = ["torch", "torch-process", "vllm"]
+KINDS = ["torch", "torch-static", "torch-process", "vllm"]
 
 
 def _model(tok, seed):
@@ -98,6 +99,9 @@ def shared_engine(request, assets):
     kind = request.param
     if kind == "torch":
         eng = _local(assets)
+    elif kind == "torch-static":  # the static-slot engine (CUDA-graph decode on a GPU), eager here
+        eng = StaticTorchRolloutEngine(_model(assets["tok"], 0), assets["tok"], capacity=CAP, max_new_tokens=MAX_NEW,
+                                       static_width=24)
     elif kind == "torch-process":
         eng = make_engine("torch-process", assets["dir"], capacity=CAP, max_new_tokens=MAX_NEW,
                           env={"OMP_NUM_THREADS": "1"})
@@ -124,7 +128,7 @@ def engine(shared_engine, assets):
 
 
 def _deterministic(kind):
-    return kind in ("torch", "torch-process")
+    return kind in ("torch", "torch-static", "torch-process")
 
 
 def _key(t):
@@ -261,7 +265,7 @@ def test_bad_messages_give_clear_errors(engine, assets):
     assert eng.version == 0
     with pytest.raises((ProtocolError, ValueError)):
         eng.submit([GenRequest(PromptItem("empty", "", "", ()), 0)])
-    if kind != "torch":
+    if hasattr(eng, "call_raw"):  # the wire: malformed frames and calls
         with pytest.raises(ProtocolError, match="undecodable"):
             eng.call_raw(b"\xc1\xc1 not msgpack")
         with pytest.raises(ProtocolError, match="must be a map"):

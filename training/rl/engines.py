@@ -1,7 +1,8 @@
 """Rollout engines behind the rollout protocol (``training.rl.protocol``), and the one place the
 runtime chooses among them (``make_engine``).
 
-- ``torch``: ``TorchRolloutEngine``, the built-in ``ContinuousEngine`` in this process.
+- ``torch``: ``TorchRolloutEngine``, the built-in ``ContinuousEngine`` in this process (or, with
+  ``static_cache``/``cuda_graphs``, ``StaticSlotEngine``: fixed-shape decode, CUDA graphs on a GPU).
 - ``torch-process``: the same engine in a worker process behind the wire format (what ``vllm`` uses,
   with the built-in engine: the conformance tests exercise the wire path with it).
 - ``vllm``: ``training.rl.vllm_worker`` in vLLM's own Python environment (``make vllm-env``).
@@ -21,57 +22,74 @@ from training.rl.continuous import ContinuousEngine
 from training.rl.protocol import (REPO_ROOT, EngineBase, EngineProcess, ProtocolError, RolloutEngine, SamplingSpec,
                                   load_safetensors)
 from training.rl.records import GenRequest, Partial, Trajectory
+from training.rl.static_slots import StaticSlotEngine
 
 ENGINE_KINDS = ("torch", "torch-process", "vllm")
 VLLM_PYTHON_ENV = "LAMINAR_VLLM_PYTHON"
 
 
-class TorchRolloutEngine(ContinuousEngine, EngineBase):
-    """``ContinuousEngine`` speaking the rollout protocol in process: ``abort`` (all or selected
-    requests), ``load_weights`` (named arrays or a safetensors path), a checked ``SamplingSpec``."""
+def _protocol_adapter(base: type) -> type:
+    """``base`` (``ContinuousEngine`` or ``StaticSlotEngine``) speaking the rollout protocol in
+    process: ``abort`` (all or selected requests), ``load_weights`` (named arrays or a safetensors
+    path), a checked ``SamplingSpec``; ``ContinuousEngine``'s own names keep working."""
 
-    engine_name = "torch"
+    class Adapter(base, EngineBase):
+        engine_name = "torch"
 
-    def __init__(self, model, tokenizer, **kwargs):
-        super().__init__(model, tokenizer, **kwargs)
-        self.sampling = SamplingSpec(self.temperature, self.max_new_tokens, self.seed)
+        def __init__(self, model, tokenizer, **kwargs):
+            base.__init__(self, model, tokenizer, **kwargs)
+            self.sampling = SamplingSpec(self.temperature, self.max_new_tokens, self.seed)
 
-    def submit(self, requests: Sequence[GenRequest], sampling: SamplingSpec | None = None) -> None:
-        self.check_sampling(sampling)
-        for r in requests:
-            if not r.prompt.prompt_tokens:
-                raise ProtocolError(f"request {r.prompt.prompt_id!r}: empty prompt_tokens")
-        super().submit(requests)
+        def submit(self, requests: Sequence[GenRequest], sampling: SamplingSpec | None = None) -> None:
+            self.check_sampling(sampling)
+            for r in requests:
+                if not r.prompt.prompt_tokens:
+                    raise ProtocolError(f"request {r.prompt.prompt_id!r}: empty prompt_tokens")
+            base.submit(self, requests)
 
-    def abort(self, request_ids: Iterable | None = None,
-              include_queued: bool = True) -> tuple[list[Partial], list[GenRequest]]:
-        only = None if request_ids is None else {tuple(i) for i in request_ids}
-        return ContinuousEngine.extract(self, include_queued=include_queued, only=only)
+        def abort(self, request_ids: Iterable | None = None,
+                  include_queued: bool = True) -> tuple[list[Partial], list[GenRequest]]:
+            only = None if request_ids is None else {tuple(i) for i in request_ids}
+            return base.extract(self, include_queued=include_queued, only=only)
 
-    def extract(self, include_queued: bool = True, only=None) -> tuple[list[Partial], list[GenRequest]]:
-        return ContinuousEngine.extract(self, include_queued=include_queued, only=only)
+        def extract(self, include_queued: bool = True, only=None) -> tuple[list[Partial], list[GenRequest]]:
+            return base.extract(self, include_queued=include_queued, only=only)
 
-    def load_weights(self, version: int, state: Mapping[str, np.ndarray] | None = None,
-                     path: str | None = None) -> None:
-        if (state is None) == (path is None):
-            raise ValueError("load_weights takes exactly one of state= and path=")
-        ContinuousEngine.load_state(self, dict(state) if state is not None else load_safetensors(path), version)
+        def load_weights(self, version: int, state: Mapping[str, np.ndarray] | None = None,
+                         path: str | None = None) -> None:
+            if (state is None) == (path is None):
+                raise ValueError("load_weights takes exactly one of state= and path=")
+            base.load_state(self, dict(state) if state is not None else load_safetensors(path), version)
 
-    def load_state(self, state: Mapping[str, np.ndarray], version: int) -> None:
-        ContinuousEngine.load_state(self, dict(state), version)
+        def load_state(self, state: Mapping[str, np.ndarray], version: int) -> None:
+            base.load_state(self, dict(state), version)
 
-    def step(self, max_steps: int) -> list[Trajectory]:
-        return ContinuousEngine.step(self, max_steps)
+        def step(self, max_steps: int) -> list[Trajectory]:
+            return base.step(self, max_steps)
+
+    Adapter.__name__ = Adapter.__qualname__ = f"Protocol{base.__name__}"
+    return Adapter
+
+
+TorchRolloutEngine = _protocol_adapter(ContinuousEngine)
+"""The built-in engine in process, speaking the rollout protocol."""
+StaticTorchRolloutEngine = _protocol_adapter(StaticSlotEngine)
+"""The static-slot engine (fixed-shape decode, optional CUDA graphs) speaking the rollout protocol."""
 
 
 def load_torch_engine(model_dir: str | Path, *, device: str = "cpu", capacity: int = 64, max_new_tokens: int = 64,
-                      temperature: float = 1.0, seed: int = 0, dtype: str = "auto",
-                      sync_every: int = 0) -> TorchRolloutEngine:
+                      temperature: float = 1.0, seed: int = 0, dtype: str = "auto", sync_every: int = 0,
+                      static_cache: bool = False, cuda_graphs: bool = False):
+    """The built-in engine over the HF checkpoint in ``model_dir``; ``static_cache`` (implied by
+    ``cuda_graphs``) selects ``StaticSlotEngine``."""
     from training.model import load_model
 
     model, tokenizer = load_model(Path(model_dir), device)
-    return TorchRolloutEngine(model, tokenizer, device=device, capacity=capacity, max_new_tokens=max_new_tokens,
-                              temperature=temperature, seed=seed, dtype=dtype, sync_every=sync_every)
+    kw = dict(device=device, capacity=capacity, max_new_tokens=max_new_tokens, temperature=temperature, seed=seed,
+              dtype=dtype, sync_every=sync_every)
+    if static_cache or cuda_graphs:
+        return StaticTorchRolloutEngine(model, tokenizer, cuda_graphs=cuda_graphs, **kw)
+    return TorchRolloutEngine(model, tokenizer, **kw)
 
 
 def vllm_python(explicit: str | None = None) -> str | None:
@@ -85,27 +103,32 @@ def vllm_python(explicit: str | None = None) -> str | None:
 
 def worker_command(kind: str, model_dir: str | Path, *, python: str, device: str, capacity: int,
                    max_new_tokens: int, temperature: float, seed: int, dtype: str = "auto", sync_every: int = 0,
+                   static_cache: bool = False, cuda_graphs: bool = False,
                    extra_args: Sequence[str] = ()) -> list[str]:
     engine = "torch" if kind == "torch-process" else kind
+    flags = (["--static-cache"] if static_cache else []) + (["--cuda-graphs"] if cuda_graphs else [])
     return [python, "-m", "training.rl.vllm_worker", "--engine", engine, "--model-dir", str(model_dir),
             "--device", device, "--capacity", str(capacity), "--max-new-tokens", str(max_new_tokens),
             "--temperature", repr(float(temperature)), "--seed", str(seed), "--dtype", dtype,
-            "--sync-every", str(sync_every), *extra_args]
+            "--sync-every", str(sync_every), *flags, *extra_args]
 
 
 def make_engine(kind: str, model_dir: str | Path, *, device: str = "cpu", capacity: int = 64,
                 max_new_tokens: int = 64, temperature: float = 1.0, seed: int = 0, dtype: str = "auto",
-                sync_every: int = 0, python: str | None = None, vllm_args: Sequence[str] = (),
+                sync_every: int = 0, static_cache: bool = False, cuda_graphs: bool = False,
+                python: str | None = None, vllm_args: Sequence[str] = (),
                 env: Mapping[str, str] | None = None) -> RolloutEngine:
     """The rollout engine ``kind`` (``torch``, ``torch-process`` or ``vllm``) over the HF checkpoint in
     ``model_dir``. Every kind speaks ``RolloutEngine`` and keeps ``ContinuousEngine``'s names
     (``version``, ``admitting``, ``extract``, ``load_state``, ``step``, ``status``), so
     ``RolloutWorker`` drives them alike. ``python`` is the worker interpreter of the process kinds
     (``vllm``: ``vllm_python()``); ``vllm_args`` are extra ``--vllm-*`` options for the vLLM worker
-    (e.g. ``["--gpu-memory-utilization", "0.5"]``)."""
+    (e.g. ``["--vllm-gpu-memory-utilization", "0.5"]``). ``dtype``, ``sync_every``, ``static_cache`` and
+    ``cuda_graphs`` configure the built-in engine (``ContinuousEngine`` / ``StaticSlotEngine``)."""
     if kind == "torch":
         return load_torch_engine(model_dir, device=device, capacity=capacity, max_new_tokens=max_new_tokens,
-                                 temperature=temperature, seed=seed, dtype=dtype, sync_every=sync_every)
+                                 temperature=temperature, seed=seed, dtype=dtype, sync_every=sync_every,
+                                 static_cache=static_cache, cuda_graphs=cuda_graphs)
     if kind == "torch-process":
         py = python or sys.executable
     elif kind == "vllm":
@@ -117,6 +140,7 @@ def make_engine(kind: str, model_dir: str | Path, *, device: str = "cpu", capaci
         raise ValueError(f"unknown rollout engine {kind!r}; choose one of {ENGINE_KINDS}")
     cmd = worker_command(kind, model_dir, python=py, device=device, capacity=capacity, max_new_tokens=max_new_tokens,
                          temperature=temperature, seed=seed, dtype=dtype, sync_every=sync_every,
+                         static_cache=static_cache, cuda_graphs=cuda_graphs,
                          extra_args=vllm_args if kind == "vllm" else ())
     worker_env = {"OMP_NUM_THREADS": str(max(1, torch.get_num_threads()))}
     worker_env.update(env or {})

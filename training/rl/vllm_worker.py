@@ -231,7 +231,8 @@ def build_engine(args):
         setup_torch(int(os.environ.get("OMP_NUM_THREADS", "1")), args.seed)
         return load_torch_engine(args.model_dir, device=args.device, capacity=args.capacity,
                                  max_new_tokens=args.max_new_tokens, temperature=args.temperature, seed=args.seed,
-                                 dtype=args.dtype, sync_every=args.sync_every)
+                                 dtype=args.dtype, sync_every=args.sync_every, static_cache=args.static_cache,
+                                 cuda_graphs=args.cuda_graphs)
     raise SystemExit(f"unknown engine {args.engine!r}")
 
 
@@ -246,6 +247,8 @@ def main(argv: Sequence[str] | None = None) -> None:
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--dtype", default="auto")
     ap.add_argument("--sync-every", type=int, default=0)
+    ap.add_argument("--static-cache", action="store_true", help="torch engine: static slot cache")
+    ap.add_argument("--cuda-graphs", action="store_true", help="torch engine: CUDA-graph decode (CUDA only)")
     ap.add_argument("--vllm-gpu-memory-utilization", type=float, default=0.85)
     ap.add_argument("--vllm-enforce-eager", action="store_true")
     ap.add_argument("--vllm-max-model-len", type=int, default=0)
