@@ -4,8 +4,10 @@
     python benchmarks/gpu_check.py --cpu-smoke     # tiny shapes, few steps: proves the script on a CPU
 
 Sections:
-- **engine**: tokens/s of the built-in continuous-batching engine (``ContinuousEngine``: bf16 on CUDA,
-  lazy host syncs) at batch 1, 64 and 256, for the tiny model and a random Qwen2.5-0.5B-shaped Llama
+- **engine**: tokens/s of the built-in continuous-batching engine at batch 1, 64 and 256, in three
+  variants: ``dynamic`` (``ContinuousEngine``: bf16 on CUDA, lazy host syncs), ``static``
+  (``StaticSlotEngine``: static slot KV cache) and ``graphs`` (the same with the decode forward
+  captured as a CUDA graph; CUDA only), for the tiny model and a random Qwen2.5-0.5B-shaped Llama
   (hidden 896, 24 layers, 14 heads, 2 KV heads, intermediate 4864, vocab 151,936; built from a config,
   nothing downloaded), against a plain eager KV-cache loop (model forward with ``past_key_values``,
   sample, repeat) on the same model, batch and token count. No EOS: every row decodes the full length.
@@ -36,6 +38,7 @@ from conf.schema import ModelConfig  # noqa: E402
 from training.model import build_char_tokenizer, build_tiny_model  # noqa: E402
 from training.rl.continuous import ContinuousEngine  # noqa: E402
 from training.rl.records import GenRequest, PromptItem  # noqa: E402
+from training.rl.static_slots import StaticSlotEngine  # noqa: E402
 
 QWEN05_SHAPE = dict(hidden_size=896, num_hidden_layers=24, num_attention_heads=14, num_key_value_heads=2,
                     intermediate_size=4864, vocab_size=151936, max_position_embeddings=4096, rope_theta=1e6,
@@ -89,10 +92,21 @@ def _prompts(batch: int, prompt_len: int, vocab: int, seed: int = 0) -> torch.Te
     return torch.randint(3, vocab, (batch, prompt_len), generator=g)
 
 
-def time_engine(model, tok, device, batch: int, prompt: torch.Tensor, new_tokens: int) -> dict:
+ENGINE_VARIANTS = {
+    "dynamic": "ContinuousEngine (concat/select KV cache)",
+    "static": "StaticSlotEngine (static slot KV cache, eager forward)",
+    "graphs": "StaticSlotEngine + CUDA graph of the decode forward",
+}
+
+
+def time_engine(model, tok, device, batch: int, prompt: torch.Tensor, new_tokens: int,
+                variant: str = "dynamic") -> dict:
     """The built-in engine: ``batch`` requests, capacity ``batch``, every row ``new_tokens`` long."""
-    engine = ContinuousEngine(model, tok, device=str(device), capacity=batch, max_new_tokens=new_tokens,
-                              temperature=1.0, seed=0)
+    kw = dict(device=str(device), capacity=batch, max_new_tokens=new_tokens, temperature=1.0, seed=0)
+    if variant == "dynamic":
+        engine = ContinuousEngine(model, tok, **kw)
+    else:
+        engine = StaticSlotEngine(model, tok, cuda_graphs=variant == "graphs", **kw)
     reqs = [GenRequest(PromptItem(f"p{i}", "", "", tuple(prompt[i].tolist())), 0, group_uid=i) for i in range(batch)]
 
     def run() -> int:
@@ -102,14 +116,14 @@ def time_engine(model, tok, device, batch: int, prompt: torch.Tensor, new_tokens
             n += sum(len(t.response_tokens) for t in engine.step(new_tokens))
         return n
 
-    run()  # warm-up (kernels, allocator)
+    run()  # warm-up (kernels, allocator, graph capture)
     _sync(device)
     t0 = time.perf_counter()
     n = run()
     _sync(device)
     dt = time.perf_counter() - t0
     return {"tokens": n, "seconds": dt, "tokens_per_s": n / dt, "ms_per_step": 1000 * dt / new_tokens,
-            "sync_every": engine.sync_every}
+            "sync_every": engine.sync_every, "graph_captures": getattr(engine, "graph_captures", 0)}
 
 
 @torch.inference_mode()
@@ -143,18 +157,28 @@ def time_eager_loop(model, device, batch: int, prompt: torch.Tensor, new_tokens:
 
 def engine_rows(args, device, models) -> list[dict]:
     rows = []
+    variants = [v for v in args.variants if v != "graphs" or device.type == "cuda"]
     for name, model, tok, vocab, dtype in models:
         prompt = _prompts(max(args.batches), args.prompt_len, vocab)
         for b in args.batches:
-            eng = time_engine(model, tok, device, b, prompt[:b], args.new_tokens)
             base = time_eager_loop(model, device, b, prompt, args.new_tokens)
-            rows.append({"section": "engine", "model": name, "dtype": dtype, "batch": b,
-                         "new_tokens": args.new_tokens, "engine_tokens_per_s": eng["tokens_per_s"],
-                         "engine_ms_per_step": eng["ms_per_step"], "eager_tokens_per_s": base["tokens_per_s"],
-                         "eager_ms_per_step": base["ms_per_step"],
-                         "ratio": eng["tokens_per_s"] / base["tokens_per_s"], "sync_every": eng["sync_every"]})
-            print(f"  engine {name} batch {b}: {eng['tokens_per_s']:.0f} tok/s vs eager {base['tokens_per_s']:.0f}",
-                  file=sys.stderr)
+            for variant in variants:  # graphs last: a failed capture must not spoil the others
+                row = {"section": "engine", "model": name, "dtype": dtype, "batch": b, "variant": variant,
+                       "new_tokens": args.new_tokens, "eager_tokens_per_s": base["tokens_per_s"],
+                       "eager_ms_per_step": base["ms_per_step"]}
+                try:
+                    eng = time_engine(model, tok, device, b, prompt[:b], args.new_tokens, variant)
+                except Exception as e:  # noqa: BLE001 - reported in the table, the check goes on
+                    row.update(error=f"{type(e).__name__}: {str(e)[:200]}")
+                    print(f"  engine {name} {variant} batch {b}: FAILED {row['error']}", file=sys.stderr)
+                    rows.append(row)
+                    continue
+                row.update(engine_tokens_per_s=eng["tokens_per_s"], engine_ms_per_step=eng["ms_per_step"],
+                           ratio=eng["tokens_per_s"] / base["tokens_per_s"], sync_every=eng["sync_every"],
+                           graph_captures=eng["graph_captures"])
+                rows.append(row)
+                print(f"  engine {name} {variant} batch {b}: {eng['tokens_per_s']:.0f} tok/s vs eager "
+                      f"{base['tokens_per_s']:.0f}", file=sys.stderr)
     return rows
 
 
@@ -229,10 +253,12 @@ def markdown(rows: list[dict]) -> str:
     lines = ["| section | model | case | ours | baseline | ratio |", "|---|---|---|---:|---:|---:|"]
     for r in rows:
         if r["section"] == "engine":
-            lines.append(f"| engine tokens/s | {r['model']} ({r['dtype']}) | batch {r['batch']}, {r['new_tokens']} "
-                         f"new tokens | {r['engine_tokens_per_s']:,.0f} ({r['engine_ms_per_step']:.1f} ms/step) | "
-                         f"eager KV loop {r['eager_tokens_per_s']:,.0f} ({r['eager_ms_per_step']:.1f} ms/step) | "
-                         f"{r['ratio']:.2f}x |")
+            ours = (f"FAILED: {r['error']}" if "error" in r else
+                    f"{r['engine_tokens_per_s']:,.0f} ({r['engine_ms_per_step']:.1f} ms/step)")
+            ratio = "" if "error" in r else f"{r['ratio']:.2f}x"
+            lines.append(f"| engine tokens/s | {r['model']} ({r['dtype']}) | {r['variant']}, batch {r['batch']}, "
+                         f"{r['new_tokens']} new tokens | {ours} | eager KV loop {r['eager_tokens_per_s']:,.0f} "
+                         f"({r['eager_ms_per_step']:.1f} ms/step) | {ratio} |")
         elif r["section"] == "publish":
             extra = "" if r.get("ray_put_ms") is None else f"; ray.put {r['ray_put_ms']:.1f} ms"
             lines.append(f"| publish stall | {r['model']} ({r['dtype']}, {r['gbytes']:.2f} GB) | trainer publish "
@@ -253,11 +279,14 @@ def main(argv=None) -> None:
     ap.add_argument("--models", default="tiny,0.5b")
     ap.add_argument("--repeats", type=int, default=None)
     ap.add_argument("--sections", default="engine,publish,trainer")
+    ap.add_argument("--variants", default="dynamic,static,graphs",
+                    help="engine variants: dynamic, static, graphs (graphs: CUDA only)")
     ap.add_argument("--ray", action=argparse.BooleanOptionalAction, default=None,
                     help="also time ray.put of the published arrays (default: on CUDA, when Ray imports)")
     ap.add_argument("--out", default=None)
     args = ap.parse_args(argv)
     args.models = args.models.split(",")
+    args.variants = args.variants.split(",")
     args.batches = [int(b) for b in (args.batches or ("1,4" if args.cpu_smoke else "1,64,256")).split(",")]
     args.new_tokens = args.new_tokens or (8 if args.cpu_smoke else 128)
     args.repeats = args.repeats or (2 if args.cpu_smoke else 5)
