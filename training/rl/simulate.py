@@ -165,7 +165,7 @@ class CostSpec:
     """> 0: measured training seconds per token on the whole trainer (instead of the FLOP model)."""
     train_step_overhead_s: float = 1.0
     d2h_gbps: float = 25.0
-    relay_gbps: float = 50.0
+    relay_gbps: float = 100.0
     relay_hop_s: float = 0.01
     h2d_gbps: float = 25.0
     pull_overhead_s: float = 0.2
