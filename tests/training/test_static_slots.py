@@ -87,3 +87,26 @@ def test_static_slots_hand_over_and_load_weights_like_the_dynamic_engine(tok):
         runs.append({_key(t): t for t in out + _drain(e)})
     _same(runs[0], runs[1])
     assert any(t.last_version == 1 and t.version == 0 for t in runs[1].values())
+
+
+def test_static_decode_step_reads_no_tensor_value_on_the_host(tok):
+    """CUDA-graph capture (and a GPU that never waits on Python) needs a decode step whose host code
+    never reads a tensor's value. On the meta device any such read raises, so one whole decode step
+    (model forward over the slot cache with the 4-D mask, Gumbel sampling, masked updates) running
+    there shows the step is capturable as far as the CPU can tell."""
+    from conf.schema import ModelConfig
+    from training.model import build_tiny_model
+
+    model = build_tiny_model(ModelConfig(hidden_size=32, intermediate_size=64, num_layers=2, num_heads=4,
+                                         num_kv_heads=2, max_seq_len=64), tok, seed=0).to("meta")
+    eng = StaticSlotEngine(model, tok, device="meta", capacity=4, max_new_tokens=8, static_width=16)
+
+    class _Layer:
+        keys = torch.empty((1, 2, 1, 8), device="meta")
+        values = torch.empty((1, 2, 1, 8), device="meta")
+
+    eng._ensure_kv(type("_Cache", (), {"layers": [_Layer(), _Layer()]})(), 16)
+    eng._c = 5
+    with torch.inference_mode():
+        eng._decode()
+    assert eng._c == 6 and eng._next.device.type == "meta"
