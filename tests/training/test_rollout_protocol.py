@@ -293,3 +293,21 @@ def test_protocol_and_worker_modules_import_without_torch_ray_or_prefect():
             "assert not bad, bad\n")
     proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
     assert proc.returncode == 0, proc.stderr[-2000:]
+
+
+def test_rollout_engine_options_map_the_config_section():
+    from types import SimpleNamespace
+
+    from training.rl.engines import rollout_engine_options
+
+    assert rollout_engine_options() == {"kind": "torch", "dtype": "auto", "sync_every": 0, "static_cache": False,
+                                        "cuda_graphs": False}
+    opts = rollout_engine_options(SimpleNamespace(engine="vllm", vllm_gpu_memory_utilization=0.5,
+                                                  vllm_enforce_eager=True))
+    assert opts["kind"] == "vllm" and opts["vllm_args"] == ["--vllm-gpu-memory-utilization", "0.5",
+                                                            "--vllm-enforce-eager"]
+    with pytest.raises(ValueError, match="rollout.engine='tpu'"):
+        rollout_engine_options(SimpleNamespace(engine="tpu"))
+    if vllm_python() is None:  # no vLLM environment: a clear message, not a failed subprocess
+        with pytest.raises(RuntimeError, match="make vllm-env"):
+            make_engine("vllm", "/nonexistent", python="/nonexistent/python")

@@ -145,3 +145,24 @@ def make_engine(kind: str, model_dir: str | Path, *, device: str = "cpu", capaci
     worker_env = {"OMP_NUM_THREADS": str(max(1, torch.get_num_threads()))}
     worker_env.update(env or {})
     return EngineProcess(cmd, env=worker_env)
+
+
+ROLLOUT_DEFAULTS = {"engine": "torch", "dtype": "auto", "sync_every": 0, "static_cache": False, "cuda_graphs": False,
+                    "vllm_python": None, "vllm_gpu_memory_utilization": 0.85, "vllm_enforce_eager": False}
+
+
+def rollout_engine_options(rollout_cfg=None) -> dict:
+    """``make_engine`` keyword arguments (besides model dir, device, capacity, max_new_tokens,
+    temperature, seed) from a ``rollout`` config section; missing fields take ``ROLLOUT_DEFAULTS``.
+    Plain values only, so the dict travels to a Ray actor as is."""
+    get = (lambda k: getattr(rollout_cfg, k, ROLLOUT_DEFAULTS[k])) if rollout_cfg is not None else ROLLOUT_DEFAULTS.get
+    kind = str(get("engine"))
+    if kind not in ENGINE_KINDS:
+        raise ValueError(f"rollout.engine={kind!r}: expected one of {ENGINE_KINDS}")
+    opts = {"kind": kind, "dtype": str(get("dtype")), "sync_every": int(get("sync_every")),
+            "static_cache": bool(get("static_cache")), "cuda_graphs": bool(get("cuda_graphs"))}
+    if kind == "vllm":
+        opts["python"] = get("vllm_python")
+        opts["vllm_args"] = ["--vllm-gpu-memory-utilization", str(float(get("vllm_gpu_memory_utilization")))] + (
+            ["--vllm-enforce-eager"] if get("vllm_enforce_eager") else [])
+    return opts
