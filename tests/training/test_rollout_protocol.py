@@ -3,13 +3,18 @@
 - ``torch``: the built-in ``ContinuousEngine`` in process (``TorchRolloutEngine``);
 - ``torch-static``: the static-slot variant (fixed-shape decode for CUDA graphs), in process;
 - ``torch-process``: the same engine in a worker process, over the msgpack wire format;
+- ``vllm-fake``: the vLLM worker (``VllmEngine``'s admission, abort, hand-over and weight-load
+  bookkeeping, the wire) over ``tests/training/fake_vllm``, a stand-in for vLLM's offline interfaces;
 - ``vllm``: vLLM's worker in its own environment; skipped, with the reason, where vLLM is absent.
 """
 
 import importlib.util
 import math
+import os
 import subprocess
 import sys
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -18,13 +23,13 @@ import torch
 from conf.schema import ModelConfig
 from training.model import build_char_tokenizer, build_tiny_model, encode_prompt, save_model
 from training.rl.engines import StaticTorchRolloutEngine, TorchRolloutEngine, make_engine, vllm_python
-from training.rl.protocol import ProtocolError, RolloutEngine, SamplingSpec, request_id
+from training.rl.protocol import REPO_ROOT, ProtocolError, RolloutEngine, SamplingSpec, request_id
 from training.rl.records import GenRequest, PromptItem
 
 SMALL = ModelConfig(hidden_size=32, intermediate_size=64, num_layers=2, num_heads=4, num_kv_heads=2, max_seq_len=128)
 MAX_NEW = 12
 CAP = 4
-KINDS = ["torch", "torch-static", "torch-process", "vllm"]
+KINDS = ["torch", "torch-static", "torch-process", "vllm-fake", "vllm"]
 
 
 def _model(tok, seed):
@@ -78,11 +83,25 @@ def assets(tmp_path_factory, one_thread):
     a, b = _model(tok, 0), _model(tok, 1)
     model_dir = tmp_path_factory.mktemp("rollout-model")
     save_model(a, tok, model_dir)
+    # the worker processes start in the background while the in-process engines are tested
+    fake = str(Path(__file__).resolve().parent / "fake_vllm")
+    pool = ThreadPoolExecutor(2)
+    workers = {
+        "torch-process": pool.submit(make_engine, "torch-process", str(model_dir), capacity=CAP,
+                                     max_new_tokens=MAX_NEW, env={"OMP_NUM_THREADS": "1"}),
+        "vllm-fake": pool.submit(make_engine, "vllm", str(model_dir), capacity=CAP, max_new_tokens=MAX_NEW,
+                                 python=sys.executable, env={"PYTHONPATH": os.pathsep.join([fake, str(REPO_ROOT)]),
+                                                             "OMP_NUM_THREADS": "1"}),
+    }
     reqs = _requests(tok)
     ref = TorchRolloutEngine(_model(tok, 0), tok, capacity=CAP, max_new_tokens=MAX_NEW)
     ref.submit(reqs)
     expected = {request_id(GenRequest(t.prompt, t.sample_idx, t.group_uid)): t for t in _drain(ref)}
-    return {"tok": tok, "A": _state(a), "B": _state(b), "dir": str(model_dir), "reqs": reqs, "expected": expected}
+    yield {"tok": tok, "A": _state(a), "B": _state(b), "dir": str(model_dir), "reqs": reqs, "expected": expected,
+           "workers": workers}
+    for f in workers.values():
+        f.result().close()  # idempotent: the engine fixture may have closed it already
+    pool.shutdown()
 
 
 def _vllm_interpreter():
@@ -102,9 +121,9 @@ def shared_engine(request, assets):
     elif kind == "torch-static":  # the static-slot engine (CUDA-graph decode on a GPU), eager here
         eng = StaticTorchRolloutEngine(_model(assets["tok"], 0), assets["tok"], capacity=CAP, max_new_tokens=MAX_NEW,
                                        static_width=24)
-    elif kind == "torch-process":
-        eng = make_engine("torch-process", assets["dir"], capacity=CAP, max_new_tokens=MAX_NEW,
-                          env={"OMP_NUM_THREADS": "1"})
+    elif kind in ("vllm-fake", "torch-process"):
+        eng = assets["workers"][kind].result()
+        assert eng.info["engine"] == ("vllm" if kind == "vllm-fake" else "torch")
     else:
         py = _vllm_interpreter()
         if py is None:

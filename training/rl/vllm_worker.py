@@ -38,6 +38,7 @@ import os
 import sys
 import time
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Iterable, Mapping, Sequence
 
 from training.rl.protocol import (EngineBase, PendingQueue, ProtocolError, SamplingSpec, protocol_streams,
@@ -69,6 +70,17 @@ class _Live:
     last_version: int
     tokens: list[int] = field(default_factory=list)
     logprobs: list[float] = field(default_factory=list)
+
+
+def _tensor_names(paths: Sequence[str]) -> set[str]:
+    """The tensor names in safetensors files (headers only)."""
+    from safetensors import safe_open
+
+    names: set[str] = set()
+    for p in paths:
+        with safe_open(p, framework="numpy") as f:
+            names.update(f.keys())
+    return names
 
 
 def _seed_for(seed: int, rid: tuple, offset: int) -> int:
@@ -104,6 +116,7 @@ class VllmEngine(EngineBase):
         self.eos_id = -1 if tok.eos_token_id is None else int(tok.eos_token_id)
         self.version = 0
         self.admitting = True
+        self._names = _tensor_names(sorted(str(p) for p in Path(model_dir).glob("*.safetensors")))
         self._pending = PendingQueue()
         self._live: dict[str, _Live] = {}
         self._out: list[Trajectory] = []
@@ -201,6 +214,10 @@ class VllmEngine(EngineBase):
     def load_weights(self, version: int, state: Mapping | None = None, path: str | None = None) -> None:
         if path is None:
             raise ProtocolError("the vLLM engine loads weights from a safetensors file (path=...)")
+        missing = self._names - _tensor_names([path])
+        if missing:  # vLLM would load a partial set silently: refuse, as the built-in engine does
+            raise ProtocolError(f"load_weights: missing {sorted(missing)[:5]} ({len(missing)} tensors of the "
+                                "checkpoint are not in the file)")
         live, _ = self.abort(None, include_queued=False) if self._live else ([], [])
         self.llm.collective_rpc("laminar_load_weights", args=(path,))
         self.llm.reset_prefix_cache()
