@@ -153,6 +153,12 @@ class PolicyTrainer:
         self.ref_model = copy.deepcopy(model).eval().requires_grad_(False) if params.kl_coef > 0 else None
 
     # ------------------------------------------------------------------ backend hooks (plain torch)
+    @property
+    def forward_model(self):
+        """What the training forward passes call (DeepSpeed: its engine, whose forward keeps ZeRO-3's
+        micro-step count, so micro-batch gradients accumulate instead of overwriting)."""
+        return self.model
+
     def _zero_grad(self) -> None:
         self.opt.zero_grad(set_to_none=True)
 
@@ -175,15 +181,20 @@ class PolicyTrainer:
         """The full weights as host arrays (float32 for dtypes NumPy lacks, e.g. bf16)."""
         return _host_arrays(self.model.state_dict())
 
-    def _my_rows(self, idx: torch.Tensor, lengths: torch.Tensor) -> tuple[torch.Tensor, bool]:
-        """This rank's rows of ``idx``: every ``world_size``-th by length, so ranks get similar token
-        counts. A rank left without a row gets the first one with loss weight 0 (it must still join
-        the collectives); the flag says so."""
+    def _my_micro_batches(self, idx: torch.Tensor, lengths: torch.Tensor) -> list[tuple[torch.Tensor, bool]]:
+        """This rank's micro-batches of rows ``idx`` as (rows, counts) pairs. Rank r takes every
+        ``world_size``-th row by length (similar token counts per rank). Every rank plans every
+        rank's split (they all hold the whole batch), so all run the same number of forward and
+        backward passes, which ZeRO's collectives need: a rank with fewer micro-batches (or no
+        row at all) repeats one with loss weight 0 (``counts`` False)."""
         if self.world_size == 1:
-            return idx, False
+            return [(mb, True) for mb in micro_batches(lengths, idx, self.micro_batch_tokens)]
         order = idx[torch.argsort(lengths[idx], descending=True, stable=True)]
-        mine = order[self.rank::self.world_size]
-        return (mine, False) if len(mine) else (order[:1], True)
+        plans = [micro_batches(lengths, order[r::self.world_size], self.micro_batch_tokens)
+                 if len(order[r::self.world_size]) else [] for r in range(self.world_size)]
+        mine = [(mb, True) for mb in plans[self.rank]]
+        filler = mine[0][0] if mine else order[:1]
+        return mine + [(filler, False)] * (max(len(p) for p in plans) - len(mine))
 
     def _reduce_metrics(self, metrics: dict[str, float], loss: float) -> tuple[dict[str, float], float]:
         if self.world_size == 1:
@@ -226,7 +237,7 @@ class PolicyTrainer:
 
         with torch.no_grad():
             ref = logprobs_of(self.ref_model) if self.ref_model is not None else None
-            proximal = logprobs_of(self.model) if self.minibatches > 1 else None
+            proximal = logprobs_of(self.forward_model) if self.minibatches > 1 else None
         chunks = [idx for idx in torch.arange(n).chunk(min(self.minibatches, n))]
         per_chunk: list[dict[str, float]] = []
         losses, norms = [], []
@@ -234,12 +245,11 @@ class PolicyTrainer:
             self._zero_grad()
             metrics: dict[str, float] = {}
             chunk_loss = 0.0
-            mine, idle = self._my_rows(idx, lengths)
-            mbs = micro_batches(lengths, mine, self.micro_batch_tokens)
-            for j, mb in enumerate(mbs):
+            mbs = self._my_micro_batches(idx, lengths)
+            for j, (mb, counts) in enumerate(mbs):
                 sub = batch.rows(mb).trimmed()
                 t = sub.mask.shape[1]
-                logits = response_logits(self.model, sub, self.device)
+                logits = response_logits(self.forward_model, sub, self.device)
                 logprobs = token_logprobs(logits, targets[mb, :t], self.temperature)
                 m = mask[mb, :t]
                 pbatch = PolicyBatch(
@@ -249,7 +259,7 @@ class PolicyTrainer:
                     ref_logprobs=ref[mb, :t] if ref is not None else None,
                 )
                 loss, mb_metrics = policy_loss(pbatch, self.params)
-                share = 0.0 if idle else micro_share(m, mask[idx], self.params.loss_agg)
+                share = micro_share(m, mask[idx], self.params.loss_agg) if counts else 0.0
                 self._backward(loss * share, boundary=j == len(mbs) - 1)
                 chunk_loss += float(loss.detach()) * share
                 with torch.no_grad():
@@ -321,6 +331,10 @@ class DeepSpeedPolicyTrainer(PolicyTrainer):
         self.zero_stage = int(cfg.get("zero_optimization", {}).get("stage", 0))
         self.engine, self.opt, _, _ = deepspeed.initialize(model=self.model, optimizer=self.opt, config=cfg)
         self.model = self.engine.module
+
+    @property
+    def forward_model(self):
+        return self.engine
 
     def _zero_grad(self) -> None:  # the engine clears gradients after each step
         return None
