@@ -250,7 +250,32 @@ class ClusterConfig:
     strategy (PACK, SPREAD, STRICT_PACK, STRICT_SPREAD)."""
     rollout_nodes: List[int] = field(default_factory=list)
     """Node indices the rollouts go to, round-robin (empty: every node, head first)."""
+    rollout_gpus: float = 0.0
+    """GPUs per rollout actor (Ray resource; a vLLM rollout needs 1), and ``trainer_gpus`` per trainer rank."""
+    trainer_gpus: float = 0.0
     max_restarts: int = 3
+
+
+@dataclass
+class RolloutConfig:
+    """The rollouts' generation engine. ``torch``: the built-in continuous-batching engine in the
+    rollout actor; ``vllm``: a vLLM worker process in its own environment (``make vllm-env``; CUDA
+    only) speaking the rollout protocol (``training/rl/protocol.py``); ``torch-process``: the built-in
+    engine behind that same protocol in a worker process (what the conformance test exercises)."""
+
+    engine: str = "torch"
+    dtype: str = "auto"
+    """auto = bf16 on CUDA, the checkpoint's dtype on the CPU; float32 | bfloat16 | float16."""
+    sync_every: int = 0
+    """Decode steps between host syncs (finished rows leave then); 0 = 8 on CUDA, 1 on the CPU."""
+    static_cache: bool = False
+    """Fixed-shape decode over a static slot KV cache (``training/rl/static_slots.py``)."""
+    cuda_graphs: bool = False
+    """Capture the decode forward in CUDA graphs (implies static_cache; ignored off CUDA)."""
+    vllm_python: Optional[str] = None
+    """vLLM's interpreter; default $LAMINAR_VLLM_PYTHON, else .venv-vllm/bin/python."""
+    vllm_gpu_memory_utilization: float = 0.85
+    vllm_enforce_eager: bool = False
 
 
 @dataclass
@@ -284,6 +309,7 @@ class Config:
     curation: CurationConfig = field(default_factory=CurationConfig)
     cluster: ClusterConfig = field(default_factory=ClusterConfig)
     trainer: TrainerConfig = field(default_factory=TrainerConfig)
+    rollout: RolloutConfig = field(default_factory=RolloutConfig)
 
 
 MODEL_KINDS = ("tiny", "hf")
@@ -298,6 +324,8 @@ RL_RUNTIMES = ("auto", "local", "ray")
 TRAINER_BACKENDS = ("torch", "deepspeed")
 DIST_BACKENDS = ("auto", "gloo", "nccl")
 PLACEMENT_STRATEGIES = ("PACK", "SPREAD", "STRICT_PACK", "STRICT_SPREAD")
+ROLLOUT_ENGINES = ("torch", "torch-process", "vllm")  # training.rl.engines.ENGINE_KINDS (a test checks)
+ROLLOUT_DTYPES = ("auto", "float32", "bfloat16", "float16")
 DEVICES = ("cpu", "cuda", "auto")
 
 
@@ -340,6 +368,20 @@ def validate(cfg: Config) -> Config:
         cfg.rl.runtime = "ray"  # auto: the trainer's backend and ranks live on the Ray runtime
     if cfg.trainer.dist_backend == "nccl" and cfg.device == "cpu":
         raise ConfigError("trainer.dist_backend=nccl needs device=cuda; use gloo (or auto) on the CPU")
+    _one_of("rollout.engine", cfg.rollout.engine, ROLLOUT_ENGINES)
+    _one_of("rollout.dtype", cfg.rollout.dtype, ROLLOUT_DTYPES)
+    if cfg.rollout.sync_every < 0 or not 0 < cfg.rollout.vllm_gpu_memory_utilization <= 1:
+        raise ConfigError("rollout.sync_every must be >= 0 and rollout.vllm_gpu_memory_utilization in (0, 1]")
+    if cfg.rollout.engine != "torch":
+        if cfg.rollout.engine == "vllm" and cfg.device == "cpu":
+            raise ConfigError("rollout.engine=vllm needs device=cuda (vLLM generates on GPUs); use rollout.engine=torch "
+                              "on the CPU")
+        if cfg.rl.runtime == "local":
+            raise ConfigError(f"rollout.engine={cfg.rollout.engine} runs in the Ray runtime's rollouts: drop "
+                              "rl.runtime=local")
+        cfg.rl.runtime = "ray"
+    if cfg.cluster.rollout_gpus < 0:
+        raise ConfigError("cluster.rollout_gpus must be >= 0")
     if any(n < 0 for n in cfg.cluster.rollout_nodes):
         raise ConfigError(f"cluster.rollout_nodes={cfg.cluster.rollout_nodes}: node indices are >= 0 (0 = head)")
     if cfg.rl.max_staleness is not None and cfg.rl.max_staleness < 0:

@@ -312,7 +312,7 @@ def _rl_body(ctx: StageContext) -> StageResult:
                         template=template(ctx.cfg), seed=ctx.cfg.seed, device=ctx.device, out_dir=out,
                         verifier=verifier, select=ctx.cfg.curation.select, history_path=sel.file("history.parquet"),
                         evaluate=evaluate, cluster=ctx.cfg.cluster, state_dir=ctx.state_dir,
-                        trainer=ctx.cfg.trainer)
+                        trainer=ctx.cfg.trainer, rollout=ctx.cfg.rollout)
         meta["timings"] = [{k: m[k] for k in ("step", *TIMING_KEYS) if k in m} for m in result.history]
         last = result.history[-5:] if result.history else []
         mean = lambda k: sum(m[k] for m in last) / max(1, len(last))  # noqa: E731
@@ -544,6 +544,7 @@ STAGES: tuple[Stage, ...] = (
                      "select": asdict(c.curation.select),
                      **({"cluster": asdict(c.cluster)} if c.rl.uses_ray() else {}),
                      **({"trainer": asdict(c.trainer)} if not c.trainer.is_default() else {}),
+                     **({"rollout": asdict(c.rollout)} if c.rl.uses_ray() else {}),
                      **({"eval": asdict(c.eval)} if c.rl.eval_every else {})},
           ("training.rl.stage", "training.rl.runtime", "training.rl.actors", "training.rl.trainer", "training.setup", "data_curation.hive", "evaluation.verifier", "evaluation.stages"),
           _rl_body, _record_rl,

@@ -85,3 +85,41 @@ def test_preflight_catches_what_needs_files(tmp_path):
         preflight(load_config(["rl.algorithm=dapo", "rl.max_new_tokens=16"]))
     preflight(load_config(["rl.max_new_tokens=16"]))  # grpo: no shaping, no constraint
     preflight(load_config(["eval.benchmarks=[arith_heldout,gsm8k]"]))
+
+
+def test_rollout_engines_are_the_engine_kinds():
+    from conf.schema import ROLLOUT_ENGINES
+    from training.rl.engines import ENGINE_KINDS
+
+    assert set(ROLLOUT_ENGINES) == set(ENGINE_KINDS)
+
+
+@pytest.mark.parametrize("overrides,message", [
+    (["trainer.backend=jax"], "trainer.backend"),
+    (["trainer.ranks=0"], "trainer.ranks"),
+    (["trainer.backend=deepspeed", "rl.runtime=local"], "Ray runtime"),
+    (["cluster.trainer_strategy=RANDOM"], "cluster.trainer_strategy"),
+    (["rollout.engine=vllm"], "device=cuda"),
+    (["rollout.engine=sglang"], "rollout.engine"),
+])
+def test_trainer_and_rollout_config_errors(overrides, message):
+    with pytest.raises(ConfigError, match=message):
+        load_config(overrides)
+
+
+def test_a_deepspeed_or_multi_rank_trainer_runs_on_ray():
+    assert load_config(["trainer.backend=deepspeed"]).rl.runtime == "ray"
+    assert load_config(["trainer.ranks=2"]).rl.runtime == "ray"
+    assert load_config([]).rl.runtime == "auto"
+
+
+def test_an_unknown_deepspeed_config_fails_in_preflight(tmp_path):
+    from tasks.preflight import preflight
+
+    with pytest.raises(ConfigError, match="trainer.deepspeed='zero9'.*zero2, zero3"):
+        preflight(load_config(["trainer.backend=deepspeed", "trainer.deepspeed=zero9"]))
+    bad = tmp_path / "ds.json"
+    bad.write_text("{not json")
+    with pytest.raises(ConfigError, match="not valid JSON"):
+        preflight(load_config(["trainer.backend=deepspeed", f"trainer.deepspeed={bad}"]))
+    preflight(load_config(["trainer.backend=deepspeed", "trainer.deepspeed=zero3"]))

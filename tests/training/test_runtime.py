@@ -262,3 +262,14 @@ def test_two_node_cluster_places_trainer_ranks_and_rollouts_per_config(model_dir
     finally:
         ray.shutdown()
         cluster.shutdown()
+
+
+@pytest.mark.slow
+def test_rollouts_with_the_engine_behind_the_worker_protocol(local_ray, model_dir, prompts):
+    """rollout.engine=torch-process: each rollout actor drives a worker process over the rollout
+    protocol's wire format (the path a vLLM worker takes) and the run trains whole groups once."""
+    rt = make_runtime(model_dir, prompts, "laminar", steps=3, engine_options={"kind": "torch-process"})
+    result = rt.run()
+    assert len(result.history) == 3
+    check_whole_groups_once(rt, result)
+    assert rt.summary["pulls"] >= 2

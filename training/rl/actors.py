@@ -97,15 +97,15 @@ class RolloutWorker:
     partials, then decodes for up to ``chunk`` steps and returns what finished plus its status."""
 
     def __init__(self, name: str, model_dir: str, *, device: str, capacity: int, max_new_tokens: int,
-                 temperature: float, seed: int, threads: int = 1):
+                 temperature: float, seed: int, threads: int = 1, engine_options: dict | None = None):
         _setup(threads, seed)
-        from training.model import load_model
-        from training.rl.continuous import ContinuousEngine
+        from training.rl.engines import make_engine
 
         self.name = name
-        model, tokenizer = load_model(Path(model_dir), device)
-        self.engine = ContinuousEngine(model, tokenizer, device=device, capacity=capacity,
-                                       max_new_tokens=max_new_tokens, temperature=temperature, seed=seed)
+        opts = dict(engine_options or {"kind": "torch"})
+        kind = opts.pop("kind", "torch")  # torch | torch-process | vllm: all speak the rollout protocol
+        self.engine = make_engine(kind, model_dir, device=device, capacity=capacity, max_new_tokens=max_new_tokens,
+                                  temperature=temperature, seed=seed, **opts)
         self.engine.version = -1  # no published version loaded yet: the first step pulls
 
     def ping(self) -> dict:

@@ -70,6 +70,9 @@ class RuntimeConfig:
     dist_backend: str = "auto"
     rollout_nodes: tuple = ()
     extensions_dir: str | None = None
+    engine_options: dict | None = None
+    rollout_gpus: float = 0.0
+    trainer_gpus: float = 0.0
 
 
 class _TrainerGroup:
@@ -204,7 +207,8 @@ class LaminarRuntime:
         self.chain = RelayChain(chain)
         self._relay_seq = len(chain)
         self._wire_chain()
-        Rollout = ray.remote(num_cpus=self.rc.rollout_cpus, max_restarts=self.rc.max_restarts)(RolloutWorker)
+        Rollout = ray.remote(num_cpus=self.rc.rollout_cpus, num_gpus=self.rc.rollout_gpus,
+                             max_restarts=self.rc.max_restarts)(RolloutWorker)
         self.rollouts: dict[str, _Rollout] = {}
         for i in range(self.rc.rollouts):
             node = (self.nodes[self.rc.rollout_nodes[i % len(self.rc.rollout_nodes)] % len(self.nodes)]
@@ -213,7 +217,7 @@ class LaminarRuntime:
             handle = Rollout.options(scheduling_strategy=pin(node)).remote(
                 name, str(self.model_dir), device=self.device, capacity=self.rc.capacity,
                 max_new_tokens=self.max_new_tokens, temperature=self.temperature, seed=self.seed,
-                threads=self.rc.actor_threads)
+                threads=self.rc.actor_threads, engine_options=self.rc.engine_options)
             self.rollouts[name] = _Rollout(name, node, handle, self.chain.relay_for(node))
         self.timeline["rollouts"] = list(self.rollouts)
         self.trainer = self._build_trainers(ray, TrainerWorker)
@@ -229,10 +233,11 @@ class LaminarRuntime:
         from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
         ranks = self.rc.trainer_ranks
-        Trainer = ray.remote(num_cpus=self.rc.trainer_cpus)(TrainerWorker)
+        Trainer = ray.remote(num_cpus=self.rc.trainer_cpus, num_gpus=self.rc.trainer_gpus)(TrainerWorker)
         pg = None
         if ranks > 1:
-            pg = placement_group([{"CPU": self.rc.trainer_cpus}] * ranks, strategy=self.rc.trainer_strategy)
+            bundle = {"CPU": self.rc.trainer_cpus, **({"GPU": self.rc.trainer_gpus} if self.rc.trainer_gpus else {})}
+            pg = placement_group([bundle] * ranks, strategy=self.rc.trainer_strategy)
             ready, _ = ray.wait([pg.ready()], timeout=120)
             if not ready:
                 raise RuntimeError(f"the trainer's placement group ({ranks} x {self.rc.trainer_cpus:g} CPU, "

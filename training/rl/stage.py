@@ -16,7 +16,7 @@ from typing import Callable
 
 from tqdm.auto import tqdm
 
-from conf.schema import ClusterConfig, RLConfig, SelectConfig, TrainerConfig
+from conf.schema import ClusterConfig, RLConfig, RolloutConfig, SelectConfig, TrainerConfig
 from training.model import encode_problem, load_model, save_model
 from training.objectives import PRESETS, ObjectiveParams
 from training.rl.loop import RLResult, format_step, run_sync
@@ -57,8 +57,9 @@ def hive_source(select: SelectConfig, history_path: Path | None, seed: int):
 
 
 def runtime_config(cfg: RLConfig, cluster: ClusterConfig | None, state_dir: Path | None,
-                   trainer: TrainerConfig | None = None):
+                   trainer: TrainerConfig | None = None, rollout: RolloutConfig | None = None):
     from conf.loader import deepspeed_config
+    from training.rl.engines import rollout_engine_options
     from training.rl.runtime import RuntimeConfig
 
     c = cluster or ClusterConfig()
@@ -68,6 +69,8 @@ def runtime_config(cfg: RLConfig, cluster: ClusterConfig | None, state_dir: Path
         ds_config=deepspeed_config(t.deepspeed) if t.backend == "deepspeed" else None,
         trainer_strategy=c.trainer_strategy, rollout_nodes=tuple(c.rollout_nodes),
         extensions_dir=str(Path(state_dir).parent / "torch_extensions") if state_dir is not None else None,
+        engine_options=rollout_engine_options(rollout or RolloutConfig()), rollout_gpus=c.rollout_gpus,
+        trainer_gpus=c.trainer_gpus,
         mode=cfg.mode, rollouts=c.rollouts, capacity=cfg.rollout_capacity, chunk_steps=cfg.chunk_steps,
         max_staleness=cfg.max_staleness, repack_interval_s=cfg.repack_interval_s, repack_b=cfg.repack_b,
         checkpoint_every=cfg.checkpoint_every if state_dir is not None else 0,
@@ -81,7 +84,8 @@ def runtime_config(cfg: RLConfig, cluster: ClusterConfig | None, state_dir: Path
 def rl(model_dir: Path, prompts_path: Path, cfg: RLConfig, *, template: str, seed: int, device: str, out_dir: Path,
        verifier, select: SelectConfig | None = None, history_path: Path | None = None,
        evaluate: Callable[[object], dict[str, float]] | None = None, cluster: ClusterConfig | None = None,
-       state_dir: Path | None = None, trainer: TrainerConfig | None = None) -> RLResult:
+       state_dir: Path | None = None, trainer: TrainerConfig | None = None,
+       rollout: RolloutConfig | None = None) -> RLResult:
     """RL from ``model_dir`` on the prompts of ``prompts_path`` (see the module docstring for what
     it writes). ``select`` turns on HIVE's online pruning; ``evaluate`` runs every ``cfg.eval_every`` steps.
     With ``cfg.uses_ray()`` the Laminar runtime runs the roles on Ray (``cluster``) and checkpoints
@@ -114,7 +118,7 @@ def rl(model_dir: Path, prompts_path: Path, cfg: RLConfig, *, template: str, see
 
             del model
             runtime = LaminarRuntime(Path(model_dir), prompts, verifier, params,
-                                     rc=runtime_config(cfg, cluster, state_dir, trainer), **common)
+                                     rc=runtime_config(cfg, cluster, state_dir, trainer, rollout), **common)
             result = runtime.run()
             model = runtime.final_model
             write_runtime_report(runtime, Path(out_dir))
