@@ -72,7 +72,7 @@ def config(points_ms, capacity: int, updates: int, train_s_per_token: float, see
                  "relay_gbps": 5.0, "relay_hop_s": 0.0, "h2d_gbps": 5.0, "pull_overhead_s": 0.01, "extract_s": 0.005,
                  "shared_cores": 2.0},
         "sched": {"capacity": capacity, "chunk_steps": 8, "call_overhead_s": 0.003, "repack_interval_s": 0.5,
-                  "repack_b": 0, "max_staleness": None},
+                  "repack_b": 0, "max_staleness": None, "max_ahead_batches": 0},
         "seed": seed, "warmup_updates": 0, "timeline_rollouts": 0,
     })
 

@@ -104,6 +104,8 @@ class SimSchedConfig:
     repack_b: int = 0
     max_staleness: Optional[int] = None
     keep_versions: int = 2
+    max_ahead_batches: int = 0
+    """Simulator-only back-pressure: issued-but-untrained groups stay within this many batches (0 = off)."""
 
 
 @dataclass

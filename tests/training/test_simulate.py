@@ -185,3 +185,15 @@ def test_cli_end_to_end(tmp_path, capsys):
         m = summary["modes"][mode]
         assert m["updates"] == 4 and m["trained_groups"] == 32
         assert {"idle_share", "staleness_histogram", "repacks", "tokens_per_s"} <= set(m)
+
+
+def test_back_pressure_bounds_what_is_issued():
+    cfg = tiny(sched={"max_ahead_batches": 1}, cost={"mfu_train": 0.002})
+    s = sim.Simulator(cfg, "laminar")
+    r = s.run()
+    n, g = cfg.workload.prompts_per_step, cfg.workload.group_size
+    # never more than one batch beyond the trainer, plus whole-group rounding per rollout
+    assert s.queue.issued_groups <= (cfg.workload.steps + 1) * n + r.rollouts
+    free = sim.Simulator(tiny(cost={"mfu_train": 0.002}), "laminar")
+    free.run()
+    assert free.queue.issued_groups > s.queue.issued_groups

@@ -191,6 +191,11 @@ class SchedSpec:
     repack_b: int = 0
     max_staleness: int | None = None
     keep_versions: int = 2
+    max_ahead_batches: int = 0
+    """Simulator-only back-pressure for the continuous modes (the real runtime has none): new prompts
+    are issued only while issued-but-untrained groups stay within this many batches (0 = unbounded).
+    It stands for a bounded experience buffer / AReaL-style admission control; without it a
+    trainer-bound run generates without limit (and the simulation slows with it)."""
 
 
 @dataclass
@@ -739,6 +744,10 @@ class Simulator:
             inject = ok
         if not self.mode.batched and plan.admitting:
             free = r.capacity - (r.active + r.queued + len(inject) + len(submit))
+            cap = self.cfg.sched.max_ahead_batches
+            if cap > 0 and not self.queue.retry:
+                ahead = self.queue.issued_groups - len(self.trained_uids)
+                free = min(free, (cap * self.n - ahead) * self.cfg.workload.group_size)
             if free > 0:
                 submit.extend(self.queue.take(free))
         for q in submit:
@@ -1141,10 +1150,15 @@ def balanced_trainer_gpus(cfg: SimConfig) -> int:
     return max(1, min(total - cl.gpus_per_engine, round(total * train_1 / (train_1 + gen_1))))
 
 
+MAX_TRAIN_MFU = 0.6
+"""``calibrate_train_share`` never implies a training MFU above this (a physical ceiling)."""
+
+
 def calibrate_train_share(cfg: SimConfig) -> tuple[SimConfig, dict]:
     """With ``cost.train_gen_share = s > 0``: simulate the colocated synchronous mode without training
     cost to get its generation time per step ``G``, then set ``mfu_train`` so that one update on all
-    GPUs takes ``G * (1 - s) / s``. Returns the new config and what was derived."""
+    GPUs takes ``G * (1 - s) / s``, but never above ``MAX_TRAIN_MFU`` of the FLOP count (then
+    generation is less than ``s`` of a step: ``capped``). Returns the new config and what was derived."""
     s = cfg.cost.train_gen_share
     if s <= 0:
         return cfg, {}
@@ -1167,9 +1181,13 @@ def calibrate_train_share(cfg: SimConfig) -> tuple[SimConfig, dict]:
     at_peak = CostModel(unit, cfg.cluster.gpus_per_engine, total).train_s(int(tokens), mean_ctx)
     busy = max(1e-9, target - cfg.cost.train_step_overhead_s)
     mfu = at_peak / busy
+    capped = mfu > MAX_TRAIN_MFU
+    if capped:
+        mfu = MAX_TRAIN_MFU
+        target = at_peak / mfu + cfg.cost.train_step_overhead_s
     new = dataclasses.replace(cfg, cost=dataclasses.replace(cfg.cost, mfu_train=mfu, train_gen_share=0.0))
     return new, {"sync_generation_s": gen, "train_s_per_update_all_gpus": target, "implied_mfu_train": mfu,
-                 "train_gen_share": s}
+                 "train_gen_share": s, "capped": capped, "generation_share": gen / (gen + target)}
 
 
 def simulate(cfg: SimConfig, modes: Iterable[str] | None = None) -> dict[str, ModeResult]:
