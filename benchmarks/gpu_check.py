@@ -14,7 +14,8 @@ Sections:
 - **publish**: the trainer's publish path (``PolicyTrainer.publish``: weights -> numpy arrays for the
   object store) against the raw device-to-pinned-host copy of the same weights; and ``ray.put`` of the
   arrays when Ray is importable.
-- **trainer**: ``trainer_rows`` (filled by the trainer backend section).
+- **trainer**: one policy update (``training.rl.trainer``) on the 0.5B shape with torch AdamW and
+  DeepSpeed ZeRO-2/3, and each trainer's publish (ZeRO-3: gathered) against the raw D2H copy.
 
 JSON goes to ``--out``, else ``$OUT/gpu_check.json`` when ``$OUT`` is set.
 """
@@ -244,9 +245,105 @@ def publish_rows(args, device, models) -> list[dict]:
     return rows
 
 
+def _trainer_groups(vocab: int, n_groups: int, group_size: int, prompt_len: int, response_len: int, seed: int = 0):
+    """Scored groups of random prompts and responses (half rewarded): a training batch of fixed shape."""
+    from training.rl.records import ScoredGroup, Trajectory
+
+    g = torch.Generator().manual_seed(seed)
+    groups = []
+    for i in range(n_groups):
+        prompt = PromptItem(f"p{i}", "x", "y", tuple(int(t) for t in torch.randint(3, vocab, (prompt_len,), generator=g)))
+        trajs = tuple(Trajectory("trajectory", prompt, j,
+                                 tuple(int(t) for t in torch.randint(3, vocab, (response_len,), generator=g)),
+                                 tuple(float(-x) for x in torch.rand(response_len, generator=g)), 0, True, "y")
+                      for j in range(group_size))
+        groups.append(ScoredGroup("scored_group", prompt.prompt_id, trajs,
+                                  tuple(float(j % 2) for j in range(group_size)),
+                                  tuple(bool(j % 2) for j in range(group_size))))
+    return groups
+
+
 def trainer_rows(args) -> list[dict]:
-    """filled by the trainer backend section"""
-    return []
+    """One optimizer update of the policy trainer (``training.rl.trainer``) on the 0.5B shape (the
+    smoke shape with ``--cpu-smoke``): torch AdamW, DeepSpeed ZeRO-2 and ZeRO-3 (one rank; nccl on
+    CUDA, gloo on the CPU; bf16 where the device has it), each with its publish (ZeRO-3 gathers the
+    partitioned weights) against the raw device-to-pinned-host copy of the same weights."""
+    import importlib.util
+    import socket
+
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    from training.objectives import PRESETS
+    from training.rl.trainer import DeepSpeedPolicyTrainer, PolicyTrainer, init_distributed
+
+    device = torch.device("cuda" if torch.cuda.is_available() and not args.cpu_smoke else "cpu")
+    shape = SMOKE_SHAPE if args.cpu_smoke else QWEN05_SHAPE
+    n_groups, group_size, plen, rlen = (2, 4, 12, 16) if args.cpu_smoke else (8, 8, 64, 192)
+    groups = _trainer_groups(shape["vocab_size"], n_groups, group_size, plen, rlen)
+    tokens = n_groups * group_size * rlen
+    kw = dict(lr=1e-6, weight_decay=0.0, max_grad_norm=1.0, temperature=1.0, max_new_tokens=rlen, pad_id=0,
+              device=str(device), micro_batch_tokens=16384)
+    cases = [("torch", None)]
+    have_ds = importlib.util.find_spec("deepspeed") is not None
+    cases += [("deepspeed", 2), ("deepspeed", 3)]
+    rows, base_ms = [], None
+    dist_ready = False
+    for backend, stage in cases:
+        name = f"{backend}" + (f" ZeRO-{stage}" if stage else " AdamW")
+        row = {"section": "trainer", "model": "0.5b-shape" if not args.cpu_smoke else "0.5b-shape(smoke)",
+               "case": f"{name}, {n_groups * group_size} seqs x {plen}+{rlen} tokens"}
+        if backend == "deepspeed" and not have_ds:
+            rows.append({**row, "ours": "skipped: deepspeed is not installed (see DESIGN.md: carry its sdist)"})
+            continue
+        try:
+            torch.manual_seed(0)
+            cfg = LlamaConfig(**shape, bos_token_id=1, eos_token_id=2, pad_token_id=0)
+            model = LlamaForCausalLM(cfg).to(device)
+            if backend == "torch":
+                trainer = PolicyTrainer(model, PRESETS["grpo"], **kw)
+            else:
+                if not dist_ready:
+                    os.environ.setdefault("TORCH_EXTENSIONS_DIR", str(Path(args.out or "/tmp").parent / "torch_ext"))
+                    with socket.socket() as sock:
+                        sock.bind(("127.0.0.1", 0))
+                        port = sock.getsockname()[1]
+                    init_distributed("nccl" if device.type == "cuda" else "gloo", 0, 1, "127.0.0.1", port,
+                                     deepspeed_comm=True)
+                    dist_ready = True
+                from conf.loader import deepspeed_config
+
+                trainer = DeepSpeedPolicyTrainer(model, PRESETS["grpo"], ds_config=deepspeed_config(f"zero{stage}"), **kw)
+            trainer.update(groups)  # warm-up (allocations, kernels)
+            step = _best_of(lambda: trainer.update(groups), args.repeats, device)
+            pub = _best_of(trainer.full_state, args.repeats, device)
+            params = [p for p in trainer.model.state_dict().values()]
+            if backend == "deepspeed" and stage == 3:  # partitioned: time the copy of the gathered weights
+                import deepspeed
+
+                with deepspeed.zero.GatheredParameters(list(trainer.model.parameters())):
+                    params = [p.detach().clone() for p in trainer.model.state_dict().values()]
+            pin = device.type == "cuda"
+            host = [torch.empty(p.shape, dtype=p.dtype, pin_memory=pin) for p in params]
+
+            def raw():
+                for h, p in zip(host, params):
+                    h.copy_(p, non_blocking=pin)
+
+            raw_s = _best_of(raw, args.repeats, device)
+            base_ms = 1000 * step if backend == "torch" else base_ms
+            row.update(ours=f"{1000 * step:,.0f} ms/update ({tokens / step:,.0f} tok/s); publish {1000 * pub:.1f} ms",
+                       baseline=(f"torch AdamW {base_ms:,.0f} ms/update; " if base_ms and backend != "torch" else "")
+                       + f"raw D2H copy {1000 * raw_s:.1f} ms",
+                       ratio=f"publish {pub / raw_s:.2f}x raw", update_ms=1000 * step, publish_ms=1000 * pub,
+                       raw_copy_ms=1000 * raw_s, dtype=str(params[0].dtype).replace("torch.", ""))
+            del trainer, model, params, host
+        except Exception as err:  # noqa: BLE001 - one failed case shows in the table, the rest still run
+            row["ours"] = f"FAILED: {type(err).__name__}: {str(err).splitlines()[0][:160] if str(err) else ''}"
+        if device.type == "cuda":
+            torch.cuda.empty_cache()
+        rows.append(row)
+        print(f"  trainer {row['case']}: {row['ours']}", file=sys.stderr)
+    return rows
 
 
 def markdown(rows: list[dict]) -> str:

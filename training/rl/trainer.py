@@ -178,8 +178,11 @@ class PolicyTrainer:
         return norm
 
     def full_state(self) -> dict[str, np.ndarray]:
-        """The full weights as host arrays (float32 for dtypes NumPy lacks, e.g. bf16)."""
-        return _host_arrays(self.model.state_dict())
+        """The full weights as host arrays (float32 for dtypes NumPy lacks, e.g. bf16). On CUDA they
+        land in pinned host buffers kept from one publish to the next (non-blocking copies, one
+        sync); the arrays are views of them, valid until the next publish (``ray.put`` and the
+        engines' ``load_state`` copy them at once)."""
+        return _host_arrays(self.model.state_dict(), self)
 
     def _my_micro_batches(self, idx: torch.Tensor, lengths: torch.Tensor) -> list[tuple[torch.Tensor, bool]]:
         """This rank's micro-batches of rows ``idx`` as (rows, counts) pairs. Rank r takes every
@@ -288,13 +291,29 @@ class PolicyTrainer:
         return WeightsUpdate(kind="weights_update", version=self.version, state=self.full_state())
 
 
-def _host_arrays(state: dict[str, torch.Tensor]) -> dict[str, np.ndarray]:
+def _host_arrays(state: dict[str, torch.Tensor], owner=None) -> dict[str, np.ndarray]:
+    """``state`` as host arrays. Device tensors are copied into pinned buffers cached on ``owner``
+    (non-blocking, one synchronize at the end); host tensors are copied."""
     out = {}
+    on_device = any(v.device.type == "cuda" for v in state.values())
+    buffers = getattr(owner, "_pinned", None) if owner is not None else None
+    if on_device and buffers is None:
+        buffers = {}
+        if owner is not None:
+            owner._pinned = buffers
     for k, v in state.items():
         v = v.detach()
-        if v.dtype in (torch.bfloat16, torch.float16):
-            v = v.float()
-        out[k] = v.to("cpu").numpy().copy()
+        wide = torch.float32 if v.dtype in (torch.bfloat16, torch.float16) else v.dtype
+        if v.device.type == "cuda":
+            buf = buffers.get(k)
+            if buf is None or buf.shape != v.shape or buf.dtype != wide:
+                buf = buffers[k] = torch.empty(v.shape, dtype=wide, pin_memory=True)
+            buf.copy_(v, non_blocking=True)
+            out[k] = buf.numpy()
+        else:
+            out[k] = (v.float() if wide != v.dtype else v).numpy().copy()
+    if on_device:
+        torch.cuda.synchronize()
     return out
 
 
@@ -354,8 +373,8 @@ class DeepSpeedPolicyTrainer(PolicyTrainer):
             import deepspeed
 
             with deepspeed.zero.GatheredParameters(list(self.model.parameters()), modifier_rank=None):
-                return _host_arrays(self.model.state_dict())
-        return _host_arrays(self.model.state_dict())
+                return _host_arrays(self.model.state_dict(), self)
+        return _host_arrays(self.model.state_dict(), self)
 
     def save(self, directory: str) -> None:
         """DeepSpeed's own checkpoint (every rank writes its shards) inside the caller's atomic
