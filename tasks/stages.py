@@ -536,7 +536,16 @@ STAGES: tuple[Stage, ...] = (
                                                             if m.get("rft_steps") else "  (passed through)")),
     Stage("eval_rft", {MODEL: ("rft", MODEL), DATASET: ("data", DATASET)}, lambda c: asdict(c.eval),
           _EVAL_MODULES, _eval_body, _record_eval, _eval_headline, _benchmark_files),
-    Stage("select", {PROMPTS: ("decontaminate", PROMPTS), ATTEMPTS: ("difficulty", ATTEMPTS)},
+    # HIVE selects from the pass rates of the model RL starts from (the RFT model, often much better than
+    # the warm-up model whose pass rates steered DART): stale rates put solved prompts on the "edge".
+    Stage("difficulty_rft", {MODEL: ("rft", MODEL), PROMPTS: ("decontaminate", PROMPTS)},
+          lambda c: {**asdict(c.curation.difficulty), "template": template(c),
+                     "verifier_timeout_s": c.eval.verifier_timeout_s},
+          _SAMPLING_MODULES, _difficulty_body, _record_difficulty,
+          _headline("prompts {prompts_sampled:.0f}  pass {mean_pass_rate:.3f}  edge {learning_edge:.0f}  "
+                    "all-correct {all_correct:.0f}  all-wrong {all_wrong:.0f}", "prompts_sampled", "mean_pass_rate",
+                    "learning_edge", "all_correct", "all_wrong")),
+    Stage("select", {PROMPTS: ("decontaminate", PROMPTS), ATTEMPTS: ("difficulty_rft", ATTEMPTS)},
           lambda c: {**asdict(c.curation.select), "min_prompts": c.rl.prompts_per_step}, ("data_curation.hive",), _select_body, _record_select,
           _headline("selected {selected:.0f} of {candidates:.0f}", "selected", "candidates"), _history_fingerprint),
     Stage("rl", {MODEL: ("rft", MODEL), SELECTION: ("select", SELECTION), DATASET: ("data", DATASET)},
