@@ -153,7 +153,6 @@ def main() -> None:
                 tl = best[mode].get("timeline")
                 if tl:
                     name = f"timeline_{model}_1024_{mode}.png"
-                    (args.out / f"timeline_{model}_1024_{mode}.json").write_text(json.dumps(tl))
                     share = best[mode]["share"]
                     plot_timeline(tl, args.out / name,
                                   title=f"simulated {mode}, {model}, 1,024 GPUs"
@@ -193,7 +192,7 @@ def main() -> None:
         for label, keys in [("1024", [k for k in fixed_rows if k[1] == 1024]), ("all scales", list(fixed_rows))]:
             avg[f"fixed {fixed_share}, {label}"] = {m: sum(fixed_rows[k][m] for k in keys) / len(keys)
                                                      for m in PAPER} if keys else {}
-            print(f"| **average, {label}** | | " + " | ".join(
+            print(f"| **average, {'1,024 GPUs' if label == '1024' else label}** | | " + " | ".join(
                 f"{avg[f'fixed {fixed_share}, {label}'].get(m, float('nan')):.2f}x" for m in PAPER) + " |")
         results["speedups_fixed_split"] = {f"{m}@{g}": sp for (m, g), sp in fixed_rows.items()}
     results["averages"] = avg
