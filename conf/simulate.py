@@ -51,6 +51,9 @@ class SimLengthConfig:
     medians: List[float] = field(default_factory=list)
     sigmas: List[float] = field(default_factory=list)
     values: List[int] = field(default_factory=list)
+    values_file: Optional[str] = None
+    """With ``kind=values``: read the lengths from a JSON file, a list or a real run's ``runtime.json``
+    (its ``response_lengths``), instead of ``values``."""
 
 
 @dataclass
@@ -129,6 +132,8 @@ def validate_simulate(cfg: SimulateConfig) -> SimulateConfig:
         raise ConfigError(f"modes={list(cfg.modes)}: choose from {', '.join(SIM_MODE_NAMES)}")
     if len(set(cfg.modes)) != len(cfg.modes):
         raise ConfigError(f"modes={list(cfg.modes)} lists a mode twice")
+    if cfg.workload.lengths.values_file and cfg.workload.lengths.kind != "values":
+        raise ConfigError("workload.lengths.values_file is read only with workload.lengths.kind=values")
     if cfg.workload.lengths.kind not in LENGTH_KINDS:
         raise ConfigError(f"workload.lengths.kind={cfg.workload.lengths.kind!r}: choose one of {', '.join(LENGTH_KINDS)}")
     for key, value in [("cluster.nodes", cfg.cluster.nodes), ("cluster.gpus_per_node", cfg.cluster.gpus_per_node),

@@ -17,10 +17,29 @@ def resolve(cfg):
     (raised before anything is written)."""
     from training.rl.simulate import config_from_settings
 
+    data = dataclasses.asdict(cfg)
+    lengths = data["workload"]["lengths"]
+    path = lengths.pop("values_file", None)
+    if path:
+        lengths["values"] = read_lengths(Path(path))
     try:
-        return config_from_settings(dataclasses.asdict(cfg))
+        return config_from_settings(data)
     except (KeyError, ValueError) as err:
         raise ConfigError(str(err).strip("'\"")) from None
+
+
+def read_lengths(path: Path) -> list[int]:
+    """Response lengths from a JSON list or a real run's ``runtime.json`` (``response_lengths``)."""
+    try:
+        data = json.loads(path.read_text())
+    except (OSError, ValueError) as err:
+        raise ConfigError(f"workload.lengths.values_file={path}: cannot read JSON ({err})") from None
+    if isinstance(data, dict):
+        data = data.get("response_lengths")
+    if not isinstance(data, list) or not data or not all(isinstance(x, int) and x > 0 for x in data):
+        raise ConfigError(f"workload.lengths.values_file={path}: expected a list of positive token counts "
+                          "(or a runtime.json with response_lengths)")
+    return data
 
 
 def output_dir(cfg, workspace: str | Path) -> Path:

@@ -152,6 +152,7 @@ def test_conf_schema_mirrors_the_simulator():
 
     ours, theirs = names(SimulateConfig), names(sim.SimConfig)
     theirs["model"]["preset"] = None
+    theirs["workload"]["lengths"]["values_file"] = None
     ours.pop("out")
     assert ours == theirs
 
@@ -197,3 +198,20 @@ def test_back_pressure_bounds_what_is_issued():
     free = sim.Simulator(tiny(cost={"mfu_train": 0.002}), "laminar")
     free.run()
     assert free.queue.issued_groups > s.queue.issued_groups
+
+
+def test_lengths_from_a_real_run(tmp_path):
+    from conf.schema import ConfigError
+    from conf.simulate import load_simulate_config
+    from tasks.simulate import resolve
+
+    run = tmp_path / "runtime.json"
+    run.write_text(json.dumps({"response_lengths": [20, 30, 40, 230]}))
+    cfg = resolve(load_simulate_config(["workload.lengths.kind=values", f"workload.lengths.values_file={run}"]))
+    assert cfg.workload.lengths.values == [20, 30, 40, 230]
+    sampler = sim.LengthSampler(cfg.workload.lengths, 320, 8, 0)
+    assert set(sampler.group(0)) <= {20, 30, 40, 230}
+    bad = tmp_path / "bad.json"
+    bad.write_text("{}")
+    with pytest.raises(ConfigError):
+        resolve(load_simulate_config(["workload.lengths.kind=values", f"workload.lengths.values_file={bad}"]))

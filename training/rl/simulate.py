@@ -45,6 +45,10 @@ every other mode splits the GPUs into a trainer and rollouts (``trainer_gpus``).
 ``mixture`` of such components (weights, medians, sigmas) chosen per prompt; or ``values`` (lengths
 from a real run, drawn per response).
 
+**Back-pressure** (``sched.max_ahead_batches``, simulator only, off by default like the runtime):
+the continuous modes issue prompts only while issued-but-untrained groups stay within that many
+batches. Without it a trainer-bound run keeps generating (the buffer grows, as in the runtime).
+
 **CPU sharing** (calibration only): with ``shared_cores > 0`` every busy rollout and a busy trainer
 share that many cores (one thread each): each runs at ``min(1, shared_cores / busy)`` speed. This is
 how the real runtime behaves on the 2-core machine its throughput benchmark ran on.
