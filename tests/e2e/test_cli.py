@@ -11,9 +11,10 @@ import pytest
 
 ROOT = Path(__file__).resolve().parents[2]
 LAMINAR = [sys.executable, "-m", "flows.cli"]
-# Smaller than the default: 60 RL steps instead of 100 (warm-up must stay long enough for the tiny
-# model to learn to copy operands: for some seeds that takes more than 600 steps).
-SMALL = ["rl.steps=60"]
+# Smaller than the default: 50 RL steps instead of 100, difficulty on 600 prompts instead of 1,500 and a
+# DART budget of 3,000 trials instead of 8,000 (warm-up must stay long enough for the tiny model to learn
+# to copy operands: for some seeds that takes more than 600 steps).
+SMALL = ["rl.steps=50", "curation.difficulty.max_prompts=600", "curation.dart.budget=3000"]
 
 pytestmark = pytest.mark.e2e
 

@@ -64,9 +64,8 @@ def test_laminar_deepspeed_run_checkpoints_resumes_and_reports(tmp_path):
     ws = tmp_path / "ws"
     args = ("run", *TINY_CURATED, "trainer.backend=deepspeed", "rl.mode=laminar", "rl.steps=8",
             "rl.checkpoint_every=2", "--until", "rl")
-    laminar("run", *TINY_CURATED, "--until", "select", ws=ws)
-    proc = popen(*args, ws=ws, stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
-    deadline = time.time() + 300
+    proc = popen(*args, ws=ws, stdout=subprocess.PIPE, stderr=subprocess.STDOUT)  # curation, then RL checkpoints
+    deadline = time.time() + 400
     marker = None
     while time.time() < deadline and marker is None and proc.poll() is None:
         found = sorted(ws.glob("state/rl-*/checkpoints/step-*/COMPLETE.json"))
