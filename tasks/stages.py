@@ -489,6 +489,17 @@ _SAMPLING_MODULES = ("data_curation.sampling", "training.setup", "evaluation.ver
                      "evaluation.benchmarks")
 
 
+def _difficulty_stage(name: str, model_stage: str) -> Stage:
+    """k samples per prompt with ``model_stage``'s model: pass rate, length and entropy per prompt."""
+    return Stage(name, {MODEL: (model_stage, MODEL), PROMPTS: ("decontaminate", PROMPTS)},
+                 lambda c: {**asdict(c.curation.difficulty), "template": template(c),
+                            "verifier_timeout_s": c.eval.verifier_timeout_s},
+                 _SAMPLING_MODULES, _difficulty_body, _record_difficulty,
+                 _headline("prompts {prompts_sampled:.0f}  pass {mean_pass_rate:.3f}  edge {learning_edge:.0f}  "
+                           "all-correct {all_correct:.0f}  all-wrong {all_wrong:.0f}", "prompts_sampled",
+                           "mean_pass_rate", "learning_edge", "all_correct", "all_wrong"))
+
+
 def _headline(fmt: str, *keys: str) -> Callable[[dict], str]:
     return lambda m: fmt.format(**{k: m[k] for k in keys})
 
@@ -517,13 +528,7 @@ STAGES: tuple[Stage, ...] = (
           lambda m: f"loss {m['sft_loss_first']:.3f} -> {m['sft_loss_ema']:.3f}"),
     Stage("eval_warmup", {MODEL: ("warmup", MODEL), DATASET: ("data", DATASET)}, lambda c: asdict(c.eval),
           _EVAL_MODULES, _eval_body, _record_eval, _eval_headline, _benchmark_files),
-    Stage("difficulty", {MODEL: ("warmup", MODEL), PROMPTS: ("decontaminate", PROMPTS)},
-          lambda c: {**asdict(c.curation.difficulty), "template": template(c),
-                     "verifier_timeout_s": c.eval.verifier_timeout_s},
-          _SAMPLING_MODULES, _difficulty_body, _record_difficulty,
-          _headline("prompts {prompts_sampled:.0f}  pass {mean_pass_rate:.3f}  edge {learning_edge:.0f}  "
-                    "all-correct {all_correct:.0f}  all-wrong {all_wrong:.0f}", "prompts_sampled", "mean_pass_rate",
-                    "learning_edge", "all_correct", "all_wrong")),
+    _difficulty_stage("difficulty", "warmup"),
     Stage("dart", {MODEL: ("warmup", MODEL), PROMPTS: ("decontaminate", PROMPTS), ATTEMPTS: ("difficulty", ATTEMPTS)},
           lambda c: {**asdict(c.curation.dart), "max_new_tokens": c.curation.difficulty.max_new_tokens,
                      "template": template(c), "verifier_timeout_s": c.eval.verifier_timeout_s},
@@ -538,13 +543,7 @@ STAGES: tuple[Stage, ...] = (
           _EVAL_MODULES, _eval_body, _record_eval, _eval_headline, _benchmark_files),
     # HIVE selects from the pass rates of the model RL starts from (the RFT model, often much better than
     # the warm-up model whose pass rates steered DART): stale rates put solved prompts on the "edge".
-    Stage("difficulty_rft", {MODEL: ("rft", MODEL), PROMPTS: ("decontaminate", PROMPTS)},
-          lambda c: {**asdict(c.curation.difficulty), "template": template(c),
-                     "verifier_timeout_s": c.eval.verifier_timeout_s},
-          _SAMPLING_MODULES, _difficulty_body, _record_difficulty,
-          _headline("prompts {prompts_sampled:.0f}  pass {mean_pass_rate:.3f}  edge {learning_edge:.0f}  "
-                    "all-correct {all_correct:.0f}  all-wrong {all_wrong:.0f}", "prompts_sampled", "mean_pass_rate",
-                    "learning_edge", "all_correct", "all_wrong")),
+    _difficulty_stage("difficulty_rft", "rft"),
     Stage("select", {PROMPTS: ("decontaminate", PROMPTS), ATTEMPTS: ("difficulty_rft", ATTEMPTS)},
           lambda c: {**asdict(c.curation.select), "min_prompts": c.rl.prompts_per_step}, ("data_curation.hive",), _select_body, _record_select,
           _headline("selected {selected:.0f} of {candidates:.0f}", "selected", "candidates"), _history_fingerprint),
