@@ -59,3 +59,9 @@ def run_rank(rank: int, world: int, port: int, backend: str, stage: int, updates
         save_file(state, os.path.join(out_dir, "weights.safetensors"))
         with open(os.path.join(out_dir, "stats.json"), "w") as f:
             json.dump([{"loss": s.loss, "grad_norm": s.grad_norm, "version": s.version} for s in stats], f)
+    # leave together, with the process group torn down: a rank exiting while gloo's threads still run
+    # aborts ("terminate called without an active exception")
+    import torch.distributed as dist
+
+    dist.barrier()
+    dist.destroy_process_group()
