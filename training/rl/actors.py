@@ -225,6 +225,13 @@ class TrainerWorker:
     def set_master(self, relay) -> None:
         self.master = relay
 
+    def _gathered_state(self) -> dict[str, np.ndarray] | None:
+        """The full weights on rank 0 (None elsewhere); with ZeRO-3 every rank joins the gather."""
+        if self.rank == 0 or getattr(self.trainer, "zero_stage", 0) == 3:
+            state = self.trainer.full_state()
+            return state if self.rank == 0 else None
+        return None
+
     def publish(self) -> float:
         """Put the current weights into the object store once and hand the ref to the master relay
         without waiting for it: the stall is the device-to-host copy plus one ``ray.put`` (rank 0;
@@ -235,7 +242,7 @@ class TrainerWorker:
 
         c0 = time.thread_time()
         t0 = time.perf_counter()
-        state = self.trainer.full_state() if self.rank == 0 or getattr(self.trainer, "zero_stage", 0) == 3 else None
+        state = self._gathered_state()
         if self.rank == 0:
             self._last_box = [ray.put(state)]
             if self.master is not None:
@@ -256,8 +263,7 @@ class TrainerWorker:
         return {"stats": stats, "train_s": train_s, "publish_stall_s": stall, "publish_cpu_s": self.last_publish_cpu_s}
 
     def state(self) -> dict[str, np.ndarray] | None:
-        state = self.trainer.full_state() if self.rank == 0 or getattr(self.trainer, "zero_stage", 0) == 3 else None
-        return state if self.rank == 0 else None
+        return self._gathered_state()
 
     def save(self, directory: str) -> None:
         """Every rank calls: DeepSpeed writes its shards through its own API (inside the caller's

@@ -439,6 +439,19 @@ class ContinuousEngine:
         self._pos += 1
         self._next = nxt
 
+    def _emit_finished(self, fin: torch.Tensor, rows: Sequence, out: list[Trajectory]) -> list[int]:
+        """Append the trajectories of the rows flagged in ``fin`` (one host copy of their tokens,
+        log-probs, lengths, entropies and last versions) to ``out``; returns their indices."""
+        fin_idx = fin.nonzero().squeeze(1).cpu().tolist()
+        toks, lps, ngen, ent, lastv = (x[fin].cpu() for x in (self._toks, self._lps, self._ngen, self._ent,
+                                                               self._lastv))
+        for j, i in enumerate(fin_idx):
+            n = int(ngen[j])
+            row = rows[i]
+            out.append(self._trajectory(row.request, toks[j, :n].tolist(), lps[j, :n].tolist(), row.version,
+                                        int(lastv[j]), float(ent[j])))
+        return fin_idx
+
     def _retire_finished(self, out: list[Trajectory]) -> None:
         """Rows whose last sample was EOS or reached ``max_new_tokens`` leave the batch now."""
         if not self._rows:
@@ -446,14 +459,7 @@ class ContinuousEngine:
         fin = self._finished_mask()
         if not bool(fin.any()):
             return
-        fin_idx = fin.nonzero().squeeze(1).cpu().tolist()
-        toks, lps, ngen, ent, lastv = (x[fin].cpu() for x in (self._toks, self._lps, self._ngen, self._ent,
-                                                               self._lastv))
-        for j, i in enumerate(fin_idx):
-            n = int(ngen[j])
-            row = self._rows[i]
-            out.append(self._trajectory(row.request, toks[j, :n].tolist(), lps[j, :n].tolist(), row.version,
-                                        int(lastv[j]), float(ent[j])))
+        fin_idx = self._emit_finished(fin, self._rows, out)
         keep = (~fin).nonzero().squeeze(1)
         gone = set(fin_idx)
         self._rows = [r for i, r in enumerate(self._rows) if i not in gone]

@@ -280,15 +280,7 @@ class StaticSlotEngine(ContinuousEngine):
         fin = self._occ & self._finished_mask()
         if not bool(fin.any()):
             return
-        fin_idx = fin.nonzero().squeeze(1).cpu().tolist()
-        toks, lps, ngen, ent, lastv = (x[fin].cpu() for x in (self._toks, self._lps, self._ngen, self._ent,
-                                                               self._lastv))
-        for j, i in enumerate(fin_idx):
-            n = int(ngen[j])
-            row = self._slots[i]
-            out.append(self._trajectory(row.request, toks[j, :n].tolist(), lps[j, :n].tolist(), row.version,
-                                        int(lastv[j]), float(ent[j])))
-        self._free(fin_idx)
+        self._free(self._emit_finished(fin, self._slots, out))
 
     def extract(self, include_queued: bool = True, only=None) -> tuple[list[Partial], list[GenRequest]]:
         from collections import deque
