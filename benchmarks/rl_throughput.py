@@ -58,7 +58,8 @@ def run_mode(mode: str, model_dir: Path, prompts, args, out: Path, tag: str = ""
     cfg = load_config([f"seed={args.seed}", *WORKLOAD, f"rl.algorithm={args.algorithm}"])
     rc = RuntimeConfig(mode=mode, rollouts=args.rollouts, capacity=args.capacity, chunk_steps=args.chunk_steps,
                        max_staleness=None if mode != "sync" and args.unbounded else cfg.rl.max_staleness,
-                       repack_interval_s=cfg.rl.repack_interval_s, num_cpus=args.cpus,
+                       admit_lag=args.admit_lag,
+                       repack_interval_s=args.repack_interval or cfg.rl.repack_interval_s, num_cpus=args.cpus,
                        trainer_cpus=cfg.cluster.trainer_cpus, rollout_cpus=cfg.cluster.rollout_cpus,
                        relay_cpus=cfg.cluster.relay_cpus)
     with Verifier(timeout_s=cfg.eval.verifier_timeout_s) as verifier:
@@ -98,6 +99,10 @@ def main() -> None:
     ap.add_argument("--algorithm", default="grpo")
     ap.add_argument("--unbounded", action="store_true",
                     help="asynchronous modes without a staleness bound (as the paper); default rl.max_staleness")
+    ap.add_argument("--admit-lag", type=int, default=1,
+                    help="laminar: rollouts keep admitting until the trainer is this many versions ahead (rl.admit_lag)")
+    ap.add_argument("--repack-interval", type=float, default=None, help="seconds (default rl.repack_interval_s)")
+    ap.add_argument("--repeats", type=int, default=1, help="rounds of every mode (this machine's speed drifts)")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--workspace", type=Path, default=ROOT / "workspace-bench-throughput")
     ap.add_argument("--out", type=Path, default=None)
@@ -121,19 +126,31 @@ def main() -> None:
     rows = read_table(data_dir / "pool.parquet")
     prompts = [PromptItem(r["prompt_id"], r["problem"], r["answer"], encode_problem(tok, PROMPT_TEMPLATE, r["problem"]),
                           r["level"]) for r in rows]
+    modes = args.modes if args.modes != ["none"] else []
+    runs: dict[str, list[dict]] = {m: [] for m in modes}
+    for rnd in range(args.repeats if modes else 0):
+        # rounds rotate the order so a drift in the machine's speed does not favour one mode
+        for mode in modes[rnd % len(modes):] + modes[:rnd % len(modes)]:
+            print(f"round {rnd + 1}/{args.repeats}: running {mode} ...", flush=True)
+            runs[mode].append(run_mode(mode, model_dir, prompts, args, out, tag="" if rnd == 0 else f"_r{rnd + 1}"))
+            print(json.dumps(runs[mode][-1]), flush=True)
+    base_mode = "sync" if "sync" in runs else (modes[0] if modes else None)
     results = []
-    for mode in args.modes if args.modes != ["none"] else []:
-        print(f"running {mode} ...", flush=True)
-        results.append(run_mode(mode, model_dir, prompts, args, out))
-        print(json.dumps(results[-1]), flush=True)
-    base = next((r for r in results if r["mode"] == "sync"), results[0] if results else None)
+    for mode, rs in runs.items():  # per mode: its median run, with every run's tok/s and ratio to sync
+        ratios = [r["tokens_per_s"] / b["tokens_per_s"] for r, b in zip(rs, runs[base_mode])]
+        med = sorted(rs, key=lambda r: r["tokens_per_s"])[len(rs) // 2]
+        results.append({**med, "tokens_per_s_runs": [r["tokens_per_s"] for r in rs], "ratio_runs": ratios,
+                        "ratio": statistics.median(ratios)})
+    base = next((r for r in results if r["mode"] == base_mode), None)
     print(f"\n{args.rollouts} rollouts x capacity {args.capacity}, {args.updates} updates of "
-          f"{args.prompts_per_step}x{args.group_size}, {args.cpus} CPUs; timelines in {out}")
-    print("| mode | trained tok/s | vs sync | wall s | p50/p99 len | occupancy | staleness | repacks | "
-          "publish stall ms |")
-    print("|---|---|---|---|---|---|---|---|---|")
+          f"{args.prompts_per_step}x{args.group_size}, {args.cpus} CPUs, chunk {args.chunk_steps} steps, "
+          f"{args.repeats} round(s) (median run per mode; ratio = median of the rounds' ratios); timelines in {out}")
+    print("| mode | trained tok/s | vs sync | vs sync, each round | wall s | p50/p99 len | occupancy | staleness | "
+          "repacks | publish stall ms |")
+    print("|---|---|---|---|---|---|---|---|---|---|")
     for r in results if base else []:
-        print(f"| {r['mode']} | {r['tokens_per_s']:.0f} | {r['tokens_per_s'] / base['tokens_per_s']:.2f}x | "
+        print(f"| {r['mode']} | {r['tokens_per_s']:.0f} | {r['ratio']:.2f}x | "
+              f"{' / '.join(f'{x:.2f}' for x in r['ratio_runs'])} | "
               f"{r['wall_s']:.1f} | {r['p50_len']:.0f}/{r['p99_len']:.0f} | {r['occupancy']:.2f} | "
               f"{r['staleness']} | {r['repacks']} | {r['publish_stall_ms']:.1f} |")
     stalls = []

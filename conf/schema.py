@@ -124,6 +124,12 @@ class RLConfig:
     """Asynchronous modes: a group generated more than this many versions behind the trainer is
     regenerated instead of trained on (null: no bound, as in the Laminar paper). On the default task
     a bound of 4 cost 0.05 held-out accuracy over 3 seeds; 1 matches sync (benchmarks/modes_accuracy.py)."""
+    admit_lag: int = 1
+    """``laminar``: a rollout keeps admitting prompts under its weights until the trainer is this many
+    versions ahead, then drains (finishes what it has, pulls the latest). 1 = stop at the first newer
+    version; larger values keep rollouts full through updates (the paper's rollouts pull when their
+    batch is done) at the price of staleness: keep it below ``max_staleness`` or the extra groups are
+    regenerated."""
     rollout_capacity: int = 64
     """Concurrent sequences per rollout (continuous batching)."""
     chunk_steps: int = 8
@@ -214,6 +220,11 @@ class SelectConfig:
     every earlier RL run's group rewards in the catalog (the key then covers that history)."""
     online_greso: bool = True
     online_entropy: str = "median"  # median | paper | off
+    round_headroom: float = 1.0
+    """Dynamic sampling's further rounds: prompts = headroom x the groups still missing / (1 - the
+    zero-variance ratio so far). GRESO's code: 1.25 (with ``min_round`` 0.25) for batches of 256."""
+    min_round: float = 0.0
+    """Smallest further round, as a share of the batch (GRESO: 0.25)."""
 
 
 @dataclass
@@ -386,6 +397,12 @@ def validate(cfg: Config) -> Config:
         raise ConfigError(f"cluster.rollout_nodes={cfg.cluster.rollout_nodes}: node indices are >= 0 (0 = head)")
     if cfg.rl.max_staleness is not None and cfg.rl.max_staleness < 0:
         raise ConfigError("rl.max_staleness must be >= 0 or null")
+    if cfg.rl.admit_lag < 1:
+        raise ConfigError(f"rl.admit_lag={cfg.rl.admit_lag}: must be >= 1 (1 = drain at the first newer version)")
+    if cfg.rl.max_staleness is not None and cfg.rl.admit_lag > max(1, cfg.rl.max_staleness):
+        raise ConfigError(f"rl.admit_lag={cfg.rl.admit_lag} > rl.max_staleness={cfg.rl.max_staleness}: responses "
+                          "started that far behind would be regenerated as too stale; raise rl.max_staleness "
+                          "(or null) or lower rl.admit_lag")
     _positive(cfg, "rl.rollout_capacity", "rl.chunk_steps", "rl.repack_interval_s", "cluster.rollouts",
               "cluster.actor_threads")
     if cfg.rl.checkpoint_every < 0 or cfg.rl.repack_b < 0 or cfg.rl.micro_batch_tokens < 0:
@@ -465,5 +482,7 @@ def _validate_curation(cfg: Config) -> None:
     if c.difficulty.max_prompts < 0 or c.dart.budget < 0 or c.dart.max_trials < 0 or c.rft.steps < 0:
         raise ConfigError("curation.difficulty.max_prompts, curation.dart.budget, curation.dart.max_trials and "
                           "curation.rft.steps must be >= 0")
+    if c.select.round_headroom < 1.0 or not 0.0 <= c.select.min_round <= 1.5:
+        raise ConfigError("curation.select.round_headroom must be >= 1 and curation.select.min_round in [0, 1.5]")
     if c.select.max_prompts is not None and c.select.max_prompts < 1:
         raise ConfigError("curation.select.max_prompts must be >= 1 or null")

@@ -106,6 +106,7 @@ class SimSchedConfig:
     repack_interval_s: float = 5.0
     repack_b: int = 0
     max_staleness: Optional[int] = None
+    admit_lag: int = 1
     keep_versions: int = 2
     max_ahead_batches: int = 0
     """Simulator-only back-pressure: issued-but-untrained groups stay within this many batches (0 = off)."""
@@ -149,6 +150,8 @@ def validate_simulate(cfg: SimulateConfig) -> SimulateConfig:
         raise ConfigError("cost.train_gen_share must be in [0, 1) (0: use cost.mfu_train)")
     if cfg.sched.max_staleness is not None and cfg.sched.max_staleness < 0:
         raise ConfigError("sched.max_staleness must be >= 0 or null")
+    if cfg.sched.admit_lag < 1:
+        raise ConfigError("sched.admit_lag must be >= 1")
     if cfg.warmup_updates < 0 or cfg.warmup_updates >= cfg.workload.steps:
         raise ConfigError(f"warmup_updates={cfg.warmup_updates} must be >= 0 and below workload.steps={cfg.workload.steps}")
     try:

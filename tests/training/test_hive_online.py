@@ -116,9 +116,14 @@ def test_difficulty_writes_attempts_and_history(tmp_path):
 
 
 def test_greso_round_size_and_one_group_per_prompt():
-    assert HiveSource.round_size(4, 0.5, 16) == 10  # ceil(1.25 * 4 / 0.5)
-    assert HiveSource.round_size(1, 0.0, 16) == 4  # at least a quarter batch
-    assert HiveSource.round_size(16, 0.9, 16) == 24  # at most 1.5 batches
+    greso = HiveSource(None, None, round_headroom=1.25, min_round=0.25)  # GRESO's code
+    assert greso.round_size(4, 0.5, 16) == 10  # ceil(1.25 * 4 / 0.5)
+    assert greso.round_size(1, 0.0, 16) == 4  # at least a quarter batch
+    assert greso.round_size(16, 0.9, 16) == 24  # at most 1.5 batches
+    exact = HiveSource(None, None)  # the default: the expected need, no floor
+    assert exact.round_size(4, 0.5, 16) == 8
+    assert exact.round_size(1, 0.0, 16) == 1
+    assert exact.round_size(3, 0.25, 16) == 4
     tok = build_char_tokenizer()
     engine = TorchEngine(build_tiny_model(MICRO, tok, seed=0), tok)
     items = _prompts(tok, 5)  # fewer prompts than a raw batch: the cursor wraps into the next epoch

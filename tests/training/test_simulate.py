@@ -123,6 +123,25 @@ def test_dispatch_plan_matches_the_modes():
     assert control.dispatch_plan(m["one_step"], version=-1, latest=0, **kw).pull
 
 
+def test_admit_lag_keeps_a_laminar_rollout_admitting_until_the_trainer_is_that_far_ahead():
+    import dataclasses
+
+    lag3 = dataclasses.replace(control.MODES["laminar"], admit_lag=3)
+    kw = dict(active=3, queued=0, pending=False, awaiting=0)
+    assert control.dispatch_plan(lag3, version=4, latest=6, **kw) == control.DispatchPlan(False, -1, False, True)
+    assert not control.dispatch_plan(lag3, version=4, latest=7, **kw).admitting  # 3 behind: drain
+    assert control.dispatch_plan(lag3, version=4, latest=6, **{**kw, "active": 0}).pull  # empty: pull the latest
+
+
+def test_admit_lag_raises_simulated_occupancy_with_no_staleness_bound():
+    base = tiny(timeline_rollouts=0)
+    one = sim.Simulator(base, "laminar").run()
+    base.sched.admit_lag = 3
+    three = sim.Simulator(base, "laminar").run()
+    assert three.mean_occupancy > one.mean_occupancy
+    assert max(int(k) for k in three.staleness_histogram) >= max(int(k) for k in one.staleness_histogram)
+
+
 def test_timeline_plots_with_the_runtime_function(tmp_path):
     from evaluation.timeline import plot_timeline, summarize_timeline
 

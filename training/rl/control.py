@@ -36,7 +36,9 @@ class ModeSpec:
     ``interrupt``: at each update every rollout loads the new weights at once and continues its
     in-flight responses under them (mixed versions). ``drain``: a rollout that learns of a newer
     version stops admitting prompts and pulls when its last response finishes (version-atomic).
-    ``repack``: the manager consolidates long-tail rollouts of one version (periodic and after updates)."""
+    ``repack``: the manager consolidates long-tail rollouts of one version (periodic and after updates).
+    ``admit_lag``: a draining mode keeps admitting prompts under its weights until the trainer is this
+    many versions ahead (1: stop at the first newer version)."""
 
     name: str
     batched: bool
@@ -44,6 +46,7 @@ class ModeSpec:
     interrupt: bool
     drain: bool
     repack: bool
+    admit_lag: int = 1
 
 
 MODES: dict[str, ModeSpec] = {
@@ -89,7 +92,7 @@ def dispatch_plan(mode: ModeSpec, *, version: int, latest: int, active: int, que
     elif mode.drain:
         if version < latest and active == 0 and not pending and not awaiting:
             pull, min_version = True, latest
-    draining = mode.drain and version < latest and not pull
+    draining = mode.drain and latest - version >= mode.admit_lag and not pull
     return DispatchPlan(pull=pull, min_version=min_version, interrupt=interrupt, admitting=not draining)
 
 

@@ -70,8 +70,10 @@ class HiveSource:
     into the history, and GRESO's skip bases adapt to the observed zero-variance ratios."""
 
     def __init__(self, cursor: PromptCursor, engine: TorchEngine, *, greso=None, entropy_rule: str = "median",
-                 seed: int = 0, min_raw_batch: int = 32):
+                 seed: int = 0, min_raw_batch: int = 32, round_headroom: float = 1.0, min_round: float = 0.0):
         self.cursor = cursor
+        self.round_headroom = round_headroom
+        self.min_round = min_round
         self.engine = engine
         self.greso = greso
         self.entropy_rule = entropy_rule
@@ -109,13 +111,15 @@ class HiveSource:
         self.buffer = rest
         return out
 
-    @staticmethod
-    def round_size(remaining: int, zero_var_ratio: float, batch: int) -> int:
+    def round_size(self, remaining: int, zero_var_ratio: float, batch: int) -> int:
         """GRESO's size of a further sampling round: enough prompts for the ``remaining`` groups at
-        the zero-variance ratio seen so far, with 25% headroom, within [batch/4, 1.5 batch] (GRESO:
-        64..384 for a batch of 256), instead of dynamic sampling's full batch per round."""
-        need = math.ceil(1.25 * remaining / max(1.0 - zero_var_ratio, 0.05))
-        return max(max(1, batch // 4), min(need, batch + batch // 2))
+        the zero-variance ratio seen so far (times ``round_headroom``), within [``min_round`` x batch,
+        1.5 batch], instead of dynamic sampling's full batch per round. GRESO's code uses headroom
+        1.25 and a floor of batch/4 (64..384 for a batch of 256); at a batch of 16 that floor and
+        headroom leave about 2 valid groups unused per extra round, so the defaults here are the
+        expected need (1.0) and no floor (``curation.select.round_headroom`` / ``min_round``)."""
+        need = math.ceil(self.round_headroom * remaining / max(1.0 - zero_var_ratio, 0.05) - 1e-9)
+        return max(max(1, math.ceil(self.min_round * batch)), min(need, batch + batch // 2))
 
     def observe(self, groups: Sequence[ScoredGroup]) -> None:
         if self.greso is None or not groups:

@@ -19,6 +19,7 @@ the last complete one with the same prompt order.
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import math
 import os
@@ -48,6 +49,7 @@ class RuntimeConfig:
     capacity: int = 64
     chunk_steps: int = 8
     max_staleness: int | None = 4
+    admit_lag: int = 1
     repack_interval_s: float = 0.5
     repack_b: int = 0
     checkpoint_every: int = 0
@@ -137,7 +139,7 @@ class LaminarRuntime:
                  evaluate: Callable[[object], dict[str, float]] | None = None, eval_every: int = 0):
         if rc.mode not in MODES:
             raise ValueError(f"rl.mode={rc.mode!r}: expected one of {sorted(MODES)}")
-        self.mode = MODES[rc.mode]
+        self.mode = dataclasses.replace(MODES[rc.mode], admit_lag=rc.admit_lag)
         self.model_dir = Path(model_dir)
         self.prompts = list(prompts)
         self.verifier = verifier

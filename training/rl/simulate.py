@@ -194,6 +194,7 @@ class SchedSpec:
     repack_interval_s: float = 5.0
     repack_b: int = 0
     max_staleness: int | None = None
+    admit_lag: int = 1
     keep_versions: int = 2
     max_ahead_batches: int = 0
     """Simulator-only back-pressure for the continuous modes (the real runtime has none): new prompts
@@ -466,7 +467,7 @@ class Simulator:
         if mode not in SIM_MODES:
             raise ValueError(f"unknown mode {mode!r}: expected one of {sorted(SIM_MODES)}")
         self.cfg = cfg
-        self.mode = SIM_MODES[mode]
+        self.mode = dataclasses.replace(SIM_MODES[mode], admit_lag=cfg.sched.admit_lag)
         self.streamed = mode in STREAMED_TRAINING
         cl, wl, sc = cfg.cluster, cfg.workload, cfg.sched
         total = cl.nodes * cl.gpus_per_node

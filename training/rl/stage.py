@@ -53,7 +53,8 @@ def hive_source(select: SelectConfig, history_path: Path | None, seed: int):
         history = pl.read_parquet(history_path)
     greso = GresoFilter(history) if select.online_greso else None
     return lambda cursor, engine: HiveSource(cursor, engine, greso=greso, entropy_rule=select.online_entropy,
-                                             seed=seed)
+                                             seed=seed, round_headroom=select.round_headroom,
+                                             min_round=select.min_round)
 
 
 def runtime_config(cfg: RLConfig, cluster: ClusterConfig | None, state_dir: Path | None,
@@ -72,7 +73,7 @@ def runtime_config(cfg: RLConfig, cluster: ClusterConfig | None, state_dir: Path
         engine_options=rollout_engine_options(rollout or RolloutConfig()), rollout_gpus=c.rollout_gpus,
         trainer_gpus=c.trainer_gpus,
         mode=cfg.mode, rollouts=c.rollouts, capacity=cfg.rollout_capacity, chunk_steps=cfg.chunk_steps,
-        max_staleness=cfg.max_staleness, repack_interval_s=cfg.repack_interval_s, repack_b=cfg.repack_b,
+        max_staleness=cfg.max_staleness, admit_lag=cfg.admit_lag, repack_interval_s=cfg.repack_interval_s, repack_b=cfg.repack_b,
         checkpoint_every=cfg.checkpoint_every if state_dir is not None else 0,
         checkpoint_dir=Path(state_dir) / "checkpoints" if state_dir is not None else None,
         address=c.address, num_cpus=c.num_cpus, trainer_cpus=c.trainer_cpus, rollout_cpus=c.rollout_cpus,
