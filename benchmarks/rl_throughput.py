@@ -8,7 +8,8 @@ mode runs the same number of updates from it on the Ray runtime with the same ro
 and CPUs. Reports trained tokens/s per mode and the ratio to sync, staleness, repacks and publish
 stall, and writes each mode's timeline plot (``--out``).
 
-    .venv/bin/python benchmarks/rl_throughput.py [--updates 12] [--rollouts 2] [--modes sync laminar]
+    .venv/bin/python benchmarks/rl_throughput.py [--updates 12] [--rollouts 2] [--modes sync laminar laminar@3]
+        [--repeats 3] [--small-model] [--unbounded] [--chunk-steps 16]
 """
 
 from __future__ import annotations
@@ -48,7 +49,8 @@ def percentile(xs: list[int], q: float) -> float:
     return float(xs[min(len(xs) - 1, int(q * len(xs)))]) if xs else float("nan")
 
 
-def run_mode(mode: str, model_dir: Path, prompts, args, out: Path, tag: str = "") -> dict:
+def run_mode(spec: str, model_dir: Path, prompts, args, out: Path, tag: str = "") -> dict:
+    """One run of ``spec``: a mode, or ``laminar@N`` for laminar with ``rl.admit_lag=N``."""
     from conf.loader import load_config
     from evaluation.timeline import plot_timeline, summarize_timeline
     from evaluation.verifier import Verifier
@@ -56,9 +58,10 @@ def run_mode(mode: str, model_dir: Path, prompts, args, out: Path, tag: str = ""
     from training.rl.stage import objective_params
 
     cfg = load_config([f"seed={args.seed}", *WORKLOAD, f"rl.algorithm={args.algorithm}"])
+    mode, _, lag = spec.partition("@")
     rc = RuntimeConfig(mode=mode, rollouts=args.rollouts, capacity=args.capacity, chunk_steps=args.chunk_steps,
                        max_staleness=None if mode != "sync" and args.unbounded else cfg.rl.max_staleness,
-                       admit_lag=args.admit_lag,
+                       admit_lag=int(lag) if lag else args.admit_lag,
                        repack_interval_s=args.repack_interval or cfg.rl.repack_interval_s, num_cpus=args.cpus,
                        trainer_cpus=cfg.cluster.trainer_cpus, rollout_cpus=cfg.cluster.rollout_cpus,
                        relay_cpus=cfg.cluster.relay_cpus)
@@ -74,10 +77,11 @@ def run_mode(mode: str, model_dir: Path, prompts, args, out: Path, tag: str = ""
     s = rt.summary
     tl = summarize_timeline(rt.timeline)
     occ = [r["mean_occupancy"] for r in tl["rollouts"].values()]
-    plot_timeline(rt.timeline, out / f"timeline_{mode}{tag}.png", title=f"rl.mode={mode}: one row per rollout")
-    (out / f"timeline_{mode}{tag}.json").write_text(json.dumps(rt.timeline))
+    name = spec.replace("@", "_lag")
+    plot_timeline(rt.timeline, out / f"timeline_{name}{tag}.png", title=f"rl.mode={spec}: one row per rollout")
+    (out / f"timeline_{name}{tag}.json").write_text(json.dumps(rt.timeline))
     stalls = s["publish_stall_s"]
-    return {"mode": mode, "tokens_per_s": s["tokens_per_s"], "wall_s": s["wall_seconds"], "with_startup_s": total,
+    return {"mode": spec, "tokens_per_s": s["tokens_per_s"], "wall_s": s["wall_seconds"], "with_startup_s": total,
             "trained_tokens": s["trained_tokens"], "updates": s["updates"],
             "p50_len": percentile(s["response_lengths"], 0.5), "p99_len": percentile(s["response_lengths"], 0.99),
             "staleness": s["staleness_histogram"], "repacks": s.get("repacks", 0), "pulls": s.get("pulls", 0),
@@ -88,7 +92,8 @@ def run_mode(mode: str, model_dir: Path, prompts, args, out: Path, tag: str = ""
 
 def main() -> None:
     ap = argparse.ArgumentParser()
-    ap.add_argument("--modes", nargs="+", default=["sync", "one_step", "partial", "laminar"])
+    ap.add_argument("--modes", nargs="+", default=["sync", "one_step", "partial", "laminar"],
+                    help="modes to compare; laminar@N = laminar with rl.admit_lag=N")
     ap.add_argument("--updates", type=int, default=12)
     ap.add_argument("--rollouts", type=int, default=2)
     ap.add_argument("--capacity", type=int, default=64)
