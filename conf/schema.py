@@ -128,8 +128,8 @@ class RLConfig:
     """``laminar``: a rollout keeps admitting prompts under its weights until the trainer is this many
     versions ahead, then drains (finishes what it has, pulls the latest). 1 = stop at the first newer
     version; larger values keep rollouts full through updates (the paper's rollouts pull when their
-    batch is done) at the price of staleness: keep it below ``max_staleness`` or the extra groups are
-    regenerated."""
+    batch is done) at the price of staleness. At most ``max_staleness`` (checked); below it, or what
+    is admitted late tends to be regenerated as too stale."""
     rollout_capacity: int = 64
     """Concurrent sequences per rollout (continuous batching)."""
     chunk_steps: int = 8
