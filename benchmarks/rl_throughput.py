@@ -61,7 +61,7 @@ def run_mode(spec: str, model_dir: Path, prompts, args, out: Path, tag: str = ""
     mode, _, lag = spec.partition("@")
     rc = RuntimeConfig(mode=mode, rollouts=args.rollouts, capacity=args.capacity, chunk_steps=args.chunk_steps,
                        max_staleness=None if mode != "sync" and args.unbounded else cfg.rl.max_staleness,
-                       admit_lag=int(lag) if lag else args.admit_lag,
+                       admit_lag=int(lag) if lag else cfg.rl.admit_lag,
                        repack_interval_s=args.repack_interval or cfg.rl.repack_interval_s, num_cpus=args.cpus,
                        trainer_cpus=cfg.cluster.trainer_cpus, rollout_cpus=cfg.cluster.rollout_cpus,
                        relay_cpus=cfg.cluster.relay_cpus)
@@ -104,8 +104,6 @@ def main() -> None:
     ap.add_argument("--algorithm", default="grpo")
     ap.add_argument("--unbounded", action="store_true",
                     help="asynchronous modes without a staleness bound (as the paper); default rl.max_staleness")
-    ap.add_argument("--admit-lag", type=int, default=1,
-                    help="laminar: rollouts keep admitting until the trainer is this many versions ahead (rl.admit_lag)")
     ap.add_argument("--repack-interval", type=float, default=None, help="seconds (default rl.repack_interval_s)")
     ap.add_argument("--repeats", type=int, default=1, help="rounds of every mode (this machine's speed drifts)")
     ap.add_argument("--seed", type=int, default=0)
