@@ -1,10 +1,28 @@
-"""Point Prefect at the workspace before it is imported: its home, result storage and logging."""
+"""Point Prefect at the workspace before it is imported: its home, result storage and logging.
+
+A fresh workspace's Prefect database is copied from a migrated, empty template kept in the user's
+cache (one per Prefect version), so a new workspace's temporary server starts without running
+Prefect's ~15 s of schema migrations. The template is made once, by ``prefect server database
+upgrade`` in a scratch home, and only ever holds the schema and Prefect's own seed rows.
+"""
 
 from __future__ import annotations
 
+import logging
 import os
+import shutil
+import subprocess
+import sys
+import tempfile
+from importlib.metadata import version
+from pathlib import Path
 
 from core.workspace import Workspace
+
+LOG = logging.getLogger("laminar.prefect")
+DB_NAME = "prefect.db"
+# Prefect 3's names for a database URL other than the default sqlite file in PREFECT_HOME
+DB_URL_VARS = ("PREFECT_API_DATABASE_CONNECTION_URL", "PREFECT_SERVER_DATABASE_CONNECTION_URL")
 
 
 def configure_prefect(ws: Workspace, log_level: str = "WARNING") -> None:
@@ -22,3 +40,49 @@ def configure_prefect(ws: Workspace, log_level: str = "WARNING") -> None:
         "TOKENIZERS_PARALLELISM": "false",
     }
     os.environ.update(env)
+    seed_database(home)
+
+
+def cache_dir() -> Path:
+    """``$LAMINAR_CACHE_DIR``, else ``$XDG_CACHE_HOME/laminar``, else ``~/.cache/laminar``."""
+    if os.environ.get("LAMINAR_CACHE_DIR"):
+        return Path(os.environ["LAMINAR_CACHE_DIR"])
+    return Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "laminar"
+
+
+def template_path() -> Path:
+    return cache_dir() / f"prefect-{version('prefect')}-{DB_NAME}"
+
+
+def make_template(path: Path, timeout_s: float = 300.0) -> Path:
+    """Migrate an empty database in a scratch Prefect home and move it to ``path`` atomically."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    with tempfile.TemporaryDirectory(dir=path.parent, prefix=".prefect-template-") as scratch:
+        env = {k: v for k, v in os.environ.items() if k not in DB_URL_VARS and k != "PREFECT_API_URL"}
+        env.update(PREFECT_HOME=scratch, PREFECT_SERVER_ANALYTICS_ENABLED="false", DO_NOT_TRACK="1")
+        subprocess.run([sys.executable, "-m", "prefect", "server", "database", "upgrade", "-y"], env=env, check=True,
+                       stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, timeout=timeout_s)
+        os.replace(Path(scratch) / DB_NAME, path)
+    return path
+
+
+def seed_database(home: Path) -> bool:
+    """Copy the migrated template into a Prefect home that has no database yet (the default sqlite
+    URL only). Returns whether it did; any failure leaves Prefect to create its own database."""
+    if any(os.environ.get(v) for v in DB_URL_VARS) or os.environ.get("LAMINAR_PREFECT_TEMPLATE") == "off":
+        return False
+    target = home / DB_NAME
+    if target.exists():
+        return False
+    try:
+        template = template_path()
+        if not template.exists():
+            make_template(template)
+        home.mkdir(parents=True, exist_ok=True)
+        tmp = target.with_name(f".{DB_NAME}.{os.getpid()}.tmp")
+        shutil.copyfile(template, tmp)
+        os.replace(tmp, target)
+        return True
+    except (OSError, subprocess.SubprocessError) as e:
+        LOG.warning("no Prefect database template (%s); Prefect migrates a new database itself", e)
+        return False
