@@ -215,6 +215,10 @@ class SelectConfig:
 
     strategy: str = "hive"  # hive | uniform (every curated prompt, no online pruning)
     max_prompts: Optional[int] = None
+    history_prompts: Optional[int] = None
+    """Pool prompts sampled with the model RL starts from (stage ``difficulty_rft``, k =
+    ``curation.difficulty.samples`` each) for the learning edge: None = ``curation.difficulty.max_prompts``,
+    0 = the whole pool. More prompts, fewer revisits of prompts the policy has since learned."""
     history: str = "run"
     """run: the history of this run's upstream stages only (cached like any stage); workspace: also
     every earlier RL run's group rewards in the catalog (the key then covers that history)."""
@@ -486,3 +490,5 @@ def _validate_curation(cfg: Config) -> None:
         raise ConfigError("curation.select.round_headroom must be >= 1 and curation.select.min_round in [0, 1.5]")
     if c.select.max_prompts is not None and c.select.max_prompts < 1:
         raise ConfigError("curation.select.max_prompts must be >= 1 or null")
+    if c.select.history_prompts is not None and c.select.history_prompts < 0:
+        raise ConfigError("curation.select.history_prompts must be >= 0 (0 = the whole pool) or null")

@@ -164,7 +164,7 @@ def _warmup_body(ctx: StageContext) -> StageResult:
     return StageResult({MODEL: ref}, metrics)
 
 
-def _difficulty_body(ctx: StageContext) -> StageResult:
+def _difficulty_body(ctx: StageContext, max_prompts: Callable[[Config], int]) -> StageResult:
     from data_curation.sampling import estimate_difficulty
     from evaluation.verifier import Verifier
     from training.setup import setup_torch
@@ -176,7 +176,7 @@ def _difficulty_body(ctx: StageContext) -> StageResult:
         with Verifier(timeout_s=ctx.cfg.eval.verifier_timeout_s) as verifier:
             return estimate_difficulty(
                 Path(ctx.inputs[MODEL].path), ctx.inputs[PROMPTS].file("prompts.parquet"), out, samples=c.samples,
-                max_prompts=c.max_prompts, temperature=c.temperature, max_new_tokens=c.max_new_tokens,
+                max_prompts=max_prompts(ctx.cfg), temperature=c.temperature, max_new_tokens=c.max_new_tokens,
                 template=template(ctx.cfg), seed=ctx.cfg.seed, device=ctx.device, verifier=verifier)
 
     ref, metrics = _produce(ctx, ATTEMPTS, run, {"model": ctx.inputs[MODEL].sha256})
@@ -489,12 +489,25 @@ _SAMPLING_MODULES = ("data_curation.sampling", "training.setup", "evaluation.ver
                      "evaluation.benchmarks")
 
 
-def _difficulty_stage(name: str, model_stage: str) -> Stage:
+def _select_config(c: Config) -> dict:
+    """``curation.select`` as select and RL see it: ``history_prompts`` reaches them through the
+    history's content (difficulty_rft's artifact), so it is not part of their keys."""
+    return {k: v for k, v in asdict(c.curation.select).items() if k != "history_prompts"}
+
+
+def _history_prompts(c: Config) -> int:
+    """Prompts HIVE's history samples with the RL starting model (``difficulty_rft``)."""
+    h = c.curation.select.history_prompts
+    return c.curation.difficulty.max_prompts if h is None else h
+
+
+def _difficulty_stage(name: str, model_stage: str,
+                      max_prompts: Callable[[Config], int] = lambda c: c.curation.difficulty.max_prompts) -> Stage:
     """k samples per prompt with ``model_stage``'s model: pass rate, length and entropy per prompt."""
     return Stage(name, {MODEL: (model_stage, MODEL), PROMPTS: ("decontaminate", PROMPTS)},
-                 lambda c: {**asdict(c.curation.difficulty), "template": template(c),
+                 lambda c: {**asdict(c.curation.difficulty), "max_prompts": max_prompts(c), "template": template(c),
                             "verifier_timeout_s": c.eval.verifier_timeout_s},
-                 _SAMPLING_MODULES, _difficulty_body, _record_difficulty,
+                 _SAMPLING_MODULES, lambda ctx: _difficulty_body(ctx, max_prompts), _record_difficulty,
                  _headline("prompts {prompts_sampled:.0f}  pass {mean_pass_rate:.3f}  edge {learning_edge:.0f}  "
                            "all-correct {all_correct:.0f}  all-wrong {all_wrong:.0f}", "prompts_sampled",
                            "mean_pass_rate", "learning_edge", "all_correct", "all_wrong"))
@@ -543,13 +556,13 @@ STAGES: tuple[Stage, ...] = (
           _EVAL_MODULES, _eval_body, _record_eval, _eval_headline, _benchmark_files),
     # HIVE selects from the pass rates of the model RL starts from (the RFT model, often much better than
     # the warm-up model whose pass rates steered DART): stale rates put solved prompts on the "edge".
-    _difficulty_stage("difficulty_rft", "rft"),
+    _difficulty_stage("difficulty_rft", "rft", _history_prompts),
     Stage("select", {PROMPTS: ("decontaminate", PROMPTS), ATTEMPTS: ("difficulty_rft", ATTEMPTS)},
-          lambda c: {**asdict(c.curation.select), "min_prompts": c.rl.prompts_per_step}, ("data_curation.hive",), _select_body, _record_select,
+          lambda c: {**_select_config(c), "min_prompts": c.rl.prompts_per_step}, ("data_curation.hive",), _select_body, _record_select,
           _headline("selected {selected:.0f} of {candidates:.0f}", "selected", "candidates"), _history_fingerprint),
     Stage("rl", {MODEL: ("rft", MODEL), SELECTION: ("select", SELECTION), DATASET: ("data", DATASET)},
           lambda c: {**asdict(c.rl), "verifier_timeout_s": c.eval.verifier_timeout_s, "template": template(c),
-                     "select": asdict(c.curation.select),
+                     "select": _select_config(c),
                      **({"cluster": asdict(c.cluster)} if c.rl.uses_ray() else {}),
                      **({"trainer": asdict(c.trainer)} if not c.trainer.is_default() else {}),
                      **({"rollout": asdict(c.rollout)} if c.rl.uses_ray() else {}),

@@ -131,6 +131,7 @@ def test_runs_lists_runs_and_checkpoints(first):
 
 # ---- rerun and --until --------------------------------------------------------------------------------
 
+@pytest.mark.slow  # the CLI path; the selection rule: tests/tasks/test_operations.py (make test)
 def test_rerun_reruns_the_stage_and_its_downstream_only(first):
     ws, _ = first
     stage = middle_stage()
@@ -142,6 +143,7 @@ def test_rerun_reruns_the_stage_and_its_downstream_only(first):
     assert laminar("rerun", "no_such_stage", ws=ws, check=False).returncode == 2
 
 
+@pytest.mark.slow  # the CLI path; the selection rule: tests/tasks/test_operations.py (make test)
 def test_until_runs_only_the_stage_and_its_upstream(first):
     from conf.loader import load_config
 
@@ -254,6 +256,7 @@ def test_sigkill_mid_stage_then_rerun_completes_from_finished_stages(first):
 
 # ---- source code -------------------------------------------------------------------------------------------
 
+@pytest.mark.slow  # the CLI path; in process: tests/tasks/test_lineage.py (make test)
 def test_an_edited_source_file_reruns_exactly_the_downstream_stages(first, tmp_path):
     """Through the real CLI, with the module-source lookup pointed at an edited copy of the sources
     (the repository's files are never touched)."""

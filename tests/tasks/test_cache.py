@@ -38,3 +38,12 @@ def test_rl_code_does_not_reach_earlier_stages():
         assert not any(m.startswith(("training.rl", "training.objectives")) for m in closures[stage]), stage
     assert "training.objectives" in closures["rl"]
     assert "training.sft" in closures["warmup"] and "training.sft" not in closures["rl"]
+
+
+def test_history_prompts_keys_only_the_rft_difficulty_stage():
+    """``curation.select.history_prompts`` resamples HIVE's history, not the warm-up difficulty DART uses."""
+    base, more = load_config([]), load_config(["curation.select.history_prompts=0"])
+    warm, rft = STAGE_BY_NAME["difficulty"], STAGE_BY_NAME["difficulty_rft"]
+    assert warm.config(base) == warm.config(more)
+    assert rft.config(base)["max_prompts"] == base.curation.difficulty.max_prompts
+    assert rft.config(more)["max_prompts"] == 0
