@@ -14,7 +14,9 @@ LAMINAR = [sys.executable, "-m", "flows.cli"]
 # Smaller than the default: 50 RL steps instead of 100, difficulty on 600 prompts instead of 1,500 and a
 # DART budget of 3,000 trials instead of 8,000 (warm-up must stay long enough for the tiny model to learn
 # to copy operands: for some seeds that takes more than 600 steps).
-SMALL = ["rl.steps=50", "curation.difficulty.max_prompts=600", "curation.dart.budget=3000"]
+# One torch thread: `make test` runs two pytest processes on 2 cores, and oversubscribed torch threads
+# spin (the warm-up took 238 s instead of ~90 s).
+SMALL = ["rl.steps=50", "curation.difficulty.max_prompts=600", "curation.dart.budget=3000", "threads=1"]
 
 pytestmark = pytest.mark.e2e
 

@@ -131,7 +131,6 @@ def test_runs_lists_runs_and_checkpoints(first):
 
 # ---- rerun and --until --------------------------------------------------------------------------------
 
-@pytest.mark.slow  # the CLI path; the selection rule: tests/tasks/test_operations.py (make test)
 def test_rerun_reruns_the_stage_and_its_downstream_only(first):
     ws, _ = first
     stage = middle_stage()
@@ -143,7 +142,6 @@ def test_rerun_reruns_the_stage_and_its_downstream_only(first):
     assert laminar("rerun", "no_such_stage", ws=ws, check=False).returncode == 2
 
 
-@pytest.mark.slow  # the CLI path; the selection rule: tests/tasks/test_operations.py (make test)
 def test_until_runs_only_the_stage_and_its_upstream(first):
     from conf.loader import load_config
 
