@@ -120,3 +120,18 @@ def test_modes_table():
     assert control.MODES["laminar"].repack and control.MODES["laminar"].drain
     assert control.MODES["partial"].interrupt and not control.MODES["partial"].batched
     assert control.MODES["one_step"].max_ahead == 1 and control.MODES["sync"].max_ahead == 0
+
+
+def test_admission_room_keeps_outstanding_work_trainable_within_the_staleness_bound():
+    from training.rl.control import admission_room
+
+    kw = dict(batch_groups=16, group_size=8)
+    assert admission_room(None, latest=5, version=5, outstanding=10_000, **kw) is None  # unbounded
+    # at the latest version, max_staleness 1: two updates can still train it, 2 x 128 responses
+    assert admission_room(1, latest=5, version=5, outstanding=0, **kw) == 256
+    assert admission_room(1, latest=5, version=5, outstanding=200, **kw) == 56
+    assert admission_room(1, latest=5, version=5, outstanding=300, **kw) == 0
+    # a rollout one version behind has one update left; two behind, none
+    assert admission_room(1, latest=6, version=5, outstanding=0, **kw) == 128
+    assert admission_room(1, latest=7, version=5, outstanding=0, **kw) == 0
+    assert admission_room(0, latest=5, version=5, outstanding=64, **kw) == 64

@@ -96,6 +96,19 @@ def dispatch_plan(mode: ModeSpec, *, version: int, latest: int, active: int, que
     return DispatchPlan(pull=pull, min_version=min_version, interrupt=interrupt, admitting=not draining)
 
 
+def admission_room(max_staleness: int | None, *, latest: int, version: int, batch_groups: int, group_size: int,
+                   outstanding: int) -> int | None:
+    """Flow control of the unbatched modes: how many more responses a rollout at ``version`` may start
+    so that all ``outstanding`` work (held by the buffer, in flight or handed out) can still be trained
+    within ``max_staleness``. A response of version v is trainable in the updates the trainer takes at
+    versions v .. v + max_staleness, one batch (``batch_groups`` x ``group_size``) each; admitting more
+    only makes groups that go stale in the buffer and are generated again. None: no bound."""
+    if max_staleness is None:
+        return None
+    updates_left = max_staleness + 1 - max(0, latest - version)
+    return max(0, updates_left * batch_groups * group_size - outstanding)
+
+
 def may_open_batch(mode: ModeSpec, *, version: int, batch_idx: int, steps: int, closed_waiting: int) -> bool:
     """Batched modes: batch ``batch_idx`` (the groups of update ``batch_idx + 1``) may be issued once at
     most ``max_ahead`` closed batches wait for the trainer and the trainer has reached version
@@ -230,6 +243,10 @@ class ExperienceBuffer:
 
     def n_ready(self) -> int:
         return len(self.ready)
+
+    def n_held(self) -> int:
+        """Trajectories held and not yet trained: of incomplete groups and of ready groups."""
+        return sum(len(slot) for slot in self.partial.values()) + sum(len(g.trajectories) for g in self.ready.values())
 
     @staticmethod
     def group_version(group: ScoredGroup) -> int:
