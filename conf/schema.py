@@ -218,7 +218,8 @@ class SelectConfig:
     history_prompts: Optional[int] = None
     """Pool prompts sampled with the model RL starts from (stage ``difficulty_rft``, k =
     ``curation.difficulty.samples`` each) for the learning edge: None = ``curation.difficulty.max_prompts``,
-    0 = the whole pool. More prompts, fewer revisits of prompts the policy has since learned."""
+    0 = the whole pool. More prompts mean fewer revisits, but on the default task the whole pool saved no
+    rollouts (README, HIVE): the policy outgrows pre-RL pass rates either way."""
     history: str = "run"
     """run: the history of this run's upstream stages only (cached like any stage); workspace: also
     every earlier RL run's group rewards in the catalog (the key then covers that history)."""

@@ -68,9 +68,11 @@ def make_template(path: Path, timeout_s: float = 300.0) -> Path:
 
 def seed_database(home: Path) -> bool:
     """Copy the migrated template into a Prefect home that has no database yet (the default sqlite
-    URL only). Returns whether it did; any failure leaves Prefect to create its own database."""
-    if any(os.environ.get(v) for v in DB_URL_VARS) or os.environ.get("LAMINAR_PREFECT_TEMPLATE") == "off":
-        return False
+    URL, and no ``PREFECT_API_URL``: a run that reports to a server never opens this file). Returns
+    whether it did; any failure leaves Prefect to create its own database."""
+    if any(os.environ.get(v) for v in (*DB_URL_VARS, "PREFECT_API_URL")) \
+            or os.environ.get("LAMINAR_PREFECT_TEMPLATE") == "off":
+        return False  # another database, another server's (which keeps its own), or turned off
     target = home / DB_NAME
     if target.exists():
         return False
@@ -84,5 +86,7 @@ def seed_database(home: Path) -> bool:
         os.replace(tmp, target)
         return True
     except (OSError, subprocess.SubprocessError) as e:
-        LOG.warning("no Prefect database template (%s); Prefect migrates a new database itself", e)
+        detail = (getattr(e, "stderr", None) or b"").decode(errors="replace").strip()[-500:]
+        LOG.warning("no Prefect database template (%s%s); Prefect migrates a new database itself", e,
+                    f": {detail}" if detail else "")
         return False

@@ -10,7 +10,7 @@ from tasks import prefect_env
 @pytest.fixture
 def cache(tmp_path, monkeypatch):
     monkeypatch.setenv("LAMINAR_CACHE_DIR", str(tmp_path / "cache"))
-    for var in prefect_env.DB_URL_VARS:
+    for var in (*prefect_env.DB_URL_VARS, "PREFECT_API_URL"):
         monkeypatch.delenv(var, raising=False)
     monkeypatch.delenv("LAMINAR_PREFECT_TEMPLATE", raising=False)
     return tmp_path / "cache"
@@ -44,6 +44,10 @@ def test_an_existing_database_or_another_database_url_is_left_alone(cache, tmp_p
     assert (home / "prefect.db").read_bytes() == b"the workspace's own runs"
     other = tmp_path / "other"
     monkeypatch.setenv("PREFECT_API_DATABASE_CONNECTION_URL", "postgresql+asyncpg://localhost/prefect")
+    assert not prefect_env.seed_database(other)
+    assert not other.exists()
+    monkeypatch.delenv("PREFECT_API_DATABASE_CONNECTION_URL")
+    monkeypatch.setenv("PREFECT_API_URL", "http://127.0.0.1:4200/api")  # a server keeps its own database
     assert not prefect_env.seed_database(other)
     assert not other.exists()
 

@@ -477,14 +477,16 @@ class LaminarRuntime:
             inject = ok
         if not self.mode.batched and admitting:
             free = self.rc.capacity - (r.active + r.queued + len(inject) + len(submit))
-            outstanding = self.buffer.n_held() + len(inject) + len(submit) + sum(
-                len(x.assigned) + len(x.pending_inject) for x in self.rollouts.values())
-            room = control.admission_room(self.rc.max_staleness, latest=self.latest, version=r.version,
-                                          batch_groups=self.n, group_size=self.group_size, outstanding=outstanding)
-            # requests handed back (lost, stale) always go: they complete groups the buffer already holds
-            if room is not None and max(room, len(self.queue.retry)) < free:
-                free = max(room, len(self.queue.retry))
-                self.counts["admission_limited"] += 1
+            if self.rc.max_staleness is not None:  # unbounded: no flow control, nothing to count
+                outstanding = self.buffer.n_held() + len(inject) + len(submit) + sum(
+                    len(x.assigned) + len(x.pending_inject) for x in self.rollouts.values())
+                room = control.admission_room(self.rc.max_staleness, latest=self.latest, version=r.version,
+                                              batch_groups=self.n, group_size=self.group_size, outstanding=outstanding)
+                # requests handed back (lost, stale) always go: they complete groups the buffer already holds
+                room = max(room, len(self.queue.retry))
+                if room < free:
+                    free = room
+                    self.counts["admission_limited"] += 1
             if free > 0:
                 self._refresh_local()
                 submit.extend(self.queue.take(free))
