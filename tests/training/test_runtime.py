@@ -273,3 +273,29 @@ def test_rollouts_with_the_engine_behind_the_worker_protocol(local_ray, model_di
     assert len(result.history) == 3
     check_whole_groups_once(rt, result)
     assert rt.summary["pulls"] >= 2
+
+
+@pytest.mark.slow
+def test_bounded_laminar_generates_nothing_that_goes_stale_and_evaluates_beside_the_loop(local_ray, model_dir, prompts):
+    """Flow control counts the batch in the trainer's hands: with ``max_staleness=1`` every admitted
+    group is trained in time (none is dropped stale and regenerated). The in-run evaluation runs in a
+    thread beside the loop and its metrics land in its step's history entry."""
+    import threading
+
+    seen = []
+
+    def evaluate(model):
+        seen.append(threading.current_thread().name)
+        time.sleep(0.5)  # the loop goes on meanwhile
+        return {"eval_probe": float(sum(p.detach().abs().sum() for p in model.parameters()))}
+
+    rt = make_runtime(model_dir, prompts, "laminar", steps=8, max_staleness=1)
+    rt.evaluate, rt.eval_every = evaluate, 3
+    result = rt.run()
+    check_whole_groups_once(rt, result)
+    assert rt.summary["stale_dropped"] == 0
+    assert max(int(k) for k in rt.summary["staleness_histogram"]) <= 1
+    assert seen == ["laminar-eval", "laminar-eval"]  # versions 3 and 6, never on the loop's thread
+    evals = [m.get("eval_probe") for m in result.history]
+    assert [i + 1 for i, v in enumerate(evals) if v is not None] == [3, 6]
+    assert evals[2] != evals[5]  # each saw its own version's weights

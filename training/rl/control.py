@@ -99,7 +99,8 @@ def dispatch_plan(mode: ModeSpec, *, version: int, latest: int, active: int, que
 def admission_room(max_staleness: int | None, *, latest: int, version: int, batch_groups: int, group_size: int,
                    outstanding: int) -> int | None:
     """Flow control of the unbatched modes: how many more responses a rollout at ``version`` may start
-    so that all ``outstanding`` work (held by the buffer, in flight or handed out) can still be trained
+    so that all ``outstanding`` work (the batch the trainer is updating on, what the buffer holds, what
+    is in flight or handed out) can still be trained
     within ``max_staleness``. A response of version v is trainable in the updates the trainer takes at
     versions v .. v + max_staleness, one batch (``batch_groups`` x ``group_size``) each; admitting more
     only makes groups that go stale in the buffer and are generated again. None: no bound."""

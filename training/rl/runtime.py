@@ -325,6 +325,7 @@ class LaminarRuntime:
         self.latest = self.version
         trainer_future = None
         trainer_groups: list[tuple[int, ScoredGroup]] = []
+        self.training_responses = 0  # responses of the batch the trainer is updating on now
         last_update_t = time.perf_counter()
         last_repack = time.perf_counter()
         last_relay_check = time.perf_counter()
@@ -342,6 +343,7 @@ class LaminarRuntime:
                 if groups:
                     trainer_groups = groups
                     trainer_future = self.trainer.call("train", [g for _, g in groups])
+                    self.training_responses = sum(len(g.trajectories) for _, g in groups)
             # ---- batched modes open the next batch
             if self.mode.batched:
                 self._maybe_open_batch()
@@ -372,6 +374,7 @@ class LaminarRuntime:
                     out = ray.get(fut)  # a dead trainer ends the run: rerun resumes from the checkpoint
                     self.trainer.settle(ray)
                     trainer_future = None
+                    self.training_responses = 0
                     self._after_update(ray, out, trainer_groups, window, time.perf_counter() - last_update_t)
                     last_update_t = time.perf_counter()
                     if self.mode.repack:
@@ -380,6 +383,7 @@ class LaminarRuntime:
                     continue
                 r = next(x for x in self.rollouts.values() if x.future is fut)
                 self._on_rollout_result(ray, r, fut, window)
+        self._join_eval()
         self._finish_summary()
         state = self.trainer.get(ray, "state")
         model.load_state_dict({k: torch.from_numpy(v.copy()) for k, v in state.items()})
@@ -478,7 +482,9 @@ class LaminarRuntime:
         if not self.mode.batched and admitting:
             free = self.rc.capacity - (r.active + r.queued + len(inject) + len(submit))
             if self.rc.max_staleness is not None:  # unbounded: no flow control, nothing to count
-                outstanding = self.buffer.n_held() + len(inject) + len(submit) + sum(
+                # the batch in the trainer's hands fills the update at version `latest` (the first
+                # update the room counts): without it, every other update's rollouts overshoot by a batch
+                outstanding = self.training_responses + self.buffer.n_held() + len(inject) + len(submit) + sum(
                     len(x.assigned) + len(x.pending_inject) for x in self.rollouts.values())
                 room = control.admission_room(self.rc.max_staleness, latest=self.latest, version=r.version,
                                               batch_groups=self.n, group_size=self.group_size, outstanding=outstanding)
@@ -685,6 +691,37 @@ class LaminarRuntime:
             self.local_engine.model.load_state_dict({k: torch.from_numpy(v.copy()) for k, v in ray.get(box[0]).items()})
             self.local_version = version
 
+    def _start_eval(self, m: dict, state: dict) -> None:
+        """Held-out evaluation of the version just trained, beside the loop: a thread of the driver on
+        its own copy of the policy, so the trainer and rollouts keep being fed meanwhile (the in-process
+        sync loop waits for it). Its metrics join the step's history entry ``m``; ``_join_eval`` waits
+        for it before a checkpoint and at the end of the run, and re-raises its error."""
+        import copy
+        import threading
+
+        self._join_eval()
+        if getattr(self, "eval_model", None) is None:
+            self.eval_model = copy.deepcopy(self.local_engine.model)
+        self.eval_model.load_state_dict({k: torch.from_numpy(v.copy()) for k, v in state.items()})
+
+        def work() -> None:
+            try:
+                m.update(self.evaluate(self.eval_model))
+            except BaseException as e:  # noqa: BLE001 - handed to the loop's thread by _join_eval
+                self._eval_error = e
+
+        self._eval_error = None
+        self._eval_thread = threading.Thread(target=work, name="laminar-eval", daemon=True)
+        self._eval_thread.start()
+
+    def _join_eval(self) -> None:
+        t = getattr(self, "_eval_thread", None)
+        if t is not None:
+            t.join()
+            self._eval_thread = None
+            if self._eval_error is not None:
+                raise self._eval_error
+
     def _after_update(self, ray, out: dict, groups: list[tuple[int, ScoredGroup]], window, wall: float) -> None:
         stats = out["stats"]
         self.version = stats.version
@@ -709,10 +746,7 @@ class LaminarRuntime:
         window.reset(self.buffer.stats.filtered)
         if self.evaluate is not None and self.eval_every > 0 and self.version % self.eval_every == 0 \
                 and self.version < self.steps:
-            state = self.trainer.get(ray, "state")
-            self.local_engine.model.load_state_dict({k: torch.from_numpy(v.copy()) for k, v in state.items()})
-            self.local_version = self.version
-            m.update(self.evaluate(self.local_engine.model))
+            self._start_eval(m, self.trainer.get(ray, "state"))
         self.result.history.append(m)
         self.result.consumed.update(t.prompt.prompt_id for g in kept for t in g.trajectories)
         self.trained_uids = getattr(self, "trained_uids", []) + [u for u, _ in groups]
@@ -738,6 +772,8 @@ class LaminarRuntime:
 
     def _checkpoint(self, ray) -> None:
         from training.rl.checkpoint import save_json, write_checkpoint
+
+        self._join_eval()  # the history it writes holds the evaluation's metrics
 
         def writer(tmp: Path) -> None:
             self.trainer.get(ray, "save", str(tmp))
