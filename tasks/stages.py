@@ -11,7 +11,7 @@ from typing import Any, Callable
 
 from conf.schema import Config
 from core.artifacts import ArtifactRef, ArtifactStore
-from core.catalog import Catalog
+from core.catalog import Catalog, insert_many
 
 MODEL, DATASET, EVAL = "model", "dataset", "eval"
 PROMPTS, ATTEMPTS, RFT_DATA, SELECTION = "prompts", "attempts", "rft_data", "selection"
@@ -410,20 +410,19 @@ def _record_checkpoint(con, ctx: StageContext, res: StageResult, key: str, stage
 def _record_rl(con, ctx: StageContext, res: StageResult, key: str) -> None:
     ref = res.artifacts[MODEL]
     _record_checkpoint(con, ctx, res, key, "rl", int(res.metrics.get("steps") or 0))
-    rows = []
+    values: dict[tuple[int, str], float] = {}  # (step, name) -> value; timings after the history
     with open(ref.file("history.jsonl")) as f:
         steps = [json.loads(line) for line in f]
     timings = ctx.store.manifest(ref).get("meta", {}).get("timings", [])
     for m in steps + timings:
-        rows += [(key, "rl", int(m["step"]), name, float(v)) for name, v in m.items() if name != "step"]
-    if rows:  # DuckDB's executemany refuses an empty list (rl.steps=0)
-        con.executemany("INSERT INTO metrics VALUES (?, ?, ?, ?, ?) ON CONFLICT DO UPDATE SET value = excluded.value",
-                        rows)
+        values.update({(int(m["step"]), name): float(v) for name, v in m.items() if name != "step"})
+    insert_many(con, "metrics", ("cache_key", "stage", "step", "name", "value"),
+                [(key, "rl", step, name, v) for (step, name), v in values.items()],
+                "DO UPDATE SET value = excluded.value")
     with open(ref.file("consumed.json")) as f:
         consumed = json.load(f)
-    if consumed:
-        con.executemany("INSERT INTO consumed_prompts VALUES (?, ?, ?) ON CONFLICT DO NOTHING",
-                        [(ref.sha256, pid, n) for pid, n in consumed.items()])
+    insert_many(con, "consumed_prompts", ("checkpoint_sha", "prompt_id", "n_trajectories"),
+                [(ref.sha256, pid, n) for pid, n in consumed.items()])
     _record_history(con, ref, "rewards.parquet")
 
 
