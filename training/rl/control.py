@@ -103,7 +103,9 @@ def admission_room(max_staleness: int | None, *, latest: int, version: int, batc
     is in flight or handed out) can still be trained
     within ``max_staleness``. A response of version v is trainable in the updates the trainer takes at
     versions v .. v + max_staleness, one batch (``batch_groups`` x ``group_size``) each; admitting more
-    only makes groups that go stale in the buffer and are generated again. None: no bound."""
+    only makes groups that go stale in the buffer and are generated again. None: no bound.
+    The trainer takes groups as they complete, so on a long tail a slow response can still finish
+    after newer, shorter ones have filled the batches its bound allows (a few groups, not thousands)."""
     if max_staleness is None:
         return None
     updates_left = max_staleness + 1 - max(0, latest - version)

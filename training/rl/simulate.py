@@ -197,7 +197,8 @@ class SchedSpec:
     admit_lag: int = 1
     keep_versions: int = 2
     max_ahead_batches: int = 0
-    """Simulator-only back-pressure for the continuous modes (the real runtime has none): new prompts
+    """Simulator-only back-pressure for the continuous modes (the runtime's own flow control, also
+    modelled here, acts only under ``max_staleness``): new prompts
     are issued only while issued-but-untrained groups stay within this many batches (0 = unbounded).
     It stands for a bounded experience buffer / AReaL-style admission control; without it a
     trainer-bound run generates without limit (and the simulation slows with it)."""
@@ -451,6 +452,8 @@ class ModeResult:
     trained_groups: int
     trained_uids: list
     timeline: dict
+    stale_dropped: int = 0
+    """Groups that outgrew ``max_staleness`` in the buffer and were generated again."""
 
     def summary(self) -> dict:
         d = dataclasses.asdict(self)
@@ -753,6 +756,14 @@ class Simulator:
             if cap > 0 and not self.queue.retry:
                 ahead = self.queue.issued_groups - len(self.trained_uids)
                 free = min(free, (cap * self.n - ahead) * self.cfg.workload.group_size)
+            if self.buffer.max_staleness is not None:  # the runtime's flow control, same count
+                outstanding = (sum(len(g.trajectories) for _, g in self.trainer_groups) if self.trainer_busy else 0) \
+                    + self.buffer.n_held() + len(inject) + len(submit) \
+                    + sum(len(x.assigned) + len(x.pending_inject) for x in self.rollouts.values())
+                room = control.admission_room(self.buffer.max_staleness, latest=self.latest, version=r.version,
+                                              batch_groups=self.n, group_size=self.cfg.workload.group_size,
+                                              outstanding=outstanding)
+                free = min(free, max(room, len(self.queue.retry)))
             if free > 0:
                 submit.extend(self.queue.take(free))
         for q in submit:
@@ -1132,6 +1143,7 @@ class Simulator:
             tokens_per_s=self.trained_tokens / max(wall, 1e-9), steady_tokens_per_s=steady, idle_share=idle,
             mean_occupancy=occ,
             staleness_histogram={str(k): v for k, v in sorted(self.buffer.stats.staleness.items())},
+            stale_dropped=self.buffer.stats.stale_dropped,
             repacks=self.counts["repacks"], pulls=self.counts["pulls"], interrupts=self.counts["interrupts"],
             update_times=times, step_seconds=steps, generation_share=gen_time / max(wall, 1e-9),
             rollouts=n, trainer_gpus=self.trainer_gpus, rollout_gpus=self.rollout_gpus, capacity=self.capacity,
