@@ -230,6 +230,11 @@ class SelectConfig:
     zero-variance ratio so far). GRESO's code: 1.25 (with ``min_round`` 0.25) for batches of 256."""
     min_round: float = 0.0
     """Smallest further round, as a share of the batch (GRESO: 0.25)."""
+    greso_easy_threshold: float = 0.98
+    """GRESO: a group whose mean correctness is at least this extends the prompt's easy run (skipped
+    with probability 1 - p_easy ** run). 0.98 (GRESO's code) counts only all-correct groups of 8."""
+    greso_hard_threshold: float = 0.11
+    """GRESO: a group whose mean correctness is at most this extends the prompt's hard run."""
 
 
 @dataclass
@@ -489,6 +494,9 @@ def _validate_curation(cfg: Config) -> None:
                           "curation.rft.steps must be >= 0")
     if c.select.round_headroom < 1.0 or not 0.0 <= c.select.min_round <= 1.5:
         raise ConfigError("curation.select.round_headroom must be >= 1 and curation.select.min_round in [0, 1.5]")
+    if not 0.0 <= c.select.greso_hard_threshold < c.select.greso_easy_threshold <= 1.0:
+        raise ConfigError("curation.select needs 0 <= greso_hard_threshold < greso_easy_threshold <= 1, got "
+                          f"{c.select.greso_hard_threshold} and {c.select.greso_easy_threshold}")
     if c.select.max_prompts is not None and c.select.max_prompts < 1:
         raise ConfigError("curation.select.max_prompts must be >= 1 or null")
     if c.select.history_prompts is not None and c.select.history_prompts < 0:

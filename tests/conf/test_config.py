@@ -42,6 +42,7 @@ def test_overrides_apply_with_types():
     (["rl.admit_lag=0"], "rl.admit_lag"),
     (["rl.admit_lag=3"], "rl.admit_lag=3 > rl.max_staleness=1"),
     (["curation.select.round_headroom=0.5"], "round_headroom"),
+    (["curation.select.greso_easy_threshold=0.1"], "greso_hard_threshold < greso_easy_threshold"),
     (["curation.select.history_prompts=-1"], "curation.select.history_prompts"),
     (["rl.mode=turbo"], "rl.mode='turbo' is not supported"),
     (["rl.dynamic_sampling=maybe"], "config key 'rl.dynamic_sampling'"),

@@ -131,3 +131,14 @@ def test_greso_round_size_and_one_group_per_prompt():
     for _ in range(4):
         batch = source.take(4)
         assert len({p.prompt_id for p in batch}) == len(batch)
+
+
+def test_the_rl_stage_builds_greso_with_the_configured_thresholds():
+    from conf.schema import SelectConfig
+    from training.rl.stage import hive_source
+
+    src = hive_source(SelectConfig(greso_easy_threshold=0.85, greso_hard_threshold=0.2), None, seed=0)(None, None)
+    assert (src.greso.easy_threshold, src.greso.hard_threshold) == (0.85, 0.2)
+    src.greso.observe("p", 7 / 8)  # 7 of 8 correct now counts as easy
+    assert src.greso.runs("p") == (1, 0) and src.greso.skip_probability("p") == 0.5
+    assert hive_source(SelectConfig(), None, seed=0)(None, None).greso.easy_threshold == 0.98  # GRESO's code

@@ -51,7 +51,8 @@ def hive_source(select: SelectConfig, history_path: Path | None, seed: int):
         import polars as pl
 
         history = pl.read_parquet(history_path)
-    greso = GresoFilter(history) if select.online_greso else None
+    greso = GresoFilter(history, easy_threshold=select.greso_easy_threshold,
+                        hard_threshold=select.greso_hard_threshold) if select.online_greso else None
     return lambda cursor, engine: HiveSource(cursor, engine, greso=greso, entropy_rule=select.online_entropy,
                                              seed=seed, round_headroom=select.round_headroom,
                                              min_round=select.min_round)
