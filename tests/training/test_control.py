@@ -135,3 +135,19 @@ def test_admission_room_keeps_outstanding_work_trainable_within_the_staleness_bo
     assert admission_room(1, latest=6, version=5, outstanding=0, **kw) == 128
     assert admission_room(1, latest=7, version=5, outstanding=0, **kw) == 0
     assert admission_room(0, latest=5, version=5, outstanding=64, **kw) == 64
+
+
+def test_outstanding_counts_trainer_buffer_rollouts_and_new_work_and_retries_always_go():
+    from types import SimpleNamespace
+
+    from training.rl.control import ExperienceBuffer, admission_room, outstanding_responses
+
+    buf = ExperienceBuffer(2, score=lambda ts: None)
+    buf.partial[7] = {0: object()}  # one response of an incomplete group
+    rollouts = [SimpleNamespace(assigned={(1, 0): 0, (1, 1): 0}, pending_inject=[0]),
+                SimpleNamespace(assigned={}, pending_inject=[])]
+    assert outstanding_responses(rollouts, buf) == 1 + 2 + 1
+    assert outstanding_responses(rollouts, buf, training=16, new=3) == 16 + 1 + 2 + 1 + 3
+    kw = dict(batch_groups=16, group_size=8)
+    assert admission_room(1, latest=7, version=5, outstanding=0, retry=5, **kw) == 5  # no room, retries go
+    assert admission_room(1, latest=5, version=5, outstanding=200, retry=5, **kw) == 56

@@ -96,20 +96,27 @@ def dispatch_plan(mode: ModeSpec, *, version: int, latest: int, active: int, que
     return DispatchPlan(pull=pull, min_version=min_version, interrupt=interrupt, admitting=not draining)
 
 
+def outstanding_responses(rollouts: Iterable, buffer: "ExperienceBuffer", *, training: int = 0, new: int = 0) -> int:
+    """Responses admitted and not yet trained: the batch the trainer is updating on (``training``),
+    what the buffer holds, what each rollout was handed (``assigned`` and ``pending_inject``) and
+    ``new`` requests about to be handed over. The runtime and the simulator count the same way."""
+    return training + buffer.n_held() + new + sum(len(x.assigned) + len(x.pending_inject) for x in rollouts)
+
+
 def admission_room(max_staleness: int | None, *, latest: int, version: int, batch_groups: int, group_size: int,
-                   outstanding: int) -> int | None:
+                   outstanding: int, retry: int = 0) -> int | None:
     """Flow control of the unbatched modes: how many more responses a rollout at ``version`` may start
-    so that all ``outstanding`` work (the batch the trainer is updating on, what the buffer holds, what
-    is in flight or handed out) can still be trained
-    within ``max_staleness``. A response of version v is trainable in the updates the trainer takes at
+    so that all ``outstanding`` work (``outstanding_responses``) can still be trained within
+    ``max_staleness``. A response of version v is trainable in the updates the trainer takes at
     versions v .. v + max_staleness, one batch (``batch_groups`` x ``group_size``) each; admitting more
-    only makes groups that go stale in the buffer and are generated again. None: no bound.
+    only makes groups that go stale in the buffer and are generated again. The ``retry`` requests
+    handed back (lost, stale) always go: they complete groups the buffer already holds. None: no bound.
     The trainer takes groups as they complete, so on a long tail a slow response can still finish
     after newer, shorter ones have filled the batches its bound allows (a few groups, not thousands)."""
     if max_staleness is None:
         return None
     updates_left = max_staleness + 1 - max(0, latest - version)
-    return max(0, updates_left * batch_groups * group_size - outstanding)
+    return max(retry, updates_left * batch_groups * group_size - outstanding)
 
 
 def may_open_batch(mode: ModeSpec, *, version: int, batch_idx: int, steps: int, closed_waiting: int) -> bool:

@@ -484,12 +484,12 @@ class LaminarRuntime:
             if self.rc.max_staleness is not None:  # unbounded: no flow control, nothing to count
                 # the batch in the trainer's hands fills the update at version `latest` (the first
                 # update the room counts): without it, every other update's rollouts overshoot by a batch
-                outstanding = self.training_responses + self.buffer.n_held() + len(inject) + len(submit) + sum(
-                    len(x.assigned) + len(x.pending_inject) for x in self.rollouts.values())
+                outstanding = control.outstanding_responses(self.rollouts.values(), self.buffer,
+                                                            training=self.training_responses,
+                                                            new=len(inject) + len(submit))
                 room = control.admission_room(self.rc.max_staleness, latest=self.latest, version=r.version,
-                                              batch_groups=self.n, group_size=self.group_size, outstanding=outstanding)
-                # requests handed back (lost, stale) always go: they complete groups the buffer already holds
-                room = max(room, len(self.queue.retry))
+                                              batch_groups=self.n, group_size=self.group_size,
+                                              outstanding=outstanding, retry=len(self.queue.retry))
                 if room < free:
                     free = room
                     self.counts["admission_limited"] += 1

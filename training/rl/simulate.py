@@ -757,13 +757,13 @@ class Simulator:
                 ahead = self.queue.issued_groups - len(self.trained_uids)
                 free = min(free, (cap * self.n - ahead) * self.cfg.workload.group_size)
             if self.buffer.max_staleness is not None:  # the runtime's flow control, same count
-                outstanding = (sum(len(g.trajectories) for _, g in self.trainer_groups) if self.trainer_busy else 0) \
-                    + self.buffer.n_held() + len(inject) + len(submit) \
-                    + sum(len(x.assigned) + len(x.pending_inject) for x in self.rollouts.values())
-                room = control.admission_room(self.buffer.max_staleness, latest=self.latest, version=r.version,
-                                              batch_groups=self.n, group_size=self.cfg.workload.group_size,
-                                              outstanding=outstanding)
-                free = min(free, max(room, len(self.queue.retry)))
+                training = sum(len(g.trajectories) for _, g in self.trainer_groups) if self.trainer_busy else 0
+                outstanding = control.outstanding_responses(self.rollouts.values(), self.buffer, training=training,
+                                                            new=len(inject) + len(submit))
+                free = min(free, control.admission_room(self.buffer.max_staleness, latest=self.latest,
+                                                        version=r.version, batch_groups=self.n,
+                                                        group_size=self.cfg.workload.group_size,
+                                                        outstanding=outstanding, retry=len(self.queue.retry)))
             if free > 0:
                 submit.extend(self.queue.take(free))
         for q in submit:
