@@ -197,6 +197,10 @@ class DartConfig:
     budget: int = 8000
     round_size: int = 2048
     temperature: float = 1.0
+    check_arithmetic: bool = True
+    """Accept a response only if, besides the right final answer, every integer equation it states
+    holds (``data_curation.dart.arithmetic_consistent``): a lucky final answer after ``4+4=9`` is not
+    kept for fine-tuning. False = the paper's rule (final answer only)."""
 
 
 @dataclass

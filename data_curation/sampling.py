@@ -92,14 +92,17 @@ def estimate_difficulty(model_dir: Path, prompts_path: Path, out_dir: Path, *, s
 
 def dart_sample(model_dir: Path, prompts_path: Path, attempts_path: Path, out_dir: Path, params, *,
                 max_new_tokens: int, temperature: float, template: str, seed: int, device: str, verifier,
-                batch_size: int = 256, progress=None) -> dict[str, float]:
+                batch_size: int = 256, progress=None, check_arithmetic: bool = False) -> dict[str, float]:
     """DART: rejection-sample the difficulty stage's prompts, trials allocated by
     ``data_curation.dart.DartPlanner`` (``params``: its ``DartParams``), round after round until every
     prompt stopped or the budget is spent. Writes ``rft.parquet`` (every correct response with its
-    prompt) and ``dart_stats.parquet`` (per prompt: fail rate, target, trials, corrects)."""
+    prompt) and ``dart_stats.parquet`` (per prompt: fail rate, target, trials, corrects). With
+    ``check_arithmetic`` a response counts as correct only if its integer equations hold too
+    (``data_curation.dart.arithmetic_consistent``); ``rejected_arithmetic`` counts the right answers
+    that check turned down."""
     import torch
 
-    from data_curation.dart import DartPlanner
+    from data_curation.dart import DartPlanner, arithmetic_consistent
     from training.rl.records import GenRequest
 
     attempts = pl.read_parquet(attempts_path)
@@ -110,14 +113,15 @@ def dart_sample(model_dir: Path, prompts_path: Path, attempts_path: Path, out_di
     items = {p.prompt_id: p for p in prompt_items(list(by_id.values()), tokenizer, template)}
     planner = DartPlanner(attempts, params)
     generator = torch.Generator().manual_seed(seed)
-    rounds = 0
+    rounds = rejected = 0
     while plan := planner.next_round():
         rounds += 1
         requests = [GenRequest(prompt=items[pid], sample_idx=i) for pid, n in plan for i in range(n)]
         trajs = engine.generate(requests, max_new_tokens, temperature, generator)
         verdicts = verifier.verify_batch([t.text for t in trajs], [t.prompt.answer for t in trajs])
-        planner.record((t.prompt.prompt_id, v.correct, t.text, len(t.response_tokens))
-                       for t, v in zip(trajs, verdicts))
+        correct = [v.correct and (not check_arithmetic or arithmetic_consistent(t.text)) for t, v in zip(trajs, verdicts)]
+        rejected += sum(v.correct and not c for v, c in zip(verdicts, correct))
+        planner.record((t.prompt.prompt_id, c, t.text, len(t.response_tokens)) for t, c in zip(trajs, correct))
         if progress is not None:
             progress.update(len(requests))
     data = planner.correct_responses().join(
@@ -126,4 +130,4 @@ def dart_sample(model_dir: Path, prompts_path: Path, attempts_path: Path, out_di
     stats = planner.stats().join(prompts.select("prompt_id", "level"), on="prompt_id", how="left")
     stats.write_parquet(Path(out_dir) / "dart_stats.parquet")
     return {**{k: float(v) for k, v in planner.summary().items()}, "rounds": float(rounds),
-            "rft_examples": float(data.height)}
+            "rft_examples": float(data.height), "rejected_arithmetic": float(rejected)}

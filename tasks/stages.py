@@ -200,7 +200,8 @@ def _dart_body(ctx: StageContext) -> StageResult:
                 Path(ctx.inputs[MODEL].path), ctx.inputs[PROMPTS].file("prompts.parquet"),
                 ctx.inputs[ATTEMPTS].file("attempts.parquet"), out, params,
                 max_new_tokens=ctx.cfg.curation.difficulty.max_new_tokens, temperature=c.temperature,
-                template=template(ctx.cfg), seed=ctx.cfg.seed, device=ctx.device, verifier=verifier)
+                template=template(ctx.cfg), seed=ctx.cfg.seed, device=ctx.device, verifier=verifier,
+                check_arithmetic=c.check_arithmetic)
 
     ref, metrics = _produce(ctx, RFT_DATA, run)
     return StageResult({RFT_DATA: ref}, metrics)
@@ -545,7 +546,9 @@ STAGES: tuple[Stage, ...] = (
           lambda c: {**asdict(c.curation.dart), "max_new_tokens": c.curation.difficulty.max_new_tokens,
                      "template": template(c), "verifier_timeout_s": c.eval.verifier_timeout_s},
           (*_SAMPLING_MODULES, "data_curation.dart"), _dart_body, _record_dart,
-          lambda m: f"{m.get('trials', 0):.0f} trials  {m['rft_examples']:.0f} correct responses"),
+          lambda m: f"{m.get('trials', 0):.0f} trials  {m['rft_examples']:.0f} correct responses"
+                    + (f"  ({m['rejected_arithmetic']:.0f} right answers with a false step turned down)"
+                       if m.get("rejected_arithmetic") else "")),
     Stage("rft", {MODEL: ("warmup", MODEL), RFT_DATA: ("dart", RFT_DATA)},
           lambda c: {**asdict(c.curation.rft), "template": template(c)}, ("training.rft", "training.setup"),
           _rft_body, lambda con, ctx, res, key: _record_checkpoint(con, ctx, res, key, "rft", ctx.cfg.curation.rft.steps),

@@ -4,7 +4,7 @@ import random
 import polars as pl
 import pytest
 
-from data_curation.dart import STRATEGIES, DartParams, DartPlanner
+from data_curation.dart import STRATEGIES, DartParams, DartPlanner, arithmetic_consistent
 
 # true pass rate per difficulty bucket; "never" can not be solved at all
 BUCKETS = {"easy": 0.9, "mid": 0.5, "hard": 0.15, "never": 0.0}
@@ -217,3 +217,16 @@ def test_parquet_input_and_bad_inputs(tmp_path):
     given = DartPlanner(attempts, DartParams()).stats()["fail_rate"].to_list()
     assert filled["fail_rate"].to_list() == pytest.approx(given)
     assert math.isclose(filled["fail_rate"][0], 1 - round(0.9 * 8) / 8)
+
+
+@pytest.mark.parametrize("text, ok", [
+    ("9-5=4\n4+4=8\n8-2=6\n#### 6", True),
+    ("9-5=4\n4+4=9\n9-3=6\n#### 6", False),   # a lucky answer: a false step, then a compensating one
+    ("3 + 4 = 8", False), ("10-3-2=9", False), ("2*3+1=8", False), ("so 12×3=37 apples", False),
+    ("10-3-2=5", True), ("2*3+1=7", True), ("so 12×3=36 apples", True), ("#### 7", True), ("", True),
+    # not stand-alone integer arithmetic: left alone
+    ("x-3+2=1", True), ("1.5+2=3.5", True), ("2^3+1=9", True), ("1/2+1=3", True), ("(2+3)=6", True),
+    ("a=3+4", True), ("-3+5=2", True),
+])
+def test_arithmetic_consistent_reads_stated_integer_equations_only(text, ok):
+    assert arithmetic_consistent(text) is ok
