@@ -57,6 +57,21 @@ def test_first_run_learns(first_run):
     assert "rl:" in (run_dir / "config.yaml").read_text()
 
 
+def test_dart_keeps_only_responses_whose_equations_hold(first_run):
+    """The warm-up model imitates a teacher who slips (15% of steps), so some right answers come after
+    a false step; DART's arithmetic check turns those down and keeps none in the RFT data."""
+    import polars as pl
+
+    from data_curation.dart import arithmetic_consistent
+
+    ws, summary = first_run
+    dart = summary["stages"]["dart"]
+    assert dart["metrics"]["rejected_arithmetic"] > 0, dart["metrics"]
+    data = pl.read_parquet(ws / "artifacts" / "rft_data" / dart["artifacts"]["rft_data"] / "rft.parquet")
+    assert data.height == dart["metrics"]["rft_examples"] > 0
+    assert all(arithmetic_consistent(r) for r in data["response"])
+
+
 def test_rerun_is_served_from_cache(first_run):
     ws, first = first_run
     laminar("run", *SMALL, ws=ws)
