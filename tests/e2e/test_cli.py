@@ -16,7 +16,10 @@ LAMINAR = [sys.executable, "-m", "flows.cli"]
 # to copy operands: for some seeds that takes more than 600 steps).
 # One torch thread: `make test` runs two pytest processes on 2 cores, and oversubscribed torch threads
 # spin (the warm-up took 238 s instead of ~90 s).
-SMALL = ["rl.steps=50", "curation.difficulty.max_prompts=600", "curation.dart.budget=3000", "threads=1"]
+# A short RFT (20 steps) leaves RL room to show learning: with the default 200 steps on DART's checked
+# responses the RFT model starts RL near what 50 steps can reach (held-out 0.72 -> 0.73 on 2026-12-01).
+SMALL = ["rl.steps=50", "curation.difficulty.max_prompts=600", "curation.dart.budget=3000", "curation.rft.steps=20",
+         "threads=1"]
 
 pytestmark = pytest.mark.e2e
 
@@ -50,7 +53,7 @@ def test_first_run_learns(first_run):
     ws, summary = first_run
     assert all(s["status"] == "ran" for s in summary["stages"].values())
     m = summary["metrics"]
-    assert m["heldout_accuracy_rl"] > m["heldout_accuracy_warmup"], m
+    assert m["heldout_accuracy_rl"] > m["heldout_accuracy_rft"] > m["heldout_accuracy_warmup"], m
     rl = summary["stages"]["rl"]["metrics"]
     assert rl["reward_last5"] > rl["reward_first"], rl
     run_dir = next(p for p in (ws / "runs").iterdir() if p.name == summary["run_id"])
