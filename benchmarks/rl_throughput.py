@@ -57,14 +57,18 @@ def run_mode(spec: str, model_dir: Path, prompts, args, out: Path, tag: str = ""
     from training.rl.runtime import LaminarRuntime, RuntimeConfig
     from training.rl.stage import objective_params
 
-    cfg = load_config([f"seed={args.seed}", *WORKLOAD, f"rl.algorithm={args.algorithm}"])
+    from training.rl.engines import rollout_engine_options
+
+    cfg = load_config([f"seed={args.seed}", *WORKLOAD, f"rl.algorithm={args.algorithm}", *args.overrides])
     mode, _, lag = spec.partition("@")
     rc = RuntimeConfig(mode=mode, rollouts=args.rollouts, capacity=args.capacity, chunk_steps=args.chunk_steps,
                        max_staleness=None if mode != "sync" and args.unbounded else cfg.rl.max_staleness,
                        admit_lag=int(lag) if lag else cfg.rl.admit_lag,
                        repack_interval_s=args.repack_interval or cfg.rl.repack_interval_s, num_cpus=args.cpus,
                        trainer_cpus=cfg.cluster.trainer_cpus, rollout_cpus=cfg.cluster.rollout_cpus,
-                       relay_cpus=cfg.cluster.relay_cpus)
+                       relay_cpus=cfg.cluster.relay_cpus,
+                       rollout_priority=cfg.cluster.rollout_priority,
+                       engine_options=rollout_engine_options(cfg.rollout))
     with Verifier(timeout_s=cfg.eval.verifier_timeout_s) as verifier:
         rt = LaminarRuntime(model_dir, prompts, verifier, objective_params(cfg.rl), steps=args.updates,
                             prompts_per_step=args.prompts_per_step, group_size=args.group_size, lr=cfg.rl.lr,
@@ -112,6 +116,7 @@ def main() -> None:
     ap.add_argument("--json-out", type=Path)
     ap.add_argument("--stall-rollouts", type=int, nargs="*", default=[],
                     help="also run laminar with each of these rollout counts and compare the publish stall")
+    ap.add_argument("overrides", nargs="*", help="config overrides for the runs (e.g. rollout.static_cache=true)")
     ap.add_argument("--small-model", action="store_true",
                     help="the smaller model (hidden 64, 2 layers): decode cost flat in the batch, as on a GPU")
     args = ap.parse_args()

@@ -268,6 +268,11 @@ class ClusterConfig:
     """torch threads per rollout (and per trainer, unless ``trainer_threads`` is set)."""
     trainer_threads: int = 0
     """torch threads of the trainer; 0 = ``actor_threads``."""
+    rollout_priority: str = "idle"
+    """CPU scheduling of the rollout processes against the trainer where they share cores: ``idle``
+    (Linux SCHED_IDLE: rollouts run on every cycle the trainer and the driver leave, and never slow
+    the trainer, the critical path of the asynchronous modes), ``low`` (10 more niceness than Ray's
+    workers) or ``normal`` (Ray's worker niceness, like the trainer). Lowering is unprivileged."""
     trainer_node: int = 0
     """Node index (0 = head) of a single-rank trainer."""
     trainer_strategy: str = "PACK"
@@ -346,6 +351,7 @@ ENTROPY_RULES = ("median", "paper", "off")
 RL_ALGORITHMS = ("grpo", "dapo", "dr_grpo")  # the keys of training.objectives.PRESETS (a test checks)
 RL_MODES = ("sync", "one_step", "partial", "laminar")
 RL_RUNTIMES = ("auto", "local", "ray")
+ROLLOUT_PRIORITIES = ("idle", "low", "normal")
 TRAINER_BACKENDS = ("torch", "deepspeed")
 DIST_BACKENDS = ("auto", "gloo", "nccl")
 PLACEMENT_STRATEGIES = ("PACK", "SPREAD", "STRICT_PACK", "STRICT_SPREAD")
@@ -419,6 +425,7 @@ def validate(cfg: Config) -> Config:
                           "(or null) or lower rl.admit_lag")
     _positive(cfg, "rl.rollout_capacity", "rl.chunk_steps", "rl.repack_interval_s", "cluster.rollouts",
               "cluster.actor_threads")
+    _one_of("cluster.rollout_priority", cfg.cluster.rollout_priority, ROLLOUT_PRIORITIES)
     if cfg.rl.checkpoint_every < 0 or cfg.rl.repack_b < 0 or cfg.rl.micro_batch_tokens < 0:
         raise ConfigError("rl.checkpoint_every, rl.repack_b and rl.micro_batch_tokens must be >= 0")
     _one_of("device", cfg.device, DEVICES)

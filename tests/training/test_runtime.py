@@ -6,6 +6,7 @@ Fault tests use real processes and real signals (SIGKILL of a rollout, a relay, 
 from __future__ import annotations
 
 import os
+import sys
 import signal
 import time
 from collections import Counter
@@ -141,6 +142,8 @@ def test_sigkill_a_rollout_mid_generation_loses_only_its_work(local_ray, model_d
     result = rt.run()
     assert killed and rt.summary["rollout_failures"] >= 1 and rt.summary["requeued_requests"] > 0
     assert rt.rollouts["rollout-0"].pid != killed["pid"]  # Ray restarted it ...
+    if sys.platform == "linux":  # ... at the rollouts' idle CPU priority (cluster.rollout_priority), as the others
+        assert all(ray.get(r.handle.ping.remote())["idle_priority"] for r in rt.rollouts.values())
     restarted = [e for e in rt.timeline["events"] if e["rollout"] == "rollout-0"]
     assert any(e["kind"] == "restart" for e in restarted)
     assert any(e["kind"] == "pull" and e["t"] > next(x["t"] for x in restarted if x["kind"] == "restart")

@@ -110,3 +110,19 @@ def test_static_decode_step_reads_no_tensor_value_on_the_host(tok):
     with torch.inference_mode():
         eng._decode()
     assert eng._c == 6 and eng._next.device.type == "meta"
+
+
+def test_narrowed_cpu_step_moves_stragglers_down_and_samples_the_same(tok):
+    """On the CPU the eager step runs over the occupied slot prefix and the live columns only; in the
+    long tail (nothing queued) the stragglers move down to the lowest free slots. Neither changes
+    what is sampled: the same trajectories as the dynamic engine's."""
+    model = _model(tok)
+    reqs = _requests(tok, 8, 2)
+    ref = ContinuousEngine(model, tok, capacity=8, max_new_tokens=MAX_NEW)
+    ref.submit(reqs)
+    expected = {_key(t): t for t in _drain(ref)}
+    eng = StaticSlotEngine(model, tok, capacity=8, max_new_tokens=MAX_NEW, static_width=24)
+    assert eng.narrow
+    eng.submit(reqs)
+    _same(expected, {_key(t): t for t in _drain(eng)})
+    assert eng.slot_moves > 0  # rows finished below running ones, which then moved down

@@ -24,6 +24,21 @@ def _setup(threads: int, seed: int) -> None:
     torch.set_num_interop_threads(1) if torch.get_num_interop_threads() != 1 else None
 
 
+def lower_priority(priority: str) -> None:
+    """Lower this process's CPU priority (``training.rl.runtime``'s ``rollout_priority``): ``idle`` =
+    SCHED_IDLE, ``low`` = 10 more niceness, ``normal`` = unchanged. Set on the calling thread (the
+    actor's, which runs every call) and inherited by threads started later; only ever lowered, which
+    needs no privilege. Where the OS has no SCHED_IDLE, ``idle`` falls back to ``low``."""
+    if priority == "normal":
+        return
+    if priority == "idle" and hasattr(os, "sched_setscheduler") and hasattr(os, "SCHED_IDLE"):
+        os.sched_setscheduler(0, os.SCHED_IDLE, os.sched_param(0))
+    elif priority in ("idle", "low"):
+        os.nice(10)
+    else:
+        raise ValueError(f"rollout priority {priority!r}: expected idle, low or normal")
+
+
 class RelayWorker:
     """Holds recent weight versions (as object refs) in this node's host memory and forwards each
     new version to the next relay in the chain in the background."""
@@ -97,8 +112,10 @@ class RolloutWorker:
     partials, then decodes for up to ``chunk`` steps and returns what finished plus its status."""
 
     def __init__(self, name: str, model_dir: str, *, device: str, capacity: int, max_new_tokens: int,
-                 temperature: float, seed: int, threads: int = 1, engine_options: dict | None = None):
+                 temperature: float, seed: int, threads: int = 1, engine_options: dict | None = None,
+                 priority: str = "normal"):
         _setup(threads, seed)
+        lower_priority(priority)
         from training.rl.engines import make_engine
 
         self.name = name
@@ -109,7 +126,9 @@ class RolloutWorker:
         self.engine.version = -1  # no published version loaded yet: the first step pulls
 
     def ping(self) -> dict:
-        return {"name": self.name, "pid": os.getpid(), "node": _node_id(), "version": self.engine.version}
+        sched = os.sched_getscheduler(0) if hasattr(os, "sched_getscheduler") else None
+        return {"name": self.name, "pid": os.getpid(), "node": _node_id(), "version": self.engine.version,
+                "idle_priority": sched == getattr(os, "SCHED_IDLE", -1)}
 
     def pull(self, relay, min_version: int = -1, wait_s: float = 10.0) -> dict:
         """Load the relay's latest version (at least ``min_version``, waiting up to ``wait_s``)."""

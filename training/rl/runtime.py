@@ -61,6 +61,7 @@ class RuntimeConfig:
     relay_cpus: float = 0.05
     actor_threads: int = 1
     trainer_threads: int = 1
+    rollout_priority: str = "idle"
     keep_versions: int = 2
     max_restarts: int = 3
     trainer_node: int = 0
@@ -219,7 +220,7 @@ class LaminarRuntime:
             handle = Rollout.options(scheduling_strategy=pin(node)).remote(
                 name, str(self.model_dir), device=self.device, capacity=self.rc.capacity,
                 max_new_tokens=self.max_new_tokens, temperature=self.temperature, seed=self.seed,
-                threads=self.rc.actor_threads, engine_options=self.rc.engine_options)
+                threads=self.rc.actor_threads, engine_options=self.rc.engine_options, priority=self.rc.rollout_priority)
             self.rollouts[name] = _Rollout(name, node, handle, self.chain.relay_for(node))
         self.timeline["rollouts"] = list(self.rollouts)
         self.trainer = self._build_trainers(ray, TrainerWorker)

@@ -21,6 +21,14 @@ retirement every ``sync_every`` steps, extract/inject, weight loads with re-pref
 ``ContinuousEngine``'s. A request's tokens do not depend on which engine samples it, up to float noise
 in the logits from a different attention width (``tests/training/test_static_slots.py``).
 
+**Narrowed eager decode on the CPU.** Without a graph nothing needs fixed shapes, so on the CPU a
+decode step runs over the occupied slot prefix ``[0, hi)`` and the live column span ``[lo, c]`` only
+(views of the buffers: nothing is copied), and when the occupied slots become sparse (the long tail:
+a few stragglers in high slots) they move down to the lowest free slots. The step then costs what the
+live rows and columns cost, as ``ContinuousEngine``'s does, but without its per-step concatenation and
+batch selection of the whole cache. Masked columns add exact zeros to the softmax, so only float
+noise (a different reduction length) separates it from the full-width step.
+
 ``cuda_graphs=True`` (CUDA only) captures the model forward of one decode step (embedding, every
 layer's attention over the static buffers, the LM head) and replays it; the sampling around it runs
 eagerly. The static path runs on the CPU too (without graphs), which is how it is tested here.
@@ -57,6 +65,20 @@ class _SlotCache:
         return len(self.keys)
 
 
+class _NarrowCache(_SlotCache):
+    """The eager CPU step's cache: rows ``[0, hi)`` and columns ``[lo, col]`` of the slot buffers
+    (views); ``update`` writes the step's key/value at the last of those columns."""
+
+    def __init__(self, keys, values, hi: int, lo: int, col: int):
+        super().__init__([k[:hi, :, lo:col + 1] for k in keys], [v[:hi, :, lo:col + 1] for v in values], None)
+
+    def update(self, key_states, value_states, layer_idx, cache_kwargs=None):
+        k, v = self.keys[layer_idx], self.values[layer_idx]
+        k[:, :, -1:].copy_(key_states)
+        v[:, :, -1:].copy_(value_states)
+        return k, v
+
+
 class StaticSlotEngine(ContinuousEngine):
     """``ContinuousEngine`` with a static slot cache (see the module docstring). ``static_width``: the
     initial number of cache columns (0: ``max_new_tokens + 128``); it grows when needed."""
@@ -67,7 +89,10 @@ class StaticSlotEngine(ContinuousEngine):
         self._graph = None
         super().__init__(model, tokenizer, **kwargs)
         self.cuda_graphs = bool(cuda_graphs) and self._cuda
+        # the narrowed eager step reads slot and column bounds on the host: the CPU only
+        self.narrow = torch.device(self.device).type == "cpu"
         self.graph_captures = 0
+        self.slot_moves = 0
         self.layout_moves = 0
         self.compactions = 0
 
@@ -239,6 +264,8 @@ class StaticSlotEngine(ContinuousEngine):
                 self._capture()
             self._graph.replay()
             logits = self._graph_logits
+        elif self.narrow:
+            logits = self._narrow_forward(col)
         else:
             logits = self._eager_forward()
         nxt, lp, ent = self._sample(logits, self._keys, self._ngen)
@@ -252,6 +279,50 @@ class StaticSlotEngine(ContinuousEngine):
         self._pos += 1
         self._next = nxt
         self._c += 1
+
+    def _narrow_forward(self, col: int) -> torch.Tensor:
+        """The eager step over the occupied slot prefix and the live columns; logits [capacity, V]
+        (rows past the prefix are free: zeros, their samples are discarded)."""
+        hi = int(self._occ.nonzero().max()) + 1 if self._rows else 1
+        lo = int(self._valid[:hi].any(0).int().argmax())
+        cache = _NarrowCache(*self._kv, hi, lo, col)
+        logits = self.model(input_ids=self._in_ids[:hi], attention_mask=self._mask4[:hi, :, :, lo:col + 1],
+                            position_ids=self._in_pos[:hi], past_key_values=cache, use_cache=True).logits[:, -1, :]
+        if hi == self.capacity:
+            return logits
+        full = logits.new_zeros((self.capacity, logits.shape[-1]))
+        full[:hi] = logits
+        return full
+
+    def _compact_slots(self) -> None:
+        """Narrowed CPU path: move the occupied slots above the lowest free ones down into them, so
+        the step's slot prefix holds no free row. Skipped while queued work waits to be admitted
+        (it fills the lowest free slots anyway) unless the prefix is more than half free."""
+        occupied = [i for i, s in enumerate(self._slots) if s is not None]
+        n = len(occupied)
+        if not n or occupied[-1] + 1 == n:
+            return
+        waiting = bool(self._partials) or (self.admitting and bool(self._queue))
+        if waiting and occupied[-1] + 1 < 2 * n:
+            return
+        src = [i for i in occupied if i >= n]
+        dst = [i for i in range(n) if self._slots[i] is None][:len(src)]
+        s_idx = torch.tensor(src, dtype=torch.long, device=self.device)
+        d_idx = torch.tensor(dst, dtype=torch.long, device=self.device)
+        lo = int(self._valid[s_idx].any(0).int().argmax())  # only the moved rows' live columns
+        for buf in (*self._kv[0], *self._kv[1]):
+            buf[d_idx, :, lo:self._c] = buf[s_idx, :, lo:self._c]
+        for name in ("_occ", "_valid", "_next", "_pos", "_plen", "_ngen", "_toks", "_lps", "_ent", "_keys",
+                     "_lastv"):
+            t = getattr(self, name)
+            t[d_idx] = t[s_idx]
+        self._occ[s_idx] = False
+        self._valid[s_idx] = False
+        self._ngen[s_idx] = 1
+        for a, b in zip(src, dst):
+            self._slots[b], self._slots[a] = self._slots[a], None
+        self.slot_moves += len(src)
+        self._sync_rows()
 
     def _slot_cache_as_prefill(self):
         """Shapes for ``_ensure_kv`` when growing from the current buffers."""
@@ -273,6 +344,8 @@ class StaticSlotEngine(ContinuousEngine):
         if not self._rows:
             self._c = 0
             self._valid.zero_()
+        elif self.narrow:
+            self._compact_slots()
 
     def _retire_finished(self, out: list[Trajectory]) -> None:
         if not self._rows:
