@@ -9,7 +9,9 @@ and CPUs. Reports trained tokens/s per mode and the ratio to sync, staleness, re
 stall, and writes each mode's timeline plot (``--out``).
 
     .venv/bin/python benchmarks/rl_throughput.py [--updates 12] [--rollouts 2] [--modes sync laminar laminar@3]
-        [--repeats 3] [--small-model] [--unbounded] [--chunk-steps 16]
+        [--repeats 3] [--small-model] [--unbounded] [--chunk-steps 16] [overrides, e.g. rollout.static_cache=true]
+
+The rollouts run with the config's engine (``rollout.*``) and CPU priority (``cluster.rollout_priority``).
 """
 
 from __future__ import annotations
