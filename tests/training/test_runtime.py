@@ -302,3 +302,17 @@ def test_bounded_laminar_generates_nothing_that_goes_stale_and_evaluates_beside_
     evals = [m.get("eval_probe") for m in result.history]
     assert [i + 1 for i, v in enumerate(evals) if v is not None] == [3, 6]
     assert evals[2] != evals[5]  # each saw its own version's weights
+
+
+@pytest.mark.skipif(sys.platform != "linux", reason="SCHED_IDLE and niceness as Linux has them")
+@pytest.mark.parametrize("priority", ["idle", "low", "normal"])
+def test_lower_priority_sets_the_calling_process_as_asked(priority):
+    """``cluster.rollout_priority`` in a fresh process (it lowers the calling thread for good)."""
+    import subprocess
+
+    code = ("import os; from training.rl.actors import lower_priority; n = os.getpriority(os.PRIO_PROCESS, 0); "
+            f"lower_priority({priority!r}); "
+            "print(os.sched_getscheduler(0) == os.SCHED_IDLE, os.getpriority(os.PRIO_PROCESS, 0) - n)")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True,
+                         cwd=Path(__file__).resolve().parents[2]).stdout.split()
+    assert out == {"idle": ["True", "0"], "low": ["False", "10"], "normal": ["False", "0"]}[priority]

@@ -8,6 +8,7 @@ along the chain, never the bytes. No pickle files: checkpoints are safetensors +
 
 from __future__ import annotations
 
+import logging
 import os
 import time
 from pathlib import Path
@@ -29,14 +30,20 @@ def lower_priority(priority: str) -> None:
     SCHED_IDLE, ``low`` = 10 more niceness, ``normal`` = unchanged. Set on the calling thread (the
     actor's, which runs every call) and inherited by threads started later; only ever lowered, which
     needs no privilege. Where the OS has no SCHED_IDLE, ``idle`` falls back to ``low``."""
+    if priority not in ("idle", "low", "normal"):
+        raise ValueError(f"rollout priority {priority!r}: expected idle, low or normal")
     if priority == "normal":
         return
     if priority == "idle" and hasattr(os, "sched_setscheduler") and hasattr(os, "SCHED_IDLE"):
-        os.sched_setscheduler(0, os.SCHED_IDLE, os.sched_param(0))
-    elif priority in ("idle", "low"):
+        try:
+            os.sched_setscheduler(0, os.SCHED_IDLE, os.sched_param(0))
+            return
+        except OSError as e:  # a sandbox that forbids it: lower the niceness instead
+            logging.getLogger("laminar.training").warning("SCHED_IDLE refused (%s): rollout niceness +10 instead", e)
+    try:
         os.nice(10)
-    else:
-        raise ValueError(f"rollout priority {priority!r}: expected idle, low or normal")
+    except (OSError, AttributeError) as e:
+        logging.getLogger("laminar.training").warning("could not lower the rollout's CPU priority: %s", e)
 
 
 class RelayWorker:
