@@ -316,13 +316,10 @@ class StaticSlotEngine(ContinuousEngine):
                      "_lastv"):
             t = getattr(self, name)
             t[d_idx] = t[s_idx]
-        self._occ[s_idx] = False
-        self._valid[s_idx] = False
-        self._ngen[s_idx] = 1
         for a, b in zip(src, dst):
-            self._slots[b], self._slots[a] = self._slots[a], None
+            self._slots[b] = self._slots[a]
         self.slot_moves += len(src)
-        self._sync_rows()
+        self._free(src)  # the vacated slots (the prefix is dense now: no further move)
 
     def _slot_cache_as_prefill(self):
         """Shapes for ``_ensure_kv`` when growing from the current buffers."""
