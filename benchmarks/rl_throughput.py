@@ -17,6 +17,7 @@ The rollouts run with the config's engine (``rollout.*``) and CPU priority (``cl
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import statistics
 import sys
@@ -56,21 +57,18 @@ def run_mode(spec: str, model_dir: Path, prompts, args, out: Path, tag: str = ""
     from conf.loader import load_config
     from evaluation.timeline import plot_timeline, summarize_timeline
     from evaluation.verifier import Verifier
-    from training.rl.runtime import LaminarRuntime, RuntimeConfig
-    from training.rl.stage import objective_params
-
-    from training.rl.engines import rollout_engine_options
+    from training.rl.runtime import LaminarRuntime
+    from training.rl.stage import objective_params, runtime_config
 
     cfg = load_config([f"seed={args.seed}", *WORKLOAD, f"rl.algorithm={args.algorithm}", *args.overrides])
     mode, _, lag = spec.partition("@")
-    rc = RuntimeConfig(mode=mode, rollouts=args.rollouts, capacity=args.capacity, chunk_steps=args.chunk_steps,
-                       max_staleness=None if mode != "sync" and args.unbounded else cfg.rl.max_staleness,
-                       admit_lag=int(lag) if lag else cfg.rl.admit_lag,
-                       repack_interval_s=args.repack_interval or cfg.rl.repack_interval_s, num_cpus=args.cpus,
-                       trainer_cpus=cfg.cluster.trainer_cpus, rollout_cpus=cfg.cluster.rollout_cpus,
-                       relay_cpus=cfg.cluster.relay_cpus,
-                       rollout_priority=cfg.cluster.rollout_priority,
-                       engine_options=rollout_engine_options(cfg.rollout))
+    # the pipeline's mapping of the config (cluster, trainer, rollout engine, priority), then this run's shape
+    rc = dataclasses.replace(
+        runtime_config(cfg.rl, cfg.cluster, None, cfg.trainer, cfg.rollout),
+        mode=mode, rollouts=args.rollouts, capacity=args.capacity, chunk_steps=args.chunk_steps,
+        max_staleness=None if mode != "sync" and args.unbounded else cfg.rl.max_staleness,
+        admit_lag=int(lag) if lag else cfg.rl.admit_lag,
+        repack_interval_s=args.repack_interval or cfg.rl.repack_interval_s, num_cpus=args.cpus)
     with Verifier(timeout_s=cfg.eval.verifier_timeout_s) as verifier:
         rt = LaminarRuntime(model_dir, prompts, verifier, objective_params(cfg.rl), steps=args.updates,
                             prompts_per_step=args.prompts_per_step, group_size=args.group_size, lr=cfg.rl.lr,

@@ -30,8 +30,10 @@ def lower_priority(priority: str) -> None:
     SCHED_IDLE, ``low`` = 10 more niceness, ``normal`` = unchanged. Set on the calling thread (the
     actor's, which runs every call) and inherited by threads started later; only ever lowered, which
     needs no privilege. Where the OS has no SCHED_IDLE, ``idle`` falls back to ``low``."""
-    if priority not in ("idle", "low", "normal"):
-        raise ValueError(f"rollout priority {priority!r}: expected idle, low or normal")
+    from conf.schema import ROLLOUT_PRIORITIES
+
+    if priority not in ROLLOUT_PRIORITIES:
+        raise ValueError(f"rollout priority {priority!r}: expected one of {ROLLOUT_PRIORITIES}")
     if priority == "normal":
         return
     if priority == "idle" and hasattr(os, "sched_setscheduler") and hasattr(os, "SCHED_IDLE"):
