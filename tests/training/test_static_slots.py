@@ -37,6 +37,13 @@ def _same(a: dict, b: dict) -> None:
         assert (a[k].version, a[k].last_version) == (b[k].version, b[k].last_version)
 
 
+def _reference(model, tok, reqs, capacity: int) -> dict:
+    """What the dynamic engine samples for ``reqs``, by request key."""
+    ref = ContinuousEngine(model, tok, capacity=capacity, max_new_tokens=MAX_NEW)
+    ref.submit(reqs)
+    return {_key(t): t for t in _drain(ref)}
+
+
 @pytest.mark.parametrize("sync_every", [1, 3])
 def test_static_slots_match_the_dynamic_engine_through_compaction_and_growth(tok, sync_every):
     model = _model(tok)
@@ -54,9 +61,7 @@ def test_static_slots_match_the_dynamic_engine_through_compaction_and_growth(tok
 def test_static_slots_hand_over_and_load_weights_like_the_dynamic_engine(tok):
     model = _model(tok)
     reqs = _requests(tok, 6, 2)
-    ref = ContinuousEngine(model, tok, capacity=4, max_new_tokens=MAX_NEW)
-    ref.submit(reqs)
-    expected = {_key(t): t for t in _drain(ref)}
+    expected = _reference(model, tok, reqs, capacity=4)
 
     eng = StaticSlotEngine(model, tok, capacity=4, max_new_tokens=MAX_NEW, static_width=24)
     eng.submit(reqs)
@@ -118,9 +123,7 @@ def test_narrowed_cpu_step_moves_stragglers_down_and_samples_the_same(tok):
     what is sampled: the same trajectories as the dynamic engine's."""
     model = _model(tok)
     reqs = _requests(tok, 8, 2)
-    ref = ContinuousEngine(model, tok, capacity=8, max_new_tokens=MAX_NEW)
-    ref.submit(reqs)
-    expected = {_key(t): t for t in _drain(ref)}
+    expected = _reference(model, tok, reqs, capacity=8)
     eng = StaticSlotEngine(model, tok, capacity=8, max_new_tokens=MAX_NEW, static_width=24)
     assert eng.narrow
     eng.submit(reqs)
