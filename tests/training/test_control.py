@@ -96,6 +96,15 @@ def test_repack_respects_b_and_skips_rising_rollouts():
     assert plan_repack(views, b_threshold=64)[0] == control.Move("a", "b", 10)  # best fit: ends fullest
 
 
+def test_repack_never_hands_work_to_a_rollout_whose_pull_is_in_flight():
+    # b's call in flight loads new weights: its version 1 is about to change, so partials of version 1
+    # handed to it would arrive at a newer version and restart from their prompts
+    views = [RolloutView("a", 1, 0, 3, 10, 64), RolloutView("b", 1, 0, 0, 0, 64, pulling=True),
+             RolloutView("c", 1, 0, 20, 20, 64)]
+    assert plan_repack(views, b_threshold=64) == [control.Move("a", "c", 3)]
+    assert plan_repack([views[0], views[1]], b_threshold=64) == []
+
+
 def test_relay_chain_cut_out_and_rebuild():
     chain = RelayChain([("r0", "n0"), ("r1", "n1"), ("r2", "n2")])
     assert chain.links() == [("r0", "r1"), ("r1", "r2"), ("r2", None)]

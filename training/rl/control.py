@@ -317,7 +317,9 @@ class ExperienceBuffer:
 # ----------------------------------------------------------------------------------------------- repack
 @dataclass(frozen=True)
 class RolloutView:
-    """What the manager knows of one rollout. ``prev_active``: its active count at the last look."""
+    """What the manager knows of one rollout. ``prev_active``: its active count at the last look;
+    ``pulling``: a call that loads new weights is in flight, so ``version`` is about to change and the
+    rollout can receive no handed-over work of ``version``."""
 
     name: str
     version: int
@@ -326,6 +328,7 @@ class RolloutView:
     prev_active: int
     capacity: int
     alive: bool = True
+    pulling: bool = False
 
 
 @dataclass(frozen=True)
@@ -361,7 +364,7 @@ def plan_repack(rollouts: Sequence[RolloutView], b_threshold: int) -> list[Move]
                 continue
             best, best_load = None, -1
             for dst in group:
-                if dst.name == src.name or dst.name in emptied:
+                if dst.name == src.name or dst.name in emptied or dst.pulling:
                     continue
                 after = load[dst.name] + load[src.name]
                 if after <= min(dst.capacity, b_threshold) and after > best_load:

@@ -126,6 +126,8 @@ class _Rollout:
     """Repacks on their way to this rollout (it must not pull a new version before they land)."""
     pid: int = 0
     last_sent: list = field(default_factory=list)
+    pulling: bool = False
+    """The call in flight loads new weights: ``version`` is stale until it returns."""
 
 
 class LaminarRuntime:
@@ -478,6 +480,7 @@ class LaminarRuntime:
             lost = [p for p in inject if p.version != r.version]
             if lost:  # the receiver moved on: the responses restart from their prompt
                 self.counts["repack_lost"] += len(lost)
+                self.counts["repack_lost_tokens"] += sum(len(p.tokens) for p in lost)
                 self._requeue([p.request for p in lost])
             inject = ok
         if not self.mode.batched and admitting:
@@ -506,6 +509,7 @@ class LaminarRuntime:
         if relay is None and not submit and not inject and r.active == 0 and r.queued == 0:
             return  # idle
         r.draining = draining
+        r.pulling = relay is not None
         r.future = r.handle.step.remote(self.rc.chunk_steps, submit=submit, inject=inject, relay=relay,
                                         min_version=min_version, admitting=admitting)
         r.op = "step"
@@ -514,7 +518,7 @@ class LaminarRuntime:
         from ray.exceptions import RayActorError
 
         op = r.op
-        r.future, r.op = None, ""
+        r.future, r.op, r.pulling = None, "", False
         try:
             out = ray.get(fut)
         except RayActorError:
@@ -668,7 +672,7 @@ class LaminarRuntime:
     # ------------------------------------------------------------------------------------------ repack
     def _repack(self) -> None:
         views = [RolloutView(r.name, r.version, r.queued + len(r.pending_inject), r.active, r.prev_active,
-                             self.rc.capacity, alive=r.alive and r.extract_to is None)
+                             self.rc.capacity, alive=r.alive and r.extract_to is None, pulling=r.pulling)
                  for r in self.rollouts.values()]
         moves = control.plan_repack(views, self.rc.repack_b or self.rc.capacity)
         for m in moves:
