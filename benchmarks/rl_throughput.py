@@ -8,10 +8,13 @@ mode runs the same number of updates from it on the Ray runtime with the same ro
 and CPUs. Reports trained tokens/s per mode and the ratio to sync, staleness, repacks and publish
 stall, and writes each mode's timeline plot (``--out``).
 
-    .venv/bin/python benchmarks/rl_throughput.py [--updates 12] [--rollouts 2] [--modes sync laminar laminar@3]
+    .venv/bin/python benchmarks/rl_throughput.py [--updates 12] [--rollouts 2] [--modes sync laminar laminar@3 laminar:1x128]
         [--repeats 3] [--small-model] [--unbounded] [--chunk-steps 16] [overrides, e.g. rollout.static_cache=true]
 
 The rollouts run with the config's engine (``rollout.*``) and CPU priority (``cluster.rollout_priority``).
+A mode spec ``mode[@N][:RxC]`` runs ``mode`` with ``rl.admit_lag=N`` and/or R rollouts of capacity C
+instead of ``--rollouts`` x ``--capacity`` (e.g. ``laminar:1x128``: the same 128 sequences in flight on
+one rollout), so the shapes a mode runs best in can be compared on the same CPUs.
 """
 
 from __future__ import annotations
@@ -53,7 +56,7 @@ def percentile(xs: list[int], q: float) -> float:
 
 
 def run_mode(spec: str, model_dir: Path, prompts, args, out: Path, tag: str = "") -> dict:
-    """One run of ``spec``: a mode, or ``laminar@N`` for laminar with ``rl.admit_lag=N``."""
+    """One run of ``spec``: ``mode[@N][:RxC]`` (``rl.admit_lag=N``; R rollouts of capacity C)."""
     from conf.loader import load_config
     from evaluation.timeline import plot_timeline, summarize_timeline
     from evaluation.verifier import Verifier
@@ -61,11 +64,13 @@ def run_mode(spec: str, model_dir: Path, prompts, args, out: Path, tag: str = ""
     from training.rl.stage import objective_params, runtime_config
 
     cfg = load_config([f"seed={args.seed}", *WORKLOAD, f"rl.algorithm={args.algorithm}", *args.overrides])
-    mode, _, lag = spec.partition("@")
+    head, _, shape = spec.partition(":")
+    mode, _, lag = head.partition("@")
+    rollouts, capacity = (int(x) for x in shape.split("x")) if shape else (args.rollouts, args.capacity)
     # the pipeline's mapping of the config (cluster, trainer, rollout engine, priority), then this run's shape
     rc = dataclasses.replace(
         runtime_config(cfg.rl, cfg.cluster, None, cfg.trainer, cfg.rollout),
-        mode=mode, rollouts=args.rollouts, capacity=args.capacity, chunk_steps=args.chunk_steps,
+        mode=mode, rollouts=rollouts, capacity=capacity, chunk_steps=args.chunk_steps,
         max_staleness=None if mode != "sync" and args.unbounded else cfg.rl.max_staleness,
         admit_lag=int(lag) if lag else cfg.rl.admit_lag,
         repack_interval_s=args.repack_interval or cfg.rl.repack_interval_s, num_cpus=args.cpus)
@@ -81,11 +86,11 @@ def run_mode(spec: str, model_dir: Path, prompts, args, out: Path, tag: str = ""
     s = rt.summary
     tl = summarize_timeline(rt.timeline)
     occ = [r["mean_occupancy"] for r in tl["rollouts"].values()]
-    name = spec.replace("@", "_lag")
+    name = spec.replace("@", "_lag").replace(":", "_")
     plot_timeline(rt.timeline, out / f"timeline_{name}{tag}.png", title=f"rl.mode={spec}: one row per rollout")
     (out / f"timeline_{name}{tag}.json").write_text(json.dumps(rt.timeline))
     stalls = s["publish_stall_s"]
-    return {"mode": spec, "tokens_per_s": s["tokens_per_s"], "wall_s": s["wall_seconds"], "with_startup_s": total,
+    return {"mode": spec, "rollouts": rollouts, "capacity": capacity, "tokens_per_s": s["tokens_per_s"], "wall_s": s["wall_seconds"], "with_startup_s": total,
             "trained_tokens": s["trained_tokens"], "updates": s["updates"],
             "p50_len": percentile(s["response_lengths"], 0.5), "p99_len": percentile(s["response_lengths"], 0.99),
             "staleness": s["staleness_histogram"], "repacks": s.get("repacks", 0), "pulls": s.get("pulls", 0),
@@ -97,7 +102,8 @@ def run_mode(spec: str, model_dir: Path, prompts, args, out: Path, tag: str = ""
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--modes", nargs="+", default=["sync", "one_step", "partial", "laminar"],
-                    help="modes to compare; laminar@N = laminar with rl.admit_lag=N")
+                    help="modes to compare: mode[@N][:RxC], e.g. laminar@3 (rl.admit_lag=3), laminar:1x128 "
+                         "(1 rollout of capacity 128)")
     ap.add_argument("--updates", type=int, default=12)
     ap.add_argument("--rollouts", type=int, default=2)
     ap.add_argument("--capacity", type=int, default=64)
