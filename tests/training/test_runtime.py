@@ -137,13 +137,16 @@ def test_sigkill_a_rollout_mid_generation_loses_only_its_work(local_ray, model_d
                 except (ray.exceptions.RayActorError, ray.exceptions.GetTimeoutError):
                     time.sleep(0.2)  # still restarting
             time.sleep(1.2)  # the manager notices within a second
+            # every rollout, the restarted one too, at the idle CPU priority (asked while they live:
+            # the run's teardown kills them)
+            killed["idle"] = [ray.get(r.handle.ping.remote())["idle_priority"] for r in rt.rollouts.values()]
 
     rt = make_runtime(model_dir, prompts, "laminar", steps=30, on_step=on_step)
     result = rt.run()
     assert killed and rt.summary["rollout_failures"] >= 1 and rt.summary["requeued_requests"] > 0
     assert rt.rollouts["rollout-0"].pid != killed["pid"]  # Ray restarted it ...
     if sys.platform == "linux":  # ... at the rollouts' idle CPU priority (cluster.rollout_priority), as the others
-        assert all(ray.get(r.handle.ping.remote())["idle_priority"] for r in rt.rollouts.values())
+        assert killed["idle"] == [True, True]
     restarted = [e for e in rt.timeline["events"] if e["rollout"] == "rollout-0"]
     assert any(e["kind"] == "restart" for e in restarted)
     assert any(e["kind"] == "pull" and e["t"] > next(x["t"] for x in restarted if x["kind"] == "restart")
@@ -316,3 +319,16 @@ def test_lower_priority_sets_the_calling_process_as_asked(priority):
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True,
                          cwd=Path(__file__).resolve().parents[2]).stdout.split()
     assert out == {"idle": ["True", "0"], "low": ["False", "10"], "normal": ["False", "0"]}[priority]
+
+
+def test_actor_env_keeps_freed_memory_in_the_heap_unless_the_caller_says_otherwise(monkeypatch):
+    from training.rl.runtime import actor_env
+
+    for k in ("MALLOC_MMAP_THRESHOLD_", "MALLOC_TRIM_THRESHOLD_"):
+        monkeypatch.delenv(k, raising=False)
+    env = actor_env(1)
+    assert env["MALLOC_MMAP_THRESHOLD_"] == str(32 << 20) and env["MALLOC_TRIM_THRESHOLD_"] == str(256 << 20)
+    assert env["OMP_NUM_THREADS"] == env["MKL_NUM_THREADS"] == "1"
+    monkeypatch.setenv("MALLOC_MMAP_THRESHOLD_", "65536")  # the driver's own tuning wins
+    env = actor_env(2)
+    assert env["MALLOC_MMAP_THRESHOLD_"] == "65536" and env["OMP_NUM_THREADS"] == "2"
