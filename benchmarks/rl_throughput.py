@@ -90,7 +90,8 @@ def run_mode(spec: str, model_dir: Path, prompts, args, out: Path, tag: str = ""
     plot_timeline(rt.timeline, out / f"timeline_{name}{tag}.png", title=f"rl.mode={spec}: one row per rollout")
     (out / f"timeline_{name}{tag}.json").write_text(json.dumps(rt.timeline))
     stalls = s["publish_stall_s"]
-    return {"mode": spec, "rollouts": rollouts, "capacity": capacity, "tokens_per_s": s["tokens_per_s"], "wall_s": s["wall_seconds"], "with_startup_s": total,
+    return {"mode": spec, "rollouts": rollouts, "capacity": capacity, "tokens_per_s": s["tokens_per_s"],
+            "wall_s": s["wall_seconds"], "with_startup_s": total,
             "trained_tokens": s["trained_tokens"], "updates": s["updates"],
             "p50_len": percentile(s["response_lengths"], 0.5), "p99_len": percentile(s["response_lengths"], 0.99),
             "staleness": s["staleness_histogram"], "repacks": s.get("repacks", 0), "pulls": s.get("pulls", 0),
