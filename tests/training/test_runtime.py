@@ -52,8 +52,10 @@ def prompts(model_dir):
 def local_ray():
     if ray.is_initialized():
         ray.shutdown()
+    from training.rl.runtime import actor_env
+
     ray.init(num_cpus=2, include_dashboard=False, logging_level="WARNING",
-             runtime_env={"env_vars": {"OMP_NUM_THREADS": "1"}})
+             runtime_env={"env_vars": actor_env(1)})  # the actors' environment, as the runtime starts them
     yield ray
     ray.shutdown()
 

@@ -400,6 +400,7 @@ class _SimRollout:
     extract_to: str | None = None
     awaiting: int = 0
     assigned: dict = field(default_factory=dict)
+    pulling: bool = False                              # the call in flight loads new weights
     # engine
     busy: bool = False
     op: str = ""
@@ -780,6 +781,7 @@ class Simulator:
         r.queue.extend(submit)
         self._set_busy(r, True)
         self._account(r)
+        r.pulling = plan.pull
         if plan.pull:
             want = max(plan.min_version, 0) if plan.min_version >= 0 else -1
             avail = self._relay_version_time(r.relay, want)
@@ -808,6 +810,7 @@ class Simulator:
     def _return(self, r: _SimRollout) -> None:
         """A rollout call returns: the runtime's ``_on_rollout_result`` (step)."""
         self._set_busy(r, False)
+        r.pulling = False
         prev_version = r.version
         if r.eversion != prev_version and r.eversion >= 0:
             self._event(r, "pull", r.eversion)
@@ -880,7 +883,7 @@ class Simulator:
     def _repack(self) -> None:
         """The runtime's ``_repack``: the same views, the same planner."""
         views = [RolloutView(r.name, r.version, r.queued + len(r.pending_inject), r.active, r.prev_active,
-                             r.capacity, alive=r.extract_to is None) for r in self.rlist]
+                             r.capacity, alive=r.extract_to is None, pulling=r.pulling) for r in self.rlist]
         moves = control.plan_repack(views, self.b)
         for m in moves:
             src, dst = self.rollouts[m.src], self.rollouts[m.dst]
