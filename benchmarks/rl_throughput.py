@@ -97,7 +97,15 @@ def run_mode(spec: str, model_dir: Path, prompts, args, out: Path, tag: str = ""
             "staleness": s["staleness_histogram"], "repacks": s.get("repacks", 0), "pulls": s.get("pulls", 0),
             "interrupts": s.get("interrupts", 0), "occupancy": statistics.fmean(occ) if occ else float("nan"),
             "publish_stall_ms": 1000 * statistics.median(stalls) if stalls else float("nan"),
-            "publish_cpu_ms": 1000 * statistics.median(s["publish_cpu_s"]) if s["publish_cpu_s"] else float("nan")}
+            "publish_cpu_ms": 1000 * statistics.median(s["publish_cpu_s"]) if s["publish_cpu_s"] else float("nan"),
+            # where the CPU went over the loop (per role) and how busy the machine was
+            "cpu_s": s.get("cpu_seconds", {}), "machine_busy": s.get("machine_busy", float("nan"))}
+
+
+def cpu_split(cpu: dict[str, float]) -> str:
+    """Trainer ranks / rollouts / driver CPU seconds over the loop, from ``summary["cpu_seconds"]``."""
+    part = lambda prefix: sum(v for k, v in cpu.items() if k.startswith(prefix))  # noqa: E731
+    return f"{part('trainer'):.1f} / {part('rollout'):.1f} / {part('driver'):.1f}"
 
 
 def main() -> None:
@@ -161,13 +169,14 @@ def main() -> None:
           f"{args.prompts_per_step}x{args.group_size}, {args.cpus} CPUs, chunk {args.chunk_steps} steps, "
           f"{args.repeats} round(s) (median run per mode; ratio = median of the rounds' ratios); timelines in {out}")
     print("| mode | trained tok/s | vs sync | vs sync, each round | wall s | p50/p99 len | occupancy | staleness | "
-          "repacks | publish stall ms |")
-    print("|---|---|---|---|---|---|---|---|---|---|")
+          "repacks | publish stall ms | CPU-s trainer / rollouts / driver | machine busy |")
+    print("|---|---|---|---|---|---|---|---|---|---|---|---|")
     for r in results if base else []:
         print(f"| {r['mode']} | {r['tokens_per_s']:.0f} | {r['ratio']:.2f}x | "
               f"{' / '.join(f'{x:.2f}' for x in r['ratio_runs'])} | "
               f"{r['wall_s']:.1f} | {r['p50_len']:.0f}/{r['p99_len']:.0f} | {r['occupancy']:.2f} | "
-              f"{r['staleness']} | {r['repacks']} | {r['publish_stall_ms']:.1f} |")
+              f"{r['staleness']} | {r['repacks']} | {r['publish_stall_ms']:.1f} | {cpu_split(r['cpu_s'])} | "
+              f"{100 * r['machine_busy']:.0f}% |")
     stalls = []
     for n in args.stall_rollouts:
         print(f"publish stall with {n} rollouts ...", flush=True)

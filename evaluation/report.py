@@ -283,8 +283,12 @@ def render_markdown(data: ReportData) -> str:
                       [[rt.get("mode"), rt.get("updates"), f"{rt.get('tokens_per_s', 0):.0f}",
                         rt.get("staleness_histogram"), rt.get("repacks", 0), rt.get("pulls", 0),
                         rt.get("rollout_failures", 0), rt.get("relay_failures", 0),
-                        ", ".join(f"{k} {v:.2f}" for k, v in occ.items())]]), "",
-                  f"![rollout timeline]({PLOTS['timeline']})", ""]
+                        ", ".join(f"{k} {v:.2f}" for k, v in occ.items())]]), ""]
+        if rt.get("cpu_seconds"):  # where the loop's CPU went: a CPU-bound loop shows a busy machine
+            busy = f", machine {100 * rt['machine_busy']:.0f}% busy" if rt.get("machine_busy") is not None else ""
+            parts += [f"CPU seconds per role over the loop ({rt['loop_seconds']:.1f} s on {rt['cores']} cores{busy}): "
+                      + ", ".join(f"{k} {v:.1f}" for k, v in rt["cpu_seconds"].items()), ""]
+        parts += [f"![rollout timeline]({PLOTS['timeline']})", ""]
     return "\n".join(parts)
 
 

@@ -93,3 +93,9 @@ def test_laminar_deepspeed_run_checkpoints_resumes_and_reports(tmp_path):
     report = ws / "runs" / latest["run_id"] / "report"
     assert "## RL runtime" in (report / "report.md").read_text()
     assert (report / "rl_timeline.png").stat().st_size > 1000
+    cpu = runtime["cpu_seconds"]  # every role's CPU over the loop, in runtime.json and the report
+    assert cpu["driver"] > 0 and cpu["trainer-0"] > 0 and cpu["relay-0"] >= 0
+    assert sorted(k for k in cpu if k.startswith("rollout-")) == ["rollout-0", "rollout-1"]
+    assert all(cpu[k] > 0 for k in cpu if k.startswith("rollout-")) and runtime["loop_seconds"] > 0
+    assert runtime.get("machine_busy") is None or 0 < runtime["machine_busy"] <= 1
+    assert "CPU seconds per role over the loop" in (report / "report.md").read_text()

@@ -88,6 +88,9 @@ def test_laminar_mode_trains_whole_groups_and_draws_a_timeline(local_ray, model_
     hist = {int(k): v for k, v in rt.summary["staleness_histogram"].items()}
     assert sum(hist.values()) == 24 and max(hist) <= 4
     assert rt.summary["pulls"] >= 2  # the rollouts moved to newer versions while running
+    cpu = rt.summary["cpu_seconds"]  # each role's CPU over the loop
+    assert set(cpu) == {"driver", "trainer-0", "relay-0", "rollout-0", "rollout-1"}
+    assert min(cpu["trainer-0"], cpu["rollout-0"], cpu["rollout-1"]) > 0 and rt.summary["loop_seconds"] > 0
     kinds = Counter(e["kind"] for e in rt.timeline["events"])
     assert kinds["pull"] >= 2 and len(rt.timeline["updates"]) == 6 and rt.timeline["samples"]
     for m in result.history:
@@ -284,29 +287,43 @@ def test_rollouts_with_the_engine_behind_the_worker_protocol(local_ray, model_di
 
 
 @pytest.mark.slow
-def test_bounded_laminar_generates_nothing_that_goes_stale_and_evaluates_beside_the_loop(local_ray, model_dir, prompts):
+def test_bounded_laminar_generates_nothing_that_goes_stale_and_evaluates_beside_the_loop(local_ray, model_dir, prompts,
+                                                                                          tmp_path):
     """Flow control counts the batch in the trainer's hands: with ``max_staleness=1`` every admitted
     group is trained in time (none is dropped stale and regenerated). The in-run evaluation runs in a
-    thread beside the loop and its metrics land in its step's history entry."""
+    thread beside the loop and its metrics land in its step's history entry. A checkpoint falling due
+    while it runs does not stop the loop: it is written after the evaluation, with its metrics."""
     import threading
 
-    seen = []
+    from training.rl.checkpoint import checkpoint_step, list_checkpoints, load_json
+
+    seen, waited_out = [], []
 
     def evaluate(model):
         seen.append(threading.current_thread().name)
-        time.sleep(0.5)  # the loop goes on meanwhile
+        until = 5 if len(seen) == 1 else 0  # version 3's evaluation lasts until the loop is past the
+        deadline = time.monotonic() + 60  # checkpoint due at 4 (one the loop waited for would time out)
+        while rt.version < until and time.monotonic() < deadline:
+            time.sleep(0.02)
+        waited_out.append(rt.version < until)
         return {"eval_probe": float(sum(p.detach().abs().sum() for p in model.parameters()))}
 
-    rt = make_runtime(model_dir, prompts, "laminar", steps=8, max_staleness=1)
+    rt = make_runtime(model_dir, prompts, "laminar", steps=8, max_staleness=1, checkpoint_dir=tmp_path / "ckpt",
+                      checkpoint_every=2)
     rt.evaluate, rt.eval_every = evaluate, 3
     result = rt.run()
     check_whole_groups_once(rt, result)
     assert rt.summary["stale_dropped"] == 0
     assert max(int(k) for k in rt.summary["staleness_histogram"]) <= 1
     assert seen == ["laminar-eval", "laminar-eval"]  # versions 3 and 6, never on the loop's thread
+    assert waited_out == [False, False]
     evals = [m.get("eval_probe") for m in result.history]
     assert [i + 1 for i, v in enumerate(evals) if v is not None] == [3, 6]
     assert evals[2] != evals[5]  # each saw its own version's weights
+    steps = [checkpoint_step(c) for c in list_checkpoints(tmp_path / "ckpt")]  # the last two are kept
+    assert 4 not in steps and max(steps) >= 5  # due at 4 while version 3 was evaluated: written after it
+    history = load_json(tmp_path / "ckpt" / f"step-{max(steps):06d}", "runtime.json")["history"]
+    assert len(history) == max(steps) and history[2]["eval_probe"] == evals[2]  # with the evaluation's metrics
 
 
 @pytest.mark.skipif(sys.platform != "linux", reason="SCHED_IDLE and niceness as Linux has them")

@@ -61,7 +61,8 @@ class RelayWorker:
         self._local: dict[int, dict] = {}
 
     def ping(self) -> dict:
-        return {"name": self.name, "pid": os.getpid(), "node": _node_id(), "versions": sorted(self.versions)}
+        return {"name": self.name, "pid": os.getpid(), "node": _node_id(), "versions": sorted(self.versions),
+                "cpu_s": time.process_time()}
 
     def set_next(self, handle) -> None:
         self.next = handle
@@ -137,7 +138,7 @@ class RolloutWorker:
     def ping(self) -> dict:
         sched = os.sched_getscheduler(0) if hasattr(os, "sched_getscheduler") else None
         return {"name": self.name, "pid": os.getpid(), "node": _node_id(), "version": self.engine.version,
-                "idle_priority": sched == getattr(os, "SCHED_IDLE", -1)}
+                "idle_priority": sched == getattr(os, "SCHED_IDLE", -1), "cpu_s": time.process_time()}
 
     def pull(self, relay, min_version: int = -1, wait_s: float = 10.0) -> dict:
         """Load the relay's latest version (at least ``min_version``, waiting up to ``wait_s``)."""
@@ -176,11 +177,12 @@ class RolloutWorker:
         ready = self.engine.version >= 0 and (st["active"] or st["queued"])
         finished = self.engine.step(chunk) if ready else []
         return {"finished": finished, "status": self.engine.status(), "pulled": pulled,
-                "busy_s": time.perf_counter() - t0, "pid": os.getpid()}
+                "busy_s": time.perf_counter() - t0, "pid": os.getpid(), "cpu_s": time.process_time()}
 
     def extract(self) -> dict:
         partials, queued = self.engine.extract(include_queued=True)
-        return {"partials": partials, "queued": queued, "status": self.engine.status(), "pid": os.getpid()}
+        return {"partials": partials, "queued": queued, "status": self.engine.status(), "pid": os.getpid(),
+                "cpu_s": time.process_time()}
 
 
 class TrainerWorker:
@@ -248,7 +250,7 @@ class TrainerWorker:
 
     def ping(self) -> dict:
         return {"pid": os.getpid(), "node": _node_id(), "rank": self.rank,
-                "version": self.trainer.version if self.trainer is not None else None}
+                "version": self.trainer.version if self.trainer is not None else None, "cpu_s": time.process_time()}
 
     def set_master(self, relay) -> None:
         self.master = relay

@@ -76,6 +76,7 @@ class RuntimeConfig:
     relay_cpus: float = 0.05
     actor_threads: int = 1
     trainer_threads: int = 1
+    driver_threads: int = 0  # torch threads of this process while the roles run; 0 = leave them
     rollout_priority: str = "idle"
     keep_versions: int = 2
     max_restarts: int = 3
@@ -287,12 +288,23 @@ class LaminarRuntime:
 
     # ------------------------------------------------------------------------------------------ run
     def run(self) -> RLResult:
+        threads = torch.get_num_threads()
+        if self.rc.driver_threads:
+            torch.set_num_threads(self.rc.driver_threads)
         ray = self._start_ray()
         try:
             self._build(ray)
             return self._loop(ray)
         finally:
             self._teardown(ray)
+            torch.set_num_threads(threads)
+
+    def _role_handles(self, rollouts: bool) -> dict:
+        handles = {f"trainer-{i}": h for i, h in enumerate(self.trainer.handles)}
+        handles.update(self.relays)
+        if rollouts:
+            handles.update({n: r.handle for n, r in self.rollouts.items() if r.alive})
+        return handles
 
     def _teardown(self, ray) -> None:
         group = getattr(self, "trainer", None)
@@ -335,10 +347,14 @@ class LaminarRuntime:
         self.version = 0
         self.t0 = time.perf_counter()
         self.counts = Counter()
+        self._checkpoint_due = False
         self._resume(ray)
         # version 0 (or the resumed version) goes to the relays before any rollout starts
         self.trainer.get(ray, "publish")
         self.latest = self.version
+        self.cpu = _CpuLedger()
+        self.cpu.see("driver", os.getpid(), time.process_time())
+        self.cpu.ping_all(ray, self._role_handles(rollouts=True))
         trainer_future = None
         trainer_groups: list[tuple[int, ScoredGroup]] = []
         self.training_responses = 0  # responses of the batch the trainer is updating on now
@@ -400,6 +416,8 @@ class LaminarRuntime:
                 r = next(x for x in self.rollouts.values() if x.future is fut)
                 self._on_rollout_result(ray, r, fut, window)
         self._join_eval()
+        self.cpu.see("driver", os.getpid(), time.process_time())
+        self.cpu.ping_all(ray, self._role_handles(rollouts=False))  # rollouts report with their results
         self._finish_summary()
         state = self.trainer.get(ray, "state")
         model.load_state_dict({k: torch.from_numpy(v.copy()) for k, v in state.items()})
@@ -539,6 +557,7 @@ class LaminarRuntime:
             return
         status = out["status"]
         now = time.perf_counter() - self.t0
+        self.cpu.see(r.name, out["pid"], out.get("cpu_s"))
         if out["pid"] != r.pid:  # Ray restarted it between two calls: what it held is gone
             fresh = set(r.last_sent) if op == "step" else set()
             lost = [q for k, q in r.assigned.items() if k not in fresh]
@@ -712,8 +731,9 @@ class LaminarRuntime:
     def _start_eval(self, m: dict, state: dict) -> None:
         """Held-out evaluation of the version just trained, beside the loop: a thread of the driver on
         its own copy of the policy, so the trainer and rollouts keep being fed meanwhile (the in-process
-        sync loop waits for it). Its metrics join the step's history entry ``m``; ``_join_eval`` waits
-        for it before a checkpoint and at the end of the run, and re-raises its error."""
+        sync loop waits for it). Its metrics join the step's history entry ``m``; a checkpoint falling
+        due meanwhile waits for the first update after it (``_after_update``); ``_join_eval`` waits for
+        it at the end of the run (and before a checkpoint) and re-raises its error."""
         import copy
         import threading
 
@@ -731,6 +751,10 @@ class LaminarRuntime:
         self._eval_error = None
         self._eval_thread = threading.Thread(target=work, name="laminar-eval", daemon=True)
         self._eval_thread.start()
+
+    def _eval_running(self) -> bool:
+        t = getattr(self, "_eval_thread", None)
+        return t is not None and t.is_alive()
 
     def _join_eval(self) -> None:
         t = getattr(self, "_eval_thread", None)
@@ -772,9 +796,14 @@ class LaminarRuntime:
         self.lengths = getattr(self, "lengths", []) + [len(t.response_tokens) for g in kept for t in g.trajectories]
         if self.on_step is not None:
             self.on_step(m)
-        if self.rc.checkpoint_every and self.rc.checkpoint_dir and self.version % self.rc.checkpoint_every == 0 \
-                and self.version < self.steps:
+        if self.rc.checkpoint_every and self.rc.checkpoint_dir and self.version % self.rc.checkpoint_every == 0:
+            self._checkpoint_due = True
+        # a checkpoint holds the history with every evaluation's metrics: one due while an evaluation
+        # still runs beside the loop is written at the first update after it finished, so the loop
+        # never waits for the evaluation (it did, 5-8 s per evaluation on the 2-core default task)
+        if getattr(self, "_checkpoint_due", False) and self.version < self.steps and not self._eval_running():
             self._checkpoint(ray)
+            self._checkpoint_due = False
 
     # ------------------------------------------------------------------------------------------ checkpoints
     def _in_flight(self) -> list[GenRequest]:
@@ -854,7 +883,67 @@ class LaminarRuntime:
             "trained_uids": getattr(self, "trained_uids", []),
             "response_lengths": getattr(self, "lengths", []),
             "trained_prompts": getattr(self, "trained_prompts", []),
+            **(self.cpu.report() if hasattr(self, "cpu") else {}),
         }
+        if "cpu_seconds" in self.summary:
+            LOG.info("CPU over the loop (%.1f s, %d cores%s): %s", self.summary["loop_seconds"], self.summary["cores"],
+                     f", {100 * self.summary['machine_busy']:.0f}% busy" if "machine_busy" in self.summary else "",
+                     ", ".join(f"{n} {v:.1f} s" for n, v in self.summary["cpu_seconds"].items()))
+
+
+class _CpuLedger:
+    """CPU seconds each role's process spent over the loop (``summary["cpu_seconds"]``): its CPU time
+    when the loop starts and the latest seen. Rollouts report theirs with every result; the trainer
+    ranks and relays answer a ping at both ends; the driver counts all its threads (scoring, HIVE's
+    prompt entropy, the in-run evaluation). A restarted process counts from its first report. Plus
+    the head machine's busy share over the loop (Linux ``/proc/stat``), to tell a CPU-bound loop
+    from one that waits."""
+
+    def __init__(self):
+        self.procs: dict[str, list] = {}  # name -> [pid, cpu at first sight, cpu last seen]
+        self.done: dict[str, float] = {}  # CPU of earlier processes of the same role (restarts)
+        self.machine0 = _machine_jiffies()
+        self.t0 = time.perf_counter()
+
+    def see(self, name: str, pid: int, cpu_s: float | None) -> None:
+        if cpu_s is None:
+            return
+        cur = self.procs.get(name)
+        if cur is not None and cur[0] == pid:
+            cur[2] = cpu_s
+            return
+        if cur is not None:
+            self.done[name] = self.done.get(name, 0.0) + cur[2] - cur[1]
+        self.procs[name] = [pid, cpu_s, cpu_s]
+
+    def ping_all(self, ray, handles: dict) -> None:
+        refs = {name: h.ping.remote() for name, h in handles.items()}
+        for name, ref in refs.items():
+            try:
+                info = ray.get(ref, timeout=30)
+            except Exception:  # noqa: BLE001 - a dead or busy role reports nothing; the run goes on
+                continue
+            self.see(name, info["pid"], info.get("cpu_s"))
+
+    def report(self) -> dict:
+        out = {"loop_seconds": time.perf_counter() - self.t0, "cores": os.cpu_count(),
+               "cpu_seconds": {n: self.done.get(n, 0.0) + c[2] - c[1] for n, c in sorted(self.procs.items())}}
+        m1 = _machine_jiffies()
+        if self.machine0 is not None and m1 is not None and m1[1] > self.machine0[1]:
+            out["machine_busy"] = (m1[0] - self.machine0[0]) / (m1[1] - self.machine0[1])
+        return out
+
+
+def _machine_jiffies() -> tuple[int, int] | None:
+    """(busy, total) jiffies of this machine's CPUs since boot, or None off Linux."""
+    try:
+        with open("/proc/stat") as f:
+            vals = [int(x) for x in f.readline().split()[1:]]
+    except (OSError, ValueError):
+        return None
+    idle = vals[3] + (vals[4] if len(vals) > 4 else 0)  # idle + iowait
+    total = sum(vals[:8])  # guest time is already inside user time
+    return total - idle, total
 
 
 @dataclass

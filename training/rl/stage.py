@@ -80,6 +80,7 @@ def runtime_config(cfg: RLConfig, cluster: ClusterConfig | None, state_dir: Path
         checkpoint_dir=Path(state_dir) / "checkpoints" if state_dir is not None else None,
         address=c.address, num_cpus=c.num_cpus, trainer_cpus=c.trainer_cpus, rollout_cpus=c.rollout_cpus,
         relay_cpus=c.relay_cpus, actor_threads=c.actor_threads, trainer_threads=c.trainer_threads or c.actor_threads,
+        driver_threads=c.driver_threads,
         rollout_priority=c.rollout_priority, trainer_node=c.trainer_node,
         max_restarts=c.max_restarts)
 
