@@ -348,6 +348,7 @@ class LaminarRuntime:
         self.t0 = time.perf_counter()
         self.counts = Counter()
         self._checkpoint_due = False
+        self._eval_thread = None
         self._resume(ray)
         # version 0 (or the resumed version) goes to the relays before any rollout starts
         self.trainer.get(ray, "publish")
@@ -753,11 +754,10 @@ class LaminarRuntime:
         self._eval_thread.start()
 
     def _eval_running(self) -> bool:
-        t = getattr(self, "_eval_thread", None)
-        return t is not None and t.is_alive()
+        return self._eval_thread is not None and self._eval_thread.is_alive()
 
     def _join_eval(self) -> None:
-        t = getattr(self, "_eval_thread", None)
+        t = self._eval_thread
         if t is not None:
             t.join()
             self._eval_thread = None
@@ -801,7 +801,7 @@ class LaminarRuntime:
         # a checkpoint holds the history with every evaluation's metrics: one due while an evaluation
         # still runs beside the loop is written at the first update after it finished, so the loop
         # never waits for the evaluation (it did, 5-8 s per evaluation on the 2-core default task)
-        if getattr(self, "_checkpoint_due", False) and self.version < self.steps and not self._eval_running():
+        if self._checkpoint_due and self.version < self.steps and not self._eval_running():
             self._checkpoint(ray)
             self._checkpoint_due = False
 
@@ -883,12 +883,11 @@ class LaminarRuntime:
             "trained_uids": getattr(self, "trained_uids", []),
             "response_lengths": getattr(self, "lengths", []),
             "trained_prompts": getattr(self, "trained_prompts", []),
-            **(self.cpu.report() if hasattr(self, "cpu") else {}),
+            **self.cpu.report(),
         }
-        if "cpu_seconds" in self.summary:
-            LOG.info("CPU over the loop (%.1f s, %d cores%s): %s", self.summary["loop_seconds"], self.summary["cores"],
-                     f", {100 * self.summary['machine_busy']:.0f}% busy" if "machine_busy" in self.summary else "",
-                     ", ".join(f"{n} {v:.1f} s" for n, v in self.summary["cpu_seconds"].items()))
+        LOG.info("CPU over the loop (%.1f s, %d cores%s): %s", self.summary["loop_seconds"], self.summary["cores"],
+                 f", {100 * self.summary['machine_busy']:.0f}% busy" if "machine_busy" in self.summary else "",
+                 ", ".join(f"{n} {v:.1f} s" for n, v in self.summary["cpu_seconds"].items()))
 
 
 class _CpuLedger:
