@@ -52,4 +52,4 @@ vllm-env:
 	$(VLLM_VENV)/bin/python -m pip install --quiet --upgrade pip
 	$(VLLM_VENV)/bin/python -m pip install --quiet "$(VLLM_SPEC)" "msgpack==1.2.4" safetensors
 	$(VLLM_VENV)/bin/python -c "import site, sys; open(site.getsitepackages()[0] + '/laminar.pth', 'w').write(sys.argv[1] + '\n')" "$(CURDIR)"
-	$(VLLM_VENV)/bin/python -c "import vllm, msgpack, safetensors, training.rl.vllm_worker; print('vllm', vllm.__version__, 'ready')"
+	$(VLLM_VENV)/bin/python -c "import vllm, msgpack, safetensors, generation.vllm_worker; print('vllm', vllm.__version__, 'ready')"

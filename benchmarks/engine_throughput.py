@@ -16,9 +16,9 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from conf.schema import ModelConfig  # noqa: E402
-from training.model import build_char_tokenizer, build_tiny_model, encode_prompt  # noqa: E402
-from training.rl.engine import TorchEngine  # noqa: E402
-from training.rl.records import GenRequest, PromptItem  # noqa: E402
+from generation.model import build_char_tokenizer, build_tiny_model, encode_prompt  # noqa: E402
+from generation.engine import TorchEngine  # noqa: E402
+from generation.records import GenRequest, PromptItem  # noqa: E402
 
 
 def main() -> None:

@@ -36,10 +36,10 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from conf.schema import ModelConfig  # noqa: E402
-from training.model import build_char_tokenizer, build_tiny_model  # noqa: E402
-from training.rl.continuous import ContinuousEngine  # noqa: E402
-from training.rl.records import GenRequest, PromptItem  # noqa: E402
-from training.rl.static_slots import StaticSlotEngine  # noqa: E402
+from generation.model import build_char_tokenizer, build_tiny_model  # noqa: E402
+from generation.continuous import ContinuousEngine  # noqa: E402
+from generation.records import GenRequest, PromptItem  # noqa: E402
+from generation.static_slots import StaticSlotEngine  # noqa: E402
 
 QWEN05_SHAPE = dict(hidden_size=896, num_hidden_layers=24, num_attention_heads=14, num_key_value_heads=2,
                     intermediate_size=4864, vocab_size=151936, max_position_embeddings=4096, rope_theta=1e6,
@@ -247,7 +247,7 @@ def publish_rows(args, device, models) -> list[dict]:
 
 def _trainer_groups(vocab: int, n_groups: int, group_size: int, prompt_len: int, response_len: int, seed: int = 0):
     """Scored groups of random prompts and responses (half rewarded): a training batch of fixed shape."""
-    from training.rl.records import ScoredGroup, Trajectory
+    from generation.records import ScoredGroup, Trajectory
 
     g = torch.Generator().manual_seed(seed)
     groups = []

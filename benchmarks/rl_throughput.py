@@ -141,9 +141,9 @@ def main() -> None:
     out.mkdir(parents=True, exist_ok=True)
     model_dir, data_dir = warmup(args.workspace, args.seed)
     from data_curation.synthetic import PROMPT_TEMPLATE
-    from training.model import encode_problem, load_tokenizer
-    from training.rl.records import PromptItem
-    from training.setup import read_table
+    from generation.model import encode_problem, load_tokenizer
+    from generation.records import PromptItem
+    from generation.setup import read_table
 
     tok = load_tokenizer(model_dir)
     rows = read_table(data_dir / "pool.parquet")

@@ -294,7 +294,7 @@ class ClusterConfig:
 class RolloutConfig:
     """The rollouts' generation engine. ``torch``: the built-in continuous-batching engine in the
     rollout actor; ``vllm``: a vLLM worker process in its own environment (``make vllm-env``; CUDA
-    only) speaking the rollout protocol (``training/rl/protocol.py``); ``torch-process``: the built-in
+    only) speaking the rollout protocol (``generation/protocol.py``); ``torch-process``: the built-in
     engine behind that same protocol in a worker process (what the conformance test exercises)."""
 
     engine: str = "torch"
@@ -303,7 +303,7 @@ class RolloutConfig:
     sync_every: int = 0
     """Decode steps between host syncs (finished rows leave then); 0 = 8 on CUDA, 1 on the CPU."""
     static_cache: bool = False
-    """Fixed-shape decode over a static slot KV cache (``training/rl/static_slots.py``)."""
+    """Fixed-shape decode over a static slot KV cache (``generation/static_slots.py``)."""
     cuda_graphs: bool = False
     """Capture the decode forward in CUDA graphs (implies static_cache; ignored off CUDA)."""
     vllm_python: Optional[str] = None
@@ -359,7 +359,7 @@ ROLLOUT_PRIORITIES = ("idle", "low", "normal")
 TRAINER_BACKENDS = ("torch", "deepspeed")
 DIST_BACKENDS = ("auto", "gloo", "nccl")
 PLACEMENT_STRATEGIES = ("PACK", "SPREAD", "STRICT_PACK", "STRICT_SPREAD")
-ROLLOUT_ENGINES = ("torch", "torch-process", "vllm")  # training.rl.engines.ENGINE_KINDS (a test checks)
+ROLLOUT_ENGINES = ("torch", "torch-process", "vllm")  # generation.engines.ENGINE_KINDS (a test checks)
 ROLLOUT_DTYPES = ("auto", "float32", "bfloat16", "float16")
 DEVICES = ("cpu", "cuda", "auto")
 

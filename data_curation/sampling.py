@@ -1,6 +1,6 @@
 """Curation steps that sample the current model: difficulty estimation and DART rejection sampling.
 
-Both drive the rollout engine (``training.rl.engine.TorchEngine``) and the shared verifier, so a
+Both drive the rollout engine (``generation.engine.TorchEngine``) and the shared verifier, so a
 prompt's pass rate here means exactly what the RL reward means. Outputs are parquet files; the
 selection logic itself lives in ``data_curation.dart`` and ``data_curation.hive`` (SQL).
 """
@@ -16,8 +16,8 @@ import polars as pl
 
 def prompt_items(rows: Sequence[dict], tokenizer, template: str) -> list:
     """``PromptItem``s from curated prompt rows (prompt_id, problem, answer, level)."""
-    from training.model import encode_problem
-    from training.rl.records import PromptItem
+    from generation.model import encode_problem
+    from generation.records import PromptItem
 
     return [PromptItem(prompt_id=r["prompt_id"], text=r["problem"], answer=r["answer"],
                        prompt_tokens=encode_problem(tokenizer, template, r["problem"]),
@@ -35,8 +35,8 @@ def seeded_subset(rows: list[dict], n: int, seed: int) -> list[dict]:
 
 
 def _engine(model_dir: Path, device: str, batch_size: int):
-    from training.model import load_model
-    from training.rl.engine import TorchEngine
+    from generation.model import load_model
+    from generation.engine import TorchEngine
 
     model, tokenizer = load_model(model_dir, device)
     return TorchEngine(model, tokenizer, device=device, batch_size=batch_size), tokenizer
@@ -52,7 +52,7 @@ def estimate_difficulty(model_dir: Path, prompts_path: Path, out_dir: Path, *, s
     prompt: the group's mean reward, origin ``difficulty``)."""
     import torch
 
-    from training.rl.records import GenRequest
+    from generation.records import GenRequest
 
     rows = seeded_subset(pl.read_parquet(prompts_path).to_dicts(), max_prompts, seed)
     engine, tokenizer = _engine(model_dir, device, batch_size)
@@ -103,7 +103,7 @@ def dart_sample(model_dir: Path, prompts_path: Path, attempts_path: Path, out_di
     import torch
 
     from data_curation.dart import DartPlanner, arithmetic_consistent
-    from training.rl.records import GenRequest
+    from generation.records import GenRequest
 
     attempts = pl.read_parquet(attempts_path)
     prompts = pl.read_parquet(prompts_path)

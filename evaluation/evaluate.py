@@ -14,9 +14,9 @@ import torch
 from evaluation.benchmarks import BenchmarkItem, build_prompt
 from evaluation.metrics import summarize
 from evaluation.verifier import Verifier
-from training.model import encode_prompt
-from training.rl.engine import TorchEngine
-from training.rl.records import GenRequest, PromptItem
+from generation.model import encode_prompt
+from generation.engine import TorchEngine
+from generation.records import GenRequest, PromptItem
 
 
 @dataclass(frozen=True)

@@ -33,7 +33,7 @@ def evaluate_checkpoint(model_dir: Path, data_dir: Path | None, cfg: EvalConfig,
     """Writes ``rows.parquet`` (one row per problem and sample) and ``summary.json``; returns the summary."""
     import polars as pl
 
-    from training.model import load_model
+    from generation.model import load_model
 
     model, tokenizer = load_model(model_dir, device)
     items = [it for name in cfg.benchmarks for it in load_items(name, data_dir)]

@@ -121,7 +121,7 @@ def _cached(ws: Workspace, key: str) -> ArtifactRef | None:
 def evaluate(cfg: Config, ws: Workspace, spec: str, run_id: str, command: str,
              say: Callable[[str], None] = print) -> EvalReport:
     """Evaluate checkpoint ``spec`` under run ``run_id``; the caller holds the workspace lock."""
-    from training.model import resolve_device
+    from generation.model import resolve_device
 
     t0 = time.perf_counter()
     started = datetime.now(timezone.utc)

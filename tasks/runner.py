@@ -72,7 +72,7 @@ def prefect_task(stage: Stage):
 
 def run_stage(stage_name: str, cfg: Config, ws: Workspace, run_id: str, upstream: dict[str, StageOutcome],
               force: bool = False) -> StageOutcome:
-    from training.model import resolve_device
+    from generation.model import resolve_device
 
     device = resolve_device(cfg.device)
     stage = STAGE_BY_NAME[stage_name]

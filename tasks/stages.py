@@ -146,7 +146,7 @@ def _decontaminate_body(ctx: StageContext) -> StageResult:
 
 def _base_model_body(ctx: StageContext) -> StageResult:
     from training.base import build_base_model
-    from training.setup import setup_torch
+    from generation.setup import setup_torch
 
     setup_torch(ctx.cfg.threads, ctx.cfg.seed)
     ref, metrics = _produce(ctx, MODEL, lambda out: build_base_model(ctx.cfg.model, ctx.cfg.seed, out))
@@ -154,7 +154,7 @@ def _base_model_body(ctx: StageContext) -> StageResult:
 
 
 def _warmup_body(ctx: StageContext) -> StageResult:
-    from training.setup import setup_torch
+    from generation.setup import setup_torch
     from training.warmup import warmup
 
     setup_torch(ctx.cfg.threads, ctx.cfg.seed)
@@ -167,7 +167,7 @@ def _warmup_body(ctx: StageContext) -> StageResult:
 def _difficulty_body(ctx: StageContext, max_prompts: Callable[[Config], int]) -> StageResult:
     from data_curation.sampling import estimate_difficulty
     from evaluation.verifier import Verifier
-    from training.setup import setup_torch
+    from generation.setup import setup_torch
 
     setup_torch(ctx.cfg.threads, ctx.cfg.seed)
     c = ctx.cfg.curation.difficulty
@@ -187,7 +187,7 @@ def _dart_body(ctx: StageContext) -> StageResult:
     from data_curation.dart import DartParams
     from data_curation.sampling import dart_sample
     from evaluation.verifier import Verifier
-    from training.setup import setup_torch
+    from generation.setup import setup_torch
 
     setup_torch(ctx.cfg.threads, ctx.cfg.seed)
     c = ctx.cfg.curation.dart
@@ -209,7 +209,7 @@ def _dart_body(ctx: StageContext) -> StageResult:
 
 def _rft_body(ctx: StageContext) -> StageResult:
     from training.rft import rft
-    from training.setup import setup_torch
+    from generation.setup import setup_torch
 
     setup_torch(ctx.cfg.threads, ctx.cfg.seed)
     ref, metrics = _produce(ctx, MODEL, lambda out: rft(
@@ -292,9 +292,9 @@ def top_up(decisions, prompts, minimum: int):
 def _rl_body(ctx: StageContext) -> StageResult:
     from evaluation.stages import in_run_evaluator
     from evaluation.verifier import Verifier
-    from training.model import load_tokenizer
+    from generation.model import load_tokenizer
     from training.rl.stage import TIMING_KEYS, rl
-    from training.setup import setup_torch
+    from generation.setup import setup_torch
 
     setup_torch(ctx.cfg.threads, ctx.cfg.seed)
     meta: dict = {}
@@ -328,7 +328,7 @@ def _rl_body(ctx: StageContext) -> StageResult:
 
 def _eval_body(ctx: StageContext) -> StageResult:
     from evaluation.stages import evaluate_checkpoint
-    from training.setup import setup_torch
+    from generation.setup import setup_torch
 
     setup_torch(ctx.cfg.threads, ctx.cfg.seed)
     data = ctx.inputs.get(DATASET)  # absent for `laminar eval` when no data artifact exists
@@ -484,8 +484,8 @@ def _history_fingerprint(cfg: Config, catalog: Catalog | None = None) -> dict[st
 
 # ---- the DAG --------------------------------------------------------------------------------------
 
-_EVAL_MODULES = ("evaluation.stages", "data_curation.synthetic", "training.setup")
-_SAMPLING_MODULES = ("data_curation.sampling", "training.setup", "evaluation.verifier", "data_curation.synthetic",
+_EVAL_MODULES = ("evaluation.stages", "data_curation.synthetic", "generation.setup")
+_SAMPLING_MODULES = ("data_curation.sampling", "generation.setup", "evaluation.verifier", "data_curation.synthetic",
                      "evaluation.benchmarks")
 
 
@@ -531,12 +531,12 @@ STAGES: tuple[Stage, ...] = (
           lambda c: {**asdict(c.curation.decontam), "benchmarks": list(c.eval.benchmarks)},
           ("data_curation.decontaminate", "evaluation.stages"), _decontaminate_body, _record_decontaminate,
           _headline("clean {clean:.0f}  contaminated {contaminated:.0f}", "clean", "contaminated"), _benchmark_files),
-    Stage("base_model", {}, lambda c: asdict(c.model), ("training.base", "training.setup"), _base_model_body,
+    Stage("base_model", {}, lambda c: asdict(c.model), ("training.base", "generation.setup"), _base_model_body,
           lambda con, ctx, res, key: _record_checkpoint(con, ctx, res, key, "base_model", 0),
           lambda m: f"params {int(m['parameters']):,}", _model_files),
     Stage("warmup", {MODEL: ("base_model", MODEL), PROMPTS: ("decontaminate", PROMPTS)},
           lambda c: {**asdict(c.sft), "template": template(c)},
-          ("training.warmup", "training.setup"), _warmup_body,
+          ("training.warmup", "generation.setup"), _warmup_body,
           lambda con, ctx, res, key: _record_checkpoint(con, ctx, res, key, "warmup", ctx.cfg.sft.steps),
           lambda m: f"loss {m['sft_loss_first']:.3f} -> {m['sft_loss_ema']:.3f}"),
     Stage("eval_warmup", {MODEL: ("warmup", MODEL), DATASET: ("data", DATASET)}, lambda c: asdict(c.eval),
@@ -550,7 +550,7 @@ STAGES: tuple[Stage, ...] = (
                     + (f"  ({m['rejected_arithmetic']:.0f} right answers with a false step turned down)"
                        if m.get("rejected_arithmetic") else "")),
     Stage("rft", {MODEL: ("warmup", MODEL), RFT_DATA: ("dart", RFT_DATA)},
-          lambda c: {**asdict(c.curation.rft), "template": template(c)}, ("training.rft", "training.setup"),
+          lambda c: {**asdict(c.curation.rft), "template": template(c)}, ("training.rft", "generation.setup"),
           _rft_body, lambda con, ctx, res, key: _record_checkpoint(con, ctx, res, key, "rft", ctx.cfg.curation.rft.steps),
           lambda m: f"{m['rft_examples']:.0f} examples" + (f"  loss {m['rft_loss_first']:.3f} -> {m['rft_loss_ema']:.3f}"
                                                             if m.get("rft_steps") else "  (passed through)")),
@@ -569,7 +569,7 @@ STAGES: tuple[Stage, ...] = (
                      **({"trainer": asdict(c.trainer)} if not c.trainer.is_default() else {}),
                      **({"rollout": asdict(c.rollout)} if c.rl.uses_ray() else {}),
                      **({"eval": asdict(c.eval)} if c.rl.eval_every else {})},
-          ("training.rl.stage", "training.rl.runtime", "training.rl.actors", "training.rl.trainer", "training.setup", "data_curation.hive", "evaluation.verifier", "evaluation.stages"),
+          ("training.rl.stage", "training.rl.runtime", "training.rl.actors", "training.rl.trainer", "generation.setup", "data_curation.hive", "evaluation.verifier", "evaluation.stages"),
           _rl_body, _record_rl,
           lambda m: (f"reward {m['reward_first']:.3f} -> {m['reward_last5']:.3f} (last 5)  "
                      f"{m.get('generated', 0):.0f} rollouts") if m.get("steps") else ""),

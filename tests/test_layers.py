@@ -8,7 +8,7 @@ from pathlib import Path
 import pytest
 
 ROOT = Path(__file__).resolve().parent.parent
-LIBRARIES = ["data_curation", "training", "evaluation", "core", "conf"]
+LIBRARIES = ["generation", "data_curation", "training", "evaluation", "core", "conf"]
 
 
 def _modules(pkg):
@@ -35,3 +35,49 @@ def test_flows_import_only_tasks_and_config():
                 top = node.module.split(".")[0]
                 if top in ("data_curation", "training", "evaluation"):
                     raise AssertionError(f"{path.name} imports {node.module}: flows may import tasks and config only")
+
+
+# DESIGN.md's layer order, lowest first: a package may import itself and the packages before it,
+# never one after it (so no two stage libraries import each other both ways). ``core`` and ``conf``
+# share the bottom layer.
+LAYERS = [("core", "conf"), ("generation",), ("evaluation",), ("data_curation",), ("training",), ("tasks",),
+          ("flows",)]
+
+
+def _layer_of(top: str) -> int | None:
+    return next((i for i, names in enumerate(LAYERS) if top in names), None)
+
+
+def _project_imports(path: Path):
+    """(line, module) of every absolute import in ``path``, top-level or inside a function."""
+    for node in ast.walk(ast.parse(path.read_text())):
+        if isinstance(node, ast.ImportFrom) and node.module and node.level == 0:
+            yield node.lineno, node.module
+        elif isinstance(node, ast.Import):
+            for alias in node.names:
+                yield node.lineno, alias.name
+
+
+def layer_violations(root: Path = ROOT) -> list[str]:
+    bad = []
+    for names in LAYERS:
+        for pkg in names:
+            here = _layer_of(pkg)
+            for path in sorted((root / pkg).rglob("*.py")):
+                for line, module in _project_imports(path):
+                    there = _layer_of(module.split(".")[0])
+                    if there is not None and there > here:
+                        bad.append(f"{path.relative_to(root)}:{line} imports {module} (layer {there} > {here})")
+    return bad
+
+
+def test_imports_follow_the_layer_order():
+    assert layer_violations() == []
+
+
+def test_layer_check_catches_an_import_against_the_order(tmp_path):
+    (tmp_path / "generation").mkdir()
+    (tmp_path / "generation" / "engine.py").write_text("def f():\n    from training.rl.loop import run_sync\n")
+    (tmp_path / "evaluation").mkdir()
+    (tmp_path / "evaluation" / "ok.py").write_text("from generation.records import PromptItem\n")
+    assert layer_violations(tmp_path) == ["generation/engine.py:2 imports training.rl.loop (layer 4 > 1)"]

@@ -5,7 +5,7 @@ from __future__ import annotations
 from pathlib import Path
 
 from conf.schema import ModelConfig
-from training.model import build_char_tokenizer, build_tiny_model, load_model, save_model
+from generation.model import build_char_tokenizer, build_tiny_model, load_model, save_model
 
 
 UNSAFE_WEIGHT_SUFFIXES = (".bin", ".pt", ".pth", ".pkl", ".ckpt")

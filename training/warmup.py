@@ -7,8 +7,8 @@ from pathlib import Path
 from tqdm.auto import tqdm
 
 from conf.schema import SFTConfig
-from training.model import encode_problem, encode_response, load_model, save_model
-from training.setup import read_table
+from generation.model import encode_problem, encode_response, load_model, save_model
+from generation.setup import read_table
 from training.sft import SFTExample, train_sft
 
 

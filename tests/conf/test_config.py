@@ -94,7 +94,7 @@ def test_preflight_catches_what_needs_files(tmp_path):
 
 def test_rollout_engines_are_the_engine_kinds():
     from conf.schema import ROLLOUT_ENGINES
-    from training.rl.engines import ENGINE_KINDS
+    from generation.engines import ENGINE_KINDS
 
     assert set(ROLLOUT_ENGINES) == set(ENGINE_KINDS)
 

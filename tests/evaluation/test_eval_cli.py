@@ -137,7 +137,7 @@ def test_eval_of_a_save_pretrained_folder(workspace, tmp_path):
     rl = summary["checkpoints"]["rl"]
     import torch
 
-    from training.model import load_model
+    from generation.model import load_model
 
     model, tokenizer = load_model(ws / "artifacts" / "model" / rl)
     with torch.no_grad():  # a checkpoint the catalog has never seen

@@ -5,7 +5,7 @@ from tasks.stages import STAGE_BY_NAME
 
 def test_closure_follows_project_imports_only():
     names = [n for n, _ in module_closure(("training.rl.stage",))]
-    assert "training.rl.engine" in names and "training.objectives" in names and "training.model" in names
+    assert "generation.engine" in names and "training.objectives" in names and "generation.model" in names
     assert not any(n.startswith(("torch", "prefect", "tasks", "flows", "conf")) for n in names)
     data_names = [n for n, _ in module_closure(("data_curation.synthetic",))]
     assert not any(n.startswith("training") for n in data_names)

@@ -9,8 +9,8 @@ import torch
 
 def random_groups(tok, n_groups: int = 4, group_size: int = 4, seed: int = 0):
     """Scored groups of random responses of mixed lengths (2 to 17 tokens), half rewarded."""
-    from training.model import encode_problem
-    from training.rl.records import PromptItem, ScoredGroup, Trajectory
+    from generation.model import encode_problem
+    from generation.records import PromptItem, ScoredGroup, Trajectory
 
     p = PromptItem("p", "1+2", "3", encode_problem(tok, "{problem}\n", "1+2"), 1)
     gen = torch.Generator().manual_seed(seed)
@@ -39,7 +39,7 @@ def run_rank(rank: int, world: int, port: int, backend: str, stage: int, updates
     from safetensors.numpy import save_file
 
     from rl_fakes import MICRO
-    from training.model import build_char_tokenizer, build_tiny_model
+    from generation.model import build_char_tokenizer, build_tiny_model
     from training.objectives import PRESETS
     from training.rl.trainer import DeepSpeedPolicyTrainer, PolicyTrainer, init_distributed
 

@@ -278,7 +278,7 @@ def test_tied_llama_round_trip(tmp_path):
     from rl_fakes import MICRO
     from safetensors import safe_open
 
-    from training.model import build_char_tokenizer, build_tiny_model
+    from generation.model import build_char_tokenizer, build_tiny_model
 
     tok = build_char_tokenizer()
     model = build_tiny_model(MICRO, tok, seed=0)

@@ -7,7 +7,7 @@ import pytest
 from training.rl import control
 from training.rl.control import ExperienceBuffer, PromptQueue, RelayChain, RolloutView, plan_repack
 from training.rl.loop import PromptCursor
-from training.rl.records import PromptItem, ScoredGroup, Trajectory
+from generation.records import PromptItem, ScoredGroup, Trajectory
 
 
 def _prompts(n=10):

@@ -9,11 +9,11 @@ from rl_fakes import MICRO, Verdict
 
 from data_curation.hive import GresoFilter
 from data_curation.sampling import estimate_difficulty, seeded_subset
-from training.model import build_char_tokenizer, build_tiny_model, encode_prompt, save_model
+from generation.model import build_char_tokenizer, build_tiny_model, encode_prompt, save_model
 from training.objectives import PRESETS
-from training.rl.engine import TorchEngine
+from generation.engine import TorchEngine
 from training.rl.loop import HiveSource, PromptCursor, run_sync
-from training.rl.records import PromptItem
+from generation.records import PromptItem
 
 
 class StartsWithDigit:

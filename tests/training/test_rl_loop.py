@@ -3,10 +3,10 @@
 import torch
 from rl_fakes import MICRO, Verdict
 
-from training.model import build_char_tokenizer, build_tiny_model, encode_prompt
+from generation.model import build_char_tokenizer, build_tiny_model, encode_prompt
 from training.objectives import PRESETS
 from training.rl.loop import PromptCursor, run_sync, score_phase
-from training.rl.records import PromptItem, Trajectory
+from generation.records import PromptItem, Trajectory
 
 
 class StartsWithDigit:

@@ -8,11 +8,11 @@ from rl_fakes import MICRO, Verdict
 
 from conf.loader import load_config
 from conf.schema import RL_ALGORITHMS
-from training.model import build_char_tokenizer, build_tiny_model, encode_problem, encode_prompt
+from generation.model import build_char_tokenizer, build_tiny_model, encode_problem, encode_prompt
 from training.objectives import PRESETS
-from training.rl.engine import TorchEngine
+from generation.engine import TorchEngine
 from training.rl.loop import PromptCursor, collect_phase, score_phase
-from training.rl.records import PromptItem, ScoredGroup, Trajectory
+from generation.records import PromptItem, ScoredGroup, Trajectory
 from training.rl.trainer import PolicyTrainer
 from training.rl.stage import objective_params
 

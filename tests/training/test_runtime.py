@@ -15,9 +15,9 @@ from pathlib import Path
 import pytest
 
 from conf.schema import ModelConfig
-from training.model import build_char_tokenizer, build_tiny_model, encode_problem, save_model
+from generation.model import build_char_tokenizer, build_tiny_model, encode_problem, save_model
 from training.objectives import PRESETS
-from training.rl.records import PromptItem
+from generation.records import PromptItem
 
 from tests.training.rl_fakes import Verdict
 
@@ -41,7 +41,7 @@ def model_dir(tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def prompts(model_dir):
-    from training.model import load_tokenizer
+    from generation.model import load_tokenizer
 
     tok = load_tokenizer(model_dir)
     return [PromptItem(f"p{i}", f"{i % 7}+{i % 5}", str(i % 7 + i % 5),

@@ -3,7 +3,7 @@ from pathlib import Path
 import pytest
 
 from conf.schema import ModelConfig
-from training.model import build_char_tokenizer, build_tiny_model, load_model, save_model
+from generation.model import build_char_tokenizer, build_tiny_model, load_model, save_model
 from training.base import build_base_model
 
 

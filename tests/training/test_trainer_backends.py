@@ -14,7 +14,7 @@ from dist_worker import TRAIN_KW, random_groups, run_rank
 from rl_fakes import MICRO
 from safetensors.numpy import load_file
 
-from training.model import build_char_tokenizer, build_tiny_model
+from generation.model import build_char_tokenizer, build_tiny_model
 from training.objectives import PRESETS
 from training.rl.trainer import PolicyTrainer, deepspeed_config
 

@@ -19,7 +19,7 @@ import numpy as np
 def _setup(threads: int, seed: int) -> None:
     import torch
 
-    from training.setup import setup_torch
+    from generation.setup import setup_torch
 
     setup_torch(threads, seed)
     torch.set_num_interop_threads(1) if torch.get_num_interop_threads() != 1 else None
@@ -126,7 +126,7 @@ class RolloutWorker:
                  priority: str = "normal"):
         _setup(threads, seed)
         lower_priority(priority)
-        from training.rl.engines import make_engine
+        from generation.engines import make_engine
 
         self.name = name
         opts = dict(engine_options or {"kind": "torch"})
@@ -199,7 +199,7 @@ class TrainerWorker:
                  micro_batch_tokens: int = 0, backend: str = "torch", ds_config: dict | None = None, rank: int = 0,
                  world_size: int = 1, dist_backend: str = "gloo", extensions_dir: str | None = None):
         _setup(threads, seed)
-        from training.model import load_model
+        from generation.model import load_model
 
         if extensions_dir:  # DeepSpeed's JIT-built ops stay inside the workspace
             os.environ["TORCH_EXTENSIONS_DIR"] = extensions_dir

@@ -22,7 +22,7 @@ from collections import Counter, OrderedDict, deque
 from dataclasses import dataclass, field
 from typing import Callable, Iterable, Sequence
 
-from training.rl.records import GenRequest, PromptItem, ScoredGroup, Trajectory
+from generation.records import GenRequest, PromptItem, ScoredGroup, Trajectory
 
 
 # ----------------------------------------------------------------------------------------------- modes

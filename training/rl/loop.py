@@ -16,8 +16,9 @@ from typing import Callable, Sequence
 import torch
 
 from training.objectives import ObjectiveParams, overlong_penalty
-from training.rl.engine import TorchEngine
-from training.rl.records import GenRequest, PromptItem, ScoredGroup, Trajectory, UpdateStats
+from generation.engine import TorchEngine
+from generation.records import GenRequest, PromptItem, ScoredGroup, Trajectory
+from training.rl.records import UpdateStats
 from training.rl.trainer import PolicyTrainer
 
 

@@ -1,85 +1,12 @@
-"""Typed records passed between the RL phases (sample -> score -> update -> publish).
-
-The same records travel between Ray actors in the asynchronous runtime, so they hold plain Python
-lists and numpy arrays, never tensors tied to a device or a DictConfig.
+"""Typed records of the RL system: what an optimizer step did and what every trainer, relay and
+rollout actor replies to the driver. No string-keyed dict crosses a process boundary inside the
+project; generation's own records (prompts, requests, trajectories) live in ``generation.records``.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
 from typing import Literal
-
-import numpy as np
-
-
-@dataclass(frozen=True)
-class PromptItem:
-    """One training or evaluation prompt. ``prompt_tokens`` start with BOS when the tokenizer has one."""
-
-    prompt_id: str
-    text: str
-    answer: str
-    prompt_tokens: tuple[int, ...]
-    level: int | None = None
-
-
-@dataclass(frozen=True)
-class GenRequest:
-    """Generate one response to ``prompt`` (the ``sample_idx``-th of its group)."""
-
-    prompt: PromptItem
-    sample_idx: int
-    group_uid: int = 0
-    """Which issue of ``prompt`` this request belongs to (the prompt queue's position when it was
-    drawn): the experience buffer assembles groups by it, so a prompt seen in two epochs forms two groups."""
-
-
-@dataclass(frozen=True)
-class Partial:
-    """An in-flight response handed from one rollout to another (repack, interrupt, or a failure
-    re-queue): the tokens sampled so far with their behaviour log-probs. The receiver continues it by
-    re-prefilling prompt + tokens. ``version`` is the weight version that sampled the first token
-    (and, outside ``partial`` mode, every token); ``entropy_sum`` sums the per-token entropies."""
-
-    request: GenRequest
-    tokens: tuple[int, ...]
-    logprobs: tuple[float, ...]
-    version: int
-    entropy_sum: float = 0.0
-
-
-@dataclass(frozen=True)
-class Trajectory:
-    """One sampled response. Invariant: ``len(response_tokens) == len(behaviour_logprobs)``; every
-    token was sampled by weight ``version`` and its behaviour log-prob was recorded at sampling time
-    (temperature-scaled distribution). ``finished`` is False when generation hit the length cap."""
-
-    kind: Literal["trajectory"]
-    prompt: PromptItem
-    sample_idx: int
-    response_tokens: tuple[int, ...]
-    behaviour_logprobs: tuple[float, ...]
-    version: int
-    finished: bool
-    text: str
-    mean_entropy: float = float("nan")
-    """Mean full-vocabulary entropy (nats) of the sampling distribution over the response's tokens."""
-    group_uid: int = 0
-    """The request's ``group_uid`` (see ``GenRequest``)."""
-    last_version: int = -1
-    """The version that sampled the last token; equals ``version`` except in ``partial`` mode, where a
-    response interrupted by an update continues under newer weights (-1: same as ``version``)."""
-
-
-@dataclass(frozen=True)
-class ScoredGroup:
-    """All responses to one prompt with their rewards. Invariant: ``len(rewards) == len(trajectories)``."""
-
-    kind: Literal["scored_group"]
-    prompt_id: str
-    trajectories: tuple[Trajectory, ...]
-    rewards: tuple[float, ...]
-    correct: tuple[bool, ...]
 
 
 @dataclass(frozen=True)
@@ -93,12 +20,3 @@ class UpdateStats:
     n_sequences: int
     n_tokens: int
     metrics: dict[str, float] = field(default_factory=dict)
-
-
-@dataclass(frozen=True)
-class WeightsUpdate:
-    """A published weight version: parameter name -> numpy array (object-store friendly)."""
-
-    kind: Literal["weights_update"]
-    version: int
-    state: dict[str, np.ndarray]

@@ -35,7 +35,7 @@ from training.objectives import ObjectiveParams
 from training.rl import control
 from training.rl.control import MODES, ExperienceBuffer, PromptQueue, RelayChain, RolloutView
 from training.rl.loop import Collected, PromptCursor, RLResult, overlong_shaping, score_phase, step_metrics
-from training.rl.records import GenRequest, Partial, PromptItem, ScoredGroup, Trajectory
+from generation.records import GenRequest, Partial, PromptItem, ScoredGroup, Trajectory
 
 LOG = logging.getLogger("laminar.training")
 
@@ -326,8 +326,8 @@ class LaminarRuntime:
             ray.shutdown()
 
     def _loop(self, ray) -> RLResult:
-        from training.model import load_model
-        from training.rl.engine import TorchEngine
+        from generation.model import load_model
+        from generation.engine import TorchEngine
 
         torch.manual_seed(self.seed)
         model, tokenizer = load_model(self.model_dir, "cpu")

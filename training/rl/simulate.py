@@ -70,7 +70,7 @@ from typing import Any, Iterable, Mapping, Sequence
 
 from training.rl import control
 from training.rl.control import MODES, ExperienceBuffer, ModeSpec, PromptQueue, RelayChain, RolloutView
-from training.rl.records import GenRequest, PromptItem, ScoredGroup, Trajectory
+from generation.records import GenRequest, PromptItem, ScoredGroup, Trajectory
 
 STREAM = ModeSpec("stream", batched=True, max_ahead=1, interrupt=False, drain=False, repack=False)
 SIM_MODES: dict[str, ModeSpec] = {**MODES, "stream": STREAM}

@@ -17,11 +17,11 @@ from typing import Callable
 from tqdm.auto import tqdm
 
 from conf.schema import ClusterConfig, RLConfig, RolloutConfig, SelectConfig, TrainerConfig
-from training.model import encode_problem, load_model, save_model
+from generation.model import encode_problem, load_model, save_model
 from training.objectives import PRESETS, ObjectiveParams
 from training.rl.loop import RLResult, format_step, run_sync
-from training.rl.records import PromptItem
-from training.setup import read_table
+from generation.records import PromptItem
+from generation.setup import read_table
 
 LOG = logging.getLogger("laminar.training")
 TIMING_KEYS = ("gen_seconds", "train_seconds", "gen_tokens_per_s", "eval_seconds", "tokens_per_s", "occupancy",
@@ -61,7 +61,7 @@ def hive_source(select: SelectConfig, history_path: Path | None, seed: int):
 def runtime_config(cfg: RLConfig, cluster: ClusterConfig | None, state_dir: Path | None,
                    trainer: TrainerConfig | None = None, rollout: RolloutConfig | None = None):
     from conf.loader import deepspeed_config
-    from training.rl.engines import rollout_engine_options
+    from generation.engines import rollout_engine_options
     from training.rl.runtime import RuntimeConfig
 
     c = cluster or ClusterConfig()

@@ -15,7 +15,8 @@ import numpy as np
 import torch
 
 from training.objectives import ADVANTAGES, ObjectiveParams, PolicyBatch, entropy_from_logits, policy_loss
-from training.rl.records import ScoredGroup, UpdateStats, WeightsUpdate
+from generation.records import ScoredGroup, WeightsUpdate
+from training.rl.records import UpdateStats
 
 
 @dataclass(frozen=True)

@@ -7,8 +7,8 @@ import numpy as np
 import pytest
 import torch
 
-from training.rl.continuous import ContinuousEngine, request_key
-from training.rl.static_slots import StaticSlotEngine
+from generation.continuous import ContinuousEngine, request_key
+from generation.static_slots import StaticSlotEngine
 
 from test_continuous import MAX_NEW, _drain, _key, _model, _requests, _staggered
 
@@ -23,7 +23,7 @@ def one_thread():
 
 @pytest.fixture(scope="module")
 def tok():
-    from training.model import build_char_tokenizer
+    from generation.model import build_char_tokenizer
 
     return build_char_tokenizer()
 
@@ -100,7 +100,7 @@ def test_static_decode_step_reads_no_tensor_value_on_the_host(tok):
     (model forward over the slot cache with the 4-D mask, Gumbel sampling, masked updates) running
     there shows the step is capturable as far as the CPU can tell."""
     from conf.schema import ModelConfig
-    from training.model import build_tiny_model
+    from generation.model import build_tiny_model
 
     model = build_tiny_model(ModelConfig(hidden_size=32, intermediate_size=64, num_layers=2, num_heads=4,
                                          num_kv_heads=2, max_seq_len=64), tok, seed=0).to("meta")

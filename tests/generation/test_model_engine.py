@@ -1,11 +1,11 @@
 import torch
 
 from conf.schema import ModelConfig
-from training.model import build_char_tokenizer, build_tiny_model, encode_prompt, encode_response, load_model, save_model
-from training.rl.engine import TorchEngine
-from training.rl.records import GenRequest, PromptItem
+from generation.model import build_char_tokenizer, build_tiny_model, encode_prompt, encode_response, load_model, save_model
+from generation.engine import TorchEngine
+from generation.records import GenRequest, PromptItem
 from training.rl.trainer import build_batch, response_logits, token_logprobs
-from training.rl.records import ScoredGroup
+from generation.records import ScoredGroup
 
 SMALL = ModelConfig(hidden_size=32, intermediate_size=64, num_layers=2, num_heads=4, num_kv_heads=2, max_seq_len=96)
 
@@ -64,7 +64,7 @@ def test_engine_deterministic_and_stops_at_eos(tmp_path):
 def test_load_weights_changes_version_and_outputs(tmp_path):
     model, tok = _tiny(tmp_path)
     engine = TorchEngine(model, tok)
-    from training.rl.records import WeightsUpdate
+    from generation.records import WeightsUpdate
     state = {k: (v.detach().numpy() * 0).copy() for k, v in model.state_dict().items()}
     engine.load_weights(WeightsUpdate("weights_update", 7, state))
     trajs = engine.generate(_requests(tok, 1), 4, 1.0, torch.Generator().manual_seed(0))

@@ -1,8 +1,8 @@
 """The rollout worker process: serves one engine over the rollout protocol's wire format on
-stdin/stdout (``training.rl.protocol``).
+stdin/stdout (``generation.protocol``).
 
-    python -m training.rl.vllm_worker --engine vllm  --model-dir DIR [--capacity 256 ...]
-    python -m training.rl.vllm_worker --engine torch --model-dir DIR [--device cuda ...]
+    python -m generation.vllm_worker --engine vllm  --model-dir DIR [--capacity 256 ...]
+    python -m generation.vllm_worker --engine torch --model-dir DIR [--device cuda ...]
 
 ``--engine vllm`` runs in vLLM's own environment (``make vllm-env``; vLLM pins torch, transformers and
 fastapi against Prefect's) and imports only vLLM, this module and the protocol module (standard
@@ -41,13 +41,13 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Iterable, Mapping, Sequence
 
-from training.rl.protocol import (EngineBase, PendingQueue, ProtocolError, SamplingSpec, protocol_streams,
+from generation.protocol import (EngineBase, PendingQueue, ProtocolError, SamplingSpec, protocol_streams,
                                   request_id, serve)
-from training.rl.records import GenRequest, Partial, Trajectory
+from generation.records import GenRequest, Partial, Trajectory
 
 
 class WeightLoader:
-    """vLLM worker extension (``worker_extension_cls="training.rl.vllm_worker.WeightLoader"``): vLLM
+    """vLLM worker extension (``worker_extension_cls="generation.vllm_worker.WeightLoader"``): vLLM
     mixes it into its GPU worker class, so ``self.model_runner`` is the worker's model runner.
     Called through ``LLM.collective_rpc("laminar_load_weights", args=(path,))`` on every worker."""
 
@@ -105,7 +105,7 @@ class VllmEngine(EngineBase):
         kwargs = dict(model=model_dir, tokenizer=model_dir, dtype=dtype, seed=int(seed), max_num_seqs=self.capacity,
                       gpu_memory_utilization=gpu_memory_utilization, enforce_eager=enforce_eager,
                       logprobs_mode="processed_logprobs", enable_prefix_caching=True,
-                      worker_extension_cls=f"{__name__ if __name__ != '__main__' else 'training.rl.vllm_worker'}"
+                      worker_extension_cls=f"{__name__ if __name__ != '__main__' else 'generation.vllm_worker'}"
                                            ".WeightLoader")
         if max_model_len:
             kwargs["max_model_len"] = int(max_model_len)
@@ -242,8 +242,8 @@ def build_engine(args):
                           gpu_memory_utilization=args.vllm_gpu_memory_utilization,
                           enforce_eager=args.vllm_enforce_eager, max_model_len=args.vllm_max_model_len)
     if args.engine == "torch":
-        from training.rl.engines import load_torch_engine
-        from training.setup import setup_torch
+        from generation.engines import load_torch_engine
+        from generation.setup import setup_torch
 
         setup_torch(int(os.environ.get("OMP_NUM_THREADS", "1")), args.seed)
         return load_torch_engine(args.model_dir, device=args.device, capacity=args.capacity,

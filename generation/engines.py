@@ -1,11 +1,11 @@
-"""Rollout engines behind the rollout protocol (``training.rl.protocol``), and the one place the
+"""Rollout engines behind the rollout protocol (``generation.protocol``), and the one place the
 runtime chooses among them (``make_engine``).
 
 - ``torch``: ``TorchRolloutEngine``, the built-in ``ContinuousEngine`` in this process (or, with
   ``static_cache``/``cuda_graphs``, ``StaticSlotEngine``: fixed-shape decode, CUDA graphs on a GPU).
 - ``torch-process``: the same engine in a worker process behind the wire format (what ``vllm`` uses,
   with the built-in engine: the conformance tests exercise the wire path with it).
-- ``vllm``: ``training.rl.vllm_worker`` in vLLM's own Python environment (``make vllm-env``).
+- ``vllm``: ``generation.vllm_worker`` in vLLM's own Python environment (``make vllm-env``).
 """
 
 from __future__ import annotations
@@ -18,11 +18,11 @@ from typing import Iterable, Mapping, Sequence
 import numpy as np
 import torch
 
-from training.rl.continuous import ContinuousEngine
-from training.rl.protocol import (REPO_ROOT, EngineBase, EngineProcess, ProtocolError, RolloutEngine, SamplingSpec,
+from generation.continuous import ContinuousEngine
+from generation.protocol import (REPO_ROOT, EngineBase, EngineProcess, ProtocolError, RolloutEngine, SamplingSpec,
                                   load_safetensors)
-from training.rl.records import GenRequest, Partial, Trajectory
-from training.rl.static_slots import StaticSlotEngine
+from generation.records import GenRequest, Partial, Trajectory
+from generation.static_slots import StaticSlotEngine
 
 ENGINE_KINDS = ("torch", "torch-process", "vllm")
 VLLM_PYTHON_ENV = "LAMINAR_VLLM_PYTHON"
@@ -82,7 +82,7 @@ def load_torch_engine(model_dir: str | Path, *, device: str = "cpu", capacity: i
                       static_cache: bool = False, cuda_graphs: bool = False):
     """The built-in engine over the HF checkpoint in ``model_dir``; ``static_cache`` (implied by
     ``cuda_graphs``) selects ``StaticSlotEngine``."""
-    from training.model import load_model
+    from generation.model import load_model
 
     model, tokenizer = load_model(Path(model_dir), device)
     kw = dict(device=device, capacity=capacity, max_new_tokens=max_new_tokens, temperature=temperature, seed=seed,
@@ -107,7 +107,7 @@ def worker_command(kind: str, model_dir: str | Path, *, python: str, device: str
                    extra_args: Sequence[str] = ()) -> list[str]:
     engine = "torch" if kind == "torch-process" else kind
     flags = (["--static-cache"] if static_cache else []) + (["--cuda-graphs"] if cuda_graphs else [])
-    return [python, "-m", "training.rl.vllm_worker", "--engine", engine, "--model-dir", str(model_dir),
+    return [python, "-m", "generation.vllm_worker", "--engine", engine, "--model-dir", str(model_dir),
             "--device", device, "--capacity", str(capacity), "--max-new-tokens", str(max_new_tokens),
             "--temperature", repr(float(temperature)), "--seed", str(seed), "--dtype", dtype,
             "--sync-every", str(sync_every), *flags, *extra_args]

@@ -38,8 +38,8 @@ from __future__ import annotations
 
 import torch
 
-from training.rl.continuous import ContinuousEngine, _Row
-from training.rl.records import GenRequest, Partial, Trajectory
+from generation.continuous import ContinuousEngine, _Row
+from generation.records import GenRequest, Partial, Trajectory
 
 
 class _SlotCache:
@@ -222,7 +222,7 @@ class StaticSlotEngine(ContinuousEngine):
         self._sync_rows()
 
     def _row_key(self, request: GenRequest) -> int:
-        from training.rl.continuous import row_key
+        from generation.continuous import row_key
 
         return row_key(self.seed, request)
 
@@ -355,7 +355,7 @@ class StaticSlotEngine(ContinuousEngine):
     def extract(self, include_queued: bool = True, only=None) -> tuple[list[Partial], list[GenRequest]]:
         from collections import deque
 
-        from training.rl.continuous import request_key
+        from generation.continuous import request_key
 
         def chosen(r: GenRequest) -> bool:
             return only is None or request_key(r) in only

@@ -4,7 +4,7 @@
 - ``torch-static``: the static-slot variant (fixed-shape decode for CUDA graphs), in process;
 - ``torch-process``: the same engine in a worker process, over the msgpack wire format;
 - ``vllm-fake``: the vLLM worker (``VllmEngine``'s admission, abort, hand-over and weight-load
-  bookkeeping, the wire) over ``tests/training/fake_vllm``, a stand-in for vLLM's offline interfaces;
+  bookkeeping, the wire) over ``tests/generation/fake_vllm``, a stand-in for vLLM's offline interfaces;
 - ``vllm``: vLLM's worker in its own environment; skipped, with the reason, where vLLM is absent.
 """
 
@@ -21,10 +21,10 @@ import pytest
 import torch
 
 from conf.schema import ModelConfig
-from training.model import build_char_tokenizer, build_tiny_model, encode_prompt, save_model
-from training.rl.engines import StaticTorchRolloutEngine, TorchRolloutEngine, make_engine, vllm_python
-from training.rl.protocol import REPO_ROOT, ProtocolError, RolloutEngine, SamplingSpec, request_id
-from training.rl.records import GenRequest, PromptItem
+from generation.model import build_char_tokenizer, build_tiny_model, encode_prompt, save_model
+from generation.engines import StaticTorchRolloutEngine, TorchRolloutEngine, make_engine, vllm_python
+from generation.protocol import REPO_ROOT, ProtocolError, RolloutEngine, SamplingSpec, request_id
+from generation.records import GenRequest, PromptItem
 
 SMALL = ModelConfig(hidden_size=32, intermediate_size=64, num_layers=2, num_heads=4, num_kv_heads=2, max_seq_len=128)
 MAX_NEW = 12
@@ -307,7 +307,7 @@ def test_bad_messages_give_clear_errors(engine, assets):
 
 
 def test_protocol_and_worker_modules_import_without_torch_ray_or_prefect():
-    code = ("import sys, training.rl.protocol, training.rl.vllm_worker\n"
+    code = ("import sys, generation.protocol, generation.vllm_worker\n"
             "bad = sorted(m for m in ('torch', 'ray', 'prefect', 'vllm') if m in sys.modules)\n"
             "assert not bad, bad\n")
     proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
@@ -317,7 +317,7 @@ def test_protocol_and_worker_modules_import_without_torch_ray_or_prefect():
 def test_rollout_engine_options_map_the_config_section():
     from types import SimpleNamespace
 
-    from training.rl.engines import rollout_engine_options
+    from generation.engines import rollout_engine_options
 
     assert rollout_engine_options() == {"kind": "torch", "dtype": "auto", "sync_every": 0, "static_cache": False,
                                         "cuda_graphs": False}

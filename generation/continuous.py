@@ -46,7 +46,7 @@ from typing import Sequence
 import numpy as np
 import torch
 
-from training.rl.records import GenRequest, Partial, Trajectory
+from generation.records import GenRequest, Partial, Trajectory
 
 _M64 = (1 << 64) - 1
 _GOLDEN = 0x9E3779B97F4A7C15

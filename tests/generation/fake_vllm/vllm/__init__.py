@@ -1,6 +1,6 @@
 """A stand-in for vLLM's offline interfaces, for tests only (put its parent folder on PYTHONPATH).
 
-It mimics what ``training.rl.vllm_worker`` uses, with vLLM's documented behaviour: ``LLM(**engine
+It mimics what ``generation.vllm_worker`` uses, with vLLM's documented behaviour: ``LLM(**engine
 args)`` with ``llm_engine.add_request / step / abort_request`` (one token per live request per step,
 at most ``max_num_seqs`` live, ``RequestOutputKind.DELTA`` outputs, the sampled token's log-prob when
 ``logprobs=0``, EOS included in the tokens), ``collective_rpc`` into the ``worker_extension_cls``

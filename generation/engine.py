@@ -13,7 +13,7 @@ from typing import Sequence
 import numpy as np
 import torch
 
-from training.rl.records import GenRequest, PromptItem, Trajectory, WeightsUpdate
+from generation.records import GenRequest, PromptItem, Trajectory, WeightsUpdate
 
 
 class TorchEngine:

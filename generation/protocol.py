@@ -48,7 +48,7 @@ from typing import IO, Any, Iterable, Mapping, Protocol, Sequence, runtime_check
 import msgpack
 import numpy as np
 
-from training.rl.records import GenRequest, Partial, PromptItem, Trajectory
+from generation.records import GenRequest, Partial, PromptItem, Trajectory
 
 PROTOCOL_VERSION = 1
 MAX_FRAME = 1 << 30
@@ -390,7 +390,7 @@ def protocol_streams() -> tuple[IO[bytes], IO[bytes]]:
 class EngineProcess(EngineBase):
     """A ``RolloutEngine`` served by a worker process over the wire format (stdin/stdout pipes).
 
-    ``command`` starts the worker (e.g. ``[python, "-m", "training.rl.vllm_worker", "--engine", "vllm",
+    ``command`` starts the worker (e.g. ``[python, "-m", "generation.vllm_worker", "--engine", "vllm",
     ...]``); its stderr goes to a log file whose tail is quoted when the worker dies. Requests keep
     their full records on this side (answers, texts), so trajectories and partials come back with the
     same ``PromptItem`` the caller submitted. ``version`` and ``admitting`` are mirrored locally and

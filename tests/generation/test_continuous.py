@@ -7,9 +7,9 @@ import pytest
 import torch
 
 from conf.schema import ModelConfig
-from training.model import build_char_tokenizer, build_tiny_model, encode_prompt
-from training.rl.continuous import ContinuousEngine, _mix, _mix_py, _signed, gumbel_uniforms
-from training.rl.records import GenRequest, Partial, PromptItem, ScoredGroup
+from generation.model import build_char_tokenizer, build_tiny_model, encode_prompt
+from generation.continuous import ContinuousEngine, _mix, _mix_py, _signed, gumbel_uniforms
+from generation.records import GenRequest, Partial, PromptItem, ScoredGroup
 from training.rl.trainer import build_batch, response_logits, token_logprobs
 
 SMALL = ModelConfig(hidden_size=32, intermediate_size=64, num_layers=2, num_heads=4, num_kv_heads=2, max_seq_len=128)
@@ -302,7 +302,7 @@ def test_lazy_retirement_gives_the_same_trajectories(tok):
 
 
 def test_extract_only_some_requests_keeps_the_others_running(tok):
-    from training.rl.continuous import request_key
+    from generation.continuous import request_key
 
     model = _model(tok)
     reqs = _requests(tok, 4, 1)
