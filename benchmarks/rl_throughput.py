@@ -61,25 +61,23 @@ def run_mode(spec: str, model_dir: Path, prompts, args, out: Path, tag: str = ""
     from evaluation.timeline import plot_timeline, summarize_timeline
     from evaluation.verifier import Verifier
     from training.rl.runtime import LaminarRuntime
-    from training.rl.stage import objective_params, runtime_config
+    from training.rl.stage import objective_params
 
     cfg = load_config([f"seed={args.seed}", *WORKLOAD, f"rl.algorithm={args.algorithm}", *args.overrides])
     head, _, shape = spec.partition(":")
     mode, _, lag = head.partition("@")
     rollouts, capacity = (int(x) for x in shape.split("x")) if shape else (args.rollouts, args.capacity)
-    # the pipeline's mapping of the config (cluster, trainer, rollout engine, priority), then this run's shape
-    rc = dataclasses.replace(
-        runtime_config(cfg.rl, cfg.cluster, None, cfg.trainer, cfg.rollout),
-        mode=mode, rollouts=rollouts, capacity=capacity, chunk_steps=args.chunk_steps,
+    # the pipeline's config sections (cluster, trainer, rollout engine, priority), then this run's shape
+    rl = dataclasses.replace(
+        cfg.rl, mode=mode, steps=args.updates, prompts_per_step=args.prompts_per_step, group_size=args.group_size,
+        rollout_capacity=capacity, chunk_steps=args.chunk_steps,
         max_staleness=None if mode != "sync" and args.unbounded else cfg.rl.max_staleness,
         admit_lag=int(lag) if lag else cfg.rl.admit_lag,
-        repack_interval_s=args.repack_interval or cfg.rl.repack_interval_s, num_cpus=args.cpus)
+        repack_interval_s=args.repack_interval or cfg.rl.repack_interval_s)
+    cluster = dataclasses.replace(cfg.cluster, rollouts=rollouts, num_cpus=args.cpus)
     with Verifier(timeout_s=cfg.eval.verifier_timeout_s) as verifier:
-        rt = LaminarRuntime(model_dir, prompts, verifier, objective_params(cfg.rl), steps=args.updates,
-                            prompts_per_step=args.prompts_per_step, group_size=args.group_size, lr=cfg.rl.lr,
-                            weight_decay=0.0, max_grad_norm=1.0, max_new_tokens=cfg.rl.max_new_tokens,
-                            temperature=1.0, seed=args.seed, device="cpu", minibatches=1, rc=rc,
-                            micro_batch_tokens=cfg.rl.micro_batch_tokens)
+        rt = LaminarRuntime(model_dir, prompts, verifier, objective_params(rl), rl, seed=args.seed, device="cpu",
+                            cluster=cluster, trainer=cfg.trainer, rollout=cfg.rollout)
         t0 = time.perf_counter()
         rt.run()
         total = time.perf_counter() - t0

@@ -64,6 +64,9 @@ class SimWorkloadConfig:
     max_output: int = 16384
     prompt_len: int = 256
     lengths: SimLengthConfig = field(default_factory=SimLengthConfig)
+    pass_rates: List[float] = field(default_factory=list)
+    """Each prompt's chance that a response is right, drawn per prompt from this list (empty: rewards
+    are not modelled). With ``sched.dynamic_sampling``, groups whose responses all agree are dropped."""
 
 
 @dataclass
@@ -110,6 +113,10 @@ class SimSchedConfig:
     keep_versions: int = 2
     max_ahead_batches: int = 0
     """Simulator-only back-pressure: issued-but-untrained groups stay within this many batches (0 = off)."""
+    dynamic_sampling: bool = False
+    """DAPO's dynamic sampling: groups with no reward variance are dropped; a batched mode samples
+    further rounds (at most ``max_sampling_rounds``) until its batch is full."""
+    max_sampling_rounds: int = 10
 
 
 @dataclass

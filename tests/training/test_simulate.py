@@ -66,9 +66,10 @@ def test_laminar_beats_sync_on_a_long_tail():
     assert res["laminar"].idle_share < res["sync"].idle_share
 
 
-def test_simulator_and_runtime_share_the_control_plane(monkeypatch):
-    """The simulator calls the planner, the buffer and the mode decisions of ``training.rl.control``
-    (spied here), and the real runtime references the very same objects."""
+def test_simulator_drives_the_runtimes_manager_and_control_plane(monkeypatch):
+    """The simulator holds no copy of the manager: it drives ``training.rl.manager.RolloutManager``
+    (the runtime's, see tests/training/test_manager.py), whose decisions come from
+    ``training.rl.control`` (spied here)."""
     calls = {"plan_repack": 0, "dispatch_plan": 0, "add": 0, "take": 0, "take_uids": 0, "may_open_batch": 0,
              "admission_room": 0}
 
@@ -84,23 +85,36 @@ def test_simulator_and_runtime_share_the_control_plane(monkeypatch):
     monkeypatch.setattr(control, "admission_room", spy("admission_room", control.admission_room))
     for name in ("add", "take", "take_uids"):
         monkeypatch.setattr(control.ExperienceBuffer, name, spy(name, getattr(control.ExperienceBuffer, name)))
-    sim.Simulator(tiny(sched={"max_staleness": 1}), "laminar").run()
+    a = sim.Simulator(tiny(sched={"max_staleness": 1}), "laminar")
+    a.run()
     sim.Simulator(tiny(), "sync").run()
     assert all(calls[k] > 0 for k in calls), calls
-    # the simulator holds no copy of the planner or the buffer
-    assert sim.ExperienceBuffer is control.ExperienceBuffer and sim.PromptQueue is control.PromptQueue
-    assert sim.RolloutView is control.RolloutView and sim.RelayChain is control.RelayChain
-    src = inspect.getsource(sim)
-    assert "def plan_repack" not in src and "def is_repack_source" not in src and "class ExperienceBuffer" not in src
-    # the real runtime calls the same functions through the same module
-    from training.rl import runtime
+    from training.rl.manager import RolloutManager
 
-    rt = inspect.getsource(runtime)
-    for used in ("control.plan_repack(", "control.dispatch_plan(", "control.may_open_batch(", "control.admission_room(",
-                 "control.round_robin_groups(", "ExperienceBuffer(", "self.buffer.take(", "self.buffer.take_uids("):
-        assert used in rt, used
-    assert runtime.control is control and runtime.ExperienceBuffer is control.ExperienceBuffer
-    assert runtime.MODES is control.MODES and all(sim.SIM_MODES[m] is control.MODES[m] for m in control.MODES)
+    assert type(a.m) is RolloutManager and a.queue is a.m.queue and a.buffer is a.m.buffer
+    src = inspect.getsource(sim)
+    for copied in ("def plan_repack", "class ExperienceBuffer", "def _trainable", "def _requeue", "dispatch_plan(",
+                   "admission_room(", "take_uids("):
+        assert copied not in src, copied
+    assert all(sim.SIM_MODES[m] is control.MODES[m] for m in control.MODES)
+
+
+def test_dynamic_sampling_resamples_rounds_until_the_batch_is_full():
+    """DAPO's dynamic sampling in the simulator, through the manager: groups whose responses all
+    agree are dropped and a batched mode samples further rounds until its batch is full; the
+    continuous modes keep admitting until enough groups with signal are ready."""
+    base = {"workload": {"pass_rates": [0.0, 0.5, 0.5, 1.0]}, "sched": {"dynamic_sampling": True}}
+    for mode in ("sync", "one_step", "laminar"):
+        r = sim.Simulator(tiny(**base), mode).run()
+        n, steps = 8, 6
+        assert r.updates == steps and r.trained_groups == n * steps, mode  # every batch full
+        assert r.dropped_groups > 0, mode  # about three prompts in five have no variance
+        if mode != "laminar":
+            assert r.extra_rounds > 0, mode
+    off = sim.Simulator(tiny(workload={"pass_rates": [0.0, 0.5, 1.0]}), "sync").run()
+    assert off.dropped_groups == 0 and off.extra_rounds == 0
+    capped = sim.Simulator(tiny(**{**base, "sched": {"dynamic_sampling": True, "max_sampling_rounds": 1}}), "sync").run()
+    assert capped.extra_rounds == 0 and capped.trained_groups < 8 * 6  # one round: batches stay short
 
 
 def test_flow_control_under_a_staleness_bound_cuts_regeneration(monkeypatch):

@@ -15,6 +15,9 @@ from pathlib import Path
 
 import numpy as np
 
+from training.rl.records import (ActorInfo, ExtractReply, Published, PullResult, RolloutStatus, StepReply,
+                                 TrainReply)
+
 
 def _setup(threads: int, seed: int) -> None:
     import torch
@@ -60,9 +63,8 @@ class RelayWorker:
         self.pinned: set[int] = set()
         self._local: dict[int, dict] = {}
 
-    def ping(self) -> dict:
-        return {"name": self.name, "pid": os.getpid(), "node": _node_id(), "versions": sorted(self.versions),
-                "cpu_s": time.process_time()}
+    def ping(self) -> ActorInfo:
+        return ActorInfo(self.name, os.getpid(), _node_id(), time.process_time(), versions=tuple(sorted(self.versions)))
 
     def set_next(self, handle) -> None:
         self.next = handle
@@ -106,14 +108,14 @@ class RelayWorker:
             self.versions.pop(v)
             self._local.pop(v, None)
 
-    def latest(self, min_version: int = -1) -> tuple[int, list] | None:
+    def latest(self, min_version: int = -1) -> Published | None:
         if not self.versions or max(self.versions) < min_version:
             return None
         v = max(self.versions)
-        return v, [self.versions[v]]
+        return Published(v, [self.versions[v]])
 
-    def get(self, version: int) -> tuple[int, list] | None:
-        return (version, [self.versions[version]]) if version in self.versions else None
+    def get(self, version: int) -> Published | None:
+        return Published(version, [self.versions[version]]) if version in self.versions else None
 
 
 class RolloutWorker:
@@ -135,12 +137,12 @@ class RolloutWorker:
                                   temperature=temperature, seed=seed, **opts)
         self.engine.version = -1  # no published version loaded yet: the first step pulls
 
-    def ping(self) -> dict:
+    def ping(self) -> ActorInfo:
         sched = os.sched_getscheduler(0) if hasattr(os, "sched_getscheduler") else None
-        return {"name": self.name, "pid": os.getpid(), "node": _node_id(), "version": self.engine.version,
-                "idle_priority": sched == getattr(os, "SCHED_IDLE", -1), "cpu_s": time.process_time()}
+        return ActorInfo(self.name, os.getpid(), _node_id(), time.process_time(), version=self.engine.version,
+                         idle_priority=sched == getattr(os, "SCHED_IDLE", -1))
 
-    def pull(self, relay, min_version: int = -1, wait_s: float = 10.0) -> dict:
+    def pull(self, relay, min_version: int = -1, wait_s: float = 10.0) -> PullResult:
         """Load the relay's latest version (at least ``min_version``, waiting up to ``wait_s``)."""
         import ray
 
@@ -149,20 +151,19 @@ class RolloutWorker:
             try:
                 got = ray.get(relay.latest.remote(min_version), timeout=wait_s)
             except Exception as e:  # noqa: BLE001 - dead or unreachable relay: the manager bypasses it
-                return {"ok": False, "error": type(e).__name__, "seconds": time.perf_counter() - t0}
+                return PullResult(False, seconds=time.perf_counter() - t0, error=type(e).__name__)
             if got is not None:
                 break
             if time.perf_counter() - t0 > wait_s:
-                return {"ok": False, "error": "timeout", "seconds": time.perf_counter() - t0}
+                return PullResult(False, seconds=time.perf_counter() - t0, error="timeout")
             time.sleep(0.005)
-        version, box = got
-        if version != self.engine.version:
-            state = ray.get(box[0])
-            self.engine.load_state(state, version)
-        return {"ok": True, "version": version, "seconds": time.perf_counter() - t0}
+        if got.version != self.engine.version:
+            state = ray.get(got.box[0])
+            self.engine.load_state(state, got.version)
+        return PullResult(True, got.version, time.perf_counter() - t0)
 
     def step(self, chunk: int, *, submit=(), inject=(), relay=None, min_version: int = -1,
-             admitting: bool = True) -> dict:
+             admitting: bool = True) -> StepReply:
         pulled = None
         if relay is not None:
             pulled = self.pull(relay, min_version)
@@ -176,13 +177,13 @@ class RolloutWorker:
         # no published weights yet (a fresh or restarted actor): hold the work until the first pull
         ready = self.engine.version >= 0 and (st["active"] or st["queued"])
         finished = self.engine.step(chunk) if ready else []
-        return {"finished": finished, "status": self.engine.status(), "pulled": pulled,
-                "busy_s": time.perf_counter() - t0, "pid": os.getpid(), "cpu_s": time.process_time()}
+        return StepReply(tuple(finished), RolloutStatus.of(self.engine.status()), pulled, time.perf_counter() - t0,
+                         os.getpid(), time.process_time())
 
-    def extract(self) -> dict:
+    def extract(self) -> ExtractReply:
         partials, queued = self.engine.extract(include_queued=True)
-        return {"partials": partials, "queued": queued, "status": self.engine.status(), "pid": os.getpid(),
-                "cpu_s": time.process_time()}
+        return ExtractReply(tuple(partials), tuple(queued), RolloutStatus.of(self.engine.status()), os.getpid(),
+                            time.process_time())
 
 
 class TrainerWorker:
@@ -194,20 +195,18 @@ class TrainerWorker:
     rendezvous ``address()`` and then calls ``start(addr, port)`` on every rank together; a single
     torch rank needs no group and starts at once."""
 
-    def __init__(self, model_dir: str, params, *, lr: float, weight_decay: float, max_grad_norm: float,
-                 temperature: float, max_new_tokens: int, device: str, minibatches: int, seed: int, threads: int = 1,
-                 micro_batch_tokens: int = 0, backend: str = "torch", ds_config: dict | None = None, rank: int = 0,
-                 world_size: int = 1, dist_backend: str = "gloo", extensions_dir: str | None = None):
+    def __init__(self, model_dir: str, params, rl, *, device: str, seed: int, threads: int = 1,
+                 backend: str = "torch", ds_config: dict | None = None, rank: int = 0, world_size: int = 1,
+                 dist_backend: str = "gloo", extensions_dir: str | None = None):
+        """``params``: the resolved objective; ``rl``: ``conf.schema.RLConfig`` (optimizer and batch
+        settings, read by ``PolicyTrainer.from_config``)."""
         _setup(threads, seed)
         from generation.model import load_model
 
         if extensions_dir:  # DeepSpeed's JIT-built ops stay inside the workspace
             os.environ["TORCH_EXTENSIONS_DIR"] = extensions_dir
         model, tokenizer = load_model(Path(model_dir), device)
-        self._kw = dict(params=params, lr=lr, weight_decay=weight_decay, max_grad_norm=max_grad_norm,
-                        temperature=temperature, max_new_tokens=max_new_tokens, pad_id=tokenizer.pad_token_id,
-                        device=device, minibatches=minibatches, micro_batch_tokens=micro_batch_tokens, rank=rank,
-                        world_size=world_size)
+        self.params, self.rl, self.device, self.pad_id = params, rl, device, tokenizer.pad_token_id
         self._model = model
         self.backend, self.ds_config, self.dist_backend = backend, ds_config, dist_backend
         self.rank, self.world_size = rank, world_size
@@ -231,7 +230,7 @@ class TrainerWorker:
             port = s.getsockname()[1]
         return ray.util.get_node_ip_address(), port
 
-    def start(self, master_addr: str | None = None, master_port: int | None = None) -> dict:
+    def start(self, master_addr: str | None = None, master_port: int | None = None) -> ActorInfo:
         """Join the process group (when there is one) and build the trainer."""
         from training.rl.trainer import DeepSpeedPolicyTrainer, PolicyTrainer, init_distributed
 
@@ -239,18 +238,18 @@ class TrainerWorker:
             if self.needs_group():
                 init_distributed(self.dist_backend, self.rank, self.world_size, master_addr, master_port,
                                  deepspeed_comm=self.backend == "deepspeed")
-            kw = dict(self._kw)
-            params = kw.pop("params")
+            place = dict(pad_id=self.pad_id, device=self.device, rank=self.rank, world_size=self.world_size)
             if self.backend == "deepspeed":
-                self.trainer = DeepSpeedPolicyTrainer(self._model, params, ds_config=self.ds_config or {}, **kw)
+                self.trainer = DeepSpeedPolicyTrainer.from_config(self._model, self.params, self.rl,
+                                                                  ds_config=self.ds_config or {}, **place)
             else:
-                self.trainer = PolicyTrainer(self._model, params, **kw)
+                self.trainer = PolicyTrainer.from_config(self._model, self.params, self.rl, **place)
             self._model = None
         return self.ping()
 
-    def ping(self) -> dict:
-        return {"pid": os.getpid(), "node": _node_id(), "rank": self.rank,
-                "version": self.trainer.version if self.trainer is not None else None, "cpu_s": time.process_time()}
+    def ping(self) -> ActorInfo:
+        return ActorInfo(f"trainer-{self.rank}", os.getpid(), _node_id(), time.process_time(), rank=self.rank,
+                         version=self.trainer.version if self.trainer is not None else None)
 
     def set_master(self, relay) -> None:
         self.master = relay
@@ -285,12 +284,12 @@ class TrainerWorker:
             self.master.push.remote(self.trainer.version, self._last_box)
         return self.trainer.version
 
-    def train(self, groups) -> dict:
+    def train(self, groups) -> TrainReply:
         t0 = time.perf_counter()
         stats = self.trainer.update(groups)
         train_s = time.perf_counter() - t0
         stall = self.publish()
-        return {"stats": stats, "train_s": train_s, "publish_stall_s": stall, "publish_cpu_s": self.last_publish_cpu_s}
+        return TrainReply(stats, train_s, stall, self.last_publish_cpu_s)
 
     def state(self) -> dict[str, np.ndarray] | None:
         return self._gathered_state()

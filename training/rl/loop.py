@@ -57,6 +57,10 @@ class PromptCursor:
     def observe(self, groups: Sequence[ScoredGroup]) -> None:
         """Uniform sampling learns nothing from rewards."""
 
+    def round_size(self, remaining: int, zero_var_ratio: float, batch: int) -> int:
+        """A further dynamic-sampling round of the Ray runtime's batched modes: the groups still missing."""
+        return remaining
+
     def step_counts(self) -> dict[str, float]:
         return {}
 
@@ -198,7 +202,7 @@ def collect_phase(engine: TorchEngine, cursor: PromptCursor | HiveSource, verifi
     while len(kept) < prompts_per_step and rounds < max_rounds:
         rounds += 1
         n = prompts_per_step
-        if rounds > 1 and hasattr(cursor, "round_size"):
+        if rounds > 1 and isinstance(cursor, HiveSource):
             n = cursor.round_size(prompts_per_step - len(kept), dropped / max(1, len(all_groups)), prompts_per_step)
         trajectories = sample_phase(engine, cursor.take(n), group_size,
                                     max_new_tokens=max_new_tokens, temperature=temperature, generator=generator)
@@ -251,22 +255,18 @@ def format_step(m: dict, total: int) -> str:
             f"train {m['train_seconds']:.2f}s | tok/s {m['gen_tokens_per_s']:.0f}")
 
 
-def run_sync(model, tokenizer, prompts: Sequence[PromptItem], verifier, params: ObjectiveParams, *, steps: int,
-             prompts_per_step: int, group_size: int, lr: float, weight_decay: float, max_grad_norm: float,
-             max_new_tokens: int, temperature: float, seed: int, device: str, minibatches: int = 1,
-             micro_batch_tokens: int = 0,
-             on_step: Callable[[dict], None] | None = None,
+def run_sync(model, tokenizer, prompts: Sequence[PromptItem], verifier, params: ObjectiveParams, rl, *, seed: int,
+             device: str, on_step: Callable[[dict], None] | None = None,
              source: Callable[[PromptCursor, TorchEngine], PromptCursor | HiveSource] | None = None,
-             evaluate: Callable[[object], dict[str, float]] | None = None, eval_every: int = 0) -> RLResult:
+             evaluate: Callable[[object], dict[str, float]] | None = None) -> RLResult:
     """Synchronous GRPO-family RL: generate a batch of groups with the current weights, score it,
-    take one update and refresh the sampler's weights. Trains ``model`` in place."""
+    take one update and refresh the sampler's weights. Trains ``model`` in place. ``rl``:
+    ``conf.schema.RLConfig`` (steps, batch, lengths, optimizer, ``eval_every``)."""
     import copy
 
     torch.manual_seed(seed)
-    trainer = PolicyTrainer(model, params, lr=lr, weight_decay=weight_decay, max_grad_norm=max_grad_norm,
-                            temperature=temperature, max_new_tokens=max_new_tokens,
-                            pad_id=tokenizer.pad_token_id, device=device, minibatches=minibatches,
-                            micro_batch_tokens=micro_batch_tokens)
+    steps, eval_every = rl.steps, rl.eval_every
+    trainer = PolicyTrainer.from_config(model, params, rl, pad_id=tokenizer.pad_token_id, device=device)
     engine = TorchEngine(copy.deepcopy(model), tokenizer, device=device)
     cursor = PromptCursor(prompts, seed)
     prompt_source = source(cursor, engine) if source is not None else cursor
@@ -274,9 +274,9 @@ def run_sync(model, tokenizer, prompts: Sequence[PromptItem], verifier, params: 
     for step in range(1, steps + 1):
         generator = torch.Generator().manual_seed(seed * 1_000_003 + step)
         t0 = time.perf_counter()
-        collected = collect_phase(engine, prompt_source, verifier, params, prompts_per_step=prompts_per_step,
-                                  group_size=group_size, max_new_tokens=max_new_tokens, temperature=temperature,
-                                  generator=generator)
+        collected = collect_phase(engine, prompt_source, verifier, params, prompts_per_step=rl.prompts_per_step,
+                                  group_size=rl.group_size, max_new_tokens=rl.max_new_tokens,
+                                  temperature=rl.temperature, generator=generator)
         gen_s = time.perf_counter() - t0
         t1 = time.perf_counter()
         stats = None

@@ -1,41 +1,43 @@
-"""The Laminar runtime: trainer, relays and rollouts as Ray actors, driven by the control plane.
+"""The Laminar runtime: trainer, relays and rollouts as Ray actors around the rollout manager.
 
-The driver (this module, in the RL stage's process) is the rollout manager and holds the
-experience buffer: plain Python from ``training.rl.control``. It keeps at most one call in flight
-per actor and reacts to whichever returns first (``ray.wait``):
+The driver (this module, in the RL stage's process) holds the rollout manager
+(``training.rl.manager``: prompt queue, experience buffer, batch gate, per-rollout state and every
+scheduling decision) and is only its transport: it starts the actors, keeps at most one call in
+flight per actor, and hands whichever returns first (``ray.wait``) to the manager:
 
-- a rollout's ``step`` returns finished trajectories (into the buffer) and its status (occupancy);
-  the driver then tops it up with prompts, hands it partials from a repack, tells it to pull;
-- the trainer's ``train`` returns after one update, having pushed the new version to the master
-  relay; the mode decides what rollouts do about it (``control.MODES``);
+- a rollout's ``step`` returns finished trajectories and its status (``StepReply``); the manager
+  then decides what the rollout does next (``StepOrder``: prompts, handed-over partials, a pull) or
+  that it hands its work to another (``ExtractOrder``, a repack);
+- the trainer's ``train`` returns after one update (``TrainReply``), having pushed the new version to
+  the master relay; the mode decides what rollouts do about it (``control.MODES``);
 - a rollout that dies loses only its in-flight requests, which go back to the prompt queue; Ray
   restarts it and it pulls weights from its node's relay. A relay that dies is cut out of the
-  chain (its node's rollouts bypass to the master) and rebuilt.
+  chain (its node's rollouts bypass to the master) and rebuilt (here: relay health is transport).
 
 Checkpoints (``rl.checkpoint_every``) hold the trainer's weights, optimizer and RNG, the data
-cursor, the prompt queue, buffered trajectories and the requests in flight; a rerun resumes from
-the last complete one with the same prompt order.
+cursor, the manager's state (prompt queue, buffered trajectories, requests in flight); a rerun
+resumes from the last complete one with the same prompt order.
 """
 
 from __future__ import annotations
 
-import dataclasses
 import logging
 import math
 import os
 import time
-from collections import Counter
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable, Sequence
 
 import torch
 
+from conf.schema import ClusterConfig, RLConfig, RolloutConfig, TrainerConfig
+from generation.records import PromptItem
 from training.objectives import ObjectiveParams
-from training.rl import control
-from training.rl.control import MODES, ExperienceBuffer, PromptQueue, RelayChain, RolloutView
-from training.rl.loop import Collected, PromptCursor, RLResult, overlong_shaping, score_phase, step_metrics
-from generation.records import GenRequest, Partial, PromptItem, ScoredGroup, Trajectory
+from training.rl.control import RelayChain
+from training.rl.loop import PromptCursor, RLResult, overlong_shaping, score_phase
+from training.rl.manager import ManagerSettings, RolloutManager
+from training.rl.records import ExtractOrder, ExtractReply, StepReply, TrainReply
 
 LOG = logging.getLogger("laminar.training")
 
@@ -53,45 +55,6 @@ def actor_env(threads: int) -> dict[str, str]:
     threads, no tokenizer threads, and ``MALLOC_ENV`` unless the driver's environment sets it."""
     return {**{k: os.environ.get(k, v) for k, v in MALLOC_ENV.items()},
             "OMP_NUM_THREADS": str(threads), "MKL_NUM_THREADS": str(threads), "TOKENIZERS_PARALLELISM": "false"}
-
-
-@dataclass
-class RuntimeConfig:
-    """Everything the runtime needs beyond the RL hyper-parameters (see ``conf.schema.ClusterConfig``)."""
-
-    mode: str = "laminar"
-    rollouts: int = 2
-    capacity: int = 64
-    chunk_steps: int = 8
-    max_staleness: int | None = 4
-    admit_lag: int = 1
-    repack_interval_s: float = 0.5
-    repack_b: int = 0
-    checkpoint_every: int = 0
-    checkpoint_dir: Path | None = None
-    address: str | None = None
-    num_cpus: float | None = None
-    trainer_cpus: float = 0.5
-    rollout_cpus: float = 0.5
-    relay_cpus: float = 0.05
-    actor_threads: int = 1
-    trainer_threads: int = 1
-    driver_threads: int = 0  # torch threads of this process while the roles run; 0 = leave them
-    rollout_priority: str = "idle"
-    keep_versions: int = 2
-    max_restarts: int = 3
-    trainer_node: int = 0
-    namespace: str | None = None
-    trainer_backend: str = "torch"
-    ds_config: dict | None = None
-    trainer_ranks: int = 1
-    trainer_strategy: str = "PACK"
-    dist_backend: str = "auto"
-    rollout_nodes: tuple = ()
-    extensions_dir: str | None = None
-    engine_options: dict | None = None
-    rollout_gpus: float = 0.0
-    trainer_gpus: float = 0.0
 
 
 class _TrainerGroup:
@@ -119,67 +82,99 @@ class _TrainerGroup:
         return ray.get([getattr(h, method).remote(*args) for h in self.handles])[0]
 
 
+KEEP_VERSIONS = 2
+"""Versions a relay keeps besides those in-flight responses use (``control.retained_versions``)."""
+
+
 @dataclass
-class _Rollout:
+class _RolloutActor:
+    """The runtime's handle on one rollout actor (the manager holds its scheduling state)."""
+
     name: str
-    node: str
     handle: object
-    relay: str
+    pid: int = 0
     future: object = None
     op: str = ""
-    assigned: dict = field(default_factory=dict)
-    """(group_uid, sample_idx) -> GenRequest for work this rollout holds (queued or active)."""
-    version: int = -1
-    active: int = 0
-    queued: int = 0
-    prev_active: int = 0
-    alive: bool = True
-    draining: bool = False
-    pending_inject: list = field(default_factory=list)
-    extract_to: str | None = None
-    restarts: int = 0
-    awaiting: int = 0
-    """Repacks on their way to this rollout (it must not pull a new version before they land)."""
-    pid: int = 0
-    last_sent: list = field(default_factory=list)
-    pulling: bool = False
-    """The call in flight loads new weights: ``version`` is stale until it returns."""
 
 
 class LaminarRuntime:
-    """One RL run on Ray in any of ``control.MODES``. ``run()`` returns an ``RLResult`` whose history
-    has one dict per update, plus ``self.timeline`` and ``self.summary``."""
+    """One RL run on Ray in any of ``control.MODES``, configured by the schema's sections: ``rl``
+    (``RLConfig``: steps, batch, mode, staleness, repack, checkpoints), ``cluster`` (``ClusterConfig``:
+    where the roles run), ``trainer`` (``TrainerConfig``) and ``rollout`` (``RolloutConfig``: the
+    engine). ``run()`` returns an ``RLResult`` whose history has one dict per update, plus
+    ``self.timeline`` and ``self.summary``. With ``state_dir`` it checkpoints every
+    ``rl.checkpoint_every`` updates into ``state_dir/checkpoints`` and resumes from the last one."""
 
-    def __init__(self, model_dir: Path, prompts: Sequence[PromptItem], verifier, params: ObjectiveParams, *,
-                 steps: int, prompts_per_step: int, group_size: int, lr: float, weight_decay: float,
-                 max_grad_norm: float, max_new_tokens: int, temperature: float, seed: int, device: str,
-                 minibatches: int, rc: RuntimeConfig, micro_batch_tokens: int = 0,
-                 source: Callable | None = None, on_step: Callable[[dict], None] | None = None,
-                 evaluate: Callable[[object], dict[str, float]] | None = None, eval_every: int = 0):
-        if rc.mode not in MODES:
-            raise ValueError(f"rl.mode={rc.mode!r}: expected one of {sorted(MODES)}")
-        self.mode = dataclasses.replace(MODES[rc.mode], admit_lag=rc.admit_lag)
+    def __init__(self, model_dir: Path, prompts: Sequence[PromptItem], verifier, params: ObjectiveParams,
+                 rl: RLConfig, *, seed: int, device: str, cluster: ClusterConfig | None = None,
+                 trainer: TrainerConfig | None = None, rollout: RolloutConfig | None = None,
+                 state_dir: Path | None = None, source: Callable | None = None,
+                 on_step: Callable[[dict], None] | None = None,
+                 evaluate: Callable[[object], dict[str, float]] | None = None):
+        self.settings = ManagerSettings.from_config(rl, params)
+        self.mode = self.settings.mode
         self.model_dir = Path(model_dir)
         self.prompts = list(prompts)
         self.verifier = verifier
         self.params = params
-        self.steps = steps
-        self.n = prompts_per_step
-        self.group_size = group_size
-        self.train_kw = dict(lr=lr, weight_decay=weight_decay, max_grad_norm=max_grad_norm, temperature=temperature,
-                             max_new_tokens=max_new_tokens, minibatches=minibatches,
-                             micro_batch_tokens=micro_batch_tokens)
-        self.max_new_tokens = max_new_tokens
-        self.temperature = temperature
+        self.rl = rl
+        self.cluster = cluster or ClusterConfig()
+        self.trainer_cfg = trainer or TrainerConfig()
+        self.rollout_cfg = rollout or RolloutConfig()
         self.seed = seed
         self.device = device
-        self.rc = rc
+        self.checkpoint_dir = Path(state_dir) / "checkpoints" if state_dir is not None else None
+        self.extensions_dir = str(Path(state_dir).parent / "torch_extensions") if state_dir is not None else None
         self.source_factory = source
         self.on_step = on_step
         self.evaluate = evaluate
-        self.eval_every = eval_every
         self.timeline: dict = {"rollouts": [], "samples": [], "events": [], "updates": []}
         self.summary: dict = {}
+        # the run's state, built by run()
+        self.nodes: list[str] = []
+        self.relays: dict[str, object] = {}
+        self.chain = RelayChain([])
+        self.rollouts: dict[str, _RolloutActor] = {}
+        self.trainer: _TrainerGroup | None = None
+        self.trainer_nodes: list[str] = []
+        self.manager: RolloutManager | None = None
+        self.cursor: PromptCursor | None = None
+        self.source = None
+        self.local_engine = None
+        self.local_version = 0
+        self.eval_model = None
+        self.result = RLResult()
+        self.cpu: _CpuLedger | None = None
+        self.final_model = None
+        self.resumed_from: int | None = None
+        self.t0 = time.perf_counter()
+        self._own_ray = False
+        self._relay_seq = 0
+        self._Relay = None
+        self._checkpoint_due = False
+        self._eval_thread = None
+        self._eval_error: BaseException | None = None
+
+    # ------------------------------------------------------------------------------------------ Outside
+    def refresh(self) -> None:
+        """Keep the driver's copy of the policy (HIVE's prompt entropy) at the latest version."""
+        if self.source is self.cursor or self.local_version == self.manager.version:
+            return
+        import ray
+
+        got = ray.get(self.relays[self.chain.master].latest.remote())
+        if got is not None:
+            self.local_engine.model.load_state_dict({k: torch.from_numpy(v.copy())
+                                                     for k, v in ray.get(got.box[0]).items()})
+            self.local_version = got.version
+
+    def poke(self, rollout: str) -> None:
+        """Nothing to do: the loop dispatches every idle rollout each turn, and a busy one is back
+        within a chunk of decode steps."""
+
+    def note(self, rollout: str, kind: str, version: int) -> None:
+        self.timeline["events"].append({"t": time.perf_counter() - self.t0, "rollout": rollout, "kind": kind,
+                                        "version": version})
 
     # ------------------------------------------------------------------------------------------ setup
     def _start_ray(self):
@@ -188,61 +183,68 @@ class LaminarRuntime:
         self._own_ray = not ray.is_initialized()
         if self._own_ray:
             kw = dict(include_dashboard=False, logging_level=logging.WARNING, log_to_driver=True,
-                      runtime_env={"env_vars": actor_env(self.rc.actor_threads)}, namespace=self.rc.namespace)
-            if self.rc.address:
-                ray.init(address=self.rc.address, **kw)
+                      runtime_env={"env_vars": actor_env(self.cluster.actor_threads)})
+            if self.cluster.address:
+                ray.init(address=self.cluster.address, **kw)
             else:  # Ray's CPUs are a scheduling resource: enough for every role, however many cores
-                ray.init(num_cpus=max(self.rc.num_cpus or os.cpu_count(), math.ceil(self._cpus_needed(1))), **kw)
+                ray.init(num_cpus=max(self.cluster.num_cpus or os.cpu_count(), math.ceil(self._cpus_needed(1))), **kw)
         return ray
 
     def _cpus_needed(self, nodes: int) -> float:
-        return (self.rc.trainer_ranks * self.rc.trainer_cpus + self.rc.rollouts * self.rc.rollout_cpus
-                + nodes * self.rc.relay_cpus)
+        c = self.cluster
+        return self.trainer_cfg.ranks * c.trainer_cpus + c.rollouts * c.rollout_cpus + nodes * c.relay_cpus
 
     def _build(self, ray) -> None:
         from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 
-        from training.rl.actors import RelayWorker, RolloutWorker, TrainerWorker
+        from training.rl.actors import RelayWorker, TrainerWorker
 
+        c = self.cluster
         nodes = sorted((n["NodeID"] for n in ray.nodes() if n.get("Alive")), key=lambda n: n)
         have = ray.cluster_resources().get("CPU", 0.0)
         if have + 1e-9 < self._cpus_needed(len(nodes)):
             raise RuntimeError(
                 f"the Ray cluster has {have:g} CPUs but the RL roles need {self._cpus_needed(len(nodes)):g} "
-                f"(trainer {self.rc.trainer_ranks} x {self.rc.trainer_cpus:g} + {self.rc.rollouts} rollouts x {self.rc.rollout_cpus:g} + "
-                f"{len(nodes)} relays x {self.rc.relay_cpus:g}): lower cluster.rollout_cpus / cluster.trainer_cpus "
+                f"(trainer {self.trainer_cfg.ranks} x {c.trainer_cpus:g} + {c.rollouts} rollouts x {c.rollout_cpus:g} + "
+                f"{len(nodes)} relays x {c.relay_cpus:g}): lower cluster.rollout_cpus / cluster.trainer_cpus "
                 "or add nodes; the actors would otherwise wait for resources forever")
         head = ray.get_runtime_context().get_node_id()
         self.nodes = [head] + [n for n in nodes if n != head]
-        pin = lambda node: NodeAffinitySchedulingStrategy(node_id=node, soft=False)  # noqa: E731
-        self._Relay = ray.remote(num_cpus=self.rc.relay_cpus, max_concurrency=8)(RelayWorker)
-        self._pin = pin
-        self.relays: dict[str, object] = {}
+        self._pin = lambda node: NodeAffinitySchedulingStrategy(node_id=node, soft=False)
+        self._Relay = ray.remote(num_cpus=c.relay_cpus, max_concurrency=8)(RelayWorker)
         chain = []
         for i, node in enumerate(self.nodes):
             name = f"relay-{i}"
-            self.relays[name] = self._Relay.options(scheduling_strategy=pin(node)).remote(name, self.rc.keep_versions)
+            self.relays[name] = self._Relay.options(scheduling_strategy=self._pin(node)).remote(name, KEEP_VERSIONS)
             chain.append((name, node))
         self.chain = RelayChain(chain)
         self._relay_seq = len(chain)
         self._wire_chain()
-        Rollout = ray.remote(num_cpus=self.rc.rollout_cpus, num_gpus=self.rc.rollout_gpus,
-                             max_restarts=self.rc.max_restarts)(RolloutWorker)
-        self.rollouts: dict[str, _Rollout] = {}
-        for i in range(self.rc.rollouts):
-            node = (self.nodes[self.rc.rollout_nodes[i % len(self.rc.rollout_nodes)] % len(self.nodes)]
-                    if self.rc.rollout_nodes else self.nodes[i % len(self.nodes)])
-            name = f"rollout-{i}"
-            handle = Rollout.options(scheduling_strategy=pin(node)).remote(
-                name, str(self.model_dir), device=self.device, capacity=self.rc.capacity,
-                max_new_tokens=self.max_new_tokens, temperature=self.temperature, seed=self.seed,
-                threads=self.rc.actor_threads, engine_options=self.rc.engine_options, priority=self.rc.rollout_priority)
-            self.rollouts[name] = _Rollout(name, node, handle, self.chain.relay_for(node))
-        self.timeline["rollouts"] = list(self.rollouts)
+        self._build_rollouts(ray)
         self.trainer = self._build_trainers(ray, TrainerWorker)
         ray.get(self.trainer.lead.set_master.remote(self.relays[self.chain.master]))
-        for r in self.rollouts.values():
-            r.pid = ray.get(r.handle.ping.remote())["pid"]
+
+    def _rollout_node(self, i: int) -> str:
+        picks = self.cluster.rollout_nodes
+        return self.nodes[picks[i % len(picks)] % len(self.nodes)] if picks else self.nodes[i % len(self.nodes)]
+
+    def _build_rollouts(self, ray) -> None:
+        from generation.engines import rollout_engine_options
+        from training.rl.actors import RolloutWorker
+
+        c, rl = self.cluster, self.rl
+        Rollout = ray.remote(num_cpus=c.rollout_cpus, num_gpus=c.rollout_gpus, max_restarts=c.max_restarts)(RolloutWorker)
+        options = rollout_engine_options(self.rollout_cfg)
+        for i in range(c.rollouts):
+            name = f"rollout-{i}"
+            handle = Rollout.options(scheduling_strategy=self._pin(self._rollout_node(i))).remote(
+                name, str(self.model_dir), device=self.device, capacity=rl.rollout_capacity,
+                max_new_tokens=rl.max_new_tokens, temperature=rl.temperature, seed=self.seed,
+                threads=c.actor_threads, engine_options=options, priority=c.rollout_priority)
+            self.rollouts[name] = _RolloutActor(name, handle)
+        self.timeline["rollouts"] = list(self.rollouts)
+        for a in self.rollouts.values():
+            a.pid = ray.get(a.handle.ping.remote()).pid
 
     def _build_trainers(self, ray, TrainerWorker) -> _TrainerGroup:
         """One trainer actor per rank. One rank is pinned to ``cluster.trainer_node``; several form a
@@ -251,34 +253,38 @@ class LaminarRuntime:
         from ray.util.placement_group import placement_group
         from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
-        ranks = self.rc.trainer_ranks
-        Trainer = ray.remote(num_cpus=self.rc.trainer_cpus, num_gpus=self.rc.trainer_gpus)(TrainerWorker)
+        from conf.loader import deepspeed_config
+
+        c, t = self.cluster, self.trainer_cfg
+        ranks = t.ranks
+        Trainer = ray.remote(num_cpus=c.trainer_cpus, num_gpus=c.trainer_gpus)(TrainerWorker)
         pg = None
         if ranks > 1:
-            bundle = {"CPU": self.rc.trainer_cpus, **({"GPU": self.rc.trainer_gpus} if self.rc.trainer_gpus else {})}
-            pg = placement_group([bundle] * ranks, strategy=self.rc.trainer_strategy)
+            bundle = {"CPU": c.trainer_cpus, **({"GPU": c.trainer_gpus} if c.trainer_gpus else {})}
+            pg = placement_group([bundle] * ranks, strategy=c.trainer_strategy)
             ready, _ = ray.wait([pg.ready()], timeout=120)
             if not ready:
-                raise RuntimeError(f"the trainer's placement group ({ranks} x {self.rc.trainer_cpus:g} CPU, "
-                                   f"{self.rc.trainer_strategy}) could not be placed on this cluster within 120 s")
-        dist_backend = self.rc.dist_backend
+                raise RuntimeError(f"the trainer's placement group ({ranks} x {c.trainer_cpus:g} CPU, "
+                                   f"{c.trainer_strategy}) could not be placed on this cluster within 120 s")
+        dist_backend = t.dist_backend
         if dist_backend == "auto":
             dist_backend = "nccl" if str(self.device).startswith("cuda") else "gloo"
+        ds_config = deepspeed_config(t.deepspeed) if t.backend == "deepspeed" else None
         handles = []
         for rank in range(ranks):
             strategy = (PlacementGroupSchedulingStrategy(pg, placement_group_bundle_index=rank) if pg is not None
-                        else self._pin(self.nodes[self.rc.trainer_node % len(self.nodes)]))
+                        else self._pin(self.nodes[c.trainer_node % len(self.nodes)]))
             handles.append(Trainer.options(scheduling_strategy=strategy).remote(
-                str(self.model_dir), self.params, device=self.device, seed=self.seed, threads=self.rc.trainer_threads,
-                backend=self.rc.trainer_backend, ds_config=self.rc.ds_config, rank=rank, world_size=ranks,
-                dist_backend=dist_backend, extensions_dir=self.rc.extensions_dir, **self.train_kw))
+                str(self.model_dir), self.params, self.rl, device=self.device, seed=self.seed,
+                threads=c.trainer_threads or c.actor_threads, backend=t.backend, ds_config=ds_config, rank=rank,
+                world_size=ranks, dist_backend=dist_backend, extensions_dir=self.extensions_dir))
         group = _TrainerGroup(handles, pg)
-        if ranks > 1 or self.rc.trainer_backend != "torch":
+        if ranks > 1 or t.backend != "torch":
             addr, port = ray.get(handles[0].address.remote())
             infos = ray.get([h.start.remote(addr, port) for h in handles])
         else:
             infos = [ray.get(handles[0].ping.remote())]
-        self.trainer_nodes = [i["node"] for i in infos]
+        self.trainer_nodes = [i.node for i in infos]
         return group
 
     def _wire_chain(self) -> None:
@@ -286,11 +292,33 @@ class LaminarRuntime:
 
         ray.get([self.relays[a].set_next.remote(self.relays[b] if b else None) for a, b in self.chain.links()])
 
+    def _prepare(self, ray):
+        """The driver's side: its policy copy, the prompt source and the manager; resume if a
+        checkpoint is there; version 0 (or the resumed one) goes to the relays before any rollout starts."""
+        from generation.engine import TorchEngine
+        from generation.model import load_model
+
+        torch.manual_seed(self.seed)
+        model, tokenizer = load_model(self.model_dir, "cpu")
+        self.local_engine = TorchEngine(model, tokenizer, device="cpu")  # HIVE's prompt entropy, in-run eval
+        self.cursor = PromptCursor(self.prompts, self.seed)
+        self.source = self.source_factory(self.cursor, self.local_engine) if self.source_factory else self.cursor
+        shaping = overlong_shaping(self.params, self.rl.max_new_tokens)
+        keep = (lambda g: len(set(g.correct)) > 1) if self.params.dynamic_sampling else None
+        self.manager = RolloutManager(
+            self.settings, self.source, lambda trajs: score_phase(trajs, self.verifier, shaping)[0], self,
+            [(a.name, self._rollout_node(i), self.chain.relay_for(self._rollout_node(i)))
+             for i, a in enumerate(self.rollouts.values())], keep=keep)
+        self.t0 = time.perf_counter()
+        self._resume(ray)
+        self.trainer.get(ray, "publish")
+        return model
+
     # ------------------------------------------------------------------------------------------ run
     def run(self) -> RLResult:
         threads = torch.get_num_threads()
-        if self.rc.driver_threads:
-            torch.set_num_threads(self.rc.driver_threads)
+        if self.cluster.driver_threads:
+            torch.set_num_threads(self.cluster.driver_threads)
         ray = self._start_ray()
         try:
             self._build(ray)
@@ -303,18 +331,17 @@ class LaminarRuntime:
         handles = {f"trainer-{i}": h for i, h in enumerate(self.trainer.handles)}
         handles.update(self.relays)
         if rollouts:
-            handles.update({n: r.handle for n, r in self.rollouts.items() if r.alive})
+            handles.update({n: a.handle for n, a in self.rollouts.items() if self.manager.rollouts[n].alive})
         return handles
 
     def _teardown(self, ray) -> None:
-        group = getattr(self, "trainer", None)
-        for handle in [*(group.handles if group is not None else []), *[r.handle for r in getattr(self, "rollouts", {}).values()],
-                       *getattr(self, "relays", {}).values()]:
-            if handle is not None:
-                try:
-                    ray.kill(handle, no_restart=True)
-                except Exception:  # noqa: BLE001
-                    pass
+        group = self.trainer
+        for handle in [*(group.handles if group is not None else []), *[a.handle for a in self.rollouts.values()],
+                       *self.relays.values()]:
+            try:
+                ray.kill(handle, no_restart=True)
+            except Exception:  # noqa: BLE001
+                pass
         if group is not None and group.pg is not None:
             try:
                 from ray.util.placement_group import remove_placement_group
@@ -322,345 +349,118 @@ class LaminarRuntime:
                 remove_placement_group(group.pg)
             except Exception:  # noqa: BLE001
                 pass
-        if getattr(self, "_own_ray", False):
+        if self._own_ray:
             ray.shutdown()
 
     def _loop(self, ray) -> RLResult:
-        from generation.model import load_model
-        from generation.engine import TorchEngine
-
-        torch.manual_seed(self.seed)
-        model, tokenizer = load_model(self.model_dir, "cpu")
-        self.local_engine = TorchEngine(model, tokenizer, device="cpu")  # HIVE's prompt entropy, in-run eval
-        self.local_version = 0
-        cursor = PromptCursor(self.prompts, self.seed)
-        self.cursor = cursor
-        source = self.source_factory(cursor, self.local_engine) if self.source_factory else cursor
-        self.source = source
-        self.queue = PromptQueue(source, self.group_size)
-        shaping = overlong_shaping(self.params, self.max_new_tokens)
-        keep = (lambda g: len(set(g.correct)) > 1) if self.params.dynamic_sampling else None
-        self.buffer = ExperienceBuffer(self.group_size, lambda trajs: score_phase(trajs, self.verifier, shaping)[0],
-                                       keep=keep, max_staleness=self.rc.max_staleness)
-        result = RLResult()
-        self.result = result
-        self.version = 0
-        self.t0 = time.perf_counter()
-        self.counts = Counter()
-        self._checkpoint_due = False
-        self._eval_thread = None
-        self._resume(ray)
-        # version 0 (or the resumed version) goes to the relays before any rollout starts
-        self.trainer.get(ray, "publish")
-        self.latest = self.version
+        """The event loop: feed the trainer, open batches, dispatch idle rollouts, repack, check the
+        relays; then wait for whichever call returns first and hand its result to the manager."""
+        model = self._prepare(ray)
+        m = self.manager
         self.cpu = _CpuLedger()
         self.cpu.see("driver", os.getpid(), time.process_time())
         self.cpu.ping_all(ray, self._role_handles(rollouts=True))
         trainer_future = None
-        trainer_groups: list[tuple[int, ScoredGroup]] = []
-        self.training_responses = 0  # responses of the batch the trainer is updating on now
-        last_update_t = time.perf_counter()
-        last_repack = time.perf_counter()
-        last_relay_check = time.perf_counter()
-        window = _Window()
-        # batched modes: batch index -> uids; the batch being generated
-        self.batch_idx = self.version
-        self.batch_uids: set[int] = set()
-        self.batch_rounds = 0
-        self.batch_open = False
-        while self.version < self.steps:
+        last_update_t = last_repack = last_relay_check = time.perf_counter()
+        while m.version < self.rl.steps:
             now = time.perf_counter()
-            # ---- trainer
-            if trainer_future is None:
-                groups = self._trainable()
-                if groups:
-                    trainer_groups = groups
-                    trainer_future = self.trainer.call("train", [g for _, g in groups])
-                    self.training_responses = sum(len(g.trajectories) for _, g in groups)
-            # ---- batched modes open the next batch
+            if trainer_future is None and m.next_batch():
+                trainer_future = self.trainer.call("train", [g for _, g in m.training])
             if self.mode.batched:
-                self._maybe_open_batch()
-            # ---- rollouts
-            for r in self.rollouts.values():
-                if r.future is None and r.alive:
-                    self._dispatch(r)
-            # ---- repack (laminar): periodic
-            if self.mode.repack and now - last_repack > self.rc.repack_interval_s:
-                self._repack()
+                m.maybe_open_batch()
+            for a in self.rollouts.values():
+                if a.future is None and m.rollouts[a.name].alive:
+                    self._dispatch(a)
+            if self.mode.repack and now - last_repack > self.rl.repack_interval_s:
+                m.repack()
                 last_repack = now
             if now - last_relay_check > 1.0:
                 self._check_relays(ray)
                 self._revive(ray)
                 last_relay_check = now
-            futures = [r.future for r in self.rollouts.values() if r.future is not None]
-            if trainer_future is not None:
-                futures.append(trainer_future)
+            futures = [a.future for a in self.rollouts.values() if a.future is not None]
+            futures += [trainer_future] if trainer_future is not None else []
             if not futures:
-                if self.counts["idle_spins"] > 20000:
-                    raise RuntimeError("the runtime stalled: no work in flight and nothing to train")
-                self.counts["idle_spins"] += 1
-                time.sleep(0.01)
+                self._idle()
                 continue
             done, _ = ray.wait(futures, num_returns=1, timeout=1.0)
             for fut in done:
                 if fut is trainer_future:
-                    out = ray.get(fut)  # a dead trainer ends the run: rerun resumes from the checkpoint
+                    reply = ray.get(fut)  # a dead trainer ends the run: rerun resumes from the checkpoint
                     self.trainer.settle(ray)
                     trainer_future = None
-                    self.training_responses = 0
-                    self._after_update(ray, out, trainer_groups, window, time.perf_counter() - last_update_t)
-                    last_update_t = time.perf_counter()
-                    if self.mode.repack:
-                        self._repack()
-                        last_repack = time.perf_counter()
-                    continue
-                r = next(x for x in self.rollouts.values() if x.future is fut)
-                self._on_rollout_result(ray, r, fut, window)
+                    self._after_update(ray, reply, time.perf_counter() - last_update_t)
+                    last_update_t = last_repack = time.perf_counter()
+                else:
+                    self._on_result(ray, next(a for a in self.rollouts.values() if a.future is fut), fut)
+        return self._finish(ray, model)
+
+    def _idle(self) -> None:
+        counts = self.manager.counts
+        if counts["idle_spins"] > 20000:
+            raise RuntimeError("the runtime stalled: no work in flight and nothing to train")
+        counts["idle_spins"] += 1
+        time.sleep(0.01)
+
+    def _finish(self, ray, model) -> RLResult:
         self._join_eval()
         self.cpu.see("driver", os.getpid(), time.process_time())
         self.cpu.ping_all(ray, self._role_handles(rollouts=False))  # rollouts report with their results
+        self.result.consumed = self.manager.consumed
+        self.result.rewards = self.manager.rewards
         self._finish_summary()
         state = self.trainer.get(ray, "state")
         model.load_state_dict({k: torch.from_numpy(v.copy()) for k, v in state.items()})
         self.final_model = model
-        return result
-
-    # ------------------------------------------------------------------------------------------ batches
-    def _maybe_open_batch(self) -> None:
-        """sync / one_step: batch b (the groups of update b+1) starts once batch b-1 is fully generated
-        and the trainer has reached version b - max_ahead; rollouts pull that version first."""
-        if self.batch_open:
-            if self.batch_uids and all(u in self.buffer.done or u in self.buffer.ready for u in self.batch_uids):
-                kept = sum(1 for u in self.batch_uids if u in self.buffer.ready)
-                max_rounds = self.params.max_sampling_rounds if self.params.dynamic_sampling else 1
-                if kept < self.n and self.batch_rounds < max_rounds:
-                    need = self.n - kept
-                    if hasattr(self.source, "round_size"):
-                        need = self.source.round_size(need, self.buffer.stats.filtered / max(1, len(self.batch_uids)),
-                                                      self.n)
-                    self._issue_batch(need)
-                    return
-                self.batch_open = False
-                self.closed_batches = getattr(self, "closed_batches", []) + [set(self.batch_uids)]
-            return
-        if not control.may_open_batch(self.mode, version=self.version, batch_idx=self.batch_idx, steps=self.steps,
-                                      closed_waiting=len(getattr(self, "closed_batches", []))):
-            return  # the trainer has not caught up, or every batch is issued
-        self.batch_open = True
-        self.batch_rounds = 0
-        self.batch_uids = set()
-        self.batch_min_version = control.batch_min_version(self.mode, self.batch_idx)
-        self._issue_batch(self.n)
-        self.batch_idx += 1
-
-    def _issue_batch(self, n_groups: int) -> None:
-        self.batch_rounds += 1
-        self._refresh_local()
-        reqs = list(self.queue.retry) + self.queue.take_groups(n_groups)
-        self.queue.retry.clear()
-        self.batch_uids |= {q.group_uid for q in reqs}
-        alive = [r for r in self.rollouts.values() if r.alive] or list(self.rollouts.values())
-        # whole groups round-robin over rollouts; fresh requests also ride in pending_inject (GenRequest)
-        for r, share in zip(alive, control.round_robin_groups(reqs, len(alive))):
-            r.pending_inject.extend(share)
-
-    def _trainable(self) -> list[tuple[int, ScoredGroup]]:
-        if self.mode.batched:
-            closed = getattr(self, "closed_batches", [])
-            if not closed:
-                return []
-            uids, self.closed_batches = closed[0], closed[1:]
-            groups = self.buffer.take_uids(uids, self.n, self.version)
-            if not groups:  # every group filtered (dynamic sampling): no update; the batch index repeats
-                self.counts["empty_batches"] += 1
-                self.batch_idx -= 1
-            return groups
-        if self.buffer.n_ready() < self.n:
-            return []
-        groups, stale = self.buffer.take(self.n, self.version, full=True)
-        for uid, g in stale:  # too stale: regenerate the prompt under newer weights
-            self.buffer.forget(uid)
-            self.queue.requeue(GenRequest(prompt=t.prompt, sample_idx=t.sample_idx, group_uid=uid)
-                               for t in g.trajectories)
-        return groups
+        return self.result
 
     # ------------------------------------------------------------------------------------------ rollouts
-    def _dispatch(self, r: _Rollout) -> None:
-        if r.extract_to is not None:
-            r.future, r.op = r.handle.extract.remote(), "extract"
-            return
-        # the mode's decision (shared with the simulator): pull first? interrupt? admit queued requests?
-        # laminar is version-atomic: it pulls only when no response is in flight here (queued requests
-        # have not started, so they run under the new version) and no repack is about to hand some over
-        plan = control.dispatch_plan(self.mode, version=r.version, latest=self.latest, active=r.active,
-                                     queued=r.queued, pending=bool(r.pending_inject), awaiting=r.awaiting,
-                                     batch_min_version=getattr(self, "batch_min_version", 0))
-        relay = self.relays[r.relay] if plan.pull else None
-        min_version = plan.min_version
-        if plan.interrupt:
-            self.counts["interrupts"] += 1
-            self._event(r, "interrupt", self.latest)
-        draining = not plan.admitting
-        admitting = plan.admitting
-        inject: list[Partial] = []
-        submit: list[GenRequest] = []
-        for item in r.pending_inject:
-            (inject if isinstance(item, Partial) else submit).append(item)
-        r.pending_inject = []
-        if inject and self.mode.drain:
-            ok = [p for p in inject if p.version == r.version]
-            lost = [p for p in inject if p.version != r.version]
-            if lost:  # the receiver moved on: the responses restart from their prompt
-                self.counts["repack_lost"] += len(lost)
-                self.counts["repack_lost_tokens"] += sum(len(p.tokens) for p in lost)
-                self._requeue([p.request for p in lost])
-            inject = ok
-        if not self.mode.batched and admitting:
-            free = self.rc.capacity - (r.active + r.queued + len(inject) + len(submit))
-            if self.rc.max_staleness is not None:  # unbounded: no flow control, nothing to count
-                # the batch in the trainer's hands fills the update at version `latest` (the first
-                # update the room counts): without it, every other update's rollouts overshoot by a batch
-                outstanding = control.outstanding_responses(self.rollouts.values(), self.buffer,
-                                                            training=self.training_responses,
-                                                            new=len(inject) + len(submit))
-                room = control.admission_room(self.rc.max_staleness, latest=self.latest, version=r.version,
-                                              batch_groups=self.n, group_size=self.group_size,
-                                              outstanding=outstanding, retry=len(self.queue.retry))
-                if room < free:
-                    free = room
-                    self.counts["admission_limited"] += 1
-            if free > 0:
-                self._refresh_local()
-                submit.extend(self.queue.take(free))
-        for q in submit:
-            r.assigned[(q.group_uid, q.sample_idx)] = q
-        for p in inject:
-            r.assigned[(p.request.group_uid, p.request.sample_idx)] = p.request
-        r.last_sent = [(q.group_uid, q.sample_idx) for q in submit] + \
-            [(p.request.group_uid, p.request.sample_idx) for p in inject]
-        if relay is None and not submit and not inject and r.active == 0 and r.queued == 0:
+    def _dispatch(self, a: _RolloutActor) -> None:
+        order = self.manager.dispatch(a.name)
+        if order is None:
             return  # idle
-        r.draining = draining
-        r.pulling = relay is not None
-        r.future = r.handle.step.remote(self.rc.chunk_steps, submit=submit, inject=inject, relay=relay,
-                                        min_version=min_version, admitting=admitting)
-        r.op = "step"
+        if isinstance(order, ExtractOrder):
+            a.future, a.op = a.handle.extract.remote(), "extract"
+            return
+        relay = self.relays[self.manager.rollouts[a.name].relay] if order.pull else None
+        a.future = a.handle.step.remote(self.rl.chunk_steps, submit=list(order.submit), inject=list(order.inject),
+                                        relay=relay, min_version=order.min_version, admitting=order.admitting)
+        a.op = "step"
 
-    def _on_rollout_result(self, ray, r: _Rollout, fut, window) -> None:
+    def _on_result(self, ray, a: _RolloutActor, fut) -> None:
         from ray.exceptions import RayActorError
 
-        op = r.op
-        r.future, r.op, r.pulling = None, "", False
+        op, a.future, a.op = a.op, None, ""
         try:
-            out = ray.get(fut)
+            out: StepReply | ExtractReply = ray.get(fut)
         except RayActorError:
-            self._rollout_died(r)
+            lost = self.manager.died(a.name)
+            LOG.warning("%s died: %d in-flight requests re-queued; waiting for Ray to restart it", a.name, lost)
             return
-        status = out["status"]
-        now = time.perf_counter() - self.t0
-        self.cpu.see(r.name, out["pid"], out.get("cpu_s"))
-        if out["pid"] != r.pid:  # Ray restarted it between two calls: what it held is gone
-            fresh = set(r.last_sent) if op == "step" else set()
-            lost = [q for k, q in r.assigned.items() if k not in fresh]
-            for q in lost:
-                r.assigned.pop((q.group_uid, q.sample_idx))
-            self._requeue(lost)
-            self.counts["rollout_failures"] += 1
-            self.counts["requeued_requests"] += len(lost)
-            self._event(r, "restart", -1)
-            r.pid, r.restarts = out["pid"], r.restarts + 1
-            LOG.warning("%s was restarted (pid %d): %d requests re-queued", r.name, r.pid, len(lost))
+        self.cpu.see(a.name, out.pid, out.cpu_s)
+        if out.pid != a.pid:  # Ray restarted it between two calls: what it held is gone
+            lost = self.manager.restarted(a.name, after_step=op == "step")
+            a.pid = out.pid
+            LOG.warning("%s was restarted (pid %d): %d requests re-queued", a.name, a.pid, lost)
         if op == "extract":
-            dst = self.rollouts.get(r.extract_to) if r.extract_to else None
-            r.extract_to = None
-            if dst is not None:
-                dst.awaiting = max(0, dst.awaiting - 1)
-            if out["partials"] and dst is not None and dst.alive:
-                dst.pending_inject.extend(out["partials"])
-                self._event(r, "repack_out", status["version"])
-                self._event(dst, "repack_in", status["version"])
-            elif out["partials"]:  # the receiver died meanwhile: the responses restart from their prompts
-                self._requeue([p.request for p in out["partials"]])
-            self._requeue(out["queued"])
-            for q in out["queued"]:
-                r.assigned.pop((q.group_uid, q.sample_idx), None)
-            for p in out["partials"]:
-                r.assigned.pop((p.request.group_uid, p.request.sample_idx), None)
+            self.manager.extract_done(a.name, out.partials, out.queued, out.status)
         else:
-            pulled = out.get("pulled")
-            if pulled is not None:
-                if pulled["ok"]:
-                    if pulled["version"] != r.version:
-                        self._event(r, "pull", pulled["version"])
-                        self.counts["pulls"] += 1
-                else:
-                    self.counts["pull_failures"] += 1  # the periodic relay check finds a dead one
-            for t in out["finished"]:
-                r.assigned.pop((t.group_uid, t.sample_idx), None)
-                self.buffer.add(t)
-                window.generated_tokens += len(t.response_tokens)
-                window.generated += 1
-            self._record_completed()
-        r.prev_active = r.active
-        r.version, r.active, r.queued = status["version"], status["active"], status["queued"]
-        occ = status["active"] / max(1, status["capacity"])
-        window.occupancy.append(occ)
-        self.timeline["samples"].append({"t": now, "rollout": r.name, "occupancy": occ, "active": status["active"]})
-
-    def _requeue(self, requests) -> None:
-        """Lost or returned requests go back first in line. Batched modes hand them straight to a
-        live rollout: their batch cannot close without them."""
-        requests = list(requests)
-        if not requests:
-            return
-        if not self.mode.batched:
-            self.queue.requeue(requests)
-            return
-        alive = [x for x in self.rollouts.values() if x.alive] or list(self.rollouts.values())
-        for i, q in enumerate(sorted(requests, key=lambda q: (q.group_uid, q.sample_idx))):
-            alive[i % len(alive)].pending_inject.append(q)
-
-    def _record_completed(self) -> None:
-        completed = self.buffer.pop_completed()
-        self.source.observe([g for _, g in completed])
-        step = self.version + 1
-        self.result.rewards.extend((step, g.prompt_id, sum(g.correct) / len(g.correct), len(g.correct))
-                                   for _, g in completed)
-
-    def _rollout_died(self, r: _Rollout) -> None:
-        """A dead rollout loses only its in-flight work: back to the prompt queue by prompt id."""
-        lost = list(r.assigned.values())
-        lost += [p.request if isinstance(p, Partial) else p for p in r.pending_inject]
-        r.assigned.clear()
-        r.pending_inject = []
-        if r.extract_to in self.rollouts:
-            dst = self.rollouts[r.extract_to]
-            dst.awaiting = max(0, dst.awaiting - 1)
-        r.extract_to = None
-        r.awaiting = 0
-        for other in self.rollouts.values():
-            if other.extract_to == r.name:
-                other.extract_to = None
-        r.alive = False
-        self._requeue(lost)
-        r.active = r.queued = r.prev_active = 0
-        r.version = -1
-        self.counts["rollout_failures"] += 1
-        self.counts["requeued_requests"] += len(lost)
-        self._event(r, "restart", -1)
-        LOG.warning("%s died: %d in-flight requests re-queued; waiting for Ray to restart it", r.name, len(lost))
+            self.manager.step_done(a.name, out.finished, out.status, out.pulled)
+        self.timeline["samples"].append({"t": time.perf_counter() - self.t0, "rollout": a.name,
+                                         "occupancy": out.status.active / max(1, out.status.capacity),
+                                         "active": out.status.active})
 
     def _revive(self, ray) -> None:
-        for r in self.rollouts.values():
-            if r.alive:
+        for a in self.rollouts.values():
+            if self.manager.rollouts[a.name].alive:
                 continue
             try:
-                info = ray.get(r.handle.ping.remote(), timeout=0.5)
+                info = ray.get(a.handle.ping.remote(), timeout=0.5)
             except Exception:  # noqa: BLE001 - still restarting (or gone for good)
                 continue
-            r.alive, r.pid, r.restarts = True, info["pid"], r.restarts + 1
-            r.version = -1  # pulls from its relay on the next dispatch
-            LOG.warning("%s is back (pid %d)", r.name, r.pid)
+            self.manager.revived(a.name)  # pulls from its relay on the next dispatch
+            a.pid = info.pid
+            LOG.warning("%s is back (pid %d)", a.name, a.pid)
 
     # ------------------------------------------------------------------------------------------ relays
     def _check_relays(self, ray) -> None:
@@ -680,12 +480,12 @@ class LaminarRuntime:
         node = self.chain.node_of[name]
         new = f"relay-{self._relay_seq}"
         self._relay_seq += 1
-        self.relays[new] = self._Relay.options(scheduling_strategy=self._pin(node)).remote(new, self.rc.keep_versions)
+        self.relays[new] = self._Relay.options(scheduling_strategy=self._pin(node)).remote(new, KEEP_VERSIONS)
         self.chain.add(new, node)
         self.chain.remove(name)
-        self.counts["relay_failures"] += 1
+        self.manager.counts["relay_failures"] += 1
         self.timeline["events"].append({"t": time.perf_counter() - self.t0, "rollout": "", "kind": "relay_dead",
-                                        "version": self.latest, "relay": name})
+                                        "version": self.manager.version, "relay": name})
         self._wire_chain()
         if was_master:
             ray.get(self.trainer.lead.set_master.remote(self.relays[self.chain.master]))
@@ -693,7 +493,7 @@ class LaminarRuntime:
         else:
             ray.get(self.relays[self.chain.master].forward_latest.remote())
             self._forward_chain(ray)
-        for r in self.rollouts.values():
+        for r in self.manager.rollouts.values():
             r.relay = self.chain.relay_for(r.node)
         LOG.warning("relay %s died: cut out of the chain, rebuilt as %s", name, new)
 
@@ -702,32 +502,27 @@ class LaminarRuntime:
             if b is not None:
                 ray.get(self.relays[a].forward_latest.remote())
 
-    # ------------------------------------------------------------------------------------------ repack
-    def _repack(self) -> None:
-        views = [RolloutView(r.name, r.version, r.queued + len(r.pending_inject), r.active, r.prev_active,
-                             self.rc.capacity, alive=r.alive and r.extract_to is None, pulling=r.pulling)
-                 for r in self.rollouts.values()]
-        moves = control.plan_repack(views, self.rc.repack_b or self.rc.capacity)
-        for m in moves:
-            src, dst = self.rollouts[m.src], self.rollouts[m.dst]
-            if src.extract_to is None and dst.extract_to is None:
-                src.extract_to = m.dst
-                dst.awaiting += 1
-                self.counts["repacks"] += 1
-                self._window_repacks = getattr(self, "_window_repacks", 0) + 1
-
     # ------------------------------------------------------------------------------------------ updates
-    def _refresh_local(self) -> None:
-        """Keep the driver's copy of the policy (HIVE's prompt entropy) at the latest version."""
-        if self.source is self.cursor or self.local_version == self.latest:
-            return
-        import ray
-
-        got = ray.get(self.relays[self.chain.master].latest.remote())
-        if got is not None:
-            version, box = got
-            self.local_engine.model.load_state_dict({k: torch.from_numpy(v.copy()) for k, v in ray.get(box[0]).items()})
-            self.local_version = version
+    def _after_update(self, ray, reply: TrainReply, wall: float) -> None:
+        m = self.manager.updated(reply.stats.version, reply.stats, wall, reply.train_s)
+        version = self.manager.version
+        self.timeline["updates"].append({"t": time.perf_counter() - self.t0, "version": version})
+        m.update({"publish_stall_s": reply.publish_stall_s, "publish_cpu_s": reply.publish_cpu_s,
+                  "wall_seconds": time.perf_counter() - self.t0})
+        if self.evaluate is not None and self.rl.eval_every > 0 and version % self.rl.eval_every == 0 \
+                and version < self.rl.steps:
+            self._start_eval(m, self.trainer.get(ray, "state"))
+        self.result.history.append(m)
+        if self.on_step is not None:
+            self.on_step(m)
+        if self.checkpoint_dir and self.rl.checkpoint_every and version % self.rl.checkpoint_every == 0:
+            self._checkpoint_due = True
+        # a checkpoint holds the history with every evaluation's metrics: one due while an evaluation
+        # still runs beside the loop is written at the first update after it finished, so the loop
+        # never waits for the evaluation (it did, 5-8 s per evaluation on the 2-core default task)
+        if self._checkpoint_due and version < self.rl.steps and not self._eval_running():
+            self._checkpoint(ray)
+            self._checkpoint_due = False
 
     def _start_eval(self, m: dict, state: dict) -> None:
         """Held-out evaluation of the version just trained, beside the loop: a thread of the driver on
@@ -739,7 +534,7 @@ class LaminarRuntime:
         import threading
 
         self._join_eval()
-        if getattr(self, "eval_model", None) is None:
+        if self.eval_model is None:
             self.eval_model = copy.deepcopy(self.local_engine.model)
         self.eval_model.load_state_dict({k: torch.from_numpy(v.copy()) for k, v in state.items()})
 
@@ -764,59 +559,7 @@ class LaminarRuntime:
             if self._eval_error is not None:
                 raise self._eval_error
 
-    def _after_update(self, ray, out: dict, groups: list[tuple[int, ScoredGroup]], window, wall: float) -> None:
-        stats = out["stats"]
-        self.version = stats.version
-        self.latest = self.version
-        self.timeline["updates"].append({"t": time.perf_counter() - self.t0, "version": self.version})
-        kept = [g for _, g in groups]
-        collected = Collected(kept, rounds=1, dropped_groups=self.buffer.stats.filtered - window.filtered_before,
-                              generated=window.generated)
-        m = step_metrics(self.version, collected, stats, wall, out["train_s"])
-        trained_tokens = sum(len(t.response_tokens) for g in kept for t in g.trajectories)
-        st = [self.version - 1 - ExperienceBuffer.group_version(g) for g in kept]
-        m.update({
-            "trained_tokens": float(trained_tokens), "tokens_per_s": trained_tokens / max(wall, 1e-9),
-            "staleness_mean": sum(st) / max(1, len(st)), "staleness_max": float(max(st) if st else 0),
-            "occupancy": sum(window.occupancy) / max(1, len(window.occupancy)),
-            "repacks": float(getattr(self, "_window_repacks", 0)), "publish_stall_s": out["publish_stall_s"],
-            "publish_cpu_s": out.get("publish_cpu_s", float("nan")),
-            "gen_tokens_per_s": window.generated_tokens / max(wall, 1e-9), "wall_seconds": time.perf_counter() - self.t0,
-        })
-        m.update(self.source.step_counts())
-        self._window_repacks = 0
-        window.reset(self.buffer.stats.filtered)
-        if self.evaluate is not None and self.eval_every > 0 and self.version % self.eval_every == 0 \
-                and self.version < self.steps:
-            self._start_eval(m, self.trainer.get(ray, "state"))
-        self.result.history.append(m)
-        self.result.consumed.update(t.prompt.prompt_id for g in kept for t in g.trajectories)
-        self.trained_uids = getattr(self, "trained_uids", []) + [u for u, _ in groups]
-        self.trained_prompts = getattr(self, "trained_prompts", []) + [(u, g.prompt_id) for u, g in groups]
-        self.lengths = getattr(self, "lengths", []) + [len(t.response_tokens) for g in kept for t in g.trajectories]
-        if self.on_step is not None:
-            self.on_step(m)
-        if self.rc.checkpoint_every and self.rc.checkpoint_dir and self.version % self.rc.checkpoint_every == 0:
-            self._checkpoint_due = True
-        # a checkpoint holds the history with every evaluation's metrics: one due while an evaluation
-        # still runs beside the loop is written at the first update after it finished, so the loop
-        # never waits for the evaluation (it did, 5-8 s per evaluation on the 2-core default task)
-        if self._checkpoint_due and self.version < self.steps and not self._eval_running():
-            self._checkpoint(ray)
-            self._checkpoint_due = False
-
     # ------------------------------------------------------------------------------------------ checkpoints
-    def _in_flight(self) -> list[GenRequest]:
-        reqs = [q for r in self.rollouts.values() for q in r.assigned.values()]
-        reqs += [p.request if isinstance(p, Partial) else p for r in self.rollouts.values() for p in r.pending_inject]
-        reqs += list(self.queue.retry)
-        seen, out = set(), []
-        for q in sorted(reqs, key=lambda q: (q.group_uid, q.sample_idx)):
-            if (q.group_uid, q.sample_idx) not in seen:
-                seen.add((q.group_uid, q.sample_idx))
-                out.append(q)
-        return out
-
     def _checkpoint(self, ray) -> None:
         from training.rl.checkpoint import save_json, write_checkpoint
 
@@ -824,65 +567,52 @@ class LaminarRuntime:
 
         def writer(tmp: Path) -> None:
             self.trainer.get(ray, "save", str(tmp))
-            save_json(tmp, "runtime.json", {
-                "version": self.version, "cursor": self.cursor.position, "queue": self.queue.state(),
-                "in_flight": [control.request_to_json(q) for q in self._in_flight()],
-                "buffer": self.buffer.state(), "history": self.result.history,
-                "consumed": dict(self.result.consumed), "rewards": [list(x) for x in self.result.rewards],
-                "trained_uids": getattr(self, "trained_uids", []), "mode": self.mode.name,
-                "batch_idx": self.batch_idx,
-            })
-        path = write_checkpoint(Path(self.rc.checkpoint_dir), self.version, writer)
-        self.counts["checkpoints"] += 1
+            save_json(tmp, "runtime.json", {"version": self.manager.version, "cursor": self.cursor.position,
+                                            **self.manager.state(), "history": self.result.history,
+                                            "mode": self.mode.name})
+        path = write_checkpoint(self.checkpoint_dir, self.manager.version, writer)
+        self.manager.counts["checkpoints"] += 1
         LOG.info("checkpoint %s", path)
 
     def _resume(self, ray) -> None:
-        if not (self.rc.checkpoint_dir and Path(self.rc.checkpoint_dir).exists()):
+        if not (self.checkpoint_dir and self.checkpoint_dir.exists()):
             return
         from training.rl.checkpoint import latest_checkpoint, load_json
 
-        ckpt = latest_checkpoint(Path(self.rc.checkpoint_dir))
+        ckpt = latest_checkpoint(self.checkpoint_dir)
         if ckpt is None:
             return
         state = load_json(ckpt, "runtime.json")
-        self.version = self.trainer.get(ray, "load", str(ckpt))
+        version = self.trainer.get(ray, "load", str(ckpt))
         self.cursor.position = state["cursor"]
-        self.queue.load_state(state["queue"])
-        self.queue.requeue(control.request_from_json(q) for q in state["in_flight"])
-        self.buffer.load_state(state["buffer"])
+        self.manager.load_state(state)
+        self.manager.start_at(version)
         self.result.history = state["history"]
-        self.result.consumed = Counter(state["consumed"])
-        self.result.rewards = [tuple(x) for x in state["rewards"]]
-        self.trained_uids = state["trained_uids"]
         self.resumed_from = int(state["version"])
-        self.counts["resumed"] = 1
-        LOG.warning("resuming RL from checkpoint %s (update %d)", ckpt, self.version)
+        self.manager.counts["resumed"] = 1
+        LOG.warning("resuming RL from checkpoint %s (update %d)", ckpt, version)
 
     # ------------------------------------------------------------------------------------------ report
-    def _event(self, r: _Rollout, kind: str, version: int) -> None:
-        self.timeline["events"].append({"t": time.perf_counter() - self.t0, "rollout": r.name, "kind": kind,
-                                        "version": version})
-
     def _finish_summary(self) -> None:
+        m = self.manager
         hist = self.result.history
         wall = time.perf_counter() - self.t0
-        trained = sum(m.get("trained_tokens", 0) for m in hist)
+        trained = sum(h.get("trained_tokens", 0) for h in hist)
         self.summary = {
             "mode": self.mode.name, "updates": len(hist), "wall_seconds": wall,
             "trained_tokens": trained, "tokens_per_s": trained / max(wall, 1e-9),
-            "staleness_histogram": {str(k): v for k, v in sorted(self.buffer.stats.staleness.items())},
-            "duplicates_ignored": self.buffer.stats.duplicates, "stale_dropped": self.buffer.stats.stale_dropped,
-            **{k: v for k, v in self.counts.items() if k != "idle_spins"},
-            "publish_stall_s": [m.get("publish_stall_s", 0.0) for m in hist],
-            "publish_cpu_s": [m.get("publish_cpu_s", 0.0) for m in hist],
-            "rollouts": self.rc.rollouts, "relays": list(self.chain.order),
+            "staleness_histogram": {str(k): v for k, v in sorted(m.buffer.stats.staleness.items())},
+            "duplicates_ignored": m.buffer.stats.duplicates, "stale_dropped": m.buffer.stats.stale_dropped,
+            **{k: v for k, v in m.counts.items() if k != "idle_spins"},
+            "publish_stall_s": [h.get("publish_stall_s", 0.0) for h in hist],
+            "publish_cpu_s": [h.get("publish_cpu_s", 0.0) for h in hist],
+            "rollouts": self.cluster.rollouts, "relays": list(self.chain.order),
             "relay_nodes": {n: self.chain.node_of[n] for n in self.chain.order},
-            "rollout_relays": {r.name: r.relay for r in self.rollouts.values()},
-            "rollout_nodes": {r.name: r.node for r in self.rollouts.values()},
-            "trainer_backend": self.rc.trainer_backend, "trainer_nodes": getattr(self, "trainer_nodes", []),
-            "trained_uids": getattr(self, "trained_uids", []),
-            "response_lengths": getattr(self, "lengths", []),
-            "trained_prompts": getattr(self, "trained_prompts", []),
+            "rollout_relays": {r.name: r.relay for r in m.rollouts.values()},
+            "rollout_nodes": {r.name: r.node for r in m.rollouts.values()},
+            "trainer_backend": self.trainer_cfg.backend, "trainer_nodes": self.trainer_nodes,
+            "trained_uids": m.trained_uids, "response_lengths": m.response_lengths,
+            "trained_prompts": m.trained_prompts,
             **self.cpu.report(),
         }
         LOG.info("CPU over the loop (%.1f s, %d cores%s): %s", self.summary["loop_seconds"], self.summary["cores"],
@@ -922,7 +652,7 @@ class _CpuLedger:
                 info = ray.get(ref, timeout=30)
             except Exception:  # noqa: BLE001 - a dead or busy role reports nothing; the run goes on
                 continue
-            self.see(name, info["pid"], info.get("cpu_s"))
+            self.see(name, info.pid, info.cpu_s)
 
     def report(self) -> dict:
         out = {"loop_seconds": time.perf_counter() - self.t0, "cores": os.cpu_count(),
@@ -943,17 +673,3 @@ def _machine_jiffies() -> tuple[int, int] | None:
     idle = vals[3] + (vals[4] if len(vals) > 4 else 0)  # idle + iowait
     total = sum(vals[:8])  # guest time is already inside user time
     return total - idle, total
-
-
-@dataclass
-class _Window:
-    """Counters since the last update."""
-
-    occupancy: list = field(default_factory=list)
-    generated: int = 0
-    generated_tokens: int = 0
-    filtered_before: int = 0
-
-    def reset(self, filtered: int) -> None:
-        self.occupancy, self.generated, self.generated_tokens = [], 0, 0
-        self.filtered_before = filtered

@@ -68,9 +68,11 @@ from collections import Counter, deque
 from dataclasses import dataclass, field
 from typing import Any, Iterable, Mapping, Sequence
 
+from generation.records import GenRequest, Partial, PromptItem, ScoredGroup, Trajectory
 from training.rl import control
-from training.rl.control import MODES, ExperienceBuffer, ModeSpec, PromptQueue, RelayChain, RolloutView
-from generation.records import GenRequest, PromptItem, ScoredGroup, Trajectory
+from training.rl.control import MODES, ModeSpec, RelayChain
+from training.rl.manager import ManagerSettings, RolloutManager
+from training.rl.records import ExtractOrder, PullResult, RolloutStatus
 
 STREAM = ModeSpec("stream", batched=True, max_ahead=1, interrupt=False, drain=False, repack=False)
 SIM_MODES: dict[str, ModeSpec] = {**MODES, "stream": STREAM}
@@ -139,6 +141,9 @@ class WorkloadSpec:
     max_output: int = 16384
     prompt_len: int = 256
     lengths: LengthSpec = field(default_factory=LengthSpec)
+    pass_rates: list = field(default_factory=list)
+    """Each prompt's chance that a response is right, drawn per prompt from this list (empty: every
+    response is wrong, rewards are not modelled)."""
 
 
 @dataclass
@@ -196,6 +201,10 @@ class SchedSpec:
     max_staleness: int | None = None
     admit_lag: int = 1
     keep_versions: int = 2
+    dynamic_sampling: bool = False
+    """DAPO's dynamic sampling (the manager's rule): groups with no reward variance are dropped; batched
+    modes sample further rounds, at most ``max_sampling_rounds``, until the batch is full."""
+    max_sampling_rounds: int = 10
     max_ahead_batches: int = 0
     """Simulator-only back-pressure for the continuous modes (the runtime's own flow control, also
     modelled here, acts only under ``max_staleness``): new prompts
@@ -349,25 +358,45 @@ class LengthSampler:
 
 
 class _Source:
-    """The prompt source the ``PromptQueue`` draws from: synthetic prompts, one length list each."""
+    """The prompt source the manager's queue draws from: synthetic prompts, one length list each and,
+    with ``pass_rates``, which of its responses are right (deterministic per seed and prompt)."""
 
-    def __init__(self, sampler: LengthSampler, prompt_len: int):
+    def __init__(self, sampler: LengthSampler, prompt_len: int, pass_rates: Sequence[float] = (), seed: int = 0):
         self.sampler = sampler
         self.prompt_len = prompt_len
+        self.pass_rates = list(pass_rates)
+        self.seed = seed
         self.position = 0
         self.lengths: dict[str, list[int]] = {}
+        self.correct: dict[str, list[bool]] = {}
 
     def take(self, n: int) -> list[PromptItem]:
         out = []
         for _ in range(n):
             pid = f"p{self.position}"
             self.lengths[pid] = self.sampler.group(self.position)
+            if self.pass_rates:
+                rng = random.Random(f"correct:{self.seed}:{self.position}")
+                p = rng.choice(self.pass_rates)
+                self.correct[pid] = [rng.random() < p for _ in range(self.sampler.g)]
             out.append(PromptItem(pid, "", "", (), None))
             self.position += 1
         return out
 
+    def score(self, trajs: list[Trajectory]) -> ScoredGroup:
+        pid = trajs[0].prompt.prompt_id
+        right = self.correct.get(pid)
+        correct = tuple(right[t.sample_idx] for t in trajs) if right else (False,) * len(trajs)
+        return ScoredGroup("scored_group", pid, tuple(trajs), tuple(float(c) for c in correct), correct)
+
     def observe(self, groups) -> None:
-        pass
+        """Selection does not learn from rewards here."""
+
+    def round_size(self, remaining: int, zero_var_ratio: float, batch: int) -> int:
+        return remaining
+
+    def step_counts(self) -> dict[str, float]:
+        return {}
 
 
 # ============================================================================================ state
@@ -383,25 +412,11 @@ class _Row:
 
 @dataclass
 class _SimRollout:
-    """The manager's record of a rollout (the runtime's ``_Rollout``) plus the engine's state."""
+    """A simulated rollout engine (the manager keeps its scheduling state: ``RolloutManager.rollouts``)."""
 
     name: str
-    node: str
-    relay: str
     index: int
     capacity: int
-    # manager view (same fields as the runtime's _Rollout)
-    version: int = -1
-    active: int = 0
-    queued: int = 0
-    prev_active: int = 0
-    draining: bool = False
-    pending_inject: list = field(default_factory=list)
-    extract_to: str | None = None
-    awaiting: int = 0
-    assigned: dict = field(default_factory=dict)
-    pulling: bool = False                              # the call in flight loads new weights
-    # engine
     busy: bool = False
     op: str = ""
     epoch: int = 0
@@ -410,7 +425,7 @@ class _SimRollout:
     S: float = 0.0                                     # decode steps performed (the engine's clock)
     sum_c0: float = 0.0
     queue: deque = field(default_factory=deque)        # submitted GenRequests not yet admitted
-    partials: deque = field(default_factory=deque)     # injected (req, tokens so far, version)
+    partials: deque = field(default_factory=deque)     # injected Partials not yet admitted (tokens so far: Simulator.pre)
     admitting: bool = True
     eversion: int = -1                                 # the engine's loaded weights
     finished: list = field(default_factory=list)
@@ -421,6 +436,7 @@ class _SimRollout:
     seg_steps: float = 0.0                             # decode steps in this segment (0: prefill/pull)
     chunk_left: float = 0.0
     pull_version: int = -1
+    pulled: bool = False                               # this call pulled weights
     cut_req: bool = False
     # accounting
     busy_active_s: float = 0.0
@@ -455,6 +471,11 @@ class ModeResult:
     timeline: dict
     stale_dropped: int = 0
     """Groups that outgrew ``max_staleness`` in the buffer and were generated again."""
+    dropped_groups: int = 0
+    """Groups dynamic sampling dropped (no reward variance)."""
+    extra_rounds: int = 0
+    """Further sampling rounds batched modes took to fill their batches (dynamic sampling)."""
+    empty_batches: int = 0
 
     def summary(self) -> dict:
         d = dataclasses.asdict(self)
@@ -494,10 +515,7 @@ class Simulator:
         self.b = sc.repack_b or self.capacity
         self.n = wl.prompts_per_step
         self.steps = wl.steps
-        self.source = _Source(self.sampler, wl.prompt_len)
-        self.queue = PromptQueue(self.source, wl.group_size)
-        self.buffer = ExperienceBuffer(wl.group_size, self._score, keep=None,
-                                       max_staleness=None if mode == "sync" else sc.max_staleness)
+        self.source = _Source(self.sampler, wl.prompt_len, wl.pass_rates, cfg.seed)
         n_rollouts = rollout_gpus // cl.gpus_per_engine
         per_node = max(1, cl.gpus_per_node // cl.gpus_per_engine)
         first_node = 0 if self.colocated else math.ceil(trainer_gpus / cl.gpus_per_node) if cl.nodes > 1 else 0
@@ -505,11 +523,23 @@ class Simulator:
                             key=lambda s: int(s.split("-")[1]))
         self.chain = RelayChain([(f"relay-{i}", node) for i, node in enumerate(nodes_used)])
         self.rollouts: dict[str, _SimRollout] = {}
+        placed = []
         for i in range(n_rollouts):
             node = f"node-{(first_node + i // per_node) % cl.nodes}"
             name = f"rollout-{i}"
-            self.rollouts[name] = _SimRollout(name, node, self.chain.relay_for(node), i, self.capacity)
+            self.rollouts[name] = _SimRollout(name, i, self.capacity)
+            placed.append((name, node, self.chain.relay_for(node)))
         self.rlist = list(self.rollouts.values())
+        settings = ManagerSettings(
+            mode=self.mode, steps=wl.steps, prompts_per_step=wl.prompts_per_step, group_size=wl.group_size,
+            capacity=self.capacity, max_staleness=None if mode == "sync" else sc.max_staleness, repack_b=self.b,
+            max_sampling_rounds=sc.max_sampling_rounds if sc.dynamic_sampling else 1,
+            max_ahead_batches=sc.max_ahead_batches)
+        keep = (lambda g: len(set(g.correct)) > 1) if sc.dynamic_sampling else None
+        self.m = RolloutManager(settings, self.source, self.source.score, self, placed, keep=keep)
+        """The rollout manager the real runtime drives, driven here by the event clock."""
+        self.pre: dict[tuple[int, int], int] = {}
+        """Tokens generated so far of each handed-over response (its Partial carries no tokens here)."""
         k = cfg.timeline_rollouts
         if k and k < n_rollouts:
             idx = sorted({round(i * (n_rollouts - 1) / (k - 1)) for i in range(k)}) if k > 1 else [0]
@@ -530,18 +560,32 @@ class Simulator:
         return max(1, min(want, total - self.cfg.cluster.gpus_per_engine))
 
     # ------------------------------------------------------------------------------------ helpers
-    @staticmethod
-    def _score(trajs: list[Trajectory]) -> ScoredGroup:
-        return ScoredGroup("scored_group", trajs[0].prompt.prompt_id, tuple(trajs), (0.0,) * len(trajs),
-                           (False,) * len(trajs))
+    @property
+    def version(self) -> int:
+        return self.m.version
+
+    @property
+    def queue(self):
+        return self.m.queue
+
+    @property
+    def buffer(self):
+        return self.m.buffer
+
+    # ------------------------------------------------------------------------------------ Outside
+    def refresh(self) -> None:
+        """The simulated prompt source holds no policy."""
+
+    def poke(self, rollout: str) -> None:
+        self._poke(self.rollouts[rollout])
+
+    def note(self, rollout: str, kind: str, version: int) -> None:
+        if rollout in self.traced:
+            self.timeline["events"].append({"t": self.now, "rollout": rollout, "kind": kind, "version": version})
 
     def _push(self, t: float, kind: str, obj=None, epoch: int = 0) -> None:
         self.seq += 1
         heapq.heappush(self.heap, (t, self.seq, kind, obj, epoch))
-
-    def _event(self, r: _SimRollout, kind: str, version: int) -> None:
-        if r.name in self.traced:
-            self.timeline["events"].append({"t": self.now, "rollout": r.name, "kind": kind, "version": version})
 
     def _sample(self, r: _SimRollout) -> None:
         if r.name in self.traced:
@@ -608,7 +652,9 @@ class Simulator:
         tokens = 0
         while len(r.rows) < r.capacity and (r.partials or (r.admitting and r.queue)):
             if r.partials:
-                req, pre, version = r.partials.popleft()
+                p = r.partials.popleft()
+                req, version = p.request, p.version
+                pre = self.pre.pop((req.group_uid, req.sample_idx), 0)
             else:
                 req, pre, version = r.queue.popleft(), 0, r.eversion
             target = self.source.lengths[req.prompt.prompt_id][req.sample_idx]
@@ -721,85 +767,46 @@ class Simulator:
         else:
             self._dispatch(r)
 
-    # ------------------------------------------------------------------------------------ manager
+    # ------------------------------------------------------------------------------------ manager calls
     def _dispatch(self, r: _SimRollout) -> None:
-        """The runtime's ``_dispatch``: the same decision (``control.dispatch_plan``), the same
-        hand-over of pending work and the same top-up from the prompt queue."""
+        """An idle engine asks the manager what to do next (``RolloutManager.dispatch``, as the
+        runtime does) and starts it: a hand-over (repack), or a call that pulls, admits and decodes."""
         if r.busy:
             return
-        if r.extract_to is not None:
-            self._set_busy(r, True)
-            r.op = "extract"
-            self._account(r)
-            self._start_segment(r, self.cfg.cost.extract_s, 0)
-            self._busy_changed()
-            return
-        plan = control.dispatch_plan(self.mode, version=r.version, latest=self.latest, active=r.active,
-                                     queued=r.queued, pending=bool(r.pending_inject), awaiting=r.awaiting,
-                                     batch_min_version=self.batch_min_version)
-        if plan.interrupt:
-            self.counts["interrupts"] += 1
-            self._event(r, "interrupt", self.latest)
-        inject, submit = [], []
-        for item in r.pending_inject:
-            (submit if isinstance(item, GenRequest) else inject).append(item)
-        r.pending_inject = []
-        if inject and self.mode.drain:
-            ok = [p for p in inject if p[2] == r.version]
-            lost = [p for p in inject if p[2] != r.version]
-            if lost:
-                self.counts["repack_lost"] += len(lost)
-                self._requeue([p[0] for p in lost])
-            inject = ok
-        if not self.mode.batched and plan.admitting:
-            free = r.capacity - (r.active + r.queued + len(inject) + len(submit))
-            cap = self.cfg.sched.max_ahead_batches
-            if cap > 0 and not self.queue.retry:
-                ahead = self.queue.issued_groups - len(self.trained_uids)
-                free = min(free, (cap * self.n - ahead) * self.cfg.workload.group_size)
-            if self.buffer.max_staleness is not None:  # the runtime's flow control, same count
-                training = sum(len(g.trajectories) for _, g in self.trainer_groups) if self.trainer_busy else 0
-                outstanding = control.outstanding_responses(self.rollouts.values(), self.buffer, training=training,
-                                                            new=len(inject) + len(submit))
-                free = min(free, control.admission_room(self.buffer.max_staleness, latest=self.latest,
-                                                        version=r.version, batch_groups=self.n,
-                                                        group_size=self.cfg.workload.group_size,
-                                                        outstanding=outstanding, retry=len(self.queue.retry)))
-            if free > 0:
-                submit.extend(self.queue.take(free))
-        for q in submit:
-            r.assigned[(q.group_uid, q.sample_idx)] = q
-        for p in inject:
-            r.assigned[(p[0].group_uid, p[0].sample_idx)] = p[0]
-        if not plan.pull and not submit and not inject and r.active == 0 and r.queued == 0:
+        order = self.m.dispatch(r.name)
+        if order is None:
             self.idle.add(r.name)
             return
         self.idle.discard(r.name)
-        r.draining = not plan.admitting
-        r.admitting = plan.admitting
-        r.partials.extend(inject)
-        r.queue.extend(submit)
         self._set_busy(r, True)
         self._account(r)
-        r.pulling = plan.pull
-        if plan.pull:
-            want = max(plan.min_version, 0) if plan.min_version >= 0 else -1
-            avail = self._relay_version_time(r.relay, want)
-            r.op = "pull"
-            r.pull_version = avail[0]
-            wait = max(0.0, avail[1] - self.now)
-            cost = self.cfg.cost.reshard_s if self.colocated else self.cost.pull_s()
-            # waiting for the relay is idle time, not work: it does not slow shared cores
-            sp = self._speed()
-            r.seg_start, r.seg_work, r.seg_speed, r.seg_steps = self.now, cost + wait * sp, sp, 0
-            r.epoch += 1
-            self._push(self.now + wait + cost / sp, "seg_end", r, r.epoch)
-            if r.pull_version != r.version:
-                self.counts["pulls"] += 1
+        if isinstance(order, ExtractOrder):
+            r.op = "extract"
+            self._start_segment(r, self.cfg.cost.extract_s, 0)
+            self._busy_changed()
+            return
+        r.admitting = order.admitting
+        r.partials.extend(order.inject)
+        r.queue.extend(order.submit)
+        if order.pull:
+            self._start_pull(r, order.min_version)
         else:
             r.op = "step"
             self._begin_step(r)
         self._busy_changed()
+
+    def _start_pull(self, r: _SimRollout, min_version: int) -> None:
+        want = max(min_version, 0) if min_version >= 0 else -1
+        avail = self._relay_version_time(self.m.rollouts[r.name].relay, want)
+        r.op, r.pulled = "pull", True
+        r.pull_version = avail[0]
+        wait = max(0.0, avail[1] - self.now)
+        cost = self.cfg.cost.reshard_s if self.colocated else self.cost.pull_s()
+        # waiting for the relay is idle time, not work: it does not slow shared cores
+        sp = self._speed()
+        r.seg_start, r.seg_work, r.seg_speed, r.seg_steps = self.now, cost + wait * sp, sp, 0
+        r.epoch += 1
+        self._push(self.now + wait + cost / sp, "seg_end", r, r.epoch)
 
     def _relay_version_time(self, relay: str, min_version: int) -> tuple[int, float]:
         """(version, time it is at ``relay``): the newest published version, or ``min_version`` when
@@ -807,137 +814,56 @@ class Simulator:
         v = max(self.published, min_version)
         return v, self.relay_at[v].get(relay, self.now) if v in self.relay_at else self.now
 
+    def _status(self, r: _SimRollout) -> RolloutStatus:
+        return RolloutStatus(r.eversion, len(r.rows), len(r.queue) + len(r.partials), r.capacity)
+
     def _return(self, r: _SimRollout) -> None:
-        """A rollout call returns: the runtime's ``_on_rollout_result`` (step)."""
+        """A rollout call returns: its result goes to the manager (``step_done``), as in the runtime."""
         self._set_busy(r, False)
-        r.pulling = False
-        prev_version = r.version
-        if r.eversion != prev_version and r.eversion >= 0:
-            self._event(r, "pull", r.eversion)
-        for traj, length in r.finished:
-            r.assigned.pop((traj.group_uid, traj.sample_idx), None)
-            self._add(traj, length)
-        r.finished = []
-        r.prev_active = r.active
-        r.version, r.active, r.queued = r.eversion, len(r.rows), len(r.queue) + len(r.partials)
+        pulled = PullResult(True, r.eversion) if r.pulled and r.eversion >= 0 else None
+        r.pulled = False
+        finished, r.finished = r.finished, []
+        for traj, length in finished:
+            self.lengths[(traj.group_uid, traj.sample_idx)] = length
+            self.gen_tokens += length
+        completed = self.m.step_done(r.name, [t for t, _ in finished], self._status(r), pulled)
+        if self.streamed:
+            for uid, group in completed:
+                self._stream_arrival(uid, group)
         self._sample(r)
         self._busy_changed()
         self.dirty = True
         self._dispatch(r)
 
     def _on_extract(self, r: _SimRollout) -> None:
-        """The runtime's extract result: partials to the receiver, queued requests back in line."""
-        partials = [(p[0], p[1], p[2]) for p in r.partials]
+        """A repack source's hand-over: its partials and queued requests go to the manager
+        (``extract_done``), which passes them on; then the receiver is poked."""
+        partials = list(r.partials)
         r.partials.clear()
         for _, _, row in r.rows:
-            partials.append((row.req, row.pre + int(r.S - row.s_admit), row.version))
+            self.pre[row.key] = row.pre + int(r.S - row.s_admit)
+            partials.append(Partial(row.req, (), (), row.version))
         r.rows, r.sum_c0 = [], 0.0
         queued = list(r.queue)
         r.queue.clear()
         self._set_busy(r, False)
-        dst = self.rollouts.get(r.extract_to) if r.extract_to else None
-        r.extract_to = None
-        if dst is not None:
-            dst.awaiting = max(0, dst.awaiting - 1)
-        if partials and dst is not None:
-            dst.pending_inject.extend(partials)
-            self._event(r, "repack_out", r.eversion)
-            self._event(dst, "repack_in", r.eversion)
-        elif partials:
-            self._requeue([p[0] for p in partials])
-        self._requeue(queued)
-        for q in queued:
-            r.assigned.pop((q.group_uid, q.sample_idx), None)
-        for p in partials:
-            r.assigned.pop((p[0].group_uid, p[0].sample_idx), None)
-        r.prev_active = r.active
-        r.version, r.active, r.queued = r.eversion, 0, 0
+        dst = self.m.extract_done(r.name, partials, queued, self._status(r))
         self._sample(r)
         self._busy_changed()
         self.dirty = True
         self._dispatch(r)
         if dst is not None:
-            self._poke(dst)
-
-    def _requeue(self, requests) -> None:
-        requests = list(requests)
-        if not requests:
-            return
-        if not self.mode.batched:
-            self.queue.requeue(requests)
-            return
-        for r, share in zip(self.rlist, control.round_robin_groups(requests, len(self.rlist))):
-            r.pending_inject.extend(share)
-        self.wake = True
-
-    def _add(self, traj: Trajectory, length: int) -> None:
-        self.lengths[(traj.group_uid, traj.sample_idx)] = length
-        self.gen_tokens += length
-        group = self.buffer.add(traj)
-        self.buffer.pop_completed()
-        if group is not None and traj.group_uid in self.batch_uids:
-            self.batch_done += 1
-        if group is not None and self.streamed:
-            self._stream_arrival(traj.group_uid, group)
+            self._poke(self.rollouts[dst])
 
     def _repack(self) -> None:
-        """The runtime's ``_repack``: the same views, the same planner."""
-        views = [RolloutView(r.name, r.version, r.queued + len(r.pending_inject), r.active, r.prev_active,
-                             r.capacity, alive=r.extract_to is None, pulling=r.pulling) for r in self.rlist]
-        moves = control.plan_repack(views, self.b)
-        for m in moves:
-            src, dst = self.rollouts[m.src], self.rollouts[m.dst]
-            if src.extract_to is None and dst.extract_to is None:
-                src.extract_to = m.dst
-                dst.awaiting += 1
-                self.counts["repacks"] += 1
-                self._poke(src)
+        self.m.repack()
 
     # ------------------------------------------------------------------------------------ batches
     def _maybe_open_batch(self) -> None:
-        if self.batch_open:
-            if self.batch_uids and self.batch_done >= len(self.batch_uids) and \
-                    all(u in self.buffer.done or u in self.buffer.ready for u in self.batch_uids):
-                self.batch_open = False
-                self.closed.append(set(self.batch_uids))
-                self.dirty = True
-                if self.streamed:
-                    self._stream_close(self.batch_uids)
-            return
-        if not control.may_open_batch(self.mode, version=self.version, batch_idx=self.batch_idx, steps=self.steps,
-                                      closed_waiting=len(self.closed)):
-            return
-        self.batch_open = True
-        self.batch_uids = set()
-        self.batch_min_version = control.batch_min_version(self.mode, self.batch_idx)
-        reqs = list(self.queue.retry) + self.queue.take_groups(self.n)
-        self.queue.retry.clear()
-        self.batch_uids |= {q.group_uid for q in reqs}
-        self.batch_done = 0
-        self.batch_of.update({q.group_uid: self.batch_idx for q in reqs})
-        for r, share in zip(self.rlist, control.round_robin_groups(reqs, len(self.rlist))):
-            r.pending_inject.extend(share)
-        self.batch_idx += 1
-        self.dirty = True
-        self.wake = True
-        for r in self.rlist:
-            if r.pending_inject:
-                self._poke(r)
-
-    def _trainable(self) -> list[tuple[int, ScoredGroup]]:
-        if self.mode.batched:
-            if not self.closed:
-                return []
-            uids, self.closed = self.closed[0], self.closed[1:]
-            return self.buffer.take_uids(uids, self.n, self.version)
-        if self.buffer.n_ready() < self.n:
-            return []
-        groups, stale = self.buffer.take(self.n, self.version, full=True)
-        for uid, g in stale:
-            self.buffer.forget(uid)
-            self.queue.requeue(GenRequest(prompt=t.prompt, sample_idx=t.sample_idx, group_uid=uid)
-                               for t in g.trajectories)
-        return groups
+        done = self.m.maybe_open_batch()
+        if done:
+            self.dirty = True
+            self.wake = self.wake or done == "issued"
 
     # ------------------------------------------------------------------------------------ trainer
     def _group_tokens(self, uid: int, g: ScoredGroup) -> tuple[int, float]:
@@ -957,10 +883,9 @@ class Simulator:
     def _maybe_train(self) -> None:
         if self.trainer_busy or self.streamed or self.version >= self.steps:
             return
-        groups = self._trainable()
+        groups = self.m.next_batch()
         if not groups:
             return
-        self.trainer_groups = groups
         self.trainer_busy = True
         self.tr_left = self._train_work(groups) + (0.0 if self.colocated else self.cost.publish_stall_s())
         self.tr_start, self.tr_speed = self.now, self._speed()
@@ -970,43 +895,37 @@ class Simulator:
 
     # stream: forward/backward per group as it completes, optimizer step when the batch is in
     def _stream_arrival(self, uid: int, group: ScoredGroup) -> None:
-        b = self.batch_of.get(uid)
+        b = self.m.batch_of.get(uid)
         if b is None:
             return
         tokens, ctx = self._group_tokens(uid, group)
         work = self.cost.train_s(tokens, ctx) - self.cfg.cost.train_step_overhead_s
         self.stream_work.setdefault(b, []).append((self.now, work))
 
-    def _stream_close(self, uids) -> None:
-        b = self.batch_of[next(iter(uids))]
-        self.stream_closed[b] = self.now
-        self._stream_schedule()
-
     def _stream_schedule(self) -> None:
-        b = self.version  # the batch of the next update
-        if self.trainer_busy or b not in self.stream_closed or self.version >= self.steps:
+        b = self.version  # the batch of the next update: the first closed one
+        if self.trainer_busy or not self.m.closed_batches or self.version >= self.steps:
             return
         t = self.stream_free
         for arrival, work in sorted(self.stream_work.get(b, [])):
             t = max(t, arrival) + work
         t += self.cfg.cost.train_step_overhead_s + self.cost.publish_stall_s()
-        self.trainer_groups = self._trainable()
+        if not self.m.next_batch():
+            return
         self.trainer_busy = True
         self.tr_epoch += 1
         self._push(max(t, self.now + self.cfg.cost.train_step_overhead_s), "train_done", None, self.tr_epoch)
 
     def _after_update(self) -> None:
-        groups = self.trainer_groups
+        groups = self.m.training
         self.trainer_busy = False
-        self.version += 1
-        self.latest = self.version
+        version = self.version + 1
         tokens = sum(self.lengths[(uid, t.sample_idx)] for uid, g in groups for t in g.trajectories)
         self.trained_tokens += tokens
         self.per_update.append((self.now, tokens))
-        self.trained_uids.extend(uid for uid, _ in groups)
-        self.timeline["updates"].append({"t": self.now, "version": self.version})
+        self.timeline["updates"].append({"t": self.now, "version": version})
         # publish: the master relay has it now, the others along the chain
-        self.published = self.version
+        self.published = version
         at = {}
         relay = self.chain.master
         hop = 0
@@ -1014,24 +933,18 @@ class Simulator:
             at[relay] = self.now + (0.0 if self.colocated else self.cost.relay_arrival_s(hop))
             relay = self.chain.next_of(relay)
             hop += 1
-        self.relay_at[self.version] = at
-        keep = control.retained_versions(self.version, [r.version for r in self.rlist if r.active], self.cfg.sched.keep_versions)
-        for v in [v for v in self.relay_at if v not in keep and v != self.version]:
+        self.relay_at[version] = at
+        keep = control.retained_versions(version, [r.version for r in self.m.rollouts.values() if r.active],
+                                         self.cfg.sched.keep_versions)
+        for v in [v for v in self.relay_at if v not in keep and v != version]:
             self.relay_at.pop(v)
         if self.streamed:
             self.stream_free = self.now
         self._busy_changed()
         self.dirty = True
         self.wake = True
-        if self.mode.interrupt:  # every rollout loads the new version at its next call
-            for r in self.rlist:
-                self._poke(r)
-        elif self.mode.drain:  # rollouts with nothing in flight pull at once; the others stop admitting
-            for r in self.rlist:
-                if not r.busy or r.active == 0:
-                    self._poke(r)
+        self.m.updated(version)  # the rollouts hear of it (interrupt, drain) and laminar repacks
         if self.mode.repack:
-            self._repack()
             self.next_repack = self.now + self.cfg.sched.repack_interval_s
 
     # ------------------------------------------------------------------------------------ loop
@@ -1044,30 +957,17 @@ class Simulator:
         self.tr_left = self.tr_start = 0.0
         self.tr_speed = 1.0
         self.tr_epoch = 0
-        self.version = 0
-        self.latest = 0
         self.published = 0
         self.relay_at: dict[int, dict[str, float]] = {0: {name: 0.0 for name in self.chain.order}}
-        self.counts: Counter = Counter()
         self.idle: set[str] = set(self.rollouts)  # the first control pass dispatches every rollout
         self.lengths: dict[tuple, int] = {}
         self.gen_tokens = 0
         self.trained_tokens = 0
         self.per_update: list[tuple[float, int]] = []
-        self.trained_uids: list[int] = []
-        self.trainer_groups: list = []
-        self.batch_idx = 0
-        self.batch_open = False
-        self.batch_uids: set[int] = set()
-        self.batch_min_version = 0
-        self.batch_of: dict[int, int] = {}
-        self.closed: list[set[int]] = []
         self.stream_work: dict[int, list] = {}
-        self.stream_closed: dict[int, float] = {}
         self.stream_free = 0.0
         self.dirty = True
         self.wake = True
-        self.batch_done = 0
         self.next_repack = self.cfg.sched.repack_interval_s
         if self.mode.repack:
             self._push(self.next_repack, "repack")
@@ -1146,11 +1046,12 @@ class Simulator:
             tokens_per_s=self.trained_tokens / max(wall, 1e-9), steady_tokens_per_s=steady, idle_share=idle,
             mean_occupancy=occ,
             staleness_histogram={str(k): v for k, v in sorted(self.buffer.stats.staleness.items())},
-            stale_dropped=self.buffer.stats.stale_dropped,
-            repacks=self.counts["repacks"], pulls=self.counts["pulls"], interrupts=self.counts["interrupts"],
+            stale_dropped=self.buffer.stats.stale_dropped, dropped_groups=self.buffer.stats.filtered,
+            extra_rounds=self.m.counts["extra_rounds"], empty_batches=self.m.counts["empty_batches"],
+            repacks=self.m.counts["repacks"], pulls=self.m.counts["pulls"], interrupts=self.m.counts["interrupts"],
             update_times=times, step_seconds=steps, generation_share=gen_time / max(wall, 1e-9),
             rollouts=n, trainer_gpus=self.trainer_gpus, rollout_gpus=self.rollout_gpus, capacity=self.capacity,
-            events=events, trained_groups=len(self.trained_uids), trained_uids=list(self.trained_uids),
+            events=events, trained_groups=len(self.m.trained_uids), trained_uids=list(self.m.trained_uids),
             timeline=self.timeline)
 
 

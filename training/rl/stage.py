@@ -58,33 +58,6 @@ def hive_source(select: SelectConfig, history_path: Path | None, seed: int):
                                              min_round=select.min_round)
 
 
-def runtime_config(cfg: RLConfig, cluster: ClusterConfig | None, state_dir: Path | None,
-                   trainer: TrainerConfig | None = None, rollout: RolloutConfig | None = None):
-    from conf.loader import deepspeed_config
-    from generation.engines import rollout_engine_options
-    from training.rl.runtime import RuntimeConfig
-
-    c = cluster or ClusterConfig()
-    t = trainer or TrainerConfig()
-    return RuntimeConfig(
-        trainer_backend=t.backend, trainer_ranks=t.ranks, dist_backend=t.dist_backend,
-        ds_config=deepspeed_config(t.deepspeed) if t.backend == "deepspeed" else None,
-        trainer_strategy=c.trainer_strategy, rollout_nodes=tuple(c.rollout_nodes),
-        extensions_dir=str(Path(state_dir).parent / "torch_extensions") if state_dir is not None else None,
-        engine_options=rollout_engine_options(rollout or RolloutConfig()), rollout_gpus=c.rollout_gpus,
-        trainer_gpus=c.trainer_gpus,
-        mode=cfg.mode, rollouts=c.rollouts, capacity=cfg.rollout_capacity, chunk_steps=cfg.chunk_steps,
-        max_staleness=cfg.max_staleness, admit_lag=cfg.admit_lag, repack_interval_s=cfg.repack_interval_s,
-        repack_b=cfg.repack_b,
-        checkpoint_every=cfg.checkpoint_every if state_dir is not None else 0,
-        checkpoint_dir=Path(state_dir) / "checkpoints" if state_dir is not None else None,
-        address=c.address, num_cpus=c.num_cpus, trainer_cpus=c.trainer_cpus, rollout_cpus=c.rollout_cpus,
-        relay_cpus=c.relay_cpus, actor_threads=c.actor_threads, trainer_threads=c.trainer_threads or c.actor_threads,
-        driver_threads=c.driver_threads,
-        rollout_priority=c.rollout_priority, trainer_node=c.trainer_node,
-        max_restarts=c.max_restarts)
-
-
 def rl(model_dir: Path, prompts_path: Path, cfg: RLConfig, *, template: str, seed: int, device: str, out_dir: Path,
        verifier, select: SelectConfig | None = None, history_path: Path | None = None,
        evaluate: Callable[[object], dict[str, float]] | None = None, cluster: ClusterConfig | None = None,
@@ -111,23 +84,19 @@ def rl(model_dir: Path, prompts_path: Path, cfg: RLConfig, *, template: str, see
             bar.write(line)
             LOG.info(line)
 
-        common = dict(steps=cfg.steps, prompts_per_step=cfg.prompts_per_step, group_size=cfg.group_size, lr=cfg.lr,
-                      weight_decay=cfg.weight_decay, max_grad_norm=cfg.max_grad_norm,
-                      max_new_tokens=cfg.max_new_tokens, temperature=cfg.temperature, seed=seed,
-                      device=device, minibatches=cfg.minibatches, micro_batch_tokens=cfg.micro_batch_tokens, on_step=on_step,
-                      source=hive_source(select, history_path, seed) if select is not None else None,
-                      evaluate=evaluate, eval_every=cfg.eval_every)
+        common = dict(seed=seed, device=device, on_step=on_step, evaluate=evaluate,
+                      source=hive_source(select, history_path, seed) if select is not None else None)
         if cfg.uses_ray():
             from training.rl.runtime import LaminarRuntime
 
             del model
-            runtime = LaminarRuntime(Path(model_dir), prompts, verifier, params,
-                                     rc=runtime_config(cfg, cluster, state_dir, trainer, rollout), **common)
+            runtime = LaminarRuntime(Path(model_dir), prompts, verifier, params, cfg, cluster=cluster,
+                                     trainer=trainer, rollout=rollout, state_dir=state_dir, **common)
             result = runtime.run()
             model = runtime.final_model
             write_runtime_report(runtime, Path(out_dir))
         else:
-            result = run_sync(model, tokenizer, prompts, verifier, params, **common)
+            result = run_sync(model, tokenizer, prompts, verifier, params, cfg, **common)
     save_model(model.to("cpu"), tokenizer, out_dir)
     with open(Path(out_dir) / "history.jsonl", "w") as f:
         for m in result.history:

@@ -153,6 +153,15 @@ class PolicyTrainer:
         # a frozen copy of the starting weights, only when the objective has a KL term
         self.ref_model = copy.deepcopy(model).eval().requires_grad_(False) if params.kl_coef > 0 else None
 
+    @classmethod
+    def from_config(cls, model, params: ObjectiveParams, rl, **kw):
+        """A trainer with the optimizer and batch settings of ``rl`` (``conf.schema.RLConfig``: ``lr``,
+        ``weight_decay``, ``max_grad_norm``, ``temperature``, ``max_new_tokens``, ``minibatches``,
+        ``micro_batch_tokens``); ``kw``: where it runs (``pad_id``, ``device``, ranks, a backend's own)."""
+        return cls(model, params, lr=rl.lr, weight_decay=rl.weight_decay, max_grad_norm=rl.max_grad_norm,
+                   temperature=rl.temperature, max_new_tokens=rl.max_new_tokens, minibatches=rl.minibatches,
+                   micro_batch_tokens=rl.micro_batch_tokens, **kw)
+
     # ------------------------------------------------------------------ backend hooks (plain torch)
     @property
     def forward_model(self):
