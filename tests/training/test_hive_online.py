@@ -10,6 +10,7 @@ from rl_fakes import MICRO, Verdict
 from data_curation.hive import GresoFilter
 from data_curation.sampling import estimate_difficulty, seeded_subset
 from generation.model import build_char_tokenizer, build_tiny_model, encode_prompt, save_model
+from conf.schema import RLConfig
 from training.objectives import PRESETS
 from generation.engine import TorchEngine
 from training.rl.loop import HiveSource, PromptCursor, run_sync
@@ -74,11 +75,11 @@ def test_run_sync_with_hive_source_records_history_and_in_run_evals():
         return {"eval_toy": 0.5, "eval_seconds": 0.0}
 
     greso = GresoFilter(None)
-    result = run_sync(model, tok, _prompts(tok, 32), StartsWithDigit(), PRESETS["grpo"], steps=5, prompts_per_step=4,
-                      group_size=4, lr=1e-2, weight_decay=0.0, max_grad_norm=1.0, max_new_tokens=3, temperature=1.0,
-                      seed=0, device="cpu",
+    rl = RLConfig(steps=5, prompts_per_step=4, group_size=4, lr=1e-2, max_new_tokens=3, micro_batch_tokens=0,
+                  eval_every=2)
+    result = run_sync(model, tok, _prompts(tok, 32), StartsWithDigit(), PRESETS["grpo"], rl, seed=0, device="cpu",
                       source=lambda cursor, engine: HiveSource(cursor, engine, greso=greso, seed=0),
-                      evaluate=evaluate, eval_every=2)
+                      evaluate=evaluate)
     assert len(calls) == 2 and calls == [False, False]  # steps 2 and 4, model in eval mode
     assert [("eval_toy" in m) for m in result.history] == [False, True, False, True, False]
     assert sum(m["pruned_prompts"] for m in result.history) > 0

@@ -4,6 +4,7 @@ import torch
 from rl_fakes import MICRO, Verdict
 
 from generation.model import build_char_tokenizer, build_tiny_model, encode_prompt
+from conf.schema import RLConfig
 from training.objectives import PRESETS
 from training.rl.loop import PromptCursor, run_sync, score_phase
 from generation.records import PromptItem, Trajectory
@@ -44,9 +45,8 @@ def test_grpo_really_learns_a_simple_preference():
     torch.manual_seed(0)
     tok = build_char_tokenizer()
     model = build_tiny_model(MICRO, tok, seed=0)
-    result = run_sync(model, tok, _prompts(tok), StartsWithDigit(), PRESETS["grpo"], steps=30, prompts_per_step=8,
-                      group_size=8, lr=1e-2, weight_decay=0.0, max_grad_norm=1.0, max_new_tokens=3,
-                      temperature=1.0, seed=0, device="cpu")
+    rl = RLConfig(steps=30, prompts_per_step=8, group_size=8, lr=1e-2, max_new_tokens=3, micro_batch_tokens=0)
+    result = run_sync(model, tok, _prompts(tok), StartsWithDigit(), PRESETS["grpo"], rl, seed=0, device="cpu")
     first = sum(m["reward"] for m in result.history[:3]) / 3
     last = sum(m["reward"] for m in result.history[-3:]) / 3
     assert first < 0.3 and last > 0.7, (first, last)

@@ -14,7 +14,7 @@ from pathlib import Path
 
 import pytest
 
-from conf.schema import ModelConfig
+from conf.schema import ModelConfig, RolloutConfig, TrainerConfig
 from generation.model import build_char_tokenizer, build_tiny_model, encode_problem, save_model
 from training.objectives import PRESETS
 from generation.records import PromptItem
@@ -60,16 +60,18 @@ def local_ray():
     ray.shutdown()
 
 
-def make_runtime(model_dir, prompts, mode, *, steps=5, on_step=None, checkpoint_dir=None, checkpoint_every=0,
-                 rollouts=2, address=None, **rc_kw):
-    from training.rl.runtime import LaminarRuntime, RuntimeConfig
+def make_runtime(model_dir, prompts, mode, *, steps=5, on_step=None, state_dir=None, checkpoint_every=0,
+                 max_staleness=4, eval_every=0, evaluate=None, trainer=None, rollout=None, **cluster_kw):
+    """A small run in the schema's own config sections (what a user's config builds)."""
+    from conf.schema import ClusterConfig, RLConfig
+    from training.rl.runtime import LaminarRuntime
 
-    rc = RuntimeConfig(mode=mode, rollouts=rollouts, capacity=16, chunk_steps=4, max_staleness=rc_kw.pop("max_staleness", 4),
-                       repack_interval_s=0.2, checkpoint_every=checkpoint_every, checkpoint_dir=checkpoint_dir,
-                       address=address, **rc_kw)
-    return LaminarRuntime(model_dir, prompts, ExactVerifier(), PRESETS["grpo"], steps=steps, prompts_per_step=4,
-                          group_size=4, lr=1e-3, weight_decay=0.0, max_grad_norm=1.0, max_new_tokens=24,
-                          temperature=1.0, seed=0, device="cpu", minibatches=1, rc=rc, on_step=on_step)
+    rl = RLConfig(mode=mode, steps=steps, prompts_per_step=4, group_size=4, lr=1e-3, max_new_tokens=24,
+                  rollout_capacity=16, chunk_steps=4, max_staleness=max_staleness, repack_interval_s=0.2,
+                  checkpoint_every=checkpoint_every, eval_every=eval_every, micro_batch_tokens=0)
+    return LaminarRuntime(model_dir, prompts, ExactVerifier(), PRESETS["grpo"], rl, seed=0, device="cpu",
+                          cluster=ClusterConfig(**{"rollouts": 2, **cluster_kw}), trainer=trainer, rollout=rollout,
+                          state_dir=state_dir, on_step=on_step, evaluate=evaluate)
 
 
 def check_whole_groups_once(rt, result, group_size=4):
@@ -144,7 +146,7 @@ def test_sigkill_a_rollout_mid_generation_loses_only_its_work(local_ray, model_d
             time.sleep(1.2)  # the manager notices within a second
             # every rollout, the restarted one too, at the idle CPU priority (asked while they live:
             # the run's teardown kills them)
-            killed["idle"] = [ray.get(r.handle.ping.remote())["idle_priority"] for r in rt.rollouts.values()]
+            killed["idle"] = [ray.get(r.handle.ping.remote()).idle_priority for r in rt.rollouts.values()]
 
     rt = make_runtime(model_dir, prompts, "laminar", steps=30, on_step=on_step)
     result = rt.run()
@@ -167,7 +169,7 @@ def test_a_killed_relay_is_bypassed_and_rebuilt(local_ray, model_dir, prompts):
     def on_step(m):
         if m["step"] == 2 and not state:
             info = ray.get(rt.relays[rt.chain.master].ping.remote())
-            os.kill(info["pid"], signal.SIGKILL)
+            os.kill(info.pid, signal.SIGKILL)
             state["version"] = int(m["step"])
             time.sleep(1.2)  # the tiny run is fast: let the manager's relay check (every second) come due
 
@@ -182,19 +184,19 @@ def test_a_killed_relay_is_bypassed_and_rebuilt(local_ray, model_dir, prompts):
 @pytest.mark.slow
 @pytest.mark.parametrize("backend", ["torch", "deepspeed"])
 def test_sigkill_the_trainer_then_resume_from_the_last_checkpoint(local_ray, model_dir, prompts, tmp_path, backend):
-    from conf.loader import deepspeed_config
     from training.rl.checkpoint import latest_checkpoint, load_json
 
-    ckpt = tmp_path / "ckpt"
-    kw = dict(trainer_backend=backend, ds_config=deepspeed_config("zero2") if backend == "deepspeed" else None,
-              extensions_dir=str(tmp_path / "ext"))
+    from conf.schema import TrainerConfig
+
+    state_dir = tmp_path / "state"
+    ckpt = state_dir / "checkpoints"
+    kw = dict(trainer=TrainerConfig(backend=backend, deepspeed="zero2"), state_dir=state_dir)
 
     def on_step(m):
         if m["step"] == 5:
-            os.kill(ray.get(rt.trainer.lead.ping.remote())["pid"], signal.SIGKILL)
+            os.kill(ray.get(rt.trainer.lead.ping.remote()).pid, signal.SIGKILL)
 
-    rt = make_runtime(model_dir, prompts, "laminar", steps=8, on_step=on_step, checkpoint_dir=ckpt, checkpoint_every=2,
-                      **kw)
+    rt = make_runtime(model_dir, prompts, "laminar", steps=8, on_step=on_step, checkpoint_every=2, **kw)
     with pytest.raises(ray.exceptions.RayActorError):
         rt.run()
     last = latest_checkpoint(ckpt)
@@ -204,7 +206,7 @@ def test_sigkill_the_trainer_then_resume_from_the_last_checkpoint(local_ray, mod
     in_flight = {q["group_uid"] for q in saved["in_flight"]}
     if backend == "deepspeed":  # DeepSpeed's own checkpoint files, inside the atomic folder
         assert (last / "deepspeed").is_dir() and not (last / "optimizer.safetensors").exists()
-    rt2 = make_runtime(model_dir, prompts, "laminar", steps=8, checkpoint_dir=ckpt, checkpoint_every=2, **kw)
+    rt2 = make_runtime(model_dir, prompts, "laminar", steps=8, checkpoint_every=2, **kw)
     result = rt2.run()
     assert rt2.summary.get("resumed") == 1 and len(result.history) == 8
     assert rt2.summary["trainer_backend"] == backend
@@ -260,8 +262,8 @@ def test_two_node_cluster_places_trainer_ranks_and_rollouts_per_config(model_dir
         ray.init(address=cluster.address, include_dashboard=False, logging_level="WARNING")
         cluster.wait_for_nodes()
         rt = make_runtime(model_dir, prompts, "laminar", steps=3, rollouts=2, address=cluster.address,
-                          trainer_cpus=0.25, rollout_cpus=0.25, relay_cpus=0.05, trainer_ranks=2,
-                          trainer_strategy="STRICT_SPREAD", rollout_nodes=(1,))
+                          trainer_cpus=0.25, rollout_cpus=0.25, relay_cpus=0.05, trainer=TrainerConfig(ranks=2),
+                          trainer_strategy="STRICT_SPREAD", rollout_nodes=[1])
         result = rt.run()
         s = rt.summary
         head, worker = rt.nodes
@@ -279,7 +281,7 @@ def test_two_node_cluster_places_trainer_ranks_and_rollouts_per_config(model_dir
 def test_rollouts_with_the_engine_behind_the_worker_protocol(local_ray, model_dir, prompts):
     """rollout.engine=torch-process: each rollout actor drives a worker process over the rollout
     protocol's wire format (the path a vLLM worker takes) and the run trains whole groups once."""
-    rt = make_runtime(model_dir, prompts, "laminar", steps=3, engine_options={"kind": "torch-process"})
+    rt = make_runtime(model_dir, prompts, "laminar", steps=3, rollout=RolloutConfig(engine="torch-process"))
     result = rt.run()
     assert len(result.history) == 3
     check_whole_groups_once(rt, result)
@@ -308,9 +310,8 @@ def test_bounded_laminar_generates_nothing_that_goes_stale_and_evaluates_beside_
         waited_out.append(rt.version < until)
         return {"eval_probe": float(sum(p.detach().abs().sum() for p in model.parameters()))}
 
-    rt = make_runtime(model_dir, prompts, "laminar", steps=8, max_staleness=1, checkpoint_dir=tmp_path / "ckpt",
-                      checkpoint_every=2)
-    rt.evaluate, rt.eval_every = evaluate, 3
+    rt = make_runtime(model_dir, prompts, "laminar", steps=8, max_staleness=1, state_dir=tmp_path,
+                      checkpoint_every=2, eval_every=3, evaluate=evaluate)
     result = rt.run()
     check_whole_groups_once(rt, result)
     assert rt.summary["stale_dropped"] == 0
@@ -320,9 +321,9 @@ def test_bounded_laminar_generates_nothing_that_goes_stale_and_evaluates_beside_
     evals = [m.get("eval_probe") for m in result.history]
     assert [i + 1 for i, v in enumerate(evals) if v is not None] == [3, 6]
     assert evals[2] != evals[5]  # each saw its own version's weights
-    steps = [checkpoint_step(c) for c in list_checkpoints(tmp_path / "ckpt")]  # the last two are kept
+    steps = [checkpoint_step(c) for c in list_checkpoints(tmp_path / "checkpoints")]  # the last two are kept
     assert 4 not in steps and max(steps) >= 5  # due at 4 while version 3 was evaluated: written after it
-    history = load_json(tmp_path / "ckpt" / f"step-{max(steps):06d}", "runtime.json")["history"]
+    history = load_json(tmp_path / "checkpoints" / f"step-{max(steps):06d}", "runtime.json")["history"]
     assert len(history) == max(steps) and history[2]["eval_probe"] == evals[2]  # with the evaluation's metrics
 
 

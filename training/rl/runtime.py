@@ -155,6 +155,11 @@ class LaminarRuntime:
         self._eval_thread = None
         self._eval_error: BaseException | None = None
 
+    @property
+    def version(self) -> int:
+        """The trainer's latest version (0 before the run starts)."""
+        return self.manager.version if self.manager is not None else 0
+
     # ------------------------------------------------------------------------------------------ Outside
     def refresh(self) -> None:
         """Keep the driver's copy of the policy (HIVE's prompt entropy) at the latest version."""
