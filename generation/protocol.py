@@ -52,7 +52,7 @@ from generation.records import GenRequest, Partial, PromptItem, Trajectory
 
 PROTOCOL_VERSION = 1
 MAX_FRAME = 1 << 30
-REPO_ROOT = Path(__file__).resolve().parents[2]
+REPO_ROOT = Path(__file__).resolve().parents[1]
 
 
 class ProtocolError(RuntimeError):

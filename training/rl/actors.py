@@ -121,20 +121,21 @@ class RelayWorker:
 class RolloutWorker:
     """A rollout: the continuous-batching engine behind one Ray actor. ``step`` is the only busy
     call: it optionally pulls the latest weights from the relay, takes new requests and handed-over
-    partials, then decodes for up to ``chunk`` steps and returns what finished plus its status."""
+    partials, then decodes for up to ``chunk`` steps and returns what finished plus its status.
+    ``rl`` (``conf.schema.RLConfig``) gives its capacity and sampling, ``rollout``
+    (``conf.schema.RolloutConfig``) its engine."""
 
-    def __init__(self, name: str, model_dir: str, *, device: str, capacity: int, max_new_tokens: int,
-                 temperature: float, seed: int, threads: int = 1, engine_options: dict | None = None,
+    def __init__(self, name: str, model_dir: str, rl, rollout, *, device: str, seed: int, threads: int = 1,
                  priority: str = "normal"):
         _setup(threads, seed)
         lower_priority(priority)
-        from generation.engines import make_engine
+        from generation.engines import make_engine, rollout_engine_options
 
         self.name = name
-        opts = dict(engine_options or {"kind": "torch"})
-        kind = opts.pop("kind", "torch")  # torch | torch-process | vllm: all speak the rollout protocol
-        self.engine = make_engine(kind, model_dir, device=device, capacity=capacity, max_new_tokens=max_new_tokens,
-                                  temperature=temperature, seed=seed, **opts)
+        opts = rollout_engine_options(rollout)
+        kind = opts.pop("kind")  # torch | torch-process | vllm: all speak the rollout protocol
+        self.engine = make_engine(kind, model_dir, device=device, capacity=rl.rollout_capacity,
+                                  max_new_tokens=rl.max_new_tokens, temperature=rl.temperature, seed=seed, **opts)
         self.engine.version = -1  # no published version loaded yet: the first step pulls
 
     def ping(self) -> ActorInfo:
@@ -190,14 +191,13 @@ class TrainerWorker:
     """One rank of the policy trainer behind a Ray actor: ``train`` takes one publishable update
     from whole scored groups; rank 0 then pushes ``(version, weights)`` once to the master relay.
 
-    ``backend``: ``torch`` (AdamW) or ``deepspeed`` (ZeRO from ``ds_config``). With ``world_size``
-    > 1 (or DeepSpeed) the ranks form a ``torch.distributed`` group: the driver asks rank 0 for a
+    ``trainer`` (``conf.schema.TrainerConfig``): ``backend`` ``torch`` (AdamW) or ``deepspeed`` (ZeRO
+    from the JSON ``trainer.deepspeed`` names). With ``world_size`` > 1 (or DeepSpeed) the ranks form a ``torch.distributed`` group: the driver asks rank 0 for a
     rendezvous ``address()`` and then calls ``start(addr, port)`` on every rank together; a single
     torch rank needs no group and starts at once."""
 
-    def __init__(self, model_dir: str, params, rl, *, device: str, seed: int, threads: int = 1,
-                 backend: str = "torch", ds_config: dict | None = None, rank: int = 0, world_size: int = 1,
-                 dist_backend: str = "gloo", extensions_dir: str | None = None):
+    def __init__(self, model_dir: str, params, rl, trainer=None, *, device: str, seed: int, threads: int = 1,
+                 rank: int = 0, world_size: int = 1, dist_backend: str = "gloo", extensions_dir: str | None = None):
         """``params``: the resolved objective; ``rl``: ``conf.schema.RLConfig`` (optimizer and batch
         settings, read by ``PolicyTrainer.from_config``)."""
         _setup(threads, seed)
@@ -208,7 +208,9 @@ class TrainerWorker:
         model, tokenizer = load_model(Path(model_dir), device)
         self.params, self.rl, self.device, self.pad_id = params, rl, device, tokenizer.pad_token_id
         self._model = model
-        self.backend, self.ds_config, self.dist_backend = backend, ds_config, dist_backend
+        self.backend = trainer.backend if trainer is not None else "torch"
+        self.deepspeed = trainer.deepspeed if trainer is not None else ""
+        self.dist_backend = dist_backend
         self.rank, self.world_size = rank, world_size
         self.trainer = None
         self.master = None
@@ -240,8 +242,10 @@ class TrainerWorker:
                                  deepspeed_comm=self.backend == "deepspeed")
             place = dict(pad_id=self.pad_id, device=self.device, rank=self.rank, world_size=self.world_size)
             if self.backend == "deepspeed":
+                from conf.loader import deepspeed_config
+
                 self.trainer = DeepSpeedPolicyTrainer.from_config(self._model, self.params, self.rl,
-                                                                  ds_config=self.ds_config or {}, **place)
+                                                                  ds_config=deepspeed_config(self.deepspeed), **place)
             else:
                 self.trainer = PolicyTrainer.from_config(self._model, self.params, self.rl, **place)
             self._model = None
@@ -256,7 +260,7 @@ class TrainerWorker:
 
     def _gathered_state(self) -> dict[str, np.ndarray] | None:
         """The full weights on rank 0 (None elsewhere); with ZeRO-3 every rank joins the gather."""
-        if self.rank == 0 or getattr(self.trainer, "zero_stage", 0) == 3:
+        if self.rank == 0 or self.trainer.zero_stage == 3:
             state = self.trainer.full_state()
             return state if self.rank == 0 else None
         return None

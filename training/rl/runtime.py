@@ -237,15 +237,14 @@ class LaminarRuntime:
         from generation.engines import rollout_engine_options
         from training.rl.actors import RolloutWorker
 
+        rollout_engine_options(self.rollout_cfg)  # an unknown engine fails here, before any actor starts
         c, rl = self.cluster, self.rl
         Rollout = ray.remote(num_cpus=c.rollout_cpus, num_gpus=c.rollout_gpus, max_restarts=c.max_restarts)(RolloutWorker)
-        options = rollout_engine_options(self.rollout_cfg)
         for i in range(c.rollouts):
             name = f"rollout-{i}"
             handle = Rollout.options(scheduling_strategy=self._pin(self._rollout_node(i))).remote(
-                name, str(self.model_dir), device=self.device, capacity=rl.rollout_capacity,
-                max_new_tokens=rl.max_new_tokens, temperature=rl.temperature, seed=self.seed,
-                threads=c.actor_threads, engine_options=options, priority=c.rollout_priority)
+                name, str(self.model_dir), rl, self.rollout_cfg, device=self.device, seed=self.seed,
+                threads=c.actor_threads, priority=c.rollout_priority)
             self.rollouts[name] = _RolloutActor(name, handle)
         self.timeline["rollouts"] = list(self.rollouts)
         for a in self.rollouts.values():
@@ -257,8 +256,6 @@ class LaminarRuntime:
         meet in a ``torch.distributed`` rendezvous at rank 0's address."""
         from ray.util.placement_group import placement_group
         from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
-
-        from conf.loader import deepspeed_config
 
         c, t = self.cluster, self.trainer_cfg
         ranks = t.ranks
@@ -274,15 +271,14 @@ class LaminarRuntime:
         dist_backend = t.dist_backend
         if dist_backend == "auto":
             dist_backend = "nccl" if str(self.device).startswith("cuda") else "gloo"
-        ds_config = deepspeed_config(t.deepspeed) if t.backend == "deepspeed" else None
         handles = []
         for rank in range(ranks):
             strategy = (PlacementGroupSchedulingStrategy(pg, placement_group_bundle_index=rank) if pg is not None
                         else self._pin(self.nodes[c.trainer_node % len(self.nodes)]))
             handles.append(Trainer.options(scheduling_strategy=strategy).remote(
-                str(self.model_dir), self.params, self.rl, device=self.device, seed=self.seed,
-                threads=c.trainer_threads or c.actor_threads, backend=t.backend, ds_config=ds_config, rank=rank,
-                world_size=ranks, dist_backend=dist_backend, extensions_dir=self.extensions_dir))
+                str(self.model_dir), self.params, self.rl, t, device=self.device, seed=self.seed,
+                threads=c.trainer_threads or c.actor_threads, rank=rank, world_size=ranks,
+                dist_backend=dist_backend, extensions_dir=self.extensions_dir))
         group = _TrainerGroup(handles, pg)
         if ranks > 1 or t.backend != "torch":
             addr, port = ray.get(handles[0].address.remote())

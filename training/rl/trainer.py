@@ -134,6 +134,9 @@ class PolicyTrainer:
     hooks (``_zero_grad``, ``_backward``, ``_step``, ``full_state``) are plain torch here and
     DeepSpeed's engine in :class:`DeepSpeedPolicyTrainer`."""
 
+    zero_stage = 0
+    """DeepSpeed's ZeRO stage (0: plain torch, every rank holds the full weights)."""
+
     def __init__(self, model, params: ObjectiveParams, *, lr: float, weight_decay: float,
                  max_grad_norm: float, temperature: float, max_new_tokens: int, pad_id: int, device: str,
                  minibatches: int = 1, micro_batch_tokens: int = 0, rank: int = 0, world_size: int = 1):
