@@ -17,7 +17,7 @@ from typing import Iterable
 
 ROOT = Path(__file__).resolve().parent.parent
 # conf/ is left out: config values enter the key themselves, and the schema's code computes nothing.
-PROJECT_PACKAGES = ("core", "data_curation", "training", "evaluation")
+PROJECT_PACKAGES = ("core", "generation", "data_curation", "training", "evaluation")
 
 
 def _module_file(name: str) -> Path | None:
