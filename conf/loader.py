@@ -81,7 +81,20 @@ def load_config(overrides: Sequence[str] = ()) -> Config:
             raise ConfigError(f"unknown config key '{key}': check the spelling (`laminar config` prints every key)") from None
         raise ConfigError(f"config key '{key}': {msg}; give {key} a value of the type its default has") from None
     assert isinstance(cfg, Config)
-    return validate(cfg)
+    return check_source_names(validate(cfg))
+
+
+SOURCE_NAME = re.compile(r"[A-Za-z_][A-Za-z0-9_-]{0,63}")
+
+
+def check_source_names(cfg: Config) -> Config:
+    """Each ``data.sources[].name`` is an identifier: it names a folder inside the dataset artifact
+    (``sources/<name>/``), so a name such as ``../..`` never reaches outside it."""
+    for i, src in enumerate(cfg.data.sources):
+        if not isinstance(src.name, str) or not SOURCE_NAME.fullmatch(src.name):
+            raise ConfigError(f"data.sources[{i}].name={src.name!r} is not an identifier: use letters, digits, _ and - "
+                              "(starting with a letter or _, at most 64 characters), e.g. name: my_pool")
+    return cfg
 
 
 def to_dict(cfg: Any) -> dict:

@@ -8,6 +8,7 @@ a config group changes.
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field
 from typing import List, Optional
 
@@ -59,6 +60,11 @@ class DataConfig:
     demo_error_rate: float = 0.15
     """Per-step chance that a warm-up demonstration's result is off by 1-2 (an imperfect teacher);
     gold solutions and answers stay exact. RL with the verifier is what corrects the slips."""
+    max_prompt_chars: int = 16384
+    """Ingest quarantines a problem longer than this (after normalisation) with the reason
+    "problem too long": the engines pad every batch to its longest prompt, so one huge row would
+    ask for a huge allocation. The longest vendored prompt has 4,308 characters (MATH train; the
+    benchmarks' longest, AIME 2025 and MATH-500, about 1,730; the synthetic task's at most 70)."""
 
 
 @dataclass
@@ -373,13 +379,36 @@ def _one_of(key: str, value: str, allowed: tuple[str, ...]) -> None:
         raise ConfigError(f"{key}={value!r} is not supported; set {key} to one of: {', '.join(allowed)}")
 
 
+def _get(cfg: Config, key: str) -> object:
+    node: object = cfg
+    for part in key.split("."):
+        node = getattr(node, part)
+    return node
+
+
+def _finite(key: str, value: object) -> None:
+    if isinstance(value, float) and not math.isfinite(value):
+        raise ConfigError(f"{key}={value} is not a finite number; set {key} to a finite value")
+
+
 def _positive(cfg: Config, *keys: str) -> None:
+    """Each key's value is > 0 and finite (``inf`` and ``nan`` are refused)."""
     for key in keys:
-        node: object = cfg
-        for part in key.split("."):
-            node = getattr(node, part)
+        node = _get(cfg, key)
+        _finite(key, node)
         if not node > 0:  # type: ignore[operator]
             raise ConfigError(f"{key}={node} must be > 0; set {key} to a positive value")
+
+
+def _non_negative(cfg: Config, *keys: str) -> None:
+    """Each key's value (None allowed: the default applies) is >= 0 and finite."""
+    for key in keys:
+        node = _get(cfg, key)
+        if node is None:
+            continue
+        _finite(key, node)
+        if not node >= 0:  # type: ignore[operator]
+            raise ConfigError(f"{key}={node} must be >= 0; set {key} to zero or a positive value")
 
 
 def validate(cfg: Config) -> Config:
@@ -439,6 +468,8 @@ def validate(cfg: Config) -> Config:
         raise ConfigError("model=hf needs a local model folder: add model.path=DIR (a save_pretrained folder)")
     if cfg.model.kind == "tiny" and cfg.model.path:
         raise ConfigError("model.path is only read with model=hf; add model=hf or drop model.path")
+    _positive(cfg, "model.hidden_size", "model.intermediate_size", "model.num_layers", "model.num_heads",
+              "model.num_kv_heads", "model.max_seq_len", "model.rope_theta")
     if cfg.model.hidden_size % cfg.model.num_heads:
         raise ConfigError(
             f"model.hidden_size={cfg.model.hidden_size} must be divisible by model.num_heads={cfg.model.num_heads}"
@@ -447,9 +478,16 @@ def validate(cfg: Config) -> Config:
         raise ConfigError(
             f"model.num_heads={cfg.model.num_heads} must be a multiple of model.num_kv_heads={cfg.model.num_kv_heads}"
         )
-    _positive(cfg, "sft.batch_size", "sft.lr", "rl.prompts_per_step", "rl.minibatches", "rl.lr", "rl.max_new_tokens",
-              "rl.temperature", "eval.n_samples", "eval.temperature", "eval.max_new_tokens",
-              "eval.batch_size", "data.pool_size", "data.heldout_size")
+    _positive(cfg, "sft.batch_size", "sft.lr", "sft.max_grad_norm", "rl.prompts_per_step", "rl.minibatches", "rl.lr",
+              "rl.max_grad_norm", "rl.max_new_tokens", "rl.temperature", "eval.n_samples", "eval.temperature",
+              "eval.max_new_tokens", "eval.batch_size", "eval.verifier_timeout_s", "data.pool_size",
+              "data.heldout_size", "data.max_prompt_chars")
+    # weight decay < 0 grows the weights; clipping <= 0 (or a negative norm) flips or zeroes the gradient
+    _non_negative(cfg, "sft.weight_decay", "rl.weight_decay", "sft.warmup_steps", "rl.is_cap", "rl.clip_high",
+                  "rl.dual_clip", "rl.kl_coef", "cluster.trainer_cpus", "cluster.rollout_cpus", "cluster.relay_cpus",
+                  "cluster.rollout_gpus", "cluster.trainer_gpus")
+    if cfg.rl.is_cap is not None and cfg.rl.is_cap <= 0:
+        raise ConfigError(f"rl.is_cap={cfg.rl.is_cap} must be > 0 (TRL uses 3.0) or null")
     if cfg.sft.steps < 0 or cfg.rl.steps < 0 or cfg.rl.eval_every < 0:
         raise ConfigError("sft.steps, rl.steps and rl.eval_every must be >= 0")
     if cfg.rl.group_size < 2:
@@ -501,6 +539,7 @@ def _validate_curation(cfg: Config) -> None:
         raise ConfigError(f"curation.dedup.near_threshold={c.dedup.near_threshold} must be in (0, 1]")
     if not 0 < c.decontam.min_coverage <= 1:
         raise ConfigError(f"curation.decontam.min_coverage={c.decontam.min_coverage} must be in (0, 1]")
+    _non_negative(cfg, "curation.rft.warmup_steps", "curation.select.round_headroom", "curation.select.min_round")
     _positive(cfg, "curation.decontam.ngram", "curation.difficulty.samples", "curation.difficulty.temperature",
               "curation.difficulty.max_new_tokens", "curation.dart.k_u", "curation.dart.k_p",
               "curation.dart.round_size", "curation.dart.temperature", "curation.rft.batch_size", "curation.rft.lr")

@@ -3,14 +3,29 @@
 Only the flow process writes it; connections are short-lived so that read-only commands
 (``laminar status``) can open it between writes. Every table has a key that makes a retried write
 idempotent (``INSERT ... ON CONFLICT DO NOTHING`` / ``DO UPDATE``).
+
+DuckDB locks the file per process and never waits: a writer cannot open it while any other process
+holds a connection (a notebook, ``laminar status``), nor a reader while a run writes. So opening a
+connection retries on that lock conflict with a bounded, jittered exponential backoff (writers up to
+``LAMINAR_CATALOG_WRITE_WAIT_S``, default 300 s; readers up to ``LAMINAR_CATALOG_READ_WAIT_S``,
+default 30 s), then raises ``CatalogBusy`` with a one-line message naming the process holding the
+lock. Only the open is retried: once open, the connection holds the lock until it closes, so a
+transaction's statements never meet the conflict and nothing is written twice.
 """
 
 from __future__ import annotations
 
 import json
+import logging
+import os
+import random
+import re
+import time
 from contextlib import contextmanager
 from pathlib import Path
 from typing import Any, Iterator, Sequence
+
+LOG = logging.getLogger("laminar.catalog")
 
 SCHEMA = """
 CREATE TABLE IF NOT EXISTS runs (
@@ -99,9 +114,78 @@ CREATE TABLE IF NOT EXISTS metrics (
 """
 
 
+WRITE_WAIT_S = 300.0
+"""How long a writer (the run) waits for other processes' connections to close before failing."""
+READ_WAIT_S = 30.0
+"""How long a reader waits for a run's write to finish (a stage's rows take well under a second)."""
+FIRST_DELAY_S, MAX_DELAY_S = 0.005, 0.1
+_HOLDER = re.compile(r"Conflicting lock is held in (.*?) \(PID (\d+)\)")
+
+
+class CatalogBusy(RuntimeError):
+    """Another process kept DuckDB's lock on the catalog for the whole bounded wait."""
+
+
+def _env_seconds(name: str, default: float) -> float:
+    try:
+        return max(0.0, float(os.environ[name]))
+    except (KeyError, ValueError):
+        return default
+
+
+def is_lock_conflict(err: BaseException) -> bool:
+    """DuckDB's "Could not set lock on file": another process holds the file."""
+    return "could not set lock" in str(err).lower()
+
+
+def lock_holder(err: BaseException) -> str:
+    """``PID n, /path/to/program`` from DuckDB's lock error, or ``another process``."""
+    m = _HOLDER.search(str(err))
+    return f"PID {m.group(2)}, {m.group(1)}" if m else "another process"
+
+
 class Catalog:
-    def __init__(self, path: Path):
+    def __init__(self, path: Path, write_wait_s: float | None = None, read_wait_s: float | None = None):
         self.path = Path(path)
+        self.write_wait_s = _env_seconds("LAMINAR_CATALOG_WRITE_WAIT_S", WRITE_WAIT_S) \
+            if write_wait_s is None else write_wait_s
+        self.read_wait_s = _env_seconds("LAMINAR_CATALOG_READ_WAIT_S", READ_WAIT_S) \
+            if read_wait_s is None else read_wait_s
+
+    def _open(self, read_only: bool) -> Any:
+        """``duckdb.connect``, retried while another process holds the file's lock (bounded)."""
+        import duckdb
+
+        wait = self.read_wait_s if read_only else self.write_wait_s
+        t0 = time.monotonic()
+        delay, warned, tries = FIRST_DELAY_S, False, 0
+        while True:
+            try:
+                con = duckdb.connect(str(self.path), read_only=read_only)
+                break
+            except duckdb.IOException as err:
+                if not is_lock_conflict(err):
+                    raise
+                waited = time.monotonic() - t0
+                if waited >= wait:
+                    if read_only:
+                        msg = (f"the catalog {self.path} is locked for writing by another process ({lock_holder(err)}) "
+                               f"and stayed locked for {waited:.1f} s; try again in a moment")
+                    else:
+                        msg = (f"the catalog {self.path} is held open by another process ({lock_holder(err)}) "
+                               f"and stayed locked for {waited:.1f} s; close that connection (a notebook or "
+                               "shell holding the catalog open) and rerun: finished stages come from cache")
+                    raise CatalogBusy(msg) from None
+                if not warned and not read_only and waited >= 5.0:
+                    LOG.warning("catalog %s is locked by %s; waiting up to %.0f s", self.path, lock_holder(err), wait)
+                    warned = True
+                time.sleep(min(delay * random.uniform(0.5, 1.5), max(0.0, wait - waited)))
+                delay, tries = min(2 * delay, MAX_DELAY_S), tries + 1
+        if tries:
+            LOG.log(logging.DEBUG if read_only else logging.INFO,
+                    "catalog %s: %s waited %.3f s (%d retries) for another process's connection", self.path,
+                    "reader" if read_only else "writer", time.monotonic() - t0, tries)
+        return con
 
     @contextmanager
     def connect(self, read_only: bool = False) -> Iterator[Any]:
@@ -112,9 +196,13 @@ class Catalog:
             con.execute(SCHEMA)
         else:
             self.path.parent.mkdir(parents=True, exist_ok=True)
-            con = duckdb.connect(str(self.path), read_only=read_only)
+            con = self._open(read_only)
             if not read_only:
-                con.execute(SCHEMA)
+                try:
+                    con.execute(SCHEMA)
+                except BaseException:
+                    con.close()
+                    raise
         try:
             yield con
         finally:

@@ -285,6 +285,18 @@ class GresoFilter:
         """The rows observed since construction, in order: {prompt_id, mean_reward}."""
         return [dict(r) for r in self._observed]
 
+    def state(self) -> dict:
+        """What a checkpoint needs to continue exactly (JSON): the adapted skip bases, every prompt's
+        run lengths and the rows observed so far."""
+        return {"p_easy": self.p_easy, "p_hard": self.p_hard,
+                "runs": {pid: list(r) for pid, r in sorted(self._runs.items())},
+                "observed": [dict(r) for r in self._observed]}
+
+    def load_state(self, state: dict) -> None:
+        self.p_easy, self.p_hard = float(state["p_easy"]), float(state["p_hard"])
+        self._runs = {pid: (int(e), int(h)) for pid, (e, h) in state["runs"].items()}
+        self._observed = [dict(r) for r in state["observed"]]
+
 
 # ---- stage 2, online: prompt entropy ---------------------------------------------------------------
 

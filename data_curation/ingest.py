@@ -13,7 +13,8 @@
 Every input row ends in exactly one of them: rows_in == ingested + quarantined + duplicates.
 
 A row moves through: parse (bad JSON, undecodable bytes, not an object) -> fields (missing or empty
-problem / answer, non-string problem, missing id) -> ids (a prompt_id already taken by an earlier
+problem / answer, non-string problem, a problem longer than ``max_prompt_chars``, a level outside
+the int32 level column, missing id) -> ids (a prompt_id already taken by an earlier
 row, when ids come from ``id_field``) -> exact dedup -> near dedup (``data_curation.dedup``; by
 default only between prompts with the same canonical answer). Duplicates keep the earliest row
 (source order, then source_row), across sources too. The id and dedup steps run as DuckDB SQL.
@@ -23,6 +24,10 @@ default only between prompts with the same canonical answer). Duplicates keep th
 
 ``source_row`` is the 0-based line number for JSON lines and the 0-based record index otherwise;
 the files of a folder are read in name order and numbered consecutively.
+
+A row never stops ingest; a file that cannot be read at all (not parquet, not UTF-8 JSON, a
+permission error) raises :class:`SourceError`, whose one-line message names the source, the file and
+the reason.
 """
 
 from __future__ import annotations
@@ -33,6 +38,7 @@ import math
 import re
 import unicodedata
 from collections.abc import Callable, Iterator, Mapping, Sequence
+from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -40,6 +46,8 @@ from typing import Any
 import pyarrow as pa
 import pyarrow.parquet as pq
 
+from conf.schema import DataConfig
+from core.errors import StageError
 from data_curation.dedup import NearDupParams, exact_duplicates, near_duplicates
 from evaluation.verifier import normalize_answer
 
@@ -47,6 +55,7 @@ __all__ = [
     "DUPLICATES_SCHEMA",
     "FORMATS",
     "QUARANTINE_SCHEMA",
+    "SourceError",
     "SourceSpec",
     "ingest",
     "normalize_text",
@@ -57,6 +66,10 @@ __all__ = [
 
 FORMATS = ("auto", "jsonl", "json", "parquet", "hf", "verl")
 RAW_MAX_CHARS = 2000
+MAX_PROMPT_CHARS = DataConfig.max_prompt_chars
+"""The default limit on a problem's length (``data.max_prompt_chars``; see the schema for why)."""
+LEVEL_MIN, LEVEL_MAX = -(2**31), 2**31 - 1
+"""Levels are stored as int32; a level outside is quarantined ("level out of range")."""
 CORE_COLUMNS = ("prompt_id", "source", "source_row", "problem", "answer", "level", "subject", "text_hash")
 HF_MARKERS = ("dataset_info.json", "state.json", "dataset_dict.json")
 SUFFIX_FORMATS = {".jsonl": "jsonl", ".json": "json", ".parquet": "parquet"}
@@ -65,6 +78,28 @@ QUARANTINE_SCHEMA = pa.schema([("source", pa.string()), ("source_row", pa.int64(
                                ("reason", pa.string())])
 DUPLICATES_SCHEMA = pa.schema([("source", pa.string()), ("source_row", pa.int64()), ("prompt_id", pa.string()),
                                ("canonical_id", pa.string()), ("kind", pa.string()), ("similarity", pa.float64())])
+
+
+class SourceError(StageError, ValueError):
+    """A source file that cannot be read at all; the message (one line) names the source, the file
+    and the reason."""
+
+
+def _one_line(exc: BaseException, limit: int = 300) -> str:
+    text = " ".join(str(exc).split())
+    text = text if len(text) <= limit else text[:limit] + "..."
+    return f"{type(exc).__name__}: {text}" if text else type(exc).__name__
+
+
+@contextmanager
+def _reading(spec: "SourceSpec", file: Path, what: str) -> Iterator[None]:
+    """Turn any failure to read ``file`` into one :class:`SourceError` line (no traceback chain)."""
+    try:
+        yield
+    except SourceError:
+        raise
+    except (OSError, ValueError, RecursionError, pa.ArrowException) as exc:
+        raise SourceError(f"source {spec.name!r}: cannot read {file} as {what} ({_one_line(exc)})") from None
 
 
 @dataclass(frozen=True)
@@ -119,16 +154,35 @@ def _lookup(record: Mapping[str, Any], field: str) -> tuple[bool, Any]:
     return True, value
 
 
-def _level(value: Any) -> int | None:
-    """An integer level from 3, 3.0, "3" or "Level 3"; None when there is none."""
+_LEVEL_RE = re.compile(r"([+-]?)0*(\d+)(?:\.\d+)?")
+
+
+def _level(value: Any) -> int | float | None:
+    """An integer level from 3, 3.0, "3" or "Level 3"; None when there is none (or NaN). May lie
+    outside ``LEVEL_MIN..LEVEL_MAX`` (``±inf`` for one too long to convert): the caller checks."""
     if value is None or isinstance(value, bool):
         return None
     if isinstance(value, int):
         return value
     if isinstance(value, float):
-        return None if not math.isfinite(value) else int(round(value))
-    m = re.search(r"[+-]?\d+(?:\.\d+)?", str(value))
-    return int(round(float(m.group()))) if m else None
+        if math.isnan(value):
+            return None
+        return value if math.isinf(value) else int(round(value))
+    m = _LEVEL_RE.search(value if isinstance(value, str) else _text(value) or "")
+    if m is None:
+        return None
+    if len(m.group(2)) > 18:  # far out of range; float() of 400 digits is inf, round(inf) raises
+        return -math.inf if m.group(1) == "-" else math.inf
+    return int(round(float(m.group())))
+
+
+def _show(value: Any, limit: int = 40) -> str:
+    """A value for a quarantine reason, cut to ``limit`` characters (with its full length)."""
+    try:
+        text = value if isinstance(value, str) else json.dumps(value, default=str)
+    except ValueError:  # an int beyond Python's 4,300-digit str() limit
+        return f"an integer of about {int(value.bit_length() * 0.30103) + 1:,} digits"
+    return text if len(text) <= limit else f"{text[:limit]}... ({len(text):,} characters)"
 
 
 def _text(value: Any) -> str | None:
@@ -141,7 +195,10 @@ def _text(value: Any) -> str | None:
 
 
 def _raw(record: Any) -> str:
-    text = record if isinstance(record, str) else json.dumps(record, ensure_ascii=False, default=str)
+    try:
+        text = record if isinstance(record, str) else json.dumps(record, ensure_ascii=False, default=str)
+    except (ValueError, RecursionError) as exc:  # an int past Python's str() limit, a cyclic record
+        text = f"(record not printable: {_one_line(exc, 200)})"
     return text[:RAW_MAX_CHARS]
 
 
@@ -173,7 +230,7 @@ def _objects(items: Sequence[Any], start: int) -> Iterator[Row]:
 def _read_jsonl(spec: SourceSpec, path: Path) -> Iterator[Row]:
     row = -1
     for file in _files(path, "jsonl"):
-        with file.open("rb") as f:
+        with _reading(spec, file, "JSON lines"), file.open("rb") as f:
             for i, line in enumerate(f):
                 row += 1
                 if not line.strip():
@@ -185,8 +242,8 @@ def _read_jsonl(spec: SourceSpec, path: Path) -> Iterator[Row]:
                     continue
                 try:
                     obj = json.loads(text)
-                except json.JSONDecodeError as exc:
-                    yield row, None, _raw(text.rstrip("\r\n")), f"bad json: {exc}"
+                except (ValueError, RecursionError) as exc:  # also >4,300-digit ints, deep nesting
+                    yield row, None, _raw(text.rstrip("\r\n")), f"bad json: {_one_line(exc, 200)}"
                     continue
                 yield from _objects([obj], row)
 
@@ -194,15 +251,17 @@ def _read_jsonl(spec: SourceSpec, path: Path) -> Iterator[Row]:
 def _read_json(spec: SourceSpec, path: Path) -> Iterator[Row]:
     offset = 0
     for file in _files(path, "json"):
+        with _reading(spec, file, "JSON"):
+            raw = file.read_bytes()
         try:
-            data = json.loads(file.read_bytes().decode("utf-8-sig"))
-        except (UnicodeDecodeError, json.JSONDecodeError) as exc:
-            raise ValueError(f"source {spec.name!r}: {file} is not a UTF-8 JSON document ({exc}); for one "
-                             "object per line use format='jsonl'") from None
+            data = json.loads(raw.decode("utf-8-sig"))
+        except (ValueError, RecursionError) as exc:  # UnicodeDecodeError and JSONDecodeError are ValueErrors
+            raise SourceError(f"source {spec.name!r}: {file} is not a UTF-8 JSON document ({_one_line(exc)}); "
+                              "for one object per line use format='jsonl'") from None
         if isinstance(data, Mapping) and isinstance(data.get("data"), list):
             data = data["data"]
         if not isinstance(data, list):
-            raise ValueError(f"source {spec.name!r}: {file} must hold a list of objects or {{\"data\": [...]}}, "
+            raise SourceError(f"source {spec.name!r}: {file} must hold a list of objects or {{\"data\": [...]}}, "
                              f"got a {type(data).__name__}")
         yield from _objects(data, offset)
         offset += len(data)
@@ -211,7 +270,8 @@ def _read_json(spec: SourceSpec, path: Path) -> Iterator[Row]:
 def _read_parquet(spec: SourceSpec, path: Path) -> Iterator[Row]:
     offset = 0
     for file in _files(path, "parquet"):
-        records = pq.read_table(file).to_pylist()
+        with _reading(spec, file, "parquet"):
+            records = pq.read_table(file).to_pylist()
         yield from _objects(records, offset)
         offset += len(records)
 
@@ -259,7 +319,13 @@ def _load_hf(spec: SourceSpec):
 
 
 def _read_hf(spec: SourceSpec, path: Path) -> Iterator[Row]:
-    yield from _objects(_load_hf(spec).to_list(), 0)
+    try:
+        records = _load_hf(spec).to_list()
+    except SourceError:
+        raise
+    except Exception as exc:  # noqa: BLE001 - datasets' many error types: one line naming the source
+        raise SourceError(f"source {spec.name!r}: cannot load {spec.path} with datasets ({_one_line(exc)})") from None
+    yield from _objects(records, 0)
 
 
 _READERS: dict[str, Callable[[SourceSpec, Path], Iterator[Row]]] = {
@@ -271,8 +337,9 @@ _READERS: dict[str, Callable[[SourceSpec, Path], Iterator[Row]]] = {
 }
 
 
-def _is_verl(file: Path) -> bool:
-    names = set(pq.read_schema(file).names)
+def _is_verl(spec: SourceSpec, file: Path) -> bool:
+    with _reading(spec, file, "parquet"):
+        names = set(pq.read_schema(file).names)
     return {"prompt", "reward_model"} <= names
 
 
@@ -299,7 +366,7 @@ def resolve_format(spec: SourceSpec) -> str:
             raise ValueError(f"source {spec.name!r}: cannot tell the format of {path} from its suffix; "
                              f"set format to one of {', '.join(FORMATS[1:])}")
         first = path
-    return "verl" if fmt == "parquet" and _is_verl(first) else fmt
+    return "verl" if fmt == "parquet" and _is_verl(spec, first) else fmt
 
 
 def read_source(spec: SourceSpec) -> tuple[list[dict], list[dict]]:
@@ -322,7 +389,8 @@ def read_source(spec: SourceSpec) -> tuple[list[dict], list[dict]]:
 # --------------------------------------------------------------------------- fields
 
 
-def _fields(spec: SourceSpec, record: Mapping[str, Any]) -> dict[str, Any] | str:
+def _fields(spec: SourceSpec, record: Mapping[str, Any],
+            max_prompt_chars: int = MAX_PROMPT_CHARS) -> dict[str, Any] | str:
     """The prompt fields of one record, or the reason it is quarantined."""
     found, problem = _lookup(record, spec.problem_field)
     if not found or problem is None:
@@ -332,6 +400,8 @@ def _fields(spec: SourceSpec, record: Mapping[str, Any]) -> dict[str, Any] | str
     problem = normalize_text(problem)
     if not problem:
         return "empty problem"
+    if len(problem) > max_prompt_chars:
+        return f"problem too long ({len(problem):,} characters > data.max_prompt_chars={max_prompt_chars:,})"
     found, answer = _lookup(record, spec.answer_field)
     if not found or answer is None or (isinstance(answer, float) and not math.isfinite(answer)):
         return "missing answer"
@@ -347,7 +417,12 @@ def _fields(spec: SourceSpec, record: Mapping[str, Any]) -> dict[str, Any] | str
         prompt_id = str(value)
     else:
         prompt_id = f"{spec.name}-{hashlib.sha256(problem.encode()).hexdigest()[:16]}"
-    level = _level(_lookup(record, spec.level_field)[1]) if spec.level_field else None
+    level = None
+    if spec.level_field:
+        raw_level = _lookup(record, spec.level_field)[1]
+        level = _level(raw_level)
+        if level is not None and not LEVEL_MIN <= level <= LEVEL_MAX:
+            return f"level out of range ({_show(raw_level)}; levels are integers in {LEVEL_MIN}..{LEVEL_MAX})"
     subject = _text(_lookup(record, spec.subject_field)[1]) if spec.subject_field else None
     extras = {f: _text(_lookup(record, f)[1]) for f in spec.extra_fields}
     return {"prompt_id": prompt_id, "id_explicit": bool(spec.id_field), "problem": problem, "answer": answer,
@@ -364,7 +439,7 @@ def prompts_schema(extra_fields: Sequence[str]) -> pa.Schema:
 # --------------------------------------------------------------------------- ingest
 
 
-def _collect(sources: Sequence[SourceSpec], extra_fields: list[str]):
+def _collect(sources: Sequence[SourceSpec], extra_fields: list[str], max_prompt_chars: int = MAX_PROMPT_CHARS):
     """Read and validate every source. Returns (columns of the accepted rows, their records,
     quarantine rows with their source index, per-source counts)."""
     cols: dict[str, list] = {k: [] for k in ("rid", "source", "source_row", "prompt_id", "id_explicit", "problem",
@@ -377,7 +452,7 @@ def _collect(sources: Sequence[SourceSpec], extra_fields: list[str]):
         per_source[f"rows_in_{spec.name}"] = float(len(rows) + len(bad))
         quarantine += [(si, q) for q in bad]
         for row in rows:
-            fields = _fields(spec, row["record"])
+            fields = _fields(spec, row["record"], max_prompt_chars)
             if isinstance(fields, str):
                 quarantine.append((si, {"source": spec.name, "source_row": row["source_row"],
                                         "raw": _raw(row["record"]), "reason": fields}))
@@ -404,19 +479,22 @@ def _write(table: pa.Table, path: Path) -> None:
 
 def ingest(sources: Sequence[SourceSpec], out_dir: Path, *, near_dup_threshold: float = 0.85,
            ngram: int = 5, num_perm: int = 128, bands: int = 32, seed: int = 0,
-           near_dup_same_answer: bool = True) -> dict[str, float]:
+           near_dup_same_answer: bool = True, max_prompt_chars: int = MAX_PROMPT_CHARS) -> dict[str, float]:
     """Read, normalise, quarantine and deduplicate ``sources`` into ``out_dir`` (see the module
     docstring for the three tables). ``near_dup_threshold``, ``ngram``, ``num_perm``, ``bands`` and
     ``seed`` tune near dedup (``data_curation.dedup``); with ``near_dup_same_answer`` only prompts
     with the same canonical answer can be near duplicates, so that siblings such as "find the sum
     of the roots" / "find the product of the roots" of one equation both stay (in MATH train, 53 of
     59 textual near duplicates at 0.85 are such siblings). Exact duplicates ignore answers.
+    A problem longer than ``max_prompt_chars`` (``data.max_prompt_chars``) is quarantined.
     Returns counts: rows_in, ingested, quarantined, duplicates_exact, duplicates_near, and
     rows_in_<source> / ingested_<source> per source."""
     from data_curation.db import memory_db
 
     params = NearDupParams(threshold=near_dup_threshold, ngram=ngram, num_perm=num_perm, bands=bands, seed=seed)
     params.validate()
+    if max_prompt_chars <= 0:
+        raise ValueError(f"max_prompt_chars must be > 0, got {max_prompt_chars}")
     names = [s.name for s in sources]
     if len(set(names)) != len(names):
         raise ValueError(f"source names must be unique, got {names}")
@@ -424,7 +502,7 @@ def ingest(sources: Sequence[SourceSpec], out_dir: Path, *, near_dup_threshold: 
     out_dir = Path(out_dir)
     out_dir.mkdir(parents=True, exist_ok=True)
 
-    cols, records, quarantine, per_source = _collect(sources, extra_fields)
+    cols, records, quarantine, per_source = _collect(sources, extra_fields, max_prompt_chars)
     con = memory_db()
     try:
         con.register("_rows", _rows_table(cols, extra_fields))

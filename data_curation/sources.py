@@ -46,9 +46,14 @@ def snapshot_sources(sources: Iterable[Any], out_dir: Path) -> list[dict]:
     paths relative to ``out_dir`` (``hub: true`` for a hub name, kept as it is)."""
     from dataclasses import asdict, is_dataclass
 
+    from conf.loader import SOURCE_NAME
+
     specs = []
     for s in sources:
         spec = asdict(s) if is_dataclass(s) else dict(s)
+        if not isinstance(spec["name"], str) or not SOURCE_NAME.fullmatch(spec["name"]):  # the config refuses it first
+            raise ValueError(f"data source name {spec['name']!r} is not an identifier (letters, digits, _ and -); "
+                             "it names a folder inside the dataset artifact")
         local = resolve_source_path(spec["path"])
         if local is None:
             if spec.get("format") != "hf":

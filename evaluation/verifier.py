@@ -14,6 +14,12 @@ A response is scored in three steps:
 
 math-verify's own timeouts use ``signal.alarm``, which only works on the main thread; the worker
 calls it with those timeouts disabled and the pool enforces the limit instead.
+
+Workers die with the process that owns the ``Verifier``, however it ends (SIGKILL, the OOM killer):
+on Linux each worker asks the kernel for SIGKILL when its parent dies (``PR_SET_PDEATHSIG``), and
+elsewhere a watcher thread in the worker exits when the parent is gone. The kernel ties that signal
+to the *thread* that started the worker, so the pool is always started from one long-lived thread
+(``_spawn_thread``), never from a caller's thread that may end first.
 """
 
 from __future__ import annotations
@@ -22,14 +28,16 @@ import atexit
 import multiprocessing
 import os
 import re
+import signal
+import sys
 import threading
 import time
 from collections import deque
 from collections.abc import Callable, Sequence
-from concurrent.futures import FIRST_COMPLETED, Future, ProcessPoolExecutor, wait
+from concurrent.futures import FIRST_COMPLETED, Future, ProcessPoolExecutor, ThreadPoolExecutor, wait
 from concurrent.futures.process import BrokenProcessPool
 from dataclasses import dataclass
-from decimal import Decimal
+from decimal import MAX_EMAX, MIN_EMIN, Decimal, localcontext
 
 __all__ = [
     "Verdict",
@@ -188,8 +196,10 @@ def _fast_decision(gold: str, pred: str) -> bool | None:
         return None
     if "." not in gold and "." not in pred:
         return False  # distinct canonical integers
-    a, b = Decimal(gold), Decimal(pred)
-    return abs(a - b) <= Decimal("1e-9") * max(abs(a), abs(b))
+    with localcontext() as ctx:  # any number of digits: the default context overflows past 10**999999
+        ctx.Emax, ctx.Emin = MAX_EMAX, MIN_EMIN
+        a, b = Decimal(gold), Decimal(pred)
+        return abs(a - b) <= Decimal("1e-9") * max(abs(a), abs(b))
 
 
 # --------------------------------------------------------------------------- worker side
@@ -216,7 +226,37 @@ def math_verify_equal(gold: str, pred: str) -> bool:
     return bool(verify(_mv_parse(gold), _mv_parse(pred), timeout_seconds=None))
 
 
-def _worker_init() -> None:
+_PR_SET_PDEATHSIG = 1
+
+
+def _die_with_parent(parent_pid: int) -> None:
+    """Make this worker die when ``parent_pid`` (the process that owns the pool) does: Linux's
+    ``PR_SET_PDEATHSIG`` (SIGKILL, delivered by the kernel even while the worker is busy in C code),
+    elsewhere a daemon thread that polls the parent. Either way, a parent already gone by now
+    (it died while this worker started) ends the worker at once."""
+    armed = False
+    if sys.platform.startswith("linux"):
+        try:
+            import ctypes
+
+            libc = ctypes.CDLL(None, use_errno=True)
+            armed = libc.prctl(_PR_SET_PDEATHSIG, signal.SIGKILL, 0, 0, 0) == 0
+        except (OSError, AttributeError):
+            armed = False
+    if os.getppid() != parent_pid:
+        os._exit(1)
+    if not armed:
+        def watch() -> None:
+            while os.getppid() == parent_pid:
+                time.sleep(0.5)
+            os._exit(1)
+
+        threading.Thread(target=watch, name="verifier-parent-watch", daemon=True).start()
+
+
+def _worker_init(parent_pid: int | None = None) -> None:
+    if parent_pid is not None:
+        _die_with_parent(parent_pid)
     import logging
 
     import math_verify.grader
@@ -291,15 +331,21 @@ class Verifier:
         verdicts: list[Verdict | None] = [None] * len(responses)
         slow: list[_SlowItem] = []
         for i, (response, gold) in enumerate(zip(responses, golds)):
-            raw = extract_answer(response)
-            if raw is None:
-                verdicts[i] = Verdict(False, None, None)
+            pred = None
+            try:
+                raw = extract_answer(response)
+                if raw is None:
+                    verdicts[i] = Verdict(False, None, None)
+                    continue
+                pred = normalize_answer(raw)
+                gold_n = normalize_answer(gold)
+                if not gold_n:
+                    verdicts[i] = Verdict(False, pred, "empty gold answer")
+                    continue
+                decided = _fast_decision(gold_n, pred)
+            except Exception as exc:  # noqa: BLE001 - a verdict for every item, whatever the input
+                verdicts[i] = Verdict(False, pred, f"error: {_describe(exc)}")
                 continue
-            pred, gold_n = normalize_answer(raw), normalize_answer(gold)
-            if not gold_n:
-                verdicts[i] = Verdict(False, pred, "empty gold answer")
-                continue
-            decided = _fast_decision(gold_n, pred)
             if decided is None:
                 slow.append(_SlowItem(i, gold_n, pred))
             else:
@@ -394,13 +440,21 @@ class Verifier:
 
     def _ensure_pool(self) -> ProcessPoolExecutor:
         if self._pool is None:
-            self._pool = ProcessPoolExecutor(
-                max_workers=self.workers,
-                mp_context=multiprocessing.get_context("spawn"),
-                initializer=_worker_init,
-            )
-            self._warm_up(self._pool)
+            # Started (and every worker spawned, in ``_warm_up``) on the long-lived spawn thread: the
+            # workers' parent-death signal follows the thread that started them.
+            self._pool = _spawn_thread().submit(self._start_pool).result()
         return self._pool
+
+    def _start_pool(self) -> ProcessPoolExecutor:
+        pool = ProcessPoolExecutor(
+            max_workers=self.workers,
+            mp_context=multiprocessing.get_context("spawn"),
+            initializer=_worker_init,
+            initargs=(os.getpid(),),
+        )
+        self._pool = pool
+        self._warm_up(pool)
+        return pool
 
     def _warm_up(self, pool: ProcessPoolExecutor) -> None:
         """Wait until every worker has started and imported math-verify, so that start-up time
@@ -440,8 +494,23 @@ class Verifier:
 
 
 def _describe(exc: BaseException) -> str:
-    text = str(exc)
+    text = " ".join(str(exc).split())[:300]
     return f"{type(exc).__name__}: {text}" if text else type(exc).__name__
+
+
+_spawner: tuple[int, ThreadPoolExecutor] | None = None
+_spawner_lock = threading.Lock()
+
+
+def _spawn_thread() -> ThreadPoolExecutor:
+    """One thread per process that starts every verifier pool and lives as long as the process
+    (a caller's thread, e.g. an in-run evaluation's, may end while the workers it started are still
+    wanted, and with ``PR_SET_PDEATHSIG`` its end would kill them)."""
+    global _spawner
+    with _spawner_lock:
+        if _spawner is None or _spawner[0] != os.getpid():  # none yet, or inherited by a fork
+            _spawner = (os.getpid(), ThreadPoolExecutor(max_workers=1, thread_name_prefix="verifier-spawn"))
+        return _spawner[1]
 
 
 # --------------------------------------------------------------------------- convenience

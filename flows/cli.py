@@ -61,6 +61,10 @@ def _parser() -> tuple[argparse.ArgumentParser, dict[str, argparse.ArgumentParse
     sp.add_argument("--prompts", action="store_true", help="every prompt id the checkpoint trained on, and how often")
     _workspace_arg(sp)
 
+    sp = sub.add_parser("fsck", help="rehash every stored artifact and quarantine those whose files changed "
+                                     "(exit 1 if any)")
+    _workspace_arg(sp)
+
     sp = sub.add_parser("simulate", help="simulate RL modes at cluster scale (discrete-event, the real control plane)")
     _overrides_arg(sp, " of conf/simulate.yaml, e.g. cluster.nodes=16 model.preset=qwen2.5-32b modes=[sync,laminar]")
     _workspace_arg(sp)
@@ -252,7 +256,7 @@ def cmd_lineage(args) -> int:
 def cmd_serve(args) -> int:
     from core.workspace import Workspace
     from tasks.operate import command_line
-    from tasks.serving import ServeError, prefect_api
+    from tasks.serving import ServeError, auth_file, prefect_api, served_parameters
 
     _load(args.overrides, preflight=True)
     selection = _selection(until=args.until, force=args.force)
@@ -265,9 +269,11 @@ def cmd_serve(args) -> int:
             print(f"laminar: serving deployment laminar-run/{name} on cron {args.cron!r} for workspace {ws.root}\n"
                   f"laminar: Prefect API {api_url}  UI {api_url.removesuffix('/api')}  (Ctrl-C stops; "
                   f"`prefect deployment run laminar-run/{name}` triggers a run now)", flush=True)
-            serve(name, args.cron, {"overrides": list(args.overrides), "workspace": str(ws.root),
-                                    "force": selection.force, "until": args.until,
-                                    "command": command_line() + "  # scheduled run"},
+            if auth_file(ws).exists():
+                print(f"laminar: the API and UI ask for the user:password in {auth_file(ws)} (mode 0600; "
+                      "PREFECT_API_AUTH_STRING for a Prefect client); a run may pass only overrides", flush=True)
+            serve(name, args.cron, served_parameters(ws, args.overrides, selection.force, args.until,
+                                                     command_line() + "  # scheduled run"),
                   description=f"laminar pipeline on {ws.root}: {' '.join(args.overrides) or 'default config'}")
     except ServeError as err:
         print(f"laminar: {err}", file=sys.stderr)
@@ -275,6 +281,27 @@ def cmd_serve(args) -> int:
     except KeyboardInterrupt:
         pass
     return 0
+
+
+def cmd_fsck(args) -> int:
+    from core.workspace import Workspace, WorkspaceBusy
+    from tasks.fsck import format_fsck, fsck
+
+    ws = Workspace.at(args.workspace)
+    if not ws.artifacts.root.is_dir():
+        print(f"laminar: no artifact store in {ws.root}; pass --workspace DIR of a workspace `laminar run` used",
+              file=sys.stderr)
+        return 2
+    try:
+        result = fsck(ws)
+    except WorkspaceBusy as err:
+        print(f"laminar: {err}", file=sys.stderr)
+        return 3
+    lines, summary = format_fsck(ws, result)
+    for line in lines:
+        print(f"laminar: {line}", file=sys.stderr)
+    print(summary)
+    return 0 if result.ok else 1
 
 
 def cmd_simulate(args) -> int:
@@ -305,7 +332,7 @@ def _quiet_transformers() -> None:
 
 COMMANDS = {"run": cmd_run, "rerun": cmd_rerun, "status": cmd_status, "config": cmd_config, "eval": cmd_eval,
             "report": cmd_report, "runs": cmd_runs, "lineage": cmd_lineage, "serve": cmd_serve,
-            "simulate": cmd_simulate}
+            "simulate": cmd_simulate, "fsck": cmd_fsck}
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -317,7 +344,17 @@ def main(argv: list[str] | None = None) -> int:
         args.command = argv[0]
     else:
         args = parser.parse_args(argv)
-    return COMMANDS[args.command](args)
+    from core.catalog import CatalogBusy
+    from core.errors import StageError
+
+    try:
+        return COMMANDS[args.command](args)
+    except CatalogBusy as err:  # another process kept the catalog locked past the bounded wait
+        print(f"laminar: {err}", *getattr(err, "__notes__", []), sep="\n", file=sys.stderr)
+        return 3
+    except StageError as err:  # a stage stopped for a reason its one-line message states whole
+        print(f"laminar: {err}", *getattr(err, "__notes__", []), sep="\n", file=sys.stderr)
+        return 1
 
 
 if __name__ == "__main__":

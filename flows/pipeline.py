@@ -14,9 +14,10 @@ from prefect import flow, runtime
 from conf.loader import load_config
 from core.workspace import Workspace
 from tasks.lineage import record_stage
-from tasks.operate import load_checked, record_flow_run, run_pipeline, select
+from tasks.operate import record_flow_run, run_pipeline, select
 from tasks.prefect_publish import publish_stage
 from tasks.runner import run_stage
+from tasks.serving import check_served_run
 from tasks.stages import STAGES
 from tasks.summary import publish_prefect_artifacts
 
@@ -45,12 +46,13 @@ def laminar_pipeline(overrides: list[str], workspace: str, run_id: str, force: l
 
 
 @flow(name="laminar-run", log_prints=True, persist_result=False)
-def laminar_run(overrides: list[str] | None = None, workspace: str = "./workspace", force: list[str] | None = None,
-                until: str | None = None, rerun: str | None = None, command: str = "laminar (scheduled)") -> dict:
-    """One run of the pipeline under the workspace lock, as ``laminar run`` does; fails at once when
-    another laminar process holds the workspace."""
-    overrides = list(overrides or [])
-    result = run_pipeline(load_checked(overrides), Workspace.at(workspace), laminar_pipeline, overrides=overrides,
-                          selection=select(until=until, force=force or [], rerun=rerun), command=command,
+def laminar_run(overrides: list[str] | None = None, workspace: str | None = None) -> dict:
+    """One run of ``laminar serve``'s deployment under the workspace lock, as ``laminar run`` does; fails
+    at once when another laminar process holds the workspace. The serve process fixes the workspace
+    (``workspace``: only that one), the stages and the recorded command; the overrides a caller passes
+    are checked and validated before anything is written (``tasks.serving.check_served_run``)."""
+    served = check_served_run(overrides, workspace)
+    result = run_pipeline(served.cfg, Workspace.at(served.workspace), laminar_pipeline, overrides=served.overrides,
+                          selection=select(until=served.until, force=served.force), command=served.command,
                           flow_run_id=str(runtime.flow_run.id))
     return {"run_id": result.run_id, "metrics": result.summary["metrics"]}

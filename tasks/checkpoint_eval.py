@@ -131,7 +131,7 @@ def evaluate(cfg: Config, ws: Workspace, spec: str, run_id: str, command: str,
     with ws.catalog.transaction() as con:
         con.execute("INSERT INTO runs VALUES (?, now(), NULL, 'running', ?, ?, NULL)",
                     [run_id, command, dumps(dataclasses.asdict(cfg))])
-    status = "failed"
+    status, error = "failed", None
     try:
         ref = _cached(ws, key.digest)
         if ref is not None:
@@ -157,9 +157,13 @@ def evaluate(cfg: Config, ws: Workspace, spec: str, run_id: str, command: str,
             "eval": ref.sha256, "cache_key": key.digest, "benchmarks": summary})
         status = "completed"
         return report
+    except BaseException as err:
+        error = err
+        raise
     finally:
-        with ws.catalog.transaction() as con:
-            con.execute("UPDATE runs SET finished_at = now(), status = ? WHERE run_id = ?", [status, run_id])
+        from tasks.operate import finish_run
+
+        finish_run(ws, run_id, status, error)
 
 
 def format_eval(report: EvalReport) -> str:

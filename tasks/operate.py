@@ -238,7 +238,8 @@ def run_pipeline(cfg: Config, ws: Workspace, pipeline: Callable[..., list], *, o
         with ws.catalog.transaction() as con:
             con.execute("INSERT INTO runs VALUES (?, now(), NULL, 'running', ?, ?, ?)",
                         [run_id, command, dumps(to_dict(cfg)), flow_run_id])
-        status = "failed"
+        status, error = "failed", None
+        _one_line_in_prefect_logs()
         try:
             outcomes = pipeline(overrides=list(overrides), workspace=str(ws.root), run_id=run_id,
                                 force=list(selection.force), stages=selection.stages)
@@ -248,14 +249,60 @@ def run_pipeline(cfg: Config, ws: Workspace, pipeline: Callable[..., list], *, o
             say(f"summary: {ws.run_dir(run_id) / 'summary.json'}")
             status = "completed"
             return RunResult(run_id, summary)
-        except KeyboardInterrupt:
-            status = INTERRUPTED
+        except KeyboardInterrupt as err:
+            status, error = INTERRUPTED, err
+            raise
+        except BaseException as err:
+            error = err
             raise
         finally:
-            with ws.catalog.transaction() as con:
-                con.execute("UPDATE runs SET finished_at = now(), status = ? WHERE run_id = ?", [status, run_id])
-            logging.getLogger("laminar").removeHandler(handler)
-            handler.close()
+            try:
+                finish_run(ws, run_id, status, error)
+            finally:
+                logging.getLogger("laminar").removeHandler(handler)
+                handler.close()
+
+
+class _DropTraceback(logging.Filter):
+    """Prefect logs a failing task's and flow's exception with its traceback; ``CatalogBusy`` and a
+    ``StageError`` (a diverged loss, an unreadable source file) already say all in one line (which
+    the CLI prints), so keep Prefect's line and drop the traceback."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        from core.catalog import CatalogBusy
+        from core.errors import StageError
+
+        if record.exc_info and isinstance(record.exc_info[1], (CatalogBusy, StageError)):
+            record.exc_info, record.exc_text = None, None
+        return True
+
+
+def _one_line_in_prefect_logs() -> None:
+    for name in ("prefect.flow_runs", "prefect.task_runs"):
+        logger = logging.getLogger(name)
+        if not any(isinstance(f, _DropTraceback) for f in logger.filters):
+            logger.addFilter(_DropTraceback())
+
+
+class RunRecordError(RuntimeError):
+    """The run finished but its catalog row could not be closed."""
+
+
+def finish_run(ws: Workspace, run_id: str, status: str, error: BaseException | None) -> None:
+    """Close the ``runs`` row with ``status``. When the run is failing with ``error``, a failure here
+    (a full disk, a catalog held open too long) never replaces it: ``error`` keeps propagating with
+    this failure added as a note, and the row stays ``running`` (the next run marks it interrupted)."""
+    try:
+        with ws.catalog.transaction() as con:
+            con.execute("UPDATE runs SET finished_at = now(), status = ? WHERE run_id = ?", [status, run_id])
+    except Exception as close_err:  # noqa: BLE001 - reported on the error that matters
+        detail = f"{type(close_err).__name__}: {close_err}" if type(close_err) is not type(error) \
+            else f"{type(close_err).__name__}, as above"
+        note = f"laminar: also, run {run_id} could not be recorded as {status} in the catalog ({detail})"
+        if error is None:
+            raise RunRecordError(note.removeprefix("laminar: also, ")) from close_err
+        logging.getLogger("laminar").error(note)
+        error.add_note(note)
 
 
 def record_flow_run(ws: Workspace, run_id: str, flow_run_id: str | None) -> None:
@@ -268,18 +315,10 @@ def record_flow_run(ws: Workspace, run_id: str, flow_run_id: str | None) -> None
 
 # ---- reading the catalog while a run may be writing it ------------------------------------------
 
-def query(ws: Workspace, sql: str, params: Sequence[Any] = (), wait_s: float = 20.0) -> list[dict]:
-    """``Catalog.query``, retried while a running pipeline holds DuckDB's write lock for a moment."""
-    import duckdb
-
-    deadline = time.monotonic() + wait_s
-    while True:
-        try:
-            return ws.catalog.query(sql, params)
-        except duckdb.IOException as err:
-            if "lock" not in str(err).lower() or time.monotonic() > deadline:
-                raise
-            time.sleep(0.2)
+def query(ws: Workspace, sql: str, params: Sequence[Any] = ()) -> list[dict]:
+    """``Catalog.query``: it waits (bounded) while a running pipeline holds DuckDB's lock for a write,
+    then raises ``core.catalog.CatalogBusy``."""
+    return ws.catalog.query(sql, params)
 
 
 def workspace_busy(ws: Workspace) -> bool:

@@ -6,6 +6,13 @@ localhost with the workspace's Prefect home (so the UI also shows the workspace'
 writes its address to ``<workspace>/prefect/server.json``; ``laminar run`` on that workspace then
 reports to the same server (``attach_served_api``). Nothing here imports Prefect: its settings are
 read once, at import, so ``PREFECT_API_URL`` must be in the environment before.
+
+The server is locked down: Prefect's API authentication on (a fresh random ``user:password`` per
+``laminar serve``, in ``<workspace>/prefect/api-auth``, mode 0600, which the serve process, its flow
+runs and ``laminar run`` on the workspace send), CSRF protection on, and CORS limited to the server's
+own origin. A run of the deployment may choose only config overrides (``check_served_run``): the
+workspace, the stage selection and every override naming a file, folder, executable or cluster are
+fixed by the ``laminar serve`` command line, and the config is validated before anything is written.
 """
 
 from __future__ import annotations
@@ -13,18 +20,22 @@ from __future__ import annotations
 import json
 import os
 import re
+import secrets
 import socket
 import subprocess
 import sys
 import time
 import urllib.request
 from contextlib import contextmanager
+from dataclasses import dataclass
 from pathlib import Path
-from typing import Iterator
+from typing import Iterator, Sequence
 
 from core.workspace import Workspace
 
 SERVER_FILE = "server.json"
+AUTH_FILE = "api-auth"
+SERVE_SPEC_ENV = "LAMINAR_SERVE_SPEC"
 
 
 class ServeError(RuntimeError):
@@ -94,15 +105,58 @@ def _server_file(ws: Workspace) -> Path:
     return ws.prefect_home / SERVER_FILE
 
 
+def auth_file(ws: Workspace) -> Path:
+    """The served API's ``user:password`` (mode 0600), while ``laminar serve`` runs its server."""
+    return ws.prefect_home / AUTH_FILE
+
+
+def new_api_auth(ws: Workspace) -> str:
+    """A fresh random ``laminar:<secret>`` in ``auth_file(ws)``, created 0600 under a temporary name
+    and renamed over any earlier one (never readable by another user, not even for a moment)."""
+    ws.prefect_home.mkdir(parents=True, exist_ok=True)
+    auth = "laminar:" + secrets.token_urlsafe(32)
+    path = auth_file(ws)
+    tmp = path.with_name(f".{AUTH_FILE}.{os.getpid()}.tmp")
+    tmp.unlink(missing_ok=True)
+    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
+    with os.fdopen(fd, "w") as f:
+        f.write(auth)
+        f.flush()
+        os.fsync(f.fileno())
+    os.replace(tmp, path)
+    return auth
+
+
+def read_api_auth(ws: Workspace) -> str | None:
+    try:
+        return auth_file(ws).read_text().strip() or None
+    except OSError:
+        return None
+
+
+def server_env(ws: Workspace, port: int, auth: str, ui: bool = True) -> dict[str, str]:
+    """The environment of ``prefect server start``: the workspace's Prefect home, API authentication
+    with ``auth`` (the server's own services send it too), CSRF protection on, and CORS for the
+    server's own origin only (its UI; no other web page may call the API)."""
+    env = {**os.environ, "PREFECT_HOME": str(ws.prefect_home), "PREFECT_SERVER_ANALYTICS_ENABLED": "false",
+           "DO_NOT_TRACK": "1", "PREFECT_UI_ENABLED": "true" if ui else "false",
+           "PREFECT_SERVER_API_AUTH_STRING": auth, "PREFECT_API_AUTH_STRING": auth,
+           "PREFECT_SERVER_API_CSRF_PROTECTION_ENABLED": "true",
+           "PREFECT_SERVER_API_CORS_ALLOWED_ORIGINS": f"http://127.0.0.1:{port}"}
+    for alias in ("PREFECT_API_URL", "PREFECT_SERVER_CSRF_PROTECTION_ENABLED", "PREFECT_SERVER_CORS_ALLOWED_ORIGINS"):
+        env.pop(alias, None)  # the server's own URL; no older alias of these settings left to disagree
+    return env
+
+
 @contextmanager
-def local_server(ws: Workspace, port: int, startup_s: float = 180.0, ui: bool = True) -> Iterator[str]:
-    """``prefect server start`` on ``127.0.0.1:port`` with the workspace's Prefect home; yields its API
-    URL once healthy; stops it on exit. Its log is ``<workspace>/logs/prefect-server.log``."""
+def local_server(ws: Workspace, port: int, startup_s: float = 180.0, ui: bool = True,
+                 auth: str | None = None) -> Iterator[str]:
+    """``prefect server start`` on ``127.0.0.1:port`` with the workspace's Prefect home, locked down
+    (``server_env``; ``auth``: its ``user:password``, default a fresh one in ``auth_file(ws)``); yields
+    its API URL once healthy; stops it on exit. Its log is ``<workspace>/logs/prefect-server.log``."""
     ws.create()
     api_url = f"http://127.0.0.1:{port}/api"
-    env = {**os.environ, "PREFECT_HOME": str(ws.prefect_home), "PREFECT_SERVER_ANALYTICS_ENABLED": "false",
-           "DO_NOT_TRACK": "1", "PREFECT_UI_ENABLED": "true" if ui else "false"}
-    env.pop("PREFECT_API_URL", None)
+    env = server_env(ws, port, auth or new_api_auth(ws), ui)
     log = open(ws.logs / "prefect-server.log", "ab")
     proc = subprocess.Popen([sys.executable, "-m", "prefect", "server", "start", "--host", "127.0.0.1",
                              "--port", str(port)], env=env, stdout=log, stderr=subprocess.STDOUT,
@@ -121,6 +175,7 @@ def local_server(ws: Workspace, port: int, startup_s: float = 180.0, ui: bool = 
         yield api_url
     finally:
         _server_file(ws).unlink(missing_ok=True)
+        auth_file(ws).unlink(missing_ok=True)
         if proc.poll() is None:
             proc.terminate()
             try:
@@ -135,22 +190,30 @@ def local_server(ws: Workspace, port: int, startup_s: float = 180.0, ui: bool = 
 def prefect_api(ws: Workspace, port: int, cron: str) -> Iterator[str]:
     """The Prefect API ``laminar serve`` registers with, for ``ws``: the one ``PREFECT_API_URL`` names,
     else a local server on ``port`` (taken: another free one; 0: any) started here and stopped on exit.
-    Sets the environment before Prefect is imported, then checks ``cron`` (raises ServeError) before
-    the server starts."""
+    Sets the environment before Prefect is imported (for a local server: its URL and this process's
+    auth string, which its flow runs inherit), then checks ``cron`` (raises ServeError) before the
+    server starts."""
     from tasks.prefect_env import configure_prefect
 
     check_cron_shape(cron)  # before anything is written
     configure_prefect(ws)
     external = os.environ.get("PREFECT_API_URL")
+    auth = None
     if not external:
         port = free_port(port)
+        auth = new_api_auth(ws)
         os.environ["PREFECT_API_URL"] = f"http://127.0.0.1:{port}/api"
+        os.environ["PREFECT_API_AUTH_STRING"] = auth
     ws.create()  # Prefect makes its home (inside the workspace) on import
-    check_cron(cron)
+    try:
+        check_cron(cron)
+    except ServeError:
+        auth_file(ws).unlink(missing_ok=True)
+        raise
     if external:
         yield external
         return
-    with local_server(ws, port) as api_url:
+    with local_server(ws, port, auth=auth) as api_url:
         yield api_url
 
 
@@ -164,7 +227,89 @@ def attach_served_api(ws: Workspace) -> str | None:
         os.kill(int(info["pid"]), 0)
     except (OSError, ValueError, KeyError, TypeError):
         return None
-    if not healthy(info["api_url"]):
-        return None
+    auth = read_api_auth(ws)
+    if auth is None or not healthy(info["api_url"]):
+        return None  # the served API refuses a client without its auth string
     os.environ["PREFECT_API_URL"] = info["api_url"]
+    os.environ["PREFECT_API_AUTH_STRING"] = auth
     return info["api_url"]
+
+
+# ---- what a run of the served deployment may choose ---------------------------------------------------
+
+OPERATOR_ONLY = ("data.sources", "trainer.deepspeed", "model.path", "rollout.vllm_python", "cluster.address", "hydra")
+"""Keys a caller of the deployment may not set: files, folders, executables, a cluster to join (and
+any other key whose last part reads ``path``, ``python``, ``dir``, ``file`` or ``address``)."""
+_PATH_LIKE = re.compile(r"(^|_)(path|python|dir|file|address)$")
+_OVERRIDE = re.compile(r"([A-Za-z_][A-Za-z0-9_]*(?:\.[A-Za-z_][A-Za-z0-9_]*|\[[0-9]+\])*)=(.*)", re.S)
+_PLAIN = re.compile(r"[A-Za-z0-9_+-][A-Za-z0-9_.+-]*")
+
+
+def served_parameters(ws: Workspace, overrides: Sequence[str], force: Sequence[str], until: str | None,
+                      command: str) -> dict:
+    """What ``laminar serve`` fixes for every run of its deployment, put in this process's environment
+    (its flow runs inherit it: ``check_served_run`` reads it); returns the deployment's parameters,
+    the only ones a run may pass: ``overrides`` (default: the command line's) and ``workspace``
+    (this one; any other is refused)."""
+    os.environ[SERVE_SPEC_ENV] = json.dumps({"workspace": str(ws.root), "overrides": list(overrides),
+                                             "force": list(force), "until": until, "command": command})
+    return {"overrides": list(overrides), "workspace": str(ws.root)}
+
+
+def check_caller_override(override: str) -> None:
+    """One override a caller of the deployment passed (not on the ``laminar serve`` command line):
+    ``key=value`` or ``group=option`` only, never a key that names a file, folder, executable or
+    cluster, a ``${...}`` interpolation, or a whole section as a dict. Raises ServeError."""
+    m = _OVERRIDE.fullmatch(override) if isinstance(override, str) else None
+    if m is None:
+        raise ServeError(f"override {override!r} is refused: a run's overrides are key=value or group=option "
+                         "(no +, ~ or @ forms)")
+    key, value = re.sub(r"\[[0-9]+\]", "", m.group(1)), m.group(2)
+    if any(key == k or key.startswith(k + ".") for k in OPERATOR_ONLY) or _PATH_LIKE.search(key.rsplit(".", 1)[-1]):
+        raise ServeError(f"override {override!r} is refused: {key} names a file, folder, executable or cluster; "
+                         "only the `laminar serve` command line may set it")
+    if "${" in value:
+        raise ServeError(f"override {override!r} is refused: no ${{...}} interpolation in a run's overrides")
+    if "." not in key and not _PLAIN.fullmatch(value):
+        raise ServeError(f"override {override!r} is refused: a top-level key takes a plain value or a config "
+                         "group's option (set a section's keys one by one: section.key=value)")
+
+
+@dataclass(frozen=True)
+class ServedRun:
+    workspace: str
+    overrides: list[str]
+    force: list[str]
+    until: str | None
+    command: str
+    cfg: object
+
+
+def check_served_run(overrides: object, workspace: object) -> ServedRun:
+    """The parameters of one run of the served deployment, checked before anything is written: the
+    workspace must be the served one, every override not on the ``laminar serve`` command line must
+    pass ``check_caller_override``, and the config must validate (schema and preflight). Raises
+    ServeError naming what was refused."""
+    from conf.schema import ConfigError
+    from tasks.operate import load_checked
+
+    raw = os.environ.get(SERVE_SPEC_ENV)
+    if not raw:
+        raise ServeError("this flow runs only under `laminar serve` (its deployment fixes the workspace); "
+                         "use `laminar run` otherwise")
+    spec = json.loads(raw)
+    if workspace is not None and workspace != spec["workspace"]:
+        raise ServeError(f"this deployment runs on workspace {spec['workspace']} only; a run may not choose "
+                         f"another (workspace={workspace!r} refused)")
+    overrides = list(spec["overrides"]) if overrides is None else overrides
+    if not isinstance(overrides, list) or not all(isinstance(o, str) for o in overrides):
+        raise ServeError(f"overrides must be a list of 'key=value' strings, got {overrides!r}")
+    trusted = set(spec["overrides"])
+    for o in overrides:
+        if o not in trusted:
+            check_caller_override(o)
+    try:
+        cfg = load_checked(overrides)
+    except ConfigError as err:
+        raise ServeError(f"config error: {err}") from None
+    return ServedRun(spec["workspace"], list(overrides), list(spec["force"]), spec["until"], spec["command"], cfg)

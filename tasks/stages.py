@@ -127,7 +127,8 @@ def _ingest_body(ctx: StageContext) -> StageResult:
         specs.append(SourceSpec(**spec))
     ref, metrics = _produce(ctx, PROMPTS, lambda out: ingest(
         specs, out, near_dup_threshold=ctx.cfg.curation.dedup.near_threshold,
-        near_dup_same_answer=ctx.cfg.curation.dedup.same_answer, seed=ctx.cfg.seed))
+        near_dup_same_answer=ctx.cfg.curation.dedup.same_answer, seed=ctx.cfg.seed,
+        max_prompt_chars=ctx.cfg.data.max_prompt_chars))
     return StageResult({PROMPTS: ref}, metrics)
 
 
@@ -522,7 +523,8 @@ STAGES: tuple[Stage, ...] = (
           _record_data, lambda m: (f"pool {int(m['pool_prompts'])}  heldout {int(m['heldout_prompts'])}  "
                                    if "pool_prompts" in m else "") + f"sources {int(m['sources'])}",
           _source_files),
-    Stage("ingest", {DATASET: ("data", DATASET)}, lambda c: asdict(c.curation.dedup),
+    Stage("ingest", {DATASET: ("data", DATASET)},
+          lambda c: {**asdict(c.curation.dedup), "max_prompt_chars": c.data.max_prompt_chars},
           ("data_curation.ingest", "data_curation.sources", "data_curation.dedup"), _ingest_body, _record_ingest,
           _headline("rows {rows_in:.0f}  ingested {ingested:.0f}  quarantined {quarantined:.0f}  "
                     "duplicates {duplicates_exact:.0f}+{duplicates_near:.0f} near", "rows_in", "ingested", "quarantined",

@@ -25,7 +25,8 @@ def rft(model_dir: Path, rft_path: Path, cfg: RFTConfig, *, template: str, seed:
         with tqdm(total=cfg.steps, desc="rft", unit="step", leave=False) as bar:
             m = train_sft(model, examples, steps=cfg.steps, batch_size=cfg.batch_size, lr=cfg.lr,
                           warmup_steps=cfg.warmup_steps, weight_decay=0.0, max_grad_norm=1.0,
-                          pad_id=tokenizer.pad_token_id, seed=seed, device=device, progress=bar)
+                          pad_id=tokenizer.pad_token_id, seed=seed, device=device, progress=bar, stage="rft",
+                          keys={"curation.rft.lr": cfg.lr, "curation.rft.warmup_steps": cfg.warmup_steps})
         metrics.update({"rft_steps": float(cfg.steps), "rft_loss_first": m["sft_loss_first"],
                         "rft_loss_ema": m["sft_loss_ema"]})
     save_model(model.to("cpu"), tokenizer, out_dir)

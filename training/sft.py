@@ -8,9 +8,11 @@ from __future__ import annotations
 import math
 import random
 from dataclasses import dataclass
-from typing import Sequence
+from typing import Mapping, Sequence
 
 import torch
+
+from training.finite import check_finite
 
 
 @dataclass(frozen=True)
@@ -46,8 +48,18 @@ def lr_lambda(warmup: int, total: int, floor: float = 0.1):
 
 def train_sft(model, examples: Sequence[SFTExample], *, steps: int, batch_size: int, lr: float,
               warmup_steps: int, weight_decay: float, max_grad_norm: float, pad_id: int, seed: int,
-              device: str = "cpu", progress=None) -> dict[str, float]:
-    """Train ``model`` in place for ``steps`` optimizer steps; returns loss metrics."""
+              device: str = "cpu", progress=None, stage: str = "sft",
+              keys: Mapping[str, object] | None = None) -> dict[str, float]:
+    """Train ``model`` in place for ``steps`` optimizer steps; returns loss metrics.
+
+    Every step checks its loss (before the backward pass) and its gradient norm (before the
+    optimizer step), and the trained model's loss and gradient norm on the last batch are checked
+    once more (weights that the last step blew up can still give a finite loss). A non-finite value
+    raises ``training.finite.NonFiniteError`` naming ``stage``, the step and ``keys`` (the config
+    keys behind the optimizer settings, with their values; default: the arguments' names), so the
+    caller saves nothing."""
+    if keys is None:
+        keys = {"lr": lr, "max_grad_norm": max_grad_norm, "weight_decay": weight_decay}
     if not examples:
         raise ValueError("SFT needs at least one example")
     rng = random.Random(f"sft:{seed}")
@@ -66,18 +78,29 @@ def train_sft(model, examples: Sequence[SFTExample], *, steps: int, batch_size: 
         idx, order = order[:batch_size], order[batch_size:]
         ids, attn, labels = (t.to(device) for t in collate([examples[i] for i in idx], pad_id))
         loss = model(input_ids=ids, attention_mask=attn, labels=labels).loss
+        value = float(loss.detach())
+        where = f"stage {stage}, SFT step {step + 1}/{steps}"
+        check_finite(where, keys, loss=value)
         opt.zero_grad(set_to_none=True)
         loss.backward()
-        torch.nn.utils.clip_grad_norm_(model.parameters(), max_grad_norm)
+        norm = torch.nn.utils.clip_grad_norm_(model.parameters(), max_grad_norm)
+        check_finite(where, keys, gradient_norm=float(norm))
         opt.step()
         sched.step()
-        value = float(loss.detach())
         first = value if step == 0 else first
         ema = value if ema is None else 0.9 * ema + 0.1 * value
         last = value
         if progress is not None:
             progress.update(1)
             progress.set_postfix(loss=f"{ema:.3f}")
+    if steps > 0:  # the weights the last step left, which the caller saves: one more forward and backward
+        loss = model(input_ids=ids, attention_mask=attn, labels=labels).loss
+        opt.zero_grad(set_to_none=True)
+        loss.backward()
+        norm = torch.nn.utils.clip_grad_norm_(model.parameters(), math.inf)  # measures, changes nothing
+        opt.zero_grad(set_to_none=True)
+        check_finite(f"stage {stage}, after SFT step {steps}/{steps} (the trained model on the last batch)", keys,
+                     loss=float(loss.detach()), gradient_norm=float(norm))
     model.eval()
     return {"sft_loss_first": first, "sft_loss_last": last, "sft_loss_ema": ema if ema is not None else float("nan"),
             "sft_steps": float(steps), "sft_examples": float(len(examples))}

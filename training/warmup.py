@@ -33,6 +33,8 @@ def warmup(model_dir: Path, prompts_path: Path, cfg: SFTConfig, *, template: str
         metrics = train_sft(model, examples, steps=cfg.steps, batch_size=cfg.batch_size, lr=cfg.lr,
                             warmup_steps=cfg.warmup_steps, weight_decay=cfg.weight_decay,
                             max_grad_norm=cfg.max_grad_norm, pad_id=tokenizer.pad_token_id, seed=seed,
-                            device=device, progress=bar)
+                            device=device, progress=bar, stage="warmup",
+                            keys={"sft.lr": cfg.lr, "sft.max_grad_norm": cfg.max_grad_norm,
+                                  "sft.weight_decay": cfg.weight_decay, "sft.warmup_steps": cfg.warmup_steps})
     save_model(model.to("cpu"), tokenizer, out_dir)
     return metrics

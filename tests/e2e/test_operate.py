@@ -24,6 +24,7 @@ import pytest
 
 from core.workspace import Workspace
 from tests.configs import TINY_CURATED
+from tests.served_api import ServedAPI
 from tasks import cache
 from tasks.operate import downstream_of, orphan_prefect_servers, upstream_of, workspace_busy
 from tasks.prefect_publish import artifact_key, asset_key
@@ -295,20 +296,6 @@ def test_an_edited_source_file_reruns_exactly_the_downstream_stages(first, tmp_p
 
 # ---- serve -------------------------------------------------------------------------------------------------
 
-def _api(url: str, path: str, body: dict | None = None, method: str = "POST"):
-    """One call to the Prefect server; a 503 (its database busy while the served run starts up) is
-    retried a few times, any other error fails."""
-    import httpx
-
-    for attempt in range(10):
-        r = httpx.request(method, url + path, json=body, timeout=30)
-        if r.status_code != 503 or attempt == 9:
-            break
-        time.sleep(2)
-    r.raise_for_status()
-    return r.json()
-
-
 @pytest.mark.slow
 def test_serve_registers_the_cron_schedule_and_a_triggered_run_completes(first):
     ws, _ = first
@@ -329,22 +316,23 @@ def test_serve_registers_the_cron_schedule_and_a_triggered_run_completes(first):
     try:
         deadline = time.monotonic() + 240
         deployments: list = []
+        client = None
         while not deployments:
             assert proc.poll() is None, "".join(lines)[-3000:]
             assert time.monotonic() < deadline, "".join(lines)[-3000:]
             time.sleep(1)
-            if api:
-                deployments = _api(api[0], "/deployments/filter", {})
-        url = api[0]
+            if api:  # the API asks for the workspace's auth string (and a CSRF token to change anything)
+                client = client or ServedAPI(api[0], ws)
+                deployments = client.call("/deployments/filter", {})
         assert (ws / "prefect" / "server.json").exists()  # the server runs with the workspace's Prefect home
         (dep,) = deployments
         assert dep["name"] == f"laminar-{ws.name}" and dep["schedules"][0]["schedule"]["cron"] == cron
         assert dep["parameters"]["workspace"] == str(ws) and "rl.steps=3" in dep["parameters"]["overrides"]
 
-        flow_run = _api(url, f"/deployments/{dep['id']}/create_flow_run", {})
+        flow_run = client.call(f"/deployments/{dep['id']}/create_flow_run", {})
         deadline = time.monotonic() + 400
         while True:
-            state = _api(url, f"/flow_runs/{flow_run['id']}", method="GET")["state"]
+            state = client.call(f"/flow_runs/{flow_run['id']}", method="GET")["state"]
             if state["type"] in ("COMPLETED", "FAILED", "CRASHED", "CANCELLED"):
                 break
             assert time.monotonic() < deadline, "".join(lines)[-3000:]
@@ -356,12 +344,12 @@ def test_serve_registers_the_cron_schedule_and_a_triggered_run_completes(first):
         s = summaries(ws)[run[0]]
         assert statuses(s)["rl"] == "ran" and set(s["stages"]) == set(NAMES)
 
-        keys = {a["key"] for a in _api(url, "/artifacts/filter", {})}
+        keys = {a["key"] for a in client.call("/artifacts/filter", {})}
         assert {artifact_key(n) for n in NAMES} | {artifact_key(n, "lineage") for n in NAMES} <= keys
         wanted = asset_key(Workspace.at(ws), "rl", "model")
         deadline = time.monotonic() + 60
         while True:  # events reach the API in the background
-            events = _api(url, "/events/filter", {"filter": {"event": {"prefix": ["prefect.asset."]}}, "limit": 50})
+            events = client.call("/events/filter", {"filter": {"event": {"prefix": ["prefect.asset."]}}, "limit": 50})
             mats = [e for e in events["events"] if e["event"] == "prefect.asset.materialization.succeeded"
                     and e["resource"]["prefect.resource.id"] == wanted]
             if mats or time.monotonic() > deadline:

@@ -33,7 +33,7 @@ from core.artifacts import hash_file
 
 __all__ = [
     "MARKER", "write_checkpoint", "latest_checkpoint", "list_checkpoints", "checkpoint_step", "is_complete",
-    "save_trainer_state", "load_trainer_state", "save_json", "load_json",
+    "save_trainer_state", "load_trainer_state", "save_json", "load_json", "verified_files",
 ]
 
 MARKER = "COMPLETE.json"
@@ -152,6 +152,29 @@ def is_complete(path: Path, *, verify: bool = True) -> bool:
         except OSError:
             return False
     return True
+
+
+def verified_files(ckpt: Path, sub: str) -> list[Path]:
+    """The files under ``ckpt/sub`` after checking them against the checkpoint's own marker: every
+    file there must be listed with its sha256, and every listed file must be there. Raises
+    ValueError naming the first file that is not, so a loader that must trust what it reads (a
+    pickle-based format such as DeepSpeed's) never opens a file the checkpoint did not write."""
+    ckpt = Path(ckpt)
+    marker = _read_marker(ckpt)
+    if marker is None:
+        raise ValueError(f"{ckpt} is not a complete checkpoint (no valid {MARKER}): refusing to load from it")
+    listed = {k: v for k, v in marker["files"].items() if k.startswith(sub.rstrip("/") + "/")}
+    present = sorted(p.relative_to(ckpt).as_posix() for p in (ckpt / sub).rglob("*") if p.is_file())
+    for rel in present:
+        if rel not in listed:
+            raise ValueError(f"{ckpt / rel} is not in the checkpoint's {MARKER}: refusing to load it")
+        if hash_file(ckpt / rel) != listed[rel]:
+            raise ValueError(f"{ckpt / rel} does not match the sha256 in the checkpoint's {MARKER}: "
+                             "refusing to load it")
+    missing = sorted(set(listed) - set(present))
+    if missing:
+        raise ValueError(f"{ckpt / missing[0]} is listed in the checkpoint's {MARKER} but missing")
+    return [ckpt / rel for rel in present]
 
 
 def list_checkpoints(root: Path, *, verify: bool = False) -> list[Path]:

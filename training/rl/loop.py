@@ -6,11 +6,13 @@ phases onto separate workers without changing them.
 
 from __future__ import annotations
 
+import logging
 import math
 import random
 import time
 from collections import Counter
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Callable, Sequence
 
 import torch
@@ -60,6 +62,13 @@ class PromptCursor:
     def round_size(self, remaining: int, zero_var_ratio: float, batch: int) -> int:
         """A further dynamic-sampling round of the Ray runtime's batched modes: the groups still missing."""
         return remaining
+
+    def state(self) -> dict:
+        """The data cursor, for a checkpoint (the epoch orders follow from the seed)."""
+        return {"position": self.position}
+
+    def load_state(self, state: dict) -> None:
+        self.position = int(state["position"])
 
     def step_counts(self) -> dict[str, float]:
         return {}
@@ -136,6 +145,28 @@ class HiveSource:
             easy += mean == 1.0
             hard += mean == 0.0
         self.greso.end_step(easy / len(groups), hard / len(groups))
+
+    def state(self) -> dict:
+        """Everything HIVE's online selection holds, for a checkpoint (JSON): the cursor, the prompts
+        that passed the filters and wait for a batch, the RNG of GRESO's skips, GRESO's own state and
+        the counters since the last step."""
+        from training.rl.control import prompt_to_json
+
+        version, internal, gauss = self.rng.getstate()
+        return {"cursor": self.cursor.state(), "buffer": [prompt_to_json(p) for p in self.buffer],
+                "rng": [version, list(internal), gauss], "counts": dict(self._counts),
+                "greso": self.greso.state() if self.greso is not None else None}
+
+    def load_state(self, state: dict) -> None:
+        from training.rl.control import prompt_from_json
+
+        self.cursor.load_state(state["cursor"])
+        self.buffer = [prompt_from_json(p) for p in state["buffer"]]
+        version, internal, gauss = state["rng"]
+        self.rng.setstate((version, tuple(internal), gauss))
+        self._counts = Counter(state["counts"])
+        if self.greso is not None and state["greso"] is not None:
+            self.greso.load_state(state["greso"])
 
     def step_counts(self) -> dict[str, float]:
         """Prompts drawn from the cursor, skipped by GRESO and pruned by entropy since the last call."""
@@ -258,10 +289,15 @@ def format_step(m: dict, total: int) -> str:
 def run_sync(model, tokenizer, prompts: Sequence[PromptItem], verifier, params: ObjectiveParams, rl, *, seed: int,
              device: str, on_step: Callable[[dict], None] | None = None,
              source: Callable[[PromptCursor, TorchEngine], PromptCursor | HiveSource] | None = None,
-             evaluate: Callable[[object], dict[str, float]] | None = None) -> RLResult:
+             evaluate: Callable[[object], dict[str, float]] | None = None,
+             checkpoint_dir: Path | None = None) -> RLResult:
     """Synchronous GRPO-family RL: generate a batch of groups with the current weights, score it,
     take one update and refresh the sampler's weights. Trains ``model`` in place. ``rl``:
-    ``conf.schema.RLConfig`` (steps, batch, lengths, optimizer, ``eval_every``)."""
+    ``conf.schema.RLConfig`` (steps, batch, lengths, optimizer, ``eval_every``, ``checkpoint_every``).
+    With ``checkpoint_dir`` it writes an atomic checkpoint every ``rl.checkpoint_every`` steps
+    (weights, optimizer, RNGs, the prompt source's state, the history) and starts from the last one
+    there: every step samples with its own seeded generator, so a resumed run goes on exactly as
+    the uninterrupted one would."""
     import copy
 
     torch.manual_seed(seed)
@@ -271,7 +307,8 @@ def run_sync(model, tokenizer, prompts: Sequence[PromptItem], verifier, params: 
     cursor = PromptCursor(prompts, seed)
     prompt_source = source(cursor, engine) if source is not None else cursor
     result = RLResult()
-    for step in range(1, steps + 1):
+    start = _resume_sync(Path(checkpoint_dir), trainer, engine, prompt_source, result) if checkpoint_dir else 1
+    for step in range(start, steps + 1):
         generator = torch.Generator().manual_seed(seed * 1_000_003 + step)
         t0 = time.perf_counter()
         collected = collect_phase(engine, prompt_source, verifier, params, prompts_per_step=rl.prompts_per_step,
@@ -291,7 +328,42 @@ def run_sync(model, tokenizer, prompts: Sequence[PromptItem], verifier, params: 
         result.rewards.extend((step, g.prompt_id, sum(g.correct) / len(g.correct), len(g.correct))
                               for g in collected.rolled_out)
         result.consumed.update(t.prompt.prompt_id for g in collected.groups for t in g.trajectories)
+        if checkpoint_dir and rl.checkpoint_every and step % rl.checkpoint_every == 0 and step < steps:
+            _checkpoint_sync(Path(checkpoint_dir), step, trainer, prompt_source, result)
         if on_step is not None:
             on_step(metrics)
     trainer.model.eval()
     return result
+
+
+SYNC_STATE = "sync.json"
+
+
+def _checkpoint_sync(root: Path, step: int, trainer: PolicyTrainer, source, result: RLResult) -> None:
+    from training.rl.checkpoint import save_json, save_trainer_state, write_checkpoint
+
+    def writer(tmp: Path) -> None:
+        save_trainer_state(tmp, trainer.model, trainer.opt, version=trainer.version)
+        save_json(tmp, SYNC_STATE, {"step": step, "source": source.state(), "history": result.history,
+                                    "consumed": dict(result.consumed), "rewards": [list(x) for x in result.rewards]})
+    write_checkpoint(root, step, writer)
+
+
+def _resume_sync(root: Path, trainer: PolicyTrainer, engine: TorchEngine, source, result: RLResult) -> int:
+    """Restore the last complete checkpoint under ``root`` (if any) into the trainer, the sampler's
+    weights, the prompt source and ``result``; returns the step to run next (1 without one)."""
+    from training.rl.checkpoint import latest_checkpoint, load_json, load_trainer_state
+
+    ckpt = latest_checkpoint(root) if root.exists() else None
+    if ckpt is None:
+        return 1
+    info = load_trainer_state(ckpt, trainer.model, trainer.opt)
+    trainer.version = int(info["version"])
+    publish_phase(trainer, engine)
+    state = load_json(ckpt, SYNC_STATE)
+    source.load_state(state["source"])
+    result.history = state["history"]
+    result.consumed = Counter(state["consumed"])
+    result.rewards = [tuple(x) for x in state["rewards"]]
+    logging.getLogger("laminar.training").warning("resuming RL from checkpoint %s (step %d)", ckpt, state["step"])
+    return int(state["step"]) + 1

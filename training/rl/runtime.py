@@ -191,8 +191,38 @@ class LaminarRuntime:
                       runtime_env={"env_vars": actor_env(self.cluster.actor_threads)})
             if self.cluster.address:
                 ray.init(address=self.cluster.address, **kw)
-            else:  # Ray's CPUs are a scheduling resource: enough for every role, however many cores
-                ray.init(num_cpus=max(self.cluster.num_cpus or os.cpu_count(), math.ceil(self._cpus_needed(1))), **kw)
+                return ray
+            # A local Ray serves this machine only: its auth token (on by default for a new local cluster)
+            # goes in a 0600 file before Ray reads it (Ray writes ~/.ray/auth_token with the umask, 0644),
+            # and every server of it listens on the loopback. Ray resolves _node_ip_address="127.0.0.1" to
+            # the outward address except in its single-node mode, RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER=0 (read
+            # at import, so its constant too): set for the start (the processes Ray starts inherit it).
+            import secrets
+
+            from ray._private import ray_constants
+
+            if os.environ.get("RAY_AUTH_MODE", "token").lower() != "disabled" and not os.environ.get("RAY_AUTH_TOKEN"):
+                token = Path(os.environ.get("RAY_AUTH_TOKEN_PATH") or Path.home() / ".ray" / "auth_token")
+                token.parent.mkdir(mode=0o700, parents=True, exist_ok=True)
+                try:
+                    fd = os.open(token, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
+                except FileExistsError:
+                    os.chmod(token, 0o600)
+                else:
+                    with os.fdopen(fd, "w") as f:
+                        f.write(secrets.token_hex(32))  # as Ray generates it
+            var, saved = ray_constants.ENABLE_RAY_CLUSTERS_ENV_VAR, ray_constants.ENABLE_RAY_CLUSTER
+            saved_env = os.environ.get(var)
+            os.environ[var], ray_constants.ENABLE_RAY_CLUSTER = "0", False
+            try:  # Ray's CPUs are a scheduling resource: enough for every role, however many cores
+                ray.init(num_cpus=max(self.cluster.num_cpus or os.cpu_count(), math.ceil(self._cpus_needed(1))),
+                         _node_ip_address="127.0.0.1", **kw)
+            finally:
+                ray_constants.ENABLE_RAY_CLUSTER = saved
+                if saved_env is None:
+                    os.environ.pop(var, None)
+                else:
+                    os.environ[var] = saved_env
         return ray
 
     def _cpus_needed(self, nodes: int) -> float:
@@ -569,8 +599,8 @@ class LaminarRuntime:
         def writer(tmp: Path) -> None:
             self.trainer.get(ray, "save", str(tmp))
             save_json(tmp, "runtime.json", {"version": self.manager.version, "cursor": self.cursor.position,
-                                            **self.manager.state(), "history": self.result.history,
-                                            "mode": self.mode.name})
+                                            "source": self.source.state(), **self.manager.state(),
+                                            "history": self.result.history, "mode": self.mode.name})
         path = write_checkpoint(self.checkpoint_dir, self.manager.version, writer)
         self.manager.counts["checkpoints"] += 1
         LOG.info("checkpoint %s", path)
@@ -586,6 +616,8 @@ class LaminarRuntime:
         state = load_json(ckpt, "runtime.json")
         version = self.trainer.get(ray, "load", str(ckpt))
         self.cursor.position = state["cursor"]
+        if "source" in state:  # HIVE's online state (GRESO's history and RNG, the filtered prompts waiting)
+            self.source.load_state(state["source"])
         self.manager.load_state(state)
         self.manager.start_at(version)
         self.result.history = state["history"]

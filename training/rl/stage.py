@@ -65,9 +65,10 @@ def rl(model_dir: Path, prompts_path: Path, cfg: RLConfig, *, template: str, see
        rollout: RolloutConfig | None = None) -> RLResult:
     """RL from ``model_dir`` on the prompts of ``prompts_path`` (see the module docstring for what
     it writes). ``select`` turns on HIVE's online pruning; ``evaluate`` runs every ``cfg.eval_every`` steps.
-    With ``cfg.uses_ray()`` the Laminar runtime runs the roles on Ray (``cluster``) and checkpoints
-    into ``state_dir``, resuming from it after a crash; it also writes ``timeline.json``/``.png`` and
-    ``runtime.json`` (throughput, staleness histogram, repacks, failures)."""
+    Either loop checkpoints into ``state_dir`` every ``cfg.checkpoint_every`` steps and resumes from
+    it after a crash. With ``cfg.uses_ray()`` the Laminar runtime runs the roles on Ray (``cluster``);
+    it also writes ``timeline.json``/``.png`` and ``runtime.json`` (throughput, staleness histogram,
+    repacks, failures)."""
     model, tokenizer = load_model(model_dir, device)
     rows = read_table(Path(prompts_path))
     if not rows and cfg.steps > 0:
@@ -96,7 +97,8 @@ def rl(model_dir: Path, prompts_path: Path, cfg: RLConfig, *, template: str, see
             model = runtime.final_model
             write_runtime_report(runtime, Path(out_dir))
         else:
-            result = run_sync(model, tokenizer, prompts, verifier, params, cfg, **common)
+            result = run_sync(model, tokenizer, prompts, verifier, params, cfg, **common,
+                              checkpoint_dir=Path(state_dir) / "checkpoints" if state_dir is not None else None)
     save_model(model.to("cpu"), tokenizer, out_dir)
     with open(Path(out_dir) / "history.jsonl", "w") as f:
         for m in result.history:

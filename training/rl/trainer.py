@@ -8,12 +8,15 @@ from __future__ import annotations
 
 import copy
 import dataclasses
+import math
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Sequence
 
 import numpy as np
 import torch
 
+from training.finite import check_finite
 from training.objectives import ADVANTAGES, ObjectiveParams, PolicyBatch, entropy_from_logits, policy_loss
 from generation.records import ScoredGroup, WeightsUpdate
 from training.rl.records import UpdateStats
@@ -136,6 +139,8 @@ class PolicyTrainer:
 
     zero_stage = 0
     """DeepSpeed's ZeRO stage (0: plain torch, every rank holds the full weights)."""
+    stage = "rl"
+    """The pipeline stage this trainer runs in, for the finite checks' errors."""
 
     def __init__(self, model, params: ObjectiveParams, *, lr: float, weight_decay: float,
                  max_grad_norm: float, temperature: float, max_new_tokens: int, pad_id: int, device: str,
@@ -143,6 +148,8 @@ class PolicyTrainer:
         self.model = model.to(device).train()
         self.params = params
         self.opt = torch.optim.AdamW(model.parameters(), lr=lr, weight_decay=weight_decay, betas=(0.9, 0.99))
+        self.lr = lr
+        self.weight_decay = weight_decay
         self.max_grad_norm = max_grad_norm
         self.temperature = temperature
         self.max_new_tokens = max_new_tokens
@@ -153,6 +160,7 @@ class PolicyTrainer:
         self.rank = rank
         self.world_size = world_size
         self.version = 0
+        self._where = f"stage {self.stage}, update 1"
         # a frozen copy of the starting weights, only when the objective has a KL term
         self.ref_model = copy.deepcopy(model).eval().requires_grad_(False) if params.kl_coef > 0 else None
 
@@ -187,8 +195,15 @@ class PolicyTrainer:
                     p.grad = torch.zeros_like(p)
                 dist.all_reduce(p.grad, op=dist.ReduceOp.SUM)
         norm = float(torch.nn.utils.clip_grad_norm_(self.model.parameters(), self.max_grad_norm))
+        self._check_finite(gradient_norm=norm)  # the same summed norm on every rank: all raise together
         self.opt.step()
         return norm
+
+    def _check_finite(self, **values: float | None) -> None:
+        """``training.finite.check_finite`` for the update in progress, naming the RL config keys."""
+        check_finite(self._where, {"rl.lr": self.lr, "rl.max_grad_norm": self.max_grad_norm,
+                                   "rl.weight_decay": self.weight_decay, "rl.temperature": self.temperature},
+                     **values)
 
     def full_state(self) -> dict[str, np.ndarray]:
         """The full weights as host arrays (float32 for dtypes NumPy lacks, e.g. bf16). On CUDA they
@@ -231,7 +246,13 @@ class PolicyTrainer:
         """One publishable update from ``groups``: advantages over the whole batch, then
         ``minibatches`` optimizer steps on consecutive slices. With one minibatch the proximal
         policy is the current one (ratio 1, clipping inactive); with more, the proximal log-probs
-        are computed once before the first step, so later steps are clipped against them."""
+        are computed once before the first step, so later steps are clipped against them.
+
+        A non-finite loss or gradient norm raises ``training.finite.NonFiniteError`` (naming the
+        update and the ``rl.*`` keys) before the optimizer applies it wherever it is known by then
+        (one rank: the loss; plain torch: the summed gradient norm), else right after the step
+        (DeepSpeed's norm, several ranks' summed loss; every rank sees the same value and raises):
+        ``version`` does not advance and nothing is published."""
         batch = build_batch(groups, self.pad_id)
         advantages = ADVANTAGES[self.params.advantage](batch.rewards, batch.group_index).to(self.device)
         mask = batch.mask.to(self.device)
@@ -257,7 +278,9 @@ class PolicyTrainer:
         chunks = [idx for idx in torch.arange(n).chunk(min(self.minibatches, n))]
         per_chunk: list[dict[str, float]] = []
         losses, norms = [], []
-        for idx in chunks:
+        for i, idx in enumerate(chunks):
+            self._where = (f"stage {self.stage}, update {self.version + 1}"
+                           + (f" (minibatch {i + 1}/{len(chunks)})" if len(chunks) > 1 else ""))
             self._zero_grad()
             metrics: dict[str, float] = {}
             chunk_loss = 0.0
@@ -289,8 +312,11 @@ class PolicyTrainer:
                         metrics[k] = max(metrics.get(k, v), v)
                     else:
                         metrics[k] = metrics.get(k, 0.0) + share * v
-            norms.append(self._step())
+            if self.world_size == 1:  # several ranks hold partial losses: checked once summed, below
+                self._check_finite(loss=chunk_loss)
+            norms.append(self._step())  # checks the gradient norm
             metrics, chunk_loss = self._reduce_metrics(metrics, chunk_loss)
+            self._check_finite(loss=chunk_loss)
             losses.append(chunk_loss)
             per_chunk.append(metrics)
         self.version += 1
@@ -378,7 +404,13 @@ class DeepSpeedPolicyTrainer(PolicyTrainer):
     def _step(self) -> float:
         self.engine.step()
         norm = self.engine.get_global_grad_norm()
-        return float(norm) if norm is not None else 0.0
+        norm = float(norm) if norm is not None else 0.0
+        if not self.engine.was_step_applied():  # ZeRO found non-finite gradients and skipped the step
+            if self.engine.fp16_enabled():
+                return norm  # fp16: dynamic loss scaling lowers its scale and goes on (weights untouched)
+            norm = norm if not math.isfinite(norm) else math.nan  # fp32/bf16: nothing will make it finite
+        self._check_finite(gradient_norm=norm)  # the engine's global norm / overflow flag: every rank raises
+        return norm
 
     def full_state(self) -> dict[str, np.ndarray]:
         """ZeRO-3 partitions the parameters: gather them once (a collective: every rank calls)."""
@@ -395,10 +427,34 @@ class DeepSpeedPolicyTrainer(PolicyTrainer):
         self.engine.save_checkpoint(directory, tag="deepspeed", save_latest=False)
 
     def load(self, directory: str) -> None:
+        """DeepSpeed's own checkpoint, after every file under ``directory/deepspeed`` was checked
+        against the checkpoint's manifest (``checkpoint.verified_files``), read with
+        ``torch.load(weights_only=True)``: tensors, containers and the three DeepSpeed records its
+        optimizer state holds, never arbitrary pickled objects."""
+        from training.rl.checkpoint import verified_files
+
+        verified_files(Path(directory), "deepspeed")
+        ce = self.engine.checkpoint_engine
+        from deepspeed.runtime.checkpoint_engine import TorchCheckpointEngine
+
+        if not isinstance(ce, TorchCheckpointEngine):
+            raise ValueError(f"resume reads DeepSpeed's torch checkpoint engine only, not {type(ce).__name__}")
+        ce.load = _weights_only_load
         path, _ = self.engine.load_checkpoint(directory, tag="deepspeed", load_optimizer_states=True,
                                               load_lr_scheduler_states=False)
         if path is None:
             raise FileNotFoundError(f"no DeepSpeed checkpoint under {directory}")
+
+
+def _weights_only_load(path: str, map_location=None):
+    """DeepSpeed's checkpoint reader with ``weights_only=True`` and the records its ZeRO optimizer
+    state needs allowlisted (found by loading ZeRO-2 and ZeRO-3 checkpoints of DeepSpeed 0.19)."""
+    from deepspeed.runtime.fp16.loss_scaler import LossScaler
+    from deepspeed.runtime.zero.config import ZeroStageEnum
+    from deepspeed.utils.tensor_fragment import fragment_address
+
+    with torch.serialization.safe_globals([LossScaler, ZeroStageEnum, fragment_address]):
+        return torch.load(path, map_location=map_location, weights_only=True)
 
 
 def init_distributed(backend: str, rank: int, world_size: int, master_addr: str, master_port: int,
