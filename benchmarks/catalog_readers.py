@@ -203,7 +203,7 @@ def status_loop(ws: Path, poll_s: float, stop: Path, out: Path, cli_every_s: flo
 
 def raw_loop(ws: Path, poll_s: float, stop: Path, out: Path) -> None:
     """A raw ``duckdb.connect(path, read_only=True)`` counting every table's rows, every ``poll_s``, as
-    a notebook would; DuckDB refuses it while the run's write holds the file (counted, not retried)."""
+    a notebook would (no retry: a lock conflict or any other error is counted)."""
     import duckdb
 
     catalog = ws / "catalog.duckdb"

@@ -1,16 +1,25 @@
-"""The DuckDB catalog: one file per workspace holding curation and lineage tables.
+"""The DuckDB catalog: curation and lineage tables, one database per workspace.
 
-Only the flow process writes it; connections are short-lived so that read-only commands
-(``laminar status``) can open it between writes. Every table has a key that makes a retried write
-idempotent (``INSERT ... ON CONFLICT DO NOTHING`` / ``DO UPDATE``).
+Every table has a key that makes a retried write idempotent (``INSERT ... ON CONFLICT DO NOTHING`` /
+``DO UPDATE``). DuckDB locks a file per process and never waits: a writer cannot open it while any
+other process holds a connection (a notebook, ``laminar status``), nor a reader while a run writes.
+So the catalog is two files:
 
-DuckDB locks the file per process and never waits: a writer cannot open it while any other process
-holds a connection (a notebook, ``laminar status``), nor a reader while a run writes. So opening a
-connection retries on that lock conflict with a bounded, jittered exponential backoff (writers up to
-``LAMINAR_CATALOG_WRITE_WAIT_S``, default 300 s; readers up to ``LAMINAR_CATALOG_READ_WAIT_S``,
-default 30 s), then raises ``CatalogBusy`` with a one-line message naming the process holding the
-lock. Only the open is retried: once open, the connection holds the lock until it closes, so a
-transaction's statements never meet the conflict and nothing is written twice.
+- ``catalog.live.duckdb``: what laminar writes. One write connection at a time in a process (a
+  lock), short-lived (a stage's rows, a run's row).
+- ``catalog.duckdb``: what everyone reads. After every write connection the live file is
+  checkpointed and copied to a temporary name, which then replaces ``catalog.duckdb`` atomically: a
+  reader (``Catalog.query``, ``laminar status``, a notebook's own ``duckdb.connect(...,
+  read_only=True)``) always opens a complete, committed state and never meets the writer's lock; one
+  holding it open keeps its own copy (the replaced file stays readable) and never delays a write.
+
+Opening a connection still retries on DuckDB's lock conflict, with a bounded, jittered exponential
+backoff (writers up to ``LAMINAR_CATALOG_WRITE_WAIT_S``, default 300 s; readers up to
+``LAMINAR_CATALOG_READ_WAIT_S``, default 30 s), for a process that opens a file directly read-write
+(``catalog.live.duckdb``, or ``catalog.duckdb`` itself), then raises ``CatalogBusy`` with a
+one-line message naming the process holding the lock. Only the open is retried: once open, the
+connection holds the lock until it closes, so nothing is written twice. A workspace written before
+the split (one ``catalog.duckdb``) is carried over to ``catalog.live.duckdb`` at its first write.
 """
 
 from __future__ import annotations
@@ -20,6 +29,8 @@ import logging
 import os
 import random
 import re
+import shutil
+import threading
 import time
 from contextlib import contextmanager
 from pathlib import Path
@@ -144,24 +155,35 @@ def lock_holder(err: BaseException) -> str:
     return f"PID {m.group(2)}, {m.group(1)}" if m else "another process"
 
 
+_WRITE_LOCK = threading.RLock()
+"""One write connection at a time in this process (stages may run in threads): the checkpoint and
+copy that publish ``catalog.duckdb`` then see no other transaction."""
+_NESTING = threading.local()
+
+
 class Catalog:
     def __init__(self, path: Path, write_wait_s: float | None = None, read_wait_s: float | None = None):
         self.path = Path(path)
+        """The published copy every reader opens (``catalog.duckdb``)."""
+        self.live = self.path.with_name(self.path.stem + ".live" + self.path.suffix)
+        """What laminar writes (``catalog.live.duckdb``)."""
         self.write_wait_s = _env_seconds("LAMINAR_CATALOG_WRITE_WAIT_S", WRITE_WAIT_S) \
             if write_wait_s is None else write_wait_s
         self.read_wait_s = _env_seconds("LAMINAR_CATALOG_READ_WAIT_S", READ_WAIT_S) \
             if read_wait_s is None else read_wait_s
 
-    def _open(self, read_only: bool) -> Any:
-        """``duckdb.connect``, retried while another process holds the file's lock (bounded)."""
+    def _open(self, read_only: bool, path: Path | None = None) -> Any:
+        """``duckdb.connect`` (readers: the published copy; writers: the live file), retried while
+        another process holds the file's lock (bounded)."""
         import duckdb
 
+        path = Path(path) if path is not None else (self.path if read_only else self.live)
         wait = self.read_wait_s if read_only else self.write_wait_s
         t0 = time.monotonic()
         delay, warned, tries = FIRST_DELAY_S, False, 0
         while True:
             try:
-                con = duckdb.connect(str(self.path), read_only=read_only)
+                con = duckdb.connect(str(path), read_only=read_only)
                 break
             except duckdb.IOException as err:
                 if not is_lock_conflict(err):
@@ -169,44 +191,83 @@ class Catalog:
                 waited = time.monotonic() - t0
                 if waited >= wait:
                     if read_only:
-                        msg = (f"the catalog {self.path} is locked for writing by another process ({lock_holder(err)}) "
+                        msg = (f"the catalog {path} is locked for writing by another process ({lock_holder(err)}) "
                                f"and stayed locked for {waited:.1f} s; try again in a moment")
                     else:
-                        msg = (f"the catalog {self.path} is held open by another process ({lock_holder(err)}) "
+                        msg = (f"the catalog {path} is held open by another process ({lock_holder(err)}) "
                                f"and stayed locked for {waited:.1f} s; close that connection (a notebook or "
                                "shell holding the catalog open) and rerun: finished stages come from cache")
                     raise CatalogBusy(msg) from None
                 if not warned and not read_only and waited >= 5.0:
-                    LOG.warning("catalog %s is locked by %s; waiting up to %.0f s", self.path, lock_holder(err), wait)
+                    LOG.warning("catalog %s is locked by %s; waiting up to %.0f s", path, lock_holder(err), wait)
                     warned = True
                 time.sleep(min(delay * random.uniform(0.5, 1.5), max(0.0, wait - waited)))
                 delay, tries = min(2 * delay, MAX_DELAY_S), tries + 1
         if tries:
             LOG.log(logging.DEBUG if read_only else logging.INFO,
-                    "catalog %s: %s waited %.3f s (%d retries) for another process's connection", self.path,
+                    "catalog %s: %s waited %.3f s (%d retries) for another process's connection", path,
                     "reader" if read_only else "writer", time.monotonic() - t0, tries)
         return con
 
     @contextmanager
     def connect(self, read_only: bool = False) -> Iterator[Any]:
-        import duckdb
+        """A connection: read-only ones to the published ``catalog.duckdb`` (an empty in-memory catalog
+        before the first write), read-write ones to the live file, published when they close."""
+        if read_only:
+            import duckdb
 
-        if read_only and not self.path.exists():
-            con = duckdb.connect(":memory:")
-            con.execute(SCHEMA)
-        else:
+            published = self.path.exists()  # once: the first write may publish it meanwhile
+            con = self._open(True) if published else duckdb.connect(":memory:")
+            if not published:
+                con.execute(SCHEMA)
+            try:
+                yield con
+            finally:
+                con.close()
+            return
+        with _WRITE_LOCK:
             self.path.parent.mkdir(parents=True, exist_ok=True)
-            con = self._open(read_only)
-            if not read_only:
+            self._carry_over()
+            con = self._open(False)
+            _NESTING.depth = getattr(_NESTING, "depth", 0) + 1
+            try:
+                con.execute(SCHEMA)
+                yield con
+            finally:
+                _NESTING.depth -= 1
                 try:
-                    con.execute(SCHEMA)
-                except BaseException:
+                    if _NESTING.depth == 0:  # a connection opened inside another publishes with the outer one
+                        self._publish(con)
+                finally:
                     con.close()
-                    raise
+
+    def _publish(self, con: Any) -> None:
+        """Checkpoint the live file (the write-ahead log into the file) and replace ``catalog.duckdb``
+        with a copy of it, atomically. A failure here (a full disk) leaves the previous copy and never
+        hides the error of the write itself: it is logged, and the next write publishes again."""
+        tmp = self.path.with_name(f".{self.path.name}.{os.getpid()}.{threading.get_ident()}.tmp")
         try:
-            yield con
+            con.execute("CHECKPOINT")
+            shutil.copyfile(self.live, tmp)
+            os.replace(tmp, self.path)
+        except Exception as err:  # noqa: BLE001 - the live file holds the truth; readers keep the last copy
+            tmp.unlink(missing_ok=True)
+            LOG.warning("catalog %s: could not publish the readers' copy (%s: %s); it stays at the last write",
+                        self.path, type(err).__name__, err)
+
+    def _carry_over(self) -> None:
+        """A workspace from before the split has only ``catalog.duckdb``, written in place: fold its
+        write-ahead log in and make it the live file (once)."""
+        if self.live.exists() or not self.path.exists():
+            return
+        con = self._open(False, self.path)
+        try:
+            con.execute("CHECKPOINT")
         finally:
             con.close()
+        tmp = self.live.with_name(f".{self.live.name}.{os.getpid()}.tmp")
+        shutil.copyfile(self.path, tmp)
+        os.replace(tmp, self.live)
 
     @contextmanager
     def transaction(self) -> Iterator[Any]:
