@@ -324,9 +324,12 @@ class TrainerWorker:
 
 
 def _node_id() -> str:
+    """This actor's Ray node, or "local" outside Ray (never starting a Ray of its own to ask)."""
     try:
         import ray
 
+        if not ray.is_initialized():
+            return "local"
         return ray.get_runtime_context().get_node_id()
     except Exception:  # noqa: BLE001 - outside Ray (unit tests)
         return "local"
