@@ -220,7 +220,7 @@ def test_the_simulator_and_the_runtime_drive_the_same_manager(monkeypatch, tmp_p
 
     if ray.is_initialized():
         ray.shutdown()
-    ray.init(num_cpus=2, include_dashboard=False, logging_level="WARNING", runtime_env={"env_vars": actor_env(1)})
+    ray.init(address="local", num_cpus=2, include_dashboard=False, logging_level="WARNING", runtime_env={"env_vars": actor_env(1)})
     try:
         for mode in ("laminar", "sync"):
             rl = RLConfig(mode=mode, steps=3, prompts_per_step=4, group_size=4, max_new_tokens=24,

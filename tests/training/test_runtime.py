@@ -54,7 +54,7 @@ def local_ray():
         ray.shutdown()
     from training.rl.runtime import actor_env
 
-    ray.init(num_cpus=2, include_dashboard=False, logging_level="WARNING",
+    ray.init(address="local", num_cpus=2, include_dashboard=False, logging_level="WARNING",
              runtime_env={"env_vars": actor_env(1)})  # the actors' environment, as the runtime starts them
     yield ray
     ray.shutdown()

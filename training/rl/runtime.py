@@ -215,7 +215,10 @@ class LaminarRuntime:
             saved_env = os.environ.get(var)
             os.environ[var], ray_constants.ENABLE_RAY_CLUSTER = "0", False
             try:  # Ray's CPUs are a scheduling resource: enough for every role, however many cores
-                ray.init(num_cpus=max(self.cluster.num_cpus or os.cpu_count(), math.ceil(self._cpus_needed(1))),
+                # address="local": always a new Ray of its own, never one a killed run left recorded in
+                # /tmp/ray/ray_current_cluster (single-node mode would try to join that)
+                ray.init(address="local",
+                         num_cpus=max(self.cluster.num_cpus or os.cpu_count(), math.ceil(self._cpus_needed(1))),
                          _node_ip_address="127.0.0.1", **kw)
             finally:
                 ray_constants.ENABLE_RAY_CLUSTER = saved
