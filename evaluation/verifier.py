@@ -50,6 +50,9 @@ __all__ = [
 
 TIMEOUT_ERROR = "timeout"
 _POOL_START_TIMEOUT_S = 120.0
+"""How long worker start-up may go without progress: while the workers keep using CPU (importing
+math-verify on a loaded machine can take minutes) the wait goes on, up to ``_POOL_START_CAP_S``."""
+_POOL_START_CAP_S = 1200.0
 _MAX_ATTEMPTS = 2  # an item in flight when a worker dies twice is reported as a crash
 
 
@@ -286,6 +289,20 @@ class _SlowItem:
     attempts: int = 0
 
 
+
+def _workers_cpu(pool: ProcessPoolExecutor) -> float:
+    """CPU seconds the pool's worker processes have used so far (0 where unreadable)."""
+    import psutil
+
+    total = 0.0
+    for proc in list((getattr(pool, "_processes", None) or {}).values()):
+        try:
+            t = psutil.Process(proc.pid).cpu_times()
+            total += t.user + t.system
+        except (psutil.Error, ValueError, AttributeError):
+            continue
+    return total
+
 class Verifier:
     """Scores responses against gold answers; see the module docstring.
 
@@ -460,16 +477,24 @@ class Verifier:
         """Wait until every worker has started and imported math-verify, so that start-up time
         is never charged to an item's timeout."""
         seen: set[int] = set()
-        give_up = time.monotonic() + _POOL_START_TIMEOUT_S
+        start = time.monotonic()
+        give_up = start + _POOL_START_TIMEOUT_S
+        cpu = _workers_cpu(pool)
         while len(seen) < self.workers:
             futures = [pool.submit(_ping, 0.05) for _ in range(self.workers)]
-            done, not_done = wait(futures, timeout=max(0.0, give_up - time.monotonic()))
-            if not_done:
-                self._kill_pool()
-                raise RuntimeError(
-                    f"verifier worker pool did not start within {_POOL_START_TIMEOUT_S:.0f} s; "
-                    "check that math-verify imports in a fresh interpreter"
-                )
+            while True:
+                done, not_done = wait(futures, timeout=max(0.0, min(give_up - time.monotonic(), 10.0)))
+                if not not_done:
+                    break
+                now_cpu = _workers_cpu(pool)
+                if now_cpu > cpu:  # still importing (a loaded machine): give it another window
+                    cpu, give_up = now_cpu, min(time.monotonic() + _POOL_START_TIMEOUT_S, start + _POOL_START_CAP_S)
+                if time.monotonic() >= give_up:
+                    self._kill_pool()
+                    raise RuntimeError(
+                        f"verifier worker pool did not start: no progress for {_POOL_START_TIMEOUT_S:.0f} s "
+                        f"({time.monotonic() - start:.0f} s in all); check that math-verify imports in a fresh "
+                        "interpreter")
             try:
                 seen.update(f.result() for f in done)
             except BrokenProcessPool as exc:

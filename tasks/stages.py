@@ -316,12 +316,14 @@ def _rl_body(ctx: StageContext) -> StageResult:
                         evaluate=evaluate, cluster=ctx.cfg.cluster, state_dir=ctx.state_dir,
                         trainer=ctx.cfg.trainer, rollout=ctx.cfg.rollout)
         meta["timings"] = [{k: m[k] for k in ("step", *TIMING_KEYS) if k in m} for m in result.history]
-        last = result.history[-5:] if result.history else []
-        mean = lambda k: sum(m[k] for m in last) / max(1, len(last))  # noqa: E731
+        rewards = [m["reward"] for m in result.history]
+        window = [sum(rewards[i:i + 5]) / len(rewards[i:i + 5]) for i in range(max(1, len(rewards) - 4))] if rewards else []
         return {"steps": len(result.history), "trajectories": sum(result.consumed.values()),
                 "generated": int(sum(m["generated_trajectories"] for m in result.history)),
-                "reward_last5": mean("reward") if last else None,
-                "reward_first": result.history[0]["reward"] if result.history else None}
+                "reward_last5": window[-1] if window else None,
+                "reward_first5": window[0] if window else None,
+                "reward_peak5": max(window) if window else None,
+                "reward_first": rewards[0] if rewards else None}
 
     ref, metrics = _produce(ctx, MODEL, run, meta)
     return StageResult({MODEL: ref}, metrics)
@@ -507,11 +509,23 @@ def _difficulty_stage(name: str, model_stage: str,
     """k samples per prompt with ``model_stage``'s model: pass rate, length and entropy per prompt."""
     return Stage(name, {MODEL: (model_stage, MODEL), PROMPTS: ("decontaminate", PROMPTS)},
                  lambda c: {**asdict(c.curation.difficulty), "max_prompts": max_prompts(c), "template": template(c),
-                            "verifier_timeout_s": c.eval.verifier_timeout_s},
+                            "verifier_timeout_s": c.eval.verifier_timeout_s, **_numerics(c)},
                  _SAMPLING_MODULES, lambda ctx: _difficulty_body(ctx, max_prompts), _record_difficulty,
                  _headline("prompts {prompts_sampled:.0f}  pass {mean_pass_rate:.3f}  edge {learning_edge:.0f}  "
                            "all-correct {all_correct:.0f}  all-wrong {all_wrong:.0f}", "prompts_sampled",
                            "mean_pass_rate", "learning_edge", "all_correct", "all_wrong"))
+
+
+def _numerics(c: Config) -> dict:
+    """What a stage that trains or samples with torch adds to its key: the thread count it computes
+    with (``threads=0`` resolved to torch's default), since float results depend on it."""
+    from generation.setup import resolve_threads
+
+    return {"torch_threads": resolve_threads(c.threads)}
+
+
+def _eval_config(c: Config) -> dict:
+    return {**asdict(c.eval), **_numerics(c)}
 
 
 def _headline(fmt: str, *keys: str) -> Callable[[dict], str]:
@@ -537,26 +551,26 @@ STAGES: tuple[Stage, ...] = (
           lambda con, ctx, res, key: _record_checkpoint(con, ctx, res, key, "base_model", 0),
           lambda m: f"params {int(m['parameters']):,}", _model_files),
     Stage("warmup", {MODEL: ("base_model", MODEL), PROMPTS: ("decontaminate", PROMPTS)},
-          lambda c: {**asdict(c.sft), "template": template(c)},
+          lambda c: {**asdict(c.sft), "template": template(c), **_numerics(c)},
           ("training.warmup", "generation.setup"), _warmup_body,
           lambda con, ctx, res, key: _record_checkpoint(con, ctx, res, key, "warmup", ctx.cfg.sft.steps),
           lambda m: f"loss {m['sft_loss_first']:.3f} -> {m['sft_loss_ema']:.3f}"),
-    Stage("eval_warmup", {MODEL: ("warmup", MODEL), DATASET: ("data", DATASET)}, lambda c: asdict(c.eval),
+    Stage("eval_warmup", {MODEL: ("warmup", MODEL), DATASET: ("data", DATASET)}, _eval_config,
           _EVAL_MODULES, _eval_body, _record_eval, _eval_headline, _benchmark_files),
     _difficulty_stage("difficulty", "warmup"),
     Stage("dart", {MODEL: ("warmup", MODEL), PROMPTS: ("decontaminate", PROMPTS), ATTEMPTS: ("difficulty", ATTEMPTS)},
           lambda c: {**asdict(c.curation.dart), "max_new_tokens": c.curation.difficulty.max_new_tokens,
-                     "template": template(c), "verifier_timeout_s": c.eval.verifier_timeout_s},
+                     "template": template(c), "verifier_timeout_s": c.eval.verifier_timeout_s, **_numerics(c)},
           (*_SAMPLING_MODULES, "data_curation.dart"), _dart_body, _record_dart,
           lambda m: f"{m.get('trials', 0):.0f} trials  {m['rft_examples']:.0f} correct responses"
                     + (f"  ({m['rejected_arithmetic']:.0f} right answers with a false step turned down)"
                        if m.get("rejected_arithmetic") else "")),
     Stage("rft", {MODEL: ("warmup", MODEL), RFT_DATA: ("dart", RFT_DATA)},
-          lambda c: {**asdict(c.curation.rft), "template": template(c)}, ("training.rft", "generation.setup"),
+          lambda c: {**asdict(c.curation.rft), "template": template(c), **_numerics(c)}, ("training.rft", "generation.setup"),
           _rft_body, lambda con, ctx, res, key: _record_checkpoint(con, ctx, res, key, "rft", ctx.cfg.curation.rft.steps),
           lambda m: f"{m['rft_examples']:.0f} examples" + (f"  loss {m['rft_loss_first']:.3f} -> {m['rft_loss_ema']:.3f}"
                                                             if m.get("rft_steps") else "  (passed through)")),
-    Stage("eval_rft", {MODEL: ("rft", MODEL), DATASET: ("data", DATASET)}, lambda c: asdict(c.eval),
+    Stage("eval_rft", {MODEL: ("rft", MODEL), DATASET: ("data", DATASET)}, _eval_config,
           _EVAL_MODULES, _eval_body, _record_eval, _eval_headline, _benchmark_files),
     # HIVE selects from the pass rates of the model RL starts from (the RFT model, often much better than
     # the warm-up model whose pass rates steered DART): stale rates put solved prompts on the "edge".
@@ -565,7 +579,7 @@ STAGES: tuple[Stage, ...] = (
           lambda c: {**_select_config(c), "min_prompts": c.rl.prompts_per_step}, ("data_curation.hive",), _select_body, _record_select,
           _headline("selected {selected:.0f} of {candidates:.0f}", "selected", "candidates"), _history_fingerprint),
     Stage("rl", {MODEL: ("rft", MODEL), SELECTION: ("select", SELECTION), DATASET: ("data", DATASET)},
-          lambda c: {**asdict(c.rl), "verifier_timeout_s": c.eval.verifier_timeout_s, "template": template(c),
+          lambda c: {**asdict(c.rl), "verifier_timeout_s": c.eval.verifier_timeout_s, "template": template(c), **_numerics(c),
                      "select": _select_config(c),
                      **({"cluster": asdict(c.cluster)} if c.rl.uses_ray() else {}),
                      **({"trainer": asdict(c.trainer)} if not c.trainer.is_default() else {}),
@@ -575,12 +589,12 @@ STAGES: tuple[Stage, ...] = (
           _rl_body, _record_rl,
           lambda m: (f"reward {m['reward_first']:.3f} -> {m['reward_last5']:.3f} (last 5)  "
                      f"{m.get('generated', 0):.0f} rollouts") if m.get("steps") else ""),
-    Stage("eval_rl", {MODEL: ("rl", MODEL), DATASET: ("data", DATASET)}, lambda c: asdict(c.eval),
+    Stage("eval_rl", {MODEL: ("rl", MODEL), DATASET: ("data", DATASET)}, _eval_config,
           _EVAL_MODULES, _eval_body, _record_eval, _eval_headline, _benchmark_files),
 )
 STAGE_BY_NAME = {s.name: s for s in STAGES}
 
-EVAL_STAGE = Stage("eval", {MODEL: ("", MODEL), DATASET: ("", DATASET)}, lambda c: asdict(c.eval), _EVAL_MODULES,
+EVAL_STAGE = Stage("eval", {MODEL: ("", MODEL), DATASET: ("", DATASET)}, _eval_config, _EVAL_MODULES,
                    _eval_body, _record_adhoc_eval, _eval_headline, _benchmark_files)
 """``laminar eval`` on any checkpoint: not part of the DAG (its inputs come from the command line:
 a checkpoint and the latest data artifact, which may be absent), same body and key scheme as the
