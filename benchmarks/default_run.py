@@ -34,8 +34,13 @@ ROOT = Path(__file__).resolve().parent.parent
 STAGES = (("warmup", "eval_warmup"), ("rft", "eval_rft"), ("rl", "eval_rl"))
 
 
-def laminar(ws: Path, overrides: list[str]) -> tuple[dict, float]:
-    """(summary.json of the run, wall seconds of the whole command)."""
+def laminar(ws: Path, overrides: list[str], resume: bool = False) -> tuple[dict, float]:
+    """(summary.json of the run, wall seconds of the whole command). ``resume``: a workspace that
+    already holds a run of this benchmark (``bench_wall.json``) gives that run back instead."""
+    done = ws / "bench_wall.json"
+    if resume and done.exists():
+        d = json.loads(done.read_text())
+        return json.loads((ws / "runs" / d["run_id"] / "summary.json").read_text()), d["wall_s"]
     cmd = [sys.executable, "-m", "flows.cli", "run", "--workspace", str(ws), *overrides]
     t0 = time.perf_counter()
     proc = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True)
@@ -43,7 +48,10 @@ def laminar(ws: Path, overrides: list[str]) -> tuple[dict, float]:
     if proc.returncode != 0:
         raise SystemExit(f"{' '.join(cmd)} failed (exit {proc.returncode}):\n{proc.stderr[-3000:]}")
     latest = max((ws / "runs").iterdir(), key=lambda p: p.stat().st_mtime)
-    return json.loads((latest / "summary.json").read_text()), wall
+    summary = json.loads((latest / "summary.json").read_text())
+    if not done.exists():
+        done.write_text(json.dumps({"run_id": summary["run_id"], "wall_s": wall}))
+    return summary, wall
 
 
 def row_of(summary: dict, *, seed: int, threads: int, wall: float) -> dict:
@@ -52,7 +60,8 @@ def row_of(summary: dict, *, seed: int, threads: int, wall: float) -> dict:
     for role, stage in STAGES:
         held = stages.get(stage, {}).get("metrics", {}).get("arith_heldout", {})
         acc[role] = held.get("accuracy")
-        levels[role] = {lv: next(iter(v.values())) for lv, v in sorted(held.get("by_level", {}).items())}
+        levels[role] = {lv: next(iter(v.values())) if isinstance(v, dict) else v
+                        for lv, v in sorted(held.get("by_level", {}).items())}
     return {"seed": seed, "threads": threads, "wall_s": round(wall, 1), "pipeline_s": round(summary["seconds"], 1),
             "accuracy": acc, "by_level": levels,
             "stage_seconds": {k: v["seconds"] for k, v in stages.items()},
@@ -111,6 +120,8 @@ def main() -> None:
     ap.add_argument("--cached-rerun", action="store_true", help="time the same command again (all cached)")
     ap.add_argument("--workspaces", type=Path, default=ROOT / "workspace-bench-default")
     ap.add_argument("--keep", action="store_true", help="keep the workspaces (default: delete each after use)")
+    ap.add_argument("--resume", action="store_true",
+                    help="take the first run of a kept workspace from an earlier (interrupted) call instead of rerunning")
     ap.add_argument("--out", type=Path, default=ROOT / "benchmarks" / "results" / "default_run")
     ap.add_argument("--label", default="")
     ap.add_argument("overrides", nargs="*")
@@ -120,9 +131,10 @@ def main() -> None:
         for seed in args.seeds:
             for rep in range(args.repeats):
                 ws = args.workspaces / f"t{threads}-s{seed}-r{rep}"
-                shutil.rmtree(ws, ignore_errors=True)
+                if not (args.resume and (ws / "bench_wall.json").exists()):
+                    shutil.rmtree(ws, ignore_errors=True)
                 overrides = [f"seed={seed}", f"threads={threads}", *args.overrides]
-                summary, wall = laminar(ws, overrides)
+                summary, wall = laminar(ws, overrides, resume=args.resume)
                 rows.append({**row_of(summary, seed=seed, threads=threads, wall=wall), "repeat": rep})
                 print(json.dumps(rows[-1]), flush=True)
                 if args.cached_rerun and rep == 0:
