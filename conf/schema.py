@@ -181,6 +181,19 @@ class DecontamConfig:
     min_coverage: float = 0.7
     """A prompt is contaminated when the n-grams it shares with a benchmark item cover at least this
     share of the item's tokens (one shared 13-gram alone flags LaTeX boilerplate: 1,299 of MATH train)."""
+    paraphrase: bool = True
+    """Run the paraphrase rule after the n-gram rule (MinHash/LSH over the shingles of normalised
+    text, verified exactly; see docs/curation.md)."""
+    paraphrase_high: float = 0.92
+    """Paraphrase score (max of shingle Jaccard and the item's containment in the prompt) at which a
+    prompt is flagged whatever its answer."""
+    paraphrase_moderate: float = 0.6
+    """Paraphrase score at which a prompt is flagged when its canonical answer equals the item's."""
+    paraphrase_ngram: int = 3
+    """Skeleton n-gram length of the paraphrase shingles (numbers, symbols and LaTeX in order)."""
+    paraphrase_num_perm: int = 128
+    paraphrase_bands: int = 64
+    """LSH bands (num_perm / bands rows each): 64 x 2 finds pairs down to Jaccard ~0.3."""
 
 
 @dataclass
@@ -539,8 +552,15 @@ def _validate_curation(cfg: Config) -> None:
         raise ConfigError(f"curation.dedup.near_threshold={c.dedup.near_threshold} must be in (0, 1]")
     if not 0 < c.decontam.min_coverage <= 1:
         raise ConfigError(f"curation.decontam.min_coverage={c.decontam.min_coverage} must be in (0, 1]")
+    if not 0 < c.decontam.paraphrase_moderate <= c.decontam.paraphrase_high <= 1:
+        raise ConfigError(f"curation.decontam.paraphrase_moderate={c.decontam.paraphrase_moderate} and paraphrase_high="
+                          f"{c.decontam.paraphrase_high} need 0 < moderate <= high <= 1")
+    if c.decontam.paraphrase_bands < 1 or c.decontam.paraphrase_num_perm % c.decontam.paraphrase_bands:
+        raise ConfigError(f"curation.decontam.paraphrase_num_perm={c.decontam.paraphrase_num_perm} must be a positive "
+                          f"multiple of paraphrase_bands={c.decontam.paraphrase_bands}")
     _non_negative(cfg, "curation.rft.warmup_steps", "curation.select.round_headroom", "curation.select.min_round")
-    _positive(cfg, "curation.decontam.ngram", "curation.difficulty.samples", "curation.difficulty.temperature",
+    _positive(cfg, "curation.decontam.ngram", "curation.decontam.paraphrase_ngram", "curation.difficulty.samples",
+              "curation.difficulty.temperature",
               "curation.difficulty.max_new_tokens", "curation.dart.k_u", "curation.dart.k_p",
               "curation.dart.round_size", "curation.dart.temperature", "curation.rft.batch_size", "curation.rft.lr")
     if c.difficulty.samples < 2:

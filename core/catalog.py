@@ -97,6 +97,9 @@ CREATE TABLE IF NOT EXISTS contamination (
     matched VARCHAR, overlap BIGINT,
     PRIMARY KEY (artifact_sha, prompt_id, benchmark, benchmark_problem_id)
 );
+-- rule: which check flagged the prompt (ngram | paraphrase | paraphrase+answer); score: its coverage or similarity
+ALTER TABLE contamination ADD COLUMN IF NOT EXISTS rule VARCHAR;
+ALTER TABLE contamination ADD COLUMN IF NOT EXISTS score DOUBLE;
 CREATE TABLE IF NOT EXISTS attempts (
     artifact_sha VARCHAR, model_sha VARCHAR, prompt_id VARCHAR, n BIGINT, n_correct BIGINT, pass_rate DOUBLE,
     mean_length DOUBLE, mean_entropy DOUBLE, level INTEGER,

@@ -132,16 +132,29 @@ def _ingest_body(ctx: StageContext) -> StageResult:
     return StageResult({PROMPTS: ref}, metrics)
 
 
+def paraphrase_params(cfg: Config):
+    """``curation.decontam``'s paraphrase rule settings, or None when it is off."""
+    from data_curation.decontaminate import ParaphraseParams
+
+    d = cfg.curation.decontam
+    if not d.paraphrase:
+        return None
+    return ParaphraseParams(high=d.paraphrase_high, moderate=d.paraphrase_moderate, ngram=d.paraphrase_ngram,
+                            num_perm=d.paraphrase_num_perm, bands=d.paraphrase_bands, seed=cfg.seed)
+
+
 def _decontaminate_body(ctx: StageContext) -> StageResult:
     from data_curation.decontaminate import decontaminate
-    from evaluation.stages import HELDOUT, load_items
+    from evaluation.stages import HELDOUT, benchmark_hash, load_items
 
     data = Path(ctx.inputs[DATASET].path)
     has_heldout = (data / "heldout.parquet").exists()
-    items = [it for b in ctx.cfg.eval.benchmarks if b != HELDOUT or has_heldout for it in load_items(b, data)]
+    names = [b for b in ctx.cfg.eval.benchmarks if b != HELDOUT or has_heldout]
+    items = [it for b in names for it in load_items(b, data)]
     ref, metrics = _produce(ctx, PROMPTS, lambda out: decontaminate(
         Path(ctx.inputs[PROMPTS].file("prompts.parquet")), items, out, ngram=ctx.cfg.curation.decontam.ngram,
-        min_coverage=ctx.cfg.curation.decontam.min_coverage))
+        min_coverage=ctx.cfg.curation.decontam.min_coverage, paraphrase=paraphrase_params(ctx.cfg),
+        benchmark_hashes={b: benchmark_hash(b, data) for b in names}))
     return StageResult({PROMPTS: ref}, metrics)
 
 
@@ -375,8 +388,8 @@ def _record_ingest(con, ctx: StageContext, res: StageResult, key: str) -> None:
 
 
 def _record_decontaminate(con, ctx: StageContext, res: StageResult, key: str) -> None:
-    _insert_parquet(con, "contamination", "prompt_id, source, benchmark, benchmark_problem_id, matched, overlap",
-                    res.artifacts[PROMPTS], "contamination.parquet")
+    _insert_parquet(con, "contamination", "prompt_id, source, benchmark, benchmark_problem_id, matched, overlap, "
+                    "rule, score", res.artifacts[PROMPTS], "contamination.parquet")
 
 
 def _record_history(con, ref: ArtifactRef, file: str) -> None:
