@@ -175,6 +175,15 @@ class DedupConfig:
 
 
 @dataclass
+class TemplateConfig:
+    strip: bool = True
+    """Ingest takes out an instruction wrapper (a common prefix and/or suffix) shared by most of a
+    source's rows and keeps it as the source's template (catalog table ``source_templates``)."""
+    min_share: float = 0.9
+    """Share of a source's rows that must carry the wrapper (and at least 8 rows)."""
+
+
+@dataclass
 class DecontamConfig:
     ngram: int = 13
     """Token n-gram length (words, numbers and punctuation are tokens); a text shorter than this is one gram."""
@@ -264,6 +273,7 @@ class SelectConfig:
 class CurationConfig:
     dedup: DedupConfig = field(default_factory=DedupConfig)
     decontam: DecontamConfig = field(default_factory=DecontamConfig)
+    templates: TemplateConfig = field(default_factory=TemplateConfig)
     difficulty: DifficultyConfig = field(default_factory=DifficultyConfig)
     dart: DartConfig = field(default_factory=DartConfig)
     rft: RFTConfig = field(default_factory=RFTConfig)
@@ -552,6 +562,8 @@ def _validate_curation(cfg: Config) -> None:
         raise ConfigError(f"curation.dedup.near_threshold={c.dedup.near_threshold} must be in (0, 1]")
     if not 0 < c.decontam.min_coverage <= 1:
         raise ConfigError(f"curation.decontam.min_coverage={c.decontam.min_coverage} must be in (0, 1]")
+    if not 0 < c.templates.min_share <= 1:
+        raise ConfigError(f"curation.templates.min_share={c.templates.min_share} must be in (0, 1]")
     if not 0 < c.decontam.paraphrase_moderate <= c.decontam.paraphrase_high <= 1:
         raise ConfigError(f"curation.decontam.paraphrase_moderate={c.decontam.paraphrase_moderate} and paraphrase_high="
                           f"{c.decontam.paraphrase_high} need 0 < moderate <= high <= 1")

@@ -92,6 +92,12 @@ CREATE TABLE IF NOT EXISTS duplicates (
     kind VARCHAR, similarity DOUBLE,
     PRIMARY KEY (artifact_sha, source, source_row)
 );
+-- the instruction wrapper ingest took out of a source's rows (the source's own template)
+CREATE TABLE IF NOT EXISTS source_templates (
+    artifact_sha VARCHAR, source VARCHAR, template VARCHAR, prefix VARCHAR, suffix VARCHAR, rows BIGINT,
+    matched BIGINT,
+    PRIMARY KEY (artifact_sha, source)
+);
 CREATE TABLE IF NOT EXISTS contamination (
     artifact_sha VARCHAR, prompt_id VARCHAR, source VARCHAR, benchmark VARCHAR, benchmark_problem_id VARCHAR,
     matched VARCHAR, overlap BIGINT,

@@ -128,7 +128,8 @@ def _ingest_body(ctx: StageContext) -> StageResult:
     ref, metrics = _produce(ctx, PROMPTS, lambda out: ingest(
         specs, out, near_dup_threshold=ctx.cfg.curation.dedup.near_threshold,
         near_dup_same_answer=ctx.cfg.curation.dedup.same_answer, seed=ctx.cfg.seed,
-        max_prompt_chars=ctx.cfg.data.max_prompt_chars))
+        max_prompt_chars=ctx.cfg.data.max_prompt_chars,
+        template_share=ctx.cfg.curation.templates.min_share if ctx.cfg.curation.templates.strip else None))
     return StageResult({PROMPTS: ref}, metrics)
 
 
@@ -385,6 +386,9 @@ def _record_ingest(con, ctx: StageContext, res: StageResult, key: str) -> None:
     _insert_parquet(con, "quarantine", "source, source_row, raw, reason", ref, "quarantine.parquet")
     _insert_parquet(con, "duplicates", "source, source_row, prompt_id, canonical_id, kind, similarity", ref,
                     "duplicates.parquet")
+    if ref.file("templates.parquet").exists():
+        _insert_parquet(con, "source_templates", "source, template, prefix, suffix, rows, matched", ref,
+                        "templates.parquet")
 
 
 def _record_decontaminate(con, ctx: StageContext, res: StageResult, key: str) -> None:
@@ -537,8 +541,10 @@ STAGES: tuple[Stage, ...] = (
                                    if "pool_prompts" in m else "") + f"sources {int(m['sources'])}",
           _source_files),
     Stage("ingest", {DATASET: ("data", DATASET)},
-          lambda c: {**asdict(c.curation.dedup), "max_prompt_chars": c.data.max_prompt_chars},
-          ("data_curation.ingest", "data_curation.sources", "data_curation.dedup"), _ingest_body, _record_ingest,
+          lambda c: {**asdict(c.curation.dedup), "max_prompt_chars": c.data.max_prompt_chars,
+                     "templates": asdict(c.curation.templates)},
+          ("data_curation.ingest", "data_curation.sources", "data_curation.dedup", "data_curation.templates"),
+          _ingest_body, _record_ingest,
           _headline("rows {rows_in:.0f}  ingested {ingested:.0f}  quarantined {quarantined:.0f}  "
                     "duplicates {duplicates_exact:.0f}+{duplicates_near:.0f} near", "rows_in", "ingested", "quarantined",
                     "duplicates_exact", "duplicates_near")),
