@@ -190,6 +190,10 @@ class DecontamConfig:
     min_coverage: float = 0.7
     """A prompt is contaminated when the n-grams it shares with a benchmark item cover at least this
     share of the item's tokens (one shared 13-gram alone flags LaTeX boilerplate: 1,299 of MATH train)."""
+    benchmarks: List[str] = field(default_factory=list)
+    """Benchmarks to check the pool against besides ``eval.benchmarks`` (ones you will score later
+    with ``laminar eval``: a score on a benchmark the pool was not checked against is certified
+    ``not-checked``)."""
     paraphrase: bool = True
     """Run the paraphrase rule after the n-gram rule (MinHash/LSH over the shingles of normalised
     text, verified exactly; see docs/curation.md)."""

@@ -82,6 +82,10 @@ CREATE TABLE IF NOT EXISTS eval_results (
     PRIMARY KEY (checkpoint_sha, eval_sha, benchmark, problem_id, sample_idx)
 );
 ALTER TABLE eval_results ADD COLUMN IF NOT EXISTS subject VARCHAR;
+-- the decontamination certificate of the score (tasks.certificate): clean | contaminated-removed |
+-- not-checked | unknown-origin, and as JSON with the benchmark file's sha256, the rules and the pools
+ALTER TABLE eval_results ADD COLUMN IF NOT EXISTS certificate VARCHAR;
+ALTER TABLE eval_results ADD COLUMN IF NOT EXISTS certificate_json VARCHAR;
 -- curation decisions, keyed by the artifact that made them (a cached rerun inserts nothing new)
 CREATE TABLE IF NOT EXISTS quarantine (
     artifact_sha VARCHAR, source VARCHAR, source_row BIGINT, raw VARCHAR, reason VARCHAR,
