@@ -190,9 +190,9 @@ def plant_set(per_kind: int, seed: int) -> list[dict]:
     return plants
 
 
-def _own_item_scores(plants: list[dict], items: list, para: ParaphraseParams) -> dict[str, tuple[float, int]]:
-    """plant_id -> (paraphrase score against the item it copies, that item's shingle count); 0 when
-    LSH does not even make them candidates."""
+def _own_item_scores(plants: list[dict], items: list, para: ParaphraseParams) -> dict[str, tuple[float, int, int]]:
+    """plant_id -> (paraphrase score against the item it copies, that item's shingle count and content
+    words); absent when LSH does not even make them candidates."""
     import pyarrow as pa
 
     from data_curation.db import memory_db
@@ -206,15 +206,16 @@ def _own_item_scores(plants: list[dict], items: list, para: ParaphraseParams) ->
         hits = paraphrase_hits(con, table, _items_table(items), ParaphraseParams(
             high=1e-9, moderate=1e-9, ngram=para.ngram, num_perm=para.num_perm, bands=para.bands, seed=para.seed,
             min_shingles=0, min_words=0))
-        sizes = dict(con.execute("SELECT i.benchmark || '/' || i.problem_id, s.n FROM _para_items i "
-                                 "JOIN _psh_size s ON s.rid = i.rid").fetchall())
+        sizes = {k: (n, w) for k, n, w in con.execute(
+            "SELECT i.benchmark || '/' || i.problem_id, s.n, i.words FROM _para_items i "
+            "JOIN _psh_size s ON s.rid = i.rid").fetchall()}
     finally:
         con.close()
     own = {p["plant_id"]: (p["benchmark"], p["benchmark_problem_id"]) for p in plants}
-    out: dict[str, tuple[float, int]] = {}
+    out: dict[str, tuple[float, int, int]] = {}
     for h in hits.to_pylist():
         if own[h["prompt_id"]] == (h["benchmark"], h["benchmark_problem_id"]):
-            out[h["prompt_id"]] = (h["score"], sizes.get(f"{h['benchmark']}/{h['benchmark_problem_id']}", 0))
+            out[h["prompt_id"]] = (h["score"], *sizes.get(f"{h['benchmark']}/{h['benchmark_problem_id']}", (0, 0)))
     return out
 
 
@@ -235,10 +236,13 @@ def run(per_kind: int, seed: int, repeats: int, out_dir: Path) -> dict:
         clean_counts = decontaminate(work / "clean_ingest" / "prompts.parquet", items, work / "clean_out",
                                      ngram=cfg.ngram, min_coverage=cfg.min_coverage, paraphrase=para)
         timings.append(time.perf_counter() - t0)
-    t0 = time.perf_counter()
-    decontaminate(work / "clean_ingest" / "prompts.parquet", items, work / "clean_ngram_only",
-                  ngram=cfg.ngram, min_coverage=cfg.min_coverage, paraphrase=None)
-    ngram_only_s = time.perf_counter() - t0
+    ngram_times = []
+    for _ in range(repeats):
+        t0 = time.perf_counter()
+        decontaminate(work / "clean_ingest" / "prompts.parquet", items, work / "clean_ngram_only",
+                      ngram=cfg.ngram, min_coverage=cfg.min_coverage, paraphrase=None)
+        ngram_times.append(time.perf_counter() - t0)
+    ngram_only_s = min(ngram_times)
     pool = pq.read_table(work / "clean_ingest" / "prompts.parquet").to_pylist()
     text_of = {r["prompt_id"]: (r["problem"], r["answer"]) for r in pool}
     flags = pq.read_table(work / "clean_out" / "contamination.parquet").to_pylist()
@@ -289,14 +293,16 @@ def run(per_kind: int, seed: int, repeats: int, out_dir: Path) -> dict:
     scores = _own_item_scores(plants, items, para)
     for p in plants:
         k = per_kind_out[p["kind"]]
-        s, n_item = scores.get(p["plant_id"], (0.0, 0))
+        s, n_item, words = scores.get(p["plant_id"], (0.0, 0, 0))
+        gate = words >= para.min_words
         ngram_hit = any(r == "ngram" and (b, pid) == (p["benchmark"], p["benchmark_problem_id"])
                         for b, pid, r in caught.get(p["plant_id"], ()))
         k.setdefault("scores", []).append(round(s, 3))
-        k["paraphrase_rule_alone"] = k.get("paraphrase_rule_alone", 0) + int(s >= para.moderate - 1e-12)
-        k["answer_blind"] = k.get("answer_blind", 0) + int(ngram_hit or (s >= para.high - 1e-12
+        # every plant keeps its item's answer: the rule alone flags it at the moderate score
+        k["paraphrase_rule_alone"] = k.get("paraphrase_rule_alone", 0) + int(gate and s >= para.moderate - 1e-12)
+        # as if the answers differed: the n-gram rule, or the high score
+        k["answer_blind"] = k.get("answer_blind", 0) + int(ngram_hit or (gate and s >= para.high - 1e-12
                                                                           and n_item >= para.min_shingles))
-        # (the min_words gate is not applied here: this column is the score alone)
     for k in per_kind_out.values():
         k["recall"] = k["caught"] / k["ingested"] if k["ingested"] else None
         k["min_score"] = min(k.pop("scores"))
@@ -322,7 +328,8 @@ def run(per_kind: int, seed: int, repeats: int, out_dir: Path) -> dict:
                        "paraphrase_share": len(para_prompts) / n_pool,
                        "counts": clean_counts, "flags": listed},
         "timing": {"pool_prompts": n_pool, "benchmark_items": len(items), "seconds_both_rules_best": min(timings),
-                   "seconds_all": timings, "seconds_ngram_only": ngram_only_s},
+                   "seconds_all": timings, "seconds_ngram_only": ngram_only_s, "seconds_ngram_only_all": ngram_times,
+                   "load_average": list(__import__("os").getloadavg())},
     }
 
 

@@ -129,7 +129,8 @@ _SENTENCE_RE = re.compile(r"(?:(?<=[.?!:])|(?<=[.?!:]\$)|(?<=\$\$)|(?<=\\\])|(?<
 after display math."""
 _INSTRUCTION_RE = re.compile(
     r"step[- ]by[- ]step|final answer|\\boxed|on its own line|last line of your response|answer to the problem"
-    r"|without quotes|helpful (?:math )?assistant|solve the following|the problem below", re.I)
+    r"|without quotes|helpful (?:math )?assistant|(?:solve|answer) the following (?:math )?(?:problem|question)"
+    r"|the problem below", re.I)
 _LABEL_RE = re.compile(r"^\s*(?:question|problem)\s*:\s*", re.I)
 _ARTICLE_RE = re.compile(r"(?<![$\\\w])[aA]\s+(?=[a-zA-Z]{2,})")
 
@@ -173,9 +174,10 @@ class ParaphraseParams:
     seed: int = 0
     min_shingles: int = 6
     """An item with fewer shingles ("Compute 7!") is flagged by this rule only with the same answer."""
-    min_words: int = 3
-    """Items with fewer distinct content words (a bare expression, "What is 2+6+4?") are left to the
-    n-gram rule: their siblings share symbols and often the answer without being the same problem."""
+    min_words: int = 1
+    """Items with fewer distinct content words (a bare expression, "What is 2+6+4?": no word is left
+    but stop words) are left to the n-gram rule: their siblings share symbols and often the answer
+    without being the same problem."""
 
     def validate(self) -> None:
         if not 0 < self.moderate <= self.high <= 1:
