@@ -219,13 +219,13 @@ def _own_item_scores(plants: list[dict], items: list, para: ParaphraseParams) ->
     return out
 
 
-def run(per_kind: int, seed: int, repeats: int, out_dir: Path) -> dict:
+def run(per_kind: int, seed: int, repeats: int, work: Path) -> dict:
+    """The measurements, with every intermediate table under ``work``."""
     cfg = DecontamConfig()
     para = ParaphraseParams(high=cfg.paraphrase_high, moderate=cfg.paraphrase_moderate, ngram=cfg.paraphrase_ngram,
                             num_perm=cfg.paraphrase_num_perm, bands=cfg.paraphrase_bands, seed=seed)
     items = [it for b in BENCHES for it in load_benchmark(b)]
     by_item = {(it.benchmark, it.problem_id): it for it in items}
-    work = Path(tempfile.mkdtemp(prefix="decontam-bench-"))
     math = SourceSpec("math_train", str(MATH_TRAIN), level_field="difficulty", subject_field="type")
 
     # clean pool: MATH train alone (false flags, timing)
@@ -340,7 +340,13 @@ def main() -> None:
     ap.add_argument("--repeats", type=int, default=2)
     ap.add_argument("--out", type=Path, default=ROOT / "benchmarks" / "results" / "decontamination")
     args = ap.parse_args()
-    res = run(args.per_kind, args.seed, args.repeats, args.out)
+    import shutil
+
+    work = Path(tempfile.mkdtemp(prefix="decontam-bench-"))
+    try:
+        res = run(args.per_kind, args.seed, args.repeats, work)
+    finally:
+        shutil.rmtree(work, ignore_errors=True)
     args.out.mkdir(parents=True, exist_ok=True)
     path = args.out / f"decontamination_{res['date']}.json"
     path.write_text(json.dumps(res, indent=1, sort_keys=False) + "\n")
