@@ -178,12 +178,38 @@ class DedupConfig:
 
 
 @dataclass
+class TemplateConfig:
+    strip: bool = True
+    """Ingest takes out an instruction wrapper (a common prefix and/or suffix) shared by most of a
+    source's rows and keeps it as the source's template (catalog table ``source_templates``)."""
+    min_share: float = 0.9
+    """Share of a source's rows that must carry the wrapper (and at least 8 rows)."""
+
+
+@dataclass
 class DecontamConfig:
     ngram: int = 13
     """Token n-gram length (words, numbers and punctuation are tokens); a text shorter than this is one gram."""
     min_coverage: float = 0.7
     """A prompt is contaminated when the n-grams it shares with a benchmark item cover at least this
     share of the item's tokens (one shared 13-gram alone flags LaTeX boilerplate: 1,299 of MATH train)."""
+    benchmarks: List[str] = field(default_factory=list)
+    """Benchmarks to check the pool against besides ``eval.benchmarks`` (ones you will score later
+    with ``laminar eval``: a score on a benchmark the pool was not checked against is certified
+    ``not-checked``)."""
+    paraphrase: bool = True
+    """Run the paraphrase rule after the n-gram rule (MinHash/LSH over the shingles of normalised
+    text, verified exactly; see docs/curation.md)."""
+    paraphrase_high: float = 0.92
+    """Paraphrase score (max of shingle Jaccard and the item's containment in the prompt) at which a
+    prompt is flagged whatever its answer."""
+    paraphrase_moderate: float = 0.6
+    """Paraphrase score at which a prompt is flagged when its canonical answer equals the item's."""
+    paraphrase_ngram: int = 3
+    """Skeleton n-gram length of the paraphrase shingles (numbers, symbols and LaTeX in order)."""
+    paraphrase_num_perm: int = 128
+    paraphrase_bands: int = 64
+    """LSH bands (num_perm / bands rows each): 64 x 2 finds pairs down to Jaccard ~0.3."""
 
 
 @dataclass
@@ -254,6 +280,7 @@ class SelectConfig:
 class CurationConfig:
     dedup: DedupConfig = field(default_factory=DedupConfig)
     decontam: DecontamConfig = field(default_factory=DecontamConfig)
+    templates: TemplateConfig = field(default_factory=TemplateConfig)
     difficulty: DifficultyConfig = field(default_factory=DifficultyConfig)
     dart: DartConfig = field(default_factory=DartConfig)
     rft: RFTConfig = field(default_factory=RFTConfig)
@@ -546,8 +573,17 @@ def _validate_curation(cfg: Config) -> None:
         raise ConfigError(f"curation.dedup.near_threshold={c.dedup.near_threshold} must be in (0, 1]")
     if not 0 < c.decontam.min_coverage <= 1:
         raise ConfigError(f"curation.decontam.min_coverage={c.decontam.min_coverage} must be in (0, 1]")
+    if not 0 < c.templates.min_share <= 1:
+        raise ConfigError(f"curation.templates.min_share={c.templates.min_share} must be in (0, 1]")
+    if not 0 < c.decontam.paraphrase_moderate <= c.decontam.paraphrase_high <= 1:
+        raise ConfigError(f"curation.decontam.paraphrase_moderate={c.decontam.paraphrase_moderate} and paraphrase_high="
+                          f"{c.decontam.paraphrase_high} need 0 < moderate <= high <= 1")
+    if c.decontam.paraphrase_bands < 1 or c.decontam.paraphrase_num_perm % c.decontam.paraphrase_bands:
+        raise ConfigError(f"curation.decontam.paraphrase_num_perm={c.decontam.paraphrase_num_perm} must be a positive "
+                          f"multiple of paraphrase_bands={c.decontam.paraphrase_bands}")
     _non_negative(cfg, "curation.rft.warmup_steps", "curation.select.round_headroom", "curation.select.min_round")
-    _positive(cfg, "curation.decontam.ngram", "curation.difficulty.samples", "curation.difficulty.temperature",
+    _positive(cfg, "curation.decontam.ngram", "curation.decontam.paraphrase_ngram", "curation.difficulty.samples",
+              "curation.difficulty.temperature",
               "curation.difficulty.max_new_tokens", "curation.dart.k_u", "curation.dart.k_p",
               "curation.dart.round_size", "curation.dart.temperature", "curation.rft.batch_size", "curation.rft.lr")
     if c.difficulty.samples < 2:

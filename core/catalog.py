@@ -82,6 +82,10 @@ CREATE TABLE IF NOT EXISTS eval_results (
     PRIMARY KEY (checkpoint_sha, eval_sha, benchmark, problem_id, sample_idx)
 );
 ALTER TABLE eval_results ADD COLUMN IF NOT EXISTS subject VARCHAR;
+-- the decontamination certificate of the score (tasks.certificate): clean | contaminated-removed |
+-- not-checked | unknown-origin, and as JSON with the benchmark file's sha256, the rules and the pools
+ALTER TABLE eval_results ADD COLUMN IF NOT EXISTS certificate VARCHAR;
+ALTER TABLE eval_results ADD COLUMN IF NOT EXISTS certificate_json VARCHAR;
 -- curation decisions, keyed by the artifact that made them (a cached rerun inserts nothing new)
 CREATE TABLE IF NOT EXISTS quarantine (
     artifact_sha VARCHAR, source VARCHAR, source_row BIGINT, raw VARCHAR, reason VARCHAR,
@@ -92,11 +96,20 @@ CREATE TABLE IF NOT EXISTS duplicates (
     kind VARCHAR, similarity DOUBLE,
     PRIMARY KEY (artifact_sha, source, source_row)
 );
+-- the instruction wrapper ingest took out of a source's rows (the source's own template)
+CREATE TABLE IF NOT EXISTS source_templates (
+    artifact_sha VARCHAR, source VARCHAR, template VARCHAR, prefix VARCHAR, suffix VARCHAR, rows BIGINT,
+    matched BIGINT,
+    PRIMARY KEY (artifact_sha, source)
+);
 CREATE TABLE IF NOT EXISTS contamination (
     artifact_sha VARCHAR, prompt_id VARCHAR, source VARCHAR, benchmark VARCHAR, benchmark_problem_id VARCHAR,
     matched VARCHAR, overlap BIGINT,
     PRIMARY KEY (artifact_sha, prompt_id, benchmark, benchmark_problem_id)
 );
+-- rule: which check flagged the prompt (ngram | paraphrase | paraphrase+answer); score: its coverage or similarity
+ALTER TABLE contamination ADD COLUMN IF NOT EXISTS rule VARCHAR;
+ALTER TABLE contamination ADD COLUMN IF NOT EXISTS score DOUBLE;
 CREATE TABLE IF NOT EXISTS attempts (
     artifact_sha VARCHAR, model_sha VARCHAR, prompt_id VARCHAR, n BIGINT, n_correct BIGINT, pass_rate DOUBLE,
     mean_length DOUBLE, mean_entropy DOUBLE, level INTEGER,

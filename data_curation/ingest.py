@@ -1,6 +1,6 @@
 """Ingest prompt pools: read each source, normalise it, quarantine bad rows, drop duplicates.
 
-``ingest`` turns a list of ``SourceSpec`` into three parquet tables in ``out_dir``:
+``ingest`` turns a list of ``SourceSpec`` into four parquet tables in ``out_dir``:
 
 - ``prompts.parquet``: prompt_id, source, source_row, problem (``normalize_text``), answer
   (``normalize_answer``), level (Int32), subject, text_hash (see ``dedup.DEDUP_KEY_SQL``), then every
@@ -9,12 +9,15 @@
   characters), reason.
 - ``duplicates.parquet``: source, source_row, prompt_id, canonical_id (the kept row), kind
   ("exact" | "near"), similarity (1.0 for exact; the exact shingle Jaccard for near).
+- ``templates.parquet``: source, template (``prefix{problem}suffix``), prefix, suffix, rows, matched:
+  the instruction wrapper most of a source's rows shared, taken out of ``problem``
+  (``data_curation.templates``); no row for a source without one.
 
 Every input row ends in exactly one of them: rows_in == ingested + quarantined + duplicates.
 
 A row moves through: parse (bad JSON, undecodable bytes, not an object) -> fields (missing or empty
 problem / answer, non-string problem, a problem longer than ``max_prompt_chars``, a level outside
-the int32 level column, missing id) -> ids (a prompt_id already taken by an earlier
+the int32 level column, missing id) -> the source's shared wrapper out -> ids (a prompt_id already taken by an earlier
 row, when ids come from ``id_field``) -> exact dedup -> near dedup (``data_curation.dedup``; by
 default only between prompts with the same canonical answer). Duplicates keep the earliest row
 (source order, then source_row), across sources too. The id and dedup steps run as DuckDB SQL.
@@ -49,12 +52,15 @@ import pyarrow.parquet as pq
 from conf.schema import DataConfig
 from core.errors import StageError
 from data_curation.dedup import NearDupParams, exact_duplicates, near_duplicates
+from data_curation.templates import MIN_SHARE as TEMPLATE_SHARE
+from data_curation.templates import Template, detect_template, strip_template
 from evaluation.verifier import normalize_answer
 
 __all__ = [
     "DUPLICATES_SCHEMA",
     "FORMATS",
     "QUARANTINE_SCHEMA",
+    "TEMPLATES_SCHEMA",
     "SourceError",
     "SourceSpec",
     "ingest",
@@ -76,6 +82,8 @@ SUFFIX_FORMATS = {".jsonl": "jsonl", ".json": "json", ".parquet": "parquet"}
 
 QUARANTINE_SCHEMA = pa.schema([("source", pa.string()), ("source_row", pa.int64()), ("raw", pa.string()),
                                ("reason", pa.string())])
+TEMPLATES_SCHEMA = pa.schema([("source", pa.string()), ("template", pa.string()), ("prefix", pa.string()),
+                              ("suffix", pa.string()), ("rows", pa.int64()), ("matched", pa.int64())])
 DUPLICATES_SCHEMA = pa.schema([("source", pa.string()), ("source_row", pa.int64()), ("prompt_id", pa.string()),
                                ("canonical_id", pa.string()), ("kind", pa.string()), ("similarity", pa.float64())])
 
@@ -439,24 +447,41 @@ def prompts_schema(extra_fields: Sequence[str]) -> pa.Schema:
 # --------------------------------------------------------------------------- ingest
 
 
-def _collect(sources: Sequence[SourceSpec], extra_fields: list[str], max_prompt_chars: int = MAX_PROMPT_CHARS):
-    """Read and validate every source. Returns (columns of the accepted rows, their records,
-    quarantine rows with their source index, per-source counts)."""
+def _collect(sources: Sequence[SourceSpec], extra_fields: list[str], max_prompt_chars: int = MAX_PROMPT_CHARS,
+             template_share: float | None = TEMPLATE_SHARE):
+    """Read and validate every source, taking out the instruction wrapper its rows share (when
+    ``template_share`` is not None; see ``data_curation.templates``). Returns (columns of the
+    accepted rows, their records, quarantine rows with their source index, per-source counts,
+    templates by source)."""
     cols: dict[str, list] = {k: [] for k in ("rid", "source", "source_row", "prompt_id", "id_explicit", "problem",
                                              "answer", "level", "subject", *extra_fields)}
     records: list[Mapping[str, Any]] = []
     quarantine: list[tuple[int, dict]] = []
     per_source: dict[str, float] = {}
+    templates: dict[str, Template] = {}
     for si, spec in enumerate(sources):
         rows, bad = read_source(spec)
         per_source[f"rows_in_{spec.name}"] = float(len(rows) + len(bad))
         quarantine += [(si, q) for q in bad]
+        accepted = []
         for row in rows:
             fields = _fields(spec, row["record"], max_prompt_chars)
             if isinstance(fields, str):
                 quarantine.append((si, {"source": spec.name, "source_row": row["source_row"],
                                         "raw": _raw(row["record"]), "reason": fields}))
                 continue
+            accepted.append((row, fields))
+        found = (detect_template([f["problem"] for _, f in accepted], min_share=template_share)
+                 if template_share is not None else None)
+        if found is not None:
+            templates[spec.name] = found
+            for _, fields in accepted:
+                bare = strip_template(fields["problem"], found)
+                if bare != fields["problem"]:
+                    fields["problem"] = bare
+                    if not fields["id_explicit"]:
+                        fields["prompt_id"] = f"{spec.name}-{hashlib.sha256(bare.encode()).hexdigest()[:16]}"
+        for row, fields in accepted:
             cols["rid"].append(len(records))
             cols["source"].append(spec.name)
             cols["source_row"].append(row["source_row"])
@@ -465,7 +490,7 @@ def _collect(sources: Sequence[SourceSpec], extra_fields: list[str], max_prompt_
             for f in extra_fields:
                 cols[f].append(fields.get(f))
             records.append(row["record"])
-    return cols, records, quarantine, per_source
+    return cols, records, quarantine, per_source, templates
 
 
 def _rows_table(cols: dict[str, list], extra_fields: list[str]) -> pa.Table:
@@ -479,7 +504,8 @@ def _write(table: pa.Table, path: Path) -> None:
 
 def ingest(sources: Sequence[SourceSpec], out_dir: Path, *, near_dup_threshold: float = 0.85,
            ngram: int = 5, num_perm: int = 128, bands: int = 32, seed: int = 0,
-           near_dup_same_answer: bool = True, max_prompt_chars: int = MAX_PROMPT_CHARS) -> dict[str, float]:
+           near_dup_same_answer: bool = True, max_prompt_chars: int = MAX_PROMPT_CHARS,
+           template_share: float | None = TEMPLATE_SHARE) -> dict[str, float]:
     """Read, normalise, quarantine and deduplicate ``sources`` into ``out_dir`` (see the module
     docstring for the three tables). ``near_dup_threshold``, ``ngram``, ``num_perm``, ``bands`` and
     ``seed`` tune near dedup (``data_curation.dedup``); with ``near_dup_same_answer`` only prompts
@@ -487,8 +513,12 @@ def ingest(sources: Sequence[SourceSpec], out_dir: Path, *, near_dup_threshold: 
     of the roots" / "find the product of the roots" of one equation both stay (in MATH train, 53 of
     59 textual near duplicates at 0.85 are such siblings). Exact duplicates ignore answers.
     A problem longer than ``max_prompt_chars`` (``data.max_prompt_chars``) is quarantined.
+    An instruction wrapper shared by at least ``template_share`` of a source's rows is taken out of
+    them before the ids and dedup (``data_curation.templates``; None keeps every problem as it is)
+    and written to ``templates.parquet`` (source, template, prefix, suffix, rows, matched).
     Returns counts: rows_in, ingested, quarantined, duplicates_exact, duplicates_near, and
-    rows_in_<source> / ingested_<source> per source."""
+    rows_in_<source> / ingested_<source> per source; templated_sources and template_stripped (rows
+    that lost the wrapper) when some source had one."""
     from data_curation.db import memory_db
 
     params = NearDupParams(threshold=near_dup_threshold, ngram=ngram, num_perm=num_perm, bands=bands, seed=seed)
@@ -502,7 +532,8 @@ def ingest(sources: Sequence[SourceSpec], out_dir: Path, *, near_dup_threshold: 
     out_dir = Path(out_dir)
     out_dir.mkdir(parents=True, exist_ok=True)
 
-    cols, records, quarantine, per_source = _collect(sources, extra_fields, max_prompt_chars)
+    cols, records, quarantine, per_source, templates = _collect(sources, extra_fields, max_prompt_chars,
+                                                                template_share)
     con = memory_db()
     try:
         con.register("_rows", _rows_table(cols, extra_fields))
@@ -527,6 +558,9 @@ def ingest(sources: Sequence[SourceSpec], out_dir: Path, *, near_dup_threshold: 
     _write(prompts, out_dir / "prompts.parquet")
     _write(pa.Table.from_pylist([q for _, q in quarantine], schema=QUARANTINE_SCHEMA), out_dir / "quarantine.parquet")
     _write(duplicates, out_dir / "duplicates.parquet")
+    _write(pa.Table.from_pylist([{"source": name, "template": t.text, "prefix": t.prefix, "suffix": t.suffix,
+                                  "rows": t.rows, "matched": t.matched} for name, t in templates.items()],
+                                schema=TEMPLATES_SCHEMA), out_dir / "templates.parquet")
 
     kinds = duplicates.column("kind").to_pylist()
     counts = {
@@ -536,6 +570,9 @@ def ingest(sources: Sequence[SourceSpec], out_dir: Path, *, near_dup_threshold: 
         "duplicates_exact": float(kinds.count("exact")),
         "duplicates_near": float(kinds.count("near")),
     }
+    if templates:  # only then, so that the counts of a pool without wrappers stay as they were
+        counts["templated_sources"] = float(len(templates))
+        counts["template_stripped"] = float(sum(t.matched for t in templates.values()))
     assert counts["rows_in"] == (counts["ingested"] + counts["quarantined"] + counts["duplicates_exact"]
                                  + counts["duplicates_near"]), counts
     ingested_by_source = prompts.group_by("source").aggregate([("prompt_id", "count")]).to_pydict()

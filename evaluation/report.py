@@ -32,6 +32,9 @@ class EvalGroup:
     benchmark: str
     summary: dict
     own: bool
+    certificate: str | None = None
+    """Decontamination certificate status of the score (``clean``, ``contaminated-removed``,
+    ``not-checked``, ``unknown-origin``); None when not recorded. Tables mark all but ``clean``."""
 
 
 @dataclass
@@ -100,12 +103,14 @@ def _md(headers: Sequence[str], rows: Sequence[Sequence[Any]]) -> str:
 
 
 def markdown_benchmark_table(evals: Sequence[EvalGroup]) -> str:
-    """One row per (checkpoint, evaluation, benchmark)."""
+    """One row per (checkpoint, evaluation, benchmark); a score whose decontamination certificate is
+    not ``clean`` has it next to the benchmark's name."""
     rows = []
     for e in evals:
         s = e.summary
         pass_k = ", ".join(f"{k} {s[k]:.3f}" for k in _metric_columns(s)[1:-1])
-        rows.append([ROLE_LABELS.get(e.role, e.role), e.checkpoint_sha[:12], e.benchmark,
+        bench = e.benchmark if e.certificate in (None, "clean") else f"{e.benchmark} ({e.certificate})"
+        rows.append([ROLE_LABELS.get(e.role, e.role), e.checkpoint_sha[:12], bench,
                      e.eval_sha[:12] + ("" if e.own else " (laminar eval)"), s["n_problems"], s["n_samples"],
                      s["accuracy"], pass_k, s[f"maj@{s['n_samples']}"], f"{s['mean_length']:.1f}",
                      s["truncation_rate"], s["verifier_errors"]])

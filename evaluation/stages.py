@@ -28,6 +28,19 @@ def load_items(name: str, data_dir: Path | None):
     return load_benchmark(name)
 
 
+def benchmark_hash(name: str, data_dir: Path | None) -> str:
+    """sha256 of the file benchmark ``name`` is read from: the vendored JSON lines, or the data
+    artifact's ``heldout.parquet`` for the held-out set. Decontamination certificates name it."""
+    from core.artifacts import hash_file
+    from evaluation.benchmarks import benchmark_path
+
+    if name == HELDOUT:
+        if data_dir is None:
+            raise ValueError(f"benchmark {HELDOUT} needs the data artifact")
+        return hash_file(Path(data_dir) / "heldout.parquet")
+    return hash_file(benchmark_path(name))
+
+
 def evaluate_checkpoint(model_dir: Path, data_dir: Path | None, cfg: EvalConfig, *, templates: dict[str, str | None],
                         seed: int, device: str, out_dir: Path) -> dict:
     """Writes ``rows.parquet`` (one row per problem and sample) and ``summary.json``; returns the summary."""
@@ -77,4 +90,4 @@ def in_run_evaluator(tokenizer, data_dir: Path | None, cfg: EvalConfig, *, templ
     return evaluate
 
 
-__all__ = ["EvalRow", "evaluate_checkpoint", "in_run_evaluator", "load_items", "HELDOUT"]
+__all__ = ["EvalRow", "benchmark_hash", "evaluate_checkpoint", "in_run_evaluator", "load_items", "HELDOUT"]

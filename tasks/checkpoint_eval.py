@@ -23,7 +23,8 @@ from core.artifacts import ArtifactRef, hash_tree, write_json_atomic
 from core.catalog import dumps
 from core.workspace import Workspace
 from tasks.runner import StageOutcome, record, stage_key
-from tasks.stages import DATASET, EVAL, EVAL_STAGE, MODEL, StageContext, StageResult, eval_metrics
+from tasks.stages import (DATASET, EVAL, EVAL_STAGE, MODEL, StageContext, StageResult, eval_metrics,
+                          read_eval_certificates)
 
 _SHA_PREFIX = re.compile(r"[0-9a-f]{4,64}")
 
@@ -40,6 +41,7 @@ class EvalReport:
     eval: ArtifactRef
     summary: dict  # benchmark -> evaluation.metrics summary
     seconds: float
+    certificates: dict = dataclasses.field(default_factory=dict)  # benchmark -> tasks.certificate certificate
 
 
 def resolve_checkpoint(ws: Workspace, spec: str) -> ArtifactRef:
@@ -137,12 +139,13 @@ def evaluate(cfg: Config, ws: Workspace, spec: str, run_id: str, command: str,
         if ref is not None:
             with open(ref.file("summary.json")) as f:
                 summary = json.load(f)
-            result = StageResult({EVAL: ref}, eval_metrics(inputs[MODEL].sha256, summary, cfg.eval.n_samples))
+            result = StageResult({EVAL: ref}, eval_metrics(inputs[MODEL].sha256, summary, cfg.eval.n_samples,
+                                                           read_eval_certificates(ref)))
             outcome_status = "cached"
         else:
             say(f"evaluating checkpoint {inputs[MODEL].sha256[:12]} on {', '.join(cfg.eval.benchmarks)} "
                 f"(n={cfg.eval.n_samples})")
-            ctx = StageContext(cfg=cfg, store=ws.artifacts, inputs=inputs, device=device)
+            ctx = StageContext(cfg=cfg, store=ws.artifacts, inputs=inputs, device=device, catalog=ws.catalog)
             result = EVAL_STAGE.body(ctx)
             ref = result.artifacts[EVAL]
             with open(ref.file("summary.json")) as f:
@@ -150,11 +153,15 @@ def evaluate(cfg: Config, ws: Workspace, spec: str, run_id: str, command: str,
             outcome_status = "ran"
         outcome = StageOutcome(EVAL_STAGE.name, outcome_status, time.perf_counter() - t0, key, result, None)
         record(ws, run_id, EVAL_STAGE, outcome, inputs, started, cfg, device)
-        report = EvalReport(run_id, outcome_status, inputs[MODEL], ref, summary, time.perf_counter() - t0)
+        certificates = {r["benchmark"]: json.loads(r["certificate_json"]) for r in ws.catalog.query(
+            "SELECT DISTINCT benchmark, certificate_json FROM eval_results WHERE checkpoint_sha = ? AND eval_sha = ? "
+            "AND certificate_json IS NOT NULL", [inputs[MODEL].sha256, ref.sha256])}
+        report = EvalReport(run_id, outcome_status, inputs[MODEL], ref, summary, time.perf_counter() - t0,
+                            certificates)
         write_json_atomic(ws.run_dir(run_id) / "summary.json", {
             "run_id": run_id, "kind": "eval", "status": outcome_status, "seconds": report.seconds,
             "checkpoint": inputs[MODEL].to_dict(), "dataset": inputs[DATASET].sha256 if DATASET in inputs else None,
-            "eval": ref.sha256, "cache_key": key.digest, "benchmarks": summary})
+            "eval": ref.sha256, "cache_key": key.digest, "benchmarks": summary, "certificates": certificates})
         status = "completed"
         return report
     except BaseException as err:
@@ -172,4 +179,15 @@ def format_eval(report: EvalReport) -> str:
 
     head = (f"checkpoint {report.checkpoint.sha256[:12]}  eval {report.eval.sha256[:12]}  {report.status}  "
             f"{report.seconds:.1f}s  run {report.run_id}")
-    return head + "\n" + format_eval_table(report.summary)
+    return head + "\n" + format_eval_table(report.summary) + format_certificates(report.certificates)
+
+
+def format_certificates(certificates: dict) -> str:
+    """One line per benchmark: its decontamination certificate (empty when there are none)."""
+    if not certificates:
+        return ""
+    lines = ["", "decontamination certificate (was the checkpoint's training data checked against this file?):"]
+    for bench, c in certificates.items():
+        lines.append(f"  {bench:<14} {c['status']:<21} {bench} sha256 {str(c.get('benchmark_sha256'))[:12]}"
+                     + (f"  {c['detail']}" if c.get("detail") else ""))
+    return "\n".join(lines)

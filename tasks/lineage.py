@@ -293,9 +293,12 @@ def _base_model(seen: dict[str, dict], node: dict, target: dict) -> dict | None:
 
 
 def _evaluations(ws: Workspace, sha: str) -> list[dict]:
+    has_cert = bool(_q(ws, "SELECT 1 FROM information_schema.columns WHERE table_name = 'eval_results' "
+                           "AND column_name = 'certificate_json'"))
+    cert = "any_value(e.certificate_json)" if has_cert else "NULL"
     rows = _q(ws, "SELECT e.eval_sha, e.benchmark, count(DISTINCT e.problem_id) AS problems, count(*) AS samples, "
                   "avg(CAST(e.correct AS DOUBLE)) AS accuracy, avg(e.length) AS mean_length, "
-                  "avg(CAST(e.truncated AS DOUBLE)) AS truncation_rate FROM eval_results e "
+                  f"avg(CAST(e.truncated AS DOUBLE)) AS truncation_rate, {cert} AS certificate FROM eval_results e "
                   "WHERE e.checkpoint_sha = ? GROUP BY e.eval_sha, e.benchmark ORDER BY e.eval_sha, e.benchmark", [sha])
     out = []
     for r in rows:
@@ -304,6 +307,7 @@ def _evaluations(ws: Workspace, sha: str) -> list[dict]:
         out.append({"eval": r["eval_sha"], "benchmark": r["benchmark"], "problems": r["problems"],
                     "samples": r["samples"], "accuracy": r["accuracy"], "mean_length": r["mean_length"],
                     "truncation_rate": r["truncation_rate"],
+                    "certificate": json.loads(r["certificate"]) if r["certificate"] else None,
                     "by": [{"run_id": x["run_id"], "stage": x["stage"], "status": x["status"]} for x in runs]})
     return out
 
@@ -387,6 +391,11 @@ def format_lineage(lin: dict) -> str:
         by = ", ".join(f"{x['stage']} in {x['run_id']}" for x in e["by"][:3])
         lines.append(f"  {e['benchmark']:<14} acc {e['accuracy']:.3f}  {e['problems']} problems, {e['samples']} samples"
                      f"  eval {e['eval'][:12]}" + (f"  ({by})" if by else ""))
+        c = e.get("certificate")
+        if c:
+            lines.append(f"    decontamination: {c['status']} against {e['benchmark']} sha256 "
+                         f"{str(c.get('benchmark_sha256'))[:12]}" + (f"; {c['detail']}" if c.get("detail") else "")
+                         + (f"; rules {', '.join(c['rules'])}" if c.get("rules") else ""))
     if not lin["evaluations"]:
         lines.append("  (none; `laminar eval ckpt=...` evaluates it)")
     if "prompts" in lin:

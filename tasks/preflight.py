@@ -16,6 +16,10 @@ def preflight(cfg: Config) -> None:
     unknown = [b for b in cfg.eval.benchmarks if b not in valid]
     if unknown:
         raise ConfigError(f"eval.benchmarks: unknown benchmark {unknown[0]!r}; choose from {', '.join(valid)}")
+    unknown = [b for b in cfg.curation.decontam.benchmarks if b not in valid]
+    if unknown:
+        raise ConfigError(f"curation.decontam.benchmarks: unknown benchmark {unknown[0]!r}; choose from "
+                          f"{', '.join(valid)}")
     if cfg.model.kind == "hf":
         path = Path(cfg.model.path).expanduser()
         if not (path / "config.json").is_file():

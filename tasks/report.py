@@ -62,10 +62,12 @@ def gather(ws: Workspace, run_id: str):
             own.add((outputs[role][MODEL]["sha256"], outputs[stage][EVAL]["sha256"]))
     if roles:
         marks = ", ".join("?" * len(roles))
+        has_cert = bool(cat.query("SELECT 1 FROM information_schema.columns WHERE table_name = 'eval_results' "
+                                  "AND column_name = 'certificate'"))
         rows = cat.query(
             "SELECT e.checkpoint_sha, e.eval_sha, e.benchmark, e.problem_id, e.sample_idx, e.pred, e.correct, "
-            f"e.error, e.length, e.truncated, e.level, e.subject FROM eval_results e WHERE e.checkpoint_sha IN ({marks})",
-            list(roles))
+            f"e.error, e.length, e.truncated, e.level, e.subject, {'e.certificate' if has_cert else 'NULL'} "
+            f"AS certificate FROM eval_results e WHERE e.checkpoint_sha IN ({marks})", list(roles))
         created = {r["sha256"]: r["created_at"] for r in cat.query(
             "SELECT sha256, created_at FROM artifacts WHERE kind = ?", [EVAL])}
         groups: dict[tuple[str, str, str], list[dict]] = defaultdict(list)
@@ -73,8 +75,8 @@ def gather(ws: Workspace, run_id: str):
             groups[(r["checkpoint_sha"], r["eval_sha"], r["benchmark"])].append(r)
         order = sorted(groups, key=lambda g: (ROLE_ORDER.index(roles[g[0]]), g[2],
                                               str(created.get(g[1], ""))))
-        data.evals = [EvalGroup(roles[c], c, e, b, summarize_eval_rows(groups[(c, e, b)]), (c, e) in own)
-                      for c, e, b in order]
+        data.evals = [EvalGroup(roles[c], c, e, b, summarize_eval_rows(groups[(c, e, b)]), (c, e) in own,
+                                groups[(c, e, b)][0]["certificate"]) for c, e, b in order]
     rl = next((s for s in stages if s["stage"] == "rl"), None)
     if rl is not None:
         series: dict[str, list[tuple[int, float]]] = defaultdict(list)

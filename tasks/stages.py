@@ -11,7 +11,7 @@ from typing import Any, Callable
 
 from conf.schema import Config
 from core.artifacts import ArtifactRef, ArtifactStore
-from core.catalog import Catalog, insert_many
+from core.catalog import Catalog, dumps, insert_many
 
 MODEL, DATASET, EVAL = "model", "dataset", "eval"
 PROMPTS, ATTEMPTS, RFT_DATA, SELECTION = "prompts", "attempts", "rft_data", "selection"
@@ -128,20 +128,40 @@ def _ingest_body(ctx: StageContext) -> StageResult:
     ref, metrics = _produce(ctx, PROMPTS, lambda out: ingest(
         specs, out, near_dup_threshold=ctx.cfg.curation.dedup.near_threshold,
         near_dup_same_answer=ctx.cfg.curation.dedup.same_answer, seed=ctx.cfg.seed,
-        max_prompt_chars=ctx.cfg.data.max_prompt_chars))
+        max_prompt_chars=ctx.cfg.data.max_prompt_chars,
+        template_share=ctx.cfg.curation.templates.min_share if ctx.cfg.curation.templates.strip else None))
     return StageResult({PROMPTS: ref}, metrics)
+
+
+def paraphrase_params(cfg: Config):
+    """``curation.decontam``'s paraphrase rule settings, or None when it is off."""
+    from data_curation.decontaminate import ParaphraseParams
+
+    d = cfg.curation.decontam
+    if not d.paraphrase:
+        return None
+    return ParaphraseParams(high=d.paraphrase_high, moderate=d.paraphrase_moderate, ngram=d.paraphrase_ngram,
+                            num_perm=d.paraphrase_num_perm, bands=d.paraphrase_bands, seed=cfg.seed)
+
+
+def decontam_benchmarks(cfg: Config) -> list[str]:
+    """What ``decontaminate`` checks the pool against: ``eval.benchmarks`` and
+    ``curation.decontam.benchmarks``, in that order, once each."""
+    return list(dict.fromkeys([*cfg.eval.benchmarks, *cfg.curation.decontam.benchmarks]))
 
 
 def _decontaminate_body(ctx: StageContext) -> StageResult:
     from data_curation.decontaminate import decontaminate
-    from evaluation.stages import HELDOUT, load_items
+    from evaluation.stages import HELDOUT, benchmark_hash, load_items
 
     data = Path(ctx.inputs[DATASET].path)
     has_heldout = (data / "heldout.parquet").exists()
-    items = [it for b in ctx.cfg.eval.benchmarks if b != HELDOUT or has_heldout for it in load_items(b, data)]
+    names = [b for b in decontam_benchmarks(ctx.cfg) if b != HELDOUT or has_heldout]
+    items = [it for b in names for it in load_items(b, data)]
     ref, metrics = _produce(ctx, PROMPTS, lambda out: decontaminate(
         Path(ctx.inputs[PROMPTS].file("prompts.parquet")), items, out, ngram=ctx.cfg.curation.decontam.ngram,
-        min_coverage=ctx.cfg.curation.decontam.min_coverage))
+        min_coverage=ctx.cfg.curation.decontam.min_coverage, paraphrase=paraphrase_params(ctx.cfg),
+        benchmark_hashes={b: benchmark_hash(b, data) for b in names}))
     return StageResult({PROMPTS: ref}, metrics)
 
 
@@ -329,25 +349,61 @@ def _rl_body(ctx: StageContext) -> StageResult:
     return StageResult({MODEL: ref}, metrics)
 
 
+def eval_certificates(query, checkpoint: str, benchmarks, data_dir: Path | None) -> dict[str, dict]:
+    """The decontamination certificate (``tasks.certificate``) of each benchmark an evaluation of
+    ``checkpoint`` scores, against the hash of the very file it reads."""
+    from evaluation.stages import benchmark_hash
+    from tasks.certificate import certify
+
+    return certify(query, checkpoint, {b: benchmark_hash(b, data_dir) for b in benchmarks})
+
+
 def _eval_body(ctx: StageContext) -> StageResult:
     from evaluation.stages import evaluate_checkpoint
     from generation.setup import setup_torch
+    from tasks.certificate import CERTIFICATE_FILE
 
     setup_torch(ctx.cfg.threads, ctx.cfg.seed)
     data = ctx.inputs.get(DATASET)  # absent for `laminar eval` when no data artifact exists
-    ref, summary = _produce(ctx, EVAL, lambda out: evaluate_checkpoint(
-        Path(ctx.inputs[MODEL].path), Path(data.path) if data else None, ctx.cfg.eval,
-        templates=_eval_templates(), seed=ctx.cfg.seed, device=ctx.device, out_dir=out),
-        meta={"checkpoint": ctx.inputs[MODEL].sha256})
-    return StageResult({EVAL: ref}, eval_metrics(ctx.inputs[MODEL].sha256, summary, ctx.cfg.eval.n_samples))
+    certificates: dict = {}
+
+    def run(out: Path) -> dict:
+        summary = evaluate_checkpoint(Path(ctx.inputs[MODEL].path), Path(data.path) if data else None, ctx.cfg.eval,
+                                      templates=_eval_templates(), seed=ctx.cfg.seed, device=ctx.device, out_dir=out)
+        query = ctx.catalog.query if ctx.catalog is not None else _no_catalog
+        certificates.update(eval_certificates(query, ctx.inputs[MODEL].sha256, summary,
+                                              Path(data.path) if data else None))
+        with open(out / CERTIFICATE_FILE, "w") as f:
+            json.dump(certificates, f, indent=1, sort_keys=True)
+        return summary
+
+    ref, summary = _produce(ctx, EVAL, run, meta={"checkpoint": ctx.inputs[MODEL].sha256})
+    return StageResult({EVAL: ref}, eval_metrics(ctx.inputs[MODEL].sha256, summary, ctx.cfg.eval.n_samples,
+                                                 certificates))
 
 
-def eval_metrics(checkpoint: str, summary: dict, n_samples: int) -> dict:
-    """A stage result's metrics from an evaluation summary (benchmark -> evaluation.metrics summary)."""
+def _no_catalog(sql: str, params=()) -> list[dict]:
+    """No catalog, no lineage: the checkpoint is of unknown origin."""
+    return []
+
+
+def read_eval_certificates(ref: ArtifactRef) -> dict[str, dict]:
+    """An evaluation artifact's certificates (empty for one made before certificates existed)."""
+    from tasks.certificate import CERTIFICATE_FILE
+
+    path = ref.file(CERTIFICATE_FILE)
+    return json.loads(path.read_text()) if path.exists() else {}
+
+
+def eval_metrics(checkpoint: str, summary: dict, n_samples: int, certificates: dict | None = None) -> dict:
+    """A stage result's metrics from an evaluation summary (benchmark -> evaluation.metrics summary),
+    with each benchmark's decontamination certificate status when given."""
     avg = f"avg@{n_samples}"
+    certificates = certificates or {}
     return {"checkpoint": checkpoint,
             **{b: {"accuracy": s["accuracy"], "mean_length": s["mean_length"],
-                   "by_level": {lv: v[avg] for lv, v in s.get("by_level", {}).items()}}
+                   "by_level": {lv: v[avg] for lv, v in s.get("by_level", {}).items()},
+                   **({"certificate": certificates[b]["status"]} if b in certificates else {})}
                for b, s in summary.items()}}
 
 
@@ -374,11 +430,14 @@ def _record_ingest(con, ctx: StageContext, res: StageResult, key: str) -> None:
     _insert_parquet(con, "quarantine", "source, source_row, raw, reason", ref, "quarantine.parquet")
     _insert_parquet(con, "duplicates", "source, source_row, prompt_id, canonical_id, kind, similarity", ref,
                     "duplicates.parquet")
+    if ref.file("templates.parquet").exists():
+        _insert_parquet(con, "source_templates", "source, template, prefix, suffix, rows, matched", ref,
+                        "templates.parquet")
 
 
 def _record_decontaminate(con, ctx: StageContext, res: StageResult, key: str) -> None:
-    _insert_parquet(con, "contamination", "prompt_id, source, benchmark, benchmark_problem_id, matched, overlap",
-                    res.artifacts[PROMPTS], "contamination.parquet")
+    _insert_parquet(con, "contamination", "prompt_id, source, benchmark, benchmark_problem_id, matched, overlap, "
+                    "rule, score", res.artifacts[PROMPTS], "contamination.parquet")
 
 
 def _record_history(con, ref: ArtifactRef, file: str) -> None:
@@ -431,12 +490,28 @@ def _record_rl(con, ctx: StageContext, res: StageResult, key: str) -> None:
 
 
 def _record_eval(con, ctx: StageContext, res: StageResult, key: str) -> None:
+    from tasks.certificate import connection_query
+
     ref = res.artifacts[EVAL]
     con.execute(
         "INSERT INTO eval_results BY NAME SELECT ? AS checkpoint_sha, ? AS eval_sha, benchmark, problem_id, "
         "sample_idx, response, pred, correct, error, length, truncated, level, subject FROM read_parquet(?, "
         "union_by_name = true) ON CONFLICT DO NOTHING",
         [ctx.inputs[MODEL].sha256, ref.sha256, str(ref.file("rows.parquet"))])
+    certificates = read_eval_certificates(ref)
+    if not certificates:  # an evaluation artifact from before certificates: certify it now
+        benches = [r[0] for r in con.execute("SELECT DISTINCT benchmark FROM eval_results WHERE checkpoint_sha = ? "
+                                             "AND eval_sha = ?", [ctx.inputs[MODEL].sha256, ref.sha256]).fetchall()]
+        data = ctx.inputs.get(DATASET)
+        try:
+            certificates = eval_certificates(connection_query(con), ctx.inputs[MODEL].sha256, benches,
+                                             Path(data.path) if data else None)
+        except (OSError, ValueError):  # a benchmark file no longer there: nothing to certify against
+            certificates = {}
+    for bench, cert in certificates.items():
+        con.execute("UPDATE eval_results SET certificate = ?, certificate_json = ? WHERE checkpoint_sha = ? "
+                    "AND eval_sha = ? AND benchmark = ?",
+                    [cert["status"], dumps(cert), ctx.inputs[MODEL].sha256, ref.sha256, bench])
 
 
 def _record_adhoc_eval(con, ctx: StageContext, res: StageResult, key: str) -> None:
@@ -448,7 +523,9 @@ def _record_adhoc_eval(con, ctx: StageContext, res: StageResult, key: str) -> No
 
 
 def _eval_headline(m: dict) -> str:
-    return "  ".join(f"{b} acc {v['accuracy']:.3f}" for b, v in m.items() if isinstance(v, dict))
+    return "  ".join(f"{b} acc {v['accuracy']:.3f}" + (f" ({v['certificate']})" if v.get("certificate", "clean")
+                                                        != "clean" else "")
+                     for b, v in m.items() if isinstance(v, dict))
 
 
 # ---- inputs from outside the store ---------------------------------------------------------------
@@ -465,6 +542,14 @@ def _benchmark_files(cfg: Config, catalog: Catalog | None = None) -> dict[str, s
     from evaluation.stages import HELDOUT
 
     return {f"benchmark:{b}": hash_file(benchmark_path(b)) for b in cfg.eval.benchmarks if b != HELDOUT}
+
+
+def _decontam_files(cfg: Config, catalog: Catalog | None = None) -> dict[str, str]:
+    from core.artifacts import hash_file
+    from evaluation.benchmarks import benchmark_path
+    from evaluation.stages import HELDOUT
+
+    return {f"benchmark:{b}": hash_file(benchmark_path(b)) for b in decontam_benchmarks(cfg) if b != HELDOUT}
 
 
 def _source_files(cfg: Config, catalog: Catalog | None = None) -> dict[str, str]:
@@ -487,7 +572,7 @@ def _history_fingerprint(cfg: Config, catalog: Catalog | None = None) -> dict[st
 
 # ---- the DAG --------------------------------------------------------------------------------------
 
-_EVAL_MODULES = ("evaluation.stages", "data_curation.synthetic", "generation.setup")
+_EVAL_MODULES = ("evaluation.stages", "data_curation.synthetic", "generation.setup", "tasks.certificate")
 _SAMPLING_MODULES = ("data_curation.sampling", "generation.setup", "evaluation.verifier", "data_curation.synthetic",
                      "evaluation.benchmarks")
 
@@ -538,15 +623,19 @@ STAGES: tuple[Stage, ...] = (
                                    if "pool_prompts" in m else "") + f"sources {int(m['sources'])}",
           _source_files),
     Stage("ingest", {DATASET: ("data", DATASET)},
-          lambda c: {**asdict(c.curation.dedup), "max_prompt_chars": c.data.max_prompt_chars},
-          ("data_curation.ingest", "data_curation.sources", "data_curation.dedup"), _ingest_body, _record_ingest,
+          lambda c: {**asdict(c.curation.dedup), "max_prompt_chars": c.data.max_prompt_chars,
+                     "templates": asdict(c.curation.templates)},
+          ("data_curation.ingest", "data_curation.sources", "data_curation.dedup", "data_curation.templates"),
+          _ingest_body, _record_ingest,
           _headline("rows {rows_in:.0f}  ingested {ingested:.0f}  quarantined {quarantined:.0f}  "
                     "duplicates {duplicates_exact:.0f}+{duplicates_near:.0f} near", "rows_in", "ingested", "quarantined",
                     "duplicates_exact", "duplicates_near")),
     Stage("decontaminate", {PROMPTS: ("ingest", PROMPTS), DATASET: ("data", DATASET)},
-          lambda c: {**asdict(c.curation.decontam), "benchmarks": list(c.eval.benchmarks)},
+          lambda c: {**asdict(c.curation.decontam), "benchmarks": decontam_benchmarks(c)},
           ("data_curation.decontaminate", "evaluation.stages"), _decontaminate_body, _record_decontaminate,
-          _headline("clean {clean:.0f}  contaminated {contaminated:.0f}", "clean", "contaminated"), _benchmark_files),
+          lambda m: f"clean {m['clean']:.0f}  contaminated {m['contaminated']:.0f}" + (
+              f" ({m['contaminated_ngram']:.0f} n-gram, {m['contaminated_paraphrase']:.0f} paraphrase)"
+              if "contaminated_paraphrase" in m else ""), _decontam_files),
     Stage("base_model", {}, lambda c: asdict(c.model), ("training.base", "generation.setup"), _base_model_body,
           lambda con, ctx, res, key: _record_checkpoint(con, ctx, res, key, "base_model", 0),
           lambda m: f"params {int(m['parameters']):,}", _model_files),

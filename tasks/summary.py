@@ -27,6 +27,7 @@ def build_summary(run_id: str, outcomes: Sequence[StageOutcome], seconds: float)
         "metrics": metrics,
         "checkpoints": {s: by[s].result.artifacts["model"].sha256 for s in ("warmup", "rft", "rl") if s in by},
         "curation": reconciliation(by),
+        "certificates": certificates(outcomes),
     }
 
 
@@ -63,6 +64,16 @@ def run_warnings(by: dict) -> list[str]:
     return out
 
 
+def certificates(outcomes: Sequence[StageOutcome]) -> dict[str, dict[str, str]]:
+    """eval stage -> benchmark -> decontamination certificate status (``tasks.certificate``)."""
+    out = {}
+    for o in outcomes:
+        found = {b: v["certificate"] for b, v in o.result.metrics.items() if isinstance(v, dict) and "certificate" in v}
+        if found:
+            out[o.stage] = found
+    return out
+
+
 def reconciliation(by: dict) -> dict[str, int]:
     """Where the pool's rows went: rows in = ingested + quarantined + duplicates; ingested =
     clean + contaminated; selected is what RL draws from."""
@@ -87,6 +98,10 @@ def format_table(summary: dict) -> str:
     lines.append("-" * 72)
     if summary.get("curation"):
         lines.append("curation: " + "  ".join(f"{k.replace('_', ' ')} {v}" for k, v in summary["curation"].items()))
+    if summary.get("certificates"):
+        lines.append("decontamination certificates: " + "  ".join(
+            f"{stage} {bench} {status}" for stage, certs in summary["certificates"].items()
+            for bench, status in certs.items()))
     fmt = lambda v: "n/a" if v is None else f"{v:.3f}"  # noqa: E731
     lines.append(f"held-out accuracy: warm-up {fmt(m.get('heldout_accuracy_warmup'))} -> "
                  f"RFT {fmt(m.get('heldout_accuracy_rft'))} -> RL {fmt(m.get('heldout_accuracy_rl'))}   total {summary['seconds']:.1f}s   run {summary['run_id']}")
@@ -123,7 +138,7 @@ def publish_eval_markdown(outcomes: Sequence[StageOutcome]) -> None:
         with open(o.result.artifacts["eval"].file("summary.json")) as f:
             for bench, s in json.load(f).items():
                 evals.append(EvalGroup(role, o.result.metrics.get("checkpoint", ""), o.result.artifacts["eval"].sha256,
-                                       bench, s, True))
+                                       bench, s, True, (o.result.metrics.get(bench) or {}).get("certificate")))
     if evals:
         create_markdown_artifact(markdown=markdown_benchmark_table(evals), key="laminar-benchmarks",
                                  description="Benchmark accuracy per checkpoint (laminar report has the plots)")

@@ -84,6 +84,12 @@ def test_preflight_catches_what_needs_files(tmp_path):
 
     with pytest.raises(ConfigError, match="eval.benchmarks: unknown benchmark 'gsm8kk'"):
         preflight(load_config(["eval.benchmarks=[gsm8kk]"]))
+    with pytest.raises(ConfigError, match="curation.decontam.benchmarks: unknown benchmark 'aime2024'"):
+        preflight(load_config(["curation.decontam.benchmarks=[aime24,aime2024]"]))
+    with pytest.raises(ConfigError, match="paraphrase_moderate=0.95 and paraphrase_high=0.92"):
+        load_config(["curation.decontam.paraphrase_moderate=0.95"])
+    with pytest.raises(ConfigError, match=r"curation.templates.min_share=0.0 must be in \(0, 1\]"):
+        load_config(["curation.templates.min_share=0"])
     with pytest.raises(ConfigError, match="no config.json"):
         preflight(load_config(["model=hf", f"model.path={tmp_path}"]))
     with pytest.raises(ConfigError, match="rl.overlong_cache_len=16 must be in"):

@@ -69,16 +69,26 @@ def test_planted_benchmark_items_are_caught_and_attributed(tmp_path, arith, held
         assert hit["overlap"] >= 1 and hit["matched"]
     assert by_plant[plant_ids[8]]["matched"] == " ".join(["what", "is", *heldout[0].problem[8:-1], "?"])
 
+    assert all(h["rule"] == "ngram" and h["score"] == h["coverage"] for h in by_plant.values())
+
     # Nothing from the arithmetic pool; from MATH train only siblings of MATH-500 items (same figure,
-    # setup or template, another question: 27 of them, see decontaminate.py).
+    # setup or template, another question: 27 of them by the n-gram rule, see decontaminate.py), and
+    # two by the paraphrase rule: a template sibling and a short item with the same answer.
     assert not [h for h in hits if h["source"] == "arith"]
     math_hits = [h for h in hits if h["source"] == "math_train"]
-    assert {h["benchmark"] for h in math_hits} == {"math500"} and all(h["coverage"] >= 0.7 for h in math_hits)
-    assert len({h["prompt_id"] for h in math_hits}) == 27
+    ngram_hits = [h for h in math_hits if h["rule"] == "ngram"]
+    assert {h["benchmark"] for h in math_hits} == {"math500"} and all(h["coverage"] >= 0.7 for h in ngram_hits)
+    assert len({h["prompt_id"] for h in ngram_hits}) == 27
+    para = sorted((h["benchmark_problem_id"], h["rule"]) for h in math_hits if h["rule"] != "ngram")
+    assert para == [("test/intermediate_algebra/279.json", "paraphrase+answer"),
+                    ("test/prealgebra/1458.json", "paraphrase+answer")]
+    assert all(0.6 <= h["score"] < 0.92 and h["coverage"] is None and h["matched"] is None
+               for h in math_hits if h["rule"] != "ngram")
     assert counts["contaminated_gsm8k"] == 5 and counts["contaminated_arith_heldout"] == 2
-    assert counts["contaminated_math500"] == 3 + 27
+    assert counts["contaminated_math500"] == 3 + 27 + 2
     assert counts["contaminated_aime24"] == counts["contaminated_aime25"] == counts["contaminated_amc23"] == 0
-    assert counts["contaminated"] == 10 + 27 and counts["clean"] == counts["prompts_in"] - 37
+    assert counts["contaminated"] == 10 + 29 and counts["clean"] == counts["prompts_in"] - 39
+    assert counts["contaminated_ngram"] == 37 and counts["contaminated_paraphrase"] == 2
 
     kept = pq.read_table(tmp_path / "out" / "prompts.parquet")
     source = pq.read_table(tmp_path / "ingest" / "prompts.parquet")
@@ -92,7 +102,8 @@ def test_clean_pools_lose_nothing(tmp_path, arith, heldout):
     items = [it for name in BENCHMARKS for it in load_benchmark(name)] + heldout
     counts = decontaminate(tmp_path / "arith" / "prompts.parquet", items, tmp_path / "arith_out")
     assert counts["contaminated"] == 0 and counts["clean"] == counts["prompts_in"] == 3000
-    assert set(counts) == {"prompts_in", "clean", "contaminated", "contaminated_arith_heldout",
+    assert set(counts) == {"prompts_in", "clean", "contaminated", "contaminated_arith_heldout", "contaminated_ngram",
+                           "contaminated_paraphrase",
                            *(f"contaminated_{name}" for name in BENCHMARKS)}
     assert (tmp_path / "arith_out" / "prompts.parquet").read_bytes() != b""
     assert pq.read_table(tmp_path / "arith_out" / "prompts.parquet").equals(
@@ -150,3 +161,76 @@ def test_deterministic_and_evaluation_items_untouched(tmp_path, arith, heldout):
         assert one.read_bytes() == two.read_bytes(), name
     assert gsm8k == before == load_benchmark("gsm8k")
     assert pq.read_table(tmp_path / "one" / "prompts.parquet").num_rows == 50
+
+
+# --------------------------------------------------------------------------- paraphrase rule
+
+
+def test_paraphrase_text_strips_style_figures_and_instructions():
+    from data_curation.decontaminate import paraphrase_text
+
+    def same(text: str) -> str:  # spacing is not compared (shingles are tokens)
+        return "".join(paraphrase_text(text).split())
+
+    base = same("If $x = 3$, find the area of $ABC$ in square units. [asy]draw((0,0)--(3,4));[/asy]")
+    assert base == "v=3,findareaabcsquareunits."
+    # renamed and restyled symbols, number words, style macros and solver instructions normalise away
+    assert same("Solve the following math problem step by step.\n\nIf $\\mathit{y}=three$, find the "
+                "area of $ABC$ in square units. Put your final answer within \\boxed{}.") == base
+    assert same("Question: If $\\mathcal{T} = \\text{3}$, find the area of $ABC$ in square units.") == base
+    assert same("If $x=\\dfrac{1}{2}$, find $\\left(y\\right)$.") == same("If $z=\\frac{1}{2}$, find $(t)$.")
+    assert same("twenty-five apples") == same("25 apples") != same("26 apples")
+
+
+def _rewrite(item: BenchmarkItem) -> str:
+    """A paraphrase: symbols renamed and restyled, figure code dropped, numbers in words, a wrapper."""
+    import re
+
+    text = re.sub(r"\[asy\].*?\[/asy\]", "", item.problem, flags=re.S)
+    text = re.sub(r"(?<![A-Za-z\\])x(?![A-Za-z])", r"\\mathit{t}", text)
+    text = re.sub(r"(?<![\d.$^{])\b([2-9])\b(?![\d.])", lambda m: ["two", "three", "four", "five", "six", "seven",
+                                                                   "eight", "nine"][int(m.group(1)) - 2], text)
+    return "Solve the following math problem step by step.\n\n" + text + "\n\nPut the final answer in \\boxed{}."
+
+
+def test_paraphrase_rule_catches_rewrites_the_ngram_rule_misses(tmp_path):
+    from data_curation.decontaminate import ParaphraseParams
+
+    math500 = load_benchmark("math500")
+    chosen = [it for it in math500 if "[asy]" in it.problem and 15 <= len(it.problem.split()) < 200][:4] + \
+        [it for it in math500 if "$x" in it.problem and "[asy]" not in it.problem and len(it.problem) > 150][:4]
+    rewritten = [_rewrite(it) for it in chosen]
+    assert all(r != it.problem for r, it in zip(rewritten, chosen))
+    sibling = ("Determine the number of ways to arrange the letters of the word BANANA.", "60")  # MATH-500's ELLIPSE
+    pq.write_table(pa.table({"prompt_id": [f"r{i}" for i in range(len(chosen))] + ["sib"],
+                             "source": ["t"] * (len(chosen) + 1), "problem": rewritten + [sibling[0]],
+                             "answer": [it.answer for it in chosen] + [sibling[1]]}), tmp_path / "p.parquet")
+
+    off = decontaminate(tmp_path / "p.parquet", math500, tmp_path / "off", paraphrase=None)
+    assert off["contaminated"] < len(chosen)  # the 13-gram rule alone misses most of these
+
+    counts = decontaminate(tmp_path / "p.parquet", math500, tmp_path / "on", benchmark_hashes={"math500": "abc"})
+    hits = pq.read_table(tmp_path / "on" / "contamination.parquet").to_pylist()
+    by = {h["prompt_id"]: h for h in hits}
+    assert set(by) == {f"r{i}" for i in range(len(chosen))}  # every rewrite, and not the sibling
+    for i, it in enumerate(chosen):
+        h = by[f"r{i}"]
+        assert (h["benchmark"], h["benchmark_problem_id"]) == ("math500", it.problem_id)
+        assert h["rule"] in ("ngram", "paraphrase", "paraphrase+answer") and 0 < h["score"] <= 1
+        if h["rule"] != "ngram":
+            assert h["coverage"] is None and h["overlap"] > 0 and h["score"] >= 0.6
+    assert counts["contaminated_paraphrase"] == len(chosen) - off["contaminated"]
+    cert = json.loads((tmp_path / "on" / "certificate.json").read_text())
+    assert cert["benchmarks"]["math500"] == {"sha256": "abc", "items": 500, "removed": len(chosen)}
+    assert cert["rules"][0] == "ngram(n=13, min_coverage=0.7)" and cert["rules"][1].startswith("paraphrase(")
+
+
+
+def test_paraphrase_rule_leaves_bare_expressions_and_rejects_bad_thresholds(tmp_path):
+    from data_curation.decontaminate import ParaphraseParams
+
+    pool = _pool(tmp_path / "p.parquet", ["What is 2+6+4?", "What is 5+7-9?"])
+    counts = decontaminate(pool, _bench(["What is 0+2+6+4?", "What is 3+6-4+7-9?"]), tmp_path / "out")
+    assert counts["contaminated"] == 0  # symbol siblings without words are the n-gram rule's to judge
+    with pytest.raises(ValueError, match="moderate"):
+        decontaminate(pool, _bench(["x"]), tmp_path / "bad", paraphrase=ParaphraseParams(high=0.5, moderate=0.7))
