@@ -161,6 +161,10 @@ class EvalConfig:
     batch_size: int = 256
     verifier_timeout_s: float = 5.0
     """Per-answer limit of the math-verify worker (the RL reward uses the same verifier and limit)."""
+    max_problems: int = 0
+    """Evaluate a seeded subset of at most this many problems per benchmark (drawn with ``seed`` and
+    the benchmark's name, the same for every checkpoint); 0 = every problem. Part of the cache key,
+    and printed with every score ("100 of 1319 problems")."""
 
 
 @dataclass
@@ -488,6 +492,8 @@ def validate(cfg: Config) -> Config:
                   "cluster.rollout_gpus", "cluster.trainer_gpus")
     if cfg.rl.is_cap is not None and cfg.rl.is_cap <= 0:
         raise ConfigError(f"rl.is_cap={cfg.rl.is_cap} must be > 0 (TRL uses 3.0) or null")
+    if cfg.eval.max_problems < 0:
+        raise ConfigError(f"eval.max_problems={cfg.eval.max_problems} must be >= 0 (0 = every problem)")
     if cfg.sft.steps < 0 or cfg.rl.steps < 0 or cfg.rl.eval_every < 0:
         raise ConfigError("sft.steps, rl.steps and rl.eval_every must be >= 0")
     if cfg.rl.group_size < 2:
