@@ -117,7 +117,7 @@ class RLConfig:
     overlong_filter: Optional[bool] = None
     kl_coef: Optional[float] = None
     overlong_cache_len: int = 16
-    """DAPO's soft-punishment buffer L_cache, in tokens before ``max_new_tokens`` (the paper uses
+    """DAPO's soft-punishment buffer L_cache, in tokens before ``max_new_tokens`` (the DAPO paper uses
     4,096 of 20,480; here 16 of 64, the same order of share)."""
     eval_every: int = 25
     """Evaluate ``eval.benchmarks`` inside the run every N steps (the eval stages cover the start and
@@ -133,7 +133,7 @@ class RLConfig:
     admit_lag: int = 1
     """``laminar``: a rollout keeps admitting prompts under its weights until the trainer is this many
     versions ahead, then drains (finishes what it has, pulls the latest). 1 = stop at the first newer
-    version; larger values keep rollouts full through updates (the paper's rollouts pull when their
+    version; larger values keep rollouts full through updates (the Laminar paper's rollouts pull when their
     batch is done) at the price of staleness. At most ``max_staleness`` (checked); below it, or what
     is admitted late tends to be regenerated as too stale."""
     rollout_capacity: int = 64
@@ -210,7 +210,7 @@ class DartConfig:
     check_arithmetic: bool = True
     """Accept a response only if, besides the right final answer, every integer equation it states
     holds (``data_curation.dart.arithmetic_consistent``): a lucky final answer after ``4+4=9`` is not
-    kept for fine-tuning. False = the paper's rule (final answer only)."""
+    kept for fine-tuning. False = the DART paper's rule (final answer only)."""
 
 
 @dataclass
