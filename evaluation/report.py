@@ -244,9 +244,11 @@ def _finish(fig, path: Path, caption: str | None) -> None:
     plt.close(fig)
 
 
-def _grouped_bars(ax, groups: Sequence[str], labels: Sequence[str], value) -> None:
+def _grouped_bars(ax, groups: Sequence[str], labels: Sequence[str], value) -> dict[tuple[str, str], float]:
     """One bar per (group, label) whose ``value(group_index, label_index)`` is known (not None); a
-    missing one is drawn as no bar with a small "not evaluated" mark, never as a zero bar."""
+    missing one is drawn as no bar with a small "not evaluated" mark, never as a zero bar. Returns
+    the bars drawn, (group, label) -> height."""
+    drawn: dict[tuple[str, str], float] = {}
     width = 0.8 / max(1, len(labels))
     for i, label in enumerate(labels):
         xs_all = [j + (i - (len(labels) - 1) / 2) * width for j in range(len(groups))]
@@ -256,16 +258,20 @@ def _grouped_bars(ax, groups: Sequence[str], labels: Sequence[str], value) -> No
         for j, x in enumerate(xs_all):
             if value(j, i) is None:
                 ax.text(x, 0.01, "not evaluated", rotation=90, ha="center", va="bottom", fontsize=7, color="#777777")
+            else:
+                drawn[(groups[j], label)] = value(j, i)
+    return drawn
 
 
-def plot_benchmarks(evals: Sequence[EvalGroup], path: Path, caption: str | None = None) -> None:
-    """Accuracy per benchmark and checkpoint; a checkpoint never evaluated on a benchmark has no bar."""
+def plot_benchmarks(evals: Sequence[EvalGroup], path: Path, caption: str | None = None) -> dict[tuple[str, str], float]:
+    """Accuracy per benchmark and checkpoint; a checkpoint never evaluated on a benchmark has no bar.
+    Returns the bars drawn, (benchmark, checkpoint label) -> accuracy."""
     plt = _pyplot()
     chosen = _headline_evals(evals)
     benches = sorted({b for _, b in chosen})
     roles = [r for r in ROLE_LABELS if any(k[0] == r for k in chosen)]
     fig, ax = plt.subplots(figsize=(max(5, 1.6 * len(benches) + 2), 4.2))
-    _grouped_bars(ax, benches, [ROLE_LABELS.get(r, r) for r in roles],
+    drawn = _grouped_bars(ax, benches, [ROLE_LABELS.get(r, r) for r in roles],
                   lambda j, i: chosen[(roles[i], benches[j])].summary["accuracy"]
                   if (roles[i], benches[j]) in chosen else None)
     ax.set_xticks(range(len(benches)), [f"{b}\n{problems_label(_first(chosen, b).summary)} problems" for b in benches])
@@ -277,6 +283,7 @@ def plot_benchmarks(evals: Sequence[EvalGroup], path: Path, caption: str | None 
     if not benches:
         ax.text(0.5, 0.5, "no evaluations", ha="center", va="center", transform=ax.transAxes)
     _finish(fig, path, caption)
+    return drawn
 
 
 def _first(chosen: Mapping[tuple[str, str], EvalGroup], bench: str) -> EvalGroup:
@@ -288,11 +295,12 @@ def _same_series(a: Sequence[tuple[int, float]], b: Sequence[tuple[int, float]])
 
 
 def plot_rl(rl_metrics: Mapping[str, Sequence[tuple[int, float]]], path: Path, caption: str | None = None,
-            final_eval: Mapping[str, float] | None = None) -> None:
+            final_eval: Mapping[str, float] | None = None) -> list[str]:
     """Reward, training accuracy and in-run held-out evaluations over RL steps (left), response length
     (right). A reward that is exactly the accuracy (no shaping) is one line named so, not two lines
     drawn on top of each other; ``final_eval`` (benchmark -> accuracy of the RL checkpoint's eval
-    stage) is a star after the last step. Legends sit under the axes, off the data."""
+    stage) is a star after the last step. Legends sit under the axes, off the data. Returns the labels
+    of the lines drawn on the left axes."""
     plt = _pyplot()
     fig, (ax1, ax2) = plt.subplots(1, 2, figsize=(11, 4.4))
     in_run = sorted(n for n in rl_metrics if n.startswith("eval_") and n != "eval_seconds")
@@ -332,19 +340,24 @@ def plot_rl(rl_metrics: Mapping[str, Sequence[tuple[int, float]]], path: Path, c
     if not rl_metrics:
         for ax in (ax1, ax2):
             ax.text(0.5, 0.5, "no RL metrics", ha="center", va="center", transform=ax.transAxes)
+    labels = [line.get_label() for line in ax1.lines]
     _finish(fig, path, caption)
+    return labels
 
 
-def plot_levels(evals: Sequence[EvalGroup], path: Path, caption: str | None = None) -> None:
-    """Accuracy per difficulty level and checkpoint; a level a checkpoint was not evaluated on has no bar."""
+def plot_levels(evals: Sequence[EvalGroup], path: Path, caption: str | None = None) -> dict[tuple[str, str], float]:
+    """Accuracy per difficulty level and checkpoint; a level a checkpoint was not evaluated on has no bar.
+    Returns the bars drawn, ("<benchmark> <level>", checkpoint label) -> accuracy."""
     plt = _pyplot()
     roles, labels, rows = _level_rows(evals)
     benches = sorted({r[0] for r in rows})
     fig, axes = plt.subplots(1, max(1, len(benches)), figsize=(max(5, 4.5 * len(benches)), 4.0), squeeze=False)
+    drawn: dict[tuple[str, str], float] = {}
     for ax, bench in zip(axes[0], benches):
         sub = [r for r in rows if r[0] == bench]
-        _grouped_bars(ax, [r[1] for r in sub], labels,
-                      lambda j, i: sub[j][2 + i] if sub[j][2 + i] != "" else None)
+        bars = _grouped_bars(ax, [r[1] for r in sub], labels,
+                             lambda j, i: sub[j][2 + i] if sub[j][2 + i] != "" else None)
+        drawn.update({(f"{bench} {lv}", label): v for (lv, label), v in bars.items()})
         ax.set_xticks(range(len(sub)), [r[1] for r in sub])
         ax.set_ylim(0, 1.05)
         ax.set_xlabel("difficulty level")
@@ -355,6 +368,7 @@ def plot_levels(evals: Sequence[EvalGroup], path: Path, caption: str | None = No
     if not benches:
         axes[0][0].text(0.5, 0.5, "no per-level results", ha="center", va="center", transform=axes[0][0].transAxes)
     _finish(fig, path, caption)
+    return drawn
 
 
 # ---- the report -----------------------------------------------------------------------------------
