@@ -68,11 +68,16 @@ def main() -> None:
                         "too_long": g.get("too_long"), "context": g.get("context"), "lines": table,
                         "command": "laminar " + " ".join(cmd[3:])})
         print(json.dumps(results[-1]), flush=True)
+        _write(args, results)  # after every size: a long full-set run may be cut short
+    print(f"wrote {args.out}")
+
+
+def _write(args, results: list[dict]) -> None:
     out = {"date": datetime.now(timezone.utc).isoformat(timespec="seconds"), "machine": platform.processor() or
-           platform.machine(), "cpus": os.cpu_count(), "checkpoint": args.ckpt, "results": results}
+           platform.machine(), "cpus": os.cpu_count(), "load_average": os.getloadavg(), "checkpoint": args.ckpt,
+           "results": results}
     args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.write_text(json.dumps(out, indent=2) + "\n")
-    print(f"wrote {args.out}")
 
 
 if __name__ == "__main__":
