@@ -230,7 +230,7 @@ def _caption(fig, caption: str | None) -> int:
         return 0
     import textwrap
 
-    text = textwrap.fill(caption, width=max(40, int(fig.get_figwidth() * 17)))
+    text = textwrap.fill(caption, width=max(40, int(fig.get_figwidth() * 15)))
     fig.text(0.01, 0.01, text, fontsize=7, color="#555555", ha="left", va="bottom")
     return text.count("\n") + 1
 
