@@ -120,7 +120,7 @@ def main() -> None:
     ap.add_argument("--cpus", type=int, default=2)
     ap.add_argument("--algorithm", default="grpo")
     ap.add_argument("--unbounded", action="store_true",
-                    help="asynchronous modes without a staleness bound (as the paper); default rl.max_staleness")
+                    help="asynchronous modes without a staleness bound (as the Laminar paper); default rl.max_staleness")
     ap.add_argument("--repack-interval", type=float, default=None, help="seconds (default rl.repack_interval_s)")
     ap.add_argument("--repeats", type=int, default=1, help="rounds of every mode (this machine's speed drifts)")
     ap.add_argument("--seed", type=int, default=0)

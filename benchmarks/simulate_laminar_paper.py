@@ -2,35 +2,35 @@
 
 Setting (arXiv 2510.12633, as summarised in ../shared/ALGORITHMS.md): H800 GPUs, Qwen2.5 7B/32B/72B,
 512 prompts x 16 responses per update, max output 16K tokens, p99 length about 10x the median,
-generation about 83% of a synchronous step; 64 to 1,024 GPUs. The paper's averages of laminar's
+generation about 83% of a synchronous step; 64 to 1,024 GPUs. The Laminar paper's averages of laminar's
 speedup: 2.56x over verl sync, 1.98x over one-step staleness, 1.93x over stream generation, 1.39x over
 AReaL-style partial rollout.
 
-Assumptions (all in ``training.rl.simulate``'s module docstring; none tuned to the paper's speedups):
+Assumptions (all in ``training.rl.simulate``'s module docstring; none tuned to the Laminar paper's speedups):
 
 - **Hardware**: H800 = H100 SXM compute (989 dense bf16 TFLOP/s) and memory (80 GB HBM3, 3.35 TB/s;
   the H800 differs only in NVLink and export-limited interconnect), 70% of HBM bandwidth and 50% of
   peak FLOP/s reachable in decode/prefill, 4 ms per decode step of engine overhead, 20 us per layer of
   tensor-parallel all-reduce; host links 25 GB/s (PCIe 5 x16, effective), relay chain 100 GB/s (an
-  800 Gb/s node NIC: a 72B version reaches 127 relays in ~1.5 s; the paper reports < 1.6 s).
+  800 Gb/s node NIC: a 72B version reaches 127 relays in ~1.5 s; the Laminar paper reports < 1.6 s).
 - **Engines**: tensor parallel 1 / 4 / 8 GPUs for 7B / 32B / 72B; capacity from the KV memory left
   after the weights (85% of it) at the mean context, at most 512 sequences.
 - **Lengths**: lognormal, median 1,500 tokens, p99 = 10x the median, half of the log-variance shared
   by a prompt's 16 responses, truncated at 16,384; prompts of 256 tokens.
-- **Training cost**: the paper states generation is ~83% of a synchronous step; the FLOP model's
+- **Training cost**: the Laminar paper states generation is ~83% of a synchronous step; the FLOP model's
   MFU is *set from that statement* (``cost.train_gen_share = 0.83``, calibrated per model and scale
   in the colocated sync mode, then used by every mode of that model and scale; never above 60% MFU,
   where 83% is not reachable: 32B and 72B on 64-128 GPUs). The implied MFU (a
   few per cent of the 8N-FLOP count at 1,024 GPUs) is printed: with a physically typical 30-40% MFU
-  generation would be ~98% of a sync step at 1,024 GPUs, not 83%, so the paper's updates must cost
+  generation would be ~98% of a sync step at 1,024 GPUs, not 83%, so the Laminar paper's updates must cost
   far more than their FLOPs (log-prob recomputation, FSDP communication with ~1 sequence per GPU...).
-- **Back-pressure**: none by default (``--max-ahead-batches 0``), as the paper: the continuous modes
+- **Back-pressure**: none by default (``--max-ahead-batches 0``), as the Laminar paper: the continuous modes
   keep generating while the trainer is busy (the experience buffer grows); ``--max-ahead-batches K``
   issues new prompts only while issued-but-untrained groups stay within K batches.
 - **Modes**: ``sync`` is colocated (all GPUs generate, then all train, 2 s weight switch), as verl's
   hybrid engine; the others are disaggregated. Their trainer/rollout split is searched per mode over
   ``--shares`` and the best steady throughput is kept (each baseline tuned, as a practitioner would).
-  No staleness bound (the paper's Laminar sets none; one_step/stream are bounded by construction).
+  No staleness bound (the Laminar paper's Laminar sets none; one_step/stream are bounded by construction).
 - **Throughput**: trained tokens/s after ``warmup_updates`` updates (pipeline fill), over ``--steps``.
 
     .venv/bin/python benchmarks/simulate_laminar_paper.py [--scales 64 128 256 512 1024] [--jobs 2]
@@ -101,7 +101,7 @@ def main() -> None:
     ap.add_argument("--jobs", type=int, default=2)
     ap.add_argument("--out", type=Path, default=ROOT / "benchmarks" / "results" / "simulate_laminar_paper")
     ap.add_argument("--max-ahead-batches", type=int, default=0,
-                    help="simulator back-pressure for the continuous modes (0: none, as the paper)")
+                    help="simulator back-pressure for the continuous modes (0: none, as the Laminar paper)")
     args = ap.parse_args()
     global MAX_AHEAD
     MAX_AHEAD = args.max_ahead_batches
@@ -159,7 +159,7 @@ def main() -> None:
                                         + (f" (trainer {best[mode]['trainer_gpus']} GPUs)" if share else " (colocated)")
                                         + f": {len(tl['rollouts'])} of {best[mode]['rollouts']} rollouts")
     # summary tables
-    print("\nLaminar's simulated speedup (best split per mode) vs the paper's averages")
+    print("\nLaminar's simulated speedup (best split per mode) vs the Laminar paper's averages")
     print("| model | GPUs | over sync | over one_step | over stream | over partial |")
     print("|---|---|---|---|---|---|")
     for (model, gpus), sp in sorted(speed_rows.items(), key=lambda kv: (MODEL_NAMES.index(kv[0][0]), kv[0][1])):

@@ -120,7 +120,7 @@ class RLConfig:
     overlong_filter: Optional[bool] = None
     kl_coef: Optional[float] = None
     overlong_cache_len: int = 16
-    """DAPO's soft-punishment buffer L_cache, in tokens before ``max_new_tokens`` (the paper uses
+    """DAPO's soft-punishment buffer L_cache, in tokens before ``max_new_tokens`` (the DAPO paper uses
     4,096 of 20,480; here 16 of 64, the same order of share)."""
     eval_every: int = 25
     """Evaluate ``eval.benchmarks`` inside the run every N steps (the eval stages cover the start and
@@ -136,7 +136,7 @@ class RLConfig:
     admit_lag: int = 1
     """``laminar``: a rollout keeps admitting prompts under its weights until the trainer is this many
     versions ahead, then drains (finishes what it has, pulls the latest). 1 = stop at the first newer
-    version; larger values keep rollouts full through updates (the paper's rollouts pull when their
+    version; larger values keep rollouts full through updates (the Laminar paper's rollouts pull when their
     batch is done) at the price of staleness. At most ``max_staleness`` (checked); below it, or what
     is admitted late tends to be regenerated as too stale."""
     rollout_capacity: int = 64
@@ -164,6 +164,10 @@ class EvalConfig:
     batch_size: int = 256
     verifier_timeout_s: float = 5.0
     """Per-answer limit of the math-verify worker (the RL reward uses the same verifier and limit)."""
+    max_problems: int = 0
+    """Evaluate a seeded subset of at most this many problems per benchmark (drawn with ``seed`` and
+    the benchmark's name, the same for every checkpoint); 0 = every problem. Part of the cache key,
+    and printed with every score ("100 of 1319 problems")."""
 
 
 @dataclass
@@ -235,7 +239,7 @@ class DartConfig:
     check_arithmetic: bool = True
     """Accept a response only if, besides the right final answer, every integer equation it states
     holds (``data_curation.dart.arithmetic_consistent``): a lucky final answer after ``4+4=9`` is not
-    kept for fine-tuning. False = the paper's rule (final answer only)."""
+    kept for fine-tuning. False = the DART paper's rule (final answer only)."""
 
 
 @dataclass
@@ -522,6 +526,8 @@ def validate(cfg: Config) -> Config:
                   "cluster.rollout_gpus", "cluster.trainer_gpus")
     if cfg.rl.is_cap is not None and cfg.rl.is_cap <= 0:
         raise ConfigError(f"rl.is_cap={cfg.rl.is_cap} must be > 0 (TRL uses 3.0) or null")
+    if cfg.eval.max_problems < 0:
+        raise ConfigError(f"eval.max_problems={cfg.eval.max_problems} must be >= 0 (0 = every problem)")
     if cfg.sft.steps < 0 or cfg.rl.steps < 0 or cfg.rl.eval_every < 0:
         raise ConfigError("sft.steps, rl.steps and rl.eval_every must be >= 0")
     if cfg.rl.group_size < 2:

@@ -22,7 +22,10 @@ MANIFEST = "manifest.json"
 
 @dataclass(frozen=True)
 class ArtifactRef:
-    """A small, JSON-serialisable handle on a complete artifact. ``path`` is absolute."""
+    """A small, JSON-serialisable handle on a complete artifact. ``path`` is absolute in memory;
+    what is stored (catalog rows, Prefect results, run summaries) is ``ArtifactStore.stored(ref)``,
+    relative to the workspace root, and ``ArtifactStore.locate`` turns it back into an absolute path
+    under wherever the workspace is now."""
 
     kind: str
     sha256: str
@@ -141,11 +144,47 @@ class ArtifactStore:
         assert pending.ref is not None
         return pending.ref
 
-    def exists(self, ref: ArtifactRef | dict) -> bool:
+    @property
+    def workspace_root(self) -> Path:
+        """The folder stored paths are relative to: the workspace (the store's parent)."""
+        return self.root.parent
+
+    def stored(self, ref: ArtifactRef) -> dict:
+        """``ref`` as it is written down: a path inside the workspace relative to its root
+        (``artifacts/model/<sha>``), so the workspace can be moved or copied; a path outside it (a
+        ``laminar eval ckpt=/models/x`` folder) stays absolute."""
+        path = Path(ref.path)
+        try:
+            rel = path.relative_to(self.workspace_root).as_posix() if path.is_absolute() else path.as_posix()
+        except ValueError:
+            rel = str(path)
+        return {"kind": ref.kind, "sha256": ref.sha256, "path": rel}
+
+    def locate(self, ref: ArtifactRef | dict) -> ArtifactRef:
+        """A stored ref with an absolute path under this workspace. A relative path is taken from the
+        workspace root; an absolute one written before paths were stored relative (or by a workspace
+        since moved) that names a store folder (``.../artifacts/<kind>/<sha>``) is read from this
+        store, where a content-addressed artifact of that kind and sha lives wherever the workspace is;
+        any other absolute path (a folder outside the workspace) is kept."""
         if isinstance(ref, dict):
             ref = ArtifactRef.from_dict(ref)
+        path = Path(ref.path)
+        if not path.is_absolute():
+            return ArtifactRef(ref.kind, ref.sha256, str(self.workspace_root / path))
+        own = self.root / ref.kind / ref.sha256
+        if path != own and path.name == ref.sha256 and path.parent.name == ref.kind \
+                and path.parent.parent.name == "artifacts" and (own / MANIFEST).exists():
+            return ArtifactRef(ref.kind, ref.sha256, str(own))
+        return ref
+
+    def locate_path(self, kind: str, sha256: str, path: str | None) -> str | None:
+        """``locate`` for a catalog row's (kind, sha256, path); None stays None."""
+        return None if path is None else self.locate(ArtifactRef(kind, sha256, path)).path
+
+    def exists(self, ref: ArtifactRef | dict) -> bool:
+        ref = self.locate(ref)
         return (Path(ref.path) / MANIFEST).exists()
 
     def manifest(self, ref: ArtifactRef) -> dict:
-        with open(Path(ref.path) / MANIFEST) as f:
+        with open(Path(self.locate(ref).path) / MANIFEST) as f:
             return json.load(f)

@@ -8,7 +8,7 @@ Strategies (``STRATEGIES``; one target rule and one cap rule each, dispatched th
 - ``uniform``: every prompt targets ``k_u`` correct responses.
 - ``prop2diff``: prompt i targets ``max(1, ceil(k_p * fail_rate_i))`` correct responses, so the
   hardest prompts get ``k_p`` and every prompt at least one.
-- ``vanilla``: vanilla rejection tuning, the paper's baseline: the same number of trials for every
+- ``vanilla``: vanilla rejection tuning, the DART paper's baseline: the same number of trials for every
   prompt (``budget // n_prompts``, capped by ``max_trials`` if > 0), every correct response kept,
   no target.
 
@@ -41,7 +41,7 @@ allocation is one SQL query:
 
 Everything is deterministic: the same attempts, params and recorded results give the same plans.
 
-``arithmetic_consistent`` is an acceptance check beyond the paper (``curation.dart.check_arithmetic``):
+``arithmetic_consistent`` is an acceptance check beyond the DART paper (``curation.dart.check_arithmetic``):
 a response whose final answer is right but which states a false integer equation on the way (``4+4=9``
 then ``9-3=6``) is a lucky guess, not a solution. On the default task these make up most of the
 "correct" responses to the hardest prompts (seed 0, warm-up model: 63% at level 5, 44% at level 4,
@@ -99,7 +99,7 @@ _CEIL_EPS = 1e-9
 @dataclass(frozen=True)
 class DartParams:
     """DART's knobs. ``k_u``/``k_p`` default small for the embedded task (the repo example uses
-    ``k_u = 40``; a third-party reading of the paper gives ``k_p = 192``)."""
+    ``k_u = 40``; a third-party reading of the DART paper gives ``k_p = 192``)."""
 
     strategy: str = "prop2diff"
     k_u: int = 4            # uniform: correct responses targeted per prompt

@@ -32,13 +32,17 @@ class EvalRow:
     truncated: bool
     level: str | None
     subject: str | None = None
+    prompt_length: int = 0
+    """Prompt tokens (template and chat markup included): over the model's context, the model never saw
+    the whole question."""
 
 
 def evaluate_items(model, tokenizer, items: Sequence[BenchmarkItem], *, templates: dict[str, str | None],
                    n_samples: int, temperature: float, max_new_tokens: int, batch_size: int, seed: int,
                    device: str, verifier: Verifier, progress=None) -> list[EvalRow]:
     """One row per (item, sample). ``templates`` maps a benchmark to its prompt template
-    (None = the registry default)."""
+    (None = the registry default). Prompts longer than the model's context are still sampled (a
+    model with rotary positions runs past them); ``summarize_rows`` counts them."""
     engine = TorchEngine(model, tokenizer, device=device, batch_size=batch_size)
     prompts = [PromptItem(prompt_id=it.problem_id, text=it.problem, answer=it.answer,
                           prompt_tokens=encode_prompt(tokenizer, build_prompt(it, templates.get(it.benchmark))),
@@ -53,16 +57,37 @@ def evaluate_items(model, tokenizer, items: Sequence[BenchmarkItem], *, template
         rows.append(EvalRow(benchmark=item.benchmark, problem_id=item.problem_id, sample_idx=req.sample_idx,
                             response=traj.text, pred=v.pred, correct=v.correct, error=v.error,
                             length=len(traj.response_tokens), truncated=not traj.finished, level=item.level,
-                            subject=item.subject))
+                            subject=item.subject, prompt_length=len(traj.prompt.prompt_tokens)))
     return rows
 
 
-def summarize_rows(rows: Sequence[EvalRow], n_samples: int) -> dict[str, dict]:
-    """Benchmark -> metrics (avg@n, pass@k, maj@n, mean length, truncation, by level)."""
+def model_context(model) -> int | None:
+    """The positions the model was built for (``max_position_embeddings``), or None when it does not say."""
+    value = getattr(getattr(model, "config", None), "max_position_embeddings", None)
+    return int(value) if value else None
+
+
+def count_too_long(rows: Sequence[EvalRow | dict], context: int | None) -> int:
+    """Problems whose prompt alone is longer than ``context`` positions (0 when the context is unknown)."""
+    if not context:
+        return 0
+    get = (lambda r, k: r[k]) if rows and isinstance(rows[0], dict) else getattr
+    return len({get(r, "problem_id") for r in rows if get(r, "prompt_length") > context})
+
+
+def summarize_rows(rows: Sequence[EvalRow], n_samples: int, context: int | None = None,
+                   totals: dict[str, int] | None = None) -> dict[str, dict]:
+    """Benchmark -> metrics (avg@n, pass@k, maj@n, mean length, truncation, by level), with
+    ``too_long`` (problems whose prompt exceeds the model's ``context``), ``context`` and, when only a
+    subset was evaluated, ``problems_total`` (``totals``: benchmark -> problems in the full set)."""
     out: dict[str, dict] = {}
     for bench in sorted({r.benchmark for r in rows}):
         subset = [r.__dict__ for r in rows if r.benchmark == bench]
         out[bench] = summarize(subset, n_samples)
         out[bench]["verifier_errors"] = sum(1 for r in subset if r["error"])
         out[bench]["accuracy"] = out[bench][f"avg@{n_samples}"]
+        out[bench]["too_long"] = count_too_long(subset, context)
+        out[bench]["context"] = context
+        if totals and totals.get(bench, 0) > out[bench]["n_problems"]:
+            out[bench]["problems_total"] = totals[bench]
     return out

@@ -32,9 +32,17 @@ class EvalGroup:
     benchmark: str
     summary: dict
     own: bool
+    origin: str = "eval"
+    """The stage that made the evaluation: ``eval`` for ``laminar eval``, else a pipeline eval stage."""
     certificate: str | None = None
     """Decontamination certificate status of the score (``clean``, ``contaminated-removed``,
     ``not-checked``, ``unknown-origin``); None when not recorded. Tables mark all but ``clean``."""
+
+    def tag(self) -> str:
+        """How the report marks an evaluation that is not this run's own."""
+        if self.own:
+            return ""
+        return " (laminar eval)" if self.origin == "eval" else f" ({self.origin}, another run)"
 
 
 @dataclass
@@ -49,6 +57,29 @@ class ReportData:
     rl_metrics: dict[str, list[tuple[int, float]]] = field(default_factory=dict)
     runtime: dict | None = None
     """The Laminar runtime's ``runtime.json`` (asynchronous RL modes), with ``timeline`` its timeline."""
+
+    @property
+    def caption(self) -> str:
+        """What every plot carries: the run id and what was asked of it (the command without ``laminar``
+        and its workspace)."""
+        import shlex
+
+        try:
+            words = shlex.split(self.command)
+        except ValueError:
+            words = self.command.split()
+        args, skip = [], False
+        for w in words[1:]:
+            if skip:
+                skip = False
+            elif w == "--workspace":
+                skip = True
+            elif not w.startswith("--workspace="):
+                args.append(w)
+        text = " ".join(args) or "(no command recorded)"
+        if len(args) == 1 and args[0] in ("run", "eval"):
+            text += " (default config)"
+        return f"run {self.run_id}: laminar {text[:300]}"
 
 
 def summarize_eval_rows(rows: Sequence[Mapping[str, Any]]) -> dict:
@@ -76,17 +107,49 @@ def _fmt(v: Any) -> str:
     return f"{v:.3f}" if isinstance(v, float) else str(v)
 
 
+def problems_label(s: Mapping[str, Any]) -> str:
+    """``1319``, or ``100/1319`` when ``eval.max_problems`` evaluated a seeded subset."""
+    n = s.get("n_problems", "?")
+    return f"{n}/{s['problems_total']}" if s.get("problems_total") else str(n)
+
+
+def too_long_label(s: Mapping[str, Any]) -> str:
+    """Problems whose prompt is longer than the model's context: ``1031 > 160``; ``-`` when unknown."""
+    if s.get("too_long") is None or not s.get("context"):
+        return "-"
+    return f"{s['too_long']} > {s['context']}"
+
+
+def coverage_note(s: Mapping[str, Any], short: bool = False) -> str:
+    """What a score covers, for every line that prints one: a subset (``100 of 1319 problems``) and
+    the problems whose prompt is longer than the model's context. Empty when neither applies."""
+    parts = []
+    if s.get("problems_total"):
+        parts.append(f"{s.get('n_problems')} of {s['problems_total']} problems (eval.max_problems)")
+    if s.get("too_long"):
+        parts.append(f"{s['too_long']} prompt{'s' if s['too_long'] != 1 else ''} longer than the "
+                     f"{s.get('context')}-token context" if not short else f"{s['too_long']} too long")
+    return f" ({', '.join(parts)})" if parts else ""
+
+
 def format_eval_table(summaries: Mapping[str, Mapping[str, Any]]) -> str:
-    """The per-benchmark text table ``laminar eval`` prints, with the level/subject breakdowns."""
+    """The per-benchmark text table ``laminar eval`` prints, with the level/subject breakdowns. ``problems``
+    reads ``100/1319`` for a seeded subset; ``too long`` counts problems whose prompt exceeds the
+    model's context (``1031 > 160``)."""
     lines: list[str] = []
     for bench, s in summaries.items():
         cols = _metric_columns(s)
-        head = f"{'benchmark':<14} {'problems':>8} " + " ".join(f"{c:>8}" for c in cols) + \
-            f" {'mean len':>9} {'trunc':>6} {'verif err':>9}"
+        head = f"{'benchmark':<14} {'problems':>9} " + " ".join(f"{c:>8}" for c in cols) + \
+            f" {'mean len':>9} {'trunc':>6} {'verif err':>9} {'too long':>10}"
         if not lines or lines[0] != head:
             lines += [head, "-" * len(head)] if not lines else ["", head, "-" * len(head)]
-        lines.append(f"{bench:<14} {s['n_problems']:>8} " + " ".join(f"{s[c]:>8.3f}" for c in cols) +
-                     f" {s['mean_length']:>9.1f} {s['truncation_rate']:>6.3f} {s.get('verifier_errors', 0):>9}")
+        lines.append(f"{bench:<14} {problems_label(s):>9} " + " ".join(f"{s[c]:>8.3f}" for c in cols) +
+                     f" {s['mean_length']:>9.1f} {s['truncation_rate']:>6.3f} {s.get('verifier_errors', 0):>9}"
+                     f" {too_long_label(s):>10}")
+    notes = [f"{bench}: {s['too_long']} of {s['n_problems']} prompts are longer than the model's {s['context']}-token "
+             "context (positions it was never built or trained for): its score there says little about the model"
+             for bench, s in summaries.items() if s.get("too_long")]
+    lines += notes
     for bench, s in summaries.items():
         for key in ("by_level", "by_subject"):
             if s.get(key):
@@ -111,11 +174,11 @@ def markdown_benchmark_table(evals: Sequence[EvalGroup]) -> str:
         pass_k = ", ".join(f"{k} {s[k]:.3f}" for k in _metric_columns(s)[1:-1])
         bench = e.benchmark if e.certificate in (None, "clean") else f"{e.benchmark} ({e.certificate})"
         rows.append([ROLE_LABELS.get(e.role, e.role), e.checkpoint_sha[:12], bench,
-                     e.eval_sha[:12] + ("" if e.own else " (laminar eval)"), s["n_problems"], s["n_samples"],
+                     e.eval_sha[:12] + e.tag(), problems_label(s), s["n_samples"],
                      s["accuracy"], pass_k, s[f"maj@{s['n_samples']}"], f"{s['mean_length']:.1f}",
-                     s["truncation_rate"], s["verifier_errors"]])
+                     s["truncation_rate"], s["verifier_errors"], too_long_label(s)])
     return _md(["checkpoint", "sha", "benchmark", "eval", "problems", "n", "avg@n", "pass@k", "maj@n",
-                "mean length", "truncation", "verifier errors"], rows)
+                "mean length", "truncation", "verifier errors", "prompts > context"], rows)
 
 
 def _headline_evals(evals: Sequence[EvalGroup]) -> dict[tuple[str, str], EvalGroup]:
@@ -165,46 +228,111 @@ def _pyplot():
     return plt
 
 
-def plot_benchmarks(evals: Sequence[EvalGroup], path: Path) -> None:
+def _caption(fig, caption: str | None) -> int:
+    """The run id and its overrides at the foot of every plot, wrapped to the figure's width; returns
+    the number of lines (``_finish`` keeps room for them)."""
+    if not caption:
+        return 0
+    import textwrap
+
+    text = textwrap.fill(caption, width=max(40, int(fig.get_figwidth() * 15)))
+    fig.text(0.01, 0.01, text, fontsize=7, color="#555555", ha="left", va="bottom")
+    return text.count("\n") + 1
+
+
+def _finish(fig, path: Path, caption: str | None) -> None:
+    lines = _caption(fig, caption)
+    fig.tight_layout(rect=(0, (0.035 * lines + 0.01) * 4.2 / fig.get_figheight() if lines else 0, 1, 1))
+    fig.savefig(path, dpi=110)
+    import matplotlib.pyplot as plt
+
+    plt.close(fig)
+
+
+def _grouped_bars(ax, groups: Sequence[str], labels: Sequence[str], value) -> dict[tuple[str, str], float]:
+    """One bar per (group, label) whose ``value(group_index, label_index)`` is known (not None); a
+    missing one is drawn as no bar with a small "not evaluated" mark, never as a zero bar. Returns
+    the bars drawn, (group, label) -> height."""
+    drawn: dict[tuple[str, str], float] = {}
+    width = 0.8 / max(1, len(labels))
+    for i, label in enumerate(labels):
+        xs_all = [j + (i - (len(labels) - 1) / 2) * width for j in range(len(groups))]
+        known = [(x, value(j, i)) for j, x in enumerate(xs_all) if value(j, i) is not None]
+        bars = ax.bar([x for x, _ in known], [v for _, v in known], width, label=label, color=_COLORS.get(label))
+        ax.bar_label(bars, fmt="%.2f", fontsize=8)
+        for j, x in enumerate(xs_all):
+            if value(j, i) is None:
+                ax.text(x, 0.01, "not evaluated", rotation=90, ha="center", va="bottom", fontsize=7, color="#777777")
+            else:
+                drawn[(groups[j], label)] = value(j, i)
+    return drawn
+
+
+def plot_benchmarks(evals: Sequence[EvalGroup], path: Path, caption: str | None = None) -> dict[tuple[str, str], float]:
+    """Accuracy per benchmark and checkpoint; a checkpoint never evaluated on a benchmark has no bar.
+    Returns the bars drawn, (benchmark, checkpoint label) -> accuracy."""
     plt = _pyplot()
     chosen = _headline_evals(evals)
     benches = sorted({b for _, b in chosen})
     roles = [r for r in ROLE_LABELS if any(k[0] == r for k in chosen)]
-    width = 0.8 / max(1, len(roles))
-    fig, ax = plt.subplots(figsize=(max(5, 1.6 * len(benches) + 2), 4))
-    for i, role in enumerate(roles):
-        xs = [j + (i - (len(roles) - 1) / 2) * width for j in range(len(benches))]
-        ys = [chosen[(role, b)].summary["accuracy"] if (role, b) in chosen else 0.0 for b in benches]
-        label = ROLE_LABELS.get(role, role)
-        bars = ax.bar(xs, ys, width, label=label, color=_COLORS.get(label))
-        ax.bar_label(bars, fmt="%.2f", fontsize=8)
-    ax.set_xticks(range(len(benches)), benches)
+    fig, ax = plt.subplots(figsize=(max(5, 1.6 * len(benches) + 2), 4.2))
+    drawn = _grouped_bars(ax, benches, [ROLE_LABELS.get(r, r) for r in roles],
+                  lambda j, i: chosen[(roles[i], benches[j])].summary["accuracy"]
+                  if (roles[i], benches[j]) in chosen else None)
+    ax.set_xticks(range(len(benches)), [f"{b}\n{problems_label(_first(chosen, b).summary)} problems" for b in benches])
     ax.set_ylim(0, 1.05)
     ax.set_ylabel("accuracy (avg@n)")
     ax.set_title("Benchmark accuracy per checkpoint")
     if roles:
-        ax.legend()
-    fig.tight_layout()
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
+        ax.legend(fontsize=8)
+    if not benches:
+        ax.text(0.5, 0.5, "no evaluations", ha="center", va="center", transform=ax.transAxes)
+    _finish(fig, path, caption)
+    return drawn
 
 
-def plot_rl(rl_metrics: Mapping[str, Sequence[tuple[int, float]]], path: Path) -> None:
+def _first(chosen: Mapping[tuple[str, str], EvalGroup], bench: str) -> EvalGroup:
+    return next(e for (_, b), e in chosen.items() if b == bench)
+
+
+def _same_series(a: Sequence[tuple[int, float]], b: Sequence[tuple[int, float]]) -> bool:
+    return len(a) == len(b) and all(sa == sb and abs(va - vb) < 1e-9 for (sa, va), (sb, vb) in zip(a, b))
+
+
+def plot_rl(rl_metrics: Mapping[str, Sequence[tuple[int, float]]], path: Path, caption: str | None = None,
+            final_eval: Mapping[str, float] | None = None) -> list[str]:
+    """Reward, training accuracy and in-run held-out evaluations over RL steps (left), response length
+    (right). A reward that is exactly the accuracy (no shaping) is one line named so, not two lines
+    drawn on top of each other; ``final_eval`` (benchmark -> accuracy of the RL checkpoint's eval
+    stage) is a star after the last step. Legends sit under the axes, off the data. Returns the labels
+    of the lines drawn on the left axes."""
     plt = _pyplot()
-    fig, (ax1, ax2) = plt.subplots(1, 2, figsize=(10, 3.8))
+    fig, (ax1, ax2) = plt.subplots(1, 2, figsize=(11, 4.4))
     in_run = sorted(n for n in rl_metrics if n.startswith("eval_") and n != "eval_seconds")
-    for name, ax in (("reward", ax1), ("accuracy", ax1), *((n, ax1) for n in in_run), ("response_length", ax2)):
+    reward, accuracy = rl_metrics.get("reward", []), rl_metrics.get("accuracy", [])
+    lines = []
+    if reward and _same_series(reward, accuracy):
+        lines.append(("reward", "reward = training accuracy (no shaping)", {}))
+    else:
+        lines += [("reward", "reward", {}), ("accuracy", "training accuracy", {"linestyle": "--"})]
+    lines += [(n, n.replace("eval_", "held-out eval (in run): "), {"marker": "o", "linestyle": ":"}) for n in in_run]
+    for name, label, style in lines:
         points = rl_metrics.get(name, [])
         if points:
-            ax.plot([s for s, _ in points], [v for _, v in points],
-                    marker="o" if name in in_run else ("." if len(points) < 40 else None),
-                    label=name.replace("eval_", "held-out eval: ").replace("_", " ") if name in in_run
-                    else name.replace("_", " "))
-    ax1.set_title("RL reward over steps")
+            style = {"marker": "." if len(points) < 40 else None, **style}
+            ax1.plot([s for s, _ in points], [v for _, v in points], label=label, **style)
+    last = max((s for pts in rl_metrics.values() for s, _ in pts), default=0)
+    for bench, acc in (final_eval or {}).items():
+        if acc is not None:
+            ax1.plot([last], [acc], marker="*", markersize=13, linestyle="none",
+                     label=f"final held-out eval (eval_rl): {bench} {acc:.3f}")
+    length = rl_metrics.get("response_length", [])
+    if length:
+        ax2.plot([s for s, _ in length], [v for _, v in length], marker="." if len(length) < 40 else None,
+                 label="mean response length")
+    ax1.set_title("RL reward and held-out accuracy over steps")
     ax1.set_xlabel("step")
-    ax1.set_ylabel("mean per trajectory")
-    if ax1.lines:
-        ax1.legend()
+    ax1.set_ylabel("mean per trajectory / accuracy")
     ax2.set_title("RL response length over steps")
     ax2.set_xlabel("step")
     ax2.set_ylabel("tokens")
@@ -212,38 +340,40 @@ def plot_rl(rl_metrics: Mapping[str, Sequence[tuple[int, float]]], path: Path) -
 
     for ax in (ax1, ax2):
         ax.xaxis.set_major_locator(MaxNLocator(integer=True))
+        if ax.lines:
+            ax.legend(loc="upper center", bbox_to_anchor=(0.5, -0.16), fontsize=7, ncol=2, frameon=False)
     if not rl_metrics:
         for ax in (ax1, ax2):
             ax.text(0.5, 0.5, "no RL metrics", ha="center", va="center", transform=ax.transAxes)
-    fig.tight_layout()
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
+    labels = [line.get_label() for line in ax1.lines]
+    _finish(fig, path, caption)
+    return labels
 
 
-def plot_levels(evals: Sequence[EvalGroup], path: Path) -> None:
+def plot_levels(evals: Sequence[EvalGroup], path: Path, caption: str | None = None) -> dict[tuple[str, str], float]:
+    """Accuracy per difficulty level and checkpoint; a level a checkpoint was not evaluated on has no bar.
+    Returns the bars drawn, ("<benchmark> <level>", checkpoint label) -> accuracy."""
     plt = _pyplot()
     roles, labels, rows = _level_rows(evals)
     benches = sorted({r[0] for r in rows})
-    fig, axes = plt.subplots(1, max(1, len(benches)), figsize=(max(5, 4.5 * len(benches)), 3.8), squeeze=False)
+    fig, axes = plt.subplots(1, max(1, len(benches)), figsize=(max(5, 4.5 * len(benches)), 4.0), squeeze=False)
+    drawn: dict[tuple[str, str], float] = {}
     for ax, bench in zip(axes[0], benches):
         sub = [r for r in rows if r[0] == bench]
-        width = 0.8 / max(1, len(roles))
-        for i, label in enumerate(labels):
-            xs = [j + (i - (len(roles) - 1) / 2) * width for j in range(len(sub))]
-            ax.bar(xs, [r[2 + i] if r[2 + i] != "" else 0.0 for r in sub], width, label=label,
-                   color=_COLORS.get(label))
+        bars = _grouped_bars(ax, [r[1] for r in sub], labels,
+                             lambda j, i: sub[j][2 + i] if sub[j][2 + i] != "" else None)
+        drawn.update({(f"{bench} {lv}", label): v for (lv, label), v in bars.items()})
         ax.set_xticks(range(len(sub)), [r[1] for r in sub])
         ax.set_ylim(0, 1.05)
         ax.set_xlabel("difficulty level")
         ax.set_ylabel("accuracy (avg@n)")
         ax.set_title(f"{bench}: accuracy per level")
         if labels:
-            ax.legend()
+            ax.legend(fontsize=8)
     if not benches:
         axes[0][0].text(0.5, 0.5, "no per-level results", ha="center", va="center", transform=axes[0][0].transAxes)
-    fig.tight_layout()
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
+    _finish(fig, path, caption)
+    return drawn
 
 
 # ---- the report -----------------------------------------------------------------------------------
@@ -301,14 +431,16 @@ def write_report(data: ReportData, out_dir: Path) -> Path:
     """``report.md`` and the PNGs of :data:`PLOTS` into ``out_dir``; returns the markdown's path."""
     out_dir = Path(out_dir)
     out_dir.mkdir(parents=True, exist_ok=True)
-    plot_benchmarks(data.evals, out_dir / PLOTS["benchmarks"])
-    plot_rl(data.rl_metrics, out_dir / PLOTS["rl"])
-    plot_levels(data.evals, out_dir / PLOTS["levels"])
+    caption = data.caption
+    plot_benchmarks(data.evals, out_dir / PLOTS["benchmarks"], caption)
+    final = {e.benchmark: e.summary["accuracy"] for e in data.evals if e.role == "rl" and e.own}
+    plot_rl(data.rl_metrics, out_dir / PLOTS["rl"], caption, final)
+    plot_levels(data.evals, out_dir / PLOTS["levels"], caption)
     if data.runtime and data.runtime.get("timeline"):
         from evaluation.timeline import plot_timeline
 
         plot_timeline(data.runtime["timeline"], out_dir / PLOTS["timeline"],
-                      title=f"rl.mode={data.runtime.get('mode')}: one row per rollout")
+                      title=f"rl.mode={data.runtime.get('mode')}: one row per rollout ({caption})")
     path = out_dir / "report.md"
     tmp = path.with_name(".report.md.tmp")
     tmp.write_text(render_markdown(data))

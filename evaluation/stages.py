@@ -9,7 +9,7 @@ from tqdm.auto import tqdm
 
 from conf.schema import EvalConfig
 from evaluation.benchmarks import BENCHMARKS, items_from_records, load_benchmark
-from evaluation.evaluate import EvalRow, evaluate_items, summarize_rows
+from evaluation.evaluate import EvalRow, evaluate_items, model_context, summarize_rows
 from evaluation.verifier import Verifier
 
 HELDOUT = "arith_heldout"
@@ -39,6 +39,29 @@ def benchmark_hash(name: str, data_dir: Path | None) -> str:
             raise ValueError(f"benchmark {HELDOUT} needs the data artifact")
         return hash_file(Path(data_dir) / "heldout.parquet")
     return hash_file(benchmark_path(name))
+def subset(items: list, max_problems: int, seed: int, name: str) -> list:
+    """``max_problems`` items of one benchmark drawn without replacement, seeded by ``seed`` and the
+    benchmark's name (the same subset for every checkpoint), in file order; all of them when 0 or
+    when the benchmark is smaller."""
+    if max_problems <= 0 or len(items) <= max_problems:
+        return list(items)
+    import random
+
+    keep = sorted(random.Random(f"{seed}:{name}").sample(range(len(items)), max_problems))
+    return [items[i] for i in keep]
+
+
+def benchmark_items(cfg: EvalConfig, data_dir: Path | None, seed: int) -> tuple[list, dict[str, int]]:
+    """The items ``cfg`` evaluates (a seeded subset per benchmark with ``max_problems``) and each
+    benchmark's full size."""
+    items, totals = [], {}
+    for name in cfg.benchmarks:
+        if name == HELDOUT and data_dir is None:
+            continue
+        full = load_items(name, data_dir)
+        totals[name] = len(full)
+        items += subset(full, cfg.max_problems, seed, name)
+    return items, totals
 
 
 def evaluate_checkpoint(model_dir: Path, data_dir: Path | None, cfg: EvalConfig, *, templates: dict[str, str | None],
@@ -49,17 +72,19 @@ def evaluate_checkpoint(model_dir: Path, data_dir: Path | None, cfg: EvalConfig,
     from generation.model import load_model
 
     model, tokenizer = load_model(model_dir, device)
-    items = [it for name in cfg.benchmarks for it in load_items(name, data_dir)]
+    if HELDOUT in cfg.benchmarks and data_dir is None:
+        load_items(HELDOUT, None)  # raises: the held-out set needs the data artifact
+    items, totals = benchmark_items(cfg, data_dir, seed)
     with Verifier(timeout_s=cfg.verifier_timeout_s) as verifier, \
             tqdm(total=len(items) * cfg.n_samples, desc="evaluate", unit="sample", leave=False) as bar:
         rows = evaluate_items(model, tokenizer, items, templates=templates, n_samples=cfg.n_samples,
                               temperature=cfg.temperature, max_new_tokens=cfg.max_new_tokens,
                               batch_size=cfg.batch_size, seed=seed, device=device, verifier=verifier, progress=bar)
-    summary = summarize_rows(rows, cfg.n_samples)
+    summary = summarize_rows(rows, cfg.n_samples, model_context(model), totals)
     pl.DataFrame([r.__dict__ for r in rows], schema={
         "benchmark": pl.Utf8, "problem_id": pl.Utf8, "sample_idx": pl.Int32, "response": pl.Utf8, "pred": pl.Utf8,
         "correct": pl.Boolean, "error": pl.Utf8, "length": pl.Int32, "truncated": pl.Boolean, "level": pl.Utf8,
-        "subject": pl.Utf8,
+        "subject": pl.Utf8, "prompt_length": pl.Int32,
     }).write_parquet(Path(out_dir) / "rows.parquet")
     with open(Path(out_dir) / "summary.json", "w") as f:
         json.dump(summary, f, indent=2, sort_keys=True)
@@ -73,8 +98,7 @@ def in_run_evaluator(tokenizer, data_dir: Path | None, cfg: EvalConfig, *, templ
     matches its eval stage's accuracy."""
     import time
 
-    items = [it for name in cfg.benchmarks if name != HELDOUT or data_dir is not None
-             for it in load_items(name, data_dir)]
+    items, _ = benchmark_items(cfg, data_dir, seed)
 
     def evaluate(model) -> dict[str, float]:
         t0 = time.perf_counter()
@@ -90,4 +114,4 @@ def in_run_evaluator(tokenizer, data_dir: Path | None, cfg: EvalConfig, *, templ
     return evaluate
 
 
-__all__ = ["EvalRow", "benchmark_hash", "evaluate_checkpoint", "in_run_evaluator", "load_items", "HELDOUT"]
+__all__ = ["EvalRow", "benchmark_hash", "benchmark_items", "evaluate_checkpoint", "in_run_evaluator", "load_items", "subset", "HELDOUT"]

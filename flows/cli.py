@@ -18,7 +18,9 @@ def _overrides_arg(sp, extra: str = "") -> None:
 
 
 def _parser() -> tuple[argparse.ArgumentParser, dict[str, argparse.ArgumentParser]]:
-    p = argparse.ArgumentParser(prog="laminar", description="Curation, RL training and evaluation as one cached DAG.")
+    p = argparse.ArgumentParser(prog="laminar", description="Curation, RL training and evaluation as one cached DAG.",
+                                epilog="Global options such as --workspace DIR go before or after the subcommand.")
+    _workspace_arg(p)
     sub = p.add_subparsers(dest="command", required=True)
 
     sp = sub.add_parser("run", help="run the pipeline (cached stages are skipped)")
@@ -99,9 +101,9 @@ def _load(overrides, preflight: bool = False):
 
 
 def cmd_config(args) -> int:
-    from conf.loader import to_yaml
+    from tasks.preflight import resolved_yaml
 
-    print(to_yaml(_load(args.overrides)), end="")
+    print(resolved_yaml(_load(args.overrides)), end="")
     return 0
 
 
@@ -335,13 +337,63 @@ COMMANDS = {"run": cmd_run, "rerun": cmd_rerun, "status": cmd_status, "config": 
             "simulate": cmd_simulate, "fsck": cmd_fsck}
 
 
+GLOBAL_OPTIONS = ("--workspace",)
+"""Options every subcommand takes; they may also come before the subcommand (`laminar --workspace ws status`)."""
+
+
+def _split_global(argv: list[str]) -> tuple[list[str], list[str]]:
+    """The global options written before the subcommand, and the rest of ``argv``."""
+    front: list[str] = []
+    i = 0
+    while i < len(argv):
+        arg = argv[i]
+        if arg in GLOBAL_OPTIONS and i + 1 < len(argv):
+            front += argv[i:i + 2]
+            i += 2
+        elif arg.split("=", 1)[0] in GLOBAL_OPTIONS and "=" in arg:
+            front.append(arg)
+            i += 1
+        else:
+            break
+    return front, argv[i:]
+
+
+def did_you_mean(word: str, choices) -> str:
+    """`` (did you mean 'status'?)`` for a near miss of one of ``choices``, else ``""``."""
+    import difflib
+
+    close = difflib.get_close_matches(word, list(choices), n=1, cutoff=0.6)
+    return f" (did you mean {close[0]!r}?)" if close else ""
+
+
+def _unknown_options(sub: argparse.ArgumentParser, rest: list[str]) -> None:
+    """Exit 2 naming the nearest real option for a mistyped ``--option``; argparse says only 'unrecognized'."""
+    options = [o for a in sub._actions for o in a.option_strings if o.startswith("--")]
+    for arg in rest:
+        name = arg.split("=", 1)[0]
+        if name.startswith("--") and name not in options:
+            sub.print_usage(sys.stderr)
+            print(f"laminar {sub.prog.split()[-1]}: unknown option {name}{did_you_mean(name, options)}",
+                  file=sys.stderr)
+            raise SystemExit(2)
+
+
 def main(argv: list[str] | None = None) -> int:
-    """Options may come before, between or after the overrides (`laminar run data=math --until select x=1`)."""
+    """Options may come before, between or after the overrides (`laminar run data=math --until select x=1`);
+    global options (``--workspace``) also before the subcommand (`laminar --workspace ws status`)."""
     argv = list(sys.argv[1:] if argv is None else argv)
     parser, commands = _parser()
-    if argv and argv[0] in commands:
-        args = commands[argv[0]].parse_intermixed_args(argv[1:])
-        args.command = argv[0]
+    front, rest = _split_global(argv)
+    if rest and rest[0] in commands:
+        sub = commands[rest[0]]
+        _unknown_options(sub, rest[1:])
+        args = sub.parse_intermixed_args(front + rest[1:])  # a later --workspace wins over an earlier one
+        args.command = rest[0]
+    elif rest and not rest[0].startswith("-"):
+        parser.print_usage(sys.stderr)
+        print(f"laminar: unknown command {rest[0]!r}{did_you_mean(rest[0], commands)}; "
+              f"choose from {', '.join(commands)} (`laminar --help` describes them)", file=sys.stderr)
+        return 2
     else:
         args = parser.parse_args(argv)
     from core.catalog import CatalogBusy

@@ -76,7 +76,7 @@ def resolve_checkpoint(ws: Workspace, spec: str) -> ArtifactRef:
     if row["path"] is None:
         raise EvalInputError(f"checkpoint {row['sha'][:12]} ({row['stage']}) is not in the artifact store; "
                              "pass ckpt=<its save_pretrained folder>")
-    ref = ArtifactRef(MODEL, row["sha"], row["path"])
+    ref = ws.artifacts.locate(ArtifactRef(MODEL, row["sha"], row["path"]))
     if not ws.artifacts.exists(ref):
         raise EvalInputError(f"checkpoint {row['sha'][:12]} is missing from the store ({row['path']}); "
                              "rerun the stage that made it (`laminar run --force STAGE`)")
@@ -86,7 +86,7 @@ def resolve_checkpoint(ws: Workspace, spec: str) -> ArtifactRef:
 def latest_dataset(ws: Workspace) -> ArtifactRef | None:
     for row in ws.catalog.query("SELECT sha256, path FROM artifacts WHERE kind = ? ORDER BY created_at DESC",
                                 [DATASET]):
-        ref = ArtifactRef(DATASET, row["sha256"], row["path"])
+        ref = ws.artifacts.locate(ArtifactRef(DATASET, row["sha256"], row["path"]))
         if ws.artifacts.exists(ref):
             return ref
     return None
@@ -116,7 +116,7 @@ def _cached(ws: Workspace, key: str) -> ArtifactRef | None:
                                 "ORDER BY finished_at DESC", [EVAL_STAGE.name, key]):
         out = json.loads(row["outputs_json"] or "{}")
         if EVAL in out and ws.artifacts.exists(out[EVAL]):
-            return ArtifactRef.from_dict(out[EVAL])
+            return ws.artifacts.locate(out[EVAL])
     return None
 
 
@@ -160,7 +160,7 @@ def evaluate(cfg: Config, ws: Workspace, spec: str, run_id: str, command: str,
                             certificates)
         write_json_atomic(ws.run_dir(run_id) / "summary.json", {
             "run_id": run_id, "kind": "eval", "status": outcome_status, "seconds": report.seconds,
-            "checkpoint": inputs[MODEL].to_dict(), "dataset": inputs[DATASET].sha256 if DATASET in inputs else None,
+            "checkpoint": ws.artifacts.stored(inputs[MODEL]), "dataset": inputs[DATASET].sha256 if DATASET in inputs else None,
             "eval": ref.sha256, "cache_key": key.digest, "benchmarks": summary, "certificates": certificates})
         status = "completed"
         return report

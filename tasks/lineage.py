@@ -95,7 +95,7 @@ def record_stage(ws: Workspace, stage_name: str, cfg: Config, outcomes: Mapping[
         con.execute(LINEAGE_SCHEMA)
         con.execute("INSERT INTO stage_lineage VALUES (?, ?, ?, ?, ?, ?, ?) ON CONFLICT DO NOTHING",
                     [key.digest, stage.name, dumps(_jsonable(stage.config(cfg))),
-                     dumps({k: v.to_dict() for k, v in inputs.items()}), dumps(external),
+                     dumps({k: ws.artifacts.stored(v) for k, v in inputs.items()}), dumps(external),
                      dumps(source_files(stage.modules)), verified])
 
 
@@ -137,7 +137,9 @@ def resolve(ws: Workspace, spec: str) -> dict:
     if len(shas) > 1:
         listing = "; ".join(f"{r['sha256'][:16]} ({r['kind']}, {r['stage']})" for r in rows)
         raise LineageError(f"{spec!r} is ambiguous: {listing}; give more characters")
-    return rows[0]
+    row = dict(rows[0])
+    row["path"] = ws.artifacts.locate_path(row["kind"], row["sha256"], row["path"])
+    return row
 
 
 def _producer(ws: Workspace, kind: str, sha: str, stage: str | None = None) -> dict | None:
@@ -240,7 +242,8 @@ def lineage(ws: Workspace, spec: str, prompts: bool = False) -> dict:
         for sha in node["outputs"].values():
             rows = _q(ws, "SELECT kind, sha256, path, meta_json FROM artifacts WHERE sha256 = ?", [sha])
             if rows:
-                arts[sha] = {"kind": rows[0]["kind"], "sha256": sha, "path": rows[0]["path"],
+                arts[sha] = {"kind": rows[0]["kind"], "sha256": sha,
+                             "path": ws.artifacts.locate_path(rows[0]["kind"], sha, rows[0]["path"]),
                              "meta": json.loads(rows[0]["meta_json"] or "{}"), "stage": node["stage"]}
     roots = []
     for node in stages:

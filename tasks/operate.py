@@ -226,7 +226,7 @@ def run_pipeline(cfg: Config, ws: Workspace, pipeline: Callable[..., list], *, o
     process holds the workspace."""
     from core.artifacts import write_json_atomic
     from conf.loader import to_dict
-    from tasks.summary import build_summary, format_table
+    from tasks.summary import build_summary, catalog_metrics, format_table
 
     warn = warn or (lambda m: print(m, file=sys.stderr))
     with ws.lock():
@@ -240,10 +240,13 @@ def run_pipeline(cfg: Config, ws: Workspace, pipeline: Callable[..., list], *, o
                         [run_id, command, dumps(to_dict(cfg)), flow_run_id])
         status, error = "failed", None
         _one_line_in_prefect_logs()
+        n = len(selection.stages) if selection.stages is not None else len(STAGES)
+        say(f"laminar: run {run_id}: {n} stages; starting Prefect (its local server takes ~15 s), "
+            "then each stage runs or comes from cache")
         try:
             outcomes = pipeline(overrides=list(overrides), workspace=str(ws.root), run_id=run_id,
                                 force=list(selection.force), stages=selection.stages)
-            summary = build_summary(run_id, outcomes, time.perf_counter() - t0)
+            summary = build_summary(run_id, outcomes, time.perf_counter() - t0, catalog_metrics(cfg, ws, outcomes))
             write_json_atomic(ws.run_dir(run_id) / "summary.json", summary)
             say(format_table(summary))
             say(f"summary: {ws.run_dir(run_id) / 'summary.json'}")
@@ -407,6 +410,8 @@ def format_runs(listing: dict) -> str:
         secs = f"{r['seconds']:.1f}" if r["seconds"] is not None else "-"
         lines.append(f"{r['run_id']:<30} {r['status']:<12} {r['started_at'] or '-':<19} {secs:>8}  "
                      f"{r['ran']} ran, {r['cached']} cached")
+        if r.get("command"):
+            lines.append(f"    command: {r['command']}")
         for s in r["stages"]:
             lines.append(f"    {s['stage']:<14} {s['status']:<7} {s['headline']}")
         if r["checkpoints"]:

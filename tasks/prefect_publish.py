@@ -84,7 +84,7 @@ def asset_events(ws: Workspace, stage_name: str, outcome: Any, inputs: Mapping[s
                          "prefect.resource.name": f"{stage_name}/{name}",
                          "prefect.asset.description": f"laminar {ref.kind} made by stage {stage_name}"},
             "related": [*upstream, by],
-            "payload": {"kind": ref.kind, "sha256": ref.sha256, "path": ref.path, "cache_key": outcome.key.digest,
+            "payload": {"kind": ref.kind, "sha256": ref.sha256, "path": ws.artifacts.stored(ref)["path"], "cache_key": outcome.key.digest,
                         "inputs": {n: r.sha256 for n, r in inputs.items()},
                         "metrics": {r["metric"]: r["value"] for r in flatten(outcome.result.metrics)
                                     if isinstance(r["value"], (int, float, str, bool)) or r["value"] is None}},

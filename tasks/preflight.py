@@ -51,3 +51,31 @@ def preflight(cfg: Config) -> None:
         if importlib.util.find_spec("deepspeed") is None:
             raise ConfigError("trainer.backend=deepspeed: the deepspeed package is not installed "
                               "(it is in requirements.txt: run `make test` or `pip install -r requirements.txt`)")
+
+
+def resolved_yaml(cfg: Config) -> str:
+    """The config as YAML with every ``rl`` objective key the algorithm's preset fills (null in the
+    schema: "keep the preset's value") shown with the value the run will use, marked with the preset
+    it comes from, so ``laminar config rl.algorithm=dapo`` shows ``clip_high: 0.28``."""
+    import re
+
+    from conf.loader import to_yaml
+    from training.rl.stage import OVERRIDABLE, objective_params
+
+    text = to_yaml(cfg)
+    try:
+        params = objective_params(cfg.rl)
+    except ValueError:
+        return text
+    filled = {k: getattr(params, k) for k in OVERRIDABLE if getattr(cfg.rl, k) is None}
+    lines, in_rl = [], False
+    for line in text.splitlines():
+        if re.match(r"^\S", line):
+            in_rl = line.startswith("rl:")
+        m = re.match(r"^  (\w+): null$", line) if in_rl else None
+        if m and m.group(1) in filled:
+            value = filled[m.group(1)]
+            shown = "null" if value is None else str(value).lower() if isinstance(value, bool) else value
+            line = f"  {m.group(1)}: {shown}  # rl.algorithm={cfg.rl.algorithm} preset"
+        lines.append(line)
+    return "\n".join(lines) + "\n"

@@ -68,15 +68,18 @@ def gather(ws: Workspace, run_id: str):
             "SELECT e.checkpoint_sha, e.eval_sha, e.benchmark, e.problem_id, e.sample_idx, e.pred, e.correct, "
             f"e.error, e.length, e.truncated, e.level, e.subject, {'e.certificate' if has_cert else 'NULL'} "
             f"AS certificate FROM eval_results e WHERE e.checkpoint_sha IN ({marks})", list(roles))
-        created = {r["sha256"]: r["created_at"] for r in cat.query(
-            "SELECT sha256, created_at FROM artifacts WHERE kind = ?", [EVAL])}
+        arts = {r["sha256"]: r for r in cat.query(
+            "SELECT sha256, created_at, stage, path FROM artifacts WHERE kind = ?", [EVAL])}
         groups: dict[tuple[str, str, str], list[dict]] = defaultdict(list)
         for r in rows:
             groups[(r["checkpoint_sha"], r["eval_sha"], r["benchmark"])].append(r)
         order = sorted(groups, key=lambda g: (ROLE_ORDER.index(roles[g[0]]), g[2],
-                                              str(created.get(g[1], ""))))
-        data.evals = [EvalGroup(roles[c], c, e, b, summarize_eval_rows(groups[(c, e, b)]), (c, e) in own,
-                                groups[(c, e, b)][0]["certificate"]) for c, e, b in order]
+                                              str(arts.get(g[1], {}).get("created_at", ""))))
+        data.evals = [EvalGroup(roles[c], c, e, b, {**summarize_eval_rows(groups[(c, e, b)]),
+                                                    **_coverage(ws, arts.get(e), b)},
+                                (c, e) in own, (arts.get(e) or {}).get("stage") or "eval",
+                                groups[(c, e, b)][0]["certificate"])
+                      for c, e, b in order]
     rl = next((s for s in stages if s["stage"] == "rl"), None)
     if rl is not None:
         series: dict[str, list[tuple[int, float]]] = defaultdict(list)
@@ -85,12 +88,25 @@ def gather(ws: Workspace, run_id: str):
             series[m["name"]].append((int(m["step"]), float(m["value"])))
         data.rl_metrics = dict(series)
         art = json.loads(rl["outputs_json"] or "{}").get(MODEL)
-        runtime = Path(art["path"]) / "runtime.json" if art else None
+        runtime = Path(ws.artifacts.locate(art).path) / "runtime.json" if art else None
         if runtime is not None and runtime.exists():
             data.runtime = json.loads(runtime.read_text())
             data.runtime["timeline_summary"] = data.runtime.pop("timeline", {})
             data.runtime["timeline"] = json.loads((runtime.parent / "timeline.json").read_text())
     return data
+
+
+def _coverage(ws: Workspace, art: dict | None, benchmark: str) -> dict:
+    """What the catalog's rows do not hold, from the evaluation's own ``summary.json``: the subset
+    (``problems_total``) and the prompts longer than the model's context (``too_long``, ``context``)."""
+    if not art:
+        return {}
+    path = Path(ws.artifacts.locate_path(EVAL, art["sha256"], art["path"])) / "summary.json"
+    try:
+        summary = json.loads(path.read_text()).get(benchmark, {})
+    except (OSError, ValueError):
+        return {}
+    return {k: summary[k] for k in ("problems_total", "too_long", "context") if k in summary}
 
 
 def write(ws: Workspace, run_id: str | None = None) -> Path:

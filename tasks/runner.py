@@ -47,7 +47,7 @@ def _execute(stage_name: str, key: str, cfg: Config, workspace: str, inputs: dic
     state = ws.stage_state(stage_name, key)
     ctx = StageContext(cfg=cfg, store=ws.artifacts, inputs={k: ArtifactRef.from_dict(v) for k, v in inputs.items()},
                        device=device, catalog=ws.catalog, state_dir=state)
-    out = STAGE_BY_NAME[stage_name].body(ctx).to_dict()
+    out = STAGE_BY_NAME[stage_name].body(ctx).to_dict(ws.artifacts)  # Prefect stores paths relative to the workspace
     if state.exists():  # the artifact is complete: its resumable state is spent
         import shutil
 
@@ -84,16 +84,17 @@ def run_stage(stage_name: str, cfg: Config, ws: Workspace, run_id: str, upstream
     params = dict(stage_name=stage.name, key=key.digest, cfg=cfg, workspace=str(ws.root),
                   inputs={k: v.to_dict() for k, v in inputs.items()}, device=device)
     state = task.with_options(refresh_cache=force or None)(**params, return_state=True)
-    result = StageResult.from_dict(state.result())
+    result = StageResult.from_dict(state.result(), ws.artifacts)
     status = "cached" if state.name == "Cached" else "ran"
     if status == "cached" and not all(ws.artifacts.exists(r) for r in result.artifacts.values()):
         # Prefect remembers a result whose artifact is gone (workspace cleaned by hand): rebuild it.
         state = task.with_options(refresh_cache=True)(**params, return_state=True)
-        result, status = StageResult.from_dict(state.result()), "ran"
+        result, status = StageResult.from_dict(state.result(), ws.artifacts), "ran"
     outcome = StageOutcome(stage.name, status, time.perf_counter() - t0, key, result,
                            str(state.state_details.task_run_id) if state.state_details.task_run_id else None)
     record(ws, run_id, stage, outcome, inputs, started, cfg, device)
     LOG.info("stage %s %s in %.1fs key %s", stage.name, status, outcome.seconds, key.digest[:16])
+    print(f"laminar: stage {stage.name:<14} {status:<6} {outcome.seconds:6.1f}s", flush=True)  # progress
     return outcome
 
 
@@ -108,11 +109,13 @@ def record(ws: Workspace, run_id: str, stage: Stage, out: StageOutcome, inputs: 
             "ON CONFLICT DO UPDATE SET status = excluded.status, finished_at = excluded.finished_at, "
             "seconds = excluded.seconds, outputs_json = excluded.outputs_json, metrics_json = excluded.metrics_json",
             [run_id, stage.name, out.status, k.digest, k.config_hash, k.inputs_hash, k.source_hash, k.seed,
-             started, out.seconds, out.task_run_id, dumps(out.result.to_dict()["artifacts"]), dumps(out.result.metrics)])
+             started, out.seconds, out.task_run_id, dumps(out.result.to_dict(ws.artifacts)["artifacts"]),
+             dumps(out.result.metrics)])
         for ref in out.result.artifacts.values():
             manifest = ws.artifacts.manifest(ref)
             con.execute("INSERT INTO artifacts VALUES (?, ?, ?, now(), ?, ?, ?) ON CONFLICT DO NOTHING",
-                        [ref.kind, ref.sha256, ref.path, stage.name, k.digest, dumps(manifest.get("meta", {}))])
+                        [ref.kind, ref.sha256, ws.artifacts.stored(ref)["path"], stage.name, k.digest,
+                         dumps(manifest.get("meta", {}))])
             for parent in inputs.values():
                 con.execute("INSERT INTO artifact_edges VALUES (?, ?, ?, ?, ?, ?) ON CONFLICT DO NOTHING",
                             [parent.kind, parent.sha256, ref.kind, ref.sha256, stage.name, k.digest])
@@ -144,13 +147,13 @@ def plan(cfg: Config, ws: Workspace) -> list[StagePlan]:
         key = stage_key(stage, cfg, inputs, ws)
         rows = cat.query("SELECT outputs_json FROM stage_runs WHERE stage = ? AND cache_key = ? "
                          "ORDER BY finished_at DESC LIMIT 1", [stage.name, key.digest])
-        refs = {n: ArtifactRef.from_dict(d) for n, d in json.loads(rows[0]["outputs_json"]).items()} if rows else {}
+        refs = {n: ws.artifacts.locate(d) for n, d in json.loads(rows[0]["outputs_json"]).items()} if rows else {}
         if rows and all(ws.artifacts.exists(r) for r in refs.values()):
             produced[stage.name] = refs
             out.append(StagePlan(stage.name, "cached", "key matches a finished run", key))
             continue
-        last = cat.query("SELECT config_hash, inputs_hash, source_hash, seed FROM stage_runs WHERE stage = ? "
-                         "ORDER BY finished_at DESC LIMIT 1", [stage.name])
+        last = cat.query("SELECT config_hash, inputs_hash, source_hash, seed, cache_key FROM stage_runs "
+                         "WHERE stage = ? ORDER BY finished_at DESC LIMIT 1", [stage.name])
         if not last:
             reason = "never ran in this workspace"
         elif rows:
@@ -158,6 +161,46 @@ def plan(cfg: Config, ws: Workspace) -> list[StagePlan]:
         else:
             prev = CacheKey(stage.name, last[0]["config_hash"], last[0]["inputs_hash"], last[0]["source_hash"],
                             last[0]["seed"])
-            reason = "changed since last run: " + ", ".join(key.changed_parts(prev) or ["key"])
+            parts = key.changed_parts(prev) or ["key"]
+            if "config" in parts:
+                keys = changed_config_keys(ws, stage, cfg, last[0]["cache_key"])
+                parts = [f"config ({keys})" if keys and p == "config" else p for p in parts]
+            reason = "changed since last run: " + ", ".join(parts)
         out.append(StagePlan(stage.name, "stale", reason, key))
     return out
+
+
+def _flatten(value: Any, prefix: str = "") -> dict[str, Any]:
+    if isinstance(value, dict):
+        out: dict[str, Any] = {}
+        for k, v in value.items():
+            out.update(_flatten(v, f"{prefix}{k}."))
+        return out
+    return {prefix[:-1]: value}
+
+
+def changed_config_keys(ws: Workspace, stage: Stage, cfg: Config, prev_key: str, limit: int = 4) -> str:
+    """The config keys whose values differ from the stage's last run (``rl.lr 0.0001 -> 0.0003``), from
+    the stage config the lineage recorded under ``prev_key``; "" when it was not recorded."""
+    import json
+
+    from conf.loader import to_dict
+    from core.catalog import dumps as cat_dumps
+
+    try:
+        rows = ws.catalog.query("SELECT config_json FROM stage_lineage WHERE cache_key = ?", [prev_key])
+    except Exception:  # noqa: BLE001 - a catalog from before stage_lineage existed: say only "config"
+        return ""
+    if not rows:
+        return ""
+    old = _flatten(json.loads(rows[0]["config_json"]))
+    new = _flatten(json.loads(cat_dumps(stage.config(cfg))))
+    full = _flatten(json.loads(cat_dumps(to_dict(cfg))))
+    changed = sorted(k for k in old.keys() | new.keys() if old.get(k, "(unset)") != new.get(k, "(unset)"))
+
+    def name(k: str) -> str:  # the stage's subtree key as the full config key that holds the new value
+        hits = [f for f in full if (f == k or f.endswith("." + k)) and full[f] == new.get(k)]
+        return min(hits, key=len) if hits else k
+
+    text = ", ".join(f"{name(k)} {old.get(k, '(unset)')} -> {new.get(k, '(unset)')}" for k in changed[:limit])
+    return text + (f", and {len(changed) - limit} more" if len(changed) > limit else "")

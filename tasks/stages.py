@@ -36,12 +36,16 @@ class StageResult:
     artifacts: dict[str, ArtifactRef]
     metrics: dict[str, Any] = field(default_factory=dict)
 
-    def to_dict(self) -> dict:
-        return {"artifacts": {k: v.to_dict() for k, v in self.artifacts.items()}, "metrics": self.metrics}
+    def to_dict(self, store: ArtifactStore | None = None) -> dict:
+        """JSON-ready; with ``store``, artifact paths as stored (relative to the workspace root)."""
+        conv = store.stored if store is not None else ArtifactRef.to_dict
+        return {"artifacts": {k: conv(v) for k, v in self.artifacts.items()}, "metrics": self.metrics}
 
     @classmethod
-    def from_dict(cls, d: dict) -> "StageResult":
-        return cls({k: ArtifactRef.from_dict(v) for k, v in d["artifacts"].items()}, d.get("metrics", {}))
+    def from_dict(cls, d: dict, store: ArtifactStore | None = None) -> "StageResult":
+        """With ``store``, stored paths (relative, or absolute from a workspace since moved) are located in it."""
+        conv = store.locate if store is not None else ArtifactRef.from_dict
+        return cls({k: conv(v) for k, v in d["artifacts"].items()}, d.get("metrics", {}))
 
 
 @dataclass(frozen=True)
@@ -403,6 +407,7 @@ def eval_metrics(checkpoint: str, summary: dict, n_samples: int, certificates: d
     return {"checkpoint": checkpoint,
             **{b: {"accuracy": s["accuracy"], "mean_length": s["mean_length"],
                    "by_level": {lv: v[avg] for lv, v in s.get("by_level", {}).items()},
+                   **{k: s[k] for k in ("n_problems", "problems_total", "too_long", "context") if k in s},
                    **({"certificate": certificates[b]["status"]} if b in certificates else {})}
                for b, s in summary.items()}}
 
@@ -523,8 +528,10 @@ def _record_adhoc_eval(con, ctx: StageContext, res: StageResult, key: str) -> No
 
 
 def _eval_headline(m: dict) -> str:
-    return "  ".join(f"{b} acc {v['accuracy']:.3f}" + (f" ({v['certificate']})" if v.get("certificate", "clean")
-                                                        != "clean" else "")
+    from evaluation.report import coverage_note
+
+    return "  ".join(f"{b} acc {v['accuracy']:.3f}{coverage_note(v, short=True)}"
+                     + (f" ({v['certificate']})" if v.get("certificate", "clean") != "clean" else "")
                      for b, v in m.items() if isinstance(v, dict))
 
 

@@ -8,12 +8,43 @@ from tasks.runner import StageOutcome
 from tasks.stages import stage_headline
 
 
-def build_summary(run_id: str, outcomes: Sequence[StageOutcome], seconds: float) -> dict:
+HEADLINE_EVALS = (("heldout_accuracy_warmup", "eval_warmup"), ("heldout_accuracy_rft", "eval_rft"),
+                  ("heldout_accuracy_rl", "eval_rl"))
+
+
+def catalog_metrics(cfg, ws, outcomes: Sequence[StageOutcome]) -> dict[str, dict]:
+    """Metrics of the headline eval stages a run did not select (``laminar rerun rl`` leaves out
+    ``eval_warmup`` and ``eval_rft``) whose cache key under this run's config and artifacts matches a
+    finished stage run in the catalog: the same evaluation, known without running it."""
+    import json
+
+    from tasks.runner import stage_key
+    from tasks.stages import STAGE_BY_NAME
+
     by = {o.stage: o for o in outcomes}
+    out: dict[str, dict] = {}
+    for _, name in HEADLINE_EVALS:
+        stage = STAGE_BY_NAME[name]
+        if name in by or any(src not in by or o not in by[src].result.artifacts for src, o in stage.inputs.values()):
+            continue
+        inputs = {n: by[src].result.artifacts[o] for n, (src, o) in stage.inputs.items()}
+        key = stage_key(stage, cfg, inputs, ws)
+        rows = ws.catalog.query("SELECT metrics_json FROM stage_runs WHERE stage = ? AND cache_key = ? "
+                                "ORDER BY finished_at DESC LIMIT 1", [name, key.digest])
+        if rows and rows[0]["metrics_json"]:
+            out[name] = json.loads(rows[0]["metrics_json"])
+    return out
+
+
+def build_summary(run_id: str, outcomes: Sequence[StageOutcome], seconds: float,
+                  from_catalog: dict[str, dict] | None = None) -> dict:
+    """``from_catalog``: ``catalog_metrics`` of the headline evals this run did not select; their values
+    fill ``metrics`` and their stages are listed in ``metrics_from_catalog``."""
+    by = {o.stage: o for o in outcomes}
+    from_catalog = from_catalog or {}
     metrics: dict[str, float | None] = {}
-    for label, stage in (("heldout_accuracy_warmup", "eval_warmup"), ("heldout_accuracy_rft", "eval_rft"),
-                         ("heldout_accuracy_rl", "eval_rl")):
-        m = by[stage].result.metrics if stage in by else {}
+    for label, stage in HEADLINE_EVALS:
+        m = by[stage].result.metrics if stage in by else from_catalog.get(stage, {})
         metrics[label] = m.get("arith_heldout", {}).get("accuracy")
     if metrics["heldout_accuracy_warmup"] is not None and metrics["heldout_accuracy_rl"] is not None:
         metrics["heldout_accuracy_gain"] = metrics["heldout_accuracy_rl"] - metrics["heldout_accuracy_warmup"]
@@ -28,6 +59,7 @@ def build_summary(run_id: str, outcomes: Sequence[StageOutcome], seconds: float)
         "checkpoints": {s: by[s].result.artifacts["model"].sha256 for s in ("warmup", "rft", "rl") if s in by},
         "curation": reconciliation(by),
         "certificates": certificates(outcomes),
+        "metrics_from_catalog": sorted(s for s in from_catalog if s not in by),
     }
 
 
@@ -102,9 +134,15 @@ def format_table(summary: dict) -> str:
         lines.append("decontamination certificates: " + "  ".join(
             f"{stage} {bench} {status}" for stage, certs in summary["certificates"].items()
             for bench, status in certs.items()))
-    fmt = lambda v: "n/a" if v is None else f"{v:.3f}"  # noqa: E731
-    lines.append(f"held-out accuracy: warm-up {fmt(m.get('heldout_accuracy_warmup'))} -> "
-                 f"RFT {fmt(m.get('heldout_accuracy_rft'))} -> RL {fmt(m.get('heldout_accuracy_rl'))}   total {summary['seconds']:.1f}s   run {summary['run_id']}")
+    known = set(summary.get("metrics_from_catalog", ()))
+
+    def fmt(label: str, stage: str) -> str:
+        v = m.get(label)
+        return "n/a" if v is None else f"{v:.3f}" + (" (cached, from the catalog)" if stage in known else "")
+
+    lines.append(f"held-out accuracy: warm-up {fmt('heldout_accuracy_warmup', 'eval_warmup')} -> "
+                 f"RFT {fmt('heldout_accuracy_rft', 'eval_rft')} -> RL {fmt('heldout_accuracy_rl', 'eval_rl')}   "
+                 f"total {summary['seconds']:.1f}s   run {summary['run_id']}")
     lines += [f"WARNING: {w}" for w in summary.get("warnings", [])]
     return "\n".join(lines)
 

@@ -327,7 +327,7 @@ class ObjectiveParams:
     overlong_shaping: bool = False
     """DAPO soft overlong punishment added to the reward (``overlong_penalty``); DAPO: on."""
     overlong_cache_len: int = 4096
-    """DAPO ``L_cache`` for the soft punishment; paper: 4096 (with an expected max of 16384)."""
+    """DAPO ``L_cache`` for the soft punishment; DAPO paper: 4096 (with an expected max of 16384)."""
     overlong_filter: bool = False
     """DAPO overlong filtering: drop truncated sequences from the loss. Off in the final DAPO recipe."""
     dynamic_sampling: bool = False

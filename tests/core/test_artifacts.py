@@ -56,3 +56,27 @@ def test_hash_ignores_manifest_and_covers_names(tmp_path):
     (b / "x").write_text("1")
     (b / "y").unlink()
     assert hash_tree(a) == hash_tree(b)
+
+
+def test_stored_paths_are_relative_and_located_wherever_the_workspace_is(tmp_path):
+    """A ref is stored relative to the workspace root; reading it back in a copy of the workspace, or
+    reading an absolute path a workspace wrote before paths were relative, gives the copy's folder."""
+    import shutil
+
+    from core.artifacts import ArtifactRef
+
+    old = ArtifactStore(tmp_path / "old" / "artifacts")
+    ref = old.write("model", lambda d: (d / "w.bin").write_bytes(b"weights"))
+    stored = old.stored(ref)
+    assert stored == {"kind": "model", "sha256": ref.sha256, "path": f"artifacts/model/{ref.sha256}"}
+    shutil.copytree(tmp_path / "old", tmp_path / "new")
+    shutil.rmtree(tmp_path / "old")
+    new = ArtifactStore(tmp_path / "new" / "artifacts")
+    here = str(tmp_path / "new" / "artifacts" / "model" / ref.sha256)
+    assert new.locate(stored).path == here and new.exists(stored)
+    assert new.locate(ref.to_dict()).path == here  # an absolute path from before the move
+    assert new.manifest(ref)["sha256"] == ref.sha256
+    outside = ArtifactRef("model", "ab" * 32, str(tmp_path / "models" / "mine"))  # a folder outside any store
+    assert new.stored(outside)["path"] == outside.path and new.locate(outside) == outside
+    missing = ArtifactRef("model", "cd" * 32, str(tmp_path / "other" / "artifacts" / "model" / ("cd" * 32)))
+    assert new.locate(missing) == missing  # not in this store: the path stays as written

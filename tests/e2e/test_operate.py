@@ -128,6 +128,50 @@ def test_runs_lists_runs_and_checkpoints(first):
     assert sha in {c["sha256"] for c in listing["checkpoints"]}
     text = laminar("runs", ws=ws).stdout
     assert summary["run_id"] in text and sha[:12] in text
+    # each run's command, so runs with different overrides can be told apart
+    assert f"    command: {run['command']}" in text and "rl.steps=2" in run["command"]
+
+
+@pytest.mark.slow
+def test_a_copied_workspace_works_after_the_original_is_gone(first, tmp_path):
+    """Copy a finished workspace, move the original out of reach: the copy runs fully cached, evaluates
+    its checkpoint from its own store, its lineage names paths under it, `status` names a changed key
+    and `rerun rl` still reports the warm-up and RFT accuracies (cached, from the catalog)."""
+    ws, summary = first
+    copy = tmp_path / "elsewhere" / "ws"
+    shutil.copytree(ws, copy, symlinks=True)
+    away = ws.with_name(ws.name + "-away")
+    ws.rename(away)
+    try:
+        run = laminar("run", *TINY, ws=copy)
+        moved = latest_summary(copy)
+        assert set(statuses(moved).values()) == {"cached"} and moved["metrics"] == summary["metrics"], statuses(moved)
+        assert f"laminar: stage {NAMES[0]:<14} cached" in run.stdout  # progress while the cached run goes on
+
+        stage, sha = final_checkpoint(summary)
+        out = laminar("eval", f"ckpt={sha[:12]}", "eval.n_samples=1", "eval.max_new_tokens=8", "seed=3", ws=copy)
+        assert "arith_heldout" in out.stdout
+        ev = max((s for s in summaries(copy).values() if s.get("kind") == "eval"), key=lambda s: s["run_id"])
+        assert ev["status"] == "ran" and ev["checkpoint"]["path"] == f"artifacts/model/{sha}"
+
+        lin = json.loads(laminar("lineage", sha[:12], "--json", ws=copy).stdout)
+        paths = [lin["artifact"]["path"], *(a["path"] for a in lin["artifacts"].values())]
+        assert len(paths) > 5 and all(Path(p).is_relative_to(copy) and Path(p).exists() for p in paths), paths
+        text = laminar("lineage", sha[:12], ws=copy).stdout
+        assert f"path {copy}/artifacts/model/{sha}" in text and str(ws) not in text
+
+        status = laminar("status", *TINY, "rl.lr=0.0003", ws=copy).stdout
+        assert "config (rl.lr 0.0001 -> 0.0003)" in next(line for line in status.splitlines() if line.startswith("rl "))
+
+        rerun = laminar("rerun", "rl", *TINY, ws=copy)
+        again = max((s for s in summaries(copy).values() if "stages" in s), key=lambda s: s["run_id"])
+        assert "eval_warmup" not in again["stages"] and again["metrics_from_catalog"] == ["eval_rft", "eval_warmup"]
+        for key in ("heldout_accuracy_warmup", "heldout_accuracy_rft"):
+            assert again["metrics"][key] == summary["metrics"][key] is not None
+        final = next(line for line in rerun.stdout.splitlines() if line.startswith("held-out accuracy"))
+        assert "n/a" not in final and "(cached, from the catalog)" in final
+    finally:
+        away.rename(ws)
 
 
 # ---- rerun and --until --------------------------------------------------------------------------------

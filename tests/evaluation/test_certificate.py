@@ -84,5 +84,5 @@ def test_report_marks_scores_that_are_not_clean(status):
 
     summary = {"n_problems": 2, "n_samples": 1, "accuracy": 0.5, "avg@1": 0.5, "maj@1": 0.5, "mean_length": 3.0,
                "truncation_rate": 0.0, "verifier_errors": 0}
-    table = markdown_benchmark_table([EvalGroup("rl", "c" * 64, "e" * 64, "aime24", summary, True, status)])
+    table = markdown_benchmark_table([EvalGroup("rl", "c" * 64, "e" * 64, "aime24", summary, True, certificate=status)])
     assert ("aime24 (not-checked)" in table) == (status == "not-checked")

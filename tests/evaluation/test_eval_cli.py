@@ -90,6 +90,37 @@ def test_eval_by_sha_prefix_is_idempotent(workspace):
     assert dup == [(0,)]
 
 
+def test_max_problems_evaluates_a_seeded_subset_and_counts_prompts_over_the_context(workspace):
+    """`eval.max_problems=N`: N problems of the benchmark, the same for every checkpoint, part of the
+    cache key and printed with the score; prompts longer than the model's context are counted."""
+    ws, summary = workspace
+    from evaluation.benchmarks import build_prompt, load_benchmark
+    from evaluation.stages import subset
+    from generation.model import encode_prompt, load_model
+
+    args = ["eval.benchmarks=[gsm8k]", "eval.max_problems=12", "eval.n_samples=1", "eval.max_new_tokens=4"]
+    out = laminar("eval", f"ckpt={summary['checkpoints']['rl'][:12]}", *args, ws=ws).stdout
+    s = latest_eval_summary(ws)
+    g = s["benchmarks"]["gsm8k"]
+    full = load_benchmark("gsm8k")
+    assert (g["n_problems"], g["problems_total"]) == (12, len(full)) and f"12/{len(full)}" in out
+    picked = subset(full, 12, seed=0, name="gsm8k")
+    ids = {r[0] for r in query(ws, "SELECT DISTINCT problem_id FROM eval_results WHERE eval_sha = ?", [s["eval"]])}
+    assert ids == {it.problem_id for it in picked}
+    model, tokenizer = load_model(ws / "artifacts" / "model" / summary["checkpoints"]["rl"])
+    context = model.config.max_position_embeddings
+    expected = sum(len(encode_prompt(tokenizer, build_prompt(it))) > context for it in picked)
+    assert (g["too_long"], g["context"]) == (expected, context) and expected > 0
+    assert f"{expected} > {context}" in out and "longer than the model's" in out
+    # the same subset for another checkpoint; another size is another cache key
+    laminar("eval", f"ckpt={summary['checkpoints']['warmup'][:12]}", *args, ws=ws)
+    warm = latest_eval_summary(ws)
+    assert {r[0] for r in query(ws, "SELECT DISTINCT problem_id FROM eval_results WHERE eval_sha = ?",
+                                [warm["eval"]])} == ids
+    laminar("eval", f"ckpt={summary['checkpoints']['rl'][:12]}", *args[:1], "eval.max_problems=13", *args[2:], ws=ws)
+    assert latest_eval_summary(ws)["status"] == "ran" and latest_eval_summary(ws)["cache_key"] != s["cache_key"]
+
+
 def test_bad_ckpt_fails_with_a_clear_message(workspace):
     ws, _ = workspace
     missing = laminar("eval", *EVAL, ws=ws, check=False)

@@ -37,7 +37,7 @@ then goes on; the master relay forwards along the chain (pipelined: relay ``k`` 
 plus a simulator-only ``stream``: one-step off-policy with streamed training (StreamRL-style: the
 trainer starts forward/backward on each group as soon as it is complete, and takes the optimizer step
 once the batch is in). ``colocate_sync`` (default on): ``sync`` runs generation and training on all
-GPUs in turn (verl's hybrid engine, the paper's sync baseline) with a ``reshard_s`` weight switch;
+GPUs in turn (verl's hybrid engine, the Laminar paper's sync baseline) with a ``reshard_s`` weight switch;
 every other mode splits the GPUs into a trainer and rollouts (``trainer_gpus``).
 
 **Lengths.** ``lognormal`` with a median and p99/median ratio, a per-prompt share of the log-variance
@@ -190,7 +190,7 @@ class CostSpec:
 @dataclass
 class SchedSpec:
     """The runtime's knobs (``rl.*`` of the real config). ``capacity = 0``: from KV memory at the
-    mean response length (at most ``max_capacity``). ``max_staleness``: None = unbounded (the paper)."""
+    mean response length (at most ``max_capacity``). ``max_staleness``: None = unbounded (the Laminar paper)."""
 
     capacity: int = 0
     max_capacity: int = 512
