@@ -296,6 +296,7 @@ def _rl_body(ctx: StageContext) -> StageResult:
     from generation.model import load_tokenizer
     from training.rl.stage import TIMING_KEYS, rl
     from generation.setup import setup_torch
+    from tasks.tracking import active
 
     setup_torch(ctx.cfg.threads, ctx.cfg.seed)
     meta: dict = {}
@@ -314,7 +315,7 @@ def _rl_body(ctx: StageContext) -> StageResult:
                         template=template(ctx.cfg), seed=ctx.cfg.seed, device=ctx.device, out_dir=out,
                         verifier=verifier, select=ctx.cfg.curation.select, history_path=sel.file("history.parquet"),
                         evaluate=evaluate, cluster=ctx.cfg.cluster, state_dir=ctx.state_dir,
-                        trainer=ctx.cfg.trainer, rollout=ctx.cfg.rollout)
+                        trainer=ctx.cfg.trainer, rollout=ctx.cfg.rollout, on_metrics=active().step_logger("rl"))
         meta["timings"] = [{k: m[k] for k in ("step", *TIMING_KEYS) if k in m} for m in result.history]
         last = result.history[-5:] if result.history else []
         mean = lambda k: sum(m[k] for m in last) / max(1, len(last))  # noqa: E731
