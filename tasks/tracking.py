@@ -440,8 +440,25 @@ def _log_artifact_contents(tracker: Tracker, stage_name: str, ref: Any, metrics:
 
             rates = pl.read_parquet(attempts, columns=["pass_rate"])["pass_rate"].drop_nulls().to_list()
             tracker.log_histogram(f"{stage_name}/pass_rate", rates)
+        dart = ref.file("dart_stats.parquet")
+        if ref.kind == "rft_data" and dart.exists():
+            tracker.log_metrics(f"{stage_name}/by_level", dart_by_level(dart))
+        if ref.kind == "selection" and "candidates" in metrics and "selected" in metrics:
+            tracker.log_metrics(stage_name, {"skipped": metrics["candidates"] - metrics["selected"]})
     except Exception as err:  # noqa: BLE001 - an unreadable artifact file is fsck's business, not the tracker's
         LOG.warning("tracking: stage %s artifact %s not read: %s", stage_name, ref.sha256[:12], err)
+
+
+def dart_by_level(path: Path) -> dict[str, dict[str, float]]:
+    """DART per difficulty level: trials, correct responses and acceptance (correct / trials)."""
+    import polars as pl
+
+    rows = (pl.read_parquet(path, columns=["level", "trials", "corrects"])
+            .group_by("level").agg(pl.col("trials").sum(), pl.col("corrects").sum(), pl.len().alias("prompts"))
+            .sort("level", nulls_last=True).to_dicts())
+    return {str(r["level"]): {"prompts": float(r["prompts"]), "trials": float(r["trials"]),
+                              "corrects": float(r["corrects"]),
+                              "acceptance": float(r["corrects"]) / r["trials"] if r["trials"] else 0.0} for r in rows}
 
 
 def rl_curve(ws: Workspace, cache_key: str) -> dict[int, dict[str, float]]:

@@ -67,6 +67,8 @@ def test_tensorboard_has_every_rl_step_and_the_evaluation_accuracy(runs):
     acc = first["summary"]["metrics"]["heldout_accuracy_rl"]
     assert scalars["eval_rl/arith_heldout/accuracy"] == [(0, pytest.approx(acc))]
     assert "eval_rl/arith_heldout/pass_at_2" in scalars and "eval_rl/arith_heldout/maj_at_2" in scalars
+    assert "dart/by_level/1/acceptance" in scalars and "select/skipped" in scalars
+    assert "ingest/quarantined" in scalars and "decontaminate/contaminated" in scalars
     for stage in first["summary"]["stages"]:
         assert scalars[f"{stage}/cached"] == [(0, 0.0)], stage
         assert f"{stage}/seconds" in scalars
