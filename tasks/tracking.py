@@ -384,7 +384,8 @@ def start_run(cfg: Config, ws: Workspace, run_id: str, command: str) -> Tracker:
                       "laminar.workspace": str(ws.root)})
     run_dir = ws.run_dir(run_id)
     run_dir.mkdir(parents=True, exist_ok=True)
-    (run_dir / LOCATIONS_FILE).write_text(json.dumps({b.name: b.location for b in tracker.backends}, indent=1))
+    (run_dir / LOCATIONS_FILE).write_text(json.dumps({"workspace": str(ws.root.resolve()),
+                                                      **{b.name: b.location for b in tracker.backends}}, indent=1))
     _ACTIVE = tracker
     return tracker
 
@@ -474,12 +475,17 @@ def rl_curve(ws: Workspace, cache_key: str) -> dict[int, dict[str, float]]:
 # ---- where a run's tracker runs are ----------------------------------------------------------------
 
 def locations(ws: Workspace, run_id: str) -> dict[str, dict]:
-    """``tracking.json`` of a run: backend -> where its tracker run is ({} when it logged nowhere)."""
+    """``tracking.json`` of a run: backend -> where its tracker run is ({} when it logged nowhere),
+    its paths under the workspace's current folder (a moved workspace keeps its tracker runs)."""
     path = ws.run_dir(run_id) / LOCATIONS_FILE
     try:
-        return json.loads(path.read_text())
+        loc = json.loads(path.read_text())
     except (OSError, ValueError):
         return {}
+    old, new = loc.pop("workspace", None), str(ws.root.resolve())
+    if old and old != new:  # a workspace moved since: its paths move with it
+        loc = json.loads(json.dumps(loc).replace(json.dumps(old)[1:-1], json.dumps(new)[1:-1]))
+    return loc
 
 
 def describe(loc: Mapping[str, Mapping[str, Any]]) -> list[str]:

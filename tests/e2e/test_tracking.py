@@ -38,7 +38,9 @@ def _run(ws: Path) -> dict:
     laminar("run", *ARGS, ws=ws)
     latest = max((ws / "runs").iterdir(), key=lambda p: p.name)
     summary = json.loads((latest / "summary.json").read_text())
-    return {"summary": summary, "tracking": json.loads((latest / "tracking.json").read_text())}
+    tracking = json.loads((latest / "tracking.json").read_text())
+    assert tracking.pop("workspace") == str(ws.resolve())
+    return {"summary": summary, "tracking": tracking}
 
 
 @pytest.fixture(scope="module")

@@ -125,3 +125,19 @@ def test_a_killed_run_keeps_every_logged_step(tmp_path):
     client = mlflow_client(f"sqlite:///{tmp_path / 'mlflow' / 'mlflow.db'}")
     assert mlflow_history(client, mlflow_run, "rl/reward") == want
     assert client.get_run(mlflow_run).info.status == "RUNNING"  # killed, never closed
+
+
+def test_a_moved_workspace_keeps_its_tracker_locations(tmp_path):
+    from conf.loader import load_config
+    from core.workspace import Workspace
+    from tasks.tracking import finish_run, locations, start_run
+
+    old = Workspace.at(tmp_path / "old")
+    tracker = start_run(load_config([]), old, "r1", "laminar run")
+    tracker.log_metrics("rl", {"reward": 1.0}, 1)
+    finish_run(tracker, "completed")
+    assert locations(old, "r1")["tensorboard"]["logdir"] == str((tmp_path / "old" / "tracking" / "tensorboard" / "r1").resolve())
+    (tmp_path / "old").rename(tmp_path / "new")
+    logdir = Path(locations(Workspace.at(tmp_path / "new"), "r1")["tensorboard"]["logdir"])
+    assert logdir == (tmp_path / "new" / "tracking" / "tensorboard" / "r1").resolve()
+    assert tensorboard_scalars(logdir)["rl/reward"] == [(1, 1.0)]
