@@ -356,14 +356,23 @@ def active() -> Tracker:
 
 
 def open_backends(t: TrackingConfig, root: Path, run_id: str, config: dict) -> list[Any]:
+    """The configured backends, opened; one that cannot open (an MLflow server that does not answer)
+    is left out with a warning on stderr: the run goes on without it."""
+    import sys
+
     out: list[Any] = []
     for name in t.backends:
-        if name == "tensorboard":
-            out.append(TensorBoardBackend(root, run_id))
-        elif name == "mlflow":
-            out.append(MlflowBackend(root, run_id, t))
-        elif name == "wandb":
-            out.append(WandbBackend(root, run_id, t, config))
+        try:
+            if name == "tensorboard":
+                out.append(TensorBoardBackend(root, run_id))
+            elif name == "mlflow":
+                out.append(MlflowBackend(root, run_id, t))
+            elif name == "wandb":
+                out.append(WandbBackend(root, run_id, t, config))
+        except Exception as err:  # noqa: BLE001 - the tracker's view never fails a run
+            msg = f"laminar: tracking: {name} could not open a run ({type(err).__name__}: {err}); run {run_id} goes on without it"
+            LOG.warning(msg)
+            print(msg, file=sys.stderr)
     return out
 
 
