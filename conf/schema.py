@@ -371,6 +371,23 @@ class TrainerConfig:
 
 
 @dataclass
+class TrackingConfig:
+    """Experiment trackers every run writes its curves to (``tasks.tracking``): one tracker run per
+    pipeline run, named by the run id. ``backends``: any of tensorboard (event files under
+    ``<workspace>/tracking/tensorboard``), mlflow (a SQLite store under ``<workspace>/tracking/mlflow``
+    unless ``mlflow_uri``), wandb (offline files under ``<workspace>/tracking`` unless logged in); []
+    logs nothing. Not part of any stage's cache key: changing it reruns nothing."""
+
+    backends: List[str] = field(default_factory=lambda: ["tensorboard"])
+    mlflow_uri: Optional[str] = None
+    """An MLflow tracking URI (``http://127.0.0.1:5000``, ``sqlite:///path.db``); None: the workspace's store."""
+    mlflow_experiment: str = "laminar"
+    wandb_project: str = "laminar"
+    wandb_mode: str = "auto"
+    """auto: online when W&B credentials are set (``wandb login`` or WANDB_API_KEY), else offline; offline; online."""
+
+
+@dataclass
 class Config:
     seed: int = 0
     device: str = "cpu"
@@ -388,6 +405,7 @@ class Config:
     cluster: ClusterConfig = field(default_factory=ClusterConfig)
     trainer: TrainerConfig = field(default_factory=TrainerConfig)
     rollout: RolloutConfig = field(default_factory=RolloutConfig)
+    tracking: TrackingConfig = field(default_factory=TrackingConfig)
 
 
 MODEL_KINDS = ("tiny", "hf")
@@ -406,6 +424,11 @@ PLACEMENT_STRATEGIES = ("PACK", "SPREAD", "STRICT_PACK", "STRICT_SPREAD")
 ROLLOUT_ENGINES = ("torch", "torch-process", "vllm")  # generation.engines.ENGINE_KINDS (a test checks)
 ROLLOUT_DTYPES = ("auto", "float32", "bfloat16", "float16")
 DEVICES = ("cpu", "cuda", "auto")
+# tracking backend -> (the module it imports, the one-line install command; pins as in requirements.txt)
+TRACKING_BACKENDS = {"tensorboard": ("tensorboard", "pip install tensorboard==2.21.0"),
+                     "mlflow": ("mlflow", "pip install mlflow-skinny==3.18.0"),
+                     "wandb": ("wandb", "pip install wandb==0.31.0")}
+WANDB_MODES = ("auto", "offline", "online")
 
 
 class ConfigError(ValueError):
@@ -555,6 +578,7 @@ def validate(cfg: Config) -> Config:
     if cfg.rl.clip_high is not None and cfg.rl.clip_high < 0:
         raise ConfigError(f"rl.clip_high={cfg.rl.clip_high} must be >= 0")
     _validate_curation(cfg)
+    _validate_tracking(cfg)
     if not cfg.eval.benchmarks:
         raise ConfigError("eval.benchmarks is empty; name at least one, e.g. eval.benchmarks=[arith_heldout]")
     return cfg
@@ -606,3 +630,19 @@ def _validate_curation(cfg: Config) -> None:
         raise ConfigError("curation.select.max_prompts must be >= 1 or null")
     if c.select.history_prompts is not None and c.select.history_prompts < 0:
         raise ConfigError("curation.select.history_prompts must be >= 0 (0 = the whole pool) or null")
+
+
+def _validate_tracking(cfg: Config) -> None:
+    """Known backends, each installed: a run never finds out at its first metric that it cannot log."""
+    import importlib.util
+
+    t = cfg.tracking
+    _one_of("tracking.wandb_mode", t.wandb_mode, WANDB_MODES)
+    if len(set(t.backends)) != len(t.backends):
+        raise ConfigError(f"tracking.backends={list(t.backends)} names a backend twice")
+    for name in t.backends:
+        _one_of("tracking.backends", name, tuple(TRACKING_BACKENDS))
+        module, install = TRACKING_BACKENDS[name]
+        if importlib.util.find_spec(module) is None:
+            raise ConfigError(f"tracking.backends: {name} is not installed; install it with `{install}` "
+                              f"(or drop {name} from tracking.backends)")

@@ -229,7 +229,13 @@ def cmd_runs(args) -> int:
               file=sys.stderr)
         return 2
     listing = list_runs(ws, args.limit)
+    from tasks.tracking import format_locations, locations
+
+    for r in listing["runs"]:
+        r["tracking"] = locations(ws, r["run_id"])
     print(json.dumps(listing, indent=2, default=str) if args.json else format_runs(listing))
+    if not args.json and any(r["tracking"] for r in listing["runs"]):
+        print("\n" + format_locations(ws, [r["run_id"] for r in listing["runs"]]))
     return 0
 
 
@@ -245,6 +251,10 @@ def cmd_lineage(args) -> int:
     except LineageError as err:
         print(f"laminar: {err}", file=sys.stderr)
         return 2
+    from tasks.tracking import format_locations, locations
+
+    ws = Workspace.at(args.workspace)
+    lin["tracking"] = {r: locations(ws, r) for r in dict.fromkeys(n.get("run_id") for n in lin["stages"]) if r}
     if fmt == "openlineage":
         for event in openlineage_events(lin):
             print(json.dumps(event, default=str))
@@ -252,6 +262,8 @@ def cmd_lineage(args) -> int:
         print(json.dumps(lin, indent=2, default=str))
     else:
         print(format_lineage(lin))
+        if lin["tracking"]:
+            print("\n" + format_locations(ws, lin["tracking"]))
     return 0
 
 

@@ -240,13 +240,17 @@ def run_pipeline(cfg: Config, ws: Workspace, pipeline: Callable[..., list], *, o
                         [run_id, command, dumps(to_dict(cfg)), flow_run_id])
         status, error = "failed", None
         _one_line_in_prefect_logs()
+        from tasks import tracking
+
         n = len(selection.stages) if selection.stages is not None else len(STAGES)
         say(f"laminar: run {run_id}: {n} stages; starting Prefect (its local server takes ~15 s), "
             "then each stage runs or comes from cache")
+        tracker = tracking.start_run(cfg, ws, run_id, command)
         try:
             outcomes = pipeline(overrides=list(overrides), workspace=str(ws.root), run_id=run_id,
                                 force=list(selection.force), stages=selection.stages)
             summary = build_summary(run_id, outcomes, time.perf_counter() - t0, catalog_metrics(cfg, ws, outcomes))
+            tracker.log_metrics("summary", {"seconds": summary["seconds"], **summary["metrics"]})
             write_json_atomic(ws.run_dir(run_id) / "summary.json", summary)
             say(format_table(summary))
             say(f"summary: {ws.run_dir(run_id) / 'summary.json'}")
@@ -262,6 +266,7 @@ def run_pipeline(cfg: Config, ws: Workspace, pipeline: Callable[..., list], *, o
             try:
                 finish_run(ws, run_id, status, error)
             finally:
+                tracking.finish_run(tracker, status)
                 logging.getLogger("laminar").removeHandler(handler)
                 handler.close()
 

@@ -1,5 +1,6 @@
 """``laminar report``: gather a pipeline run's records from the catalog and write its report
-(``<workspace>/runs/<run-id>/report/``) through ``evaluation.report``. Read-only on the catalog."""
+(``<workspace>/runs/<run-id>/report/``) through ``evaluation.report``; its plots also go to the run's
+experiment trackers (``tasks.tracking.log_report``). Read-only on the catalog."""
 
 from __future__ import annotations
 
@@ -115,4 +116,9 @@ def write(ws: Workspace, run_id: str | None = None) -> Path:
     from evaluation.report import write_report
 
     run_id = run_id or default_run(ws)
-    return write_report(gather(ws, run_id), ws.run_dir(run_id) / "report")
+    path = write_report(gather(ws, run_id), ws.run_dir(run_id) / "report")
+    from evaluation.report import PLOTS
+    from tasks.tracking import log_report
+
+    log_report(ws, run_id, {name: path.parent / file for name, file in PLOTS.items()})
+    return path

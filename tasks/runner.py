@@ -93,6 +93,9 @@ def run_stage(stage_name: str, cfg: Config, ws: Workspace, run_id: str, upstream
     outcome = StageOutcome(stage.name, status, time.perf_counter() - t0, key, result,
                            str(state.state_details.task_run_id) if state.state_details.task_run_id else None)
     record(ws, run_id, stage, outcome, inputs, started, cfg, device)
+    from tasks.tracking import log_stage
+
+    log_stage(ws, stage.name, outcome)
     LOG.info("stage %s %s in %.1fs key %s", stage.name, status, outcome.seconds, key.digest[:16])
     print(f"laminar: stage {stage.name:<14} {status:<6} {outcome.seconds:6.1f}s", flush=True)  # progress
     return outcome

@@ -320,6 +320,7 @@ def _rl_body(ctx: StageContext) -> StageResult:
     from generation.model import load_tokenizer
     from training.rl.stage import TIMING_KEYS, rl
     from generation.setup import setup_torch
+    from tasks.tracking import active
 
     setup_torch(ctx.cfg.threads, ctx.cfg.seed)
     meta: dict = {}
@@ -338,7 +339,7 @@ def _rl_body(ctx: StageContext) -> StageResult:
                         template=template(ctx.cfg), seed=ctx.cfg.seed, device=ctx.device, out_dir=out,
                         verifier=verifier, select=ctx.cfg.curation.select, history_path=sel.file("history.parquet"),
                         evaluate=evaluate, cluster=ctx.cfg.cluster, state_dir=ctx.state_dir,
-                        trainer=ctx.cfg.trainer, rollout=ctx.cfg.rollout)
+                        trainer=ctx.cfg.trainer, rollout=ctx.cfg.rollout, on_metrics=active().step_logger("rl"))
         meta["timings"] = [{k: m[k] for k in ("step", *TIMING_KEYS) if k in m} for m in result.history]
         rewards = [m["reward"] for m in result.history]
         window = [sum(rewards[i:i + 5]) / len(rewards[i:i + 5]) for i in range(max(1, len(rewards) - 4))] if rewards else []

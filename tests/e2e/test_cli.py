@@ -75,6 +75,23 @@ def test_dart_keeps_only_responses_whose_equations_hold(first_run):
     assert all(arithmetic_consistent(r) for r in data["response"])
 
 
+def test_first_run_is_tracked_in_tensorboard(first_run):
+    """The default tracker (TensorBoard): every RL step's reward and the evaluation accuracy, read back
+    with TensorBoard's own EventAccumulator (MLflow and W&B: tests/e2e/test_tracking.py)."""
+    from tests.tracking_readers import tensorboard_scalars
+
+    ws, summary = first_run
+    loc = json.loads((ws / "runs" / summary["run_id"] / "tracking.json").read_text())
+    scalars = tensorboard_scalars(Path(loc["tensorboard"]["logdir"]))
+    model = summary["stages"]["rl"]["artifacts"]["model"]
+    history = [json.loads(line) for line in (ws / "artifacts" / "model" / model / "history.jsonl").open()]
+    assert len(history) == 50
+    assert scalars["rl/reward"] == [(m["step"], pytest.approx(m["reward"])) for m in history]
+    for stage in ("eval_warmup", "eval_rft", "eval_rl"):
+        acc = summary["stages"][stage]["metrics"]["arith_heldout"]["accuracy"]
+        assert scalars[f"{stage}/arith_heldout/accuracy"] == [(0, pytest.approx(acc))]
+
+
 def test_rerun_is_served_from_cache(first_run):
     ws, first = first_run
     laminar("run", *SMALL, ws=ws)

@@ -99,3 +99,15 @@ def test_laminar_deepspeed_run_checkpoints_resumes_and_reports(tmp_path):
     assert all(cpu[k] > 0 for k in cpu if k.startswith("rollout-")) and runtime["loop_seconds"] > 0
     assert runtime.get("machine_busy") is None or 0 < runtime["machine_busy"] <= 1
     assert "CPU seconds per role over the loop" in (report / "report.md").read_text()
+    # the driver logged every update the actors reported to the default tracker (TensorBoard), live:
+    # the killed run's curves up to its kill, the resumed run's from its checkpoint on
+    from tests.tracking_readers import tensorboard_scalars
+
+    logged: dict[int, float] = {}
+    for run_dir in sorted((ws / "runs").iterdir()):  # run ids sort by start time: the resumed run's steps win
+        scalars = tensorboard_scalars(Path(json.loads((run_dir / "tracking.json").read_text())["tensorboard"]["logdir"]))
+        logged.update(scalars.get("rl/reward", []))
+        if run_dir.name == latest["run_id"]:
+            assert {"rl/staleness_mean", "rl/staleness_max", "rl/occupancy", "rl/publish_stall_s",
+                    "rl/tokens_per_s", "rl/repacks"} <= set(scalars)
+    assert logged == {m["step"]: pytest.approx(m["reward"]) for m in history}

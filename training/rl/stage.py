@@ -62,13 +62,14 @@ def rl(model_dir: Path, prompts_path: Path, cfg: RLConfig, *, template: str, see
        verifier, select: SelectConfig | None = None, history_path: Path | None = None,
        evaluate: Callable[[object], dict[str, float]] | None = None, cluster: ClusterConfig | None = None,
        state_dir: Path | None = None, trainer: TrainerConfig | None = None,
-       rollout: RolloutConfig | None = None) -> RLResult:
+       rollout: RolloutConfig | None = None, on_metrics: Callable[[dict], None] | None = None) -> RLResult:
     """RL from ``model_dir`` on the prompts of ``prompts_path`` (see the module docstring for what
     it writes). ``select`` turns on HIVE's online pruning; ``evaluate`` runs every ``cfg.eval_every`` steps.
     Either loop checkpoints into ``state_dir`` every ``cfg.checkpoint_every`` steps and resumes from
     it after a crash. With ``cfg.uses_ray()`` the Laminar runtime runs the roles on Ray (``cluster``);
     it also writes ``timeline.json``/``.png`` and ``runtime.json`` (throughput, staleness histogram,
-    repacks, failures)."""
+    repacks, failures). ``on_metrics``: called with every step's metrics as the step ends (an
+    experiment tracker's logger; in the Laminar runtime on the driver, with what the actors report)."""
     model, tokenizer = load_model(model_dir, device)
     rows = read_table(Path(prompts_path))
     if not rows and cfg.steps > 0:
@@ -84,6 +85,8 @@ def rl(model_dir: Path, prompts_path: Path, cfg: RLConfig, *, template: str, see
             bar.update(1)
             bar.write(line)
             LOG.info(line)
+            if on_metrics is not None:
+                on_metrics(m)
 
         common = dict(seed=seed, device=device, on_step=on_step, evaluate=evaluate,
                       source=hive_source(select, history_path, seed) if select is not None else None)
