@@ -77,7 +77,7 @@ def test_dart_keeps_only_responses_whose_equations_hold(first_run):
 
 def test_first_run_is_tracked_in_tensorboard(first_run):
     """The default tracker (TensorBoard): every RL step's reward and the evaluation accuracy, read back
-    with TensorBoard's own EventAccumulator (MLflow and W&B: tests/e2e/test_tracking.py)."""
+    with TensorBoard's own EventAccumulator (MLflow and W&B: tests/e2e/test_tracking_runs.py)."""
     from tests.tracking_readers import tensorboard_scalars
 
     ws, summary = first_run
