@@ -21,7 +21,9 @@ HAS_WANDB = importlib.util.find_spec("wandb") is not None
 BACKENDS = ["tensorboard", "mlflow", *(["wandb"] if HAS_WANDB else [])]
 ARGS = [*TINY_CURATED, f"tracking.backends=[{','.join(BACKENDS)}]"]
 
-pytestmark = pytest.mark.e2e
+# two tiny runs with all three backends (~2 minutes): the slow suite; make test reads the TensorBoard
+# curves of its own first run back (tests/e2e/test_cli.py)
+pytestmark = [pytest.mark.e2e, pytest.mark.slow]
 
 
 def laminar(*args: str, ws: Path) -> subprocess.CompletedProcess:
