@@ -252,7 +252,7 @@ def test_a_failed_final_status_update_does_not_hide_the_runs_error(tmp_path, bar
 
 def test_a_completed_run_whose_status_cannot_be_closed_says_so(tmp_path, bare_run, monkeypatch):
     ws = Workspace.at(tmp_path / "ws")
-    monkeypatch.setattr("tasks.summary.build_summary", lambda run_id, outcomes, seconds, *rest: {"run_id": run_id})
+    monkeypatch.setattr("tasks.summary.build_summary", lambda run_id, outcomes, seconds, *rest: {"run_id": run_id, "seconds": seconds, "metrics": {}})
     monkeypatch.setattr("tasks.summary.format_table", lambda summary: "")
     holder: dict = {}
 
