@@ -60,8 +60,7 @@ def row_of(summary: dict, *, seed: int, threads: int, wall: float) -> dict:
     for role, stage in STAGES:
         held = stages.get(stage, {}).get("metrics", {}).get("arith_heldout", {})
         acc[role] = held.get("accuracy")
-        levels[role] = {lv: next(iter(v.values())) if isinstance(v, dict) else v
-                        for lv, v in sorted(held.get("by_level", {}).items())}
+        levels[role] = dict(sorted(held.get("by_level", {}).items()))  # stage metrics keep avg@n per level
     return {"seed": seed, "threads": threads, "wall_s": round(wall, 1), "pipeline_s": round(summary["seconds"], 1),
             "accuracy": acc, "by_level": levels,
             "stage_seconds": {k: v["seconds"] for k, v in stages.items()},
