@@ -128,7 +128,16 @@ def _selection(**kw):
 
 
 def _pipeline(**kwargs):
-    """The Prefect flow, imported only once the workspace has configured Prefect."""
+    """The Prefect flow, imported only once the workspace has configured Prefect; a run in which every
+    stage comes from cache is recorded without it (``tasks.runner.replay_cached``)."""
+    from conf.loader import load_config
+    from core.workspace import Workspace
+    from tasks.runner import replay_cached
+
+    outcomes = replay_cached(load_config(kwargs["overrides"]), Workspace.at(kwargs["workspace"]), kwargs["run_id"],
+                             stages=kwargs.get("stages"), force=kwargs.get("force"))
+    if outcomes is not None:
+        return outcomes
     from flows.pipeline import laminar_pipeline
 
     return laminar_pipeline(**kwargs)

@@ -243,8 +243,8 @@ def run_pipeline(cfg: Config, ws: Workspace, pipeline: Callable[..., list], *, o
         from tasks import tracking
 
         n = len(selection.stages) if selection.stages is not None else len(STAGES)
-        say(f"laminar: run {run_id}: {n} stages; starting Prefect (its local server takes ~15 s), "
-            "then each stage runs or comes from cache")
+        say(f"laminar: run {run_id}: {n} stages, each runs or comes from cache (when any must run, "
+            "Prefect's local server starts first: ~15 s)")
         tracker = tracking.start_run(cfg, ws, run_id, command)
         try:
             outcomes = pipeline(overrides=list(overrides), workspace=str(ws.root), run_id=run_id,

@@ -126,6 +126,56 @@ def record(ws: Workspace, run_id: str, stage: Stage, out: StageOutcome, inputs: 
             stage.record(con, ctx, out.result, k.digest)
 
 
+def replay_cached(cfg: Config, ws: Workspace, run_id: str, stages: list[str] | None = None,
+                  force: list[str] | None = None) -> list[StageOutcome] | None:
+    """A run in which nothing would run, without Prefect: when no stage is forced and every selected
+    stage's key matches a finished run whose artifacts are in the store (what ``plan`` calls cached),
+    each stage's outcome is read from the catalog and recorded like a cached Prefect task's (stage
+    rows, lineage, tracker), and the run needs no orchestrator, so no Prefect server is started (its
+    start is most of a cached rerun's time). Returns None, having written nothing, when any stage
+    would run; the caller then runs the Prefect flow. Never used with ``PREFECT_API_URL`` set: runs
+    reported to a server stay visible there."""
+    import json
+    import os
+
+    from tasks.lineage import record_stage
+    from tasks.tracking import log_stage
+
+    if force or os.environ.get("PREFECT_API_URL"):
+        return None
+    from generation.model import resolve_device
+
+    device = resolve_device(cfg.device)
+    found: dict[str, tuple[StageOutcome, dict[str, ArtifactRef], float]] = {}
+    for stage in STAGES:
+        if stages is not None and stage.name not in stages:
+            continue
+        if any(src not in found for src, _ in stage.inputs.values()):
+            return None
+        t0 = time.perf_counter()
+        inputs = {name: found[src][0].result.artifacts[o] for name, (src, o) in stage.inputs.items()}
+        key = stage_key(stage, cfg, inputs, ws)
+        rows = ws.catalog.query("SELECT outputs_json, metrics_json FROM stage_runs WHERE stage = ? AND cache_key = ? "
+                                "AND status IN ('ran', 'cached') ORDER BY finished_at DESC LIMIT 1",
+                                [stage.name, key.digest])
+        if not rows:
+            return None
+        result = StageResult.from_dict({"artifacts": json.loads(rows[0]["outputs_json"]),
+                                        "metrics": json.loads(rows[0]["metrics_json"] or "{}")}, ws.artifacts)
+        if not all(ws.artifacts.exists(r) for r in result.artifacts.values()):
+            return None
+        found[stage.name] = (StageOutcome(stage.name, "cached", time.perf_counter() - t0, key, result, None), inputs, t0)
+    outcomes: dict[str, StageOutcome] = {}
+    for name, (outcome, inputs, _) in found.items():
+        started = datetime.now(timezone.utc)
+        outcomes[name] = outcome
+        record(ws, run_id, STAGE_BY_NAME[name], outcome, inputs, started, cfg, device)
+        record_stage(ws, name, cfg, outcomes)
+        log_stage(ws, name, outcome)
+        print(f"laminar: stage {name:<14} cached {outcome.seconds:6.1f}s", flush=True)
+    return list(outcomes.values())
+
+
 @dataclass
 class StagePlan:
     stage: str

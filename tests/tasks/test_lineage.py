@@ -197,3 +197,34 @@ def test_an_edited_source_file_makes_exactly_the_downstream_stages_stale(run, tm
         assert all(plans[n].status == "cached" for n in set(plans) - downstream_of(direct))
     finally:
         cache.module_closure.cache_clear()
+
+
+def test_a_fully_cached_rerun_is_recorded_without_starting_prefect(run, tmp_path):
+    """Nothing would run, so no Prefect server starts (most of a cached rerun's time): every stage is
+    recorded as cached in the catalog, with the same cache keys and artifacts, and no flow run id; a
+    forced stage goes through the Prefect flow again."""
+    ws, summary = run
+    copy = tmp_path / "ws"
+    shutil.copytree(ws.root, copy)
+    env = {**os.environ, "PYTHONPATH": str(ROOT)}
+    env.pop("PREFECT_API_URL", None)
+    proc = subprocess.run([sys.executable, "-m", "flows.cli", "run", *TINY, "--workspace", str(copy)], cwd=ROOT,
+                          env=env, capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    again = json.loads(max((copy / "runs").iterdir(), key=lambda p: p.name).joinpath("summary.json").read_text())
+    assert again["run_id"] != summary["run_id"]
+    assert {s: v["status"] for s, v in again["stages"].items()} == {s: "cached" for s in summary["stages"]}
+    for name, s in summary["stages"].items():
+        assert again["stages"][name]["cache_key"] == s["cache_key"]
+        assert again["stages"][name]["artifacts"] == s["artifacts"]
+    cws = Workspace.at(copy)
+    assert _catalog(cws, "SELECT status, prefect_flow_run_id FROM runs WHERE run_id = ?", [again["run_id"]]) == \
+        [("completed", None)]
+    rows = _catalog(cws, "SELECT status, prefect_task_run_id FROM stage_runs WHERE run_id = ?", [again["run_id"]])
+    assert len(rows) == len(STAGES) and all(r == ("cached", None) for r in rows)
+    assert "Prefect" not in proc.stderr  # no server, no flow-run log lines
+    forced = subprocess.run([sys.executable, "-m", "flows.cli", "run", *TINY, "--force", "eval_rl",
+                             "--workspace", str(copy)], cwd=ROOT, env=env, capture_output=True, text=True, timeout=600)
+    assert forced.returncode == 0, forced.stderr[-3000:]
+    (flow_run,) = _catalog(cws, "SELECT prefect_flow_run_id FROM runs ORDER BY started_at DESC LIMIT 1")[0]
+    uuid.UUID(str(flow_run))
