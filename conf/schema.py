@@ -90,7 +90,9 @@ class RLConfig:
 
     algorithm: str = "grpo"
     mode: str = "sync"
-    steps: int = 100
+    steps: int = 60
+    """Optimizer updates. The default task's RL adds most of its accuracy in the first 60 (issue 23:
+    benchmarks/results/default_run/); more steps cost about 1.5 s each on 2 cores."""
     prompts_per_step: int = 16
     group_size: int = 8
     lr: float = 1e-4
@@ -122,7 +124,7 @@ class RLConfig:
     overlong_cache_len: int = 16
     """DAPO's soft-punishment buffer L_cache, in tokens before ``max_new_tokens`` (the DAPO paper uses
     4,096 of 20,480; here 16 of 64, the same order of share)."""
-    eval_every: int = 25
+    eval_every: int = 20
     """Evaluate ``eval.benchmarks`` inside the run every N steps (the eval stages cover the start and
     the end); 0 = off."""
     runtime: str = "auto"
@@ -233,7 +235,7 @@ class DartConfig:
     k_u: int = 4
     k_p: int = 8
     max_trials: int = 32
-    budget: int = 8000
+    budget: int = 4000
     round_size: int = 2048
     temperature: float = 1.0
     check_arithmetic: bool = True
@@ -246,7 +248,10 @@ class DartConfig:
 class RFTConfig:
     """Rejection fine-tuning on DART's correct responses; ``steps=0`` passes the model through."""
 
-    steps: int = 200
+    steps: int = 30
+    """About one pass over DART's accepted responses at the default budget. Longer RFT on the default
+    task (200 steps, several passes) solved the held-out set's easy levels outright and left the policy
+    nearly deterministic (entropy 0.006), and RL from there lost accuracy on every seed (issue 23)."""
     batch_size: int = 32
     lr: float = 1e-3
     warmup_steps: int = 10
@@ -258,7 +263,7 @@ class SelectConfig:
 
     strategy: str = "hive"  # hive | uniform (every curated prompt, no online pruning)
     max_prompts: Optional[int] = None
-    history_prompts: Optional[int] = None
+    history_prompts: Optional[int] = 750
     """Pool prompts sampled with the model RL starts from (stage ``difficulty_rft``, k =
     ``curation.difficulty.samples`` each) for the learning edge: None = ``curation.difficulty.max_prompts``,
     0 = the whole pool. More prompts mean fewer revisits, but on the default task the whole pool saved no
