@@ -37,7 +37,7 @@ fi
 OUTDIR=${OUT:-${PROOF_OUT:-$ROOT/workspace-device-proof/out}}
 WORK=${PROOF_WORK:-/tmp/laminar-proof}
 SITE=${PROOF_SITE:-/tmp/site}
-if [ "$SMOKE" = 1 ]; then BUDGET=${PROOF_BUDGET:-300}; else BUDGET=${PROOF_BUDGET:-560}; fi
+if [ "$SMOKE" = 1 ]; then BUDGET=${PROOF_BUDGET:-480}; else BUDGET=${PROOF_BUDGET:-560}; fi
 RESERVE=25  # seconds kept for the report and the bundle
 mkdir -p "$OUTDIR" "$WORK"
 rm -f "$WORK/steps.jsonl"
@@ -124,15 +124,15 @@ if [ "$SMOKE" = 1 ]; then
     step gpu_check 120 "$PY" benchmarks/gpu_check.py --cpu-smoke --no-deepspeed --out "$OUTDIR/gpu_check.json" \
         --time-budget 100
 else
-    step gpu_check "${GPU_CHECK_S:-210}" "$PY" benchmarks/gpu_check.py --out "$OUTDIR/gpu_check.json" \
-        --time-budget $((${GPU_CHECK_S:-210} - 40))
+    GPU_S=${GPU_CHECK_S:-180}
+    step gpu_check "$GPU_S" "$PY" benchmarks/gpu_check.py --out "$OUTDIR/gpu_check.json" --time-budget $((GPU_S - 40))
 fi
 
 # ---- 3./4. rl_throughput: the four modes, CPU then CUDA
 # 16 cores: trainer 4 threads, 6 rollouts of 1 thread, the driver 1, the rest for Ray, relays and the verifier
-RL_CPU_ARGS=${RL_CPU_ARGS:-"--small-model --updates 16 --chunk-steps 16 --rollouts 6 --capacity 64 --cpus 16 \
+RL_CPU_ARGS=${RL_CPU_ARGS:-"--small-model --updates 12 --chunk-steps 16 --rollouts 6 --capacity 64 --cpus 16 \
     cluster.trainer_cpus=4 cluster.trainer_threads=4 cluster.rollout_cpus=1 cluster.actor_threads=1"}
-RL_CUDA_ARGS=${RL_CUDA_ARGS:-"--small-model --updates 16 --chunk-steps 16 --rollouts 4 --capacity 128 --cpus 16 \
+RL_CUDA_ARGS=${RL_CUDA_ARGS:-"--small-model --updates 12 --chunk-steps 16 --rollouts 4 --capacity 128 --cpus 16 \
     cluster.trainer_cpus=4 cluster.trainer_threads=4 cluster.rollout_cpus=1 cluster.actor_threads=1 \
     cluster.rollout_gpus=0.2 cluster.trainer_gpus=0.2"}
 SMOKE_RL="--small-model --updates 2 --chunk-steps 4 --rollouts 2 --capacity 8 --prompts-per-step 4 --group-size 2 \
@@ -140,25 +140,27 @@ SMOKE_RL="--small-model --updates 2 --chunk-steps 4 --rollouts 2 --capacity 8 --
 modes="sync one_step partial laminar"
 if [ "$SMOKE" = 1 ]; then
     # shellcheck disable=SC2086
-    step rl_cpu 150 "$PY" benchmarks/rl_throughput.py --modes $modes --repeats 1 --device cpu \
+    step rl_cpu 360 "$PY" benchmarks/rl_throughput.py --modes $modes --repeats 1 --device cpu \
         --warm-start "$WORK/warm_smoke" --warm-device cpu --out "$WORK/timelines/cpu" \
-        --json-out "$OUTDIR/rl_throughput_cpu.json" --time-budget 130 $SMOKE_RL
+        --json-out "$OUTDIR/rl_throughput_cpu.json" --time-budget 330 $SMOKE_RL
     record rl_cuda skipped 0 "no CUDA (cpu smoke)"
 else
     warm_dev=cpu
     "$PY" -c "import torch, sys; sys.exit(0 if torch.cuda.is_available() else 1)" && warm_dev=cuda
-    t=$(($(left) - RESERVE - ${RL_CUDA_MIN_S:-100}))
-    [ "$t" -gt "${RL_CPU_S:-240}" ] && t=${RL_CPU_S:-240}
+    t=$(($(left) - RESERVE - ${RL_CUDA_MIN_S:-60}))
+    [ "$t" -gt "${RL_CPU_S:-260}" ] && t=${RL_CPU_S:-260}
     # shellcheck disable=SC2086
     step rl_cpu "$t" "$PY" benchmarks/rl_throughput.py --modes $modes --repeats 3 --device cpu \
         --warm-start "$WORK/warm" --warm-device "$warm_dev" --out "$WORK/timelines/cpu" \
-        --json-out "$OUTDIR/rl_throughput_cpu.json" --time-budget $((t - 15)) $RL_CPU_ARGS
-    if [ "$warm_dev" = cuda ]; then
-        t=$(($(left) - RESERVE))
+        --json-out "$OUTDIR/rl_throughput_cpu.json" --time-budget $((t - 15)) --run-estimate 30 $RL_CPU_ARGS
+    t=$(($(left) - RESERVE))
+    if [ "$warm_dev" = cuda ] && [ "$t" -ge 60 ]; then
         # shellcheck disable=SC2086
         step rl_cuda "$t" "$PY" benchmarks/rl_throughput.py --modes $modes --repeats 3 --device cuda \
             --warm-start "$WORK/warm" --warm-device cuda --out "$WORK/timelines/cuda" \
-            --json-out "$OUTDIR/rl_throughput_cuda.json" --time-budget $((t - 15)) $RL_CUDA_ARGS
+            --json-out "$OUTDIR/rl_throughput_cuda.json" --time-budget $((t - 15)) --run-estimate 30 $RL_CUDA_ARGS
+    elif [ "$warm_dev" = cuda ]; then
+        record rl_cuda skipped 0 "time budget (${t} s left)"
     else
         record rl_cuda skipped 0 "no CUDA"
     fi

@@ -203,6 +203,8 @@ def main() -> None:
     ap.add_argument("--warm-device", default="cpu", help="device of --warm-start's SFT")
     ap.add_argument("--time-budget", type=float, default=None,
                     help="seconds: start no run that would end past it (estimated from the longest run so far)")
+    ap.add_argument("--run-estimate", type=float, default=0.0,
+                    help="seconds a run is assumed to take before one has been timed (with --time-budget)")
     ap.add_argument("--small-model", action="store_true",
                     help="the smaller model (hidden 64, 2 layers): decode cost flat in the batch, as on a GPU")
     args = ap.parse_args()
@@ -227,7 +229,7 @@ def main() -> None:
     modes = args.modes if args.modes != ["none"] else []
     runs: dict[str, list[dict]] = {m: [] for m in modes}
     skipped: list[str] = []
-    longest = 0.0
+    longest, runs_done = args.run_estimate, 0
     for rnd in range(args.repeats if modes else 0):
         # rounds rotate the order so a drift in the machine's speed does not favour one mode
         for mode in modes[rnd % len(modes):] + modes[:rnd % len(modes)]:
@@ -241,7 +243,8 @@ def main() -> None:
             t_run = time.perf_counter()
             runs[mode].append({**run_mode(mode, model_dir, prompts, args, out, tag="" if rnd == 0 else f"_r{rnd + 1}"),
                                "round": rnd + 1})
-            longest = max(longest, time.perf_counter() - t_run)
+            longest = max(longest if runs_done else 0.0, time.perf_counter() - t_run)
+            runs_done += 1
             print(json.dumps(runs[mode][-1]), flush=True)
             if args.json_out:  # after every run: a benchmark stopped later keeps what it finished
                 write_json(args, summarize(runs), [], skipped, partial=True)

@@ -128,8 +128,9 @@ def _gpu_rows(engine_ratio: float, publish_ratio: float, zero3: bool) -> dict:
     rows.append({"section": "engine", "model": "0.5b-shape", "batch": 256, "variant": "static", "skipped": "time budget"})
     rows.append({"section": "publish", "model": "0.5b-shape", "dtype": "bfloat16", "gbytes": 1.26, "publish_ms": 25 * publish_ratio,
                  "raw_copy_ms": 25.0, "ratio": publish_ratio, "raw_gb_per_s": 50.0})
-    rows.append({"section": "trainer", "case": "deepspeed ZeRO-2, 64 seqs", "ours": "900 ms/update", "update_ms": 900.0})
-    rows.append({"section": "trainer", "case": "deepspeed ZeRO-3, 64 seqs",
+    rows.append({"section": "trainer", "model": "0.5b-shape", "case": "deepspeed ZeRO-2, 64 seqs", "ours": "900 ms/update",
+                 "update_ms": 900.0})
+    rows.append({"section": "trainer", "model": "0.5b-shape", "case": "deepspeed ZeRO-3, 64 seqs",
                  **({"ours": "1,200 ms/update", "update_ms": 1200.0} if zero3 else {"ours": "FAILED: OOM"})})
     return {"env": {}, "rows": rows}
 
@@ -166,3 +167,10 @@ def test_report_targets_and_plots(tmp_path):
     assert g["deepspeed_zero3_update"]["ok"] is True
     cpu = res["targets"]["rl_throughput_cpu"]
     assert cpu["laminar_vs_sync"]["ok"] is False and cpu["laminar_ahead_of_one_step_and_partial"]["ok"] is False
+
+    # the CPU smoke's stand-in shape measures nothing the targets are about
+    smoke = _gpu_rows(3.0, 1.0, zero3=True)
+    for r in smoke["rows"]:
+        r["model"] = "0.5b-shape(smoke)"
+    (tmp_path / "gpu_check.json").write_text(json.dumps(smoke))
+    assert all(t["ok"] is None for t in dr.report(tmp_path)["targets"]["gpu_check"].values())
