@@ -23,11 +23,9 @@ from __future__ import annotations
 
 import argparse
 import hashlib
-import io
 import json
 import lzma
 import math
-import os
 import shutil
 import subprocess
 import sys
