@@ -101,7 +101,7 @@ else
     fi
     export PYTHONPATH=$ROOT:$SITE
 fi
-"$PY" - "$WORK/env.json" <<'EOF'
+timeout 90 "$PY" - "$WORK/env.json" <<'EOF'
 import importlib, json, os, platform, sys
 env = {"python": sys.version.split()[0], "cpu_count": os.cpu_count(), "loadavg": os.getloadavg(),
        "machine": platform.machine()}
