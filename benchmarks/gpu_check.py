@@ -17,7 +17,9 @@ Sections:
 - **trainer**: one policy update (``training.rl.trainer``) on the 0.5B shape with torch AdamW and
   DeepSpeed ZeRO-2/3, and each trainer's publish (ZeRO-3: gathered) against the raw D2H copy.
 
-JSON goes to ``--out``, else ``$OUT/gpu_check.json`` when ``$OUT`` is set.
+JSON goes to ``--out``, else ``$OUT/gpu_check.json`` when ``$OUT`` is set; it is rewritten after each
+section, so a check stopped from outside keeps the sections it finished. ``--time-budget`` skips what
+would start past it (each skipped row says so), and a section that fails is one row, not the end.
 """
 
 from __future__ import annotations
@@ -156,12 +158,23 @@ def time_eager_loop(model, device, batch: int, prompt: torch.Tensor, new_tokens:
     return {"tokens": n, "seconds": dt, "tokens_per_s": n / dt, "ms_per_step": 1000 * dt / new_tokens}
 
 
+def over_budget(args) -> bool:
+    return args.time_budget is not None and time.perf_counter() - args.t0 > args.time_budget
+
+
 def engine_rows(args, device, models) -> list[dict]:
     rows = []
     variants = [v for v in args.variants if v != "graphs" or device.type == "cuda"]
-    for name, model, tok, vocab, dtype in models:
+    # the 0.5B shape and the largest batch first: what the targets read is measured before a time budget bites
+    for name, model, tok, vocab, dtype in sorted(models, key=lambda m: not m[0].startswith("0.5b")):
         prompt = _prompts(max(args.batches), args.prompt_len, vocab)
-        for b in args.batches:
+        for b in sorted(args.batches, reverse=True):
+            head = {"section": "engine", "model": name, "dtype": dtype, "batch": b, "new_tokens": args.new_tokens}
+            if "graphs" in args.variants and device.type != "cuda":
+                rows.append({**head, "variant": "graphs", "skipped": "no CUDA"})
+            if over_budget(args):
+                rows += [{**head, "variant": v, "skipped": "time budget"} for v in variants]
+                continue
             base = time_eager_loop(model, device, b, prompt, args.new_tokens)
             for variant in variants:  # graphs last: a failed capture must not spoil the others
                 row = {"section": "engine", "model": name, "dtype": dtype, "batch": b, "variant": variant,
@@ -295,6 +308,12 @@ def trainer_rows(args) -> list[dict]:
         if backend == "deepspeed" and not have_ds:
             rows.append({**row, "ours": "skipped: deepspeed is not installed (see DESIGN.md: carry its sdist)"})
             continue
+        if backend == "deepspeed" and not args.deepspeed:
+            rows.append({**row, "ours": "skipped: --no-deepspeed" + (" (no CUDA)" if device.type != "cuda" else "")})
+            continue
+        if over_budget(args):
+            rows.append({**row, "ours": "skipped: time budget"})
+            continue
         try:
             torch.manual_seed(0)
             cfg = LlamaConfig(**shape, bos_token_id=1, eos_token_id=2, pad_token_id=0)
@@ -349,7 +368,12 @@ def trainer_rows(args) -> list[dict]:
 def markdown(rows: list[dict]) -> str:
     lines = ["| section | model | case | ours | baseline | ratio |", "|---|---|---|---:|---:|---:|"]
     for r in rows:
-        if r["section"] == "engine":
+        if r.get("skipped"):
+            lines.append(f"| {r['section']} | {r.get('model', '')} | {r.get('variant', '')}, batch {r.get('batch', '')} | "
+                         f"skipped: {r['skipped']} | | |")
+        elif r.get("section_error"):
+            lines.append(f"| {r['section']} | | | FAILED: {r['section_error']} | | |")
+        elif r["section"] == "engine":
             ours = (f"FAILED: {r['error']}" if "error" in r else
                     f"{r['engine_tokens_per_s']:,.0f} ({r['engine_ms_per_step']:.1f} ms/step)")
             ratio = "" if "error" in r else f"{r['ratio']:.2f}x"
@@ -380,8 +404,13 @@ def main(argv=None) -> None:
                     help="engine variants: dynamic, static, graphs (graphs: CUDA only)")
     ap.add_argument("--ray", action=argparse.BooleanOptionalAction, default=None,
                     help="also time ray.put of the published arrays (default: on CUDA, when Ray imports)")
+    ap.add_argument("--deepspeed", action=argparse.BooleanOptionalAction, default=True,
+                    help="the DeepSpeed ZeRO-2/3 trainer rows (--no-deepspeed: skipped rows)")
+    ap.add_argument("--time-budget", type=float, default=None,
+                    help="seconds: rows that would start past it are skipped (recorded as such)")
     ap.add_argument("--out", default=None)
     args = ap.parse_args(argv)
+    args.t0 = time.perf_counter()
     args.models = args.models.split(",")
     args.variants = args.variants.split(",")
     args.batches = [int(b) for b in (args.batches or ("1,4" if args.cpu_smoke else "1,64,256")).split(",")]
@@ -397,30 +426,41 @@ def main(argv=None) -> None:
         print("no CUDA device: use --cpu-smoke on a CPU machine", file=sys.stderr)
         raise SystemExit(2)
     torch.manual_seed(0)
-    t0 = time.perf_counter()
+    t0 = args.t0
     sections = args.sections.split(",")
-    models = build_models(args, device)
-    rows: list[dict] = []
-    if "engine" in sections:
-        rows += engine_rows(args, device, models)
-    if "publish" in sections:
-        rows += publish_rows(args, device, models)
-    if "trainer" in sections:
-        rows += trainer_rows(args)
+    out = args.out or (os.path.join(os.environ["OUT"], "gpu_check.json") if os.environ.get("OUT") else None)
     env = {"device": torch.cuda.get_device_name(device) if device.type == "cuda" else platform.processor() or "cpu",
-           "torch": torch.__version__, "cpu_smoke": args.cpu_smoke, "seconds": time.perf_counter() - t0}
+           "torch": torch.__version__, "cpu_smoke": args.cpu_smoke, "cpu_count": os.cpu_count(),
+           "loadavg": os.getloadavg()}
     try:
         import transformers
 
         env["transformers"] = transformers.__version__
     except ImportError:
         pass
+    rows: list[dict] = []
+
+    def write(done: bool) -> None:
+        env["seconds"], env["complete"] = time.perf_counter() - t0, done
+        if out:
+            Path(out).parent.mkdir(parents=True, exist_ok=True)
+            Path(out).write_text(json.dumps({"env": env, "rows": rows}, indent=2))
+
+    models = build_models(args, device) if {"engine", "publish"} & set(sections) else []
+    for section, fn in (("engine", lambda: engine_rows(args, device, models)),
+                        ("publish", lambda: publish_rows(args, device, models)), ("trainer", lambda: trainer_rows(args))):
+        if section not in sections:
+            continue
+        try:
+            rows += fn()
+        except Exception as err:  # noqa: BLE001 - one failed section is a row; the others still run
+            rows.append({"section": section, "section_error": f"{type(err).__name__}: {str(err)[:300]}"})
+            print(f"  {section}: FAILED {rows[-1]['section_error']}", file=sys.stderr)
+        write(False)
+    write(True)
     print(markdown(rows))
     print(f"\n{env}")
-    out = args.out or (os.path.join(os.environ["OUT"], "gpu_check.json") if os.environ.get("OUT") else None)
     if out:
-        Path(out).parent.mkdir(parents=True, exist_ok=True)
-        Path(out).write_text(json.dumps({"env": env, "rows": rows}, indent=2))
         print(f"wrote {out}", file=sys.stderr)
 
 

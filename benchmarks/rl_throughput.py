@@ -15,6 +15,13 @@ The rollouts run with the config's engine (``rollout.*``) and CPU priority (``cl
 A mode spec ``mode[@N][:RxC]`` runs ``mode`` with ``rl.admit_lag=N`` and/or R rollouts of capacity C
 instead of ``--rollouts`` x ``--capacity`` (e.g. ``laminar:1x128``: the same 128 sequences in flight on
 one rollout), so the shapes a mode runs best in can be compared on the same CPUs.
+
+Where the pipeline cannot run (the lent GPU machine has no Prefect), ``--warm-start DIR`` builds the
+warm-up without it: the same synthetic pool, base model and warm-up SFT (``training.sft.train_sft``
+with the ``sft.*`` settings, on ``--warm-device``), cached in DIR. ``--device cuda`` runs the
+rollouts and the trainer on the GPU (give them ``cluster.rollout_gpus``/``cluster.trainer_gpus``
+fractions to share one); ``--time-budget`` starts no run that would end past it, and ``--json-out``
+is rewritten after every run, so a stopped benchmark still leaves its finished runs.
 """
 
 from __future__ import annotations
@@ -50,6 +57,51 @@ def warmup(ws: Path, seed: int) -> tuple[Path, Path]:
     return model, data
 
 
+def warm_start(ws: Path, args) -> tuple[Path, list]:
+    """(model dir, prompts) of a warm-up built without the pipeline, cached in ``ws``: the synthetic
+    pool of ``data.*``, the tiny base model of ``model.*`` and warm-up SFT on the pool's
+    demonstrations of ``sft.levels`` with the ``sft.*`` settings (what the pipeline's data, base_model
+    and warmup stages compute), on ``args.warm_device``."""
+    import dataclasses as dc
+    import hashlib
+
+    from conf.loader import load_config
+    from data_curation.synthetic import PROMPT_TEMPLATE, generate
+    from generation.model import (build_char_tokenizer, build_tiny_model, encode_problem, encode_response,
+                                  load_tokenizer, save_model)
+    from generation.records import PromptItem
+    from training.sft import SFTExample, train_sft
+    from training.warmup import target
+
+    cfg = load_config([f"seed={args.seed}", *WORKLOAD, *args.overrides])
+    key = hashlib.sha256(json.dumps([dc.asdict(cfg.data), dc.asdict(cfg.model), dc.asdict(cfg.sft), cfg.seed],
+                                    sort_keys=True, default=str).encode()).hexdigest()[:12]
+    model_dir, prompts_path = ws / key / "model", ws / key / "prompts.jsonl"
+    if not (model_dir / "config.json").is_file() or not prompts_path.is_file():
+        t0 = time.perf_counter()
+        pool, _ = generate(cfg.seed, cfg.data.pool_size, cfg.data.heldout_size, list(cfg.data.levels),
+                           cfg.data.demo_error_rate)
+        tok = build_char_tokenizer()
+        model = build_tiny_model(cfg.model, tok, cfg.seed)
+        levels = set(cfg.sft.levels)
+        examples = [SFTExample(encode_problem(tok, PROMPT_TEMPLATE, p.problem),
+                               encode_response(tok, target(dc.asdict(p)))) for p in pool if p.level in levels]
+        metrics = train_sft(model, examples, steps=cfg.sft.steps, batch_size=cfg.sft.batch_size, lr=cfg.sft.lr,
+                            warmup_steps=cfg.sft.warmup_steps, weight_decay=cfg.sft.weight_decay,
+                            max_grad_norm=cfg.sft.max_grad_norm, pad_id=tok.pad_token_id, seed=cfg.seed,
+                            device=args.warm_device, stage="warmup")
+        model_dir.mkdir(parents=True, exist_ok=True)
+        save_model(model.to("cpu"), tok, model_dir)
+        prompts_path.write_text("".join(json.dumps({"prompt_id": p.prompt_id, "problem": p.problem, "answer": p.answer,
+                                                    "level": p.level}) + "\n" for p in pool))
+        print(f"warm start {key}: {cfg.sft.steps} SFT steps on {args.warm_device} in "
+              f"{time.perf_counter() - t0:.1f} s, {metrics}", flush=True)
+    tok = load_tokenizer(model_dir)
+    rows = [json.loads(line) for line in prompts_path.read_text().splitlines()]
+    return model_dir, [PromptItem(r["prompt_id"], r["problem"], r["answer"],
+                                  encode_problem(tok, PROMPT_TEMPLATE, r["problem"]), r["level"]) for r in rows]
+
+
 def percentile(xs: list[int], q: float) -> float:
     xs = sorted(xs)
     return float(xs[min(len(xs) - 1, int(q * len(xs)))]) if xs else float("nan")
@@ -76,7 +128,7 @@ def run_mode(spec: str, model_dir: Path, prompts, args, out: Path, tag: str = ""
         repack_interval_s=args.repack_interval or cfg.rl.repack_interval_s)
     cluster = dataclasses.replace(cfg.cluster, rollouts=rollouts, num_cpus=args.cpus)
     with Verifier(timeout_s=cfg.eval.verifier_timeout_s) as verifier:
-        rt = LaminarRuntime(model_dir, prompts, verifier, objective_params(rl), rl, seed=args.seed, device="cpu",
+        rt = LaminarRuntime(model_dir, prompts, verifier, objective_params(rl), rl, seed=args.seed, device=args.device,
                             cluster=cluster, trainer=cfg.trainer, rollout=cfg.rollout)
         t0 = time.perf_counter()
         rt.run()
@@ -97,7 +149,22 @@ def run_mode(spec: str, model_dir: Path, prompts, args, out: Path, tag: str = ""
             "publish_stall_ms": 1000 * statistics.median(stalls) if stalls else float("nan"),
             "publish_cpu_ms": 1000 * statistics.median(s["publish_cpu_s"]) if s["publish_cpu_s"] else float("nan"),
             # where the CPU went over the loop (per role) and how busy the machine was
-            "cpu_s": s.get("cpu_seconds", {}), "machine_busy": s.get("machine_busy", float("nan"))}
+            "cpu_s": s.get("cpu_seconds", {}), "machine_busy": s.get("machine_busy", float("nan")),
+            "device": args.device, **role_columns(s.get("cpu_seconds", {}), s["wall_seconds"])}
+
+
+ROLES = ("trainer", "rollout", "relay", "driver")
+
+
+def role_columns(cpu: dict[str, float], wall_s: float) -> dict[str, float]:
+    """Per role: CPU seconds over the loop (``cpu_<role>_s``) and the cores it kept busy on average
+    (``cores_<role>``: CPU seconds / wall seconds): a role near its thread count is CPU-bound."""
+    out = {}
+    for role in ROLES:
+        sec = sum(v for k, v in cpu.items() if k.startswith(role))
+        out[f"cpu_{role}_s"] = sec
+        out[f"cores_{role}"] = sec / wall_s if wall_s else float("nan")
+    return out
 
 
 def cpu_split(cpu: dict[str, float]) -> str:
@@ -130,6 +197,14 @@ def main() -> None:
     ap.add_argument("--stall-rollouts", type=int, nargs="*", default=[],
                     help="also run laminar with each of these rollout counts and compare the publish stall")
     ap.add_argument("overrides", nargs="*", help="config overrides for the runs (e.g. rollout.static_cache=true)")
+    ap.add_argument("--device", default="cpu", help="rollouts' and trainer's device (cpu | cuda)")
+    ap.add_argument("--warm-start", type=Path, default=None,
+                    help="build the warm-up without the pipeline (no Prefect), cached in this folder")
+    ap.add_argument("--warm-device", default="cpu", help="device of --warm-start's SFT")
+    ap.add_argument("--time-budget", type=float, default=None,
+                    help="seconds: start no run that would end past it (estimated from the longest run so far)")
+    ap.add_argument("--run-estimate", type=float, default=0.0,
+                    help="seconds a run is assumed to take before one has been timed (with --time-budget)")
     ap.add_argument("--small-model", action="store_true",
                     help="the smaller model (hidden 64, 2 layers): decode cost flat in the batch, as on a GPU")
     args = ap.parse_args()
@@ -137,43 +212,58 @@ def main() -> None:
         WORKLOAD.extend(SMALL_MODEL)
     out = args.out or args.workspace / "throughput"
     out.mkdir(parents=True, exist_ok=True)
-    model_dir, data_dir = warmup(args.workspace, args.seed)
-    from data_curation.synthetic import PROMPT_TEMPLATE
-    from generation.model import encode_problem, load_tokenizer
-    from generation.records import PromptItem
-    from generation.setup import read_table
+    t_start = time.perf_counter()
+    if args.warm_start:
+        model_dir, prompts = warm_start(args.warm_start, args)
+    else:
+        model_dir, data_dir = warmup(args.workspace, args.seed)
+        from data_curation.synthetic import PROMPT_TEMPLATE
+        from generation.model import encode_problem, load_tokenizer
+        from generation.records import PromptItem
+        from generation.setup import read_table
 
-    tok = load_tokenizer(model_dir)
-    rows = read_table(data_dir / "pool.parquet")
-    prompts = [PromptItem(r["prompt_id"], r["problem"], r["answer"], encode_problem(tok, PROMPT_TEMPLATE, r["problem"]),
-                          r["level"]) for r in rows]
+        tok = load_tokenizer(model_dir)
+        rows = read_table(data_dir / "pool.parquet")
+        prompts = [PromptItem(r["prompt_id"], r["problem"], r["answer"],
+                              encode_problem(tok, PROMPT_TEMPLATE, r["problem"]), r["level"]) for r in rows]
     modes = args.modes if args.modes != ["none"] else []
     runs: dict[str, list[dict]] = {m: [] for m in modes}
+    skipped: list[str] = []
+    longest, runs_done = args.run_estimate, 0
     for rnd in range(args.repeats if modes else 0):
         # rounds rotate the order so a drift in the machine's speed does not favour one mode
         for mode in modes[rnd % len(modes):] + modes[:rnd % len(modes)]:
+            spent = time.perf_counter() - t_start
+            if args.time_budget is not None and spent + longest > args.time_budget:
+                skipped.append(f"round {rnd + 1} {mode}")
+                print(f"round {rnd + 1}/{args.repeats}: {mode} skipped (time budget: {spent:.0f} s spent, "
+                      f"runs take up to {longest:.0f} s, budget {args.time_budget:.0f} s)", flush=True)
+                continue
             print(f"round {rnd + 1}/{args.repeats}: running {mode} ...", flush=True)
-            runs[mode].append(run_mode(mode, model_dir, prompts, args, out, tag="" if rnd == 0 else f"_r{rnd + 1}"))
+            t_run = time.perf_counter()
+            runs[mode].append({**run_mode(mode, model_dir, prompts, args, out, tag="" if rnd == 0 else f"_r{rnd + 1}"),
+                               "round": rnd + 1})
+            longest = max(longest if runs_done else 0.0, time.perf_counter() - t_run)
+            runs_done += 1
             print(json.dumps(runs[mode][-1]), flush=True)
-    base_mode = "sync" if "sync" in runs else (modes[0] if modes else None)
-    results = []
-    for mode, rs in runs.items():  # per mode: its median run, with every run's tok/s and ratio to sync
-        ratios = [r["tokens_per_s"] / b["tokens_per_s"] for r, b in zip(rs, runs[base_mode])]
-        med = sorted(rs, key=lambda r: r["tokens_per_s"])[len(rs) // 2]
-        results.append({**med, "tokens_per_s_runs": [r["tokens_per_s"] for r in rs], "ratio_runs": ratios,
-                        "ratio": statistics.median(ratios)})
+            if args.json_out:  # after every run: a benchmark stopped later keeps what it finished
+                write_json(args, summarize(runs), [], skipped, partial=True)
+    results = summarize(runs)
+    base_mode = "sync" if runs.get("sync") else (modes[0] if modes else None)
     base = next((r for r in results if r["mode"] == base_mode), None)
     print(f"\n{args.rollouts} rollouts x capacity {args.capacity}, {args.updates} updates of "
           f"{args.prompts_per_step}x{args.group_size}, {args.cpus} CPUs, chunk {args.chunk_steps} steps, "
           f"{args.repeats} round(s) (median run per mode; ratio = median of the rounds' ratios); timelines in {out}")
     print("| mode | trained tok/s | vs sync | vs sync, each round | wall s | p50/p99 len | occupancy | staleness | "
-          "repacks | publish stall ms | CPU-s trainer / rollouts / driver | machine busy |")
-    print("|---|---|---|---|---|---|---|---|---|---|---|---|")
+          "repacks | publish stall ms | CPU-s trainer / rollouts / driver | cores busy trainer / rollouts / driver | "
+          "machine busy |")
+    print("|---|---|---|---|---|---|---|---|---|---|---|---|---|")
     for r in results if base else []:
         print(f"| {r['mode']} | {r['tokens_per_s']:.0f} | {r['ratio']:.2f}x | "
               f"{' / '.join(f'{x:.2f}' for x in r['ratio_runs'])} | "
               f"{r['wall_s']:.1f} | {r['p50_len']:.0f}/{r['p99_len']:.0f} | {r['occupancy']:.2f} | "
               f"{r['staleness']} | {r['repacks']} | {r['publish_stall_ms']:.1f} | {cpu_split(r['cpu_s'])} | "
+              f"{r['cores_trainer']:.1f} / {r['cores_rollout']:.1f} / {r['cores_driver']:.1f} | "
               f"{100 * r['machine_busy']:.0f}% |")
     stalls = []
     for n in args.stall_rollouts:
@@ -191,7 +281,36 @@ def main() -> None:
             print(f"| {r['rollouts']} | {r['publish_stall_ms']:.2f} | {r['publish_stall_ms'] / lo:.2f}x | "
                   f"{r['publish_cpu_ms']:.2f} | {r['publish_cpu_ms'] / lo_cpu:.2f}x | {r['tokens_per_s']:.0f} |")
     if args.json_out:
-        args.json_out.write_text(json.dumps({"modes": results, "stall": stalls}, indent=1))
+        write_json(args, results, stalls, skipped, partial=False)
+
+
+def summarize(runs: dict[str, list[dict]]) -> list[dict]:
+    """Per mode with runs: its median run, every run's tok/s, and the ratio to sync's run of the same
+    round (rounds where sync did not run give no ratio)."""
+    base = runs.get("sync") or next((rs for rs in runs.values() if rs), [])
+    by_round = {b.get("round"): b for b in base}
+    results = []
+    for mode, rs in runs.items():
+        if not rs:
+            continue
+        ratios = [r["tokens_per_s"] / by_round[r.get("round")]["tokens_per_s"] for r in rs if r.get("round") in by_round]
+        med = sorted(rs, key=lambda r: r["tokens_per_s"])[len(rs) // 2]
+        results.append({**med, "tokens_per_s_runs": [r["tokens_per_s"] for r in rs], "ratio_runs": ratios,
+                        "ratio": statistics.median(ratios) if ratios else float("nan"), "runs": len(rs)})
+    return results
+
+
+def write_json(args, results: list[dict], stalls: list[dict], skipped: list[str], *, partial: bool) -> None:
+    import os
+    import platform
+
+    shape = {k: getattr(args, k) for k in ("updates", "rollouts", "capacity", "chunk_steps", "prompts_per_step",
+                                           "group_size", "cpus", "repeats", "device", "seed")}
+    env = {"cpu_count": os.cpu_count(), "loadavg": os.getloadavg(), "machine": platform.machine(),
+           "overrides": list(args.overrides), "small_model": args.small_model}
+    args.json_out.parent.mkdir(parents=True, exist_ok=True)
+    args.json_out.write_text(json.dumps({"modes": results, "stall": stalls, "skipped": skipped, "partial": partial,
+                                         "shape": shape, "env": env}, indent=1))
 
 
 if __name__ == "__main__":
