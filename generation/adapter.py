@@ -99,7 +99,7 @@ def merge_adapter(model, state: Mapping[str, np.ndarray]) -> int:
         if name not in kept:
             kept[name] = w.detach().clone()
         w0 = kept[name]
-        delta = torch.from_numpy(np.asarray(b, dtype=np.float32)) @ torch.from_numpy(np.asarray(a, dtype=np.float32))
+        delta = torch.from_numpy(np.array(b, dtype=np.float32)) @ torch.from_numpy(np.array(a, dtype=np.float32))
         w.copy_((w0.float() + scaling * delta.to(w0.device)).to(w.dtype))
     for name in [n for n in kept if n not in pairs]:  # a module this version no longer adapts: back to W0
         params[name].copy_(kept[name])
