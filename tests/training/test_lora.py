@@ -176,3 +176,26 @@ def test_rl_stage_writes_an_adapter_with_the_base_from_the_lineage(dirs, tmp_pat
     seq = probe_tokens(tok)
     assert max(abs(a - b) for a, b in zip(sequence_logprobs(load_model(out)[0], seq),
                                           sequence_logprobs(load_model(base)[0], seq))) > 1e-4
+
+
+def test_sync_resume_restores_adapter_optimizer_and_rng(dirs, tmp_path):
+    """A run stopped after its step-1 checkpoint and resumed ends with the same adapter as the
+    uninterrupted run: the adapter, its optimizer state and the RNGs all came back."""
+    from training.lora import adapter_state, continue_adapter
+    from training.rl.loop import run_sync
+
+    def run(steps, ckpt):
+        model, tok, _ = continue_adapter(dirs[1])
+        prompts = [PromptItem(f"p{i}", f"{i}+1", str(i + 1), encode_prompt(tok, f"{i}+1="), 1) for i in range(8)]
+        rl = RLConfig(steps=steps, prompts_per_step=4, group_size=4, lr=2e-2, max_new_tokens=6, micro_batch_tokens=0,
+                      checkpoint_every=1)
+        run_sync(model, tok, prompts, EvenLengthVerifier(), PRESETS["grpo"], rl, seed=0, device="cpu",
+                 checkpoint_dir=ckpt)
+        return adapter_state(model)
+
+    whole = run(3, tmp_path / "a")
+    run(2, tmp_path / "b")  # checkpoints after step 1 (never after the last step), then "stops"
+    resumed = run(3, tmp_path / "b")
+    assert whole.keys() == resumed.keys()
+    for k in whole:
+        np.testing.assert_allclose(resumed[k], whole[k], atol=1e-6, err_msg=k)
