@@ -625,6 +625,9 @@ def _validate_lora(cfg: Config) -> None:
     if not lo.target_modules or len(set(lo.target_modules)) != len(lo.target_modules):
         raise ConfigError(f"model.lora.target_modules={list(lo.target_modules)}: name each module once, e.g. "
                           f"[{','.join(LLAMA_LINEAR_MODULES[:4])}]")
+    if lo.on("rl") and cfg.rollout.engine == "vllm":
+        raise ConfigError("model.lora with rollout.engine=vllm: the vLLM worker cannot apply published adapters yet; "
+                          "use rollout.engine=torch, or drop rl from model.lora.stages")
     if cfg.model.kind == "tiny":  # the tiny model's linear layers are known: a typo fails here, before any write
         for name in lo.target_modules:
             _one_of("model.lora.target_modules", name, LLAMA_LINEAR_MODULES)

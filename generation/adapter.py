@@ -99,8 +99,12 @@ def merge_adapter(model, state: Mapping[str, np.ndarray]) -> int:
         if name not in kept:
             kept[name] = w.detach().clone()
         w0 = kept[name]
-        delta = torch.from_numpy(np.array(b, dtype=np.float32)) @ torch.from_numpy(np.array(a, dtype=np.float32))
-        w.copy_((w0.float() + scaling * delta.to(w0.device)).to(w.dtype))
+        a_t = torch.from_numpy(np.array(a, dtype=np.float32)).to(w.device)
+        b_t = torch.from_numpy(np.array(b, dtype=np.float32)).to(w.device)
+        if w.dtype == torch.float32:  # one fused W0 + scaling * B @ A straight into the weight
+            torch.addmm(w0, b_t, a_t, alpha=scaling, out=w.data)
+        else:
+            w.copy_(torch.addmm(w0.float(), b_t, a_t, alpha=scaling).to(w.dtype))
     for name in [n for n in kept if n not in pairs]:  # a module this version no longer adapts: back to W0
         params[name].copy_(kept[name])
     return len(pairs)
