@@ -199,3 +199,36 @@ def test_sync_resume_restores_adapter_optimizer_and_rng(dirs, tmp_path):
     assert whole.keys() == resumed.keys()
     for k in whole:
         np.testing.assert_allclose(resumed[k], whole[k], atol=1e-6, err_msg=k)
+
+
+def test_every_built_in_engine_kind_samples_the_same_tokens_under_an_adapter_version(dirs):
+    """A published adapter applied by the in-process engine, the static-slot engine and the engine in a
+    worker process (through the safetensors wire path) gives the same sampled tokens, and different ones
+    from the bare base: the adapter reaches every engine kind the rollouts run."""
+    from generation.engines import StaticTorchRolloutEngine, TorchRolloutEngine, make_engine
+    from generation.records import GenRequest
+    from training.lora import adapter_state, continue_adapter
+
+    base, adapter = dirs
+    model, tok, _ = continue_adapter(adapter)
+    state = adapter_state(model)
+    reqs = [GenRequest(PromptItem(f"p{i}", "", "", encode_prompt(tok, f"{i}+{i}=")), 0) for i in range(6)]
+
+    def sample(engine, st):
+        if st is not None:
+            engine.load_state(st, 1)
+        engine.submit(reqs)
+        out = []
+        while len(out) < len(reqs):
+            out += engine.step(8)
+        return {t.prompt.prompt_id: t.response_tokens for t in out}
+
+    kw = dict(capacity=8, max_new_tokens=12, seed=3)
+    local = sample(TorchRolloutEngine(load_model(base)[0], tok, **kw), state)
+    assert local != sample(TorchRolloutEngine(load_model(base)[0], tok, **kw), None)
+    assert sample(StaticTorchRolloutEngine(load_model(base)[0], tok, static_width=24, **kw), state) == local
+    proc = make_engine("torch-process", str(base), env={"OMP_NUM_THREADS": "1"}, **kw)
+    try:
+        assert sample(proc, state) == local
+    finally:
+        proc.close()
