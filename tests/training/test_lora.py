@@ -195,6 +195,13 @@ def test_sync_resume_restores_adapter_optimizer_and_rng(dirs, tmp_path):
 
     whole = run(3, tmp_path / "a")
     run(2, tmp_path / "b")  # checkpoints after step 1 (never after the last step), then "stops"
+    from safetensors import safe_open
+
+    from training.rl.checkpoint import latest_checkpoint
+
+    with safe_open(str(latest_checkpoint(tmp_path / "b") / "model.safetensors"), "np") as f:
+        saved = list(f.keys())
+    assert saved and all("lora_" in k for k in saved), "a LoRA checkpoint holds the adapters, not the frozen base"
     resumed = run(3, tmp_path / "b")
     assert whole.keys() == resumed.keys()
     for k in whole:
