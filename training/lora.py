@@ -127,11 +127,18 @@ def lora_scaling(model) -> float:
 def adapter_state(model) -> dict[str, np.ndarray]:
     """The adapter tensors of a PEFT model as host float32 arrays under PEFT's saved names, plus the
     scaling: a published adapter version (``generation.adapter``)."""
-    from peft import get_peft_model_state_dict
+    plan = model.__dict__.get("_laminar_publish_plan")
+    if plan is None:  # once per model: which parameters, under which saved names, and the scaling
+        from peft import get_peft_model_state_dict
 
-    out = {k: v.detach().to("cpu", torch.float32).numpy().copy()
-           for k, v in get_peft_model_state_dict(model).items()}
-    out[SCALING_KEY] = np.array([lora_scaling(model)], dtype=np.float32)
+        names = {n: n.replace(".default.", ".") for n, p in model.named_parameters() if p.requires_grad}
+        if set(names.values()) != set(get_peft_model_state_dict(model)):
+            raise ValueError("the trainable parameters are not exactly the adapter's saved tensors")
+        plan = model.__dict__["_laminar_publish_plan"] = (names, lora_scaling(model))
+    names, scaling = plan
+    params = dict(model.named_parameters())
+    out = {saved: params[n].detach().to("cpu", torch.float32).numpy().copy() for n, saved in names.items()}
+    out[SCALING_KEY] = np.array([scaling], dtype=np.float32)
     return out
 
 
