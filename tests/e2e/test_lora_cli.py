@@ -73,4 +73,5 @@ def test_eval_and_export_take_the_adapter_checkpoint(lora_run, tmp_path):
     seq = [tok.bos_token_id] + list(tok("1+2=3", add_special_tokens=False)["input_ids"])
     np.testing.assert_allclose(sequence_logprobs(plain, seq), sequence_logprobs(adapted, seq), atol=1e-5)
     lineage = laminar("lineage", rl_sha[:10], ws=ws).stdout
-    assert f"base model {summary['stages']['base_model']['artifacts']['model'][:16]}" in lineage
+    base16 = summary["stages"]["base_model"]["artifacts"]["model"][:16]
+    assert f"base model {base16}" in lineage and f"LoRA adapter (rank 4, alpha 32.0) on base {base16}" in lineage
