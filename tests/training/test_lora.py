@@ -239,3 +239,26 @@ def test_every_built_in_engine_kind_samples_the_same_tokens_under_an_adapter_ver
         assert sample(proc, state) == local
     finally:
         proc.close()
+
+
+def test_export_writes_the_adapter_merged_into_its_base(dirs, tmp_path):
+    from transformers import AutoModelForCausalLM
+
+    from core.workspace import Workspace
+    from tasks.checkpoint_eval import EvalInputError
+    from tasks.export import export_checkpoint, parse_export_args
+
+    base, adapter = dirs
+    assert parse_export_args([f"out={tmp_path / 'm'}", f"ckpt={adapter}"]) == (str(adapter), str(tmp_path / "m"))
+    for bad in (["ckpt=x"], ["ckpt=x", "out=y", "out=z"], ["ckpt=x", "dir=y"]):
+        with pytest.raises(EvalInputError):
+            parse_export_args(bad)
+    done = export_checkpoint(Workspace.at(tmp_path / "ws"), str(adapter), tmp_path / "m")
+    assert done["adapter"] and done["base"] == str(base.resolve())
+    assert not (tmp_path / "m" / "adapter_config.json").exists()
+    plain = AutoModelForCausalLM.from_pretrained(str(tmp_path / "m"), use_safetensors=True)
+    adapted, tok = load_model(adapter)
+    seq = probe_tokens(tok)
+    np.testing.assert_allclose(sequence_logprobs(plain, seq), sequence_logprobs(adapted, seq), atol=1e-5)
+    with pytest.raises(EvalInputError, match="not empty"):
+        export_checkpoint(Workspace.at(tmp_path / "ws"), str(adapter), tmp_path / "m")
