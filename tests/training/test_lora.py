@@ -262,3 +262,19 @@ def test_export_writes_the_adapter_merged_into_its_base(dirs, tmp_path):
     np.testing.assert_allclose(sequence_logprobs(plain, seq), sequence_logprobs(adapted, seq), atol=1e-5)
     with pytest.raises(EvalInputError, match="not empty"):
         export_checkpoint(Workspace.at(tmp_path / "ws"), str(adapter), tmp_path / "m")
+
+
+def test_the_ray_runtime_final_adapter_state_is_written_as_the_start_adapters_peft_folder(dirs, tmp_path):
+    """What the RL stage does with the Laminar runtime's final (published) adapter state."""
+    from training.lora import adapter_from_state, adapter_state, continue_adapter
+
+    model, tok, _ = continue_adapter(dirs[1])
+    with torch.no_grad():
+        for n, p in model.named_parameters():
+            if "lora_A" in n:
+                p.mul_(1.5)
+    adapter_from_state(dirs[1], adapter_state(model), tmp_path / "out")
+    assert base_dir(tmp_path / "out") == dirs[0].resolve()
+    seq = probe_tokens(tok)
+    np.testing.assert_allclose(sequence_logprobs(load_model(tmp_path / "out")[0], seq), sequence_logprobs(model, seq),
+                               atol=1e-5)
