@@ -13,6 +13,33 @@ from dataclasses import dataclass, field
 from typing import List, Optional
 
 
+LORA_STAGES = ("warmup", "rft", "rl")
+LLAMA_LINEAR_MODULES = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
+
+
+@dataclass
+class LoraConfig:
+    """LoRA adapters (Hu et al., arXiv 2106.09685) through the ``peft`` library: the listed ``stages``
+    train only rank-``rank`` adapters on the linear layers named in ``target_modules`` while the
+    base model stays frozen (optimizer state only for the adapters); their checkpoints are PEFT
+    folders (``adapter_config.json`` + ``adapter_model.safetensors``) whose base is resolved through
+    the lineage, and RL publishes only the adapter tensors to the rollouts. Off by default."""
+
+    enabled: bool = False
+    rank: int = 16
+    alpha: float = 32.0
+    """The adapter's output is scaled by alpha / rank."""
+    dropout: float = 0.0
+    target_modules: List[str] = field(default_factory=lambda: list(LLAMA_LINEAR_MODULES))
+    stages: List[str] = field(default_factory=lambda: list(LORA_STAGES))
+    """Which training stages train adapters (the others train every weight of what they start from:
+    an adapter they start from is merged first). The tiny default model starts from random weights,
+    which a low-rank adapter cannot teach the task: there use ``stages=[rft,rl]`` (docs/lora.md)."""
+
+    def on(self, stage: str) -> bool:
+        return self.enabled and stage in self.stages
+
+
 @dataclass
 class ModelConfig:
     """Which model to train. ``kind=tiny`` builds a Llama-architecture model and a character-level
@@ -30,6 +57,7 @@ class ModelConfig:
     num_kv_heads: int = 4
     max_seq_len: int = 160
     rope_theta: float = 10000.0
+    lora: LoraConfig = field(default_factory=LoraConfig)
 
 
 @dataclass
@@ -534,6 +562,7 @@ def validate(cfg: Config) -> Config:
         raise ConfigError("model=hf needs a local model folder: add model.path=DIR (a save_pretrained folder)")
     if cfg.model.kind == "tiny" and cfg.model.path:
         raise ConfigError("model.path is only read with model=hf; add model=hf or drop model.path")
+    _validate_lora(cfg)
     _positive(cfg, "model.hidden_size", "model.intermediate_size", "model.num_layers", "model.num_heads",
               "model.num_kv_heads", "model.max_seq_len", "model.rope_theta")
     if cfg.model.hidden_size % cfg.model.num_heads:
@@ -587,6 +616,26 @@ def validate(cfg: Config) -> Config:
     if not cfg.eval.benchmarks:
         raise ConfigError("eval.benchmarks is empty; name at least one, e.g. eval.benchmarks=[arith_heldout]")
     return cfg
+
+
+def _validate_lora(cfg: Config) -> None:
+    lo = cfg.model.lora
+    _positive(cfg, "model.lora.rank", "model.lora.alpha")
+    if not 0 <= lo.dropout < 1:
+        raise ConfigError(f"model.lora.dropout={lo.dropout} must be in [0, 1)")
+    if not lo.stages:
+        raise ConfigError(f"model.lora.stages is empty; name some of: {', '.join(LORA_STAGES)}")
+    for st in lo.stages:
+        _one_of("model.lora.stages", st, LORA_STAGES)
+    if not lo.target_modules or len(set(lo.target_modules)) != len(lo.target_modules):
+        raise ConfigError(f"model.lora.target_modules={list(lo.target_modules)}: name each module once, e.g. "
+                          f"[{','.join(LLAMA_LINEAR_MODULES[:4])}]")
+    if lo.on("rl") and cfg.rollout.engine == "vllm":
+        raise ConfigError("model.lora with rollout.engine=vllm: the vLLM worker cannot apply published adapters yet; "
+                          "use rollout.engine=torch, or drop rl from model.lora.stages")
+    if cfg.model.kind == "tiny":  # the tiny model's linear layers are known: a typo fails here, before any write
+        for name in lo.target_modules:
+            _one_of("model.lora.target_modules", name, LLAMA_LINEAR_MODULES)
 
 
 def _validate_curation(cfg: Config) -> None:

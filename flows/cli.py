@@ -46,6 +46,11 @@ def _parser() -> tuple[argparse.ArgumentParser, dict[str, argparse.ArgumentParse
     _overrides_arg(sp, "; ckpt=<checkpoint sha prefix or folder> is required")
     _workspace_arg(sp)
 
+    sp = sub.add_parser("export", help="write a checkpoint (a LoRA adapter merged into its base) as one "
+                                       "save_pretrained folder: ckpt=<sha prefix or folder> out=<new folder>")
+    sp.add_argument("items", nargs="+", metavar="KEY=VALUE", help="ckpt=<sha prefix or folder> out=<new folder>")
+    _workspace_arg(sp)
+
     sp = sub.add_parser("report", help="write report.md and plots for a run (default: the latest completed run)")
     sp.add_argument("run_id", nargs="?", default=None, help="run id (default: the latest completed run)")
     _workspace_arg(sp)
@@ -208,6 +213,23 @@ def cmd_eval(args) -> int:
     return 0
 
 
+def cmd_export(args) -> int:
+    from core.workspace import Workspace
+    from tasks.checkpoint_eval import EvalInputError
+    from tasks.export import export_checkpoint, parse_export_args
+
+    try:
+        spec, out = parse_export_args(args.items)
+        _quiet_transformers()
+        done = export_checkpoint(Workspace.at(args.workspace), spec, out)
+    except EvalInputError as err:
+        print(f"laminar: {err}", file=sys.stderr)
+        return 2
+    what = f"LoRA adapter merged into its base {done['base']}" if done["adapter"] else "full model"
+    print(f"exported {done['checkpoint'][:12]} ({what}) to {done['out']}")
+    return 0
+
+
 def cmd_report(args) -> int:
     from core.workspace import Workspace
     from tasks.report import ReportError, write
@@ -354,7 +376,7 @@ def _quiet_transformers() -> None:
 
 
 COMMANDS = {"run": cmd_run, "rerun": cmd_rerun, "status": cmd_status, "config": cmd_config, "eval": cmd_eval,
-            "report": cmd_report, "runs": cmd_runs, "lineage": cmd_lineage, "serve": cmd_serve,
+            "export": cmd_export, "report": cmd_report, "runs": cmd_runs, "lineage": cmd_lineage, "serve": cmd_serve,
             "simulate": cmd_simulate, "fsck": cmd_fsck}
 
 

@@ -174,7 +174,16 @@ class ContinuousEngine:
         by the old weights: every active row is re-prefilled (prompt + tokens so far, less the pending
         token) under the new weights, so later tokens are sampled exactly as a fresh engine with the new
         weights would continue them. Tokens already sampled keep their old behaviour log-probs and the
-        trajectory's ``last_version`` records the newest version that sampled a token."""
+        trajectory's ``last_version`` records the newest version that sampled a token. A LoRA adapter
+        version (``generation.adapter``) is merged into the engine's copy of the base instead."""
+        from generation.adapter import is_adapter_state, merge_adapter
+
+        if is_adapter_state(state):
+            merge_adapter(self.model, state)
+            self.version = int(version)
+            if self._rows:
+                self._reprefill_active()
+            return
         current = self.model.state_dict()
         missing, unexpected = set(current) - set(state), set(state) - set(current)
         if missing or unexpected:

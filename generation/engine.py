@@ -27,9 +27,11 @@ class TorchEngine:
         self.pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else self.eos_id
 
     def load_weights(self, update: WeightsUpdate) -> None:
-        """Version-atomic: every parameter is replaced (strict names) before the version moves."""
-        state = {k: torch.from_numpy(v) for k, v in update.state.items()}
-        self.model.load_state_dict(state, strict=True)
+        """Version-atomic: every parameter is replaced (strict names), or a LoRA adapter version merged
+        into the kept base (``generation.adapter``), before the version moves."""
+        from generation.adapter import load_published
+
+        load_published(self.model, update.state)
         self.version = update.version
 
     def generate(self, requests: Sequence[GenRequest], max_new_tokens: int, temperature: float,

@@ -57,17 +57,47 @@ def save_model(model, tokenizer, out_dir: Path) -> None:
 
 
 def load_model(path: str | Path, device: str = "cpu"):
-    """(model, tokenizer) from a ``save_pretrained`` folder; weights only through safetensors."""
+    """(model, tokenizer) from a ``save_pretrained`` folder; weights only through safetensors. A PEFT
+    adapter folder (``generation.adapter``) gives its base with the adapter merged in."""
     from transformers import AutoModelForCausalLM
 
+    from generation.adapter import is_adapter_dir
+
+    if is_adapter_dir(path):
+        return load_merged_adapter(path, device)
     tokenizer = load_tokenizer(path)
     model = AutoModelForCausalLM.from_pretrained(str(path), use_safetensors=True, dtype=torch.float32)
     return model.to(device), tokenizer
 
 
+def check_adapter_weights(path: str | Path) -> None:
+    """An adapter folder's weights must be safetensors (PEFT would unpickle ``adapter_model.bin``)."""
+    if not (Path(path) / "adapter_model.safetensors").is_file():
+        raise ValueError(f"adapter {path} has no adapter_model.safetensors; pickled adapter weights are never loaded")
+
+
+def load_merged_adapter(path: str | Path, device: str = "cpu"):
+    """(base with the PEFT adapter in ``path`` merged, tokenizer): a plain model, as fast as the base."""
+    from peft import PeftModel
+
+    from generation.adapter import base_dir
+
+    check_adapter_weights(path)
+    base, tokenizer = load_model(base_dir(path), device)
+    if (Path(path) / "tokenizer_config.json").is_file():
+        tokenizer = load_tokenizer(path)
+    merged = PeftModel.from_pretrained(base, str(path), is_trainable=False).merge_and_unload()
+    return merged.to(device).eval(), tokenizer
+
+
 def load_tokenizer(path: str | Path):
     """The tokenizer of a ``save_pretrained`` folder (pad falls back to EOS), without its weights."""
     from transformers import AutoTokenizer
+
+    from generation.adapter import base_dir, is_adapter_dir
+
+    if is_adapter_dir(path) and not (Path(path) / "tokenizer_config.json").is_file():
+        path = base_dir(path)
 
     tokenizer = AutoTokenizer.from_pretrained(str(path))
     if tokenizer.pad_token_id is None:

@@ -45,8 +45,20 @@ class EvalReport:
 
 
 def resolve_checkpoint(ws: Workspace, spec: str) -> ArtifactRef:
-    """A ``save_pretrained`` folder, or the unique model artifact whose sha starts with ``spec``."""
+    """A ``save_pretrained`` folder, a PEFT adapter folder (its base found beside it in the store or at
+    the path it names), or the unique model artifact whose sha starts with ``spec``."""
+    from generation.adapter import base_dir, is_adapter_dir
+
     path = Path(spec).expanduser()
+    if path.exists() and is_adapter_dir(path):
+        if not (path / "adapter_model.safetensors").is_file():
+            raise EvalInputError(f"ckpt={spec} has no adapter_model.safetensors; pickled adapter weights are never "
+                                 "loaded")
+        try:
+            base_dir(path)
+        except FileNotFoundError as err:
+            raise EvalInputError(f"ckpt={spec}: {err}") from None
+        return ArtifactRef(MODEL, hash_tree(path.resolve()), str(path.resolve()))
     if path.exists():
         if not (path / "config.json").is_file():
             raise EvalInputError(f"ckpt={spec} is not a save_pretrained folder (no config.json)")
@@ -80,6 +92,11 @@ def resolve_checkpoint(ws: Workspace, spec: str) -> ArtifactRef:
     if not ws.artifacts.exists(ref):
         raise EvalInputError(f"checkpoint {row['sha'][:12]} is missing from the store ({row['path']}); "
                              "rerun the stage that made it (`laminar run --force STAGE`)")
+    if is_adapter_dir(ref.path):  # a LoRA checkpoint: its base (the lineage's root model) must be there too
+        try:
+            base_dir(ref.path)
+        except FileNotFoundError as err:
+            raise EvalInputError(f"ckpt={spec} is a LoRA adapter: {err}") from None
     return ref
 
 

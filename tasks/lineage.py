@@ -353,6 +353,11 @@ def format_lineage(lin: dict) -> str:
     if lin["base_model"]:
         b = lin["base_model"]
         lines.append(f"  base model {b['sha256'][:16]} (stage {b['stage']}; {_short(b['config'], 80)})")
+    adapter = Path(a["path"]) / "adapter_config.json"
+    if a["kind"] == "model" and adapter.is_file():  # a LoRA checkpoint: its own artifact on top of a base
+        conf = json.loads(adapter.read_text())
+        lines.append(f"  LoRA adapter (rank {conf.get('r')}, alpha {conf.get('lora_alpha')}) on base "
+                     f"{str(conf.get('base_model_name_or_path'))[:16]}")
     lines += ["", f"stages ({len(lin['stages'])}, upstream first):"]
     for n in lin["stages"]:
         lines.append(f"  {n['stage']}")

@@ -185,7 +185,7 @@ def _warmup_body(ctx: StageContext) -> StageResult:
     setup_torch(ctx.cfg.threads, ctx.cfg.seed)
     ref, metrics = _produce(ctx, MODEL, lambda out: warmup(
         Path(ctx.inputs[MODEL].path), ctx.inputs[PROMPTS].file("prompts.parquet"), ctx.cfg.sft,
-        template=template(ctx.cfg), seed=ctx.cfg.seed, device=ctx.device, out_dir=out))
+        template=template(ctx.cfg), seed=ctx.cfg.seed, device=ctx.device, out_dir=out, lora=ctx.cfg.model.lora))
     return StageResult({MODEL: ref}, metrics)
 
 
@@ -239,7 +239,7 @@ def _rft_body(ctx: StageContext) -> StageResult:
     setup_torch(ctx.cfg.threads, ctx.cfg.seed)
     ref, metrics = _produce(ctx, MODEL, lambda out: rft(
         Path(ctx.inputs[MODEL].path), ctx.inputs[RFT_DATA].file("rft.parquet"), ctx.cfg.curation.rft,
-        template=template(ctx.cfg), seed=ctx.cfg.seed, device=ctx.device, out_dir=out))
+        template=template(ctx.cfg), seed=ctx.cfg.seed, device=ctx.device, out_dir=out, lora=ctx.cfg.model.lora))
     return StageResult({MODEL: ref}, metrics)
 
 
@@ -339,7 +339,8 @@ def _rl_body(ctx: StageContext) -> StageResult:
                         template=template(ctx.cfg), seed=ctx.cfg.seed, device=ctx.device, out_dir=out,
                         verifier=verifier, select=ctx.cfg.curation.select, history_path=sel.file("history.parquet"),
                         evaluate=evaluate, cluster=ctx.cfg.cluster, state_dir=ctx.state_dir,
-                        trainer=ctx.cfg.trainer, rollout=ctx.cfg.rollout, on_metrics=active().step_logger("rl"))
+                        trainer=ctx.cfg.trainer, rollout=ctx.cfg.rollout, on_metrics=active().step_logger("rl"),
+                        lora=ctx.cfg.model.lora)
         meta["timings"] = [{k: m[k] for k in ("step", *TIMING_KEYS) if k in m} for m in result.history]
         rewards = [m["reward"] for m in result.history]
         window = [sum(rewards[i:i + 5]) / len(rewards[i:i + 5]) for i in range(max(1, len(rewards) - 4))] if rewards else []
@@ -609,6 +610,20 @@ def _difficulty_stage(name: str, model_stage: str,
                            "mean_pass_rate", "learning_edge", "all_correct", "all_wrong"))
 
 
+def _lora_key(c: Config, stage: str) -> dict:
+    """What ``model.lora`` adds to a training stage's key: nothing when the stage trains every weight
+    (the keys of runs without LoRA stay as they were), else the adapter's settings."""
+    lo = c.model.lora
+    if not lo.on(stage):
+        return {}
+    return {"lora": {k: v for k, v in asdict(lo).items() if k not in ("enabled", "stages")}}
+
+
+def _base_model_key(c: Config) -> dict:
+    """The base model stage's key: the model fields less ``lora`` (adapters never change the base)."""
+    return {k: v for k, v in asdict(c.model).items() if k != "lora"}
+
+
 def _numerics(c: Config) -> dict:
     """What a stage that trains or samples with torch adds to its key: the thread count it computes
     with (``threads=0`` resolved to torch's default), since float results depend on it."""
@@ -644,12 +659,12 @@ STAGES: tuple[Stage, ...] = (
           lambda m: f"clean {m['clean']:.0f}  contaminated {m['contaminated']:.0f}" + (
               f" ({m['contaminated_ngram']:.0f} n-gram, {m['contaminated_paraphrase']:.0f} paraphrase)"
               if "contaminated_paraphrase" in m else ""), _decontam_files),
-    Stage("base_model", {}, lambda c: asdict(c.model), ("training.base", "generation.setup"), _base_model_body,
+    Stage("base_model", {}, _base_model_key, ("training.base", "generation.setup"), _base_model_body,
           lambda con, ctx, res, key: _record_checkpoint(con, ctx, res, key, "base_model", 0),
           lambda m: f"params {int(m['parameters']):,}", _model_files),
     Stage("warmup", {MODEL: ("base_model", MODEL), PROMPTS: ("decontaminate", PROMPTS)},
-          lambda c: {**asdict(c.sft), "template": template(c), **_numerics(c)},
-          ("training.warmup", "generation.setup"), _warmup_body,
+          lambda c: {**asdict(c.sft), "template": template(c), **_numerics(c), **_lora_key(c, "warmup")},
+          ("training.warmup", "generation.setup", "training.lora", "generation.adapter"), _warmup_body,
           lambda con, ctx, res, key: _record_checkpoint(con, ctx, res, key, "warmup", ctx.cfg.sft.steps),
           lambda m: f"loss {m['sft_loss_first']:.3f} -> {m['sft_loss_ema']:.3f}"),
     Stage("eval_warmup", {MODEL: ("warmup", MODEL), DATASET: ("data", DATASET)}, _eval_config,
@@ -663,7 +678,8 @@ STAGES: tuple[Stage, ...] = (
                     + (f"  ({m['rejected_arithmetic']:.0f} right answers with a false step turned down)"
                        if m.get("rejected_arithmetic") else "")),
     Stage("rft", {MODEL: ("warmup", MODEL), RFT_DATA: ("dart", RFT_DATA)},
-          lambda c: {**asdict(c.curation.rft), "template": template(c), **_numerics(c)}, ("training.rft", "generation.setup"),
+          lambda c: {**asdict(c.curation.rft), "template": template(c), **_numerics(c), **_lora_key(c, "rft")},
+          ("training.rft", "generation.setup", "training.lora", "generation.adapter"),
           _rft_body, lambda con, ctx, res, key: _record_checkpoint(con, ctx, res, key, "rft", ctx.cfg.curation.rft.steps),
           lambda m: f"{m['rft_examples']:.0f} examples" + (f"  loss {m['rft_loss_first']:.3f} -> {m['rft_loss_ema']:.3f}"
                                                             if m.get("rft_steps") else "  (passed through)")),
@@ -677,12 +693,13 @@ STAGES: tuple[Stage, ...] = (
           _headline("selected {selected:.0f} of {candidates:.0f}", "selected", "candidates"), _history_fingerprint),
     Stage("rl", {MODEL: ("rft", MODEL), SELECTION: ("select", SELECTION), DATASET: ("data", DATASET)},
           lambda c: {**asdict(c.rl), "verifier_timeout_s": c.eval.verifier_timeout_s, "template": template(c), **_numerics(c),
+                     **_lora_key(c, "rl"),
                      "select": _select_config(c),
                      **({"cluster": asdict(c.cluster)} if c.rl.uses_ray() else {}),
                      **({"trainer": asdict(c.trainer)} if not c.trainer.is_default() else {}),
                      **({"rollout": asdict(c.rollout)} if c.rl.uses_ray() else {}),
                      **({"eval": asdict(c.eval)} if c.rl.eval_every else {})},
-          ("training.rl.stage", "training.rl.runtime", "training.rl.actors", "training.rl.trainer", "generation.setup", "data_curation.hive", "evaluation.verifier", "evaluation.stages"),
+          ("training.rl.stage", "training.rl.runtime", "training.rl.actors", "training.rl.trainer", "generation.setup", "data_curation.hive", "evaluation.verifier", "evaluation.stages", "training.lora", "generation.adapter"),
           _rl_body, _record_rl,
           lambda m: (f"reward {m['reward_first']:.3f} -> {m['reward_last5']:.3f} (last 5)  "
                      f"{m.get('generated', 0):.0f} rollouts") if m.get("steps") else ""),

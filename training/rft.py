@@ -6,17 +6,18 @@ from pathlib import Path
 
 from tqdm.auto import tqdm
 
-from conf.schema import RFTConfig
-from generation.model import encode_problem, encode_response, load_model, save_model
+from conf.schema import LoraConfig, RFTConfig
+from generation.model import encode_problem, encode_response
+from training.lora import load_trainable, save_trained
 from generation.setup import read_table
 from training.sft import SFTExample, train_sft
 
 
 def rft(model_dir: Path, rft_path: Path, cfg: RFTConfig, *, template: str, seed: int, device: str,
-        out_dir: Path) -> dict[str, float]:
+        out_dir: Path, lora: LoraConfig | None = None) -> dict[str, float]:
     """Fine-tune the model on ``rft.parquet`` (problem, response). With ``cfg.steps == 0`` or no
     correct response to learn from, the model passes through unchanged (and says so)."""
-    model, tokenizer = load_model(model_dir, device)
+    model, tokenizer, _ = load_trainable(model_dir, lora, "rft", device=device, seed=seed)
     rows = read_table(Path(rft_path))
     examples = [SFTExample(encode_problem(tokenizer, template, r["problem"]),
                            encode_response(tokenizer, r["response"])) for r in rows]
@@ -29,5 +30,5 @@ def rft(model_dir: Path, rft_path: Path, cfg: RFTConfig, *, template: str, seed:
                           keys={"curation.rft.lr": cfg.lr, "curation.rft.warmup_steps": cfg.warmup_steps})
         metrics.update({"rft_steps": float(cfg.steps), "rft_loss_first": m["sft_loss_first"],
                         "rft_loss_ema": m["sft_loss_ema"]})
-    save_model(model.to("cpu"), tokenizer, out_dir)
+    save_trained(model.to("cpu"), tokenizer, out_dir)
     return metrics

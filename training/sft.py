@@ -124,7 +124,8 @@ def train_sft(model, examples: Sequence[SFTExample], *, steps: int, batch_size: 
     rng = random.Random(f"sft:{seed}")
     torch.manual_seed(seed)
     model.to(device).train()
-    opt = torch.optim.AdamW(model.parameters(), lr=lr, weight_decay=weight_decay, betas=(0.9, 0.95))
+    # a PEFT model's frozen base has requires_grad False: the optimizer (and its state) holds only the adapters
+    opt = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=lr, weight_decay=weight_decay, betas=(0.9, 0.95))
     sched = torch.optim.lr_scheduler.LambdaLR(opt, lr_lambda(warmup_steps, steps))
     order: list[int] = []
     first = last = float("nan")

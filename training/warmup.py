@@ -6,8 +6,9 @@ from pathlib import Path
 
 from tqdm.auto import tqdm
 
-from conf.schema import SFTConfig
-from generation.model import encode_problem, encode_response, load_model, save_model
+from conf.schema import LoraConfig, SFTConfig
+from generation.model import encode_problem, encode_response
+from training.lora import load_trainable, save_trained
 from generation.setup import read_table
 from training.sft import SFTExample, train_sft
 
@@ -22,10 +23,10 @@ def target(row: dict) -> str:
 
 
 def warmup(model_dir: Path, prompts_path: Path, cfg: SFTConfig, *, template: str, seed: int, device: str,
-           out_dir: Path) -> dict[str, float]:
+           out_dir: Path, lora: LoraConfig | None = None) -> dict[str, float]:
     """Warm-up SFT on the curated pool's demonstrations (for the synthetic task ``data.demo_error_rate``
     of their steps slip); prompts without a level are always used, the others when in ``cfg.levels``."""
-    model, tokenizer = load_model(model_dir, device)
+    model, tokenizer, _ = load_trainable(model_dir, lora, "warmup", device=device, seed=seed)
     rows = [r for r in read_table(Path(prompts_path)) if r.get("level") is None or r.get("level") in set(cfg.levels)]
     examples = [SFTExample(encode_problem(tokenizer, template, r["problem"]),
                            encode_response(tokenizer, target(r))) for r in rows]
@@ -36,5 +37,5 @@ def warmup(model_dir: Path, prompts_path: Path, cfg: SFTConfig, *, template: str
                             device=device, progress=bar, stage="warmup",
                             keys={"sft.lr": cfg.lr, "sft.max_grad_norm": cfg.max_grad_norm,
                                   "sft.weight_decay": cfg.weight_decay, "sft.warmup_steps": cfg.warmup_steps})
-    save_model(model.to("cpu"), tokenizer, out_dir)
+    save_trained(model.to("cpu"), tokenizer, out_dir)
     return metrics

@@ -31,9 +31,29 @@ TRAIN_KW = dict(lr=1e-3, weight_decay=0.0, max_grad_norm=100.0, temperature=1.0,
                 micro_batch_tokens=40)
 
 
-def run_rank(rank: int, world: int, port: int, backend: str, stage: int, updates: int, out_dir: str) -> None:
-    """Build the micro model, join the group, take ``updates`` updates; rank 0 writes losses, grad
-    norms and the final weights (safetensors + JSON) to ``out_dir``."""
+def lora_micro_model(tok):
+    """The micro model with rank-4 LoRA adapters (peft) on a frozen base, lora_B seeded non-zero."""
+    from conf.schema import LoraConfig
+    from peft import get_peft_model
+
+    from rl_fakes import MICRO
+    from generation.model import build_tiny_model
+    from training.lora import peft_config
+
+    torch.manual_seed(0)
+    model = get_peft_model(build_tiny_model(MICRO, tok, seed=0), peft_config(LoraConfig(enabled=True, rank=4)))
+    g = torch.Generator().manual_seed(1)
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if "lora_B" in name:
+                p.copy_(torch.randn(p.shape, generator=g) * 0.1)
+    return model
+
+
+def run_rank(rank: int, world: int, port: int, backend: str, stage: int, updates: int, out_dir: str,
+             lora: bool = False) -> None:
+    """Build the micro model (``lora``: with LoRA adapters), join the group, take ``updates`` updates;
+    rank 0 writes losses, grad norms and the final published weights (safetensors + JSON) to ``out_dir``."""
     import json
 
     from safetensors.numpy import save_file
@@ -46,7 +66,7 @@ def run_rank(rank: int, world: int, port: int, backend: str, stage: int, updates
     os.environ["TORCH_EXTENSIONS_DIR"] = os.path.join(out_dir, "ext")
     torch.set_num_threads(1)
     tok = build_char_tokenizer()
-    model = build_tiny_model(MICRO, tok, seed=0)
+    model = lora_micro_model(tok) if lora else build_tiny_model(MICRO, tok, seed=0)
     init_distributed("gloo", rank, world, "127.0.0.1", port, deepspeed_comm=backend == "deepspeed")
     kw = dict(TRAIN_KW, pad_id=tok.pad_token_id, rank=rank, world_size=world)
     if backend == "deepspeed":

@@ -10,7 +10,7 @@ import numpy as np
 import pytest
 import torch
 import torch.multiprocessing as mp
-from dist_worker import TRAIN_KW, random_groups, run_rank
+from dist_worker import TRAIN_KW, lora_micro_model, random_groups, run_rank
 from rl_fakes import MICRO
 from safetensors.numpy import load_file
 
@@ -27,15 +27,16 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-def _reference():
+def _reference(lora: bool = False):
     tok = build_char_tokenizer()
-    trainer = PolicyTrainer(build_tiny_model(MICRO, tok, seed=0), PRESETS["grpo"], pad_id=tok.pad_token_id, **TRAIN_KW)
+    model = lora_micro_model(tok) if lora else build_tiny_model(MICRO, tok, seed=0)
+    trainer = PolicyTrainer(model, PRESETS["grpo"], pad_id=tok.pad_token_id, **TRAIN_KW)
     stats = [trainer.update(random_groups(tok, seed=s)) for s in range(UPDATES)]
     return stats, trainer.full_state()
 
 
-def _spawn(world: int, backend: str, stage: int, tmp_path) -> tuple[list[dict], dict]:
-    mp.start_processes(run_rank, args=(world, _free_port(), backend, stage, UPDATES, str(tmp_path)), nprocs=world,
+def _spawn(world: int, backend: str, stage: int, tmp_path, lora: bool = False) -> tuple[list[dict], dict]:
+    mp.start_processes(run_rank, args=(world, _free_port(), backend, stage, UPDATES, str(tmp_path), lora), nprocs=world,
                        join=True, start_method="spawn")
     return json.loads((tmp_path / "stats.json").read_text()), load_file(str(tmp_path / "weights.safetensors"))
 
@@ -61,6 +62,21 @@ def test_backend_matches_one_torch_rank(world, backend, stage, tmp_path):
     ref_stats, ref_state = _reference()
     stats, state = _spawn(world, backend, stage, tmp_path)
     _assert_same(stats, state, ref_stats, ref_state)
+
+
+@pytest.mark.parametrize("world,backend,stage", [(2, "torch", 0), (1, "deepspeed", 2)])
+def test_lora_backend_matches_one_torch_rank_and_trains_only_the_adapter(world, backend, stage, tmp_path):
+    """LoRA on a frozen base: two data-parallel torch ranks and DeepSpeed ZeRO-2 (optimizer over the
+    adapters only) take the same updates as one torch rank, and publish the adapter tensors only."""
+    from generation.adapter import SCALING_KEY
+
+    ref_stats, ref_state = _reference(lora=True)
+    assert SCALING_KEY in ref_state and all("lora_" in k for k in ref_state if k != SCALING_KEY)
+    stats, state = _spawn(world, backend, stage, tmp_path, lora=True)
+    _assert_same(stats, state, ref_stats, ref_state)
+    start = {k: v.detach().numpy() for k, v in lora_micro_model(build_char_tokenizer()).named_parameters()}
+    moved = [k for k in ref_state if "lora_B" in k]
+    assert moved and any(not np.allclose(ref_state[k], start[k.replace(".weight", ".default.weight")]) for k in moved)
 
 
 @pytest.mark.slow

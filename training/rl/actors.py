@@ -129,12 +129,14 @@ class RolloutWorker:
                  priority: str = "normal"):
         _setup(threads, seed)
         lower_priority(priority)
+        from generation.adapter import model_dir_for_sampling
         from generation.engines import make_engine, rollout_engine_options
 
         self.name = name
         opts = rollout_engine_options(rollout)
         kind = opts.pop("kind")  # torch | torch-process | vllm: all speak the rollout protocol
-        self.engine = make_engine(kind, model_dir, device=device, capacity=rl.rollout_capacity,
+        # a LoRA run's rollouts load the bare base: every adapter version (0 first) is merged into it on pull
+        self.engine = make_engine(kind, model_dir_for_sampling(model_dir), device=device, capacity=rl.rollout_capacity,
                                   max_new_tokens=rl.max_new_tokens, temperature=rl.temperature, seed=seed, **opts)
         self.engine.version = -1  # no published version loaded yet: the first step pulls
 
@@ -181,6 +183,13 @@ class RolloutWorker:
         return StepReply(tuple(finished), RolloutStatus.of(self.engine.status()), pulled, time.perf_counter() - t0,
                          os.getpid(), time.process_time())
 
+    def score(self, tokens: list[int]) -> tuple[int, list[float]]:
+        """(the version this rollout holds, the log-probs its engine gives ``tokens[1:]``): what the
+        rollout-equals-trainer check compares (in-process engines only)."""
+        from generation.adapter import sequence_logprobs
+
+        return self.engine.version, sequence_logprobs(self.engine.model, tokens)
+
     def extract(self) -> ExtractReply:
         partials, queued = self.engine.extract(include_queued=True)
         return ExtractReply(tuple(partials), tuple(queued), RolloutStatus.of(self.engine.status()), os.getpid(),
@@ -201,11 +210,11 @@ class TrainerWorker:
         """``params``: the resolved objective; ``rl``: ``conf.schema.RLConfig`` (optimizer and batch
         settings, read by ``PolicyTrainer.from_config``)."""
         _setup(threads, seed)
-        from generation.model import load_model
+        from training.lora import load_for_rl
 
         if extensions_dir:  # DeepSpeed's JIT-built ops stay inside the workspace
             os.environ["TORCH_EXTENSIONS_DIR"] = extensions_dir
-        model, tokenizer = load_model(Path(model_dir), device)
+        model, tokenizer = load_for_rl(Path(model_dir), device)  # an adapter folder: LoRA on a frozen base
         self.params, self.rl, self.device, self.pad_id = params, rl, device, tokenizer.pad_token_id
         self._model = model
         self.backend = trainer.backend if trainer is not None else "torch"
@@ -297,6 +306,12 @@ class TrainerWorker:
 
     def state(self) -> dict[str, np.ndarray] | None:
         return self._gathered_state()
+
+    def score(self, tokens: list[int]) -> tuple[int, list[float]]:
+        """(this trainer's version, the log-probs its model gives ``tokens[1:]``), rank 0."""
+        from generation.adapter import sequence_logprobs
+
+        return self.trainer.version, sequence_logprobs(self.trainer.model, tokens)
 
     def save(self, directory: str) -> None:
         """Every rank calls: DeepSpeed writes its shards through its own API (inside the caller's

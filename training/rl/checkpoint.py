@@ -371,7 +371,7 @@ def save_trainer_state(dir: Path, model, optimizer, *, version: int, extra: dict
     temp folder), without any pickle:
 
     - ``model.safetensors``: the model's state dict (tied/shared tensors stored once, via
-      ``safetensors.torch.save_model``),
+      ``safetensors.torch.save_model``); of a LoRA (PEFT) model, its trainable adapter tensors only,
     - ``optimizer.safetensors``: every optimizer state tensor as ``state.{param_index}.{name}``
       (e.g. AdamW's ``step``, ``exp_avg``, ``exp_avg_sq``) and any tensor hyper-parameter,
     - ``rng.safetensors``: ``torch.get_rng_state()`` (and each CUDA device's state when CUDA is
@@ -388,7 +388,13 @@ def save_trainer_state(dir: Path, model, optimizer, *, version: int, extra: dict
     dir = Path(dir)
     dir.mkdir(parents=True, exist_ok=True)
     if model is not None:
-        save_model(model, str(dir / MODEL_FILE))
+        from training.lora import is_peft
+
+        if is_peft(model):  # LoRA: the adapters only; the frozen base comes back from its own folder on resume
+            save_file({n: p.detach().contiguous() for n, p in model.named_parameters() if p.requires_grad},
+                      str(dir / MODEL_FILE))
+        else:
+            save_model(model, str(dir / MODEL_FILE))
     opt_json = None
     if optimizer is not None:
         opt_json, opt_tensors = _optimizer_payload(optimizer)
@@ -426,7 +432,16 @@ def load_trainer_state(dir: Path, model, optimizer) -> dict:
         raise ValueError(f"checkpoint optimizer is {state['optimizer_class']}, got {type(optimizer).__name__}")
     if model is not None:
         device = next((p.device for p in model.parameters()), torch.device("cpu"))
-        load_model(model, str(dir / MODEL_FILE), strict=True, device=str(device))
+        from training.lora import is_peft
+
+        if is_peft(model):  # the adapters (every trainable tensor, nothing else) onto the frozen base
+            tensors = load_file(str(dir / MODEL_FILE), device=str(device))
+            want = {n for n, p in model.named_parameters() if p.requires_grad}
+            if set(tensors) != want:
+                raise KeyError(f"checkpoint adapters {sorted(set(tensors) ^ want)[:3]} do not match the model's")
+            model.load_state_dict(tensors, strict=False)
+        else:
+            load_model(model, str(dir / MODEL_FILE), strict=True, device=str(device))
     if optimizer is not None:
         opt_tensors = load_file(str(dir / OPTIMIZER_FILE))
         optimizer.load_state_dict(_optimizer_from_payload(state["optimizer"], opt_tensors))

@@ -298,12 +298,14 @@ def run_sync(model, tokenizer, prompts: Sequence[PromptItem], verifier, params: 
     (weights, optimizer, RNGs, the prompt source's state, the history) and starts from the last one
     there: every step samples with its own seeded generator, so a resumed run goes on exactly as
     the uninterrupted one would."""
-    import copy
+    from training.lora import is_peft, sampling_copy
 
     torch.manual_seed(seed)
     steps, eval_every = rl.steps, rl.eval_every
     trainer = PolicyTrainer.from_config(model, params, rl, pad_id=tokenizer.pad_token_id, device=device)
-    engine = TorchEngine(copy.deepcopy(model), tokenizer, device=device)
+    engine = TorchEngine(sampling_copy(model), tokenizer, device=device)
+    if is_peft(model):  # the sampler holds the bare base: the adapter arrives as version 0
+        publish_phase(trainer, engine)
     cursor = PromptCursor(prompts, seed)
     prompt_source = source(cursor, engine) if source is not None else cursor
     result = RLResult()

@@ -32,6 +32,7 @@ from typing import Callable, Sequence
 import torch
 
 from conf.schema import ClusterConfig, RLConfig, RolloutConfig, TrainerConfig
+from generation.adapter import load_published
 from generation.records import PromptItem
 from training.objectives import ObjectiveParams
 from training.rl.control import RelayChain
@@ -146,6 +147,7 @@ class LaminarRuntime:
         self.result = RLResult()
         self.cpu: _CpuLedger | None = None
         self.final_model = None
+        self.final_state: dict | None = None
         self.resumed_from: int | None = None
         self.t0 = time.perf_counter()
         self._own_ray = False
@@ -169,8 +171,7 @@ class LaminarRuntime:
 
         got = ray.get(self.relays[self.chain.master].latest.remote())
         if got is not None:
-            self.local_engine.model.load_state_dict({k: torch.from_numpy(v.copy())
-                                                     for k, v in ray.get(got.box[0]).items()})
+            load_published(self.local_engine.model, ray.get(got.box[0]))
             self.local_version = got.version
 
     def poke(self, rollout: str) -> None:
@@ -329,11 +330,14 @@ class LaminarRuntime:
     def _prepare(self, ray):
         """The driver's side: its policy copy, the prompt source and the manager; resume if a
         checkpoint is there; version 0 (or the resumed one) goes to the relays before any rollout starts."""
+        from generation.adapter import is_adapter_dir, model_dir_for_sampling
         from generation.engine import TorchEngine
         from generation.model import load_model
 
         torch.manual_seed(self.seed)
-        model, tokenizer = load_model(self.model_dir, "cpu")
+        model, tokenizer = load_model(model_dir_for_sampling(self.model_dir), "cpu")
+        if is_adapter_dir(self.model_dir):  # the bare base: the driver's copy takes version 0 from the relay
+            self.local_version = -1
         self.local_engine = TorchEngine(model, tokenizer, device="cpu")  # HIVE's prompt entropy, in-run eval
         self.cursor = PromptCursor(self.prompts, self.seed)
         self.source = self.source_factory(self.cursor, self.local_engine) if self.source_factory else self.cursor
@@ -444,8 +448,9 @@ class LaminarRuntime:
         self.result.rewards = self.manager.rewards
         self._finish_summary()
         state = self.trainer.get(ray, "state")
-        model.load_state_dict({k: torch.from_numpy(v.copy()) for k, v in state.items()})
+        load_published(model, state)
         self.final_model = model
+        self.final_state = state  # a LoRA run's adapter tensors: the RL stage writes them as a PEFT folder
         return self.result
 
     # ------------------------------------------------------------------------------------------ rollouts
@@ -570,7 +575,7 @@ class LaminarRuntime:
         self._join_eval()
         if self.eval_model is None:
             self.eval_model = copy.deepcopy(self.local_engine.model)
-        self.eval_model.load_state_dict({k: torch.from_numpy(v.copy()) for k, v in state.items()})
+        load_published(self.eval_model, state)
 
         def work() -> None:
             try:

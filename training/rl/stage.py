@@ -10,14 +10,16 @@ from __future__ import annotations
 import dataclasses
 import json
 import logging
+import tempfile
 from pathlib import Path
 
 from typing import Callable
 
 from tqdm.auto import tqdm
 
-from conf.schema import ClusterConfig, RLConfig, RolloutConfig, SelectConfig, TrainerConfig
-from generation.model import encode_problem, load_model, save_model
+from conf.schema import ClusterConfig, LoraConfig, RLConfig, RolloutConfig, SelectConfig, TrainerConfig
+from generation.adapter import is_adapter_dir
+from generation.model import encode_problem
 from training.objectives import PRESETS, ObjectiveParams
 from training.rl.loop import RLResult, format_step, run_sync
 from generation.records import PromptItem
@@ -62,15 +64,42 @@ def rl(model_dir: Path, prompts_path: Path, cfg: RLConfig, *, template: str, see
        verifier, select: SelectConfig | None = None, history_path: Path | None = None,
        evaluate: Callable[[object], dict[str, float]] | None = None, cluster: ClusterConfig | None = None,
        state_dir: Path | None = None, trainer: TrainerConfig | None = None,
-       rollout: RolloutConfig | None = None, on_metrics: Callable[[dict], None] | None = None) -> RLResult:
+       rollout: RolloutConfig | None = None, on_metrics: Callable[[dict], None] | None = None,
+       lora: LoraConfig | None = None) -> RLResult:
     """RL from ``model_dir`` on the prompts of ``prompts_path`` (see the module docstring for what
     it writes). ``select`` turns on HIVE's online pruning; ``evaluate`` runs every ``cfg.eval_every`` steps.
     Either loop checkpoints into ``state_dir`` every ``cfg.checkpoint_every`` steps and resumes from
     it after a crash. With ``cfg.uses_ray()`` the Laminar runtime runs the roles on Ray (``cluster``);
     it also writes ``timeline.json``/``.png`` and ``runtime.json`` (throughput, staleness histogram,
     repacks, failures). ``on_metrics``: called with every step's metrics as the step ends (an
-    experiment tracker's logger; in the Laminar runtime on the driver, with what the actors report)."""
-    model, tokenizer = load_model(model_dir, device)
+    experiment tracker's logger; in the Laminar runtime on the driver, with what the actors report).
+    ``lora`` on for rl: only adapters train (continuing the adapter ``model_dir`` holds, or a fresh one on
+    it), only adapters are published, and ``out_dir`` becomes a PEFT adapter folder."""
+    with tempfile.TemporaryDirectory(prefix="laminar-rl-start-") as scratch:
+        model_dir = rl_start(Path(model_dir), lora, Path(scratch), seed)
+        return _rl(model_dir, prompts_path, cfg, template=template, seed=seed, device=device, out_dir=out_dir,
+                   verifier=verifier, select=select, history_path=history_path, evaluate=evaluate, cluster=cluster,
+                   state_dir=state_dir, trainer=trainer, rollout=rollout, on_metrics=on_metrics)
+
+
+def rl_start(model_dir: Path, lora: LoraConfig | None, scratch: Path, seed: int) -> Path:
+    """The folder RL's roles start from: an adapter folder exactly when ``lora`` is on for rl (a fresh
+    adapter on a full model, written to ``scratch``), else a full model (an adapter merged into ``scratch``)."""
+    from training.lora import fresh_adapter, full_model
+
+    on = lora is not None and lora.on("rl")
+    if on and not is_adapter_dir(model_dir):
+        return fresh_adapter(model_dir, lora, scratch / "adapter", seed=seed)
+    if not on and is_adapter_dir(model_dir):
+        return full_model(model_dir, scratch / "merged")
+    return model_dir
+
+
+def _rl(model_dir: Path, prompts_path: Path, cfg: RLConfig, *, template: str, seed: int, device: str, out_dir: Path,
+        verifier, select, history_path, evaluate, cluster, state_dir, trainer, rollout, on_metrics) -> RLResult:
+    from training.lora import adapter_from_state, load_for_rl, save_trained
+
+    model, tokenizer = load_for_rl(model_dir, device)
     rows = read_table(Path(prompts_path))
     if not rows and cfg.steps > 0:
         raise ValueError(f"RL has no prompts to train on ({prompts_path} is empty): check the curation counts "
@@ -102,7 +131,10 @@ def rl(model_dir: Path, prompts_path: Path, cfg: RLConfig, *, template: str, see
         else:
             result = run_sync(model, tokenizer, prompts, verifier, params, cfg, **common,
                               checkpoint_dir=Path(state_dir) / "checkpoints" if state_dir is not None else None)
-    save_model(model.to("cpu"), tokenizer, out_dir)
+    if cfg.uses_ray() and is_adapter_dir(model_dir):
+        adapter_from_state(model_dir, runtime.final_state, out_dir)  # the adapter, not the merged model
+    else:
+        save_trained(model.to("cpu"), tokenizer, out_dir)
     with open(Path(out_dir) / "history.jsonl", "w") as f:
         for m in result.history:
             f.write(json.dumps({k: v for k, v in m.items() if k not in TIMING_KEYS}, sort_keys=True) + "\n")

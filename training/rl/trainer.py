@@ -17,6 +17,7 @@ import numpy as np
 import torch
 
 from training.finite import check_finite
+from training.lora import adapter_state, is_peft, trainable_parameters
 from training.objectives import ADVANTAGES, ObjectiveParams, PolicyBatch, entropy_from_logits, policy_loss
 from generation.records import ScoredGroup, WeightsUpdate
 from training.rl.records import UpdateStats
@@ -147,7 +148,8 @@ class PolicyTrainer:
                  minibatches: int = 1, micro_batch_tokens: int = 0, rank: int = 0, world_size: int = 1):
         self.model = model.to(device).train()
         self.params = params
-        self.opt = torch.optim.AdamW(model.parameters(), lr=lr, weight_decay=weight_decay, betas=(0.9, 0.99))
+        self.opt = torch.optim.AdamW(trainable_parameters(model), lr=lr, weight_decay=weight_decay,
+                                     betas=(0.9, 0.99))  # LoRA: the adapters only (training.lora)
         self.lr = lr
         self.weight_decay = weight_decay
         self.max_grad_norm = max_grad_norm
@@ -190,11 +192,11 @@ class PolicyTrainer:
         if self.world_size > 1:  # sum the ranks' partial gradients (their loss weights sum to 1)
             import torch.distributed as dist
 
-            for p in self.model.parameters():
+            for p in trainable_parameters(self.model):
                 if p.grad is None:
                     p.grad = torch.zeros_like(p)
                 dist.all_reduce(p.grad, op=dist.ReduceOp.SUM)
-        norm = float(torch.nn.utils.clip_grad_norm_(self.model.parameters(), self.max_grad_norm))
+        norm = float(torch.nn.utils.clip_grad_norm_(trainable_parameters(self.model), self.max_grad_norm))
         self._check_finite(gradient_norm=norm)  # the same summed norm on every rank: all raise together
         self.opt.step()
         return norm
@@ -209,7 +211,10 @@ class PolicyTrainer:
         """The full weights as host arrays (float32 for dtypes NumPy lacks, e.g. bf16). On CUDA they
         land in pinned host buffers kept from one publish to the next (non-blocking copies, one
         sync); the arrays are views of them, valid until the next publish (``ray.put`` and the
-        engines' ``load_state`` copy them at once)."""
+        engines' ``load_state`` copy them at once). A LoRA model publishes its adapter tensors only
+        (``training.lora.adapter_state``)."""
+        if is_peft(self.model):
+            return adapter_state(self.model)
         return _host_arrays(self.model.state_dict(), self)
 
     def _my_micro_batches(self, idx: torch.Tensor, lengths: torch.Tensor) -> list[tuple[torch.Tensor, bool]]:
@@ -418,8 +423,8 @@ class DeepSpeedPolicyTrainer(PolicyTrainer):
             import deepspeed
 
             with deepspeed.zero.GatheredParameters(list(self.model.parameters()), modifier_rank=None):
-                return _host_arrays(self.model.state_dict(), self)
-        return _host_arrays(self.model.state_dict(), self)
+                return adapter_state(self.model) if is_peft(self.model) else _host_arrays(self.model.state_dict(), self)
+        return adapter_state(self.model) if is_peft(self.model) else _host_arrays(self.model.state_dict(), self)
 
     def save(self, directory: str) -> None:
         """DeepSpeed's own checkpoint (every rank writes its shards) inside the caller's atomic
