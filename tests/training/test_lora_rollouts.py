@@ -68,7 +68,11 @@ def probe_run(adapter_dir, mode: str, *, steps: int = 3, rollouts: int = 1):
     return trainer_lp, seen, rt
 
 
-@pytest.mark.parametrize("mode,rollouts", [("sync", 1), ("one_step", 1), ("partial", 1), ("laminar", 2)])
+# laminar (two rollouts, relays) runs in `make test`; the other modes (about 20 s each here, mostly actor
+# start-up) in `make test-slow`, beside the in-process sync check in test_lora.py
+@pytest.mark.parametrize("mode,rollouts", [pytest.param("sync", 1, marks=pytest.mark.slow),
+                                           pytest.param("one_step", 1, marks=pytest.mark.slow),
+                                           pytest.param("partial", 1, marks=pytest.mark.slow), ("laminar", 2)])
 def test_rollouts_hold_the_trainers_weights_for_their_version_after_each_lora_update(local_ray, dirs, mode, rollouts):
     trainer_lp, seen, rt = probe_run(dirs[1], mode, rollouts=rollouts)
     versions_differ(trainer_lp)  # each update moves the probe: a stale rollout cannot pass by chance
