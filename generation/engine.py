@@ -17,8 +17,12 @@ from generation.records import GenRequest, PromptItem, Trajectory, WeightsUpdate
 
 
 class TorchEngine:
-    def __init__(self, model, tokenizer, device: str = "cpu", batch_size: int = 256):
+    def __init__(self, model, tokenizer, device: str = "cpu", batch_size: int = 256, static_cache: bool = True):
         self.model = model.to(device).eval()
+        self.static_cache = static_cache
+        """Decode over a static KV cache with finished rows compacted away (``_generate_batch``); False:
+        the reference loop (``_generate_batch_reference``), also taken for models whose attention is
+        not SDPA."""
         self.tokenizer = tokenizer
         self.device = device
         self.batch_size = batch_size
@@ -69,6 +73,82 @@ class TorchEngine:
     @torch.inference_mode()
     def _generate_batch(self, requests: list[GenRequest], max_new_tokens: int, temperature: float,
                         generator: torch.Generator) -> list[Trajectory]:
+        if not self.static_cache or not _decode_attention_supported(self.model):
+            return self._generate_batch_reference(requests, max_new_tokens, temperature, generator)
+        from transformers import DynamicCache
+
+        prompts = [r.prompt.prompt_tokens for r in requests]
+        bsz, plen = len(prompts), max(len(p) for p in prompts)
+        input_ids = torch.full((bsz, plen), self.pad_id, dtype=torch.long)
+        attn = torch.zeros((bsz, plen), dtype=torch.long)
+        for i, p in enumerate(prompts):  # left padding keeps every sequence's next token at the end
+            input_ids[i, plen - len(p):] = torch.tensor(p)
+            attn[i, plen - len(p):] = 1
+        input_ids, attn = input_ids.to(self.device), attn.to(self.device)
+        positions = (attn.cumsum(-1) - 1).clamp(min=0)
+        cache = DynamicCache()
+        tokens = torch.empty((bsz, max_new_tokens), dtype=torch.long)
+        logps = torch.zeros((bsz, max_new_tokens))
+        ent_sum = torch.zeros(bsz)
+        lengths = torch.full((bsz,), max_new_tokens, dtype=torch.long)
+        done = torch.zeros(bsz, dtype=torch.bool)
+        logits = self.model(input_ids=input_ids, attention_mask=attn, position_ids=positions,
+                            past_key_values=cache, use_cache=True).logits[:, -1, :]
+        # the static cache: every layer's keys/values in one buffer [rows, kv_heads, width, head_dim]; the
+        # token fed at step t (t >= 1) writes column plen + t - 1; the last sampled token is never fed
+        width = plen + max_new_tokens - 1
+        slots = _StaticDecodeCache(cache, width)
+        del cache
+        neg = torch.finfo(slots.keys[0].dtype).min
+        mask = torch.zeros((bsz, 1, 1, width), dtype=slots.keys[0].dtype, device=self.device)
+        mask[:, 0, 0, :plen].masked_fill_(attn == 0, neg)  # additive: left padding is never attended
+        rows = torch.arange(bsz)          # full-batch index of each buffer row (rows leave by compaction)
+        step_pos = positions[:, -1:]
+        for t in range(max_new_tokens):
+            if t > 0:
+                col = plen + t - 1
+                n = len(rows)
+                slots.col = col
+                with _decode_attention(self.model):
+                    logits = self.model(input_ids=step_ids, attention_mask=mask[:n, :, :, :col + 1],
+                                        position_ids=step_pos, past_key_values=slots, use_cache=True).logits[:, -1, :]
+            logprobs = torch.log_softmax(logits.float() / temperature, dim=-1).cpu()
+            probs = logprobs.exp()
+            # torch.multinomial(probs, 1) of the whole batch, drawn the same way (argmax of p / Exp(1)
+            # noise over [batch, vocab]), so every row gets the noise it would get in the full batch
+            noise = torch.empty((bsz, probs.shape[1]), dtype=probs.dtype).exponential_(1, generator=generator)
+            nxt = (probs / noise[rows]).argmax(-1)
+            live = ~done[rows]
+            ent = -(probs * logprobs).nan_to_num().sum(-1)
+            idx = rows[live]
+            ent_sum[idx] += ent[live]
+            tokens[idx, t] = nxt[live]
+            logps[idx, t] = logprobs.gather(1, nxt[:, None]).squeeze(1)[live]
+            newly = idx[nxt[live] == self.eos_id]
+            lengths[newly] = t + 1
+            done[newly] = True
+            if bool(done.all()):
+                break
+            step_ids = nxt[:, None].to(self.device)
+            step_pos = step_pos + 1
+            keep = ~done[rows]
+            n_done = len(rows) - int(keep.sum())
+            if n_done and n_done * 8 >= len(rows):  # compact: finished rows leave the batch
+                sel = keep.nonzero().squeeze(1)
+                sel_dev = sel.to(self.device)
+                slots.select(sel_dev, plen + t)
+                m = len(sel)
+                mask[:m] = mask.index_select(0, sel_dev)
+                rows, step_ids, step_pos = rows[sel], step_ids[sel_dev], step_pos[sel_dev]
+        mean_ent = (ent_sum / lengths.clamp(min=1)).tolist()
+        return [self._trajectory(r, tokens[i, :lengths[i]], logps[i, :lengths[i]], bool(done[i]), mean_ent[i])
+                for i, r in enumerate(requests)]
+
+    @torch.inference_mode()
+    def _generate_batch_reference(self, requests: list[GenRequest], max_new_tokens: int, temperature: float,
+                        generator: torch.Generator) -> list[Trajectory]:
+        """The decode loop before the static cache (a ``DynamicCache`` grown by concatenation, every row
+        decoded until the whole batch is done): kept as the reference ``tests`` compare against."""
         from transformers import DynamicCache
 
         prompts = [r.prompt.prompt_tokens for r in requests]
@@ -116,3 +196,99 @@ class TorchEngine:
                           response_tokens=tuple(ids), behaviour_logprobs=tuple(np.asarray(logps, dtype=np.float64).tolist()),
                           version=self.version, finished=finished,
                           text=self.tokenizer.decode(body, skip_special_tokens=True), mean_entropy=mean_entropy)
+
+
+_DECODE_ATTN = "laminar_decode"
+
+
+def _decode_attention_supported(model) -> bool:
+    """The static decode needs a model whose attention layers call Hugging Face's attention
+    interface with SDPA (Llama, Qwen2, Mistral, ... as loaded here): ours replaces it for the
+    one-token decode steps only."""
+    config = getattr(model, "config", None)
+    return config is not None and getattr(config, "_attn_implementation", None) in ("sdpa", _DECODE_ATTN)
+
+
+def _gqa_decode_attention(module, query, key, value, attention_mask, dropout=0.0, scaling=None, **kwargs):
+    """Attention of one new token per row over a (strided) static cache, grouped-query aware without
+    repeating the keys/values: query [B, H, 1, D], key/value [B, KV, T, D], ``attention_mask`` the
+    additive [B, 1, 1, T] mask. Two batched matmuls and a softmax; the same result as SDPA up to
+    float rounding (``tests/generation/test_engine_static.py`` bounds it)."""
+    b, h, q_len, d = query.shape
+    if q_len != 1:  # not a decode step: SDPA as usual
+        from transformers.integrations.sdpa_attention import sdpa_attention_forward
+
+        return sdpa_attention_forward(module, query, key, value, attention_mask, dropout=dropout, scaling=scaling,
+                                      **kwargs)
+    kv = key.shape[1]
+    scores = torch.matmul(query.reshape(b, kv, h // kv, d), key.transpose(-1, -2))   # [B, KV, G, T]
+    scores = scores.mul_(d ** -0.5 if scaling is None else scaling).add_(attention_mask)
+    out = torch.matmul(torch.softmax(scores, dim=-1), value)                        # [B, KV, G, D]
+    return out.reshape(b, 1, h, d), None
+
+
+class _decode_attention:
+    """Within the block the model's attention layers use ``_gqa_decode_attention`` (registered once
+    with Hugging Face's attention and mask interfaces); the model's own setting comes back after."""
+
+    _registered = False
+
+    def __init__(self, model):
+        self.config = model.config
+
+    def __enter__(self):
+        if not _decode_attention._registered:
+            from transformers import AttentionInterface
+            from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
+
+            AttentionInterface.register(_DECODE_ATTN, _gqa_decode_attention)
+            AttentionMaskInterface.register(_DECODE_ATTN, sdpa_mask)
+            _decode_attention._registered = True
+        self.saved = self.config._attn_implementation
+        self.config._attn_implementation = _DECODE_ATTN
+        return self
+
+    def __exit__(self, *exc):
+        self.config._attn_implementation = self.saved
+        return False
+
+
+class _StaticDecodeCache:
+    """The cache object handed to the model during decode (duck-typed like a Hugging Face ``Cache``):
+    per layer one key and one value buffer [rows, kv_heads, width, head_dim], filled from the prefill's
+    ``DynamicCache``; ``update`` writes the step's key/value at column ``col`` of the first ``rows``
+    rows and returns views of columns ``[0, col]`` (nothing is concatenated or copied per step)."""
+
+    is_compileable = False
+
+    def __init__(self, prefill_cache, width: int):
+        self.keys, self.values = [], []
+        for layer in prefill_cache.layers:
+            b, h, p, d = layer.keys.shape
+            k = layer.keys.new_empty((b, h, width, d))
+            v = layer.values.new_empty((b, h, width, layer.values.shape[-1]))
+            k[:, :, :p] = layer.keys
+            v[:, :, :p] = layer.values
+            self.keys.append(k)
+            self.values.append(v)
+        self.rows = self.keys[0].shape[0]
+        self.col = p
+
+    def update(self, key_states, value_states, layer_idx, cache_kwargs=None):
+        n, c = key_states.shape[0], self.col
+        k, v = self.keys[layer_idx][:n], self.values[layer_idx][:n]
+        k[:, :, c:c + 1] = key_states
+        v[:, :, c:c + 1] = value_states
+        return k[:, :, :c + 1], v[:, :, :c + 1]
+
+    def select(self, keep: torch.Tensor, upto: int) -> None:
+        """Rows ``keep`` (indices into the current rows) move to the front, columns ``[0, upto)``."""
+        for buf in (*self.keys, *self.values):
+            buf[:len(keep), :, :upto] = buf[:, :, :upto].index_select(0, keep)
+        self.rows = len(keep)
+
+    def get_seq_length(self, layer_idx: int = 0) -> int:
+        return self.col
+
+    def __len__(self) -> int:
+        return len(self.keys)

@@ -123,6 +123,102 @@ def response_logits(model, batch: TrainBatch, device: str) -> torch.Tensor:
     return logits.gather(1, idx).float()
 
 
+PACK_ROW_TOKENS = 192
+"""Width of the packed rows (``packed_layout``): wider rows share a prompt among more samples but
+pay attention over more (masked) columns; 192 was the fastest of 128-384 for the default model."""
+
+REFERENCE_FORWARD = False
+"""True: every trainer forward pads each sequence to the longest (``response_logits``), the forward the
+trainer had before shared-prompt packing; ``benchmarks/trl_peer.py`` sets it for its reference run."""
+
+
+def packed_layout(batch: TrainBatch, row_tokens: int = PACK_ROW_TOKENS):
+    """How ``packed_response_logits`` lays ``batch`` out: sequences that share a prompt (a group's
+    samples) become *bundles* of at most ``row_tokens`` tokens (or the longest sequence), the prompt
+    once followed by each response less its last token (no prediction reads it); bundles are packed
+    first-fit-decreasing into rows of that width. Returns (input ids [R, L], position ids [R, L], attention mask [R, 1, L, L] (bool), gather
+    index [B, T] into the flattened [R * L] positions): a response token attends to its own prompt
+    and the earlier tokens of its own response, so every logit is what the padded forward computes."""
+    ids_all = batch.input_ids.tolist()
+    total = batch.attention_mask.sum(1).tolist()
+    resp = batch.mask.sum(1).long().tolist()
+    by_prompt: dict[tuple[int, ...], list[int]] = {}
+    for i, (n, r) in enumerate(zip(total, resp)):
+        by_prompt.setdefault(tuple(ids_all[i][:n - r]), []).append(i)
+    # rows of ``width`` tokens: at least the longest sequence, else ``row_tokens``; a prompt's responses
+    # that do not fit one row are split into several bundles, each with its own copy of the prompt
+    width = max([row_tokens] + [len(k) + max(resp[i] - 1, 0) for k, rows in by_prompt.items() for i in rows])
+    bundles: list[tuple[tuple[int, ...], list[int]]] = []
+    for key, rows in by_prompt.items():
+        cur, size = [], len(key)
+        for i in rows:
+            n = max(resp[i] - 1, 0)
+            if cur and size + n > width:
+                bundles.append((key, cur))
+                cur, size = [], len(key)
+            cur.append(i)
+            size += n
+        bundles.append((key, cur))
+    sizes = [len(k) + sum(max(resp[i] - 1, 0) for i in rows) for k, rows in bundles]
+    bins: list[list[int]] = []
+    room: list[int] = []
+    for j in sorted(range(len(bundles)), key=lambda j: -sizes[j]):
+        for b, free in enumerate(room):
+            if sizes[j] <= free:
+                bins[b].append(j)
+                room[b] -= sizes[j]
+                break
+        else:
+            bins.append([j])
+            room.append(width - sizes[j])
+    n_rows, tmax = len(bins), batch.mask.shape[1]
+    ids = torch.zeros((n_rows, width), dtype=torch.long)
+    pos = torch.zeros((n_rows, width), dtype=torch.long)
+    bundle_of = torch.full((n_rows, width), -1, dtype=torch.long)   # -1: padding
+    seg = torch.full((n_rows, width), -1, dtype=torch.long)         # -1: a prompt token (shared)
+    gather = torch.zeros((len(total), tmax), dtype=torch.long)
+    b_id = 0
+    for row, keys in enumerate(bins):
+        at = 0
+        for j in keys:
+            key, members = bundles[j]
+            p = len(key)
+            ids[row, at:at + p] = torch.tensor(key, dtype=torch.long)
+            pos[row, at:at + p] = torch.arange(p)
+            bundle_of[row, at:at + p] = b_id
+            prompt_last = row * width + at + p - 1
+            at += p
+            for i in members:
+                r = resp[i]
+                body = ids_all[i][p:p + r - 1]
+                ids[row, at:at + len(body)] = torch.tensor(body, dtype=torch.long)
+                pos[row, at:at + len(body)] = torch.arange(p, p + len(body))
+                bundle_of[row, at:at + len(body)] = b_id
+                seg[row, at:at + len(body)] = i
+                if r:
+                    gather[i, 0] = prompt_last
+                    gather[i, 1:r] = row * width + at + torch.arange(r - 1)
+                at += len(body)
+            b_id += 1
+    causal = torch.ones((width, width), dtype=torch.bool).tril()
+    same_bundle = (bundle_of[:, :, None] == bundle_of[:, None, :]) & (bundle_of[:, None, :] >= 0)
+    visible = (seg[:, None, :] == -1) | (seg[:, None, :] == seg[:, :, None])
+    mask = causal & same_bundle & visible
+    mask |= torch.eye(width, dtype=torch.bool)  # padding attends to itself (no empty softmax row)
+    return ids, pos, mask[:, None], gather
+
+
+def packed_response_logits(model, batch: TrainBatch, device: str) -> torch.Tensor:
+    """``response_logits`` over the shared-prompt packed layout (``packed_layout``): each prompt is
+    computed once per micro-batch instead of once per sample and no padding is computed beyond the
+    packed rows' tails. Equal to the padded forward up to float rounding
+    (``tests/training/test_packed_forward.py``)."""
+    ids, pos, mask, gather = packed_layout(batch)
+    logits = model(input_ids=ids.to(device), position_ids=pos.to(device), attention_mask=mask.to(device)).logits
+    flat = logits.reshape(-1, logits.shape[-1])
+    return flat[gather.to(device).reshape(-1)].reshape(*gather.shape, -1).float()
+
+
 def token_logprobs(logits: torch.Tensor, targets: torch.Tensor, temperature: float) -> torch.Tensor:
     """(B, T, V) logits, (B, T) targets -> (B, T) log-probs under the temperature-scaled policy."""
     return torch.log_softmax(logits / temperature, dim=-1).gather(-1, targets[..., None]).squeeze(-1)
@@ -162,6 +258,8 @@ class PolicyTrainer:
         self.rank = rank
         self.world_size = world_size
         self.version = 0
+        self.pack = True
+        """Shared-prompt packed forward (``packed_response_logits``); False: the padded one."""
         self._where = f"stage {self.stage}, update 1"
         # a frozen copy of the starting weights, only when the objective has a KL term
         self.ref_model = copy.deepcopy(model).eval().requires_grad_(False) if params.kl_coef > 0 else None
@@ -216,6 +314,13 @@ class PolicyTrainer:
         if is_peft(self.model):
             return adapter_state(self.model)
         return _host_arrays(self.model.state_dict(), self)
+
+    def _response_logits(self, model, sub: TrainBatch) -> torch.Tensor:
+        """(B, T, V) logits of a micro-batch: shared-prompt packed (``packed_response_logits``) unless
+        ``pack`` is off or ``REFERENCE_FORWARD`` is set."""
+        if self.pack and not REFERENCE_FORWARD:
+            return packed_response_logits(model, sub, self.device)
+        return response_logits(model, sub, self.device)
 
     def _my_micro_batches(self, idx: torch.Tensor, lengths: torch.Tensor) -> list[tuple[torch.Tensor, bool]]:
         """This rank's micro-batches of rows ``idx`` as (rows, counts) pairs. Rank r takes every
@@ -273,7 +378,7 @@ class PolicyTrainer:
             for mb in micro_batches(lengths, everything, self.micro_batch_tokens):
                 sub = batch.rows(mb).trimmed()
                 t = sub.mask.shape[1]
-                out[mb.to(self.device), :t] = token_logprobs(response_logits(model, sub, self.device),
+                out[mb.to(self.device), :t] = token_logprobs(self._response_logits(model, sub),
                                                              targets[mb, :t], self.temperature)
             return out
 
@@ -293,7 +398,7 @@ class PolicyTrainer:
             for j, (mb, counts) in enumerate(mbs):
                 sub = batch.rows(mb).trimmed()
                 t = sub.mask.shape[1]
-                logits = response_logits(self.forward_model, sub, self.device)
+                logits = self._response_logits(self.forward_model, sub)
                 logprobs = token_logprobs(logits, targets[mb, :t], self.temperature)
                 m = mask[mb, :t]
                 pbatch = PolicyBatch(
