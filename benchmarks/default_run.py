@@ -123,10 +123,19 @@ def main() -> None:
                     help="take the first run of a kept workspace from an earlier (interrupted) call instead of rerunning")
     ap.add_argument("--out", type=Path, default=ROOT / "benchmarks" / "results" / "default_run")
     ap.add_argument("--label", default="")
+    ap.add_argument("--combine", type=Path, nargs="+", metavar="JSON",
+                    help="run nothing: one table (and checks) from these earlier results files, e.g. seeds split "
+                         "over two processes")
     ap.add_argument("overrides", nargs="*")
     args = ap.parse_args()
     rows, cached = [], []
-    for threads in args.threads:
+    if args.combine:
+        parts = [json.loads(p.read_text()) for p in args.combine]
+        for part in parts:
+            rows += part["rows"]
+            cached += part.get("cached_reruns", [])
+        args.overrides = sorted({o for part in parts for o in part.get("overrides", [])})
+    for threads in ([] if args.combine else args.threads):
         for seed in args.seeds:
             for rep in range(args.repeats):
                 ws = args.workspaces / f"t{threads}-s{seed}-r{rep}"
@@ -147,7 +156,7 @@ def main() -> None:
     verdicts = checks(first)
     stamp = dt.date.today().isoformat()
     name = f"{stamp}{'_' + args.label if args.label else ''}"
-    header = (f"# Default run, {stamp}: {platform.processor() or platform.machine()}, "
+    header = (f"# Default run, {stamp}{' (combined from ' + ', '.join(p.name for p in args.combine) + ')' if args.combine else ''}: {platform.processor() or platform.machine()}, "
               f"{__import__('os').cpu_count()} cores; overrides: {' '.join(args.overrides) or '(none)'}")
     args.out.mkdir(parents=True, exist_ok=True)
     (args.out / f"{name}.json").write_text(json.dumps({"date": stamp, "overrides": args.overrides, "rows": rows,
