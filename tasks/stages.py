@@ -594,8 +594,10 @@ def _select_config(c: Config) -> dict:
 
 def _history_prompts(c: Config) -> int:
     """Prompts HIVE's history samples with the RL starting model (``difficulty_rft``)."""
-    h = c.curation.select.history_prompts
-    return c.curation.difficulty.max_prompts if h is None else h
+    h, cap = c.curation.select.history_prompts, c.curation.difficulty.max_prompts
+    if h is None:
+        return cap
+    return min(h, cap) if h > 0 and cap > 0 else h
 
 
 def _difficulty_stage(name: str, model_stage: str,

@@ -45,5 +45,10 @@ def test_history_prompts_keys_only_the_rft_difficulty_stage():
     base, more = load_config([]), load_config(["curation.select.history_prompts=0"])
     warm, rft = STAGE_BY_NAME["difficulty"], STAGE_BY_NAME["difficulty_rft"]
     assert warm.config(base) == warm.config(more)
-    assert rft.config(base)["max_prompts"] == base.curation.difficulty.max_prompts
+    assert rft.config(base)["max_prompts"] == base.curation.select.history_prompts == 750
     assert rft.config(more)["max_prompts"] == 0
+    # at most what difficulty samples, so a small config scales both down; null follows it
+    small = load_config(["curation.difficulty.max_prompts=40"])
+    assert rft.config(small)["max_prompts"] == 40
+    follows = load_config(["curation.select.history_prompts=null"])
+    assert rft.config(follows)["max_prompts"] == follows.curation.difficulty.max_prompts
