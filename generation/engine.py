@@ -77,15 +77,8 @@ class TorchEngine:
             return self._generate_batch_reference(requests, max_new_tokens, temperature, generator)
         from transformers import DynamicCache
 
-        prompts = [r.prompt.prompt_tokens for r in requests]
-        bsz, plen = len(prompts), max(len(p) for p in prompts)
-        input_ids = torch.full((bsz, plen), self.pad_id, dtype=torch.long)
-        attn = torch.zeros((bsz, plen), dtype=torch.long)
-        for i, p in enumerate(prompts):  # left padding keeps every sequence's next token at the end
-            input_ids[i, plen - len(p):] = torch.tensor(p)
-            attn[i, plen - len(p):] = 1
-        input_ids, attn = input_ids.to(self.device), attn.to(self.device)
-        positions = (attn.cumsum(-1) - 1).clamp(min=0)
+        input_ids, attn, positions = self._left_padded([r.prompt.prompt_tokens for r in requests])
+        bsz, plen = input_ids.shape
         cache = DynamicCache()
         tokens = torch.empty((bsz, max_new_tokens), dtype=torch.long)
         logps = torch.zeros((bsz, max_new_tokens))
@@ -144,6 +137,18 @@ class TorchEngine:
         return [self._trajectory(r, tokens[i, :lengths[i]], logps[i, :lengths[i]], bool(done[i]), mean_ent[i])
                 for i, r in enumerate(requests)]
 
+    def _left_padded(self, prompts) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """(input_ids, attention_mask, position_ids) on the device, left-padded: every sequence's next
+        token is at the end."""
+        bsz, plen = len(prompts), max(len(p) for p in prompts)
+        input_ids = torch.full((bsz, plen), self.pad_id, dtype=torch.long)
+        attn = torch.zeros((bsz, plen), dtype=torch.long)
+        for i, p in enumerate(prompts):
+            input_ids[i, plen - len(p):] = torch.tensor(p)
+            attn[i, plen - len(p):] = 1
+        input_ids, attn = input_ids.to(self.device), attn.to(self.device)
+        return input_ids, attn, (attn.cumsum(-1) - 1).clamp(min=0)
+
     @torch.inference_mode()
     def _generate_batch_reference(self, requests: list[GenRequest], max_new_tokens: int, temperature: float,
                         generator: torch.Generator) -> list[Trajectory]:
@@ -151,15 +156,8 @@ class TorchEngine:
         decoded until the whole batch is done): kept as the reference ``tests`` compare against."""
         from transformers import DynamicCache
 
-        prompts = [r.prompt.prompt_tokens for r in requests]
-        bsz, plen = len(prompts), max(len(p) for p in prompts)
-        input_ids = torch.full((bsz, plen), self.pad_id, dtype=torch.long)
-        attn = torch.zeros((bsz, plen), dtype=torch.long)
-        for i, p in enumerate(prompts):  # left padding keeps every sequence's next token at the end
-            input_ids[i, plen - len(p):] = torch.tensor(p)
-            attn[i, plen - len(p):] = 1
-        input_ids, attn = input_ids.to(self.device), attn.to(self.device)
-        positions = (attn.cumsum(-1) - 1).clamp(min=0)
+        input_ids, attn, positions = self._left_padded([r.prompt.prompt_tokens for r in requests])
+        bsz, plen = input_ids.shape
         cache = DynamicCache()
         tokens = torch.empty((bsz, max_new_tokens), dtype=torch.long)
         logps = torch.zeros((bsz, max_new_tokens))
