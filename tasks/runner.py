@@ -126,6 +126,18 @@ def record(ws: Workspace, run_id: str, stage: Stage, out: StageOutcome, inputs: 
             stage.record(con, ctx, out.result, k.digest)
 
 
+def finished_result(ws: Workspace, stage: str, key: CacheKey) -> StageResult | None:
+    """The artifacts and metrics of the latest finished run of ``stage`` under ``key``, from the catalog."""
+    import json
+
+    rows = ws.catalog.query("SELECT outputs_json, metrics_json FROM stage_runs WHERE stage = ? AND cache_key = ? "
+                            "ORDER BY finished_at DESC LIMIT 1", [stage, key.digest])
+    if not rows:
+        return None
+    return StageResult.from_dict({"artifacts": json.loads(rows[0]["outputs_json"]),
+                                  "metrics": json.loads(rows[0]["metrics_json"] or "{}")}, ws.artifacts)
+
+
 def replay_cached(cfg: Config, ws: Workspace, run_id: str, stages: list[str] | None = None,
                   force: list[str] | None = None) -> list[StageOutcome] | None:
     """A run in which nothing would run, without Prefect: when no stage is forced and every selected
@@ -135,7 +147,6 @@ def replay_cached(cfg: Config, ws: Workspace, run_id: str, stages: list[str] | N
     start is most of a cached rerun's time). Returns None, having written nothing, when any stage
     would run; the caller then runs the Prefect flow. Never used with ``PREFECT_API_URL`` set: runs
     reported to a server stay visible there."""
-    import json
     import os
 
     from tasks.lineage import record_stage
@@ -155,14 +166,8 @@ def replay_cached(cfg: Config, ws: Workspace, run_id: str, stages: list[str] | N
         t0 = time.perf_counter()
         inputs = {name: found[src][0].result.artifacts[o] for name, (src, o) in stage.inputs.items()}
         key = stage_key(stage, cfg, inputs, ws)
-        rows = ws.catalog.query("SELECT outputs_json, metrics_json FROM stage_runs WHERE stage = ? AND cache_key = ? "
-                                "AND status IN ('ran', 'cached') ORDER BY finished_at DESC LIMIT 1",
-                                [stage.name, key.digest])
-        if not rows:
-            return None
-        result = StageResult.from_dict({"artifacts": json.loads(rows[0]["outputs_json"]),
-                                        "metrics": json.loads(rows[0]["metrics_json"] or "{}")}, ws.artifacts)
-        if not all(ws.artifacts.exists(r) for r in result.artifacts.values()):
+        result = finished_result(ws, stage.name, key)
+        if result is None or not all(ws.artifacts.exists(r) for r in result.artifacts.values()):
             return None
         found[stage.name] = (StageOutcome(stage.name, "cached", time.perf_counter() - t0, key, result, None), inputs, t0)
     outcomes: dict[str, StageOutcome] = {}
@@ -186,8 +191,6 @@ class StagePlan:
 
 def plan(cfg: Config, ws: Workspace) -> list[StagePlan]:
     """Each stage cached or stale for ``cfg``, and why: read-only, no Prefect, no stage body."""
-    import json
-
     cat = ws.catalog
     produced: dict[str, dict[str, ArtifactRef]] = {}
     out: list[StagePlan] = []
@@ -198,10 +201,9 @@ def plan(cfg: Config, ws: Workspace) -> list[StagePlan]:
             continue
         inputs = {name: produced[src][o] for name, (src, o) in stage.inputs.items()}
         key = stage_key(stage, cfg, inputs, ws)
-        rows = cat.query("SELECT outputs_json FROM stage_runs WHERE stage = ? AND cache_key = ? "
-                         "ORDER BY finished_at DESC LIMIT 1", [stage.name, key.digest])
-        refs = {n: ws.artifacts.locate(d) for n, d in json.loads(rows[0]["outputs_json"]).items()} if rows else {}
-        if rows and all(ws.artifacts.exists(r) for r in refs.values()):
+        found = finished_result(ws, stage.name, key)
+        refs = found.artifacts if found is not None else {}
+        if found is not None and all(ws.artifacts.exists(r) for r in refs.values()):
             produced[stage.name] = refs
             out.append(StagePlan(stage.name, "cached", "key matches a finished run", key))
             continue
@@ -209,7 +211,7 @@ def plan(cfg: Config, ws: Workspace) -> list[StagePlan]:
                          "WHERE stage = ? ORDER BY finished_at DESC LIMIT 1", [stage.name])
         if not last:
             reason = "never ran in this workspace"
-        elif rows:
+        elif found is not None:
             reason = "its artifact is missing from the store"
         else:
             prev = CacheKey(stage.name, last[0]["config_hash"], last[0]["inputs_hash"], last[0]["source_hash"],
