@@ -8,18 +8,25 @@ step than ``generate`` for small models.
 
 from __future__ import annotations
 
+import math
 from typing import Sequence
 
-import numpy as np
 import torch
 
 from generation.records import GenRequest, PromptItem, Trajectory, WeightsUpdate
 
 
 class TorchEngine:
-    def __init__(self, model, tokenizer, device: str = "cpu", batch_size: int = 256, static_cache: bool = True):
+    def __init__(self, model, tokenizer, device: str = "cpu", batch_size: int = 256, static_cache: bool = True,
+                 fused_decode: bool = True):
         self.model = model.to(device).eval()
         self.static_cache = static_cache
+        self.fused_decode = fused_decode
+        """Decode steps through ``generation.fused_decode`` where it reproduces the model (Llama-family);
+        False: through the model's own forward."""
+        self._fused_decoder = None
+        self._kv_store: list = []
+        """The static decode's host buffers, reused from batch to batch (``_StaticDecodeCache``)."""
         """Decode over a static KV cache with finished rows compacted away (``_generate_batch``); False:
         the reference loop (``_generate_batch_reference``), also taken for models whose attention is
         not SDPA."""
@@ -77,8 +84,14 @@ class TorchEngine:
             return self._generate_batch_reference(requests, max_new_tokens, temperature, generator)
         from transformers import DynamicCache
 
-        input_ids, attn, positions = self._left_padded([r.prompt.prompt_tokens for r in requests])
-        bsz, plen = input_ids.shape
+        # the prefill runs once per distinct prompt (a group's samples share theirs) and its keys and
+        # values are copied to every row that has that prompt
+        unique: dict[tuple[int, ...], int] = {}
+        of_row = torch.tensor([unique.setdefault(tuple(r.prompt.prompt_tokens), len(unique)) for r in requests])
+        input_ids, attn, positions = self._left_padded(list(unique))
+        plen = input_ids.shape[1]
+        bsz = len(requests)
+        of_row_dev = of_row.to(self.device)
         cache = DynamicCache()
         tokens = torch.empty((bsz, max_new_tokens), dtype=torch.long)
         logps = torch.zeros((bsz, max_new_tokens))
@@ -86,25 +99,32 @@ class TorchEngine:
         lengths = torch.full((bsz,), max_new_tokens, dtype=torch.long)
         done = torch.zeros(bsz, dtype=torch.bool)
         logits = self.model(input_ids=input_ids, attention_mask=attn, position_ids=positions,
-                            past_key_values=cache, use_cache=True).logits[:, -1, :]
+                            past_key_values=cache, use_cache=True).logits[:, -1, :].index_select(0, of_row_dev)
         # the static cache: every layer's keys/values in one buffer [rows, kv_heads, width, head_dim]; the
         # token fed at step t (t >= 1) writes column plen + t - 1; the last sampled token is never fed
         width = plen + max_new_tokens - 1
-        slots = _StaticDecodeCache(cache, width)
+        fused = self._fused(width + 1)
+        slots = _StaticDecodeCache(cache, width, of_row_dev, keys_transposed=fused is not None,
+                                   store=self._kv_store if self.device == "cpu" else None)
         del cache
-        neg = torch.finfo(slots.keys[0].dtype).min
-        mask = torch.zeros((bsz, 1, 1, width), dtype=slots.keys[0].dtype, device=self.device)
-        mask[:, 0, 0, :plen].masked_fill_(attn == 0, neg)  # additive: left padding is never attended
+        neg = torch.finfo(slots.values[0].dtype).min
+        mask = torch.zeros((bsz, 1, 1, width), dtype=slots.values[0].dtype, device=self.device)
+        mask[:, 0, 0, :plen].masked_fill_(attn.index_select(0, of_row_dev) == 0, neg)  # left padding: never attended
         rows = torch.arange(bsz)          # full-batch index of each buffer row (rows leave by compaction)
-        step_pos = positions[:, -1:]
+        step_pos = positions[:, -1:].index_select(0, of_row_dev)
         for t in range(max_new_tokens):
             if t > 0:
                 col = plen + t - 1
                 n = len(rows)
-                slots.col = col
-                with _decode_attention(self.model):
-                    logits = self.model(input_ids=step_ids, attention_mask=mask[:n, :, :, :col + 1],
-                                        position_ids=step_pos, past_key_values=slots, use_cache=True).logits[:, -1, :]
+                if fused is not None:
+                    logits = fused.step(step_ids[:, 0], step_pos[:, 0], slots.keys, slots.values, col,
+                                        mask[:n, :, :, :col + 1])
+                else:
+                    slots.col = col
+                    with _decode_attention(self.model):
+                        logits = self.model(input_ids=step_ids, attention_mask=mask[:n, :, :, :col + 1],
+                                            position_ids=step_pos, past_key_values=slots,
+                                            use_cache=True).logits[:, -1, :]
             logprobs = torch.log_softmax(logits.float() / temperature, dim=-1).cpu()
             probs = logprobs.exp()
             # torch.multinomial(probs, 1) of the whole batch, drawn the same way (argmax of p / Exp(1)
@@ -134,8 +154,24 @@ class TorchEngine:
                 mask[:m] = mask.index_select(0, sel_dev)
                 rows, step_ids, step_pos = rows[sel], step_ids[sel_dev], step_pos[sel_dev]
         mean_ent = (ent_sum / lengths.clamp(min=1)).tolist()
-        return [self._trajectory(r, tokens[i, :lengths[i]], logps[i, :lengths[i]], bool(done[i]), mean_ent[i])
-                for i, r in enumerate(requests)]
+        return self._trajectories(requests, tokens, logps, lengths, done, mean_ent)
+
+    def _fused(self, positions: int):
+        """The model's ``FusedDecoder`` (built once, its weights refreshed when they changed) with
+        rotary tables for ``positions``; None when the model is not one it reproduces or
+        ``fused_decode`` is off."""
+        from generation.fused_decode import fused_decoder
+
+        if not self.fused_decode:
+            return None
+        if self._fused_decoder is None or self._fused_decoder[0] is not self.model:
+            self._fused_decoder = (self.model, fused_decoder(self.model))
+        dec = self._fused_decoder[1]
+        if dec is None or (dec.max_width is not None and positions > dec.max_width):
+            return None
+        dec.refresh()
+        dec.rotary_tables(positions)
+        return dec
 
     def _left_padded(self, prompts) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """(input_ids, attention_mask, position_ids) on the device, left-padded: every sequence's next
@@ -183,17 +219,20 @@ class TorchEngine:
             step_pos = step_pos[:, -1:] + 1
             attn = torch.cat([attn, torch.ones((bsz, 1), dtype=attn.dtype, device=self.device)], dim=1)
         mean_ent = (ent_sum / lengths.clamp(min=1)).tolist()
-        return [self._trajectory(r, tokens[i, :lengths[i]], logps[i, :lengths[i]], bool(done[i]), mean_ent[i])
-                for i, r in enumerate(requests)]
+        return self._trajectories(requests, tokens, logps, lengths, done, mean_ent)
 
-    def _trajectory(self, req: GenRequest, toks: torch.Tensor, logps: torch.Tensor, finished: bool,
-                    mean_entropy: float) -> Trajectory:
-        ids = toks.tolist()
-        body = ids[:-1] if finished else ids
-        return Trajectory(kind="trajectory", prompt=req.prompt, sample_idx=req.sample_idx,
-                          response_tokens=tuple(ids), behaviour_logprobs=tuple(np.asarray(logps, dtype=np.float64).tolist()),
-                          version=self.version, finished=finished,
-                          text=self.tokenizer.decode(body, skip_special_tokens=True), mean_entropy=mean_entropy)
+    def _trajectories(self, requests: list[GenRequest], tokens: torch.Tensor, logps: torch.Tensor,
+                      lengths: torch.Tensor, done: torch.Tensor, mean_ent: list[float]) -> list[Trajectory]:
+        """One ``Trajectory`` per request from the batch's [B, max_new_tokens] tokens and log-probs (row i
+        valid up to ``lengths[i]``; a finished row's last token is its EOS, not part of its text)."""
+        ids_all, lps_all = tokens.tolist(), logps.double().tolist()
+        ns, fin = lengths.tolist(), done.tolist()
+        ids = [row[:n] for row, n in zip(ids_all, ns)]
+        texts = self.tokenizer.batch_decode([x[:-1] if f else x for x, f in zip(ids, fin)], skip_special_tokens=True)
+        return [Trajectory(kind="trajectory", prompt=r.prompt, sample_idx=r.sample_idx, response_tokens=tuple(x),
+                           behaviour_logprobs=tuple(lp[:n]), version=self.version, finished=f, text=text,
+                           mean_entropy=e)
+                for r, x, lp, n, f, text, e in zip(requests, ids, lps_all, ns, fin, texts, mean_ent)]
 
 
 _DECODE_ATTN = "laminar_decode"
@@ -254,23 +293,50 @@ class _decode_attention:
 class _StaticDecodeCache:
     """The cache object handed to the model during decode (duck-typed like a Hugging Face ``Cache``):
     per layer one key and one value buffer [rows, kv_heads, width, head_dim], filled from the prefill's
-    ``DynamicCache``; ``update`` writes the step's key/value at column ``col`` of the first ``rows``
-    rows and returns views of columns ``[0, col]`` (nothing is concatenated or copied per step)."""
+    ``DynamicCache`` (its row ``rows[i]`` into row i when ``rows`` is given); ``update`` writes the step's
+    key/value at column ``col`` of the first ``rows`` rows and returns views of columns ``[0, col]``
+    (nothing is concatenated or copied per step). ``keys_transposed``: the key buffers are [rows,
+    kv_heads, head_dim, width] instead (``generation.fused_decode``'s layout: its score matmul reads
+    them without a transpose); ``update`` is not used then."""
 
     is_compileable = False
 
-    def __init__(self, prefill_cache, width: int):
+    def __init__(self, prefill_cache, width: int, rows: torch.Tensor | None = None, keys_transposed: bool = False,
+                 store: list | None = None):
         self.keys, self.values = [], []
-        for layer in prefill_cache.layers:
+        self.keys_transposed = keys_transposed
+        self.store = store
+        for i, layer in enumerate(prefill_cache.layers):
             b, h, p, d = layer.keys.shape
-            k = layer.keys.new_empty((b, h, width, d))
-            v = layer.values.new_empty((b, h, width, layer.values.shape[-1]))
-            k[:, :, :p] = layer.keys
-            v[:, :, :p] = layer.values
+            b = b if rows is None else len(rows)
+            keys = layer.keys if rows is None else layer.keys.index_select(0, rows)
+            v = self._buffer(2 * i + 1, (b, h, width, layer.values.shape[-1]), layer.values)
+            v[:, :, :p] = layer.values if rows is None else layer.values.index_select(0, rows)
+            if keys_transposed:
+                k = self._buffer(2 * i, (b, h, d, width), keys)
+                k[..., :p] = keys.transpose(-1, -2)
+            else:
+                k = self._buffer(2 * i, (b, h, width, d), keys)
+                k[:, :, :p] = keys
             self.keys.append(k)
             self.values.append(v)
-        self.rows = self.keys[0].shape[0]
+        self.rows = self.values[0].shape[0]
         self.col = p
+
+    def _buffer(self, slot: int, shape: tuple[int, ...], like: torch.Tensor) -> torch.Tensor:
+        """An uninitialised [shape] tensor: a view of the ``store``'s buffer ``slot`` when that is large
+        enough (a host engine keeps its buffers from batch to batch: fresh pages cost more than the
+        copies into them), else a new one (kept in the store)."""
+        if self.store is None:
+            return like.new_empty(shape)
+        while len(self.store) <= slot:
+            self.store.append(None)
+        buf = self.store[slot]
+        if (buf is None or buf.dim() != len(shape) or buf.dtype != like.dtype or buf.device != like.device
+                or any(have < need for have, need in zip(buf.shape, shape))):
+            grown = shape if buf is None or buf.dim() != len(shape) else tuple(map(max, buf.shape, shape))
+            buf = self.store[slot] = like.new_empty(grown)
+        return buf[tuple(slice(0, n) for n in shape)]
 
     def update(self, key_states, value_states, layer_idx, cache_kwargs=None):
         n, c = key_states.shape[0], self.col
@@ -281,8 +347,16 @@ class _StaticDecodeCache:
 
     def select(self, keep: torch.Tensor, upto: int) -> None:
         """Rows ``keep`` (indices into the current rows) move to the front, columns ``[0, upto)``."""
-        for buf in (*self.keys, *self.values):
-            buf[:len(keep), :, :upto] = buf[:, :, :upto].index_select(0, keep)
+        m = len(keep)
+        for i, buf in enumerate((*self.keys, *self.values)):
+            view = buf[..., :upto] if self.keys_transposed and i < len(self.keys) else buf[:, :, :upto]
+            if self.store is None:
+                view[:m] = view.index_select(0, keep)
+                continue
+            shape = (m, *view.shape[1:])
+            scratch = self._buffer(len(self.keys) + len(self.values), (math.prod(shape),), buf).view(shape)
+            torch.index_select(view, 0, keep, out=scratch)
+            view[:m] = scratch
         self.rows = len(keep)
 
     def get_seq_length(self, layer_idx: int = 0) -> int:
