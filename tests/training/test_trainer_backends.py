@@ -85,3 +85,13 @@ def test_two_deepspeed_ranks_match_one_torch_rank(stage, tmp_path):
     ref_stats, ref_state = _reference()
     stats, state = _spawn(2, "deepspeed", stage, tmp_path)
     _assert_same(stats, state, ref_stats, ref_state)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("world", [1, 2])
+def test_lora_under_zero3_matches_one_torch_rank(world, tmp_path):
+    """ZeRO-3 partitions the frozen base and the adapters alike; the adapters' updates and the
+    published adapter tensors still equal one torch rank's."""
+    ref_stats, ref_state = _reference(lora=True)
+    stats, state = _spawn(world, "deepspeed", 3, tmp_path, lora=True)
+    _assert_same(stats, state, ref_stats, ref_state)
