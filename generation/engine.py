@@ -104,7 +104,7 @@ class TorchEngine:
         # token fed at step t (t >= 1) writes column plen + t - 1; the last sampled token is never fed
         width = plen + max_new_tokens - 1
         fused = self._fused(width + 1)
-        slots = _StaticDecodeCache(cache, width, of_row_dev, keys_transposed=fused is not None,
+        slots = _StaticDecodeCache(cache, width, of_row_dev, keys_transposed=fused is not None and fused.keys_transposed,
                                    store=self._kv_store if self.device == "cpu" else None)
         del cache
         neg = torch.finfo(slots.values[0].dtype).min
@@ -306,6 +306,8 @@ class _StaticDecodeCache:
         self.keys, self.values = [], []
         self.keys_transposed = keys_transposed
         self.store = store
+        self.set = 0
+        """Which of the store's two sets of buffers holds the cache (``select`` alternates them)."""
         for i, layer in enumerate(prefill_cache.layers):
             b, h, p, d = layer.keys.shape
             b = b if rows is None else len(rows)
@@ -346,18 +348,28 @@ class _StaticDecodeCache:
         return k[:, :, :c + 1], v[:, :, :c + 1]
 
     def select(self, keep: torch.Tensor, upto: int) -> None:
-        """Rows ``keep`` (indices into the current rows) move to the front, columns ``[0, upto)``."""
+        """Rows ``keep`` (indices into the current rows) move to the front, columns ``[0, upto)``. With a
+        ``store`` the rows are gathered straight into the store's other set of buffers (one copy),
+        which then become the cache."""
         m = len(keep)
+        n_keys = len(self.keys)
+        if self.store is not None:
+            self.set = 1 - self.set
         for i, buf in enumerate((*self.keys, *self.values)):
-            view = buf[..., :upto] if self.keys_transposed and i < len(self.keys) else buf[:, :, :upto]
+            is_key = i < n_keys
+            cols = (lambda b: b[..., :upto]) if self.keys_transposed and is_key else (lambda b: b[:, :, :upto])
             if self.store is None:
+                view = cols(buf)
                 view[:m] = view.index_select(0, keep)
                 continue
-            shape = (m, *view.shape[1:])
-            scratch = self._buffer(len(self.keys) + len(self.values), (math.prod(shape),), buf).view(shape)
-            torch.index_select(view, 0, keep, out=scratch)
-            view[:m] = scratch
-        self.rows = len(keep)
+            layer = i if is_key else i - n_keys
+            target = self._buffer(2 * n_keys * self.set + 2 * layer + (0 if is_key else 1), tuple(buf.shape), buf)
+            torch.index_select(cols(buf), 0, keep, out=cols(target)[:m])
+            if is_key:
+                self.keys[layer] = target
+            else:
+                self.values[layer] = target
+        self.rows = m
 
     def get_seq_length(self, layer_idx: int = 0) -> int:
         return self.col

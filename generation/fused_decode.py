@@ -85,6 +85,9 @@ class FusedDecoder:
         self.intermediate = model.model.layers[0].mlp.gate_proj.out_features
         self.scale = model.model.layers[0].self_attn.scaling
         self._sig = None
+        self.keys_transposed = True
+        """The key buffers' layout ``step`` expects: [rows, kv_heads, head_dim, width] (True) or
+        [rows, kv_heads, width, head_dim] (False)."""
         self.scale_folded = False
         self._cos = self._sin = None
         window = getattr(cfg, "sliding_window", None)
@@ -177,9 +180,14 @@ class FusedDecoder:
             qk = qkv[:, :qd + kd].view(n, h_ + kv, d) * cos
             qk += qkv[:, qd + 2 * kd:].view(n, h_ + kv, d) * sin        # q, k with rotary applied
             kb, vb = keys[li], values[li]
-            kb[:n, :, :, col] = qk[:, h_:]
             vb[:n, :, col] = qkv[:, qd + kd:qd + 2 * kd].view(n, kv, d)
-            scores = torch.matmul(qk[:, :h_].view(n, kv, h_ // kv, d), kb[:n, :, :, :col + 1])   # [n, KV, G, T]
+            if self.keys_transposed:
+                kb[:n, :, :, col] = qk[:, h_:]
+                keys_t = kb[:n, :, :, :col + 1]
+            else:
+                kb[:n, :, col] = qk[:, h_:]
+                keys_t = kb[:n, :, :col + 1].transpose(-1, -2)
+            scores = torch.matmul(qk[:, :h_].view(n, kv, h_ // kv, d), keys_t)   # [n, KV, G, T]
             if not self.scale_folded:
                 scores.mul_(self.scale)
             att = torch.matmul(torch.softmax(scores.add_(mask), dim=-1), vb[:n, :, :col + 1])   # [n, KV, G, D]
