@@ -5,8 +5,9 @@ stdin/stdout (``generation.protocol``).
     python -m generation.vllm_worker --engine torch --model-dir DIR [--device cuda ...]
 
 ``--engine vllm`` runs in vLLM's own environment (``make vllm-env``; vLLM pins torch, transformers and
-fastapi against Prefect's) and imports only vLLM, this module and the protocol module (standard
-library, numpy, msgpack, the plain records). ``--engine torch`` hosts the built-in engine behind the
+fastapi against Prefect's) and imports only vLLM, this module, the protocol module and
+``generation.adapter``'s names (standard library, numpy, msgpack, the plain records; torch only inside
+the adapter functions the worker never calls). ``--engine torch`` hosts the built-in engine behind the
 same loop, so the wire path is tested without vLLM.
 
 vLLM is driven through its documented offline interfaces: ``vllm.LLM`` and its ``llm_engine``
@@ -24,7 +25,8 @@ scaling) is not merged but written once, as a PEFT folder (``adapter_config.json
 ``adapter_model.safetensors``), under this worker's folder in shared memory; from then on every
 request is submitted with ``lora_request=LoRARequest("laminar-v<version>", <a new id>, <folder>)``, and
 the previous version's folder is deleted and its adapter removed from vLLM. The id is new for every
-load because vLLM caches adapters by id, not by path: a reused id would keep sampling the old one.
+load because vLLM caches adapters by id, not by path: a version is never served from the cache entry
+of another, whatever vLLM still holds.
 
 Semantics the runtime relies on, kept by ``VllmEngine``:
 - admission is ours: at most ``capacity`` sequences live in vLLM, the rest wait in a queue we can

@@ -11,6 +11,7 @@ from __future__ import annotations
 import os
 import sys
 from pathlib import Path
+from types import SimpleNamespace
 
 import numpy as np
 import pytest
@@ -233,8 +234,6 @@ def test_the_lora_rank_travels_from_the_adapter_folder_to_the_worker_flags(tmp_p
 
     assets["versions"][1].save_pretrained(tmp_path / "adapter")
     assert adapter_rank(tmp_path / "adapter") == RANK and adapter_rank(assets["dir"]) == 0
-    from types import SimpleNamespace
-
     opts = rollout_engine_options(SimpleNamespace(engine="vllm"), lora_rank=RANK)
     assert opts["lora_rank"] == RANK and "lora_rank" not in rollout_engine_options(None, lora_rank=RANK)
     kw = dict(python="py", device="cuda", capacity=4, max_new_tokens=8, temperature=1.0, seed=0, lora_rank=RANK)
