@@ -457,6 +457,7 @@ TRAINER_BACKENDS = ("torch", "deepspeed")
 DIST_BACKENDS = ("auto", "gloo", "nccl")
 PLACEMENT_STRATEGIES = ("PACK", "SPREAD", "STRICT_PACK", "STRICT_SPREAD")
 ROLLOUT_ENGINES = ("torch", "torch-process", "vllm")  # generation.engines.ENGINE_KINDS (a test checks)
+VLLM_MAX_LORA_RANK = 512  # generation.vllm_worker.VLLM_LORA_RANKS[-1] (a test checks)
 ROLLOUT_DTYPES = ("auto", "float32", "bfloat16", "float16")
 DEVICES = ("cpu", "cuda", "auto")
 # tracking backend -> (the module it imports, the one-line install command; pins as in requirements.txt)
@@ -632,9 +633,9 @@ def _validate_lora(cfg: Config) -> None:
     if not lo.target_modules or len(set(lo.target_modules)) != len(lo.target_modules):
         raise ConfigError(f"model.lora.target_modules={list(lo.target_modules)}: name each module once, e.g. "
                           f"[{','.join(LLAMA_LINEAR_MODULES[:4])}]")
-    if lo.on("rl") and cfg.rollout.engine == "vllm":
-        raise ConfigError("model.lora with rollout.engine=vllm: the vLLM worker cannot apply published adapters yet; "
-                          "use rollout.engine=torch, or drop rl from model.lora.stages")
+    if lo.on("rl") and cfg.rollout.engine == "vllm" and lo.rank > VLLM_MAX_LORA_RANK:
+        raise ConfigError(f"model.lora.rank={lo.rank} with rollout.engine=vllm: vLLM takes adapters up to rank "
+                          f"{VLLM_MAX_LORA_RANK}; lower model.lora.rank or use rollout.engine=torch")
     if cfg.model.kind == "tiny":  # the tiny model's linear layers are known: a typo fails here, before any write
         for name in lo.target_modules:
             _one_of("model.lora.target_modules", name, LLAMA_LINEAR_MODULES)

@@ -11,7 +11,9 @@ A published adapter version (what RL's trainer sends through the relays when it 
 A rollout keeps its own copy of the base: ``load_published`` merges each version into it,
 ``W = W0 + scaling * B @ A`` from the kept ``W0``, so versions never accumulate and every version
 gives the same weights whatever was loaded before (benchmarks/lora_publish.py measures merged
-against unmerged decoding).
+against unmerged decoding). The vLLM worker does not merge: it writes each version as a PEFT folder
+and names it in every request (``generation.vllm_worker``); it imports this module for the names
+only, so torch is imported inside the functions that need it (vLLM's environment pins its own).
 """
 
 from __future__ import annotations
@@ -21,7 +23,6 @@ from pathlib import Path
 from typing import Mapping, Sequence
 
 import numpy as np
-import torch
 
 ADAPTER_CONFIG = "adapter_config.json"
 SCALING_KEY = "__lora_scaling__"
@@ -53,6 +54,18 @@ def base_reference(base: str | Path) -> str:
     return base.name if (base / "manifest.json").is_file() else str(base)
 
 
+def adapter_rank(path: str | Path) -> int:
+    """The rank ``r`` of the adapter folder ``path``, 0 for a full model folder: what a vLLM rollout
+    must be started with (``--lora-rank``) to take the versions published on top of it."""
+    if not is_adapter_dir(path):
+        return 0
+    with open(Path(path) / ADAPTER_CONFIG) as f:
+        r = json.load(f).get("r")
+    if not isinstance(r, int) or r <= 0:
+        raise ValueError(f"adapter {path}: {ADAPTER_CONFIG} has no positive integer rank r (got {r!r})")
+    return r
+
+
 def model_dir_for_sampling(path: str | Path) -> Path:
     """The folder an engine that receives published versions loads: the base of an adapter folder
     (the adapter itself arrives as version 0 before any sampling), else the folder itself."""
@@ -79,11 +92,19 @@ def adapter_pairs(state: Mapping[str, np.ndarray]) -> dict[str, tuple[np.ndarray
     return {k: (a, b) for k, (a, b) in pairs.items()}
 
 
-@torch.no_grad()
 def merge_adapter(model, state: Mapping[str, np.ndarray]) -> int:
     """Set every adapted weight of the plain (unwrapped) ``model`` to ``W0 + scaling * B @ A``, W0 being
     the weight before the first adapter was merged (kept on the model). Checked before anything is
     written; returns the number of weights merged."""
+    import torch
+
+    with torch.no_grad():
+        return _merge_adapter(model, state)
+
+
+def _merge_adapter(model, state: Mapping[str, np.ndarray]) -> int:
+    import torch
+
     scaling = float(np.asarray(state[SCALING_KEY]).reshape(-1)[0])
     pairs = adapter_pairs(state)
     params = dict(model.named_parameters())
@@ -112,16 +133,26 @@ def merge_adapter(model, state: Mapping[str, np.ndarray]) -> int:
 
 def load_published(model, state: Mapping[str, np.ndarray]) -> None:
     """Load a published version into a plain model: merge an adapter, or replace every weight."""
+    import torch
+
     if is_adapter_state(state):
         merge_adapter(model, state)
     else:
         model.load_state_dict({k: torch.from_numpy(np.array(v)) for k, v in state.items()}, strict=True)
 
 
-@torch.inference_mode()
 def sequence_logprobs(model, tokens: Sequence[int], temperature: float = 1.0) -> list[float]:
     """Log-probs of ``tokens[1:]`` given their prefixes under ``model`` (one forward pass): what the
     rollout-equals-trainer check compares between a rollout and the trainer."""
+    import torch
+
+    with torch.inference_mode():
+        return _sequence_logprobs(model, tokens, temperature)
+
+
+def _sequence_logprobs(model, tokens: Sequence[int], temperature: float) -> list[float]:
+    import torch
+
     device = next(model.parameters()).device
     ids = torch.tensor([list(tokens)], dtype=torch.long, device=device)
     was_training = model.training

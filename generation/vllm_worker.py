@@ -5,8 +5,9 @@ stdin/stdout (``generation.protocol``).
     python -m generation.vllm_worker --engine torch --model-dir DIR [--device cuda ...]
 
 ``--engine vllm`` runs in vLLM's own environment (``make vllm-env``; vLLM pins torch, transformers and
-fastapi against Prefect's) and imports only vLLM, this module and the protocol module (standard
-library, numpy, msgpack, the plain records). ``--engine torch`` hosts the built-in engine behind the
+fastapi against Prefect's) and imports only vLLM, this module, the protocol module and
+``generation.adapter``'s names (standard library, numpy, msgpack, the plain records; torch only inside
+the adapter functions the worker never calls). ``--engine torch`` hosts the built-in engine behind the
 same loop, so the wire path is tested without vLLM.
 
 vLLM is driven through its documented offline interfaces: ``vllm.LLM`` and its ``llm_engine``
@@ -17,6 +18,16 @@ temperature-scaled distribution: the behaviour log-prob the objectives need), an
 whose method reads a safetensors file and calls the model's ``load_weights``; the prefix cache is
 reset afterwards so no key/value computed by old weights is reused.
 
+LoRA (``--lora-rank R``, for a ``model.lora`` RL run): the ``--model-dir`` is the bare base, vLLM is
+started with ``enable_lora=True, max_lora_rank=<R rounded up to a rank vLLM accepts>, max_loras=1``,
+and a published version that is an adapter (``generation.adapter``: PEFT's tensor names plus the
+scaling) is not merged but written once, as a PEFT folder (``adapter_config.json`` +
+``adapter_model.safetensors``), under this worker's folder in shared memory; from then on every
+request is submitted with ``lora_request=LoRARequest("laminar-v<version>", <a new id>, <folder>)``, and
+the previous version's folder is deleted and its adapter removed from vLLM. The id is new for every
+load because vLLM caches adapters by id, not by path: a version is never served from the cache entry
+of another, whatever vLLM still holds.
+
 Semantics the runtime relies on, kept by ``VllmEngine``:
 - admission is ours: at most ``capacity`` sequences live in vLLM, the rest wait in a queue we can
   abort from and that ``admitting=False`` holds back; injected partials go first;
@@ -24,6 +35,7 @@ Semantics the runtime relies on, kept by ``VllmEngine``:
   budget; its earlier tokens and log-probs are prepended to the result;
 - ``load_weights`` with sequences live aborts them and re-queues them as partials (they continue under
   the new weights, by re-prefill, like the built-in engine's ``partial`` mode; ``last_version`` says so);
+  an adapter version does the same, so every vLLM request is sampled under one adapter from start to end;
 - full-vocabulary entropies are not available from vLLM: ``mean_entropy`` is NaN.
 Unlike the built-in engine's counter-hash sampler, a vLLM continuation after a hand-over is not the
 uninterrupted one (its seeded generator restarts), only a valid sample from the same policy.
@@ -32,17 +44,24 @@ uninterrupted one (its seeded generator restarts), only a valid sample from the 
 from __future__ import annotations
 
 import argparse
+import atexit
 import hashlib
+import json
 import math
 import os
+import shutil
 import sys
+import tempfile
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Iterable, Mapping, Sequence
 
+import numpy as np
+
+from generation.adapter import ADAPTER_CONFIG, SCALING_KEY, adapter_pairs
 from generation.protocol import (EngineBase, PendingQueue, ProtocolError, SamplingSpec, protocol_streams,
-                                  request_id, serve)
+                                  request_id, serve, weights_dir)
 from generation.records import GenRequest, Partial, Trajectory
 
 
@@ -74,13 +93,66 @@ class _Live:
 
 def _tensor_names(paths: Sequence[str]) -> set[str]:
     """The tensor names in safetensors files (headers only)."""
+    return set(_tensor_shapes(paths))
+
+
+def _tensor_shapes(paths: Sequence[str]) -> dict[str, tuple[int, ...]]:
+    """``{name: shape}`` of the tensors in safetensors files (headers only)."""
     from safetensors import safe_open
 
-    names: set[str] = set()
+    shapes: dict[str, tuple[int, ...]] = {}
     for p in paths:
         with safe_open(p, framework="numpy") as f:
-            names.update(f.keys())
-    return names
+            for k in f.keys():
+                shapes[k] = tuple(f.get_slice(k).get_shape())
+    return shapes
+
+
+VLLM_LORA_RANKS = (8, 16, 32, 64, 128, 256, 320, 512)
+"""The ``max_lora_rank`` values vLLM accepts (its ``LoRAConfig`` refuses others); adapters of any rank
+up to it load."""
+
+
+def vllm_max_lora_rank(rank: int) -> int:
+    """The smallest ``max_lora_rank`` vLLM accepts that holds adapters of rank ``rank``."""
+    for r in VLLM_LORA_RANKS:
+        if r >= rank:
+            return r
+    raise ValueError(f"LoRA rank {rank} is above vLLM's largest max_lora_rank ({VLLM_LORA_RANKS[-1]}); "
+                     "lower model.lora.rank or use rollout.engine=torch")
+
+
+def write_adapter_folder(state: Mapping[str, np.ndarray], out_dir: str | Path, base_model: str) -> int:
+    """Write a published adapter (``generation.adapter``: PEFT's saved names + ``SCALING_KEY``) as a PEFT
+    folder that vLLM (and ``peft.PeftModel.from_pretrained``) loads: ``adapter_model.safetensors`` with
+    the tensors under their names, ``adapter_config.json`` with ``r`` (from lora_A's rows),
+    ``lora_alpha = scaling * r`` (both read alpha / r as the scaling) and the adapted module kinds as
+    ``target_modules``. Safetensors only, never pickle. Returns the rank."""
+    from safetensors.numpy import save_file
+
+    pairs = adapter_pairs(state)
+    if not pairs:
+        raise ValueError("published adapter: no lora_A/lora_B tensors")
+    ranks = {a.shape[0] for a, _ in pairs.values()}
+    if len(ranks) != 1:  # one r in adapter_config.json: a per-module rank would need rank_pattern
+        raise ValueError(f"published adapter: its modules have different ranks {sorted(ranks)}")
+    rank = ranks.pop()
+    scaling = float(np.asarray(state[SCALING_KEY]).reshape(-1)[0])
+    if not math.isfinite(scaling):
+        raise ValueError(f"published adapter: scaling {scaling} is not finite")
+    alpha = scaling * rank
+    config = {"peft_type": "LORA", "task_type": "CAUSAL_LM", "base_model_name_or_path": str(base_model),
+              "r": rank, "lora_alpha": int(alpha) if float(alpha).is_integer() else alpha, "lora_dropout": 0.0,
+              "target_modules": sorted({name[:-len(".weight")].rsplit(".", 1)[-1] for name in pairs}),
+              "bias": "none", "fan_in_fan_out": False, "use_rslora": False, "use_dora": False,
+              "modules_to_save": None, "inference_mode": True}
+    out = Path(out_dir)
+    out.mkdir(parents=True)
+    save_file({k: np.ascontiguousarray(v, dtype=np.float32) for k, v in state.items() if k != SCALING_KEY},
+              str(out / "adapter_model.safetensors"))
+    with open(out / ADAPTER_CONFIG, "w") as f:
+        json.dump(config, f, indent=2)
+    return rank
 
 
 def _seed_for(seed: int, rid: tuple, offset: int) -> int:
@@ -97,7 +169,7 @@ class VllmEngine(EngineBase):
 
     def __init__(self, model_dir: str, *, capacity: int, max_new_tokens: int, temperature: float, seed: int,
                  dtype: str = "auto", gpu_memory_utilization: float = 0.85, enforce_eager: bool = False,
-                 max_model_len: int | None = None):
+                 max_model_len: int | None = None, lora_rank: int = 0):
         from vllm import LLM
 
         self.capacity = int(capacity)
@@ -109,6 +181,15 @@ class VllmEngine(EngineBase):
                                            ".WeightLoader")
         if max_model_len:
             kwargs["max_model_len"] = int(max_model_len)
+        if lora_rank < 0:
+            raise ValueError(f"--lora-rank {lora_rank} must be >= 0 (0: no LoRA)")
+        self.max_lora_rank = vllm_max_lora_rank(lora_rank) if lora_rank else 0
+        if self.max_lora_rank:  # one adapter at a time: a load aborts every request of the one before
+            kwargs.update(enable_lora=True, max_lora_rank=self.max_lora_rank, max_loras=1)
+        self.model_dir = str(Path(model_dir).resolve())
+        self.lora_request = None      # the LoRARequest new requests are submitted with (None: the base)
+        self._lora_root: str | None = None
+        self._next_lora_id = 1
         self.llm = LLM(**kwargs)
         self.engine = self.llm.llm_engine
         tok = self.llm.get_tokenizer()
@@ -116,7 +197,8 @@ class VllmEngine(EngineBase):
         self.eos_id = -1 if tok.eos_token_id is None else int(tok.eos_token_id)
         self.version = 0
         self.admitting = True
-        self._names = _tensor_names(sorted(str(p) for p in Path(model_dir).glob("*.safetensors")))
+        self._shapes = _tensor_shapes(sorted(str(p) for p in Path(model_dir).glob("*.safetensors")))
+        self._names = set(self._shapes)
         self._pending = PendingQueue()
         self._live: dict[str, _Live] = {}
         self._out: list[Trajectory] = []
@@ -137,7 +219,7 @@ class VllmEngine(EngineBase):
     def _add(self, req: GenRequest, toks: Sequence[int], lps: Sequence[float], version: int | None) -> None:
         rid = request_id(req)
         prompt = {"prompt_token_ids": list(req.prompt.prompt_tokens) + list(toks)}
-        self.engine.add_request(self._rid(req), prompt, self._params(rid, len(toks)))
+        self.engine.add_request(self._rid(req), prompt, self._params(rid, len(toks)), lora_request=self.lora_request)
         v = self.version if version is None else version
         self._live[self._rid(req)] = _Live(req, list(toks), list(lps), v, self.version)
 
@@ -214,15 +296,76 @@ class VllmEngine(EngineBase):
     def load_weights(self, version: int, state: Mapping | None = None, path: str | None = None) -> None:
         if path is None:
             raise ProtocolError("the vLLM engine loads weights from a safetensors file (path=...)")
-        missing = self._names - _tensor_names([path])
+        names = _tensor_names([path])
+        if SCALING_KEY in names:
+            self._load_adapter(int(version), path)
+            return
+        missing = self._names - names
         if missing:  # vLLM would load a partial set silently: refuse, as the built-in engine does
             raise ProtocolError(f"load_weights: missing {sorted(missing)[:5]} ({len(missing)} tensors of the "
                                 "checkpoint are not in the file)")
         live, _ = self.abort(None, include_queued=False) if self._live else ([], [])
         self.llm.collective_rpc("laminar_load_weights", args=(path,))
         self.llm.reset_prefix_cache()
+        self._drop_adapter()  # new full weights: requests go to them, not to an adapter on the old ones
         self.version = int(version)
         self._pending.partials.extendleft(reversed(live))  # continue under the new weights, first in line
+
+    def _check_adapter(self, version: int, state: Mapping[str, np.ndarray]) -> None:
+        """Refuse, before anything changes, an adapter vLLM would refuse or apply to the wrong weights."""
+        if not self.max_lora_rank:
+            raise ProtocolError(f"load_weights: version {version} is a LoRA adapter but this vLLM worker was started "
+                                "without --lora-rank (make_engine(..., lora_rank=R)); start it with the adapter's rank")
+        try:
+            pairs = adapter_pairs(state)
+        except KeyError as e:
+            raise ProtocolError(f"load_weights: version {version}: {e.args[0]}") from None
+        for name, (a, b) in pairs.items():
+            if name not in self._shapes:
+                raise ProtocolError(f"load_weights: version {version} adapts {name!r}, which the base model "
+                                    f"{self.model_dir} does not have")
+            w = self._shapes[name]
+            if a.ndim != 2 or b.ndim != 2 or (b.shape[0], a.shape[1]) != w or a.shape[0] != b.shape[1]:
+                raise ProtocolError(f"load_weights: version {version}: {name} A {a.shape} x B {b.shape} does not "
+                                    f"fit the base weight {w}")
+            if a.shape[0] > self.max_lora_rank:
+                raise ProtocolError(f"load_weights: version {version} has rank {a.shape[0]} > the worker's "
+                                    f"max_lora_rank {self.max_lora_rank}; start it with --lora-rank {a.shape[0]}")
+
+    def _load_adapter(self, version: int, path: str) -> None:
+        """A published adapter: written once as a PEFT folder, named by every request from now on (see
+        the module docstring); sequences live are handed over as for new weights."""
+        from safetensors.numpy import load_file
+        from vllm.lora.request import LoRARequest
+
+        state = load_file(path)
+        self._check_adapter(version, state)
+        if self._lora_root is None:  # one folder per worker, in shared memory where there is some
+            self._lora_root = tempfile.mkdtemp(prefix=f"laminar-lora-{os.getpid()}-", dir=weights_dir())
+            atexit.register(shutil.rmtree, self._lora_root, True)
+        lora_id = self._next_lora_id
+        folder = os.path.join(self._lora_root, f"v{version}-id{lora_id}")
+        try:
+            write_adapter_folder(state, folder, self.model_dir)
+        except ValueError as e:
+            shutil.rmtree(folder, ignore_errors=True)
+            raise ProtocolError(f"load_weights: version {version}: {e}") from None
+        self._next_lora_id += 1
+        live, _ = self.abort(None, include_queued=False) if self._live else ([], [])
+        self._drop_adapter()
+        self.lora_request = LoRARequest(f"laminar-v{version}", lora_id, folder)
+        self.llm.reset_prefix_cache()  # vLLM keys cached blocks by adapter id too; this does not rely on it
+        self.version = version
+        self._pending.partials.extendleft(reversed(live))  # continue under the new adapter, first in line
+
+    def _drop_adapter(self) -> None:
+        """Forget the current adapter: out of vLLM's cache and its folder deleted (no request names it
+        any more: ``load_weights`` aborted them all)."""
+        old, self.lora_request = self.lora_request, None
+        if old is None:
+            return
+        self.engine.remove_lora(old.lora_int_id)
+        shutil.rmtree(old.lora_path, ignore_errors=True)
 
     def status(self) -> dict:
         kv = sum(len(lv.request.prompt.prompt_tokens) + len(lv.prefix_tokens) + len(lv.tokens)
@@ -232,6 +375,8 @@ class VllmEngine(EngineBase):
 
     def close(self) -> None:
         self.llm = None
+        if self._lora_root is not None:
+            shutil.rmtree(self._lora_root, ignore_errors=True)
 
 
 def build_engine(args):
@@ -240,7 +385,8 @@ def build_engine(args):
                           temperature=args.temperature, seed=args.seed,
                           dtype="auto" if args.dtype == "auto" else args.dtype,
                           gpu_memory_utilization=args.vllm_gpu_memory_utilization,
-                          enforce_eager=args.vllm_enforce_eager, max_model_len=args.vllm_max_model_len)
+                          enforce_eager=args.vllm_enforce_eager, max_model_len=args.vllm_max_model_len,
+                          lora_rank=args.lora_rank)
     if args.engine == "torch":
         from generation.engines import load_torch_engine
         from generation.setup import setup_torch
@@ -269,13 +415,17 @@ def main(argv: Sequence[str] | None = None) -> None:
     ap.add_argument("--vllm-gpu-memory-utilization", type=float, default=0.85)
     ap.add_argument("--vllm-enforce-eager", action="store_true")
     ap.add_argument("--vllm-max-model-len", type=int, default=0)
+    ap.add_argument("--lora-rank", type=int, default=0,
+                    help="vllm engine: take published LoRA adapters up to this rank (0: full weights only); the "
+                         "torch engine merges adapters and ignores it")
     args = ap.parse_args(argv)
     rfile, wfile = protocol_streams()  # before anything can print to stdout
     t0 = time.perf_counter()
     engine = build_engine(args)
     info = {"engine": args.engine, "pid": os.getpid(), "temperature": engine.sampling.temperature,
             "max_new_tokens": engine.sampling.max_new_tokens, "seed": engine.sampling.seed,
-            "features": {"deterministic_handover": args.engine == "torch", "entropy": args.engine == "torch"},
+            "features": {"deterministic_handover": args.engine == "torch", "entropy": args.engine == "torch",
+                         "lora": args.engine == "torch" or args.lora_rank > 0},
             "startup_s": time.perf_counter() - t0}
     serve(engine, rfile, wfile, info)
     engine.close()

@@ -129,11 +129,11 @@ class RolloutWorker:
                  priority: str = "normal"):
         _setup(threads, seed)
         lower_priority(priority)
-        from generation.adapter import model_dir_for_sampling
+        from generation.adapter import adapter_rank, model_dir_for_sampling
         from generation.engines import make_engine, rollout_engine_options
 
         self.name = name
-        opts = rollout_engine_options(rollout)
+        opts = rollout_engine_options(rollout, lora_rank=adapter_rank(model_dir))  # vLLM: started for its adapters
         kind = opts.pop("kind")  # torch | torch-process | vllm: all speak the rollout protocol
         # a LoRA run's rollouts load the bare base: every adapter version (0 first) is merged into it on pull
         self.engine = make_engine(kind, model_dir_for_sampling(model_dir), device=device, capacity=rl.rollout_capacity,

@@ -1,0 +1,1 @@
+"""Fake ``vllm.lora`` (see the package docstring)."""
