@@ -43,6 +43,7 @@ class TorchEngine:
         from generation.adapter import load_published
 
         load_published(self.model, update.state)
+        self._fused_decoder = None  # rebuilt from the new weights (a merge through ``.data`` moves no version counter)
         self.version = update.version
 
     def generate(self, requests: Sequence[GenRequest], max_new_tokens: int, temperature: float,
