@@ -15,6 +15,7 @@ from generation.engine import TorchEngine
 from generation.fused_decode import fused_decoder
 from generation.model import build_char_tokenizer, build_tiny_model, encode_prompt
 from generation.records import GenRequest, PromptItem, WeightsUpdate
+from test_engine_static import _assert_same
 
 SMALL = ModelConfig(hidden_size=32, intermediate_size=64, num_layers=2, num_heads=4, num_kv_heads=2, max_seq_len=128)
 HEAD16 = ModelConfig(hidden_size=64, intermediate_size=96, num_layers=2, num_heads=4, num_kv_heads=2, max_seq_len=128)
@@ -24,14 +25,6 @@ def _requests(tok, n=10, samples=3):
     items = [PromptItem(f"p{i}", "", "", encode_prompt(tok, f"What is {i}+{i % 3}?\n" + "x" * (i % 4)))
              for i in range(n)]
     return [GenRequest(p, s) for p in items for s in range(samples)]
-
-
-def _assert_same(a, b, tol=1e-5):
-    assert [t.response_tokens for t in a] == [t.response_tokens for t in b]
-    assert [t.finished for t in a] == [t.finished for t in b]
-    for x, y in zip(a, b):
-        assert max((abs(p - q) for p, q in zip(x.behaviour_logprobs, y.behaviour_logprobs)), default=0.0) < tol
-        assert abs(x.mean_entropy - y.mean_entropy) < tol
 
 
 def _reference(engine, reqs, max_new, temperature, seed):
