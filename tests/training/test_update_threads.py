@@ -28,7 +28,7 @@ def _run(base, tok, groups, threads, **kw):
     original = tr._backward_in_threads
     tr._backward_in_threads = lambda fn, parts: calls.append(len(parts)) or original(fn, parts)
     stats = [tr.update(groups)]
-    grads = {k: p.grad.clone() for k, p in model.named_parameters()}
+    grads = {k: p.grad.clone() for k, p in model.named_parameters() if p.grad is not None}
     stats += [tr.update(groups), tr.update(groups)]
     return stats, ({k: v.detach().clone() for k, v in model.state_dict().items()}, grads), calls
 
@@ -85,3 +85,34 @@ def test_group_shards_keep_groups_whole_and_balanced():
     loads = sorted(int(lengths[s].sum()) for s in shards)
     assert loads == [26, 28]  # 20, 16, 10, 6, 2: largest first onto the lighter shard
     assert len(group_shards(torch.arange(4), lengths, group_index, 5)) == 2  # no more shards than groups
+
+
+def test_threaded_update_of_a_lora_model_matches_one_thread(monkeypatch):
+    from peft import get_peft_model
+
+    from conf.schema import LoraConfig
+    from training.lora import peft_config
+
+    monkeypatch.setattr(trainer_mod, "MIN_THREAD_ROWS", 4)
+    tok = build_char_tokenizer()
+    base = build_tiny_model(SMALL, tok, seed=0)
+    groups = _groups(base, tok, n_prompts=6, group=4, seed=3)
+    torch.manual_seed(0)
+    lora = get_peft_model(copy.deepcopy(base), peft_config(LoraConfig(enabled=True, rank=4)))
+    with torch.no_grad():  # B starts at zero: make the adapters matter from the first step
+        for name, p in lora.named_parameters():
+            if "lora_B" in name:
+                p.normal_(0, 0.05)
+    one, (one_w, _), calls1 = _run(lora, tok, groups, 1)
+    two, (two_w, _), calls2 = _run(lora, tok, groups, 2)
+    assert not calls1 and calls2 == [2, 2, 2]
+    for a, b in zip(one, two):
+        assert abs(a.loss - b.loss) <= 1e-5 * max(1.0, abs(a.loss))
+        assert abs(a.grad_norm - b.grad_norm) <= 1e-5 * max(1.0, a.grad_norm)
+    start = lora.state_dict()
+    for k, v in one_w.items():
+        if "lora_" in k:  # the adapters trained alike
+            assert torch.allclose(v, two_w[k], atol=3e-5), k
+            assert not torch.equal(v, start[k]), k
+        else:  # the frozen base stays untouched in every thread
+            assert torch.equal(v, start[k]) and torch.equal(two_w[k], start[k]), k
