@@ -15,6 +15,7 @@ from typing import Sequence
 import torch
 
 from generation.records import GenRequest, PromptItem, Trajectory, WeightsUpdate
+from generation.setup import HostThreads
 
 
 class TorchEngine:
@@ -34,7 +35,7 @@ class TorchEngine:
         (``_StaticDecodeCache``)."""
         self.decode_threads: int | None = None
         """Host decode shards (threads) per batch; None: one per torch thread (``_shards``)."""
-        self._pool = None
+        self._threads = HostThreads("laminar-decode")
         self.tokenizer = tokenizer
         self.device = device
         self.batch_size = batch_size
@@ -123,7 +124,7 @@ class TorchEngine:
             if len(shards) == 1:
                 decode(0, shards[0])
             else:
-                self._in_threads(decode, shards)
+                self._threads.run(lambda i: decode(i, shards[i]), len(shards), inference=True)
         del cache
         mean_ent = (out.ent_sum / out.lengths.clamp(min=1)).tolist()
         return self._trajectories(requests, out.tokens, out.logps, out.lengths, out.done, mean_ent)
@@ -136,30 +137,6 @@ class TorchEngine:
             k = self.decode_threads if self.decode_threads is not None else torch.get_num_threads()
             k = max(1, min(k, bsz // MIN_SHARD_ROWS))
         return list(torch.arange(bsz).tensor_split(k))
-
-    def _in_threads(self, fn, shards: list[torch.Tensor]) -> None:
-        """``fn(i, shards[i])`` for every shard at once on a pool of host threads, each with its share of
-        the torch threads (the caller's count is restored after); the first error is raised."""
-        import concurrent.futures
-
-        threads = torch.get_num_threads()
-        per = max(1, threads // len(shards))
-        if self._pool is None or self._pool._max_workers < len(shards):
-            if self._pool is not None:
-                self._pool.shutdown()
-            self._pool = concurrent.futures.ThreadPoolExecutor(len(shards), thread_name_prefix="laminar-decode")
-
-        def run(i: int) -> None:
-            torch.set_num_threads(per)  # this thread's OpenMP/MKL count
-            with torch.inference_mode():
-                fn(i, shards[i])
-
-        try:
-            futures = [self._pool.submit(run, i) for i in range(len(shards))]
-            for f in futures:
-                f.result()
-        finally:
-            torch.set_num_threads(threads)
 
     def _decode_rows(self, rows: torch.Tensor, logits: torch.Tensor, prefill, of_row: torch.Tensor,
                      pad_rows: torch.Tensor, step_pos: torch.Tensor, plen: int, width: int, max_new_tokens: int,

@@ -21,6 +21,7 @@ from training.finite import check_finite
 from training.lora import adapter_state, is_peft, trainable_parameters
 from training.objectives import ADVANTAGES, ObjectiveParams, PolicyBatch, entropy_from_logits, policy_loss
 from generation.records import ScoredGroup, WeightsUpdate
+from generation.setup import HostThreads
 from training.rl.records import UpdateStats
 
 
@@ -293,7 +294,7 @@ class PolicyTrainer:
         """Host threads an update's forward/backward is split over (whole groups each,
         ``_backward_in_threads``); None: one per torch thread. Plain torch on one rank only."""
         self._replicas: list = []
-        self._pool = None
+        self._threads = HostThreads("laminar-update")
         self._dropout: bool | None = None
         self._where = f"stage {self.stage}, update 1"
         # a frozen copy of the starting weights, only when the objective has a KL term
@@ -404,27 +405,12 @@ class PolicyTrainer:
 
     def _backward_in_threads(self, backward_rows, parts: list[list[tuple[torch.Tensor, bool]]]):
         """``backward_rows(model, parts[j])`` for every ``j`` at once, one host thread each with its
-        share of the torch threads: thread 0 on the trained model, thread j on ``_replica(j)``. The
-        replicas' gradients are then added to the model's in thread order (so the sum is the same
-        on every run) and the metrics and losses summed; (metrics, loss) as one thread returns them."""
-        import concurrent.futures
-
-        threads = torch.get_num_threads()
-        per = max(1, threads // len(parts))
+        share of the torch threads (``HostThreads``): thread 0 on the trained model, thread j on
+        ``_replica(j)``. The replicas' gradients are then added to the model's in thread order (so the
+        sum is the same on every run) and the metrics and losses summed; (metrics, loss) as one thread
+        returns them."""
         models = [self.model] + [self._replica(j) for j in range(1, len(parts))]
-        if self._pool is None or self._pool._max_workers < len(parts):
-            if self._pool is not None:
-                self._pool.shutdown()
-            self._pool = concurrent.futures.ThreadPoolExecutor(len(parts), thread_name_prefix="laminar-update")
-
-        def run(j: int):
-            torch.set_num_threads(per)
-            return backward_rows(models[j], parts[j])
-
-        try:
-            results = [f.result() for f in [self._pool.submit(run, j) for j in range(len(parts))]]
-        finally:
-            torch.set_num_threads(threads)
+        results = self._threads.run(lambda j: backward_rows(models[j], parts[j]), len(parts))
         for rep in models[1:]:
             for p, q in zip(self.model.parameters(), rep.parameters()):
                 if q.grad is not None:
