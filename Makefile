@@ -28,7 +28,7 @@ run: venv
 FIRST_HALF := tests/e2e/test_cli.py
 test: venv
 	@$(BIN)/python -m pytest -m "not slow" -q -p no:cacheprovider $(FIRST_HALF) > $(VENV)/test-first-half.log 2>&1 & a=$$!; \
-	$(BIN)/python -m pytest -m "not slow" -q $(foreach f,$(FIRST_HALF),--ignore=$(f)); b=$$?; \
+	$(BIN)/python -m pytest -m "not slow" -q --durations=40 $(foreach f,$(FIRST_HALF),--ignore=$(f)); b=$$?; \
 	wait $$a; a_rc=$$?; echo "---- $(FIRST_HALF) ----"; cat $(VENV)/test-first-half.log; \
 	test $$a_rc -eq 0 -a $$b -eq 0
 

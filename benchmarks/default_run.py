@@ -11,7 +11,8 @@ next to it, and checks the default's promises on every row:
 - the hardest level gains the most from RFT + RL (RL - warm-up, per level).
 
     .venv/bin/python benchmarks/default_run.py --seeds 0 1 2 3 4 [--threads 0 1] [--cached-rerun]
-        [--repeats 1] [--out benchmarks/results/default_run] [--label NAME] [overrides...]
+        [--repeats 1] [--out benchmarks/results/default_run] [--label NAME] [--paths before-issue-30]
+        [overrides...]
 
 ``--threads 0`` is the default (torch's own choice, one thread per core); ``threads`` is part of
 every training and sampling stage's cache key, so each count computes its own results.
@@ -34,14 +35,15 @@ ROOT = Path(__file__).resolve().parent.parent
 STAGES = (("warmup", "eval_warmup"), ("rft", "eval_rft"), ("rl", "eval_rl"))
 
 
-def laminar(ws: Path, overrides: list[str], resume: bool = False) -> tuple[dict, float]:
+def laminar(ws: Path, overrides: list[str], resume: bool = False, paths: str = "current") -> tuple[dict, float]:
     """(summary.json of the run, wall seconds of the whole command). ``resume``: a workspace that
     already holds a run of this benchmark (``bench_wall.json``) gives that run back instead."""
     done = ws / "bench_wall.json"
     if resume and done.exists():
         d = json.loads(done.read_text())
         return json.loads((ws / "runs" / d["run_id"] / "summary.json").read_text()), d["wall_s"]
-    cmd = [sys.executable, "-m", "flows.cli", "run", "--workspace", str(ws), *overrides]
+    entry = ["-m", "flows.cli"] if paths == "current" else [str(ROOT / "benchmarks" / "before_issue30.py")]
+    cmd = [sys.executable, *entry, "run", "--workspace", str(ws), *overrides]
     t0 = time.perf_counter()
     proc = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True)
     wall = time.perf_counter() - t0
@@ -123,6 +125,8 @@ def main() -> None:
                     help="take the first run of a kept workspace from an earlier (interrupted) call instead of rerunning")
     ap.add_argument("--out", type=Path, default=ROOT / "benchmarks" / "results" / "default_run")
     ap.add_argument("--label", default="")
+    ap.add_argument("--paths", choices=("current", "before-issue-30"), default="current",
+                    help="before-issue-30: the sampling and update paths before issue 30 (benchmarks/before_issue30.py)")
     ap.add_argument("--combine", type=Path, nargs="+", metavar="JSON",
                     help="run nothing: one table (and checks) from these earlier results files, e.g. seeds split "
                          "over two processes")
@@ -142,11 +146,11 @@ def main() -> None:
                 if not (args.resume and (ws / "bench_wall.json").exists()):
                     shutil.rmtree(ws, ignore_errors=True)
                 overrides = [f"seed={seed}", f"threads={threads}", *args.overrides]
-                summary, wall = laminar(ws, overrides, resume=args.resume)
+                summary, wall = laminar(ws, overrides, resume=args.resume, paths=args.paths)
                 rows.append({**row_of(summary, seed=seed, threads=threads, wall=wall), "repeat": rep})
                 print(json.dumps(rows[-1]), flush=True)
                 if args.cached_rerun and rep == 0:
-                    summary, wall = laminar(ws, overrides)
+                    summary, wall = laminar(ws, overrides, paths=args.paths)
                     ran = [k for k, v in summary["stages"].items() if v["status"] != "cached"]
                     cached.append({"seed": seed, "threads": threads, "wall_s": round(wall, 1), "ran": ran})
                     print(json.dumps(cached[-1]), flush=True)
@@ -159,7 +163,8 @@ def main() -> None:
     header = (f"# Default run, {stamp}{' (combined from ' + ', '.join(p.name for p in args.combine) + ')' if args.combine else ''}: {platform.processor() or platform.machine()}, "
               f"{__import__('os').cpu_count()} cores; overrides: {' '.join(args.overrides) or '(none)'}")
     args.out.mkdir(parents=True, exist_ok=True)
-    (args.out / f"{name}.json").write_text(json.dumps({"date": stamp, "overrides": args.overrides, "rows": rows,
+    (args.out / f"{name}.json").write_text(json.dumps({"date": stamp, "paths": args.paths, "overrides": args.overrides,
+                                                       "rows": rows,
                                                        "cached_reruns": cached, "checks": verdicts}, indent=1))
     table = markdown(first, cached, verdicts, header)
     (args.out / f"{name}.md").write_text(table)

@@ -8,12 +8,14 @@ step than ``generate`` for small models.
 
 from __future__ import annotations
 
+import contextlib
 import math
 from typing import Sequence
 
 import torch
 
 from generation.records import GenRequest, PromptItem, Trajectory, WeightsUpdate
+from generation.setup import HostThreads
 
 
 class TorchEngine:
@@ -21,15 +23,19 @@ class TorchEngine:
                  fused_decode: bool = True):
         self.model = model.to(device).eval()
         self.static_cache = static_cache
+        """Decode over a static KV cache with finished rows compacted away (``_generate_batch``); False:
+        the reference loop (``_generate_batch_reference``), also taken for models whose attention is
+        not SDPA."""
         self.fused_decode = fused_decode
         """Decode steps through ``generation.fused_decode`` where it reproduces the model (Llama-family);
         False: through the model's own forward."""
         self._fused_decoder = None
-        self._kv_store: list = []
-        """The static decode's host buffers, reused from batch to batch (``_StaticDecodeCache``)."""
-        """Decode over a static KV cache with finished rows compacted away (``_generate_batch``); False:
-        the reference loop (``_generate_batch_reference``), also taken for models whose attention is
-        not SDPA."""
+        self._kv_store: list[list] = []
+        """Per decode shard, the static decode's host buffers, reused from batch to batch
+        (``_StaticDecodeCache``)."""
+        self.decode_threads: int | None = None
+        """Host decode shards (threads) per batch; None: one per torch thread (``_shards``)."""
+        self._threads = HostThreads("laminar-decode")
         self.tokenizer = tokenizer
         self.device = device
         self.batch_size = batch_size
@@ -94,25 +100,59 @@ class TorchEngine:
         bsz = len(requests)
         of_row_dev = of_row.to(self.device)
         cache = DynamicCache()
-        tokens = torch.empty((bsz, max_new_tokens), dtype=torch.long)
-        logps = torch.zeros((bsz, max_new_tokens))
-        ent_sum = torch.zeros(bsz)
-        lengths = torch.full((bsz,), max_new_tokens, dtype=torch.long)
-        done = torch.zeros(bsz, dtype=torch.bool)
+        out = _Outputs(bsz, max_new_tokens)
         logits = self.model(input_ids=input_ids, attention_mask=attn, position_ids=positions,
                             past_key_values=cache, use_cache=True).logits[:, -1, :].index_select(0, of_row_dev)
         # the static cache: every layer's keys/values in one buffer [rows, kv_heads, width, head_dim]; the
         # token fed at step t (t >= 1) writes column plen + t - 1; the last sampled token is never fed
         width = plen + max_new_tokens - 1
         fused = self._fused(width + 1)
-        slots = _StaticDecodeCache(cache, width, of_row_dev, keys_transposed=fused is not None and fused.keys_transposed,
-                                   store=self._kv_store if self.device == "cpu" else None)
-        del cache
-        neg = torch.finfo(slots.values[0].dtype).min
-        mask = torch.zeros((bsz, 1, 1, width), dtype=slots.values[0].dtype, device=self.device)
-        mask[:, 0, 0, :plen].masked_fill_(attn.index_select(0, of_row_dev) == 0, neg)  # left padding: never attended
-        rows = torch.arange(bsz)          # full-batch index of each buffer row (rows leave by compaction)
+        shards = self._shards(bsz)
+        noise = _StepNoise(bsz, logits.shape[1], generator, len(shards))
+        pad_rows = attn.index_select(0, of_row_dev) == 0
         step_pos = positions[:, -1:].index_select(0, of_row_dev)
+
+        def decode(shard: int, rows: torch.Tensor) -> None:
+            rows_dev = rows.to(self.device)
+            self._decode_rows(rows, logits.index_select(0, rows_dev), cache, of_row_dev.index_select(0, rows_dev),
+                              pad_rows.index_select(0, rows_dev), step_pos.index_select(0, rows_dev), plen, width,
+                              max_new_tokens, temperature, fused, noise, out, shard)
+
+        # the model's own forward decodes through ``_gqa_decode_attention``, switched on once for all
+        # shards (the switch is the model config's, shared by the threads)
+        with _decode_attention(self.model) if fused is None else contextlib.nullcontext():
+            if len(shards) == 1:
+                decode(0, shards[0])
+            else:
+                self._threads.run(lambda i: decode(i, shards[i]), len(shards), inference=True)
+        del cache
+        mean_ent = (out.ent_sum / out.lengths.clamp(min=1)).tolist()
+        return self._trajectories(requests, out.tokens, out.logps, out.lengths, out.done, mean_ent)
+
+    def _shards(self, bsz: int) -> list[torch.Tensor]:
+        """The batch's rows split into contiguous shards decoded side by side, one host thread each
+        (``decode_threads``; one shard on accelerators and for small batches)."""
+        k = 1
+        if self.device == "cpu":
+            k = self.decode_threads if self.decode_threads is not None else torch.get_num_threads()
+            k = max(1, min(k, bsz // MIN_SHARD_ROWS))
+        return list(torch.arange(bsz).tensor_split(k))
+
+    def _decode_rows(self, rows: torch.Tensor, logits: torch.Tensor, prefill, of_row: torch.Tensor,
+                     pad_rows: torch.Tensor, step_pos: torch.Tensor, plen: int, width: int, max_new_tokens: int,
+                     temperature: float, fused, noise: "_StepNoise", out: "_Outputs", shard: int) -> None:
+        """The decode loop of the batch rows ``rows`` (full-batch indices) from their first-token
+        ``logits``: a static KV cache filled from the ``prefill`` cache (row i from its prompt's row
+        ``of_row[i]``), finished rows compacted away, samples written to ``out``."""
+        while len(self._kv_store) <= shard:
+            self._kv_store.append([])
+        slots = _StaticDecodeCache(prefill, width, of_row, keys_transposed=fused is not None and fused.keys_transposed,
+                                   store=self._kv_store[shard] if self.device == "cpu" else None)
+        neg = torch.finfo(slots.values[0].dtype).min
+        n_all = len(rows)
+        mask = torch.zeros((n_all, 1, 1, width), dtype=slots.values[0].dtype, device=self.device)
+        mask[:, 0, 0, :plen].masked_fill_(pad_rows, neg)  # left padding: never attended
+        done = out.done
         for t in range(max_new_tokens):
             if t > 0:
                 col = plen + t - 1
@@ -121,31 +161,30 @@ class TorchEngine:
                     logits = fused.step(step_ids[:, 0], step_pos[:, 0], slots.keys, slots.values, col,
                                         mask[:n, :, :, :col + 1])
                 else:
-                    slots.col = col
-                    with _decode_attention(self.model):
-                        logits = self.model(input_ids=step_ids, attention_mask=mask[:n, :, :, :col + 1],
-                                            position_ids=step_pos, past_key_values=slots,
-                                            use_cache=True).logits[:, -1, :]
+                    slots.col = col  # the caller has switched the attention to ``_gqa_decode_attention``
+                    logits = self.model(input_ids=step_ids, attention_mask=mask[:n, :, :, :col + 1],
+                                        position_ids=step_pos, past_key_values=slots,
+                                        use_cache=True).logits[:, -1, :]
             logprobs = torch.log_softmax(logits.float() / temperature, dim=-1).cpu()
             probs = logprobs.exp()
             # torch.multinomial(probs, 1) of the whole batch, drawn the same way (argmax of p / Exp(1)
             # noise over [batch, vocab]), so every row gets the noise it would get in the full batch
-            noise = torch.empty((bsz, probs.shape[1]), dtype=probs.dtype).exponential_(1, generator=generator)
-            nxt = (probs / noise[rows]).argmax(-1)
+            nxt = (probs / noise.rows(t, rows)).argmax(-1)
             live = ~done[rows]
             ent = -(probs * logprobs).nan_to_num().sum(-1)
             idx = rows[live]
-            ent_sum[idx] += ent[live]
-            tokens[idx, t] = nxt[live]
-            logps[idx, t] = logprobs.gather(1, nxt[:, None]).squeeze(1)[live]
+            out.ent_sum[idx] += ent[live]
+            out.tokens[idx, t] = nxt[live]
+            out.logps[idx, t] = logprobs.gather(1, nxt[:, None]).squeeze(1)[live]
             newly = idx[nxt[live] == self.eos_id]
-            lengths[newly] = t + 1
+            out.lengths[newly] = t + 1
             done[newly] = True
-            if bool(done.all()):
+            keep = ~done[rows]
+            if not bool(keep.any()):
+                noise.finished()
                 break
             step_ids = nxt[:, None].to(self.device)
             step_pos = step_pos + 1
-            keep = ~done[rows]
             n_done = len(rows) - int(keep.sum())
             if n_done and n_done * 8 >= len(rows):  # compact: finished rows leave the batch
                 sel = keep.nonzero().squeeze(1)
@@ -154,8 +193,6 @@ class TorchEngine:
                 m = len(sel)
                 mask[:m] = mask.index_select(0, sel_dev)
                 rows, step_ids, step_pos = rows[sel], step_ids[sel_dev], step_pos[sel_dev]
-        mean_ent = (ent_sum / lengths.clamp(min=1)).tolist()
-        return self._trajectories(requests, tokens, logps, lengths, done, mean_ent)
 
     def _fused(self, positions: int):
         """The model's ``FusedDecoder`` (built once, its weights refreshed when they changed) with
@@ -234,6 +271,56 @@ class TorchEngine:
                            behaviour_logprobs=tuple(lp[:n]), version=self.version, finished=f, text=text,
                            mean_entropy=e)
                 for r, x, lp, n, f, text, e in zip(requests, ids, lps_all, ns, fin, texts, mean_ent)]
+
+
+MIN_SHARD_ROWS = 32
+"""A host decode shard has at least this many rows: fewer pay more in per-step overhead than a second
+thread saves."""
+
+
+class _Outputs:
+    """A batch's samples, written row by row by the decode shards: tokens and log-probs
+    [rows, max_new_tokens], entropy sums, lengths and done flags [rows]."""
+
+    def __init__(self, bsz: int, max_new_tokens: int):
+        self.tokens = torch.empty((bsz, max_new_tokens), dtype=torch.long)
+        self.logps = torch.zeros((bsz, max_new_tokens))
+        self.ent_sum = torch.zeros(bsz)
+        self.lengths = torch.full((bsz,), max_new_tokens, dtype=torch.long)
+        self.done = torch.zeros(bsz, dtype=torch.bool)
+
+
+class _StepNoise:
+    """The Exp(1) noise of each decode step over the whole batch [bsz, vocab], drawn from the generator
+    in step order by whichever shard asks first, so every row gets the noise it gets in a one-shard
+    decode and the generator ends in the same state (steps are drawn up to the last one any row
+    needs). A step's noise is dropped once every shard live when it was drawn has read it."""
+
+    def __init__(self, bsz: int, vocab: int, generator: torch.Generator, shards: int = 1):
+        import threading
+
+        self.shape, self.generator = (bsz, vocab), generator
+        self.steps: dict[int, list] = {}
+        self.drawn = 0
+        self.live = shards
+        self.lock = threading.Lock()
+
+    def rows(self, t: int, rows: torch.Tensor) -> torch.Tensor:
+        """Step ``t``'s noise of batch rows ``rows``."""
+        with self.lock:
+            while self.drawn <= t:
+                self.steps[self.drawn] = [torch.empty(self.shape).exponential_(1, generator=self.generator), self.live]
+                self.drawn += 1
+            entry = self.steps[t]
+            entry[1] -= 1
+            if entry[1] <= 0:
+                del self.steps[t]
+        return entry[0][rows]
+
+    def finished(self) -> None:
+        """A shard has no live row left: it reads no later step."""
+        with self.lock:
+            self.live -= 1
 
 
 _DECODE_ATTN = "laminar_decode"

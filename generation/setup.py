@@ -31,6 +31,40 @@ def setup_torch(threads: int, seed: int) -> None:
         pass
 
 
+class HostThreads:
+    """A kept pool of host threads that runs ``fn(0) ... fn(k - 1)`` at once, each thread with its share
+    of the caller's torch threads (``torch.set_num_threads`` is per thread for OpenMP and MKL; the
+    caller's count is restored after). Results in index order; the first error is raised."""
+
+    def __init__(self, prefix: str):
+        self.prefix = prefix
+        self._pool = None
+        self._size = 0
+
+    def run(self, fn, k: int, *, inference: bool = False) -> list:
+        import concurrent.futures
+
+        threads = torch.get_num_threads()
+        per = max(1, threads // k)
+        if self._pool is None or self._size < k:
+            if self._pool is not None:
+                self._pool.shutdown()
+            self._pool = concurrent.futures.ThreadPoolExecutor(k, thread_name_prefix=self.prefix)
+            self._size = k
+
+        def call(i: int):
+            torch.set_num_threads(per)
+            if inference:  # grad mode is per thread
+                with torch.inference_mode():
+                    return fn(i)
+            return fn(i)
+
+        try:
+            return [f.result() for f in [self._pool.submit(call, i) for i in range(k)]]
+        finally:
+            torch.set_num_threads(threads)
+
+
 def read_table(path: Path) -> list[dict]:
     import polars as pl
 

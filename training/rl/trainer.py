@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import copy
 import dataclasses
+import functools
 import math
 from dataclasses import dataclass
 from pathlib import Path
@@ -20,6 +21,7 @@ from training.finite import check_finite
 from training.lora import adapter_state, is_peft, trainable_parameters
 from training.objectives import ADVANTAGES, ObjectiveParams, PolicyBatch, entropy_from_logits, policy_loss
 from generation.records import ScoredGroup, WeightsUpdate
+from generation.setup import HostThreads
 from training.rl.records import UpdateStats
 
 
@@ -86,6 +88,31 @@ def micro_share(mask_mb: torch.Tensor, mask_all: torch.Tensor, loss_agg: str) ->
     return mask_mb.shape[0] / mask_all.shape[0]
 
 
+def _accumulate(metrics: dict[str, float], more: dict[str, float], share: float = 1.0) -> None:
+    """Add ``share`` x ``more`` to ``metrics`` (``staleness_max``: the maximum)."""
+    for k, v in more.items():
+        if k == "staleness_max":
+            metrics[k] = max(metrics.get(k, v), v)
+        else:
+            metrics[k] = metrics.get(k, 0.0) + share * v
+
+
+def group_shards(idx: torch.Tensor, lengths: torch.Tensor, group_index: torch.Tensor, k: int) -> list[torch.Tensor]:
+    """Rows ``idx`` in ``k`` shards of whole groups (a group's samples share their prompt, which the
+    packed forward then computes once), the groups' tokens balanced (largest first onto the
+    lightest shard); rows keep their order within a shard. Fewer shards when there are fewer groups."""
+    rows_of: dict[int, list[int]] = {}
+    for i in idx.tolist():
+        rows_of.setdefault(int(group_index[i]), []).append(i)
+    k = max(1, min(k, len(rows_of)))
+    load, shards = [0] * k, [[] for _ in range(k)]
+    for g in sorted(rows_of, key=lambda g: (-sum(int(lengths[i]) for i in rows_of[g]), g)):
+        j = min(range(k), key=lambda j: (load[j], j))
+        shards[j].extend(rows_of[g])
+        load[j] += sum(int(lengths[i]) for i in rows_of[g])
+    return [torch.tensor(sorted(rows)) for rows in shards if rows]
+
+
 def build_batch(groups: Sequence[ScoredGroup], pad_id: int) -> TrainBatch:
     trajs = [(g, t, r) for g, grp in enumerate(groups) for t, r in zip(grp.trajectories, grp.rewards)]
     if not trajs:
@@ -126,6 +153,9 @@ def response_logits(model, batch: TrainBatch, device: str) -> torch.Tensor:
 PACK_ROW_TOKENS = 192
 """Width of the packed rows (``packed_layout``): wider rows share a prompt among more samples but
 pay attention over more (masked) columns; 192 was the fastest of 128-384 for the default model."""
+
+MIN_THREAD_ROWS = 16
+"""An update is split over host threads only with at least this many rows a thread."""
 
 REFERENCE_FORWARD = False
 """True: every trainer forward pads each sequence to the longest (``response_logits``), the forward the
@@ -260,6 +290,12 @@ class PolicyTrainer:
         self.version = 0
         self.pack = True
         """Shared-prompt packed forward (``packed_response_logits``); False: the padded one."""
+        self.update_threads: int | None = None
+        """Host threads an update's forward/backward is split over (whole groups each,
+        ``_backward_in_threads``); None: one per torch thread. Plain torch on one rank only."""
+        self._replicas: list = []
+        self._threads = HostThreads("laminar-update")
+        self._dropout: bool | None = None
         self._where = f"stage {self.stage}, update 1"
         # a frozen copy of the starting weights, only when the objective has a KL term
         self.ref_model = copy.deepcopy(model).eval().requires_grad_(False) if params.kl_coef > 0 else None
@@ -337,6 +373,54 @@ class PolicyTrainer:
         filler = mine[0][0] if mine else order[:1]
         return mine + [(filler, False)] * (max(len(p) for p in plans) - len(mine))
 
+    def _thread_shards(self, idx: torch.Tensor, lengths: torch.Tensor, group_index: torch.Tensor) -> list[torch.Tensor]:
+        """Rows ``idx`` split for ``_backward_in_threads`` (``group_shards``), one shard per
+        ``update_threads``; a single shard under DeepSpeed, with several ranks, with dropout (its random
+        draws would depend on the threads' timing) or with fewer than ``MIN_THREAD_ROWS`` rows a shard."""
+        k = self.update_threads if self.update_threads is not None else torch.get_num_threads()
+        k = min(k, len(idx) // MIN_THREAD_ROWS)
+        if k <= 1 or self.world_size > 1 or type(self)._backward is not PolicyTrainer._backward or self._has_dropout():
+            return [idx]
+        return group_shards(idx, lengths, group_index, k)
+
+    def _has_dropout(self) -> bool:
+        if self._dropout is None:
+            self._dropout = any(isinstance(m, torch.nn.Dropout) and m.p > 0 for m in self.model.modules()) or any(
+                float(getattr(getattr(self.model, "config", None), a, 0.0) or 0.0) > 0
+                for a in ("attention_dropout", "hidden_dropout", "resid_pdrop", "attn_pdrop", "embd_pdrop"))
+        return self._dropout
+
+    def _replica(self, j: int):
+        """Replica ``j`` >= 1 of the trained model for thread ``j``: its own modules and gradients, the
+        same parameter storage (re-tied here whenever the model's parameters were replaced)."""
+        while len(self._replicas) < j:
+            self._replicas.append(copy.deepcopy(self.model))
+        rep = self._replicas[j - 1]
+        for p, q in zip(self.model.parameters(), rep.parameters()):
+            if q.data_ptr() != p.data_ptr() or q.shape != p.shape:
+                q.data = p.data
+            q.requires_grad_(p.requires_grad)
+        rep.train(self.model.training)
+        return rep
+
+    def _backward_in_threads(self, backward_rows, parts: list[list[tuple[torch.Tensor, bool]]]):
+        """``backward_rows(model, parts[j])`` for every ``j`` at once, one host thread each with its
+        share of the torch threads (``HostThreads``): thread 0 on the trained model, thread j on
+        ``_replica(j)``. The replicas' gradients are then added to the model's in thread order (so the
+        sum is the same on every run) and the metrics and losses summed; (metrics, loss) as one thread
+        returns them."""
+        models = [self.model] + [self._replica(j) for j in range(1, len(parts))]
+        results = self._threads.run(lambda j: backward_rows(models[j], parts[j]), len(parts))
+        for rep in models[1:]:
+            for p, q in zip(self.model.parameters(), rep.parameters()):
+                if q.grad is not None:
+                    p.grad = q.grad if p.grad is None else p.grad.add_(q.grad)
+                q.grad = None
+        metrics: dict[str, float] = {}
+        for part_metrics, _ in results:
+            _accumulate(metrics, part_metrics)
+        return metrics, sum(loss for _, loss in results)
+
     def _reduce_metrics(self, metrics: dict[str, float], loss: float) -> tuple[dict[str, float], float]:
         if self.world_size == 1:
             return metrics, loss
@@ -385,24 +469,22 @@ class PolicyTrainer:
         with torch.no_grad():
             ref = logprobs_of(self.ref_model) if self.ref_model is not None else None
             proximal = logprobs_of(self.forward_model) if self.minibatches > 1 else None
-        chunks = [idx for idx in torch.arange(n).chunk(min(self.minibatches, n))]
-        per_chunk: list[dict[str, float]] = []
-        losses, norms = [], []
-        for i, idx in enumerate(chunks):
-            self._where = (f"stage {self.stage}, update {self.version + 1}"
-                           + (f" (minibatch {i + 1}/{len(chunks)})" if len(chunks) > 1 else ""))
-            self._zero_grad()
+
+        def backward_rows(model, mbs: list[tuple[torch.Tensor, bool]],
+                          idx: torch.Tensor) -> tuple[dict[str, float], float]:
+            """Forward and backward of micro-batches ``mbs`` on ``model``; (metrics, loss), each
+            weighted by the micro-batches' shares of the minibatch ``idx``."""
             metrics: dict[str, float] = {}
-            chunk_loss = 0.0
-            mbs = self._my_micro_batches(idx, lengths)
+            part_loss = 0.0
             for j, (mb, counts) in enumerate(mbs):
                 sub = batch.rows(mb).trimmed()
                 t = sub.mask.shape[1]
-                logits = self._response_logits(self.forward_model, sub)
+                logits = self._response_logits(model, sub)
                 logprobs = token_logprobs(logits, targets[mb, :t], self.temperature)
                 m = mask[mb, :t]
                 pbatch = PolicyBatch(
-                    logprobs=logprobs, old_logprobs=proximal[mb, :t] if proximal is not None else logprobs.detach(),
+                    logprobs=logprobs,
+                    old_logprobs=proximal[mb, :t] if proximal is not None else logprobs.detach(),
                     behaviour_logprobs=sub.behaviour.to(self.device), advantages=advantages[mb], mask=m,
                     max_len=self.max_new_tokens, versions=sub.versions, trainer_version=self.version,
                     ref_logprobs=ref[mb, :t] if ref is not None else None,
@@ -410,18 +492,30 @@ class PolicyTrainer:
                 loss, mb_metrics = policy_loss(pbatch, self.params)
                 share = micro_share(m, mask[idx], self.params.loss_agg) if counts else 0.0
                 self._backward(loss * share, boundary=j == len(mbs) - 1)
-                chunk_loss += float(loss.detach()) * share
+                part_loss += float(loss.detach()) * share
                 with torch.no_grad():
                     denom = m.sum().clamp_min(1)
-                    mb_metrics["entropy"] = float((entropy_from_logits(logits.detach() / self.temperature) * m).sum()
-                                                  / denom)
-                    mb_metrics["sampler_logprob_gap"] = float(((pbatch.old_logprobs - pbatch.behaviour_logprobs).abs()
-                                                               * m).sum() / denom)
-                for k, v in mb_metrics.items():
-                    if k == "staleness_max":
-                        metrics[k] = max(metrics.get(k, v), v)
-                    else:
-                        metrics[k] = metrics.get(k, 0.0) + share * v
+                    mb_metrics["entropy"] = float((entropy_from_logits(logits.detach() / self.temperature) * m)
+                                                  .sum() / denom)
+                    mb_metrics["sampler_logprob_gap"] = float(((pbatch.old_logprobs - pbatch.behaviour_logprobs)
+                                                               .abs() * m).sum() / denom)
+                _accumulate(metrics, mb_metrics, share)
+            return metrics, part_loss
+
+        chunks = [idx for idx in torch.arange(n).chunk(min(self.minibatches, n))]
+        per_chunk: list[dict[str, float]] = []
+        losses, norms = [], []
+        for i, idx in enumerate(chunks):
+            self._where = (f"stage {self.stage}, update {self.version + 1}"
+                           + (f" (minibatch {i + 1}/{len(chunks)})" if len(chunks) > 1 else ""))
+            self._zero_grad()
+            shards = self._thread_shards(idx, lengths, batch.group_index)
+            if len(shards) == 1:
+                metrics, chunk_loss = backward_rows(self.forward_model, self._my_micro_batches(idx, lengths), idx)
+            else:
+                metrics, chunk_loss = self._backward_in_threads(
+                    functools.partial(backward_rows, idx=idx),
+                    [[(mb, True) for mb in micro_batches(lengths, rows, self.micro_batch_tokens)] for rows in shards])
             if self.world_size == 1:  # several ranks hold partial losses: checked once summed, below
                 self._check_finite(loss=chunk_loss)
             norms.append(self._step())  # checks the gradient norm
