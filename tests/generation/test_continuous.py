@@ -12,17 +12,10 @@ from generation.continuous import ContinuousEngine, _mix, _mix_py, _signed, gumb
 from generation.records import GenRequest, Partial, PromptItem, ScoredGroup
 from training.rl.trainer import build_batch, response_logits, token_logprobs
 
+pytestmark = pytest.mark.usefixtures("one_thread")
+
 SMALL = ModelConfig(hidden_size=32, intermediate_size=64, num_layers=2, num_heads=4, num_kv_heads=2, max_seq_len=128)
 MAX_NEW = 16
-
-
-@pytest.fixture(scope="module", autouse=True)
-def one_thread():
-    """The tiny model runs fastest on one thread: two threads on a busy 2-core machine mostly wait."""
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
 
 
 @pytest.fixture(scope="module")

@@ -26,6 +26,8 @@ from generation.engines import StaticTorchRolloutEngine, TorchRolloutEngine, mak
 from generation.protocol import REPO_ROOT, ProtocolError, RolloutEngine, SamplingSpec, request_id
 from generation.records import GenRequest, PromptItem
 
+pytestmark = pytest.mark.usefixtures("one_thread")
+
 SMALL = ModelConfig(hidden_size=32, intermediate_size=64, num_layers=2, num_heads=4, num_kv_heads=2, max_seq_len=128)
 MAX_NEW = 12
 CAP = 4
@@ -65,16 +67,6 @@ def _local(assets, state=None):
     if state is not None:
         eng.load_weights(0, state=state)
     return eng
-
-
-@pytest.fixture(scope="module", autouse=True)
-def one_thread():
-    """The tiny model runs fastest on one thread (and the worker process uses one): two threads on a
-    busy 2-core machine mostly wait for each other."""
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
 
 
 @pytest.fixture(scope="module")

@@ -12,13 +12,7 @@ from generation.static_slots import StaticSlotEngine
 
 from test_continuous import MAX_NEW, _drain, _key, _model, _requests, _staggered
 
-
-@pytest.fixture(scope="module", autouse=True)
-def one_thread():
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
+pytestmark = pytest.mark.usefixtures("one_thread")
 
 
 @pytest.fixture(scope="module")

@@ -24,17 +24,11 @@ from generation.model import build_char_tokenizer, build_tiny_model, encode_prom
 from generation.protocol import REPO_ROOT, ProtocolError, weights_dir, write_weights
 from generation.records import GenRequest, PromptItem
 
+pytestmark = pytest.mark.usefixtures("one_thread")
+
 SMALL = ModelConfig(hidden_size=32, intermediate_size=64, num_layers=2, num_heads=4, num_kv_heads=2, max_seq_len=128)
 FAKE = str(Path(__file__).resolve().parent / "fake_vllm")
 RANK, TEMP, MAX_NEW, TOL = 4, 0.8, 10, 1e-4
-
-
-@pytest.fixture(scope="module", autouse=True)
-def one_thread():
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
 
 
 def _peft_version(base_dir, seed):
