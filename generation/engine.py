@@ -113,10 +113,12 @@ class TorchEngine:
         step_pos = positions[:, -1:].index_select(0, of_row_dev)
 
         def decode(shard: int, rows: torch.Tensor) -> None:
-            rows_dev = rows.to(self.device)
-            self._decode_rows(rows, logits.index_select(0, rows_dev), cache, of_row_dev.index_select(0, rows_dev),
-                              pad_rows.index_select(0, rows_dev), step_pos.index_select(0, rows_dev), plen, width,
-                              max_new_tokens, temperature, fused, noise, out, shard)
+            if len(shards) == 1:  # the whole batch: its tensors as they are (no copy of the logits)
+                part = (logits, of_row_dev, pad_rows, step_pos)
+            else:
+                rows_dev = rows.to(self.device)
+                part = tuple(x.index_select(0, rows_dev) for x in (logits, of_row_dev, pad_rows, step_pos))
+            self._decode_rows(rows, *part, cache, plen, width, max_new_tokens, temperature, fused, noise, out, shard)
 
         # the model's own forward decodes through ``_gqa_decode_attention``, switched on once for all
         # shards (the switch is the model config's, shared by the threads)
@@ -138,8 +140,8 @@ class TorchEngine:
             k = max(1, min(k, bsz // MIN_SHARD_ROWS))
         return list(torch.arange(bsz).tensor_split(k))
 
-    def _decode_rows(self, rows: torch.Tensor, logits: torch.Tensor, prefill, of_row: torch.Tensor,
-                     pad_rows: torch.Tensor, step_pos: torch.Tensor, plen: int, width: int, max_new_tokens: int,
+    def _decode_rows(self, rows: torch.Tensor, logits: torch.Tensor, of_row: torch.Tensor, pad_rows: torch.Tensor,
+                     step_pos: torch.Tensor, prefill, plen: int, width: int, max_new_tokens: int,
                      temperature: float, fused, noise: "_StepNoise", out: "_Outputs", shard: int) -> None:
         """The decode loop of the batch rows ``rows`` (full-batch indices) from their first-token
         ``logits``: a static KV cache filled from the ``prefill`` cache (row i from its prompt's row

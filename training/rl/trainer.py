@@ -105,11 +105,12 @@ def group_shards(idx: torch.Tensor, lengths: torch.Tensor, group_index: torch.Te
     for i in idx.tolist():
         rows_of.setdefault(int(group_index[i]), []).append(i)
     k = max(1, min(k, len(rows_of)))
+    tokens = {g: sum(int(lengths[i]) for i in rows) for g, rows in rows_of.items()}
     load, shards = [0] * k, [[] for _ in range(k)]
-    for g in sorted(rows_of, key=lambda g: (-sum(int(lengths[i]) for i in rows_of[g]), g)):
+    for g in sorted(rows_of, key=lambda g: (-tokens[g], g)):
         j = min(range(k), key=lambda j: (load[j], j))
         shards[j].extend(rows_of[g])
-        load[j] += sum(int(lengths[i]) for i in rows_of[g])
+        load[j] += tokens[g]
     return [torch.tensor(sorted(rows)) for rows in shards if rows]
 
 
