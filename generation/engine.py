@@ -30,6 +30,10 @@ class TorchEngine:
         """Decode steps through ``generation.fused_decode`` where it reproduces the model (Llama-family);
         False: through the model's own forward."""
         self._fused_decoder = None
+        self.native_kernels = True
+        """On the CPU in float32, run the fused step's non-matmul work and the sampling step through
+        the native kernels (``generation.kernels``, built once per machine) where a C compiler is
+        there; False (or ``LAMINAR_NATIVE_KERNELS=0``): torch ops only."""
         self._kv_store: list[list] = []
         """Per decode shard, the static decode's host buffers, reused from batch to batch
         (``_StaticDecodeCache``)."""
@@ -107,6 +111,8 @@ class TorchEngine:
         # token fed at step t (t >= 1) writes column plen + t - 1; the last sampled token is never fed
         width = plen + max_new_tokens - 1
         fused = self._fused(width + 1)
+        # the native step reads the prompts' keys/values once per group, not a copy per row
+        prompt_kv = _PromptKV(cache, attn) if fused is not None and fused.native is not None else None
         shards = self._shards(bsz)
         noise = _StepNoise(bsz, logits.shape[1], generator, len(shards))
         pad_rows = attn.index_select(0, of_row_dev) == 0
@@ -118,7 +124,8 @@ class TorchEngine:
             else:
                 rows_dev = rows.to(self.device)
                 part = tuple(x.index_select(0, rows_dev) for x in (logits, of_row_dev, pad_rows, step_pos))
-            self._decode_rows(rows, *part, cache, plen, width, max_new_tokens, temperature, fused, noise, out, shard)
+            self._decode_rows(rows, *part, cache, plen, width, max_new_tokens, temperature, fused, noise, out, shard,
+                              prompt_kv)
 
         # the model's own forward decodes through ``_gqa_decode_attention``, switched on once for all
         # shards (the switch is the model config's, shared by the threads)
@@ -142,24 +149,37 @@ class TorchEngine:
 
     def _decode_rows(self, rows: torch.Tensor, logits: torch.Tensor, of_row: torch.Tensor, pad_rows: torch.Tensor,
                      step_pos: torch.Tensor, prefill, plen: int, width: int, max_new_tokens: int,
-                     temperature: float, fused, noise: "_StepNoise", out: "_Outputs", shard: int) -> None:
+                     temperature: float, fused, noise: "_StepNoise", out: "_Outputs", shard: int,
+                     prompt_kv: "_PromptKV | None" = None) -> None:
         """The decode loop of the batch rows ``rows`` (full-batch indices) from their first-token
         ``logits``: a static KV cache filled from the ``prefill`` cache (row i from its prompt's row
-        ``of_row[i]``), finished rows compacted away, samples written to ``out``."""
+        ``of_row[i]``), finished rows compacted away, samples written to ``out``. With ``prompt_kv``
+        (the native step) the rows share their prompt's keys/values and keep only their own."""
         while len(self._kv_store) <= shard:
             self._kv_store.append([])
-        slots = _StaticDecodeCache(prefill, width, of_row, keys_transposed=fused is not None and fused.keys_transposed,
-                                   store=self._kv_store[shard] if self.device == "cpu" else None)
-        neg = torch.finfo(slots.values[0].dtype).min
+        store = self._kv_store[shard] if self.device == "cpu" else None
         n_all = len(rows)
-        mask = torch.zeros((n_all, 1, 1, width), dtype=slots.values[0].dtype, device=self.device)
-        mask[:, 0, 0, :plen].masked_fill_(pad_rows, neg)  # left padding: never attended
+        if prompt_kv is not None:
+            slots, mask = _CompletionKV(prompt_kv, of_row, max_new_tokens - 1, store), None
+        else:
+            slots = _StaticDecodeCache(prefill, width, of_row,
+                                       keys_transposed=fused is not None and fused.keys_transposed, store=store)
+            neg = torch.finfo(slots.values[0].dtype).min
+            mask = torch.zeros((n_all, 1, 1, width), dtype=slots.values[0].dtype, device=self.device)
+            mask[:, 0, 0, :plen].masked_fill_(pad_rows, neg)  # left padding: never attended
         done = out.done
+        # the native sampling step (float32 logits on the CPU): one call for what follows the logits
+        native = fused.native if fused is not None else None
+        if native is not None:
+            next_buf = torch.empty(n_all, dtype=torch.long)
+            keep_buf = torch.empty(n_all, dtype=torch.bool)
         for t in range(max_new_tokens):
             if t > 0:
                 col = plen + t - 1
                 n = len(rows)
-                if fused is not None:
+                if prompt_kv is not None:
+                    logits = fused.step_shared(step_ids[:, 0], step_pos[:, 0], prompt_kv, slots, t - 1)
+                elif fused is not None:
                     logits = fused.step(step_ids[:, 0], step_pos[:, 0], slots.keys, slots.values, col,
                                         mask[:n, :, :, :col + 1])
                 else:
@@ -167,33 +187,49 @@ class TorchEngine:
                     logits = self.model(input_ids=step_ids, attention_mask=mask[:n, :, :, :col + 1],
                                         position_ids=step_pos, past_key_values=slots,
                                         use_cache=True).logits[:, -1, :]
-            logprobs = torch.log_softmax(logits.float() / temperature, dim=-1).cpu()
-            probs = logprobs.exp()
-            # torch.multinomial(probs, 1) of the whole batch, drawn the same way (argmax of p / Exp(1)
-            # noise over [batch, vocab]), so every row gets the noise it would get in the full batch
-            nxt = (probs / noise.rows(t, rows)).argmax(-1)
-            live = ~done[rows]
-            ent = -(probs * logprobs).nan_to_num().sum(-1)
-            idx = rows[live]
-            out.ent_sum[idx] += ent[live]
-            out.tokens[idx, t] = nxt[live]
-            out.logps[idx, t] = logprobs.gather(1, nxt[:, None]).squeeze(1)[live]
-            newly = idx[nxt[live] == self.eos_id]
-            out.lengths[newly] = t + 1
-            done[newly] = True
-            keep = ~done[rows]
-            if not bool(keep.any()):
-                noise.finished()
-                break
-            step_ids = nxt[:, None].to(self.device)
-            step_pos = step_pos + 1
-            n_done = len(rows) - int(keep.sum())
+            if native is not None and logits.dtype == torch.float32 and logits.stride(-1) == 1:
+                # the same draw as below in one pass (float rounding of the exp/log aside)
+                n = len(rows)
+                nxt, keep = next_buf[:n], keep_buf[:n]
+                kept = native.sample_step(logits, temperature, noise.step(t), rows, t, self.eos_id, out.tokens,
+                                          out.logps, out.ent_sum, out.lengths, done, nxt, keep)
+                if not kept:
+                    noise.finished()
+                    break
+                n_done = n - kept
+                step_ids = nxt[:, None]  # read by the next step before the buffer is written again
+                step_pos = step_pos + 1
+            else:
+                logprobs = torch.log_softmax(logits.float() / temperature, dim=-1).cpu()
+                probs = logprobs.exp()
+                # torch.multinomial(probs, 1) of the whole batch, drawn the same way (argmax of p / Exp(1)
+                # noise over [batch, vocab]), so every row gets the noise it would get in the full batch
+                nxt = (probs / noise.rows(t, rows)).argmax(-1)
+                live = ~done[rows]
+                ent = -(probs * logprobs).nan_to_num().sum(-1)
+                idx = rows[live]
+                out.ent_sum[idx] += ent[live]
+                out.tokens[idx, t] = nxt[live]
+                out.logps[idx, t] = logprobs.gather(1, nxt[:, None]).squeeze(1)[live]
+                newly = idx[nxt[live] == self.eos_id]
+                out.lengths[newly] = t + 1
+                done[newly] = True
+                keep = ~done[rows]
+                if not bool(keep.any()):
+                    noise.finished()
+                    break
+                step_ids = nxt[:, None].to(self.device)
+                step_pos = step_pos + 1
+                n_done = len(rows) - int(keep.sum())
             if n_done and n_done * 8 >= len(rows):  # compact: finished rows leave the batch
                 sel = keep.nonzero().squeeze(1)
                 sel_dev = sel.to(self.device)
-                slots.select(sel_dev, plen + t)
                 m = len(sel)
-                mask[:m] = mask.index_select(0, sel_dev)
+                if mask is None:
+                    slots.select(sel_dev, t)
+                else:
+                    slots.select(sel_dev, plen + t)
+                    mask[:m] = mask.index_select(0, sel_dev)
                 rows, step_ids, step_pos = rows[sel], step_ids[sel_dev], step_pos[sel_dev]
 
     def _fused(self, positions: int):
@@ -211,7 +247,17 @@ class TorchEngine:
             return None
         dec.refresh()
         dec.rotary_tables(positions)
+        # the native kernels: float32, head_dim a multiple of 16 (one AVX-512 vector)
+        dec.native = self._native() if dec.embed.dtype == torch.float32 and dec.head_dim % 16 == 0 else None
         return dec
+
+    def _native(self):
+        """The native kernels where this engine may use them (CPU, ``native_kernels``), else None."""
+        if not self.native_kernels or torch.device(self.device).type != "cpu":
+            return None
+        from generation import kernels
+
+        return kernels.load()
 
     def _left_padded(self, prompts) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """(input_ids, attention_mask, position_ids) on the device, left-padded: every sequence's next
@@ -309,6 +355,10 @@ class _StepNoise:
 
     def rows(self, t: int, rows: torch.Tensor) -> torch.Tensor:
         """Step ``t``'s noise of batch rows ``rows``."""
+        return self.step(t)[rows]
+
+    def step(self, t: int) -> torch.Tensor:
+        """Step ``t``'s noise of the whole batch [bsz, vocab] (a shard reads its own rows)."""
         with self.lock:
             while self.drawn <= t:
                 self.steps[self.drawn] = [torch.empty(self.shape).exponential_(1, generator=self.generator), self.live]
@@ -317,7 +367,7 @@ class _StepNoise:
             entry[1] -= 1
             if entry[1] <= 0:
                 del self.steps[t]
-        return entry[0][rows]
+        return entry[0]
 
     def finished(self) -> None:
         """A shard has no live row left: it reads no later step."""
@@ -326,6 +376,70 @@ class _StepNoise:
 
 
 _DECODE_ATTN = "laminar_decode"
+
+
+def _store_buffer(store: list | None, slot: int, shape: tuple[int, ...], like: torch.Tensor) -> torch.Tensor:
+    """An uninitialised [shape] tensor: a view of the ``store``'s buffer ``slot`` when that is large
+    enough (a host engine keeps its buffers from batch to batch: fresh pages cost more than the
+    copies into them), else a new one (kept in the store)."""
+    if store is None:
+        return like.new_empty(shape)
+    while len(store) <= slot:
+        store.append(None)
+    buf = store[slot]
+    if (buf is None or buf.dim() != len(shape) or buf.dtype != like.dtype or buf.device != like.device
+            or any(have < need for have, need in zip(buf.shape, shape))):
+        grown = shape if buf is None or buf.dim() != len(shape) else tuple(map(max, buf.shape, shape))
+        buf = store[slot] = like.new_empty(grown)
+    return buf[tuple(slice(0, n) for n in shape)]
+
+
+class _PromptKV:
+    """The native decode's prompt part of the KV cache, shared by every row with that prompt (a
+    group's samples) and every decode shard: per layer the prefill's keys transposed [U, kv,
+    head_dim, P] and values [U, kv, P, head_dim] of the U distinct prompts, and the additive mask [U,
+    P] of their left padding. Nothing is copied per row."""
+
+    def __init__(self, prefill_cache, attn: torch.Tensor):
+        self.keys = [layer.keys.transpose(-1, -2).contiguous() for layer in prefill_cache.layers]
+        self.values = [layer.values.contiguous() for layer in prefill_cache.layers]
+        dtype = self.values[0].dtype
+        self.mask = torch.zeros(attn.shape, dtype=dtype).masked_fill_(attn.cpu() == 0, torch.finfo(dtype).min)
+
+
+class _CompletionKV:
+    """The native decode's per-row part of the KV cache: the keys and values of the tokens a row has
+    sampled, per layer keys [rows, kv, blocks, head_dim, 16] (blocks of 16 columns, each transposed:
+    the layout of ``generation/kernels/decode.c``) and values [rows, kv, columns, head_dim], and each
+    row's prompt (``prompt_of``, an index into ``_PromptKV``). ``select`` keeps some rows (finished
+    ones leave), copying only the columns written so far."""
+
+    def __init__(self, prompt: _PromptKV, prompt_of: torch.Tensor, columns: int, store: list | None):
+        self.store, self.set = store, 0
+        self.prompt_of = prompt_of.contiguous()
+        rows = len(prompt_of)
+        blocks = max(1, -(-columns // 16))
+        self.keys, self.values = [], []
+        for i, (pk, pv) in enumerate(zip(prompt.keys, prompt.values)):
+            _, kv, d, _ = pk.shape
+            self.keys.append(_store_buffer(store, 2 * i, (rows, kv, blocks, d, 16), pk))
+            self.values.append(_store_buffer(store, 2 * i + 1, (rows, kv, blocks * 16, d), pv))
+
+    def select(self, keep: torch.Tensor, upto: int) -> None:
+        """Rows ``keep`` (indices into the current rows) move to the front, completion columns
+        ``[0, upto)``, gathered into the store's other set of buffers (one copy)."""
+        m, n_layers = len(keep), len(self.keys)
+        blocks = -(-upto // 16)
+        self.set = 1 - self.set
+        base = 2 * n_layers * self.set
+        for i in range(n_layers):
+            for j, (bufs, cols) in enumerate(((self.keys, lambda b: b[:, :, :blocks]),
+                                              (self.values, lambda b: b[:, :, :upto]))):
+                buf = bufs[i]
+                target = _store_buffer(self.store, base + 2 * i + j, tuple(buf.shape), buf)
+                torch.index_select(cols(buf), 0, keep, out=cols(target)[:m])
+                bufs[i] = target
+        self.prompt_of = self.prompt_of.index_select(0, keep)
 
 
 def _decode_attention_supported(model) -> bool:
@@ -416,19 +530,7 @@ class _StaticDecodeCache:
         self.col = p
 
     def _buffer(self, slot: int, shape: tuple[int, ...], like: torch.Tensor) -> torch.Tensor:
-        """An uninitialised [shape] tensor: a view of the ``store``'s buffer ``slot`` when that is large
-        enough (a host engine keeps its buffers from batch to batch: fresh pages cost more than the
-        copies into them), else a new one (kept in the store)."""
-        if self.store is None:
-            return like.new_empty(shape)
-        while len(self.store) <= slot:
-            self.store.append(None)
-        buf = self.store[slot]
-        if (buf is None or buf.dim() != len(shape) or buf.dtype != like.dtype or buf.device != like.device
-                or any(have < need for have, need in zip(buf.shape, shape))):
-            grown = shape if buf is None or buf.dim() != len(shape) else tuple(map(max, buf.shape, shape))
-            buf = self.store[slot] = like.new_empty(grown)
-        return buf[tuple(slice(0, n) for n in shape)]
+        return _store_buffer(self.store, slot, shape, like)
 
     def update(self, key_states, value_states, layer_idx, cache_kwargs=None):
         n, c = key_states.shape[0], self.col

@@ -89,6 +89,9 @@ class FusedDecoder:
         """The key buffers' layout ``step`` expects: [rows, kv_heads, head_dim, width] (True) or
         [rows, kv_heads, width, head_dim] (False)."""
         self.scale_folded = False
+        self.native = None
+        """``generation.kernels.NativeKernels`` to run the step's non-matmul work with (float32 on
+        the CPU; set by the engine), or None: torch ops only."""
         self._cos = self._sin = None
         window = getattr(cfg, "sliding_window", None)
         self.max_width = window if window is not None and getattr(cfg, "use_sliding_window",
@@ -195,3 +198,32 @@ class FusedDecoder:
             gu = F.linear(self._rms(x, w.ln2), w.gate_up)
             x = torch.addmm(x, F.silu(gu[:, :inter]) * gu[:, inter:], w.down)
         return F.linear(self._rms(x, self.norm), self.lm_head, self.lm_bias)
+
+    def step_shared(self, ids: torch.Tensor, pos: torch.Tensor, prompt, rows, ccol: int) -> torch.Tensor:
+        """``step`` on the native kernels (float32 on the CPU; ``native`` set): logits [n, vocab] of
+        the next token after ``ids`` [n] at positions ``pos`` [n], where row i's cache is its
+        prompt's keys/values (``prompt``: ``generation.engine._PromptKV``, shared by the rows of that
+        prompt) and its own completion columns [0, ccol] (``rows``: ``_CompletionKV``; the step's key
+        and value are written at ``ccol``). RMSNorm, rotary + KV write + attention and the SiLU-gated
+        product are one native call each; the matmuls are the torch calls of ``step``."""
+        k = self.native
+        n = ids.shape[0]
+        x = F.embedding(ids, self.embed)
+        h = torch.empty_like(x)
+        att = x.new_empty((n, self.n_heads * self.head_dim))
+        act = x.new_empty((n, self.intermediate))
+        scale = 1.0 if self.scale_folded else self.scale
+        qkv_rows = (self.n_heads + 2 * self.n_kv) * self.head_dim
+        for li, w in enumerate(self.layers):
+            k.rms_norm(x, w.ln1, self.eps, h)
+            # q, k, v only: the kernel rotates them itself (the rotate_half rows are for ``step``)
+            qkv = F.linear(h, w.qkv[:qkv_rows], None if w.qkv_bias is None else w.qkv_bias[:qkv_rows])
+            k.decode_attention(qkv, self.n_heads, self.n_kv, self.head_dim, self._cos, self._sin, pos,
+                               prompt.keys[li], prompt.values[li], prompt.mask, rows.prompt_of[:n], rows.keys[li],
+                               rows.values[li], ccol, scale, att)
+            x.addmm_(att, w.o)
+            k.rms_norm(x, w.ln2, self.eps, h)
+            k.silu_mul(F.linear(h, w.gate_up), act)
+            x.addmm_(act, w.down)
+        k.rms_norm(x, self.norm, self.eps, h)
+        return F.linear(h, self.lm_head, self.lm_bias)
