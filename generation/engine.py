@@ -416,6 +416,8 @@ class _CompletionKV:
 
     def __init__(self, prompt: _PromptKV, prompt_of: torch.Tensor, columns: int, store: list | None):
         self.store, self.set = store, 0
+        self.caches = None
+        """The native step's checked view of these buffers (``NativeModel.cache_pointers``)."""
         self.prompt_of = prompt_of.contiguous()
         rows = len(prompt_of)
         blocks = max(1, -(-columns // 16))
@@ -440,6 +442,7 @@ class _CompletionKV:
                 torch.index_select(cols(buf), 0, keep, out=cols(target)[:m])
                 bufs[i] = target
         self.prompt_of = self.prompt_of.index_select(0, keep)
+        self.caches = None
 
 
 def _decode_attention_supported(model) -> bool:

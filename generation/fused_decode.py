@@ -90,6 +90,7 @@ class FusedDecoder:
         [rows, kv_heads, width, head_dim] (False)."""
         self.scale_folded = False
         self.native = None
+        self._native_model = None
         """``generation.kernels.NativeKernels`` to run the step's non-matmul work with (float32 on
         the CPU; set by the engine), or None: torch ops only."""
         self._cos = self._sin = None
@@ -199,31 +200,23 @@ class FusedDecoder:
             x = torch.addmm(x, F.silu(gu[:, :inter]) * gu[:, inter:], w.down)
         return F.linear(self._rms(x, self.norm), self.lm_head, self.lm_bias)
 
+    def native_model(self):
+        """The ``generation.kernels.NativeModel`` over the current fused weights (``native`` set), built
+        once per ``refresh``."""
+        if self._native_model is None or self._native_model[0] != self._sig:
+            m = self.native.model(self.layers, self.embed, self.norm, self.lm_head, self.lm_bias, heads=self.n_heads,
+                                  kv_heads=self.n_kv, head_dim=self.head_dim, eps=self.eps,
+                                  scale=1.0 if self.scale_folded else self.scale)
+            self._native_model = (self._sig, m)
+        return self._native_model[1]
+
     def step_shared(self, ids: torch.Tensor, pos: torch.Tensor, prompt, rows, ccol: int) -> torch.Tensor:
-        """``step`` on the native kernels (float32 on the CPU; ``native`` set): logits [n, vocab] of
-        the next token after ``ids`` [n] at positions ``pos`` [n], where row i's cache is its
-        prompt's keys/values (``prompt``: ``generation.engine._PromptKV``, shared by the rows of that
-        prompt) and its own completion columns [0, ccol] (``rows``: ``_CompletionKV``; the step's key
-        and value are written at ``ccol``). RMSNorm, rotary + KV write + attention and the SiLU-gated
-        product are one native call each; the matmuls are the torch calls of ``step``."""
-        k = self.native
-        n = ids.shape[0]
-        x = F.embedding(ids, self.embed)
-        h = torch.empty_like(x)
-        att = x.new_empty((n, self.n_heads * self.head_dim))
-        act = x.new_empty((n, self.intermediate))
-        scale = 1.0 if self.scale_folded else self.scale
-        qkv_rows = (self.n_heads + 2 * self.n_kv) * self.head_dim
-        for li, w in enumerate(self.layers):
-            k.rms_norm(x, w.ln1, self.eps, h)
-            # q, k, v only: the kernel rotates them itself (the rotate_half rows are for ``step``)
-            qkv = F.linear(h, w.qkv[:qkv_rows], None if w.qkv_bias is None else w.qkv_bias[:qkv_rows])
-            k.decode_attention(qkv, self.n_heads, self.n_kv, self.head_dim, self._cos, self._sin, pos,
-                               prompt.keys[li], prompt.values[li], prompt.mask, rows.prompt_of[:n], rows.keys[li],
-                               rows.values[li], ccol, scale, att)
-            x.addmm_(att, w.o)
-            k.rms_norm(x, w.ln2, self.eps, h)
-            k.silu_mul(F.linear(h, w.gate_up), act)
-            x.addmm_(act, w.down)
-        k.rms_norm(x, self.norm, self.eps, h)
-        return F.linear(h, self.lm_head, self.lm_bias)
+        """``step`` as one native call (``native`` set; float32 on the CPU): logits [n, vocab] of the
+        next token after ``ids`` [n] at positions ``pos`` [n], where row i's cache is its prompt's
+        keys/values (``prompt``: ``generation.engine._PromptKV``, shared by the rows of that prompt)
+        and its own completion columns [0, ccol] (``rows``: ``_CompletionKV``; the step's key and value
+        are written at ``ccol``)."""
+        m = self.native_model()
+        if rows.caches is None:
+            rows.caches = m.cache_pointers(prompt, rows)
+        return m.step(ids, pos, self._cos, self._sin, rows.prompt_of, rows.caches, ccol)

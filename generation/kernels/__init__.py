@@ -111,8 +111,12 @@ def load() -> "NativeKernels | None":
             if cc is None:
                 log.warning("no C compiler (set CC): the decode step runs on torch ops")
             else:
+                sgemm = _sgemm_address()
+                if sgemm is None:
+                    log.warning("torch exports no BLAS sgemm_ here: the decode step runs on torch ops")
+                    return None
                 try:
-                    _loaded = NativeKernels(ctypes.CDLL(str(build(cc))))
+                    _loaded = NativeKernels(ctypes.CDLL(str(build(cc))), sgemm)
                 except (OSError, RuntimeError, subprocess.SubprocessError) as e:
                     log.warning("native decode kernels unavailable, the decode step runs on torch ops: %s", e)
         return _loaded
@@ -128,80 +132,41 @@ def _f32(*tensors: torch.Tensor) -> None:
                              f"{t.dtype} on {t.device} with strides {t.stride()}")
 
 
-def _strides(t: torch.Tensor):
-    return (ctypes.c_int64 * t.dim())(*t.stride())
+def _sgemm_address() -> int | None:
+    """The address of the Fortran ``sgemm_`` that torch's own BLAS (MKL) exports, or None."""
+    lib_dir = Path(torch.__file__).parent / "lib"
+    for name in ("libtorch_cpu.so", "libtorch_cpu.dylib"):
+        if (lib_dir / name).exists():
+            try:
+                return ctypes.cast(ctypes.CDLL(str(lib_dir / name)).sgemm_, ctypes.c_void_p).value
+            except (OSError, AttributeError):
+                return None
+    return None
+
+
+def _ptrs(tensors) -> ctypes.Array:
+    return (ctypes.c_void_p * len(tensors))(*[None if t is None else t.data_ptr() for t in tensors])
 
 
 class NativeKernels:
     """Typed wrappers of ``decode.c`` (each call releases the GIL while it runs)."""
 
-    def __init__(self, lib: ctypes.CDLL):
-        self.lib = lib
-        lib.lm_rms_norm.argtypes = [_P, _I, _P, _P, _I, _I, _I, _F]
-        lib.lm_rms_norm.restype = None
-        lib.lm_silu_mul.argtypes = [_P, _I, _P, _I, _I, _I]
-        lib.lm_silu_mul.restype = None
-        lib.lm_decode_attention.argtypes = [_P, _I, _I, _I, _I, _P, _P, _I, _P, _P, _P, _P, _P, _P, _I, _I, _I, _P,
-                                            _P, _P, _P, _P, _I, _F, _P, _I, _I, _P]
-        lib.attention_scratch_floats.argtypes = [_I, _I, _I, _I, _I]
-        lib.attention_scratch_floats.restype = ctypes.c_int64
-        lib.lm_decode_attention.restype = ctypes.c_int64
+    def __init__(self, lib: ctypes.CDLL, sgemm: int):
+        self.lib, self.sgemm = lib, sgemm
+        lib.lm_step_workspace.argtypes = [_P, _I, _I, _I]
+        lib.lm_step_workspace.restype = ctypes.c_int64
+        lib.lm_decode_step.argtypes = [_P, _P, _P, _P, _P, _P, _I, _P, _P, _I, _P, _P, _P, _P, _P, _I, _I, _I, _P,
+                                       _P, _P, _P, _P, _I, _P, _P]
+        lib.lm_decode_step.restype = ctypes.c_int64
         lib.lm_sample_step.argtypes = [_P, _I, _I, _I, _F, _P, _I, _P, _I, _I, _I, _I, _P, _P, _P, _P, _P, _P, _P,
                                        _P]
         lib.lm_sample_step.restype = ctypes.c_int64
 
-    def rms_norm(self, x: torch.Tensor, w: torch.Tensor, eps: float, out: torch.Tensor) -> torch.Tensor:
-        """``F.rms_norm(x, w.shape, w, eps)`` of the rows of 2-D ``x`` into ``out``."""
-        _f32(x, w, out)
-        n, h = x.shape
-        if out.shape != x.shape or w.shape != (h,) or not w.is_contiguous():
-            raise ValueError("rms_norm: shapes")
-        self.lib.lm_rms_norm(x.data_ptr(), x.stride(0), w.data_ptr(), out.data_ptr(), out.stride(0), n, h, eps)
-        return out
-
-    def silu_mul(self, gu: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
-        """``F.silu(gu[:, :m]) * gu[:, m:]`` into ``out`` [n, m]."""
-        _f32(gu, out)
-        n, m = out.shape
-        if gu.shape != (n, 2 * m):
-            raise ValueError("silu_mul: shapes")
-        self.lib.lm_silu_mul(gu.data_ptr(), gu.stride(0), out.data_ptr(), out.stride(0), n, m)
-        return out
-
-    def decode_attention(self, qkv: torch.Tensor, n_heads: int, n_kv: int, head_dim: int, cos: torch.Tensor,
-                         sin: torch.Tensor, pos: torch.Tensor, prompt_keys: torch.Tensor, prompt_values: torch.Tensor,
-                         prompt_mask: torch.Tensor, prompt_of: torch.Tensor, keys: torch.Tensor, values: torch.Tensor,
-                         ccol: int, scale: float, out: torch.Tensor) -> torch.Tensor:
-        """One layer's decode attention of rows [0, n) into ``out`` [n, heads * head_dim] (see
-        ``decode.c``): ``qkv`` [n, (heads + 2 kv) head_dim] the q, k, v projections; rotary from the
-        ``cos``/``sin`` tables at ``pos`` [n]; each row attends over
-        its prompt's columns (``prompt_of`` [n] into ``prompt_keys`` [U, kv, head_dim, P],
-        ``prompt_values`` [U, kv, P, head_dim], additive ``prompt_mask`` [U, P]) and its own completion
-        columns [0, ccol] (``keys`` [rows, kv, blocks, head_dim, 16], ``values`` [rows, kv, width,
-        head_dim]), after writing the step's key and value at completion column ``ccol``."""
-        n = qkv.shape[0]
-        _f32(qkv, cos, sin, prompt_keys, prompt_values, prompt_mask, keys, values, out)
-        d = head_dim
-        u, p = prompt_mask.shape
-        if (qkv.shape[1] != (n_heads + 2 * n_kv) * d or out.shape != (n, n_heads * d) or n_heads % n_kv
-                or d % 16 or pos.dtype != torch.int64 or pos.shape != (n,) or pos.stride(0) != 1
-                or prompt_of.dtype != torch.int64 or prompt_of.shape != (n,) or prompt_of.stride(0) != 1
-                or not (cos.is_contiguous() and sin.is_contiguous()) or cos.shape[1] != d or sin.shape != cos.shape
-                or prompt_keys.shape != (u, n_kv, d, p) or prompt_values.shape != (u, n_kv, p, d)
-                or keys.dim() != 5 or keys.shape[0] < n or keys.shape[1:] != (n_kv, keys.shape[2], d, 16)
-                or keys.stride()[2:] != (16 * d, 16, 1) or values.shape[0] < n or values.shape[1] != n_kv
-                or values.shape[3] != d or not 0 <= ccol < min(values.shape[2], 16 * keys.shape[2])):
-            raise ValueError("decode_attention: shapes")
-        scratch = torch.empty(self.lib.attention_scratch_floats(n_heads, n_kv, d, p, ccol))
-        err = self.lib.lm_decode_attention(
-            qkv.data_ptr(), qkv.stride(0), n_heads, n_kv, d, cos.data_ptr(), sin.data_ptr(), cos.shape[0],
-            pos.data_ptr(), prompt_keys.data_ptr(), _strides(prompt_keys), prompt_values.data_ptr(),
-            _strides(prompt_values), prompt_mask.data_ptr(), prompt_mask.stride(0), p, u, prompt_of.data_ptr(),
-            keys.data_ptr(), _strides(keys), values.data_ptr(), _strides(values), ccol, scale, out.data_ptr(),
-            out.stride(0), n, scratch.data_ptr())
-        if err:
-            raise ValueError("decode_attention: a position beyond the rotary tables or a prompt index out of range")
-        return out
+    def model(self, layers, embed: torch.Tensor, norm: torch.Tensor, lm_head: torch.Tensor,
+              lm_bias: torch.Tensor | None, *, heads: int, kv_heads: int, head_dim: int, eps: float,
+              scale: float) -> "NativeModel":
+        """The decode step over a ``FusedDecoder``'s weights (``layers``: its ``_Layer``s), checked once."""
+        return NativeModel(self, layers, embed, norm, lm_head, lm_bias, heads, kv_heads, head_dim, eps, scale)
 
     def sample_step(self, logits: torch.Tensor, temperature: float, noise: torch.Tensor, rows: torch.Tensor, t: int,
                     eos: int, tokens: torch.Tensor, logps: torch.Tensor, ent_sum: torch.Tensor,
@@ -229,3 +194,83 @@ class NativeKernels:
         if kept < 0:
             raise ValueError("sample_step: rows out of range")
         return kept
+
+
+class NativeModel:
+    """One native call per decode step (``lm_decode_step``): the weights are checked and their
+    addresses taken once (the tensors are kept referenced); the caches are checked when they change
+    (``cache_pointers``), so a step checks only its own inputs."""
+
+    def __init__(self, k: NativeKernels, layers, embed, norm, lm_head, lm_bias, heads, kv_heads, head_dim, eps, scale):
+        hidden, vocab = embed.shape[1], lm_head.shape[0]
+        inter = layers[0].gate_up.shape[0] // 2
+        qkv_rows = (heads + 2 * kv_heads) * head_dim
+        if head_dim % 16 or heads % kv_heads:
+            raise ValueError("native step: head_dim must be a multiple of 16 and heads a multiple of kv_heads")
+        keep = [embed, norm, lm_head, lm_bias]
+        for w in layers:
+            o, down = w.o.t(), w.down.t()   # the model's [out, in] weights (``_Layer`` holds transposed views)
+            qkv = w.qkv[:qkv_rows]
+            bias = None if w.qkv_bias is None else w.qkv_bias[:qkv_rows]
+            for t, shape in ((w.ln1, (hidden,)), (qkv, (qkv_rows, hidden)), (bias, (qkv_rows,)),
+                             (o, (hidden, heads * head_dim)), (w.ln2, (hidden,)), (w.gate_up, (2 * inter, hidden)),
+                             (down, (hidden, inter))):
+                if t is not None and (tuple(t.shape) != shape or not t.is_contiguous()):
+                    raise ValueError(f"native step: a weight of shape {tuple(t.shape)}, expected {shape} contiguous")
+            keep += [w.ln1, qkv, bias, o, w.ln2, w.gate_up, down]
+        for t in keep:
+            if t is not None:
+                _f32(t)
+        if (tuple(norm.shape) != (hidden,) or tuple(lm_head.shape) != (vocab, hidden) or not embed.is_contiguous()
+                or not lm_head.is_contiguous() or (lm_bias is not None and tuple(lm_bias.shape) != (vocab,))):
+            raise ValueError("native step: embedding/head shapes")
+        self.k, self.keep = k, keep
+        self.weights = _ptrs(keep)
+        self.dims = (ctypes.c_int64 * 7)(hidden, heads, kv_heads, head_dim, inter, vocab, len(layers))
+        self.eps_scale = (ctypes.c_float * 2)(eps, scale)
+        self.hidden, self.vocab, self.head_dim, self.kv_heads = hidden, vocab, head_dim, kv_heads
+        self._local = threading.local()   # a workspace per calling thread (decode shards run side by side)
+
+    def cache_pointers(self, prompt, rows) -> tuple:
+        """Checked addresses and strides of ``prompt`` (``_PromptKV``) and ``rows`` (``_CompletionKV``)
+        for ``step``; call again after either changes."""
+        d, kv = self.head_dim, self.kv_heads
+        u, p = prompt.mask.shape
+        _f32(prompt.mask, *prompt.keys, *prompt.values, *rows.keys, *rows.values)
+        same = lambda ts: all(t.stride() == ts[0].stride() and t.shape == ts[0].shape for t in ts)  # noqa: E731
+        pk, pv, ck, cv = prompt.keys, prompt.values, rows.keys, rows.values
+        if (not all(same(ts) for ts in (pk, pv, ck, cv)) or tuple(pk[0].shape) != (u, kv, d, p)
+                or tuple(pv[0].shape) != (u, kv, p, d) or ck[0].dim() != 5 or tuple(ck[0].shape[1:]) != (kv, ck[0].shape[2], d, 16)
+                or ck[0].stride()[2:] != (16 * d, 16, 1) or cv[0].shape[1] != kv or cv[0].shape[3] != d
+                or ck[0].shape[0] != cv[0].shape[0] or rows.prompt_of.dtype != torch.int64
+                or not rows.prompt_of.is_contiguous() or len(pk) != self.dims[6] or len(ck) != self.dims[6]):
+            raise ValueError("native step: cache shapes")
+        strides = lambda t: (ctypes.c_int64 * t.dim())(*t.stride())  # noqa: E731
+        return (_ptrs(pk), strides(pk[0]), _ptrs(pv), strides(pv[0]), prompt.mask.data_ptr(), prompt.mask.stride(0),
+                p, u, _ptrs(ck), strides(ck[0]), _ptrs(cv), strides(cv[0]),
+                min(cv[0].shape[2], 16 * ck[0].shape[2]), ck[0].shape[0])
+
+    def step(self, ids: torch.Tensor, pos: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, prompt_of: torch.Tensor,
+             caches: tuple, ccol: int) -> torch.Tensor:
+        """Logits [n, vocab] after ``ids`` [n] at ``pos`` [n]; the step's keys/values go to completion
+        column ``ccol``. ``caches``: ``cache_pointers``' tuple."""
+        n = ids.shape[0]
+        (pk, pks, pv, pvs, pmask, pms, p, u, ck, cks, cv, cvs, width, rows) = caches
+        if (ids.dtype != torch.int64 or pos.dtype != torch.int64 or ids.shape != (n,) or pos.shape != (n,)
+                or ids.stride(0) != 1 or pos.stride(0) != 1 or prompt_of.shape[0] < n or n > rows
+                or not 0 <= ccol < width or not (cos.is_contiguous() and sin.is_contiguous())
+                or cos.shape != sin.shape or cos.shape[1] != self.head_dim):
+            raise ValueError("native step: inputs")
+        _f32(cos, sin)
+        need = self.k.lib.lm_step_workspace(self.dims, n, p, ccol)
+        work = getattr(self._local, "work", None)
+        if work is None or work.numel() < need:
+            work = self._local.work = torch.empty(need)
+        logits = torch.empty((n, self.vocab))
+        err = self.k.lib.lm_decode_step(self.dims, self.eps_scale, self.weights, self.k.sgemm, ids.data_ptr(),
+                                        pos.data_ptr(), n, cos.data_ptr(), sin.data_ptr(), cos.shape[0], pk, pks, pv,
+                                        pvs, pmask, pms, p, u, prompt_of.data_ptr(), ck, cks, cv, cvs, ccol,
+                                        logits.data_ptr(), work.data_ptr())
+        if err:
+            raise ValueError("native step: a token, position or prompt index out of range")
+        return logits

@@ -47,7 +47,7 @@ static inline float exp_neg(float x) {
 }
 
 /* y[r] = (x[r] * rsqrt(mean(x[r]^2) + eps)) * w  for rows r < n of width h */
-void lm_rms_norm(const float *x, i64 xs, const float *w, float *y, i64 ys, i64 n, i64 h, float eps) {
+static void rms_norm(const float *x, i64 xs, const float *w, float *y, i64 ys, i64 n, i64 h, float eps) {
     for (i64 r = 0; r < n; r++) {
         const float *xr = x + r * xs;
         float *yr = y + r * ys;
@@ -61,7 +61,7 @@ void lm_rms_norm(const float *x, i64 xs, const float *w, float *y, i64 ys, i64 n
 }
 
 /* y[r, i] = silu(g[r, i]) * u[r, i] with g = gu[r, :m], u = gu[r, m:2m] */
-void lm_silu_mul(const float *gu, i64 gs, float *y, i64 ys, i64 n, i64 m) {
+static void silu_mul(const float *gu, i64 gs, float *y, i64 ys, i64 n, i64 m) {
     for (i64 r = 0; r < n; r++) {
         const float *g = gu + r * gs, *u = g + m;
         float *yr = y + r * ys;
@@ -219,12 +219,12 @@ static i64 score_stride(i64 P, i64 C) {
     return (w + 15) / 16 * 16;
 }
 
-i64 attention_scratch_floats(i64 H, i64 KV, i64 D, i64 P, i64 ccol) {
+static i64 attention_scratch_floats(i64 H, i64 KV, i64 D, i64 P, i64 ccol) {
     const i64 NQ = RUN_ROWS * (H / KV), SS = score_stride(P, ccol + 1);
     return NQ * SS + SS + 2 * NQ * D + (SS > D ? SS : D) + D + NQ;
 }
 
-i64 lm_decode_attention(const float *qkv, i64 qs, i64 H, i64 KV, i64 D,
+static i64 decode_attention(const float *qkv, i64 qs, i64 H, i64 KV, i64 D,
                         const float *cos_t, const float *sin_t, i64 Ptab, const i64 *pos,
                         const float *pk, const i64 *pks, const float *pv, const i64 *pvs,
                         const float *pmask, i64 pms, i64 P, i64 U, const i64 *prompt_of,
@@ -330,6 +330,77 @@ i64 lm_decode_attention(const float *qkv, i64 qs, i64 H, i64 KV, i64 D,
         }
         r0 += L;
     }
+    return 0;
+}
+
+/* Fortran BLAS sgemm (torch's MKL exports it as sgemm_; its address is handed over by the caller) */
+typedef void (*sgemm_fn)(const char *, const char *, const int *, const int *, const int *, const float *,
+                         const float *, const int *, const float *, const int *, const float *, float *,
+                         const int *);
+
+/* y[n, out] = x[n, in] (row stride xs) @ W[out, in]^T (+ beta * y) (+ bias), row-major */
+static void linear(sgemm_fn gemm, i64 n, i64 out, i64 in, const float *x, i64 xs, const float *w,
+                   const float *bias, float beta, float *y) {
+    if (n == 0) return;
+    const int m = (int)out, nn = (int)n, k = (int)in, lda = (int)in, ldb = (int)xs, ldc = (int)out;
+    const float one = 1.0f;
+    gemm("T", "N", &m, &nn, &k, &one, w, &lda, x, &ldb, &beta, y, &ldc);
+    if (bias)
+        for (i64 r = 0; r < n; r++)
+#pragma omp simd
+            for (i64 j = 0; j < out; j++) y[r * out + j] += bias[j];
+}
+
+enum { DIM_HIDDEN, DIM_HEADS, DIM_KV, DIM_HEAD, DIM_INTER, DIM_VOCAB, DIM_LAYERS, N_DIMS };
+enum { W_EMBED, W_NORM, W_HEAD, W_HEAD_BIAS, N_GLOBAL };
+enum { W_LN1, W_QKV, W_QKV_BIAS, W_O, W_LN2, W_GATE_UP, W_DOWN, N_PER_LAYER };
+
+/* Floats of workspace lm_decode_step needs for n rows, P prompt columns, completion column ccol */
+i64 lm_step_workspace(const i64 *dims, i64 n, i64 P, i64 ccol) {
+    const i64 hd = dims[DIM_HIDDEN], H = dims[DIM_HEADS], KV = dims[DIM_KV], D = dims[DIM_HEAD];
+    return 2 * n * hd + n * (H + 2 * KV) * D + n * H * D + 3 * n * dims[DIM_INTER]
+           + attention_scratch_floats(H, KV, D, P, ccol);
+}
+
+/* One decode step of a Llama-family model (the fused decoder's weights) for rows [0, n): logits
+ * [n, vocab] of the token after ids[r] at position pos[r]. dims: N_DIMS sizes; eps_scale: RMSNorm
+ * eps and the attention scale (1 when folded into q); weights: N_GLOBAL pointers then N_PER_LAYER per
+ * layer (q/k/v rows first in W_QKV; bias pointers may be NULL). The caches: per layer pointers pk, pv
+ * (prompt keys/values, strides pks/pvs) and ck, cv (completion keys/values, strides cks/cvs), as
+ * decode_attention. work: lm_step_workspace floats. Returns 0, or -1 (logits not written; the
+ * caches may hold this step's column) for a token, position or prompt index out of range. */
+i64 lm_decode_step(const i64 *dims, const float *eps_scale, const float *const *weights, void *sgemm,
+                   const i64 *ids, const i64 *pos, i64 n, const float *cos_t, const float *sin_t, i64 Ptab,
+                   const float *const *pk, const i64 *pks, const float *const *pv, const i64 *pvs,
+                   const float *pmask, i64 pms, i64 P, i64 U, const i64 *prompt_of,
+                   float *const *ck, const i64 *cks, float *const *cv, const i64 *cvs, i64 ccol,
+                   float *logits, float *work) {
+    const sgemm_fn gemm = (sgemm_fn)sgemm;
+    const i64 hd = dims[DIM_HIDDEN], H = dims[DIM_HEADS], KV = dims[DIM_KV], D = dims[DIM_HEAD];
+    const i64 inter = dims[DIM_INTER], vocab = dims[DIM_VOCAB], layers = dims[DIM_LAYERS];
+    const i64 qkv_w = (H + 2 * KV) * D, qd = H * D;
+    const float eps = eps_scale[0], scale = eps_scale[1];
+    float *x = work, *h = x + n * hd, *qkv = h + n * hd, *att = qkv + n * qkv_w, *gu = att + n * qd;
+    float *act = gu + 2 * n * inter, *scratch = act + n * inter;
+    for (i64 r = 0; r < n; r++) {
+        if (ids[r] < 0 || ids[r] >= vocab) return -1;
+        memcpy(x + r * hd, weights[W_EMBED] + ids[r] * hd, hd * sizeof(float));
+    }
+    for (i64 l = 0; l < layers; l++) {
+        const float *const *w = weights + N_GLOBAL + l * N_PER_LAYER;
+        rms_norm(x, hd, w[W_LN1], h, hd, n, hd, eps);
+        linear(gemm, n, qkv_w, hd, h, hd, w[W_QKV], w[W_QKV_BIAS], 0.0f, qkv);
+        if (decode_attention(qkv, qkv_w, H, KV, D, cos_t, sin_t, Ptab, pos, pk[l], pks, pv[l], pvs, pmask, pms,
+                             P, U, prompt_of, ck[l], cks, cv[l], cvs, ccol, scale, att, qd, n, scratch))
+            return -1;
+        linear(gemm, n, hd, qd, att, qd, w[W_O], NULL, 1.0f, x);
+        rms_norm(x, hd, w[W_LN2], h, hd, n, hd, eps);
+        linear(gemm, n, 2 * inter, hd, h, hd, w[W_GATE_UP], NULL, 0.0f, gu);
+        silu_mul(gu, 2 * inter, act, inter, n, inter);
+        linear(gemm, n, hd, inter, act, inter, w[W_DOWN], NULL, 1.0f, x);
+    }
+    rms_norm(x, hd, weights[W_NORM], h, hd, n, hd, eps);
+    linear(gemm, n, vocab, hd, h, hd, weights[W_HEAD], weights[W_HEAD_BIAS], 0.0f, logits);
     return 0;
 }
 
