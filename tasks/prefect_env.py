@@ -17,6 +17,7 @@ import tempfile
 from importlib.metadata import version
 from pathlib import Path
 
+from core.paths import user_cache_dir
 from core.workspace import Workspace
 
 LOG = logging.getLogger("laminar.prefect")
@@ -44,10 +45,9 @@ def configure_prefect(ws: Workspace, log_level: str = "WARNING") -> None:
 
 
 def cache_dir() -> Path:
-    """``$LAMINAR_CACHE_DIR``, else ``$XDG_CACHE_HOME/laminar``, else ``~/.cache/laminar``."""
-    if os.environ.get("LAMINAR_CACHE_DIR"):
-        return Path(os.environ["LAMINAR_CACHE_DIR"])
-    return Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "laminar"
+    """``core.paths.user_cache_dir()``: ``$LAMINAR_CACHE_DIR``, else ``$XDG_CACHE_HOME/laminar``, else
+    ``~/.cache/laminar``."""
+    return user_cache_dir()
 
 
 def template_path() -> Path:

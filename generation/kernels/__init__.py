@@ -3,15 +3,17 @@ with ctypes.
 
 The C source is compiled with the system C compiler (``$CC``, else ``cc``) the first time a process
 asks for it and cached as a shared library under ``cache_dir()`` (``$LAMINAR_KERNEL_CACHE``, else
-``$XDG_CACHE_HOME/laminar/kernels``, else ``~/.cache/laminar/kernels``), named by the hash of the
-source, the flags, the compiler and this CPU's model and feature flags, so an edit, another
-compiler or another CPU gets its own build. A build takes about a second; it writes to a temporary
+``kernels/`` in ``$LAMINAR_CACHE_DIR``, ``$XDG_CACHE_HOME/laminar`` or ``~/.cache/laminar``), named
+by the hash of the source, the flags, the compiler and this CPU's model and feature flags, so an
+edit, another compiler or another CPU gets its own build. A build takes about a second; it writes to a temporary
 name and renames, so concurrent processes (Ray workers) never load half a file.
 
 ``load()`` returns None (and the engine keeps its torch ops) when ``LAMINAR_NATIVE_KERNELS=0``, on a
-platform without a C compiler, or when the build fails (the reason is logged once). The kernels
-only take float32 CPU tensors; the wrappers check what the C code relies on (dtype, device, unit
-inner strides) and raise ``ValueError`` otherwise, so a wrong tensor never reaches the C code.
+platform without a C compiler or whose torch exports no BLAS ``sgemm_``, or when the build fails
+(the reason is logged once). The kernels only take float32 CPU tensors; the wrappers check what the
+C code relies on (dtype, device, shapes, unit inner strides) and raise ``ValueError`` otherwise, and
+the C code checks token, position and prompt indices before it writes anything, so a wrong input
+raises instead of reaching memory it should not.
 """
 
 from __future__ import annotations
@@ -30,6 +32,8 @@ from pathlib import Path
 
 import torch
 
+from core.paths import user_cache_dir
+
 log = logging.getLogger(__name__)
 
 SOURCE = Path(__file__).with_name("decode.c")
@@ -45,10 +49,10 @@ build_seconds: float | None = None
 
 
 def cache_dir() -> Path:
+    """``$LAMINAR_KERNEL_CACHE``, else ``kernels/`` in ``core.paths.user_cache_dir()``."""
     if os.environ.get("LAMINAR_KERNEL_CACHE"):
         return Path(os.environ["LAMINAR_KERNEL_CACHE"])
-    base = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
-    return Path(base) / "laminar" / "kernels"
+    return user_cache_dir() / "kernels"
 
 
 def _cpu_signature() -> str:
