@@ -249,6 +249,8 @@ class TorchEngine:
         dec.rotary_tables(positions)
         # the native kernels: float32, head_dim a multiple of 16 (one AVX-512 vector)
         dec.native = self._native() if dec.embed.dtype == torch.float32 and dec.head_dim % 16 == 0 else None
+        if dec.native is not None:
+            dec.native_model()  # built here, before decode shards share it
         return dec
 
     def _native(self):

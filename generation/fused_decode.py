@@ -90,9 +90,9 @@ class FusedDecoder:
         [rows, kv_heads, width, head_dim] (False)."""
         self.scale_folded = False
         self.native = None
+        """``generation.kernels.NativeKernels`` to run whole steps with (``step_shared``; float32 on
+        the CPU; set by the engine), or None: ``step``'s torch ops only."""
         self._native_model = None
-        """``generation.kernels.NativeKernels`` to run the step's non-matmul work with (float32 on
-        the CPU; set by the engine), or None: torch ops only."""
         self._cos = self._sin = None
         window = getattr(cfg, "sliding_window", None)
         self.max_width = window if window is not None and getattr(cfg, "use_sliding_window",
