@@ -31,9 +31,9 @@ class TorchEngine:
         False: through the model's own forward."""
         self._fused_decoder = None
         self.native_kernels = True
-        """On the CPU in float32, run the fused step's non-matmul work and the sampling step through
-        the native kernels (``generation.kernels``, built once per machine) where a C compiler is
-        there; False (or ``LAMINAR_NATIVE_KERNELS=0``): torch ops only."""
+        """On the CPU in float32 (head_dim a multiple of 16), run each decode step and each sampling
+        step as one call of the native kernels (``generation.kernels``, built once per machine) where
+        a C compiler is there; False (or ``LAMINAR_NATIVE_KERNELS=0``): torch ops only."""
         self._kv_store: list[list] = []
         """Per decode shard, the static decode's host buffers, reused from batch to batch
         (``_StaticDecodeCache``)."""
