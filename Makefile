@@ -24,10 +24,11 @@ run: venv
 
 # Two pytest processes side by side (2 cores, each about half of the suite): the first-run CLI tests
 # (one long fixture) with other Ray-free end-to-end files, and everything else, balanced on the
-# --durations list the second prints (2026-12-03, 2-core Xeon: 756 s and 889 s, 14 min 58 s in all,
-# before test_lineage.py moved over). The first's log is printed after both finish. One torch
-# thread per process (tests/conftest.py): oversubscribed threads spin against each other.
-FIRST_HALF := tests/e2e/test_cli.py tests/e2e/test_operate.py tests/e2e/test_curation.py tests/tasks/test_lineage.py
+# --durations list the second prints (2026-12-03, a slow day on a 2-core Xeon: 880 s and 898 s, 15 min
+# 7 s in all, with test_lineage.py in the first; the DeepSpeed pipeline run, 164 s, then moved to
+# test-slow and test_lineage.py, ~80 s, back to the second). The first's log is printed after both
+# finish. One torch thread per process (tests/conftest.py): oversubscribed threads spin against each other.
+FIRST_HALF := tests/e2e/test_cli.py tests/e2e/test_operate.py tests/e2e/test_curation.py
 test: venv
 	@$(BIN)/python -m pytest -m "not slow" -q -p no:cacheprovider $(FIRST_HALF) > $(VENV)/test-first-half.log 2>&1 & a=$$!; \
 	$(BIN)/python -m pytest -m "not slow" -q --durations=40 $(foreach f,$(FIRST_HALF),--ignore=$(f)); b=$$?; \
