@@ -521,21 +521,18 @@ class _StaticDecodeCache:
             b, h, p, d = layer.keys.shape
             b = b if rows is None else len(rows)
             keys = layer.keys if rows is None else layer.keys.index_select(0, rows)
-            v = self._buffer(2 * i + 1, (b, h, width, layer.values.shape[-1]), layer.values)
+            v = _store_buffer(self.store, 2 * i + 1, (b, h, width, layer.values.shape[-1]), layer.values)
             v[:, :, :p] = layer.values if rows is None else layer.values.index_select(0, rows)
             if keys_transposed:
-                k = self._buffer(2 * i, (b, h, d, width), keys)
+                k = _store_buffer(self.store, 2 * i, (b, h, d, width), keys)
                 k[..., :p] = keys.transpose(-1, -2)
             else:
-                k = self._buffer(2 * i, (b, h, width, d), keys)
+                k = _store_buffer(self.store, 2 * i, (b, h, width, d), keys)
                 k[:, :, :p] = keys
             self.keys.append(k)
             self.values.append(v)
         self.rows = self.values[0].shape[0]
         self.col = p
-
-    def _buffer(self, slot: int, shape: tuple[int, ...], like: torch.Tensor) -> torch.Tensor:
-        return _store_buffer(self.store, slot, shape, like)
 
     def update(self, key_states, value_states, layer_idx, cache_kwargs=None):
         n, c = key_states.shape[0], self.col
@@ -560,7 +557,8 @@ class _StaticDecodeCache:
                 view[:m] = view.index_select(0, keep)
                 continue
             layer = i if is_key else i - n_keys
-            target = self._buffer(2 * n_keys * self.set + 2 * layer + (0 if is_key else 1), tuple(buf.shape), buf)
+            slot = 2 * n_keys * self.set + 2 * layer + (0 if is_key else 1)
+            target = _store_buffer(self.store, slot, tuple(buf.shape), buf)
             torch.index_select(cols(buf), 0, keep, out=cols(target)[:m])
             if is_key:
                 self.keys[layer] = target

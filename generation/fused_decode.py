@@ -219,4 +219,4 @@ class FusedDecoder:
         m = self.native_model()
         if rows.caches is None:
             rows.caches = m.cache_pointers(prompt, rows)
-        return m.step(ids, pos, self._cos, self._sin, rows.prompt_of, rows.caches, ccol)
+        return m.step(ids, pos, self._cos, self._sin, rows.caches, ccol)

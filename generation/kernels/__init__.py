@@ -5,8 +5,8 @@ The C source is compiled with the system C compiler (``$CC``, else ``cc``) the f
 asks for it and cached as a shared library under ``cache_dir()`` (``$LAMINAR_KERNEL_CACHE``, else
 ``kernels/`` in ``$LAMINAR_CACHE_DIR``, ``$XDG_CACHE_HOME/laminar`` or ``~/.cache/laminar``), named
 by the hash of the source, the flags, the compiler and this CPU's model and feature flags, so an
-edit, another compiler or another CPU gets its own build. A build takes about a second; it writes to a temporary
-name and renames, so concurrent processes (Ray workers) never load half a file.
+edit, another compiler or another CPU gets its own build. A build takes about a second; it writes
+to a temporary name and renames, so concurrent processes (Ray workers) never load half a file.
 
 ``load()`` returns None (and the engine keeps its torch ops) when ``LAMINAR_NATIVE_KERNELS=0``, on a
 platform without a C compiler or whose torch exports no BLAS ``sgemm_``, or when the build fails
@@ -37,8 +37,8 @@ from core.paths import user_cache_dir
 log = logging.getLogger(__name__)
 
 SOURCE = Path(__file__).with_name("decode.c")
-FLAGS = ("-O3", "-march=native", "-std=c11", "-ffp-contract=fast", "-fopenmp-simd", "-fno-math-errno", "-fno-trapping-math",
-         "-shared", "-fPIC")
+FLAGS = ("-O3", "-march=native", "-std=c11", "-ffp-contract=fast", "-fopenmp-simd", "-fno-math-errno",
+         "-fno-trapping-math", "-shared", "-fPIC")
 
 _lock = threading.Lock()
 _loaded: "NativeKernels | None" = None
@@ -232,7 +232,7 @@ class NativeModel:
         self.weights = _ptrs(keep)
         self.dims = (ctypes.c_int64 * 7)(hidden, heads, kv_heads, head_dim, inter, vocab, len(layers))
         self.eps_scale = (ctypes.c_float * 2)(eps, scale)
-        self.hidden, self.vocab, self.head_dim, self.kv_heads = hidden, vocab, head_dim, kv_heads
+        self.vocab, self.head_dim, self.kv_heads = vocab, head_dim, kv_heads
         self._local = threading.local()   # a workspace per calling thread (decode shards run side by side)
 
     def cache_pointers(self, prompt, rows) -> tuple:
@@ -247,21 +247,22 @@ class NativeModel:
                 or tuple(pv[0].shape) != (u, kv, p, d) or ck[0].dim() != 5 or tuple(ck[0].shape[1:]) != (kv, ck[0].shape[2], d, 16)
                 or ck[0].stride()[2:] != (16 * d, 16, 1) or cv[0].shape[1] != kv or cv[0].shape[3] != d
                 or ck[0].shape[0] != cv[0].shape[0] or rows.prompt_of.dtype != torch.int64
+                or rows.prompt_of.dim() != 1 or rows.prompt_of.shape[0] > ck[0].shape[0]
                 or not rows.prompt_of.is_contiguous() or len(pk) != self.dims[6] or len(ck) != self.dims[6]):
             raise ValueError("native step: cache shapes")
         strides = lambda t: (ctypes.c_int64 * t.dim())(*t.stride())  # noqa: E731
         return (_ptrs(pk), strides(pk[0]), _ptrs(pv), strides(pv[0]), prompt.mask.data_ptr(), prompt.mask.stride(0),
                 p, u, _ptrs(ck), strides(ck[0]), _ptrs(cv), strides(cv[0]),
-                min(cv[0].shape[2], 16 * ck[0].shape[2]), ck[0].shape[0])
+                min(cv[0].shape[2], 16 * ck[0].shape[2]), rows.prompt_of)
 
-    def step(self, ids: torch.Tensor, pos: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, prompt_of: torch.Tensor,
-             caches: tuple, ccol: int) -> torch.Tensor:
-        """Logits [n, vocab] after ``ids`` [n] at ``pos`` [n]; the step's keys/values go to completion
-        column ``ccol``. ``caches``: ``cache_pointers``' tuple."""
+    def step(self, ids: torch.Tensor, pos: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, caches: tuple,
+             ccol: int) -> torch.Tensor:
+        """Logits [n, vocab] after ``ids`` [n] at ``pos`` [n] for the first n rows of the caches; the
+        step's keys/values go to completion column ``ccol``. ``caches``: ``cache_pointers``' tuple."""
         n = ids.shape[0]
-        (pk, pks, pv, pvs, pmask, pms, p, u, ck, cks, cv, cvs, width, rows) = caches
+        (pk, pks, pv, pvs, pmask, pms, p, u, ck, cks, cv, cvs, width, prompt_of) = caches
         if (ids.dtype != torch.int64 or pos.dtype != torch.int64 or ids.shape != (n,) or pos.shape != (n,)
-                or ids.stride(0) != 1 or pos.stride(0) != 1 or prompt_of.shape[0] < n or n > rows
+                or ids.stride(0) != 1 or pos.stride(0) != 1 or n > prompt_of.shape[0]
                 or not 0 <= ccol < width or not (cos.is_contiguous() and sin.is_contiguous())
                 or cos.shape != sin.shape or cos.shape[1] != self.head_dim):
             raise ValueError("native step: inputs")

@@ -1,13 +1,15 @@
-/* Host (CPU) kernels of the built-in engine's fused decode step, float32, one thread per call.
+/* Host (CPU) kernels of the built-in engine's decode, float32.
  *
  * A decode step of a small model is ~110 tensor ops of a few microseconds of arithmetic each; on
  * the CPU their dispatch and threading overhead, not their FLOPs, is the step's cost (issue 30).
- * These kernels do the non-matmul work of a step in one pass each: RMSNorm, SiLU-gated product,
- * one layer's attention (rotary, KV-cache write, scores, mask, softmax, values) over all rows,
- * and the sampling step (log-softmax, Exp(1)-noise argmax, entropy, bookkeeping). The matmuls stay
- * with torch. Callers run shards of rows in parallel host threads (ctypes releases the GIL), so
- * nothing here is multi-threaded. Loops are written for the compiler's vectoriser (-O3,
- * -fopenmp-simd); the exponential is a polynomial it can vectorise (Cephes' expf, ~1 ulp).
+ * lm_decode_step runs a whole step in one call: embedding, then per layer RMSNorm, q/k/v, rotary,
+ * attention over the KV cache (a prompt's keys/values shared by its rows), output projection and
+ * the SiLU-gated MLP, then the final norm and the LM head; the matmuls go to the BLAS sgemm_ the
+ * caller hands over (torch's MKL, threaded as torch set it for the calling thread). lm_sample_step
+ * is the sampling step after it (log-softmax, Exp(1)-noise argmax, entropy, bookkeeping). Callers
+ * run shards of rows in parallel host threads (ctypes releases the GIL); nothing else here is
+ * threaded. Loops are written for the compiler's vectoriser (-O3, -fopenmp-simd, gcc/clang vector
+ * extensions); the exponential is Cephes' expf polynomial, which it can vectorise.
  * Built and loaded by generation/kernels/__init__.py.
  */
 #include <math.h>
@@ -137,6 +139,16 @@ static void values_x8(const float *const p[8], i64 D, const float *v, i64 vst, i
             for (int i = 0; i < 8; i++) a[i] += p[i][t] * vv;
         }
         for (int i = 0; i < 8; i++) st16(o[i] + db, ld16(o[i] + db) + a[i]);
+    }
+}
+
+/* The row pointers of queries [q0, q0 + 8) of nq for scores_x8/values_x8: row i of `in` (stride
+ * is) and of `out` (stride ost); past nq, `in_pad` (zeros) and `out_pad` (a spare row) */
+static void rows8(i64 q0, i64 nq, const float *in, i64 is, const float *in_pad, float *out, i64 ost,
+                  float *out_pad, const float *ip[8], float *op[8]) {
+    for (int i = 0; i < 8; i++) {
+        ip[i] = q0 + i < nq ? in + (q0 + i) * is : in_pad;
+        op[i] = q0 + i < nq ? out + (q0 + i) * ost : out_pad;
     }
 }
 
@@ -277,10 +289,7 @@ static i64 decode_attention(const float *qkv, i64 qs, i64 H, i64 KV, i64 D,
             for (i64 q0 = 0; q0 < nq; q0 += 8) {
                 const float *qp[8];
                 float *sp[8];
-                for (int i = 0; i < 8; i++) {
-                    qp[i] = q0 + i < nq ? qb + (q0 + i) * D : zero;
-                    sp[i] = q0 + i < nq ? s + (q0 + i) * SS : spare;
-                }
+                rows8(q0, nq, qb, D, zero, s, SS, spare, qp, sp);
                 scores_x8(qp, D, pkg, pks[2], P, sp);
             }
             /* completion columns: each row's own keys, whole blocks (columns past ccol are masked next) */
@@ -306,10 +315,7 @@ static i64 decode_attention(const float *qkv, i64 qs, i64 H, i64 KV, i64 D,
             for (i64 q0 = 0; q0 < nq; q0 += 8) {
                 const float *pp[8];
                 float *op[8];
-                for (int i = 0; i < 8; i++) {
-                    pp[i] = q0 + i < nq ? s + (q0 + i) * SS : zero;
-                    op[i] = q0 + i < nq ? ob + (q0 + i) * D : ospare;
-                }
+                rows8(q0, nq, s, SS, zero, ob, D, ospare, pp, op);
                 values_x8(pp, D, pvg, pvs[2], P, op);
             }
             for (i64 i = 0; i < L; i++) {

@@ -34,10 +34,11 @@ def _reference(engine, reqs, max_new, temperature, seed):
             for t in engine._generate_batch_reference(reqs[s:s + bs], max_new, temperature, gen)]
 
 
-def _qwen2(tok, seed=0):
+def _qwen2(tok, seed=0, hidden_size=48, max_positions=128):
+    """A tiny Qwen2 (2 query heads, 1 KV head) with non-zero q/k/v biases."""
     torch.manual_seed(seed)
-    cfg = Qwen2Config(vocab_size=len(tok), hidden_size=48, intermediate_size=64, num_hidden_layers=2,
-                      num_attention_heads=2, num_key_value_heads=1, max_position_embeddings=128,
+    cfg = Qwen2Config(vocab_size=len(tok), hidden_size=hidden_size, intermediate_size=64, num_hidden_layers=2,
+                      num_attention_heads=2, num_key_value_heads=1, max_position_embeddings=max_positions,
                       pad_token_id=tok.pad_token_id, bos_token_id=tok.bos_token_id, eos_token_id=tok.eos_token_id,
                       tie_word_embeddings=False)
     model = Qwen2ForCausalLM(cfg)

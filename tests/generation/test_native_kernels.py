@@ -7,7 +7,6 @@ stops (compaction), left padding, grouped-query attention with odd groups, q/k/v
 
 import pytest
 import torch
-from transformers import Qwen2Config, Qwen2ForCausalLM
 
 import generation.engine as engine_mod
 from conf.schema import ModelConfig
@@ -16,6 +15,7 @@ from generation.engine import TorchEngine
 from generation.model import build_char_tokenizer, build_tiny_model, encode_prompt
 from generation.records import GenRequest, PromptItem
 from tests.generation.test_engine_static import _assert_same, _frequent_token
+from tests.generation.test_fused_decode import _qwen2
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 
@@ -29,25 +29,11 @@ def _llama(tok, hidden, heads, kv):
     return build_tiny_model(cfg, tok, seed=0)
 
 
-def _qwen2(tok):
-    torch.manual_seed(0)
-    cfg = Qwen2Config(vocab_size=len(tok), hidden_size=32, intermediate_size=64, num_hidden_layers=2,
-                      num_attention_heads=2, num_key_value_heads=1, max_position_embeddings=160,
-                      pad_token_id=tok.pad_token_id, bos_token_id=tok.bos_token_id, eos_token_id=tok.eos_token_id,
-                      tie_word_embeddings=False)
-    model = Qwen2ForCausalLM(cfg)
-    with torch.no_grad():  # Qwen2's q/k/v biases start at zero: make them matter
-        for layer in model.model.layers:
-            for proj in (layer.self_attn.q_proj, layer.self_attn.k_proj, layer.self_attn.v_proj):
-                proj.bias.normal_(0, 0.5)
-    return model
-
-
 MODELS = {  # head_dim, query heads per KV head
     "llama-d16-g2": lambda tok: _llama(tok, 64, 4, 2),
     "llama-d16-g3": lambda tok: _llama(tok, 48, 3, 1),
     "llama-d32-g1": lambda tok: _llama(tok, 64, 2, 2),
-    "qwen2-bias-d16-g2": _qwen2,
+    "qwen2-bias-d16-g2": lambda tok: _qwen2(tok, hidden_size=32, max_positions=160),
 }
 
 
@@ -153,18 +139,19 @@ def test_bad_inputs_raise_before_reaching_the_kernels():
     rows = engine_mod._CompletionKV(prompt, torch.tensor([0, 0, 1]), 10, None)
     caches = model.cache_pointers(prompt, rows)
     pos = torch.tensor([5, 5, 5])
-    ok = model.step(torch.tensor([3, 4, 5]), pos, dec._cos, dec._sin, rows.prompt_of, caches, 0)
+    ok = model.step(torch.tensor([3, 4, 5]), pos, dec._cos, dec._sin, caches, 0)
     assert ok.shape == (3, len(tok)) and torch.isfinite(ok).all()
     with pytest.raises(ValueError, match="out of range"):  # a token id past the vocabulary
-        model.step(torch.tensor([3, len(tok), 5]), pos, dec._cos, dec._sin, rows.prompt_of, caches, 1)
+        model.step(torch.tensor([3, len(tok), 5]), pos, dec._cos, dec._sin, caches, 1)
     with pytest.raises(ValueError, match="out of range"):  # a position past the rotary tables
-        model.step(torch.tensor([3, 4, 5]), torch.tensor([5, 5, 64]), dec._cos, dec._sin, rows.prompt_of, caches, 1)
+        model.step(torch.tensor([3, 4, 5]), torch.tensor([5, 5, 64]), dec._cos, dec._sin, caches, 1)
     with pytest.raises(ValueError, match="out of range"):  # a prompt that is not there
-        model.step(torch.tensor([3, 4, 5]), pos, dec._cos, dec._sin, torch.tensor([0, 0, 2]), caches, 1)
+        stray = engine_mod._CompletionKV(prompt, torch.tensor([0, 0, 2]), 10, None)
+        model.step(torch.tensor([3, 4, 5]), pos, dec._cos, dec._sin, model.cache_pointers(prompt, stray), 1)
     with pytest.raises(ValueError, match="inputs"):  # a column past the completion buffers
-        model.step(torch.tensor([3, 4, 5]), pos, dec._cos, dec._sin, rows.prompt_of, caches, 16)
+        model.step(torch.tensor([3, 4, 5]), pos, dec._cos, dec._sin, caches, 16)
     with pytest.raises(ValueError, match="inputs"):  # int32 ids
-        model.step(torch.tensor([3, 4, 5], dtype=torch.int32), pos, dec._cos, dec._sin, rows.prompt_of, caches, 1)
+        model.step(torch.tensor([3, 4, 5], dtype=torch.int32), pos, dec._cos, dec._sin, caches, 1)
     with pytest.raises(ValueError, match="float32"):
         model.cache_pointers(engine_mod._PromptKV(_prefill(engine, tok, torch.float64), torch.ones(2, 5)), rows)
     out = engine_mod._Outputs(3, 8)
