@@ -7,7 +7,7 @@ STAMP := $(VENV)/.installed-$(shell cat requirements.txt pyproject.toml | sha256
 WORKSPACE ?= ./workspace
 ARGS ?=
 
-.PHONY: run test test-slow test-all venv clean vllm-env
+.PHONY: run test lint test-slow test-all venv clean vllm-env
 
 venv: $(STAMP)
 
@@ -29,7 +29,11 @@ run: venv
 # test-slow and test_lineage.py, ~80 s, back to the second). The first's log is printed after both
 # finish. One torch thread per process (tests/conftest.py): oversubscribed threads spin against each other.
 FIRST_HALF := tests/e2e/test_cli.py tests/e2e/test_operate.py tests/e2e/test_curation.py
-test: venv
+lint: venv
+	$(BIN)/ruff check .
+	$(BIN)/ruff format --check .
+
+test: venv lint
 	@$(BIN)/python -m pytest -m "not slow" -q -p no:cacheprovider $(FIRST_HALF) > $(VENV)/test-first-half.log 2>&1 & a=$$!; \
 	$(BIN)/python -m pytest -m "not slow" -q --durations=40 $(foreach f,$(FIRST_HALF),--ignore=$(f)); b=$$?; \
 	wait $$a; a_rc=$$?; echo "---- $(FIRST_HALF) ----"; cat $(VENV)/test-first-half.log; \

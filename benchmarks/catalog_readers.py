@@ -37,7 +37,7 @@ import tempfile
 import textwrap
 import time
 import traceback
-from datetime import datetime, timezone
+from datetime import datetime, UTC
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -62,11 +62,18 @@ def _env() -> dict:
 
 def _stats(xs: list[float]) -> dict:
     xs = sorted(xs)
-    return {"n": len(xs), "mean": statistics.fmean(xs), "median": statistics.median(xs), "min": xs[0],
-            "max": xs[-1], "p90": xs[min(len(xs) - 1, int(0.9 * len(xs)))]}
+    return {
+        "n": len(xs),
+        "mean": statistics.fmean(xs),
+        "median": statistics.median(xs),
+        "min": xs[0],
+        "max": xs[-1],
+        "p90": xs[min(len(xs) - 1, int(0.9 * len(xs)))],
+    }
 
 
 # ---- micro ------------------------------------------------------------------------------------------
+
 
 def micro(repeats: int = 5, iterations: int = 200) -> dict:
     import duckdb
@@ -99,8 +106,12 @@ def micro(repeats: int = 5, iterations: int = 200) -> dict:
         def catalog_read():
             cat.query("SELECT count(*) FROM runs")
 
-        fns = {"plain_write": plain_write, "catalog_write": catalog_write, "plain_read": plain_read,
-               "catalog_read": catalog_read}
+        fns = {
+            "plain_write": plain_write,
+            "catalog_write": catalog_write,
+            "plain_read": plain_read,
+            "catalog_read": catalog_read,
+        }
         times: dict[str, list[float]] = {name: [] for name in fns}
         for i in range(iterations + 10):  # interleaved, so the machine's load drifts alike for all four
             for name, fn in fns.items():
@@ -112,10 +123,14 @@ def micro(repeats: int = 5, iterations: int = 200) -> dict:
         ms = out["no_other_process_ms"]
         out["retry_path_overhead_ms"] = {
             "write": ms["catalog_write"]["median"] - ms["plain_write"]["median"],
-            "read": ms["catalog_read"]["median"] - ms["plain_read"]["median"]}
-        print(f"no other process: write {ms['plain_write']['median']:.2f} ms plain vs "
-              f"{ms['catalog_write']['median']:.2f} ms Catalog; read {ms['plain_read']['median']:.2f} vs "
-              f"{ms['catalog_read']['median']:.2f} ms", flush=True)
+            "read": ms["catalog_read"]["median"] - ms["plain_read"]["median"],
+        }
+        print(
+            f"no other process: write {ms['plain_write']['median']:.2f} ms plain vs "
+            f"{ms['catalog_write']['median']:.2f} ms Catalog; read {ms['plain_read']['median']:.2f} vs "
+            f"{ms['catalog_read']['median']:.2f} ms",
+            flush=True,
+        )
 
         # 2. a waiter behind another process holding its connection for N ms
         for side, holder_mode in (("writer_behind_reader", "ro"), ("reader_behind_writer", "rw")):
@@ -123,8 +138,11 @@ def micro(repeats: int = 5, iterations: int = 200) -> dict:
             for hold_ms in (10, 50, 200, 1000, 3000):
                 waits, latencies = [], []
                 for _ in range(repeats):
-                    proc = subprocess.Popen([sys.executable, "-c", HOLDER, str(cat.path), holder_mode,
-                                             str(hold_ms / 1e3)], stdout=subprocess.PIPE, text=True)
+                    proc = subprocess.Popen(
+                        [sys.executable, "-c", HOLDER, str(cat.path), holder_mode, str(hold_ms / 1e3)],
+                        stdout=subprocess.PIPE,
+                        text=True,
+                    )
                     word, t_open = proc.stdout.readline().split()
                     assert word == "open"
                     t0 = time.monotonic()
@@ -138,24 +156,37 @@ def micro(repeats: int = 5, iterations: int = 200) -> dict:
                     proc.wait()
                     waits.append((t1 - t0) * 1e3)
                     latencies.append((t1 - float(t_closed)) * 1e3)
-                rows.append({"hold_ms": hold_ms, "wait_ms": _stats(waits), "after_close_ms": _stats(latencies)})
-                print(f"{side}: holder keeps its connection {hold_ms} ms after we start: waited "
-                      f"{statistics.median(waits):.0f} ms (median of {repeats}), opened "
-                      f"{statistics.median(latencies):.1f} ms after the holder closed "
-                      f"(max {max(latencies):.1f})", flush=True)
+                rows.append(
+                    {"hold_ms": hold_ms, "wait_ms": _stats(waits), "after_close_ms": _stats(latencies)}
+                )
+                print(
+                    f"{side}: holder keeps its connection {hold_ms} ms after we start: waited "
+                    f"{statistics.median(waits):.0f} ms (median of {repeats}), opened "
+                    f"{statistics.median(latencies):.1f} ms after the holder closed "
+                    f"(max {max(latencies):.1f})",
+                    flush=True,
+                )
             out[side] = rows
     return out
 
 
 # ---- a run with readers -------------------------------------------------------------------------------
 
+
 def status_loop(ws: Path, poll_s: float, stop: Path, out: Path, cli_every_s: float) -> None:
     """``laminar status`` every ``poll_s`` after the previous one ends (through the CLI's ``main`` in
     this process; the real command in a subprocess every ``cli_every_s``), until ``stop`` exists."""
     from flows.cli import main as laminar_main
 
-    status = {"polls": 0, "ok": 0, "failures": 0, "tracebacks": 0, "outputs_with_traceback": 0, "seconds": [],
-              "first_failure": None}
+    status = {
+        "polls": 0,
+        "ok": 0,
+        "failures": 0,
+        "tracebacks": 0,
+        "outputs_with_traceback": 0,
+        "seconds": [],
+        "first_failure": None,
+    }
     cli = {"runs": 0, "ok": 0, "tracebacks": 0, "failures": [], "seconds": []}
     pending = None
     next_cli = time.monotonic() + cli_every_s
@@ -168,7 +199,9 @@ def status_loop(ws: Path, poll_s: float, stop: Path, out: Path, cli_every_s: flo
         except BaseException as err:  # noqa: BLE001 - what a user would see as a traceback
             rc = None
             status["tracebacks"] += 1
-            status["first_failure"] = status["first_failure"] or "".join(traceback.format_exception(err))[-2000:]
+            status["first_failure"] = (
+                status["first_failure"] or "".join(traceback.format_exception(err))[-2000:]
+            )
         status["seconds"].append(time.perf_counter() - t0)
         status["polls"] += 1
         if "Traceback" in buf_out.getvalue() + buf_err.getvalue():
@@ -189,9 +222,17 @@ def status_loop(ws: Path, poll_s: float, stop: Path, out: Path, cli_every_s: flo
                 cli["failures"].append(err_text[-500:])
             pending = None
         if pending is None and time.monotonic() >= next_cli:
-            pending = (subprocess.Popen([*_laminar_cmd(), "status", "--workspace", str(ws)], cwd=ROOT, env=_env(),
-                                        stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True),
-                       time.monotonic())
+            pending = (
+                subprocess.Popen(
+                    [*_laminar_cmd(), "status", "--workspace", str(ws)],
+                    cwd=ROOT,
+                    env=_env(),
+                    stdout=subprocess.DEVNULL,
+                    stderr=subprocess.PIPE,
+                    text=True,
+                ),
+                time.monotonic(),
+            )
             next_cli = time.monotonic() + cli_every_s
         time.sleep(poll_s)
     if pending is not None:
@@ -207,8 +248,15 @@ def raw_loop(ws: Path, poll_s: float, stop: Path, out: Path) -> None:
     import duckdb
 
     catalog = ws / "catalog.duckdb"
-    raw = {"polls": 0, "ok": 0, "lock_conflicts": 0, "other_errors": 0, "first_error": None, "seconds": [],
-           "max_rows_seen": 0}
+    raw = {
+        "polls": 0,
+        "ok": 0,
+        "lock_conflicts": 0,
+        "other_errors": 0,
+        "first_error": None,
+        "seconds": [],
+        "max_rows_seen": 0,
+    }
     next_t = time.monotonic()
     while not stop.exists():
         t0 = time.perf_counter()
@@ -216,8 +264,10 @@ def raw_loop(ws: Path, poll_s: float, stop: Path, out: Path) -> None:
             if catalog.exists():
                 con = duckdb.connect(str(catalog), read_only=True)
                 try:
-                    tables = [r[0] for r in con.execute("SELECT table_name FROM information_schema.tables")
-                              .fetchall()]
+                    tables = [
+                        r[0]
+                        for r in con.execute("SELECT table_name FROM information_schema.tables").fetchall()
+                    ]
                     rows = sum(con.execute(f'SELECT count(*) FROM "{t}"').fetchone()[0] for t in tables)
                     raw["max_rows_seen"] = max(raw["max_rows_seen"], rows)
                 finally:
@@ -251,26 +301,44 @@ def catalog_facts(ws: Path) -> dict:
     from tasks.stages import STAGES
 
     cat = Catalog(ws / "catalog.duckdb")
-    tables = [r["table_name"] for r in cat.query("SELECT table_name FROM information_schema.tables "
-                                                  "ORDER BY table_name")]
+    tables = [
+        r["table_name"]
+        for r in cat.query("SELECT table_name FROM information_schema.tables ORDER BY table_name")
+    ]
     counts = {t: cat.query(f'SELECT count(*) AS n FROM "{t}"')[0]["n"] for t in tables}
     run = cat.query("SELECT run_id, status FROM runs ORDER BY started_at DESC LIMIT 1")
-    stages = {r["stage"] for r in cat.query("SELECT stage FROM stage_runs WHERE run_id = ?", [run[0]["run_id"]])} \
-        if run else set()
-    return {"counts": counts, "run_id": run[0]["run_id"] if run else None, "run_row": run[0]["status"] if run else None,
-            "missing_stage_rows": [s.name for s in STAGES if s.name not in stages]}
+    stages = (
+        {r["stage"] for r in cat.query("SELECT stage FROM stage_runs WHERE run_id = ?", [run[0]["run_id"]])}
+        if run
+        else set()
+    )
+    return {
+        "counts": counts,
+        "run_id": run[0]["run_id"] if run else None,
+        "run_row": run[0]["status"] if run else None,
+        "missing_stage_rows": [s.name for s in STAGES if s.name not in stages],
+    }
 
 
 def writer_waits(ws: Path, run_id: str | None) -> dict:
     """The run's own catalog waits, from its log (``core.catalog`` logs every writer wait)."""
     log = ws / "logs" / f"{run_id}.log"
-    waits = [float(m.group(1)) for m in re.finditer(r"writer waited ([0-9.]+) s", log.read_text())] \
-        if run_id and log.exists() else []
+    waits = (
+        [float(m.group(1)) for m in re.finditer(r"writer waited ([0-9.]+) s", log.read_text())]
+        if run_id and log.exists()
+        else []
+    )
     return {"count": len(waits), "total_s": sum(waits), "max_s": max(waits, default=0.0)}
 
 
-def run_with_readers(ws: Path, overrides: list[str], poll_s: float = 0.2, timeout_s: float = 1800,
-                     readers: bool = True, cli_every_s: float = 15.0) -> dict:
+def run_with_readers(
+    ws: Path,
+    overrides: list[str],
+    poll_s: float = 0.2,
+    timeout_s: float = 1800,
+    readers: bool = True,
+    cli_every_s: float = 15.0,
+) -> dict:
     ws = Path(ws)
     ws.mkdir(parents=True, exist_ok=True)
     stop = ws.parent / f".{ws.name}.stop"
@@ -278,24 +346,54 @@ def run_with_readers(ws: Path, overrides: list[str], poll_s: float = 0.2, timeou
     stop.unlink(missing_ok=True)
     procs = []
     if readers:
-        procs = [subprocess.Popen([sys.executable, __file__, "_status", str(ws), str(poll_s), str(stop),
-                                   str(tallies[0]), str(cli_every_s)], cwd=ROOT, env=_env()),
-                 subprocess.Popen([sys.executable, __file__, "_raw", str(ws), str(poll_s), str(stop), str(tallies[1])],
-                                  cwd=ROOT, env=_env())]
+        procs = [
+            subprocess.Popen(
+                [
+                    sys.executable,
+                    __file__,
+                    "_status",
+                    str(ws),
+                    str(poll_s),
+                    str(stop),
+                    str(tallies[0]),
+                    str(cli_every_s),
+                ],
+                cwd=ROOT,
+                env=_env(),
+            ),
+            subprocess.Popen(
+                [sys.executable, __file__, "_raw", str(ws), str(poll_s), str(stop), str(tallies[1])],
+                cwd=ROOT,
+                env=_env(),
+            ),
+        ]
     t0 = time.perf_counter()
     try:
-        proc = subprocess.run([*_laminar_cmd(), "run", *overrides, "--workspace", str(ws)], cwd=ROOT, env=_env(),
-                              capture_output=True, text=True, timeout=timeout_s)
+        proc = subprocess.run(
+            [*_laminar_cmd(), "run", *overrides, "--workspace", str(ws)],
+            cwd=ROOT,
+            env=_env(),
+            capture_output=True,
+            text=True,
+            timeout=timeout_s,
+        )
     finally:
         stop.touch()
         for reader in procs:
             reader.wait(timeout=300)
     seconds = time.perf_counter() - t0
     facts = catalog_facts(ws)
-    res = {"overrides": overrides, "run": {"returncode": proc.returncode, "seconds": seconds,
-                                           "stderr_tail": proc.stderr[-3000:],
-                                           "stderr_has_traceback": "Traceback" in proc.stderr},
-           **facts, "writer_waits": writer_waits(ws, facts["run_id"])}
+    res = {
+        "overrides": overrides,
+        "run": {
+            "returncode": proc.returncode,
+            "seconds": seconds,
+            "stderr_tail": proc.stderr[-3000:],
+            "stderr_has_traceback": "Traceback" in proc.stderr,
+        },
+        **facts,
+        "writer_waits": writer_waits(ws, facts["run_id"]),
+    }
     for path in tallies if readers else []:
         res.update(json.loads(path.read_text()))
         path.unlink()
@@ -315,25 +413,38 @@ def full(overrides: list[str], poll_s: float, cli_every_s: float, keep: bool) ->
     finally:
         if not keep:
             shutil.rmtree(base, ignore_errors=True)
-    differ = {t: (with_r["counts"].get(t), without["counts"].get(t))
-              for t in sorted(set(with_r["counts"]) | set(without["counts"]))
-              if with_r["counts"].get(t) != without["counts"].get(t)}
-    ok = (with_r["run"]["returncode"] == 0 and with_r["run_row"] == "completed" and not with_r["missing_stage_rows"]
-          and with_r["status_reader"]["tracebacks"] == 0 and with_r["status_reader"]["outputs_with_traceback"] == 0
-          and with_r["status_reader"]["failures"] == 0 and with_r["cli_status"]["tracebacks"] == 0 and not differ)
+    differ = {
+        t: (with_r["counts"].get(t), without["counts"].get(t))
+        for t in sorted(set(with_r["counts"]) | set(without["counts"]))
+        if with_r["counts"].get(t) != without["counts"].get(t)
+    }
+    ok = (
+        with_r["run"]["returncode"] == 0
+        and with_r["run_row"] == "completed"
+        and not with_r["missing_stage_rows"]
+        and with_r["status_reader"]["tracebacks"] == 0
+        and with_r["status_reader"]["outputs_with_traceback"] == 0
+        and with_r["status_reader"]["failures"] == 0
+        and with_r["cli_status"]["tracebacks"] == 0
+        and not differ
+    )
     return {"with_readers": with_r, "without_readers": without, "row_counts_differ": differ, "ok": ok}
 
 
 def _summary_line(label: str, r: dict) -> str:
-    line = (f"{label}: rc {r['run']['returncode']} in {r['run']['seconds']:.0f} s, run row {r['run_row']}, "
-            f"missing stage rows {r['missing_stage_rows'] or 'none'}, {sum(r['counts'].values())} rows; "
-            f"run's catalog waits {r['writer_waits']['count']} (total {r['writer_waits']['total_s']:.2f} s, "
-            f"max {r['writer_waits']['max_s']:.2f} s)")
+    line = (
+        f"{label}: rc {r['run']['returncode']} in {r['run']['seconds']:.0f} s, run row {r['run_row']}, "
+        f"missing stage rows {r['missing_stage_rows'] or 'none'}, {sum(r['counts'].values())} rows; "
+        f"run's catalog waits {r['writer_waits']['count']} (total {r['writer_waits']['total_s']:.2f} s, "
+        f"max {r['writer_waits']['max_s']:.2f} s)"
+    )
     if "status_reader" in r:
         s, w, c = r["status_reader"], r["raw_reader"], r["cli_status"]
-        line += (f"; status polls {s['polls']} ok {s['ok']} tracebacks {s['tracebacks']}; raw polls {w['polls']} "
-                 f"ok {w['ok']} lock conflicts {w['lock_conflicts']}; CLI status {c['runs']} ok {c['ok']} "
-                 f"tracebacks {c['tracebacks']}")
+        line += (
+            f"; status polls {s['polls']} ok {s['ok']} tracebacks {s['tracebacks']}; raw polls {w['polls']} "
+            f"ok {w['ok']} lock conflicts {w['lock_conflicts']}; CLI status {c['runs']} ok {c['ok']} "
+            f"tracebacks {c['tracebacks']}"
+        )
     return line
 
 
@@ -349,20 +460,28 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("what", choices=("micro", "run", "all"))
     ap.add_argument("--poll-ms", type=float, default=200.0)
-    ap.add_argument("--cli-every", type=float, default=15.0, help="seconds between real `laminar status` commands")
+    ap.add_argument(
+        "--cli-every", type=float, default=15.0, help="seconds between real `laminar status` commands"
+    )
     ap.add_argument("--keep", action="store_true", help="keep the two workspaces")
     ap.add_argument("--json-out", type=Path)
     ap.add_argument("overrides", nargs="*")
     args = ap.parse_args()
-    result: dict = {"date": datetime.now(timezone.utc).isoformat(timespec="seconds"), "machine": os.uname().nodename,
-                    "cpus": os.cpu_count(), "command": " ".join(sys.argv)}
+    result: dict = {
+        "date": datetime.now(UTC).isoformat(timespec="seconds"),
+        "machine": os.uname().nodename,
+        "cpus": os.cpu_count(),
+        "command": " ".join(sys.argv),
+    }
     if args.what in ("micro", "all"):
         result["micro"] = micro()
     if args.what in ("run", "all"):
         result["run"] = full(args.overrides, args.poll_ms / 1e3, args.cli_every, args.keep)
         print("OK" if result["run"]["ok"] else "NOT OK", flush=True)
-    out = args.json_out or ROOT / "benchmarks" / "results" / \
-        f"catalog_readers_{datetime.now(timezone.utc).strftime('%Y-%m-%d')}.json"
+    out = (
+        args.json_out
+        or ROOT / "benchmarks" / "results" / f"catalog_readers_{datetime.now(UTC).strftime('%Y-%m-%d')}.json"
+    )
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(json.dumps(result, indent=2, default=str))
     print(f"results: {out}")

@@ -33,21 +33,31 @@ def synthetic(n_prompts: int, n_obs: int, seed: int) -> tuple[pl.DataFrame, pl.D
     ids = np.char.add("p", np.arange(n_prompts).astype(str))
     true_p = rng.beta(0.7, 0.7, n_prompts)
     n_correct = rng.binomial(G, true_p)
-    attempts = pl.DataFrame({
-        "prompt_id": ids, "n": np.full(n_prompts, G, np.int64), "n_correct": n_correct.astype(np.int64),
-        "pass_rate": n_correct / G, "mean_length": rng.normal(120, 30, n_prompts),
-        "mean_entropy": rng.gamma(2.0, 0.5, n_prompts), "level": rng.integers(1, 6, n_prompts).astype(np.int32),
-    })
+    attempts = pl.DataFrame(
+        {
+            "prompt_id": ids,
+            "n": np.full(n_prompts, G, np.int64),
+            "n_correct": n_correct.astype(np.int64),
+            "pass_rate": n_correct / G,
+            "mean_length": rng.normal(120, 30, n_prompts),
+            "mean_entropy": rng.gamma(2.0, 0.5, n_prompts),
+            "level": rng.integers(1, 6, n_prompts).astype(np.int32),
+        }
+    )
     obs = np.arange(n_obs)
     drift = np.clip(true_p[:, None] + 0.03 * obs[None, :], 0, 1)
     rewards = rng.binomial(G, drift) / G
     # observations interleave across prompts, as RL steps do: seq = obs * n_prompts + a shuffled slot
     slot = np.stack([rng.permutation(n_prompts) for _ in range(n_obs)], axis=1)
-    history = pl.DataFrame({
-        "prompt_id": np.repeat(ids, n_obs), "seq": (obs[None, :] * n_prompts + slot).ravel().astype(np.int64),
-        "mean_reward": rewards.ravel(), "n": np.full(n_prompts * n_obs, G, np.int64),
-        "origin": np.tile(np.where(obs == 0, "difficulty", "rl"), n_prompts),
-    })
+    history = pl.DataFrame(
+        {
+            "prompt_id": np.repeat(ids, n_obs),
+            "seq": (obs[None, :] * n_prompts + slot).ravel().astype(np.int64),
+            "mean_reward": rewards.ravel(),
+            "n": np.full(n_prompts * n_obs, G, np.int64),
+            "origin": np.tile(np.where(obs == 0, "difficulty", "rl"), n_prompts),
+        }
+    )
     return attempts, history
 
 
@@ -61,8 +71,10 @@ def main() -> None:
 
     t = time.perf_counter()
     attempts, history = synthetic(args.prompts, args.observations, args.seed)
-    print(f"synthetic: {attempts.height:,} prompts, {history.height:,} history rows "
-          f"({time.perf_counter() - t:.2f} s to build)")
+    print(
+        f"synthetic: {attempts.height:,} prompts, {history.height:,} history rows "
+        f"({time.perf_counter() - t:.2f} s to build)"
+    )
 
     select_learning_edge(attempts.head(1000), history.head(5000))  # warm up DuckDB's first-query costs
     t = time.perf_counter()
@@ -70,7 +82,11 @@ def main() -> None:
     dt = time.perf_counter() - t
     print(f"select_learning_edge: {dt:.3f} s (target < 2 s) over {history.height:,} history rows")
     counts = sel.group_by("reason").len().sort("reason")
-    print("  " + ", ".join(f"{r}={n:,}" for r, n in counts.iter_rows()) + f"; selected={int(sel['selected'].sum()):,}")
+    print(
+        "  "
+        + ", ".join(f"{r}={n:,}" for r, n in counts.iter_rows())
+        + f"; selected={int(sel['selected'].sum()):,}"
+    )
 
     t = time.perf_counter()
     greso = GresoFilter(history)
@@ -88,8 +104,10 @@ def main() -> None:
     t = time.perf_counter()
     planner.record(results)
     t_rec = time.perf_counter() - t
-    print(f"DART prop2diff round: plan {t_plan:.3f} s ({len(plan):,} prompts, {sum(n for _, n in plan):,} trials), "
-          f"record {t_rec:.3f} s ({len(results):,} results)")
+    print(
+        f"DART prop2diff round: plan {t_plan:.3f} s ({len(plan):,} prompts, {sum(n for _, n in plan):,} trials), "
+        f"record {t_rec:.3f} s ({len(results):,} results)"
+    )
 
 
 if __name__ == "__main__":

@@ -53,25 +53,40 @@ KINDS = ("symbols_renamed", "clauses_reordered", "figures_dropped", "numbers_in_
 TARGET = 0.95
 
 WRAPPERS = [  # (prefix, suffix), as public RL pools put them around problems
-    ("Solve the following math problem step by step. The last line of your response should be of the form "
-     "Answer: $Answer (without quotes) where $Answer is the answer to the problem.\n\n",
-     "\n\nRemember to put your answer on its own line after \"Answer:\"."),
+    (
+        "Solve the following math problem step by step. The last line of your response should be of the form "
+        "Answer: $Answer (without quotes) where $Answer is the answer to the problem.\n\n",
+        '\n\nRemember to put your answer on its own line after "Answer:".',
+    ),
     ("", " Let's think step by step and output the final answer within \\boxed{}."),
     ("Question: ", "\nPlease reason step by step, and put your final answer within \\boxed{}."),
-    ("You are a helpful math assistant. Solve the problem below and give only the final answer.\n\nProblem: ", ""),
+    (
+        "You are a helpful math assistant. Solve the problem below and give only the final answer.\n\nProblem: ",
+        "",
+    ),
 ]
 _MATH_RE = re.compile(r"(\$\$.*?\$\$|\$.*?\$|\\\[.*?\\\]|\\\(.*?\\\))", re.S)
 _VAR_RE = re.compile(r"(?<![A-Za-z\\])([A-Za-z])(?![A-Za-z])")
 _ASY_RE = re.compile(r"\s*\[asy\].*?\[/asy\]\s*", re.S)
 _SENT_RE = re.compile(r"(?<=[.?!])\s+(?=[A-Z$\\])")
 _NUM_RE = re.compile(r"(?<![\d.,$\\^_{])\b(\d{1,2})\b(?![\d.,]\d)")
-_ONES = "zero one two three four five six seven eight nine ten eleven twelve thirteen fourteen fifteen sixteen " \
-        "seventeen eighteen nineteen".split()
+_ONES = (
+    "zero one two three four five six seven eight nine ten eleven twelve thirteen fourteen fifteen sixteen "
+    "seventeen eighteen nineteen".split()
+)
 _TENS = "_ _ twenty thirty forty fifty sixty seventy eighty ninety".split()
-REWORD = [("What is the value of", "Compute"), ("What is", "Compute"), ("Find", "Determine"),
-          ("Compute", "Calculate"), ("How many", "Determine how many"), ("Determine", "Find"),
-          ("Evaluate", "Compute"), ("Calculate", "Compute"), ("Simplify", "Write in simplest form"),
-          ("Express", "Write")]
+REWORD = [
+    ("What is the value of", "Compute"),
+    ("What is", "Compute"),
+    ("Find", "Determine"),
+    ("Compute", "Calculate"),
+    ("How many", "Determine how many"),
+    ("Determine", "Find"),
+    ("Evaluate", "Compute"),
+    ("Calculate", "Compute"),
+    ("Simplify", "Write in simplest form"),
+    ("Express", "Write"),
+]
 
 
 def _words(n: int) -> str:
@@ -96,14 +111,17 @@ def symbols_renamed(text: str, rng: random.Random) -> str | None:
         return None
     free = [c for c in "pqrstuvwkmnzyxabcdfgh" if c not in {u.lower() for u in used}]
     rng.shuffle(free)
-    mapping = {u: (free[i % len(free)].upper() if u.isupper() else free[i % len(free)])
-               for i, u in enumerate(sorted(used))}
+    mapping = {
+        u: (free[i % len(free)].upper() if u.isupper() else free[i % len(free)])
+        for i, u in enumerate(sorted(used))
+    }
     styled = sorted(used)[0]
     style = "\\mathcal" if styled.isupper() else "\\mathit"
 
     def rename(m: str) -> str:
-        m = _VAR_RE.sub(lambda v: (f"{style}{{{mapping[v.group(1)]}}}" if v.group(1) == styled
-                                   else mapping[v.group(1)]), m)
+        m = _VAR_RE.sub(
+            lambda v: f"{style}{{{mapping[v.group(1)]}}}" if v.group(1) == styled else mapping[v.group(1)], m
+        )
         return m.replace("\\frac", "\\dfrac")
 
     out = _on_math(text, rename)
@@ -113,7 +131,7 @@ def symbols_renamed(text: str, rng: random.Random) -> str | None:
 def _reword(sentence: str) -> str:
     for old, new in REWORD:
         if sentence.startswith(old):
-            return new + sentence[len(old):]
+            return new + sentence[len(old) :]
     return sentence
 
 
@@ -154,7 +172,13 @@ REWRITES = {k: globals()[k] for k in KINDS}
 
 def combined(text: str, rng: random.Random) -> str | None:
     out = text
-    for kind in ("figures_dropped", "symbols_renamed", "numbers_in_words", "clauses_reordered", "wrappers_added"):
+    for kind in (
+        "figures_dropped",
+        "symbols_renamed",
+        "numbers_in_words",
+        "clauses_reordered",
+        "wrappers_added",
+    ):
         out = REWRITES[kind](out, rng) or out
     return out if out != text else None
 
@@ -184,13 +208,23 @@ def plant_set(per_kind: int, seed: int) -> list[dict]:
                 taken.add((it.benchmark, it.problem_id))
                 chosen.append((it, text))
         for it, text in chosen:
-            plants.append({"plant_id": f"plant-{kind}-{it.benchmark}-{it.problem_id}", "kind": kind,
-                           "benchmark": it.benchmark, "benchmark_problem_id": it.problem_id,
-                           "problem": text, "answer": it.answer, "original": it.problem})
+            plants.append(
+                {
+                    "plant_id": f"plant-{kind}-{it.benchmark}-{it.problem_id}",
+                    "kind": kind,
+                    "benchmark": it.benchmark,
+                    "benchmark_problem_id": it.problem_id,
+                    "problem": text,
+                    "answer": it.answer,
+                    "original": it.problem,
+                }
+            )
     return plants
 
 
-def _own_item_scores(plants: list[dict], items: list, para: ParaphraseParams) -> dict[str, tuple[float, int, int]]:
+def _own_item_scores(
+    plants: list[dict], items: list, para: ParaphraseParams
+) -> dict[str, tuple[float, int, int]]:
     """plant_id -> (paraphrase score against the item it copies, that item's shingle count and content
     words); absent when LSH does not even make them candidates."""
     import pyarrow as pa
@@ -198,32 +232,63 @@ def _own_item_scores(plants: list[dict], items: list, para: ParaphraseParams) ->
     from data_curation.db import memory_db
     from data_curation.decontaminate import _items_table, paraphrase_hits
 
-    table = pa.table({"rid": pa.array(range(len(plants)), pa.int64()),
-                      "prompt_id": [p["plant_id"] for p in plants], "source": ["plants"] * len(plants),
-                      "text": [p["problem"] for p in plants], "answer": [p["answer"] for p in plants]})
+    table = pa.table(
+        {
+            "rid": pa.array(range(len(plants)), pa.int64()),
+            "prompt_id": [p["plant_id"] for p in plants],
+            "source": ["plants"] * len(plants),
+            "text": [p["problem"] for p in plants],
+            "answer": [p["answer"] for p in plants],
+        }
+    )
     con = memory_db()
     try:
-        hits = paraphrase_hits(con, table, _items_table(items), ParaphraseParams(
-            high=1e-9, moderate=1e-9, ngram=para.ngram, num_perm=para.num_perm, bands=para.bands, seed=para.seed,
-            min_shingles=0, min_words=0))
-        sizes = {k: (n, w) for k, n, w in con.execute(
-            "SELECT i.benchmark || '/' || i.problem_id, s.n, i.words FROM _para_items i "
-            "JOIN _psh_size s ON s.rid = i.rid").fetchall()}
+        hits = paraphrase_hits(
+            con,
+            table,
+            _items_table(items),
+            ParaphraseParams(
+                high=1e-9,
+                moderate=1e-9,
+                ngram=para.ngram,
+                num_perm=para.num_perm,
+                bands=para.bands,
+                seed=para.seed,
+                min_shingles=0,
+                min_words=0,
+            ),
+        )
+        sizes = {
+            k: (n, w)
+            for k, n, w in con.execute(
+                "SELECT i.benchmark || '/' || i.problem_id, s.n, i.words FROM _para_items i "
+                "JOIN _psh_size s ON s.rid = i.rid"
+            ).fetchall()
+        }
     finally:
         con.close()
     own = {p["plant_id"]: (p["benchmark"], p["benchmark_problem_id"]) for p in plants}
     out: dict[str, tuple[float, int, int]] = {}
     for h in hits.to_pylist():
         if own[h["prompt_id"]] == (h["benchmark"], h["benchmark_problem_id"]):
-            out[h["prompt_id"]] = (h["score"], *sizes.get(f"{h['benchmark']}/{h['benchmark_problem_id']}", (0, 0)))
+            out[h["prompt_id"]] = (
+                h["score"],
+                *sizes.get(f"{h['benchmark']}/{h['benchmark_problem_id']}", (0, 0)),
+            )
     return out
 
 
 def run(per_kind: int, seed: int, repeats: int, work: Path) -> dict:
     """The measurements, with every intermediate table under ``work``."""
     cfg = DecontamConfig()
-    para = ParaphraseParams(high=cfg.paraphrase_high, moderate=cfg.paraphrase_moderate, ngram=cfg.paraphrase_ngram,
-                            num_perm=cfg.paraphrase_num_perm, bands=cfg.paraphrase_bands, seed=seed)
+    para = ParaphraseParams(
+        high=cfg.paraphrase_high,
+        moderate=cfg.paraphrase_moderate,
+        ngram=cfg.paraphrase_ngram,
+        num_perm=cfg.paraphrase_num_perm,
+        bands=cfg.paraphrase_bands,
+        seed=seed,
+    )
     items = [it for b in BENCHES for it in load_benchmark(b)]
     by_item = {(it.benchmark, it.problem_id): it for it in items}
     math = SourceSpec("math_train", str(MATH_TRAIN), level_field="difficulty", subject_field="type")
@@ -233,14 +298,26 @@ def run(per_kind: int, seed: int, repeats: int, work: Path) -> dict:
     timings = []
     for _ in range(repeats):
         t0 = time.perf_counter()
-        clean_counts = decontaminate(work / "clean_ingest" / "prompts.parquet", items, work / "clean_out",
-                                     ngram=cfg.ngram, min_coverage=cfg.min_coverage, paraphrase=para)
+        clean_counts = decontaminate(
+            work / "clean_ingest" / "prompts.parquet",
+            items,
+            work / "clean_out",
+            ngram=cfg.ngram,
+            min_coverage=cfg.min_coverage,
+            paraphrase=para,
+        )
         timings.append(time.perf_counter() - t0)
     ngram_times = []
     for _ in range(repeats):
         t0 = time.perf_counter()
-        decontaminate(work / "clean_ingest" / "prompts.parquet", items, work / "clean_ngram_only",
-                      ngram=cfg.ngram, min_coverage=cfg.min_coverage, paraphrase=None)
+        decontaminate(
+            work / "clean_ingest" / "prompts.parquet",
+            items,
+            work / "clean_ngram_only",
+            ngram=cfg.ngram,
+            min_coverage=cfg.min_coverage,
+            paraphrase=None,
+        )
         ngram_times.append(time.perf_counter() - t0)
     ngram_only_s = min(ngram_times)
     pool = pq.read_table(work / "clean_ingest" / "prompts.parquet").to_pylist()
@@ -249,37 +326,65 @@ def run(per_kind: int, seed: int, repeats: int, work: Path) -> dict:
     listed = []
     for f in flags:
         it = by_item[(f["benchmark"], f["benchmark_problem_id"])]
-        listed.append({"prompt_id": f["prompt_id"], "rule": f["rule"], "score": round(f["score"], 4),
-                       "benchmark": f["benchmark"], "benchmark_problem_id": f["benchmark_problem_id"],
-                       "prompt": text_of[f["prompt_id"]][0][:400], "prompt_answer": text_of[f["prompt_id"]][1],
-                       "item": it.problem[:400], "item_answer": it.answer})
+        listed.append(
+            {
+                "prompt_id": f["prompt_id"],
+                "rule": f["rule"],
+                "score": round(f["score"], 4),
+                "benchmark": f["benchmark"],
+                "benchmark_problem_id": f["benchmark_problem_id"],
+                "prompt": text_of[f["prompt_id"]][0][:400],
+                "prompt_answer": text_of[f["prompt_id"]][1],
+                "item": it.problem[:400],
+                "item_answer": it.answer,
+            }
+        )
     flagged_prompts = {f["prompt_id"] for f in flags}
     para_prompts = {f["prompt_id"] for f in flags if f["rule"] != "ngram"}
 
     # planted pool: MATH train + rewritten copies
     plants = plant_set(per_kind, seed)
     plant_file = work / "plants.jsonl"
-    plant_file.write_text("".join(json.dumps({"id": p["plant_id"], "problem": p["problem"], "answer": p["answer"]})
-                                  + "\n" for p in plants), encoding="utf-8")
+    plant_file.write_text(
+        "".join(
+            json.dumps({"id": p["plant_id"], "problem": p["problem"], "answer": p["answer"]}) + "\n"
+            for p in plants
+        ),
+        encoding="utf-8",
+    )
     counts = ingest([math, SourceSpec("plants", str(plant_file), id_field="id")], work / "plant_ingest")
-    decontaminate(work / "plant_ingest" / "prompts.parquet", items, work / "plant_out", ngram=cfg.ngram,
-                  min_coverage=cfg.min_coverage, paraphrase=para)
+    decontaminate(
+        work / "plant_ingest" / "prompts.parquet",
+        items,
+        work / "plant_out",
+        ngram=cfg.ngram,
+        min_coverage=cfg.min_coverage,
+        paraphrase=para,
+    )
     hits = pq.read_table(work / "plant_out" / "contamination.parquet").to_pylist()
     caught: dict[str, set] = {}
     for h in hits:
         caught.setdefault(h["prompt_id"], set()).add((h["benchmark"], h["benchmark_problem_id"], h["rule"]))
-    ingested = {r["prompt_id"] for r in pq.read_table(work / "plant_ingest" / "prompts.parquet",
-                                                      columns=["prompt_id"]).to_pylist()}
+    ingested = {
+        r["prompt_id"]
+        for r in pq.read_table(work / "plant_ingest" / "prompts.parquet", columns=["prompt_id"]).to_pylist()
+    }
     per_kind_out: dict[str, dict] = {}
     missed = []
     for p in plants:
-        k = per_kind_out.setdefault(p["kind"], {"planted": 0, "ingested": 0, "caught": 0, "by_ngram": 0,
-                                                "by_paraphrase": 0, "by_benchmark": {}})
+        k = per_kind_out.setdefault(
+            p["kind"],
+            {"planted": 0, "ingested": 0, "caught": 0, "by_ngram": 0, "by_paraphrase": 0, "by_benchmark": {}},
+        )
         k["planted"] += 1
         if p["plant_id"] not in ingested:
             continue
         k["ingested"] += 1
-        rules = {r for b, pid, r in caught.get(p["plant_id"], ()) if (b, pid) == (p["benchmark"], p["benchmark_problem_id"])}
+        rules = {
+            r
+            for b, pid, r in caught.get(p["plant_id"], ())
+            if (b, pid) == (p["benchmark"], p["benchmark_problem_id"])
+        }
         kb = k["by_benchmark"].setdefault(p["benchmark"], {"planted": 0, "caught": 0})
         kb["planted"] += 1
         if rules:
@@ -287,22 +392,34 @@ def run(per_kind: int, seed: int, repeats: int, work: Path) -> dict:
             kb["caught"] += 1
             k["by_ngram" if "ngram" in rules else "by_paraphrase"] += 1
         else:
-            missed.append({"kind": p["kind"], "benchmark": p["benchmark"], "problem_id": p["benchmark_problem_id"],
-                           "rewritten": p["problem"][:500], "original": p["original"][:500]})
+            missed.append(
+                {
+                    "kind": p["kind"],
+                    "benchmark": p["benchmark"],
+                    "problem_id": p["benchmark_problem_id"],
+                    "rewritten": p["problem"][:500],
+                    "original": p["original"][:500],
+                }
+            )
     # each rule alone: every plant's paraphrase score against its own item (all candidates kept)
     scores = _own_item_scores(plants, items, para)
     for p in plants:
         k = per_kind_out[p["kind"]]
         s, n_item, words = scores.get(p["plant_id"], (0.0, 0, 0))
         gate = words >= para.min_words
-        ngram_hit = any(r == "ngram" and (b, pid) == (p["benchmark"], p["benchmark_problem_id"])
-                        for b, pid, r in caught.get(p["plant_id"], ()))
+        ngram_hit = any(
+            r == "ngram" and (b, pid) == (p["benchmark"], p["benchmark_problem_id"])
+            for b, pid, r in caught.get(p["plant_id"], ())
+        )
         k.setdefault("scores", []).append(round(s, 3))
         # every plant keeps its item's answer: the rule alone flags it at the moderate score
-        k["paraphrase_rule_alone"] = k.get("paraphrase_rule_alone", 0) + int(gate and s >= para.moderate - 1e-12)
+        k["paraphrase_rule_alone"] = k.get("paraphrase_rule_alone", 0) + int(
+            gate and s >= para.moderate - 1e-12
+        )
         # as if the answers differed: the n-gram rule, or the high score
-        k["answer_blind"] = k.get("answer_blind", 0) + int(ngram_hit or (gate and s >= para.high - 1e-12
-                                                                          and n_item >= para.min_shingles))
+        k["answer_blind"] = k.get("answer_blind", 0) + int(
+            ngram_hit or (gate and s >= para.high - 1e-12 and n_item >= para.min_shingles)
+        )
     for k in per_kind_out.values():
         k["recall"] = k["caught"] / k["ingested"] if k["ingested"] else None
         k["min_score"] = min(k.pop("scores"))
@@ -315,21 +432,36 @@ def run(per_kind: int, seed: int, repeats: int, work: Path) -> dict:
         "date": date.today().isoformat(),
         "command": f"benchmarks/decontamination.py --per-kind {per_kind} --seed {seed} --repeats {repeats}",
         "config": {"ngram": cfg.ngram, "min_coverage": cfg.min_coverage, "paraphrase": para.__dict__},
-        "benchmarks": list(BENCHES), "benchmark_items": len(items),
-        "recall": {"overall_5_kinds": overall, "target": TARGET,
-                   "meets_target": overall >= TARGET and all(k["recall"] >= TARGET for k in target),
-                   "per_kind": per_kind_out},
+        "benchmarks": list(BENCHES),
+        "benchmark_items": len(items),
+        "recall": {
+            "overall_5_kinds": overall,
+            "target": TARGET,
+            "meets_target": overall >= TARGET and all(k["recall"] >= TARGET for k in target),
+            "per_kind": per_kind_out,
+        },
         "plant_ingest": {k: v for k, v in counts.items() if not k.startswith("rows_in_")},
         "missed": missed,
-        "clean_pool": {"pool": "MATH train (data_curation/data/math_train.json)", "prompts": n_pool,
-                       "flagged_prompts": len(flagged_prompts), "flagged_share": len(flagged_prompts) / n_pool,
-                       "flagged_by_ngram": len(flagged_prompts - para_prompts),
-                       "flagged_by_paraphrase_only": len(para_prompts - (flagged_prompts - para_prompts)),
-                       "paraphrase_share": len(para_prompts) / n_pool,
-                       "counts": clean_counts, "flags": listed},
-        "timing": {"pool_prompts": n_pool, "benchmark_items": len(items), "seconds_both_rules_best": min(timings),
-                   "seconds_all": timings, "seconds_ngram_only": ngram_only_s, "seconds_ngram_only_all": ngram_times,
-                   "load_average": list(__import__("os").getloadavg())},
+        "clean_pool": {
+            "pool": "MATH train (data_curation/data/math_train.json)",
+            "prompts": n_pool,
+            "flagged_prompts": len(flagged_prompts),
+            "flagged_share": len(flagged_prompts) / n_pool,
+            "flagged_by_ngram": len(flagged_prompts - para_prompts),
+            "flagged_by_paraphrase_only": len(para_prompts - (flagged_prompts - para_prompts)),
+            "paraphrase_share": len(para_prompts) / n_pool,
+            "counts": clean_counts,
+            "flags": listed,
+        },
+        "timing": {
+            "pool_prompts": n_pool,
+            "benchmark_items": len(items),
+            "seconds_both_rules_best": min(timings),
+            "seconds_all": timings,
+            "seconds_ngram_only": ngram_only_s,
+            "seconds_ngram_only_all": ngram_times,
+            "load_average": list(__import__("os").getloadavg()),
+        },
     }
 
 
@@ -353,16 +485,22 @@ def main() -> None:
     r = res["recall"]
     print(f"recall over the five kinds {r['overall_5_kinds']:.3f} (target {TARGET})")
     for kind, k in r["per_kind"].items():
-        print(f"  {kind:<18} {k['caught']:>3}/{k['ingested']:<3} = {k['recall']:.3f}  "
-              f"(n-gram {k['by_ngram']}, paraphrase {k['by_paraphrase']}; paraphrase rule alone "
-              f"{k['recall_paraphrase_rule_alone']:.3f}, answer-blind {k['recall_answer_blind']:.3f}, "
-              f"lowest score {k['min_score']:.2f})")
+        print(
+            f"  {kind:<18} {k['caught']:>3}/{k['ingested']:<3} = {k['recall']:.3f}  "
+            f"(n-gram {k['by_ngram']}, paraphrase {k['by_paraphrase']}; paraphrase rule alone "
+            f"{k['recall_paraphrase_rule_alone']:.3f}, answer-blind {k['recall_answer_blind']:.3f}, "
+            f"lowest score {k['min_score']:.2f})"
+        )
     c = res["clean_pool"]
-    print(f"clean pool: {c['flagged_prompts']} of {c['prompts']:.0f} flagged ({100 * c['flagged_share']:.2f}%): "
-          f"{c['flagged_by_ngram']} by the n-gram rule, {c['flagged_by_paraphrase_only']} by the paraphrase rule")
+    print(
+        f"clean pool: {c['flagged_prompts']} of {c['prompts']:.0f} flagged ({100 * c['flagged_share']:.2f}%): "
+        f"{c['flagged_by_ngram']} by the n-gram rule, {c['flagged_by_paraphrase_only']} by the paraphrase rule"
+    )
     t = res["timing"]
-    print(f"timing: {t['pool_prompts']:.0f} prompts x {t['benchmark_items']} items, both rules "
-          f"{t['seconds_both_rules_best']:.2f} s (n-gram only {t['seconds_ngram_only']:.2f} s)")
+    print(
+        f"timing: {t['pool_prompts']:.0f} prompts x {t['benchmark_items']} items, both rules "
+        f"{t['seconds_both_rules_best']:.2f} s (n-gram only {t['seconds_ngram_only']:.2f} s)"
+    )
     print(f"wrote {path}")
 
 

@@ -35,7 +35,9 @@ ROOT = Path(__file__).resolve().parent.parent
 STAGES = (("warmup", "eval_warmup"), ("rft", "eval_rft"), ("rl", "eval_rl"))
 
 
-def laminar(ws: Path, overrides: list[str], resume: bool = False, paths: str = "current") -> tuple[dict, float]:
+def laminar(
+    ws: Path, overrides: list[str], resume: bool = False, paths: str = "current"
+) -> tuple[dict, float]:
     """(summary.json of the run, wall seconds of the whole command). ``resume``: a workspace that
     already holds a run of this benchmark (``bench_wall.json``) gives that run back instead."""
     done = ws / "bench_wall.json"
@@ -63,11 +65,18 @@ def row_of(summary: dict, *, seed: int, threads: int, wall: float) -> dict:
         held = stages.get(stage, {}).get("metrics", {}).get("arith_heldout", {})
         acc[role] = held.get("accuracy")
         levels[role] = dict(sorted(held.get("by_level", {}).items()))  # stage metrics keep avg@n per level
-    return {"seed": seed, "threads": threads, "wall_s": round(wall, 1), "pipeline_s": round(summary["seconds"], 1),
-            "accuracy": acc, "by_level": levels,
-            "stage_seconds": {k: v["seconds"] for k, v in stages.items()},
-            "stage_status": {k: v["status"] for k, v in stages.items()},
-            "warnings": summary.get("warnings", []), "run_id": summary["run_id"]}
+    return {
+        "seed": seed,
+        "threads": threads,
+        "wall_s": round(wall, 1),
+        "pipeline_s": round(summary["seconds"], 1),
+        "accuracy": acc,
+        "by_level": levels,
+        "stage_seconds": {k: v["seconds"] for k, v in stages.items()},
+        "stage_status": {k: v["status"] for k, v in stages.items()},
+        "warnings": summary.get("warnings", []),
+        "run_id": summary["run_id"],
+    }
 
 
 def checks(rows: list[dict]) -> dict[str, bool]:
@@ -87,28 +96,44 @@ def checks(rows: list[dict]) -> dict[str, bool]:
 
 
 def markdown(rows: list[dict], cached: list[dict], verdicts: dict[str, bool], header: str) -> str:
-    lines = [header, "", "| threads | seed | warm-up | RFT | RL | RL - RFT | RL by level (warm-up -> RL) | warm-up s | "
-             "curation s | RFT s | RL s | evals s | pipeline s | command s | warnings |",
-             "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
+    lines = [
+        header,
+        "",
+        "| threads | seed | warm-up | RFT | RL | RL - RFT | RL by level (warm-up -> RL) | warm-up s | "
+        "curation s | RFT s | RL s | evals s | pipeline s | command s | warnings |",
+        "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|",
+    ]
     for r in rows:
         a, s = r["accuracy"], r["stage_seconds"]
-        lv = " ".join(f"L{k} {r['by_level']['warmup'][k]:.2f}->{r['by_level']['rl'][k]:.2f}" for k in r["by_level"]["rl"])
-        curation = sum(s.get(k, 0.0) for k in ("data", "ingest", "decontaminate", "difficulty", "dart",
-                                               "difficulty_rft", "select"))
+        lv = " ".join(
+            f"L{k} {r['by_level']['warmup'][k]:.2f}->{r['by_level']['rl'][k]:.2f}"
+            for k in r["by_level"]["rl"]
+        )
+        curation = sum(
+            s.get(k, 0.0)
+            for k in ("data", "ingest", "decontaminate", "difficulty", "dart", "difficulty_rft", "select")
+        )
         evals = sum(s.get(k, 0.0) for k in ("eval_warmup", "eval_rft", "eval_rl"))
-        lines.append(f"| {r['threads']} | {r['seed']} | {a['warmup']:.3f} | {a['rft']:.3f} | {a['rl']:.3f} | "
-                     f"{a['rl'] - a['rft']:+.3f} | {lv} | {s.get('warmup', 0):.0f} | {curation:.0f} | "
-                     f"{s.get('rft', 0):.0f} | {s.get('rl', 0):.0f} | {evals:.0f} | {r['pipeline_s']:.0f} | "
-                     f"{r['wall_s']:.0f} | {'; '.join(r['warnings']) or '-'} |")
+        lines.append(
+            f"| {r['threads']} | {r['seed']} | {a['warmup']:.3f} | {a['rft']:.3f} | {a['rl']:.3f} | "
+            f"{a['rl'] - a['rft']:+.3f} | {lv} | {s.get('warmup', 0):.0f} | {curation:.0f} | "
+            f"{s.get('rft', 0):.0f} | {s.get('rl', 0):.0f} | {evals:.0f} | {r['pipeline_s']:.0f} | "
+            f"{r['wall_s']:.0f} | {'; '.join(r['warnings']) or '-'} |"
+        )
     for t in sorted({r["threads"] for r in rows}):
         rs = [r for r in rows if r["threads"] == t]
         m = lambda k: statistics.fmean(r["accuracy"][k] for r in rs)  # noqa: E731
-        lines.append(f"| {t} | mean | {m('warmup'):.3f} | {m('rft'):.3f} | {m('rl'):.3f} | {m('rl') - m('rft'):+.3f} "
-                     f"| | | | | | | {statistics.median(r['pipeline_s'] for r in rs):.0f} (median) | "
-                     f"{statistics.median(r['wall_s'] for r in rs):.0f} (median) | |")
+        lines.append(
+            f"| {t} | mean | {m('warmup'):.3f} | {m('rft'):.3f} | {m('rl'):.3f} | {m('rl') - m('rft'):+.3f} "
+            f"| | | | | | | {statistics.median(r['pipeline_s'] for r in rs):.0f} (median) | "
+            f"{statistics.median(r['wall_s'] for r in rs):.0f} (median) | |"
+        )
     if cached:
-        lines += ["", "Fully cached rerun (same command, same workspace): "
-                  + ", ".join(f"seed {c['seed']} threads {c['threads']}: {c['wall_s']:.1f} s" for c in cached)]
+        lines += [
+            "",
+            "Fully cached rerun (same command, same workspace): "
+            + ", ".join(f"seed {c['seed']} threads {c['threads']}: {c['wall_s']:.1f} s" for c in cached),
+        ]
     lines += ["", "Checks:"] + [f"- {'PASS' if ok else 'FAIL'} {name}" for name, ok in verdicts.items()]
     return "\n".join(lines) + "\n"
 
@@ -120,16 +145,30 @@ def main() -> None:
     ap.add_argument("--repeats", type=int, default=1, help="fresh-workspace runs per (threads, seed)")
     ap.add_argument("--cached-rerun", action="store_true", help="time the same command again (all cached)")
     ap.add_argument("--workspaces", type=Path, default=ROOT / "workspace-bench-default")
-    ap.add_argument("--keep", action="store_true", help="keep the workspaces (default: delete each after use)")
-    ap.add_argument("--resume", action="store_true",
-                    help="take the first run of a kept workspace from an earlier (interrupted) call instead of rerunning")
+    ap.add_argument(
+        "--keep", action="store_true", help="keep the workspaces (default: delete each after use)"
+    )
+    ap.add_argument(
+        "--resume",
+        action="store_true",
+        help="take the first run of a kept workspace from an earlier (interrupted) call instead of rerunning",
+    )
     ap.add_argument("--out", type=Path, default=ROOT / "benchmarks" / "results" / "default_run")
     ap.add_argument("--label", default="")
-    ap.add_argument("--paths", choices=("current", "before-issue-30"), default="current",
-                    help="before-issue-30: the sampling and update paths before issue 30 (benchmarks/before_issue30.py)")
-    ap.add_argument("--combine", type=Path, nargs="+", metavar="JSON",
-                    help="run nothing: one table (and checks) from these earlier results files, e.g. seeds split "
-                         "over two processes")
+    ap.add_argument(
+        "--paths",
+        choices=("current", "before-issue-30"),
+        default="current",
+        help="before-issue-30: the sampling and update paths before issue 30 (benchmarks/before_issue30.py)",
+    )
+    ap.add_argument(
+        "--combine",
+        type=Path,
+        nargs="+",
+        metavar="JSON",
+        help="run nothing: one table (and checks) from these earlier results files, e.g. seeds split "
+        "over two processes",
+    )
     ap.add_argument("overrides", nargs="*")
     args = ap.parse_args()
     rows, cached = [], []
@@ -139,7 +178,7 @@ def main() -> None:
             rows += part["rows"]
             cached += part.get("cached_reruns", [])
         args.overrides = sorted({o for part in parts for o in part.get("overrides", [])})
-    for threads in ([] if args.combine else args.threads):
+    for threads in [] if args.combine else args.threads:
         for seed in args.seeds:
             for rep in range(args.repeats):
                 ws = args.workspaces / f"t{threads}-s{seed}-r{rep}"
@@ -160,12 +199,24 @@ def main() -> None:
     verdicts = checks(first)
     stamp = dt.date.today().isoformat()
     name = f"{stamp}{'_' + args.label if args.label else ''}"
-    header = (f"# Default run, {stamp}{' (combined from ' + ', '.join(p.name for p in args.combine) + ')' if args.combine else ''}: {platform.processor() or platform.machine()}, "
-              f"{__import__('os').cpu_count()} cores; overrides: {' '.join(args.overrides) or '(none)'}")
+    header = (
+        f"# Default run, {stamp}{' (combined from ' + ', '.join(p.name for p in args.combine) + ')' if args.combine else ''}: {platform.processor() or platform.machine()}, "
+        f"{__import__('os').cpu_count()} cores; overrides: {' '.join(args.overrides) or '(none)'}"
+    )
     args.out.mkdir(parents=True, exist_ok=True)
-    (args.out / f"{name}.json").write_text(json.dumps({"date": stamp, "paths": args.paths, "overrides": args.overrides,
-                                                       "rows": rows,
-                                                       "cached_reruns": cached, "checks": verdicts}, indent=1))
+    (args.out / f"{name}.json").write_text(
+        json.dumps(
+            {
+                "date": stamp,
+                "paths": args.paths,
+                "overrides": args.overrides,
+                "rows": rows,
+                "cached_reruns": cached,
+                "checks": verdicts,
+            },
+            indent=1,
+        )
+    )
     table = markdown(first, cached, verdicts, header)
     (args.out / f"{name}.md").write_text(table)
     print(table)

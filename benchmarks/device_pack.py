@@ -41,18 +41,42 @@ CALL_LIMIT = 64 * MIB
 MARGIN = 3 * MIB
 """Headroom under ``CALL_LIMIT`` for files added to the working tree after packing."""
 
-PLATFORM_ARGS = ["--python-version", "3.12", "--implementation", "cp",
-                 *[a for p in ("manylinux_2_28_x86_64", "manylinux_2_27_x86_64", "manylinux_2_17_x86_64",
-                               "manylinux2014_x86_64", "manylinux1_x86_64") for a in ("--platform", p)]]
+PLATFORM_ARGS = [
+    "--python-version",
+    "3.12",
+    "--implementation",
+    "cp",
+    *[
+        a
+        for p in (
+            "manylinux_2_28_x86_64",
+            "manylinux_2_27_x86_64",
+            "manylinux_2_17_x86_64",
+            "manylinux2014_x86_64",
+            "manylinux1_x86_64",
+        )
+        for a in ("--platform", p)
+    ],
+]
 RAY = "ray==2.60.0"
 WHEELS = [
     # DeepSpeed's needs the image lacks (../shared/DESIGN.md: measured on the lent H200)
-    "hjson==3.1.0", "pydantic==2.14.4", "pydantic_core==2.50.5", "annotated-types==0.8.0",
-    "typing-inspection==0.4.5", "typing_extensions==4.16.0",
+    "hjson==3.1.0",
+    "pydantic==2.14.4",
+    "pydantic_core==2.50.5",
+    "annotated-types==0.8.0",
+    "typing-inspection==0.4.5",
+    "typing_extensions==4.16.0",
     # the config loader (conf/loader.py) and the verifier (evaluation/verifier.py)
-    "hydra-core==1.3.8", "omegaconf==2.3.0", "math-verify==0.9.0", "latex2sympy2_extended==1.11.0",
+    "hydra-core==1.3.8",
+    "omegaconf==2.3.0",
+    "math-verify==0.9.0",
+    "latex2sympy2_extended==1.11.0",
     # Ray's needs the image lacks (click, filelock, msgpack, packaging, protobuf, pyyaml, requests are there)
-    "jsonschema==4.26.0", "jsonschema-specifications==2025.9.1", "referencing==0.37.0", "rpds-py==2026.9.1",
+    "jsonschema==4.26.0",
+    "jsonschema-specifications==2025.9.1",
+    "referencing==0.37.0",
+    "rpds-py==2026.9.1",
 ]
 BUILT = ["antlr4-python3-runtime==4.9.3"]
 """Published as an sdist only: built here into a pure-Python wheel (Hydra and math-verify need it)."""
@@ -91,8 +115,10 @@ def join(parts: list[dict], search: list[Path], out: Path, whole_sha256: str) ->
         hit = next((d / p["name"] for d in search if (d / p["name"]).is_file()), None)
         (found if hit else missing).append(hit or p["name"])
     if missing:
-        raise FileNotFoundError(f"missing chunks {missing} (looked in {[str(d) for d in search]}); "
-                                "carry them in consecutive calls (docs/device_proof.md)")
+        raise FileNotFoundError(
+            f"missing chunks {missing} (looked in {[str(d) for d in search]}); "
+            "carry them in consecutive calls (docs/device_proof.md)"
+        )
     h = hashlib.sha256()
     out.parent.mkdir(parents=True, exist_ok=True)
     with open(out, "wb") as w:
@@ -103,7 +129,9 @@ def join(parts: list[dict], search: list[Path], out: Path, whole_sha256: str) ->
             h.update(data)
             w.write(data)
     if h.hexdigest() != whole_sha256:
-        raise ValueError(f"joined {out.name} has the wrong sha256 ({h.hexdigest()[:12]} != {whole_sha256[:12]})")
+        raise ValueError(
+            f"joined {out.name} has the wrong sha256 ({h.hexdigest()[:12]} != {whole_sha256[:12]})"
+        )
     return out
 
 
@@ -119,8 +147,9 @@ def slim_stored(wheel: Path, out: Path, drop: tuple[str, ...]) -> dict:
                 continue
             data = src.read(info)
             if info.filename.endswith(".dist-info/RECORD"):
-                data = b"".join(line for line in data.splitlines(keepends=True)
-                                if not line.decode().startswith(drop))
+                data = b"".join(
+                    line for line in data.splitlines(keepends=True) if not line.decode().startswith(drop)
+                )
             info.compress_type = zipfile.ZIP_STORED
             dst.writestr(info, data)
     return {"dropped": list(drop), "dropped_bytes": dropped}
@@ -140,8 +169,9 @@ def unxz(src: Path, out: Path) -> None:
 def tree_bytes(root: Path = ROOT) -> int:
     """Bytes of what a device call sends besides the carried paths: tracked and untracked,
     not-ignored files (as ``git ls-files -co --exclude-standard`` lists them)."""
-    out = subprocess.run(["git", "ls-files", "-co", "--exclude-standard", "-z"], cwd=root, capture_output=True,
-                         check=True).stdout.decode()
+    out = subprocess.run(
+        ["git", "ls-files", "-co", "--exclude-standard", "-z"], cwd=root, capture_output=True, check=True
+    ).stdout.decode()
     return sum((root / f).stat().st_size for f in out.split("\0") if f and (root / f).is_file())
 
 
@@ -153,16 +183,30 @@ def plan_calls(manifest: dict, tree: int, limit: int = CALL_LIMIT, margin: int =
     small = [rel("manifest.json"), rel("wheels")]
     small_bytes = manifest["manifest_bytes"] + sum(f["bytes"] for f in manifest["files"])
     parts = manifest["ray"]["parts"]
-    calls = [{"carry": [rel(f"chunks/{p['name']}")], "bytes": tree + p["bytes"],
-              "command": "bash benchmarks/device_proof.sh --stash", "timeout_s": 60} for p in parts[:-1]]
-    calls.append({"carry": [*small, rel(f"chunks/{parts[-1]['name']}")],
-                  "bytes": tree + small_bytes + parts[-1]["bytes"],
-                  "command": "bash benchmarks/device_proof.sh", "timeout_s": 600})
+    calls = [
+        {
+            "carry": [rel(f"chunks/{p['name']}")],
+            "bytes": tree + p["bytes"],
+            "command": "bash benchmarks/device_proof.sh --stash",
+            "timeout_s": 60,
+        }
+        for p in parts[:-1]
+    ]
+    calls.append(
+        {
+            "carry": [*small, rel(f"chunks/{parts[-1]['name']}")],
+            "bytes": tree + small_bytes + parts[-1]["bytes"],
+            "command": "bash benchmarks/device_proof.sh",
+            "timeout_s": 600,
+        }
+    )
     for i, c in enumerate(calls, 1):
         c["call"] = i
         if c["bytes"] > limit - margin:
-            raise ValueError(f"call {i} would move {c['bytes'] / MIB:.1f} MiB (limit {limit / MIB:.0f} MiB less "
-                             f"{margin / MIB:.0f} MiB headroom): pack with a smaller --chunk-mib")
+            raise ValueError(
+                f"call {i} would move {c['bytes'] / MIB:.1f} MiB (limit {limit / MIB:.0f} MiB less "
+                f"{margin / MIB:.0f} MiB headroom): pack with a smaller --chunk-mib"
+            )
     return calls
 
 
@@ -170,8 +214,10 @@ def print_plan(calls: list[dict]) -> None:
     total = sum(c["bytes"] for c in calls)
     print(f"{len(calls)} device call(s), {total / MIB:.1f} MiB moved in all:")
     for c in calls:
-        print(f"  call {c['call']}: {c['bytes'] / MIB:.1f} MiB, timeout_s={c['timeout_s']}, carry={json.dumps(c['carry'])}"
-              f"\n          command: {c['command']}")
+        print(
+            f"  call {c['call']}: {c['bytes'] / MIB:.1f} MiB, timeout_s={c['timeout_s']}, carry={json.dumps(c['carry'])}"
+            f"\n          command: {c['command']}"
+        )
 
 
 # ------------------------------------------------------------------------------------------ pack
@@ -195,14 +241,26 @@ def pack(pack_dir: Path, *, full_ray: bool, chunk_mib: float | None, preset: int
         stored = tmp / "stored" / ray_whl.name
         stored.parent.mkdir()
         slim = slim_stored(ray_whl, stored, () if full_ray else ("ray/jars/",))
-        print(f"ray: {ray_whl.stat().st_size / 1e6:.1f} MB wheel -> {stored.stat().st_size / 1e6:.1f} MB stored"
-              f"{', without ray/jars' if not full_ray else ''}; xz -{preset} ...", flush=True)
+        print(
+            f"ray: {ray_whl.stat().st_size / 1e6:.1f} MB wheel -> {stored.stat().st_size / 1e6:.1f} MB stored"
+            f"{', without ray/jars' if not full_ray else ''}; xz -{preset} ...",
+            flush=True,
+        )
         blob = tmp / f"{ray_whl.name}.xz"
         xz(stored, blob, preset)
-        ray = {"wheel": ray_whl.name, "pypi_sha256": sha256(ray_whl), "wheel_sha256": sha256(stored),
-               "wheel_bytes": stored.stat().st_size, "xz_name": blob.name, "xz_sha256": sha256(blob),
-               "xz_bytes": blob.stat().st_size, **slim}
-        files = [{"name": f.name, "bytes": f.stat().st_size, "sha256": sha256(f)} for f in sorted(wheels.iterdir())]
+        ray = {
+            "wheel": ray_whl.name,
+            "pypi_sha256": sha256(ray_whl),
+            "wheel_sha256": sha256(stored),
+            "wheel_bytes": stored.stat().st_size,
+            "xz_name": blob.name,
+            "xz_sha256": sha256(blob),
+            "xz_bytes": blob.stat().st_size,
+            **slim,
+        }
+        files = [
+            {"name": f.name, "bytes": f.stat().st_size, "sha256": sha256(f)} for f in sorted(wheels.iterdir())
+        ]
         tree = tree_bytes()
         small = sum(f["bytes"] for f in files) + 16384
         if chunk_mib:
@@ -287,7 +345,9 @@ def main(argv=None) -> None:
     args = ap.parse_args(argv)
     if args.cmd == "pack":
         m = pack(args.pack_dir, full_ray=args.full_ray, chunk_mib=args.chunk_mib, preset=args.xz_preset)
-        print(f"packed {len(m['files'])} wheels/sdists and Ray in {len(m['ray']['parts'])} chunk(s) in {args.pack_dir}")
+        print(
+            f"packed {len(m['files'])} wheels/sdists and Ray in {len(m['ray']['parts'])} chunk(s) in {args.pack_dir}"
+        )
         print_plan(m["calls"])
     elif args.cmd == "plan":
         m = json.loads((args.pack_dir / "manifest.json").read_text())

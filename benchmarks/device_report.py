@@ -39,26 +39,65 @@ def gpu_targets(gpu: dict | None) -> dict:
     """The gpu_check targets, each ``{"ok": bool | None, "value": ..., "target": ...}``."""
     rows = (gpu or {}).get("rows", [])
     # the targets are for the real 0.5B shape ("0.5b-shape(smoke)" is the CPU smoke's stand-in)
-    big = [r for r in rows if r.get("section") == "engine" and r.get("model") == "0.5b-shape"
-           and r.get("batch") == 256 and "ratio" in r]
+    big = [
+        r
+        for r in rows
+        if r.get("section") == "engine"
+        and r.get("model") == "0.5b-shape"
+        and r.get("batch") == 256
+        and "ratio" in r
+    ]
     best = max(big, key=lambda r: r["ratio"], default=None)
-    pubs = [r for r in rows if r.get("section") == "publish" and r.get("model") == "0.5b-shape" and "ratio" in r]
+    pubs = [
+        r for r in rows if r.get("section") == "publish" and r.get("model") == "0.5b-shape" and "ratio" in r
+    ]
     worst = max(pubs, key=lambda r: r["ratio"], default=None)
-    ds = {stage: next((r for r in rows if r.get("section") == "trainer" and r.get("model") == "0.5b-shape"
-                       and f"ZeRO-{stage}" in r.get("case", "")), None) for stage in (2, 3)}
+    ds = {
+        stage: next(
+            (
+                r
+                for r in rows
+                if r.get("section") == "trainer"
+                and r.get("model") == "0.5b-shape"
+                and f"ZeRO-{stage}" in r.get("case", "")
+            ),
+            None,
+        )
+        for stage in (2, 3)
+    }
     return {
         "engine_0.5b_batch256_vs_eager": {
-            "target": ">= 2.0x", "ok": None if best is None else best["ratio"] >= 2.0,
-            "value": None if best is None else {"ratio": best["ratio"], "variant": best["variant"],
-                                                "engine_tokens_per_s": best["engine_tokens_per_s"],
-                                                "eager_tokens_per_s": best["eager_tokens_per_s"]}},
+            "target": ">= 2.0x",
+            "ok": None if best is None else best["ratio"] >= 2.0,
+            "value": None
+            if best is None
+            else {
+                "ratio": best["ratio"],
+                "variant": best["variant"],
+                "engine_tokens_per_s": best["engine_tokens_per_s"],
+                "eager_tokens_per_s": best["eager_tokens_per_s"],
+            },
+        },
         "publish_stall_vs_raw_copy": {
-            "target": "<= 2.0x", "ok": None if worst is None else worst["ratio"] <= 2.0,
-            "value": None if worst is None else {"ratio": worst["ratio"], "dtype": worst["dtype"],
-                                                 "publish_ms": worst["publish_ms"], "raw_copy_ms": worst["raw_copy_ms"]}},
-        **{f"deepspeed_zero{stage}_update": {
-            "target": "runs", "ok": None if r is None or "update_ms" not in r else True,
-            "value": None if r is None else r.get("ours")} for stage, r in ds.items()},
+            "target": "<= 2.0x",
+            "ok": None if worst is None else worst["ratio"] <= 2.0,
+            "value": None
+            if worst is None
+            else {
+                "ratio": worst["ratio"],
+                "dtype": worst["dtype"],
+                "publish_ms": worst["publish_ms"],
+                "raw_copy_ms": worst["raw_copy_ms"],
+            },
+        },
+        **{
+            f"deepspeed_zero{stage}_update": {
+                "target": "runs",
+                "ok": None if r is None or "update_ms" not in r else True,
+                "value": None if r is None else r.get("ours"),
+            }
+            for stage, r in ds.items()
+        },
     }
 
 
@@ -70,14 +109,25 @@ def rl_targets(rl: dict | None) -> dict:
     if lam and modes.get("one_step") and modes.get("partial"):
         ahead = lam["tokens_per_s"] > max(modes["one_step"]["tokens_per_s"], modes["partial"]["tokens_per_s"])
     return {
-        "laminar_vs_sync": {"target": ">= 2.0x", "ok": None if not (lam and sync) else lam["ratio"] >= 2.0,
-                            "value": None if not lam else lam["ratio"]},
-        "laminar_ahead_of_one_step_and_partial": {"target": "true", "ok": ahead,
-                                                  "value": {m: r["tokens_per_s"] for m, r in modes.items()}},
+        "laminar_vs_sync": {
+            "target": ">= 2.0x",
+            "ok": None if not (lam and sync) else lam["ratio"] >= 2.0,
+            "value": None if not lam else lam["ratio"],
+        },
+        "laminar_ahead_of_one_step_and_partial": {
+            "target": "true",
+            "ok": ahead,
+            "value": {m: r["tokens_per_s"] for m, r in modes.items()},
+        },
         "rounds": {"target": ">= 3", "ok": None if not modes else rounds >= 3, "value": rounds},
-        "cores_busy": {"target": "per role, below its threads", "ok": None,
-                       "value": {m: {k: r.get(k) for k in ("cores_trainer", "cores_rollout", "cores_driver",
-                                                           "machine_busy")} for m, r in modes.items()}},
+        "cores_busy": {
+            "target": "per role, below its threads",
+            "ok": None,
+            "value": {
+                m: {k: r.get(k) for k in ("cores_trainer", "cores_rollout", "cores_driver", "machine_busy")}
+                for m, r in modes.items()
+            },
+        },
     }
 
 
@@ -127,12 +177,19 @@ def plot_rl(rls: dict[str, dict | None], path: Path) -> bool:
         xs = range(len(modes))
         ax.bar(xs, [m["tokens_per_s"] for m in modes], color="lightsteelblue", label="median run")
         for x, m in zip(xs, modes):
-            ax.plot([x] * len(m["tokens_per_s_runs"]), m["tokens_per_s_runs"], "k.", label="each round" if x == 0 else None)
+            ax.plot(
+                [x] * len(m["tokens_per_s_runs"]),
+                m["tokens_per_s_runs"],
+                "k.",
+                label="each round" if x == 0 else None,
+            )
             ax.text(x, m["tokens_per_s"], f"{m['ratio']:.2f}x", ha="center", va="bottom")
         ax.set_xticks(list(xs), [m["mode"] for m in modes])
         ax.set_ylabel("trained tokens/s")
         shape = rl.get("shape", {})
-        ax.set_title(f"rl_throughput, device={dev}, {shape.get('cpus')} CPUs, {shape.get('rollouts')} rollouts")
+        ax.set_title(
+            f"rl_throughput, device={dev}, {shape.get('cpus')} CPUs, {shape.get('rollouts')} rollouts"
+        )
         ax.legend()
     fig.tight_layout()
     fig.savefig(path, dpi=90)
@@ -146,11 +203,18 @@ def report(out: Path, work: Path | None = None) -> dict:
     rls = {dev: _load(out / name) for dev, name in RL_FILES.items()}
     env = _load(work / "env.json") or {}
     result = {
-        "env": env, "steps": _steps(work),
-        "targets": {"gpu_check": gpu_targets(gpu), **{f"rl_throughput_{d}": rl_targets(rl) for d, rl in rls.items()}},
-        "gpu_check": gpu, "rl_throughput": rls,
-        "plots": {"gpu_check.png": plot_gpu(gpu, out / "gpu_check.png"),
-                  "rl_throughput.png": plot_rl(rls, out / "rl_throughput.png")},
+        "env": env,
+        "steps": _steps(work),
+        "targets": {
+            "gpu_check": gpu_targets(gpu),
+            **{f"rl_throughput_{d}": rl_targets(rl) for d, rl in rls.items()},
+        },
+        "gpu_check": gpu,
+        "rl_throughput": rls,
+        "plots": {
+            "gpu_check.png": plot_gpu(gpu, out / "gpu_check.png"),
+            "rl_throughput.png": plot_rl(rls, out / "rl_throughput.png"),
+        },
     }
     (out / "proof.json").write_text(json.dumps(result, indent=1, default=str))
     return result
@@ -164,7 +228,9 @@ def main(argv=None) -> None:
     for group, targets in result["targets"].items():
         for name, t in targets.items():
             mark = {True: "met", False: "NOT MET", None: "no measurement"}[t["ok"]]
-            print(f"{group:22s} {name:40s} {t['target']:>12s}  {mark:15s} {json.dumps(t['value'], default=str)[:160]}")
+            print(
+                f"{group:22s} {name:40s} {t['target']:>12s}  {mark:15s} {json.dumps(t['value'], default=str)[:160]}"
+            )
     for s in result["steps"]:
         print(f"step {s['step']:14s} {s['status']:10s} {s.get('seconds', 0):6.1f} s  {s.get('note', '')}")
 

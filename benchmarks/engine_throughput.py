@@ -30,7 +30,10 @@ def main() -> None:
     tok = build_char_tokenizer()
     model = build_tiny_model(ModelConfig(), tok, seed=0).eval()
     model.generation_config.eos_token_id = None  # both sides decode the full length
-    prompts = [PromptItem(f"p{i}", "", "", encode_prompt(tok, f"What is {i % 10}+{i % 7}?\n")) for i in range(args.batch)]
+    prompts = [
+        PromptItem(f"p{i}", "", "", encode_prompt(tok, f"What is {i % 10}+{i % 7}?\n"))
+        for i in range(args.batch)
+    ]
     engine = TorchEngine(model, tok, batch_size=args.batch)
     engine.eos_id = -1  # never stops early: equal work on both sides
     reqs = [GenRequest(p, 0) for p in prompts]
@@ -43,13 +46,19 @@ def main() -> None:
     ids = torch.full((args.batch, width), tok.pad_token_id)
     attn = torch.zeros_like(ids)
     for i, p in enumerate(prompts):
-        ids[i, width - len(p.prompt_tokens):] = torch.tensor(p.prompt_tokens)
-        attn[i, width - len(p.prompt_tokens):] = 1
+        ids[i, width - len(p.prompt_tokens) :] = torch.tensor(p.prompt_tokens)
+        attn[i, width - len(p.prompt_tokens) :] = 1
 
     @torch.inference_mode()
     def run_generate() -> int:
-        out = model.generate(input_ids=ids, attention_mask=attn, max_new_tokens=args.new_tokens,
-                             min_new_tokens=args.new_tokens, do_sample=True, pad_token_id=tok.pad_token_id)
+        out = model.generate(
+            input_ids=ids,
+            attention_mask=attn,
+            max_new_tokens=args.new_tokens,
+            min_new_tokens=args.new_tokens,
+            do_sample=True,
+            pad_token_id=tok.pad_token_id,
+        )
         return int((out.shape[1] - width) * args.batch)
 
     results = {}
@@ -61,7 +70,9 @@ def main() -> None:
             n = fn()
             best = max(best, n / (time.perf_counter() - t0))
         results[name] = best
-        print(f"{name:<12} {best:10.0f} tokens/s  (batch {args.batch}, {args.new_tokens} new tokens, best of {args.repeats})")
+        print(
+            f"{name:<12} {best:10.0f} tokens/s  (batch {args.batch}, {args.new_tokens} new tokens, best of {args.repeats})"
+        )
     print(f"ratio engine/hf_generate: {results['engine'] / results['hf_generate']:.2f}x")
 
 

@@ -22,7 +22,7 @@ import resource
 import subprocess
 import sys
 import time
-from datetime import datetime, timezone
+from datetime import datetime, UTC
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -36,8 +36,10 @@ def _child_cpu() -> float:
 
 
 def latest_eval(ws: Path) -> dict:
-    runs = sorted((p for p in (ws / "runs").iterdir() if p.name.startswith("eval-") and (p / "summary.json").exists()),
-                  key=lambda p: p.name)
+    runs = sorted(
+        (p for p in (ws / "runs").iterdir() if p.name.startswith("eval-") and (p / "summary.json").exists()),
+        key=lambda p: p.name,
+    )
     return json.loads((runs[-1] / "summary.json").read_text())
 
 
@@ -52,8 +54,18 @@ def main() -> None:
     env = {**os.environ, "PYTHONPATH": str(ROOT)}
     results = []
     for n in args.sizes:
-        cmd = [sys.executable, "-m", "flows.cli", "eval", f"ckpt={args.ckpt}", "eval.benchmarks=[gsm8k]",
-               f"eval.max_problems={n}", *args.overrides, "--workspace", args.workspace]
+        cmd = [
+            sys.executable,
+            "-m",
+            "flows.cli",
+            "eval",
+            f"ckpt={args.ckpt}",
+            "eval.benchmarks=[gsm8k]",
+            f"eval.max_problems={n}",
+            *args.overrides,
+            "--workspace",
+            args.workspace,
+        ]
         t0, cpu0 = time.perf_counter(), _child_cpu()
         proc = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True)
         wall, cpu = time.perf_counter() - t0, _child_cpu() - cpu0
@@ -62,20 +74,36 @@ def main() -> None:
         s = latest_eval(Path(args.workspace))
         g = s["benchmarks"]["gsm8k"]
         table = [line for line in proc.stdout.splitlines() if line.startswith("gsm8k")]
-        results.append({"max_problems": n, "status": s["status"], "wall_s": round(wall, 1), "cpu_s": round(cpu, 1),
-                        "eval_s": round(s["seconds"], 1), "problems": g["n_problems"],
-                        "problems_total": g.get("problems_total", g["n_problems"]), "accuracy": g["accuracy"],
-                        "too_long": g.get("too_long"), "context": g.get("context"), "lines": table,
-                        "command": "laminar " + " ".join(cmd[3:])})
+        results.append(
+            {
+                "max_problems": n,
+                "status": s["status"],
+                "wall_s": round(wall, 1),
+                "cpu_s": round(cpu, 1),
+                "eval_s": round(s["seconds"], 1),
+                "problems": g["n_problems"],
+                "problems_total": g.get("problems_total", g["n_problems"]),
+                "accuracy": g["accuracy"],
+                "too_long": g.get("too_long"),
+                "context": g.get("context"),
+                "lines": table,
+                "command": "laminar " + " ".join(cmd[3:]),
+            }
+        )
         print(json.dumps(results[-1]), flush=True)
         _write(args, results)  # after every size: a long full-set run may be cut short
     print(f"wrote {args.out}")
 
 
 def _write(args, results: list[dict]) -> None:
-    out = {"date": datetime.now(timezone.utc).isoformat(timespec="seconds"), "machine": platform.processor() or
-           platform.machine(), "cpus": os.cpu_count(), "load_average": os.getloadavg(), "checkpoint": args.ckpt,
-           "results": results}
+    out = {
+        "date": datetime.now(UTC).isoformat(timespec="seconds"),
+        "machine": platform.processor() or platform.machine(),
+        "cpus": os.cpu_count(),
+        "load_average": os.getloadavg(),
+        "checkpoint": args.ckpt,
+        "results": results,
+    }
     args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.write_text(json.dumps(out, indent=2) + "\n")
 

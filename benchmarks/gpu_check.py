@@ -43,12 +43,28 @@ from generation.continuous import ContinuousEngine  # noqa: E402
 from generation.records import GenRequest, PromptItem  # noqa: E402
 from generation.static_slots import StaticSlotEngine  # noqa: E402
 
-QWEN05_SHAPE = dict(hidden_size=896, num_hidden_layers=24, num_attention_heads=14, num_key_value_heads=2,
-                    intermediate_size=4864, vocab_size=151936, max_position_embeddings=4096, rope_theta=1e6,
-                    tie_word_embeddings=True)
-SMOKE_SHAPE = dict(hidden_size=64, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
-                   intermediate_size=128, vocab_size=4096, max_position_embeddings=512, rope_theta=1e6,
-                   tie_word_embeddings=True)
+QWEN05_SHAPE = dict(
+    hidden_size=896,
+    num_hidden_layers=24,
+    num_attention_heads=14,
+    num_key_value_heads=2,
+    intermediate_size=4864,
+    vocab_size=151936,
+    max_position_embeddings=4096,
+    rope_theta=1e6,
+    tie_word_embeddings=True,
+)
+SMOKE_SHAPE = dict(
+    hidden_size=64,
+    num_hidden_layers=2,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    intermediate_size=128,
+    vocab_size=4096,
+    max_position_embeddings=512,
+    rope_theta=1e6,
+    tie_word_embeddings=True,
+)
 
 
 class _NoTextTokenizer:
@@ -83,11 +99,19 @@ def build_models(args, device: torch.device):
         cfg = LlamaConfig(**shape, bos_token_id=1, eos_token_id=2, pad_token_id=0)
         with torch.device(device):
             big = LlamaForCausalLM(cfg)
-        out.append(("0.5b-shape" if not args.cpu_smoke else "0.5b-shape(smoke)", big, _NoTextTokenizer(),
-                    cfg.vocab_size))
+        out.append(
+            (
+                "0.5b-shape" if not args.cpu_smoke else "0.5b-shape(smoke)",
+                big,
+                _NoTextTokenizer(),
+                cfg.vocab_size,
+            )
+        )
     dtype = torch.bfloat16 if device.type == "cuda" and torch.cuda.is_bf16_supported() else torch.float32
-    return [(name, m.to(device=device, dtype=dtype).eval(), tok, vocab, str(dtype).replace("torch.", ""))
-            for name, m, tok, vocab in out]
+    return [
+        (name, m.to(device=device, dtype=dtype).eval(), tok, vocab, str(dtype).replace("torch.", ""))
+        for name, m, tok, vocab in out
+    ]
 
 
 def _prompts(batch: int, prompt_len: int, vocab: int, seed: int = 0) -> torch.Tensor:
@@ -102,15 +126,19 @@ ENGINE_VARIANTS = {
 }
 
 
-def time_engine(model, tok, device, batch: int, prompt: torch.Tensor, new_tokens: int,
-                variant: str = "dynamic") -> dict:
+def time_engine(
+    model, tok, device, batch: int, prompt: torch.Tensor, new_tokens: int, variant: str = "dynamic"
+) -> dict:
     """The built-in engine: ``batch`` requests, capacity ``batch``, every row ``new_tokens`` long."""
     kw = dict(device=str(device), capacity=batch, max_new_tokens=new_tokens, temperature=1.0, seed=0)
     if variant == "dynamic":
         engine = ContinuousEngine(model, tok, **kw)
     else:
         engine = StaticSlotEngine(model, tok, cuda_graphs=variant == "graphs", **kw)
-    reqs = [GenRequest(PromptItem(f"p{i}", "", "", tuple(prompt[i].tolist())), 0, group_uid=i) for i in range(batch)]
+    reqs = [
+        GenRequest(PromptItem(f"p{i}", "", "", tuple(prompt[i].tolist())), 0, group_uid=i)
+        for i in range(batch)
+    ]
 
     def run() -> int:
         engine.submit(reqs)
@@ -125,8 +153,14 @@ def time_engine(model, tok, device, batch: int, prompt: torch.Tensor, new_tokens
     n = run()
     _sync(device)
     dt = time.perf_counter() - t0
-    return {"tokens": n, "seconds": dt, "tokens_per_s": n / dt, "ms_per_step": 1000 * dt / new_tokens,
-            "sync_every": engine.sync_every, "graph_captures": getattr(engine, "graph_captures", 0)}
+    return {
+        "tokens": n,
+        "seconds": dt,
+        "tokens_per_s": n / dt,
+        "ms_per_step": 1000 * dt / new_tokens,
+        "sync_every": engine.sync_every,
+        "graph_captures": getattr(engine, "graph_captures", 0),
+    }
 
 
 @torch.inference_mode()
@@ -169,7 +203,13 @@ def engine_rows(args, device, models) -> list[dict]:
     for name, model, tok, vocab, dtype in sorted(models, key=lambda m: not m[0].startswith("0.5b")):
         prompt = _prompts(max(args.batches), args.prompt_len, vocab)
         for b in sorted(args.batches, reverse=True):
-            head = {"section": "engine", "model": name, "dtype": dtype, "batch": b, "new_tokens": args.new_tokens}
+            head = {
+                "section": "engine",
+                "model": name,
+                "dtype": dtype,
+                "batch": b,
+                "new_tokens": args.new_tokens,
+            }
             if "graphs" in args.variants and device.type != "cuda":
                 rows.append({**head, "variant": "graphs", "skipped": "no CUDA"})
             if over_budget(args):
@@ -177,9 +217,16 @@ def engine_rows(args, device, models) -> list[dict]:
                 continue
             base = time_eager_loop(model, device, b, prompt, args.new_tokens)
             for variant in variants:  # graphs last: a failed capture must not spoil the others
-                row = {"section": "engine", "model": name, "dtype": dtype, "batch": b, "variant": variant,
-                       "new_tokens": args.new_tokens, "eager_tokens_per_s": base["tokens_per_s"],
-                       "eager_ms_per_step": base["ms_per_step"]}
+                row = {
+                    "section": "engine",
+                    "model": name,
+                    "dtype": dtype,
+                    "batch": b,
+                    "variant": variant,
+                    "new_tokens": args.new_tokens,
+                    "eager_tokens_per_s": base["tokens_per_s"],
+                    "eager_ms_per_step": base["ms_per_step"],
+                }
                 try:
                     eng = time_engine(model, tok, device, b, prompt[:b], args.new_tokens, variant)
                 except Exception as e:  # noqa: BLE001 - reported in the table, the check goes on
@@ -187,12 +234,19 @@ def engine_rows(args, device, models) -> list[dict]:
                     print(f"  engine {name} {variant} batch {b}: FAILED {row['error']}", file=sys.stderr)
                     rows.append(row)
                     continue
-                row.update(engine_tokens_per_s=eng["tokens_per_s"], engine_ms_per_step=eng["ms_per_step"],
-                           ratio=eng["tokens_per_s"] / base["tokens_per_s"], sync_every=eng["sync_every"],
-                           graph_captures=eng["graph_captures"])
+                row.update(
+                    engine_tokens_per_s=eng["tokens_per_s"],
+                    engine_ms_per_step=eng["ms_per_step"],
+                    ratio=eng["tokens_per_s"] / base["tokens_per_s"],
+                    sync_every=eng["sync_every"],
+                    graph_captures=eng["graph_captures"],
+                )
                 rows.append(row)
-                print(f"  engine {name} {variant} batch {b}: {eng['tokens_per_s']:.0f} tok/s vs eager "
-                      f"{base['tokens_per_s']:.0f}", file=sys.stderr)
+                print(
+                    f"  engine {name} {variant} batch {b}: {eng['tokens_per_s']:.0f} tok/s vs eager "
+                    f"{base['tokens_per_s']:.0f}",
+                    file=sys.stderr,
+                )
     return rows
 
 
@@ -237,9 +291,17 @@ def publish_rows(args, device, models) -> list[dict]:
             publish = trainer_publish(model)
             raw = _best_of(raw_copy, args.repeats, device)
             pub = _best_of(publish, args.repeats, device)
-            row = {"section": "publish", "model": name, "dtype": str(dtype).replace("torch.", ""),
-                   "gbytes": nbytes / 1e9, "publish_ms": 1000 * pub, "raw_copy_ms": 1000 * raw, "ratio": pub / raw,
-                   "raw_gb_per_s": nbytes / raw / 1e9, "ray_put_ms": None}
+            row = {
+                "section": "publish",
+                "model": name,
+                "dtype": str(dtype).replace("torch.", ""),
+                "gbytes": nbytes / 1e9,
+                "publish_ms": 1000 * pub,
+                "raw_copy_ms": 1000 * raw,
+                "ratio": pub / raw,
+                "raw_gb_per_s": nbytes / raw / 1e9,
+                "ray_put_ms": None,
+            }
             if args.ray:
                 try:
                     import ray
@@ -251,28 +313,50 @@ def publish_rows(args, device, models) -> list[dict]:
                 except ImportError:
                     pass
             rows.append(row)
-            print(f"  publish {name} {row['dtype']}: {row['publish_ms']:.1f} ms vs raw copy "
-                  f"{row['raw_copy_ms']:.1f} ms", file=sys.stderr)
+            print(
+                f"  publish {name} {row['dtype']}: {row['publish_ms']:.1f} ms vs raw copy "
+                f"{row['raw_copy_ms']:.1f} ms",
+                file=sys.stderr,
+            )
             del host
         model.to(dtype=torch.bfloat16 if device.type == "cuda" else torch.float32)
     return rows
 
 
-def _trainer_groups(vocab: int, n_groups: int, group_size: int, prompt_len: int, response_len: int, seed: int = 0):
+def _trainer_groups(
+    vocab: int, n_groups: int, group_size: int, prompt_len: int, response_len: int, seed: int = 0
+):
     """Scored groups of random prompts and responses (half rewarded): a training batch of fixed shape."""
     from generation.records import ScoredGroup, Trajectory
 
     g = torch.Generator().manual_seed(seed)
     groups = []
     for i in range(n_groups):
-        prompt = PromptItem(f"p{i}", "x", "y", tuple(int(t) for t in torch.randint(3, vocab, (prompt_len,), generator=g)))
-        trajs = tuple(Trajectory("trajectory", prompt, j,
-                                 tuple(int(t) for t in torch.randint(3, vocab, (response_len,), generator=g)),
-                                 tuple(float(-x) for x in torch.rand(response_len, generator=g)), 0, True, "y")
-                      for j in range(group_size))
-        groups.append(ScoredGroup("scored_group", prompt.prompt_id, trajs,
-                                  tuple(float(j % 2) for j in range(group_size)),
-                                  tuple(bool(j % 2) for j in range(group_size))))
+        prompt = PromptItem(
+            f"p{i}", "x", "y", tuple(int(t) for t in torch.randint(3, vocab, (prompt_len,), generator=g))
+        )
+        trajs = tuple(
+            Trajectory(
+                "trajectory",
+                prompt,
+                j,
+                tuple(int(t) for t in torch.randint(3, vocab, (response_len,), generator=g)),
+                tuple(float(-x) for x in torch.rand(response_len, generator=g)),
+                0,
+                True,
+                "y",
+            )
+            for j in range(group_size)
+        )
+        groups.append(
+            ScoredGroup(
+                "scored_group",
+                prompt.prompt_id,
+                trajs,
+                tuple(float(j % 2) for j in range(group_size)),
+                tuple(bool(j % 2) for j in range(group_size)),
+            )
+        )
     return groups
 
 
@@ -294,8 +378,16 @@ def trainer_rows(args) -> list[dict]:
     n_groups, group_size, plen, rlen = (2, 4, 12, 16) if args.cpu_smoke else (8, 8, 64, 192)
     groups = _trainer_groups(shape["vocab_size"], n_groups, group_size, plen, rlen)
     tokens = n_groups * group_size * rlen
-    kw = dict(lr=1e-6, weight_decay=0.0, max_grad_norm=1.0, temperature=1.0, max_new_tokens=rlen, pad_id=0,
-              device=str(device), micro_batch_tokens=16384)
+    kw = dict(
+        lr=1e-6,
+        weight_decay=0.0,
+        max_grad_norm=1.0,
+        temperature=1.0,
+        max_new_tokens=rlen,
+        pad_id=0,
+        device=str(device),
+        micro_batch_tokens=16384,
+    )
     cases = [("torch", None)]
     have_ds = importlib.util.find_spec("deepspeed") is not None
     cases += [("deepspeed", 2), ("deepspeed", 3)]
@@ -303,13 +395,20 @@ def trainer_rows(args) -> list[dict]:
     dist_ready = False
     for backend, stage in cases:
         name = f"{backend}" + (f" ZeRO-{stage}" if stage else " AdamW")
-        row = {"section": "trainer", "model": "0.5b-shape" if not args.cpu_smoke else "0.5b-shape(smoke)",
-               "case": f"{name}, {n_groups * group_size} seqs x {plen}+{rlen} tokens"}
+        row = {
+            "section": "trainer",
+            "model": "0.5b-shape" if not args.cpu_smoke else "0.5b-shape(smoke)",
+            "case": f"{name}, {n_groups * group_size} seqs x {plen}+{rlen} tokens",
+        }
         if backend == "deepspeed" and not have_ds:
-            rows.append({**row, "ours": "skipped: deepspeed is not installed (see DESIGN.md: carry its sdist)"})
+            rows.append(
+                {**row, "ours": "skipped: deepspeed is not installed (see DESIGN.md: carry its sdist)"}
+            )
             continue
         if backend == "deepspeed" and not args.deepspeed:
-            rows.append({**row, "ours": "skipped: --no-deepspeed" + (" (no CUDA)" if device.type != "cuda" else "")})
+            rows.append(
+                {**row, "ours": "skipped: --no-deepspeed" + (" (no CUDA)" if device.type != "cuda" else "")}
+            )
             continue
         if over_budget(args):
             rows.append({**row, "ours": "skipped: time budget"})
@@ -322,16 +421,26 @@ def trainer_rows(args) -> list[dict]:
                 trainer = PolicyTrainer(model, PRESETS["grpo"], **kw)
             else:
                 if not dist_ready:
-                    os.environ.setdefault("TORCH_EXTENSIONS_DIR", str(Path(args.out or "/tmp").parent / "torch_ext"))
+                    os.environ.setdefault(
+                        "TORCH_EXTENSIONS_DIR", str(Path(args.out or "/tmp").parent / "torch_ext")
+                    )
                     with socket.socket() as sock:
                         sock.bind(("127.0.0.1", 0))
                         port = sock.getsockname()[1]
-                    init_distributed("nccl" if device.type == "cuda" else "gloo", 0, 1, "127.0.0.1", port,
-                                     deepspeed_comm=True)
+                    init_distributed(
+                        "nccl" if device.type == "cuda" else "gloo",
+                        0,
+                        1,
+                        "127.0.0.1",
+                        port,
+                        deepspeed_comm=True,
+                    )
                     dist_ready = True
                 from conf.loader import deepspeed_config
 
-                trainer = DeepSpeedPolicyTrainer(model, PRESETS["grpo"], ds_config=deepspeed_config(f"zero{stage}"), **kw)
+                trainer = DeepSpeedPolicyTrainer(
+                    model, PRESETS["grpo"], ds_config=deepspeed_config(f"zero{stage}"), **kw
+                )
             trainer.update(groups)  # warm-up (allocations, kernels)
             step = _best_of(lambda: trainer.update(groups), args.repeats, device)
             pub = _best_of(trainer.full_state, args.repeats, device)
@@ -350,14 +459,21 @@ def trainer_rows(args) -> list[dict]:
 
             raw_s = _best_of(raw, args.repeats, device)
             base_ms = 1000 * step if backend == "torch" else base_ms
-            row.update(ours=f"{1000 * step:,.0f} ms/update ({tokens / step:,.0f} tok/s); publish {1000 * pub:.1f} ms",
-                       baseline=(f"torch AdamW {base_ms:,.0f} ms/update; " if base_ms and backend != "torch" else "")
-                       + f"raw D2H copy {1000 * raw_s:.1f} ms",
-                       ratio=f"publish {pub / raw_s:.2f}x raw", update_ms=1000 * step, publish_ms=1000 * pub,
-                       raw_copy_ms=1000 * raw_s, dtype=str(params[0].dtype).replace("torch.", ""))
+            row.update(
+                ours=f"{1000 * step:,.0f} ms/update ({tokens / step:,.0f} tok/s); publish {1000 * pub:.1f} ms",
+                baseline=(f"torch AdamW {base_ms:,.0f} ms/update; " if base_ms and backend != "torch" else "")
+                + f"raw D2H copy {1000 * raw_s:.1f} ms",
+                ratio=f"publish {pub / raw_s:.2f}x raw",
+                update_ms=1000 * step,
+                publish_ms=1000 * pub,
+                raw_copy_ms=1000 * raw_s,
+                dtype=str(params[0].dtype).replace("torch.", ""),
+            )
             del trainer, model, params, host
         except Exception as err:  # noqa: BLE001 - one failed case shows in the table, the rest still run
-            row["ours"] = f"FAILED: {type(err).__name__}: {str(err).splitlines()[0][:160] if str(err) else ''}"
+            row["ours"] = (
+                f"FAILED: {type(err).__name__}: {str(err).splitlines()[0][:160] if str(err) else ''}"
+            )
         if device.type == "cuda":
             torch.cuda.empty_cache()
         rows.append(row)
@@ -369,25 +485,36 @@ def markdown(rows: list[dict]) -> str:
     lines = ["| section | model | case | ours | baseline | ratio |", "|---|---|---|---:|---:|---:|"]
     for r in rows:
         if r.get("skipped"):
-            lines.append(f"| {r['section']} | {r.get('model', '')} | {r.get('variant', '')}, batch {r.get('batch', '')} | "
-                         f"skipped: {r['skipped']} | | |")
+            lines.append(
+                f"| {r['section']} | {r.get('model', '')} | {r.get('variant', '')}, batch {r.get('batch', '')} | "
+                f"skipped: {r['skipped']} | | |"
+            )
         elif r.get("section_error"):
             lines.append(f"| {r['section']} | | | FAILED: {r['section_error']} | | |")
         elif r["section"] == "engine":
-            ours = (f"FAILED: {r['error']}" if "error" in r else
-                    f"{r['engine_tokens_per_s']:,.0f} ({r['engine_ms_per_step']:.1f} ms/step)")
+            ours = (
+                f"FAILED: {r['error']}"
+                if "error" in r
+                else f"{r['engine_tokens_per_s']:,.0f} ({r['engine_ms_per_step']:.1f} ms/step)"
+            )
             ratio = "" if "error" in r else f"{r['ratio']:.2f}x"
-            lines.append(f"| engine tokens/s | {r['model']} ({r['dtype']}) | {r['variant']}, batch {r['batch']}, "
-                         f"{r['new_tokens']} new tokens | {ours} | eager KV loop {r['eager_tokens_per_s']:,.0f} "
-                         f"({r['eager_ms_per_step']:.1f} ms/step) | {ratio} |")
+            lines.append(
+                f"| engine tokens/s | {r['model']} ({r['dtype']}) | {r['variant']}, batch {r['batch']}, "
+                f"{r['new_tokens']} new tokens | {ours} | eager KV loop {r['eager_tokens_per_s']:,.0f} "
+                f"({r['eager_ms_per_step']:.1f} ms/step) | {ratio} |"
+            )
         elif r["section"] == "publish":
             extra = "" if r.get("ray_put_ms") is None else f"; ray.put {r['ray_put_ms']:.1f} ms"
-            lines.append(f"| publish stall | {r['model']} ({r['dtype']}, {r['gbytes']:.2f} GB) | trainer publish "
-                         f"path{extra} | {r['publish_ms']:.1f} ms | raw D2H copy {r['raw_copy_ms']:.1f} ms "
-                         f"({r['raw_gb_per_s']:.0f} GB/s) | {r['ratio']:.2f}x |")
+            lines.append(
+                f"| publish stall | {r['model']} ({r['dtype']}, {r['gbytes']:.2f} GB) | trainer publish "
+                f"path{extra} | {r['publish_ms']:.1f} ms | raw D2H copy {r['raw_copy_ms']:.1f} ms "
+                f"({r['raw_gb_per_s']:.0f} GB/s) | {r['ratio']:.2f}x |"
+            )
         else:
-            lines.append(f"| {r['section']} | {r.get('model', '')} | {r.get('case', '')} | {r.get('ours', '')} | "
-                         f"{r.get('baseline', '')} | {r.get('ratio', '')} |")
+            lines.append(
+                f"| {r['section']} | {r.get('model', '')} | {r.get('case', '')} | {r.get('ours', '')} | "
+                f"{r.get('baseline', '')} | {r.get('ratio', '')} |"
+            )
     return "\n".join(lines)
 
 
@@ -400,14 +527,29 @@ def main(argv=None) -> None:
     ap.add_argument("--models", default="tiny,0.5b")
     ap.add_argument("--repeats", type=int, default=None)
     ap.add_argument("--sections", default="engine,publish,trainer")
-    ap.add_argument("--variants", default="dynamic,static,graphs",
-                    help="engine variants: dynamic, static, graphs (graphs: CUDA only)")
-    ap.add_argument("--ray", action=argparse.BooleanOptionalAction, default=None,
-                    help="also time ray.put of the published arrays (default: on CUDA, when Ray imports)")
-    ap.add_argument("--deepspeed", action=argparse.BooleanOptionalAction, default=True,
-                    help="the DeepSpeed ZeRO-2/3 trainer rows (--no-deepspeed: skipped rows)")
-    ap.add_argument("--time-budget", type=float, default=None,
-                    help="seconds: rows that would start past it are skipped (recorded as such)")
+    ap.add_argument(
+        "--variants",
+        default="dynamic,static,graphs",
+        help="engine variants: dynamic, static, graphs (graphs: CUDA only)",
+    )
+    ap.add_argument(
+        "--ray",
+        action=argparse.BooleanOptionalAction,
+        default=None,
+        help="also time ray.put of the published arrays (default: on CUDA, when Ray imports)",
+    )
+    ap.add_argument(
+        "--deepspeed",
+        action=argparse.BooleanOptionalAction,
+        default=True,
+        help="the DeepSpeed ZeRO-2/3 trainer rows (--no-deepspeed: skipped rows)",
+    )
+    ap.add_argument(
+        "--time-budget",
+        type=float,
+        default=None,
+        help="seconds: rows that would start past it are skipped (recorded as such)",
+    )
     ap.add_argument("--out", default=None)
     args = ap.parse_args(argv)
     args.t0 = time.perf_counter()
@@ -429,9 +571,15 @@ def main(argv=None) -> None:
     t0 = args.t0
     sections = args.sections.split(",")
     out = args.out or (os.path.join(os.environ["OUT"], "gpu_check.json") if os.environ.get("OUT") else None)
-    env = {"device": torch.cuda.get_device_name(device) if device.type == "cuda" else platform.processor() or "cpu",
-           "torch": torch.__version__, "cpu_smoke": args.cpu_smoke, "cpu_count": os.cpu_count(),
-           "loadavg": os.getloadavg()}
+    env = {
+        "device": torch.cuda.get_device_name(device)
+        if device.type == "cuda"
+        else platform.processor() or "cpu",
+        "torch": torch.__version__,
+        "cpu_smoke": args.cpu_smoke,
+        "cpu_count": os.cpu_count(),
+        "loadavg": os.getloadavg(),
+    }
     try:
         import transformers
 
@@ -447,8 +595,11 @@ def main(argv=None) -> None:
             Path(out).write_text(json.dumps({"env": env, "rows": rows}, indent=2))
 
     models = build_models(args, device) if {"engine", "publish"} & set(sections) else []
-    for section, fn in (("engine", lambda: engine_rows(args, device, models)),
-                        ("publish", lambda: publish_rows(args, device, models)), ("trainer", lambda: trainer_rows(args))):
+    for section, fn in (
+        ("engine", lambda: engine_rows(args, device, models)),
+        ("publish", lambda: publish_rows(args, device, models)),
+        ("trainer", lambda: trainer_rows(args)),
+    ):
         if section not in sections:
             continue
         try:

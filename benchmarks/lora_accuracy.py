@@ -31,7 +31,12 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from default_run import laminar, row_of  # noqa: E402
 
-LORA_DEFAULT = ["model.lora.enabled=true", "model.lora.rank=16", "model.lora.stages=[rft,rl]", "curation.rft.lr=3e-3"]
+LORA_DEFAULT = [
+    "model.lora.enabled=true",
+    "model.lora.rank=16",
+    "model.lora.stages=[rft,rl]",
+    "curation.rft.lr=3e-3",
+]
 
 
 def checks(pairs: list[dict]) -> dict[str, bool]:
@@ -43,19 +48,27 @@ def checks(pairs: list[dict]) -> dict[str, bool]:
 
 
 def markdown(pairs: list[dict], verdicts: dict[str, bool], header: str) -> str:
-    lines = [header, "", "| seed | arm | warm-up | RFT | RL | RL - RFT | RL by level | RFT s | RL s |",
-             "|---|---|---|---|---|---|---|---|---|"]
+    lines = [
+        header,
+        "",
+        "| seed | arm | warm-up | RFT | RL | RL - RFT | RL by level | RFT s | RL s |",
+        "|---|---|---|---|---|---|---|---|---|",
+    ]
     for p in pairs:
         for arm in ("full", "lora"):
             r = p[arm]
             a, s = r["accuracy"], r["stage_seconds"]
             lv = " ".join(f"L{k} {v:.2f}" for k, v in r["by_level"]["rl"].items())
-            lines.append(f"| {p['seed']} | {arm} | {a['warmup']:.3f} | {a['rft']:.3f} | {a['rl']:.3f} | "
-                         f"{a['rl'] - a['rft']:+.3f} | {lv} | {s.get('rft', 0):.0f} | {s.get('rl', 0):.0f} |")
+            lines.append(
+                f"| {p['seed']} | {arm} | {a['warmup']:.3f} | {a['rft']:.3f} | {a['rl']:.3f} | "
+                f"{a['rl'] - a['rft']:+.3f} | {lv} | {s.get('rft', 0):.0f} | {s.get('rl', 0):.0f} |"
+            )
     for arm in ("full", "lora"):
         m = lambda k: statistics.fmean(p[arm]["accuracy"][k] for p in pairs)  # noqa: E731
-        lines.append(f"| mean | {arm} | {m('warmup'):.3f} | {m('rft'):.3f} | {m('rl'):.3f} | {m('rl') - m('rft'):+.3f} "
-                     "| | | |")
+        lines.append(
+            f"| mean | {arm} | {m('warmup'):.3f} | {m('rft'):.3f} | {m('rl'):.3f} | {m('rl') - m('rft'):+.3f} "
+            "| | | |"
+        )
     lines += ["", "Checks:"] + [f"- {'PASS' if ok else 'FAIL'} {name}" for name, ok in verdicts.items()]
     return "\n".join(lines) + "\n"
 
@@ -65,11 +78,17 @@ def main() -> None:
     ap.add_argument("--seeds", type=int, nargs="+", default=[0, 1, 2])
     ap.add_argument("--threads", type=int, default=1)
     ap.add_argument("--workspaces", type=Path, default=ROOT / "workspace-bench-lora")
-    ap.add_argument("--keep", action="store_true", help="keep the workspaces (default: delete each after use)")
+    ap.add_argument(
+        "--keep", action="store_true", help="keep the workspaces (default: delete each after use)"
+    )
     ap.add_argument("--out", type=Path, default=ROOT / "benchmarks" / "results" / "lora")
     ap.add_argument("--label", default="")
-    ap.add_argument("--full-overrides", nargs="*", default=[], help="overrides of both arms (before the LoRA ones)")
-    ap.add_argument("overrides", nargs="*", help="the LoRA arm's overrides (default: %s)" % " ".join(LORA_DEFAULT))
+    ap.add_argument(
+        "--full-overrides", nargs="*", default=[], help="overrides of both arms (before the LoRA ones)"
+    )
+    ap.add_argument(
+        "overrides", nargs="*", help="the LoRA arm's overrides (default: %s)" % " ".join(LORA_DEFAULT)
+    )
     args = ap.parse_args()
     lora = args.overrides or LORA_DEFAULT
     pairs = []
@@ -88,13 +107,25 @@ def main() -> None:
     verdicts = checks(pairs)
     stamp = dt.date.today().isoformat()
     name = f"lora_accuracy_{stamp}{'_' + args.label if args.label else ''}"
-    header = (f"# LoRA vs full fine-tuning on the default task, {stamp}: {platform.processor() or platform.machine()}, "
-              f"threads={args.threads}; LoRA arm: {' '.join(lora)}"
-              + (f"; both arms: {' '.join(args.full_overrides)}" if args.full_overrides else ""))
+    header = (
+        f"# LoRA vs full fine-tuning on the default task, {stamp}: {platform.processor() or platform.machine()}, "
+        f"threads={args.threads}; LoRA arm: {' '.join(lora)}"
+        + (f"; both arms: {' '.join(args.full_overrides)}" if args.full_overrides else "")
+    )
     args.out.mkdir(parents=True, exist_ok=True)
-    (args.out / f"{name}.json").write_text(json.dumps({"date": stamp, "threads": args.threads, "lora_overrides": lora,
-                                                       "full_overrides": args.full_overrides, "pairs": pairs,
-                                                       "checks": verdicts}, indent=1))
+    (args.out / f"{name}.json").write_text(
+        json.dumps(
+            {
+                "date": stamp,
+                "threads": args.threads,
+                "lora_overrides": lora,
+                "full_overrides": args.full_overrides,
+                "pairs": pairs,
+                "checks": verdicts,
+            },
+            indent=1,
+        )
+    )
     table = markdown(pairs, verdicts, header)
     (args.out / f"{name}.md").write_text(table)
     print(table)

@@ -37,9 +37,17 @@ from training.lora import peft_config  # noqa: E402
 from training.objectives import PRESETS  # noqa: E402
 from training.rl.trainer import PolicyTrainer  # noqa: E402
 
-QWEN05_SHAPE = dict(hidden_size=896, num_hidden_layers=24, num_attention_heads=14, num_key_value_heads=2,
-                    intermediate_size=4864, vocab_size=151936, max_position_embeddings=4096, rope_theta=1e6,
-                    tie_word_embeddings=True)
+QWEN05_SHAPE = dict(
+    hidden_size=896,
+    num_hidden_layers=24,
+    num_attention_heads=14,
+    num_key_value_heads=2,
+    intermediate_size=4864,
+    vocab_size=151936,
+    max_position_embeddings=4096,
+    rope_theta=1e6,
+    tie_word_embeddings=True,
+)
 
 
 class _Tok:
@@ -59,7 +67,9 @@ def build(name: str):
     from transformers import LlamaConfig, LlamaForCausalLM
 
     torch.manual_seed(0)
-    return LlamaForCausalLM(LlamaConfig(**QWEN05_SHAPE, bos_token_id=1, eos_token_id=2, pad_token_id=0)).eval()
+    return LlamaForCausalLM(
+        LlamaConfig(**QWEN05_SHAPE, bos_token_id=1, eos_token_id=2, pad_token_id=0)
+    ).eval()
 
 
 def _median_s(fn, repeats: int) -> float:
@@ -72,14 +82,26 @@ def _median_s(fn, repeats: int) -> float:
 
 
 def _trainer(model) -> PolicyTrainer:
-    return PolicyTrainer(model, PRESETS["grpo"], lr=1e-4, weight_decay=0.0, max_grad_norm=1.0, temperature=1.0,
-                         max_new_tokens=8, pad_id=0, device="cpu")
+    return PolicyTrainer(
+        model,
+        PRESETS["grpo"],
+        lr=1e-4,
+        weight_decay=0.0,
+        max_grad_norm=1.0,
+        temperature=1.0,
+        max_new_tokens=8,
+        pad_id=0,
+        device="cpu",
+    )
 
 
 def publish_costs(trainer: PolicyTrainer, repeats: int, ray) -> dict:
     state = trainer.publish().state
-    out = {"bytes": int(sum(a.nbytes for a in state.values())), "tensors": len(state),
-           "publish_ms": 1000 * _median_s(trainer.publish, repeats)}
+    out = {
+        "bytes": int(sum(a.nbytes for a in state.values())),
+        "tensors": len(state),
+        "publish_ms": 1000 * _median_s(trainer.publish, repeats),
+    }
     if ray is not None:  # the trainer actor's stall: host arrays + one ray.put
         out["publish_put_ms"] = 1000 * _median_s(lambda: ray.put(trainer.publish().state), repeats)
     return out
@@ -88,8 +110,10 @@ def publish_costs(trainer: PolicyTrainer, repeats: int, ray) -> dict:
 def decode_tok_s(model, vocab: int, batch: int, new_tokens: int, repeats: int) -> float:
     """Tokens/s of the built-in engine decoding ``batch`` rows of ``new_tokens`` (prompts of 16 tokens)."""
     g = torch.Generator().manual_seed(0)
-    prompts = [PromptItem(f"p{i}", "", "", tuple(torch.randint(3, vocab, (16,), generator=g).tolist()))
-               for i in range(batch)]
+    prompts = [
+        PromptItem(f"p{i}", "", "", tuple(torch.randint(3, vocab, (16,), generator=g).tolist()))
+        for i in range(batch)
+    ]
 
     def run():
         eng = ContinuousEngine(model, _Tok(), capacity=batch, max_new_tokens=new_tokens, seed=0)
@@ -97,6 +121,7 @@ def decode_tok_s(model, vocab: int, batch: int, new_tokens: int, repeats: int) -
         done = 0
         while done < batch:
             done += len(eng.step(new_tokens))
+
     run()  # warm-up
     return batch * new_tokens / _median_s(run, repeats)
 
@@ -109,8 +134,12 @@ def measure(name: str, args, ray) -> dict:
     model = build(name)
     vocab = model.config.vocab_size
     n_params = sum(p.numel() for p in model.parameters())
-    row: dict = {"model": name, "parameters": n_params, "rank": args.rank,
-                 "target_modules": list(lora.target_modules)}
+    row: dict = {
+        "model": name,
+        "parameters": n_params,
+        "rank": args.rank,
+        "target_modules": list(lora.target_modules),
+    }
     # full weights: the trainer publishes every tensor; a rollout loads every tensor
     rollout = copy.deepcopy(model)
     row["full"] = publish_costs(_trainer(model), args.repeats, ray)
@@ -137,9 +166,12 @@ def measure(name: str, args, ray) -> dict:
     batch, steps = (args.decode_batch, args.decode_tokens) if name == "tiny" else (4, 8)
     merge_adapter(rollout, adapter)
     peft_model.eval()
-    row["decode"] = {"batch": batch, "new_tokens": steps,
-                     "merged_tok_s": decode_tok_s(rollout, vocab, batch, steps, args.repeats),
-                     "unmerged_tok_s": decode_tok_s(peft_model, vocab, batch, steps, args.repeats)}
+    row["decode"] = {
+        "batch": batch,
+        "new_tokens": steps,
+        "merged_tok_s": decode_tok_s(rollout, vocab, batch, steps, args.repeats),
+        "unmerged_tok_s": decode_tok_s(peft_model, vocab, batch, steps, args.repeats),
+    }
     row["decode"]["merged_vs_unmerged"] = row["decode"]["merged_tok_s"] / row["decode"]["unmerged_tok_s"]
     row["seconds"] = time.perf_counter() - t0
     return row
@@ -166,24 +198,37 @@ def main() -> None:
     rows = [measure(m, args, ray) for m in args.models.split(",")]
     if ray is not None:
         ray.shutdown()
-    result = {"date": datetime.date.today().isoformat(), "machine": f"{os.cpu_count()} CPUs",
-              "torch_threads": args.threads, "loadavg_start": load0, "loadavg_end": os.getloadavg(),
-              "command": " ".join(sys.argv), "rows": rows}
-    out = Path(args.out) if args.out else (Path(__file__).resolve().parent / "results" / "lora"
-                                           / f"lora_publish_{result['date']}.json")
+    result = {
+        "date": datetime.date.today().isoformat(),
+        "machine": f"{os.cpu_count()} CPUs",
+        "torch_threads": args.threads,
+        "loadavg_start": load0,
+        "loadavg_end": os.getloadavg(),
+        "command": " ".join(sys.argv),
+        "rows": rows,
+    }
+    out = (
+        Path(args.out)
+        if args.out
+        else (Path(__file__).resolve().parent / "results" / "lora" / f"lora_publish_{result['date']}.json")
+    )
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(json.dumps(result, indent=1))
     print(f"load {load0[0]:.1f} -> {result['loadavg_end'][0]:.1f}; {args.threads} torch thread(s)")
-    print("| model | params | LoRA params | bytes full | bytes LoRA | ratio | stall full ms | stall LoRA ms | "
-          "apply full ms | merge LoRA ms | decode merged / unmerged tok/s |")
+    print(
+        "| model | params | LoRA params | bytes full | bytes LoRA | ratio | stall full ms | stall LoRA ms | "
+        "apply full ms | merge LoRA ms | decode merged / unmerged tok/s |"
+    )
     print("|---|---|---|---|---|---|---|---|---|---|---|")
     key = "publish_put_ms" if ray is not None else "publish_ms"
     for r in rows:
         d = r["decode"]
-        print(f"| {r['model']} | {r['parameters']:,} | {r['trainable_parameters']:,} | {r['full']['bytes']:,} | "
-              f"{r['lora']['bytes']:,} | {r['bytes_ratio']:.1f}x | {r['full'][key]:.1f} | {r['lora'][key]:.2f} | "
-              f"{r['full']['apply_ms']:.1f} | {r['lora']['apply_ms']:.1f} | {d['merged_tok_s']:.0f} / "
-              f"{d['unmerged_tok_s']:.0f} ({d['merged_vs_unmerged']:.2f}x) |")
+        print(
+            f"| {r['model']} | {r['parameters']:,} | {r['trainable_parameters']:,} | {r['full']['bytes']:,} | "
+            f"{r['lora']['bytes']:,} | {r['bytes_ratio']:.1f}x | {r['full'][key]:.1f} | {r['lora'][key]:.2f} | "
+            f"{r['full']['apply_ms']:.1f} | {r['lora']['apply_ms']:.1f} | {d['merged_tok_s']:.0f} / "
+            f"{d['unmerged_tok_s']:.0f} ({d['merged_vs_unmerged']:.2f}x) |"
+        )
     print(f"wrote {out}")
 
 

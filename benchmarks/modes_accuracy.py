@@ -34,9 +34,14 @@ def main() -> None:
     for seed in args.seeds:
         for mode in args.modes:
             s = run(args.workspace, [f"seed={seed}", f"rl.mode={mode}", *args.overrides])
-            row = {"seed": seed, "mode": mode, "accuracy": s["metrics"]["heldout_accuracy_rl"],
-                   "rft_accuracy": s["metrics"].get("heldout_accuracy_rft"),
-                   "rl_seconds": s["stages"]["rl"]["seconds"], "rl_status": s["stages"]["rl"]["status"]}
+            row = {
+                "seed": seed,
+                "mode": mode,
+                "accuracy": s["metrics"]["heldout_accuracy_rl"],
+                "rft_accuracy": s["metrics"].get("heldout_accuracy_rft"),
+                "rl_seconds": s["stages"]["rl"]["seconds"],
+                "rl_status": s["stages"]["rl"]["status"],
+            }
             rows.append(row)
             print(json.dumps(row), flush=True)
     print("\n| seed | " + " | ".join(f"{m} acc | {m} RL s" for m in args.modes) + " |")
@@ -52,7 +57,10 @@ def main() -> None:
         rs = [r for r in rows if r["mode"] == mode]
         acc = [r["accuracy"] for r in rs]
         sd = statistics.stdev(acc) if len(acc) > 1 else 0.0
-        cells += [f"{statistics.fmean(acc):.3f} ± {sd:.3f}", f"{statistics.fmean(r['rl_seconds'] for r in rs):.0f}"]
+        cells += [
+            f"{statistics.fmean(acc):.3f} ± {sd:.3f}",
+            f"{statistics.fmean(r['rl_seconds'] for r in rs):.0f}",
+        ]
     print("| mean | " + " | ".join(cells) + " |")
     if args.json_out:
         args.json_out.write_text(json.dumps(rows, indent=1))

@@ -34,8 +34,10 @@ def rl_history(ws: Path, cache_key: str) -> dict[str, list[float]]:
 
     con = duckdb.connect(str(ws / "catalog.duckdb"), read_only=True)
     try:
-        rows = con.execute("SELECT name, step, value FROM metrics WHERE cache_key = ? AND stage = 'rl' "
-                           "ORDER BY step", [cache_key]).fetchall()
+        rows = con.execute(
+            "SELECT name, step, value FROM metrics WHERE cache_key = ? AND stage = 'rl' ORDER BY step",
+            [cache_key],
+        ).fetchall()
     finally:
         con.close()
     out: dict[str, list[float]] = {}
@@ -63,29 +65,40 @@ def main() -> None:
             h = rl_history(args.workspace, s["stages"]["rl"]["cache_key"])
             ent = h.get("entropy", [])
             tenth = max(1, len(ent) // 10)
-            results.append({
-                "algorithm": algo, "seed": seed,
-                "acc_warmup": s["metrics"]["heldout_accuracy_warmup"], "acc_rl": s["metrics"]["heldout_accuracy_rl"],
-                "entropy_first10pct": mean(ent[:tenth]), "entropy_last10pct": mean(ent[-tenth:]),
-                "dropped_groups": sum(h.get("dropped_groups", [])),
-                "generated": sum(h.get("generated_trajectories", [])),
-                "trained": sum(h.get("trained_trajectories", [])),
-                "rl_seconds": s["stages"]["rl"]["seconds"],
-            })
+            results.append(
+                {
+                    "algorithm": algo,
+                    "seed": seed,
+                    "acc_warmup": s["metrics"]["heldout_accuracy_warmup"],
+                    "acc_rl": s["metrics"]["heldout_accuracy_rl"],
+                    "entropy_first10pct": mean(ent[:tenth]),
+                    "entropy_last10pct": mean(ent[-tenth:]),
+                    "dropped_groups": sum(h.get("dropped_groups", [])),
+                    "generated": sum(h.get("generated_trajectories", [])),
+                    "trained": sum(h.get("trained_trajectories", [])),
+                    "rl_seconds": s["stages"]["rl"]["seconds"],
+                }
+            )
             r = results[-1]
-            print(f"seed {seed} {algo:<8} acc {r['acc_warmup']:.3f} -> {r['acc_rl']:.3f}  entropy "
-                  f"{r['entropy_first10pct']:.3f} -> {r['entropy_last10pct']:.3f}  dropped {r['dropped_groups']:.0f}",
-                  flush=True)
-    print("\n| algorithm | held-out acc after RL (mean over seeds) | per seed | gain over warm-up | entropy first 10% -> last 10% | groups dropped (total) | trajectories generated / trained | RL seconds |")
+            print(
+                f"seed {seed} {algo:<8} acc {r['acc_warmup']:.3f} -> {r['acc_rl']:.3f}  entropy "
+                f"{r['entropy_first10pct']:.3f} -> {r['entropy_last10pct']:.3f}  dropped {r['dropped_groups']:.0f}",
+                flush=True,
+            )
+    print(
+        "\n| algorithm | held-out acc after RL (mean over seeds) | per seed | gain over warm-up | entropy first 10% -> last 10% | groups dropped (total) | trajectories generated / trained | RL seconds |"
+    )
     print("|---|---|---|---|---|---|---|---|")
     for algo in args.algorithms:
         rs = [r for r in results if r["algorithm"] == algo]
         per_seed = ", ".join(f"{r['acc_rl']:.3f}" for r in rs)
-        print(f"| {algo} | {mean([r['acc_rl'] for r in rs]):.3f} | {per_seed} | "
-              f"{mean([r['acc_rl'] - r['acc_warmup'] for r in rs]):+.3f} | "
-              f"{mean([r['entropy_first10pct'] for r in rs]):.3f} -> {mean([r['entropy_last10pct'] for r in rs]):.3f} | "
-              f"{sum(r['dropped_groups'] for r in rs):.0f} | {sum(r['generated'] for r in rs):.0f} / "
-              f"{sum(r['trained'] for r in rs):.0f} | {mean([r['rl_seconds'] for r in rs]):.0f} |")
+        print(
+            f"| {algo} | {mean([r['acc_rl'] for r in rs]):.3f} | {per_seed} | "
+            f"{mean([r['acc_rl'] - r['acc_warmup'] for r in rs]):+.3f} | "
+            f"{mean([r['entropy_first10pct'] for r in rs]):.3f} -> {mean([r['entropy_last10pct'] for r in rs]):.3f} | "
+            f"{sum(r['dropped_groups'] for r in rs):.0f} | {sum(r['generated'] for r in rs):.0f} / "
+            f"{sum(r['trained'] for r in rs):.0f} | {mean([r['rl_seconds'] for r in rs]):.0f} |"
+        )
     if args.json_out:
         args.json_out.write_text(json.dumps(results, indent=2))
 

@@ -3,6 +3,7 @@ evaluation: try RL settings without rerunning curation (issue 23). Overrides are
 
     .venv/bin/python benchmarks/rl_probe.py WORKSPACE --tag lr3e5 -- seed=1 rl.lr=3e-5
 """
+
 import argparse
 import glob
 import json
@@ -18,9 +19,15 @@ from evaluation.verifier import Verifier
 from evaluation.stages import evaluate_checkpoint
 from generation.setup import setup_torch
 from tasks.stages import template, _eval_templates
+
+
 def main():
-    p = argparse.ArgumentParser(); p.add_argument("ws"); p.add_argument("--tag"); p.add_argument("over", nargs="*")
-    a, extra = p.parse_known_args(); a.over = [o for o in a.over + extra if o != "--"]
+    p = argparse.ArgumentParser()
+    p.add_argument("ws")
+    p.add_argument("--tag")
+    p.add_argument("over", nargs="*")
+    a, extra = p.parse_known_args()
+    a.over = [o for o in a.over + extra if o != "--"]
     ws = Path(a.ws)
     s = json.load(open(glob.glob(str(ws / "runs/*/summary.json"))[0]))
     cfg = load_config(a.over)
@@ -32,14 +39,35 @@ def main():
     out = Path(tempfile.mkdtemp(prefix="rl_probe-"))
     t0 = time.time()
     with Verifier(timeout_s=5.0) as ver:
-        res = rl(rft, sel / "prompts.parquet", cfg.rl, template=template(cfg), seed=cfg.seed, device="cpu", out_dir=out,
-                 verifier=ver, select=cfg.curation.select, history_path=sel / "history.parquet")
+        res = rl(
+            rft,
+            sel / "prompts.parquet",
+            cfg.rl,
+            template=template(cfg),
+            seed=cfg.seed,
+            device="cpu",
+            out_dir=out,
+            verifier=ver,
+            select=cfg.curation.select,
+            history_path=sel / "history.parquet",
+        )
     t1 = time.time()
     ev = Path(tempfile.mkdtemp(prefix="rl_probe-"))
-    summ = evaluate_checkpoint(out, data, cfg.eval, templates=_eval_templates(), seed=cfg.seed, device="cpu", out_dir=ev)
+    summ = evaluate_checkpoint(
+        out, data, cfg.eval, templates=_eval_templates(), seed=cfg.seed, device="cpu", out_dir=ev
+    )
     h = summ["arith_heldout"]
-    print("RESULT", a.tag, a.over, "rl_s", round(t1 - t0), "acc", round(h["accuracy"], 4),
-          {k: round(next(iter(v.values())), 3) for k, v in h["by_level"].items()}, flush=True)
+    print(
+        "RESULT",
+        a.tag,
+        a.over,
+        "rl_s",
+        round(t1 - t0),
+        "acc",
+        round(h["accuracy"], 4),
+        {k: round(next(iter(v.values())), 3) for k, v in h["by_level"].items()},
+        flush=True,
+    )
 
 
 if __name__ == "__main__":

@@ -45,15 +45,43 @@ MEASURED_DECODE = {
 }
 BRIEF_DECODE = [[1, 2.6], [16, 5.8], [32, 13.0], [64, 17.0]]  # default model, context ~300
 
-LENGTHS = {"kind": "mixture", "weights": [0.3, 0.3, 0.3, 0.1], "medians": [21, 27, 35, 219],
-           "sigmas": [0.07, 0.07, 0.07, 0.04]}
+LENGTHS = {
+    "kind": "mixture",
+    "weights": [0.3, 0.3, 0.3, 0.1],
+    "medians": [21, 27, 35, 219],
+    "sigmas": [0.07, 0.07, 0.07, 0.04],
+}
 
 RUNS = [
     # (label, results file, decode points, capacity, updates)
-    ("default model, capacity 16", "rl_throughput/results_capacity16.json", MEASURED_DECODE["default"], 16, 20),
-    ("default model, capacity 16 (brief's decode points)", "rl_throughput/results_capacity16.json", BRIEF_DECODE, 16, 20),
-    ("small model, capacity 64, 40 updates", "rl_throughput_small/results_40updates.json", MEASURED_DECODE["small"], 64, 40),
-    ("small model, capacity 64, 16 updates", "rl_throughput_small/results_16updates.json", MEASURED_DECODE["small"], 64, 16),
+    (
+        "default model, capacity 16",
+        "rl_throughput/results_capacity16.json",
+        MEASURED_DECODE["default"],
+        16,
+        20,
+    ),
+    (
+        "default model, capacity 16 (brief's decode points)",
+        "rl_throughput/results_capacity16.json",
+        BRIEF_DECODE,
+        16,
+        20,
+    ),
+    (
+        "small model, capacity 64, 40 updates",
+        "rl_throughput_small/results_40updates.json",
+        MEASURED_DECODE["small"],
+        64,
+        40,
+    ),
+    (
+        "small model, capacity 64, 16 updates",
+        "rl_throughput_small/results_16updates.json",
+        MEASURED_DECODE["small"],
+        64,
+        16,
+    ),
 ]
 MODES = ["sync", "one_step", "partial", "laminar"]
 
@@ -61,20 +89,60 @@ MODES = ["sync", "one_step", "partial", "laminar"]
 def config(points_ms, capacity: int, updates: int, train_s_per_token: float, seed: int = 0):
     pts = [[b, ms / 1000.0] for b, ms in points_ms]
     step64 = max(s for b, s in pts if b <= 64)
-    return config_from_dict({
-        "cluster": {"nodes": 1, "gpus_per_node": 3, "trainer_gpus": 1, "gpus_per_engine": 1, "colocate_sync": False},
-        "model": {"name": "tiny", "params_b": 0.0008, "layers": 4, "hidden": 128, "kv_heads": 2, "head_dim": 32,
-                  "bytes_per_param": 4.0},
-        "workload": {"prompts_per_step": 16, "group_size": 8, "steps": updates, "max_output": 320, "prompt_len": 25,
-                     "lengths": LENGTHS},
-        "cost": {"decode_points": pts, "prefill_s_per_token": step64 / 64, "prefill_overhead_s": pts[0][1],
-                 "train_s_per_token": train_s_per_token, "train_step_overhead_s": 0.0, "d2h_gbps": 5.0,
-                 "relay_gbps": 5.0, "relay_hop_s": 0.0, "h2d_gbps": 5.0, "pull_overhead_s": 0.01, "extract_s": 0.005,
-                 "shared_cores": 2.0},
-        "sched": {"capacity": capacity, "chunk_steps": 8, "call_overhead_s": 0.003, "repack_interval_s": 0.5,
-                  "repack_b": 0, "max_staleness": None, "max_ahead_batches": 0},
-        "seed": seed, "warmup_updates": 0, "timeline_rollouts": 0,
-    })
+    return config_from_dict(
+        {
+            "cluster": {
+                "nodes": 1,
+                "gpus_per_node": 3,
+                "trainer_gpus": 1,
+                "gpus_per_engine": 1,
+                "colocate_sync": False,
+            },
+            "model": {
+                "name": "tiny",
+                "params_b": 0.0008,
+                "layers": 4,
+                "hidden": 128,
+                "kv_heads": 2,
+                "head_dim": 32,
+                "bytes_per_param": 4.0,
+            },
+            "workload": {
+                "prompts_per_step": 16,
+                "group_size": 8,
+                "steps": updates,
+                "max_output": 320,
+                "prompt_len": 25,
+                "lengths": LENGTHS,
+            },
+            "cost": {
+                "decode_points": pts,
+                "prefill_s_per_token": step64 / 64,
+                "prefill_overhead_s": pts[0][1],
+                "train_s_per_token": train_s_per_token,
+                "train_step_overhead_s": 0.0,
+                "d2h_gbps": 5.0,
+                "relay_gbps": 5.0,
+                "relay_hop_s": 0.0,
+                "h2d_gbps": 5.0,
+                "pull_overhead_s": 0.01,
+                "extract_s": 0.005,
+                "shared_cores": 2.0,
+            },
+            "sched": {
+                "capacity": capacity,
+                "chunk_steps": 8,
+                "call_overhead_s": 0.003,
+                "repack_interval_s": 0.5,
+                "repack_b": 0,
+                "max_staleness": None,
+                "max_ahead_batches": 0,
+            },
+            "seed": seed,
+            "warmup_updates": 0,
+            "timeline_rollouts": 0,
+        }
+    )
 
 
 def fit_train_cost(points, capacity, updates, target_tok_s: float) -> float:
@@ -95,7 +163,9 @@ def main() -> None:
     t0 = time.perf_counter()
     rows = []
     for label, path, points, capacity, updates in RUNS:
-        measured = {m["mode"]: m for m in json.loads((ROOT / "benchmarks" / "results" / path).read_text())["modes"]}
+        measured = {
+            m["mode"]: m for m in json.loads((ROOT / "benchmarks" / "results" / path).read_text())["modes"]
+        }
         sync_tps = measured["sync"]["tokens_per_s"]
         per_token = fit_train_cost(points, capacity, updates, sync_tps)
         sims = {m: [] for m in MODES}
@@ -105,30 +175,57 @@ def main() -> None:
                 r = Simulator(config(points, capacity, updates, per_token, seed), m).run()
                 sims[m].append(r.tokens_per_s)
                 if seed == 0:
-                    detail[m] = {"tokens_per_s": r.tokens_per_s, "idle_share": r.idle_share,
-                                 "mean_occupancy": r.mean_occupancy, "staleness": r.staleness_histogram,
-                                 "repacks": r.repacks, "interrupts": r.interrupts}
+                    detail[m] = {
+                        "tokens_per_s": r.tokens_per_s,
+                        "idle_share": r.idle_share,
+                        "mean_occupancy": r.mean_occupancy,
+                        "staleness": r.staleness_histogram,
+                        "repacks": r.repacks,
+                        "interrupts": r.interrupts,
+                    }
         sim_tps = {m: sum(v) / len(v) for m, v in sims.items()}
         modes = {}
         for m in MODES:
             mr = measured[m]["tokens_per_s"] / sync_tps
             sr = sim_tps[m] / sim_tps["sync"]
-            modes[m] = {"measured_ratio": mr, "simulated_ratio": sr, "error": sr / mr - 1,
-                        "measured_tokens_per_s": measured[m]["tokens_per_s"], "simulated_tokens_per_s": sim_tps[m],
-                        "measured_occupancy": measured[m]["occupancy"], "simulated": detail[m]}
-        rows.append({"run": label, "results": path, "capacity": capacity, "updates": updates,
-                     "fitted_train_s_per_token": per_token, "decode_points_ms": points, "modes": modes})
+            modes[m] = {
+                "measured_ratio": mr,
+                "simulated_ratio": sr,
+                "error": sr / mr - 1,
+                "measured_tokens_per_s": measured[m]["tokens_per_s"],
+                "simulated_tokens_per_s": sim_tps[m],
+                "measured_occupancy": measured[m]["occupancy"],
+                "simulated": detail[m],
+            }
+        rows.append(
+            {
+                "run": label,
+                "results": path,
+                "capacity": capacity,
+                "updates": updates,
+                "fitted_train_s_per_token": per_token,
+                "decode_points_ms": points,
+                "modes": modes,
+            }
+        )
         print(f"\n{label}  (fitted training cost {per_token * 1e3:.3f} ms/token)")
-        print("| mode | measured vs sync | simulated vs sync | error | measured occupancy | simulated occupancy |")
+        print(
+            "| mode | measured vs sync | simulated vs sync | error | measured occupancy | simulated occupancy |"
+        )
         print("|---|---|---|---|---|---|")
         for m, x in modes.items():
-            print(f"| {m} | {x['measured_ratio']:.2f}x | {x['simulated_ratio']:.2f}x | {x['error'] * 100:+.0f}% | "
-                  f"{x['measured_occupancy']:.2f} | {x['simulated']['mean_occupancy']:.2f} |")
+            print(
+                f"| {m} | {x['measured_ratio']:.2f}x | {x['simulated_ratio']:.2f}x | {x['error'] * 100:+.0f}% | "
+                f"{x['measured_occupancy']:.2f} | {x['simulated']['mean_occupancy']:.2f} |"
+            )
     worst = max(abs(x["error"]) for r in rows for m, x in r["modes"].items() if m != "sync")
     print(f"\nworst ratio error {worst * 100:.0f}% (target 25%); {time.perf_counter() - t0:.0f} s")
     args.out.parent.mkdir(parents=True, exist_ok=True)
-    args.out.write_text(json.dumps({"runs": rows, "worst_ratio_error": worst, "seeds": args.seeds,
-                                    "method": __doc__}, indent=1))
+    args.out.write_text(
+        json.dumps(
+            {"runs": rows, "worst_ratio_error": worst, "seeds": args.seeds, "method": __doc__}, indent=1
+        )
+    )
 
 
 if __name__ == "__main__":

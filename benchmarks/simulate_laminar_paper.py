@@ -49,7 +49,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
-from training.rl.simulate import (Simulator, calibrate_train_share, config_from_settings)  # noqa: E402
+from training.rl.simulate import Simulator, calibrate_train_share, config_from_settings  # noqa: E402
 
 PAPER = {"sync": 2.56, "one_step": 1.98, "stream": 1.93, "partial": 1.39}
 MODEL_NAMES = ["qwen2.5-7b", "qwen2.5-32b", "qwen2.5-72b"]
@@ -58,16 +58,25 @@ MAX_AHEAD = 0
 
 
 def base_config(model: str, gpus: int, steps: int, seed: int):
-    return config_from_settings({
-        "cluster": {"nodes": gpus // 8, "gpus_per_node": 8, "colocate_sync": True},
-        "model": {"preset": model},
-        "workload": {"prompts_per_step": 512, "group_size": 16, "steps": steps, "max_output": 16384,
-                     "prompt_len": 256, "lengths": {"kind": "lognormal", "median": 1500, "p99_over_median": 10,
-                                                     "group_corr": 0.5}},
-        "cost": {"train_gen_share": 0.83},
-        "sched": {"max_staleness": None, "repack_interval_s": 5.0, "max_ahead_batches": MAX_AHEAD},
-        "seed": seed, "warmup_updates": 2, "timeline_rollouts": 16,
-    })
+    return config_from_settings(
+        {
+            "cluster": {"nodes": gpus // 8, "gpus_per_node": 8, "colocate_sync": True},
+            "model": {"preset": model},
+            "workload": {
+                "prompts_per_step": 512,
+                "group_size": 16,
+                "steps": steps,
+                "max_output": 16384,
+                "prompt_len": 256,
+                "lengths": {"kind": "lognormal", "median": 1500, "p99_over_median": 10, "group_corr": 0.5},
+            },
+            "cost": {"train_gen_share": 0.83},
+            "sched": {"max_staleness": None, "repack_interval_s": 5.0, "max_ahead_batches": MAX_AHEAD},
+            "seed": seed,
+            "warmup_updates": 2,
+            "timeline_rollouts": 16,
+        }
+    )
 
 
 def run_one(args):
@@ -79,12 +88,25 @@ def run_one(args):
         r = Simulator(cfg, mode).run(max_events=6_000_000)
     except RuntimeError as err:
         return {"mode": mode, "share": share, "error": str(err)}
-    out = {"mode": mode, "share": share, "steady_tokens_per_s": r.steady_tokens_per_s,
-           "tokens_per_s": r.tokens_per_s, "idle_share": r.idle_share, "mean_occupancy": r.mean_occupancy,
-           "staleness": r.staleness_histogram, "repacks": r.repacks, "interrupts": r.interrupts,
-           "step_seconds": r.step_seconds, "generation_share": r.generation_share, "rollouts": r.rollouts,
-           "trainer_gpus": r.trainer_gpus, "rollout_gpus": r.rollout_gpus, "capacity": r.capacity,
-           "events": r.events, "sim_seconds": time.perf_counter() - t0}
+    out = {
+        "mode": mode,
+        "share": share,
+        "steady_tokens_per_s": r.steady_tokens_per_s,
+        "tokens_per_s": r.tokens_per_s,
+        "idle_share": r.idle_share,
+        "mean_occupancy": r.mean_occupancy,
+        "staleness": r.staleness_histogram,
+        "repacks": r.repacks,
+        "interrupts": r.interrupts,
+        "step_seconds": r.step_seconds,
+        "generation_share": r.generation_share,
+        "rollouts": r.rollouts,
+        "trainer_gpus": r.trainer_gpus,
+        "rollout_gpus": r.rollout_gpus,
+        "capacity": r.capacity,
+        "events": r.events,
+        "sim_seconds": time.perf_counter() - t0,
+    }
     if keep_timeline:
         out["timeline"] = r.timeline
     return out
@@ -94,14 +116,23 @@ def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--scales", type=int, nargs="+", default=[64, 128, 256, 512, 1024])
     ap.add_argument("--models", nargs="+", default=MODEL_NAMES)
-    ap.add_argument("--shares", type=float, nargs="+", default=[0.5, 0.75, 0.875],
-                    help="trainer shares of the GPUs searched for each disaggregated mode")
+    ap.add_argument(
+        "--shares",
+        type=float,
+        nargs="+",
+        default=[0.5, 0.75, 0.875],
+        help="trainer shares of the GPUs searched for each disaggregated mode",
+    )
     ap.add_argument("--steps", type=int, default=8)
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--jobs", type=int, default=2)
     ap.add_argument("--out", type=Path, default=ROOT / "benchmarks" / "results" / "simulate_laminar_paper")
-    ap.add_argument("--max-ahead-batches", type=int, default=0,
-                    help="simulator back-pressure for the continuous modes (0: none, as the Laminar paper)")
+    ap.add_argument(
+        "--max-ahead-batches",
+        type=int,
+        default=0,
+        help="simulator back-pressure for the continuous modes (0: none, as the Laminar paper)",
+    )
     args = ap.parse_args()
     global MAX_AHEAD
     MAX_AHEAD = args.max_ahead_batches
@@ -114,14 +145,23 @@ def main() -> None:
     for model in args.models:
         for gpus in args.scales:
             cfg, info = calibrate_train_share(base_config(model, gpus, args.steps, args.seed))
-            results["settings"][f"{model}@{gpus}"] = {"calibration": info, "gpus_per_engine": cfg.cluster.gpus_per_engine}
-            print(f"{model} @ {gpus} GPUs: sync generation {info['sync_generation_s']:.0f} s/step -> training "
-                  f"{info['train_s_per_update_all_gpus']:.0f} s/update on all GPUs (implied MFU "
-                  f"{info['implied_mfu_train'] * 100:.1f}% of the 8N-FLOP count"
-                  + (f"; capped at the physical ceiling: generation {info['generation_share'] * 100:.0f}% of a step)"
-                     if info["capped"] else ")"), flush=True)
+            results["settings"][f"{model}@{gpus}"] = {
+                "calibration": info,
+                "gpus_per_engine": cfg.cluster.gpus_per_engine,
+            }
+            print(
+                f"{model} @ {gpus} GPUs: sync generation {info['sync_generation_s']:.0f} s/step -> training "
+                f"{info['train_s_per_update_all_gpus']:.0f} s/update on all GPUs (implied MFU "
+                f"{info['implied_mfu_train'] * 100:.1f}% of the 8N-FLOP count"
+                + (
+                    f"; capped at the physical ceiling: generation {info['generation_share'] * 100:.0f}% of a step)"
+                    if info["capped"]
+                    else ")"
+                ),
+                flush=True,
+            )
             for mode in MODES:
-                for share in ([None] if mode == "sync" else args.shares):
+                for share in [None] if mode == "sync" else args.shares:
                     jobs.append(((model, gpus), (cfg, mode, share, gpus == 1024)))
     with ProcessPoolExecutor(max_workers=args.jobs) as pool:
         outs = list(pool.map(run_one, [j for _, j in jobs]))
@@ -131,8 +171,10 @@ def main() -> None:
     speed_rows, fixed_rows = {}, {}
     fixed_share = 0.5 if 0.5 in args.shares else args.shares[0]
     for (model, gpus), by_mode in table.items():
-        fixed = {m: next((o for o in outs_m if o["share"] in (None, fixed_share) and "error" not in o), None)
-                 for m, outs_m in by_mode.items()}
+        fixed = {
+            m: next((o for o in outs_m if o["share"] in (None, fixed_share) and "error" not in o), None)
+            for m, outs_m in by_mode.items()
+        }
         if all(fixed.values()):
             lam_f = fixed["laminar"]["steady_tokens_per_s"]
             fixed_rows[(model, gpus)] = {m: lam_f / fixed[m]["steady_tokens_per_s"] for m in PAPER}
@@ -145,29 +187,41 @@ def main() -> None:
         speed_rows[(model, gpus)] = speed
         results["runs"][f"{model}@{gpus}"] = {
             "best": {m: {k: v for k, v in o.items() if k != "timeline"} for m, o in best.items()},
-            "all": {m: [{k: v for k, v in o.items() if k not in ("timeline", "step_seconds")} for o in outs_m]
-                    for m, outs_m in by_mode.items()},
-            "laminar_speedup": speed}
+            "all": {
+                m: [{k: v for k, v in o.items() if k not in ("timeline", "step_seconds")} for o in outs_m]
+                for m, outs_m in by_mode.items()
+            },
+            "laminar_speedup": speed,
+        }
         if gpus == 1024:
             for mode in ("sync", "laminar"):
                 tl = best[mode].get("timeline")
                 if tl:
                     name = f"timeline_{model}_1024_{mode}.png"
                     share = best[mode]["share"]
-                    plot_timeline(tl, args.out / name,
-                                  title=f"simulated {mode}, {model}, 1,024 GPUs"
-                                        + (f" (trainer {best[mode]['trainer_gpus']} GPUs)" if share else " (colocated)")
-                                        + f": {len(tl['rollouts'])} of {best[mode]['rollouts']} rollouts")
+                    plot_timeline(
+                        tl,
+                        args.out / name,
+                        title=f"simulated {mode}, {model}, 1,024 GPUs"
+                        + (f" (trainer {best[mode]['trainer_gpus']} GPUs)" if share else " (colocated)")
+                        + f": {len(tl['rollouts'])} of {best[mode]['rollouts']} rollouts",
+                    )
     # summary tables
     print("\nLaminar's simulated speedup (best split per mode) vs the Laminar paper's averages")
     print("| model | GPUs | over sync | over one_step | over stream | over partial |")
     print("|---|---|---|---|---|---|")
-    for (model, gpus), sp in sorted(speed_rows.items(), key=lambda kv: (MODEL_NAMES.index(kv[0][0]), kv[0][1])):
+    for (model, gpus), sp in sorted(
+        speed_rows.items(), key=lambda kv: (MODEL_NAMES.index(kv[0][0]), kv[0][1])
+    ):
         print(f"| {model} | {gpus} | " + " | ".join(f"{sp.get(m, float('nan')):.2f}x" for m in PAPER) + " |")
     avg = {}
     for label, keys in [("1024", [k for k in speed_rows if k[1] == 1024]), ("all scales", list(speed_rows))]:
         avg[label] = {m: sum(speed_rows[k][m] for k in keys) / len(keys) for m in PAPER} if keys else {}
-    print("| **average, 1,024 GPUs** | | " + " | ".join(f"{avg['1024'].get(m, float('nan')):.2f}x" for m in PAPER) + " |")
+    print(
+        "| **average, 1,024 GPUs** | | "
+        + " | ".join(f"{avg['1024'].get(m, float('nan')):.2f}x" for m in PAPER)
+        + " |"
+    )
     print("| **average, all scales** | | " + " | ".join(f"{avg['all scales'][m]:.2f}x" for m in PAPER) + " |")
     print("| **paper (average)** | | " + " | ".join(f"{PAPER[m]:.2f}x" for m in PAPER) + " |")
     print("\nBest trainer share per mode at 1,024 GPUs, and what the modes do there:")
@@ -179,21 +233,34 @@ def main() -> None:
             if "error" in o:
                 print(f"  {model} {m}: {o['error']}")
                 continue
-            print(f"  {model} {m}: trainer {o['trainer_gpus']} GPUs, {o['rollouts']} engines x {o['capacity']}, "
-                  f"{o['steady_tokens_per_s']:,.0f} tok/s, idle {o['idle_share']:.2f}, occupancy "
-                  f"{o['mean_occupancy']:.2f}, max staleness {max(int(k) for k in o['staleness'])}, "
-                  f"repacks {o['repacks']}, mean step {sum(o['step_seconds'][2:]) / max(1, len(o['step_seconds'][2:])):.0f} s")
+            print(
+                f"  {model} {m}: trainer {o['trainer_gpus']} GPUs, {o['rollouts']} engines x {o['capacity']}, "
+                f"{o['steady_tokens_per_s']:,.0f} tok/s, idle {o['idle_share']:.2f}, occupancy "
+                f"{o['mean_occupancy']:.2f}, max staleness {max(int(k) for k in o['staleness'])}, "
+                f"repacks {o['repacks']}, mean step {sum(o['step_seconds'][2:]) / max(1, len(o['step_seconds'][2:])):.0f} s"
+            )
     if fixed_rows:
         print(f"\nThe same with one fixed split for every disaggregated mode (trainer share {fixed_share}):")
         print("| model | GPUs | over sync | over one_step | over stream | over partial |")
         print("|---|---|---|---|---|---|")
-        for (model, gpus), sp in sorted(fixed_rows.items(), key=lambda kv: (MODEL_NAMES.index(kv[0][0]), kv[0][1])):
+        for (model, gpus), sp in sorted(
+            fixed_rows.items(), key=lambda kv: (MODEL_NAMES.index(kv[0][0]), kv[0][1])
+        ):
             print(f"| {model} | {gpus} | " + " | ".join(f"{sp[m]:.2f}x" for m in PAPER) + " |")
-        for label, keys in [("1024", [k for k in fixed_rows if k[1] == 1024]), ("all scales", list(fixed_rows))]:
-            avg[f"fixed {fixed_share}, {label}"] = {m: sum(fixed_rows[k][m] for k in keys) / len(keys)
-                                                     for m in PAPER} if keys else {}
-            print(f"| **average, {'1,024 GPUs' if label == '1024' else label}** | | " + " | ".join(
-                f"{avg[f'fixed {fixed_share}, {label}'].get(m, float('nan')):.2f}x" for m in PAPER) + " |")
+        for label, keys in [
+            ("1024", [k for k in fixed_rows if k[1] == 1024]),
+            ("all scales", list(fixed_rows)),
+        ]:
+            avg[f"fixed {fixed_share}, {label}"] = (
+                {m: sum(fixed_rows[k][m] for k in keys) / len(keys) for m in PAPER} if keys else {}
+            )
+            print(
+                f"| **average, {'1,024 GPUs' if label == '1024' else label}** | | "
+                + " | ".join(
+                    f"{avg[f'fixed {fixed_share}, {label}'].get(m, float('nan')):.2f}x" for m in PAPER
+                )
+                + " |"
+            )
         results["speedups_fixed_split"] = {f"{m}@{g}": sp for (m, g), sp in fixed_rows.items()}
     results["averages"] = avg
     results["speedups"] = {f"{m}@{g}": sp for (m, g), sp in speed_rows.items()}

@@ -33,20 +33,55 @@ import statistics
 import sys
 import tempfile
 import time
-from datetime import datetime, timezone
+from datetime import datetime, UTC
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
 LOAD = os.getloadavg()[0]  # other work on the machine inflates every timing here
 sys.path.insert(0, str(ROOT))
 
-STEP_KEYS = ("reward", "accuracy", "response_length", "truncated", "constant_groups", "dropped_groups",
-             "resampled_groups", "sampling_rounds", "trained_trajectories", "generated_trajectories", "loss",
-             "grad_norm", "gen_seconds", "train_seconds", "gen_tokens_per_s", "entropy", "clipfrac", "ratio",
-             "behaviour_weight", "kl", "staleness_mean", "staleness_max", "sampler_logprob_gap", "trained_tokens",
-             "tokens_per_s", "occupancy", "repacks", "publish_stall_s", "publish_cpu_s", "wall_seconds",
-             "eval_seconds", "heldout_acc", "hive_skipped", "hive_selected", "version", "queue", "in_flight",
-             "active_rollouts", "buffer", "admitted")
+STEP_KEYS = (
+    "reward",
+    "accuracy",
+    "response_length",
+    "truncated",
+    "constant_groups",
+    "dropped_groups",
+    "resampled_groups",
+    "sampling_rounds",
+    "trained_trajectories",
+    "generated_trajectories",
+    "loss",
+    "grad_norm",
+    "gen_seconds",
+    "train_seconds",
+    "gen_tokens_per_s",
+    "entropy",
+    "clipfrac",
+    "ratio",
+    "behaviour_weight",
+    "kl",
+    "staleness_mean",
+    "staleness_max",
+    "sampler_logprob_gap",
+    "trained_tokens",
+    "tokens_per_s",
+    "occupancy",
+    "repacks",
+    "publish_stall_s",
+    "publish_cpu_s",
+    "wall_seconds",
+    "eval_seconds",
+    "heldout_acc",
+    "hive_skipped",
+    "hive_selected",
+    "version",
+    "queue",
+    "in_flight",
+    "active_rollouts",
+    "buffer",
+    "admitted",
+)
 
 
 IMPORTS = {"tensorboard": "torch.utils.tensorboard", "mlflow": "mlflow.tracking", "wandb": "wandb"}
@@ -57,11 +92,23 @@ def step_metrics(step: int, rng: random.Random) -> dict:
 
 
 def stage_metrics(rng: random.Random) -> dict:
-    level = lambda: {"avg_at_4": rng.random(), "pass_at_4": rng.random(), "maj_at_4": rng.random(),  # noqa: E731
-                     "count": 40}
-    return {"arith_heldout": {"accuracy": rng.random(), "mean_length": 30.0, "pass_at_4": rng.random(),
-                              "maj_at_4": rng.random(), "by_level": {str(i): level() for i in range(1, 9)}},
-            "seconds": 12.5, "cached": False}
+    level = lambda: {
+        "avg_at_4": rng.random(),
+        "pass_at_4": rng.random(),
+        "maj_at_4": rng.random(),  # noqa: E731
+        "count": 40,
+    }
+    return {
+        "arith_heldout": {
+            "accuracy": rng.random(),
+            "mean_length": 30.0,
+            "pass_at_4": rng.random(),
+            "maj_at_4": rng.random(),
+            "by_level": {str(i): level() for i in range(1, 9)},
+        },
+        "seconds": 12.5,
+        "cached": False,
+    }
 
 
 def measure(backends: list[str], steps: int, work: Path) -> dict:
@@ -101,13 +148,30 @@ def measure(backends: list[str], steps: int, work: Path) -> dict:
     ordered = sorted(step_times)
     rl_steps = cfg.rl.steps
     return {
-        "backends": backends, "steps": steps, "import_s": round(import_s, 4), "open_s": round(open_s, 4), "close_s": round(close_s, 4),
-        "step_ms": {"median": round(statistics.median(step_times), 3), "mean": round(statistics.fmean(step_times), 3),
-                    "p95": round(ordered[int(0.95 * (len(ordered) - 1))], 3), "max": round(ordered[-1], 3)},
-        "stage_ms": {"median": round(statistics.median(stage_times), 3), "mean": round(statistics.fmean(stage_times), 3)},
+        "backends": backends,
+        "steps": steps,
+        "import_s": round(import_s, 4),
+        "open_s": round(open_s, 4),
+        "close_s": round(close_s, 4),
+        "step_ms": {
+            "median": round(statistics.median(step_times), 3),
+            "mean": round(statistics.fmean(step_times), 3),
+            "p95": round(ordered[int(0.95 * (len(ordered) - 1))], 3),
+            "max": round(ordered[-1], 3),
+        },
+        "stage_ms": {
+            "median": round(statistics.median(stage_times), 3),
+            "mean": round(statistics.fmean(stage_times), 3),
+        },
         "default_rl_steps": rl_steps,
-        "per_default_run_s": round(import_s + open_s + close_s + rl_steps * statistics.fmean(step_times) / 1000
-                                   + 14 * statistics.fmean(stage_times) / 1000, 3),
+        "per_default_run_s": round(
+            import_s
+            + open_s
+            + close_s
+            + rl_steps * statistics.fmean(step_times) / 1000
+            + 14 * statistics.fmean(stage_times) / 1000,
+            3,
+        ),
     }
 
 
@@ -117,6 +181,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--json-out", type=Path, default=None)
     args = ap.parse_args(argv)
     import torch  # noqa: F401 - loaded in every pipeline process before RL; not tracking's cost
+
     os.environ.pop("WANDB_API_KEY", None)  # offline: the network is not what is measured
     sets = [[], ["tensorboard"], ["mlflow"]]
     if importlib.util.find_spec("wandb") is not None:
@@ -128,17 +193,33 @@ def main(argv: list[str] | None = None) -> int:
         with tempfile.TemporaryDirectory(prefix="tracking-bench-") as tmp:
             r = measure(backends, args.steps, Path(tmp))
         results.append(r)
-        print(f"{'+'.join(backends) or '(none)':<28} import {r['import_s']:5.2f}s  open {r['open_s']:6.2f}s  step median {r['step_ms']['median']:7.3f} ms"
-              f"  p95 {r['step_ms']['p95']:7.3f} ms  stage {r['stage_ms']['mean']:7.2f} ms  close {r['close_s']:5.2f}s"
-              f"  per default run {r['per_default_run_s']:6.2f}s", flush=True)
-    now = datetime.now(timezone.utc)
-    out = args.json_out or ROOT / "benchmarks" / "results" / "tracking" / f"tracking_overhead_{now:%Y-%m-%d}.json"
+        print(
+            f"{'+'.join(backends) or '(none)':<28} import {r['import_s']:5.2f}s  open {r['open_s']:6.2f}s  step median {r['step_ms']['median']:7.3f} ms"
+            f"  p95 {r['step_ms']['p95']:7.3f} ms  stage {r['stage_ms']['mean']:7.2f} ms  close {r['close_s']:5.2f}s"
+            f"  per default run {r['per_default_run_s']:6.2f}s",
+            flush=True,
+        )
+    now = datetime.now(UTC)
+    out = (
+        args.json_out
+        or ROOT / "benchmarks" / "results" / "tracking" / f"tracking_overhead_{now:%Y-%m-%d}.json"
+    )
     out.parent.mkdir(parents=True, exist_ok=True)
-    out.write_text(json.dumps({
-        "date": now.isoformat(timespec="seconds"), "machine": platform.processor() or platform.machine(),
-        "cpus": os.cpu_count(), "load_avg_1m_before": LOAD, "load_avg_1m_after": os.getloadavg()[0],
-        "command": " ".join(["benchmarks/tracking_overhead.py", *(argv or sys.argv[1:])]), "results": results},
-        indent=1) + "\n")
+    out.write_text(
+        json.dumps(
+            {
+                "date": now.isoformat(timespec="seconds"),
+                "machine": platform.processor() or platform.machine(),
+                "cpus": os.cpu_count(),
+                "load_avg_1m_before": LOAD,
+                "load_avg_1m_after": os.getloadavg()[0],
+                "command": " ".join(["benchmarks/tracking_overhead.py", *(argv or sys.argv[1:])]),
+                "results": results,
+            },
+            indent=1,
+        )
+        + "\n"
+    )
     print(f"results: {out}")
     return 0
 

@@ -35,8 +35,11 @@ def main() -> int:
     ap.add_argument("--threads", type=int, default=0)
     ap.add_argument("--workspaces", type=Path, default=ROOT / "workspace-bench-tracking")
     ap.add_argument("--out", type=Path, default=ROOT / "benchmarks" / "results" / "tracking")
-    ap.add_argument("--cached-rerun", action="store_true",
-                    help="after each default-arm run, the same command again (every stage cached), timed")
+    ap.add_argument(
+        "--cached-rerun",
+        action="store_true",
+        help="after each default-arm run, the same command again (every stage cached), timed",
+    )
     ap.add_argument("overrides", nargs="*")
     args = ap.parse_args()
     rows = []
@@ -46,36 +49,79 @@ def main() -> int:
             ws = args.workspaces / f"{arm}-r{rep}"
             shutil.rmtree(ws, ignore_errors=True)
             load = os.getloadavg()[0]
-            summary, wall = laminar(ws, [f"seed={args.seed}", f"threads={args.threads}", *ARMS[arm], *args.overrides])
-            acc = summary["stages"].get("eval_rl", {}).get("metrics", {}).get("arith_heldout", {}).get("accuracy")
-            rows.append({"arm": arm, "repeat": rep, "wall_s": round(wall, 1), "pipeline_s": round(summary["seconds"], 1),
-                         "rl_accuracy": acc, "load_before": round(load, 2), "run_id": summary["run_id"]})
+            summary, wall = laminar(
+                ws, [f"seed={args.seed}", f"threads={args.threads}", *ARMS[arm], *args.overrides]
+            )
+            acc = (
+                summary["stages"]
+                .get("eval_rl", {})
+                .get("metrics", {})
+                .get("arith_heldout", {})
+                .get("accuracy")
+            )
+            rows.append(
+                {
+                    "arm": arm,
+                    "repeat": rep,
+                    "wall_s": round(wall, 1),
+                    "pipeline_s": round(summary["seconds"], 1),
+                    "rl_accuracy": acc,
+                    "load_before": round(load, 2),
+                    "run_id": summary["run_id"],
+                }
+            )
             if args.cached_rerun and arm == "default":
-                again, wall2 = laminar(ws, [f"seed={args.seed}", f"threads={args.threads}", *ARMS[arm], *args.overrides])
+                again, wall2 = laminar(
+                    ws, [f"seed={args.seed}", f"threads={args.threads}", *ARMS[arm], *args.overrides]
+                )
                 rows[-1]["cached_rerun_wall_s"] = round(wall2, 1)
-                rows[-1]["cached_rerun_ran"] = [k for k, v in again["stages"].items() if v["status"] != "cached"]
+                rows[-1]["cached_rerun_ran"] = [
+                    k for k, v in again["stages"].items() if v["status"] != "cached"
+                ]
             print(json.dumps(rows[-1]), flush=True)
             shutil.rmtree(ws, ignore_errors=True)
-    med = {arm: {k: statistics.median(r[k] for r in rows if r["arm"] == arm) for k in ("wall_s", "pipeline_s")}
-           for arm in ARMS}
+    med = {
+        arm: {k: statistics.median(r[k] for r in rows if r["arm"] == arm) for k in ("wall_s", "pipeline_s")}
+        for arm in ARMS
+    }
     overhead = {k: round(100 * (med["default"][k] / med["none"][k] - 1), 2) for k in ("wall_s", "pipeline_s")}
     stamp = dt.date.today().isoformat()
     args.out.mkdir(parents=True, exist_ok=True)
-    result = {"date": stamp, "seed": args.seed, "threads": args.threads, "overrides": args.overrides,
-              "cores": os.cpu_count(), "rows": rows, "median": med, "overhead_percent": overhead,
-              "within_3_percent": overhead["wall_s"] <= 3.0}
+    result = {
+        "date": stamp,
+        "seed": args.seed,
+        "threads": args.threads,
+        "overrides": args.overrides,
+        "cores": os.cpu_count(),
+        "rows": rows,
+        "median": med,
+        "overhead_percent": overhead,
+        "within_3_percent": overhead["wall_s"] <= 3.0,
+    }
     (args.out / f"whole_run_{stamp}.json").write_text(json.dumps(result, indent=1))
-    lines = [f"# Tracking overhead on the whole default run, {stamp} ({os.cpu_count()} cores, seed {args.seed}, "
-             f"threads {args.threads})", "",
-             "| repeat | arm | wall s | pipeline s | RL held-out | load before |", "|---|---|---|---|---|---|"]
-    lines += [f"| {r['repeat']} | {r['arm']} | {r['wall_s']} | {r['pipeline_s']} | {r['rl_accuracy']} | {r['load_before']} |"
-              for r in rows]
+    lines = [
+        f"# Tracking overhead on the whole default run, {stamp} ({os.cpu_count()} cores, seed {args.seed}, "
+        f"threads {args.threads})",
+        "",
+        "| repeat | arm | wall s | pipeline s | RL held-out | load before |",
+        "|---|---|---|---|---|---|",
+    ]
+    lines += [
+        f"| {r['repeat']} | {r['arm']} | {r['wall_s']} | {r['pipeline_s']} | {r['rl_accuracy']} | {r['load_before']} |"
+        for r in rows
+    ]
     reruns = [r["cached_rerun_wall_s"] for r in rows if "cached_rerun_wall_s" in r]
     if reruns:
-        lines += ["", f"Fully cached reruns of the default arm (same command, same workspace): "
-                  f"{', '.join(f'{w} s' for w in reruns)} (median {statistics.median(reruns)} s)."]
-    lines += ["", f"Median wall: default {med['default']['wall_s']} s, none {med['none']['wall_s']} s: "
-              f"overhead {overhead['wall_s']}% (pipeline seconds: {overhead['pipeline_s']}%)."]
+        lines += [
+            "",
+            f"Fully cached reruns of the default arm (same command, same workspace): "
+            f"{', '.join(f'{w} s' for w in reruns)} (median {statistics.median(reruns)} s).",
+        ]
+    lines += [
+        "",
+        f"Median wall: default {med['default']['wall_s']} s, none {med['none']['wall_s']} s: "
+        f"overhead {overhead['wall_s']}% (pipeline seconds: {overhead['pipeline_s']}%).",
+    ]
     (args.out / f"whole_run_{stamp}.md").write_text("\n".join(lines) + "\n")
     print("\n".join(lines))
     return 0

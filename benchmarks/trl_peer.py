@@ -49,8 +49,10 @@ def workspace_inputs(ws: Path) -> tuple[Path, Path]:
         stages = json.load(open(s))["stages"]
         if "rft" in stages and "select" in stages:
             art = ws / "artifacts"
-            return (art / "model" / stages["rft"]["artifacts"]["model"],
-                    art / "selection" / stages["select"]["artifacts"]["selection"] / "prompts.parquet")
+            return (
+                art / "model" / stages["rft"]["artifacts"]["model"],
+                art / "selection" / stages["select"]["artifacts"]["selection"] / "prompts.parquet",
+            )
     raise SystemExit(f"no finished run with rft and select stages under {ws}/runs")
 
 
@@ -62,9 +64,16 @@ def load_prompts(model_dir: Path, prompts_path: Path):
 
     tok = load_tokenizer(model_dir)
     rows = read_table(prompts_path)
-    return tok, [PromptItem(prompt_id=r["prompt_id"], text=r["problem"], answer=r["answer"],
-                            prompt_tokens=encode_problem(tok, PROMPT_TEMPLATE, r["problem"]), level=r.get("level"))
-                 for r in rows]
+    return tok, [
+        PromptItem(
+            prompt_id=r["prompt_id"],
+            text=r["problem"],
+            answer=r["answer"],
+            prompt_tokens=encode_problem(tok, PROMPT_TEMPLATE, r["problem"]),
+            level=r.get("level"),
+        )
+        for r in rows
+    ]
 
 
 def completion_lengths(completions, eos_id: int) -> list[int]:
@@ -72,12 +81,16 @@ def completion_lengths(completions, eos_id: int) -> list[int]:
     import torch
 
     is_eos = completions == eos_id
-    first = torch.where(is_eos.any(1), is_eos.int().argmax(1) + 1, torch.full_like(is_eos[:, 0], completions.shape[1],
-                                                                                      dtype=torch.long))
+    first = torch.where(
+        is_eos.any(1),
+        is_eos.int().argmax(1) + 1,
+        torch.full_like(is_eos[:, 0], completions.shape[1], dtype=torch.long),
+    )
     return first.tolist()
 
 
 # ------------------------------------------------------------------------------------------ workers
+
 
 def run_laminar(args, reference: bool) -> dict:
     import torch
@@ -90,9 +103,16 @@ def run_laminar(args, reference: bool) -> dict:
     from training.rl.loop import run_sync
     from training.rl.stage import objective_params
 
-    cfg = load_config([f"seed={args.seed}", f"rl.steps={args.warmup + args.steps}",
-                       f"rl.prompts_per_step={args.prompts_per_step}", f"rl.group_size={args.group_size}",
-                       f"rl.max_new_tokens={args.max_new_tokens}", "rl.eval_every=0"])
+    cfg = load_config(
+        [
+            f"seed={args.seed}",
+            f"rl.steps={args.warmup + args.steps}",
+            f"rl.prompts_per_step={args.prompts_per_step}",
+            f"rl.group_size={args.group_size}",
+            f"rl.max_new_tokens={args.max_new_tokens}",
+            "rl.eval_every=0",
+        ]
+    )
     model, tok = load_model(args.model_dir, "cpu")
     _, prompts = load_prompts(args.model_dir, args.prompts)
     gen_calls: list[tuple[float, int]] = []
@@ -111,10 +131,23 @@ def run_laminar(args, reference: bool) -> dict:
             trainer_mod.REFERENCE_FORWARD = True
     stamps = [time.perf_counter()]
     with Verifier(timeout_s=cfg.eval.verifier_timeout_s) as verifier:
-        run_sync(model, tok, prompts, verifier, objective_params(cfg.rl), cfg.rl, seed=args.seed, device="cpu",
-                 on_step=lambda m: stamps.append(time.perf_counter()))
-    return {"step_s": [b - a for a, b in zip(stamps, stamps[1:])], "gen_s": [g for g, _ in gen_calls],
-            "tokens": [n for _, n in gen_calls], "torch_threads": torch.get_num_threads()}
+        run_sync(
+            model,
+            tok,
+            prompts,
+            verifier,
+            objective_params(cfg.rl),
+            cfg.rl,
+            seed=args.seed,
+            device="cpu",
+            on_step=lambda m: stamps.append(time.perf_counter()),
+        )
+    return {
+        "step_s": [b - a for a, b in zip(stamps, stamps[1:])],
+        "gen_s": [g for g, _ in gen_calls],
+        "tokens": [n for _, n in gen_calls],
+        "torch_threads": torch.get_num_threads(),
+    }
 
 
 def run_trl(args) -> dict:
@@ -131,10 +164,13 @@ def run_trl(args) -> dict:
     tok, prompts = load_prompts(args.model_dir, args.prompts)
     bos = tok.bos_token or ""
     # the prompt text TRL tokenizes (no special tokens added) gives exactly the project's prompt ids
-    data = Dataset.from_list([{"prompt": bos + PROMPT_TEMPLATE.replace("{problem}", p.text), "answer": p.answer}
-                              for p in prompts])
+    data = Dataset.from_list(
+        [{"prompt": bos + PROMPT_TEMPLATE.replace("{problem}", p.text), "answer": p.answer} for p in prompts]
+    )
     known = {tuple(p.prompt_tokens) for p in prompts}
-    model = AutoModelForCausalLM.from_pretrained(str(args.model_dir), use_safetensors=True, dtype=torch.float32)
+    model = AutoModelForCausalLM.from_pretrained(
+        str(args.model_dir), use_safetensors=True, dtype=torch.float32
+    )
     gen_calls: list[tuple[float, int]] = []
     mismatched = [0]
     original = model.generate
@@ -162,26 +198,60 @@ def run_trl(args) -> dict:
             stamps.append(time.perf_counter())
 
     with Verifier(timeout_s=cfg.eval.verifier_timeout_s) as verifier:
+
         def reward(prompts, completions, answer, **kw):
             return [v.reward for v in verifier.verify_batch(list(completions), list(answer))]
 
         out_dir = tempfile.mkdtemp(prefix="trl_peer-")
         gcfg = GRPOConfig(
-            output_dir=out_dir, per_device_train_batch_size=args.prompts_per_step * args.group_size,
-            num_generations=args.group_size, max_completion_length=args.max_new_tokens,
-            max_steps=args.warmup + args.steps, learning_rate=cfg.rl.lr, adam_beta1=0.9, adam_beta2=0.99,
-            weight_decay=cfg.rl.weight_decay, max_grad_norm=cfg.rl.max_grad_norm, lr_scheduler_type="constant",
-            warmup_steps=0, optim="adamw_torch", beta=0.0, loss_type="grpo", scale_rewards="group", epsilon=0.2,
-            temperature=1.0, top_p=1.0, top_k=0, use_cpu=True, bf16=False, fp16=False, report_to="none",
-            logging_steps=1, save_strategy="no", seed=args.seed, dataloader_num_workers=0, log_completions=False,
-            disable_tqdm=True)
-        trainer = GRPOTrainer(model=model, reward_funcs=reward, args=gcfg, train_dataset=data, processing_class=tok,
-                              callbacks=[Stamp()])
+            output_dir=out_dir,
+            per_device_train_batch_size=args.prompts_per_step * args.group_size,
+            num_generations=args.group_size,
+            max_completion_length=args.max_new_tokens,
+            max_steps=args.warmup + args.steps,
+            learning_rate=cfg.rl.lr,
+            adam_beta1=0.9,
+            adam_beta2=0.99,
+            weight_decay=cfg.rl.weight_decay,
+            max_grad_norm=cfg.rl.max_grad_norm,
+            lr_scheduler_type="constant",
+            warmup_steps=0,
+            optim="adamw_torch",
+            beta=0.0,
+            loss_type="grpo",
+            scale_rewards="group",
+            epsilon=0.2,
+            temperature=1.0,
+            top_p=1.0,
+            top_k=0,
+            use_cpu=True,
+            bf16=False,
+            fp16=False,
+            report_to="none",
+            logging_steps=1,
+            save_strategy="no",
+            seed=args.seed,
+            dataloader_num_workers=0,
+            log_completions=False,
+            disable_tqdm=True,
+        )
+        trainer = GRPOTrainer(
+            model=model,
+            reward_funcs=reward,
+            args=gcfg,
+            train_dataset=data,
+            processing_class=tok,
+            callbacks=[Stamp()],
+        )
         torch.set_num_threads(args.threads)  # after the Trainer set-up (accelerate may touch it)
         trainer.train()
-    return {"step_s": [b - a for a, b in zip(stamps, stamps[1:])], "gen_s": [g for g, _ in gen_calls],
-            "tokens": [n for _, n in gen_calls], "prompt_mismatches": mismatched[0],
-            "torch_threads": torch.get_num_threads()}
+    return {
+        "step_s": [b - a for a, b in zip(stamps, stamps[1:])],
+        "gen_s": [g for g, _ in gen_calls],
+        "tokens": [n for _, n in gen_calls],
+        "prompt_mismatches": mismatched[0],
+        "torch_threads": torch.get_num_threads(),
+    }
 
 
 def worker(args) -> None:
@@ -191,23 +261,34 @@ def worker(args) -> None:
 
     setup_torch(args.threads, args.seed)
     t0 = time.perf_counter()
-    res = run_trl(args) if args.worker == "trl" else run_laminar(args, reference=args.worker == "laminar-reference")
+    res = (
+        run_trl(args)
+        if args.worker == "trl"
+        else run_laminar(args, reference=args.worker == "laminar-reference")
+    )
     res["process_s"] = time.perf_counter() - t0
     n = len(res["step_s"])
     if len(res["gen_s"]) != n or n != args.warmup + args.steps:
-        raise SystemExit(f"{args.worker}: {n} steps and {len(res['gen_s'])} generate calls, expected "
-                         f"{args.warmup + args.steps} each")
+        raise SystemExit(
+            f"{args.worker}: {n} steps and {len(res['gen_s'])} generate calls, expected "
+            f"{args.warmup + args.steps} each"
+        )
     w = args.warmup
     step_s, gen_s, toks = res["step_s"][w:], res["gen_s"][w:], res["tokens"][w:]
-    res.update(variant=args.worker, torch_version=torch.__version__,
-               median_step_s=statistics.median(step_s),
-               step_tokens_per_s=sum(toks) / sum(step_s), gen_tokens_per_s=sum(toks) / sum(gen_s),
-               mean_response_tokens=sum(toks) / len(toks) / (args.prompts_per_step * args.group_size),
-               median_update_s=statistics.median(s - g for s, g in zip(step_s, gen_s)))
+    res.update(
+        variant=args.worker,
+        torch_version=torch.__version__,
+        median_step_s=statistics.median(step_s),
+        step_tokens_per_s=sum(toks) / sum(step_s),
+        gen_tokens_per_s=sum(toks) / sum(gen_s),
+        mean_response_tokens=sum(toks) / len(toks) / (args.prompts_per_step * args.group_size),
+        median_update_s=statistics.median(s - g for s, g in zip(step_s, gen_s)),
+    )
     Path(args.result).write_text(json.dumps(res, indent=1))
 
 
 # ------------------------------------------------------------------------------------------ driver
+
 
 def loadavg() -> float:
     try:
@@ -218,8 +299,11 @@ def loadavg() -> float:
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--workspace", type=Path, help="a workspace with a finished default run (its RFT checkpoint "
-                                                   "and selected prompts)")
+    ap.add_argument(
+        "--workspace",
+        type=Path,
+        help="a workspace with a finished default run (its RFT checkpoint and selected prompts)",
+    )
     ap.add_argument("--model-dir", type=Path)
     ap.add_argument("--prompts", type=Path)
     ap.add_argument("--rounds", type=int, default=3)
@@ -245,44 +329,89 @@ def main() -> None:
 
     runs: list[dict] = []
     for r in range(args.rounds):
-        order = args.variants[r % len(args.variants):] + args.variants[:r % len(args.variants)]
+        order = args.variants[r % len(args.variants) :] + args.variants[: r % len(args.variants)]
         for v in order:
             with tempfile.NamedTemporaryFile(suffix=".json", delete=False) as f:
                 result = f.name
-            cmd = [sys.executable, __file__, "--worker", v, "--result", result, "--model-dir", str(args.model_dir),
-                   "--prompts", str(args.prompts), "--steps", str(args.steps), "--warmup", str(args.warmup),
-                   "--threads", str(args.threads), "--prompts-per-step", str(args.prompts_per_step),
-                   "--group-size", str(args.group_size), "--max-new-tokens", str(args.max_new_tokens),
-                   "--seed", str(args.seed)]
-            env = {**os.environ, "OMP_NUM_THREADS": str(args.threads), "TOKENIZERS_PARALLELISM": "false",
-                   "PYTHONPATH": str(ROOT) + os.pathsep + os.environ.get("PYTHONPATH", "")}
+            cmd = [
+                sys.executable,
+                __file__,
+                "--worker",
+                v,
+                "--result",
+                result,
+                "--model-dir",
+                str(args.model_dir),
+                "--prompts",
+                str(args.prompts),
+                "--steps",
+                str(args.steps),
+                "--warmup",
+                str(args.warmup),
+                "--threads",
+                str(args.threads),
+                "--prompts-per-step",
+                str(args.prompts_per_step),
+                "--group-size",
+                str(args.group_size),
+                "--max-new-tokens",
+                str(args.max_new_tokens),
+                "--seed",
+                str(args.seed),
+            ]
+            env = {
+                **os.environ,
+                "OMP_NUM_THREADS": str(args.threads),
+                "TOKENIZERS_PARALLELISM": "false",
+                "PYTHONPATH": str(ROOT) + os.pathsep + os.environ.get("PYTHONPATH", ""),
+            }
             load0 = loadavg()
             subprocess.run(cmd, check=True, env=env, cwd=ROOT)
             res = json.loads(Path(result).read_text())
             os.unlink(result)
             res.update(round=r, load_before=load0, load_after=loadavg())
             runs.append(res)
-            print(f"round {r} {v:18s} {res['median_step_s']:.3f} s/step | step {res['step_tokens_per_s']:7.0f} tok/s | "
-                  f"gen {res['gen_tokens_per_s']:7.0f} tok/s | update {res['median_update_s']:.3f} s | "
-                  f"len {res['mean_response_tokens']:.1f} | load {load0:.2f}->{res['load_after']:.2f}", flush=True)
+            print(
+                f"round {r} {v:18s} {res['median_step_s']:.3f} s/step | step {res['step_tokens_per_s']:7.0f} tok/s | "
+                f"gen {res['gen_tokens_per_s']:7.0f} tok/s | update {res['median_update_s']:.3f} s | "
+                f"len {res['mean_response_tokens']:.1f} | load {load0:.2f}->{res['load_after']:.2f}",
+                flush=True,
+            )
 
     summary = {}
     for v in args.variants:
         mine = [x for x in runs if x["variant"] == v]
-        summary[v] = {k: statistics.median(x[k] for x in mine)
-                      for k in ("median_step_s", "step_tokens_per_s", "gen_tokens_per_s", "median_update_s",
-                                "mean_response_tokens")}
+        summary[v] = {
+            k: statistics.median(x[k] for x in mine)
+            for k in (
+                "median_step_s",
+                "step_tokens_per_s",
+                "gen_tokens_per_s",
+                "median_update_s",
+                "mean_response_tokens",
+            )
+        }
     ratios = {}
     if "trl" in summary:
         for v in args.variants:
             if v != "trl":
-                ratios[v] = {"step_tokens_per_s": summary[v]["step_tokens_per_s"] / summary["trl"]["step_tokens_per_s"],
-                             "gen_tokens_per_s": summary[v]["gen_tokens_per_s"] / summary["trl"]["gen_tokens_per_s"],
-                             "seconds_per_step": summary["trl"]["median_step_s"] / summary[v]["median_step_s"]}
-    out = {"config": {k: str(v) if isinstance(v, Path) else v for k, v in vars(args).items()
-                      if k not in ("worker", "result")},
-           "machine": {"cpus": os.cpu_count(), "loadavg_end": open("/proc/loadavg").read().strip()},
-           "summary": summary, "ratios_vs_trl": ratios, "runs": runs}
+                ratios[v] = {
+                    "step_tokens_per_s": summary[v]["step_tokens_per_s"]
+                    / summary["trl"]["step_tokens_per_s"],
+                    "gen_tokens_per_s": summary[v]["gen_tokens_per_s"] / summary["trl"]["gen_tokens_per_s"],
+                    "seconds_per_step": summary["trl"]["median_step_s"] / summary[v]["median_step_s"],
+                }
+    out = {
+        "config": {
+            k: str(v) if isinstance(v, Path) else v
+            for k, v in vars(args).items()
+            if k not in ("worker", "result")
+        },
+        "machine": {"cpus": os.cpu_count(), "loadavg_end": open("/proc/loadavg").read().strip()},
+        "summary": summary,
+        "ratios_vs_trl": ratios,
+        "runs": runs,
+    }
     args.out.mkdir(parents=True, exist_ok=True)
     path = args.out / f"trl_peer_{args.tag}.json"
     path.write_text(json.dumps(out, indent=1))

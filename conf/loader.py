@@ -8,7 +8,8 @@ from __future__ import annotations
 import re
 from dataclasses import asdict
 from pathlib import Path
-from typing import Any, Sequence
+from typing import Any
+from collections.abc import Sequence
 
 from conf.schema import Config, ConfigError, validate
 
@@ -21,8 +22,10 @@ def _explain_composition(err: Exception, overrides: Sequence[str]) -> str:
     if typed:
         key = typed.group(1).lstrip("+~")
         why = str(err.__cause__ or err).strip().splitlines()[0]
-        return (f"config key '{key}': {why}; give {key} a value of the type its default has "
-                "(`laminar config` shows it)")
+        return (
+            f"config key '{key}': {why}; give {key} a value of the type its default has "
+            "(`laminar config` shows it)"
+        )
     missing = re.search(r"override '([^']+)'", text) or re.search(r"Key '([^']+)' is not in struct", text)
     if missing:
         key = missing.group(1)
@@ -70,7 +73,9 @@ def load_config(overrides: Sequence[str] = ()) -> Config:
         raise ConfigError(_explain_composition(err, overrides)) from None
     unknown = _unknown_keys(raw, Config)
     if unknown:
-        raise ConfigError(f"unknown config key '{unknown[0]}': check the spelling (`laminar config` prints every key)")
+        raise ConfigError(
+            f"unknown config key '{unknown[0]}': check the spelling (`laminar config` prints every key)"
+        )
     try:
         merged = OmegaConf.merge(OmegaConf.structured(Config), raw)
         cfg = OmegaConf.to_object(merged)
@@ -78,8 +83,12 @@ def load_config(overrides: Sequence[str] = ()) -> Config:
         key = getattr(err, "full_key", None) or "?"
         msg = str(err).splitlines()[0]
         if "not in struct" in str(err) or type(err).__name__ == "ConfigKeyError":
-            raise ConfigError(f"unknown config key '{key}': check the spelling (`laminar config` prints every key)") from None
-        raise ConfigError(f"config key '{key}': {msg}; give {key} a value of the type its default has") from None
+            raise ConfigError(
+                f"unknown config key '{key}': check the spelling (`laminar config` prints every key)"
+            ) from None
+        raise ConfigError(
+            f"config key '{key}': {msg}; give {key} a value of the type its default has"
+        ) from None
     assert isinstance(cfg, Config)
     return check_source_names(validate(cfg))
 
@@ -92,8 +101,10 @@ def check_source_names(cfg: Config) -> Config:
     (``sources/<name>/``), so a name such as ``../..`` never reaches outside it."""
     for i, src in enumerate(cfg.data.sources):
         if not isinstance(src.name, str) or not SOURCE_NAME.fullmatch(src.name):
-            raise ConfigError(f"data.sources[{i}].name={src.name!r} is not an identifier: use letters, digits, _ and - "
-                              "(starting with a letter or _, at most 64 characters), e.g. name: my_pool")
+            raise ConfigError(
+                f"data.sources[{i}].name={src.name!r} is not an identifier: use letters, digits, _ and - "
+                "(starting with a letter or _, at most 64 characters), e.g. name: my_pool"
+            )
     return cfg
 
 
@@ -117,8 +128,10 @@ def deepspeed_config(name: str) -> dict:
         path = Path(name)
     if not path.is_file():
         options = sorted(p.stem for p in (CONF_DIR / "deepspeed").glob("*.json"))
-        raise ConfigError(f"trainer.deepspeed={name!r}: no such config; choose one of {', '.join(options)} "
-                          "or give the path of a DeepSpeed JSON file")
+        raise ConfigError(
+            f"trainer.deepspeed={name!r}: no such config; choose one of {', '.join(options)} "
+            "or give the path of a DeepSpeed JSON file"
+        )
     try:
         cfg = json.loads(path.read_text(encoding="utf-8"))
     except json.JSONDecodeError as err:

@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass, field
-from typing import List, Optional
 
 
 LORA_STAGES = ("warmup", "rft", "rl")
@@ -30,8 +29,8 @@ class LoraConfig:
     alpha: float = 32.0
     """The adapter's output is scaled by alpha / rank."""
     dropout: float = 0.0
-    target_modules: List[str] = field(default_factory=lambda: list(LLAMA_LINEAR_MODULES))
-    stages: List[str] = field(default_factory=lambda: list(LORA_STAGES))
+    target_modules: list[str] = field(default_factory=lambda: list(LLAMA_LINEAR_MODULES))
+    stages: list[str] = field(default_factory=lambda: list(LORA_STAGES))
     """Which training stages train adapters (the others train every weight of what they start from:
     an adapter they start from is merged first). The tiny default model starts from random weights,
     which a low-rank adapter cannot teach the task: there use ``stages=[rft,rl]`` (docs/lora.md)."""
@@ -46,7 +45,7 @@ class ModelConfig:
     tokenizer from the fields below; ``kind=hf`` loads any local Hugging Face causal LM from ``path``."""
 
     kind: str = "tiny"
-    path: Optional[str] = None
+    path: str | None = None
     hidden_size: int = 128
     intermediate_size: int = 384
     num_layers: int = 4
@@ -71,10 +70,10 @@ class SourceConfig:
     format: str = "auto"  # auto | jsonl | json | parquet | hf | verl
     problem_field: str = "problem"
     answer_field: str = "answer"
-    id_field: Optional[str] = None
-    level_field: Optional[str] = None
-    subject_field: Optional[str] = None
-    extra_fields: List[str] = field(default_factory=list)
+    id_field: str | None = None
+    level_field: str | None = None
+    subject_field: str | None = None
+    extra_fields: list[str] = field(default_factory=list)
     split: str = "train"
 
 
@@ -84,10 +83,10 @@ class DataConfig:
     and adds ``sources``; ``source=files`` takes only ``sources`` (``data=math`` is one such preset)."""
 
     source: str = "arith"
-    sources: List[SourceConfig] = field(default_factory=list)
+    sources: list[SourceConfig] = field(default_factory=list)
     pool_size: int = 6000
     heldout_size: int = 300
-    levels: List[int] = field(default_factory=lambda: [1, 2, 3, 4, 5])
+    levels: list[int] = field(default_factory=lambda: [1, 2, 3, 4, 5])
     demo_error_rate: float = 0.15
     """Per-step chance that a warm-up demonstration's result is off by 1-2 (an imperfect teacher);
     gold solutions and answers stay exact. RL with the verifier is what corrects the slips."""
@@ -108,7 +107,7 @@ class SFTConfig:
     warmup_steps: int = 20
     weight_decay: float = 0.0
     max_grad_norm: float = 1.0
-    levels: List[int] = field(default_factory=lambda: [1, 2, 3, 4, 5])
+    levels: list[int] = field(default_factory=lambda: [1, 2, 3, 4, 5])
 
 
 @dataclass
@@ -137,18 +136,18 @@ class RLConfig:
     on-policy and the clip bounds never bind; with more, later steps are clipped against the
     proximal log-probs taken before the first."""
     # Overrides of the algorithm's preset (training.objectives.PRESETS); None keeps the preset's value.
-    advantage: Optional[str] = None  # grpo | dr_grpo | batch
-    loss_agg: Optional[str] = None  # token_mean | seq_mean | seq_sum_const
-    behaviour_weight: Optional[str] = None  # truncate | mask | none (off-policy correction)
-    is_cap: Optional[float] = None
-    clip_low: Optional[float] = None
-    clip_high: Optional[float] = None
-    dual_clip: Optional[float] = None
-    dynamic_sampling: Optional[bool] = None
-    max_sampling_rounds: Optional[int] = None
-    overlong_shaping: Optional[bool] = None
-    overlong_filter: Optional[bool] = None
-    kl_coef: Optional[float] = None
+    advantage: str | None = None  # grpo | dr_grpo | batch
+    loss_agg: str | None = None  # token_mean | seq_mean | seq_sum_const
+    behaviour_weight: str | None = None  # truncate | mask | none (off-policy correction)
+    is_cap: float | None = None
+    clip_low: float | None = None
+    clip_high: float | None = None
+    dual_clip: float | None = None
+    dynamic_sampling: bool | None = None
+    max_sampling_rounds: int | None = None
+    overlong_shaping: bool | None = None
+    overlong_filter: bool | None = None
+    kl_coef: float | None = None
     overlong_cache_len: int = 16
     """DAPO's soft-punishment buffer L_cache, in tokens before ``max_new_tokens`` (the DAPO paper uses
     4,096 of 20,480; here 16 of 64, the same order of share)."""
@@ -159,7 +158,7 @@ class RLConfig:
     """``local``: the in-process synchronous loop (sync only; deterministic metrics on the CPU);
     ``ray``: the Laminar runtime (trainer, relays, rollouts as Ray actors; every mode);
     ``auto``: local for ``mode=sync``, ray otherwise."""
-    max_staleness: Optional[int] = 1
+    max_staleness: int | None = 1
     """Asynchronous modes: a group generated more than this many versions behind the trainer is
     regenerated instead of trained on (null: no bound, as in the Laminar paper). On the default task
     a bound of 4 cost 0.05 held-out accuracy over 3 seeds; 1 matches sync (benchmarks/modes_accuracy.py)."""
@@ -187,7 +186,7 @@ class RLConfig:
 class EvalConfig:
     """Held-out evaluation of checkpoints: ``n_samples`` sampled responses per problem (avg@n)."""
 
-    benchmarks: List[str] = field(default_factory=lambda: ["arith_heldout"])
+    benchmarks: list[str] = field(default_factory=lambda: ["arith_heldout"])
     n_samples: int = 4
     temperature: float = 1.0
     max_new_tokens: int = 64
@@ -227,7 +226,7 @@ class DecontamConfig:
     min_coverage: float = 0.7
     """A prompt is contaminated when the n-grams it shares with a benchmark item cover at least this
     share of the item's tokens (one shared 13-gram alone flags LaTeX boilerplate: 1,299 of MATH train)."""
-    benchmarks: List[str] = field(default_factory=list)
+    benchmarks: list[str] = field(default_factory=list)
     """Benchmarks to check the pool against besides ``eval.benchmarks`` (ones you will score later
     with ``laminar eval``: a score on a benchmark the pool was not checked against is certified
     ``not-checked``)."""
@@ -290,8 +289,8 @@ class SelectConfig:
     """HIVE: coarse learning-edge selection before RL, online pruning during RL."""
 
     strategy: str = "hive"  # hive | uniform (every curated prompt, no online pruning)
-    max_prompts: Optional[int] = None
-    history_prompts: Optional[int] = 750
+    max_prompts: int | None = None
+    history_prompts: int | None = 750
     """Pool prompts sampled with the model RL starts from (stage ``difficulty_rft``, k =
     ``curation.difficulty.samples`` each) for the learning edge, at most ``curation.difficulty.max_prompts``
     when that is set (so a small test config scales both down): None = ``curation.difficulty.max_prompts``,
@@ -333,8 +332,8 @@ class ClusterConfig:
     rollouts go round-robin over the nodes (head first), the trainer on node ``trainer_node``.
     CPUs per role are Ray logical resources (fractions allowed)."""
 
-    address: Optional[str] = None
-    num_cpus: Optional[int] = None
+    address: str | None = None
+    num_cpus: int | None = None
     rollouts: int = 2
     trainer_cpus: float = 0.5
     rollout_cpus: float = 0.5
@@ -357,7 +356,7 @@ class ClusterConfig:
     trainer_strategy: str = "PACK"
     """Placement of several trainer ranks (``trainer.ranks`` > 1): a Ray placement group with this
     strategy (PACK, SPREAD, STRICT_PACK, STRICT_SPREAD)."""
-    rollout_nodes: List[int] = field(default_factory=list)
+    rollout_nodes: list[int] = field(default_factory=list)
     """Node indices the rollouts go to, round-robin (empty: every node, head first)."""
     rollout_gpus: float = 0.0
     """GPUs per rollout actor (Ray resource; a vLLM rollout needs 1), and ``trainer_gpus`` per trainer rank."""
@@ -381,7 +380,7 @@ class RolloutConfig:
     """Fixed-shape decode over a static slot KV cache (``generation/static_slots.py``)."""
     cuda_graphs: bool = False
     """Capture the decode forward in CUDA graphs (implies static_cache; ignored off CUDA)."""
-    vllm_python: Optional[str] = None
+    vllm_python: str | None = None
     """vLLM's interpreter; default $LAMINAR_VLLM_PYTHON, else .venv-vllm/bin/python."""
     vllm_gpu_memory_utilization: float = 0.85
     vllm_enforce_eager: bool = False
@@ -413,8 +412,8 @@ class TrackingConfig:
     unless ``mlflow_uri``), wandb (offline files under ``<workspace>/tracking`` unless logged in); []
     logs nothing. Not part of any stage's cache key: changing it reruns nothing."""
 
-    backends: List[str] = field(default_factory=lambda: ["tensorboard"])
-    mlflow_uri: Optional[str] = None
+    backends: list[str] = field(default_factory=lambda: ["tensorboard"])
+    mlflow_uri: str | None = None
     """An MLflow tracking URI (``http://127.0.0.1:5000``, ``sqlite:///path.db``); None: the workspace's store."""
     mlflow_experiment: str = "laminar"
     wandb_project: str = "laminar"
@@ -461,9 +460,11 @@ VLLM_MAX_LORA_RANK = 512  # generation.vllm_worker.VLLM_LORA_RANKS[-1] (a test c
 ROLLOUT_DTYPES = ("auto", "float32", "bfloat16", "float16")
 DEVICES = ("cpu", "cuda", "auto")
 # tracking backend -> (the module it imports, the one-line install command; pins as in requirements.txt)
-TRACKING_BACKENDS = {"tensorboard": ("tensorboard", "pip install tensorboard==2.21.0"),
-                     "mlflow": ("mlflow", "pip install mlflow-skinny==3.18.0"),
-                     "wandb": ("wandb", "pip install wandb==0.31.0")}
+TRACKING_BACKENDS = {
+    "tensorboard": ("tensorboard", "pip install tensorboard==2.21.0"),
+    "mlflow": ("mlflow", "pip install mlflow-skinny==3.18.0"),
+    "wandb": ("wandb", "pip install wandb==0.31.0"),
+}
 WANDB_MODES = ("auto", "offline", "online")
 
 
@@ -517,15 +518,19 @@ def validate(cfg: Config) -> Config:
     _one_of("rl.mode", cfg.rl.mode, RL_MODES)
     _one_of("rl.runtime", cfg.rl.runtime, RL_RUNTIMES)
     if cfg.rl.runtime == "local" and cfg.rl.mode != "sync":
-        raise ConfigError(f"rl.mode={cfg.rl.mode} needs the Ray runtime: drop rl.runtime=local (or set rl.runtime=ray)")
+        raise ConfigError(
+            f"rl.mode={cfg.rl.mode} needs the Ray runtime: drop rl.runtime=local (or set rl.runtime=ray)"
+        )
     _one_of("trainer.backend", cfg.trainer.backend, TRAINER_BACKENDS)
     _one_of("trainer.dist_backend", cfg.trainer.dist_backend, DIST_BACKENDS)
     _one_of("cluster.trainer_strategy", cfg.cluster.trainer_strategy, PLACEMENT_STRATEGIES)
     _positive(cfg, "trainer.ranks")
     if not cfg.trainer.is_default():
         if cfg.rl.runtime == "local":
-            raise ConfigError(f"trainer.backend={cfg.trainer.backend} trainer.ranks={cfg.trainer.ranks} needs the Ray "
-                              "runtime: drop rl.runtime=local (or set rl.runtime=ray)")
+            raise ConfigError(
+                f"trainer.backend={cfg.trainer.backend} trainer.ranks={cfg.trainer.ranks} needs the Ray "
+                "runtime: drop rl.runtime=local (or set rl.runtime=ray)"
+            )
         cfg.rl.runtime = "ray"  # auto: the trainer's backend and ranks live on the Ray runtime
     if cfg.trainer.dist_backend == "nccl" and cfg.device == "cpu":
         raise ConfigError("trainer.dist_backend=nccl needs device=cuda; use gloo (or auto) on the CPU")
@@ -535,39 +540,67 @@ def validate(cfg: Config) -> Config:
         raise ConfigError("rollout.sync_every must be >= 0 and rollout.vllm_gpu_memory_utilization in (0, 1]")
     if cfg.rollout.engine != "torch":
         if cfg.rollout.engine == "vllm" and cfg.device == "cpu":
-            raise ConfigError("rollout.engine=vllm needs device=cuda (vLLM generates on GPUs); use rollout.engine=torch "
-                              "on the CPU")
+            raise ConfigError(
+                "rollout.engine=vllm needs device=cuda (vLLM generates on GPUs); use rollout.engine=torch "
+                "on the CPU"
+            )
         if cfg.rl.runtime == "local":
-            raise ConfigError(f"rollout.engine={cfg.rollout.engine} runs in the Ray runtime's rollouts: drop "
-                              "rl.runtime=local")
+            raise ConfigError(
+                f"rollout.engine={cfg.rollout.engine} runs in the Ray runtime's rollouts: drop "
+                "rl.runtime=local"
+            )
         cfg.rl.runtime = "ray"
     if cfg.cluster.rollout_gpus < 0:
         raise ConfigError("cluster.rollout_gpus must be >= 0")
     if any(n < 0 for n in cfg.cluster.rollout_nodes):
-        raise ConfigError(f"cluster.rollout_nodes={cfg.cluster.rollout_nodes}: node indices are >= 0 (0 = head)")
+        raise ConfigError(
+            f"cluster.rollout_nodes={cfg.cluster.rollout_nodes}: node indices are >= 0 (0 = head)"
+        )
     if cfg.rl.max_staleness is not None and cfg.rl.max_staleness < 0:
         raise ConfigError("rl.max_staleness must be >= 0 or null")
     if cfg.rl.admit_lag < 1:
-        raise ConfigError(f"rl.admit_lag={cfg.rl.admit_lag}: must be >= 1 (1 = drain at the first newer version)")
+        raise ConfigError(
+            f"rl.admit_lag={cfg.rl.admit_lag}: must be >= 1 (1 = drain at the first newer version)"
+        )
     if cfg.rl.max_staleness is not None and cfg.rl.admit_lag > max(1, cfg.rl.max_staleness):
-        raise ConfigError(f"rl.admit_lag={cfg.rl.admit_lag} > rl.max_staleness={cfg.rl.max_staleness}: responses "
-                          "started that far behind would be regenerated as too stale; raise rl.max_staleness "
-                          "(or null) or lower rl.admit_lag")
-    _positive(cfg, "rl.rollout_capacity", "rl.chunk_steps", "rl.repack_interval_s", "cluster.rollouts",
-              "cluster.actor_threads")
+        raise ConfigError(
+            f"rl.admit_lag={cfg.rl.admit_lag} > rl.max_staleness={cfg.rl.max_staleness}: responses "
+            "started that far behind would be regenerated as too stale; raise rl.max_staleness "
+            "(or null) or lower rl.admit_lag"
+        )
+    _positive(
+        cfg,
+        "rl.rollout_capacity",
+        "rl.chunk_steps",
+        "rl.repack_interval_s",
+        "cluster.rollouts",
+        "cluster.actor_threads",
+    )
     if cfg.cluster.driver_threads < 0:
-        raise ConfigError(f"cluster.driver_threads={cfg.cluster.driver_threads}: must be >= 0 (0 = keep `threads`)")
+        raise ConfigError(
+            f"cluster.driver_threads={cfg.cluster.driver_threads}: must be >= 0 (0 = keep `threads`)"
+        )
     _one_of("cluster.rollout_priority", cfg.cluster.rollout_priority, ROLLOUT_PRIORITIES)
     if cfg.rl.checkpoint_every < 0 or cfg.rl.repack_b < 0 or cfg.rl.micro_batch_tokens < 0:
         raise ConfigError("rl.checkpoint_every, rl.repack_b and rl.micro_batch_tokens must be >= 0")
     _one_of("device", cfg.device, DEVICES)
     if cfg.model.kind == "hf" and not cfg.model.path:
-        raise ConfigError("model=hf needs a local model folder: add model.path=DIR (a save_pretrained folder)")
+        raise ConfigError(
+            "model=hf needs a local model folder: add model.path=DIR (a save_pretrained folder)"
+        )
     if cfg.model.kind == "tiny" and cfg.model.path:
         raise ConfigError("model.path is only read with model=hf; add model=hf or drop model.path")
     _validate_lora(cfg)
-    _positive(cfg, "model.hidden_size", "model.intermediate_size", "model.num_layers", "model.num_heads",
-              "model.num_kv_heads", "model.max_seq_len", "model.rope_theta")
+    _positive(
+        cfg,
+        "model.hidden_size",
+        "model.intermediate_size",
+        "model.num_layers",
+        "model.num_heads",
+        "model.num_kv_heads",
+        "model.max_seq_len",
+        "model.rope_theta",
+    )
     if cfg.model.hidden_size % cfg.model.num_heads:
         raise ConfigError(
             f"model.hidden_size={cfg.model.hidden_size} must be divisible by model.num_heads={cfg.model.num_heads}"
@@ -576,14 +609,42 @@ def validate(cfg: Config) -> Config:
         raise ConfigError(
             f"model.num_heads={cfg.model.num_heads} must be a multiple of model.num_kv_heads={cfg.model.num_kv_heads}"
         )
-    _positive(cfg, "sft.batch_size", "sft.lr", "sft.max_grad_norm", "rl.prompts_per_step", "rl.minibatches", "rl.lr",
-              "rl.max_grad_norm", "rl.max_new_tokens", "rl.temperature", "eval.n_samples", "eval.temperature",
-              "eval.max_new_tokens", "eval.batch_size", "eval.verifier_timeout_s", "data.pool_size",
-              "data.heldout_size", "data.max_prompt_chars")
+    _positive(
+        cfg,
+        "sft.batch_size",
+        "sft.lr",
+        "sft.max_grad_norm",
+        "rl.prompts_per_step",
+        "rl.minibatches",
+        "rl.lr",
+        "rl.max_grad_norm",
+        "rl.max_new_tokens",
+        "rl.temperature",
+        "eval.n_samples",
+        "eval.temperature",
+        "eval.max_new_tokens",
+        "eval.batch_size",
+        "eval.verifier_timeout_s",
+        "data.pool_size",
+        "data.heldout_size",
+        "data.max_prompt_chars",
+    )
     # weight decay < 0 grows the weights; clipping <= 0 (or a negative norm) flips or zeroes the gradient
-    _non_negative(cfg, "sft.weight_decay", "rl.weight_decay", "sft.warmup_steps", "rl.is_cap", "rl.clip_high",
-                  "rl.dual_clip", "rl.kl_coef", "cluster.trainer_cpus", "cluster.rollout_cpus", "cluster.relay_cpus",
-                  "cluster.rollout_gpus", "cluster.trainer_gpus")
+    _non_negative(
+        cfg,
+        "sft.weight_decay",
+        "rl.weight_decay",
+        "sft.warmup_steps",
+        "rl.is_cap",
+        "rl.clip_high",
+        "rl.dual_clip",
+        "rl.kl_coef",
+        "cluster.trainer_cpus",
+        "cluster.rollout_cpus",
+        "cluster.relay_cpus",
+        "cluster.rollout_gpus",
+        "cluster.trainer_gpus",
+    )
     if cfg.rl.is_cap is not None and cfg.rl.is_cap <= 0:
         raise ConfigError(f"rl.is_cap={cfg.rl.is_cap} must be > 0 (TRL uses 3.0) or null")
     if cfg.eval.max_problems < 0:
@@ -597,13 +658,17 @@ def validate(cfg: Config) -> Config:
         )
     bad_levels = [lv for lv in cfg.data.levels if lv not in range(1, 9)]
     if bad_levels or not cfg.data.levels:
-        raise ConfigError(f"data.levels={cfg.data.levels}: levels are 1..8 (6-8: long chains of 10, 20, 30 "
-                          "operations); pick a non-empty list (a level listed twice is drawn twice as often)")
+        raise ConfigError(
+            f"data.levels={cfg.data.levels}: levels are 1..8 (6-8: long chains of 10, 20, 30 "
+            "operations); pick a non-empty list (a level listed twice is drawn twice as often)"
+        )
     if not 0 <= cfg.data.demo_error_rate < 1:
         raise ConfigError(f"data.demo_error_rate={cfg.data.demo_error_rate} must be in [0, 1)")
     if not set(cfg.sft.levels) & set(cfg.data.levels):
-        raise ConfigError(f"sft.levels={cfg.sft.levels} shares no level with data.levels={cfg.data.levels}; "
-                          "warm-up would have no examples")
+        raise ConfigError(
+            f"sft.levels={cfg.sft.levels} shares no level with data.levels={cfg.data.levels}; "
+            "warm-up would have no examples"
+        )
     if cfg.rl.dual_clip is not None and cfg.rl.dual_clip <= 1:
         raise ConfigError(f"rl.dual_clip={cfg.rl.dual_clip} must be > 1 (verl uses 3.0) or null")
     if cfg.rl.max_sampling_rounds is not None and cfg.rl.max_sampling_rounds < 1:
@@ -631,12 +696,18 @@ def _validate_lora(cfg: Config) -> None:
     for st in lo.stages:
         _one_of("model.lora.stages", st, LORA_STAGES)
     if not lo.target_modules or len(set(lo.target_modules)) != len(lo.target_modules):
-        raise ConfigError(f"model.lora.target_modules={list(lo.target_modules)}: name each module once, e.g. "
-                          f"[{','.join(LLAMA_LINEAR_MODULES[:4])}]")
+        raise ConfigError(
+            f"model.lora.target_modules={list(lo.target_modules)}: name each module once, e.g. "
+            f"[{','.join(LLAMA_LINEAR_MODULES[:4])}]"
+        )
     if lo.on("rl") and cfg.rollout.engine == "vllm" and lo.rank > VLLM_MAX_LORA_RANK:
-        raise ConfigError(f"model.lora.rank={lo.rank} with rollout.engine=vllm: vLLM takes adapters up to rank "
-                          f"{VLLM_MAX_LORA_RANK}; lower model.lora.rank or use rollout.engine=torch")
-    if cfg.model.kind == "tiny":  # the tiny model's linear layers are known: a typo fails here, before any write
+        raise ConfigError(
+            f"model.lora.rank={lo.rank} with rollout.engine=vllm: vLLM takes adapters up to rank "
+            f"{VLLM_MAX_LORA_RANK}; lower model.lora.rank or use rollout.engine=torch"
+        )
+    if (
+        cfg.model.kind == "tiny"
+    ):  # the tiny model's linear layers are known: a typo fails here, before any write
         for name in lo.target_modules:
             _one_of("model.lora.target_modules", name, LLAMA_LINEAR_MODULES)
 
@@ -646,7 +717,9 @@ def _validate_curation(cfg: Config) -> None:
         raise ConfigError("data.source=files needs data.sources (a list of files); or use data=math")
     names = [s.name for s in cfg.data.sources]
     if len(set(names)) != len(names) or "arith" in names and cfg.data.source == "arith":
-        raise ConfigError(f"data.sources names must be unique (and not 'arith' with data.source=arith): {names}")
+        raise ConfigError(
+            f"data.sources names must be unique (and not 'arith' with data.source=arith): {names}"
+        )
     for i, src in enumerate(cfg.data.sources):
         _one_of(f"data.sources[{i}].format", src.format, SOURCE_FORMATS)
         if not src.path:
@@ -663,26 +736,50 @@ def _validate_curation(cfg: Config) -> None:
     if not 0 < c.templates.min_share <= 1:
         raise ConfigError(f"curation.templates.min_share={c.templates.min_share} must be in (0, 1]")
     if not 0 < c.decontam.paraphrase_moderate <= c.decontam.paraphrase_high <= 1:
-        raise ConfigError(f"curation.decontam.paraphrase_moderate={c.decontam.paraphrase_moderate} and paraphrase_high="
-                          f"{c.decontam.paraphrase_high} need 0 < moderate <= high <= 1")
+        raise ConfigError(
+            f"curation.decontam.paraphrase_moderate={c.decontam.paraphrase_moderate} and paraphrase_high="
+            f"{c.decontam.paraphrase_high} need 0 < moderate <= high <= 1"
+        )
     if c.decontam.paraphrase_bands < 1 or c.decontam.paraphrase_num_perm % c.decontam.paraphrase_bands:
-        raise ConfigError(f"curation.decontam.paraphrase_num_perm={c.decontam.paraphrase_num_perm} must be a positive "
-                          f"multiple of paraphrase_bands={c.decontam.paraphrase_bands}")
-    _non_negative(cfg, "curation.rft.warmup_steps", "curation.select.round_headroom", "curation.select.min_round")
-    _positive(cfg, "curation.decontam.ngram", "curation.decontam.paraphrase_ngram", "curation.difficulty.samples",
-              "curation.difficulty.temperature",
-              "curation.difficulty.max_new_tokens", "curation.dart.k_u", "curation.dart.k_p",
-              "curation.dart.round_size", "curation.dart.temperature", "curation.rft.batch_size", "curation.rft.lr")
+        raise ConfigError(
+            f"curation.decontam.paraphrase_num_perm={c.decontam.paraphrase_num_perm} must be a positive "
+            f"multiple of paraphrase_bands={c.decontam.paraphrase_bands}"
+        )
+    _non_negative(
+        cfg, "curation.rft.warmup_steps", "curation.select.round_headroom", "curation.select.min_round"
+    )
+    _positive(
+        cfg,
+        "curation.decontam.ngram",
+        "curation.decontam.paraphrase_ngram",
+        "curation.difficulty.samples",
+        "curation.difficulty.temperature",
+        "curation.difficulty.max_new_tokens",
+        "curation.dart.k_u",
+        "curation.dart.k_p",
+        "curation.dart.round_size",
+        "curation.dart.temperature",
+        "curation.rft.batch_size",
+        "curation.rft.lr",
+    )
     if c.difficulty.samples < 2:
-        raise ConfigError("curation.difficulty.samples must be >= 2 to tell the learning edge (0 < pass rate < 1)")
+        raise ConfigError(
+            "curation.difficulty.samples must be >= 2 to tell the learning edge (0 < pass rate < 1)"
+        )
     if c.difficulty.max_prompts < 0 or c.dart.budget < 0 or c.dart.max_trials < 0 or c.rft.steps < 0:
-        raise ConfigError("curation.difficulty.max_prompts, curation.dart.budget, curation.dart.max_trials and "
-                          "curation.rft.steps must be >= 0")
+        raise ConfigError(
+            "curation.difficulty.max_prompts, curation.dart.budget, curation.dart.max_trials and "
+            "curation.rft.steps must be >= 0"
+        )
     if c.select.round_headroom < 1.0 or not 0.0 <= c.select.min_round <= 1.5:
-        raise ConfigError("curation.select.round_headroom must be >= 1 and curation.select.min_round in [0, 1.5]")
+        raise ConfigError(
+            "curation.select.round_headroom must be >= 1 and curation.select.min_round in [0, 1.5]"
+        )
     if not 0.0 <= c.select.greso_hard_threshold < c.select.greso_easy_threshold <= 1.0:
-        raise ConfigError("curation.select needs 0 <= greso_hard_threshold < greso_easy_threshold <= 1, got "
-                          f"{c.select.greso_hard_threshold} and {c.select.greso_easy_threshold}")
+        raise ConfigError(
+            "curation.select needs 0 <= greso_hard_threshold < greso_easy_threshold <= 1, got "
+            f"{c.select.greso_hard_threshold} and {c.select.greso_easy_threshold}"
+        )
     if c.select.max_prompts is not None and c.select.max_prompts < 1:
         raise ConfigError("curation.select.max_prompts must be >= 1 or null")
     if c.select.history_prompts is not None and c.select.history_prompts < 0:
@@ -701,5 +798,7 @@ def _validate_tracking(cfg: Config) -> None:
         _one_of("tracking.backends", name, tuple(TRACKING_BACKENDS))
         module, install = TRACKING_BACKENDS[name]
         if importlib.util.find_spec(module) is None:
-            raise ConfigError(f"tracking.backends: {name} is not installed; install it with `{install}` "
-                              f"(or drop {name} from tracking.backends)")
+            raise ConfigError(
+                f"tracking.backends: {name} is not installed; install it with `{install}` "
+                f"(or drop {name} from tracking.backends)"
+            )

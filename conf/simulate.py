@@ -6,7 +6,7 @@ checks it); an unknown key or a wrong type fails here, before anything is writte
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Any, List, Optional
+from typing import Any
 
 from conf.schema import ConfigError
 
@@ -47,11 +47,11 @@ class SimLengthConfig:
     median: float = 1500.0
     p99_over_median: float = 10.0
     group_corr: float = 0.5
-    weights: List[float] = field(default_factory=list)
-    medians: List[float] = field(default_factory=list)
-    sigmas: List[float] = field(default_factory=list)
-    values: List[int] = field(default_factory=list)
-    values_file: Optional[str] = None
+    weights: list[float] = field(default_factory=list)
+    medians: list[float] = field(default_factory=list)
+    sigmas: list[float] = field(default_factory=list)
+    values: list[int] = field(default_factory=list)
+    values_file: str | None = None
     """With ``kind=values``: read the lengths from a JSON file, a list or a real run's ``runtime.json``
     (its ``response_lengths``), instead of ``values``."""
 
@@ -64,7 +64,7 @@ class SimWorkloadConfig:
     max_output: int = 16384
     prompt_len: int = 256
     lengths: SimLengthConfig = field(default_factory=SimLengthConfig)
-    pass_rates: List[float] = field(default_factory=list)
+    pass_rates: list[float] = field(default_factory=list)
     """Each prompt's chance that a response is right, drawn per prompt from this list (empty: rewards
     are not modelled). With ``sched.dynamic_sampling``, groups whose responses all agree are dropped."""
 
@@ -79,7 +79,7 @@ class SimCostConfig:
     mfu_train: float = 0.35
     decode_overhead_s: float = 0.004
     tp_latency_s: float = 2e-5
-    decode_points: List[Any] = field(default_factory=list)
+    decode_points: list[Any] = field(default_factory=list)
     """Measured ``[[batch, seconds per decode step], ...]``; empty: the roofline."""
     decode_points_ctx: float = 0.0
     prefill_s_per_token: float = 0.0
@@ -108,7 +108,7 @@ class SimSchedConfig:
     call_overhead_s: float = 0.0
     repack_interval_s: float = 5.0
     repack_b: int = 0
-    max_staleness: Optional[int] = None
+    max_staleness: int | None = None
     admit_lag: int = 1
     keep_versions: int = 2
     max_ahead_batches: int = 0
@@ -126,11 +126,11 @@ class SimulateConfig:
     workload: SimWorkloadConfig = field(default_factory=SimWorkloadConfig)
     cost: SimCostConfig = field(default_factory=SimCostConfig)
     sched: SimSchedConfig = field(default_factory=SimSchedConfig)
-    modes: List[str] = field(default_factory=lambda: list(SIM_MODE_NAMES))
+    modes: list[str] = field(default_factory=lambda: list(SIM_MODE_NAMES))
     seed: int = 0
     warmup_updates: int = 2
     timeline_rollouts: int = 16
-    out: Optional[str] = None
+    out: str | None = None
     """Output folder (default ``<workspace>/simulate/<timestamp>``)."""
 
 
@@ -143,16 +143,30 @@ def validate_simulate(cfg: SimulateConfig) -> SimulateConfig:
     if cfg.workload.lengths.values_file and cfg.workload.lengths.kind != "values":
         raise ConfigError("workload.lengths.values_file is read only with workload.lengths.kind=values")
     if cfg.workload.lengths.kind not in LENGTH_KINDS:
-        raise ConfigError(f"workload.lengths.kind={cfg.workload.lengths.kind!r}: choose one of {', '.join(LENGTH_KINDS)}")
-    for key, value in [("cluster.nodes", cfg.cluster.nodes), ("cluster.gpus_per_node", cfg.cluster.gpus_per_node),
-                       ("workload.prompts_per_step", cfg.workload.prompts_per_step),
-                       ("workload.group_size", cfg.workload.group_size), ("workload.steps", cfg.workload.steps),
-                       ("workload.max_output", cfg.workload.max_output), ("cost.hbm_gbps", cfg.cost.hbm_gbps),
-                       ("cost.flops_tflops", cfg.cost.flops_tflops), ("sched.repack_interval_s", cfg.sched.repack_interval_s)]:
+        raise ConfigError(
+            f"workload.lengths.kind={cfg.workload.lengths.kind!r}: choose one of {', '.join(LENGTH_KINDS)}"
+        )
+    for key, value in [
+        ("cluster.nodes", cfg.cluster.nodes),
+        ("cluster.gpus_per_node", cfg.cluster.gpus_per_node),
+        ("workload.prompts_per_step", cfg.workload.prompts_per_step),
+        ("workload.group_size", cfg.workload.group_size),
+        ("workload.steps", cfg.workload.steps),
+        ("workload.max_output", cfg.workload.max_output),
+        ("cost.hbm_gbps", cfg.cost.hbm_gbps),
+        ("cost.flops_tflops", cfg.cost.flops_tflops),
+        ("sched.repack_interval_s", cfg.sched.repack_interval_s),
+    ]:
         if value <= 0:
             raise ConfigError(f"{key} must be > 0 (got {value})")
-    if cfg.cluster.gpus_per_engine < 0 or cfg.cluster.trainer_gpus < 0 or not 0 <= cfg.cluster.trainer_share < 1:
-        raise ConfigError("cluster.gpus_per_engine and cluster.trainer_gpus must be >= 0, cluster.trainer_share in [0, 1)")
+    if (
+        cfg.cluster.gpus_per_engine < 0
+        or cfg.cluster.trainer_gpus < 0
+        or not 0 <= cfg.cluster.trainer_share < 1
+    ):
+        raise ConfigError(
+            "cluster.gpus_per_engine and cluster.trainer_gpus must be >= 0, cluster.trainer_share in [0, 1)"
+        )
     if not 0 <= cfg.cost.train_gen_share < 1:
         raise ConfigError("cost.train_gen_share must be in [0, 1) (0: use cost.mfu_train)")
     if cfg.sched.max_staleness is not None and cfg.sched.max_staleness < 0:
@@ -160,7 +174,9 @@ def validate_simulate(cfg: SimulateConfig) -> SimulateConfig:
     if cfg.sched.admit_lag < 1:
         raise ConfigError("sched.admit_lag must be >= 1")
     if cfg.warmup_updates < 0 or cfg.warmup_updates >= cfg.workload.steps:
-        raise ConfigError(f"warmup_updates={cfg.warmup_updates} must be >= 0 and below workload.steps={cfg.workload.steps}")
+        raise ConfigError(
+            f"warmup_updates={cfg.warmup_updates} must be >= 0 and below workload.steps={cfg.workload.steps}"
+        )
     try:
         points = [[float(b), float(t)] for b, t in cfg.cost.decode_points]
     except (TypeError, ValueError):
@@ -187,18 +203,27 @@ def load_simulate_config(overrides=()) -> SimulateConfig:
         with initialize_config_dir(config_dir=str(CONF_DIR), version_base=None):
             raw = compose(config_name="simulate", overrides=list(overrides))
     except HydraException as err:
-        raise ConfigError(_explain_composition(err, overrides).replace("`laminar config` prints", "conf/simulate.py lists")
-                          .replace("`laminar config` shows", "conf/simulate.py shows")) from None
+        raise ConfigError(
+            _explain_composition(err, overrides)
+            .replace("`laminar config` prints", "conf/simulate.py lists")
+            .replace("`laminar config` shows", "conf/simulate.py shows")
+        ) from None
     unknown = _unknown_keys(raw, SimulateConfig)
     if unknown:
-        raise ConfigError(f"unknown config key '{unknown[0]}': check the spelling (conf/simulate.py lists every key)")
+        raise ConfigError(
+            f"unknown config key '{unknown[0]}': check the spelling (conf/simulate.py lists every key)"
+        )
     try:
         cfg = OmegaConf.to_object(OmegaConf.merge(OmegaConf.structured(SimulateConfig), raw))
     except OmegaConfBaseException as err:
         key = getattr(err, "full_key", None) or "?"
         msg = str(err).splitlines()[0]
         if "not in struct" in str(err) or type(err).__name__ == "ConfigKeyError":
-            raise ConfigError(f"unknown config key '{key}': check the spelling (conf/simulate.py lists every key)") from None
-        raise ConfigError(f"config key '{key}': {msg}; give {key} a value of the type its default has") from None
+            raise ConfigError(
+                f"unknown config key '{key}': check the spelling (conf/simulate.py lists every key)"
+            ) from None
+        raise ConfigError(
+            f"config key '{key}': {msg}; give {key} a value of the type its default has"
+        ) from None
     assert isinstance(cfg, SimulateConfig)
     return validate_simulate(cfg)

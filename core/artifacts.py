@@ -15,7 +15,8 @@ import uuid
 from contextlib import contextmanager
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
-from typing import Any, Iterator
+from typing import Any
+from collections.abc import Iterator
 
 MANIFEST = "manifest.json"
 
@@ -38,7 +39,7 @@ class ArtifactRef:
         return asdict(self)
 
     @classmethod
-    def from_dict(cls, d: dict) -> "ArtifactRef":
+    def from_dict(cls, d: dict) -> ArtifactRef:
         return cls(kind=d["kind"], sha256=d["sha256"], path=d["path"])
 
 
@@ -49,7 +50,7 @@ class PendingArtifact:
     kind: str
     dir: Path
     meta: dict[str, Any] = field(default_factory=dict)
-    ref: "ArtifactRef | None" = None  # set once the artifact is published
+    ref: ArtifactRef | None = None  # set once the artifact is published
 
 
 def hash_tree(root: Path) -> str:
@@ -114,8 +115,9 @@ class ArtifactStore:
         sealed with a manifest. On an exception nothing is published."""
         self.tmp_root.mkdir(parents=True, exist_ok=True)
         # ``meta`` is kept by reference: the writer may add to it until the artifact is published
-        pending = PendingArtifact(kind=kind, dir=self.tmp_root / f"{kind}-{uuid.uuid4().hex}",
-                                  meta=meta if meta is not None else {})
+        pending = PendingArtifact(
+            kind=kind, dir=self.tmp_root / f"{kind}-{uuid.uuid4().hex}", meta=meta if meta is not None else {}
+        )
         pending.dir.mkdir()
         try:
             yield pending
@@ -132,9 +134,16 @@ class ArtifactStore:
             _fsync_tree(pending.dir)
             os.replace(pending.dir, final)
             files = sorted(p.relative_to(final).as_posix() for p in final.rglob("*") if p.is_file())
-            write_json_atomic(final / MANIFEST, {
-                "kind": pending.kind, "sha256": sha, "created": time.time(), "files": files, "meta": pending.meta,
-            })
+            write_json_atomic(
+                final / MANIFEST,
+                {
+                    "kind": pending.kind,
+                    "sha256": sha,
+                    "created": time.time(),
+                    "files": files,
+                    "meta": pending.meta,
+                },
+            )
         return ArtifactRef(kind=pending.kind, sha256=sha, path=str(final))
 
     def write(self, kind: str, writer, meta: dict[str, Any] | None = None) -> ArtifactRef:
@@ -172,8 +181,13 @@ class ArtifactStore:
         if not path.is_absolute():
             return ArtifactRef(ref.kind, ref.sha256, str(self.workspace_root / path))
         own = self.root / ref.kind / ref.sha256
-        if path != own and path.name == ref.sha256 and path.parent.name == ref.kind \
-                and path.parent.parent.name == "artifacts" and (own / MANIFEST).exists():
+        if (
+            path != own
+            and path.name == ref.sha256
+            and path.parent.name == ref.kind
+            and path.parent.parent.name == "artifacts"
+            and (own / MANIFEST).exists()
+        ):
             return ArtifactRef(ref.kind, ref.sha256, str(own))
         return ref
 

@@ -34,7 +34,8 @@ import threading
 import time
 from contextlib import contextmanager
 from pathlib import Path
-from typing import Any, Iterator, Sequence
+from typing import Any
+from collections.abc import Iterator, Sequence
 
 LOG = logging.getLogger("laminar.catalog")
 
@@ -180,10 +181,14 @@ class Catalog:
         """The published copy every reader opens (``catalog.duckdb``)."""
         self.live = self.path.with_name(self.path.stem + ".live" + self.path.suffix)
         """What laminar writes (``catalog.live.duckdb``)."""
-        self.write_wait_s = _env_seconds("LAMINAR_CATALOG_WRITE_WAIT_S", WRITE_WAIT_S) \
-            if write_wait_s is None else write_wait_s
-        self.read_wait_s = _env_seconds("LAMINAR_CATALOG_READ_WAIT_S", READ_WAIT_S) \
-            if read_wait_s is None else read_wait_s
+        self.write_wait_s = (
+            _env_seconds("LAMINAR_CATALOG_WRITE_WAIT_S", WRITE_WAIT_S)
+            if write_wait_s is None
+            else write_wait_s
+        )
+        self.read_wait_s = (
+            _env_seconds("LAMINAR_CATALOG_READ_WAIT_S", READ_WAIT_S) if read_wait_s is None else read_wait_s
+        )
 
     def _open(self, read_only: bool, path: Path | None = None) -> Any:
         """``duckdb.connect`` (readers: the published copy; writers: the live file), retried while
@@ -204,22 +209,33 @@ class Catalog:
                 waited = time.monotonic() - t0
                 if waited >= wait:
                     if read_only:
-                        msg = (f"the catalog {path} is locked for writing by another process ({lock_holder(err)}) "
-                               f"and stayed locked for {waited:.1f} s; try again in a moment")
+                        msg = (
+                            f"the catalog {path} is locked for writing by another process ({lock_holder(err)}) "
+                            f"and stayed locked for {waited:.1f} s; try again in a moment"
+                        )
                     else:
-                        msg = (f"the catalog {path} is held open by another process ({lock_holder(err)}) "
-                               f"and stayed locked for {waited:.1f} s; close that connection (a notebook or "
-                               "shell holding the catalog open) and rerun: finished stages come from cache")
+                        msg = (
+                            f"the catalog {path} is held open by another process ({lock_holder(err)}) "
+                            f"and stayed locked for {waited:.1f} s; close that connection (a notebook or "
+                            "shell holding the catalog open) and rerun: finished stages come from cache"
+                        )
                     raise CatalogBusy(msg) from None
                 if not warned and not read_only and waited >= 5.0:
-                    LOG.warning("catalog %s is locked by %s; waiting up to %.0f s", path, lock_holder(err), wait)
+                    LOG.warning(
+                        "catalog %s is locked by %s; waiting up to %.0f s", path, lock_holder(err), wait
+                    )
                     warned = True
                 time.sleep(min(delay * random.uniform(0.5, 1.5), max(0.0, wait - waited)))
                 delay, tries = min(2 * delay, MAX_DELAY_S), tries + 1
         if tries:
-            LOG.log(logging.DEBUG if read_only else logging.INFO,
-                    "catalog %s: %s waited %.3f s (%d retries) for another process's connection", path,
-                    "reader" if read_only else "writer", time.monotonic() - t0, tries)
+            LOG.log(
+                logging.DEBUG if read_only else logging.INFO,
+                "catalog %s: %s waited %.3f s (%d retries) for another process's connection",
+                path,
+                "reader" if read_only else "writer",
+                time.monotonic() - t0,
+                tries,
+            )
         return con
 
     @contextmanager
@@ -265,8 +281,12 @@ class Catalog:
             os.replace(tmp, self.path)
         except Exception as err:  # noqa: BLE001 - the live file holds the truth; readers keep the last copy
             tmp.unlink(missing_ok=True)
-            LOG.warning("catalog %s: could not publish the readers' copy (%s: %s); it stays at the last write",
-                        self.path, type(err).__name__, err)
+            LOG.warning(
+                "catalog %s: could not publish the readers' copy (%s: %s); it stays at the last write",
+                self.path,
+                type(err).__name__,
+                err,
+            )
 
     def _carry_over(self) -> None:
         """A workspace from before the split has only ``catalog.duckdb``, written in place: fold its
@@ -300,14 +320,21 @@ class Catalog:
             cols = [d[0] for d in cur.description]
             return [dict(zip(cols, row)) for row in cur.fetchall()]
 
-    def insert_rows(self, con: Any, table: str, rows: Sequence[dict], on_conflict: str = "DO NOTHING") -> None:
+    def insert_rows(
+        self, con: Any, table: str, rows: Sequence[dict], on_conflict: str = "DO NOTHING"
+    ) -> None:
         if rows:
             cols = list(rows[0])
             insert_many(con, table, cols, [[r[c] for c in cols] for r in rows], on_conflict)
 
 
-def insert_many(con: Any, table: str, columns: Sequence[str], rows: Sequence[Sequence[Any]],
-                on_conflict: str = "DO NOTHING") -> None:
+def insert_many(
+    con: Any,
+    table: str,
+    columns: Sequence[str],
+    rows: Sequence[Sequence[Any]],
+    on_conflict: str = "DO NOTHING",
+) -> None:
     """Insert ``rows`` (tuples in ``columns`` order) as one statement over an Arrow table: DuckDB's
     ``executemany`` runs one statement per row (5,000 metric rows took 17.6 s, this 0.4 s). Rows
     with the same key keep the last one, as row-by-row inserts did."""
@@ -315,11 +342,15 @@ def insert_many(con: Any, table: str, columns: Sequence[str], rows: Sequence[Seq
         return
     import polars as pl
 
-    frame = pl.DataFrame([list(r) for r in rows], schema=list(columns), orient="row", infer_schema_length=None)
+    frame = pl.DataFrame(
+        [list(r) for r in rows], schema=list(columns), orient="row", infer_schema_length=None
+    )
     con.register("_laminar_rows", frame.to_arrow())
     try:
         cols = ", ".join(columns)
-        con.execute(f"INSERT INTO {table} ({cols}) SELECT {cols} FROM _laminar_rows ON CONFLICT {on_conflict}")
+        con.execute(
+            f"INSERT INTO {table} ({cols}) SELECT {cols} FROM _laminar_rows ON CONFLICT {on_conflict}"
+        )
     finally:
         con.unregister("_laminar_rows")
 

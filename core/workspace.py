@@ -7,7 +7,7 @@ import os
 from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Iterator
+from collections.abc import Iterator
 
 from core.artifacts import ArtifactStore
 from core.catalog import Catalog
@@ -22,7 +22,7 @@ class Workspace:
     root: Path
 
     @classmethod
-    def at(cls, root: str | os.PathLike) -> "Workspace":
+    def at(cls, root: str | os.PathLike) -> Workspace:
         return cls(Path(root).resolve())
 
     @property

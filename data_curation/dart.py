@@ -54,7 +54,8 @@ from __future__ import annotations
 import re
 from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, Callable, Iterable
+from typing import TYPE_CHECKING, Any
+from collections.abc import Callable, Iterable
 
 if TYPE_CHECKING:
     import polars as pl
@@ -92,6 +93,7 @@ def arithmetic_consistent(text: str) -> bool:
             return False
     return True
 
+
 # ceil() of k_p * fail_rate must not round a product like 10 * (1 - 0.7) = 3.0000000000000004 up to 4.
 _CEIL_EPS = 1e-9
 
@@ -102,16 +104,18 @@ class DartParams:
     ``k_u = 40``; a third-party reading of the DART paper gives ``k_p = 192``)."""
 
     strategy: str = "prop2diff"
-    k_u: int = 4            # uniform: correct responses targeted per prompt
-    k_p: int = 8            # prop2diff: target = max(1, ceil(k_p * fail_rate))
-    max_trials: int = 32    # per-prompt trial cap (0 = none)
-    budget: int = 20000     # total trials over all prompts (the same budget makes strategies comparable)
+    k_u: int = 4  # uniform: correct responses targeted per prompt
+    k_p: int = 8  # prop2diff: target = max(1, ceil(k_p * fail_rate))
+    max_trials: int = 32  # per-prompt trial cap (0 = none)
+    budget: int = 20000  # total trials over all prompts (the same budget makes strategies comparable)
     round_size: int = 1024  # trials handed out per round
-    p_floor: float = 0.05   # allocation only: the pass rate assumed at least, when estimating trials needed
+    p_floor: float = 0.05  # allocation only: the pass rate assumed at least, when estimating trials needed
 
     def __post_init__(self) -> None:
         if self.strategy not in STRATEGIES:
-            raise ValueError(f"dart strategy {self.strategy!r} is unknown: use one of {', '.join(STRATEGIES)}")
+            raise ValueError(
+                f"dart strategy {self.strategy!r} is unknown: use one of {', '.join(STRATEGIES)}"
+            )
         for name in ("k_u", "k_p", "budget", "round_size"):
             if getattr(self, name) < 1:
                 raise ValueError(f"dart {name} = {getattr(self, name)} must be >= 1")
@@ -132,8 +136,10 @@ _TARGETS: dict[str, Callable[[DartParams], str]] = {
 def _vanilla_cap(p: DartParams, n_prompts: int) -> int:
     per = p.budget // n_prompts
     if per < 1:
-        raise ValueError(f"dart vanilla: budget {p.budget} is below the number of prompts ({n_prompts}), so no "
-                         f"prompt would get a trial; raise dart budget to at least {n_prompts}")
+        raise ValueError(
+            f"dart vanilla: budget {p.budget} is below the number of prompts ({n_prompts}), so no "
+            f"prompt would get a trial; raise dart budget to at least {n_prompts}"
+        )
     return min(per, p.max_trials) if p.max_trials > 0 else per
 
 
@@ -169,7 +175,7 @@ def _unregister(con: Any, name: str, obj: Any) -> None:
         con.unregister(name)
 
 
-def _polars(con: Any, sql: str) -> "pl.DataFrame":
+def _polars(con: Any, sql: str) -> pl.DataFrame:
     return con.sql(sql).pl()
 
 
@@ -181,7 +187,7 @@ class DartPlanner:
     Use: ``while plan := planner.next_round(): planner.record(sample(plan))`` (or ``run(sample)``).
     """
 
-    def __init__(self, attempts: "pl.DataFrame | str | Path", params: DartParams = DartParams()):
+    def __init__(self, attempts: pl.DataFrame | str | Path, params: DartParams = DartParams()):
         from data_curation.db import memory_db
 
         self.params = params
@@ -196,8 +202,10 @@ class DartPlanner:
         cols = {r[0] for r in con.execute("DESCRIBE dart_attempts").fetchall()}
         missing = {"prompt_id", "pass_rate"} - cols
         if missing:
-            raise ValueError(f"dart attempts lack column(s) {sorted(missing)}: give the difficulty stage's table "
-                             "(prompt_id, n, n_correct, pass_rate, ...)")
+            raise ValueError(
+                f"dart attempts lack column(s) {sorted(missing)}: give the difficulty stage's table "
+                "(prompt_id, n, n_correct, pass_rate, ...)"
+            )
         n = "CAST(n AS BIGINT)" if "n" in cols else "CAST(NULL AS BIGINT)"
         nc = "CAST(n_correct AS BIGINT)" if "n_correct" in cols else "CAST(NULL AS BIGINT)"
         con.execute(f"""CREATE TEMP TABLE dart_src AS
@@ -207,19 +215,24 @@ class DartPlanner:
         n_prompts, dups, bad = con.execute(
             "SELECT COUNT(*), COUNT(*) - COUNT(DISTINCT prompt_id), "
             "COUNT(*) FILTER (WHERE prompt_id IS NULL OR pass_rate IS NULL OR isnan(pass_rate) "
-            "OR pass_rate < 0 OR pass_rate > 1) FROM dart_src").fetchall()[0]
+            "OR pass_rate < 0 OR pass_rate > 1) FROM dart_src"
+        ).fetchall()[0]
         if n_prompts == 0:
             raise ValueError("dart attempts are empty: there is nothing to sample")
         if dups:
             raise ValueError(f"dart attempts hold {dups} duplicate prompt_id(s): give one row per prompt")
         if bad:
-            ex = con.execute("SELECT prompt_id, pass_rate FROM dart_src WHERE prompt_id IS NULL OR pass_rate IS NULL "
-                             "OR isnan(pass_rate) OR pass_rate < 0 OR pass_rate > 1 LIMIT 3").fetchall()
-            raise ValueError(f"dart attempts: {bad} row(s) lack a prompt_id or a pass_rate in [0, 1], e.g. {ex}")
+            ex = con.execute(
+                "SELECT prompt_id, pass_rate FROM dart_src WHERE prompt_id IS NULL OR pass_rate IS NULL "
+                "OR isnan(pass_rate) OR pass_rate < 0 OR pass_rate > 1 LIMIT 3"
+            ).fetchall()
+            raise ValueError(
+                f"dart attempts: {bad} row(s) lack a prompt_id or a pass_rate in [0, 1], e.g. {ex}"
+            )
         cap = _CAPS[p.strategy](p, n_prompts)
         con.execute(f"""INSERT INTO dart_state
             SELECT prompt_id, fail_rate, COALESCE(n, 0), COALESCE(n_correct, 0), pass_rate,
-                   {_TARGETS[p.strategy](p)}, {'NULL' if cap is None else int(cap)}, 0, 0, 0
+                   {_TARGETS[p.strategy](p)}, {"NULL" if cap is None else int(cap)}, 0, 0, 0
             FROM (SELECT *, 1.0 - pass_rate AS fail_rate FROM dart_src) ORDER BY prompt_id""")
         con.execute("DROP TABLE dart_src")
         _unregister(con, "dart_attempts", attempts)
@@ -238,9 +251,12 @@ class DartPlanner:
         r = min(p.round_size, self._budget_left())
         if r <= 0:
             return []
-        need = ("cap_left" if p.strategy == "vanilla" else
-                f"LEAST(cap_left, GREATEST(1, CAST(CEIL((target - corrects) / GREATEST(p_hat, {float(p.p_floor)})) "
-                "AS BIGINT)))")
+        need = (
+            "cap_left"
+            if p.strategy == "vanilla"
+            else f"LEAST(cap_left, GREATEST(1, CAST(CEIL((target - corrects) / GREATEST(p_hat, {float(p.p_floor)})) "
+            "AS BIGINT)))"
+        )
         # Active = not stopped and nothing in flight. Stop rule: trials >= cap or corrects >= target. The
         # dart-math repo writes the second as `n_corrects > min_n_corrects` (strictly greater): the same
         # rule with min_n_corrects = target - 1.
@@ -269,8 +285,10 @@ class DartPlanner:
             )
             SELECT prompt_id, CAST(base + CASE WHEN rem > 0 AND rk <= leftover THEN 1 ELSE 0 END AS BIGINT) AS n
             FROM ranked WHERE base > 0 OR (rem > 0 AND rk <= leftover)""")
-        self._con.execute("UPDATE dart_state SET issued = dart_state.issued + pl.n FROM dart_plan pl "
-                          "WHERE dart_state.prompt_id = pl.prompt_id")
+        self._con.execute(
+            "UPDATE dart_state SET issued = dart_state.issued + pl.n FROM dart_plan pl "
+            "WHERE dart_state.prompt_id = pl.prompt_id"
+        )
         plan = self._con.execute("SELECT prompt_id, n FROM dart_plan ORDER BY prompt_id").fetchall()
         if plan:
             self.rounds += 1
@@ -287,10 +305,21 @@ class DartPlanner:
         if not rows:
             return
         batch = pl.DataFrame(
-            {"prompt_id": [r[0] for r in rows], "correct": [bool(r[1]) for r in rows],
-             "response": [r[2] for r in rows], "length": [r[3] for r in rows], "pos": range(len(rows))},
-            schema={"prompt_id": pl.Utf8, "correct": pl.Boolean, "response": pl.Utf8, "length": pl.Int64,
-                    "pos": pl.Int64})
+            {
+                "prompt_id": [r[0] for r in rows],
+                "correct": [bool(r[1]) for r in rows],
+                "response": [r[2] for r in rows],
+                "length": [r[3] for r in rows],
+                "pos": range(len(rows)),
+            },
+            schema={
+                "prompt_id": pl.Utf8,
+                "correct": pl.Boolean,
+                "response": pl.Utf8,
+                "length": pl.Int64,
+                "pos": pl.Int64,
+            },
+        )
         con = self._con
         con.register("dart_batch", batch.to_arrow())
         try:
@@ -300,8 +329,10 @@ class DartPlanner:
                 GROUP BY b.prompt_id HAVING ANY_VALUE(s.issued) IS NULL OR COUNT(*) > ANY_VALUE(s.issued - s.trials)
                 ORDER BY b.prompt_id LIMIT 3""").fetchall()
             if bad:
-                raise ValueError("dart record: results that were never handed out by next_round "
-                                 f"(prompt_id, results, trials in flight; pending None = unknown prompt): {bad}")
+                raise ValueError(
+                    "dart record: results that were never handed out by next_round "
+                    f"(prompt_id, results, trials in flight; pending None = unknown prompt): {bad}"
+                )
             con.execute("BEGIN")
             con.execute("""INSERT INTO dart_responses
                 SELECT prompt_id, response, length, trial_idx FROM (
@@ -317,7 +348,9 @@ class DartPlanner:
         finally:
             con.unregister("dart_batch")
 
-    def run(self, sample: Callable[[list[tuple[str, int]]], Iterable[tuple[str, bool, str, int]]]) -> "pl.DataFrame":
+    def run(
+        self, sample: Callable[[list[tuple[str, int]]], Iterable[tuple[str, bool, str, int]]]
+    ) -> pl.DataFrame:
         """Plan, sample and record rounds until done; returns ``correct_responses()``."""
         while plan := self.next_round():
             self.record(sample(plan))
@@ -325,25 +358,30 @@ class DartPlanner:
 
     # ---- results ----------------------------------------------------------------------------------
 
-    def correct_responses(self) -> "pl.DataFrame":
+    def correct_responses(self) -> pl.DataFrame:
         """The RFT dataset: every correct response (prompt_id, response, length, trial_idx)."""
-        return _polars(self._con, "SELECT prompt_id, response, length, trial_idx FROM dart_responses "
-                                  "ORDER BY prompt_id, trial_idx")
+        return _polars(
+            self._con,
+            "SELECT prompt_id, response, length, trial_idx FROM dart_responses ORDER BY prompt_id, trial_idx",
+        )
 
-    def stats(self) -> "pl.DataFrame":
+    def stats(self) -> pl.DataFrame:
         """One row per prompt: prompt_id, fail_rate, target (null for vanilla), trials (recorded),
         corrects, stopped_reason: 'target' (corrects >= target), 'max_trials' (cap reached; for
         vanilla 'quota'), 'budget' (still active when the budget ran out) or null (still active or
         trials in flight)."""
         at_cap = "quota" if self.params.strategy == "vanilla" else "max_trials"
         spent = self._budget_left() <= 0
-        return _polars(self._con, f"""
+        return _polars(
+            self._con,
+            f"""
             SELECT prompt_id, fail_rate, target, trials, corrects,
                    CASE WHEN target IS NOT NULL AND corrects >= target THEN 'target'
                         WHEN cap IS NOT NULL AND trials >= cap THEN '{at_cap}'
                         WHEN issued > trials THEN NULL
                         WHEN {spent} THEN 'budget' END AS stopped_reason
-            FROM dart_state ORDER BY prompt_id""")
+            FROM dart_state ORDER BY prompt_id""",
+        )
 
     def summary(self) -> dict[str, float]:
         """Headline numbers: trials (recorded), trials_issued, budget, rounds, prompts,
@@ -352,18 +390,22 @@ class DartPlanner:
         s = self.stats()
         trials, issued, with_correct = self._con.execute(
             "SELECT COALESCE(SUM(trials), 0), COALESCE(SUM(issued), 0), COUNT(*) FILTER (WHERE corrects > 0) "
-            "FROM dart_state").fetchall()[0]
+            "FROM dart_state"
+        ).fetchall()[0]
         n_rft, mean_len = self._con.execute("SELECT COUNT(*), AVG(length) FROM dart_responses").fetchall()[0]
         return {
-            "trials": float(trials), "trials_issued": float(issued), "budget": float(self.params.budget),
-            "rounds": float(self.rounds), "prompts": float(self.n_prompts),
+            "trials": float(trials),
+            "trials_issued": float(issued),
+            "budget": float(self.params.budget),
+            "rounds": float(self.rounds),
+            "prompts": float(self.n_prompts),
             "prompts_with_correct": float(with_correct),
             "prompts_target_reached": float((s["stopped_reason"] == "target").sum()),
             "prompts_at_cap": float(s["stopped_reason"].is_in(["max_trials", "quota"]).sum()),
-            "rft_examples": float(n_rft), "mean_correct_length": float(mean_len or 0.0),
+            "rft_examples": float(n_rft),
+            "mean_correct_length": float(mean_len or 0.0),
             "yield": float(n_rft) / float(trials) if trials else 0.0,
         }
 
     def close(self) -> None:
         self._con.close()
-

@@ -47,17 +47,34 @@ import pyarrow.parquet as pq
 
 from data_curation.ingest import normalize_text
 
-__all__ = ["CONTAMINATION_SCHEMA", "CERTIFICATE_FILE", "ParaphraseParams", "TOKEN_RE", "decontaminate", "gram_table",
-           "paraphrase_hits", "paraphrase_text"]
+__all__ = [
+    "CONTAMINATION_SCHEMA",
+    "CERTIFICATE_FILE",
+    "ParaphraseParams",
+    "TOKEN_RE",
+    "decontaminate",
+    "gram_table",
+    "paraphrase_hits",
+    "paraphrase_text",
+]
 
 CERTIFICATE_FILE = "certificate.json"
 
 TOKEN_RE = r"[\p{L}\p{M}\p{N}_]+|[^\p{L}\p{M}\p{N}_\s]"
 
-CONTAMINATION_SCHEMA = pa.schema([("prompt_id", pa.string()), ("source", pa.string()), ("benchmark", pa.string()),
-                                  ("benchmark_problem_id", pa.string()), ("matched", pa.string()),
-                                  ("overlap", pa.int64()), ("coverage", pa.float64()), ("rule", pa.string()),
-                                  ("score", pa.float64())])
+CONTAMINATION_SCHEMA = pa.schema(
+    [
+        ("prompt_id", pa.string()),
+        ("source", pa.string()),
+        ("benchmark", pa.string()),
+        ("benchmark_problem_id", pa.string()),
+        ("matched", pa.string()),
+        ("overlap", pa.int64()),
+        ("coverage", pa.float64()),
+        ("rule", pa.string()),
+        ("score", pa.float64()),
+    ]
+)
 
 
 def gram_table(con, relation: str, name: str, ngram: int) -> None:
@@ -117,23 +134,66 @@ _ASY_RE = re.compile(r"\[asy\].*?(?:\[/asy\]|$)", re.S | re.I)
 _STYLE_RE = re.compile(
     r"\\(?:math(?:cal|bf|rm|it|bb|sf|scr|frak|tt|op)|boldsymbol|bm|text(?:bf|it|rm|tt|sf|normal|style)?|mbox|hbox"
     r"|operatorname|emph|displaystyle|scriptstyle|left|right|[bB]ig{1,2}[lr]?|middle|quad|qquad|limits|nolimits)"
-    r"(?![a-zA-Z])|\\[,;:! ]|\$|[{}]")
-_MACRO_ALIASES = {r"\dfrac": r"\frac", r"\tfrac": r"\frac", r"\leq": r"\le", r"\geq": r"\ge", r"\neq": r"\ne",
-                  r"\dbinom": r"\binom", r"\tbinom": r"\binom", r"\lbrace": "", r"\rbrace": "", r"\ldots": "...",
-                  r"\cdots": "...", r"\dots": "..."}
-_ALIAS_RE = re.compile("|".join(re.escape(k) for k in sorted(_MACRO_ALIASES, key=len, reverse=True)) + r"(?![a-zA-Z])")
-_UNITS = ["zero", "one", "two", "three", "four", "five", "six", "seven", "eight", "nine", "ten", "eleven", "twelve",
-          "thirteen", "fourteen", "fifteen", "sixteen", "seventeen", "eighteen", "nineteen"]
+    r"(?![a-zA-Z])|\\[,;:! ]|\$|[{}]"
+)
+_MACRO_ALIASES = {
+    r"\dfrac": r"\frac",
+    r"\tfrac": r"\frac",
+    r"\leq": r"\le",
+    r"\geq": r"\ge",
+    r"\neq": r"\ne",
+    r"\dbinom": r"\binom",
+    r"\tbinom": r"\binom",
+    r"\lbrace": "",
+    r"\rbrace": "",
+    r"\ldots": "...",
+    r"\cdots": "...",
+    r"\dots": "...",
+}
+_ALIAS_RE = re.compile(
+    "|".join(re.escape(k) for k in sorted(_MACRO_ALIASES, key=len, reverse=True)) + r"(?![a-zA-Z])"
+)
+_UNITS = [
+    "zero",
+    "one",
+    "two",
+    "three",
+    "four",
+    "five",
+    "six",
+    "seven",
+    "eight",
+    "nine",
+    "ten",
+    "eleven",
+    "twelve",
+    "thirteen",
+    "fourteen",
+    "fifteen",
+    "sixteen",
+    "seventeen",
+    "eighteen",
+    "nineteen",
+]
 _TENS = ["", "", "twenty", "thirty", "forty", "fifty", "sixty", "seventy", "eighty", "ninety"]
 _NUMBER_WORDS = {w: i for i, w in enumerate(_UNITS)} | {w: 10 * i for i, w in enumerate(_TENS) if w}
-_NUMBER_RE = re.compile(r"\b(" + "|".join(_TENS[2:]) + r")(?:[- ](" + "|".join(_UNITS[1:10]) + r"))?\b|\b("
-                        + "|".join(_UNITS) + r")\b")
+_NUMBER_RE = re.compile(
+    r"\b("
+    + "|".join(_TENS[2:])
+    + r")(?:[- ]("
+    + "|".join(_UNITS[1:10])
+    + r"))?\b|\b("
+    + "|".join(_UNITS)
+    + r")\b"
+)
 _SINGLE_LETTER_RE = re.compile(r"(?<![A-Za-z\\])[A-Za-z](?![A-Za-z])")
-STOPWORDS = frozenset("""
+STOPWORDS = frozenset(
+    """
 an and are as at be been being but by can could did do does for from had has have he her his how if in into is it
 its of on or our she so such than that the their them then there these they this those to was we were what when
 where which who whom whose why will with would you your let all any each also let's
-""".split())
+""".split()
+)
 _WORD_RE = re.compile(r"[a-z']{2,}")
 _SENTENCE_RE = re.compile(r"(?:(?<=[.?!:])|(?<=[.?!:]\$)|(?<=\$\$)|(?<=\\\])|(?<=\\\)))\s+|\n+")
 """Sentence ends for dropping instructions: after . ? ! : (also when math closes right after) and
@@ -141,7 +201,9 @@ after display math."""
 _INSTRUCTION_RE = re.compile(
     r"step[- ]by[- ]step|final answer|\\boxed|on its own line|last line of your response|answer to the problem"
     r"|without quotes|helpful (?:math )?assistant|(?:solve|answer) the following (?:math )?(?:problem|question)"
-    r"|the problem below", re.I)
+    r"|the problem below",
+    re.I,
+)
 _LABEL_RE = re.compile(r"^\s*(?:question|problem)\s*:\s*", re.I)
 _ARTICLE_RE = re.compile(r"(?<![$\\\w])[aA]\s+(?=[a-zA-Z]{2,})")
 
@@ -158,8 +220,11 @@ def paraphrase_text(text: str) -> str:
     macro spellings unified (``\\dfrac`` = ``\\frac``), sentences of instructions to the solver
     ("... step by step", "... final answer within \\boxed{}", "Problem:") dropped, number words 0-99 as
     digits, every one-letter symbol as ``v`` (a renamed variable is the same symbol), articles and stop words dropped."""
-    s = " ".join(_LABEL_RE.sub("", x) for x in _SENTENCE_RE.split(_ASY_RE.sub(" ", normalize_text(text)))
-                 if not _INSTRUCTION_RE.search(x))
+    s = " ".join(
+        _LABEL_RE.sub("", x)
+        for x in _SENTENCE_RE.split(_ASY_RE.sub(" ", normalize_text(text)))
+        if not _INSTRUCTION_RE.search(x)
+    )
     s = _ARTICLE_RE.sub("", s)
     s = _ALIAS_RE.sub(lambda m: _MACRO_ALIASES[m.group()], s)
     s = _STYLE_RE.sub(" ", s).lower()
@@ -192,15 +257,21 @@ class ParaphraseParams:
 
     def validate(self) -> None:
         if not 0 < self.moderate <= self.high <= 1:
-            raise ValueError(f"paraphrase thresholds need 0 < moderate ({self.moderate}) <= high ({self.high}) <= 1")
+            raise ValueError(
+                f"paraphrase thresholds need 0 < moderate ({self.moderate}) <= high ({self.high}) <= 1"
+            )
         if self.ngram < 1:
             raise ValueError(f"paraphrase ngram must be >= 1, got {self.ngram}")
         if self.bands < 1 or self.num_perm % self.bands:
-            raise ValueError(f"paraphrase num_perm ({self.num_perm}) must be a positive multiple of bands ({self.bands})")
+            raise ValueError(
+                f"paraphrase num_perm ({self.num_perm}) must be a positive multiple of bands ({self.bands})"
+            )
 
     def describe(self) -> str:
-        return (f"paraphrase(minhash-lsh {self.num_perm}/{self.bands}, skeleton {self.ngram}-grams, "
-                f"score >= {self.high} or >= {self.moderate} with the same answer)")
+        return (
+            f"paraphrase(minhash-lsh {self.num_perm}/{self.bands}, skeleton {self.ngram}-grams, "
+            f"score >= {self.high} or >= {self.moderate} with the same answer)"
+        )
 
 
 _PARA_SQL = """
@@ -238,26 +309,52 @@ def paraphrase_hits(con, prompts: pa.Table, items: pa.Table, params: ParaphraseP
 
     params.validate()
     n = prompts.num_rows
-    con.register("_para_prompts_arrow", pa.table({
-        "rid": prompts["rid"], "prompt_id": prompts["prompt_id"], "source": prompts["source"],
-        "answer": prompts["answer"]}))
+    con.register(
+        "_para_prompts_arrow",
+        pa.table(
+            {
+                "rid": prompts["rid"],
+                "prompt_id": prompts["prompt_id"],
+                "source": prompts["source"],
+                "answer": prompts["answer"],
+            }
+        ),
+    )
     con.execute("CREATE OR REPLACE TEMP TABLE _para_prompts AS SELECT * FROM _para_prompts_arrow")
     normalised = [paraphrase_text(t or "") for t in prompts["text"].to_pylist() + items["text"].to_pylist()]
-    con.register("_para_items_arrow", pa.table({
-        "rid": pa.array(range(n, n + items.num_rows), pa.int64()), "benchmark": items["benchmark"],
-        "problem_id": items["problem_id"], "answer": items["answer"],
-        "words": pa.array([len(set(_WORD_RE.findall(t))) for t in normalised[n:]], pa.int64())}))
+    con.register(
+        "_para_items_arrow",
+        pa.table(
+            {
+                "rid": pa.array(range(n, n + items.num_rows), pa.int64()),
+                "benchmark": items["benchmark"],
+                "problem_id": items["problem_id"],
+                "answer": items["answer"],
+                "words": pa.array([len(set(_WORD_RE.findall(t))) for t in normalised[n:]], pa.int64()),
+            }
+        ),
+    )
     con.execute("CREATE OR REPLACE TEMP TABLE _para_items AS SELECT * FROM _para_items_arrow")
-    texts = pa.table({"rid": pa.array(range(n + items.num_rows), pa.int64()), "text": pa.array(normalised, pa.string())})
+    texts = pa.table(
+        {"rid": pa.array(range(n + items.num_rows), pa.int64()), "text": pa.array(normalised, pa.string())}
+    )
     con.register("_para_texts", texts)
     shingle_table(con, "_para_texts", params.ngram, name="_psh")
     sh = con.execute("SELECT rid, h FROM _psh ORDER BY rid").fetchnumpy()
-    rows, sig = minhash_signatures(np.asarray(sh["rid"], np.int64), np.asarray(sh["h"], np.uint64),
-                                   params.num_perm, params.seed)
+    rows, sig = minhash_signatures(
+        np.asarray(sh["rid"], np.int64), np.asarray(sh["h"], np.uint64), params.num_perm, params.seed
+    )
     keys = lsh_band_keys(sig, params.bands, max_bucket=1 << 62)  # cross pairs only: no crowding refinement
-    con.register("_para_bands_arrow", pa.table({
-        "rid": np.repeat(rows, params.bands), "band": np.tile(np.arange(params.bands, dtype=np.int16), len(rows)),
-        "bh": keys.reshape(-1)}))
+    con.register(
+        "_para_bands_arrow",
+        pa.table(
+            {
+                "rid": np.repeat(rows, params.bands),
+                "band": np.tile(np.arange(params.bands, dtype=np.int16), len(rows)),
+                "bh": keys.reshape(-1),
+            }
+        ),
+    )
     con.execute(f"""
         CREATE OR REPLACE TEMP TABLE _para_cand AS
         WITH b AS (SELECT * FROM _para_bands_arrow)
@@ -266,9 +363,14 @@ def paraphrase_hits(con, prompts: pa.Table, items: pa.Table, params: ParaphraseP
     """)
     for name in ("_para_prompts_arrow", "_para_items_arrow", "_para_texts", "_para_bands_arrow"):
         con.unregister(name)
-    return con.sql(_PARA_SQL.format(high=float(params.high), moderate=float(params.moderate),
-                                    min_shingles=int(params.min_shingles),
-                                    min_words=int(params.min_words))).to_arrow_table()
+    return con.sql(
+        _PARA_SQL.format(
+            high=float(params.high),
+            moderate=float(params.moderate),
+            min_shingles=int(params.min_shingles),
+            min_words=int(params.min_words),
+        )
+    ).to_arrow_table()
 
 
 def _items_table(benchmark_items: Iterable) -> pa.Table:
@@ -284,14 +386,26 @@ def _items_table(benchmark_items: Iterable) -> pa.Table:
         rows["text"].append(normalize_text(str(item.problem)))
         answer = getattr(item, "answer", None)
         rows["answer"].append(None if answer is None else str(answer))
-    types = {"id": pa.int64(), "benchmark": pa.string(), "problem_id": pa.string(), "text": pa.string(),
-             "answer": pa.string()}
+    types = {
+        "id": pa.int64(),
+        "benchmark": pa.string(),
+        "problem_id": pa.string(),
+        "text": pa.string(),
+        "answer": pa.string(),
+    }
     return pa.table({k: pa.array(v, types[k]) for k, v in rows.items()})
 
 
-def decontaminate(prompts_path: Path, benchmark_items: Iterable, out_dir: Path, *, ngram: int = 13,
-                  min_coverage: float = 0.7, paraphrase: ParaphraseParams | None = ParaphraseParams(),
-                  benchmark_hashes: dict[str, str] | None = None) -> dict[str, float]:
+def decontaminate(
+    prompts_path: Path,
+    benchmark_items: Iterable,
+    out_dir: Path,
+    *,
+    ngram: int = 13,
+    min_coverage: float = 0.7,
+    paraphrase: ParaphraseParams | None = ParaphraseParams(),
+    benchmark_hashes: dict[str, str] | None = None,
+) -> dict[str, float]:
     """Drop the prompts of ``prompts_path`` (an ingest ``prompts.parquet``) that cover at least
     ``min_coverage`` of a benchmark item's tokens with shared ``ngram``-grams (rule ``ngram``), then,
     among the rest, those the paraphrase rule flags (rule ``paraphrase``, :func:`paraphrase_hits`;
@@ -314,15 +428,21 @@ def decontaminate(prompts_path: Path, benchmark_items: Iterable, out_dir: Path, 
     prompts = pq.read_table(prompts_path)
     missing = {"prompt_id", "problem"} - set(prompts.column_names)
     if missing:
-        raise ValueError(f"{prompts_path} lacks column(s) {sorted(missing)}; expected ingest's prompts.parquet")
+        raise ValueError(
+            f"{prompts_path} lacks column(s) {sorted(missing)}; expected ingest's prompts.parquet"
+        )
     items = _items_table(benchmark_items)
-    source = prompts["source"] if "source" in prompts.column_names else pa.nulls(prompts.num_rows, pa.string())
-    texts = pa.table({
-        "id": pa.array(range(prompts.num_rows), pa.int64()),
-        "prompt_id": prompts["prompt_id"],
-        "source": source,
-        "text": pa.array([normalize_text(p or "") for p in prompts["problem"].to_pylist()], pa.string()),
-    })
+    source = (
+        prompts["source"] if "source" in prompts.column_names else pa.nulls(prompts.num_rows, pa.string())
+    )
+    texts = pa.table(
+        {
+            "id": pa.array(range(prompts.num_rows), pa.int64()),
+            "prompt_id": prompts["prompt_id"],
+            "source": source,
+            "text": pa.array([normalize_text(p or "") for p in prompts["problem"].to_pylist()], pa.string()),
+        }
+    )
     con = memory_db()
     try:
         con.register("_prompts", texts)
@@ -330,28 +450,56 @@ def decontaminate(prompts_path: Path, benchmark_items: Iterable, out_dir: Path, 
         gram_table(con, "_items", "_bgrams", ngram)
         gram_table(con, "_prompts", "_pgrams", ngram)
         ngram_hits = con.sql(_HITS_SQL.format(n=ngram, min_coverage=float(min_coverage))).to_arrow_table()
-        ngram_hits = ngram_hits.append_column("rule", pa.array(["ngram"] * ngram_hits.num_rows, pa.string())) \
-            .append_column("score", ngram_hits["coverage"])
+        ngram_hits = ngram_hits.append_column(
+            "rule", pa.array(["ngram"] * ngram_hits.num_rows, pa.string())
+        ).append_column("score", ngram_hits["coverage"])
         parts = [ngram_hits]
         if paraphrase is not None and items.num_rows:
             flagged = set(ngram_hits["pid"].to_pylist())
             rest = pa.array([i for i in range(prompts.num_rows) if i not in flagged], pa.int64())
-            answers = prompts["answer"] if "answer" in prompts.column_names else pa.nulls(prompts.num_rows, pa.string())
-            sub = pa.table({"rid": pa.array(range(len(rest)), pa.int64()),
-                            "prompt_id": prompts["prompt_id"].take(rest), "source": source.take(rest),
-                            "text": prompts["problem"].take(rest), "answer": answers.take(rest).cast(pa.string())})
+            answers = (
+                prompts["answer"]
+                if "answer" in prompts.column_names
+                else pa.nulls(prompts.num_rows, pa.string())
+            )
+            sub = pa.table(
+                {
+                    "rid": pa.array(range(len(rest)), pa.int64()),
+                    "prompt_id": prompts["prompt_id"].take(rest),
+                    "source": source.take(rest),
+                    "text": prompts["problem"].take(rest),
+                    "answer": answers.take(rest).cast(pa.string()),
+                }
+            )
             hits = paraphrase_hits(con, sub, items, paraphrase)
             pid = pa.array(rest.to_numpy()[hits["pid"].to_numpy()] if hits.num_rows else [], pa.int64())
-            parts.append(pa.table({
-                "prompt_id": hits["prompt_id"], "source": hits["source"], "benchmark": hits["benchmark"],
-                "benchmark_problem_id": hits["benchmark_problem_id"],
-                "matched": pa.nulls(hits.num_rows, pa.string()), "overlap": hits["overlap"],
-                "coverage": pa.nulls(hits.num_rows, pa.float64()), "pid": pid,
-                "rule": pa.array(["paraphrase" if not s else "paraphrase+answer" for s in
-                                  _answer_needed(hits, paraphrase)], pa.string()),
-                "score": hits["score"]}).select(ngram_hits.column_names).cast(ngram_hits.schema))
-        contamination = pa.concat_tables(parts).sort_by([("pid", "ascending"), ("benchmark", "ascending"),
-                                                         ("benchmark_problem_id", "ascending")])
+            parts.append(
+                pa.table(
+                    {
+                        "prompt_id": hits["prompt_id"],
+                        "source": hits["source"],
+                        "benchmark": hits["benchmark"],
+                        "benchmark_problem_id": hits["benchmark_problem_id"],
+                        "matched": pa.nulls(hits.num_rows, pa.string()),
+                        "overlap": hits["overlap"],
+                        "coverage": pa.nulls(hits.num_rows, pa.float64()),
+                        "pid": pid,
+                        "rule": pa.array(
+                            [
+                                "paraphrase" if not s else "paraphrase+answer"
+                                for s in _answer_needed(hits, paraphrase)
+                            ],
+                            pa.string(),
+                        ),
+                        "score": hits["score"],
+                    }
+                )
+                .select(ngram_hits.column_names)
+                .cast(ngram_hits.schema)
+            )
+        contamination = pa.concat_tables(parts).sort_by(
+            [("pid", "ascending"), ("benchmark", "ascending"), ("benchmark_problem_id", "ascending")]
+        )
     finally:
         con.close()
 
@@ -361,27 +509,44 @@ def decontaminate(prompts_path: Path, benchmark_items: Iterable, out_dir: Path, 
     out_dir = Path(out_dir)
     out_dir.mkdir(parents=True, exist_ok=True)
     pq.write_table(prompts.filter(pa.array(keep)), out_dir / "prompts.parquet", compression="zstd")
-    pq.write_table(contamination.drop_columns(["pid"]).cast(CONTAMINATION_SCHEMA), out_dir / "contamination.parquet",
-                   compression="zstd")
+    pq.write_table(
+        contamination.drop_columns(["pid"]).cast(CONTAMINATION_SCHEMA),
+        out_dir / "contamination.parquet",
+        compression="zstd",
+    )
 
     rules_by_pid: dict[int, set] = {}
     for p, r in zip(contamination["pid"].to_pylist(), contamination["rule"].to_pylist()):
         rules_by_pid.setdefault(p, set()).add(r)
-    counts = {"prompts_in": float(prompts.num_rows), "clean": float(prompts.num_rows - len(dirty)),
-              "contaminated": float(len(dirty)),
-              "contaminated_ngram": float(sum(1 for r in rules_by_pid.values() if "ngram" in r)),
-              "contaminated_paraphrase": float(sum(1 for r in rules_by_pid.values() if "ngram" not in r))}
+    counts = {
+        "prompts_in": float(prompts.num_rows),
+        "clean": float(prompts.num_rows - len(dirty)),
+        "contaminated": float(len(dirty)),
+        "contaminated_ngram": float(sum(1 for r in rules_by_pid.values() if "ngram" in r)),
+        "contaminated_paraphrase": float(sum(1 for r in rules_by_pid.values() if "ngram" not in r)),
+    }
     pairs = set(zip(contamination["pid"].to_pylist(), contamination["benchmark"].to_pylist()))
-    rules = [f"ngram(n={ngram}, min_coverage={min_coverage})"] + ([paraphrase.describe()] if paraphrase else [])
-    certificate = {"rules": rules, "params": {"ngram": ngram, "min_coverage": min_coverage,
-                                              "paraphrase": asdict(paraphrase) if paraphrase else None},
-                   "prompts_in": prompts.num_rows, "benchmarks": {}}
+    rules = [f"ngram(n={ngram}, min_coverage={min_coverage})"] + (
+        [paraphrase.describe()] if paraphrase else []
+    )
+    certificate = {
+        "rules": rules,
+        "params": {
+            "ngram": ngram,
+            "min_coverage": min_coverage,
+            "paraphrase": asdict(paraphrase) if paraphrase else None,
+        },
+        "prompts_in": prompts.num_rows,
+        "benchmarks": {},
+    }
     for bench in sorted(set(items["benchmark"].to_pylist())):
         removed = sum(1 for _, b in pairs if b == bench)
         counts[f"contaminated_{bench}"] = float(removed)
         certificate["benchmarks"][bench] = {
-            "sha256": (benchmark_hashes or {}).get(bench), "items": items["benchmark"].to_pylist().count(bench),
-            "removed": removed}
+            "sha256": (benchmark_hashes or {}).get(bench),
+            "items": items["benchmark"].to_pylist().count(bench),
+            "removed": removed,
+        }
     with open(out_dir / CERTIFICATE_FILE, "w") as f:
         json.dump(certificate, f, indent=1, sort_keys=True)
     return counts

@@ -77,7 +77,9 @@ class NearDupParams:
         if self.ngram < 1:
             raise ValueError(f"ngram must be >= 1, got {self.ngram}")
         if self.bands < 1 or self.num_perm % self.bands:
-            raise ValueError(f"num_perm ({self.num_perm}) must be a positive multiple of bands ({self.bands})")
+            raise ValueError(
+                f"num_perm ({self.num_perm}) must be a positive multiple of bands ({self.bands})"
+            )
         if self.max_bucket < 2:
             raise ValueError(f"max_bucket must be >= 2, got {self.max_bucket}")
 
@@ -124,7 +126,9 @@ def shingle_table(con, relation: str, ngram: int, name: str = "_shingles") -> No
             SELECT rid, h FROM grams WHERE j <= greatest(m - {ngram - 1}, 1)
         )
     """)
-    con.execute(f"CREATE OR REPLACE TEMP TABLE {name}_size AS SELECT rid, count(*) AS n FROM {name} GROUP BY rid")
+    con.execute(
+        f"CREATE OR REPLACE TEMP TABLE {name}_size AS SELECT rid, count(*) AS n FROM {name} GROUP BY rid"
+    )
 
 
 def _mix64(z: np.ndarray) -> np.ndarray:
@@ -136,7 +140,9 @@ def _mix64(z: np.ndarray) -> np.ndarray:
     return z ^ (z >> np.uint64(31))
 
 
-def minhash_signatures(rid: np.ndarray, h: np.ndarray, num_perm: int, seed: int) -> tuple[np.ndarray, np.ndarray]:
+def minhash_signatures(
+    rid: np.ndarray, h: np.ndarray, num_perm: int, seed: int
+) -> tuple[np.ndarray, np.ndarray]:
     """MinHash signatures from shingle hashes sorted by row: ``rid`` (int64, non-decreasing) and
     ``h`` (uint64). Returns (row ids, signatures of shape (rows, num_perm), uint32).
 
@@ -154,13 +160,13 @@ def minhash_signatures(rid: np.ndarray, h: np.ndarray, num_perm: int, seed: int)
     while r0 < len(rows):  # blocks of whole rows, about _BLOCK_SHINGLES shingles each
         r1 = max(r0 + 1, int(np.searchsorted(bounds, bounds[r0] + _BLOCK_SHINGLES, side="right")) - 1)
         r1 = min(r1, len(rows))
-        block = h[bounds[r0]:bounds[r1]]
+        block = h[bounds[r0] : bounds[r1]]
         offsets = bounds[r0:r1] - bounds[r0]
         for p0 in range(0, num_perm, _PERM_CHUNK):
-            x = np.multiply.outer(a[p0:p0 + _PERM_CHUNK], block)
-            x += b[p0:p0 + _PERM_CHUNK, None]
+            x = np.multiply.outer(a[p0 : p0 + _PERM_CHUNK], block)
+            x += b[p0 : p0 + _PERM_CHUNK, None]
             x >>= np.uint64(32)
-            sig[r0:r1, p0:p0 + _PERM_CHUNK] = np.minimum.reduceat(x, offsets, axis=1).T
+            sig[r0:r1, p0 : p0 + _PERM_CHUNK] = np.minimum.reduceat(x, offsets, axis=1).T
         r0 = r1
     return rows, sig
 
@@ -229,34 +235,49 @@ def connected_components(n: int, a: np.ndarray, b: np.ndarray) -> np.ndarray:
             return label
 
 
-def near_duplicates(con, relation: str, params: NearDupParams = NearDupParams(), *,
-                    match: str | None = None) -> pa.Table:
+def near_duplicates(
+    con, relation: str, params: NearDupParams = NearDupParams(), *, match: str | None = None
+) -> pa.Table:
     """Near duplicates among the rows of ``relation(rid, text)``: one row per dropped row, columns
     rid, canonical_rid (the earliest row of its component) and similarity (exact Jaccard between
     the two), ordered by rid. Rows not listed are kept. With ``match`` (a column of ``relation``),
     only rows with equal values there can be near duplicates."""
     params.validate()
-    empty = pa.table({"rid": pa.array([], pa.int64()), "canonical_rid": pa.array([], pa.int64()),
-                      "similarity": pa.array([], pa.float64())})
+    empty = pa.table(
+        {
+            "rid": pa.array([], pa.int64()),
+            "canonical_rid": pa.array([], pa.int64()),
+            "similarity": pa.array([], pa.float64()),
+        }
+    )
     key = f', "{match}" AS match_key' if match else ""
     con.execute(f"CREATE OR REPLACE TEMP TABLE _nd_rows AS SELECT rid, text{key} FROM {relation}")
     shingle_table(con, "_nd_rows", params.ngram)
     sh = con.execute("SELECT rid, h FROM _shingles ORDER BY rid").fetchnumpy()
-    rows, sig = minhash_signatures(np.asarray(sh["rid"], np.int64), np.asarray(sh["h"], np.uint64),
-                                   params.num_perm, params.seed)
+    rows, sig = minhash_signatures(
+        np.asarray(sh["rid"], np.int64), np.asarray(sh["h"], np.uint64), params.num_perm, params.seed
+    )
     if len(rows) < 2:
         return empty
     keys = lsh_band_keys(sig, params.bands, params.max_bucket)
-    bands = pa.table({
-        "rid": np.repeat(rows, params.bands),
-        "band": np.tile(np.arange(params.bands, dtype=np.int16), len(rows)),
-        "bh": keys.reshape(-1),
-    })
+    bands = pa.table(
+        {
+            "rid": np.repeat(rows, params.bands),
+            "band": np.tile(np.arange(params.bands, dtype=np.int16), len(rows)),
+            "bh": keys.reshape(-1),
+        }
+    )
     con.register("_bands_arrow", bands)
     con.execute("CREATE OR REPLACE TEMP TABLE _bands AS SELECT * FROM _bands_arrow")
     con.unregister("_bands_arrow")
-    same = ("JOIN _nd_rows ma ON ma.rid = x.rid JOIN _nd_rows mb ON mb.rid = y.rid "
-            "AND ma.match_key IS NOT DISTINCT FROM mb.match_key") if match else ""
+    same = (
+        (
+            "JOIN _nd_rows ma ON ma.rid = x.rid JOIN _nd_rows mb ON mb.rid = y.rid "
+            "AND ma.match_key IS NOT DISTINCT FROM mb.match_key"
+        )
+        if match
+        else ""
+    )
     con.execute(f"""
         CREATE OR REPLACE TEMP TABLE _candidates AS
         SELECT DISTINCT x.rid AS a, y.rid AS b

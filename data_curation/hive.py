@@ -21,7 +21,8 @@ import random
 import statistics
 import uuid
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, Callable, Sequence
+from typing import TYPE_CHECKING, Any
+from collections.abc import Callable, Sequence
 
 if TYPE_CHECKING:
     import polars as pl
@@ -50,7 +51,9 @@ def _unregister(con: Any, name: str, obj: Any) -> None:
 def _columns(con: Any, name: str, required: set[str], what: str) -> set[str]:
     cols = {r[0] for r in con.execute(f"DESCRIBE {name}").fetchall()}
     if required - cols:
-        raise ValueError(f"hive: the {what} table lacks column(s) {sorted(required - cols)} (it has {sorted(cols)})")
+        raise ValueError(
+            f"hive: the {what} table lacks column(s) {sorted(required - cols)} (it has {sorted(cols)})"
+        )
     return cols
 
 
@@ -61,6 +64,7 @@ def _origin_in(origins: Sequence[str]) -> str:
 
 
 # ---- stage 1, before RL: the learning edge ---------------------------------------------------------
+
 
 def _history_estimate_sql(h: str, cols: set[str], recent_k: int, origins: Sequence[str]) -> str:
     """Per prompt: the n-weighted mean reward of its ``recent_k`` most recent history rows of the
@@ -81,10 +85,17 @@ def _history_estimate_sql(h: str, cols: set[str], recent_k: int, origins: Sequen
         ) WHERE rn = LEAST(cnt, {int(recent_k)})"""
 
 
-def select_learning_edge(attempts: "pl.DataFrame | str | Path", history: "pl.DataFrame | str | Path | None",
-                         *, min_pass: float = 0.0, max_pass: float = 1.0, max_prompts: int | None = None,
-                         recent_k: int = 4, history_origins: Sequence[str] = ("rl",), con: Any = None,
-                         ) -> "pl.DataFrame":
+def select_learning_edge(
+    attempts: pl.DataFrame | str | Path,
+    history: pl.DataFrame | str | Path | None,
+    *,
+    min_pass: float = 0.0,
+    max_pass: float = 1.0,
+    max_prompts: int | None = None,
+    recent_k: int = 4,
+    history_origins: Sequence[str] = ("rl",),
+    con: Any = None,
+) -> pl.DataFrame:
     """HIVE stage 1 before RL: every prompt of ``attempts`` with its decision.
 
     Estimated pass rate per prompt: when the history holds rows of ``history_origins`` (default the
@@ -105,7 +116,9 @@ def select_learning_edge(attempts: "pl.DataFrame | str | Path", history: "pl.Dat
     from data_curation.db import memory_db
 
     if not 0.0 <= min_pass < max_pass <= 1.0:
-        raise ValueError(f"hive: need 0 <= min_pass < max_pass <= 1, got min_pass={min_pass}, max_pass={max_pass}")
+        raise ValueError(
+            f"hive: need 0 <= min_pass < max_pass <= 1, got min_pass={min_pass}, max_pass={max_pass}"
+        )
     if max_prompts is not None and max_prompts < 0:
         raise ValueError(f"hive: max_prompts = {max_prompts} must be >= 0 (or None for no cut)")
     if recent_k < 1:
@@ -122,8 +135,10 @@ def select_learning_edge(attempts: "pl.DataFrame | str | Path", history: "pl.Dat
             hcols = _columns(con, h, {"prompt_id", "seq", "mean_reward"}, "history")
             hist = _history_estimate_sql(h, hcols, recent_k, history_origins)
         else:
-            hist = ("SELECT CAST(NULL AS VARCHAR) AS prompt_id, CAST(NULL AS DOUBLE) AS p, "
-                    "CAST(NULL AS DOUBLE) AS n_obs WHERE false")
+            hist = (
+                "SELECT CAST(NULL AS VARCHAR) AS prompt_id, CAST(NULL AS DOUBLE) AS p, "
+                "CAST(NULL AS DOUBLE) AS n_obs WHERE false"
+            )
         cut = "NULL" if max_prompts is None else str(int(max_prompts))
         sql = f"""
             WITH a AS (
@@ -166,6 +181,7 @@ def select_learning_edge(attempts: "pl.DataFrame | str | Path", history: "pl.Dat
 
 # ---- stage 1, online: GRESO ----------------------------------------------------------------------
 
+
 class GresoFilter:
     """Online stage 1 (GRESO): skip prompts predicted to give zero-variance groups, from their reward history.
 
@@ -184,11 +200,21 @@ class GresoFilter:
     checkpoint: the history alone does not restore them.
     """
 
-    def __init__(self, history: "pl.DataFrame | str | Path | None" = None, *, p_easy: float = 0.5,
-                 p_hard: float = 0.5, easy_threshold: float = 0.98, hard_threshold: float = 0.11,
-                 target_easy: float = 0.25 / 3, target_hard: float = 0.25 * 2 / 3, step_size: float = 0.01,
-                 bounds: tuple[float, float] = (0.05, 0.95), min_keep: float = 0.01,
-                 origins: Sequence[str] | None = None):
+    def __init__(
+        self,
+        history: pl.DataFrame | str | Path | None = None,
+        *,
+        p_easy: float = 0.5,
+        p_hard: float = 0.5,
+        easy_threshold: float = 0.98,
+        hard_threshold: float = 0.11,
+        target_easy: float = 0.25 / 3,
+        target_hard: float = 0.25 * 2 / 3,
+        step_size: float = 0.01,
+        bounds: tuple[float, float] = (0.05, 0.95),
+        min_keep: float = 0.01,
+        origins: Sequence[str] | None = None,
+    ):
         lo, hi = bounds
         if not 0.0 <= lo <= hi <= 1.0:
             raise ValueError(f"greso bounds {bounds} must satisfy 0 <= low <= high <= 1")
@@ -196,7 +222,9 @@ class GresoFilter:
             if not lo <= v <= hi:
                 raise ValueError(f"greso {name} = {v} lies outside bounds {bounds}")
         if hard_threshold >= easy_threshold:
-            raise ValueError(f"greso hard_threshold ({hard_threshold}) must be below easy_threshold ({easy_threshold})")
+            raise ValueError(
+                f"greso hard_threshold ({hard_threshold}) must be below easy_threshold ({easy_threshold})"
+            )
         self.p_easy, self.p_hard = float(p_easy), float(p_hard)
         self.easy_threshold, self.hard_threshold = float(easy_threshold), float(hard_threshold)
         self.target_easy, self.target_hard = float(target_easy), float(target_hard)
@@ -242,9 +270,9 @@ class GresoFilter:
     def skip_probability(self, prompt_id: str) -> float:
         easy, hard = self._runs.get(prompt_id, (0, 0))
         if easy > 0:  # easy check first
-            return 1.0 - max(self.p_easy ** easy, self.min_keep)
+            return 1.0 - max(self.p_easy**easy, self.min_keep)
         if hard > 0:  # the latest mean is <= hard_threshold
-            return 1.0 - max(self.p_hard ** hard, self.min_keep)
+            return 1.0 - max(self.p_hard**hard, self.min_keep)
         return 0.0
 
     def filter(self, prompt_ids: Sequence[str], rng: random.Random) -> tuple[list[str], list[str]]:
@@ -288,9 +316,12 @@ class GresoFilter:
     def state(self) -> dict:
         """What a checkpoint needs to continue exactly (JSON): the adapted skip bases, every prompt's
         run lengths and the rows observed so far."""
-        return {"p_easy": self.p_easy, "p_hard": self.p_hard,
-                "runs": {pid: list(r) for pid, r in sorted(self._runs.items())},
-                "observed": [dict(r) for r in self._observed]}
+        return {
+            "p_easy": self.p_easy,
+            "p_hard": self.p_hard,
+            "runs": {pid: list(r) for pid, r in sorted(self._runs.items())},
+            "observed": [dict(r) for r in self._observed],
+        }
 
     def load_state(self, state: dict) -> None:
         self.p_easy, self.p_hard = float(state["p_easy"]), float(state["p_hard"])
@@ -300,10 +331,13 @@ class GresoFilter:
 
 # ---- stage 2, online: prompt entropy ---------------------------------------------------------------
 
+
 def _check(entropies: Sequence[float]) -> list[float]:
     xs = [float(e) for e in entropies]
     if any(math.isnan(x) for x in xs):
-        raise ValueError("prompt_entropy_keep: an entropy is NaN; compute it over at least two prompt positions")
+        raise ValueError(
+            "prompt_entropy_keep: an entropy is NaN; compute it over at least two prompt positions"
+        )
     return xs
 
 
@@ -317,12 +351,15 @@ def _keep_paper(xs: list[float], drop_top: float = 0.25, keep: float = 0.5) -> l
     n_drop = math.floor(len(xs) * drop_top)
     n_keep = min(len(xs) - n_drop, max(1, math.floor(len(xs) * keep)))
     out = [False] * len(xs)
-    for i in order[n_drop:n_drop + n_keep]:
+    for i in order[n_drop : n_drop + n_keep]:
         out[i] = True
     return out
 
 
-_ENTROPY_RULES: dict[str, Callable[[list[float]], list[bool]]] = {"median": _keep_median, "paper": _keep_paper}
+_ENTROPY_RULES: dict[str, Callable[[list[float]], list[bool]]] = {
+    "median": _keep_median,
+    "paper": _keep_paper,
+}
 
 
 def prompt_entropy_keep(entropies: Sequence[float], rule: str = "median") -> list[bool]:
@@ -334,6 +371,8 @@ def prompt_entropy_keep(entropies: Sequence[float], rule: str = "median") -> lis
       ``floor(n/4)`` and keep the next ``max(1, floor(n/2))``.
     """
     if rule not in _ENTROPY_RULES:
-        raise ValueError(f"prompt_entropy_keep: rule {rule!r} is unknown: use one of {', '.join(_ENTROPY_RULES)}")
+        raise ValueError(
+            f"prompt_entropy_keep: rule {rule!r} is unknown: use one of {', '.join(_ENTROPY_RULES)}"
+        )
     xs = _check(entropies)
     return _ENTROPY_RULES[rule](xs) if xs else []

@@ -80,12 +80,29 @@ CORE_COLUMNS = ("prompt_id", "source", "source_row", "problem", "answer", "level
 HF_MARKERS = ("dataset_info.json", "state.json", "dataset_dict.json")
 SUFFIX_FORMATS = {".jsonl": "jsonl", ".json": "json", ".parquet": "parquet"}
 
-QUARANTINE_SCHEMA = pa.schema([("source", pa.string()), ("source_row", pa.int64()), ("raw", pa.string()),
-                               ("reason", pa.string())])
-TEMPLATES_SCHEMA = pa.schema([("source", pa.string()), ("template", pa.string()), ("prefix", pa.string()),
-                              ("suffix", pa.string()), ("rows", pa.int64()), ("matched", pa.int64())])
-DUPLICATES_SCHEMA = pa.schema([("source", pa.string()), ("source_row", pa.int64()), ("prompt_id", pa.string()),
-                               ("canonical_id", pa.string()), ("kind", pa.string()), ("similarity", pa.float64())])
+QUARANTINE_SCHEMA = pa.schema(
+    [("source", pa.string()), ("source_row", pa.int64()), ("raw", pa.string()), ("reason", pa.string())]
+)
+TEMPLATES_SCHEMA = pa.schema(
+    [
+        ("source", pa.string()),
+        ("template", pa.string()),
+        ("prefix", pa.string()),
+        ("suffix", pa.string()),
+        ("rows", pa.int64()),
+        ("matched", pa.int64()),
+    ]
+)
+DUPLICATES_SCHEMA = pa.schema(
+    [
+        ("source", pa.string()),
+        ("source_row", pa.int64()),
+        ("prompt_id", pa.string()),
+        ("canonical_id", pa.string()),
+        ("kind", pa.string()),
+        ("similarity", pa.float64()),
+    ]
+)
 
 
 class SourceError(StageError, ValueError):
@@ -100,7 +117,7 @@ def _one_line(exc: BaseException, limit: int = 300) -> str:
 
 
 @contextmanager
-def _reading(spec: "SourceSpec", file: Path, what: str) -> Iterator[None]:
+def _reading(spec: SourceSpec, file: Path, what: str) -> Iterator[None]:
     """Turn any failure to read ``file`` into one :class:`SourceError` line (no traceback chain)."""
     try:
         yield
@@ -130,12 +147,16 @@ class SourceSpec:
         if not self.name:
             raise ValueError("SourceSpec.name must be a non-empty label, e.g. 'math_train'")
         if self.format not in FORMATS:
-            raise ValueError(f"source {self.name!r}: format={self.format!r} is not one of {', '.join(FORMATS)}")
+            raise ValueError(
+                f"source {self.name!r}: format={self.format!r} is not one of {', '.join(FORMATS)}"
+            )
         object.__setattr__(self, "extra_fields", tuple(self.extra_fields))
         clash = sorted(set(self.extra_fields) & set(CORE_COLUMNS))
         if clash:
-            raise ValueError(f"source {self.name!r}: extra_fields {clash} clash with the prompts table's own "
-                             f"columns {CORE_COLUMNS}; drop them from extra_fields")
+            raise ValueError(
+                f"source {self.name!r}: extra_fields {clash} clash with the prompts table's own "
+                f"columns {CORE_COLUMNS}; drop them from extra_fields"
+            )
 
 
 # --------------------------------------------------------------------------- normalisation
@@ -264,13 +285,17 @@ def _read_json(spec: SourceSpec, path: Path) -> Iterator[Row]:
         try:
             data = json.loads(raw.decode("utf-8-sig"))
         except (ValueError, RecursionError) as exc:  # UnicodeDecodeError and JSONDecodeError are ValueErrors
-            raise SourceError(f"source {spec.name!r}: {file} is not a UTF-8 JSON document ({_one_line(exc)}); "
-                              "for one object per line use format='jsonl'") from None
+            raise SourceError(
+                f"source {spec.name!r}: {file} is not a UTF-8 JSON document ({_one_line(exc)}); "
+                "for one object per line use format='jsonl'"
+            ) from None
         if isinstance(data, Mapping) and isinstance(data.get("data"), list):
             data = data["data"]
         if not isinstance(data, list):
-            raise SourceError(f"source {spec.name!r}: {file} must hold a list of objects or {{\"data\": [...]}}, "
-                             f"got a {type(data).__name__}")
+            raise SourceError(
+                f'source {spec.name!r}: {file} must hold a list of objects or {{"data": [...]}}, '
+                f"got a {type(data).__name__}"
+            )
         yield from _objects(data, offset)
         offset += len(data)
 
@@ -320,8 +345,10 @@ def _load_hf(spec: SourceSpec):
     if path.is_file():
         builder = {".jsonl": "json", ".json": "json", ".parquet": "parquet", ".csv": "csv"}.get(path.suffix)
         if builder is None:
-            raise ValueError(f"source {spec.name!r}: cannot load {path} with datasets; use a .jsonl, .json, "
-                             ".parquet or .csv file or a save_to_disk folder")
+            raise ValueError(
+                f"source {spec.name!r}: cannot load {path} with datasets; use a .jsonl, .json, "
+                ".parquet or .csv file or a save_to_disk folder"
+            )
         return datasets.load_dataset(builder, data_files={spec.split: str(path)}, split=spec.split)
     return datasets.load_dataset(spec.path, split=spec.split)  # a data folder, or a hub dataset name
 
@@ -332,7 +359,9 @@ def _read_hf(spec: SourceSpec, path: Path) -> Iterator[Row]:
     except SourceError:
         raise
     except Exception as exc:  # noqa: BLE001 - datasets' many error types: one line naming the source
-        raise SourceError(f"source {spec.name!r}: cannot load {spec.path} with datasets ({_one_line(exc)})") from None
+        raise SourceError(
+            f"source {spec.name!r}: cannot load {spec.path} with datasets ({_one_line(exc)})"
+        ) from None
     yield from _objects(records, 0)
 
 
@@ -358,21 +387,29 @@ def resolve_format(spec: SourceSpec) -> str:
         return spec.format
     path = Path(spec.path)
     if not path.exists():
-        raise FileNotFoundError(f"source {spec.name!r}: {path} does not exist (a hub dataset needs format='hf')")
+        raise FileNotFoundError(
+            f"source {spec.name!r}: {path} does not exist (a hub dataset needs format='hf')"
+        )
     if path.is_dir():
         if any((path / m).exists() for m in HF_MARKERS):
             return "hf"
-        found = {SUFFIX_FORMATS[p.suffix] for p in path.rglob("*") if p.is_file() and p.suffix in SUFFIX_FORMATS}
+        found = {
+            SUFFIX_FORMATS[p.suffix] for p in path.rglob("*") if p.is_file() and p.suffix in SUFFIX_FORMATS
+        }
         if len(found) != 1:
-            raise ValueError(f"source {spec.name!r}: folder {path} holds {sorted(found) or 'no'} data files; it "
-                             "needs files of exactly one of .jsonl, .json, .parquet, or set format=...")
+            raise ValueError(
+                f"source {spec.name!r}: folder {path} holds {sorted(found) or 'no'} data files; it "
+                "needs files of exactly one of .jsonl, .json, .parquet, or set format=..."
+            )
         fmt = found.pop()
         first = _files(path, fmt)[0]
     else:
         fmt = SUFFIX_FORMATS.get(path.suffix)
         if fmt is None:
-            raise ValueError(f"source {spec.name!r}: cannot tell the format of {path} from its suffix; "
-                             f"set format to one of {', '.join(FORMATS[1:])}")
+            raise ValueError(
+                f"source {spec.name!r}: cannot tell the format of {path} from its suffix; "
+                f"set format to one of {', '.join(FORMATS[1:])}"
+            )
         first = path
     return "verl" if fmt == "parquet" and _is_verl(spec, first) else fmt
 
@@ -397,8 +434,9 @@ def read_source(spec: SourceSpec) -> tuple[list[dict], list[dict]]:
 # --------------------------------------------------------------------------- fields
 
 
-def _fields(spec: SourceSpec, record: Mapping[str, Any],
-            max_prompt_chars: int = MAX_PROMPT_CHARS) -> dict[str, Any] | str:
+def _fields(
+    spec: SourceSpec, record: Mapping[str, Any], max_prompt_chars: int = MAX_PROMPT_CHARS
+) -> dict[str, Any] | str:
     """The prompt fields of one record, or the reason it is quarantined."""
     found, problem = _lookup(record, spec.problem_field)
     if not found or problem is None:
@@ -433,28 +471,61 @@ def _fields(spec: SourceSpec, record: Mapping[str, Any],
             return f"level out of range ({_show(raw_level)}; levels are integers in {LEVEL_MIN}..{LEVEL_MAX})"
     subject = _text(_lookup(record, spec.subject_field)[1]) if spec.subject_field else None
     extras = {f: _text(_lookup(record, f)[1]) for f in spec.extra_fields}
-    return {"prompt_id": prompt_id, "id_explicit": bool(spec.id_field), "problem": problem, "answer": answer,
-            "level": level, "subject": subject, **extras}
+    return {
+        "prompt_id": prompt_id,
+        "id_explicit": bool(spec.id_field),
+        "problem": problem,
+        "answer": answer,
+        "level": level,
+        "subject": subject,
+        **extras,
+    }
 
 
 def prompts_schema(extra_fields: Sequence[str]) -> pa.Schema:
-    return pa.schema([("prompt_id", pa.string()), ("source", pa.string()), ("source_row", pa.int64()),
-                      ("problem", pa.string()), ("answer", pa.string()), ("level", pa.int32()),
-                      ("subject", pa.string()), ("text_hash", pa.string()),
-                      *[(f, pa.string()) for f in extra_fields]])
+    return pa.schema(
+        [
+            ("prompt_id", pa.string()),
+            ("source", pa.string()),
+            ("source_row", pa.int64()),
+            ("problem", pa.string()),
+            ("answer", pa.string()),
+            ("level", pa.int32()),
+            ("subject", pa.string()),
+            ("text_hash", pa.string()),
+            *[(f, pa.string()) for f in extra_fields],
+        ]
+    )
 
 
 # --------------------------------------------------------------------------- ingest
 
 
-def _collect(sources: Sequence[SourceSpec], extra_fields: list[str], max_prompt_chars: int = MAX_PROMPT_CHARS,
-             template_share: float | None = TEMPLATE_SHARE):
+def _collect(
+    sources: Sequence[SourceSpec],
+    extra_fields: list[str],
+    max_prompt_chars: int = MAX_PROMPT_CHARS,
+    template_share: float | None = TEMPLATE_SHARE,
+):
     """Read and validate every source, taking out the instruction wrapper its rows share (when
     ``template_share`` is not None; see ``data_curation.templates``). Returns (columns of the
     accepted rows, their records, quarantine rows with their source index, per-source counts,
     templates by source)."""
-    cols: dict[str, list] = {k: [] for k in ("rid", "source", "source_row", "prompt_id", "id_explicit", "problem",
-                                             "answer", "level", "subject", *extra_fields)}
+    cols: dict[str, list] = {
+        k: []
+        for k in (
+            "rid",
+            "source",
+            "source_row",
+            "prompt_id",
+            "id_explicit",
+            "problem",
+            "answer",
+            "level",
+            "subject",
+            *extra_fields,
+        )
+    }
     records: list[Mapping[str, Any]] = []
     quarantine: list[tuple[int, dict]] = []
     per_source: dict[str, float] = {}
@@ -467,12 +538,24 @@ def _collect(sources: Sequence[SourceSpec], extra_fields: list[str], max_prompt_
         for row in rows:
             fields = _fields(spec, row["record"], max_prompt_chars)
             if isinstance(fields, str):
-                quarantine.append((si, {"source": spec.name, "source_row": row["source_row"],
-                                        "raw": _raw(row["record"]), "reason": fields}))
+                quarantine.append(
+                    (
+                        si,
+                        {
+                            "source": spec.name,
+                            "source_row": row["source_row"],
+                            "raw": _raw(row["record"]),
+                            "reason": fields,
+                        },
+                    )
+                )
                 continue
             accepted.append((row, fields))
-        found = (detect_template([f["problem"] for _, f in accepted], min_share=template_share)
-                 if template_share is not None else None)
+        found = (
+            detect_template([f["problem"] for _, f in accepted], min_share=template_share)
+            if template_share is not None
+            else None
+        )
         if found is not None:
             templates[spec.name] = found
             for _, fields in accepted:
@@ -502,10 +585,19 @@ def _write(table: pa.Table, path: Path) -> None:
     pq.write_table(table, path, compression="zstd")
 
 
-def ingest(sources: Sequence[SourceSpec], out_dir: Path, *, near_dup_threshold: float = 0.85,
-           ngram: int = 5, num_perm: int = 128, bands: int = 32, seed: int = 0,
-           near_dup_same_answer: bool = True, max_prompt_chars: int = MAX_PROMPT_CHARS,
-           template_share: float | None = TEMPLATE_SHARE) -> dict[str, float]:
+def ingest(
+    sources: Sequence[SourceSpec],
+    out_dir: Path,
+    *,
+    near_dup_threshold: float = 0.85,
+    ngram: int = 5,
+    num_perm: int = 128,
+    bands: int = 32,
+    seed: int = 0,
+    near_dup_same_answer: bool = True,
+    max_prompt_chars: int = MAX_PROMPT_CHARS,
+    template_share: float | None = TEMPLATE_SHARE,
+) -> dict[str, float]:
     """Read, normalise, quarantine and deduplicate ``sources`` into ``out_dir`` (see the module
     docstring for the three tables). ``near_dup_threshold``, ``ngram``, ``num_perm``, ``bands`` and
     ``seed`` tune near dedup (``data_curation.dedup``); with ``near_dup_same_answer`` only prompts
@@ -521,7 +613,9 @@ def ingest(sources: Sequence[SourceSpec], out_dir: Path, *, near_dup_threshold: 
     that lost the wrapper) when some source had one."""
     from data_curation.db import memory_db
 
-    params = NearDupParams(threshold=near_dup_threshold, ngram=ngram, num_perm=num_perm, bands=bands, seed=seed)
+    params = NearDupParams(
+        threshold=near_dup_threshold, ngram=ngram, num_perm=num_perm, bands=bands, seed=seed
+    )
     params.validate()
     if max_prompt_chars <= 0:
         raise ValueError(f"max_prompt_chars must be > 0, got {max_prompt_chars}")
@@ -532,19 +626,25 @@ def ingest(sources: Sequence[SourceSpec], out_dir: Path, *, near_dup_threshold: 
     out_dir = Path(out_dir)
     out_dir.mkdir(parents=True, exist_ok=True)
 
-    cols, records, quarantine, per_source, templates = _collect(sources, extra_fields, max_prompt_chars,
-                                                                template_share)
+    cols, records, quarantine, per_source, templates = _collect(
+        sources, extra_fields, max_prompt_chars, template_share
+    )
     con = memory_db()
     try:
         con.register("_rows", _rows_table(cols, extra_fields))
         dup_ids = _duplicate_ids(con)
-        con.execute("CREATE TEMP VIEW _live AS SELECT rid, problem AS text FROM _rows "
-                    "WHERE rid NOT IN (SELECT rid FROM _dup_ids)")
+        con.execute(
+            "CREATE TEMP VIEW _live AS SELECT rid, problem AS text FROM _rows "
+            "WHERE rid NOT IN (SELECT rid FROM _dup_ids)"
+        )
         con.register("_exact", exact_duplicates(con, "_live"))
-        con.execute("CREATE TEMP VIEW _unique AS SELECT l.rid, l.text, r.answer FROM _live l "
-                    "JOIN _exact e ON e.rid = l.rid AND e.canonical_rid = l.rid JOIN _rows r ON r.rid = l.rid")
-        con.register("_near", near_duplicates(con, "_unique", params,
-                                              match="answer" if near_dup_same_answer else None))
+        con.execute(
+            "CREATE TEMP VIEW _unique AS SELECT l.rid, l.text, r.answer FROM _live l "
+            "JOIN _exact e ON e.rid = l.rid AND e.canonical_rid = l.rid JOIN _rows r ON r.rid = l.rid"
+        )
+        con.register(
+            "_near", near_duplicates(con, "_unique", params, match="answer" if near_dup_same_answer else None)
+        )
         prompts = _select_prompts(con, extra_fields)
         duplicates = _select_duplicates(con)
     finally:
@@ -552,15 +652,41 @@ def ingest(sources: Sequence[SourceSpec], out_dir: Path, *, near_dup_threshold: 
 
     for rid in dup_ids:
         si = names.index(cols["source"][rid])
-        quarantine.append((si, {"source": cols["source"][rid], "source_row": cols["source_row"][rid],
-                                "raw": _raw(records[rid]), "reason": "duplicate id"}))
+        quarantine.append(
+            (
+                si,
+                {
+                    "source": cols["source"][rid],
+                    "source_row": cols["source_row"][rid],
+                    "raw": _raw(records[rid]),
+                    "reason": "duplicate id",
+                },
+            )
+        )
     quarantine.sort(key=lambda q: (q[0], q[1]["source_row"]))
     _write(prompts, out_dir / "prompts.parquet")
-    _write(pa.Table.from_pylist([q for _, q in quarantine], schema=QUARANTINE_SCHEMA), out_dir / "quarantine.parquet")
+    _write(
+        pa.Table.from_pylist([q for _, q in quarantine], schema=QUARANTINE_SCHEMA),
+        out_dir / "quarantine.parquet",
+    )
     _write(duplicates, out_dir / "duplicates.parquet")
-    _write(pa.Table.from_pylist([{"source": name, "template": t.text, "prefix": t.prefix, "suffix": t.suffix,
-                                  "rows": t.rows, "matched": t.matched} for name, t in templates.items()],
-                                schema=TEMPLATES_SCHEMA), out_dir / "templates.parquet")
+    _write(
+        pa.Table.from_pylist(
+            [
+                {
+                    "source": name,
+                    "template": t.text,
+                    "prefix": t.prefix,
+                    "suffix": t.suffix,
+                    "rows": t.rows,
+                    "matched": t.matched,
+                }
+                for name, t in templates.items()
+            ],
+            schema=TEMPLATES_SCHEMA,
+        ),
+        out_dir / "templates.parquet",
+    )
 
     kinds = duplicates.column("kind").to_pylist()
     counts = {
@@ -573,8 +699,9 @@ def ingest(sources: Sequence[SourceSpec], out_dir: Path, *, near_dup_threshold: 
     if templates:  # only then, so that the counts of a pool without wrappers stay as they were
         counts["templated_sources"] = float(len(templates))
         counts["template_stripped"] = float(sum(t.matched for t in templates.values()))
-    assert counts["rows_in"] == (counts["ingested"] + counts["quarantined"] + counts["duplicates_exact"]
-                                 + counts["duplicates_near"]), counts
+    assert counts["rows_in"] == (
+        counts["ingested"] + counts["quarantined"] + counts["duplicates_exact"] + counts["duplicates_near"]
+    ), counts
     ingested_by_source = prompts.group_by("source").aggregate([("prompt_id", "count")]).to_pydict()
     by_source = dict(zip(ingested_by_source["source"], ingested_by_source["prompt_id_count"]))
     for name in names:

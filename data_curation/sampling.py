@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import hashlib
 from pathlib import Path
-from typing import Sequence
+from collections.abc import Sequence
 
 import polars as pl
 
@@ -19,9 +19,16 @@ def prompt_items(rows: Sequence[dict], tokenizer, template: str) -> list:
     from generation.model import encode_problem
     from generation.records import PromptItem
 
-    return [PromptItem(prompt_id=r["prompt_id"], text=r["problem"], answer=r["answer"],
-                       prompt_tokens=encode_problem(tokenizer, template, r["problem"]),
-                       level=r.get("level")) for r in rows]
+    return [
+        PromptItem(
+            prompt_id=r["prompt_id"],
+            text=r["problem"],
+            answer=r["answer"],
+            prompt_tokens=encode_problem(tokenizer, template, r["problem"]),
+            level=r.get("level"),
+        )
+        for r in rows
+    ]
 
 
 def seeded_subset(rows: list[dict], n: int, seed: int) -> list[dict]:
@@ -42,9 +49,22 @@ def _engine(model_dir: Path, device: str, batch_size: int):
     return TorchEngine(model, tokenizer, device=device, batch_size=batch_size), tokenizer
 
 
-def estimate_difficulty(model_dir: Path, prompts_path: Path, out_dir: Path, *, samples: int, max_prompts: int,
-                        temperature: float, max_new_tokens: int, template: str, seed: int, device: str, verifier,
-                        batch_size: int = 256, progress=None) -> dict[str, float]:
+def estimate_difficulty(
+    model_dir: Path,
+    prompts_path: Path,
+    out_dir: Path,
+    *,
+    samples: int,
+    max_prompts: int,
+    temperature: float,
+    max_new_tokens: int,
+    template: str,
+    seed: int,
+    device: str,
+    verifier,
+    batch_size: int = 256,
+    progress=None,
+) -> dict[str, float]:
     """Sample ``samples`` responses per prompt (a seeded subset of ``max_prompts``) and verify them.
 
     Writes ``attempts.parquet`` (per prompt: n, n_correct, pass_rate, mean_length, mean_entropy,
@@ -58,41 +78,86 @@ def estimate_difficulty(model_dir: Path, prompts_path: Path, out_dir: Path, *, s
     engine, tokenizer = _engine(model_dir, device, batch_size)
     items = prompt_items(rows, tokenizer, template)
     requests = [GenRequest(prompt=p, sample_idx=i) for p in items for i in range(samples)]
-    trajs = engine.generate(requests, max_new_tokens, temperature, torch.Generator().manual_seed(seed),
-                            progress=progress)
+    trajs = engine.generate(
+        requests, max_new_tokens, temperature, torch.Generator().manual_seed(seed), progress=progress
+    )
     verdicts = verifier.verify_batch([t.text for t in trajs], [t.prompt.answer for t in trajs])
-    responses = pl.DataFrame({
-        "prompt_id": [t.prompt.prompt_id for t in trajs], "sample_idx": [t.sample_idx for t in trajs],
-        "response": [t.text for t in trajs], "correct": [v.correct for v in verdicts],
-        "length": [len(t.response_tokens) for t in trajs], "entropy": [t.mean_entropy for t in trajs],
-        "truncated": [not t.finished for t in trajs]},
-        schema={"prompt_id": pl.Utf8, "sample_idx": pl.Int32, "response": pl.Utf8, "correct": pl.Boolean,
-                "length": pl.Int32, "entropy": pl.Float64, "truncated": pl.Boolean})
-    levels = pl.DataFrame({"prompt_id": [r["prompt_id"] for r in rows],
-                           "level": [r.get("level") for r in rows]}, schema={"prompt_id": pl.Utf8, "level": pl.Int32})
-    attempts = (responses.group_by("prompt_id", maintain_order=True)
-                .agg(n=pl.len().cast(pl.Int64), n_correct=pl.col("correct").sum().cast(pl.Int64),
-                     mean_length=pl.col("length").cast(pl.Float64).mean(), mean_entropy=pl.col("entropy").mean())
-                .with_columns(pass_rate=pl.col("n_correct") / pl.col("n"))
-                .join(levels, on="prompt_id", how="left", maintain_order="left")
-                .select("prompt_id", "n", "n_correct", "pass_rate", "mean_length", "mean_entropy", "level"))
+    responses = pl.DataFrame(
+        {
+            "prompt_id": [t.prompt.prompt_id for t in trajs],
+            "sample_idx": [t.sample_idx for t in trajs],
+            "response": [t.text for t in trajs],
+            "correct": [v.correct for v in verdicts],
+            "length": [len(t.response_tokens) for t in trajs],
+            "entropy": [t.mean_entropy for t in trajs],
+            "truncated": [not t.finished for t in trajs],
+        },
+        schema={
+            "prompt_id": pl.Utf8,
+            "sample_idx": pl.Int32,
+            "response": pl.Utf8,
+            "correct": pl.Boolean,
+            "length": pl.Int32,
+            "entropy": pl.Float64,
+            "truncated": pl.Boolean,
+        },
+    )
+    levels = pl.DataFrame(
+        {"prompt_id": [r["prompt_id"] for r in rows], "level": [r.get("level") for r in rows]},
+        schema={"prompt_id": pl.Utf8, "level": pl.Int32},
+    )
+    attempts = (
+        responses.group_by("prompt_id", maintain_order=True)
+        .agg(
+            n=pl.len().cast(pl.Int64),
+            n_correct=pl.col("correct").sum().cast(pl.Int64),
+            mean_length=pl.col("length").cast(pl.Float64).mean(),
+            mean_entropy=pl.col("entropy").mean(),
+        )
+        .with_columns(pass_rate=pl.col("n_correct") / pl.col("n"))
+        .join(levels, on="prompt_id", how="left", maintain_order="left")
+        .select("prompt_id", "n", "n_correct", "pass_rate", "mean_length", "mean_entropy", "level")
+    )
     history = attempts.select(
-        pl.lit(0, pl.Int64).alias("step"), pl.int_range(pl.len(), dtype=pl.Int64).alias("idx"), "prompt_id",
-        pl.col("pass_rate").alias("mean_reward"), "n", pl.lit("difficulty").alias("origin"))
+        pl.lit(0, pl.Int64).alias("step"),
+        pl.int_range(pl.len(), dtype=pl.Int64).alias("idx"),
+        "prompt_id",
+        pl.col("pass_rate").alias("mean_reward"),
+        "n",
+        pl.lit("difficulty").alias("origin"),
+    )
     out = Path(out_dir)
     attempts.write_parquet(out / "attempts.parquet")
     responses.write_parquet(out / "responses.parquet")
     history.write_parquet(out / "history.parquet")
     pr = attempts["pass_rate"]
-    return {"prompts_sampled": float(attempts.height), "samples": float(responses.height),
-            "mean_pass_rate": float(pr.mean() or 0.0), "all_correct": float((pr == 1.0).sum()),
-            "all_wrong": float((pr == 0.0).sum()),
-            "learning_edge": float(((pr > 0) & (pr < 1)).sum())}
+    return {
+        "prompts_sampled": float(attempts.height),
+        "samples": float(responses.height),
+        "mean_pass_rate": float(pr.mean() or 0.0),
+        "all_correct": float((pr == 1.0).sum()),
+        "all_wrong": float((pr == 0.0).sum()),
+        "learning_edge": float(((pr > 0) & (pr < 1)).sum()),
+    }
 
 
-def dart_sample(model_dir: Path, prompts_path: Path, attempts_path: Path, out_dir: Path, params, *,
-                max_new_tokens: int, temperature: float, template: str, seed: int, device: str, verifier,
-                batch_size: int = 256, progress=None, check_arithmetic: bool = False) -> dict[str, float]:
+def dart_sample(
+    model_dir: Path,
+    prompts_path: Path,
+    attempts_path: Path,
+    out_dir: Path,
+    params,
+    *,
+    max_new_tokens: int,
+    temperature: float,
+    template: str,
+    seed: int,
+    device: str,
+    verifier,
+    batch_size: int = 256,
+    progress=None,
+    check_arithmetic: bool = False,
+) -> dict[str, float]:
     """DART: rejection-sample the difficulty stage's prompts, trials allocated by
     ``data_curation.dart.DartPlanner`` (``params``: its ``DartParams``), round after round until every
     prompt stopped or the budget is spent. Writes ``rft.parquet`` (every correct response with its
@@ -107,8 +172,10 @@ def dart_sample(model_dir: Path, prompts_path: Path, attempts_path: Path, out_di
 
     attempts = pl.read_parquet(attempts_path)
     prompts = pl.read_parquet(prompts_path)
-    by_id = {r["prompt_id"]: r for r in prompts.filter(pl.col("prompt_id").is_in(attempts["prompt_id"].implode()))
-             .to_dicts()}
+    by_id = {
+        r["prompt_id"]: r
+        for r in prompts.filter(pl.col("prompt_id").is_in(attempts["prompt_id"].implode())).to_dicts()
+    }
     engine, tokenizer = _engine(model_dir, device, batch_size)
     items = {p.prompt_id: p for p in prompt_items(list(by_id.values()), tokenizer, template)}
     planner = DartPlanner(attempts, params)
@@ -119,15 +186,25 @@ def dart_sample(model_dir: Path, prompts_path: Path, attempts_path: Path, out_di
         requests = [GenRequest(prompt=items[pid], sample_idx=i) for pid, n in plan for i in range(n)]
         trajs = engine.generate(requests, max_new_tokens, temperature, generator)
         verdicts = verifier.verify_batch([t.text for t in trajs], [t.prompt.answer for t in trajs])
-        correct = [v.correct and (not check_arithmetic or arithmetic_consistent(t.text)) for t, v in zip(trajs, verdicts)]
+        correct = [
+            v.correct and (not check_arithmetic or arithmetic_consistent(t.text))
+            for t, v in zip(trajs, verdicts)
+        ]
         rejected += sum(v.correct and not c for v, c in zip(verdicts, correct))
-        planner.record((t.prompt.prompt_id, c, t.text, len(t.response_tokens)) for t, c in zip(trajs, correct))
+        planner.record(
+            (t.prompt.prompt_id, c, t.text, len(t.response_tokens)) for t, c in zip(trajs, correct)
+        )
         if progress is not None:
             progress.update(len(requests))
     data = planner.correct_responses().join(
-        prompts.select("prompt_id", "problem", "answer", "level"), on="prompt_id", how="left")
+        prompts.select("prompt_id", "problem", "answer", "level"), on="prompt_id", how="left"
+    )
     data.write_parquet(Path(out_dir) / "rft.parquet")
     stats = planner.stats().join(prompts.select("prompt_id", "level"), on="prompt_id", how="left")
     stats.write_parquet(Path(out_dir) / "dart_stats.parquet")
-    return {**{k: float(v) for k, v in planner.summary().items()}, "rounds": float(rounds),
-            "rft_examples": float(data.height), "rejected_arithmetic": float(rejected)}
+    return {
+        **{k: float(v) for k, v in planner.summary().items()},
+        "rounds": float(rounds),
+        "rft_examples": float(data.height),
+        "rejected_arithmetic": float(rejected),
+    }

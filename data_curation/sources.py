@@ -11,7 +11,8 @@ from __future__ import annotations
 import json
 import shutil
 from pathlib import Path
-from typing import Any, Iterable
+from typing import Any
+from collections.abc import Iterable
 
 PROJECT_ROOT = Path(__file__).resolve().parent.parent
 SOURCES_FILE = "sources.json"
@@ -51,14 +52,20 @@ def snapshot_sources(sources: Iterable[Any], out_dir: Path) -> list[dict]:
     specs = []
     for s in sources:
         spec = asdict(s) if is_dataclass(s) else dict(s)
-        if not isinstance(spec["name"], str) or not SOURCE_NAME.fullmatch(spec["name"]):  # the config refuses it first
-            raise ValueError(f"data source name {spec['name']!r} is not an identifier (letters, digits, _ and -); "
-                             "it names a folder inside the dataset artifact")
+        if not isinstance(spec["name"], str) or not SOURCE_NAME.fullmatch(
+            spec["name"]
+        ):  # the config refuses it first
+            raise ValueError(
+                f"data source name {spec['name']!r} is not an identifier (letters, digits, _ and -); "
+                "it names a folder inside the dataset artifact"
+            )
         local = resolve_source_path(spec["path"])
         if local is None:
             if spec.get("format") != "hf":
-                raise FileNotFoundError(f"data source {spec['name']!r}: no file or folder at {spec['path']!r} "
-                                        "(only format=hf may name a hub dataset)")
+                raise FileNotFoundError(
+                    f"data source {spec['name']!r}: no file or folder at {spec['path']!r} "
+                    "(only format=hf may name a hub dataset)"
+                )
             spec["hub"] = True
         else:
             dest = Path(out_dir) / "sources" / spec["name"] / local.name
@@ -89,7 +96,17 @@ def read_sources(data_dir: Path) -> list[dict]:
     return specs
 
 
-ARITH_SOURCE = {"name": "arith", "path": "pool.parquet", "format": "parquet", "problem_field": "problem",
-                "answer_field": "answer", "id_field": "prompt_id", "level_field": "level", "subject_field": None,
-                "extra_fields": ["solution", "demonstration"], "split": "train", "hub": False}
+ARITH_SOURCE = {
+    "name": "arith",
+    "path": "pool.parquet",
+    "format": "parquet",
+    "problem_field": "problem",
+    "answer_field": "answer",
+    "id_field": "prompt_id",
+    "level_field": "level",
+    "subject_field": None,
+    "extra_fields": ["solution", "demonstration"],
+    "split": "train",
+    "hub": False,
+}
 """The synthetic pool, as the ``data`` stage writes it, read by ``ingest`` like any other source."""

@@ -67,7 +67,9 @@ def _make(rng: random.Random, level: int) -> tuple[str, list[int], list[str]]:
     total = operands[0]
     for _ in range(n_ops):
         x = rng.randint(1, largest)
-        allowed = [op for op in OPS if (op == "+" and total + x <= MAX_TOTAL) or (op == "-" and total - x >= 0)]
+        allowed = [
+            op for op in OPS if (op == "+" and total + x <= MAX_TOTAL) or (op == "-" and total - x >= 0)
+        ]
         op = rng.choice(allowed)
         total = total + x if op == "+" else total - x
         operands.append(x)
@@ -84,8 +86,9 @@ def prompt_id(text: str) -> str:
     return "arith-" + hashlib.sha256(text.encode()).hexdigest()[:16]
 
 
-def generate(seed: int, pool_size: int, heldout_size: int, levels: list[int],
-             demo_error_rate: float = 0.0) -> tuple[list[Problem], list[Problem]]:
+def generate(
+    seed: int, pool_size: int, heldout_size: int, levels: list[int], demo_error_rate: float = 0.0
+) -> tuple[list[Problem], list[Problem]]:
     """(pool, heldout): disjoint, levels balanced round-robin, deterministic from ``seed``. The
     problems do not depend on ``demo_error_rate`` (slips draw from their own generator)."""
     rng = random.Random(f"arith:{seed}")
@@ -100,8 +103,10 @@ def generate(seed: int, pool_size: int, heldout_size: int, levels: list[int],
         turn = 0
         while len(out) < n:
             if not active:
-                raise ValueError(f"cannot draw {n} distinct {split} problems from levels {levels}; "
-                                 "lower data.pool_size or data.heldout_size")
+                raise ValueError(
+                    f"cannot draw {n} distinct {split} problems from levels {levels}; "
+                    "lower data.pool_size or data.heldout_size"
+                )
             level = active[turn % len(active)]
             turn += 1
             expr, operands, ops = _make(rng, level)
@@ -128,8 +133,9 @@ PROMPT_TEMPLATE = "{problem}\n"
 """How the arithmetic task is put to a model without a chat template (the tiny default)."""
 
 
-def write_dataset(out_dir, *, seed: int, pool_size: int, heldout_size: int, levels: list[int],
-                  demo_error_rate: float = 0.0) -> dict[str, float]:
+def write_dataset(
+    out_dir, *, seed: int, pool_size: int, heldout_size: int, levels: list[int], demo_error_rate: float = 0.0
+) -> dict[str, float]:
     """Write ``pool.parquet`` and ``heldout.parquet`` (columns: prompt_id, problem, solution, answer,
     level, split, demonstration) into ``out_dir``; returns counts."""
     from dataclasses import asdict

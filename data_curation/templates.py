@@ -20,7 +20,7 @@ from __future__ import annotations
 import math
 import os
 from dataclasses import dataclass
-from typing import Sequence
+from collections.abc import Sequence
 
 __all__ = ["Template", "detect_template", "strip_template"]
 
@@ -73,8 +73,13 @@ def _cut_suffix(suffix: str) -> str:
     return ""
 
 
-def detect_template(problems: Sequence[str], *, min_share: float = MIN_SHARE, min_rows: int = MIN_ROWS,
-                    min_chars: int = MIN_CHARS) -> Template | None:
+def detect_template(
+    problems: Sequence[str],
+    *,
+    min_share: float = MIN_SHARE,
+    min_rows: int = MIN_ROWS,
+    min_chars: int = MIN_CHARS,
+) -> Template | None:
     """The wrapper most rows of ``problems`` share (see the module docstring), or None."""
     if not 0 < min_share <= 1:
         raise ValueError(f"min_share must be in (0, 1], got {min_share}")
@@ -97,8 +102,12 @@ def detect_template(problems: Sequence[str], *, min_share: float = MIN_SHARE, mi
 
 
 def _has(problem: str, prefix: str, suffix: str) -> bool:
-    return (problem.startswith(prefix) and problem.endswith(suffix)
-            and len(problem) > len(prefix) + len(suffix) and problem[len(prefix):len(problem) - len(suffix)].strip() != "")
+    return (
+        problem.startswith(prefix)
+        and problem.endswith(suffix)
+        and len(problem) > len(prefix) + len(suffix)
+        and problem[len(prefix) : len(problem) - len(suffix)].strip() != ""
+    )
 
 
 def strip_template(problem: str, template: Template | None) -> str:
@@ -106,4 +115,4 @@ def strip_template(problem: str, template: Template | None) -> str:
     it does not carry the whole wrapper."""
     if template is None or not _has(problem, template.prefix, template.suffix):
         return problem
-    return problem[len(template.prefix):len(problem) - len(template.suffix)].strip()
+    return problem[len(template.prefix) : len(problem) - len(template.suffix)].strip()

@@ -33,9 +33,7 @@ __all__ = [
 
 DATA_DIR = Path(__file__).resolve().parent / "data"
 
-DEFAULT_TEMPLATE = (
-    "{problem}\n\nPlease reason step by step, and put your final answer within \\boxed{}."
-)
+DEFAULT_TEMPLATE = "{problem}\n\nPlease reason step by step, and put your final answer within \\boxed{}."
 
 
 @dataclass(frozen=True)
@@ -94,15 +92,24 @@ BENCHMARKS: dict[str, BenchmarkSpec] = {
         subject_field="subject",
     ),
     "aime24": BenchmarkSpec(
-        name="aime24", file="aime24_test.jsonl", problem_field="problem", answer_field="answer",
+        name="aime24",
+        file="aime24_test.jsonl",
+        problem_field="problem",
+        answer_field="answer",
         id_field="id",
     ),
     "aime25": BenchmarkSpec(
-        name="aime25", file="aime25_test.jsonl", problem_field="problem", answer_field="answer",
+        name="aime25",
+        file="aime25_test.jsonl",
+        problem_field="problem",
+        answer_field="answer",
         id_field="id",
     ),
     "amc23": BenchmarkSpec(
-        name="amc23", file="amc23_test.jsonl", problem_field="problem", answer_field="answer",
+        name="amc23",
+        file="amc23_test.jsonl",
+        problem_field="problem",
+        answer_field="answer",
         id_field="id",
     ),
 }
@@ -167,7 +174,9 @@ def load_benchmark(name: str, data_dir: str | Path | None = None) -> list[Benchm
     return _items(spec, rows, str(path))
 
 
-def load_with_datasets(name: str, data_dir: str | Path | None = None, cache_dir: str | None = None) -> list[BenchmarkItem]:
+def load_with_datasets(
+    name: str, data_dir: str | Path | None = None, cache_dir: str | None = None
+) -> list[BenchmarkItem]:
     """Same as ``load_benchmark``, read through ``datasets.load_dataset("json", ...)``."""
     import datasets
 

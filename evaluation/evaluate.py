@@ -7,7 +7,7 @@ Rows are keyed by (benchmark, problem_id, sample_idx) so the catalog can store t
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Sequence
+from collections.abc import Sequence
 
 import torch
 
@@ -37,16 +37,35 @@ class EvalRow:
     the whole question."""
 
 
-def evaluate_items(model, tokenizer, items: Sequence[BenchmarkItem], *, templates: dict[str, str | None],
-                   n_samples: int, temperature: float, max_new_tokens: int, batch_size: int, seed: int,
-                   device: str, verifier: Verifier, progress=None) -> list[EvalRow]:
+def evaluate_items(
+    model,
+    tokenizer,
+    items: Sequence[BenchmarkItem],
+    *,
+    templates: dict[str, str | None],
+    n_samples: int,
+    temperature: float,
+    max_new_tokens: int,
+    batch_size: int,
+    seed: int,
+    device: str,
+    verifier: Verifier,
+    progress=None,
+) -> list[EvalRow]:
     """One row per (item, sample). ``templates`` maps a benchmark to its prompt template
     (None = the registry default). Prompts longer than the model's context are still sampled (a
     model with rotary positions runs past them); ``summarize_rows`` counts them."""
     engine = TorchEngine(model, tokenizer, device=device, batch_size=batch_size)
-    prompts = [PromptItem(prompt_id=it.problem_id, text=it.problem, answer=it.answer,
-                          prompt_tokens=encode_prompt(tokenizer, build_prompt(it, templates.get(it.benchmark))),
-                          level=None) for it in items]
+    prompts = [
+        PromptItem(
+            prompt_id=it.problem_id,
+            text=it.problem,
+            answer=it.answer,
+            prompt_tokens=encode_prompt(tokenizer, build_prompt(it, templates.get(it.benchmark))),
+            level=None,
+        )
+        for it in items
+    ]
     requests = [GenRequest(prompt=p, sample_idx=s) for p in prompts for s in range(n_samples)]
     generator = torch.Generator().manual_seed(seed)
     trajectories = engine.generate(requests, max_new_tokens, temperature, generator, progress=progress)
@@ -54,10 +73,22 @@ def evaluate_items(model, tokenizer, items: Sequence[BenchmarkItem], *, template
     rows = []
     for i, (req, traj, v) in enumerate(zip(requests, trajectories, verdicts)):
         item = items[i // n_samples]  # requests are item-major; ids may repeat across benchmarks
-        rows.append(EvalRow(benchmark=item.benchmark, problem_id=item.problem_id, sample_idx=req.sample_idx,
-                            response=traj.text, pred=v.pred, correct=v.correct, error=v.error,
-                            length=len(traj.response_tokens), truncated=not traj.finished, level=item.level,
-                            subject=item.subject, prompt_length=len(traj.prompt.prompt_tokens)))
+        rows.append(
+            EvalRow(
+                benchmark=item.benchmark,
+                problem_id=item.problem_id,
+                sample_idx=req.sample_idx,
+                response=traj.text,
+                pred=v.pred,
+                correct=v.correct,
+                error=v.error,
+                length=len(traj.response_tokens),
+                truncated=not traj.finished,
+                level=item.level,
+                subject=item.subject,
+                prompt_length=len(traj.prompt.prompt_tokens),
+            )
+        )
     return rows
 
 
@@ -75,8 +106,9 @@ def count_too_long(rows: Sequence[EvalRow | dict], context: int | None) -> int:
     return len({get(r, "problem_id") for r in rows if get(r, "prompt_length") > context})
 
 
-def summarize_rows(rows: Sequence[EvalRow], n_samples: int, context: int | None = None,
-                   totals: dict[str, int] | None = None) -> dict[str, dict]:
+def summarize_rows(
+    rows: Sequence[EvalRow], n_samples: int, context: int | None = None, totals: dict[str, int] | None = None
+) -> dict[str, dict]:
     """Benchmark -> metrics (avg@n, pass@k, maj@n, mean length, truncation, by level), with
     ``too_long`` (problems whose prompt exceeds the model's ``context``), ``context`` and, when only a
     subset was evaluated, ``problems_total`` (``totals``: benchmark -> problems in the full set)."""

@@ -97,9 +97,7 @@ def summarize(rows: Sequence[Any], n_samples: int, ks: Sequence[int] | None = No
         problems[str(_field(row, "problem_id"))].append(row)
     for pid, samples in problems.items():
         if len(samples) != n_samples:
-            raise ValueError(
-                f"problem {pid!r} has {len(samples)} samples, expected n_samples={n_samples}"
-            )
+            raise ValueError(f"problem {pid!r} has {len(samples)} samples, expected n_samples={n_samples}")
         samples.sort(key=lambda r: _field(r, "sample_idx"))
 
     ks = [k for k in (ks if ks is not None else default_ks(n_samples)) if k <= n_samples]

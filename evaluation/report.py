@@ -8,15 +8,27 @@ from __future__ import annotations
 from collections import defaultdict
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Mapping, Sequence
+from typing import Any
+from collections.abc import Mapping, Sequence
 
 from evaluation.metrics import summarize
 
-__all__ = ["EvalGroup", "ReportData", "format_eval_table", "markdown_benchmark_table", "summarize_eval_rows",
-           "write_report", "PLOTS"]
+__all__ = [
+    "EvalGroup",
+    "ReportData",
+    "format_eval_table",
+    "markdown_benchmark_table",
+    "summarize_eval_rows",
+    "write_report",
+    "PLOTS",
+]
 
-PLOTS = {"benchmarks": "benchmark_accuracy.png", "rl": "rl_reward_length.png", "levels": "accuracy_by_level.png",
-         "timeline": "rl_timeline.png"}
+PLOTS = {
+    "benchmarks": "benchmark_accuracy.png",
+    "rl": "rl_reward_length.png",
+    "levels": "accuracy_by_level.png",
+    "timeline": "rl_timeline.png",
+}
 ROLE_LABELS = {"base_model": "base", "warmup": "warm-up", "rft": "RFT", "rl": "RL", "external": "external"}
 _COLORS = {"base": "#9e9e9e", "warm-up": "#4c72b0", "RFT": "#8172b3", "RL": "#dd8452", "external": "#55a868"}
 
@@ -97,10 +109,14 @@ def summarize_eval_rows(rows: Sequence[Mapping[str, Any]]) -> dict:
 
 # ---- tables -------------------------------------------------------------------------------------
 
+
 def _metric_columns(summary: Mapping[str, Any]) -> list[str]:
     n = summary["n_samples"]
-    return [f"avg@{n}", *sorted((k for k in summary if k.startswith("pass@")), key=lambda k: int(k[5:])),
-            f"maj@{n}"]
+    return [
+        f"avg@{n}",
+        *sorted((k for k in summary if k.startswith("pass@")), key=lambda k: int(k[5:])),
+        f"maj@{n}",
+    ]
 
 
 def _fmt(v: Any) -> str:
@@ -127,8 +143,12 @@ def coverage_note(s: Mapping[str, Any], short: bool = False) -> str:
     if s.get("problems_total"):
         parts.append(f"{s.get('n_problems')} of {s['problems_total']} problems (eval.max_problems)")
     if s.get("too_long"):
-        parts.append(f"{s['too_long']} prompt{'s' if s['too_long'] != 1 else ''} longer than the "
-                     f"{s.get('context')}-token context" if not short else f"{s['too_long']} too long")
+        parts.append(
+            f"{s['too_long']} prompt{'s' if s['too_long'] != 1 else ''} longer than the "
+            f"{s.get('context')}-token context"
+            if not short
+            else f"{s['too_long']} too long"
+        )
     return f" ({', '.join(parts)})" if parts else ""
 
 
@@ -139,16 +159,25 @@ def format_eval_table(summaries: Mapping[str, Mapping[str, Any]]) -> str:
     lines: list[str] = []
     for bench, s in summaries.items():
         cols = _metric_columns(s)
-        head = f"{'benchmark':<14} {'problems':>9} " + " ".join(f"{c:>8}" for c in cols) + \
-            f" {'mean len':>9} {'trunc':>6} {'verif err':>9} {'too long':>10}"
+        head = (
+            f"{'benchmark':<14} {'problems':>9} "
+            + " ".join(f"{c:>8}" for c in cols)
+            + f" {'mean len':>9} {'trunc':>6} {'verif err':>9} {'too long':>10}"
+        )
         if not lines or lines[0] != head:
             lines += [head, "-" * len(head)] if not lines else ["", head, "-" * len(head)]
-        lines.append(f"{bench:<14} {problems_label(s):>9} " + " ".join(f"{s[c]:>8.3f}" for c in cols) +
-                     f" {s['mean_length']:>9.1f} {s['truncation_rate']:>6.3f} {s.get('verifier_errors', 0):>9}"
-                     f" {too_long_label(s):>10}")
-    notes = [f"{bench}: {s['too_long']} of {s['n_problems']} prompts are longer than the model's {s['context']}-token "
-             "context (positions it was never built or trained for): its score there says little about the model"
-             for bench, s in summaries.items() if s.get("too_long")]
+        lines.append(
+            f"{bench:<14} {problems_label(s):>9} "
+            + " ".join(f"{s[c]:>8.3f}" for c in cols)
+            + f" {s['mean_length']:>9.1f} {s['truncation_rate']:>6.3f} {s.get('verifier_errors', 0):>9}"
+            f" {too_long_label(s):>10}"
+        )
+    notes = [
+        f"{bench}: {s['too_long']} of {s['n_problems']} prompts are longer than the model's {s['context']}-token "
+        "context (positions it was never built or trained for): its score there says little about the model"
+        for bench, s in summaries.items()
+        if s.get("too_long")
+    ]
     lines += notes
     for bench, s in summaries.items():
         for key in ("by_level", "by_subject"):
@@ -173,12 +202,41 @@ def markdown_benchmark_table(evals: Sequence[EvalGroup]) -> str:
         s = e.summary
         pass_k = ", ".join(f"{k} {s[k]:.3f}" for k in _metric_columns(s)[1:-1])
         bench = e.benchmark if e.certificate in (None, "clean") else f"{e.benchmark} ({e.certificate})"
-        rows.append([ROLE_LABELS.get(e.role, e.role), e.checkpoint_sha[:12], bench,
-                     e.eval_sha[:12] + e.tag(), problems_label(s), s["n_samples"],
-                     s["accuracy"], pass_k, s[f"maj@{s['n_samples']}"], f"{s['mean_length']:.1f}",
-                     s["truncation_rate"], s["verifier_errors"], too_long_label(s)])
-    return _md(["checkpoint", "sha", "benchmark", "eval", "problems", "n", "avg@n", "pass@k", "maj@n",
-                "mean length", "truncation", "verifier errors", "prompts > context"], rows)
+        rows.append(
+            [
+                ROLE_LABELS.get(e.role, e.role),
+                e.checkpoint_sha[:12],
+                bench,
+                e.eval_sha[:12] + e.tag(),
+                problems_label(s),
+                s["n_samples"],
+                s["accuracy"],
+                pass_k,
+                s[f"maj@{s['n_samples']}"],
+                f"{s['mean_length']:.1f}",
+                s["truncation_rate"],
+                s["verifier_errors"],
+                too_long_label(s),
+            ]
+        )
+    return _md(
+        [
+            "checkpoint",
+            "sha",
+            "benchmark",
+            "eval",
+            "problems",
+            "n",
+            "avg@n",
+            "pass@k",
+            "maj@n",
+            "mean length",
+            "truncation",
+            "verifier errors",
+            "prompts > context",
+        ],
+        rows,
+    )
 
 
 def _headline_evals(evals: Sequence[EvalGroup]) -> dict[tuple[str, str], EvalGroup]:
@@ -191,14 +249,17 @@ def _headline_evals(evals: Sequence[EvalGroup]) -> dict[tuple[str, str], EvalGro
     return chosen
 
 
-def _level_rows(evals: Sequence[EvalGroup], by: str = "by_level") -> tuple[list[str], list[str], list[list[Any]]]:
+def _level_rows(
+    evals: Sequence[EvalGroup], by: str = "by_level"
+) -> tuple[list[str], list[str], list[list[Any]]]:
     """Rows (benchmark, level or subject, accuracy per checkpoint role) of the ``by`` breakdown."""
     chosen = _headline_evals(evals)
     roles = [r for r in ROLE_LABELS if any(k[0] == r and chosen[k].summary.get(by) for k in chosen)]
     rows = []
     for bench in sorted({b for _, b in chosen}):
-        levels = sorted({lv for r in roles for lv in chosen.get((r, bench), _EMPTY).summary.get(by, {})},
-                        key=_level_order)
+        levels = sorted(
+            {lv for r in roles for lv in chosen.get((r, bench), _EMPTY).summary.get(by, {})}, key=_level_order
+        )
         for lv in levels:
             row: list[Any] = [bench, lv]
             for r in roles:
@@ -218,6 +279,7 @@ def _level_order(level: str) -> tuple:
 
 
 # ---- plots --------------------------------------------------------------------------------------
+
 
 def _pyplot():
     import matplotlib
@@ -258,17 +320,30 @@ def _grouped_bars(ax, groups: Sequence[str], labels: Sequence[str], value) -> di
     for i, label in enumerate(labels):
         xs_all = [j + (i - (len(labels) - 1) / 2) * width for j in range(len(groups))]
         known = [(x, value(j, i)) for j, x in enumerate(xs_all) if value(j, i) is not None]
-        bars = ax.bar([x for x, _ in known], [v for _, v in known], width, label=label, color=_COLORS.get(label))
+        bars = ax.bar(
+            [x for x, _ in known], [v for _, v in known], width, label=label, color=_COLORS.get(label)
+        )
         ax.bar_label(bars, fmt="%.2f", fontsize=8)
         for j, x in enumerate(xs_all):
             if value(j, i) is None:
-                ax.text(x, 0.01, "not evaluated", rotation=90, ha="center", va="bottom", fontsize=7, color="#777777")
+                ax.text(
+                    x,
+                    0.01,
+                    "not evaluated",
+                    rotation=90,
+                    ha="center",
+                    va="bottom",
+                    fontsize=7,
+                    color="#777777",
+                )
             else:
                 drawn[(groups[j], label)] = value(j, i)
     return drawn
 
 
-def plot_benchmarks(evals: Sequence[EvalGroup], path: Path, caption: str | None = None) -> dict[tuple[str, str], float]:
+def plot_benchmarks(
+    evals: Sequence[EvalGroup], path: Path, caption: str | None = None
+) -> dict[tuple[str, str], float]:
     """Accuracy per benchmark and checkpoint; a checkpoint never evaluated on a benchmark has no bar.
     Returns the bars drawn, (benchmark, checkpoint label) -> accuracy."""
     plt = _pyplot()
@@ -276,10 +351,17 @@ def plot_benchmarks(evals: Sequence[EvalGroup], path: Path, caption: str | None 
     benches = sorted({b for _, b in chosen})
     roles = [r for r in ROLE_LABELS if any(k[0] == r for k in chosen)]
     fig, ax = plt.subplots(figsize=(max(5, 1.6 * len(benches) + 2), 4.2))
-    drawn = _grouped_bars(ax, benches, [ROLE_LABELS.get(r, r) for r in roles],
-                  lambda j, i: chosen[(roles[i], benches[j])].summary["accuracy"]
-                  if (roles[i], benches[j]) in chosen else None)
-    ax.set_xticks(range(len(benches)), [f"{b}\n{problems_label(_first(chosen, b).summary)} problems" for b in benches])
+    drawn = _grouped_bars(
+        ax,
+        benches,
+        [ROLE_LABELS.get(r, r) for r in roles],
+        lambda j, i: (
+            chosen[(roles[i], benches[j])].summary["accuracy"] if (roles[i], benches[j]) in chosen else None
+        ),
+    )
+    ax.set_xticks(
+        range(len(benches)), [f"{b}\n{problems_label(_first(chosen, b).summary)} problems" for b in benches]
+    )
     ax.set_ylim(0, 1.05)
     ax.set_ylabel("accuracy (avg@n)")
     ax.set_title("Benchmark accuracy per checkpoint")
@@ -299,8 +381,12 @@ def _same_series(a: Sequence[tuple[int, float]], b: Sequence[tuple[int, float]])
     return len(a) == len(b) and all(sa == sb and abs(va - vb) < 1e-9 for (sa, va), (sb, vb) in zip(a, b))
 
 
-def plot_rl(rl_metrics: Mapping[str, Sequence[tuple[int, float]]], path: Path, caption: str | None = None,
-            final_eval: Mapping[str, float] | None = None) -> list[str]:
+def plot_rl(
+    rl_metrics: Mapping[str, Sequence[tuple[int, float]]],
+    path: Path,
+    caption: str | None = None,
+    final_eval: Mapping[str, float] | None = None,
+) -> list[str]:
     """Reward, training accuracy and in-run held-out evaluations over RL steps (left), response length
     (right). A reward that is exactly the accuracy (no shaping) is one line named so, not two lines
     drawn on top of each other; ``final_eval`` (benchmark -> accuracy of the RL checkpoint's eval
@@ -315,7 +401,9 @@ def plot_rl(rl_metrics: Mapping[str, Sequence[tuple[int, float]]], path: Path, c
         lines.append(("reward", "reward = training accuracy (no shaping)", {}))
     else:
         lines += [("reward", "reward", {}), ("accuracy", "training accuracy", {"linestyle": "--"})]
-    lines += [(n, n.replace("eval_", "held-out eval (in run): "), {"marker": "o", "linestyle": ":"}) for n in in_run]
+    lines += [
+        (n, n.replace("eval_", "held-out eval (in run): "), {"marker": "o", "linestyle": ":"}) for n in in_run
+    ]
     for name, label, style in lines:
         points = rl_metrics.get(name, [])
         if points:
@@ -324,12 +412,22 @@ def plot_rl(rl_metrics: Mapping[str, Sequence[tuple[int, float]]], path: Path, c
     last = max((s for pts in rl_metrics.values() for s, _ in pts), default=0)
     for bench, acc in (final_eval or {}).items():
         if acc is not None:
-            ax1.plot([last], [acc], marker="*", markersize=13, linestyle="none",
-                     label=f"final held-out eval (eval_rl): {bench} {acc:.3f}")
+            ax1.plot(
+                [last],
+                [acc],
+                marker="*",
+                markersize=13,
+                linestyle="none",
+                label=f"final held-out eval (eval_rl): {bench} {acc:.3f}",
+            )
     length = rl_metrics.get("response_length", [])
     if length:
-        ax2.plot([s for s, _ in length], [v for _, v in length], marker="." if len(length) < 40 else None,
-                 label="mean response length")
+        ax2.plot(
+            [s for s, _ in length],
+            [v for _, v in length],
+            marker="." if len(length) < 40 else None,
+            label="mean response length",
+        )
     ax1.set_title("RL reward and held-out accuracy over steps")
     ax1.set_xlabel("step")
     ax1.set_ylabel("mean per trajectory / accuracy")
@@ -350,18 +448,23 @@ def plot_rl(rl_metrics: Mapping[str, Sequence[tuple[int, float]]], path: Path, c
     return labels
 
 
-def plot_levels(evals: Sequence[EvalGroup], path: Path, caption: str | None = None) -> dict[tuple[str, str], float]:
+def plot_levels(
+    evals: Sequence[EvalGroup], path: Path, caption: str | None = None
+) -> dict[tuple[str, str], float]:
     """Accuracy per difficulty level and checkpoint; a level a checkpoint was not evaluated on has no bar.
     Returns the bars drawn, ("<benchmark> <level>", checkpoint label) -> accuracy."""
     plt = _pyplot()
     roles, labels, rows = _level_rows(evals)
     benches = sorted({r[0] for r in rows})
-    fig, axes = plt.subplots(1, max(1, len(benches)), figsize=(max(5, 4.5 * len(benches)), 4.0), squeeze=False)
+    fig, axes = plt.subplots(
+        1, max(1, len(benches)), figsize=(max(5, 4.5 * len(benches)), 4.0), squeeze=False
+    )
     drawn: dict[tuple[str, str], float] = {}
     for ax, bench in zip(axes[0], benches):
         sub = [r for r in rows if r[0] == bench]
-        bars = _grouped_bars(ax, [r[1] for r in sub], labels,
-                             lambda j, i: sub[j][2 + i] if sub[j][2 + i] != "" else None)
+        bars = _grouped_bars(
+            ax, [r[1] for r in sub], labels, lambda j, i: sub[j][2 + i] if sub[j][2 + i] != "" else None
+        )
         drawn.update({(f"{bench} {lv}", label): v for (lv, label), v in bars.items()})
         ax.set_xticks(range(len(sub)), [r[1] for r in sub])
         ax.set_ylim(0, 1.05)
@@ -371,12 +474,15 @@ def plot_levels(evals: Sequence[EvalGroup], path: Path, caption: str | None = No
         if labels:
             ax.legend(fontsize=8)
     if not benches:
-        axes[0][0].text(0.5, 0.5, "no per-level results", ha="center", va="center", transform=axes[0][0].transAxes)
+        axes[0][0].text(
+            0.5, 0.5, "no per-level results", ha="center", va="center", transform=axes[0][0].transAxes
+        )
     _finish(fig, path, caption)
     return drawn
 
 
 # ---- the report -----------------------------------------------------------------------------------
+
 
 def _rl_table(rl_metrics: Mapping[str, Sequence[tuple[int, float]]]) -> str:
     rows = []
@@ -386,43 +492,102 @@ def _rl_table(rl_metrics: Mapping[str, Sequence[tuple[int, float]]]) -> str:
         if pts:
             tail = [v for _, v in pts[-5:]]
             rows.append([name, len(pts), pts[0][1], sum(tail) / len(tail)])
-    return _md(["metric", "steps", "first step", "mean of last 5"], rows) if rows else "_no RL metrics recorded_"
+    return (
+        _md(["metric", "steps", "first step", "mean of last 5"], rows) if rows else "_no RL metrics recorded_"
+    )
 
 
 def render_markdown(data: ReportData) -> str:
-    stage_rows = [[s["stage"], s["status"], f"{float(s['seconds'] or 0):.1f}", s.get("headline", "")]
-                  for s in data.stages]
+    stage_rows = [
+        [s["stage"], s["status"], f"{float(s['seconds'] or 0):.1f}", s.get("headline", "")]
+        for s in data.stages
+    ]
     _, labels, level_rows = _level_rows(data.evals)
     _, subject_labels, subject_rows = _level_rows(data.evals, "by_subject")
     parts = [
-        f"# Laminar run {data.run_id}", "",
-        f"status: **{data.status}**  ", f"command: `{data.command}`", "",
-        "## Stages", "", _md(["stage", "status", "seconds", "metrics"], stage_rows), "",
-        "## Benchmark accuracy per checkpoint", "",
-        markdown_benchmark_table(data.evals) if data.evals else "_no evaluation results in the catalog_", "",
-        f"![benchmark accuracy]({PLOTS['benchmarks']})", "",
-        "## RL reward and response length", "", _rl_table(data.rl_metrics), "",
-        f"![RL reward and response length]({PLOTS['rl']})", "",
-        "## Accuracy per difficulty level, before and after RL", "",
-        _md(["benchmark", "level", *labels], level_rows) if level_rows else "_no per-level results_", "",
-        f"![accuracy per level]({PLOTS['levels']})", "",
+        f"# Laminar run {data.run_id}",
+        "",
+        f"status: **{data.status}**  ",
+        f"command: `{data.command}`",
+        "",
+        "## Stages",
+        "",
+        _md(["stage", "status", "seconds", "metrics"], stage_rows),
+        "",
+        "## Benchmark accuracy per checkpoint",
+        "",
+        markdown_benchmark_table(data.evals) if data.evals else "_no evaluation results in the catalog_",
+        "",
+        f"![benchmark accuracy]({PLOTS['benchmarks']})",
+        "",
+        "## RL reward and response length",
+        "",
+        _rl_table(data.rl_metrics),
+        "",
+        f"![RL reward and response length]({PLOTS['rl']})",
+        "",
+        "## Accuracy per difficulty level, before and after RL",
+        "",
+        _md(["benchmark", "level", *labels], level_rows) if level_rows else "_no per-level results_",
+        "",
+        f"![accuracy per level]({PLOTS['levels']})",
+        "",
     ]
     if subject_rows:
-        parts += ["## Accuracy per subject", "", _md(["benchmark", "subject", *subject_labels], subject_rows), ""]
+        parts += [
+            "## Accuracy per subject",
+            "",
+            _md(["benchmark", "subject", *subject_labels], subject_rows),
+            "",
+        ]
     if data.runtime:
         rt = data.runtime
-        occ = {name: r["mean_occupancy"] for name, r in rt.get("timeline_summary", {}).get("rollouts", {}).items()}
-        parts += ["## RL runtime", "",
-                  _md(["mode", "updates", "trained tokens/s", "staleness histogram", "repacks", "pulls",
-                       "rollout failures", "relay failures", "mean occupancy"],
-                      [[rt.get("mode"), rt.get("updates"), f"{rt.get('tokens_per_s', 0):.0f}",
-                        rt.get("staleness_histogram"), rt.get("repacks", 0), rt.get("pulls", 0),
-                        rt.get("rollout_failures", 0), rt.get("relay_failures", 0),
-                        ", ".join(f"{k} {v:.2f}" for k, v in occ.items())]]), ""]
+        occ = {
+            name: r["mean_occupancy"]
+            for name, r in rt.get("timeline_summary", {}).get("rollouts", {}).items()
+        }
+        parts += [
+            "## RL runtime",
+            "",
+            _md(
+                [
+                    "mode",
+                    "updates",
+                    "trained tokens/s",
+                    "staleness histogram",
+                    "repacks",
+                    "pulls",
+                    "rollout failures",
+                    "relay failures",
+                    "mean occupancy",
+                ],
+                [
+                    [
+                        rt.get("mode"),
+                        rt.get("updates"),
+                        f"{rt.get('tokens_per_s', 0):.0f}",
+                        rt.get("staleness_histogram"),
+                        rt.get("repacks", 0),
+                        rt.get("pulls", 0),
+                        rt.get("rollout_failures", 0),
+                        rt.get("relay_failures", 0),
+                        ", ".join(f"{k} {v:.2f}" for k, v in occ.items()),
+                    ]
+                ],
+            ),
+            "",
+        ]
         if rt.get("cpu_seconds"):  # where the loop's CPU went: a CPU-bound loop shows a busy machine
-            busy = f", machine {100 * rt['machine_busy']:.0f}% busy" if rt.get("machine_busy") is not None else ""
-            parts += [f"CPU seconds per role over the loop ({rt['loop_seconds']:.1f} s on {rt['cores']} cores{busy}): "
-                      + ", ".join(f"{k} {v:.1f}" for k, v in rt["cpu_seconds"].items()), ""]
+            busy = (
+                f", machine {100 * rt['machine_busy']:.0f}% busy"
+                if rt.get("machine_busy") is not None
+                else ""
+            )
+            parts += [
+                f"CPU seconds per role over the loop ({rt['loop_seconds']:.1f} s on {rt['cores']} cores{busy}): "
+                + ", ".join(f"{k} {v:.1f}" for k, v in rt["cpu_seconds"].items()),
+                "",
+            ]
         parts += [f"![rollout timeline]({PLOTS['timeline']})", ""]
     return "\n".join(parts)
 
@@ -439,8 +604,11 @@ def write_report(data: ReportData, out_dir: Path) -> Path:
     if data.runtime and data.runtime.get("timeline"):
         from evaluation.timeline import plot_timeline
 
-        plot_timeline(data.runtime["timeline"], out_dir / PLOTS["timeline"],
-                      title=f"rl.mode={data.runtime.get('mode')}: one row per rollout ({caption})")
+        plot_timeline(
+            data.runtime["timeline"],
+            out_dir / PLOTS["timeline"],
+            title=f"rl.mode={data.runtime.get('mode')}: one row per rollout ({caption})",
+        )
     path = out_dir / "report.md"
     tmp = path.with_name(".report.md.tmp")
     tmp.write_text(render_markdown(data))

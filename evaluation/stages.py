@@ -22,7 +22,9 @@ def load_items(name: str, data_dir: Path | None):
 
         if data_dir is None:
             raise ValueError(f"benchmark {HELDOUT} needs the data artifact")
-        return items_from_records(HELDOUT, pl.read_parquet(Path(data_dir) / "heldout.parquet").to_dicts(), id_key="prompt_id")
+        return items_from_records(
+            HELDOUT, pl.read_parquet(Path(data_dir) / "heldout.parquet").to_dicts(), id_key="prompt_id"
+        )
     if name not in BENCHMARKS:
         raise ValueError(f"unknown benchmark {name!r}; choose from {HELDOUT}, {', '.join(BENCHMARKS)}")
     return load_benchmark(name)
@@ -39,6 +41,8 @@ def benchmark_hash(name: str, data_dir: Path | None) -> str:
             raise ValueError(f"benchmark {HELDOUT} needs the data artifact")
         return hash_file(Path(data_dir) / "heldout.parquet")
     return hash_file(benchmark_path(name))
+
+
 def subset(items: list, max_problems: int, seed: int, name: str) -> list:
     """``max_problems`` items of one benchmark drawn without replacement, seeded by ``seed`` and the
     benchmark's name (the same subset for every checkpoint), in file order; all of them when 0 or
@@ -64,8 +68,16 @@ def benchmark_items(cfg: EvalConfig, data_dir: Path | None, seed: int) -> tuple[
     return items, totals
 
 
-def evaluate_checkpoint(model_dir: Path, data_dir: Path | None, cfg: EvalConfig, *, templates: dict[str, str | None],
-                        seed: int, device: str, out_dir: Path) -> dict:
+def evaluate_checkpoint(
+    model_dir: Path,
+    data_dir: Path | None,
+    cfg: EvalConfig,
+    *,
+    templates: dict[str, str | None],
+    seed: int,
+    device: str,
+    out_dir: Path,
+) -> dict:
     """Writes ``rows.parquet`` (one row per problem and sample) and ``summary.json``; returns the summary."""
     import polars as pl
 
@@ -75,24 +87,57 @@ def evaluate_checkpoint(model_dir: Path, data_dir: Path | None, cfg: EvalConfig,
     if HELDOUT in cfg.benchmarks and data_dir is None:
         load_items(HELDOUT, None)  # raises: the held-out set needs the data artifact
     items, totals = benchmark_items(cfg, data_dir, seed)
-    with Verifier(timeout_s=cfg.verifier_timeout_s) as verifier, \
-            tqdm(total=len(items) * cfg.n_samples, desc="evaluate", unit="sample", leave=False) as bar:
-        rows = evaluate_items(model, tokenizer, items, templates=templates, n_samples=cfg.n_samples,
-                              temperature=cfg.temperature, max_new_tokens=cfg.max_new_tokens,
-                              batch_size=cfg.batch_size, seed=seed, device=device, verifier=verifier, progress=bar)
+    with (
+        Verifier(timeout_s=cfg.verifier_timeout_s) as verifier,
+        tqdm(total=len(items) * cfg.n_samples, desc="evaluate", unit="sample", leave=False) as bar,
+    ):
+        rows = evaluate_items(
+            model,
+            tokenizer,
+            items,
+            templates=templates,
+            n_samples=cfg.n_samples,
+            temperature=cfg.temperature,
+            max_new_tokens=cfg.max_new_tokens,
+            batch_size=cfg.batch_size,
+            seed=seed,
+            device=device,
+            verifier=verifier,
+            progress=bar,
+        )
     summary = summarize_rows(rows, cfg.n_samples, model_context(model), totals)
-    pl.DataFrame([r.__dict__ for r in rows], schema={
-        "benchmark": pl.Utf8, "problem_id": pl.Utf8, "sample_idx": pl.Int32, "response": pl.Utf8, "pred": pl.Utf8,
-        "correct": pl.Boolean, "error": pl.Utf8, "length": pl.Int32, "truncated": pl.Boolean, "level": pl.Utf8,
-        "subject": pl.Utf8, "prompt_length": pl.Int32,
-    }).write_parquet(Path(out_dir) / "rows.parquet")
+    pl.DataFrame(
+        [r.__dict__ for r in rows],
+        schema={
+            "benchmark": pl.Utf8,
+            "problem_id": pl.Utf8,
+            "sample_idx": pl.Int32,
+            "response": pl.Utf8,
+            "pred": pl.Utf8,
+            "correct": pl.Boolean,
+            "error": pl.Utf8,
+            "length": pl.Int32,
+            "truncated": pl.Boolean,
+            "level": pl.Utf8,
+            "subject": pl.Utf8,
+            "prompt_length": pl.Int32,
+        },
+    ).write_parquet(Path(out_dir) / "rows.parquet")
     with open(Path(out_dir) / "summary.json", "w") as f:
         json.dump(summary, f, indent=2, sort_keys=True)
     return summary
 
 
-def in_run_evaluator(tokenizer, data_dir: Path | None, cfg: EvalConfig, *, templates: dict[str, str | None],
-                     seed: int, device: str, verifier):
+def in_run_evaluator(
+    tokenizer,
+    data_dir: Path | None,
+    cfg: EvalConfig,
+    *,
+    templates: dict[str, str | None],
+    seed: int,
+    device: str,
+    verifier,
+):
     """A callback for evaluation every N RL steps: ``model -> {"eval_<benchmark>": avg@n, "eval_seconds": s}``.
     Same items, sampling and verifier as the eval stages, so the last in-run value of a checkpoint
     matches its eval stage's accuracy."""
@@ -104,9 +149,19 @@ def in_run_evaluator(tokenizer, data_dir: Path | None, cfg: EvalConfig, *, templ
         t0 = time.perf_counter()
         was_training = model.training
         model.eval()
-        rows = evaluate_items(model, tokenizer, items, templates=templates, n_samples=cfg.n_samples,
-                              temperature=cfg.temperature, max_new_tokens=cfg.max_new_tokens,
-                              batch_size=cfg.batch_size, seed=seed, device=device, verifier=verifier)
+        rows = evaluate_items(
+            model,
+            tokenizer,
+            items,
+            templates=templates,
+            n_samples=cfg.n_samples,
+            temperature=cfg.temperature,
+            max_new_tokens=cfg.max_new_tokens,
+            batch_size=cfg.batch_size,
+            seed=seed,
+            device=device,
+            verifier=verifier,
+        )
         model.train(was_training)
         out = {f"eval_{b}": s["accuracy"] for b, s in summarize_rows(rows, cfg.n_samples).items()}
         return {**out, "eval_seconds": time.perf_counter() - t0}
@@ -114,4 +169,13 @@ def in_run_evaluator(tokenizer, data_dir: Path | None, cfg: EvalConfig, *, templ
     return evaluate
 
 
-__all__ = ["EvalRow", "benchmark_hash", "benchmark_items", "evaluate_checkpoint", "in_run_evaluator", "load_items", "subset", "HELDOUT"]
+__all__ = [
+    "EvalRow",
+    "benchmark_hash",
+    "benchmark_items",
+    "evaluate_checkpoint",
+    "in_run_evaluator",
+    "load_items",
+    "subset",
+    "HELDOUT",
+]

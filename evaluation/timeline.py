@@ -17,7 +17,8 @@ timeline's end. Plots use matplotlib's Agg backend (no display needed).
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Any, Mapping
+from typing import Any
+from collections.abc import Mapping
 
 __all__ = ["EVENT_KINDS", "plot_timeline", "summarize_timeline"]
 
@@ -38,8 +39,9 @@ def _clip01(x: float) -> float:
     return min(1.0, max(0.0, float(x)))
 
 
-def _normalize(timeline: Mapping[str, Any]) -> tuple[list[str], dict[str, list[dict]], dict[str, list[dict]],
-                                                      list[dict], float, float]:
+def _normalize(
+    timeline: Mapping[str, Any],
+) -> tuple[list[str], dict[str, list[dict]], dict[str, list[dict]], list[dict], float, float]:
     """(rollouts in row order, samples by rollout sorted by t, events by rollout sorted by t, updates
     sorted by t, t_start, t_end). Rollouts only mentioned by samples or events are appended."""
     samples = sorted(timeline.get("samples", []), key=lambda s: float(s["t"]))
@@ -114,8 +116,13 @@ def summarize_timeline(timeline: Mapping[str, Any]) -> dict:
             "interrupts": counts["interrupt"],
             "restarts": counts["restart"],
         }
-    return {"t_start": t_start, "t_end": t_end, "duration": t_end - t_start, "updates": len(updates),
-            "rollouts": out}
+    return {
+        "t_start": t_start,
+        "t_end": t_end,
+        "duration": t_end - t_start,
+        "updates": len(updates),
+        "rollouts": out,
+    }
 
 
 def _pyplot():
@@ -168,14 +175,30 @@ def plot_timeline(timeline: Mapping[str, Any], path: Path, title: str = "") -> P
                 continue
             marker, color, _ = _EVENT_STYLE[kind]
             y = y0 + (_BAND + 0.07 if kind == "pull" else _BAND / 2)
-            ax.scatter([float(e["t"]) for e in evs], [y] * len(evs), marker=marker, color=color, zorder=4,
-                       s=46 if kind == "restart" else 30, linewidths=1.6 if kind == "restart" else 0.8,
-                       edgecolors=None if kind == "restart" else "black")
+            ax.scatter(
+                [float(e["t"]) for e in evs],
+                [y] * len(evs),
+                marker=marker,
+                color=color,
+                zorder=4,
+                s=46 if kind == "restart" else 30,
+                linewidths=1.6 if kind == "restart" else 0.8,
+                edgecolors=None if kind == "restart" else "black",
+            )
             if kind == "pull" and n_pulls <= _MAX_VERSION_LABELS:
                 for e in evs:
                     if e.get("version") is not None:
-                        ax.annotate(f"v{e['version']}", (float(e["t"]), y), xytext=(0, 3), textcoords="offset points",
-                                    ha="center", va="bottom", fontsize=6.5, color=color, zorder=5)
+                        ax.annotate(
+                            f"v{e['version']}",
+                            (float(e["t"]), y),
+                            xytext=(0, 3),
+                            textcoords="offset points",
+                            ha="center",
+                            va="bottom",
+                            fontsize=6.5,
+                            color=color,
+                            zorder=5,
+                        )
 
     ax.set_yticks([base[r] + _BAND / 2 for r in rollouts], rollouts)
     ax.set_ylim(-0.15, n - 1 + _BAND + 0.45)
@@ -183,8 +206,12 @@ def plot_timeline(timeline: Mapping[str, Any], path: Path, title: str = "") -> P
     ax.set_xlabel("seconds")
     ax.set_title(title or "Rollout timeline (band height = occupancy)")
     handles = [Patch(color="#4c72b0", alpha=0.55, label="occupancy")]
-    handles += [Line2D([], [], ls="", marker=m, color=c, markeredgecolor=("black" if k != "restart" else c), label=lab)
-                for k, (m, c, lab) in _EVENT_STYLE.items()]
+    handles += [
+        Line2D(
+            [], [], ls="", marker=m, color=c, markeredgecolor=("black" if k != "restart" else c), label=lab
+        )
+        for k, (m, c, lab) in _EVENT_STYLE.items()
+    ]
     handles.append(Line2D([], [], color="#555555", lw=0.6, alpha=0.7, label="trainer update"))
     ax.legend(handles=handles, loc="upper left", bbox_to_anchor=(1.005, 1.0), fontsize=8, frameon=False)
     if not rollouts:

@@ -249,6 +249,7 @@ def _die_with_parent(parent_pid: int) -> None:
     if os.getppid() != parent_pid:
         os._exit(1)
     if not armed:
+
         def watch() -> None:
             while os.getppid() == parent_pid:
                 time.sleep(0.5)
@@ -289,7 +290,6 @@ class _SlowItem:
     attempts: int = 0
 
 
-
 def _workers_cpu(pool: ProcessPoolExecutor) -> float:
     """CPU seconds the pool's worker processes have used so far (0 where unreadable)."""
     import psutil
@@ -302,6 +302,7 @@ def _workers_cpu(pool: ProcessPoolExecutor) -> float:
         except (psutil.Error, ValueError, AttributeError):
             continue
     return total
+
 
 class Verifier:
     """Scores responses against gold answers; see the module docstring.
@@ -335,9 +336,7 @@ class Verifier:
         """Score one response against its gold answer."""
         return self.verify_batch([response], [gold])[0]
 
-    def verify_batch(
-        self, responses: Sequence[str], golds: Sequence[str | int | float]
-    ) -> list[Verdict]:
+    def verify_batch(self, responses: Sequence[str], golds: Sequence[str | int | float]) -> list[Verdict]:
         """Score each response against the gold answer at the same index; one ``Verdict`` per
         response, in order. Items the fast path cannot decide run in the worker pool."""
         if len(responses) != len(golds):
@@ -433,9 +432,7 @@ class Verifier:
         """Submit pending items up to ``workers`` in flight. An item that was in flight when a
         worker died is a suspect and reruns alone, so a second death convicts only the culprit."""
         while pending and len(inflight) < self.workers:
-            if inflight and (
-                pending[0].attempts or any(item.attempts for item, _ in inflight.values())
-            ):
+            if inflight and (pending[0].attempts or any(item.attempts for item, _ in inflight.values())):
                 return
             pool = self._ensure_pool()
             item = pending.popleft()
@@ -488,13 +485,17 @@ class Verifier:
                     break
                 now_cpu = _workers_cpu(pool)
                 if now_cpu > cpu:  # still importing (a loaded machine): give it another window
-                    cpu, give_up = now_cpu, min(time.monotonic() + _POOL_START_TIMEOUT_S, start + _POOL_START_CAP_S)
+                    cpu, give_up = (
+                        now_cpu,
+                        min(time.monotonic() + _POOL_START_TIMEOUT_S, start + _POOL_START_CAP_S),
+                    )
                 if time.monotonic() >= give_up:
                     self._kill_pool()
                     raise RuntimeError(
                         f"verifier worker pool did not start: no progress for {_POOL_START_TIMEOUT_S:.0f} s "
                         f"({time.monotonic() - start:.0f} s in all); check that math-verify imports in a fresh "
-                        "interpreter")
+                        "interpreter"
+                    )
             try:
                 seen.update(f.result() for f in done)
             except BrokenProcessPool as exc:

@@ -9,8 +9,11 @@ import sys
 
 
 def _workspace_arg(sp) -> None:
-    sp.add_argument("--workspace", default=os.environ.get("LAMINAR_WORKSPACE", "./workspace"),
-                    help="workspace folder (default ./workspace, or $LAMINAR_WORKSPACE)")
+    sp.add_argument(
+        "--workspace",
+        default=os.environ.get("LAMINAR_WORKSPACE", "./workspace"),
+        help="workspace folder (default ./workspace, or $LAMINAR_WORKSPACE)",
+    )
 
 
 def _overrides_arg(sp, extra: str = "") -> None:
@@ -18,18 +21,29 @@ def _overrides_arg(sp, extra: str = "") -> None:
 
 
 def _parser() -> tuple[argparse.ArgumentParser, dict[str, argparse.ArgumentParser]]:
-    p = argparse.ArgumentParser(prog="laminar", description="Curation, RL training and evaluation as one cached DAG.",
-                                epilog="Global options such as --workspace DIR go before or after the subcommand.")
+    p = argparse.ArgumentParser(
+        prog="laminar",
+        description="Curation, RL training and evaluation as one cached DAG.",
+        epilog="Global options such as --workspace DIR go before or after the subcommand.",
+    )
     _workspace_arg(p)
     sub = p.add_subparsers(dest="command", required=True)
 
     sp = sub.add_parser("run", help="run the pipeline (cached stages are skipped)")
     _overrides_arg(sp)
-    sp.add_argument("--force", action="append", default=[], metavar="STAGE", help="rerun STAGE even if cached (repeatable)")
+    sp.add_argument(
+        "--force",
+        action="append",
+        default=[],
+        metavar="STAGE",
+        help="rerun STAGE even if cached (repeatable)",
+    )
     sp.add_argument("--until", metavar="STAGE", help="run only STAGE and the stages it needs")
     _workspace_arg(sp)
 
-    sp = sub.add_parser("rerun", help="rerun STAGE and everything downstream of it; its upstream comes from cache")
+    sp = sub.add_parser(
+        "rerun", help="rerun STAGE and everything downstream of it; its upstream comes from cache"
+    )
     sp.add_argument("stage", help="the stage to rerun")
     _overrides_arg(sp)
     _workspace_arg(sp)
@@ -42,16 +56,25 @@ def _parser() -> tuple[argparse.ArgumentParser, dict[str, argparse.ArgumentParse
     _overrides_arg(sp)
     _workspace_arg(sp)
 
-    sp = sub.add_parser("eval", help="evaluate one checkpoint: ckpt=<sha prefix or save_pretrained folder> [overrides]")
+    sp = sub.add_parser(
+        "eval", help="evaluate one checkpoint: ckpt=<sha prefix or save_pretrained folder> [overrides]"
+    )
     _overrides_arg(sp, "; ckpt=<checkpoint sha prefix or folder> is required")
     _workspace_arg(sp)
 
-    sp = sub.add_parser("export", help="write a checkpoint (a LoRA adapter merged into its base) as one "
-                                       "save_pretrained folder: ckpt=<sha prefix or folder> out=<new folder>")
-    sp.add_argument("items", nargs="+", metavar="KEY=VALUE", help="ckpt=<sha prefix or folder> out=<new folder>")
+    sp = sub.add_parser(
+        "export",
+        help="write a checkpoint (a LoRA adapter merged into its base) as one "
+        "save_pretrained folder: ckpt=<sha prefix or folder> out=<new folder>",
+    )
+    sp.add_argument(
+        "items", nargs="+", metavar="KEY=VALUE", help="ckpt=<sha prefix or folder> out=<new folder>"
+    )
     _workspace_arg(sp)
 
-    sp = sub.add_parser("report", help="write report.md and plots for a run (default: the latest completed run)")
+    sp = sub.add_parser(
+        "report", help="write report.md and plots for a run (default: the latest completed run)"
+    )
     sp.add_argument("run_id", nargs="?", default=None, help="run id (default: the latest completed run)")
     _workspace_arg(sp)
 
@@ -60,28 +83,47 @@ def _parser() -> tuple[argparse.ArgumentParser, dict[str, argparse.ArgumentParse
     sp.add_argument("--limit", type=int, default=None, help="only the N latest runs")
     _workspace_arg(sp)
 
-    sp = sub.add_parser("lineage", help="a checkpoint's upstream tree down to its sources, prompts and evaluations")
-    sp.add_argument("checkpoint", help="a checkpoint (or any artifact) sha prefix, or a save_pretrained folder")
+    sp = sub.add_parser(
+        "lineage", help="a checkpoint's upstream tree down to its sources, prompts and evaluations"
+    )
+    sp.add_argument(
+        "checkpoint", help="a checkpoint (or any artifact) sha prefix, or a save_pretrained folder"
+    )
     sp.add_argument("--json", action="store_true", help="print JSON (same as --format json)")
-    sp.add_argument("--format", choices=("text", "json", "openlineage"), default=None,
-                    help="openlineage: one OpenLineage run event (JSON) per stage, one per line")
-    sp.add_argument("--prompts", action="store_true", help="every prompt id the checkpoint trained on, and how often")
+    sp.add_argument(
+        "--format",
+        choices=("text", "json", "openlineage"),
+        default=None,
+        help="openlineage: one OpenLineage run event (JSON) per stage, one per line",
+    )
+    sp.add_argument(
+        "--prompts", action="store_true", help="every prompt id the checkpoint trained on, and how often"
+    )
     _workspace_arg(sp)
 
-    sp = sub.add_parser("fsck", help="rehash every stored artifact and quarantine those whose files changed "
-                                     "(exit 1 if any)")
+    sp = sub.add_parser(
+        "fsck", help="rehash every stored artifact and quarantine those whose files changed (exit 1 if any)"
+    )
     _workspace_arg(sp)
 
-    sp = sub.add_parser("simulate", help="simulate RL modes at cluster scale (discrete-event, the real control plane)")
-    _overrides_arg(sp, " of conf/simulate.yaml, e.g. cluster.nodes=16 model.preset=qwen2.5-32b modes=[sync,laminar]")
+    sp = sub.add_parser(
+        "simulate", help="simulate RL modes at cluster scale (discrete-event, the real control plane)"
+    )
+    _overrides_arg(
+        sp, " of conf/simulate.yaml, e.g. cluster.nodes=16 model.preset=qwen2.5-32b modes=[sync,laminar]"
+    )
     _workspace_arg(sp)
 
     sp = sub.add_parser("serve", help="serve the pipeline as a Prefect deployment on a cron schedule")
     sp.add_argument("--cron", required=True, help="cron expression, e.g. '0 3 * * *' (every day at 03:00)")
     sp.add_argument("--name", default=None, help="deployment name (default: laminar-<workspace folder name>)")
-    sp.add_argument("--port", type=int, default=4200,
-                    help="port of the Prefect server started when PREFECT_API_URL is unset (default 4200; "
-                         "another free port when taken; 0: any free port)")
+    sp.add_argument(
+        "--port",
+        type=int,
+        default=4200,
+        help="port of the Prefect server started when PREFECT_API_URL is unset (default 4200; "
+        "another free port when taken; 0: any free port)",
+    )
     sp.add_argument("--force", action="append", default=[], metavar="STAGE", help="rerun STAGE in every run")
     sp.add_argument("--until", metavar="STAGE", help="run only STAGE and the stages it needs")
     _overrides_arg(sp)
@@ -139,8 +181,13 @@ def _pipeline(**kwargs):
     from core.workspace import Workspace
     from tasks.runner import replay_cached
 
-    outcomes = replay_cached(load_config(kwargs["overrides"]), Workspace.at(kwargs["workspace"]), kwargs["run_id"],
-                             stages=kwargs.get("stages"), force=kwargs.get("force"))
+    outcomes = replay_cached(
+        load_config(kwargs["overrides"]),
+        Workspace.at(kwargs["workspace"]),
+        kwargs["run_id"],
+        stages=kwargs.get("stages"),
+        force=kwargs.get("force"),
+    )
     if outcomes is not None:
         return outcomes
     from flows.pipeline import laminar_pipeline
@@ -154,8 +201,14 @@ def _execute(overrides: list[str], workspace: str, selection) -> int:
 
     cfg = _load(overrides, preflight=True)
     try:
-        run_pipeline(cfg, Workspace.at(workspace), _pipeline, overrides=overrides, selection=selection,
-                     command=command_line())
+        run_pipeline(
+            cfg,
+            Workspace.at(workspace),
+            _pipeline,
+            overrides=overrides,
+            selection=selection,
+            command=command_line(),
+        )
     except WorkspaceBusy as err:
         print(f"laminar: {err}", file=sys.stderr)
         return 3
@@ -174,9 +227,11 @@ def _split_ckpt(overrides: list[str]) -> tuple[str, list[str]]:
     """``ckpt=...`` is not a config key: take it out of the overrides before composing the config."""
     ckpts = [o.split("=", 1)[1] for o in overrides if o.startswith("ckpt=")]
     if len(ckpts) != 1 or not ckpts[0]:
-        print("laminar: eval needs exactly one ckpt=<checkpoint sha prefix or save_pretrained folder>, e.g. "
-              "`laminar eval ckpt=3f2a9c eval.benchmarks=[arith_heldout]` (a run's summary.json lists its checkpoints)",
-              file=sys.stderr)
+        print(
+            "laminar: eval needs exactly one ckpt=<checkpoint sha prefix or save_pretrained folder>, e.g. "
+            "`laminar eval ckpt=3f2a9c eval.benchmarks=[arith_heldout]` (a run's summary.json lists its checkpoints)",
+            file=sys.stderr,
+        )
         raise SystemExit(2)
     return ckpts[0], [o for o in overrides if not o.startswith("ckpt=")]
 
@@ -195,8 +250,10 @@ def cmd_eval(args) -> int:
             ws.create()
             ws.artifacts.clean_tmp()
             for stale in mark_interrupted(ws):
-                print(f"laminar: run {stale} never finished (its process was killed); marked interrupted",
-                      file=sys.stderr)
+                print(
+                    f"laminar: run {stale} never finished (its process was killed); marked interrupted",
+                    file=sys.stderr,
+                )
             run_id, command = new_run_id("eval-"), command_line()
             _quiet_transformers()
             try:
@@ -236,8 +293,10 @@ def cmd_report(args) -> int:
 
     ws = Workspace.at(args.workspace)
     if not ws.catalog.path.exists():
-        print(f"laminar: no catalog in {ws.root}; pass --workspace DIR of a workspace `laminar run` used",
-              file=sys.stderr)
+        print(
+            f"laminar: no catalog in {ws.root}; pass --workspace DIR of a workspace `laminar run` used",
+            file=sys.stderr,
+        )
         return 2
     try:
         path = write(ws, args.run_id)
@@ -256,8 +315,10 @@ def cmd_runs(args) -> int:
 
     ws = Workspace.at(args.workspace)
     if not ws.catalog.path.exists():
-        print(f"laminar: no catalog in {ws.root}; pass --workspace DIR of a workspace `laminar run` used",
-              file=sys.stderr)
+        print(
+            f"laminar: no catalog in {ws.root}; pass --workspace DIR of a workspace `laminar run` used",
+            file=sys.stderr,
+        )
         return 2
     listing = list_runs(ws, args.limit)
     from tasks.tracking import format_locations, locations
@@ -285,7 +346,9 @@ def cmd_lineage(args) -> int:
     from tasks.tracking import format_locations, locations
 
     ws = Workspace.at(args.workspace)
-    lin["tracking"] = {r: locations(ws, r) for r in dict.fromkeys(n.get("run_id") for n in lin["stages"]) if r}
+    lin["tracking"] = {
+        r: locations(ws, r) for r in dict.fromkeys(n.get("run_id") for n in lin["stages"]) if r
+    }
     if fmt == "openlineage":
         for event in openlineage_events(lin):
             print(json.dumps(event, default=str))
@@ -311,15 +374,26 @@ def cmd_serve(args) -> int:
         with prefect_api(ws, args.port, args.cron) as api_url:
             from flows.serve import serve
 
-            print(f"laminar: serving deployment laminar-run/{name} on cron {args.cron!r} for workspace {ws.root}\n"
-                  f"laminar: Prefect API {api_url}  UI {api_url.removesuffix('/api')}  (Ctrl-C stops; "
-                  f"`prefect deployment run laminar-run/{name}` triggers a run now)", flush=True)
+            print(
+                f"laminar: serving deployment laminar-run/{name} on cron {args.cron!r} for workspace {ws.root}\n"
+                f"laminar: Prefect API {api_url}  UI {api_url.removesuffix('/api')}  (Ctrl-C stops; "
+                f"`prefect deployment run laminar-run/{name}` triggers a run now)",
+                flush=True,
+            )
             if auth_file(ws).exists():
-                print(f"laminar: the API and UI ask for the user:password in {auth_file(ws)} (mode 0600; "
-                      "PREFECT_API_AUTH_STRING for a Prefect client); a run may pass only overrides", flush=True)
-            serve(name, args.cron, served_parameters(ws, args.overrides, selection.force, args.until,
-                                                     command_line() + "  # scheduled run"),
-                  description=f"laminar pipeline on {ws.root}: {' '.join(args.overrides) or 'default config'}")
+                print(
+                    f"laminar: the API and UI ask for the user:password in {auth_file(ws)} (mode 0600; "
+                    "PREFECT_API_AUTH_STRING for a Prefect client); a run may pass only overrides",
+                    flush=True,
+                )
+            serve(
+                name,
+                args.cron,
+                served_parameters(
+                    ws, args.overrides, selection.force, args.until, command_line() + "  # scheduled run"
+                ),
+                description=f"laminar pipeline on {ws.root}: {' '.join(args.overrides) or 'default config'}",
+            )
     except ServeError as err:
         print(f"laminar: {err}", file=sys.stderr)
         return 2
@@ -334,8 +408,10 @@ def cmd_fsck(args) -> int:
 
     ws = Workspace.at(args.workspace)
     if not ws.artifacts.root.is_dir():
-        print(f"laminar: no artifact store in {ws.root}; pass --workspace DIR of a workspace `laminar run` used",
-              file=sys.stderr)
+        print(
+            f"laminar: no artifact store in {ws.root}; pass --workspace DIR of a workspace `laminar run` used",
+            file=sys.stderr,
+        )
         return 2
     try:
         result = fsck(ws)
@@ -375,9 +451,20 @@ def _quiet_transformers() -> None:
     logging.getLogger("transformers").setLevel(logging.ERROR)
 
 
-COMMANDS = {"run": cmd_run, "rerun": cmd_rerun, "status": cmd_status, "config": cmd_config, "eval": cmd_eval,
-            "export": cmd_export, "report": cmd_report, "runs": cmd_runs, "lineage": cmd_lineage, "serve": cmd_serve,
-            "simulate": cmd_simulate, "fsck": cmd_fsck}
+COMMANDS = {
+    "run": cmd_run,
+    "rerun": cmd_rerun,
+    "status": cmd_status,
+    "config": cmd_config,
+    "eval": cmd_eval,
+    "export": cmd_export,
+    "report": cmd_report,
+    "runs": cmd_runs,
+    "lineage": cmd_lineage,
+    "serve": cmd_serve,
+    "simulate": cmd_simulate,
+    "fsck": cmd_fsck,
+}
 
 
 GLOBAL_OPTIONS = ("--workspace",)
@@ -391,7 +478,7 @@ def _split_global(argv: list[str]) -> tuple[list[str], list[str]]:
     while i < len(argv):
         arg = argv[i]
         if arg in GLOBAL_OPTIONS and i + 1 < len(argv):
-            front += argv[i:i + 2]
+            front += argv[i : i + 2]
             i += 2
         elif arg.split("=", 1)[0] in GLOBAL_OPTIONS and "=" in arg:
             front.append(arg)
@@ -416,8 +503,10 @@ def _unknown_options(sub: argparse.ArgumentParser, rest: list[str]) -> None:
         name = arg.split("=", 1)[0]
         if name.startswith("--") and name not in options:
             sub.print_usage(sys.stderr)
-            print(f"laminar {sub.prog.split()[-1]}: unknown option {name}{did_you_mean(name, options)}",
-                  file=sys.stderr)
+            print(
+                f"laminar {sub.prog.split()[-1]}: unknown option {name}{did_you_mean(name, options)}",
+                file=sys.stderr,
+            )
             raise SystemExit(2)
 
 
@@ -434,8 +523,11 @@ def main(argv: list[str] | None = None) -> int:
         args.command = rest[0]
     elif rest and not rest[0].startswith("-"):
         parser.print_usage(sys.stderr)
-        print(f"laminar: unknown command {rest[0]!r}{did_you_mean(rest[0], commands)}; "
-              f"choose from {', '.join(commands)} (`laminar --help` describes them)", file=sys.stderr)
+        print(
+            f"laminar: unknown command {rest[0]!r}{did_you_mean(rest[0], commands)}; "
+            f"choose from {', '.join(commands)} (`laminar --help` describes them)",
+            file=sys.stderr,
+        )
         return 2
     else:
         args = parser.parse_args(argv)

@@ -25,8 +25,13 @@ LOG = logging.getLogger("laminar.flows")
 
 
 @flow(name="laminar-pipeline", log_prints=False, persist_result=False)
-def laminar_pipeline(overrides: list[str], workspace: str, run_id: str, force: list[str] | None = None,
-                     stages: list[str] | None = None) -> list:
+def laminar_pipeline(
+    overrides: list[str],
+    workspace: str,
+    run_id: str,
+    force: list[str] | None = None,
+    stages: list[str] | None = None,
+) -> list:
     """``stages``: the stages to run (None: all); each must come with its upstream (``tasks.operate.select``)."""
     cfg = load_config(overrides)
     ws = Workspace.at(workspace)
@@ -35,7 +40,9 @@ def laminar_pipeline(overrides: list[str], workspace: str, run_id: str, force: l
     for stage in STAGES:
         if stages is not None and stage.name not in stages:
             continue
-        outcomes[stage.name] = run_stage(stage.name, cfg, ws, run_id, outcomes, force=stage.name in (force or []))
+        outcomes[stage.name] = run_stage(
+            stage.name, cfg, ws, run_id, outcomes, force=stage.name in (force or [])
+        )
         record_stage(ws, stage.name, cfg, outcomes)
         try:
             publish_stage(ws, stage.name, outcomes)
@@ -52,7 +59,13 @@ def laminar_run(overrides: list[str] | None = None, workspace: str | None = None
     (``workspace``: only that one), the stages and the recorded command; the overrides a caller passes
     are checked and validated before anything is written (``tasks.serving.check_served_run``)."""
     served = check_served_run(overrides, workspace)
-    result = run_pipeline(served.cfg, Workspace.at(served.workspace), laminar_pipeline, overrides=served.overrides,
-                          selection=select(until=served.until, force=served.force), command=served.command,
-                          flow_run_id=str(runtime.flow_run.id))
+    result = run_pipeline(
+        served.cfg,
+        Workspace.at(served.workspace),
+        laminar_pipeline,
+        overrides=served.overrides,
+        selection=select(until=served.until, force=served.force),
+        command=served.command,
+        flow_run_id=str(runtime.flow_run.id),
+    )
     return {"run_id": result.run_id, "metrics": result.summary["metrics"]}

@@ -12,5 +12,12 @@ from flows.pipeline import laminar_run
 def serve(name: str, cron: str, parameters: dict, description: str) -> None:
     """Register deployment ``laminar-run/<name>`` with the schedule and run its flow runs until stopped
     (Ctrl-C or SIGTERM; the schedule is paused then). One run at a time: the workspace has one lock."""
-    laminar_run.serve(name=name, cron=cron, parameters=parameters, description=description,
-                      tags=["laminar"], limit=1, pause_on_shutdown=True)
+    laminar_run.serve(
+        name=name,
+        cron=cron,
+        parameters=parameters,
+        description=description,
+        tags=["laminar"],
+        limit=1,
+        pause_on_shutdown=True,
+    )

@@ -20,7 +20,7 @@ from __future__ import annotations
 
 import json
 from pathlib import Path
-from typing import Mapping, Sequence
+from collections.abc import Mapping, Sequence
 
 import numpy as np
 
@@ -42,9 +42,11 @@ def base_dir(adapter_dir: str | Path) -> Path:
     for cand in (adapter_dir.parent / name, Path(name).expanduser()):
         if name and (cand / "config.json").is_file():
             return cand.resolve()
-    raise FileNotFoundError(f"adapter {adapter_dir}: its base model {name!r} is neither a folder beside it in the "
-                            "artifact store nor an existing path; copy the base next to it or pass the workspace "
-                            "it came from")
+    raise FileNotFoundError(
+        f"adapter {adapter_dir}: its base model {name!r} is neither a folder beside it in the "
+        "artifact store nor an existing path; copy the base next to it or pass the workspace "
+        "it came from"
+    )
 
 
 def base_reference(base: str | Path) -> str:
@@ -84,7 +86,7 @@ def adapter_pairs(state: Mapping[str, np.ndarray]) -> dict[str, tuple[np.ndarray
             continue
         if not k.startswith(_PREFIX) or not k.endswith((_A, _B)):
             raise KeyError(f"published adapter: unexpected tensor {k!r} (only lora_A/lora_B weights travel)")
-        module = k[len(_PREFIX):-len(_A)]
+        module = k[len(_PREFIX) : -len(_A)]
         pairs.setdefault(module + ".weight", [None, None])[0 if k.endswith(_A) else 1] = v
     half = [k for k, (a, b) in pairs.items() if a is None or b is None]
     if half:
@@ -113,7 +115,9 @@ def _merge_adapter(model, state: Mapping[str, np.ndarray]) -> int:
             raise KeyError(f"published adapter adapts {name!r}, which this model does not have")
         w = params[name]
         if (b.shape[0], a.shape[1]) != tuple(w.shape) or a.shape[0] != b.shape[1]:
-            raise ValueError(f"published adapter: {name} A {a.shape} x B {b.shape} does not fit {tuple(w.shape)}")
+            raise ValueError(
+                f"published adapter: {name} A {a.shape} x B {b.shape} does not fit {tuple(w.shape)}"
+            )
     kept = model.__dict__.setdefault("_lora_base_weights", {})
     for name, (a, b) in pairs.items():
         w = params[name]

@@ -41,7 +41,7 @@ from __future__ import annotations
 import hashlib
 from collections import deque
 from dataclasses import dataclass
-from typing import Sequence
+from collections.abc import Sequence
 
 import numpy as np
 import torch
@@ -101,9 +101,9 @@ def gumbel_uniforms(keys: torch.Tensor, t: torch.Tensor, vocab: torch.Tensor) ->
     """Uniforms in (0, 1), float64 [B, V], for rows with noise ``keys`` [B] (int64) at response
     positions ``t`` [B] over vocabulary indices ``vocab`` [V]: a pure function of
     (key, t, vocabulary index), so independent of batch composition and device."""
-    h = _mix(keys + (t + 1) * _signed(_GOLDEN))                      # [B]
+    h = _mix(keys + (t + 1) * _signed(_GOLDEN))  # [B]
     h = _mix(h[:, None] ^ ((vocab[None, :] + 1) * _signed(_VOCAB_STRIDE)))  # [B, V]
-    return (_srl(h, 11).double() + 0.5) * (1.0 / (1 << 53))          # 53 random bits, never 0 or 1
+    return (_srl(h, 11).double() + 0.5) * (1.0 / (1 << 53))  # 53 random bits, never 0 or 1
 
 
 def _resolve_dtype(dtype: str, cuda: bool):
@@ -133,8 +133,19 @@ class ContinuousEngine:
     admitted regardless. Not thread-safe: one caller drives it.
     """
 
-    def __init__(self, model, tokenizer, *, device: str = "cpu", capacity: int = 64, max_new_tokens: int = 64,
-                 temperature: float = 1.0, seed: int = 0, dtype: str = "auto", sync_every: int = 0):
+    def __init__(
+        self,
+        model,
+        tokenizer,
+        *,
+        device: str = "cpu",
+        capacity: int = 64,
+        max_new_tokens: int = 64,
+        temperature: float = 1.0,
+        seed: int = 0,
+        dtype: str = "auto",
+        sync_every: int = 0,
+    ):
         if capacity < 1 or max_new_tokens < 1:
             raise ValueError("capacity and max_new_tokens must be >= 1")
         if not temperature > 0:
@@ -144,7 +155,9 @@ class ContinuousEngine:
         cuda = torch.device(device).type == "cuda"
         self._cuda = cuda
         model_dtype = _resolve_dtype(dtype, cuda)
-        self.model = (model.to(device) if model_dtype is None else model.to(device=device, dtype=model_dtype)).eval()
+        self.model = (
+            model.to(device) if model_dtype is None else model.to(device=device, dtype=model_dtype)
+        ).eval()
         self.sync_every = int(sync_every) if sync_every else (8 if cuda else 1)
         """Decode steps between host synchronisations (finished rows leave, queued ones join)."""
         self.tokenizer = tokenizer
@@ -190,7 +203,9 @@ class ContinuousEngine:
             raise KeyError(f"load_state: missing {sorted(missing)[:5]}, unexpected {sorted(unexpected)[:5]}")
         for k, v in state.items():
             if tuple(v.shape) != tuple(current[k].shape):
-                raise ValueError(f"load_state: {k} has shape {tuple(v.shape)}, model has {tuple(current[k].shape)}")
+                raise ValueError(
+                    f"load_state: {k} has shape {tuple(v.shape)}, model has {tuple(current[k].shape)}"
+                )
         tensors = {k: torch.from_numpy(v if v.flags.writeable else np.array(v)) for k, v in state.items()}
         with torch.no_grad():
             self.model.load_state_dict(tensors, strict=True)
@@ -252,15 +267,22 @@ class ContinuousEngine:
                 for i in take:
                     row = self._rows[i]
                     n = int(ngen[i])
-                    partials.append(Partial(request=row.request, tokens=tuple(toks[i, :n].tolist()),
-                                            logprobs=tuple(lps[i, :n].tolist()), version=row.version,
-                                            entropy_sum=float(ent[i])))
+                    partials.append(
+                        Partial(
+                            request=row.request,
+                            tokens=tuple(toks[i, :n].tolist()),
+                            logprobs=tuple(lps[i, :n].tolist()),
+                            version=row.version,
+                            entropy_sum=float(ent[i]),
+                        )
+                    )
             if len(take) == len(self._rows):
                 self._reset_batch()
             elif take:
                 gone = set(take)
-                keep = torch.tensor([i for i in range(len(self._rows)) if i not in gone], dtype=torch.long,
-                                    device=self.device)
+                keep = torch.tensor(
+                    [i for i in range(len(self._rows)) if i not in gone], dtype=torch.long, device=self.device
+                )
                 self._rows = [r for i, r in enumerate(self._rows) if i not in gone]
                 self._select(keep)
         elif only is None:
@@ -269,26 +291,31 @@ class ContinuousEngine:
 
     def status(self) -> dict:
         kv = int((self._plen + self._ngen).sum()) if self._rows else 0
-        return {"version": self.version, "queued": len(self._queue) + len(self._partials),
-                "active": len(self._rows), "capacity": self.capacity, "kv_tokens": kv,
-                "admitting": self.admitting}
+        return {
+            "version": self.version,
+            "queued": len(self._queue) + len(self._partials),
+            "active": len(self._rows),
+            "capacity": self.capacity,
+            "kv_tokens": kv,
+            "admitting": self.admitting,
+        }
 
     # ------------------------------------------------------------------------------ batch state
 
     def _reset_batch(self) -> None:
         dev = self.device
         self._rows: list[_Row] = []
-        self._cache = None                                                    # DynamicCache or None
-        self._attn = torch.zeros((0, 0), dtype=torch.long, device=dev)        # [B, T] over cached columns
-        self._next = torch.zeros(0, dtype=torch.long, device=dev)             # [B] pending token
-        self._pos = torch.zeros(0, dtype=torch.long, device=dev)              # [B] its position id
-        self._plen = torch.zeros(0, dtype=torch.long, device=dev)             # [B] prompt length
-        self._ngen = torch.zeros(0, dtype=torch.long, device=dev)             # [B] response tokens so far
+        self._cache = None  # DynamicCache or None
+        self._attn = torch.zeros((0, 0), dtype=torch.long, device=dev)  # [B, T] over cached columns
+        self._next = torch.zeros(0, dtype=torch.long, device=dev)  # [B] pending token
+        self._pos = torch.zeros(0, dtype=torch.long, device=dev)  # [B] its position id
+        self._plen = torch.zeros(0, dtype=torch.long, device=dev)  # [B] prompt length
+        self._ngen = torch.zeros(0, dtype=torch.long, device=dev)  # [B] response tokens so far
         self._toks = torch.zeros((0, self.max_new_tokens), dtype=torch.long, device=dev)
         self._lps = torch.zeros((0, self.max_new_tokens), dtype=torch.float32, device=dev)
-        self._ent = torch.zeros(0, dtype=torch.float64, device=dev)           # [B] entropy sums
-        self._keys = torch.zeros(0, dtype=torch.long, device=dev)             # [B] noise keys
-        self._lastv = torch.zeros(0, dtype=torch.long, device=dev)            # [B] version of the last token
+        self._ent = torch.zeros(0, dtype=torch.float64, device=dev)  # [B] entropy sums
+        self._keys = torch.zeros(0, dtype=torch.long, device=dev)  # [B] noise keys
+        self._lastv = torch.zeros(0, dtype=torch.long, device=dev)  # [B] version of the last token
 
     def _vocab(self, v: int) -> torch.Tensor:
         if self._vocab_idx is None or self._vocab_idx.numel() != v:
@@ -314,16 +341,22 @@ class ContinuousEngine:
         ids = torch.full((len(seqs), width), self.pad_id, dtype=torch.long)
         attn = torch.zeros((len(seqs), width), dtype=torch.long)
         for i, s in enumerate(seqs):
-            ids[i, width - len(s):] = torch.tensor(s, dtype=torch.long)
-            attn[i, width - len(s):] = 1
+            ids[i, width - len(s) :] = torch.tensor(s, dtype=torch.long)
+            attn[i, width - len(s) :] = 1
         ids, attn = ids.to(self.device), attn.to(self.device)
         positions = (attn.cumsum(-1) - 1).clamp(min=0)
         cache = DynamicCache()
         # on CUDA only the last position's logits are computed (a 150k vocabulary makes the full
         # [B, T, V] tensor gigabytes); the CPU path keeps the full forward, bit for bit as before
         extra = {"logits_to_keep": 1} if self._cuda else {}
-        logits = self.model(input_ids=ids, attention_mask=attn, position_ids=positions, past_key_values=cache,
-                            use_cache=True, **extra).logits[:, -1, :]
+        logits = self.model(
+            input_ids=ids,
+            attention_mask=attn,
+            position_ids=positions,
+            past_key_values=cache,
+            use_cache=True,
+            **extra,
+        ).logits[:, -1, :]
         if not bool(attn.all()):
             pad = (attn == 0)[:, None, :, None]
             for layer in cache.layers:
@@ -336,7 +369,9 @@ class ContinuousEngine:
         on their first sample leave at once and their slots are refilled in the same call."""
         while len(self._rows) < self.capacity and (self._partials or (self.admitting and self._queue)):
             new: list[tuple[GenRequest, tuple[int, ...], tuple[float, ...], int | None, float]] = []
-            while len(self._rows) + len(new) < self.capacity and (self._partials or (self.admitting and self._queue)):
+            while len(self._rows) + len(new) < self.capacity and (
+                self._partials or (self.admitting and self._queue)
+            ):
                 if self._partials:
                     p = self._partials.popleft()
                     if len(p.tokens) != len(p.logprobs):
@@ -344,10 +379,20 @@ class ContinuousEngine:
                     if p.tokens and (len(p.tokens) >= self.max_new_tokens or p.tokens[-1] == self.eos_id):
                         # already complete (a sender with a larger cap): nothing to sample; the Partial
                         # does not say which version sampled its last token, so its version stands in
-                        out.append(self._trajectory(p.request, list(p.tokens), list(p.logprobs), p.version,
-                                                    p.version, p.entropy_sum))
+                        out.append(
+                            self._trajectory(
+                                p.request,
+                                list(p.tokens),
+                                list(p.logprobs),
+                                p.version,
+                                p.version,
+                                p.entropy_sum,
+                            )
+                        )
                         continue
-                    new.append((p.request, p.tokens, p.logprobs, p.version if p.tokens else None, p.entropy_sum))
+                    new.append(
+                        (p.request, p.tokens, p.logprobs, p.version if p.tokens else None, p.entropy_sum)
+                    )
                 else:
                     r = self._queue.popleft()
                     new.append((r, (), (), None, 0.0))
@@ -366,8 +411,8 @@ class ContinuousEngine:
         lps_buf = torch.zeros((b, m), dtype=torch.float32)
         for i, (_, toks, lps, _, _) in enumerate(new):
             if toks:
-                toks_buf[i, :len(toks)] = torch.tensor(toks, dtype=torch.long)
-                lps_buf[i, :len(lps)] = torch.tensor(lps, dtype=torch.float32)
+                toks_buf[i, : len(toks)] = torch.tensor(toks, dtype=torch.long)
+                lps_buf[i, : len(lps)] = torch.tensor(lps, dtype=torch.float32)
         keys = torch.tensor([row_key(self.seed, r) for r, *_ in new], dtype=torch.long, device=dev)
         ngen, toks_buf, lps_buf = ngen.to(dev), toks_buf.to(dev), lps_buf.to(dev)
         nxt, lp, ent = self._sample(logits, keys, ngen)
@@ -376,9 +421,18 @@ class ContinuousEngine:
         plen = torch.tensor([len(r.prompt.prompt_tokens) for r, *_ in new], dtype=torch.long, device=dev)
         ent_sum = torch.tensor([e for *_, e in new], dtype=torch.float64, device=dev) + ent
         self._rows.extend(_Row(r, self.version if v is None else v) for r, _, _, v, _ in new)
-        new_state = dict(attn=attn, next=nxt, pos=torch.tensor([len(s) for s in seqs], device=dev),
-                         plen=plen, ngen=ngen + 1, toks=toks_buf, lps=lps_buf, ent=ent_sum, keys=keys,
-                         lastv=torch.full((b,), self.version, dtype=torch.long, device=dev))
+        new_state = dict(
+            attn=attn,
+            next=nxt,
+            pos=torch.tensor([len(s) for s in seqs], device=dev),
+            plen=plen,
+            ngen=ngen + 1,
+            toks=toks_buf,
+            lps=lps_buf,
+            ent=ent_sum,
+            keys=keys,
+            lastv=torch.full((b,), self.version, dtype=torch.long, device=dev),
+        )
         self._merge(cache, new_state)
 
     def _merge(self, cache, st: dict) -> None:
@@ -426,8 +480,13 @@ class ContinuousEngine:
         samples are discarded by masked updates computed on the device, without a host sync."""
         b = len(self._rows)
         attn = torch.cat([self._attn, torch.ones((b, 1), dtype=torch.long, device=self.device)], dim=1)
-        logits = self.model(input_ids=self._next[:, None], attention_mask=attn, position_ids=self._pos[:, None],
-                            past_key_values=self._cache, use_cache=True).logits[:, -1, :]
+        logits = self.model(
+            input_ids=self._next[:, None],
+            attention_mask=attn,
+            position_ids=self._pos[:, None],
+            past_key_values=self._cache,
+            use_cache=True,
+        ).logits[:, -1, :]
         self._attn = attn
         nxt, lp, ent = self._sample(logits, self._keys, self._ngen)
         if self.sync_every == 1:
@@ -452,13 +511,22 @@ class ContinuousEngine:
         """Append the trajectories of the rows flagged in ``fin`` (one host copy of their tokens,
         log-probs, lengths, entropies and last versions) to ``out``; returns their indices."""
         fin_idx = fin.nonzero().squeeze(1).cpu().tolist()
-        toks, lps, ngen, ent, lastv = (x[fin].cpu() for x in (self._toks, self._lps, self._ngen, self._ent,
-                                                               self._lastv))
+        toks, lps, ngen, ent, lastv = (
+            x[fin].cpu() for x in (self._toks, self._lps, self._ngen, self._ent, self._lastv)
+        )
         for j, i in enumerate(fin_idx):
             n = int(ngen[j])
             row = rows[i]
-            out.append(self._trajectory(row.request, toks[j, :n].tolist(), lps[j, :n].tolist(), row.version,
-                                        int(lastv[j]), float(ent[j])))
+            out.append(
+                self._trajectory(
+                    row.request,
+                    toks[j, :n].tolist(),
+                    lps[j, :n].tolist(),
+                    row.version,
+                    int(lastv[j]),
+                    float(ent[j]),
+                )
+            )
         return fin_idx
 
     def _retire_finished(self, out: list[Trajectory]) -> None:
@@ -493,19 +561,34 @@ class ContinuousEngine:
         less the pending one (pending tokens, positions and every recorded value stay)."""
         with torch.inference_mode():
             toks, ngen = self._toks.cpu(), self._ngen.cpu().tolist()
-            seqs = [list(row.request.prompt.prompt_tokens) + toks[i, :ngen[i] - 1].tolist()
-                    for i, row in enumerate(self._rows)]
+            seqs = [
+                list(row.request.prompt.prompt_tokens) + toks[i, : ngen[i] - 1].tolist()
+                for i, row in enumerate(self._rows)
+            ]
             cache, attn, _ = self._prefill(seqs)
             self._cache, self._attn = cache, attn
 
-    def _trajectory(self, req: GenRequest, ids: list[int], logps: list[float], version: int, last_version: int,
-                    ent_sum: float) -> Trajectory:
+    def _trajectory(
+        self,
+        req: GenRequest,
+        ids: list[int],
+        logps: list[float],
+        version: int,
+        last_version: int,
+        ent_sum: float,
+    ) -> Trajectory:
         finished = bool(ids) and ids[-1] == self.eos_id
         body = ids[:-1] if finished else ids
-        return Trajectory(kind="trajectory", prompt=req.prompt, sample_idx=req.sample_idx,
-                          response_tokens=tuple(int(i) for i in ids),
-                          behaviour_logprobs=tuple(np.asarray(logps, dtype=np.float64).tolist()),
-                          version=version, finished=finished,
-                          text=self.tokenizer.decode(body, skip_special_tokens=True),
-                          mean_entropy=ent_sum / max(1, len(ids)), group_uid=req.group_uid,
-                          last_version=last_version)
+        return Trajectory(
+            kind="trajectory",
+            prompt=req.prompt,
+            sample_idx=req.sample_idx,
+            response_tokens=tuple(int(i) for i in ids),
+            behaviour_logprobs=tuple(np.asarray(logps, dtype=np.float64).tolist()),
+            version=version,
+            finished=finished,
+            text=self.tokenizer.decode(body, skip_special_tokens=True),
+            mean_entropy=ent_sum / max(1, len(ids)),
+            group_uid=req.group_uid,
+            last_version=last_version,
+        )

@@ -9,8 +9,7 @@ step than ``generate`` for small models.
 from __future__ import annotations
 
 import contextlib
-import math
-from typing import Sequence
+from collections.abc import Sequence
 
 import torch
 
@@ -19,8 +18,15 @@ from generation.setup import HostThreads
 
 
 class TorchEngine:
-    def __init__(self, model, tokenizer, device: str = "cpu", batch_size: int = 256, static_cache: bool = True,
-                 fused_decode: bool = True):
+    def __init__(
+        self,
+        model,
+        tokenizer,
+        device: str = "cpu",
+        batch_size: int = 256,
+        static_cache: bool = True,
+        fused_decode: bool = True,
+    ):
         self.model = model.to(device).eval()
         self.static_cache = static_cache
         """Decode over a static KV cache with finished rows compacted away (``_generate_batch``); False:
@@ -53,15 +59,23 @@ class TorchEngine:
         from generation.adapter import load_published
 
         load_published(self.model, update.state)
-        self._fused_decoder = None  # rebuilt from the new weights (a merge through ``.data`` moves no version counter)
+        self._fused_decoder = (
+            None  # rebuilt from the new weights (a merge through ``.data`` moves no version counter)
+        )
         self.version = update.version
 
-    def generate(self, requests: Sequence[GenRequest], max_new_tokens: int, temperature: float,
-                 generator: torch.Generator, progress=None) -> list[Trajectory]:
+    def generate(
+        self,
+        requests: Sequence[GenRequest],
+        max_new_tokens: int,
+        temperature: float,
+        generator: torch.Generator,
+        progress=None,
+    ) -> list[Trajectory]:
         """Sample one response per request, in batches of ``batch_size``; output order = input order."""
         out: list[Trajectory] = []
         for start in range(0, len(requests), self.batch_size):
-            chunk = list(requests[start:start + self.batch_size])
+            chunk = list(requests[start : start + self.batch_size])
             out.extend(self._generate_batch(chunk, max_new_tokens, temperature, generator))
             if progress is not None:
                 progress.update(len(chunk))
@@ -74,14 +88,16 @@ class TorchEngine:
         no generation."""
         out: list[float] = []
         for start in range(0, len(prompts), self.batch_size):
-            chunk = prompts[start:start + self.batch_size]
+            chunk = prompts[start : start + self.batch_size]
             width = max(len(p.prompt_tokens) for p in chunk)
             ids = torch.full((len(chunk), width), self.pad_id, dtype=torch.long)
             attn = torch.zeros_like(ids)
             for i, p in enumerate(chunk):  # right padding: positions need no shift
-                ids[i, :len(p.prompt_tokens)] = torch.tensor(p.prompt_tokens)
-                attn[i, :len(p.prompt_tokens)] = 1
-            logits = self.model(input_ids=ids.to(self.device), attention_mask=attn.to(self.device)).logits[:, :-1]
+                ids[i, : len(p.prompt_tokens)] = torch.tensor(p.prompt_tokens)
+                attn[i, : len(p.prompt_tokens)] = 1
+            logits = self.model(input_ids=ids.to(self.device), attention_mask=attn.to(self.device)).logits[
+                :, :-1
+            ]
             logp = torch.log_softmax(logits.float(), dim=-1)
             ent = -(logp.exp() * logp).nan_to_num().sum(-1).cpu()  # [B, width-1]: predicting tokens 2..width
             mask = attn[:, 1:].float()
@@ -89,8 +105,9 @@ class TorchEngine:
         return out
 
     @torch.inference_mode()
-    def _generate_batch(self, requests: list[GenRequest], max_new_tokens: int, temperature: float,
-                        generator: torch.Generator) -> list[Trajectory]:
+    def _generate_batch(
+        self, requests: list[GenRequest], max_new_tokens: int, temperature: float, generator: torch.Generator
+    ) -> list[Trajectory]:
         if not self.static_cache or not _decode_attention_supported(self.model):
             return self._generate_batch_reference(requests, max_new_tokens, temperature, generator)
         from transformers import DynamicCache
@@ -98,15 +115,26 @@ class TorchEngine:
         # the prefill runs once per distinct prompt (a group's samples share theirs) and its keys and
         # values are copied to every row that has that prompt
         unique: dict[tuple[int, ...], int] = {}
-        of_row = torch.tensor([unique.setdefault(tuple(r.prompt.prompt_tokens), len(unique)) for r in requests])
+        of_row = torch.tensor(
+            [unique.setdefault(tuple(r.prompt.prompt_tokens), len(unique)) for r in requests]
+        )
         input_ids, attn, positions = self._left_padded(list(unique))
         plen = input_ids.shape[1]
         bsz = len(requests)
         of_row_dev = of_row.to(self.device)
         cache = DynamicCache()
         out = _Outputs(bsz, max_new_tokens)
-        logits = self.model(input_ids=input_ids, attention_mask=attn, position_ids=positions,
-                            past_key_values=cache, use_cache=True).logits[:, -1, :].index_select(0, of_row_dev)
+        logits = (
+            self.model(
+                input_ids=input_ids,
+                attention_mask=attn,
+                position_ids=positions,
+                past_key_values=cache,
+                use_cache=True,
+            )
+            .logits[:, -1, :]
+            .index_select(0, of_row_dev)
+        )
         # the static cache: every layer's keys/values in one buffer [rows, kv_heads, width, head_dim]; the
         # token fed at step t (t >= 1) writes column plen + t - 1; the last sampled token is never fed
         width = plen + max_new_tokens - 1
@@ -124,8 +152,20 @@ class TorchEngine:
             else:
                 rows_dev = rows.to(self.device)
                 part = tuple(x.index_select(0, rows_dev) for x in (logits, of_row_dev, pad_rows, step_pos))
-            self._decode_rows(rows, *part, cache, plen, width, max_new_tokens, temperature, fused, noise, out, shard,
-                              prompt_kv)
+            self._decode_rows(
+                rows,
+                *part,
+                cache,
+                plen,
+                width,
+                max_new_tokens,
+                temperature,
+                fused,
+                noise,
+                out,
+                shard,
+                prompt_kv,
+            )
 
         # the model's own forward decodes through ``_gqa_decode_attention``, switched on once for all
         # shards (the switch is the model config's, shared by the threads)
@@ -147,10 +187,24 @@ class TorchEngine:
             k = max(1, min(k, bsz // MIN_SHARD_ROWS))
         return list(torch.arange(bsz).tensor_split(k))
 
-    def _decode_rows(self, rows: torch.Tensor, logits: torch.Tensor, of_row: torch.Tensor, pad_rows: torch.Tensor,
-                     step_pos: torch.Tensor, prefill, plen: int, width: int, max_new_tokens: int,
-                     temperature: float, fused, noise: "_StepNoise", out: "_Outputs", shard: int,
-                     prompt_kv: "_PromptKV | None" = None) -> None:
+    def _decode_rows(
+        self,
+        rows: torch.Tensor,
+        logits: torch.Tensor,
+        of_row: torch.Tensor,
+        pad_rows: torch.Tensor,
+        step_pos: torch.Tensor,
+        prefill,
+        plen: int,
+        width: int,
+        max_new_tokens: int,
+        temperature: float,
+        fused,
+        noise: _StepNoise,
+        out: _Outputs,
+        shard: int,
+        prompt_kv: _PromptKV | None = None,
+    ) -> None:
         """The decode loop of the batch rows ``rows`` (full-batch indices) from their first-token
         ``logits``: a static KV cache filled from the ``prefill`` cache (row i from its prompt's row
         ``of_row[i]``), finished rows compacted away, samples written to ``out``. With ``prompt_kv``
@@ -162,8 +216,13 @@ class TorchEngine:
         if prompt_kv is not None:
             slots, mask = _CompletionKV(prompt_kv, of_row, max_new_tokens - 1, store), None
         else:
-            slots = _StaticDecodeCache(prefill, width, of_row,
-                                       keys_transposed=fused is not None and fused.keys_transposed, store=store)
+            slots = _StaticDecodeCache(
+                prefill,
+                width,
+                of_row,
+                keys_transposed=fused is not None and fused.keys_transposed,
+                store=store,
+            )
             neg = torch.finfo(slots.values[0].dtype).min
             mask = torch.zeros((n_all, 1, 1, width), dtype=slots.values[0].dtype, device=self.device)
             mask[:, 0, 0, :plen].masked_fill_(pad_rows, neg)  # left padding: never attended
@@ -180,19 +239,42 @@ class TorchEngine:
                 if prompt_kv is not None:
                     logits = fused.step_shared(step_ids[:, 0], step_pos[:, 0], prompt_kv, slots, t - 1)
                 elif fused is not None:
-                    logits = fused.step(step_ids[:, 0], step_pos[:, 0], slots.keys, slots.values, col,
-                                        mask[:n, :, :, :col + 1])
+                    logits = fused.step(
+                        step_ids[:, 0],
+                        step_pos[:, 0],
+                        slots.keys,
+                        slots.values,
+                        col,
+                        mask[:n, :, :, : col + 1],
+                    )
                 else:
                     slots.col = col  # the caller has switched the attention to ``_gqa_decode_attention``
-                    logits = self.model(input_ids=step_ids, attention_mask=mask[:n, :, :, :col + 1],
-                                        position_ids=step_pos, past_key_values=slots,
-                                        use_cache=True).logits[:, -1, :]
+                    logits = self.model(
+                        input_ids=step_ids,
+                        attention_mask=mask[:n, :, :, : col + 1],
+                        position_ids=step_pos,
+                        past_key_values=slots,
+                        use_cache=True,
+                    ).logits[:, -1, :]
             if native is not None and logits.dtype == torch.float32 and logits.stride(-1) == 1:
                 # the same draw as below in one pass (float rounding of the exp/log aside)
                 n = len(rows)
                 nxt, keep = next_buf[:n], keep_buf[:n]
-                kept = native.sample_step(logits, temperature, noise.step(t), rows, t, self.eos_id, out.tokens,
-                                          out.logps, out.ent_sum, out.lengths, done, nxt, keep)
+                kept = native.sample_step(
+                    logits,
+                    temperature,
+                    noise.step(t),
+                    rows,
+                    t,
+                    self.eos_id,
+                    out.tokens,
+                    out.logps,
+                    out.ent_sum,
+                    out.lengths,
+                    done,
+                    nxt,
+                    keep,
+                )
                 if not kept:
                     noise.finished()
                     break
@@ -268,14 +350,15 @@ class TorchEngine:
         input_ids = torch.full((bsz, plen), self.pad_id, dtype=torch.long)
         attn = torch.zeros((bsz, plen), dtype=torch.long)
         for i, p in enumerate(prompts):
-            input_ids[i, plen - len(p):] = torch.tensor(p)
-            attn[i, plen - len(p):] = 1
+            input_ids[i, plen - len(p) :] = torch.tensor(p)
+            attn[i, plen - len(p) :] = 1
         input_ids, attn = input_ids.to(self.device), attn.to(self.device)
         return input_ids, attn, (attn.cumsum(-1) - 1).clamp(min=0)
 
     @torch.inference_mode()
-    def _generate_batch_reference(self, requests: list[GenRequest], max_new_tokens: int, temperature: float,
-                        generator: torch.Generator) -> list[Trajectory]:
+    def _generate_batch_reference(
+        self, requests: list[GenRequest], max_new_tokens: int, temperature: float, generator: torch.Generator
+    ) -> list[Trajectory]:
         """The decode loop before the static cache (a ``DynamicCache`` grown by concatenation, every row
         decoded until the whole batch is done): kept as the reference ``tests`` compare against."""
         from transformers import DynamicCache
@@ -290,8 +373,13 @@ class TorchEngine:
         done = torch.zeros(bsz, dtype=torch.bool)
         step_ids, step_pos = input_ids, positions
         for t in range(max_new_tokens):
-            logits = self.model(input_ids=step_ids, attention_mask=attn, position_ids=step_pos,
-                                past_key_values=cache, use_cache=True).logits[:, -1, :]
+            logits = self.model(
+                input_ids=step_ids,
+                attention_mask=attn,
+                position_ids=step_pos,
+                past_key_values=cache,
+                use_cache=True,
+            ).logits[:, -1, :]
             logprobs = torch.log_softmax(logits.float() / temperature, dim=-1).cpu()
             probs = logprobs.exp()
             nxt = torch.multinomial(probs, 1, generator=generator).squeeze(1)
@@ -309,18 +397,37 @@ class TorchEngine:
         mean_ent = (ent_sum / lengths.clamp(min=1)).tolist()
         return self._trajectories(requests, tokens, logps, lengths, done, mean_ent)
 
-    def _trajectories(self, requests: list[GenRequest], tokens: torch.Tensor, logps: torch.Tensor,
-                      lengths: torch.Tensor, done: torch.Tensor, mean_ent: list[float]) -> list[Trajectory]:
+    def _trajectories(
+        self,
+        requests: list[GenRequest],
+        tokens: torch.Tensor,
+        logps: torch.Tensor,
+        lengths: torch.Tensor,
+        done: torch.Tensor,
+        mean_ent: list[float],
+    ) -> list[Trajectory]:
         """One ``Trajectory`` per request from the batch's [B, max_new_tokens] tokens and log-probs (row i
         valid up to ``lengths[i]``; a finished row's last token is its EOS, not part of its text)."""
         ids_all, lps_all = tokens.tolist(), logps.double().tolist()
         ns, fin = lengths.tolist(), done.tolist()
         ids = [row[:n] for row, n in zip(ids_all, ns)]
-        texts = self.tokenizer.batch_decode([x[:-1] if f else x for x, f in zip(ids, fin)], skip_special_tokens=True)
-        return [Trajectory(kind="trajectory", prompt=r.prompt, sample_idx=r.sample_idx, response_tokens=tuple(x),
-                           behaviour_logprobs=tuple(lp[:n]), version=self.version, finished=f, text=text,
-                           mean_entropy=e)
-                for r, x, lp, n, f, text, e in zip(requests, ids, lps_all, ns, fin, texts, mean_ent)]
+        texts = self.tokenizer.batch_decode(
+            [x[:-1] if f else x for x, f in zip(ids, fin)], skip_special_tokens=True
+        )
+        return [
+            Trajectory(
+                kind="trajectory",
+                prompt=r.prompt,
+                sample_idx=r.sample_idx,
+                response_tokens=tuple(x),
+                behaviour_logprobs=tuple(lp[:n]),
+                version=self.version,
+                finished=f,
+                text=text,
+                mean_entropy=e,
+            )
+            for r, x, lp, n, f, text, e in zip(requests, ids, lps_all, ns, fin, texts, mean_ent)
+        ]
 
 
 MIN_SHARD_ROWS = 32
@@ -363,7 +470,10 @@ class _StepNoise:
         """Step ``t``'s noise of the whole batch [bsz, vocab] (a shard reads its own rows)."""
         with self.lock:
             while self.drawn <= t:
-                self.steps[self.drawn] = [torch.empty(self.shape).exponential_(1, generator=self.generator), self.live]
+                self.steps[self.drawn] = [
+                    torch.empty(self.shape).exponential_(1, generator=self.generator),
+                    self.live,
+                ]
                 self.drawn += 1
             entry = self.steps[t]
             entry[1] -= 1
@@ -389,8 +499,13 @@ def _store_buffer(store: list | None, slot: int, shape: tuple[int, ...], like: t
     while len(store) <= slot:
         store.append(None)
     buf = store[slot]
-    if (buf is None or buf.dim() != len(shape) or buf.dtype != like.dtype or buf.device != like.device
-            or any(have < need for have, need in zip(buf.shape, shape))):
+    if (
+        buf is None
+        or buf.dim() != len(shape)
+        or buf.dtype != like.dtype
+        or buf.device != like.device
+        or any(have < need for have, need in zip(buf.shape, shape))
+    ):
         grown = shape if buf is None or buf.dim() != len(shape) else tuple(map(max, buf.shape, shape))
         buf = store[slot] = like.new_empty(grown)
     return buf[tuple(slice(0, n) for n in shape)]
@@ -437,8 +552,9 @@ class _CompletionKV:
         self.set = 1 - self.set
         base = 2 * n_layers * self.set
         for i in range(n_layers):
-            for j, (bufs, cols) in enumerate(((self.keys, lambda b: b[:, :, :blocks]),
-                                              (self.values, lambda b: b[:, :, :upto]))):
+            for j, (bufs, cols) in enumerate(
+                ((self.keys, lambda b: b[:, :, :blocks]), (self.values, lambda b: b[:, :, :upto]))
+            ):
                 buf = bufs[i]
                 target = _store_buffer(self.store, base + 2 * i + j, tuple(buf.shape), buf)
                 torch.index_select(cols(buf), 0, keep, out=cols(target)[:m])
@@ -464,12 +580,13 @@ def _gqa_decode_attention(module, query, key, value, attention_mask, dropout=0.0
     if q_len != 1:  # not a decode step: SDPA as usual
         from transformers.integrations.sdpa_attention import sdpa_attention_forward
 
-        return sdpa_attention_forward(module, query, key, value, attention_mask, dropout=dropout, scaling=scaling,
-                                      **kwargs)
+        return sdpa_attention_forward(
+            module, query, key, value, attention_mask, dropout=dropout, scaling=scaling, **kwargs
+        )
     kv = key.shape[1]
-    scores = torch.matmul(query.reshape(b, kv, h // kv, d), key.transpose(-1, -2))   # [B, KV, G, T]
-    scores = scores.mul_(d ** -0.5 if scaling is None else scaling).add_(attention_mask)
-    out = torch.matmul(torch.softmax(scores, dim=-1), value)                        # [B, KV, G, D]
+    scores = torch.matmul(query.reshape(b, kv, h // kv, d), key.transpose(-1, -2))  # [B, KV, G, T]
+    scores = scores.mul_(d**-0.5 if scaling is None else scaling).add_(attention_mask)
+    out = torch.matmul(torch.softmax(scores, dim=-1), value)  # [B, KV, G, D]
     return out.reshape(b, 1, h, d), None
 
 
@@ -510,8 +627,14 @@ class _StaticDecodeCache:
 
     is_compileable = False
 
-    def __init__(self, prefill_cache, width: int, rows: torch.Tensor | None = None, keys_transposed: bool = False,
-                 store: list | None = None):
+    def __init__(
+        self,
+        prefill_cache,
+        width: int,
+        rows: torch.Tensor | None = None,
+        keys_transposed: bool = False,
+        store: list | None = None,
+    ):
         self.keys, self.values = [], []
         self.keys_transposed = keys_transposed
         self.store = store
@@ -537,9 +660,9 @@ class _StaticDecodeCache:
     def update(self, key_states, value_states, layer_idx, cache_kwargs=None):
         n, c = key_states.shape[0], self.col
         k, v = self.keys[layer_idx][:n], self.values[layer_idx][:n]
-        k[:, :, c:c + 1] = key_states
-        v[:, :, c:c + 1] = value_states
-        return k[:, :, :c + 1], v[:, :, :c + 1]
+        k[:, :, c : c + 1] = key_states
+        v[:, :, c : c + 1] = value_states
+        return k[:, :, : c + 1], v[:, :, : c + 1]
 
     def select(self, keep: torch.Tensor, upto: int) -> None:
         """Rows ``keep`` (indices into the current rows) move to the front, columns ``[0, upto)``. With a
@@ -551,7 +674,9 @@ class _StaticDecodeCache:
             self.set = 1 - self.set
         for i, buf in enumerate((*self.keys, *self.values)):
             is_key = i < n_keys
-            cols = (lambda b: b[..., :upto]) if self.keys_transposed and is_key else (lambda b: b[:, :, :upto])
+            cols = (
+                (lambda b: b[..., :upto]) if self.keys_transposed and is_key else (lambda b: b[:, :, :upto])
+            )
             if self.store is None:
                 view = cols(buf)
                 view[:m] = view.index_select(0, keep)

@@ -13,14 +13,21 @@ from __future__ import annotations
 import os
 import sys
 from pathlib import Path
-from typing import Iterable, Mapping, Sequence
+from collections.abc import Iterable, Mapping, Sequence
 
 import numpy as np
 import torch
 
 from generation.continuous import ContinuousEngine
-from generation.protocol import (REPO_ROOT, EngineBase, EngineProcess, ProtocolError, RolloutEngine, SamplingSpec,
-                                  load_safetensors)
+from generation.protocol import (
+    REPO_ROOT,
+    EngineBase,
+    EngineProcess,
+    ProtocolError,
+    RolloutEngine,
+    SamplingSpec,
+    load_safetensors,
+)
 from generation.records import GenRequest, Partial, Trajectory
 from generation.static_slots import StaticSlotEngine
 
@@ -47,16 +54,18 @@ def _protocol_adapter(base: type) -> type:
                     raise ProtocolError(f"request {r.prompt.prompt_id!r}: empty prompt_tokens")
             base.submit(self, requests)
 
-        def abort(self, request_ids: Iterable | None = None,
-                  include_queued: bool = True) -> tuple[list[Partial], list[GenRequest]]:
+        def abort(
+            self, request_ids: Iterable | None = None, include_queued: bool = True
+        ) -> tuple[list[Partial], list[GenRequest]]:
             only = None if request_ids is None else {tuple(i) for i in request_ids}
             return base.extract(self, include_queued=include_queued, only=only)
 
         def extract(self, include_queued: bool = True, only=None) -> tuple[list[Partial], list[GenRequest]]:
             return base.extract(self, include_queued=include_queued, only=only)
 
-        def load_weights(self, version: int, state: Mapping[str, np.ndarray] | None = None,
-                         path: str | None = None) -> None:
+        def load_weights(
+            self, version: int, state: Mapping[str, np.ndarray] | None = None, path: str | None = None
+        ) -> None:
             if (state is None) == (path is None):
                 raise ValueError("load_weights takes exactly one of state= and path=")
             base.load_state(self, dict(state) if state is not None else load_safetensors(path), version)
@@ -77,16 +86,33 @@ StaticTorchRolloutEngine = _protocol_adapter(StaticSlotEngine)
 """The static-slot engine (fixed-shape decode, optional CUDA graphs) speaking the rollout protocol."""
 
 
-def load_torch_engine(model_dir: str | Path, *, device: str = "cpu", capacity: int = 64, max_new_tokens: int = 64,
-                      temperature: float = 1.0, seed: int = 0, dtype: str = "auto", sync_every: int = 0,
-                      static_cache: bool = False, cuda_graphs: bool = False):
+def load_torch_engine(
+    model_dir: str | Path,
+    *,
+    device: str = "cpu",
+    capacity: int = 64,
+    max_new_tokens: int = 64,
+    temperature: float = 1.0,
+    seed: int = 0,
+    dtype: str = "auto",
+    sync_every: int = 0,
+    static_cache: bool = False,
+    cuda_graphs: bool = False,
+):
     """The built-in engine over the HF checkpoint in ``model_dir``; ``static_cache`` (implied by
     ``cuda_graphs``) selects ``StaticSlotEngine``."""
     from generation.model import load_model
 
     model, tokenizer = load_model(Path(model_dir), device)
-    kw = dict(device=device, capacity=capacity, max_new_tokens=max_new_tokens, temperature=temperature, seed=seed,
-              dtype=dtype, sync_every=sync_every)
+    kw = dict(
+        device=device,
+        capacity=capacity,
+        max_new_tokens=max_new_tokens,
+        temperature=temperature,
+        seed=seed,
+        dtype=dtype,
+        sync_every=sync_every,
+    )
     if static_cache or cuda_graphs:
         return StaticTorchRolloutEngine(model, tokenizer, cuda_graphs=cuda_graphs, **kw)
     return TorchRolloutEngine(model, tokenizer, **kw)
@@ -101,25 +127,72 @@ def vllm_python(explicit: str | None = None) -> str | None:
     return None
 
 
-def worker_command(kind: str, model_dir: str | Path, *, python: str, device: str, capacity: int,
-                   max_new_tokens: int, temperature: float, seed: int, dtype: str = "auto", sync_every: int = 0,
-                   static_cache: bool = False, cuda_graphs: bool = False, lora_rank: int = 0,
-                   extra_args: Sequence[str] = ()) -> list[str]:
+def worker_command(
+    kind: str,
+    model_dir: str | Path,
+    *,
+    python: str,
+    device: str,
+    capacity: int,
+    max_new_tokens: int,
+    temperature: float,
+    seed: int,
+    dtype: str = "auto",
+    sync_every: int = 0,
+    static_cache: bool = False,
+    cuda_graphs: bool = False,
+    lora_rank: int = 0,
+    extra_args: Sequence[str] = (),
+) -> list[str]:
     engine = "torch" if kind == "torch-process" else kind
     flags = (["--static-cache"] if static_cache else []) + (["--cuda-graphs"] if cuda_graphs else [])
     if kind == "vllm" and lora_rank:  # the built-in engine merges adapters: nothing to set up
         flags += ["--lora-rank", str(int(lora_rank))]
-    return [python, "-m", "generation.vllm_worker", "--engine", engine, "--model-dir", str(model_dir),
-            "--device", device, "--capacity", str(capacity), "--max-new-tokens", str(max_new_tokens),
-            "--temperature", repr(float(temperature)), "--seed", str(seed), "--dtype", dtype,
-            "--sync-every", str(sync_every), *flags, *extra_args]
+    return [
+        python,
+        "-m",
+        "generation.vllm_worker",
+        "--engine",
+        engine,
+        "--model-dir",
+        str(model_dir),
+        "--device",
+        device,
+        "--capacity",
+        str(capacity),
+        "--max-new-tokens",
+        str(max_new_tokens),
+        "--temperature",
+        repr(float(temperature)),
+        "--seed",
+        str(seed),
+        "--dtype",
+        dtype,
+        "--sync-every",
+        str(sync_every),
+        *flags,
+        *extra_args,
+    ]
 
 
-def make_engine(kind: str, model_dir: str | Path, *, device: str = "cpu", capacity: int = 64,
-                max_new_tokens: int = 64, temperature: float = 1.0, seed: int = 0, dtype: str = "auto",
-                sync_every: int = 0, static_cache: bool = False, cuda_graphs: bool = False,
-                python: str | None = None, vllm_args: Sequence[str] = (), lora_rank: int = 0,
-                env: Mapping[str, str] | None = None) -> RolloutEngine:
+def make_engine(
+    kind: str,
+    model_dir: str | Path,
+    *,
+    device: str = "cpu",
+    capacity: int = 64,
+    max_new_tokens: int = 64,
+    temperature: float = 1.0,
+    seed: int = 0,
+    dtype: str = "auto",
+    sync_every: int = 0,
+    static_cache: bool = False,
+    cuda_graphs: bool = False,
+    python: str | None = None,
+    vllm_args: Sequence[str] = (),
+    lora_rank: int = 0,
+    env: Mapping[str, str] | None = None,
+) -> RolloutEngine:
     """The rollout engine ``kind`` (``torch``, ``torch-process`` or ``vllm``) over the HF checkpoint in
     ``model_dir``. Every kind speaks ``RolloutEngine`` and keeps ``ContinuousEngine``'s names
     (``version``, ``admitting``, ``extract``, ``load_state``, ``step``, ``status``), so
@@ -130,29 +203,60 @@ def make_engine(kind: str, model_dir: str | Path, *, device: str = "cpu", capaci
     ``lora_rank`` > 0 starts the vLLM worker for published LoRA adapters up to that rank (a ``model.lora``
     RL run; ``generation.adapter.adapter_rank``); the built-in engines merge adapters without it."""
     if kind == "torch":
-        return load_torch_engine(model_dir, device=device, capacity=capacity, max_new_tokens=max_new_tokens,
-                                 temperature=temperature, seed=seed, dtype=dtype, sync_every=sync_every,
-                                 static_cache=static_cache, cuda_graphs=cuda_graphs)
+        return load_torch_engine(
+            model_dir,
+            device=device,
+            capacity=capacity,
+            max_new_tokens=max_new_tokens,
+            temperature=temperature,
+            seed=seed,
+            dtype=dtype,
+            sync_every=sync_every,
+            static_cache=static_cache,
+            cuda_graphs=cuda_graphs,
+        )
     if kind == "torch-process":
         py = python or sys.executable
     elif kind == "vllm":
         py = vllm_python(python)
         if py is None:
-            raise RuntimeError(f"rollout.engine=vllm needs vLLM's environment: run `make vllm-env` (creates "
-                               f".venv-vllm) or set {VLLM_PYTHON_ENV} to a Python with vllm installed")
+            raise RuntimeError(
+                f"rollout.engine=vllm needs vLLM's environment: run `make vllm-env` (creates "
+                f".venv-vllm) or set {VLLM_PYTHON_ENV} to a Python with vllm installed"
+            )
     else:
         raise ValueError(f"unknown rollout engine {kind!r}; choose one of {ENGINE_KINDS}")
-    cmd = worker_command(kind, model_dir, python=py, device=device, capacity=capacity, max_new_tokens=max_new_tokens,
-                         temperature=temperature, seed=seed, dtype=dtype, sync_every=sync_every,
-                         static_cache=static_cache, cuda_graphs=cuda_graphs, lora_rank=lora_rank,
-                         extra_args=vllm_args if kind == "vllm" else ())
+    cmd = worker_command(
+        kind,
+        model_dir,
+        python=py,
+        device=device,
+        capacity=capacity,
+        max_new_tokens=max_new_tokens,
+        temperature=temperature,
+        seed=seed,
+        dtype=dtype,
+        sync_every=sync_every,
+        static_cache=static_cache,
+        cuda_graphs=cuda_graphs,
+        lora_rank=lora_rank,
+        extra_args=vllm_args if kind == "vllm" else (),
+    )
     worker_env = {"OMP_NUM_THREADS": str(max(1, torch.get_num_threads()))}
     worker_env.update(env or {})
     return EngineProcess(cmd, env=worker_env)
 
 
-ROLLOUT_DEFAULTS = {"engine": "torch", "dtype": "auto", "sync_every": 0, "static_cache": False, "cuda_graphs": False,
-                    "vllm_python": None, "vllm_gpu_memory_utilization": 0.85, "vllm_enforce_eager": False}
+ROLLOUT_DEFAULTS = {
+    "engine": "torch",
+    "dtype": "auto",
+    "sync_every": 0,
+    "static_cache": False,
+    "cuda_graphs": False,
+    "vllm_python": None,
+    "vllm_gpu_memory_utilization": 0.85,
+    "vllm_enforce_eager": False,
+}
 
 
 def rollout_engine_options(rollout_cfg=None, lora_rank: int = 0) -> dict:
@@ -160,16 +264,27 @@ def rollout_engine_options(rollout_cfg=None, lora_rank: int = 0) -> dict:
     temperature, seed) from a ``rollout`` config section; missing fields take ``ROLLOUT_DEFAULTS``.
     ``lora_rank``: the rank of the adapter the run samples with (0: none), which a vLLM worker must be
     started for. Plain values only, so the dict travels to a Ray actor as is."""
-    get = (lambda k: getattr(rollout_cfg, k, ROLLOUT_DEFAULTS[k])) if rollout_cfg is not None else ROLLOUT_DEFAULTS.get
+    get = (
+        (lambda k: getattr(rollout_cfg, k, ROLLOUT_DEFAULTS[k]))
+        if rollout_cfg is not None
+        else ROLLOUT_DEFAULTS.get
+    )
     kind = str(get("engine"))
     if kind not in ENGINE_KINDS:
         raise ValueError(f"rollout.engine={kind!r}: expected one of {ENGINE_KINDS}")
-    opts = {"kind": kind, "dtype": str(get("dtype")), "sync_every": int(get("sync_every")),
-            "static_cache": bool(get("static_cache")), "cuda_graphs": bool(get("cuda_graphs"))}
+    opts = {
+        "kind": kind,
+        "dtype": str(get("dtype")),
+        "sync_every": int(get("sync_every")),
+        "static_cache": bool(get("static_cache")),
+        "cuda_graphs": bool(get("cuda_graphs")),
+    }
     if kind == "vllm":
         opts["python"] = get("vllm_python")
-        opts["vllm_args"] = ["--vllm-gpu-memory-utilization", str(float(get("vllm_gpu_memory_utilization")))] + (
-            ["--vllm-enforce-eager"] if get("vllm_enforce_eager") else [])
+        opts["vllm_args"] = [
+            "--vllm-gpu-memory-utilization",
+            str(float(get("vllm_gpu_memory_utilization"))),
+        ] + (["--vllm-enforce-eager"] if get("vllm_enforce_eager") else [])
         if lora_rank:
             opts["lora_rank"] = int(lora_rank)
     return opts

@@ -39,7 +39,7 @@ class _Layer:
     """Transposed, as ``o``."""
 
 
-def fused_decoder(model) -> "FusedDecoder | None":
+def fused_decoder(model) -> FusedDecoder | None:
     """A ``FusedDecoder`` for ``model`` if it computes what the model computes, else None. A model
     with a sliding attention window is decoded fused only up to that window (``max_width``)."""
     cfg = getattr(model, "config", None)
@@ -95,8 +95,11 @@ class FusedDecoder:
         self._native_model = None
         self._cos = self._sin = None
         window = getattr(cfg, "sliding_window", None)
-        self.max_width = window if window is not None and getattr(cfg, "use_sliding_window",
-                                                                  cfg.model_type == "mistral") else None
+        self.max_width = (
+            window
+            if window is not None and getattr(cfg, "use_sliding_window", cfg.model_type == "mistral")
+            else None
+        )
         """Sequences longer than this would leave the model's sliding window: not decoded here."""
 
     # ------------------------------------------------------------------ weights
@@ -124,25 +127,35 @@ class FusedDecoder:
             self.layers = []
             for layer in inner.layers:
                 a, m = layer.self_attn, layer.mlp
-                ws = [a.q_proj.weight * self.scale if fold else a.q_proj.weight, a.k_proj.weight, a.v_proj.weight]
+                ws = [
+                    a.q_proj.weight * self.scale if fold else a.q_proj.weight,
+                    a.k_proj.weight,
+                    a.v_proj.weight,
+                ]
                 biases = [p.bias for p in (a.q_proj, a.k_proj, a.v_proj)]
                 bias = None
                 if any(b is not None for b in biases):
-                    bs = [b.detach() if b is not None else torch.zeros(p.out_features, dtype=p.weight.dtype,
-                                                                       device=p.weight.device)
-                          for b, p in zip(biases, (a.q_proj, a.k_proj, a.v_proj))]
+                    bs = [
+                        b.detach()
+                        if b is not None
+                        else torch.zeros(p.out_features, dtype=p.weight.dtype, device=p.weight.device)
+                        for b, p in zip(biases, (a.q_proj, a.k_proj, a.v_proj))
+                    ]
                     if fold:
                         bs[0] = bs[0] * self.scale
                     bias = torch.cat([*bs, rotated(bs[0]), rotated(bs[1])])
-                self.layers.append(_Layer(
-                    ln1=layer.input_layernorm.weight.detach(),
-                    # [q, k, v, rotate_half(q), rotate_half(k)]: rotary needs no slicing or concatenation
-                    qkv=torch.cat([*ws, rotated(ws[0]), rotated(ws[1])]).detach(),
-                    qkv_bias=bias,
-                    o=a.o_proj.weight.detach().t(),
-                    ln2=layer.post_attention_layernorm.weight.detach(),
-                    gate_up=torch.cat([m.gate_proj.weight, m.up_proj.weight]).detach(),
-                    down=m.down_proj.weight.detach().t()))
+                self.layers.append(
+                    _Layer(
+                        ln1=layer.input_layernorm.weight.detach(),
+                        # [q, k, v, rotate_half(q), rotate_half(k)]: rotary needs no slicing or concatenation
+                        qkv=torch.cat([*ws, rotated(ws[0]), rotated(ws[1])]).detach(),
+                        qkv_bias=bias,
+                        o=a.o_proj.weight.detach().t(),
+                        ln2=layer.post_attention_layernorm.weight.detach(),
+                        gate_up=torch.cat([m.gate_proj.weight, m.up_proj.weight]).detach(),
+                        down=m.down_proj.weight.detach().t(),
+                    )
+                )
             self.embed = inner.embed_tokens.weight.detach()
             self.norm = inner.norm.weight.detach()
             self.lm_head = self.model.lm_head.weight.detach()
@@ -167,8 +180,15 @@ class FusedDecoder:
         var = x.float().pow(2).mean(-1, keepdim=True)
         return w * (x.float() * torch.rsqrt(var + self.eps)).to(x.dtype)
 
-    def step(self, ids: torch.Tensor, pos: torch.Tensor, keys: list[torch.Tensor], values: list[torch.Tensor],
-             col: int, mask: torch.Tensor) -> torch.Tensor:
+    def step(
+        self,
+        ids: torch.Tensor,
+        pos: torch.Tensor,
+        keys: list[torch.Tensor],
+        values: list[torch.Tensor],
+        col: int,
+        mask: torch.Tensor,
+    ) -> torch.Tensor:
         """Logits [n, vocab] of the next token after ``ids`` [n] at positions ``pos`` [n]. Writes each
         layer's key/value into column ``col`` of the first n rows of ``keys[l]`` [rows, kv_heads,
         head_dim, width] and ``values[l]`` [rows, kv_heads, width, head_dim] and attends over columns [0, col] under the additive ``mask``
@@ -178,23 +198,25 @@ class FusedDecoder:
         qd, kd = h_ * d, kv * d
         inter = self.intermediate
         x = F.embedding(ids, self.embed)
-        cos, sin = self._cos[pos][:, None, :], self._sin[pos][:, None, :]   # [n, 1, D]
+        cos, sin = self._cos[pos][:, None, :], self._sin[pos][:, None, :]  # [n, 1, D]
         for li, w in enumerate(self.layers):
-            qkv = F.linear(self._rms(x, w.ln1), w.qkv, w.qkv_bias)   # [q, k, v, rot q, rot k]
-            qk = qkv[:, :qd + kd].view(n, h_ + kv, d) * cos
-            qk += qkv[:, qd + 2 * kd:].view(n, h_ + kv, d) * sin        # q, k with rotary applied
+            qkv = F.linear(self._rms(x, w.ln1), w.qkv, w.qkv_bias)  # [q, k, v, rot q, rot k]
+            qk = qkv[:, : qd + kd].view(n, h_ + kv, d) * cos
+            qk += qkv[:, qd + 2 * kd :].view(n, h_ + kv, d) * sin  # q, k with rotary applied
             kb, vb = keys[li], values[li]
-            vb[:n, :, col] = qkv[:, qd + kd:qd + 2 * kd].view(n, kv, d)
+            vb[:n, :, col] = qkv[:, qd + kd : qd + 2 * kd].view(n, kv, d)
             if self.keys_transposed:
                 kb[:n, :, :, col] = qk[:, h_:]
-                keys_t = kb[:n, :, :, :col + 1]
+                keys_t = kb[:n, :, :, : col + 1]
             else:
                 kb[:n, :, col] = qk[:, h_:]
-                keys_t = kb[:n, :, :col + 1].transpose(-1, -2)
-            scores = torch.matmul(qk[:, :h_].view(n, kv, h_ // kv, d), keys_t)   # [n, KV, G, T]
+                keys_t = kb[:n, :, : col + 1].transpose(-1, -2)
+            scores = torch.matmul(qk[:, :h_].view(n, kv, h_ // kv, d), keys_t)  # [n, KV, G, T]
             if not self.scale_folded:
                 scores.mul_(self.scale)
-            att = torch.matmul(torch.softmax(scores.add_(mask), dim=-1), vb[:n, :, :col + 1])   # [n, KV, G, D]
+            att = torch.matmul(
+                torch.softmax(scores.add_(mask), dim=-1), vb[:n, :, : col + 1]
+            )  # [n, KV, G, D]
             x = torch.addmm(x, att.view(n, qd), w.o)
             gu = F.linear(self._rms(x, w.ln2), w.gate_up)
             x = torch.addmm(x, F.silu(gu[:, :inter]) * gu[:, inter:], w.down)
@@ -204,9 +226,18 @@ class FusedDecoder:
         """The ``generation.kernels.NativeModel`` over the current fused weights (``native`` set), built
         once per ``refresh``."""
         if self._native_model is None or self._native_model[0] != self._sig:
-            m = self.native.model(self.layers, self.embed, self.norm, self.lm_head, self.lm_bias, heads=self.n_heads,
-                                  kv_heads=self.n_kv, head_dim=self.head_dim, eps=self.eps,
-                                  scale=1.0 if self.scale_folded else self.scale)
+            m = self.native.model(
+                self.layers,
+                self.embed,
+                self.norm,
+                self.lm_head,
+                self.lm_bias,
+                heads=self.n_heads,
+                kv_heads=self.n_kv,
+                head_dim=self.head_dim,
+                eps=self.eps,
+                scale=1.0 if self.scale_folded else self.scale,
+            )
             self._native_model = (self._sig, m)
         return self._native_model[1]
 

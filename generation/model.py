@@ -73,7 +73,9 @@ def load_model(path: str | Path, device: str = "cpu"):
 def check_adapter_weights(path: str | Path) -> None:
     """An adapter folder's weights must be safetensors (PEFT would unpickle ``adapter_model.bin``)."""
     if not (Path(path) / "adapter_model.safetensors").is_file():
-        raise ValueError(f"adapter {path} has no adapter_model.safetensors; pickled adapter weights are never loaded")
+        raise ValueError(
+            f"adapter {path} has no adapter_model.safetensors; pickled adapter weights are never loaded"
+        )
 
 
 def load_merged_adapter(path: str | Path, device: str = "cpu"):
@@ -114,8 +116,9 @@ def resolve_device(device: str) -> str:
 def encode_prompt(tokenizer, text: str) -> tuple[int, ...]:
     """Prompt token ids: the tokenizer's chat template when it has one, else BOS + text."""
     if getattr(tokenizer, "chat_template", None):
-        ids = tokenizer.apply_chat_template([{"role": "user", "content": text}], add_generation_prompt=True,
-                                            tokenize=True)
+        ids = tokenizer.apply_chat_template(
+            [{"role": "user", "content": text}], add_generation_prompt=True, tokenize=True
+        )
         if isinstance(ids, dict) or hasattr(ids, "input_ids"):
             ids = ids["input_ids"]
         return tuple(int(i) for i in ids)

@@ -43,7 +43,8 @@ import threading
 from collections import deque
 from dataclasses import dataclass
 from pathlib import Path
-from typing import IO, Any, Iterable, Mapping, Protocol, Sequence, runtime_checkable
+from typing import IO, Any, Protocol, runtime_checkable
+from collections.abc import Iterable, Mapping, Sequence
 
 import msgpack
 import numpy as np
@@ -95,11 +96,13 @@ class RolloutEngine(Protocol):
 
     def step(self, max_steps: int) -> list[Trajectory]: ...
 
-    def abort(self, request_ids: Iterable[RequestId] | None = None,
-              include_queued: bool = True) -> tuple[list[Partial], list[GenRequest]]: ...
+    def abort(
+        self, request_ids: Iterable[RequestId] | None = None, include_queued: bool = True
+    ) -> tuple[list[Partial], list[GenRequest]]: ...
 
-    def load_weights(self, version: int, state: Mapping[str, np.ndarray] | None = None,
-                     path: str | None = None) -> None: ...
+    def load_weights(
+        self, version: int, state: Mapping[str, np.ndarray] | None = None, path: str | None = None
+    ) -> None: ...
 
     def status(self) -> dict: ...
 
@@ -122,8 +125,10 @@ class EngineBase:
         """Engines sample at the temperature, cap and seed they were built with (the behaviour
         log-probs and the batch-independent noise depend on them): a different spec is an error."""
         if sampling is not None and sampling != self.sampling:
-            raise ProtocolError(f"this engine samples with {self.sampling}, got {sampling}: start an engine "
-                                "with those sampling settings instead")
+            raise ProtocolError(
+                f"this engine samples with {self.sampling}, got {sampling}: start an engine "
+                "with those sampling settings instead"
+            )
 
     def close(self) -> None:
         pass
@@ -143,14 +148,18 @@ def load_safetensors(path: str) -> dict[str, np.ndarray]:
 
 def weights_dir() -> str:
     """Where weight files for a worker go: shared memory when the OS has it."""
-    return "/dev/shm" if os.path.isdir("/dev/shm") and os.access("/dev/shm", os.W_OK) else tempfile.gettempdir()
+    return (
+        "/dev/shm" if os.path.isdir("/dev/shm") and os.access("/dev/shm", os.W_OK) else tempfile.gettempdir()
+    )
 
 
 def write_weights(state: Mapping[str, np.ndarray], directory: str | None = None) -> str:
     """One safetensors file holding ``state``; returns its path (the caller deletes it)."""
     from safetensors.numpy import save_file
 
-    fd, path = tempfile.mkstemp(prefix="laminar-weights-", suffix=".safetensors", dir=directory or weights_dir())
+    fd, path = tempfile.mkstemp(
+        prefix="laminar-weights-", suffix=".safetensors", dir=directory or weights_dir()
+    )
     os.close(fd)
     save_file({k: np.ascontiguousarray(v) for k, v in state.items()}, path)
     return path
@@ -158,9 +167,14 @@ def write_weights(state: Mapping[str, np.ndarray], directory: str | None = None)
 
 # --------------------------------------------------------------------------------------- encoding
 
+
 def _req_to_wire(r: GenRequest) -> dict:
-    return {"prompt_id": r.prompt.prompt_id, "prompt_tokens": list(r.prompt.prompt_tokens),
-            "sample_idx": int(r.sample_idx), "group_uid": int(r.group_uid)}
+    return {
+        "prompt_id": r.prompt.prompt_id,
+        "prompt_tokens": list(r.prompt.prompt_tokens),
+        "sample_idx": int(r.sample_idx),
+        "group_uid": int(r.group_uid),
+    }
 
 
 def _field(d: Mapping, name: str, kinds, what: str):
@@ -187,7 +201,9 @@ def _int_list(v, what: str) -> list[int]:
 
 
 def _float_list(v, what: str) -> list[float]:
-    if not isinstance(v, (list, tuple)) or not all(isinstance(x, (int, float)) and not isinstance(x, bool) for x in v):
+    if not isinstance(v, (list, tuple)) or not all(
+        isinstance(x, (int, float)) and not isinstance(x, bool) for x in v
+    ):
         raise ProtocolError(f"{what}: expected a list of numbers")
     return [float(x) for x in v]
 
@@ -206,8 +222,13 @@ def req_from_wire(d: Mapping, known: Mapping[RequestId, GenRequest] | None = Non
 
 
 def partial_to_wire(p: Partial) -> dict:
-    return {"request": _req_to_wire(p.request), "tokens": list(p.tokens), "logprobs": list(p.logprobs),
-            "version": int(p.version), "entropy_sum": float(p.entropy_sum)}
+    return {
+        "request": _req_to_wire(p.request),
+        "tokens": list(p.tokens),
+        "logprobs": list(p.logprobs),
+        "version": int(p.version),
+        "entropy_sum": float(p.entropy_sum),
+    }
 
 
 def partial_from_wire(d: Mapping, known=None) -> Partial:
@@ -217,16 +238,23 @@ def partial_from_wire(d: Mapping, known=None) -> Partial:
     lps = _float_list(_field(d, "logprobs", (list, tuple), what), what + ".logprobs")
     if len(toks) != len(lps):
         raise ProtocolError(f"partial {request_id(req)}: {len(toks)} tokens but {len(lps)} logprobs")
-    return Partial(req, tuple(toks), tuple(lps), int(_field(d, "version", int, what)),
-                   float(d.get("entropy_sum", 0.0)))
+    return Partial(
+        req, tuple(toks), tuple(lps), int(_field(d, "version", int, what)), float(d.get("entropy_sum", 0.0))
+    )
 
 
 def traj_to_wire(t: Trajectory) -> dict:
     req = GenRequest(t.prompt, t.sample_idx, t.group_uid)
-    return {"request": _req_to_wire(req), "tokens": list(t.response_tokens),
-            "logprobs": list(t.behaviour_logprobs), "version": int(t.version),
-            "last_version": int(t.last_version), "finished": bool(t.finished), "text": t.text,
-            "mean_entropy": float(t.mean_entropy)}
+    return {
+        "request": _req_to_wire(req),
+        "tokens": list(t.response_tokens),
+        "logprobs": list(t.behaviour_logprobs),
+        "version": int(t.version),
+        "last_version": int(t.last_version),
+        "finished": bool(t.finished),
+        "text": t.text,
+        "mean_entropy": float(t.mean_entropy),
+    }
 
 
 def traj_from_wire(d: Mapping, known=None) -> Trajectory:
@@ -236,22 +264,37 @@ def traj_from_wire(d: Mapping, known=None) -> Trajectory:
     lps = _float_list(_field(d, "logprobs", (list, tuple), what), what + ".logprobs")
     if len(toks) != len(lps):
         raise ProtocolError(f"trajectory {request_id(req)}: {len(toks)} tokens but {len(lps)} logprobs")
-    return Trajectory(kind="trajectory", prompt=req.prompt, sample_idx=req.sample_idx, response_tokens=tuple(toks),
-                      behaviour_logprobs=tuple(lps), version=int(_field(d, "version", int, what)),
-                      finished=bool(_field(d, "finished", bool, what)), text=str(d.get("text", "")),
-                      mean_entropy=float(d.get("mean_entropy", math.nan)), group_uid=req.group_uid,
-                      last_version=int(d.get("last_version", -1)))
+    return Trajectory(
+        kind="trajectory",
+        prompt=req.prompt,
+        sample_idx=req.sample_idx,
+        response_tokens=tuple(toks),
+        behaviour_logprobs=tuple(lps),
+        version=int(_field(d, "version", int, what)),
+        finished=bool(_field(d, "finished", bool, what)),
+        text=str(d.get("text", "")),
+        mean_entropy=float(d.get("mean_entropy", math.nan)),
+        group_uid=req.group_uid,
+        last_version=int(d.get("last_version", -1)),
+    )
 
 
 def sampling_to_wire(s: SamplingSpec | None):
-    return None if s is None else {"temperature": s.temperature, "max_new_tokens": s.max_new_tokens, "seed": s.seed}
+    return (
+        None
+        if s is None
+        else {"temperature": s.temperature, "max_new_tokens": s.max_new_tokens, "seed": s.seed}
+    )
 
 
 def sampling_from_wire(d) -> SamplingSpec | None:
     if d is None:
         return None
-    return SamplingSpec(float(_field(d, "temperature", (int, float), "sampling")),
-                        int(_field(d, "max_new_tokens", int, "sampling")), int(_field(d, "seed", int, "sampling")))
+    return SamplingSpec(
+        float(_field(d, "temperature", (int, float), "sampling")),
+        int(_field(d, "max_new_tokens", int, "sampling")),
+        int(_field(d, "seed", int, "sampling")),
+    )
 
 
 def write_frame(stream: IO[bytes], obj: Any) -> None:
@@ -291,6 +334,7 @@ def read_frame_bytes(stream: IO[bytes]) -> bytes | None:
 
 # ------------------------------------------------------------------------------------ worker side
 
+
 def _status_clean(st: Mapping) -> dict:
     return {k: (v if isinstance(v, (bool, int, float, str)) or v is None else str(v)) for k, v in st.items()}
 
@@ -322,11 +366,18 @@ def handle(engine, msg: Any, info: Mapping) -> tuple[Any, bool]:
     if op == "abort":
         ids = msg.get("request_ids")
         if ids is not None:
-            if not isinstance(ids, (list, tuple)) or not all(isinstance(i, (list, tuple)) and len(i) == 3 for i in ids):
-                raise ProtocolError("abort: request_ids must be null or a list of [prompt_id, group_uid, sample_idx]")
+            if not isinstance(ids, (list, tuple)) or not all(
+                isinstance(i, (list, tuple)) and len(i) == 3 for i in ids
+            ):
+                raise ProtocolError(
+                    "abort: request_ids must be null or a list of [prompt_id, group_uid, sample_idx]"
+                )
             ids = [(str(a), int(b), int(c)) for a, b, c in ids]
         parts, reqs = engine.abort(ids, bool(msg.get("include_queued", True)))
-        return {"partials": [partial_to_wire(p) for p in parts], "requests": [_req_to_wire(r) for r in reqs]}, True
+        return {
+            "partials": [partial_to_wire(p) for p in parts],
+            "requests": [_req_to_wire(r) for r in reqs],
+        }, True
     if op == "load_weights":
         version = _field(msg, "version", int, "load_weights")
         path = _field(msg, "path", str, "load_weights")
@@ -344,8 +395,10 @@ def handle(engine, msg: Any, info: Mapping) -> tuple[Any, bool]:
         return _status_clean(engine.status()), True
     if op == "shutdown":
         return {}, False
-    raise ProtocolError(f"unknown op {op!r}; known: hello, submit, inject, step, abort, load_weights, configure, "
-                        "status, shutdown")
+    raise ProtocolError(
+        f"unknown op {op!r}; known: hello, submit, inject, step, abort, load_weights, configure, "
+        "status, shutdown"
+    )
 
 
 def serve(engine, rfile: IO[bytes], wfile: IO[bytes], info: Mapping | None = None) -> None:
@@ -355,7 +408,9 @@ def serve(engine, rfile: IO[bytes], wfile: IO[bytes], info: Mapping | None = Non
         try:
             data = read_frame_bytes(rfile)
         except ProtocolError as e:  # a broken frame boundary: nothing after it can be trusted
-            write_frame(wfile, {"id": None, "ok": False, "error": {"type": "ProtocolError", "message": str(e)}})
+            write_frame(
+                wfile, {"id": None, "ok": False, "error": {"type": "ProtocolError", "message": str(e)}}
+            )
             return
         if data is None:
             return
@@ -369,7 +424,10 @@ def serve(engine, rfile: IO[bytes], wfile: IO[bytes], info: Mapping | None = Non
             result, keep = handle(engine, msg, info)
             reply = {"id": call_id, "ok": True, "result": result}
         except Exception as e:  # noqa: BLE001 - reported to the caller, the worker keeps serving
-            reply, keep = {"id": call_id, "ok": False, "error": {"type": type(e).__name__, "message": str(e)}}, True
+            reply, keep = (
+                {"id": call_id, "ok": False, "error": {"type": type(e).__name__, "message": str(e)}},
+                True,
+            )
         write_frame(wfile, reply)
         if not keep:
             return
@@ -387,6 +445,7 @@ def protocol_streams() -> tuple[IO[bytes], IO[bytes]]:
 
 # ------------------------------------------------------------------------------------ client side
 
+
 class EngineProcess(EngineBase):
     """A ``RolloutEngine`` served by a worker process over the wire format (stdin/stdout pipes).
 
@@ -396,16 +455,30 @@ class EngineProcess(EngineBase):
     same ``PromptItem`` the caller submitted. ``version`` and ``admitting`` are mirrored locally and
     pushed to the worker when set."""
 
-    def __init__(self, command: Sequence[str], *, env: Mapping[str, str] | None = None, cwd: str | None = None,
-                 start_timeout: float = 600.0, weights_dir: str | None = None):
+    def __init__(
+        self,
+        command: Sequence[str],
+        *,
+        env: Mapping[str, str] | None = None,
+        cwd: str | None = None,
+        start_timeout: float = 600.0,
+        weights_dir: str | None = None,
+    ):
         self.command = list(command)
         self._log = tempfile.NamedTemporaryFile(prefix="laminar-engine-", suffix=".log", delete=False)
         full_env = dict(os.environ)
-        full_env["PYTHONPATH"] = os.pathsep.join([str(REPO_ROOT)] + [p for p in full_env.get("PYTHONPATH", "").split(
-            os.pathsep) if p])
+        full_env["PYTHONPATH"] = os.pathsep.join(
+            [str(REPO_ROOT)] + [p for p in full_env.get("PYTHONPATH", "").split(os.pathsep) if p]
+        )
         full_env.update(env or {})
-        self.proc = subprocess.Popen(self.command, stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=self._log,
-                                     cwd=cwd or str(REPO_ROOT), env=full_env)
+        self.proc = subprocess.Popen(
+            self.command,
+            stdin=subprocess.PIPE,
+            stdout=subprocess.PIPE,
+            stderr=self._log,
+            cwd=cwd or str(REPO_ROOT),
+            env=full_env,
+        )
         self._next_id = 0
         self._lock = threading.Lock()
         self._known: dict[RequestId, GenRequest] = {}
@@ -418,13 +491,16 @@ class EngineProcess(EngineBase):
             self._timer.cancel()
         if self.info.get("protocol") != PROTOCOL_VERSION:
             self.close()
-            raise ProtocolError(f"worker speaks protocol {self.info.get('protocol')}, this client {PROTOCOL_VERSION}")
+            raise ProtocolError(
+                f"worker speaks protocol {self.info.get('protocol')}, this client {PROTOCOL_VERSION}"
+            )
         st = self.info["status"]
         self.capacity = int(st["capacity"])
         self._version = int(st["version"])
         self._admitting = bool(st["admitting"])
-        self.sampling = SamplingSpec(float(self.info["temperature"]), int(self.info["max_new_tokens"]),
-                                     int(self.info["seed"]))
+        self.sampling = SamplingSpec(
+            float(self.info["temperature"]), int(self.info["max_new_tokens"]), int(self.info["seed"])
+        )
         self.engine_name = self.info.get("engine", "?")
 
     def _kill_slow_start(self) -> None:
@@ -440,8 +516,10 @@ class EngineProcess(EngineBase):
 
     def _died(self, why: str) -> ProtocolError:
         code = self.proc.poll()
-        return ProtocolError(f"engine process {why} (exit code {code}); its log {self._log.name} ends:\n"
-                             f"{self._log_tail()}", "EngineDied")
+        return ProtocolError(
+            f"engine process {why} (exit code {code}); its log {self._log.name} ends:\n{self._log_tail()}",
+            "EngineDied",
+        )
 
     def _roundtrip(self, payload: bytes | None, obj: Mapping | None) -> Any:
         with self._lock:
@@ -524,8 +602,9 @@ class EngineProcess(EngineBase):
             self._known.pop(request_id(r), None)
         return parts, reqs
 
-    def load_weights(self, version: int, state: Mapping[str, np.ndarray] | None = None,
-                     path: str | None = None) -> None:
+    def load_weights(
+        self, version: int, state: Mapping[str, np.ndarray] | None = None, path: str | None = None
+    ) -> None:
         if (state is None) == (path is None):
             raise ValueError("load_weights takes exactly one of state= and path=")
         tmp = None
@@ -577,6 +656,7 @@ class EngineProcess(EngineBase):
 
 
 # ------------------------------------------------------------------------- shared engine helpers
+
 
 class PendingQueue:
     """FIFO of queued requests and injected partials (partials first) with selective removal: the

@@ -6,7 +6,7 @@ tensors tied to a device or a DictConfig.
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Literal
 
 import numpy as np

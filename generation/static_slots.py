@@ -70,7 +70,9 @@ class _NarrowCache(_SlotCache):
     (views); ``update`` writes the step's key/value at the last of those columns."""
 
     def __init__(self, keys, values, hi: int, lo: int, col: int):
-        super().__init__([k[:hi, :, lo:col + 1] for k in keys], [v[:hi, :, lo:col + 1] for v in values], None)
+        super().__init__(
+            [k[:hi, :, lo : col + 1] for k in keys], [v[:hi, :, lo : col + 1] for v in values], None
+        )
 
     def update(self, key_states, value_states, layer_idx, cache_kwargs=None):
         k, v = self.keys[layer_idx], self.values[layer_idx]
@@ -136,13 +138,13 @@ class StaticSlotEngine(ContinuousEngine):
             k = torch.zeros((cap, h, new_w, d), dtype=layer.keys.dtype, device=dev)
             v = torch.zeros((cap, h, new_w, layer.values.shape[-1]), dtype=layer.values.dtype, device=dev)
             if self._kv is not None:
-                k[:, :, :self._width] = self._kv[0][i]
-                v[:, :, :self._width] = self._kv[1][i]
+                k[:, :, : self._width] = self._kv[0][i]
+                v[:, :, : self._width] = self._kv[1][i]
             keys.append(k)
             values.append(v)
         valid = torch.zeros((cap, new_w), dtype=torch.bool, device=dev)
         if self._kv is not None:
-            valid[:, :self._width] = self._valid
+            valid[:, : self._width] = self._valid
         self._kv, self._valid, self._width = (keys, values), valid, new_w
         self._mask4 = torch.zeros((cap, 1, 1, new_w), dtype=keys[0].dtype, device=dev)
         self._neg = torch.finfo(keys[0].dtype).min
@@ -163,10 +165,10 @@ class StaticSlotEngine(ContinuousEngine):
         first = int(self._valid.any(0).int().argmax())
         span = self._c - first
         for buf in (*self._kv[0], *self._kv[1]):
-            buf[:, :, new_c - span:new_c] = buf[:, :, first:self._c].clone()
-        moved = self._valid[:, first:self._c].clone()
+            buf[:, :, new_c - span : new_c] = buf[:, :, first : self._c].clone()
+        moved = self._valid[:, first : self._c].clone()
         self._valid.zero_()
-        self._valid[:, new_c - span:new_c] = moved
+        self._valid[:, new_c - span : new_c] = moved
         self._c = new_c
 
     # ------------------------------------------------------------------------ engine hooks
@@ -185,8 +187,8 @@ class StaticSlotEngine(ContinuousEngine):
         lps_buf = torch.zeros((b, m), dtype=torch.float32)
         for i, (_, toks, lps, _, _) in enumerate(new):
             if toks:
-                toks_buf[i, :len(toks)] = torch.tensor(toks, dtype=torch.long)
-                lps_buf[i, :len(lps)] = torch.tensor(lps, dtype=torch.float32)
+                toks_buf[i, : len(toks)] = torch.tensor(toks, dtype=torch.long)
+                lps_buf[i, : len(lps)] = torch.tensor(lps, dtype=torch.float32)
         keys = torch.tensor([self._row_key(r) for r, *_ in new], dtype=torch.long, device=dev)
         ngen, toks_buf, lps_buf = ngen.to(dev), toks_buf.to(dev), lps_buf.to(dev)
         nxt, lp, ent = self._sample(logits, keys, ngen)
@@ -201,10 +203,10 @@ class StaticSlotEngine(ContinuousEngine):
         free = [i for i, s in enumerate(self._slots) if s is None][:b]
         idx = torch.tensor(free, dtype=torch.long, device=dev)
         for layer, kbuf, vbuf in zip(cache.layers, *self._kv):
-            kbuf[idx, :, c - w:c] = layer.keys.to(kbuf.dtype)
-            vbuf[idx, :, c - w:c] = layer.values.to(vbuf.dtype)
+            kbuf[idx, :, c - w : c] = layer.keys.to(kbuf.dtype)
+            vbuf[idx, :, c - w : c] = layer.values.to(vbuf.dtype)
         self._valid[idx] = False
-        self._valid[idx, c - w:c] = attn.bool()
+        self._valid[idx, c - w : c] = attn.bool()
         plen = torch.tensor([len(r.prompt.prompt_tokens) for r, *_ in new], dtype=torch.long, device=dev)
         ent_sum = torch.tensor([e for *_, e in new], dtype=torch.float64, device=dev) + ent
         self._next[idx] = nxt
@@ -227,8 +229,13 @@ class StaticSlotEngine(ContinuousEngine):
         return row_key(self.seed, request)
 
     def _eager_forward(self) -> torch.Tensor:
-        return self.model(input_ids=self._in_ids, attention_mask=self._mask4, position_ids=self._in_pos,
-                          past_key_values=self._slot_cache, use_cache=True).logits[:, -1, :]
+        return self.model(
+            input_ids=self._in_ids,
+            attention_mask=self._mask4,
+            position_ids=self._in_pos,
+            past_key_values=self._slot_cache,
+            use_cache=True,
+        ).logits[:, -1, :]
 
     def _capture(self) -> None:
         """Capture one decode forward as a CUDA graph. The warm-up runs compute exactly what the
@@ -286,8 +293,13 @@ class StaticSlotEngine(ContinuousEngine):
         hi = int(self._occ.nonzero().max()) + 1 if self._rows else 1
         lo = int(self._valid[:hi].any(0).int().argmax())
         cache = _NarrowCache(*self._kv, hi, lo, col)
-        logits = self.model(input_ids=self._in_ids[:hi], attention_mask=self._mask4[:hi, :, :, lo:col + 1],
-                            position_ids=self._in_pos[:hi], past_key_values=cache, use_cache=True).logits[:, -1, :]
+        logits = self.model(
+            input_ids=self._in_ids[:hi],
+            attention_mask=self._mask4[:hi, :, :, lo : col + 1],
+            position_ids=self._in_pos[:hi],
+            past_key_values=cache,
+            use_cache=True,
+        ).logits[:, -1, :]
         if hi == self.capacity:
             return logits
         full = logits.new_zeros((self.capacity, logits.shape[-1]))
@@ -306,14 +318,25 @@ class StaticSlotEngine(ContinuousEngine):
         if waiting and occupied[-1] + 1 < 2 * n:
             return
         src = [i for i in occupied if i >= n]
-        dst = [i for i in range(n) if self._slots[i] is None][:len(src)]
+        dst = [i for i in range(n) if self._slots[i] is None][: len(src)]
         s_idx = torch.tensor(src, dtype=torch.long, device=self.device)
         d_idx = torch.tensor(dst, dtype=torch.long, device=self.device)
         lo = int(self._valid[s_idx].any(0).int().argmax())  # only the moved rows' live columns
         for buf in (*self._kv[0], *self._kv[1]):
-            buf[d_idx, :, lo:self._c] = buf[s_idx, :, lo:self._c]
-        for name in ("_occ", "_valid", "_next", "_pos", "_plen", "_ngen", "_toks", "_lps", "_ent", "_keys",
-                     "_lastv"):
+            buf[d_idx, :, lo : self._c] = buf[s_idx, :, lo : self._c]
+        for name in (
+            "_occ",
+            "_valid",
+            "_next",
+            "_pos",
+            "_plen",
+            "_ngen",
+            "_toks",
+            "_lps",
+            "_ent",
+            "_keys",
+            "_lastv",
+        ):
             t = getattr(self, name)
             t[d_idx] = t[s_idx]
         for a, b in zip(src, dst):
@@ -323,9 +346,11 @@ class StaticSlotEngine(ContinuousEngine):
 
     def _slot_cache_as_prefill(self):
         """Shapes for ``_ensure_kv`` when growing from the current buffers."""
+
         class _L:
             def __init__(self, k, v):
                 self.keys, self.values = k, v
+
         return type("_C", (), {"layers": [_L(k, v) for k, v in zip(*self._kv)]})()
 
     def _free(self, slots: list[int]) -> None:
@@ -379,16 +404,27 @@ class StaticSlotEngine(ContinuousEngine):
             for i in take:
                 row = self._slots[i]
                 n = int(ngen[i])
-                partials.append(Partial(request=row.request, tokens=tuple(toks[i, :n].tolist()),
-                                        logprobs=tuple(lps[i, :n].tolist()), version=row.version,
-                                        entropy_sum=float(ent[i])))
+                partials.append(
+                    Partial(
+                        request=row.request,
+                        tokens=tuple(toks[i, :n].tolist()),
+                        logprobs=tuple(lps[i, :n].tolist()),
+                        version=row.version,
+                        entropy_sum=float(ent[i]),
+                    )
+                )
             self._free(take)
 
     def status(self) -> dict:
         kv = int(((self._plen + self._ngen) * self._occ).sum()) if self._rows else 0
-        return {"version": self.version, "queued": len(self._queue) + len(self._partials),
-                "active": len(self._rows), "capacity": self.capacity, "kv_tokens": kv,
-                "admitting": self.admitting}
+        return {
+            "version": self.version,
+            "queued": len(self._queue) + len(self._partials),
+            "active": len(self._rows),
+            "capacity": self.capacity,
+            "kv_tokens": kv,
+            "admitting": self.admitting,
+        }
 
     def _reprefill_active(self) -> None:
         """Rebuild every occupied slot's cache under the current weights (prompt + response tokens
@@ -396,8 +432,10 @@ class StaticSlotEngine(ContinuousEngine):
         with torch.inference_mode():
             occupied = [i for i, s in enumerate(self._slots) if s is not None]
             toks, ngen = self._toks.cpu(), self._ngen.cpu().tolist()
-            seqs = [list(self._slots[i].request.prompt.prompt_tokens) + toks[i, :ngen[i] - 1].tolist()
-                    for i in occupied]
+            seqs = [
+                list(self._slots[i].request.prompt.prompt_tokens) + toks[i, : ngen[i] - 1].tolist()
+                for i in occupied
+            ]
             cache, attn, _ = self._prefill(seqs)
             w = attn.shape[1]
             self._ensure_kv(cache, w + 1)

@@ -55,13 +55,21 @@ import tempfile
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Iterable, Mapping, Sequence
+from collections.abc import Iterable, Mapping, Sequence
 
 import numpy as np
 
 from generation.adapter import ADAPTER_CONFIG, SCALING_KEY, adapter_pairs
-from generation.protocol import (EngineBase, PendingQueue, ProtocolError, SamplingSpec, protocol_streams,
-                                  request_id, serve, weights_dir)
+from generation.protocol import (
+    EngineBase,
+    PendingQueue,
+    ProtocolError,
+    SamplingSpec,
+    protocol_streams,
+    request_id,
+    serve,
+    weights_dir,
+)
 from generation.records import GenRequest, Partial, Trajectory
 
 
@@ -75,7 +83,9 @@ class WeightLoader:
 
         weights = load_file(path, device="cpu")
         runner = self.model_runner
-        model = runner.get_model() if hasattr(runner, "get_model") else runner.model  # unwrapped (no graph wrapper)
+        model = (
+            runner.get_model() if hasattr(runner, "get_model") else runner.model
+        )  # unwrapped (no graph wrapper)
         model.load_weights(weights=weights.items())
         return len(weights)
 
@@ -85,7 +95,7 @@ class _Live:
     request: GenRequest
     prefix_tokens: list[int]
     prefix_logprobs: list[float]
-    version: int             # version that sampled the first token
+    version: int  # version that sampled the first token
     last_version: int
     tokens: list[int] = field(default_factory=list)
     logprobs: list[float] = field(default_factory=list)
@@ -118,8 +128,10 @@ def vllm_max_lora_rank(rank: int) -> int:
     for r in VLLM_LORA_RANKS:
         if r >= rank:
             return r
-    raise ValueError(f"LoRA rank {rank} is above vLLM's largest max_lora_rank ({VLLM_LORA_RANKS[-1]}); "
-                     "lower model.lora.rank or use rollout.engine=torch")
+    raise ValueError(
+        f"LoRA rank {rank} is above vLLM's largest max_lora_rank ({VLLM_LORA_RANKS[-1]}); "
+        "lower model.lora.rank or use rollout.engine=torch"
+    )
 
 
 def write_adapter_folder(state: Mapping[str, np.ndarray], out_dir: str | Path, base_model: str) -> int:
@@ -141,15 +153,27 @@ def write_adapter_folder(state: Mapping[str, np.ndarray], out_dir: str | Path, b
     if not math.isfinite(scaling):
         raise ValueError(f"published adapter: scaling {scaling} is not finite")
     alpha = scaling * rank
-    config = {"peft_type": "LORA", "task_type": "CAUSAL_LM", "base_model_name_or_path": str(base_model),
-              "r": rank, "lora_alpha": int(alpha) if float(alpha).is_integer() else alpha, "lora_dropout": 0.0,
-              "target_modules": sorted({name[:-len(".weight")].rsplit(".", 1)[-1] for name in pairs}),
-              "bias": "none", "fan_in_fan_out": False, "use_rslora": False, "use_dora": False,
-              "modules_to_save": None, "inference_mode": True}
+    config = {
+        "peft_type": "LORA",
+        "task_type": "CAUSAL_LM",
+        "base_model_name_or_path": str(base_model),
+        "r": rank,
+        "lora_alpha": int(alpha) if float(alpha).is_integer() else alpha,
+        "lora_dropout": 0.0,
+        "target_modules": sorted({name[: -len(".weight")].rsplit(".", 1)[-1] for name in pairs}),
+        "bias": "none",
+        "fan_in_fan_out": False,
+        "use_rslora": False,
+        "use_dora": False,
+        "modules_to_save": None,
+        "inference_mode": True,
+    }
     out = Path(out_dir)
     out.mkdir(parents=True)
-    save_file({k: np.ascontiguousarray(v, dtype=np.float32) for k, v in state.items() if k != SCALING_KEY},
-              str(out / "adapter_model.safetensors"))
+    save_file(
+        {k: np.ascontiguousarray(v, dtype=np.float32) for k, v in state.items() if k != SCALING_KEY},
+        str(out / "adapter_model.safetensors"),
+    )
     with open(out / ADAPTER_CONFIG, "w") as f:
         json.dump(config, f, indent=2)
     return rank
@@ -167,18 +191,37 @@ class VllmEngine(EngineBase):
 
     engine_name = "vllm"
 
-    def __init__(self, model_dir: str, *, capacity: int, max_new_tokens: int, temperature: float, seed: int,
-                 dtype: str = "auto", gpu_memory_utilization: float = 0.85, enforce_eager: bool = False,
-                 max_model_len: int | None = None, lora_rank: int = 0):
+    def __init__(
+        self,
+        model_dir: str,
+        *,
+        capacity: int,
+        max_new_tokens: int,
+        temperature: float,
+        seed: int,
+        dtype: str = "auto",
+        gpu_memory_utilization: float = 0.85,
+        enforce_eager: bool = False,
+        max_model_len: int | None = None,
+        lora_rank: int = 0,
+    ):
         from vllm import LLM
 
         self.capacity = int(capacity)
         self.sampling = SamplingSpec(float(temperature), int(max_new_tokens), int(seed))
-        kwargs = dict(model=model_dir, tokenizer=model_dir, dtype=dtype, seed=int(seed), max_num_seqs=self.capacity,
-                      gpu_memory_utilization=gpu_memory_utilization, enforce_eager=enforce_eager,
-                      logprobs_mode="processed_logprobs", enable_prefix_caching=True,
-                      worker_extension_cls=f"{__name__ if __name__ != '__main__' else 'generation.vllm_worker'}"
-                                           ".WeightLoader")
+        kwargs = dict(
+            model=model_dir,
+            tokenizer=model_dir,
+            dtype=dtype,
+            seed=int(seed),
+            max_num_seqs=self.capacity,
+            gpu_memory_utilization=gpu_memory_utilization,
+            enforce_eager=enforce_eager,
+            logprobs_mode="processed_logprobs",
+            enable_prefix_caching=True,
+            worker_extension_cls=f"{__name__ if __name__ != '__main__' else 'generation.vllm_worker'}"
+            ".WeightLoader",
+        )
         if max_model_len:
             kwargs["max_model_len"] = int(max_model_len)
         if lora_rank < 0:
@@ -187,7 +230,7 @@ class VllmEngine(EngineBase):
         if self.max_lora_rank:  # one adapter at a time: a load aborts every request of the one before
             kwargs.update(enable_lora=True, max_lora_rank=self.max_lora_rank, max_loras=1)
         self.model_dir = str(Path(model_dir).resolve())
-        self.lora_request = None      # the LoRARequest new requests are submitted with (None: the base)
+        self.lora_request = None  # the LoRARequest new requests are submitted with (None: the base)
         self._lora_root: str | None = None
         self._next_lora_id = 1
         self.llm = LLM(**kwargs)
@@ -211,15 +254,23 @@ class VllmEngine(EngineBase):
         from vllm import SamplingParams
         from vllm.sampling_params import RequestOutputKind
 
-        return SamplingParams(n=1, temperature=self.sampling.temperature, top_p=1.0,
-                              max_tokens=self.sampling.max_new_tokens - done, logprobs=0,
-                              seed=_seed_for(self.sampling.seed, rid, done), detokenize=False,
-                              output_kind=RequestOutputKind.DELTA)
+        return SamplingParams(
+            n=1,
+            temperature=self.sampling.temperature,
+            top_p=1.0,
+            max_tokens=self.sampling.max_new_tokens - done,
+            logprobs=0,
+            seed=_seed_for(self.sampling.seed, rid, done),
+            detokenize=False,
+            output_kind=RequestOutputKind.DELTA,
+        )
 
     def _add(self, req: GenRequest, toks: Sequence[int], lps: Sequence[float], version: int | None) -> None:
         rid = request_id(req)
         prompt = {"prompt_token_ids": list(req.prompt.prompt_tokens) + list(toks)}
-        self.engine.add_request(self._rid(req), prompt, self._params(rid, len(toks)), lora_request=self.lora_request)
+        self.engine.add_request(
+            self._rid(req), prompt, self._params(rid, len(toks)), lora_request=self.lora_request
+        )
         v = self.version if version is None else version
         self._live[self._rid(req)] = _Live(req, list(toks), list(lps), v, self.version)
 
@@ -228,16 +279,29 @@ class VllmEngine(EngineBase):
         lps = live.prefix_logprobs + live.logprobs
         finished = bool(ids) and ids[-1] == self.eos_id
         body = ids[:-1] if finished else ids
-        return Trajectory(kind="trajectory", prompt=live.request.prompt, sample_idx=live.request.sample_idx,
-                          response_tokens=tuple(ids), behaviour_logprobs=tuple(lps), version=live.version,
-                          finished=finished, text=self.tokenizer.decode(body, skip_special_tokens=True),
-                          mean_entropy=math.nan, group_uid=live.request.group_uid, last_version=live.last_version)
+        return Trajectory(
+            kind="trajectory",
+            prompt=live.request.prompt,
+            sample_idx=live.request.sample_idx,
+            response_tokens=tuple(ids),
+            behaviour_logprobs=tuple(lps),
+            version=live.version,
+            finished=finished,
+            text=self.tokenizer.decode(body, skip_special_tokens=True),
+            mean_entropy=math.nan,
+            group_uid=live.request.group_uid,
+            last_version=live.last_version,
+        )
 
     def _admit(self) -> None:
-        while len(self._live) < self.capacity and (self._pending.partials or (self.admitting and self._pending.requests)):
+        while len(self._live) < self.capacity and (
+            self._pending.partials or (self.admitting and self._pending.requests)
+        ):
             if self._pending.partials:
                 p = self._pending.partials.popleft()
-                if p.tokens and (len(p.tokens) >= self.sampling.max_new_tokens or p.tokens[-1] == self.eos_id):
+                if p.tokens and (
+                    len(p.tokens) >= self.sampling.max_new_tokens or p.tokens[-1] == self.eos_id
+                ):
                     live = _Live(p.request, list(p.tokens), list(p.logprobs), p.version, p.version)
                     self._out.append(self._finish(live))
                     continue
@@ -269,16 +333,19 @@ class VllmEngine(EngineBase):
                 for tok, entry in zip(comp.token_ids, comp.logprobs or []):
                     live.logprobs.append(float(entry[tok].logprob))
                 if len(live.logprobs) != len(live.tokens):
-                    raise ProtocolError(f"vLLM returned {len(live.tokens)} tokens but {len(live.logprobs)} "
-                                        f"log-probs for {out.request_id}")
+                    raise ProtocolError(
+                        f"vLLM returned {len(live.tokens)} tokens but {len(live.logprobs)} "
+                        f"log-probs for {out.request_id}"
+                    )
                 if out.finished:
                     self._out.append(self._finish(self._live.pop(out.request_id)))
             self._admit()
         done, self._out = self._out, []
         return done
 
-    def abort(self, request_ids: Iterable | None = None,
-              include_queued: bool = True) -> tuple[list[Partial], list[GenRequest]]:
+    def abort(
+        self, request_ids: Iterable | None = None, include_queued: bool = True
+    ) -> tuple[list[Partial], list[GenRequest]]:
         ids = None if request_ids is None else {tuple(i) for i in request_ids}
         parts: list[Partial] = []
         reqs: list[GenRequest] = []
@@ -302,8 +369,10 @@ class VllmEngine(EngineBase):
             return
         missing = self._names - names
         if missing:  # vLLM would load a partial set silently: refuse, as the built-in engine does
-            raise ProtocolError(f"load_weights: missing {sorted(missing)[:5]} ({len(missing)} tensors of the "
-                                "checkpoint are not in the file)")
+            raise ProtocolError(
+                f"load_weights: missing {sorted(missing)[:5]} ({len(missing)} tensors of the "
+                "checkpoint are not in the file)"
+            )
         live, _ = self.abort(None, include_queued=False) if self._live else ([], [])
         self.llm.collective_rpc("laminar_load_weights", args=(path,))
         self.llm.reset_prefix_cache()
@@ -314,23 +383,31 @@ class VllmEngine(EngineBase):
     def _check_adapter(self, version: int, state: Mapping[str, np.ndarray]) -> None:
         """Refuse, before anything changes, an adapter vLLM would refuse or apply to the wrong weights."""
         if not self.max_lora_rank:
-            raise ProtocolError(f"load_weights: version {version} is a LoRA adapter but this vLLM worker was started "
-                                "without --lora-rank (make_engine(..., lora_rank=R)); start it with the adapter's rank")
+            raise ProtocolError(
+                f"load_weights: version {version} is a LoRA adapter but this vLLM worker was started "
+                "without --lora-rank (make_engine(..., lora_rank=R)); start it with the adapter's rank"
+            )
         try:
             pairs = adapter_pairs(state)
         except KeyError as e:
             raise ProtocolError(f"load_weights: version {version}: {e.args[0]}") from None
         for name, (a, b) in pairs.items():
             if name not in self._shapes:
-                raise ProtocolError(f"load_weights: version {version} adapts {name!r}, which the base model "
-                                    f"{self.model_dir} does not have")
+                raise ProtocolError(
+                    f"load_weights: version {version} adapts {name!r}, which the base model "
+                    f"{self.model_dir} does not have"
+                )
             w = self._shapes[name]
             if a.ndim != 2 or b.ndim != 2 or (b.shape[0], a.shape[1]) != w or a.shape[0] != b.shape[1]:
-                raise ProtocolError(f"load_weights: version {version}: {name} A {a.shape} x B {b.shape} does not "
-                                    f"fit the base weight {w}")
+                raise ProtocolError(
+                    f"load_weights: version {version}: {name} A {a.shape} x B {b.shape} does not "
+                    f"fit the base weight {w}"
+                )
             if a.shape[0] > self.max_lora_rank:
-                raise ProtocolError(f"load_weights: version {version} has rank {a.shape[0]} > the worker's "
-                                    f"max_lora_rank {self.max_lora_rank}; start it with --lora-rank {a.shape[0]}")
+                raise ProtocolError(
+                    f"load_weights: version {version} has rank {a.shape[0]} > the worker's "
+                    f"max_lora_rank {self.max_lora_rank}; start it with --lora-rank {a.shape[0]}"
+                )
 
     def _load_adapter(self, version: int, path: str) -> None:
         """A published adapter: written once as a PEFT folder, named by every request from now on (see
@@ -368,10 +445,18 @@ class VllmEngine(EngineBase):
         shutil.rmtree(old.lora_path, ignore_errors=True)
 
     def status(self) -> dict:
-        kv = sum(len(lv.request.prompt.prompt_tokens) + len(lv.prefix_tokens) + len(lv.tokens)
-                 for lv in self._live.values())
-        return {"version": self.version, "queued": len(self._pending), "active": len(self._live),
-                "capacity": self.capacity, "kv_tokens": kv, "admitting": self.admitting}
+        kv = sum(
+            len(lv.request.prompt.prompt_tokens) + len(lv.prefix_tokens) + len(lv.tokens)
+            for lv in self._live.values()
+        )
+        return {
+            "version": self.version,
+            "queued": len(self._pending),
+            "active": len(self._live),
+            "capacity": self.capacity,
+            "kv_tokens": kv,
+            "admitting": self.admitting,
+        }
 
     def close(self) -> None:
         self.llm = None
@@ -381,21 +466,35 @@ class VllmEngine(EngineBase):
 
 def build_engine(args):
     if args.engine == "vllm":
-        return VllmEngine(args.model_dir, capacity=args.capacity, max_new_tokens=args.max_new_tokens,
-                          temperature=args.temperature, seed=args.seed,
-                          dtype="auto" if args.dtype == "auto" else args.dtype,
-                          gpu_memory_utilization=args.vllm_gpu_memory_utilization,
-                          enforce_eager=args.vllm_enforce_eager, max_model_len=args.vllm_max_model_len,
-                          lora_rank=args.lora_rank)
+        return VllmEngine(
+            args.model_dir,
+            capacity=args.capacity,
+            max_new_tokens=args.max_new_tokens,
+            temperature=args.temperature,
+            seed=args.seed,
+            dtype="auto" if args.dtype == "auto" else args.dtype,
+            gpu_memory_utilization=args.vllm_gpu_memory_utilization,
+            enforce_eager=args.vllm_enforce_eager,
+            max_model_len=args.vllm_max_model_len,
+            lora_rank=args.lora_rank,
+        )
     if args.engine == "torch":
         from generation.engines import load_torch_engine
         from generation.setup import setup_torch
 
         setup_torch(int(os.environ.get("OMP_NUM_THREADS", "1")), args.seed)
-        return load_torch_engine(args.model_dir, device=args.device, capacity=args.capacity,
-                                 max_new_tokens=args.max_new_tokens, temperature=args.temperature, seed=args.seed,
-                                 dtype=args.dtype, sync_every=args.sync_every, static_cache=args.static_cache,
-                                 cuda_graphs=args.cuda_graphs)
+        return load_torch_engine(
+            args.model_dir,
+            device=args.device,
+            capacity=args.capacity,
+            max_new_tokens=args.max_new_tokens,
+            temperature=args.temperature,
+            seed=args.seed,
+            dtype=args.dtype,
+            sync_every=args.sync_every,
+            static_cache=args.static_cache,
+            cuda_graphs=args.cuda_graphs,
+        )
     raise SystemExit(f"unknown engine {args.engine!r}")
 
 
@@ -415,18 +514,30 @@ def main(argv: Sequence[str] | None = None) -> None:
     ap.add_argument("--vllm-gpu-memory-utilization", type=float, default=0.85)
     ap.add_argument("--vllm-enforce-eager", action="store_true")
     ap.add_argument("--vllm-max-model-len", type=int, default=0)
-    ap.add_argument("--lora-rank", type=int, default=0,
-                    help="vllm engine: take published LoRA adapters up to this rank (0: full weights only); the "
-                         "torch engine merges adapters and ignores it")
+    ap.add_argument(
+        "--lora-rank",
+        type=int,
+        default=0,
+        help="vllm engine: take published LoRA adapters up to this rank (0: full weights only); the "
+        "torch engine merges adapters and ignores it",
+    )
     args = ap.parse_args(argv)
     rfile, wfile = protocol_streams()  # before anything can print to stdout
     t0 = time.perf_counter()
     engine = build_engine(args)
-    info = {"engine": args.engine, "pid": os.getpid(), "temperature": engine.sampling.temperature,
-            "max_new_tokens": engine.sampling.max_new_tokens, "seed": engine.sampling.seed,
-            "features": {"deterministic_handover": args.engine == "torch", "entropy": args.engine == "torch",
-                         "lora": args.engine == "torch" or args.lora_rank > 0},
-            "startup_s": time.perf_counter() - t0}
+    info = {
+        "engine": args.engine,
+        "pid": os.getpid(),
+        "temperature": engine.sampling.temperature,
+        "max_new_tokens": engine.sampling.max_new_tokens,
+        "seed": engine.sampling.seed,
+        "features": {
+            "deterministic_handover": args.engine == "torch",
+            "entropy": args.engine == "torch",
+            "lora": args.engine == "torch" or args.lora_rank > 0,
+        },
+        "startup_s": time.perf_counter() - t0,
+    }
     serve(engine, rfile, wfile, info)
     engine.close()
 

@@ -11,9 +11,9 @@ import ast
 import hashlib
 import json
 from dataclasses import dataclass
-from functools import lru_cache
+from functools import cache
 from pathlib import Path
-from typing import Iterable
+from collections.abc import Iterable
 
 ROOT = Path(__file__).resolve().parent.parent
 # conf/ is left out: config values enter the key themselves, and the schema's code computes nothing.
@@ -41,7 +41,7 @@ def _imports(path: Path, module: str) -> set[str]:
         elif isinstance(node, ast.ImportFrom):
             if node.level:
                 base = package.split(".")
-                base = base[:len(base) - node.level + 1]
+                base = base[: len(base) - node.level + 1]
                 mod = ".".join(base + ([node.module] if node.module else []))
             else:
                 mod = node.module or ""
@@ -54,7 +54,7 @@ def _imports(path: Path, module: str) -> set[str]:
     return found
 
 
-@lru_cache(maxsize=None)
+@cache
 def module_closure(modules: tuple[str, ...]) -> tuple[tuple[str, Path], ...]:
     """Every project module reachable from ``modules`` by imports, with its file, sorted."""
     seen: dict[str, Path] = {}
@@ -96,11 +96,21 @@ class CacheKey:
     def digest(self) -> str:
         return _digest([self.stage, self.config_hash, self.inputs_hash, self.source_hash, self.seed])
 
-    def changed_parts(self, other: "CacheKey") -> list[str]:
-        names = {"config_hash": "config", "inputs_hash": "inputs", "source_hash": "source code", "seed": "seed"}
+    def changed_parts(self, other: CacheKey) -> list[str]:
+        names = {
+            "config_hash": "config",
+            "inputs_hash": "inputs",
+            "source_hash": "source code",
+            "seed": "seed",
+        }
         return [label for attr, label in names.items() if getattr(self, attr) != getattr(other, attr)]
 
 
 def make_key(stage: str, config: dict, inputs: dict[str, str], modules: Iterable[str], seed: int) -> CacheKey:
-    return CacheKey(stage=stage, config_hash=_digest(config), inputs_hash=_digest(dict(sorted(inputs.items()))),
-                    source_hash=source_fingerprint(modules), seed=seed)
+    return CacheKey(
+        stage=stage,
+        config_hash=_digest(config),
+        inputs_hash=_digest(dict(sorted(inputs.items()))),
+        source_hash=source_fingerprint(modules),
+        seed=seed,
+    )

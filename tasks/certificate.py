@@ -23,7 +23,8 @@ from __future__ import annotations
 
 import json
 from pathlib import Path
-from typing import Any, Callable, Mapping, Sequence
+from typing import Any
+from collections.abc import Callable, Mapping, Sequence
 
 __all__ = ["STATUSES", "certify", "connection_query"]
 
@@ -60,8 +61,11 @@ def _model_kind(query: Query, cache_key: str | None) -> str | None:
     """``model.kind`` of the run(s) that made a base model under ``cache_key``."""
     if not cache_key:
         return None
-    for row in query("SELECT r.config_json FROM stage_runs s JOIN runs r USING (run_id) WHERE s.cache_key = ? "
-                     "ORDER BY s.finished_at", [cache_key]):
+    for row in query(
+        "SELECT r.config_json FROM stage_runs s JOIN runs r USING (run_id) WHERE s.cache_key = ? "
+        "ORDER BY s.finished_at",
+        [cache_key],
+    ):
         try:
             return json.loads(row["config_json"] or "{}")["model"]["kind"]
         except (KeyError, TypeError, ValueError):
@@ -81,7 +85,9 @@ def _read_pool_certificate(path: str | None) -> dict | None:
         return None
 
 
-def certify(query: Query, checkpoint_sha: str, benchmarks: Mapping[str, str], kind: str = "model") -> dict[str, dict]:
+def certify(
+    query: Query, checkpoint_sha: str, benchmarks: Mapping[str, str], kind: str = "model"
+) -> dict[str, dict]:
     """benchmark -> certificate (``status``, ``benchmark_sha256``, ``rules``, ``pools``, ``detail``)
     for the checkpoint ``checkpoint_sha`` scored on ``benchmarks`` (name -> sha256 of its file)."""
     tree = query(_UPSTREAM_SQL, [kind, checkpoint_sha])
@@ -97,19 +103,31 @@ def certify(query: Query, checkpoint_sha: str, benchmarks: Mapping[str, str], ki
                 model_kind = _model_kind(query, node["cache_key"])
                 if model_kind == "tiny":
                     continue
-                unknown.append(f"base model {node['sha'][:12]} "
-                               + ("loaded from model.path (model.kind=hf): its training data is not known here"
-                                  if model_kind == "hf" else "of unknown kind"))
+                unknown.append(
+                    f"base model {node['sha'][:12]} "
+                    + (
+                        "loaded from model.path (model.kind=hf): its training data is not known here"
+                        if model_kind == "hf"
+                        else "of unknown kind"
+                    )
+                )
             else:
-                unknown.append(f"checkpoint {node['sha'][:12]} came from outside the store"
-                               + (f" (stage {node['stage']})" if node["stage"] else ""))
+                unknown.append(
+                    f"checkpoint {node['sha'][:12]} came from outside the store"
+                    + (f" (stage {node['stage']})" if node["stage"] else "")
+                )
         elif node["stage"] == "decontaminate":
             pools.append((node["sha"], _read_pool_certificate(node["path"])))
     rules = sorted({r for _, c in pools if c for r in c.get("rules", [])})
     out: dict[str, dict] = {}
     for bench, sha in benchmarks.items():
-        cert = {"status": "clean", "benchmark_sha256": sha, "rules": rules, "pools": [p for p, _ in pools],
-                "detail": ""}
+        cert = {
+            "status": "clean",
+            "benchmark_sha256": sha,
+            "rules": rules,
+            "pools": [p for p, _ in pools],
+            "detail": "",
+        }
         missing, other_file, removed = [], [], 0
         for pool, c in pools:
             entry = (c or {}).get("benchmarks", {}).get(bench)
@@ -117,8 +135,10 @@ def certify(query: Query, checkpoint_sha: str, benchmarks: Mapping[str, str], ki
                 checked = sorted((c or {}).get("benchmarks", {}))
                 missing.append(f"pool {pool[:12]} was checked against {checked or 'nothing on record'}")
             elif entry.get("sha256") != sha:
-                other_file.append(f"pool {pool[:12]} was checked against another {bench} file "
-                                  f"({str(entry.get('sha256'))[:12]})")
+                other_file.append(
+                    f"pool {pool[:12]} was checked against another {bench} file "
+                    f"({str(entry.get('sha256'))[:12]})"
+                )
             else:
                 removed += int(entry.get("removed") or 0)
         if unknown:
@@ -128,8 +148,9 @@ def certify(query: Query, checkpoint_sha: str, benchmarks: Mapping[str, str], ki
         elif trained and not pools:
             cert.update(status="not-checked", detail="no decontaminated pool in the checkpoint's lineage")
         elif removed:
-            cert.update(status="contaminated-removed",
-                        detail=f"{removed} matching prompt(s) removed before training")
+            cert.update(
+                status="contaminated-removed", detail=f"{removed} matching prompt(s) removed before training"
+            )
         else:
             cert["detail"] = "no training data (a from-scratch model)" if not trained else "no prompt matched"
         out[bench] = cert

@@ -14,17 +14,25 @@ import json
 import re
 import time
 from dataclasses import dataclass
-from datetime import datetime, timezone
+from datetime import datetime, UTC
 from pathlib import Path
-from typing import Callable
+from collections.abc import Callable
 
 from conf.schema import Config
 from core.artifacts import ArtifactRef, hash_tree, write_json_atomic
 from core.catalog import dumps
 from core.workspace import Workspace
 from tasks.runner import StageOutcome, record, stage_key
-from tasks.stages import (DATASET, EVAL, EVAL_STAGE, MODEL, StageContext, StageResult, eval_metrics,
-                          read_eval_certificates)
+from tasks.stages import (
+    DATASET,
+    EVAL,
+    EVAL_STAGE,
+    MODEL,
+    StageContext,
+    StageResult,
+    eval_metrics,
+    read_eval_certificates,
+)
 
 _SHA_PREFIX = re.compile(r"[0-9a-f]{4,64}")
 
@@ -52,8 +60,9 @@ def resolve_checkpoint(ws: Workspace, spec: str) -> ArtifactRef:
     path = Path(spec).expanduser()
     if path.exists() and is_adapter_dir(path):
         if not (path / "adapter_model.safetensors").is_file():
-            raise EvalInputError(f"ckpt={spec} has no adapter_model.safetensors; pickled adapter weights are never "
-                                 "loaded")
+            raise EvalInputError(
+                f"ckpt={spec} has no adapter_model.safetensors; pickled adapter weights are never loaded"
+            )
         try:
             base_dir(path)
         except FileNotFoundError as err:
@@ -63,35 +72,49 @@ def resolve_checkpoint(ws: Workspace, spec: str) -> ArtifactRef:
         if not (path / "config.json").is_file():
             raise EvalInputError(f"ckpt={spec} is not a save_pretrained folder (no config.json)")
         if not list(path.glob("*.safetensors")):
-            raise EvalInputError(f"ckpt={spec} has no *.safetensors weights; pickled weights are never loaded, "
-                                 "convert them to safetensors first")
+            raise EvalInputError(
+                f"ckpt={spec} has no *.safetensors weights; pickled weights are never loaded, "
+                "convert them to safetensors first"
+            )
         return ArtifactRef(MODEL, hash_tree(path.resolve()), str(path.resolve()))
     prefix = spec.lower()
     if not _SHA_PREFIX.fullmatch(prefix):
-        raise EvalInputError(f"ckpt={spec}: no such folder, and not a checkpoint sha prefix (at least 4 hex "
-                             "characters); pass a save_pretrained folder or a sha from `checkpoints` in the catalog")
+        raise EvalInputError(
+            f"ckpt={spec}: no such folder, and not a checkpoint sha prefix (at least 4 hex "
+            "characters); pass a save_pretrained folder or a sha from `checkpoints` in the catalog"
+        )
     rows = ws.catalog.query(
         "SELECT c.checkpoint_sha AS sha, c.stage, c.step, a.path FROM checkpoints c "
         "LEFT JOIN artifacts a ON a.kind = 'model' AND a.sha256 = c.checkpoint_sha "
         "WHERE c.checkpoint_sha LIKE ? UNION "
         "SELECT a.sha256, a.stage, NULL, a.path FROM artifacts a WHERE a.kind = 'model' AND a.sha256 LIKE ? "
-        "AND a.sha256 NOT IN (SELECT checkpoint_sha FROM checkpoints)", [prefix + "%", prefix + "%"])
+        "AND a.sha256 NOT IN (SELECT checkpoint_sha FROM checkpoints)",
+        [prefix + "%", prefix + "%"],
+    )
     if not rows:
-        known = ws.catalog.query("SELECT checkpoint_sha, stage, step FROM checkpoints ORDER BY created_at DESC LIMIT 10")
+        known = ws.catalog.query(
+            "SELECT checkpoint_sha, stage, step FROM checkpoints ORDER BY created_at DESC LIMIT 10"
+        )
         listing = "; ".join(f"{r['checkpoint_sha'][:12]} ({r['stage']}, step {r['step']})" for r in known)
-        raise EvalInputError(f"ckpt={spec}: no checkpoint in {ws.root} starts with {prefix!r}"
-                             + (f"; recent ones: {listing}" if listing else " (the catalog has none; run `laminar run`)"))
+        raise EvalInputError(
+            f"ckpt={spec}: no checkpoint in {ws.root} starts with {prefix!r}"
+            + (f"; recent ones: {listing}" if listing else " (the catalog has none; run `laminar run`)")
+        )
     if len({r["sha"] for r in rows}) > 1:
         listing = "; ".join(f"{r['sha'][:16]} ({r['stage']})" for r in rows)
         raise EvalInputError(f"ckpt={spec} is ambiguous: {listing}; give more characters")
     row = rows[0]
     if row["path"] is None:
-        raise EvalInputError(f"checkpoint {row['sha'][:12]} ({row['stage']}) is not in the artifact store; "
-                             "pass ckpt=<its save_pretrained folder>")
+        raise EvalInputError(
+            f"checkpoint {row['sha'][:12]} ({row['stage']}) is not in the artifact store; "
+            "pass ckpt=<its save_pretrained folder>"
+        )
     ref = ws.artifacts.locate(ArtifactRef(MODEL, row["sha"], row["path"]))
     if not ws.artifacts.exists(ref):
-        raise EvalInputError(f"checkpoint {row['sha'][:12]} is missing from the store ({row['path']}); "
-                             "rerun the stage that made it (`laminar run --force STAGE`)")
+        raise EvalInputError(
+            f"checkpoint {row['sha'][:12]} is missing from the store ({row['path']}); "
+            "rerun the stage that made it (`laminar run --force STAGE`)"
+        )
     if is_adapter_dir(ref.path):  # a LoRA checkpoint: its base (the lineage's root model) must be there too
         try:
             base_dir(ref.path)
@@ -101,15 +124,18 @@ def resolve_checkpoint(ws: Workspace, spec: str) -> ArtifactRef:
 
 
 def latest_dataset(ws: Workspace) -> ArtifactRef | None:
-    for row in ws.catalog.query("SELECT sha256, path FROM artifacts WHERE kind = ? ORDER BY created_at DESC",
-                                [DATASET]):
+    for row in ws.catalog.query(
+        "SELECT sha256, path FROM artifacts WHERE kind = ? ORDER BY created_at DESC", [DATASET]
+    ):
         ref = ws.artifacts.locate(ArtifactRef(DATASET, row["sha256"], row["path"]))
         if ws.artifacts.exists(ref):
             return ref
     return None
 
 
-def _inputs(cfg: Config, ws: Workspace, spec: str, say: Callable[[str], None]) -> tuple[Config, dict[str, ArtifactRef]]:
+def _inputs(
+    cfg: Config, ws: Workspace, spec: str, say: Callable[[str], None]
+) -> tuple[Config, dict[str, ArtifactRef]]:
     from evaluation.stages import HELDOUT
 
     inputs = {MODEL: resolve_checkpoint(ws, spec)}
@@ -120,8 +146,10 @@ def _inputs(cfg: Config, ws: Workspace, spec: str, say: Callable[[str], None]) -
         else:
             rest = [b for b in cfg.eval.benchmarks if b != HELDOUT]
             if not rest:
-                raise EvalInputError(f"{HELDOUT} needs a data artifact and {ws.root} has none (run `laminar run` "
-                                     "first), or pick other benchmarks: eval.benchmarks=[gsm8k,math500]")
+                raise EvalInputError(
+                    f"{HELDOUT} needs a data artifact and {ws.root} has none (run `laminar run` "
+                    "first), or pick other benchmarks: eval.benchmarks=[gsm8k,math500]"
+                )
             say(f"laminar: skipping {HELDOUT}: no dataset artifact in {ws.root}")
             cfg = dataclasses.replace(cfg, eval=dataclasses.replace(cfg.eval, benchmarks=rest))
     return cfg, inputs
@@ -129,39 +157,48 @@ def _inputs(cfg: Config, ws: Workspace, spec: str, say: Callable[[str], None]) -
 
 def _cached(ws: Workspace, key: str) -> ArtifactRef | None:
     """The eval artifact of an earlier ``laminar eval`` with this cache key, if it is still in the store."""
-    for row in ws.catalog.query("SELECT outputs_json FROM stage_runs WHERE stage = ? AND cache_key = ? "
-                                "ORDER BY finished_at DESC", [EVAL_STAGE.name, key]):
+    for row in ws.catalog.query(
+        "SELECT outputs_json FROM stage_runs WHERE stage = ? AND cache_key = ? ORDER BY finished_at DESC",
+        [EVAL_STAGE.name, key],
+    ):
         out = json.loads(row["outputs_json"] or "{}")
         if EVAL in out and ws.artifacts.exists(out[EVAL]):
             return ws.artifacts.locate(out[EVAL])
     return None
 
 
-def evaluate(cfg: Config, ws: Workspace, spec: str, run_id: str, command: str,
-             say: Callable[[str], None] = print) -> EvalReport:
+def evaluate(
+    cfg: Config, ws: Workspace, spec: str, run_id: str, command: str, say: Callable[[str], None] = print
+) -> EvalReport:
     """Evaluate checkpoint ``spec`` under run ``run_id``; the caller holds the workspace lock."""
     from generation.model import resolve_device
 
     t0 = time.perf_counter()
-    started = datetime.now(timezone.utc)
+    started = datetime.now(UTC)
     cfg, inputs = _inputs(cfg, ws, spec, say)
     device = resolve_device(cfg.device)
     key = stage_key(EVAL_STAGE, cfg, inputs)
     with ws.catalog.transaction() as con:
-        con.execute("INSERT INTO runs VALUES (?, now(), NULL, 'running', ?, ?, NULL)",
-                    [run_id, command, dumps(dataclasses.asdict(cfg))])
+        con.execute(
+            "INSERT INTO runs VALUES (?, now(), NULL, 'running', ?, ?, NULL)",
+            [run_id, command, dumps(dataclasses.asdict(cfg))],
+        )
     status, error = "failed", None
     try:
         ref = _cached(ws, key.digest)
         if ref is not None:
             with open(ref.file("summary.json")) as f:
                 summary = json.load(f)
-            result = StageResult({EVAL: ref}, eval_metrics(inputs[MODEL].sha256, summary, cfg.eval.n_samples,
-                                                           read_eval_certificates(ref)))
+            result = StageResult(
+                {EVAL: ref},
+                eval_metrics(inputs[MODEL].sha256, summary, cfg.eval.n_samples, read_eval_certificates(ref)),
+            )
             outcome_status = "cached"
         else:
-            say(f"evaluating checkpoint {inputs[MODEL].sha256[:12]} on {', '.join(cfg.eval.benchmarks)} "
-                f"(n={cfg.eval.n_samples})")
+            say(
+                f"evaluating checkpoint {inputs[MODEL].sha256[:12]} on {', '.join(cfg.eval.benchmarks)} "
+                f"(n={cfg.eval.n_samples})"
+            )
             ctx = StageContext(cfg=cfg, store=ws.artifacts, inputs=inputs, device=device, catalog=ws.catalog)
             result = EVAL_STAGE.body(ctx)
             ref = result.artifacts[EVAL]
@@ -170,15 +207,32 @@ def evaluate(cfg: Config, ws: Workspace, spec: str, run_id: str, command: str,
             outcome_status = "ran"
         outcome = StageOutcome(EVAL_STAGE.name, outcome_status, time.perf_counter() - t0, key, result, None)
         record(ws, run_id, EVAL_STAGE, outcome, inputs, started, cfg, device)
-        certificates = {r["benchmark"]: json.loads(r["certificate_json"]) for r in ws.catalog.query(
-            "SELECT DISTINCT benchmark, certificate_json FROM eval_results WHERE checkpoint_sha = ? AND eval_sha = ? "
-            "AND certificate_json IS NOT NULL", [inputs[MODEL].sha256, ref.sha256])}
-        report = EvalReport(run_id, outcome_status, inputs[MODEL], ref, summary, time.perf_counter() - t0,
-                            certificates)
-        write_json_atomic(ws.run_dir(run_id) / "summary.json", {
-            "run_id": run_id, "kind": "eval", "status": outcome_status, "seconds": report.seconds,
-            "checkpoint": ws.artifacts.stored(inputs[MODEL]), "dataset": inputs[DATASET].sha256 if DATASET in inputs else None,
-            "eval": ref.sha256, "cache_key": key.digest, "benchmarks": summary, "certificates": certificates})
+        certificates = {
+            r["benchmark"]: json.loads(r["certificate_json"])
+            for r in ws.catalog.query(
+                "SELECT DISTINCT benchmark, certificate_json FROM eval_results WHERE checkpoint_sha = ? AND eval_sha = ? "
+                "AND certificate_json IS NOT NULL",
+                [inputs[MODEL].sha256, ref.sha256],
+            )
+        }
+        report = EvalReport(
+            run_id, outcome_status, inputs[MODEL], ref, summary, time.perf_counter() - t0, certificates
+        )
+        write_json_atomic(
+            ws.run_dir(run_id) / "summary.json",
+            {
+                "run_id": run_id,
+                "kind": "eval",
+                "status": outcome_status,
+                "seconds": report.seconds,
+                "checkpoint": ws.artifacts.stored(inputs[MODEL]),
+                "dataset": inputs[DATASET].sha256 if DATASET in inputs else None,
+                "eval": ref.sha256,
+                "cache_key": key.digest,
+                "benchmarks": summary,
+                "certificates": certificates,
+            },
+        )
         status = "completed"
         return report
     except BaseException as err:
@@ -194,8 +248,10 @@ def format_eval(report: EvalReport) -> str:
     """The per-benchmark table ``laminar eval`` prints."""
     from evaluation.report import format_eval_table
 
-    head = (f"checkpoint {report.checkpoint.sha256[:12]}  eval {report.eval.sha256[:12]}  {report.status}  "
-            f"{report.seconds:.1f}s  run {report.run_id}")
+    head = (
+        f"checkpoint {report.checkpoint.sha256[:12]}  eval {report.eval.sha256[:12]}  {report.status}  "
+        f"{report.seconds:.1f}s  run {report.run_id}"
+    )
     return head + "\n" + format_eval_table(report.summary) + format_certificates(report.certificates)
 
 
@@ -203,8 +259,13 @@ def format_certificates(certificates: dict) -> str:
     """One line per benchmark: its decontamination certificate (empty when there are none)."""
     if not certificates:
         return ""
-    lines = ["", "decontamination certificate (was the checkpoint's training data checked against this file?):"]
+    lines = [
+        "",
+        "decontamination certificate (was the checkpoint's training data checked against this file?):",
+    ]
     for bench, c in certificates.items():
-        lines.append(f"  {bench:<14} {c['status']:<21} {bench} sha256 {str(c.get('benchmark_sha256'))[:12]}"
-                     + (f"  {c['detail']}" if c.get("detail") else ""))
+        lines.append(
+            f"  {bench:<14} {c['status']:<21} {bench} sha256 {str(c.get('benchmark_sha256'))[:12]}"
+            + (f"  {c['detail']}" if c.get("detail") else "")
+        )
     return "\n".join(lines)

@@ -19,7 +19,9 @@ def parse_export_args(items: list[str]) -> tuple[str, str]:
     for item in items:
         key, sep, value = item.partition("=")
         if not sep or key not in ("ckpt", "out") or not value or key in got:
-            raise EvalInputError(f"export takes ckpt=<checkpoint sha prefix or folder> out=<new folder>, got {item!r}")
+            raise EvalInputError(
+                f"export takes ckpt=<checkpoint sha prefix or folder> out=<new folder>, got {item!r}"
+            )
         got[key] = value
     if set(got) != {"ckpt", "out"}:
         raise EvalInputError("export needs both ckpt=<checkpoint sha prefix or folder> and out=<new folder>")
@@ -37,5 +39,9 @@ def export_checkpoint(ws: Workspace, spec: str, out: str | Path) -> dict:
     ref = resolve_checkpoint(ws, spec)
     adapter = is_adapter_dir(ref.path)
     full_model(ref.path, out)
-    return {"checkpoint": ref.sha256, "adapter": adapter, "out": str(out.resolve()),
-            "base": str(base_dir(ref.path)) if adapter else None}
+    return {
+        "checkpoint": ref.sha256,
+        "adapter": adapter,
+        "out": str(out.resolve()),
+        "base": str(base_dir(ref.path)) if adapter else None,
+    }

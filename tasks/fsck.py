@@ -22,7 +22,7 @@ import os
 import re
 import time
 from dataclasses import dataclass, field
-from datetime import datetime, timezone
+from datetime import datetime, UTC
 from pathlib import Path
 
 from core.artifacts import MANIFEST, hash_tree
@@ -62,7 +62,9 @@ def check_artifact(folder: Path, kind: str, sha: str) -> str | None:
     except (OSError, ValueError) as err:
         return f"manifest unreadable ({type(err).__name__})"
     if not isinstance(manifest, dict) or manifest.get("sha256") != sha or manifest.get("kind") != kind:
-        return "manifest names another artifact" if isinstance(manifest, dict) else "manifest is not an object"
+        return (
+            "manifest names another artifact" if isinstance(manifest, dict) else "manifest is not an object"
+        )
     present = {p.relative_to(folder).as_posix() for p in folder.rglob("*") if p.is_file()} - {MANIFEST}
     listed = set(manifest.get("files") or [])
     if listed - present:
@@ -84,12 +86,18 @@ def _size(folder: Path) -> int:
 
 def _quarantine(ws: Workspace, folder: Path, kind: str, sha: str, reason: str) -> dict:
     """Move ``folder`` out of the store (one rename), then record it."""
-    now = datetime.now(timezone.utc)
+    now = datetime.now(UTC)
     dest = quarantine_root(ws) / kind / f"{sha}-{now.strftime('%Y%m%dT%H%M%S%fZ')}"
     dest.parent.mkdir(parents=True, exist_ok=True)
     os.replace(folder, dest)
-    entry = {"kind": kind, "sha256": sha, "reason": reason, "moved_from": str(folder), "moved_to": str(dest),
-             "quarantined_at": now.isoformat()}
+    entry = {
+        "kind": kind,
+        "sha256": sha,
+        "reason": reason,
+        "moved_from": str(folder),
+        "moved_to": str(dest),
+        "quarantined_at": now.isoformat(),
+    }
     with open(quarantine_root(ws) / "fsck.jsonl", "a") as f:
         f.write(json.dumps(entry, sort_keys=True) + "\n")
     return entry
@@ -101,8 +109,11 @@ def fsck(ws: Workspace) -> FsckResult:
     res = FsckResult()
     root = ws.artifacts.root
     with ws.lock():
-        kinds = sorted(d for d in root.iterdir() if d.is_dir() and not d.name.startswith(".")) \
-            if root.is_dir() else []
+        kinds = (
+            sorted(d for d in root.iterdir() if d.is_dir() and not d.name.startswith("."))
+            if root.is_dir()
+            else []
+        )
         for kind_dir in kinds:
             for folder in sorted(d for d in kind_dir.iterdir() if d.is_dir() and _SHA.match(d.name)):
                 if not (folder / MANIFEST).exists():
@@ -119,23 +130,30 @@ def fsck(ws: Workspace) -> FsckResult:
             with ws.catalog.transaction() as con:
                 con.execute(FSCK_SCHEMA)
                 for q in res.quarantined:
-                    con.execute("INSERT INTO quarantined_artifacts VALUES (?, ?, ?, ?, ?) ON CONFLICT DO NOTHING",
-                                [q["kind"], q["sha256"], q["quarantined_at"], q["reason"], q["moved_to"]])
+                    con.execute(
+                        "INSERT INTO quarantined_artifacts VALUES (?, ?, ?, ?, ?) ON CONFLICT DO NOTHING",
+                        [q["kind"], q["sha256"], q["quarantined_at"], q["reason"], q["moved_to"]],
+                    )
     res.seconds = time.perf_counter() - t0
     return res
 
 
 def format_fsck(ws: Workspace, res: FsckResult) -> tuple[list[str], str]:
     """(one line per quarantined artifact, the one-line summary)."""
-    lines = [f"quarantined {q['kind']}/{q['sha256'][:16]}: {q['reason']} (moved to {q['moved_to']})"
-             for q in res.quarantined]
+    lines = [
+        f"quarantined {q['kind']}/{q['sha256'][:16]}: {q['reason']} (moved to {q['moved_to']})"
+        for q in res.quarantined
+    ]
     extra = f", {len(res.incomplete)} unsealed folders left alone" if res.incomplete else ""
     if res.quarantined:
-        tail = (f"{len(res.quarantined)} QUARANTINED to {quarantine_root(ws)} "
-                "(the stages that made them rerun on the next `laminar run`)")
+        tail = (
+            f"{len(res.quarantined)} QUARANTINED to {quarantine_root(ws)} "
+            "(the stages that made them rerun on the next `laminar run`)"
+        )
     else:
         tail = "none quarantined"
-    summary = (f"fsck: {res.checked} artifacts rehashed ({res.bytes / 1e6:.1f} MB in {res.seconds:.1f} s): "
-               f"{res.intact} intact, {tail}{extra}")
+    summary = (
+        f"fsck: {res.checked} artifacts rehashed ({res.bytes / 1e6:.1f} MB in {res.seconds:.1f} s): "
+        f"{res.intact} intact, {tail}{extra}"
+    )
     return lines, summary
-

@@ -18,12 +18,13 @@ from __future__ import annotations
 import json
 import uuid
 from dataclasses import asdict, is_dataclass
-from datetime import datetime, timezone
+from datetime import datetime, UTC
 from pathlib import Path
-from typing import Any, Mapping
+from typing import Any
+from collections.abc import Mapping
 
 from conf.schema import Config
-from core.artifacts import ArtifactRef, hash_file, hash_tree
+from core.artifacts import hash_file, hash_tree
 from core.catalog import dumps
 from core.workspace import Workspace
 from tasks.cache import _digest, module_closure
@@ -49,6 +50,7 @@ class LineageError(ValueError):
 
 
 # ---- recording -------------------------------------------------------------------------------------
+
 
 def _jsonable(obj: Any) -> Any:
     return asdict(obj) if is_dataclass(obj) else obj
@@ -93,13 +95,22 @@ def record_stage(ws: Workspace, stage_name: str, cfg: Config, outcomes: Mapping[
     verified = _digest(dict(sorted(hashes.items()))) == key.inputs_hash
     with ws.catalog.transaction() as con:
         con.execute(LINEAGE_SCHEMA)
-        con.execute("INSERT INTO stage_lineage VALUES (?, ?, ?, ?, ?, ?, ?) ON CONFLICT DO NOTHING",
-                    [key.digest, stage.name, dumps(_jsonable(stage.config(cfg))),
-                     dumps({k: ws.artifacts.stored(v) for k, v in inputs.items()}), dumps(external),
-                     dumps(source_files(stage.modules)), verified])
+        con.execute(
+            "INSERT INTO stage_lineage VALUES (?, ?, ?, ?, ?, ?, ?) ON CONFLICT DO NOTHING",
+            [
+                key.digest,
+                stage.name,
+                dumps(_jsonable(stage.config(cfg))),
+                dumps({k: ws.artifacts.stored(v) for k, v in inputs.items()}),
+                dumps(external),
+                dumps(source_files(stage.modules)),
+                verified,
+            ],
+        )
 
 
 # ---- reading ---------------------------------------------------------------------------------------
+
 
 def _q(ws: Workspace, sql: str, params=()) -> list[dict]:
     from tasks.operate import query
@@ -113,7 +124,7 @@ def _has_table(ws: Workspace, name: str) -> bool:
 
 def _time(v: Any) -> str | None:
     if isinstance(v, datetime):
-        return (v if v.tzinfo else v.replace(tzinfo=timezone.utc)).isoformat().replace("+00:00", "Z")
+        return (v if v.tzinfo else v.replace(tzinfo=UTC)).isoformat().replace("+00:00", "Z")
     return None
 
 
@@ -124,15 +135,23 @@ def resolve(ws: Workspace, spec: str) -> dict:
         spec = hash_tree(path.resolve())
     prefix = spec.lower()
     if len(prefix) < 4 or any(c not in "0123456789abcdef" for c in prefix):
-        raise LineageError(f"{spec!r} is neither a folder nor an artifact sha prefix (at least 4 hex characters); "
-                           "`laminar runs` lists the checkpoints")
-    rows = _q(ws, "SELECT kind, sha256, path, stage, cache_key FROM artifacts WHERE sha256 LIKE ? "
-                  "ORDER BY kind = 'model' DESC, created_at DESC", [prefix + "%"])
+        raise LineageError(
+            f"{spec!r} is neither a folder nor an artifact sha prefix (at least 4 hex characters); "
+            "`laminar runs` lists the checkpoints"
+        )
+    rows = _q(
+        ws,
+        "SELECT kind, sha256, path, stage, cache_key FROM artifacts WHERE sha256 LIKE ? "
+        "ORDER BY kind = 'model' DESC, created_at DESC",
+        [prefix + "%"],
+    )
     if not rows:
         known = _q(ws, "SELECT checkpoint_sha, stage FROM checkpoints ORDER BY created_at DESC LIMIT 8")
         listing = "; ".join(f"{r['checkpoint_sha'][:12]} ({r['stage']})" for r in known)
-        raise LineageError(f"no artifact in {ws.root} starts with {prefix!r}"
-                           + (f"; checkpoints: {listing}" if listing else " (its catalog has none; run `laminar run`)"))
+        raise LineageError(
+            f"no artifact in {ws.root} starts with {prefix!r}"
+            + (f"; checkpoints: {listing}" if listing else " (its catalog has none; run `laminar run`)")
+        )
     shas = {r["sha256"] for r in rows}
     if len(shas) > 1:
         listing = "; ".join(f"{r['sha256'][:16]} ({r['kind']}, {r['stage']})" for r in rows)
@@ -146,10 +165,19 @@ def _producer(ws: Workspace, kind: str, sha: str, stage: str | None = None) -> d
     """The stage run that made an artifact: a run that ran it (else served it from cache), latest first.
     ``stage``: the stage the reader's input comes from (one artifact can be the output of two stages,
     e.g. a stage that passes its input model through)."""
-    rows = _q(ws, "SELECT s.*, r.prefect_flow_run_id FROM stage_runs s LEFT JOIN runs r USING (run_id) "
-                  "WHERE s.outputs_json LIKE ? ORDER BY s.status = 'ran' DESC, s.finished_at DESC", [f"%{sha}%"])
-    rows = [r for r in rows if any(v["sha256"] == sha and v["kind"] == kind
-                                   for v in json.loads(r["outputs_json"] or "{}").values())]
+    rows = _q(
+        ws,
+        "SELECT s.*, r.prefect_flow_run_id FROM stage_runs s LEFT JOIN runs r USING (run_id) "
+        "WHERE s.outputs_json LIKE ? ORDER BY s.status = 'ran' DESC, s.finished_at DESC",
+        [f"%{sha}%"],
+    )
+    rows = [
+        r
+        for r in rows
+        if any(
+            v["sha256"] == sha and v["kind"] == kind for v in json.loads(r["outputs_json"] or "{}").values()
+        )
+    ]
     preferred = [r for r in rows if r["stage"] == stage]
     return (preferred or rows or [None])[0]
 
@@ -175,36 +203,69 @@ def _node(ws: Workspace, kind: str, sha: str, lineage_ok: bool, stage: str | Non
     prod = _producer(ws, kind, sha, stage)
     if prod is None:
         art = _q(ws, "SELECT stage, cache_key FROM artifacts WHERE kind = ? AND sha256 = ?", [kind, sha])
-        return {"stage": art[0]["stage"] if art else None, "cache_key": art[0]["cache_key"] if art else None,
-                "outputs": {kind: sha}, "inputs": {}, "external": {}, "status": "unknown"}
+        return {
+            "stage": art[0]["stage"] if art else None,
+            "cache_key": art[0]["cache_key"] if art else None,
+            "outputs": {kind: sha},
+            "inputs": {},
+            "external": {},
+            "status": "unknown",
+        }
     key = prod["cache_key"]
-    rec = (_q(ws, "SELECT * FROM stage_lineage WHERE cache_key = ?", [key]) if lineage_ok else [])
+    rec = _q(ws, "SELECT * FROM stage_lineage WHERE cache_key = ?", [key]) if lineage_ok else []
     runs = _q(ws, "SELECT run_id, status FROM stage_runs WHERE cache_key = ? ORDER BY finished_at", [key])
     if rec:
         r = rec[0]
-        inputs = {n: {"kind": v["kind"], "sha256": v["sha256"]} for n, v in json.loads(r["inputs_json"]).items()}
+        inputs = {
+            n: {"kind": v["kind"], "sha256": v["sha256"]} for n, v in json.loads(r["inputs_json"]).items()
+        }
         config, external = json.loads(r["config_json"]), json.loads(r["external_json"])
         sources, verified = json.loads(r["sources_json"]), r["verified"]
     else:
-        edges = _q(ws, "SELECT parent_kind, parent_sha FROM artifact_edges WHERE child_sha = ? AND cache_key = ? "
-                       "ORDER BY parent_kind", [sha, key])
+        edges = _q(
+            ws,
+            "SELECT parent_kind, parent_sha FROM artifact_edges WHERE child_sha = ? AND cache_key = ? "
+            "ORDER BY parent_kind",
+            [sha, key],
+        )
         stage = STAGE_BY_NAME.get(prod["stage"])
         names = {o: n for n, (_, o) in stage.inputs.items()} if stage else {}
-        inputs = {names.get(e["parent_kind"], e["parent_kind"]): {"kind": e["parent_kind"], "sha256": e["parent_sha"]}
-                  for e in edges}
-        config, external, sources, verified = (_stage_config_fallback(prod["stage"], _run_config(ws, prod["run_id"])),
-                                                {}, {}, None)
+        inputs = {
+            names.get(e["parent_kind"], e["parent_kind"]): {
+                "kind": e["parent_kind"],
+                "sha256": e["parent_sha"],
+            }
+            for e in edges
+        }
+        config, external, sources, verified = (
+            _stage_config_fallback(prod["stage"], _run_config(ws, prod["run_id"])),
+            {},
+            {},
+            None,
+        )
     metrics = json.loads(prod["metrics_json"] or "{}")
     return {
-        "stage": prod["stage"], "cache_key": key, "config_hash": prod["config_hash"],
-        "inputs_hash": prod["inputs_hash"], "source_hash": prod["source_hash"], "seed": prod["seed"],
-        "config": config, "inputs": inputs, "external": external, "source_files": sources,
+        "stage": prod["stage"],
+        "cache_key": key,
+        "config_hash": prod["config_hash"],
+        "inputs_hash": prod["inputs_hash"],
+        "source_hash": prod["source_hash"],
+        "seed": prod["seed"],
+        "config": config,
+        "inputs": inputs,
+        "external": external,
+        "source_files": sources,
         "inputs_verified": verified,
         "outputs": {n: v["sha256"] for n, v in json.loads(prod["outputs_json"] or "{}").items()},
-        "metrics": metrics, "headline": stage_headline(prod["stage"], metrics),
-        "run_id": prod["run_id"], "status": prod["status"], "prefect_task_run_id": prod["prefect_task_run_id"],
+        "metrics": metrics,
+        "headline": stage_headline(prod["stage"], metrics),
+        "run_id": prod["run_id"],
+        "status": prod["status"],
+        "prefect_task_run_id": prod["prefect_task_run_id"],
         "prefect_flow_run_id": prod["prefect_flow_run_id"],
-        "started_at": _time(prod["started_at"]), "finished_at": _time(prod["finished_at"]), "seconds": prod["seconds"],
+        "started_at": _time(prod["started_at"]),
+        "finished_at": _time(prod["finished_at"]),
+        "seconds": prod["seconds"],
         "runs": [{"run_id": x["run_id"], "status": x["status"]} for x in runs],
     }
 
@@ -227,8 +288,12 @@ def lineage(ws: Workspace, spec: str, prompts: bool = False) -> dict:
             return key
         seen[key] = node
         spec = STAGE_BY_NAME.get(node["stage"] or "")
-        node["upstream"] = {name: visit(v["kind"], v["sha256"], spec.inputs[name][0] if spec and name in spec.inputs
-                                        else None) for name, v in node["inputs"].items()}
+        node["upstream"] = {
+            name: visit(
+                v["kind"], v["sha256"], spec.inputs[name][0] if spec and name in spec.inputs else None
+            )
+            for name, v in node["inputs"].items()
+        }
         stages.append(node)
         return key
 
@@ -242,33 +307,61 @@ def lineage(ws: Workspace, spec: str, prompts: bool = False) -> dict:
         for sha in node["outputs"].values():
             rows = _q(ws, "SELECT kind, sha256, path, meta_json FROM artifacts WHERE sha256 = ?", [sha])
             if rows:
-                arts[sha] = {"kind": rows[0]["kind"], "sha256": sha,
-                             "path": ws.artifacts.locate_path(rows[0]["kind"], sha, rows[0]["path"]),
-                             "meta": json.loads(rows[0]["meta_json"] or "{}"), "stage": node["stage"]}
+                arts[sha] = {
+                    "kind": rows[0]["kind"],
+                    "sha256": sha,
+                    "path": ws.artifacts.locate_path(rows[0]["kind"], sha, rows[0]["path"]),
+                    "meta": json.loads(rows[0]["meta_json"] or "{}"),
+                    "stage": node["stage"],
+                }
     roots = []
     for node in stages:
         if not node["inputs"]:
             for name, sha in node["outputs"].items():
-                roots.append({"stage": node["stage"], "artifact": name, "sha256": sha,
-                              "made_from": "its config and seed" if not node["external"] else "external inputs"})
+                roots.append(
+                    {
+                        "stage": node["stage"],
+                        "artifact": name,
+                        "sha256": sha,
+                        "made_from": "its config and seed" if not node["external"] else "external inputs",
+                    }
+                )
         for name, h in node["external"].items():
             roots.append({"stage": node["stage"], "external": name, "sha256": h})
 
-    ckpt = _q(ws, "SELECT checkpoint_sha, stage, step, base_sha FROM checkpoints WHERE checkpoint_sha = ?",
-              [target["sha256"]])
+    ckpt = _q(
+        ws,
+        "SELECT checkpoint_sha, stage, step, base_sha FROM checkpoints WHERE checkpoint_sha = ?",
+        [target["sha256"]],
+    )
     base = _base_model(seen, seen[made_by[target["sha256"]]], target)
     result = {
         "workspace": str(ws.root),
-        "artifact": {"kind": target["kind"], "sha256": target["sha256"], "path": target["path"],
-                     "stage": seen[made_by[target["sha256"]]]["stage"]},
-        "checkpoint": ({"sha256": ckpt[0]["checkpoint_sha"], "stage": ckpt[0]["stage"], "step": ckpt[0]["step"],
-                        "base_sha": ckpt[0]["base_sha"]} if ckpt else None),
+        "artifact": {
+            "kind": target["kind"],
+            "sha256": target["sha256"],
+            "path": target["path"],
+            "stage": seen[made_by[target["sha256"]]]["stage"],
+        },
+        "checkpoint": (
+            {
+                "sha256": ckpt[0]["checkpoint_sha"],
+                "stage": ckpt[0]["stage"],
+                "step": ckpt[0]["step"],
+                "base_sha": ckpt[0]["base_sha"],
+            }
+            if ckpt
+            else None
+        ),
         "base_model": base,
         "stages": stages,
         "artifacts": arts,
         "sources": roots,
-        "curation": [{"stage": n["stage"], "config": n["config"], "metrics": n["metrics"], "headline": n["headline"]}
-                     for n in stages if _is_curation(n["stage"])],
+        "curation": [
+            {"stage": n["stage"], "config": n["config"], "metrics": n["metrics"], "headline": n["headline"]}
+            for n in stages
+            if _is_curation(n["stage"])
+        ],
         "evaluations": _evaluations(ws, target["sha256"]) if target["kind"] == MODEL else [],
     }
     if prompts:
@@ -291,27 +384,53 @@ def _base_model(seen: dict[str, dict], node: dict, target: dict) -> dict | None:
         if name is None:
             break
         sha, node = node["inputs"][name]["sha256"], seen[node["upstream_keys"][name]]
-    return {"sha256": sha, "stage": node["stage"], "config": node["config"], "metrics": node["metrics"],
-            "external": node["external"]}
+    return {
+        "sha256": sha,
+        "stage": node["stage"],
+        "config": node["config"],
+        "metrics": node["metrics"],
+        "external": node["external"],
+    }
 
 
 def _evaluations(ws: Workspace, sha: str) -> list[dict]:
-    has_cert = bool(_q(ws, "SELECT 1 FROM information_schema.columns WHERE table_name = 'eval_results' "
-                           "AND column_name = 'certificate_json'"))
+    has_cert = bool(
+        _q(
+            ws,
+            "SELECT 1 FROM information_schema.columns WHERE table_name = 'eval_results' "
+            "AND column_name = 'certificate_json'",
+        )
+    )
     cert = "any_value(e.certificate_json)" if has_cert else "NULL"
-    rows = _q(ws, "SELECT e.eval_sha, e.benchmark, count(DISTINCT e.problem_id) AS problems, count(*) AS samples, "
-                  "avg(CAST(e.correct AS DOUBLE)) AS accuracy, avg(e.length) AS mean_length, "
-                  f"avg(CAST(e.truncated AS DOUBLE)) AS truncation_rate, {cert} AS certificate FROM eval_results e "
-                  "WHERE e.checkpoint_sha = ? GROUP BY e.eval_sha, e.benchmark ORDER BY e.eval_sha, e.benchmark", [sha])
+    rows = _q(
+        ws,
+        "SELECT e.eval_sha, e.benchmark, count(DISTINCT e.problem_id) AS problems, count(*) AS samples, "
+        "avg(CAST(e.correct AS DOUBLE)) AS accuracy, avg(e.length) AS mean_length, "
+        f"avg(CAST(e.truncated AS DOUBLE)) AS truncation_rate, {cert} AS certificate FROM eval_results e "
+        "WHERE e.checkpoint_sha = ? GROUP BY e.eval_sha, e.benchmark ORDER BY e.eval_sha, e.benchmark",
+        [sha],
+    )
     out = []
     for r in rows:
-        runs = _q(ws, "SELECT run_id, stage, status FROM stage_runs WHERE outputs_json LIKE ? AND metrics_json LIKE ? "
-                      "ORDER BY finished_at", [f"%{r['eval_sha']}%", f"%{sha}%"])
-        out.append({"eval": r["eval_sha"], "benchmark": r["benchmark"], "problems": r["problems"],
-                    "samples": r["samples"], "accuracy": r["accuracy"], "mean_length": r["mean_length"],
-                    "truncation_rate": r["truncation_rate"],
-                    "certificate": json.loads(r["certificate"]) if r["certificate"] else None,
-                    "by": [{"run_id": x["run_id"], "stage": x["stage"], "status": x["status"]} for x in runs]})
+        runs = _q(
+            ws,
+            "SELECT run_id, stage, status FROM stage_runs WHERE outputs_json LIKE ? AND metrics_json LIKE ? "
+            "ORDER BY finished_at",
+            [f"%{r['eval_sha']}%", f"%{sha}%"],
+        )
+        out.append(
+            {
+                "eval": r["eval_sha"],
+                "benchmark": r["benchmark"],
+                "problems": r["problems"],
+                "samples": r["samples"],
+                "accuracy": r["accuracy"],
+                "mean_length": r["mean_length"],
+                "truncation_rate": r["truncation_rate"],
+                "certificate": json.loads(r["certificate"]) if r["certificate"] else None,
+                "by": [{"run_id": x["run_id"], "stage": x["stage"], "status": x["status"]} for x in runs],
+            }
+        )
     return out
 
 
@@ -320,28 +439,55 @@ def _prompts(ws: Workspace, stages: list[dict], target: dict) -> dict:
     datasets = sorted({v["sha256"] for n in stages for v in n["inputs"].values() if v["kind"] != MODEL})
     models = [sha for n in stages for sha in n["outputs"].values()]
     per: dict[str, list[dict]] = {}
-    join = ("LEFT JOIN (SELECT prompt_id, any_value(problem) AS problem, any_value(level) AS level, "
-            "any_value(split) AS split FROM prompts WHERE artifact_sha IN (" + ", ".join("?" * len(datasets))
-            + ") GROUP BY prompt_id) p USING (prompt_id) ") if datasets else ""
+    join = (
+        (
+            "LEFT JOIN (SELECT prompt_id, any_value(problem) AS problem, any_value(level) AS level, "
+            "any_value(split) AS split FROM prompts WHERE artifact_sha IN ("
+            + ", ".join("?" * len(datasets))
+            + ") GROUP BY prompt_id) p USING (prompt_id) "
+        )
+        if datasets
+        else ""
+    )
     cols = "p.problem, p.level, p.split" if datasets else "NULL AS problem, NULL AS level, NULL AS split"
     for sha in models:
-        rows = _q(ws, f"SELECT c.prompt_id, c.n_trajectories, {cols} FROM consumed_prompts c {join}"
-                      "WHERE c.checkpoint_sha = ? ORDER BY c.prompt_id", [*datasets, sha])
+        rows = _q(
+            ws,
+            f"SELECT c.prompt_id, c.n_trajectories, {cols} FROM consumed_prompts c {join}"
+            "WHERE c.checkpoint_sha = ? ORDER BY c.prompt_id",
+            [*datasets, sha],
+        )
         if rows:
-            per[sha] = [{"prompt_id": r["prompt_id"], "n": r["n_trajectories"], "problem": r["problem"],
-                         "level": r["level"], "split": r["split"]} for r in rows]
+            per[sha] = [
+                {
+                    "prompt_id": r["prompt_id"],
+                    "n": r["n_trajectories"],
+                    "problem": r["problem"],
+                    "level": r["level"],
+                    "split": r["split"],
+                }
+                for r in rows
+            ]
     own = per.get(target["sha256"], [])
-    return {"checkpoint": target["sha256"], "trajectories": sum(p["n"] for p in own), "distinct": len(own),
-            "prompts": own,
-            "upstream": {sha: {"trajectories": sum(p["n"] for p in v), "prompts": v}
-                         for sha, v in per.items() if sha != target["sha256"]}}
+    return {
+        "checkpoint": target["sha256"],
+        "trajectories": sum(p["n"] for p in own),
+        "distinct": len(own),
+        "prompts": own,
+        "upstream": {
+            sha: {"trajectories": sum(p["n"] for p in v), "prompts": v}
+            for sha, v in per.items()
+            if sha != target["sha256"]
+        },
+    }
 
 
 # ---- text --------------------------------------------------------------------------------------------
 
+
 def _short(obj: Any, width: int = 100) -> str:
     text = json.dumps(obj, sort_keys=True, default=str)
-    return text if len(text) <= width else text[:width - 3] + "..."
+    return text if len(text) <= width else text[: width - 3] + "..."
 
 
 def format_lineage(lin: dict) -> str:
@@ -356,24 +502,40 @@ def format_lineage(lin: dict) -> str:
     adapter = Path(a["path"]) / "adapter_config.json"
     if a["kind"] == "model" and adapter.is_file():  # a LoRA checkpoint: its own artifact on top of a base
         conf = json.loads(adapter.read_text())
-        lines.append(f"  LoRA adapter (rank {conf.get('r')}, alpha {conf.get('lora_alpha')}) on base "
-                     f"{str(conf.get('base_model_name_or_path'))[:16]}")
+        lines.append(
+            f"  LoRA adapter (rank {conf.get('r')}, alpha {conf.get('lora_alpha')}) on base "
+            f"{str(conf.get('base_model_name_or_path'))[:16]}"
+        )
     lines += ["", f"stages ({len(lin['stages'])}, upstream first):"]
     for n in lin["stages"]:
         lines.append(f"  {n['stage']}")
-        lines.append(f"    ran {n.get('started_at') or '?'} in run {n.get('run_id') or '?'}"
-                     f"  ({len(n.get('runs', []))} runs used this key)")
-        lines.append(f"    prefect task run {n.get('prefect_task_run_id') or '-'}  flow run "
-                     f"{n.get('prefect_flow_run_id') or '-'}")
+        lines.append(
+            f"    ran {n.get('started_at') or '?'} in run {n.get('run_id') or '?'}"
+            f"  ({len(n.get('runs', []))} runs used this key)"
+        )
+        lines.append(
+            f"    prefect task run {n.get('prefect_task_run_id') or '-'}  flow run "
+            f"{n.get('prefect_flow_run_id') or '-'}"
+        )
         lines.append(f"    cache key {n['cache_key']}")
         lines.append(f"    config {_short(n.get('config'))}")
         src = n.get("source_files") or {}
-        lines.append(f"    source fingerprint {n.get('source_hash') or '?'} ({len(src)} files"
-                     + (": " + ", ".join(f"{v['path']} {v['sha256'][:12]}" for v in list(src.values())[:4])
-                        + (" ..." if len(src) > 4 else "") if src else "") + ")")
-        lines.append(f"    seed {n.get('seed')}  config hash {str(n.get('config_hash'))[:16]}  inputs hash "
-                     f"{str(n.get('inputs_hash'))[:16]}"
-                     + ("" if n.get("inputs_verified") in (None, True) else "  (inputs differ from the key's hash!)"))
+        lines.append(
+            f"    source fingerprint {n.get('source_hash') or '?'} ({len(src)} files"
+            + (
+                ": "
+                + ", ".join(f"{v['path']} {v['sha256'][:12]}" for v in list(src.values())[:4])
+                + (" ..." if len(src) > 4 else "")
+                if src
+                else ""
+            )
+            + ")"
+        )
+        lines.append(
+            f"    seed {n.get('seed')}  config hash {str(n.get('config_hash'))[:16]}  inputs hash "
+            f"{str(n.get('inputs_hash'))[:16]}"
+            + ("" if n.get("inputs_verified") in (None, True) else "  (inputs differ from the key's hash!)")
+        )
         for name, v in n["inputs"].items():
             up = n.get("upstream_stages", {}).get(name, "?")
             lines.append(f"    input {name}: {v['kind']} {v['sha256'][:16]} (from {up})")
@@ -397,27 +559,37 @@ def format_lineage(lin: dict) -> str:
     lines += ["", "evaluations:"]
     for e in lin["evaluations"]:
         by = ", ".join(f"{x['stage']} in {x['run_id']}" for x in e["by"][:3])
-        lines.append(f"  {e['benchmark']:<14} acc {e['accuracy']:.3f}  {e['problems']} problems, {e['samples']} samples"
-                     f"  eval {e['eval'][:12]}" + (f"  ({by})" if by else ""))
+        lines.append(
+            f"  {e['benchmark']:<14} acc {e['accuracy']:.3f}  {e['problems']} problems, {e['samples']} samples"
+            f"  eval {e['eval'][:12]}" + (f"  ({by})" if by else "")
+        )
         c = e.get("certificate")
         if c:
-            lines.append(f"    decontamination: {c['status']} against {e['benchmark']} sha256 "
-                         f"{str(c.get('benchmark_sha256'))[:12]}" + (f"; {c['detail']}" if c.get("detail") else "")
-                         + (f"; rules {', '.join(c['rules'])}" if c.get("rules") else ""))
+            lines.append(
+                f"    decontamination: {c['status']} against {e['benchmark']} sha256 "
+                f"{str(c.get('benchmark_sha256'))[:12]}"
+                + (f"; {c['detail']}" if c.get("detail") else "")
+                + (f"; rules {', '.join(c['rules'])}" if c.get("rules") else "")
+            )
     if not lin["evaluations"]:
         lines.append("  (none; `laminar eval ckpt=...` evaluates it)")
     if "prompts" in lin:
         p = lin["prompts"]
         lines += ["", f"prompts trained on: {p['distinct']} prompts, {p['trajectories']} trajectories"]
         for r in p["prompts"]:
-            lines.append(f"  {r['prompt_id']:<24} x{r['n']:<4} level {r['level'] if r['level'] is not None else '-'}"
-                         f"  {(r['problem'] or '')[:60]!r}")
+            lines.append(
+                f"  {r['prompt_id']:<24} x{r['n']:<4} level {r['level'] if r['level'] is not None else '-'}"
+                f"  {(r['problem'] or '')[:60]!r}"
+            )
         for sha, u in p["upstream"].items():
-            lines.append(f"  upstream checkpoint {sha[:12]}: {len(u['prompts'])} prompts, {u['trajectories']} trajectories")
+            lines.append(
+                f"  upstream checkpoint {sha[:12]}: {len(u['prompts'])} prompts, {u['trajectories']} trajectories"
+            )
     return "\n".join(lines)
 
 
 # ---- OpenLineage -----------------------------------------------------------------------------------
+
 
 def _uuid(value: str | None, fallback: str) -> str:
     try:
@@ -433,13 +605,26 @@ def _facet(schema: str, **fields) -> dict:
 def _dataset(lin: dict, kind: str, sha: str) -> dict:
     art = lin["artifacts"].get(sha)
     path = art["path"] if art else str(Path(lin["workspace"]) / "artifacts" / kind / sha)
-    return {"namespace": "file", "name": path, "facets": {
-        "version": _facet("https://openlineage.io/spec/facets/1-0-1/DatasetVersionDatasetFacet.json"
-                          "#/$defs/DatasetVersionDatasetFacet", datasetVersion=sha),
-        "dataSource": _facet("https://openlineage.io/spec/facets/1-0-1/DatasourceDatasetFacet.json"
-                             "#/$defs/DatasourceDatasetFacet", name=f"laminar-{kind}", uri=f"file://{path}"),
-        "laminar_artifact": _facet(f"{PRODUCER}/blob/main/docs/openlineage.json#/$defs/ArtifactFacet",
-                                   kind=kind, sha256=sha)}}
+    return {
+        "namespace": "file",
+        "name": path,
+        "facets": {
+            "version": _facet(
+                "https://openlineage.io/spec/facets/1-0-1/DatasetVersionDatasetFacet.json"
+                "#/$defs/DatasetVersionDatasetFacet",
+                datasetVersion=sha,
+            ),
+            "dataSource": _facet(
+                "https://openlineage.io/spec/facets/1-0-1/DatasourceDatasetFacet.json"
+                "#/$defs/DatasourceDatasetFacet",
+                name=f"laminar-{kind}",
+                uri=f"file://{path}",
+            ),
+            "laminar_artifact": _facet(
+                f"{PRODUCER}/blob/main/docs/openlineage.json#/$defs/ArtifactFacet", kind=kind, sha256=sha
+            ),
+        },
+    }
 
 
 def openlineage_events(lin: dict) -> list[dict]:
@@ -447,39 +632,77 @@ def openlineage_events(lin: dict) -> list[dict]:
     events = []
     for n in lin["stages"]:
         run_facets = {
-            "laminar_stage": _facet(f"{PRODUCER}/blob/main/docs/openlineage.json#/$defs/StageRunFacet",
-                                    cacheKey=n["cache_key"], configHash=n.get("config_hash"),
-                                    inputsHash=n.get("inputs_hash"), sourceHash=n.get("source_hash"),
-                                    seed=n.get("seed"), config=n.get("config"), metrics=n.get("metrics"),
-                                    status=n.get("status"), laminarRunId=n.get("run_id"),
-                                    prefectTaskRunId=n.get("prefect_task_run_id"),
-                                    sourceFiles=n.get("source_files"), external=n.get("external")),
-            "processing_engine": _facet("https://openlineage.io/spec/facets/1-1-1/ProcessingEngineRunFacet.json"
-                                        "#/$defs/ProcessingEngineRunFacet", version=_prefect_version(),
-                                        name="prefect", openlineageAdapterVersion="laminar"),
+            "laminar_stage": _facet(
+                f"{PRODUCER}/blob/main/docs/openlineage.json#/$defs/StageRunFacet",
+                cacheKey=n["cache_key"],
+                configHash=n.get("config_hash"),
+                inputsHash=n.get("inputs_hash"),
+                sourceHash=n.get("source_hash"),
+                seed=n.get("seed"),
+                config=n.get("config"),
+                metrics=n.get("metrics"),
+                status=n.get("status"),
+                laminarRunId=n.get("run_id"),
+                prefectTaskRunId=n.get("prefect_task_run_id"),
+                sourceFiles=n.get("source_files"),
+                external=n.get("external"),
+            ),
+            "processing_engine": _facet(
+                "https://openlineage.io/spec/facets/1-1-1/ProcessingEngineRunFacet.json"
+                "#/$defs/ProcessingEngineRunFacet",
+                version=_prefect_version(),
+                name="prefect",
+                openlineageAdapterVersion="laminar",
+            ),
         }
         if n.get("run_id"):
             run_facets["parent"] = _facet(
                 "https://openlineage.io/spec/facets/1-1-0/ParentRunFacet.json#/$defs/ParentRunFacet",
                 run={"runId": _uuid(n.get("prefect_flow_run_id"), n["run_id"])},
-                job={"namespace": NAMESPACE, "name": "laminar-pipeline"})
+                job={"namespace": NAMESPACE, "name": "laminar-pipeline"},
+            )
         inputs = [_dataset(lin, v["kind"], v["sha256"]) for v in n["inputs"].values()]
-        inputs += [{"namespace": f"{NAMESPACE}-external", "name": name, "facets": {
-            "version": _facet("https://openlineage.io/spec/facets/1-0-1/DatasetVersionDatasetFacet.json"
-                              "#/$defs/DatasetVersionDatasetFacet", datasetVersion=h)}}
-                   for name, h in n.get("external", {}).items()]
-        outputs = [_dataset(lin, lin["artifacts"].get(sha, {}).get("kind", name), sha)
-                   for name, sha in n["outputs"].items()]
-        events.append({
-            "eventType": "COMPLETE",
-            "eventTime": n.get("finished_at") or datetime.now(timezone.utc).isoformat().replace("+00:00", "Z"),
-            "producer": PRODUCER, "schemaURL": OPENLINEAGE_SCHEMA,
-            "run": {"runId": _uuid(n.get("prefect_task_run_id"), n["cache_key"]), "facets": run_facets},
-            "job": {"namespace": NAMESPACE, "name": n["stage"] or "unknown", "facets": {
-                "jobType": _facet("https://openlineage.io/spec/facets/2-0-3/JobTypeJobFacet.json#/$defs/JobTypeJobFacet",
-                                  processingType="BATCH", integration="LAMINAR", jobType="STAGE")}},
-            "inputs": inputs, "outputs": outputs,
-        })
+        inputs += [
+            {
+                "namespace": f"{NAMESPACE}-external",
+                "name": name,
+                "facets": {
+                    "version": _facet(
+                        "https://openlineage.io/spec/facets/1-0-1/DatasetVersionDatasetFacet.json"
+                        "#/$defs/DatasetVersionDatasetFacet",
+                        datasetVersion=h,
+                    )
+                },
+            }
+            for name, h in n.get("external", {}).items()
+        ]
+        outputs = [
+            _dataset(lin, lin["artifacts"].get(sha, {}).get("kind", name), sha)
+            for name, sha in n["outputs"].items()
+        ]
+        events.append(
+            {
+                "eventType": "COMPLETE",
+                "eventTime": n.get("finished_at") or datetime.now(UTC).isoformat().replace("+00:00", "Z"),
+                "producer": PRODUCER,
+                "schemaURL": OPENLINEAGE_SCHEMA,
+                "run": {"runId": _uuid(n.get("prefect_task_run_id"), n["cache_key"]), "facets": run_facets},
+                "job": {
+                    "namespace": NAMESPACE,
+                    "name": n["stage"] or "unknown",
+                    "facets": {
+                        "jobType": _facet(
+                            "https://openlineage.io/spec/facets/2-0-3/JobTypeJobFacet.json#/$defs/JobTypeJobFacet",
+                            processingType="BATCH",
+                            integration="LAMINAR",
+                            jobType="STAGE",
+                        )
+                    },
+                },
+                "inputs": inputs,
+                "outputs": outputs,
+            }
+        )
     return events
 
 

@@ -21,8 +21,9 @@ import sys
 import time
 import uuid
 from dataclasses import dataclass
-from datetime import datetime, timezone
-from typing import Any, Callable, Iterable, Sequence
+from datetime import datetime, UTC
+from typing import Any
+from collections.abc import Callable, Iterable, Sequence
 
 from conf.schema import Config
 from core.catalog import dumps
@@ -34,6 +35,7 @@ INTERRUPTED = "interrupted"
 
 # ---- the DAG, generically ------------------------------------------------------------------------
 
+
 class UnknownStage(ValueError):
     pass
 
@@ -42,7 +44,9 @@ def check_stages(names: Iterable[str]) -> list[str]:
     names = list(names)
     unknown = [n for n in names if n not in STAGE_BY_NAME]
     if unknown:
-        raise UnknownStage(f"unknown stage {', '.join(unknown)}; stages are {', '.join(s.name for s in STAGES)}")
+        raise UnknownStage(
+            f"unknown stage {', '.join(unknown)}; stages are {', '.join(s.name for s in STAGES)}"
+        )
     return names
 
 
@@ -102,6 +106,7 @@ def select(until: str | None = None, force: Sequence[str] = (), rerun: str | Non
 
 # ---- one run under the workspace lock -----------------------------------------------------------
 
+
 def load_checked(overrides: Sequence[str]) -> Config:
     """The config of ``overrides``, validated by the schema and by ``tasks.preflight`` (raises ConfigError)."""
     from conf.loader import load_config
@@ -113,7 +118,7 @@ def load_checked(overrides: Sequence[str]) -> Config:
 
 
 def new_run_id(prefix: str = "") -> str:
-    return prefix + datetime.now(timezone.utc).strftime("%Y%m%d-%H%M%S-") + uuid.uuid4().hex[:6]
+    return prefix + datetime.now(UTC).strftime("%Y%m%d-%H%M%S-") + uuid.uuid4().hex[:6]
 
 
 def command_line() -> str:
@@ -217,9 +222,18 @@ class RunResult:
     summary: dict
 
 
-def run_pipeline(cfg: Config, ws: Workspace, pipeline: Callable[..., list], *, overrides: Sequence[str],
-                 selection: Selection, command: str, flow_run_id: str | None = None,
-                 say: Callable[[str], None] = print, warn: Callable[[str], None] | None = None) -> RunResult:
+def run_pipeline(
+    cfg: Config,
+    ws: Workspace,
+    pipeline: Callable[..., list],
+    *,
+    overrides: Sequence[str],
+    selection: Selection,
+    command: str,
+    flow_run_id: str | None = None,
+    say: Callable[[str], None] = print,
+    warn: Callable[[str], None] | None = None,
+) -> RunResult:
     """One pipeline run: lock, runs row, ``pipeline(...)`` (the Prefect flow), summary, final status.
 
     Raises ``core.workspace.WorkspaceBusy`` at once, before writing anything, when another laminar
@@ -236,20 +250,31 @@ def run_pipeline(cfg: Config, ws: Workspace, pipeline: Callable[..., list], *, o
         handler = _run_logging(ws, run_id)
         t0 = time.perf_counter()
         with ws.catalog.transaction() as con:
-            con.execute("INSERT INTO runs VALUES (?, now(), NULL, 'running', ?, ?, ?)",
-                        [run_id, command, dumps(to_dict(cfg)), flow_run_id])
+            con.execute(
+                "INSERT INTO runs VALUES (?, now(), NULL, 'running', ?, ?, ?)",
+                [run_id, command, dumps(to_dict(cfg)), flow_run_id],
+            )
         status, error = "failed", None
         _one_line_in_prefect_logs()
         from tasks import tracking
 
         n = len(selection.stages) if selection.stages is not None else len(STAGES)
-        say(f"laminar: run {run_id}: {n} stages, each runs or comes from cache (when any must run, "
-            "Prefect's local server starts first: ~15 s)")
+        say(
+            f"laminar: run {run_id}: {n} stages, each runs or comes from cache (when any must run, "
+            "Prefect's local server starts first: ~15 s)"
+        )
         tracker = tracking.start_run(cfg, ws, run_id, command)
         try:
-            outcomes = pipeline(overrides=list(overrides), workspace=str(ws.root), run_id=run_id,
-                                force=list(selection.force), stages=selection.stages)
-            summary = build_summary(run_id, outcomes, time.perf_counter() - t0, catalog_metrics(cfg, ws, outcomes))
+            outcomes = pipeline(
+                overrides=list(overrides),
+                workspace=str(ws.root),
+                run_id=run_id,
+                force=list(selection.force),
+                stages=selection.stages,
+            )
+            summary = build_summary(
+                run_id, outcomes, time.perf_counter() - t0, catalog_metrics(cfg, ws, outcomes)
+            )
             tracker.log_metrics("summary", {"seconds": summary["seconds"], **summary["metrics"]})
             write_json_atomic(ws.run_dir(run_id) / "summary.json", summary)
             say(format_table(summary))
@@ -304,8 +329,11 @@ def finish_run(ws: Workspace, run_id: str, status: str, error: BaseException | N
         with ws.catalog.transaction() as con:
             con.execute("UPDATE runs SET finished_at = now(), status = ? WHERE run_id = ?", [status, run_id])
     except Exception as close_err:  # noqa: BLE001 - reported on the error that matters
-        detail = f"{type(close_err).__name__}: {close_err}" if type(close_err) is not type(error) \
+        detail = (
+            f"{type(close_err).__name__}: {close_err}"
+            if type(close_err) is not type(error)
             else f"{type(close_err).__name__}, as above"
+        )
         note = f"laminar: also, run {run_id} could not be recorded as {status} in the catalog ({detail})"
         if error is None:
             raise RunRecordError(note.removeprefix("laminar: also, ")) from close_err
@@ -317,11 +345,14 @@ def record_flow_run(ws: Workspace, run_id: str, flow_run_id: str | None) -> None
     """The Prefect flow run of a laminar run, unless an outer (scheduled) flow run is recorded already."""
     if flow_run_id:
         with ws.catalog.transaction() as con:
-            con.execute("UPDATE runs SET prefect_flow_run_id = coalesce(prefect_flow_run_id, ?) WHERE run_id = ?",
-                        [str(flow_run_id), run_id])
+            con.execute(
+                "UPDATE runs SET prefect_flow_run_id = coalesce(prefect_flow_run_id, ?) WHERE run_id = ?",
+                [str(flow_run_id), run_id],
+            )
 
 
 # ---- reading the catalog while a run may be writing it ------------------------------------------
+
 
 def query(ws: Workspace, sql: str, params: Sequence[Any] = ()) -> list[dict]:
     """``Catalog.query``: it waits (bounded) while a running pipeline holds DuckDB's lock for a write,
@@ -340,7 +371,9 @@ def workspace_busy(ws: Workspace) -> bool:
     dev = f"{os.major(st.st_dev):02x}:{os.minor(st.st_dev):02x}:{st.st_ino}"
     try:
         with open("/proc/locks") as f:
-            return any(line.split()[1] == "FLOCK" and line.split()[5] == dev for line in f if len(line.split()) > 5)
+            return any(
+                line.split()[1] == "FLOCK" and line.split()[5] == dev for line in f if len(line.split()) > 5
+            )
     except OSError:
         pass
     try:
@@ -355,6 +388,7 @@ def workspace_busy(ws: Workspace) -> bool:
 
 # ---- laminar runs ---------------------------------------------------------------------------------
 
+
 def _iso(v: Any) -> str | None:
     return v.isoformat(sep=" ", timespec="seconds") if isinstance(v, datetime) else (str(v) if v else None)
 
@@ -363,48 +397,95 @@ def list_runs(ws: Workspace, limit: int | None = None) -> dict:
     """Every run (newest first) with its stages' headline metrics and the checkpoints it made or used,
     and every checkpoint with the accuracy of its evaluations."""
     busy = workspace_busy(ws)
-    runs = query(ws, "SELECT run_id, started_at, finished_at, status, command, prefect_flow_run_id FROM runs "
-                     "ORDER BY started_at DESC" + (f" LIMIT {int(limit)}" if limit else ""))
-    stage_rows = query(ws, "SELECT run_id, stage, status, cache_key, seconds, prefect_task_run_id, outputs_json, "
-                           "metrics_json FROM stage_runs ORDER BY started_at")
-    ckpts = query(ws, "SELECT checkpoint_sha, stage, step, base_sha, cache_key, created_at FROM checkpoints "
-                      "ORDER BY created_at")
-    evals = query(ws, "SELECT checkpoint_sha, eval_sha, benchmark, count(DISTINCT problem_id) AS problems, "
-                      "count(*) AS samples, avg(CAST(correct AS DOUBLE)) AS accuracy FROM eval_results "
-                      "GROUP BY checkpoint_sha, eval_sha, benchmark ORDER BY benchmark")
+    runs = query(
+        ws,
+        "SELECT run_id, started_at, finished_at, status, command, prefect_flow_run_id FROM runs "
+        "ORDER BY started_at DESC" + (f" LIMIT {int(limit)}" if limit else ""),
+    )
+    stage_rows = query(
+        ws,
+        "SELECT run_id, stage, status, cache_key, seconds, prefect_task_run_id, outputs_json, "
+        "metrics_json FROM stage_runs ORDER BY started_at",
+    )
+    ckpts = query(
+        ws,
+        "SELECT checkpoint_sha, stage, step, base_sha, cache_key, created_at FROM checkpoints "
+        "ORDER BY created_at",
+    )
+    evals = query(
+        ws,
+        "SELECT checkpoint_sha, eval_sha, benchmark, count(DISTINCT problem_id) AS problems, "
+        "count(*) AS samples, avg(CAST(correct AS DOUBLE)) AS accuracy FROM eval_results "
+        "GROUP BY checkpoint_sha, eval_sha, benchmark ORDER BY benchmark",
+    )
     ckpt_by_sha = {c["checkpoint_sha"]: c for c in ckpts}
     by_run: dict[str, list[dict]] = {}
     for s in stage_rows:
         metrics = json.loads(s["metrics_json"] or "{}")
         outputs = {k: v["sha256"] for k, v in json.loads(s["outputs_json"] or "{}").items()}
-        by_run.setdefault(s["run_id"], []).append({
-            "stage": s["stage"], "status": s["status"], "seconds": s["seconds"], "cache_key": s["cache_key"],
-            "prefect_task_run_id": s["prefect_task_run_id"], "outputs": outputs,
-            "headline": stage_headline(s["stage"], metrics), "metrics": metrics})
+        by_run.setdefault(s["run_id"], []).append(
+            {
+                "stage": s["stage"],
+                "status": s["status"],
+                "seconds": s["seconds"],
+                "cache_key": s["cache_key"],
+                "prefect_task_run_id": s["prefect_task_run_id"],
+                "outputs": outputs,
+                "headline": stage_headline(s["stage"], metrics),
+                "metrics": metrics,
+            }
+        )
     out_runs = []
     for r in runs:
         stages = by_run.get(r["run_id"], [])
         status = r["status"]
         if status == "running" and not busy:
             status = f"{INTERRUPTED}?"  # its process is gone; the next run marks it
-        seconds = ((r["finished_at"] - r["started_at"]).total_seconds()
-                   if r["finished_at"] and r["started_at"] else None)
-        out_runs.append({
-            "run_id": r["run_id"], "status": status, "started_at": _iso(r["started_at"]),
-            "finished_at": _iso(r["finished_at"]), "seconds": seconds, "command": r["command"],
-            "prefect_flow_run_id": r["prefect_flow_run_id"],
-            "ran": sum(s["status"] == "ran" for s in stages), "cached": sum(s["status"] == "cached" for s in stages),
-            "stages": stages,
-            "checkpoints": {s["stage"]: sha for s in stages for sha in s["outputs"].values() if sha in ckpt_by_sha},
-        })
+        seconds = (
+            (r["finished_at"] - r["started_at"]).total_seconds()
+            if r["finished_at"] and r["started_at"]
+            else None
+        )
+        out_runs.append(
+            {
+                "run_id": r["run_id"],
+                "status": status,
+                "started_at": _iso(r["started_at"]),
+                "finished_at": _iso(r["finished_at"]),
+                "seconds": seconds,
+                "command": r["command"],
+                "prefect_flow_run_id": r["prefect_flow_run_id"],
+                "ran": sum(s["status"] == "ran" for s in stages),
+                "cached": sum(s["status"] == "cached" for s in stages),
+                "stages": stages,
+                "checkpoints": {
+                    s["stage"]: sha for s in stages for sha in s["outputs"].values() if sha in ckpt_by_sha
+                },
+            }
+        )
     evals_by_ckpt: dict[str, list[dict]] = {}
     for e in evals:
         evals_by_ckpt.setdefault(e["checkpoint_sha"], []).append(
-            {"eval": e["eval_sha"], "benchmark": e["benchmark"], "problems": e["problems"], "samples": e["samples"],
-             "accuracy": e["accuracy"]})
-    out_ckpts = [{"sha256": c["checkpoint_sha"], "stage": c["stage"], "step": c["step"], "base": c["base_sha"],
-                  "cache_key": c["cache_key"], "created_at": _iso(c["created_at"]),
-                  "evaluations": evals_by_ckpt.get(c["checkpoint_sha"], [])} for c in reversed(ckpts)]
+            {
+                "eval": e["eval_sha"],
+                "benchmark": e["benchmark"],
+                "problems": e["problems"],
+                "samples": e["samples"],
+                "accuracy": e["accuracy"],
+            }
+        )
+    out_ckpts = [
+        {
+            "sha256": c["checkpoint_sha"],
+            "stage": c["stage"],
+            "step": c["step"],
+            "base": c["base_sha"],
+            "cache_key": c["cache_key"],
+            "created_at": _iso(c["created_at"]),
+            "evaluations": evals_by_ckpt.get(c["checkpoint_sha"], []),
+        }
+        for c in reversed(ckpts)
+    ]
     return {"workspace": str(ws.root), "busy": busy, "runs": out_runs, "checkpoints": out_ckpts}
 
 
@@ -413,23 +494,31 @@ def format_runs(listing: dict) -> str:
     lines.append("-" * 90)
     for r in listing["runs"]:
         secs = f"{r['seconds']:.1f}" if r["seconds"] is not None else "-"
-        lines.append(f"{r['run_id']:<30} {r['status']:<12} {r['started_at'] or '-':<19} {secs:>8}  "
-                     f"{r['ran']} ran, {r['cached']} cached")
+        lines.append(
+            f"{r['run_id']:<30} {r['status']:<12} {r['started_at'] or '-':<19} {secs:>8}  "
+            f"{r['ran']} ran, {r['cached']} cached"
+        )
         if r.get("command"):
             lines.append(f"    command: {r['command']}")
         for s in r["stages"]:
             lines.append(f"    {s['stage']:<14} {s['status']:<7} {s['headline']}")
         if r["checkpoints"]:
-            lines.append("    checkpoints: " + ", ".join(f"{st} {sha[:12]}" for st, sha in r["checkpoints"].items()))
+            lines.append(
+                "    checkpoints: " + ", ".join(f"{st} {sha[:12]}" for st, sha in r["checkpoints"].items())
+            )
     if not listing["runs"]:
         lines.append("(no runs)")
     lines += ["", f"{'checkpoint':<14} {'stage':<12} {'step':>6}  {'created':<19}  evaluations", "-" * 90]
     for c in listing["checkpoints"]:
-        ev = "  ".join(f"{e['benchmark']} {e['accuracy']:.3f} (eval {e['eval'][:8]}, {e['samples']} samples)"
-                       for e in c["evaluations"] if e["accuracy"] is not None)
+        ev = "  ".join(
+            f"{e['benchmark']} {e['accuracy']:.3f} (eval {e['eval'][:8]}, {e['samples']} samples)"
+            for e in c["evaluations"]
+            if e["accuracy"] is not None
+        )
         step = "-" if c["step"] is None else str(c["step"])
-        lines.append(f"{c['sha256'][:12]:<14} {c['stage'] or '-':<12} {step:>6}  {c['created_at'] or '-':<19}  {ev}")
+        lines.append(
+            f"{c['sha256'][:12]:<14} {c['stage'] or '-':<12} {step:>6}  {c['created_at'] or '-':<19}  {ev}"
+        )
     if not listing["checkpoints"]:
         lines.append("(no checkpoints)")
     return "\n".join(lines)
-

@@ -60,8 +60,14 @@ def make_template(path: Path, timeout_s: float = 300.0) -> Path:
     with tempfile.TemporaryDirectory(dir=path.parent, prefix=".prefect-template-") as scratch:
         env = {k: v for k, v in os.environ.items() if k not in DB_URL_VARS and k != "PREFECT_API_URL"}
         env.update(PREFECT_HOME=scratch, PREFECT_SERVER_ANALYTICS_ENABLED="false", DO_NOT_TRACK="1")
-        subprocess.run([sys.executable, "-m", "prefect", "server", "database", "upgrade", "-y"], env=env, check=True,
-                       stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, timeout=timeout_s)
+        subprocess.run(
+            [sys.executable, "-m", "prefect", "server", "database", "upgrade", "-y"],
+            env=env,
+            check=True,
+            stdout=subprocess.DEVNULL,
+            stderr=subprocess.PIPE,
+            timeout=timeout_s,
+        )
         os.replace(Path(scratch) / DB_NAME, path)
     return path
 
@@ -70,8 +76,10 @@ def seed_database(home: Path) -> bool:
     """Copy the migrated template into a Prefect home that has no database yet (the default sqlite
     URL, and no ``PREFECT_API_URL``: a run that reports to a server never opens this file). Returns
     whether it did; any failure leaves Prefect to create its own database."""
-    if any(os.environ.get(v) for v in (*DB_URL_VARS, "PREFECT_API_URL")) \
-            or os.environ.get("LAMINAR_PREFECT_TEMPLATE") == "off":
+    if (
+        any(os.environ.get(v) for v in (*DB_URL_VARS, "PREFECT_API_URL"))
+        or os.environ.get("LAMINAR_PREFECT_TEMPLATE") == "off"
+    ):
         return False  # another database, another server's (which keeps its own), or turned off
     target = home / DB_NAME
     if target.exists():
@@ -87,6 +95,9 @@ def seed_database(home: Path) -> bool:
         return True
     except (OSError, subprocess.SubprocessError) as e:
         detail = (getattr(e, "stderr", None) or b"").decode(errors="replace").strip()[-500:]
-        LOG.warning("no Prefect database template (%s%s); Prefect migrates a new database itself", e,
-                    f": {detail}" if detail else "")
+        LOG.warning(
+            "no Prefect database template (%s%s); Prefect migrates a new database itself",
+            e,
+            f": {detail}" if detail else "",
+        )
         return False

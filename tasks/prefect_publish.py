@@ -19,7 +19,8 @@ Prefect's events reach the API in the background; the flow's end flushes them.
 from __future__ import annotations
 
 import re
-from typing import Any, Mapping
+from typing import Any
+from collections.abc import Mapping
 
 from core.workspace import Workspace
 from tasks.stages import STAGE_BY_NAME, stage_headline
@@ -49,21 +50,40 @@ def flatten(metrics: Mapping[str, Any], prefix: str = "") -> list[dict]:
 
 def stage_markdown(ws: Workspace, stage_name: str, outcome: Any, inputs: Mapping[str, Any]) -> str:
     k = outcome.key
-    lines = [f"# {stage_name}: {outcome.status}", "",
-             f"{stage_headline(stage_name, outcome.result.metrics) or ''}", "",
-             "| | |", "|---|---|",
-             f"| cache key | `{k.digest}` |", f"| config hash | `{k.config_hash}` |",
-             f"| inputs hash | `{k.inputs_hash}` |", f"| source fingerprint | `{k.source_hash}` |",
-             f"| seed | {k.seed} |", f"| seconds | {outcome.seconds:.2f} |",
-             f"| prefect task run | `{outcome.task_run_id}` |", "",
-             "| direction | name | kind | sha256 | asset |", "|---|---|---|---|---|"]
+    lines = [
+        f"# {stage_name}: {outcome.status}",
+        "",
+        f"{stage_headline(stage_name, outcome.result.metrics) or ''}",
+        "",
+        "| | |",
+        "|---|---|",
+        f"| cache key | `{k.digest}` |",
+        f"| config hash | `{k.config_hash}` |",
+        f"| inputs hash | `{k.inputs_hash}` |",
+        f"| source fingerprint | `{k.source_hash}` |",
+        f"| seed | {k.seed} |",
+        f"| seconds | {outcome.seconds:.2f} |",
+        f"| prefect task run | `{outcome.task_run_id}` |",
+        "",
+        "| direction | name | kind | sha256 | asset |",
+        "|---|---|---|---|---|",
+    ]
     for name, ref in inputs.items():
         src = STAGE_BY_NAME[stage_name].inputs[name][0]
-        lines.append(f"| input | {name} | {ref.kind} | `{ref.sha256}` | `{asset_key(ws, src, STAGE_BY_NAME[stage_name].inputs[name][1])}` |")
+        lines.append(
+            f"| input | {name} | {ref.kind} | `{ref.sha256}` | `{asset_key(ws, src, STAGE_BY_NAME[stage_name].inputs[name][1])}` |"
+        )
     for name, ref in outcome.result.artifacts.items():
-        lines.append(f"| output | {name} | {ref.kind} | `{ref.sha256}` | `{asset_key(ws, stage_name, name)}` |")
-    lines += ["", f"`laminar lineage {next(iter(outcome.result.artifacts.values())).sha256[:12]} --workspace {ws.root}` "
-              "shows its full upstream tree." if outcome.result.artifacts else ""]
+        lines.append(
+            f"| output | {name} | {ref.kind} | `{ref.sha256}` | `{asset_key(ws, stage_name, name)}` |"
+        )
+    lines += [
+        "",
+        f"`laminar lineage {next(iter(outcome.result.artifacts.values())).sha256[:12]} --workspace {ws.root}` "
+        "shows its full upstream tree."
+        if outcome.result.artifacts
+        else "",
+    ]
     return "\n".join(lines)
 
 
@@ -72,23 +92,43 @@ def asset_events(ws: Workspace, stage_name: str, outcome: Any, inputs: Mapping[s
     if outcome.status != "ran":
         return []
     stage = STAGE_BY_NAME[stage_name]
-    upstream = [{"prefect.resource.id": asset_key(ws, *stage.inputs[name]), "prefect.resource.role": "asset"}
-                for name in inputs]
-    events = [{"event": "prefect.asset.referenced",
-               "resource": {"prefect.resource.id": r["prefect.resource.id"]}, "related": []} for r in upstream]
+    upstream = [
+        {"prefect.resource.id": asset_key(ws, *stage.inputs[name]), "prefect.resource.role": "asset"}
+        for name in inputs
+    ]
+    events = [
+        {
+            "event": "prefect.asset.referenced",
+            "resource": {"prefect.resource.id": r["prefect.resource.id"]},
+            "related": [],
+        }
+        for r in upstream
+    ]
     by = {"prefect.resource.id": "laminar", "prefect.resource.role": "asset-materialized-by"}
     for name, ref in outcome.result.artifacts.items():
-        events.append({
-            "event": "prefect.asset.materialization.succeeded",
-            "resource": {"prefect.resource.id": asset_key(ws, stage_name, name),
-                         "prefect.resource.name": f"{stage_name}/{name}",
-                         "prefect.asset.description": f"laminar {ref.kind} made by stage {stage_name}"},
-            "related": [*upstream, by],
-            "payload": {"kind": ref.kind, "sha256": ref.sha256, "path": ws.artifacts.stored(ref)["path"], "cache_key": outcome.key.digest,
-                        "inputs": {n: r.sha256 for n, r in inputs.items()},
-                        "metrics": {r["metric"]: r["value"] for r in flatten(outcome.result.metrics)
-                                    if isinstance(r["value"], (int, float, str, bool)) or r["value"] is None}},
-        })
+        events.append(
+            {
+                "event": "prefect.asset.materialization.succeeded",
+                "resource": {
+                    "prefect.resource.id": asset_key(ws, stage_name, name),
+                    "prefect.resource.name": f"{stage_name}/{name}",
+                    "prefect.asset.description": f"laminar {ref.kind} made by stage {stage_name}",
+                },
+                "related": [*upstream, by],
+                "payload": {
+                    "kind": ref.kind,
+                    "sha256": ref.sha256,
+                    "path": ws.artifacts.stored(ref)["path"],
+                    "cache_key": outcome.key.digest,
+                    "inputs": {n: r.sha256 for n, r in inputs.items()},
+                    "metrics": {
+                        r["metric"]: r["value"]
+                        for r in flatten(outcome.result.metrics)
+                        if isinstance(r["value"], (int, float, str, bool)) or r["value"] is None
+                    },
+                },
+            }
+        )
     return events
 
 
@@ -101,10 +141,15 @@ def publish_stage(ws: Workspace, stage_name: str, outcomes: Mapping[str, Any]) -
     stage = STAGE_BY_NAME[stage_name]
     inputs = {name: outcomes[src].result.artifacts[out] for name, (src, out) in stage.inputs.items()}
     rows = flatten(outcome.result.metrics) or [{"metric": "(none)", "value": None}]
-    create_table_artifact(table=rows, key=artifact_key(stage_name),
-                          description=f"stage {stage_name} ({outcome.status}): metrics")
-    create_markdown_artifact(markdown=stage_markdown(ws, stage_name, outcome, inputs),
-                             key=artifact_key(stage_name, "lineage"),
-                             description=f"stage {stage_name} ({outcome.status}): cache key, inputs and outputs")
+    create_table_artifact(
+        table=rows,
+        key=artifact_key(stage_name),
+        description=f"stage {stage_name} ({outcome.status}): metrics",
+    )
+    create_markdown_artifact(
+        markdown=stage_markdown(ws, stage_name, outcome, inputs),
+        key=artifact_key(stage_name, "lineage"),
+        description=f"stage {stage_name} ({outcome.status}): cache key, inputs and outputs",
+    )
     for ev in asset_events(ws, stage_name, outcome, inputs):
         emit_event(**ev)

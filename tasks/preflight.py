@@ -15,24 +15,31 @@ def preflight(cfg: Config) -> None:
     valid = (HELDOUT, *BENCHMARKS)
     unknown = [b for b in cfg.eval.benchmarks if b not in valid]
     if unknown:
-        raise ConfigError(f"eval.benchmarks: unknown benchmark {unknown[0]!r}; choose from {', '.join(valid)}")
+        raise ConfigError(
+            f"eval.benchmarks: unknown benchmark {unknown[0]!r}; choose from {', '.join(valid)}"
+        )
     unknown = [b for b in cfg.curation.decontam.benchmarks if b not in valid]
     if unknown:
-        raise ConfigError(f"curation.decontam.benchmarks: unknown benchmark {unknown[0]!r}; choose from "
-                          f"{', '.join(valid)}")
+        raise ConfigError(
+            f"curation.decontam.benchmarks: unknown benchmark {unknown[0]!r}; choose from {', '.join(valid)}"
+        )
     if cfg.model.kind == "hf":
         path = Path(cfg.model.path).expanduser()
         if not (path / "config.json").is_file():
             raise ConfigError(f"model.path={path} is not a save_pretrained folder (no config.json)")
         if not list(path.glob("*.safetensors")):
-            raise ConfigError(f"model.path={path} has no *.safetensors weights; pickled weights are never loaded, "
-                              "convert them to safetensors first")
+            raise ConfigError(
+                f"model.path={path} has no *.safetensors weights; pickled weights are never loaded, "
+                "convert them to safetensors first"
+            )
     from data_curation.sources import resolve_source_path
 
     for i, src in enumerate(cfg.data.sources):
         if resolve_source_path(src.path) is None and src.format != "hf":
-            raise ConfigError(f"data.sources[{i}].path={src.path!r}: no such file or folder "
-                              "(only format=hf may name a hub dataset)")
+            raise ConfigError(
+                f"data.sources[{i}].path={src.path!r}: no such file or folder "
+                "(only format=hf may name a hub dataset)"
+            )
     from training.rl.stage import objective_params
 
     try:
@@ -40,8 +47,10 @@ def preflight(cfg: Config) -> None:
     except ValueError as err:
         raise ConfigError(f"rl: {err}") from None
     if params.overlong_shaping and not 0 < cfg.rl.overlong_cache_len < cfg.rl.max_new_tokens:
-        raise ConfigError(f"rl.overlong_cache_len={cfg.rl.overlong_cache_len} must be in (0, rl.max_new_tokens="
-                          f"{cfg.rl.max_new_tokens}) when overlong shaping is on ({cfg.rl.algorithm})")
+        raise ConfigError(
+            f"rl.overlong_cache_len={cfg.rl.overlong_cache_len} must be in (0, rl.max_new_tokens="
+            f"{cfg.rl.max_new_tokens}) when overlong shaping is on ({cfg.rl.algorithm})"
+        )
     if cfg.trainer.backend == "deepspeed":
         from conf.loader import deepspeed_config
 
@@ -49,8 +58,10 @@ def preflight(cfg: Config) -> None:
         import importlib.util
 
         if importlib.util.find_spec("deepspeed") is None:
-            raise ConfigError("trainer.backend=deepspeed: the deepspeed package is not installed "
-                              "(it is in requirements.txt: run `make test` or `pip install -r requirements.txt`)")
+            raise ConfigError(
+                "trainer.backend=deepspeed: the deepspeed package is not installed "
+                "(it is in requirements.txt: run `make test` or `pip install -r requirements.txt`)"
+            )
 
 
 def resolved_yaml(cfg: Config) -> str:

@@ -25,7 +25,8 @@ def default_run(ws: Workspace) -> str:
     rows = ws.catalog.query(
         "SELECT r.run_id FROM runs r WHERE r.status = 'completed' AND EXISTS "
         "(SELECT 1 FROM stage_runs s WHERE s.run_id = r.run_id AND s.stage = 'rl') "
-        "ORDER BY r.finished_at DESC LIMIT 1")
+        "ORDER BY r.finished_at DESC LIMIT 1"
+    )
     if not rows:
         raise ReportError(f"no completed `laminar run` in {ws.root}; run the pipeline first or name a run id")
     return rows[0]["run_id"]
@@ -38,21 +39,34 @@ def gather(ws: Workspace, run_id: str):
     run = cat.query("SELECT run_id, status, command FROM runs WHERE run_id = ?", [run_id])
     if not run:
         known = [r["run_id"] for r in cat.query("SELECT run_id FROM runs ORDER BY started_at DESC LIMIT 5")]
-        raise ReportError(f"no run {run_id!r} in {ws.root}" + (f"; recent runs: {', '.join(known)}" if known else ""))
-    stages = cat.query("SELECT stage, status, seconds, cache_key, outputs_json, metrics_json FROM stage_runs "
-                       "WHERE run_id = ? ORDER BY started_at", [run_id])
+        raise ReportError(
+            f"no run {run_id!r} in {ws.root}" + (f"; recent runs: {', '.join(known)}" if known else "")
+        )
+    stages = cat.query(
+        "SELECT stage, status, seconds, cache_key, outputs_json, metrics_json FROM stage_runs "
+        "WHERE run_id = ? ORDER BY started_at",
+        [run_id],
+    )
     data = ReportData(run_id=run_id, status=run[0]["status"], command=run[0]["command"] or "")
     roles: dict[str, str] = {}  # checkpoint sha -> role
     own: set[tuple[str, str]] = set()  # (checkpoint, eval artifact) made by this run's eval stages
     outputs = {s["stage"]: json.loads(s["outputs_json"] or "{}") for s in stages}
     for s in stages:
-        data.stages.append({"stage": s["stage"], "status": s["status"], "seconds": s["seconds"],
-                            "cache_key": s["cache_key"],
-                            "headline": stage_headline(s["stage"], json.loads(s["metrics_json"] or "{}"))})
+        data.stages.append(
+            {
+                "stage": s["stage"],
+                "status": s["status"],
+                "seconds": s["seconds"],
+                "cache_key": s["cache_key"],
+                "headline": stage_headline(s["stage"], json.loads(s["metrics_json"] or "{}")),
+            }
+        )
         if s["stage"] in CHECKPOINT_STAGES and MODEL in outputs[s["stage"]]:
             # the first stage keeps a checkpoint's role: RFT with nothing to learn passes warm-up's weights on
             roles.setdefault(outputs[s["stage"]][MODEL]["sha256"], s["stage"])
-        elif s["stage"] == "eval":  # a `laminar eval` run: its checkpoint, under the role the catalog gives it
+        elif (
+            s["stage"] == "eval"
+        ):  # a `laminar eval` run: its checkpoint, under the role the catalog gives it
             sha = json.loads(s["metrics_json"] or "{}").get("checkpoint")
             found = cat.query("SELECT stage FROM checkpoints WHERE checkpoint_sha = ?", [sha]) if sha else []
             if found:
@@ -63,29 +77,53 @@ def gather(ws: Workspace, run_id: str):
             own.add((outputs[role][MODEL]["sha256"], outputs[stage][EVAL]["sha256"]))
     if roles:
         marks = ", ".join("?" * len(roles))
-        has_cert = bool(cat.query("SELECT 1 FROM information_schema.columns WHERE table_name = 'eval_results' "
-                                  "AND column_name = 'certificate'"))
+        has_cert = bool(
+            cat.query(
+                "SELECT 1 FROM information_schema.columns WHERE table_name = 'eval_results' "
+                "AND column_name = 'certificate'"
+            )
+        )
         rows = cat.query(
             "SELECT e.checkpoint_sha, e.eval_sha, e.benchmark, e.problem_id, e.sample_idx, e.pred, e.correct, "
             f"e.error, e.length, e.truncated, e.level, e.subject, {'e.certificate' if has_cert else 'NULL'} "
-            f"AS certificate FROM eval_results e WHERE e.checkpoint_sha IN ({marks})", list(roles))
-        arts = {r["sha256"]: r for r in cat.query(
-            "SELECT sha256, created_at, stage, path FROM artifacts WHERE kind = ?", [EVAL])}
+            f"AS certificate FROM eval_results e WHERE e.checkpoint_sha IN ({marks})",
+            list(roles),
+        )
+        arts = {
+            r["sha256"]: r
+            for r in cat.query("SELECT sha256, created_at, stage, path FROM artifacts WHERE kind = ?", [EVAL])
+        }
         groups: dict[tuple[str, str, str], list[dict]] = defaultdict(list)
         for r in rows:
             groups[(r["checkpoint_sha"], r["eval_sha"], r["benchmark"])].append(r)
-        order = sorted(groups, key=lambda g: (ROLE_ORDER.index(roles[g[0]]), g[2],
-                                              str(arts.get(g[1], {}).get("created_at", ""))))
-        data.evals = [EvalGroup(roles[c], c, e, b, {**summarize_eval_rows(groups[(c, e, b)]),
-                                                    **_coverage(ws, arts.get(e), b)},
-                                (c, e) in own, (arts.get(e) or {}).get("stage") or "eval",
-                                groups[(c, e, b)][0]["certificate"])
-                      for c, e, b in order]
+        order = sorted(
+            groups,
+            key=lambda g: (
+                ROLE_ORDER.index(roles[g[0]]),
+                g[2],
+                str(arts.get(g[1], {}).get("created_at", "")),
+            ),
+        )
+        data.evals = [
+            EvalGroup(
+                roles[c],
+                c,
+                e,
+                b,
+                {**summarize_eval_rows(groups[(c, e, b)]), **_coverage(ws, arts.get(e), b)},
+                (c, e) in own,
+                (arts.get(e) or {}).get("stage") or "eval",
+                groups[(c, e, b)][0]["certificate"],
+            )
+            for c, e, b in order
+        ]
     rl = next((s for s in stages if s["stage"] == "rl"), None)
     if rl is not None:
         series: dict[str, list[tuple[int, float]]] = defaultdict(list)
-        for m in cat.query("SELECT step, name, value FROM metrics WHERE cache_key = ? AND stage = 'rl' "
-                           "ORDER BY step", [rl["cache_key"]]):
+        for m in cat.query(
+            "SELECT step, name, value FROM metrics WHERE cache_key = ? AND stage = 'rl' ORDER BY step",
+            [rl["cache_key"]],
+        ):
             series[m["name"]].append((int(m["step"]), float(m["value"])))
         data.rl_metrics = dict(series)
         art = json.loads(rl["outputs_json"] or "{}").get(MODEL)

@@ -11,7 +11,7 @@ from __future__ import annotations
 import logging
 import time
 from dataclasses import dataclass
-from datetime import datetime, timezone
+from datetime import datetime, UTC
 from typing import Any
 
 from conf.schema import Config
@@ -34,20 +34,32 @@ class StageOutcome:
     task_run_id: str | None
 
 
-def stage_key(stage: Stage, cfg: Config, inputs: dict[str, ArtifactRef], ws: Workspace | None = None) -> CacheKey:
+def stage_key(
+    stage: Stage, cfg: Config, inputs: dict[str, ArtifactRef], ws: Workspace | None = None
+) -> CacheKey:
     hashes = {k: v.sha256 for k, v in inputs.items()}
     if stage.external is not None:
         hashes.update(stage.external(cfg, ws.catalog if ws is not None else None))
     return make_key(stage.name, stage.config(cfg), hashes, stage.modules, cfg.seed)
 
 
-def _execute(stage_name: str, key: str, cfg: Config, workspace: str, inputs: dict[str, dict], device: str) -> dict:
+def _execute(
+    stage_name: str, key: str, cfg: Config, workspace: str, inputs: dict[str, dict], device: str
+) -> dict:
     """The body of every stage task: run the library function, return JSON-ready artifact refs."""
     ws = Workspace.at(workspace)
     state = ws.stage_state(stage_name, key)
-    ctx = StageContext(cfg=cfg, store=ws.artifacts, inputs={k: ArtifactRef.from_dict(v) for k, v in inputs.items()},
-                       device=device, catalog=ws.catalog, state_dir=state)
-    out = STAGE_BY_NAME[stage_name].body(ctx).to_dict(ws.artifacts)  # Prefect stores paths relative to the workspace
+    ctx = StageContext(
+        cfg=cfg,
+        store=ws.artifacts,
+        inputs={k: ArtifactRef.from_dict(v) for k, v in inputs.items()},
+        device=device,
+        catalog=ws.catalog,
+        state_dir=state,
+    )
+    out = (
+        STAGE_BY_NAME[stage_name].body(ctx).to_dict(ws.artifacts)
+    )  # Prefect stores paths relative to the workspace
     if state.exists():  # the artifact is complete: its resumable state is spent
         import shutil
 
@@ -64,14 +76,24 @@ def prefect_task(stage: Stage):
         from prefect import task
 
         _TASKS[stage.name] = task(
-            _execute, name=stage.name, cache_key_fn=lambda _ctx, params: params["key"],
-            persist_result=True, result_serializer="json", log_prints=False,
+            _execute,
+            name=stage.name,
+            cache_key_fn=lambda _ctx, params: params["key"],
+            persist_result=True,
+            result_serializer="json",
+            log_prints=False,
         )
     return _TASKS[stage.name]
 
 
-def run_stage(stage_name: str, cfg: Config, ws: Workspace, run_id: str, upstream: dict[str, StageOutcome],
-              force: bool = False) -> StageOutcome:
+def run_stage(
+    stage_name: str,
+    cfg: Config,
+    ws: Workspace,
+    run_id: str,
+    upstream: dict[str, StageOutcome],
+    force: bool = False,
+) -> StageOutcome:
     from generation.model import resolve_device
 
     device = resolve_device(cfg.device)
@@ -79,10 +101,16 @@ def run_stage(stage_name: str, cfg: Config, ws: Workspace, run_id: str, upstream
     inputs = {name: upstream[src].result.artifacts[out] for name, (src, out) in stage.inputs.items()}
     key = stage_key(stage, cfg, inputs, ws)
     t0 = time.perf_counter()
-    started = datetime.now(timezone.utc)
+    started = datetime.now(UTC)
     task = prefect_task(stage)
-    params = dict(stage_name=stage.name, key=key.digest, cfg=cfg, workspace=str(ws.root),
-                  inputs={k: v.to_dict() for k, v in inputs.items()}, device=device)
+    params = dict(
+        stage_name=stage.name,
+        key=key.digest,
+        cfg=cfg,
+        workspace=str(ws.root),
+        inputs={k: v.to_dict() for k, v in inputs.items()},
+        device=device,
+    )
     state = task.with_options(refresh_cache=force or None)(**params, return_state=True)
     result = StageResult.from_dict(state.result(), ws.artifacts)
     status = "cached" if state.name == "Cached" else "ran"
@@ -90,8 +118,14 @@ def run_stage(stage_name: str, cfg: Config, ws: Workspace, run_id: str, upstream
         # Prefect remembers a result whose artifact is gone (workspace cleaned by hand): rebuild it.
         state = task.with_options(refresh_cache=True)(**params, return_state=True)
         result, status = StageResult.from_dict(state.result(), ws.artifacts), "ran"
-    outcome = StageOutcome(stage.name, status, time.perf_counter() - t0, key, result,
-                           str(state.state_details.task_run_id) if state.state_details.task_run_id else None)
+    outcome = StageOutcome(
+        stage.name,
+        status,
+        time.perf_counter() - t0,
+        key,
+        result,
+        str(state.state_details.task_run_id) if state.state_details.task_run_id else None,
+    )
     record(ws, run_id, stage, outcome, inputs, started, cfg, device)
     from tasks.tracking import log_stage
 
@@ -101,8 +135,16 @@ def run_stage(stage_name: str, cfg: Config, ws: Workspace, run_id: str, upstream
     return outcome
 
 
-def record(ws: Workspace, run_id: str, stage: Stage, out: StageOutcome, inputs: dict[str, ArtifactRef],
-           started: datetime, cfg: Config, device: str) -> None:
+def record(
+    ws: Workspace,
+    run_id: str,
+    stage: Stage,
+    out: StageOutcome,
+    inputs: dict[str, ArtifactRef],
+    started: datetime,
+    cfg: Config,
+    device: str,
+) -> None:
     """Lineage rows for one stage, all or nothing."""
     ctx = StageContext(cfg=cfg, store=ws.artifacts, inputs=inputs, device=device)
     k = out.key
@@ -111,17 +153,40 @@ def record(ws: Workspace, run_id: str, stage: Stage, out: StageOutcome, inputs: 
             "INSERT INTO stage_runs VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?, now(), ?, ?, ?, ?) "
             "ON CONFLICT DO UPDATE SET status = excluded.status, finished_at = excluded.finished_at, "
             "seconds = excluded.seconds, outputs_json = excluded.outputs_json, metrics_json = excluded.metrics_json",
-            [run_id, stage.name, out.status, k.digest, k.config_hash, k.inputs_hash, k.source_hash, k.seed,
-             started, out.seconds, out.task_run_id, dumps(out.result.to_dict(ws.artifacts)["artifacts"]),
-             dumps(out.result.metrics)])
+            [
+                run_id,
+                stage.name,
+                out.status,
+                k.digest,
+                k.config_hash,
+                k.inputs_hash,
+                k.source_hash,
+                k.seed,
+                started,
+                out.seconds,
+                out.task_run_id,
+                dumps(out.result.to_dict(ws.artifacts)["artifacts"]),
+                dumps(out.result.metrics),
+            ],
+        )
         for ref in out.result.artifacts.values():
             manifest = ws.artifacts.manifest(ref)
-            con.execute("INSERT INTO artifacts VALUES (?, ?, ?, now(), ?, ?, ?) ON CONFLICT DO NOTHING",
-                        [ref.kind, ref.sha256, ws.artifacts.stored(ref)["path"], stage.name, k.digest,
-                         dumps(manifest.get("meta", {}))])
+            con.execute(
+                "INSERT INTO artifacts VALUES (?, ?, ?, now(), ?, ?, ?) ON CONFLICT DO NOTHING",
+                [
+                    ref.kind,
+                    ref.sha256,
+                    ws.artifacts.stored(ref)["path"],
+                    stage.name,
+                    k.digest,
+                    dumps(manifest.get("meta", {})),
+                ],
+            )
             for parent in inputs.values():
-                con.execute("INSERT INTO artifact_edges VALUES (?, ?, ?, ?, ?, ?) ON CONFLICT DO NOTHING",
-                            [parent.kind, parent.sha256, ref.kind, ref.sha256, stage.name, k.digest])
+                con.execute(
+                    "INSERT INTO artifact_edges VALUES (?, ?, ?, ?, ?, ?) ON CONFLICT DO NOTHING",
+                    [parent.kind, parent.sha256, ref.kind, ref.sha256, stage.name, k.digest],
+                )
         if stage.record is not None:
             stage.record(con, ctx, out.result, k.digest)
 
@@ -130,16 +195,25 @@ def finished_result(ws: Workspace, stage: str, key: CacheKey) -> StageResult | N
     """The artifacts and metrics of the latest finished run of ``stage`` under ``key``, from the catalog."""
     import json
 
-    rows = ws.catalog.query("SELECT outputs_json, metrics_json FROM stage_runs WHERE stage = ? AND cache_key = ? "
-                            "ORDER BY finished_at DESC LIMIT 1", [stage, key.digest])
+    rows = ws.catalog.query(
+        "SELECT outputs_json, metrics_json FROM stage_runs WHERE stage = ? AND cache_key = ? "
+        "ORDER BY finished_at DESC LIMIT 1",
+        [stage, key.digest],
+    )
     if not rows:
         return None
-    return StageResult.from_dict({"artifacts": json.loads(rows[0]["outputs_json"]),
-                                  "metrics": json.loads(rows[0]["metrics_json"] or "{}")}, ws.artifacts)
+    return StageResult.from_dict(
+        {
+            "artifacts": json.loads(rows[0]["outputs_json"]),
+            "metrics": json.loads(rows[0]["metrics_json"] or "{}"),
+        },
+        ws.artifacts,
+    )
 
 
-def replay_cached(cfg: Config, ws: Workspace, run_id: str, stages: list[str] | None = None,
-                  force: list[str] | None = None) -> list[StageOutcome] | None:
+def replay_cached(
+    cfg: Config, ws: Workspace, run_id: str, stages: list[str] | None = None, force: list[str] | None = None
+) -> list[StageOutcome] | None:
     """A run in which nothing would run, without Prefect: when no stage is forced and every selected
     stage's key matches a finished run whose artifacts are in the store (what ``plan`` calls cached),
     each stage's outcome is read from the catalog and recorded like a cached Prefect task's (stage
@@ -169,10 +243,14 @@ def replay_cached(cfg: Config, ws: Workspace, run_id: str, stages: list[str] | N
         result = finished_result(ws, stage.name, key)
         if result is None or not all(ws.artifacts.exists(r) for r in result.artifacts.values()):
             return None
-        found[stage.name] = (StageOutcome(stage.name, "cached", time.perf_counter() - t0, key, result, None), inputs, t0)
+        found[stage.name] = (
+            StageOutcome(stage.name, "cached", time.perf_counter() - t0, key, result, None),
+            inputs,
+            t0,
+        )
     outcomes: dict[str, StageOutcome] = {}
     for name, (outcome, inputs, _) in found.items():
-        started = datetime.now(timezone.utc)
+        started = datetime.now(UTC)
         outcomes[name] = outcome
         record(ws, run_id, STAGE_BY_NAME[name], outcome, inputs, started, cfg, device)
         record_stage(ws, name, cfg, outcomes)
@@ -197,7 +275,11 @@ def plan(cfg: Config, ws: Workspace) -> list[StagePlan]:
     for stage in STAGES:
         missing = [src for src, _ in stage.inputs.values() if src not in produced]
         if missing:
-            out.append(StagePlan(stage.name, "stale", f"upstream {', '.join(sorted(set(missing)))} must run first", None))
+            out.append(
+                StagePlan(
+                    stage.name, "stale", f"upstream {', '.join(sorted(set(missing)))} must run first", None
+                )
+            )
             continue
         inputs = {name: produced[src][o] for name, (src, o) in stage.inputs.items()}
         key = stage_key(stage, cfg, inputs, ws)
@@ -207,15 +289,23 @@ def plan(cfg: Config, ws: Workspace) -> list[StagePlan]:
             produced[stage.name] = refs
             out.append(StagePlan(stage.name, "cached", "key matches a finished run", key))
             continue
-        last = cat.query("SELECT config_hash, inputs_hash, source_hash, seed, cache_key FROM stage_runs "
-                         "WHERE stage = ? ORDER BY finished_at DESC LIMIT 1", [stage.name])
+        last = cat.query(
+            "SELECT config_hash, inputs_hash, source_hash, seed, cache_key FROM stage_runs "
+            "WHERE stage = ? ORDER BY finished_at DESC LIMIT 1",
+            [stage.name],
+        )
         if not last:
             reason = "never ran in this workspace"
         elif found is not None:
             reason = "its artifact is missing from the store"
         else:
-            prev = CacheKey(stage.name, last[0]["config_hash"], last[0]["inputs_hash"], last[0]["source_hash"],
-                            last[0]["seed"])
+            prev = CacheKey(
+                stage.name,
+                last[0]["config_hash"],
+                last[0]["inputs_hash"],
+                last[0]["source_hash"],
+                last[0]["seed"],
+            )
             parts = key.changed_parts(prev) or ["key"]
             if "config" in parts:
                 keys = changed_config_keys(ws, stage, cfg, last[0]["cache_key"])

@@ -29,7 +29,7 @@ import urllib.request
 from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Iterator, Sequence
+from collections.abc import Iterator, Sequence
 
 from core.workspace import Workspace
 
@@ -50,8 +50,10 @@ def check_cron_shape(expr: str) -> str:
     obviously wrong expression fails before anything is written."""
     fields = expr.split()
     if len(fields) not in (5, 6) or not all(_CRON_FIELD.match(f) for f in fields):
-        raise ServeError(f"--cron {expr!r} is not a cron expression (five fields: minute hour day month "
-                         "weekday, e.g. '0 3 * * *' for every day at 03:00)")
+        raise ServeError(
+            f"--cron {expr!r} is not a cron expression (five fields: minute hour day month "
+            "weekday, e.g. '0 3 * * *' for every day at 03:00)"
+        )
     return expr
 
 
@@ -65,8 +67,10 @@ def check_cron(expr: str) -> str:
     except ValueError as err:
         errors = getattr(err, "errors", None)
         why = errors()[0]["msg"] if callable(errors) else str(err).splitlines()[0]
-        raise ServeError(f"--cron {expr!r} is not a cron expression (five fields: minute hour day month "
-                         f"weekday, e.g. '0 3 * * *'): {why}") from None
+        raise ServeError(
+            f"--cron {expr!r} is not a cron expression (five fields: minute hour day month "
+            f"weekday, e.g. '0 3 * * *'): {why}"
+        ) from None
     return expr
 
 
@@ -138,19 +142,30 @@ def server_env(ws: Workspace, port: int, auth: str, ui: bool = True) -> dict[str
     """The environment of ``prefect server start``: the workspace's Prefect home, API authentication
     with ``auth`` (the server's own services send it too), CSRF protection on, and CORS for the
     server's own origin only (its UI; no other web page may call the API)."""
-    env = {**os.environ, "PREFECT_HOME": str(ws.prefect_home), "PREFECT_SERVER_ANALYTICS_ENABLED": "false",
-           "DO_NOT_TRACK": "1", "PREFECT_UI_ENABLED": "true" if ui else "false",
-           "PREFECT_SERVER_API_AUTH_STRING": auth, "PREFECT_API_AUTH_STRING": auth,
-           "PREFECT_SERVER_API_CSRF_PROTECTION_ENABLED": "true",
-           "PREFECT_SERVER_API_CORS_ALLOWED_ORIGINS": f"http://127.0.0.1:{port}"}
-    for alias in ("PREFECT_API_URL", "PREFECT_SERVER_CSRF_PROTECTION_ENABLED", "PREFECT_SERVER_CORS_ALLOWED_ORIGINS"):
+    env = {
+        **os.environ,
+        "PREFECT_HOME": str(ws.prefect_home),
+        "PREFECT_SERVER_ANALYTICS_ENABLED": "false",
+        "DO_NOT_TRACK": "1",
+        "PREFECT_UI_ENABLED": "true" if ui else "false",
+        "PREFECT_SERVER_API_AUTH_STRING": auth,
+        "PREFECT_API_AUTH_STRING": auth,
+        "PREFECT_SERVER_API_CSRF_PROTECTION_ENABLED": "true",
+        "PREFECT_SERVER_API_CORS_ALLOWED_ORIGINS": f"http://127.0.0.1:{port}",
+    }
+    for alias in (
+        "PREFECT_API_URL",
+        "PREFECT_SERVER_CSRF_PROTECTION_ENABLED",
+        "PREFECT_SERVER_CORS_ALLOWED_ORIGINS",
+    ):
         env.pop(alias, None)  # the server's own URL; no older alias of these settings left to disagree
     return env
 
 
 @contextmanager
-def local_server(ws: Workspace, port: int, startup_s: float = 180.0, ui: bool = True,
-                 auth: str | None = None) -> Iterator[str]:
+def local_server(
+    ws: Workspace, port: int, startup_s: float = 180.0, ui: bool = True, auth: str | None = None
+) -> Iterator[str]:
     """``prefect server start`` on ``127.0.0.1:port`` with the workspace's Prefect home, locked down
     (``server_env``; ``auth``: its ``user:password``, default a fresh one in ``auth_file(ws)``); yields
     its API URL once healthy; stops it on exit. Its log is ``<workspace>/logs/prefect-server.log``."""
@@ -158,18 +173,28 @@ def local_server(ws: Workspace, port: int, startup_s: float = 180.0, ui: bool = 
     api_url = f"http://127.0.0.1:{port}/api"
     env = server_env(ws, port, auth or new_api_auth(ws), ui)
     log = open(ws.logs / "prefect-server.log", "ab")
-    proc = subprocess.Popen([sys.executable, "-m", "prefect", "server", "start", "--host", "127.0.0.1",
-                             "--port", str(port)], env=env, stdout=log, stderr=subprocess.STDOUT,
-                            stdin=subprocess.DEVNULL, start_new_session=True, preexec_fn=_die_with_parent)
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "prefect", "server", "start", "--host", "127.0.0.1", "--port", str(port)],
+        env=env,
+        stdout=log,
+        stderr=subprocess.STDOUT,
+        stdin=subprocess.DEVNULL,
+        start_new_session=True,
+        preexec_fn=_die_with_parent,
+    )
     try:
         deadline = time.monotonic() + startup_s
         while not healthy(api_url):
             if proc.poll() is not None:
-                raise ServeError(f"the Prefect server exited ({proc.returncode}) before it was up; see "
-                                 f"{ws.logs / 'prefect-server.log'}")
+                raise ServeError(
+                    f"the Prefect server exited ({proc.returncode}) before it was up; see "
+                    f"{ws.logs / 'prefect-server.log'}"
+                )
             if time.monotonic() > deadline:
-                raise ServeError(f"the Prefect server was not up after {startup_s:.0f}s; see "
-                                 f"{ws.logs / 'prefect-server.log'}")
+                raise ServeError(
+                    f"the Prefect server was not up after {startup_s:.0f}s; see "
+                    f"{ws.logs / 'prefect-server.log'}"
+                )
             time.sleep(0.5)
         _server_file(ws).write_text(json.dumps({"api_url": api_url, "pid": proc.pid}))
         yield api_url
@@ -237,7 +262,14 @@ def attach_served_api(ws: Workspace) -> str | None:
 
 # ---- what a run of the served deployment may choose ---------------------------------------------------
 
-OPERATOR_ONLY = ("data.sources", "trainer.deepspeed", "model.path", "rollout.vllm_python", "cluster.address", "hydra")
+OPERATOR_ONLY = (
+    "data.sources",
+    "trainer.deepspeed",
+    "model.path",
+    "rollout.vllm_python",
+    "cluster.address",
+    "hydra",
+)
 """Keys a caller of the deployment may not set: files, folders, executables, a cluster to join (and
 any other key whose last part reads ``path``, ``python``, ``dir``, ``file`` or ``address``)."""
 _PATH_LIKE = re.compile(r"(^|_)(path|python|dir|file|address)$")
@@ -245,14 +277,22 @@ _OVERRIDE = re.compile(r"([A-Za-z_][A-Za-z0-9_]*(?:\.[A-Za-z_][A-Za-z0-9_]*|\[[0
 _PLAIN = re.compile(r"[A-Za-z0-9_+-][A-Za-z0-9_.+-]*")
 
 
-def served_parameters(ws: Workspace, overrides: Sequence[str], force: Sequence[str], until: str | None,
-                      command: str) -> dict:
+def served_parameters(
+    ws: Workspace, overrides: Sequence[str], force: Sequence[str], until: str | None, command: str
+) -> dict:
     """What ``laminar serve`` fixes for every run of its deployment, put in this process's environment
     (its flow runs inherit it: ``check_served_run`` reads it); returns the deployment's parameters,
     the only ones a run may pass: ``overrides`` (default: the command line's) and ``workspace``
     (this one; any other is refused)."""
-    os.environ[SERVE_SPEC_ENV] = json.dumps({"workspace": str(ws.root), "overrides": list(overrides),
-                                             "force": list(force), "until": until, "command": command})
+    os.environ[SERVE_SPEC_ENV] = json.dumps(
+        {
+            "workspace": str(ws.root),
+            "overrides": list(overrides),
+            "force": list(force),
+            "until": until,
+            "command": command,
+        }
+    )
     return {"overrides": list(overrides), "workspace": str(ws.root)}
 
 
@@ -262,17 +302,25 @@ def check_caller_override(override: str) -> None:
     cluster, a ``${...}`` interpolation, or a whole section as a dict. Raises ServeError."""
     m = _OVERRIDE.fullmatch(override) if isinstance(override, str) else None
     if m is None:
-        raise ServeError(f"override {override!r} is refused: a run's overrides are key=value or group=option "
-                         "(no +, ~ or @ forms)")
+        raise ServeError(
+            f"override {override!r} is refused: a run's overrides are key=value or group=option "
+            "(no +, ~ or @ forms)"
+        )
     key, value = re.sub(r"\[[0-9]+\]", "", m.group(1)), m.group(2)
-    if any(key == k or key.startswith(k + ".") for k in OPERATOR_ONLY) or _PATH_LIKE.search(key.rsplit(".", 1)[-1]):
-        raise ServeError(f"override {override!r} is refused: {key} names a file, folder, executable or cluster; "
-                         "only the `laminar serve` command line may set it")
+    if any(key == k or key.startswith(k + ".") for k in OPERATOR_ONLY) or _PATH_LIKE.search(
+        key.rsplit(".", 1)[-1]
+    ):
+        raise ServeError(
+            f"override {override!r} is refused: {key} names a file, folder, executable or cluster; "
+            "only the `laminar serve` command line may set it"
+        )
     if "${" in value:
         raise ServeError(f"override {override!r} is refused: no ${{...}} interpolation in a run's overrides")
     if "." not in key and not _PLAIN.fullmatch(value):
-        raise ServeError(f"override {override!r} is refused: a top-level key takes a plain value or a config "
-                         "group's option (set a section's keys one by one: section.key=value)")
+        raise ServeError(
+            f"override {override!r} is refused: a top-level key takes a plain value or a config "
+            "group's option (set a section's keys one by one: section.key=value)"
+        )
 
 
 @dataclass(frozen=True)
@@ -295,12 +343,16 @@ def check_served_run(overrides: object, workspace: object) -> ServedRun:
 
     raw = os.environ.get(SERVE_SPEC_ENV)
     if not raw:
-        raise ServeError("this flow runs only under `laminar serve` (its deployment fixes the workspace); "
-                         "use `laminar run` otherwise")
+        raise ServeError(
+            "this flow runs only under `laminar serve` (its deployment fixes the workspace); "
+            "use `laminar run` otherwise"
+        )
     spec = json.loads(raw)
     if workspace is not None and workspace != spec["workspace"]:
-        raise ServeError(f"this deployment runs on workspace {spec['workspace']} only; a run may not choose "
-                         f"another (workspace={workspace!r} refused)")
+        raise ServeError(
+            f"this deployment runs on workspace {spec['workspace']} only; a run may not choose "
+            f"another (workspace={workspace!r} refused)"
+        )
     overrides = list(spec["overrides"]) if overrides is None else overrides
     if not isinstance(overrides, list) or not all(isinstance(o, str) for o in overrides):
         raise ServeError(f"overrides must be a list of 'key=value' strings, got {overrides!r}")
@@ -312,4 +364,6 @@ def check_served_run(overrides: object, workspace: object) -> ServedRun:
         cfg = load_checked(overrides)
     except ConfigError as err:
         raise ServeError(f"config error: {err}") from None
-    return ServedRun(spec["workspace"], list(overrides), list(spec["force"]), spec["until"], spec["command"], cfg)
+    return ServedRun(
+        spec["workspace"], list(overrides), list(spec["force"]), spec["until"], spec["command"], cfg
+    )

@@ -37,8 +37,10 @@ def read_lengths(path: Path) -> list[int]:
     if isinstance(data, dict):
         data = data.get("response_lengths")
     if not isinstance(data, list) or not data or not all(isinstance(x, int) and x > 0 for x in data):
-        raise ConfigError(f"workload.lengths.values_file={path}: expected a list of positive token counts "
-                          "(or a runtime.json with response_lengths)")
+        raise ConfigError(
+            f"workload.lengths.values_file={path}: expected a list of positive token counts "
+            "(or a runtime.json with response_lengths)"
+        )
     return data
 
 
@@ -63,34 +65,55 @@ def run_simulation(cfg, workspace: str | Path, progress=None) -> dict:
         t = time.perf_counter()
         results[mode] = Simulator(sim_cfg, mode).run()
         if progress:
-            progress(f"{mode}: {results[mode].steady_tokens_per_s:,.0f} trained tok/s "
-                     f"({time.perf_counter() - t:.1f} s to simulate)")
+            progress(
+                f"{mode}: {results[mode].steady_tokens_per_s:,.0f} trained tok/s "
+                f"({time.perf_counter() - t:.1f} s to simulate)"
+            )
     out.mkdir(parents=True, exist_ok=True)
-    shape = (f"{sim_cfg.cluster.nodes * sim_cfg.cluster.gpus_per_node} GPUs, {sim_cfg.model.name}, "
-             f"{sim_cfg.workload.prompts_per_step}x{sim_cfg.workload.group_size}")
+    shape = (
+        f"{sim_cfg.cluster.nodes * sim_cfg.cluster.gpus_per_node} GPUs, {sim_cfg.model.name}, "
+        f"{sim_cfg.workload.prompts_per_step}x{sim_cfg.workload.group_size}"
+    )
     plots = {}
     for mode, r in results.items():
         (out / f"timeline_{mode}.json").write_text(json.dumps(r.timeline))
         n = len(r.timeline["rollouts"])
-        plots[mode] = str(plot_timeline(r.timeline, out / f"timeline_{mode}.png",
-                                        title=f"simulated {mode}: {shape}; {n} of {r.rollouts} rollouts"))
+        plots[mode] = str(
+            plot_timeline(
+                r.timeline,
+                out / f"timeline_{mode}.png",
+                title=f"simulated {mode}: {shape}; {n} of {r.rollouts} rollouts",
+            )
+        )
     summary = {
-        "config": dataclasses.asdict(cfg), "resolved": dataclasses.asdict(sim_cfg), "calibration": calibration,
-        "modes": {m: {**r.summary(), "timeline_summary": _timeline_brief(summarize_timeline(r.timeline))}
-                  for m, r in results.items()},
+        "config": dataclasses.asdict(cfg),
+        "resolved": dataclasses.asdict(sim_cfg),
+        "calibration": calibration,
+        "modes": {
+            m: {**r.summary(), "timeline_summary": _timeline_brief(summarize_timeline(r.timeline))}
+            for m, r in results.items()
+        },
         "laminar_speedup": speedups(results) if "laminar" in results else {},
-        "plots": plots, "simulate_seconds": time.perf_counter() - t0,
+        "plots": plots,
+        "simulate_seconds": time.perf_counter() - t0,
     }
     (out / "simulate.json").write_text(json.dumps(summary, indent=1))
-    return {"out": out, "table": format_table(results, "sync" if "sync" in results else cfg.modes[0]),
-            "summary": summary}
+    return {
+        "out": out,
+        "table": format_table(results, "sync" if "sync" in results else cfg.modes[0]),
+        "summary": summary,
+    }
 
 
 def _timeline_brief(tl: dict) -> dict:
     rows = tl["rollouts"].values()
     n = max(1, len(rows))
-    return {"duration": tl["duration"], "updates": tl["updates"],
-            "traced_rollouts": len(rows),
-            "mean_occupancy": sum(r["mean_occupancy"] for r in rows) / n,
-            "idle_share": sum(r["idle_share"] for r in rows) / n,
-            "pulls": sum(r["pulls"] for r in rows), "repacks": sum(r["repacks"] for r in rows)}
+    return {
+        "duration": tl["duration"],
+        "updates": tl["updates"],
+        "traced_rollouts": len(rows),
+        "mean_occupancy": sum(r["mean_occupancy"] for r in rows) / n,
+        "idle_share": sum(r["idle_share"] for r in rows) / n,
+        "pulls": sum(r["pulls"] for r in rows),
+        "repacks": sum(r["repacks"] for r in rows),
+    }

@@ -2,14 +2,17 @@
 
 from __future__ import annotations
 
-from typing import Sequence
+from collections.abc import Sequence
 
 from tasks.runner import StageOutcome
 from tasks.stages import stage_headline
 
 
-HEADLINE_EVALS = (("heldout_accuracy_warmup", "eval_warmup"), ("heldout_accuracy_rft", "eval_rft"),
-                  ("heldout_accuracy_rl", "eval_rl"))
+HEADLINE_EVALS = (
+    ("heldout_accuracy_warmup", "eval_warmup"),
+    ("heldout_accuracy_rft", "eval_rft"),
+    ("heldout_accuracy_rl", "eval_rl"),
+)
 
 
 def catalog_metrics(cfg, ws, outcomes: Sequence[StageOutcome]) -> dict[str, dict]:
@@ -25,19 +28,25 @@ def catalog_metrics(cfg, ws, outcomes: Sequence[StageOutcome]) -> dict[str, dict
     out: dict[str, dict] = {}
     for _, name in HEADLINE_EVALS:
         stage = STAGE_BY_NAME[name]
-        if name in by or any(src not in by or o not in by[src].result.artifacts for src, o in stage.inputs.values()):
+        if name in by or any(
+            src not in by or o not in by[src].result.artifacts for src, o in stage.inputs.values()
+        ):
             continue
         inputs = {n: by[src].result.artifacts[o] for n, (src, o) in stage.inputs.items()}
         key = stage_key(stage, cfg, inputs, ws)
-        rows = ws.catalog.query("SELECT metrics_json FROM stage_runs WHERE stage = ? AND cache_key = ? "
-                                "ORDER BY finished_at DESC LIMIT 1", [name, key.digest])
+        rows = ws.catalog.query(
+            "SELECT metrics_json FROM stage_runs WHERE stage = ? AND cache_key = ? "
+            "ORDER BY finished_at DESC LIMIT 1",
+            [name, key.digest],
+        )
         if rows and rows[0]["metrics_json"]:
             out[name] = json.loads(rows[0]["metrics_json"])
     return out
 
 
-def build_summary(run_id: str, outcomes: Sequence[StageOutcome], seconds: float,
-                  from_catalog: dict[str, dict] | None = None) -> dict:
+def build_summary(
+    run_id: str, outcomes: Sequence[StageOutcome], seconds: float, from_catalog: dict[str, dict] | None = None
+) -> dict:
     """``from_catalog``: ``catalog_metrics`` of the headline evals this run did not select; their values
     fill ``metrics`` and their stages are listed in ``metrics_from_catalog``."""
     by = {o.stage: o for o in outcomes}
@@ -52,11 +61,20 @@ def build_summary(run_id: str, outcomes: Sequence[StageOutcome], seconds: float,
         "run_id": run_id,
         "seconds": seconds,
         "warnings": run_warnings(by),
-        "stages": {o.stage: {"status": o.status, "seconds": round(o.seconds, 3), "cache_key": o.key.digest,
-                             "artifacts": {k: v.sha256 for k, v in o.result.artifacts.items()},
-                             "metrics": o.result.metrics} for o in outcomes},
+        "stages": {
+            o.stage: {
+                "status": o.status,
+                "seconds": round(o.seconds, 3),
+                "cache_key": o.key.digest,
+                "artifacts": {k: v.sha256 for k, v in o.result.artifacts.items()},
+                "metrics": o.result.metrics,
+            }
+            for o in outcomes
+        },
         "metrics": metrics,
-        "checkpoints": {s: by[s].result.artifacts["model"].sha256 for s in ("warmup", "rft", "rl") if s in by},
+        "checkpoints": {
+            s: by[s].result.artifacts["model"].sha256 for s in ("warmup", "rft", "rl") if s in by
+        },
         "curation": reconciliation(by),
         "certificates": certificates(outcomes),
         "metrics_from_catalog": sorted(s for s in from_catalog if s not in by),
@@ -79,20 +97,30 @@ def run_warnings(by: dict) -> list[str]:
     m = lambda stage: by[stage].result.metrics if stage in by else {}  # noqa: E731
     for bench, s in sorted(m("eval_warmup").items()):
         if isinstance(s, dict) and s.get("accuracy") is not None and s["accuracy"] < WARMUP_FLOOR:
-            out.append(f"warm-up accuracy {s['accuracy']:.3f} on {bench}: the warm-up model solves almost nothing, "
-                       "so DART, RFT and RL have little to start from (more sft.steps, or another sft.lr)")
+            out.append(
+                f"warm-up accuracy {s['accuracy']:.3f} on {bench}: the warm-up model solves almost nothing, "
+                "so DART, RFT and RL have little to start from (more sft.steps, or another sft.lr)"
+            )
     rl = m("rl")
     peak, last = rl.get("reward_peak5"), rl.get("reward_last5")
     if peak is not None and last is not None and peak > 0.1 and last < COLLAPSE * peak:
-        out.append(f"RL reward collapsed: last 5 steps {last:.3f} against a best of {peak:.3f} "
-                   "(lower rl.lr, or check the objective's clip and KL settings)")
+        out.append(
+            f"RL reward collapsed: last 5 steps {last:.3f} against a best of {peak:.3f} "
+            "(lower rl.lr, or check the objective's clip and KL settings)"
+        )
     before, after = m("eval_rft"), m("eval_rl")
     for bench in sorted(set(before) & set(after)):
         b, a = before[bench], after[bench]
-        if isinstance(b, dict) and isinstance(a, dict) and None not in (b.get("accuracy"), a.get("accuracy")) \
-                and a["accuracy"] < b["accuracy"] - RL_DROP:
-            out.append(f"RL ended below where it started on {bench}: {a['accuracy']:.3f} after RL against "
-                       f"{b['accuracy']:.3f} after RFT")
+        if (
+            isinstance(b, dict)
+            and isinstance(a, dict)
+            and None not in (b.get("accuracy"), a.get("accuracy"))
+            and a["accuracy"] < b["accuracy"] - RL_DROP
+        ):
+            out.append(
+                f"RL ended below where it started on {bench}: {a['accuracy']:.3f} after RL against "
+                f"{b['accuracy']:.3f} after RFT"
+            )
     return out
 
 
@@ -100,7 +128,11 @@ def certificates(outcomes: Sequence[StageOutcome]) -> dict[str, dict[str, str]]:
     """eval stage -> benchmark -> decontamination certificate status (``tasks.certificate``)."""
     out = {}
     for o in outcomes:
-        found = {b: v["certificate"] for b, v in o.result.metrics.items() if isinstance(v, dict) and "certificate" in v}
+        found = {
+            b: v["certificate"]
+            for b, v in o.result.metrics.items()
+            if isinstance(v, dict) and "certificate" in v
+        }
         if found:
             out[o.stage] = found
     return out
@@ -113,8 +145,12 @@ def reconciliation(by: dict) -> dict[str, int]:
     ing, dec, sel = m("ingest"), m("decontaminate"), m("select")
     if not ing:
         return {}
-    out = {"rows_in": ing["rows_in"], "ingested": ing["ingested"], "quarantined": ing["quarantined"],
-           "duplicates": ing["duplicates_exact"] + ing["duplicates_near"]}
+    out = {
+        "rows_in": ing["rows_in"],
+        "ingested": ing["ingested"],
+        "quarantined": ing["quarantined"],
+        "duplicates": ing["duplicates_exact"] + ing["duplicates_near"],
+    }
     if dec:
         out["contaminated"] = dec["contaminated"]
     if sel:
@@ -125,24 +161,35 @@ def reconciliation(by: dict) -> dict[str, int]:
 def format_table(summary: dict) -> str:
     lines = [f"{'stage':<12} {'status':<7} {'seconds':>8}  metrics", "-" * 72]
     for name, s in summary["stages"].items():
-        lines.append(f"{name:<12} {s['status']:<7} {s['seconds']:>8.1f}  {stage_headline(name, s['metrics'])}")
+        lines.append(
+            f"{name:<12} {s['status']:<7} {s['seconds']:>8.1f}  {stage_headline(name, s['metrics'])}"
+        )
     m = summary["metrics"]
     lines.append("-" * 72)
     if summary.get("curation"):
-        lines.append("curation: " + "  ".join(f"{k.replace('_', ' ')} {v}" for k, v in summary["curation"].items()))
+        lines.append(
+            "curation: " + "  ".join(f"{k.replace('_', ' ')} {v}" for k, v in summary["curation"].items())
+        )
     if summary.get("certificates"):
-        lines.append("decontamination certificates: " + "  ".join(
-            f"{stage} {bench} {status}" for stage, certs in summary["certificates"].items()
-            for bench, status in certs.items()))
+        lines.append(
+            "decontamination certificates: "
+            + "  ".join(
+                f"{stage} {bench} {status}"
+                for stage, certs in summary["certificates"].items()
+                for bench, status in certs.items()
+            )
+        )
     known = set(summary.get("metrics_from_catalog", ()))
 
     def fmt(label: str, stage: str) -> str:
         v = m.get(label)
         return "n/a" if v is None else f"{v:.3f}" + (" (cached, from the catalog)" if stage in known else "")
 
-    lines.append(f"held-out accuracy: warm-up {fmt('heldout_accuracy_warmup', 'eval_warmup')} -> "
-                 f"RFT {fmt('heldout_accuracy_rft', 'eval_rft')} -> RL {fmt('heldout_accuracy_rl', 'eval_rl')}   "
-                 f"total {summary['seconds']:.1f}s   run {summary['run_id']}")
+    lines.append(
+        f"held-out accuracy: warm-up {fmt('heldout_accuracy_warmup', 'eval_warmup')} -> "
+        f"RFT {fmt('heldout_accuracy_rft', 'eval_rft')} -> RL {fmt('heldout_accuracy_rl', 'eval_rl')}   "
+        f"total {summary['seconds']:.1f}s   run {summary['run_id']}"
+    )
     lines += [f"WARNING: {w}" for w in summary.get("warnings", [])]
     return "\n".join(lines)
 
@@ -154,8 +201,15 @@ def publish_prefect_artifacts(outcomes: Sequence[StageOutcome]) -> None:
     rows = []
     for o in outcomes:
         headline = stage_headline(o.stage, o.result.metrics)
-        rows.append({"stage": o.stage, "status": o.status, "seconds": round(o.seconds, 2),
-                     "cache_key": o.key.digest[:16], "metrics": headline})
+        rows.append(
+            {
+                "stage": o.stage,
+                "status": o.status,
+                "seconds": round(o.seconds, 2),
+                "cache_key": o.key.digest[:16],
+                "metrics": headline,
+            }
+        )
     create_table_artifact(table=rows, key="laminar-stages", description="Stages of this run: ran or cached")
     publish_eval_markdown(outcomes)
 
@@ -175,8 +229,20 @@ def publish_eval_markdown(outcomes: Sequence[StageOutcome]) -> None:
             continue
         with open(o.result.artifacts["eval"].file("summary.json")) as f:
             for bench, s in json.load(f).items():
-                evals.append(EvalGroup(role, o.result.metrics.get("checkpoint", ""), o.result.artifacts["eval"].sha256,
-                                       bench, s, True, (o.result.metrics.get(bench) or {}).get("certificate")))
+                evals.append(
+                    EvalGroup(
+                        role,
+                        o.result.metrics.get("checkpoint", ""),
+                        o.result.artifacts["eval"].sha256,
+                        bench,
+                        s,
+                        True,
+                        (o.result.metrics.get(bench) or {}).get("certificate"),
+                    )
+                )
     if evals:
-        create_markdown_artifact(markdown=markdown_benchmark_table(evals), key="laminar-benchmarks",
-                                 description="Benchmark accuracy per checkpoint (laminar report has the plots)")
+        create_markdown_artifact(
+            markdown=markdown_benchmark_table(evals),
+            key="laminar-benchmarks",
+            description="Benchmark accuracy per checkpoint (laminar report has the plots)",
+        )

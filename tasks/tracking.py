@@ -27,7 +27,8 @@ import subprocess
 import threading
 import time
 from pathlib import Path
-from typing import Any, Callable, Iterable, Mapping
+from typing import Any
+from collections.abc import Callable, Iterable, Mapping
 
 from conf.schema import Config, TrackingConfig
 from core.workspace import Workspace
@@ -73,18 +74,24 @@ def flat_params(obj: Any, prefix: str = "") -> dict[str, str]:
 def git_revision(root: Path = ROOT) -> str:
     """The project's git commit (``+dirty`` with uncommitted changes to tracked files), or ``unknown``."""
     try:
-        rev = subprocess.run(["git", "-C", str(root), "rev-parse", "HEAD"], capture_output=True, text=True,
-                             timeout=10)
+        rev = subprocess.run(
+            ["git", "-C", str(root), "rev-parse", "HEAD"], capture_output=True, text=True, timeout=10
+        )
         if rev.returncode != 0:
             return "unknown"
-        dirty = subprocess.run(["git", "-C", str(root), "status", "--porcelain", "--untracked-files=no"],
-                               capture_output=True, text=True, timeout=10).stdout.strip()
+        dirty = subprocess.run(
+            ["git", "-C", str(root), "status", "--porcelain", "--untracked-files=no"],
+            capture_output=True,
+            text=True,
+            timeout=10,
+        ).stdout.strip()
         return rev.stdout.strip() + ("+dirty" if dirty else "")
     except (OSError, subprocess.SubprocessError):
         return "unknown"
 
 
 # ---- backends --------------------------------------------------------------------------------------
+
 
 class TensorBoardBackend:
     """Event files under ``<workspace>/tracking/tensorboard/<run-id>``."""
@@ -125,8 +132,9 @@ class TensorBoardBackend:
         import matplotlib.image as mpimg
 
         img = mpimg.imread(str(path))  # HWC floats in [0, 1]
-        self.writer.add_image(name, img[..., :3] if img.ndim == 3 else img, dataformats="HWC" if img.ndim == 3
-                              else "HW")
+        self.writer.add_image(
+            name, img[..., :3] if img.ndim == 3 else img, dataformats="HWC" if img.ndim == 3 else "HW"
+        )
         self.writer.flush()
 
     def close(self, status: str) -> None:
@@ -159,12 +167,19 @@ class MlflowBackend:
         if exp is None:
             local = t.mlflow_uri is None
             exp_id = self.client.create_experiment(
-                t.mlflow_experiment, artifact_location=(root / "mlflow" / "artifacts").as_uri() if local else None)
+                t.mlflow_experiment,
+                artifact_location=(root / "mlflow" / "artifacts").as_uri() if local else None,
+            )
         else:
             exp_id = exp.experiment_id
         self.run = self.client.create_run(exp_id, run_name=run_id, tags={"laminar.run_id": run_id})
         self.id = self.run.info.run_id
-        self.location = {"uri": self.uri, "experiment": t.mlflow_experiment, "experiment_id": exp_id, "run": self.id}
+        self.location = {
+            "uri": self.uri,
+            "experiment": t.mlflow_experiment,
+            "experiment_id": exp_id,
+            "run": self.id,
+        }
 
     def scalars(self, values: dict[str, float], step: int | None) -> None:
         from mlflow.entities import Metric
@@ -172,7 +187,7 @@ class MlflowBackend:
         ts = int(time.time() * 1000)
         items = [Metric(k, v, ts, step or 0) for k, v in values.items()]
         for i in range(0, len(items), 1000):  # MLflow's batch limit
-            self.client.log_batch(self.id, metrics=items[i:i + 1000], synchronous=True)
+            self.client.log_batch(self.id, metrics=items[i : i + 1000], synchronous=True)
 
     def summary(self, values: dict[str, float]) -> None:
         self.scalars(values, 0)
@@ -182,7 +197,7 @@ class MlflowBackend:
 
         items = [Param(k, v[:6000]) for k, v in sorted(params.items())]
         for i in range(0, len(items), 100):
-            self.client.log_batch(self.id, params=items[i:i + 100], synchronous=True)
+            self.client.log_batch(self.id, params=items[i : i + 100], synchronous=True)
 
     def tags(self, tags: dict[str, str]) -> None:
         from mlflow.entities import RunTag
@@ -193,8 +208,11 @@ class MlflowBackend:
         import numpy as np
 
         counts, edges = np.histogram(np.asarray(values, dtype=np.float64), bins=10)
-        self.client.log_dict(self.id, {"edges": edges.tolist(), "counts": counts.tolist(), "step": step or 0},
-                             f"histograms/{name}.json")
+        self.client.log_dict(
+            self.id,
+            {"edges": edges.tolist(), "counts": counts.tolist(), "step": step or 0},
+            f"histograms/{name}.json",
+        )
 
     def image(self, name: str, path: Path) -> None:
         self.client.log_artifact(self.id, str(path), "plots")
@@ -230,14 +248,27 @@ class WandbBackend:
         mode = t.wandb_mode if t.wandb_mode != "auto" else ("online" if _wandb_logged_in() else "offline")
         self.dir = root  # wandb writes <dir>/wandb/<offline-run-...>
         root.mkdir(parents=True, exist_ok=True)
-        self.run = wandb.init(project=t.wandb_project, name=run_id, id=run_id, dir=str(root), mode=mode,
-                              config=config, resume="allow", reinit="create_new",
-                              settings=wandb.Settings(console="off", silent=True, x_disable_stats=True,
-                                                      disable_git=True, save_code=False))
+        self.run = wandb.init(
+            project=t.wandb_project,
+            name=run_id,
+            id=run_id,
+            dir=str(root),
+            mode=mode,
+            config=config,
+            resume="allow",
+            reinit="create_new",
+            settings=wandb.Settings(
+                console="off", silent=True, x_disable_stats=True, disable_git=True, save_code=False
+            ),
+        )
         self._wandb = wandb
         self._axes: set[str] = set()
-        self.location = {"mode": mode, "project": t.wandb_project, "id": run_id,
-                         "dir": str(Path(self.run.dir).parent)}
+        self.location = {
+            "mode": mode,
+            "project": t.wandb_project,
+            "id": run_id,
+            "dir": str(Path(self.run.dir).parent),
+        }
 
     def scalars(self, values: dict[str, float], step: int | None) -> None:
         if step is None:
@@ -260,8 +291,9 @@ class WandbBackend:
         pass  # the resolved config went to wandb.init
 
     def tags(self, tags: dict[str, str]) -> None:
-        self.run.config.update({"lineage": {**dict(self.run.config.get("lineage", {}) or {}), **tags}},
-                               allow_val_change=True)
+        self.run.config.update(
+            {"lineage": {**dict(self.run.config.get("lineage", {}) or {}), **tags}}, allow_val_change=True
+        )
 
     def histogram(self, name: str, values: list[float], step: int | None) -> None:
         self.run.summary[name] = self._wandb.Histogram(values, num_bins=10)
@@ -287,6 +319,7 @@ def mlflow_uri(root: Path, t: TrackingConfig) -> str:
 
 # ---- the tracker every stage writes through ------------------------------------------------------
 
+
 class Tracker:
     """Fans each call out to the configured backends; thread-safe (the Laminar runtime's driver and
     in-run evaluations log from their own threads). A backend whose call raises is dropped with one
@@ -307,8 +340,13 @@ class Tracker:
                 try:
                     getattr(b, method)(*args)
                 except Exception as err:  # noqa: BLE001 - the tracker's view never fails a run
-                    LOG.warning("tracking: %s backend failed (%s: %s); it logs nothing more in run %s", b.name,
-                                type(err).__name__, err, self.run_id)
+                    LOG.warning(
+                        "tracking: %s backend failed (%s: %s); it logs nothing more in run %s",
+                        b.name,
+                        type(err).__name__,
+                        err,
+                        self.run_id,
+                    )
                     self.backends.remove(b)
 
     def log_metrics(self, prefix: str, metrics: Mapping[str, Any], step: int | None = None) -> None:
@@ -323,8 +361,10 @@ class Tracker:
 
     def step_logger(self, prefix: str) -> Callable[[dict], None]:
         """An ``on_step`` callback: every RL step's metrics dict, at its ``step``."""
+
         def log(m: dict) -> None:
             self.log_metrics(prefix, {k: v for k, v in m.items() if k != "step"}, int(m["step"]))
+
         return log
 
     def log_params(self, params: dict[str, str]) -> None:
@@ -389,12 +429,21 @@ def start_run(cfg: Config, ws: Workspace, run_id: str, command: str) -> Tracker:
     root = tracking_root(ws)
     tracker = Tracker(run_id, open_backends(cfg.tracking, root, run_id, config))
     tracker.log_params(flat_params(config))
-    tracker.set_tags({"laminar.run_id": run_id, "git.revision": git_revision(), "laminar.command": command[:5000],
-                      "laminar.workspace": str(ws.root)})
+    tracker.set_tags(
+        {
+            "laminar.run_id": run_id,
+            "git.revision": git_revision(),
+            "laminar.command": command[:5000],
+            "laminar.workspace": str(ws.root),
+        }
+    )
     run_dir = ws.run_dir(run_id)
     run_dir.mkdir(parents=True, exist_ok=True)
-    (run_dir / LOCATIONS_FILE).write_text(json.dumps({"workspace": str(ws.root.resolve()),
-                                                      **{b.name: b.location for b in tracker.backends}}, indent=1))
+    (run_dir / LOCATIONS_FILE).write_text(
+        json.dumps(
+            {"workspace": str(ws.root.resolve()), **{b.name: b.location for b in tracker.backends}}, indent=1
+        )
+    )
     _ACTIVE = tracker
     return tracker
 
@@ -442,7 +491,9 @@ def _log_artifact_contents(tracker: Tracker, stage_name: str, ref: Any, metrics:
         summary = ref.file("summary.json")
         if ref.kind == "eval" and summary.exists():
             done = set(flatten(metrics, stage_name))
-            values = {k: v for k, v in flatten(json.loads(summary.read_text()), stage_name).items() if k not in done}
+            values = {
+                k: v for k, v in flatten(json.loads(summary.read_text()), stage_name).items() if k not in done
+            }
             tracker.log_metrics("", values)
         attempts = ref.file("attempts.parquet")
         if ref.kind == "attempts" and attempts.exists():
@@ -463,18 +514,30 @@ def dart_by_level(path: Path) -> dict[str, dict[str, float]]:
     """DART per difficulty level: trials, correct responses and acceptance (correct / trials)."""
     import polars as pl
 
-    rows = (pl.read_parquet(path, columns=["level", "trials", "corrects"])
-            .group_by("level").agg(pl.col("trials").sum(), pl.col("corrects").sum(), pl.len().alias("prompts"))
-            .sort("level", nulls_last=True).to_dicts())
-    return {str(r["level"]): {"prompts": float(r["prompts"]), "trials": float(r["trials"]),
-                              "corrects": float(r["corrects"]),
-                              "acceptance": float(r["corrects"]) / r["trials"] if r["trials"] else 0.0} for r in rows}
+    rows = (
+        pl.read_parquet(path, columns=["level", "trials", "corrects"])
+        .group_by("level")
+        .agg(pl.col("trials").sum(), pl.col("corrects").sum(), pl.len().alias("prompts"))
+        .sort("level", nulls_last=True)
+        .to_dicts()
+    )
+    return {
+        str(r["level"]): {
+            "prompts": float(r["prompts"]),
+            "trials": float(r["trials"]),
+            "corrects": float(r["corrects"]),
+            "acceptance": float(r["corrects"]) / r["trials"] if r["trials"] else 0.0,
+        }
+        for r in rows
+    }
 
 
 def rl_curve(ws: Workspace, cache_key: str) -> dict[int, dict[str, float]]:
     """The RL stage's per-step metrics recorded in the catalog for ``cache_key``: step -> name -> value."""
-    rows = ws.catalog.query("SELECT step, name, value FROM metrics WHERE cache_key = ? AND stage = 'rl' "
-                            "ORDER BY step, name", [cache_key])
+    rows = ws.catalog.query(
+        "SELECT step, name, value FROM metrics WHERE cache_key = ? AND stage = 'rl' ORDER BY step, name",
+        [cache_key],
+    )
     out: dict[int, dict[str, float]] = {}
     for r in rows:
         out.setdefault(int(r["step"]), {})[r["name"]] = r["value"]
@@ -482,6 +545,7 @@ def rl_curve(ws: Workspace, cache_key: str) -> dict[int, dict[str, float]]:
 
 
 # ---- where a run's tracker runs are ----------------------------------------------------------------
+
 
 def locations(ws: Workspace, run_id: str) -> dict[str, dict]:
     """``tracking.json`` of a run: backend -> where its tracker run is ({} when it logged nowhere),
@@ -504,9 +568,13 @@ def describe(loc: Mapping[str, Mapping[str, Any]]) -> list[str]:
         if name == "tensorboard":
             lines.append(f"tensorboard  {v.get('logdir')}")
         elif name == "mlflow":
-            lines.append(f"mlflow       run {v.get('run')} (experiment {v.get('experiment')}) in {v.get('uri')}")
+            lines.append(
+                f"mlflow       run {v.get('run')} (experiment {v.get('experiment')}) in {v.get('uri')}"
+            )
         elif name == "wandb":
-            lines.append(f"wandb        {v.get('mode')} run {v.get('project')}/{v.get('id')} in {v.get('dir')}")
+            lines.append(
+                f"wandb        {v.get('mode')} run {v.get('project')}/{v.get('id')} in {v.get('dir')}"
+            )
     return lines
 
 

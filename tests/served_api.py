@@ -27,7 +27,9 @@ class ServedAPI:
         import httpx
 
         if self._csrf is None:
-            r = httpx.get(f"{self.url}/csrf-token", params={"client": self.client}, headers=self.auth, timeout=30)
+            r = httpx.get(
+                f"{self.url}/csrf-token", params={"client": self.client}, headers=self.auth, timeout=30
+            )
             r.raise_for_status()
             self._csrf = r.json()["token"]
         return {"Prefect-Csrf-Token": self._csrf, "Prefect-Csrf-Client": self.client}

@@ -48,10 +48,23 @@ RUNNABLE = {"config", "status", "runs"}
 FENCE = re.compile(r"^(\s*)(```+|~~~+)\s*([\w+-]*)\s*$")
 MARKER = re.compile(r"^\s*<!--\s*(.*?)\s*-->\s*$")
 ENV_ASSIGNMENT = re.compile(r"^[A-Z_][A-Z0-9_]*=")
-TOP_LEVEL = ("core", "conf", "generation", "evaluation", "data_curation", "training", "tasks", "flows",
-             "benchmarks", "tests", "docs")
-REPO_PATH = re.compile(r"^(?:\./)?((?:%s)/[\w./*-]*|README\.md|Makefile|pyproject\.toml|requirements\.txt)$"
-                       % "|".join(TOP_LEVEL))
+TOP_LEVEL = (
+    "core",
+    "conf",
+    "generation",
+    "evaluation",
+    "data_curation",
+    "training",
+    "tasks",
+    "flows",
+    "benchmarks",
+    "tests",
+    "docs",
+)
+REPO_PATH = re.compile(
+    r"^(?:\./)?((?:%s)/[\w./*-]*|README\.md|Makefile|pyproject\.toml|requirements\.txt)$"
+    % "|".join(TOP_LEVEL)
+)
 CONFIG_REF = re.compile(r"^([a-z_][a-z0-9_]*(?:\.[a-z_][a-z0-9_]*)+)(?:=.*)?$")
 FILE_SUFFIXES = {"py", "md", "yaml", "json", "jsonl", "png", "parquet", "duckdb", "txt", "log"}
 GROUP_OPTION = re.compile(r"^(model|data|sft|rl|eval)=([\w-]+)$")
@@ -129,7 +142,7 @@ def _split(text: str) -> list[str] | None:
         return None
     for stop in ("|", "&&", ";", ">", "2>"):
         if stop in words:
-            words = words[:words.index(stop)]
+            words = words[: words.index(stop)]
     return words
 
 
@@ -172,18 +185,19 @@ def commands(block: Block) -> list[Command]:
     return out
 
 
-
-
 ALL_BLOCKS = [b for doc in DOCS for b in blocks(doc)]
 ALL_COMMANDS = [c for b in ALL_BLOCKS for c in commands(b)]
 LAMINAR = [c for c in ALL_COMMANDS if _is_laminar(c.words[0])]
 MAKE = [c for c in ALL_COMMANDS if c.words[0] == "make"]
-SCRIPTS = [c for c in ALL_COMMANDS if Path(c.words[0]).name.startswith("python") and len(c.words) > 1
-           and c.words[1].endswith(".py")]
+SCRIPTS = [
+    c
+    for c in ALL_COMMANDS
+    if Path(c.words[0]).name.startswith("python") and len(c.words) > 1 and c.words[1].endswith(".py")
+]
 
 
 # ------------------------------------------------------------------------------------------ the checks
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def cli():
     """The CLI's parser and its subparsers, exactly as ``laminar`` builds them."""
     from flows.cli import _parser
@@ -207,11 +221,13 @@ def parse(argv: list[str]):
     except SystemExit as exit_:
         if exit_.code in (0, None):  # --help
             return None, sub
-        raise AssertionError(f"the CLI rejects `laminar {' '.join(argv)}`: {err.getvalue().strip()}") from None
+        raise AssertionError(
+            f"the CLI rejects `laminar {' '.join(argv)}`: {err.getvalue().strip()}"
+        ) from None
     return args, sub
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def benchmark_names() -> tuple[str, ...]:
     from evaluation.benchmarks import BENCHMARKS
     from evaluation.stages import HELDOUT
@@ -235,7 +251,9 @@ def check_overrides(command: str, overrides: list[str]) -> None:
         cfg = load_config(overrides)
         unknown = [b for b in cfg.eval.benchmarks if b not in benchmark_names()]
         if unknown:
-            raise AssertionError(f"unknown benchmark {unknown[0]!r}; benchmarks are {', '.join(benchmark_names())}")
+            raise AssertionError(
+                f"unknown benchmark {unknown[0]!r}; benchmarks are {', '.join(benchmark_names())}"
+            )
         if cfg.trainer.backend == "deepspeed":
             deepspeed_config(cfg.trainer.deepspeed)
     except ConfigError as err:
@@ -251,7 +269,11 @@ def check_laminar(words: tuple[str, ...]) -> None:
     from tasks.operate import UnknownStage, select
 
     try:
-        select(until=getattr(args, "until", None), force=getattr(args, "force", []), rerun=getattr(args, "stage", None))
+        select(
+            until=getattr(args, "until", None),
+            force=getattr(args, "force", []),
+            rerun=getattr(args, "stage", None),
+        )
     except UnknownStage as err:
         raise AssertionError(f"`laminar {' '.join(argv)}`: {err}") from None
     overrides = list(getattr(args, "overrides", None) or [])
@@ -264,7 +286,7 @@ def check_laminar(words: tuple[str, ...]) -> None:
         check_overrides(args.command, overrides)
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def make_targets() -> frozenset[str]:
     text = (ROOT / "Makefile").read_text()
     targets = set()
@@ -281,7 +303,9 @@ def check_make(words: tuple[str, ...]) -> None:
             check_laminar(("laminar", "run", *shlex.split(word.removeprefix("ARGS="))))
         elif "=" not in word and not word.startswith("-"):
             if word not in make_targets():
-                raise AssertionError(f"`make {word}`: no such target; the Makefile has {sorted(make_targets())}")
+                raise AssertionError(
+                    f"`make {word}`: no such target; the Makefile has {sorted(make_targets())}"
+                )
 
 
 def _schemas():
@@ -323,8 +347,11 @@ def check_prose(doc: Path) -> list[str]:
                     options = subs[words[1]]._option_string_actions
                 else:
                     options = parser_._option_string_actions
-                problems += [f"{where}: `{span}`: {w.split('=')[0]} is not an option of it" for w in words[2:]
-                             if w.startswith("-") and w.split("=")[0] not in options]
+                problems += [
+                    f"{where}: `{span}`: {w.split('=')[0]} is not an option of it"
+                    for w in words[2:]
+                    if w.startswith("-") and w.split("=")[0] not in options
+                ]
             elif words and words[0] == "make":
                 try:
                     check_make(tuple(shlex.split(span)))
@@ -341,10 +368,16 @@ def check_prose(doc: Path) -> list[str]:
                 group, option = GROUP_OPTION.match(span).groups()
                 if not (ROOT / "conf" / group / f"{option}.yaml").exists():
                     problems.append(f"{where}: `{span}`: no conf/{group}/{option}.yaml")
-            elif CONFIG_REF.match(span) and span.split(".")[0] in tops and span.split("=")[0].rsplit(".")[-1] not in FILE_SUFFIXES:
+            elif (
+                CONFIG_REF.match(span)
+                and span.split(".")[0] in tops
+                and span.split("=")[0].rsplit(".")[-1] not in FILE_SUFFIXES
+            ):
                 parts = CONFIG_REF.match(span).group(1).split(".")
                 if not any(_has_key(schema, parts) for schema in _schemas()):
-                    problems.append(f"{where}: `{span}`: no config key {'.'.join(parts)} (conf/schema.py, conf/simulate.py)")
+                    problems.append(
+                        f"{where}: `{span}`: no config key {'.'.join(parts)} (conf/schema.py, conf/simulate.py)"
+                    )
         for target in re.findall(r"\]\(([^)\s]+)\)", text):
             if re.match(r"^[a-z]+:", target) or target.startswith("#"):
                 continue
@@ -356,13 +389,18 @@ def check_prose(doc: Path) -> list[str]:
 # ------------------------------------------------------------------------------------------ the tests
 def test_docs_have_commands_and_a_runnable_block():
     assert len(DOCS) > 1 and len(LAMINAR) > 20, [d.name for d in DOCS]
-    assert any(c.marker == "runnable" for c in LAMINAR), "no runnable block left: the docs would no longer be run"
+    assert any(c.marker == "runnable" for c in LAMINAR), (
+        "no runnable block left: the docs would no longer be run"
+    )
     assert any(c.marker == "config-error" for c in LAMINAR)
 
 
 def test_only_known_markers_sit_above_fences():
-    unknown = [f"{b.doc.name}:{b.line - 1}: <!-- {b.marker} -->" for b in ALL_BLOCKS
-               if b.marker is not None and b.marker not in MARKERS]
+    unknown = [
+        f"{b.doc.name}:{b.line - 1}: <!-- {b.marker} -->"
+        for b in ALL_BLOCKS
+        if b.marker is not None and b.marker not in MARKERS
+    ]
     assert not unknown, f"unknown marker above a code block (known: {MARKERS}): {unknown}"
 
 
@@ -398,7 +436,8 @@ def test_config_error_example_fails_as_shown(cmd):
         load_config(args.overrides)
     if cmd.expected_error:
         assert str(err.value).startswith(cmd.expected_error), (
-            f"{cmd.id}: the docs show\n  {cmd.expected_error}\nthe CLI says\n  {err.value}")
+            f"{cmd.id}: the docs show\n  {cmd.expected_error}\nthe CLI says\n  {err.value}"
+        )
 
 
 @pytest.mark.parametrize("doc", DOCS, ids=lambda d: d.name)
@@ -444,12 +483,26 @@ def test_runnable_command_runs(cmd, workspace):
     _, sub = parse(argv)
     helps = {"-h", "--help"} & set(argv)
     assert helps or (sub is not None and argv[0] in RUNNABLE), (
-        f"{cmd.id}: runnable blocks may only run {sorted(RUNNABLE)} or --help (fast, read-only)")
+        f"{cmd.id}: runnable blocks may only run {sorted(RUNNABLE)} or --help (fast, read-only)"
+    )
     if sub is not None and not helps and "--workspace" not in argv:
         argv += ["--workspace", str(workspace)]
-    env = {**os.environ, "PYTHONPATH": str(ROOT), "LAMINAR_WORKSPACE": str(workspace),
-           "PREFECT_HOME": str(workspace.parent / "prefect-home"), "PREFECT_SERVER_ANALYTICS_ENABLED": "false"}
+    env = {
+        **os.environ,
+        "PYTHONPATH": str(ROOT),
+        "LAMINAR_WORKSPACE": str(workspace),
+        "PREFECT_HOME": str(workspace.parent / "prefect-home"),
+        "PREFECT_SERVER_ANALYTICS_ENABLED": "false",
+    }
     env.pop("PREFECT_API_URL", None)
-    proc = subprocess.run([sys.executable, "-m", "flows.cli", *argv], cwd=ROOT, env=env, capture_output=True,
-                          text=True, timeout=120)
-    assert proc.returncode == 0, f"{cmd.id} exited {proc.returncode}:\n{proc.stdout[-2000:]}\n{proc.stderr[-2000:]}"
+    proc = subprocess.run(
+        [sys.executable, "-m", "flows.cli", *argv],
+        cwd=ROOT,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert proc.returncode == 0, (
+        f"{cmd.id} exited {proc.returncode}:\n{proc.stdout[-2000:]}\n{proc.stderr[-2000:]}"
+    )

@@ -19,10 +19,12 @@ def _modules(pkg):
 @pytest.mark.parametrize("pkg", LIBRARIES)
 def test_library_does_not_import_prefect(pkg):
     mods = list(_modules(pkg))
-    code = ("import sys, importlib\n"
-            f"for m in {mods!r}: importlib.import_module(m)\n"
-            "bad = sorted(m for m in sys.modules if m == 'prefect' or m.startswith('prefect.'))\n"
-            "assert not bad, bad[:5]\n")
+    code = (
+        "import sys, importlib\n"
+        f"for m in {mods!r}: importlib.import_module(m)\n"
+        "bad = sorted(m for m in sys.modules if m == 'prefect' or m.startswith('prefect.'))\n"
+        "assert not bad, bad[:5]\n"
+    )
     proc = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0, proc.stderr[-2000:]
 
@@ -34,14 +36,23 @@ def test_flows_import_only_tasks_and_config():
             if isinstance(node, ast.ImportFrom) and node.module and node.level == 0:
                 top = node.module.split(".")[0]
                 if top in ("generation", "data_curation", "training", "evaluation"):
-                    raise AssertionError(f"{path.name} imports {node.module}: flows may import tasks and config only")
+                    raise AssertionError(
+                        f"{path.name} imports {node.module}: flows may import tasks and config only"
+                    )
 
 
 # DESIGN.md's layer order, lowest first: a package may import itself and the packages before it,
 # never one after it (so no two stage libraries import each other both ways). ``core`` and ``conf``
 # share the bottom layer.
-LAYERS = [("core", "conf"), ("generation",), ("evaluation",), ("data_curation",), ("training",), ("tasks",),
-          ("flows",)]
+LAYERS = [
+    ("core", "conf"),
+    ("generation",),
+    ("evaluation",),
+    ("data_curation",),
+    ("training",),
+    ("tasks",),
+    ("flows",),
+]
 
 
 def _layer_of(top: str) -> int | None:
@@ -67,7 +78,9 @@ def layer_violations(root: Path = ROOT) -> list[str]:
                 for line, module in _project_imports(path):
                     there = _layer_of(module.split(".")[0])
                     if there is not None and there > here:
-                        bad.append(f"{path.relative_to(root)}:{line} imports {module} (layer {there} > {here})")
+                        bad.append(
+                            f"{path.relative_to(root)}:{line} imports {module} (layer {there} > {here})"
+                        )
     return bad
 
 
@@ -77,7 +90,9 @@ def test_imports_follow_the_layer_order():
 
 def test_layer_check_catches_an_import_against_the_order(tmp_path):
     (tmp_path / "generation").mkdir()
-    (tmp_path / "generation" / "engine.py").write_text("def f():\n    from training.rl.loop import run_sync\n")
+    (tmp_path / "generation" / "engine.py").write_text(
+        "def f():\n    from training.rl.loop import run_sync\n"
+    )
     (tmp_path / "evaluation").mkdir()
     (tmp_path / "evaluation" / "ok.py").write_text("from generation.records import PromptItem\n")
     assert layer_violations(tmp_path) == ["generation/engine.py:2 imports training.rl.loop (layer 4 > 1)"]

@@ -41,11 +41,11 @@ def wandb_records(path: Path):
         if left < 7:
             pos += left
             continue
-        _crc, length, kind = struct.unpack("<IHB", data[pos:pos + 7])
+        _crc, length, kind = struct.unpack("<IHB", data[pos : pos + 7])
         if length == 0 and kind == 0:  # block padding
             pos += left
             continue
-        chunk = data[pos + 7:pos + 7 + length]
+        chunk = data[pos + 7 : pos + 7 + length]
         pos += 7 + length
         if kind in (1, 2):  # full, first
             pending = chunk
@@ -63,7 +63,9 @@ def wandb_run(path: Path) -> tuple[list[dict], dict]:
     for r in wandb_records(path):
         kind = r.WhichOneof("record_type")
         if kind == "history":
-            history.append({i.key or "/".join(i.nested_key): json.loads(i.value_json) for i in r.history.item})
+            history.append(
+                {i.key or "/".join(i.nested_key): json.loads(i.value_json) for i in r.history.item}
+            )
         elif kind == "summary":
             for i in r.summary.update:
                 summary[i.key or "/".join(i.nested_key)] = json.loads(i.value_json)

@@ -22,8 +22,10 @@ def build_base_model(cfg: ModelConfig, seed: int, out_dir: Path) -> dict[str, fl
         if not (src / "config.json").exists():
             raise FileNotFoundError(f"model.path={src} is not a save_pretrained folder (no config.json)")
         if not list(src.glob("*.safetensors")):
-            raise ValueError(f"model.path={src} has no *.safetensors weights; convert pickled weights "
-                             "to safetensors first (pickles are never loaded)")
+            raise ValueError(
+                f"model.path={src} has no *.safetensors weights; convert pickled weights "
+                "to safetensors first (pickles are never loaded)"
+            )
         for f in sorted(src.iterdir()):
             if f.is_file() and not f.name.endswith(UNSAFE_WEIGHT_SUFFIXES):
                 shutil.copy2(f, Path(out_dir) / f.name)

@@ -34,4 +34,5 @@ def check_finite(where: str, keys: Mapping[str, object], **values: float | None)
             raise NonFiniteError(
                 f"{where}: the {what} is {value} (not finite), so training diverged; the stage stops "
                 f"and publishes nothing. Lower the learning rate or clip gradients harder: "
-                f"{describe_keys(keys)}")
+                f"{describe_keys(keys)}"
+            )

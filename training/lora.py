@@ -27,8 +27,14 @@ from generation.model import check_adapter_weights, load_model, load_tokenizer, 
 def peft_config(cfg: LoraConfig):
     from peft import LoraConfig as PeftLoraConfig
 
-    return PeftLoraConfig(r=cfg.rank, lora_alpha=cfg.alpha, lora_dropout=cfg.dropout,
-                          target_modules=list(cfg.target_modules), bias="none", task_type="CAUSAL_LM")
+    return PeftLoraConfig(
+        r=cfg.rank,
+        lora_alpha=cfg.alpha,
+        lora_dropout=cfg.dropout,
+        target_modules=list(cfg.target_modules),
+        bias="none",
+        task_type="CAUSAL_LM",
+    )
 
 
 def is_peft(model) -> bool:
@@ -37,8 +43,9 @@ def is_peft(model) -> bool:
     return peft is not None and isinstance(model, peft.PeftModel)
 
 
-def load_trainable(model_dir: str | Path, cfg: LoraConfig | None, stage: str, *, device: str = "cpu",
-                   seed: int = 0):
+def load_trainable(
+    model_dir: str | Path, cfg: LoraConfig | None, stage: str, *, device: str = "cpu", seed: int = 0
+):
     """(model, tokenizer, base) for a training stage. LoRA on for ``stage``: a PeftModel over the frozen
     base (an adapter folder's own adapter continued, or a fresh one seeded with ``seed``) and the base
     folder; otherwise the plain model (an adapter folder merged) and None."""
@@ -145,7 +152,9 @@ def adapter_state(model) -> dict[str, np.ndarray]:
 def fresh_adapter(model_dir: str | Path, cfg: LoraConfig, out_dir: str | Path, *, seed: int) -> Path:
     """Write a fresh adapter on the full model ``model_dir`` to ``out_dir`` (what RL starts from when
     the stage before it trained every weight): the runtime's roles then all start from one folder."""
-    model, tokenizer, _ = load_trainable(model_dir, cfg, "rl", seed=seed) if cfg.on("rl") else (None, None, None)
+    model, tokenizer, _ = (
+        load_trainable(model_dir, cfg, "rl", seed=seed) if cfg.on("rl") else (None, None, None)
+    )
     if model is None:
         raise ValueError("fresh_adapter needs model.lora on for rl")
     model.peft_config["default"].base_model_name_or_path = str(Path(model_dir).resolve())

@@ -15,7 +15,8 @@ import dataclasses
 import math
 from dataclasses import dataclass
 from types import MappingProxyType
-from typing import Callable, Mapping, Optional, TypeVar
+from typing import TypeVar
+from collections.abc import Callable, Mapping
 
 import torch
 from torch import Tensor
@@ -91,7 +92,7 @@ def clipped_policy_loss(
     *,
     clip_low: float = 0.2,
     clip_high: float = 0.28,
-    dual_clip: Optional[float] = None,
+    dual_clip: float | None = None,
 ) -> tuple[Tensor, Tensor]:
     """PPO clipped surrogate per token: ``max(-A*rho, -A*clip(rho, 1-clip_low, 1+clip_high))``.
 
@@ -135,22 +136,22 @@ def entropy_from_logits(logits: Tensor) -> Tensor:
 # --------------------------------------------------------------------------- aggregation
 
 
-def _masked_sum(loss: Tensor, mask: Tensor, dim: Optional[int] = None) -> Tensor:
+def _masked_sum(loss: Tensor, mask: Tensor, dim: int | None = None) -> Tensor:
     masked = torch.where(mask.bool(), loss, 0.0)
     return masked.sum() if dim is None else masked.sum(dim)
 
 
-def _token_mean(loss: Tensor, mask: Tensor, max_len: Optional[int]) -> Tensor:
+def _token_mean(loss: Tensor, mask: Tensor, max_len: int | None) -> Tensor:
     return _masked_sum(loss, mask) / mask.sum().clamp_min(1)
 
 
-def _seq_mean(loss: Tensor, mask: Tensor, max_len: Optional[int]) -> Tensor:
+def _seq_mean(loss: Tensor, mask: Tensor, max_len: int | None) -> Tensor:
     lengths = mask.to(loss.dtype).sum(-1)
     per_seq = _masked_sum(loss, mask, dim=-1) / lengths.clamp_min(1)
     return per_seq.sum() / (lengths > 0).sum().clamp_min(1)
 
 
-def _seq_sum_const(loss: Tensor, mask: Tensor, max_len: Optional[int]) -> Tensor:
+def _seq_sum_const(loss: Tensor, mask: Tensor, max_len: int | None) -> Tensor:
     if max_len is None or max_len <= 0:
         raise ValueError(
             f"loss_agg 'seq_sum_const' (Dr. GRPO) divides by a constant length but got max_len={max_len}; "
@@ -159,13 +160,13 @@ def _seq_sum_const(loss: Tensor, mask: Tensor, max_len: Optional[int]) -> Tensor
     return _masked_sum(loss, mask) / (loss.shape[0] * max_len)
 
 
-AggregationFn = Callable[[Tensor, Tensor, Optional[int]], Tensor]
+AggregationFn = Callable[[Tensor, Tensor, int | None], Tensor]
 AGGREGATIONS: Mapping[str, AggregationFn] = MappingProxyType(
     {"token_mean": _token_mean, "seq_mean": _seq_mean, "seq_sum_const": _seq_sum_const}
 )
 
 
-def aggregate(loss: Tensor, mask: Tensor, mode: str, max_len: Optional[int] = None) -> Tensor:
+def aggregate(loss: Tensor, mask: Tensor, mode: str, max_len: int | None = None) -> Tensor:
     """Reduce a ``(B, T)`` per-token loss to a scalar over ``mask``.
 
     ``token_mean`` (DAPO): sum over all tokens / number of tokens in the batch. ``seq_mean`` (GRPO):
@@ -208,21 +209,21 @@ def count_constant_groups(rewards: Tensor, group_index: Tensor) -> int:
 # --------------------------------------------------------------------------- off-policy correction
 
 
-def _token_log_ratio(log_ratio: Tensor, mask: Optional[Tensor]) -> Tensor:
+def _token_log_ratio(log_ratio: Tensor, mask: Tensor | None) -> Tensor:
     return log_ratio
 
 
-def _sequence_log_ratio(log_ratio: Tensor, mask: Optional[Tensor]) -> Tensor:
+def _sequence_log_ratio(log_ratio: Tensor, mask: Tensor | None) -> Tensor:
     total = log_ratio.sum(-1) if mask is None else _masked_sum(log_ratio, mask, dim=-1)
     return total.unsqueeze(-1).expand_as(log_ratio)
 
 
-_IS_LEVELS: Mapping[str, Callable[[Tensor, Optional[Tensor]], Tensor]] = MappingProxyType(
+_IS_LEVELS: Mapping[str, Callable[[Tensor, Tensor | None], Tensor]] = MappingProxyType(
     {"token": _token_log_ratio, "sequence": _sequence_log_ratio}
 )
 
 
-def _log_ratio(old_logprobs: Tensor, behaviour_logprobs: Tensor, level: str, mask: Optional[Tensor]) -> Tensor:
+def _log_ratio(old_logprobs: Tensor, behaviour_logprobs: Tensor, level: str, mask: Tensor | None) -> Tensor:
     log_ratio = (old_logprobs - behaviour_logprobs).detach()
     return _lookup(_IS_LEVELS, level, "importance-weight level")(log_ratio, mask)
 
@@ -232,7 +233,7 @@ def truncated_is_weights(
     behaviour_logprobs: Tensor,
     cap: float = 3.0,
     level: str = "token",
-    mask: Optional[Tensor] = None,
+    mask: Tensor | None = None,
 ) -> Tensor:
     """Truncated importance weights ``min(pi_old / pi_behave, cap)``, ``(B, T)``, detached.
 
@@ -248,7 +249,7 @@ def masked_is_weights(
     low: float = 0.0,
     high: float = 3.0,
     level: str = "token",
-    mask: Optional[Tensor] = None,
+    mask: Tensor | None = None,
 ) -> Tensor:
     """Masked importance weights, ``(B, T)``, detached: the ratio ``pi_old / pi_behave`` where it
     lies in ``[low, high]``, 0 outside (AReaL's behaviour-weight masking caps only above: low=0)."""
@@ -256,7 +257,7 @@ def masked_is_weights(
     return torch.where((ratio >= low) & (ratio <= high), ratio, 0.0)
 
 
-BehaviourWeightFn = Callable[[Tensor, Tensor, float, Optional[Tensor]], Tensor]
+BehaviourWeightFn = Callable[[Tensor, Tensor, float, Tensor | None], Tensor]
 BEHAVIOUR_WEIGHTS: Mapping[str, BehaviourWeightFn] = MappingProxyType(
     {
         "truncate": lambda prox, behave, cap, mask: truncated_is_weights(prox, behave, cap=cap, mask=mask),
@@ -274,10 +275,10 @@ def decoupled_ppo_loss(
     *,
     clip_low: float,
     clip_high: float,
-    dual_clip: Optional[float] = None,
+    dual_clip: float | None = None,
     behaviour_weight: str = "truncate",
     cap: float = 3.0,
-    mask: Optional[Tensor] = None,
+    mask: Tensor | None = None,
 ) -> tuple[Tensor, dict[str, Tensor]]:
     """AReaL's decoupled PPO per token: ``w * max(-A*u, -A*clip(u, 1-clip_low, 1+clip_high))``.
 
@@ -322,7 +323,7 @@ class ObjectiveParams:
     """Lower clip ``eps_low``: ratio floor ``1 - clip_low``. PPO/GRPO/DAPO: 0.2."""
     clip_high: float = 0.2
     """Upper clip ``eps_high``: ratio ceiling ``1 + clip_high``. PPO/GRPO: 0.2; DAPO clip-higher: 0.28."""
-    dual_clip: Optional[float] = None
+    dual_clip: float | None = None
     """Dual-clip bound ``c > 1`` on negative-advantage losses; off in the papers (verl offers 3.0)."""
     overlong_shaping: bool = False
     """DAPO soft overlong punishment added to the reward (``overlong_penalty``); DAPO: on."""
@@ -389,14 +390,18 @@ class PolicyBatch:
     advantages: Tensor
     mask: Tensor
     max_len: int
-    versions: Optional[Tensor] = None
-    trainer_version: Optional[int] = None
-    ref_logprobs: Optional[Tensor] = None
+    versions: Tensor | None = None
+    trainer_version: int | None = None
+    ref_logprobs: Tensor | None = None
 
     def __post_init__(self) -> None:
         shape = tuple(self.mask.shape)
-        named = {"logprobs": self.logprobs, "old_logprobs": self.old_logprobs,
-                 "behaviour_logprobs": self.behaviour_logprobs, "ref_logprobs": self.ref_logprobs}
+        named = {
+            "logprobs": self.logprobs,
+            "old_logprobs": self.old_logprobs,
+            "behaviour_logprobs": self.behaviour_logprobs,
+            "ref_logprobs": self.ref_logprobs,
+        }
         bad = {k: tuple(v.shape) for k, v in named.items() if v is not None and tuple(v.shape) != shape}
         if len(shape) != 2 or bad:
             raise ValueError(f"PolicyBatch: mask must be (B, T) and match {bad or 'it'}; mask is {shape}")
@@ -425,9 +430,16 @@ def policy_loss(batch: PolicyBatch, params: ObjectiveParams) -> tuple[Tensor, di
         )
     mask = batch.mask
     token_loss, stats = decoupled_ppo_loss(
-        batch.logprobs, batch.old_logprobs, batch.behaviour_logprobs, batch.advantages,
-        clip_low=params.clip_low, clip_high=params.clip_high, dual_clip=params.dual_clip,
-        behaviour_weight=params.behaviour_weight, cap=params.is_cap, mask=mask,
+        batch.logprobs,
+        batch.old_logprobs,
+        batch.behaviour_logprobs,
+        batch.advantages,
+        clip_low=params.clip_low,
+        clip_high=params.clip_high,
+        dual_clip=params.dual_clip,
+        behaviour_weight=params.behaviour_weight,
+        cap=params.is_cap,
+        mask=mask,
     )
     metrics: dict[str, float] = {}
     if batch.ref_logprobs is not None:

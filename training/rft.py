@@ -13,22 +13,52 @@ from generation.setup import read_table
 from training.sft import SFTExample, train_sft
 
 
-def rft(model_dir: Path, rft_path: Path, cfg: RFTConfig, *, template: str, seed: int, device: str,
-        out_dir: Path, lora: LoraConfig | None = None) -> dict[str, float]:
+def rft(
+    model_dir: Path,
+    rft_path: Path,
+    cfg: RFTConfig,
+    *,
+    template: str,
+    seed: int,
+    device: str,
+    out_dir: Path,
+    lora: LoraConfig | None = None,
+) -> dict[str, float]:
     """Fine-tune the model on ``rft.parquet`` (problem, response). With ``cfg.steps == 0`` or no
     correct response to learn from, the model passes through unchanged (and says so)."""
     model, tokenizer, _ = load_trainable(model_dir, lora, "rft", device=device, seed=seed)
     rows = read_table(Path(rft_path))
-    examples = [SFTExample(encode_problem(tokenizer, template, r["problem"]),
-                           encode_response(tokenizer, r["response"])) for r in rows]
+    examples = [
+        SFTExample(
+            encode_problem(tokenizer, template, r["problem"]), encode_response(tokenizer, r["response"])
+        )
+        for r in rows
+    ]
     metrics: dict[str, float] = {"rft_examples": float(len(examples)), "rft_steps": 0.0}
     if cfg.steps > 0 and examples:
         with tqdm(total=cfg.steps, desc="rft", unit="step", leave=False) as bar:
-            m = train_sft(model, examples, steps=cfg.steps, batch_size=cfg.batch_size, lr=cfg.lr,
-                          warmup_steps=cfg.warmup_steps, weight_decay=0.0, max_grad_norm=1.0,
-                          pad_id=tokenizer.pad_token_id, seed=seed, device=device, progress=bar, stage="rft",
-                          keys={"curation.rft.lr": cfg.lr, "curation.rft.warmup_steps": cfg.warmup_steps})
-        metrics.update({"rft_steps": float(cfg.steps), "rft_loss_first": m["sft_loss_first"],
-                        "rft_loss_ema": m["sft_loss_ema"]})
+            m = train_sft(
+                model,
+                examples,
+                steps=cfg.steps,
+                batch_size=cfg.batch_size,
+                lr=cfg.lr,
+                warmup_steps=cfg.warmup_steps,
+                weight_decay=0.0,
+                max_grad_norm=1.0,
+                pad_id=tokenizer.pad_token_id,
+                seed=seed,
+                device=device,
+                progress=bar,
+                stage="rft",
+                keys={"curation.rft.lr": cfg.lr, "curation.rft.warmup_steps": cfg.warmup_steps},
+            )
+        metrics.update(
+            {
+                "rft_steps": float(cfg.steps),
+                "rft_loss_first": m["sft_loss_first"],
+                "rft_loss_ema": m["sft_loss_ema"],
+            }
+        )
     save_trained(model.to("cpu"), tokenizer, out_dir)
     return metrics

@@ -8,7 +8,7 @@ from __future__ import annotations
 import math
 import random
 from dataclasses import dataclass
-from typing import Mapping, Sequence
+from collections.abc import Mapping, Sequence
 
 import torch
 
@@ -31,9 +31,9 @@ def collate(batch: Sequence[SFTExample], pad_id: int) -> tuple[torch.Tensor, tor
     attn = torch.zeros_like(ids)
     labels = torch.full_like(ids, -100)
     for i, (ex, s) in enumerate(zip(batch, seqs)):
-        ids[i, :len(s)] = torch.tensor(s)
-        attn[i, :len(s)] = 1
-        labels[i, len(ex.prompt_tokens):len(s)] = torch.tensor(ex.response_tokens)
+        ids[i, : len(s)] = torch.tensor(s)
+        attn[i, : len(s)] = 1
+        labels[i, len(ex.prompt_tokens) : len(s)] = torch.tensor(ex.response_tokens)
     return ids, attn, labels
 
 
@@ -41,8 +41,9 @@ PACK_WIDTH = 256
 """Shortest row that ``pack`` fills (tokens); a longer example gets a row of its own length."""
 
 
-def pack(batch: Sequence[SFTExample], pad_id: int, width: int = PACK_WIDTH
-         ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+def pack(
+    batch: Sequence[SFTExample], pad_id: int, width: int = PACK_WIDTH
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """(input_ids, position_ids, labels): the examples packed first-fit-decreasing into rows of
     ``max(width, longest)`` tokens, each example's positions counting from 0, labels -100 outside
     responses. Fed with ``attention_mask=None`` (and no KV cache), a transformers model reads the
@@ -69,9 +70,9 @@ def pack(batch: Sequence[SFTExample], pad_id: int, width: int = PACK_WIDTH
         at = 0
         for i in members:
             s, n_prompt = seqs[i], len(batch[i].prompt_tokens)
-            ids[r, at:at + len(s)] = torch.tensor(s)
-            pos[r, at:at + len(s)] = torch.arange(len(s))
-            labels[r, at + n_prompt:at + len(s)] = torch.tensor(batch[i].response_tokens)
+            ids[r, at : at + len(s)] = torch.tensor(s)
+            pos[r, at : at + len(s)] = torch.arange(len(s))
+            labels[r, at + n_prompt : at + len(s)] = torch.tensor(batch[i].response_tokens)
             at += len(s)
         pos[r, at:] = torch.arange(used - at)  # the tail's padding: one more "sequence", no labels
     return ids, pos, labels
@@ -98,13 +99,28 @@ def lr_lambda(warmup: int, total: int, floor: float = 0.1):
             return (step + 1) / warmup
         progress = (step - warmup) / max(1, total - warmup)
         return floor + (1 - floor) * 0.5 * (1 + math.cos(math.pi * min(1.0, progress)))
+
     return f
 
 
-def train_sft(model, examples: Sequence[SFTExample], *, steps: int, batch_size: int, lr: float,
-              warmup_steps: int, weight_decay: float, max_grad_norm: float, pad_id: int, seed: int,
-              device: str = "cpu", progress=None, stage: str = "sft",
-              keys: Mapping[str, object] | None = None, packing: bool = True) -> dict[str, float]:
+def train_sft(
+    model,
+    examples: Sequence[SFTExample],
+    *,
+    steps: int,
+    batch_size: int,
+    lr: float,
+    warmup_steps: int,
+    weight_decay: float,
+    max_grad_norm: float,
+    pad_id: int,
+    seed: int,
+    device: str = "cpu",
+    progress=None,
+    stage: str = "sft",
+    keys: Mapping[str, object] | None = None,
+    packing: bool = True,
+) -> dict[str, float]:
     """Train ``model`` in place for ``steps`` optimizer steps; returns loss metrics.
 
     Every step checks its loss (before the backward pass) and its gradient norm (before the
@@ -125,7 +141,12 @@ def train_sft(model, examples: Sequence[SFTExample], *, steps: int, batch_size: 
     torch.manual_seed(seed)
     model.to(device).train()
     # a PEFT model's frozen base has requires_grad False: the optimizer (and its state) holds only the adapters
-    opt = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=lr, weight_decay=weight_decay, betas=(0.9, 0.95))
+    opt = torch.optim.AdamW(
+        [p for p in model.parameters() if p.requires_grad],
+        lr=lr,
+        weight_decay=weight_decay,
+        betas=(0.9, 0.95),
+    )
     sched = torch.optim.lr_scheduler.LambdaLR(opt, lr_lambda(warmup_steps, steps))
     order: list[int] = []
     first = last = float("nan")
@@ -168,9 +189,18 @@ def train_sft(model, examples: Sequence[SFTExample], *, steps: int, batch_size: 
         loss.backward()
         norm = torch.nn.utils.clip_grad_norm_(model.parameters(), math.inf)  # measures, changes nothing
         opt.zero_grad(set_to_none=True)
-        check_finite(f"stage {stage}, after SFT step {steps}/{steps} (the trained model on the last batch)", keys,
-                     loss=float(loss.detach()), gradient_norm=float(norm))
+        check_finite(
+            f"stage {stage}, after SFT step {steps}/{steps} (the trained model on the last batch)",
+            keys,
+            loss=float(loss.detach()),
+            gradient_norm=float(norm),
+        )
     model.eval()
-    return {"sft_loss_first": first, "sft_loss_last": last, "sft_loss_ema": ema if ema is not None else float("nan"),
-            "sft_steps": float(steps), "sft_examples": float(len(examples)),
-            "sft_packed": float(bool(packed))}
+    return {
+        "sft_loss_first": first,
+        "sft_loss_last": last,
+        "sft_loss_ema": ema if ema is not None else float("nan"),
+        "sft_steps": float(steps),
+        "sft_examples": float(len(examples)),
+        "sft_packed": float(bool(packed)),
+    }

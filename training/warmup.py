@@ -22,20 +22,50 @@ def target(row: dict) -> str:
     return f"#### {row['answer']}"
 
 
-def warmup(model_dir: Path, prompts_path: Path, cfg: SFTConfig, *, template: str, seed: int, device: str,
-           out_dir: Path, lora: LoraConfig | None = None) -> dict[str, float]:
+def warmup(
+    model_dir: Path,
+    prompts_path: Path,
+    cfg: SFTConfig,
+    *,
+    template: str,
+    seed: int,
+    device: str,
+    out_dir: Path,
+    lora: LoraConfig | None = None,
+) -> dict[str, float]:
     """Warm-up SFT on the curated pool's demonstrations (for the synthetic task ``data.demo_error_rate``
     of their steps slip); prompts without a level are always used, the others when in ``cfg.levels``."""
     model, tokenizer, _ = load_trainable(model_dir, lora, "warmup", device=device, seed=seed)
-    rows = [r for r in read_table(Path(prompts_path)) if r.get("level") is None or r.get("level") in set(cfg.levels)]
-    examples = [SFTExample(encode_problem(tokenizer, template, r["problem"]),
-                           encode_response(tokenizer, target(r))) for r in rows]
+    rows = [
+        r
+        for r in read_table(Path(prompts_path))
+        if r.get("level") is None or r.get("level") in set(cfg.levels)
+    ]
+    examples = [
+        SFTExample(encode_problem(tokenizer, template, r["problem"]), encode_response(tokenizer, target(r)))
+        for r in rows
+    ]
     with tqdm(total=cfg.steps, desc="warmup sft", unit="step", leave=False) as bar:
-        metrics = train_sft(model, examples, steps=cfg.steps, batch_size=cfg.batch_size, lr=cfg.lr,
-                            warmup_steps=cfg.warmup_steps, weight_decay=cfg.weight_decay,
-                            max_grad_norm=cfg.max_grad_norm, pad_id=tokenizer.pad_token_id, seed=seed,
-                            device=device, progress=bar, stage="warmup",
-                            keys={"sft.lr": cfg.lr, "sft.max_grad_norm": cfg.max_grad_norm,
-                                  "sft.weight_decay": cfg.weight_decay, "sft.warmup_steps": cfg.warmup_steps})
+        metrics = train_sft(
+            model,
+            examples,
+            steps=cfg.steps,
+            batch_size=cfg.batch_size,
+            lr=cfg.lr,
+            warmup_steps=cfg.warmup_steps,
+            weight_decay=cfg.weight_decay,
+            max_grad_norm=cfg.max_grad_norm,
+            pad_id=tokenizer.pad_token_id,
+            seed=seed,
+            device=device,
+            progress=bar,
+            stage="warmup",
+            keys={
+                "sft.lr": cfg.lr,
+                "sft.max_grad_norm": cfg.max_grad_norm,
+                "sft.weight_decay": cfg.weight_decay,
+                "sft.warmup_steps": cfg.warmup_steps,
+            },
+        )
     save_trained(model.to("cpu"), tokenizer, out_dir)
     return metrics

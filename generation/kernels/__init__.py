@@ -37,11 +37,20 @@ from core.paths import user_cache_dir
 log = logging.getLogger(__name__)
 
 SOURCE = Path(__file__).with_name("decode.c")
-FLAGS = ("-O3", "-march=native", "-std=c11", "-ffp-contract=fast", "-fopenmp-simd", "-fno-math-errno",
-         "-fno-trapping-math", "-shared", "-fPIC")
+FLAGS = (
+    "-O3",
+    "-march=native",
+    "-std=c11",
+    "-ffp-contract=fast",
+    "-fopenmp-simd",
+    "-fno-math-errno",
+    "-fno-trapping-math",
+    "-shared",
+    "-fPIC",
+)
 
 _lock = threading.Lock()
-_loaded: "NativeKernels | None" = None
+_loaded: NativeKernels | None = None
 _tried = False
 build_seconds: float | None = None
 """Seconds this process spent compiling the library (0.0 when it came from the cache, None before
@@ -59,7 +68,9 @@ def _cpu_signature() -> str:
     """This CPU's model name and feature flags (what ``-march=native`` compiles for)."""
     try:
         lines = Path("/proc/cpuinfo").read_text().splitlines()
-        keep = [ln for ln in lines if ln.split(":")[0].strip() in ("model name", "flags", "Features", "CPU part")]
+        keep = [
+            ln for ln in lines if ln.split(":")[0].strip() in ("model name", "flags", "Features", "CPU part")
+        ]
         return "\n".join(dict.fromkeys(keep))
     except OSError:
         return platform.machine() + platform.processor()
@@ -90,8 +101,9 @@ def build(cc: str) -> Path:
     fd, tmp = tempfile.mkstemp(prefix=path.name + ".", suffix=".tmp", dir=path.parent)
     os.close(fd)
     try:
-        proc = subprocess.run([cc, *FLAGS, "-o", tmp, str(SOURCE), "-lm"], capture_output=True, text=True,
-                              timeout=300)
+        proc = subprocess.run(
+            [cc, *FLAGS, "-o", tmp, str(SOURCE), "-lm"], capture_output=True, text=True, timeout=300
+        )
         if proc.returncode != 0:
             raise RuntimeError(f"{cc} failed ({proc.returncode}): {proc.stderr.strip()[:2000]}")
         os.replace(tmp, path)
@@ -103,7 +115,7 @@ def build(cc: str) -> Path:
     return path
 
 
-def load() -> "NativeKernels | None":
+def load() -> NativeKernels | None:
     """The process's kernels (built or loaded once), or None where they are off or unavailable."""
     global _loaded, _tried
     if os.environ.get("LAMINAR_NATIVE_KERNELS", "1") == "0":
@@ -132,8 +144,10 @@ _P, _I, _F = ctypes.c_void_p, ctypes.c_int64, ctypes.c_float
 def _f32(*tensors: torch.Tensor) -> None:
     for t in tensors:
         if t.dtype != torch.float32 or t.device.type != "cpu" or t.stride(-1) != 1:
-            raise ValueError(f"native kernels take float32 CPU tensors with a unit inner stride, got "
-                             f"{t.dtype} on {t.device} with strides {t.stride()}")
+            raise ValueError(
+                f"native kernels take float32 CPU tensors with a unit inner stride, got "
+                f"{t.dtype} on {t.device} with strides {t.stride()}"
+            )
 
 
 def _sgemm_address() -> int | None:
@@ -159,42 +173,141 @@ class NativeKernels:
         self.lib, self.sgemm = lib, sgemm
         lib.lm_step_workspace.argtypes = [_P, _I, _I, _I]
         lib.lm_step_workspace.restype = ctypes.c_int64
-        lib.lm_decode_step.argtypes = [_P, _P, _P, _P, _P, _P, _I, _P, _P, _I, _P, _P, _P, _P, _P, _I, _I, _I, _P,
-                                       _P, _P, _P, _P, _I, _P, _P]
+        lib.lm_decode_step.argtypes = [
+            _P,
+            _P,
+            _P,
+            _P,
+            _P,
+            _P,
+            _I,
+            _P,
+            _P,
+            _I,
+            _P,
+            _P,
+            _P,
+            _P,
+            _P,
+            _I,
+            _I,
+            _I,
+            _P,
+            _P,
+            _P,
+            _P,
+            _P,
+            _I,
+            _P,
+            _P,
+        ]
         lib.lm_decode_step.restype = ctypes.c_int64
-        lib.lm_sample_step.argtypes = [_P, _I, _I, _I, _F, _P, _I, _P, _I, _I, _I, _I, _P, _P, _P, _P, _P, _P, _P,
-                                       _P]
+        lib.lm_sample_step.argtypes = [
+            _P,
+            _I,
+            _I,
+            _I,
+            _F,
+            _P,
+            _I,
+            _P,
+            _I,
+            _I,
+            _I,
+            _I,
+            _P,
+            _P,
+            _P,
+            _P,
+            _P,
+            _P,
+            _P,
+            _P,
+        ]
         lib.lm_sample_step.restype = ctypes.c_int64
 
-    def model(self, layers, embed: torch.Tensor, norm: torch.Tensor, lm_head: torch.Tensor,
-              lm_bias: torch.Tensor | None, *, heads: int, kv_heads: int, head_dim: int, eps: float,
-              scale: float) -> "NativeModel":
+    def model(
+        self,
+        layers,
+        embed: torch.Tensor,
+        norm: torch.Tensor,
+        lm_head: torch.Tensor,
+        lm_bias: torch.Tensor | None,
+        *,
+        heads: int,
+        kv_heads: int,
+        head_dim: int,
+        eps: float,
+        scale: float,
+    ) -> NativeModel:
         """The decode step over a ``FusedDecoder``'s weights (``layers``: its ``_Layer``s), checked once."""
         return NativeModel(self, layers, embed, norm, lm_head, lm_bias, heads, kv_heads, head_dim, eps, scale)
 
-    def sample_step(self, logits: torch.Tensor, temperature: float, noise: torch.Tensor, rows: torch.Tensor, t: int,
-                    eos: int, tokens: torch.Tensor, logps: torch.Tensor, ent_sum: torch.Tensor,
-                    lengths: torch.Tensor, done: torch.Tensor, next_ids: torch.Tensor, keep: torch.Tensor) -> int:
+    def sample_step(
+        self,
+        logits: torch.Tensor,
+        temperature: float,
+        noise: torch.Tensor,
+        rows: torch.Tensor,
+        t: int,
+        eos: int,
+        tokens: torch.Tensor,
+        logps: torch.Tensor,
+        ent_sum: torch.Tensor,
+        lengths: torch.Tensor,
+        done: torch.Tensor,
+        next_ids: torch.Tensor,
+        keep: torch.Tensor,
+    ) -> int:
         """The decode loop's sampling step of ``logits`` [n, vocab] for batch rows ``rows`` at step
         ``t`` (see ``decode.c``): writes ``next_ids``/``keep`` [n] and the not-yet-done rows' entries
         of the batch outputs; returns how many rows are kept."""
         n, vocab = logits.shape
         _f32(logits, noise, logps, ent_sum)
         m = tokens.shape[1]
-        if (noise.shape[1] != vocab or rows.dtype != torch.int64 or rows.shape != (n,) or rows.stride(0) != 1
-                or not all(x.is_contiguous() for x in (tokens, logps, ent_sum, lengths, done, next_ids, keep))
-                or tokens.dtype != torch.int64 or lengths.dtype != torch.int64 or next_ids.dtype != torch.int64
-                or done.dtype != torch.bool or keep.dtype != torch.bool or logps.shape != tokens.shape
-                or not 0 <= t < m or next_ids.shape != (n,) or keep.shape != (n,)):
+        if (
+            noise.shape[1] != vocab
+            or rows.dtype != torch.int64
+            or rows.shape != (n,)
+            or rows.stride(0) != 1
+            or not all(x.is_contiguous() for x in (tokens, logps, ent_sum, lengths, done, next_ids, keep))
+            or tokens.dtype != torch.int64
+            or lengths.dtype != torch.int64
+            or next_ids.dtype != torch.int64
+            or done.dtype != torch.bool
+            or keep.dtype != torch.bool
+            or logps.shape != tokens.shape
+            or not 0 <= t < m
+            or next_ids.shape != (n,)
+            or keep.shape != (n,)
+        ):
             raise ValueError("sample_step: shapes")
         bsz = tokens.shape[0]
         if noise.shape[0] != bsz or any(x.shape != (bsz,) for x in (ent_sum, lengths, done)):
             raise ValueError("sample_step: batch shapes")
         scratch = torch.empty(vocab)
-        kept = self.lib.lm_sample_step(logits.data_ptr(), logits.stride(0), n, vocab, temperature, noise.data_ptr(),
-                                       noise.stride(0), rows.data_ptr(), bsz, t, eos, m, tokens.data_ptr(),
-                                       logps.data_ptr(), ent_sum.data_ptr(), lengths.data_ptr(), done.data_ptr(),
-                                       next_ids.data_ptr(), keep.data_ptr(), scratch.data_ptr())
+        kept = self.lib.lm_sample_step(
+            logits.data_ptr(),
+            logits.stride(0),
+            n,
+            vocab,
+            temperature,
+            noise.data_ptr(),
+            noise.stride(0),
+            rows.data_ptr(),
+            bsz,
+            t,
+            eos,
+            m,
+            tokens.data_ptr(),
+            logps.data_ptr(),
+            ent_sum.data_ptr(),
+            lengths.data_ptr(),
+            done.data_ptr(),
+            next_ids.data_ptr(),
+            keep.data_ptr(),
+            scratch.data_ptr(),
+        )
         if kept < 0:
             raise ValueError("sample_step: rows out of range")
         return kept
@@ -205,35 +318,52 @@ class NativeModel:
     addresses taken once (the tensors are kept referenced); the caches are checked when they change
     (``cache_pointers``), so a step checks only its own inputs."""
 
-    def __init__(self, k: NativeKernels, layers, embed, norm, lm_head, lm_bias, heads, kv_heads, head_dim, eps, scale):
+    def __init__(
+        self, k: NativeKernels, layers, embed, norm, lm_head, lm_bias, heads, kv_heads, head_dim, eps, scale
+    ):
         hidden, vocab = embed.shape[1], lm_head.shape[0]
         inter = layers[0].gate_up.shape[0] // 2
         qkv_rows = (heads + 2 * kv_heads) * head_dim
         if head_dim % 16 or heads % kv_heads:
-            raise ValueError("native step: head_dim must be a multiple of 16 and heads a multiple of kv_heads")
+            raise ValueError(
+                "native step: head_dim must be a multiple of 16 and heads a multiple of kv_heads"
+            )
         keep = [embed, norm, lm_head, lm_bias]
         for w in layers:
-            o, down = w.o.t(), w.down.t()   # the model's [out, in] weights (``_Layer`` holds transposed views)
+            o, down = w.o.t(), w.down.t()  # the model's [out, in] weights (``_Layer`` holds transposed views)
             qkv = w.qkv[:qkv_rows]
             bias = None if w.qkv_bias is None else w.qkv_bias[:qkv_rows]
-            for t, shape in ((w.ln1, (hidden,)), (qkv, (qkv_rows, hidden)), (bias, (qkv_rows,)),
-                             (o, (hidden, heads * head_dim)), (w.ln2, (hidden,)), (w.gate_up, (2 * inter, hidden)),
-                             (down, (hidden, inter))):
+            for t, shape in (
+                (w.ln1, (hidden,)),
+                (qkv, (qkv_rows, hidden)),
+                (bias, (qkv_rows,)),
+                (o, (hidden, heads * head_dim)),
+                (w.ln2, (hidden,)),
+                (w.gate_up, (2 * inter, hidden)),
+                (down, (hidden, inter)),
+            ):
                 if t is not None and (tuple(t.shape) != shape or not t.is_contiguous()):
-                    raise ValueError(f"native step: a weight of shape {tuple(t.shape)}, expected {shape} contiguous")
+                    raise ValueError(
+                        f"native step: a weight of shape {tuple(t.shape)}, expected {shape} contiguous"
+                    )
             keep += [w.ln1, qkv, bias, o, w.ln2, w.gate_up, down]
         for t in keep:
             if t is not None:
                 _f32(t)
-        if (tuple(norm.shape) != (hidden,) or tuple(lm_head.shape) != (vocab, hidden) or not embed.is_contiguous()
-                or not lm_head.is_contiguous() or (lm_bias is not None and tuple(lm_bias.shape) != (vocab,))):
+        if (
+            tuple(norm.shape) != (hidden,)
+            or tuple(lm_head.shape) != (vocab, hidden)
+            or not embed.is_contiguous()
+            or not lm_head.is_contiguous()
+            or (lm_bias is not None and tuple(lm_bias.shape) != (vocab,))
+        ):
             raise ValueError("native step: embedding/head shapes")
         self.k, self.keep = k, keep
         self.weights = _ptrs(keep)
         self.dims = (ctypes.c_int64 * 7)(hidden, heads, kv_heads, head_dim, inter, vocab, len(layers))
         self.eps_scale = (ctypes.c_float * 2)(eps, scale)
         self.vocab, self.head_dim, self.kv_heads = vocab, head_dim, kv_heads
-        self._local = threading.local()   # a workspace per calling thread (decode shards run side by side)
+        self._local = threading.local()  # a workspace per calling thread (decode shards run side by side)
 
     def cache_pointers(self, prompt, rows) -> tuple:
         """Checked addresses and strides of ``prompt`` (``_PromptKV``) and ``rows`` (``_CompletionKV``)
@@ -243,28 +373,68 @@ class NativeModel:
         _f32(prompt.mask, *prompt.keys, *prompt.values, *rows.keys, *rows.values)
         same = lambda ts: all(t.stride() == ts[0].stride() and t.shape == ts[0].shape for t in ts)  # noqa: E731
         pk, pv, ck, cv = prompt.keys, prompt.values, rows.keys, rows.values
-        if (not all(same(ts) for ts in (pk, pv, ck, cv)) or tuple(pk[0].shape) != (u, kv, d, p)
-                or tuple(pv[0].shape) != (u, kv, p, d) or ck[0].dim() != 5 or tuple(ck[0].shape[1:]) != (kv, ck[0].shape[2], d, 16)
-                or ck[0].stride()[2:] != (16 * d, 16, 1) or cv[0].shape[1] != kv or cv[0].shape[3] != d
-                or ck[0].shape[0] != cv[0].shape[0] or rows.prompt_of.dtype != torch.int64
-                or rows.prompt_of.dim() != 1 or rows.prompt_of.shape[0] > ck[0].shape[0]
-                or not rows.prompt_of.is_contiguous() or len(pk) != self.dims[6] or len(ck) != self.dims[6]):
+        if (
+            not all(same(ts) for ts in (pk, pv, ck, cv))
+            or tuple(pk[0].shape) != (u, kv, d, p)
+            or tuple(pv[0].shape) != (u, kv, p, d)
+            or ck[0].dim() != 5
+            or tuple(ck[0].shape[1:]) != (kv, ck[0].shape[2], d, 16)
+            or ck[0].stride()[2:] != (16 * d, 16, 1)
+            or cv[0].shape[1] != kv
+            or cv[0].shape[3] != d
+            or ck[0].shape[0] != cv[0].shape[0]
+            or rows.prompt_of.dtype != torch.int64
+            or rows.prompt_of.dim() != 1
+            or rows.prompt_of.shape[0] > ck[0].shape[0]
+            or not rows.prompt_of.is_contiguous()
+            or len(pk) != self.dims[6]
+            or len(ck) != self.dims[6]
+        ):
             raise ValueError("native step: cache shapes")
         strides = lambda t: (ctypes.c_int64 * t.dim())(*t.stride())  # noqa: E731
-        return (_ptrs(pk), strides(pk[0]), _ptrs(pv), strides(pv[0]), prompt.mask.data_ptr(), prompt.mask.stride(0),
-                p, u, _ptrs(ck), strides(ck[0]), _ptrs(cv), strides(cv[0]),
-                min(cv[0].shape[2], 16 * ck[0].shape[2]), rows.prompt_of)
+        return (
+            _ptrs(pk),
+            strides(pk[0]),
+            _ptrs(pv),
+            strides(pv[0]),
+            prompt.mask.data_ptr(),
+            prompt.mask.stride(0),
+            p,
+            u,
+            _ptrs(ck),
+            strides(ck[0]),
+            _ptrs(cv),
+            strides(cv[0]),
+            min(cv[0].shape[2], 16 * ck[0].shape[2]),
+            rows.prompt_of,
+        )
 
-    def step(self, ids: torch.Tensor, pos: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, caches: tuple,
-             ccol: int) -> torch.Tensor:
+    def step(
+        self,
+        ids: torch.Tensor,
+        pos: torch.Tensor,
+        cos: torch.Tensor,
+        sin: torch.Tensor,
+        caches: tuple,
+        ccol: int,
+    ) -> torch.Tensor:
         """Logits [n, vocab] after ``ids`` [n] at ``pos`` [n] for the first n rows of the caches; the
         step's keys/values go to completion column ``ccol``. ``caches``: ``cache_pointers``' tuple."""
         n = ids.shape[0]
         (pk, pks, pv, pvs, pmask, pms, p, u, ck, cks, cv, cvs, width, prompt_of) = caches
-        if (ids.dtype != torch.int64 or pos.dtype != torch.int64 or ids.shape != (n,) or pos.shape != (n,)
-                or ids.stride(0) != 1 or pos.stride(0) != 1 or n > prompt_of.shape[0]
-                or not 0 <= ccol < width or not (cos.is_contiguous() and sin.is_contiguous())
-                or cos.shape != sin.shape or cos.shape[1] != self.head_dim):
+        if (
+            ids.dtype != torch.int64
+            or pos.dtype != torch.int64
+            or ids.shape != (n,)
+            or pos.shape != (n,)
+            or ids.stride(0) != 1
+            or pos.stride(0) != 1
+            or n > prompt_of.shape[0]
+            or not 0 <= ccol < width
+            or not (cos.is_contiguous() and sin.is_contiguous())
+            or cos.shape != sin.shape
+            or cos.shape[1] != self.head_dim
+        ):
             raise ValueError("native step: inputs")
         _f32(cos, sin)
         need = self.k.lib.lm_step_workspace(self.dims, n, p, ccol)
@@ -272,10 +442,34 @@ class NativeModel:
         if work is None or work.numel() < need:
             work = self._local.work = torch.empty(need)
         logits = torch.empty((n, self.vocab))
-        err = self.k.lib.lm_decode_step(self.dims, self.eps_scale, self.weights, self.k.sgemm, ids.data_ptr(),
-                                        pos.data_ptr(), n, cos.data_ptr(), sin.data_ptr(), cos.shape[0], pk, pks, pv,
-                                        pvs, pmask, pms, p, u, prompt_of.data_ptr(), ck, cks, cv, cvs, ccol,
-                                        logits.data_ptr(), work.data_ptr())
+        err = self.k.lib.lm_decode_step(
+            self.dims,
+            self.eps_scale,
+            self.weights,
+            self.k.sgemm,
+            ids.data_ptr(),
+            pos.data_ptr(),
+            n,
+            cos.data_ptr(),
+            sin.data_ptr(),
+            cos.shape[0],
+            pk,
+            pks,
+            pv,
+            pvs,
+            pmask,
+            pms,
+            p,
+            u,
+            prompt_of.data_ptr(),
+            ck,
+            cks,
+            cv,
+            cvs,
+            ccol,
+            logits.data_ptr(),
+            work.data_ptr(),
+        )
         if err:
             raise ValueError("native step: a token, position or prompt index out of range")
         return logits

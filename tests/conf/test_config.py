@@ -30,26 +30,29 @@ def test_overrides_apply_with_types():
     assert cfg.rl.lr == pytest.approx(0.001) and cfg.seed == 3 and cfg.data.levels == [1, 2]
 
 
-@pytest.mark.parametrize("overrides,fragment", [
-    (["no_such_key=1"], "unknown config key 'no_such_key'"),
-    (["rl.no_such=1"], "unknown config key 'rl.no_such'"),
-    (["+foo=1"], "unknown config key 'foo'"),
-    (["rl.lr=fast"], "rl.lr"),
-    (["seed=abc"], "seed"),
-    (["model=nope"], "model=nope: choose one of hf, tiny"),
-    (["model=hf"], "model.path=DIR"),
-    (["rl.group_size=1"], "rl.group_size"),
-    (["rl.admit_lag=0"], "rl.admit_lag"),
-    (["rl.admit_lag=3"], "rl.admit_lag=3 > rl.max_staleness=1"),
-    (["curation.select.round_headroom=0.5"], "round_headroom"),
-    (["curation.select.greso_easy_threshold=0.1"], "greso_hard_threshold < greso_easy_threshold"),
-    (["curation.select.history_prompts=-1"], "curation.select.history_prompts"),
-    (["rl.mode=turbo"], "rl.mode='turbo' is not supported"),
-    (["rl.dynamic_sampling=maybe"], "config key 'rl.dynamic_sampling'"),
-    (["+rl.foo=1"], "unknown config key 'rl.foo'"),
-    (["data.levels=[9]"], "data.levels"),
-    (["model.num_heads=3"], "model.hidden_size=128 must be divisible by model.num_heads=3"),
-])
+@pytest.mark.parametrize(
+    "overrides,fragment",
+    [
+        (["no_such_key=1"], "unknown config key 'no_such_key'"),
+        (["rl.no_such=1"], "unknown config key 'rl.no_such'"),
+        (["+foo=1"], "unknown config key 'foo'"),
+        (["rl.lr=fast"], "rl.lr"),
+        (["seed=abc"], "seed"),
+        (["model=nope"], "model=nope: choose one of hf, tiny"),
+        (["model=hf"], "model.path=DIR"),
+        (["rl.group_size=1"], "rl.group_size"),
+        (["rl.admit_lag=0"], "rl.admit_lag"),
+        (["rl.admit_lag=3"], "rl.admit_lag=3 > rl.max_staleness=1"),
+        (["curation.select.round_headroom=0.5"], "round_headroom"),
+        (["curation.select.greso_easy_threshold=0.1"], "greso_hard_threshold < greso_easy_threshold"),
+        (["curation.select.history_prompts=-1"], "curation.select.history_prompts"),
+        (["rl.mode=turbo"], "rl.mode='turbo' is not supported"),
+        (["rl.dynamic_sampling=maybe"], "config key 'rl.dynamic_sampling'"),
+        (["+rl.foo=1"], "unknown config key 'rl.foo'"),
+        (["data.levels=[9]"], "data.levels"),
+        (["model.num_heads=3"], "model.hidden_size=128 must be divisible by model.num_heads=3"),
+    ],
+)
 def test_bad_config_fails_naming_the_key(overrides, fragment):
     with pytest.raises(ConfigError) as err:
         load_config(overrides)
@@ -61,7 +64,12 @@ def test_yaml_tree_sets_only_schema_keys():
 
     import yaml
 
-    groups = {f.name: f.default_factory() for f in dataclasses.fields(Config) if f.default_factory is not dataclasses.MISSING}
+    groups = {
+        f.name: f.default_factory()
+        for f in dataclasses.fields(Config)
+        if f.default_factory is not dataclasses.MISSING
+    }
+
     def check(node, data, where):
         known = {f.name: f for f in dataclasses.fields(node)}
         assert set(data) <= set(known), (where, set(data) - set(known))
@@ -105,15 +113,18 @@ def test_rollout_engines_are_the_engine_kinds():
     assert set(ROLLOUT_ENGINES) == set(ENGINE_KINDS)
 
 
-@pytest.mark.parametrize("overrides,message", [
-    (["trainer.backend=jax"], "trainer.backend"),
-    (["trainer.ranks=0"], "trainer.ranks"),
-    (["trainer.backend=deepspeed", "rl.runtime=local"], "Ray runtime"),
-    (["cluster.trainer_strategy=RANDOM"], "cluster.trainer_strategy"),
-    (["cluster.rollout_priority=high"], "cluster.rollout_priority"),
-    (["rollout.engine=vllm"], "device=cuda"),
-    (["rollout.engine=sglang"], "rollout.engine"),
-])
+@pytest.mark.parametrize(
+    "overrides,message",
+    [
+        (["trainer.backend=jax"], "trainer.backend"),
+        (["trainer.ranks=0"], "trainer.ranks"),
+        (["trainer.backend=deepspeed", "rl.runtime=local"], "Ray runtime"),
+        (["cluster.trainer_strategy=RANDOM"], "cluster.trainer_strategy"),
+        (["cluster.rollout_priority=high"], "cluster.rollout_priority"),
+        (["rollout.engine=vllm"], "device=cuda"),
+        (["rollout.engine=sglang"], "rollout.engine"),
+    ],
+)
 def test_trainer_and_rollout_config_errors(overrides, message):
     with pytest.raises(ConfigError, match=message):
         load_config(overrides)

@@ -33,7 +33,9 @@ def test_crash_inside_writer_publishes_nothing(tmp_path):
 
     with pytest.raises(RuntimeError):
         store.write("thing", boom)
-    assert not (tmp_path / "artifacts" / "thing").exists() or not any((tmp_path / "artifacts" / "thing").iterdir())
+    assert not (tmp_path / "artifacts" / "thing").exists() or not any(
+        (tmp_path / "artifacts" / "thing").iterdir()
+    )
     assert not any((tmp_path / "artifacts" / ".tmp").iterdir())
 
 

@@ -6,8 +6,20 @@ from core.workspace import Workspace, WorkspaceBusy
 
 def test_idempotent_inserts_and_rollback(tmp_path):
     cat = Catalog(tmp_path / "c.duckdb")
-    row = {"checkpoint_sha": "c1", "eval_sha": "e1", "benchmark": "b", "problem_id": "p", "sample_idx": 0, "response": "r",
-           "pred": "1", "correct": True, "error": None, "length": 3, "truncated": False, "level": "1"}
+    row = {
+        "checkpoint_sha": "c1",
+        "eval_sha": "e1",
+        "benchmark": "b",
+        "problem_id": "p",
+        "sample_idx": 0,
+        "response": "r",
+        "pred": "1",
+        "correct": True,
+        "error": None,
+        "length": 3,
+        "truncated": False,
+        "level": "1",
+    }
     for _ in range(2):
         with cat.transaction() as con:
             cat.insert_rows(con, "eval_results", [row])

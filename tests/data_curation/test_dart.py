@@ -18,8 +18,15 @@ def _attempts(per_bucket: int = 40, n: int = 8) -> tuple[pl.DataFrame, dict[str,
             truth[pid] = p
             k = round(p * n)  # the difficulty stage's estimate, from n samples
             rows.append((pid, n, k, k / n, 100.0, 1.0, None))
-    schema = {"prompt_id": pl.Utf8, "n": pl.Int64, "n_correct": pl.Int64, "pass_rate": pl.Float64,
-              "mean_length": pl.Float64, "mean_entropy": pl.Float64, "level": pl.Int32}
+    schema = {
+        "prompt_id": pl.Utf8,
+        "n": pl.Int64,
+        "n_correct": pl.Int64,
+        "pass_rate": pl.Float64,
+        "mean_length": pl.Float64,
+        "mean_entropy": pl.Float64,
+        "level": pl.Int32,
+    }
     return pl.DataFrame(rows, schema=schema, orient="row"), truth
 
 
@@ -44,7 +51,9 @@ def _sampler(truth: dict[str, float], seed: int = 0):
 def _bucket_totals(planner: DartPlanner) -> dict[str, dict[str, int]]:
     st = planner.stats().with_columns(pl.col("prompt_id").str.split("-").list.first().alias("bucket"))
     agg = st.group_by("bucket").agg(pl.col("trials").sum(), pl.col("corrects").sum())
-    return {r["bucket"]: {"trials": r["trials"], "corrects": r["corrects"]} for r in agg.iter_rows(named=True)}
+    return {
+        r["bucket"]: {"trials": r["trials"], "corrects": r["corrects"]} for r in agg.iter_rows(named=True)
+    }
 
 
 def _run(strategy: str, seed: int = 0, **kw) -> tuple[DartPlanner, pl.DataFrame, list]:
@@ -61,7 +70,9 @@ def test_prop2diff_gives_hard_prompts_a_larger_share_than_uniform_under_one_budg
     for strategy in ("uniform", "prop2diff"):
         planner, rft, _ = _run(strategy, k_u=4, k_p=8, max_trials=32, budget=budget, round_size=512)
         assert planner.summary()["trials"] <= budget
-        by_bucket = rft.with_columns(pl.col("prompt_id").str.split("-").list.first().alias("b"))["b"].value_counts()
+        by_bucket = rft.with_columns(pl.col("prompt_id").str.split("-").list.first().alias("b"))[
+            "b"
+        ].value_counts()
         counts = dict(by_bucket.iter_rows())
         total = sum(counts.values())
         shares[strategy] = {b: counts.get(b, 0) / total for b in BUCKETS}
@@ -154,13 +165,25 @@ def test_correct_responses_are_the_recorded_correct_ones_with_trial_indices():
     planner = DartPlanner(attempts, DartParams(strategy="uniform", k_u=2, round_size=8))
     plan = planner.next_round()
     assert plan == [("a", 4), ("b", 4)]  # need = ceil(2 / 0.5)
-    planner.record([("a", False, "a0", 3), ("b", True, "b0", 4), ("a", True, "a1", 5), ("a", True, "a2", 6),
-                    ("b", False, "b1", 7), ("a", False, "a3", 8), ("b", False, "b2", 9), ("b", False, "b3", 1)])
+    planner.record(
+        [
+            ("a", False, "a0", 3),
+            ("b", True, "b0", 4),
+            ("a", True, "a1", 5),
+            ("a", True, "a2", 6),
+            ("b", False, "b1", 7),
+            ("a", False, "a3", 8),
+            ("b", False, "b2", 9),
+            ("b", False, "b3", 1),
+        ]
+    )
     rft = planner.correct_responses()
     assert rft.rows() == [("a", "a1", 5, 1), ("a", "a2", 6, 2), ("b", "b0", 4, 0)]
     st = planner.stats()
     assert st.select("prompt_id", "trials", "corrects", "stopped_reason").rows() == [
-        ("a", 4, 2, "target"), ("b", 4, 1, None)]
+        ("a", 4, 2, "target"),
+        ("b", 4, 1, None),
+    ]
     # b needs one more correct; its p_hat is now 1/4, so it is asked for 4 more trials
     assert planner.next_round() == [("b", 4)]
     planner.record([("b", True, "b4", 2)] + [("b", False, "x", 1)] * 3)
@@ -213,20 +236,37 @@ def test_parquet_input_and_bad_inputs(tmp_path):
     with pytest.raises(ValueError, match="budget"):
         DartPlanner(attempts, DartParams(strategy="vanilla", budget=3))
     # a null pass rate comes from n_correct / n
-    filled = DartPlanner(attempts.with_columns(pl.lit(None, pl.Float64).alias("pass_rate")), DartParams()).stats()
+    filled = DartPlanner(
+        attempts.with_columns(pl.lit(None, pl.Float64).alias("pass_rate")), DartParams()
+    ).stats()
     given = DartPlanner(attempts, DartParams()).stats()["fail_rate"].to_list()
     assert filled["fail_rate"].to_list() == pytest.approx(given)
     assert math.isclose(filled["fail_rate"][0], 1 - round(0.9 * 8) / 8)
 
 
-@pytest.mark.parametrize("text, ok", [
-    ("9-5=4\n4+4=8\n8-2=6\n#### 6", True),
-    ("9-5=4\n4+4=9\n9-3=6\n#### 6", False),   # a lucky answer: a false step, then a compensating one
-    ("3 + 4 = 8", False), ("10-3-2=9", False), ("2*3+1=8", False), ("so 12×3=37 apples", False),
-    ("10-3-2=5", True), ("2*3+1=7", True), ("so 12×3=36 apples", True), ("#### 7", True), ("", True),
-    # not stand-alone integer arithmetic: left alone
-    ("x-3+2=1", True), ("1.5+2=3.5", True), ("2^3+1=9", True), ("1/2+1=3", True), ("(2+3)=6", True),
-    ("a=3+4", True), ("-3+5=2", True),
-])
+@pytest.mark.parametrize(
+    "text, ok",
+    [
+        ("9-5=4\n4+4=8\n8-2=6\n#### 6", True),
+        ("9-5=4\n4+4=9\n9-3=6\n#### 6", False),  # a lucky answer: a false step, then a compensating one
+        ("3 + 4 = 8", False),
+        ("10-3-2=9", False),
+        ("2*3+1=8", False),
+        ("so 12×3=37 apples", False),
+        ("10-3-2=5", True),
+        ("2*3+1=7", True),
+        ("so 12×3=36 apples", True),
+        ("#### 7", True),
+        ("", True),
+        # not stand-alone integer arithmetic: left alone
+        ("x-3+2=1", True),
+        ("1.5+2=3.5", True),
+        ("2^3+1=9", True),
+        ("1/2+1=3", True),
+        ("(2+3)=6", True),
+        ("a=3+4", True),
+        ("-3+5=2", True),
+    ],
+)
 def test_arithmetic_consistent_reads_stated_integer_equations_only(text, ok):
     assert arithmetic_consistent(text) is ok

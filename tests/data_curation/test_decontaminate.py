@@ -29,13 +29,17 @@ def _edit_middle_word(text: str) -> str:
 @pytest.fixture(scope="module")
 def arith(tmp_path_factory) -> Path:
     folder = tmp_path_factory.mktemp("arith")
-    write_dataset(folder, seed=0, pool_size=3000, heldout_size=300, levels=[1, 2, 3, 4, 5], demo_error_rate=0.15)
+    write_dataset(
+        folder, seed=0, pool_size=3000, heldout_size=300, levels=[1, 2, 3, 4, 5], demo_error_rate=0.15
+    )
     return folder
 
 
 @pytest.fixture(scope="module")
 def heldout(arith) -> list[BenchmarkItem]:
-    return items_from_records("arith_heldout", pq.read_table(arith / "heldout.parquet").to_pylist(), id_key="prompt_id")
+    return items_from_records(
+        "arith_heldout", pq.read_table(arith / "heldout.parquet").to_pylist(), id_key="prompt_id"
+    )
 
 
 def test_planted_benchmark_items_are_caught_and_attributed(tmp_path, arith, heldout):
@@ -49,9 +53,11 @@ def test_planted_benchmark_items_are_caught_and_attributed(tmp_path, arith, held
     assert all(rec["problem"] != it.problem for rec, it in planted[5:8])
     plants = tmp_path / "plants.jsonl"
     plants.write_text("".join(json.dumps(rec) + "\n" for rec, _ in planted), encoding="utf-8")
-    sources = [SourceSpec("arith", str(arith / "pool.parquet"), **ARITH),
-               SourceSpec("math_train", str(MATH_FILE), level_field="difficulty", subject_field="type"),
-               SourceSpec("plants", str(plants))]
+    sources = [
+        SourceSpec("arith", str(arith / "pool.parquet"), **ARITH),
+        SourceSpec("math_train", str(MATH_FILE), level_field="difficulty", subject_field="type"),
+        SourceSpec("plants", str(plants)),
+    ]
     ingested = ingest(sources, tmp_path / "ingest")
     assert ingested["ingested_plants"] == 10
 
@@ -60,8 +66,11 @@ def test_planted_benchmark_items_are_caught_and_attributed(tmp_path, arith, held
 
     hits = pq.read_table(tmp_path / "out" / "contamination.parquet").to_pylist()
     by_plant = {h["prompt_id"]: h for h in hits if h["source"] == "plants"}
-    plant_ids = [r["prompt_id"] for r in pq.read_table(tmp_path / "ingest" / "prompts.parquet").to_pylist()
-                 if r["source"] == "plants"]
+    plant_ids = [
+        r["prompt_id"]
+        for r in pq.read_table(tmp_path / "ingest" / "prompts.parquet").to_pylist()
+        if r["source"] == "plants"
+    ]
     assert len(by_plant) == 10 == len([h for h in hits if h["source"] == "plants"])  # one item each
     for pid, (_, item) in zip(plant_ids, planted):
         hit = by_plant[pid]
@@ -77,13 +86,20 @@ def test_planted_benchmark_items_are_caught_and_attributed(tmp_path, arith, held
     assert not [h for h in hits if h["source"] == "arith"]
     math_hits = [h for h in hits if h["source"] == "math_train"]
     ngram_hits = [h for h in math_hits if h["rule"] == "ngram"]
-    assert {h["benchmark"] for h in math_hits} == {"math500"} and all(h["coverage"] >= 0.7 for h in ngram_hits)
+    assert {h["benchmark"] for h in math_hits} == {"math500"} and all(
+        h["coverage"] >= 0.7 for h in ngram_hits
+    )
     assert len({h["prompt_id"] for h in ngram_hits}) == 27
     para = sorted((h["benchmark_problem_id"], h["rule"]) for h in math_hits if h["rule"] != "ngram")
-    assert para == [("test/intermediate_algebra/279.json", "paraphrase+answer"),
-                    ("test/prealgebra/1458.json", "paraphrase+answer")]
-    assert all(0.6 <= h["score"] < 0.92 and h["coverage"] is None and h["matched"] is None
-               for h in math_hits if h["rule"] != "ngram")
+    assert para == [
+        ("test/intermediate_algebra/279.json", "paraphrase+answer"),
+        ("test/prealgebra/1458.json", "paraphrase+answer"),
+    ]
+    assert all(
+        0.6 <= h["score"] < 0.92 and h["coverage"] is None and h["matched"] is None
+        for h in math_hits
+        if h["rule"] != "ngram"
+    )
     assert counts["contaminated_gsm8k"] == 5 and counts["contaminated_arith_heldout"] == 2
     assert counts["contaminated_math500"] == 3 + 27 + 2
     assert counts["contaminated_aime24"] == counts["contaminated_aime25"] == counts["contaminated_amc23"] == 0
@@ -102,12 +118,19 @@ def test_clean_pools_lose_nothing(tmp_path, arith, heldout):
     items = [it for name in BENCHMARKS for it in load_benchmark(name)] + heldout
     counts = decontaminate(tmp_path / "arith" / "prompts.parquet", items, tmp_path / "arith_out")
     assert counts["contaminated"] == 0 and counts["clean"] == counts["prompts_in"] == 3000
-    assert set(counts) == {"prompts_in", "clean", "contaminated", "contaminated_arith_heldout", "contaminated_ngram",
-                           "contaminated_paraphrase",
-                           *(f"contaminated_{name}" for name in BENCHMARKS)}
+    assert set(counts) == {
+        "prompts_in",
+        "clean",
+        "contaminated",
+        "contaminated_arith_heldout",
+        "contaminated_ngram",
+        "contaminated_paraphrase",
+        *(f"contaminated_{name}" for name in BENCHMARKS),
+    }
     assert (tmp_path / "arith_out" / "prompts.parquet").read_bytes() != b""
     assert pq.read_table(tmp_path / "arith_out" / "prompts.parquet").equals(
-        pq.read_table(tmp_path / "arith" / "prompts.parquet"))
+        pq.read_table(tmp_path / "arith" / "prompts.parquet")
+    )
 
     ingest([SourceSpec("math_train", str(MATH_FILE))], tmp_path / "math")
     others = [it for name in ("gsm8k", "aime24", "aime25", "amc23") for it in load_benchmark(name)]
@@ -117,8 +140,16 @@ def test_clean_pools_lose_nothing(tmp_path, arith, heldout):
 
 
 def _pool(path: Path, problems: list[str]) -> Path:
-    pq.write_table(pa.table({"prompt_id": [f"p{i}" for i in range(len(problems))], "source": ["t"] * len(problems),
-                             "problem": problems}), path)
+    pq.write_table(
+        pa.table(
+            {
+                "prompt_id": [f"p{i}" for i in range(len(problems))],
+                "source": ["t"] * len(problems),
+                "problem": problems,
+            }
+        ),
+        path,
+    )
     return path
 
 
@@ -127,23 +158,33 @@ def _bench(problems: list[str]) -> list[BenchmarkItem]:
 
 
 def test_short_texts_match_whole_not_by_sub_grams(tmp_path):
-    pool = _pool(tmp_path / "p.parquet", ["What is 3+4-2?", "what  is 3 + 4 - 2 ?", "What is 3+4-2+1?",
-                                          "Compute: what is 3+4-2? Explain."])
+    pool = _pool(
+        tmp_path / "p.parquet",
+        ["What is 3+4-2?", "what  is 3 + 4 - 2 ?", "What is 3+4-2+1?", "Compute: what is 3+4-2? Explain."],
+    )
     decontaminate(pool, _bench(["What is 3+4-2?"]), tmp_path / "out")
     hits = pq.read_table(tmp_path / "out" / "contamination.parquet").to_pylist()
     assert [(h["prompt_id"], h["matched"], h["overlap"], h["coverage"]) for h in hits] == [
-        ("p0", "what is 3 + 4 - 2 ?", 1, 1.0), ("p1", "what is 3 + 4 - 2 ?", 1, 1.0)]
+        ("p0", "what is 3 + 4 - 2 ?", 1, 1.0),
+        ("p1", "what is 3 + 4 - 2 ?", 1, 1.0),
+    ]
 
 
 def test_coverage_threshold(tmp_path):
-    item = ("Tim wants to invest some money in a bank which compounds quarterly with an annual interest rate of "
-            "seven percent. To the nearest dollar, how much money should he invest if he wants a total of sixty "
-            "thousand dollars at the end of five years?")
-    boilerplate = "To the nearest dollar, how much money should he invest if he wants a total of sixty thousand?"
+    item = (
+        "Tim wants to invest some money in a bank which compounds quarterly with an annual interest rate of "
+        "seven percent. To the nearest dollar, how much money should he invest if he wants a total of sixty "
+        "thousand dollars at the end of five years?"
+    )
+    boilerplate = (
+        "To the nearest dollar, how much money should he invest if he wants a total of sixty thousand?"
+    )
     pool = _pool(tmp_path / "p.parquet", [item.upper(), boilerplate, item.replace("quarterly", "monthly")])
     counts = decontaminate(pool, _bench([item]), tmp_path / "out")
     hits = {h["prompt_id"]: h for h in pq.read_table(tmp_path / "out" / "contamination.parquet").to_pylist()}
-    assert set(hits) == {"p0", "p2"} and counts["contaminated_toy"] == 2  # one 13-gram in common is not enough
+    assert (
+        set(hits) == {"p0", "p2"} and counts["contaminated_toy"] == 2
+    )  # one 13-gram in common is not enough
     assert hits["p0"]["coverage"] == 1.0 and 0.7 < hits["p2"]["coverage"] < 0.8  # the edit is token 11 of 45
     counts = decontaminate(pool, _bench([item]), tmp_path / "any", min_coverage=0.2)
     assert counts["contaminated"] == 3
@@ -151,7 +192,9 @@ def test_coverage_threshold(tmp_path):
 
 def test_deterministic_and_evaluation_items_untouched(tmp_path, arith, heldout):
     gsm8k = load_benchmark("gsm8k")
-    problems = [it.problem for it in gsm8k[:3]] + pq.read_table(arith / "pool.parquet")["problem"].to_pylist()[:50]
+    problems = [it.problem for it in gsm8k[:3]] + pq.read_table(arith / "pool.parquet")[
+        "problem"
+    ].to_pylist()[:50]
     pool = _pool(tmp_path / "p.parquet", problems)
     before = list(gsm8k)
     for out in ("one", "two"):
@@ -175,8 +218,13 @@ def test_paraphrase_text_strips_style_figures_and_instructions():
     base = same("If $x = 3$, find the area of $ABC$ in square units. [asy]draw((0,0)--(3,4));[/asy]")
     assert base == "v=3,findareaabcsquareunits."
     # renamed and restyled symbols, number words, style macros and solver instructions normalise away
-    assert same("Solve the following math problem step by step.\n\nIf $\\mathit{y}=three$, find the "
-                "area of $ABC$ in square units. Put your final answer within \\boxed{}.") == base
+    assert (
+        same(
+            "Solve the following math problem step by step.\n\nIf $\\mathit{y}=three$, find the "
+            "area of $ABC$ in square units. Put your final answer within \\boxed{}."
+        )
+        == base
+    )
     assert same("Question: If $\\mathcal{T} = \\text{3}$, find the area of $ABC$ in square units.") == base
     assert same("If $x=\\dfrac{1}{2}$, find $\\left(y\\right)$.") == same("If $z=\\frac{1}{2}$, find $(t)$.")
     assert same("twenty-five apples") == same("25 apples") != same("26 apples")
@@ -188,28 +236,46 @@ def _rewrite(item: BenchmarkItem) -> str:
 
     text = re.sub(r"\[asy\].*?\[/asy\]", "", item.problem, flags=re.S)
     text = re.sub(r"(?<![A-Za-z\\])x(?![A-Za-z])", r"\\mathit{t}", text)
-    text = re.sub(r"(?<![\d.$^{])\b([2-9])\b(?![\d.])", lambda m: ["two", "three", "four", "five", "six", "seven",
-                                                                   "eight", "nine"][int(m.group(1)) - 2], text)
-    return "Solve the following math problem step by step.\n\n" + text + "\n\nPut the final answer in \\boxed{}."
+    text = re.sub(
+        r"(?<![\d.$^{])\b([2-9])\b(?![\d.])",
+        lambda m: ["two", "three", "four", "five", "six", "seven", "eight", "nine"][int(m.group(1)) - 2],
+        text,
+    )
+    return (
+        "Solve the following math problem step by step.\n\n" + text + "\n\nPut the final answer in \\boxed{}."
+    )
 
 
 def test_paraphrase_rule_catches_rewrites_the_ngram_rule_misses(tmp_path):
-    from data_curation.decontaminate import ParaphraseParams
 
     math500 = load_benchmark("math500")
-    chosen = [it for it in math500 if "[asy]" in it.problem and 15 <= len(it.problem.split()) < 200][:4] + \
-        [it for it in math500 if "$x" in it.problem and "[asy]" not in it.problem and len(it.problem) > 150][:4]
+    chosen = [it for it in math500 if "[asy]" in it.problem and 15 <= len(it.problem.split()) < 200][:4] + [
+        it for it in math500 if "$x" in it.problem and "[asy]" not in it.problem and len(it.problem) > 150
+    ][:4]
     rewritten = [_rewrite(it) for it in chosen]
     assert all(r != it.problem for r, it in zip(rewritten, chosen))
-    sibling = ("Determine the number of ways to arrange the letters of the word BANANA.", "60")  # MATH-500's ELLIPSE
-    pq.write_table(pa.table({"prompt_id": [f"r{i}" for i in range(len(chosen))] + ["sib"],
-                             "source": ["t"] * (len(chosen) + 1), "problem": rewritten + [sibling[0]],
-                             "answer": [it.answer for it in chosen] + [sibling[1]]}), tmp_path / "p.parquet")
+    sibling = (
+        "Determine the number of ways to arrange the letters of the word BANANA.",
+        "60",
+    )  # MATH-500's ELLIPSE
+    pq.write_table(
+        pa.table(
+            {
+                "prompt_id": [f"r{i}" for i in range(len(chosen))] + ["sib"],
+                "source": ["t"] * (len(chosen) + 1),
+                "problem": rewritten + [sibling[0]],
+                "answer": [it.answer for it in chosen] + [sibling[1]],
+            }
+        ),
+        tmp_path / "p.parquet",
+    )
 
     off = decontaminate(tmp_path / "p.parquet", math500, tmp_path / "off", paraphrase=None)
     assert off["contaminated"] < len(chosen)  # the 13-gram rule alone misses most of these
 
-    counts = decontaminate(tmp_path / "p.parquet", math500, tmp_path / "on", benchmark_hashes={"math500": "abc"})
+    counts = decontaminate(
+        tmp_path / "p.parquet", math500, tmp_path / "on", benchmark_hashes={"math500": "abc"}
+    )
     hits = pq.read_table(tmp_path / "on" / "contamination.parquet").to_pylist()
     by = {h["prompt_id"]: h for h in hits}
     assert set(by) == {f"r{i}" for i in range(len(chosen))}  # every rewrite, and not the sibling
@@ -225,7 +291,6 @@ def test_paraphrase_rule_catches_rewrites_the_ngram_rule_misses(tmp_path):
     assert cert["rules"][0] == "ngram(n=13, min_coverage=0.7)" and cert["rules"][1].startswith("paraphrase(")
 
 
-
 def test_paraphrase_rule_leaves_bare_expressions_and_rejects_bad_thresholds(tmp_path):
     from data_curation.decontaminate import ParaphraseParams
 
@@ -233,4 +298,6 @@ def test_paraphrase_rule_leaves_bare_expressions_and_rejects_bad_thresholds(tmp_
     counts = decontaminate(pool, _bench(["What is 0+2+6+4?", "What is 3+6-4+7-9?"]), tmp_path / "out")
     assert counts["contaminated"] == 0  # symbol siblings without words are the n-gram rule's to judge
     with pytest.raises(ValueError, match="moderate"):
-        decontaminate(pool, _bench(["x"]), tmp_path / "bad", paraphrase=ParaphraseParams(high=0.5, moderate=0.7))
+        decontaminate(
+            pool, _bench(["x"]), tmp_path / "bad", paraphrase=ParaphraseParams(high=0.5, moderate=0.7)
+        )

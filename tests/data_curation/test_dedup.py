@@ -36,7 +36,7 @@ def reference_shingles(text: str, n: int = 5) -> set:
     tokens = _TOKEN.findall(text.lower())
     words = {("w", t) for t in tokens if _WORD.fullmatch(t)}
     skeleton = [t for t in tokens if not _WORD.fullmatch(t)]
-    grams = {("s", *skeleton[i:i + n]) for i in range(max(len(skeleton) - n + 1, 1))} if skeleton else set()
+    grams = {("s", *skeleton[i : i + n]) for i in range(max(len(skeleton) - n + 1, 1))} if skeleton else set()
     return words | grams
 
 
@@ -61,7 +61,9 @@ def test_sql_shingles_match_the_python_reference():
     pairs = [tuple(sorted(rng.sample(range(len(texts)), 2))) for _ in range(200)] + [(400, 401)]
     con.register("p", pa.table({"a": [a for a, _ in pairs], "b": [b for _, b in pairs]}))
     for row in jaccard(con, "p").to_pylist():
-        assert row["similarity"] == pytest.approx(reference_jaccard(texts[row["a"]], texts[row["b"]]), abs=1e-12)
+        assert row["similarity"] == pytest.approx(
+            reference_jaccard(texts[row["a"]], texts[row["b"]]), abs=1e-12
+        )
 
 
 def test_short_arithmetic_problems_are_not_near_duplicates():
@@ -86,8 +88,11 @@ def _reword(text: str, n: int, seed: int) -> str:
 
 
 def test_reworded_forty_word_problems_are_near_duplicates():
-    originals = [normalize_text(r["problem"]) for r in MATH
-                 if 38 <= len(r["problem"].split()) <= 42 and "[asy]" not in r["problem"]][:30]
+    originals = [
+        normalize_text(r["problem"])
+        for r in MATH
+        if 38 <= len(r["problem"].split()) <= 42 and "[asy]" not in r["problem"]
+    ][:30]
     copies = [_reword(t, 2 + i % 2, i) for i, t in enumerate(originals)]  # two or three words changed
     assert all(c != o for c, o in zip(copies, originals))
     found = near_duplicates(_con(originals + copies), "t").to_pylist()

@@ -5,15 +5,30 @@ import pytest
 
 from data_curation.hive import GresoFilter, prompt_entropy_keep, select_learning_edge
 
-HISTORY_SCHEMA = {"prompt_id": pl.Utf8, "seq": pl.Int64, "mean_reward": pl.Float64, "n": pl.Int64, "origin": pl.Utf8}
+HISTORY_SCHEMA = {
+    "prompt_id": pl.Utf8,
+    "seq": pl.Int64,
+    "mean_reward": pl.Float64,
+    "n": pl.Int64,
+    "origin": pl.Utf8,
+}
 
 
 def _attempts(rows):
     """rows: (prompt_id, n, n_correct)."""
     return pl.DataFrame(
         [(pid, n, k, k / n, 50.0, 1.0, 1) for pid, n, k in rows],
-        schema={"prompt_id": pl.Utf8, "n": pl.Int64, "n_correct": pl.Int64, "pass_rate": pl.Float64,
-                "mean_length": pl.Float64, "mean_entropy": pl.Float64, "level": pl.Int32}, orient="row")
+        schema={
+            "prompt_id": pl.Utf8,
+            "n": pl.Int64,
+            "n_correct": pl.Int64,
+            "pass_rate": pl.Float64,
+            "mean_length": pl.Float64,
+            "mean_entropy": pl.Float64,
+            "level": pl.Int32,
+        },
+        orient="row",
+    )
 
 
 def _history(rows):
@@ -22,6 +37,7 @@ def _history(rows):
 
 
 # ---- select_learning_edge -----------------------------------------------------------------------
+
 
 def _by_id(df):
     return {r["prompt_id"]: r for r in df.iter_rows(named=True)}
@@ -38,16 +54,25 @@ def test_attempts_only_zero_half_full():
 
 def test_history_rl_rows_override_attempts():
     attempts = _attempts([("a", 4, 0), ("b", 4, 2), ("c", 4, 4)])
-    history = _history([
-        ("a", 1, 0.0, 4, "difficulty"), ("a", 10, 0.25, 8, "rl"),            # a: was too hard, now on the edge
-        ("b", 2, 0.5, 4, "difficulty"), ("b", 11, 1.0, 8, "rl"), ("b", 20, 1.0, 8, "rl"),  # b: solved now
-        ("c", 3, 1.0, 4, "difficulty"),                                        # c: no rl rows -> attempts
-        ("zzz", 5, 0.5, 8, "rl"),                                              # not in attempts: ignored
-    ])
+    history = _history(
+        [
+            ("a", 1, 0.0, 4, "difficulty"),
+            ("a", 10, 0.25, 8, "rl"),  # a: was too hard, now on the edge
+            ("b", 2, 0.5, 4, "difficulty"),
+            ("b", 11, 1.0, 8, "rl"),
+            ("b", 20, 1.0, 8, "rl"),  # b: solved now
+            ("c", 3, 1.0, 4, "difficulty"),  # c: no rl rows -> attempts
+            ("zzz", 5, 0.5, 8, "rl"),  # not in attempts: ignored
+        ]
+    )
     out = select_learning_edge(attempts, history)
     assert out["prompt_id"].to_list() == ["a", "b", "c"]
     rows = _by_id(out)
-    assert rows["a"]["pass_rate_est"] == 0.25 and rows["a"]["reason"] == "edge" and rows["a"]["source"] == "history"
+    assert (
+        rows["a"]["pass_rate_est"] == 0.25
+        and rows["a"]["reason"] == "edge"
+        and rows["a"]["source"] == "history"
+    )
     assert rows["a"]["n_observations"] == 8
     assert rows["b"]["reason"] == "too_easy" and rows["b"]["n_observations"] == 16
     assert rows["c"]["source"] == "attempts" and rows["c"]["reason"] == "too_easy"
@@ -55,17 +80,20 @@ def test_history_rl_rows_override_attempts():
 
 def test_history_uses_the_most_recent_k_rows_weighted_by_n():
     attempts = _attempts([("a", 4, 2)])
-    history = _history([("a", 1, 0.0, 8, "rl"), ("a", 7, 1.0, 4, "rl"), ("a", 3, 0.5, 8, "rl"),
-                        ("a", 5, 0.25, 8, "rl")])
+    history = _history(
+        [("a", 1, 0.0, 8, "rl"), ("a", 7, 1.0, 4, "rl"), ("a", 3, 0.5, 8, "rl"), ("a", 5, 0.25, 8, "rl")]
+    )
     est = lambda k: select_learning_edge(attempts, history, recent_k=k)["pass_rate_est"][0]  # noqa: E731
-    assert est(1) == 1.0                                   # latest by seq, not by position
+    assert est(1) == 1.0  # latest by seq, not by position
     assert est(2) == pytest.approx((1.0 * 4 + 0.25 * 8) / 12)
     assert est(3) == pytest.approx((1.0 * 4 + 0.25 * 8 + 0.5 * 8) / 20)
     assert est(10) == pytest.approx((1.0 * 4 + 0.25 * 8 + 0.5 * 8 + 0.0) / 28)
 
 
 def test_max_prompts_cut_and_ordering():
-    attempts = _attempts([("e", 8, 1), ("d", 8, 6), ("c", 8, 4), ("b", 8, 2), ("a", 8, 8), ("f", 8, 0), ("g", 8, 6)])
+    attempts = _attempts(
+        [("e", 8, 1), ("d", 8, 6), ("c", 8, 4), ("b", 8, 2), ("a", 8, 8), ("f", 8, 0), ("g", 8, 6)]
+    )
     out = select_learning_edge(attempts, None, max_prompts=3)
     # edge ranked by p(1-p) desc then prompt_id: c (0.25), then b/d/g tie at 0.1875, then e (0.109)
     assert out["prompt_id"].to_list() == ["c", "b", "d", "g", "e", "a", "f"]
@@ -93,27 +121,43 @@ def test_parquet_inputs_and_a_given_connection(tmp_path):
     con = duckdb.connect()
     out = select_learning_edge(str(tmp_path / "a.parquet"), tmp_path / "h.parquet", con=con)
     assert out.equals(select_learning_edge(attempts, history))
-    assert con.sql("SELECT COUNT(*) FROM duckdb_views() WHERE NOT internal").fetchall() == [(0,)]  # cleaned up
+    assert con.sql("SELECT COUNT(*) FROM duckdb_views() WHERE NOT internal").fetchall() == [
+        (0,)
+    ]  # cleaned up
 
 
 # ---- GresoFilter --------------------------------------------------------------------------------
+
 
 def _greso(rows, **kw):
     return GresoFilter(_history([(pid, seq, r, 8, "rl") for pid, seq, r in rows]), **kw)
 
 
 def test_greso_skip_probabilities_by_hand():
-    g = _greso([
-        ("easy3", 1, 0.5), ("easy3", 2, 1.0), ("easy3", 3, 0.99), ("easy3", 4, 1.0),   # 3 consecutive easy
-        ("easy1", 1, 1.0), ("easy1", 2, 0.5), ("easy1", 3, 1.0),                         # only the latest
-        ("hard2", 1, 0.0), ("hard2", 2, 0.1), ("hard2", 3, 0.0),                         # 3 consecutive hard
-        ("recovered", 1, 0.0), ("recovered", 2, 0.0), ("recovered", 3, 0.5),             # latest above hard
-        ("mixed", 3, 1.0), ("mixed", 1, 0.0), ("mixed", 2, 0.0),                         # order by seq: latest easy
-        *[("long", i, 1.0) for i in range(12)],                                           # 12 easy: floor
-    ])
-    assert g.skip_probability("easy3") == pytest.approx(1 - 0.5 ** 3)  # 0.875
+    g = _greso(
+        [
+            ("easy3", 1, 0.5),
+            ("easy3", 2, 1.0),
+            ("easy3", 3, 0.99),
+            ("easy3", 4, 1.0),  # 3 consecutive easy
+            ("easy1", 1, 1.0),
+            ("easy1", 2, 0.5),
+            ("easy1", 3, 1.0),  # only the latest
+            ("hard2", 1, 0.0),
+            ("hard2", 2, 0.1),
+            ("hard2", 3, 0.0),  # 3 consecutive hard
+            ("recovered", 1, 0.0),
+            ("recovered", 2, 0.0),
+            ("recovered", 3, 0.5),  # latest above hard
+            ("mixed", 3, 1.0),
+            ("mixed", 1, 0.0),
+            ("mixed", 2, 0.0),  # order by seq: latest easy
+            *[("long", i, 1.0) for i in range(12)],  # 12 easy: floor
+        ]
+    )
+    assert g.skip_probability("easy3") == pytest.approx(1 - 0.5**3)  # 0.875
     assert g.skip_probability("easy1") == pytest.approx(0.5)
-    assert g.skip_probability("hard2") == pytest.approx(1 - 0.5 ** 3)
+    assert g.skip_probability("hard2") == pytest.approx(1 - 0.5**3)
     assert g.skip_probability("recovered") == 0.0
     assert g.skip_probability("mixed") == pytest.approx(0.5)
     assert g.skip_probability("long") == pytest.approx(0.99)  # 1 - max(0.5 ** 12, 0.01)
@@ -179,10 +223,11 @@ def test_greso_origins_filter():
 
 # ---- prompt_entropy_keep ------------------------------------------------------------------------
 
+
 def test_entropy_median_rule():
-    assert prompt_entropy_keep([0.1, 0.5, 0.3, 0.9, 0.7]) == [False, True, False, True, True]   # median 0.5
-    assert prompt_entropy_keep([4.0, 1.0, 2.0, 3.0]) == [True, False, False, True]              # median 2.5
-    assert prompt_entropy_keep([1.0, 1.0, 1.0]) == [True, True, True]                           # ties kept
+    assert prompt_entropy_keep([0.1, 0.5, 0.3, 0.9, 0.7]) == [False, True, False, True, True]  # median 0.5
+    assert prompt_entropy_keep([4.0, 1.0, 2.0, 3.0]) == [True, False, False, True]  # median 2.5
+    assert prompt_entropy_keep([1.0, 1.0, 1.0]) == [True, True, True]  # ties kept
     assert prompt_entropy_keep([]) == []
 
 

@@ -20,15 +20,47 @@ MATH = json.loads(MATH_FILE.read_text(encoding="utf-8"))
 
 # One record per answer-normalisation case; field names differ from the defaults on purpose.
 RECORDS = [
-    {"question": "What is ３+４?", "gold": 7, "uid": "r1", "lvl": "Level 3", "topic": "Arithmetic", "sol": "3+4=7"},
-    {"question": "Find $x$ if  $2x = 1$.\r\nGive a fraction.", "gold": "\\frac{1}{2}", "uid": "r2", "lvl": 2.0,
-     "topic": None, "sol": None},
-    {"question": "Compute $3^3$ as a decimal.", "gold": 27.0, "uid": "r3", "lvl": 4, "topic": "Algebra", "sol": "27"},
-    {"question": "Write twenty-five with three digits.", "gold": "025", "uid": "r4", "lvl": None, "topic": "Words",
-     "sol": "025"},
+    {
+        "question": "What is ３+４?",
+        "gold": 7,
+        "uid": "r1",
+        "lvl": "Level 3",
+        "topic": "Arithmetic",
+        "sol": "3+4=7",
+    },
+    {
+        "question": "Find $x$ if  $2x = 1$.\r\nGive a fraction.",
+        "gold": "\\frac{1}{2}",
+        "uid": "r2",
+        "lvl": 2.0,
+        "topic": None,
+        "sol": None,
+    },
+    {
+        "question": "Compute $3^3$ as a decimal.",
+        "gold": 27.0,
+        "uid": "r3",
+        "lvl": 4,
+        "topic": "Algebra",
+        "sol": "27",
+    },
+    {
+        "question": "Write twenty-five with three digits.",
+        "gold": "025",
+        "uid": "r4",
+        "lvl": None,
+        "topic": "Words",
+        "sol": "025",
+    },
 ]
-SPEC_FIELDS = dict(problem_field="question", answer_field="gold", id_field="uid", level_field="lvl",
-                   subject_field="topic", extra_fields=("sol",))
+SPEC_FIELDS = dict(
+    problem_field="question",
+    answer_field="gold",
+    id_field="uid",
+    level_field="lvl",
+    subject_field="topic",
+    extra_fields=("sol",),
+)
 EXPECTED = {  # prompt_id -> (problem, answer, level, subject, sol)
     "r1": ("What is 3+4?", "7", 3, "Arithmetic", "3+4=7"),
     "r2": ("Find $x$ if $2x = 1$.\nGive a fraction.", "\\frac{1}{2}", 2, None, None),
@@ -57,7 +89,9 @@ def _write_jsonl(path: Path, records: list) -> Path:
 
 def _typed(records: list[dict]) -> list[dict]:
     """The records with one type per column (parquet and Arrow need it): answers and levels as text."""
-    return [{**r, "gold": str(r["gold"]), "lvl": None if r["lvl"] is None else str(r["lvl"])} for r in records]
+    return [
+        {**r, "gold": str(r["gold"]), "lvl": None if r["lvl"] is None else str(r["lvl"])} for r in records
+    ]
 
 
 def test_normalize_text():
@@ -89,27 +123,63 @@ def test_formats_with_field_mapping(tmp_path, kind, monkeypatch):
     else:
         path, fmt = _write_jsonl(tmp_path / "pool.jsonl", _typed(RECORDS)), "hf"
     spec = SourceSpec(name="toy", path=str(path), format=fmt, **SPEC_FIELDS)
-    assert resolve_format(spec) == {"jsonl": "jsonl", "json_list": "json", "json_data": "json",
-                                    "parquet": "parquet", "hf_disk": "hf", "hf_jsonl": "hf"}[kind]
+    assert (
+        resolve_format(spec)
+        == {
+            "jsonl": "jsonl",
+            "json_list": "json",
+            "json_data": "json",
+            "parquet": "parquet",
+            "hf_disk": "hf",
+            "hf_jsonl": "hf",
+        }[kind]
+    )
     counts = ingest([spec], tmp_path / "out")
     assert counts["rows_in"] == counts["ingested"] == 4 == counts["rows_in_toy"]
     _check_expected(tmp_path / "out", "toy")
     schema = pq.read_schema(tmp_path / "out" / "prompts.parquet")
-    assert schema.names == ["prompt_id", "source", "source_row", "problem", "answer", "level", "subject",
-                            "text_hash", "sol"]
+    assert schema.names == [
+        "prompt_id",
+        "source",
+        "source_row",
+        "problem",
+        "answer",
+        "level",
+        "subject",
+        "text_hash",
+        "sol",
+    ]
     assert (schema.field("source_row").type, schema.field("level").type) == (pa.int64(), pa.int32())
 
 
 def test_verl_parquet(tmp_path):
     def row(i, messages, truth):
-        return {"data_source": "openai/gsm8k", "prompt": messages, "ability": "math",
-                "reward_model": {"style": "rule", "ground_truth": truth}, "extra_info": {"index": i, "split": "train"}}
+        return {
+            "data_source": "openai/gsm8k",
+            "prompt": messages,
+            "ability": "math",
+            "reward_model": {"style": "rule", "ground_truth": truth},
+            "extra_info": {"index": i, "split": "train"},
+        }
 
     rows = [
-        row(0, [{"role": "system", "content": "Reason step by step."},
-                {"role": "user", "content": "What is 2+3?"}], "5"),
-        row(1, [{"role": "user", "content": "Ignore me."}, {"role": "assistant", "content": "Sure."},
-                {"role": "user", "content": "Compute  $6\\cdot7$."}], "42.0"),
+        row(
+            0,
+            [
+                {"role": "system", "content": "Reason step by step."},
+                {"role": "user", "content": "What is 2+3?"},
+            ],
+            "5",
+        ),
+        row(
+            1,
+            [
+                {"role": "user", "content": "Ignore me."},
+                {"role": "assistant", "content": "Sure."},
+                {"role": "user", "content": "Compute  $6\\cdot7$."},
+            ],
+            "42.0",
+        ),
         row(2, [{"role": "system", "content": "No user turn here."}], "1"),
     ]
     path = tmp_path / "verl.parquet"
@@ -118,8 +188,13 @@ def test_verl_parquet(tmp_path):
     assert resolve_format(spec) == "verl"  # auto: a parquet with prompt + reward_model columns
     counts = ingest([spec], tmp_path / "out")
     got = [(r["prompt_id"], r["problem"], r["answer"], r["data_source"]) for r in _rows(tmp_path / "out")]
-    assert got == [("0", "What is 2+3?", "5", "openai/gsm8k"), ("1", "Compute $6\\cdot7$.", "42", "openai/gsm8k")]
-    assert [(q["source_row"], q["reason"]) for q in _rows(tmp_path / "out", "quarantine")] == [(2, "missing problem")]
+    assert got == [
+        ("0", "What is 2+3?", "5", "openai/gsm8k"),
+        ("1", "Compute $6\\cdot7$.", "42", "openai/gsm8k"),
+    ]
+    assert [(q["source_row"], q["reason"]) for q in _rows(tmp_path / "out", "quarantine")] == [
+        (2, "missing problem")
+    ]
     assert counts["rows_in"] == 3
 
 
@@ -150,8 +225,15 @@ def test_derived_ids_quarantine_reasons_and_duplicate_ids(tmp_path):
     path.write_text("\n".join(lines) + "\n", encoding="utf-8")
     ingest([SourceSpec("s", str(path), id_field="id")], tmp_path / "with_ids")
     reasons = {q["source_row"]: q["reason"] for q in _rows(tmp_path / "with_ids", "quarantine")}
-    assert reasons == {2: "duplicate id", 3: "non-string problem", 4: "empty problem", 5: "missing answer",
-                       6: "non-scalar answer", 7: "missing id", 8: "not an object (str)"}
+    assert reasons == {
+        2: "duplicate id",
+        3: "non-string problem",
+        4: "empty problem",
+        5: "missing answer",
+        6: "non-scalar answer",
+        7: "missing id",
+        8: "not an object (str)",
+    }
     assert json.loads(_rows(tmp_path / "with_ids", "quarantine")[0]["raw"])["problem"] == "What is 5+5?"
 
     ingest([SourceSpec("s", str(path))], tmp_path / "derived")
@@ -180,8 +262,11 @@ def _math_pool_with_plants(path: Path) -> dict:
     plant("exact_ws_case", json.dumps({**MATH[20], "problem": shouted}).encode())
     two_words = MATH[9]["problem"].replace("invest", "deposit").replace("nearest", "closest")
     plant("near_two_words", json.dumps({**MATH[9], "problem": two_words}).encode())
-    three_words = MATH[18]["problem"].replace("Find $a$", "Determine $a$").replace("lifting your pencil",
-                                                                                   "raising your pen")
+    three_words = (
+        MATH[18]["problem"]
+        .replace("Find $a$", "Determine $a$")
+        .replace("lifting your pencil", "raising your pen")
+    )
     plant("near_three_words", json.dumps({**MATH[18], "problem": three_words}).encode())
     path.write_bytes(b"\n".join(lines) + b"\n")
     assert MATH[9]["problem"] != two_words and MATH[18]["problem"] != three_words
@@ -208,8 +293,12 @@ def test_planted_malformed_rows_and_duplicates_in_a_real_pool(tmp_path):
     assert "\ufffd" in quarantine[plants["undecodable"]]["raw"]
 
     dups = {d["source_row"]: d for d in _rows(tmp_path / "out", "duplicates")}
-    for name, original, kind in [("exact", 10, "exact"), ("exact_ws_case", 20, "exact"),
-                                 ("near_two_words", 9, "near"), ("near_three_words", 18, "near")]:
+    for name, original, kind in [
+        ("exact", 10, "exact"),
+        ("exact_ws_case", 20, "exact"),
+        ("near_two_words", 9, "near"),
+        ("near_three_words", 18, "near"),
+    ]:
         d = dups[plants[name]]
         assert (d["kind"], d["canonical_id"]) == (kind, _math_id(original)), name
         assert d["similarity"] == 1.0 if kind == "exact" else 0.85 <= d["similarity"] < 1.0
@@ -217,9 +306,14 @@ def test_planted_malformed_rows_and_duplicates_in_a_real_pool(tmp_path):
     assert {r["source_row"] for r in prompts}.isdisjoint(plants.values())
     assert len({r["prompt_id"] for r in prompts}) == len(prompts) == len({r["text_hash"] for r in prompts})
     assert counts["rows_in"] == len(MATH) + len(plants)
-    assert counts["rows_in"] == (counts["ingested"] + counts["quarantined"] + counts["duplicates_exact"]
-                                 + counts["duplicates_near"])
-    assert (counts["quarantined"], counts["duplicates_exact"], counts["duplicates_near"]) == (4 + 4, 2 + 2, 6 + 2)
+    assert counts["rows_in"] == (
+        counts["ingested"] + counts["quarantined"] + counts["duplicates_exact"] + counts["duplicates_near"]
+    )
+    assert (counts["quarantined"], counts["duplicates_exact"], counts["duplicates_near"]) == (
+        4 + 4,
+        2 + 2,
+        6 + 2,
+    )
 
 
 def test_vendored_math_file(tmp_path):
@@ -231,10 +325,21 @@ def test_vendored_math_file(tmp_path):
     spec = SourceSpec("math_train", str(MATH_FILE), level_field="difficulty", subject_field="type")
     counts = ingest([spec], tmp_path / "out")
     # 4 rows without an answer; 2 exact and 6 near duplicates (the same answer, reworded)
-    assert counts == {"rows_in": 7474.0, "ingested": 7462.0, "quarantined": 4.0, "duplicates_exact": 2.0,
-                      "duplicates_near": 6.0, "rows_in_math_train": 7474.0, "ingested_math_train": 7462.0}
+    assert counts == {
+        "rows_in": 7474.0,
+        "ingested": 7462.0,
+        "quarantined": 4.0,
+        "duplicates_exact": 2.0,
+        "duplicates_near": 6.0,
+        "rows_in_math_train": 7474.0,
+        "ingested_math_train": 7462.0,
+    }
     assert {q["source_row"]: q["reason"] for q in _rows(tmp_path / "out", "quarantine")} == {
-        886: "missing answer", 1009: "missing answer", 5328: "empty answer", 5330: "empty answer"}
+        886: "missing answer",
+        1009: "missing answer",
+        5328: "empty answer",
+        5330: "empty answer",
+    }
     first = _rows(tmp_path / "out")[0]
     assert (first["answer"], first["level"], first["subject"]) == ("0", 5, "Algebra")
 
@@ -246,10 +351,14 @@ def test_vendored_math_file(tmp_path):
 def test_arithmetic_pool_survives_with_its_ids(tmp_path):
     from data_curation.synthetic import write_dataset
 
-    write_dataset(tmp_path, seed=0, pool_size=3000, heldout_size=300, levels=[1, 2, 3, 4, 5], demo_error_rate=0.15)
+    write_dataset(
+        tmp_path, seed=0, pool_size=3000, heldout_size=300, levels=[1, 2, 3, 4, 5], demo_error_rate=0.15
+    )
     arith = dict(id_field="prompt_id", level_field="level", extra_fields=("solution", "demonstration"))
-    sources = [SourceSpec("arith", str(tmp_path / "pool.parquet"), **arith),
-               SourceSpec("heldout", str(tmp_path / "heldout.parquet"), **arith)]
+    sources = [
+        SourceSpec("arith", str(tmp_path / "pool.parquet"), **arith),
+        SourceSpec("heldout", str(tmp_path / "heldout.parquet"), **arith),
+    ]
     counts = ingest(sources, tmp_path / "out")
     assert counts["ingested"] == counts["rows_in"] == 3300 and counts["duplicates_near"] == 0
     pool = pq.read_table(tmp_path / "pool.parquet").to_pylist()
@@ -260,8 +369,13 @@ def test_arithmetic_pool_survives_with_its_ids(tmp_path):
 
 def test_exact_duplicates_across_sources_keep_the_first_source(tmp_path):
     a = _write_jsonl(tmp_path / "a.jsonl", [{"problem": "Find  the sum of 2 and 3.", "answer": "5"}])
-    b = _write_jsonl(tmp_path / "b.jsonl", [{"problem": "Evaluate 9-1.", "answer": "8"},
-                                             {"problem": "find the SUM of 2 and\n3.", "answer": "5.0"}])
+    b = _write_jsonl(
+        tmp_path / "b.jsonl",
+        [
+            {"problem": "Evaluate 9-1.", "answer": "8"},
+            {"problem": "find the SUM of 2 and\n3.", "answer": "5.0"},
+        ],
+    )
     counts = ingest([SourceSpec("a", str(a)), SourceSpec("b", str(b))], tmp_path / "out")
     assert [(r["source"], r["source_row"]) for r in _rows(tmp_path / "out")] == [("a", 0), ("b", 0)]
     (dup,) = _rows(tmp_path / "out", "duplicates")

@@ -42,7 +42,15 @@ def test_write_dataset_parquet(tmp_path):
     counts = write_dataset(tmp_path, seed=0, pool_size=100, heldout_size=20, levels=[1, 3])
     pool = pl.read_parquet(tmp_path / "pool.parquet")
     assert counts == {"pool_prompts": 100.0, "heldout_prompts": 20.0}
-    assert set(pool.columns) == {"prompt_id", "problem", "solution", "answer", "level", "split", "demonstration"}
+    assert set(pool.columns) == {
+        "prompt_id",
+        "problem",
+        "solution",
+        "answer",
+        "level",
+        "split",
+        "demonstration",
+    }
     assert set(pool["level"].unique()) == {1, 3}
 
 

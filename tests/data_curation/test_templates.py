@@ -16,9 +16,11 @@ from evaluation.benchmarks import load_benchmark
 
 ROOT = Path(__file__).resolve().parents[2]
 MATH_FILE = ROOT / "data_curation" / "data" / "math_train.json"
-DAPO = ("Solve the following math problem step by step. The last line of your response should be of the form "
-        "Answer: $Answer (without quotes) where $Answer is the answer to the problem.\n\n",
-        "\n\nRemember to put your answer on its own line after \"Answer:\".")
+DAPO = (
+    "Solve the following math problem step by step. The last line of your response should be of the form "
+    "Answer: $Answer (without quotes) where $Answer is the answer to the problem.\n\n",
+    '\n\nRemember to put your answer on its own line after "Answer:".',
+)
 VERL_SUFFIX = " Let's think step by step and output the final answer within \\boxed{}."
 
 
@@ -38,8 +40,17 @@ def test_prefix_suffix_and_minority_rows(math_rows):
     problems = [normalize_text(r["problem"]) for r in math_rows]
     wrapped = [normalize_text(DAPO[0] + p + DAPO[1]) for p in problems[:380]] + problems[380:]  # 95% wrapped
     t = detect_template(wrapped)
-    assert t is not None and t.prefix == normalize_text(DAPO[0] + "x")[:-1] and t.suffix.strip() == DAPO[1].strip()
-    assert t.rows == 400 and t.matched == 380 and t.text.startswith("Solve the following") and "{problem}" in t.text
+    assert (
+        t is not None
+        and t.prefix == normalize_text(DAPO[0] + "x")[:-1]
+        and t.suffix.strip() == DAPO[1].strip()
+    )
+    assert (
+        t.rows == 400
+        and t.matched == 380
+        and t.text.startswith("Solve the following")
+        and "{problem}" in t.text
+    )
     assert [strip_template(w, t) for w in wrapped] == problems  # bare problems; the unwrapped 5% unchanged
     assert detect_template(wrapped, min_share=0.97) is None
 
@@ -50,13 +61,26 @@ def test_prefix_suffix_and_minority_rows(math_rows):
     lets = [normalize_text("Answer the question below: Let " + p) for p in problems]
     t = detect_template(lets)
     assert t.prefix == "Answer the question below: " and strip_template(lets[0], t) == "Let " + problems[0]
-    assert detect_template([normalize_text("Question: " + p) for p in problems]) is None  # under 16 characters
+    assert (
+        detect_template([normalize_text("Question: " + p) for p in problems]) is None
+    )  # under 16 characters
 
 
 def _verl(path: Path, rows: list[dict], wrap: tuple[str, str]) -> Path:
-    pq.write_table(pa.Table.from_pylist([
-        {"data_source": "math", "prompt": [{"role": "user", "content": wrap[0] + r["problem"] + wrap[1]}],
-         "ability": "math", "reward_model": {"style": "rule", "ground_truth": str(r["answer"])}} for r in rows]), path)
+    pq.write_table(
+        pa.Table.from_pylist(
+            [
+                {
+                    "data_source": "math",
+                    "prompt": [{"role": "user", "content": wrap[0] + r["problem"] + wrap[1]}],
+                    "ability": "math",
+                    "reward_model": {"style": "rule", "ground_truth": str(r["answer"])},
+                }
+                for r in rows
+            ]
+        ),
+        path,
+    )
     return path
 
 
@@ -65,20 +89,31 @@ def test_verl_pool_with_wrapper_curates_like_the_bare_pool(tmp_path, math_rows):
     gsm8k, math500 = load_benchmark("gsm8k"), load_benchmark("math500")
     rows = list(math_rows[:300])
     rows += [dict(math_rows[i]) for i in (3, 10, 50)]  # exact duplicates
-    rows += [{"problem": math_rows[i]["problem"].replace("Find", "Determine", 1), "answer": math_rows[i]["answer"]}
-             for i in range(60, 200) if "Find" in math_rows[i]["problem"]][:3]  # near duplicates
+    rows += [
+        {"problem": math_rows[i]["problem"].replace("Find", "Determine", 1), "answer": math_rows[i]["answer"]}
+        for i in range(60, 200)
+        if "Find" in math_rows[i]["problem"]
+    ][:3]  # near duplicates
     rows += [{"problem": it.problem, "answer": it.answer} for it in gsm8k[:4] + math500[:3]]  # contaminated
-    rows += [{"problem": "What is $1+1$? Give your answer as an integer.", "answer": "2"},
-             {"problem": "What is $5-3$? Give your answer as an integer.", "answer": "2"}]  # short, same answer
+    rows += [
+        {"problem": "What is $1+1$? Give your answer as an integer.", "answer": "2"},
+        {"problem": "What is $5-3$? Give your answer as an integer.", "answer": "2"},
+    ]  # short, same answer
     items = gsm8k + math500
     out = {}
     for name, wrap in (("bare", ("", "")), ("wrapped", DAPO)):
         src = _verl(tmp_path / f"{name}.parquet", rows, wrap)
         counts = ingest([SourceSpec("pool", str(src))], tmp_path / name)
         dec = decontaminate(tmp_path / name / "prompts.parquet", items, tmp_path / f"{name}_dec")
-        out[name] = (counts, dec, *(pq.read_table(tmp_path / name / f"{t}.parquet")
-                                    for t in ("prompts", "duplicates", "templates")),
-                     pq.read_table(tmp_path / f"{name}_dec" / "contamination.parquet"))
+        out[name] = (
+            counts,
+            dec,
+            *(
+                pq.read_table(tmp_path / name / f"{t}.parquet")
+                for t in ("prompts", "duplicates", "templates")
+            ),
+            pq.read_table(tmp_path / f"{name}_dec" / "contamination.parquet"),
+        )
     bare, wrapped = out["bare"], out["wrapped"]
     assert wrapped[0]["templated_sources"] == 1 and wrapped[0]["template_stripped"] == len(rows)
     assert {k: v for k, v in wrapped[0].items() if not k.startswith("templ")} == bare[0]
@@ -88,9 +123,16 @@ def test_verl_pool_with_wrapper_curates_like_the_bare_pool(tmp_path, math_rows):
         assert wrapped[i].equals(bare[i]), i
     assert bare[4].num_rows == 0
     tpl = wrapped[4].to_pylist()
-    assert tpl == [{"source": "pool", "template": normalize_text(DAPO[0] + "{problem}" + DAPO[1]),
-                    "prefix": normalize_text(DAPO[0] + "x")[:-1], "suffix": "\n\n" + DAPO[1].strip(),
-                    "rows": len(rows), "matched": len(rows)}]
+    assert tpl == [
+        {
+            "source": "pool",
+            "template": normalize_text(DAPO[0] + "{problem}" + DAPO[1]),
+            "prefix": normalize_text(DAPO[0] + "x")[:-1],
+            "suffix": "\n\n" + DAPO[1].strip(),
+            "rows": len(rows),
+            "matched": len(rows),
+        }
+    ]
 
     # kept in, the wrapper is what near dedup compares: the two short problems (Jaccard 0.57 bare,
     # 0.74 wrapped) become "duplicates" at a 0.7 threshold

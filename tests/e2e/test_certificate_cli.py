@@ -33,8 +33,10 @@ def test_run_summary_certifies_its_own_scores(run):
     assert "decontamination certificates: eval_warmup arith_heldout clean" in out
     pool = json.loads(next((ws / "artifacts" / "prompts").glob("*/certificate.json")).read_text())
     assert set(pool["benchmarks"]) == {"arith_heldout", "math500"}
-    assert pool["benchmarks"]["math500"]["sha256"] == \
-        "35dc41080a3680858b27fa7e0533d2d547825316fc5dafe5d316f4ccc5a06132"  # the vendored file (data README)
+    assert (
+        pool["benchmarks"]["math500"]["sha256"]
+        == "35dc41080a3680858b27fa7e0533d2d547825316fc5dafe5d316f4ccc5a06132"
+    )  # the vendored file (data README)
 
 
 def test_eval_on_a_benchmark_the_pool_was_not_checked_against(run):
@@ -43,15 +45,20 @@ def test_eval_on_a_benchmark_the_pool_was_not_checked_against(run):
     out = laminar("eval", f"ckpt={rl[:12]}", "eval.benchmarks=[arith_heldout,aime24]", *EVAL, ws=ws).stdout
     aime = next(line for line in out.splitlines() if line.strip().startswith("aime24") and "sha256" in line)
     assert "not-checked" in aime and "af2b8bd2aa91" in aime and "['arith_heldout', 'math500']" in aime, out
-    held = next(line for line in out.splitlines() if line.strip().startswith("arith_heldout") and "sha256" in line)
+    held = next(
+        line for line in out.splitlines() if line.strip().startswith("arith_heldout") and "sha256" in line
+    )
     assert " clean " in held
     s = latest_eval_summary(ws)
     assert s["certificates"]["aime24"]["status"] == "not-checked"
     assert s["certificates"]["aime24"]["benchmark_sha256"].startswith("af2b8bd2aa91")
     con = duckdb.connect(str(ws / "catalog.duckdb"), read_only=True)
     try:
-        rows = con.execute("SELECT benchmark, certificate, count(*) FROM eval_results WHERE checkpoint_sha = ? "
-                           "AND eval_sha = ? GROUP BY ALL ORDER BY 1", [rl, s["eval"]]).fetchall()
+        rows = con.execute(
+            "SELECT benchmark, certificate, count(*) FROM eval_results WHERE checkpoint_sha = ? "
+            "AND eval_sha = ? GROUP BY ALL ORDER BY 1",
+            [rl, s["eval"]],
+        ).fetchall()
         unset = con.execute("SELECT count(*) FROM eval_results WHERE certificate IS NULL").fetchone()[0]
     finally:
         con.close()
@@ -80,4 +87,6 @@ def test_checkpoint_from_outside_the_store_is_unknown_origin(run, tmp_path):
     out = laminar("eval", f"ckpt={folder}", *EVAL, ws=ws).stdout
     cert = latest_eval_summary(ws)["certificates"]["arith_heldout"]
     assert cert["status"] == "unknown-origin" and "outside the store" in cert["detail"]
-    assert any(line.strip().startswith("arith_heldout") and "unknown-origin" in line for line in out.splitlines())
+    assert any(
+        line.strip().startswith("arith_heldout") and "unknown-origin" in line for line in out.splitlines()
+    )

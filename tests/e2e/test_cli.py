@@ -18,18 +18,31 @@ LAMINAR = [sys.executable, "-m", "flows.cli"]
 # spin (the warm-up took 238 s instead of ~90 s).
 # A short RFT (20 steps) leaves RL room to show learning: with the default 200 steps on DART's checked
 # responses the RFT model starts RL near what 50 steps can reach (held-out 0.72 -> 0.73 on 2026-12-01).
-SMALL = ["rl.steps=50", "curation.difficulty.max_prompts=600", "curation.dart.budget=3000", "curation.rft.steps=20",
-         "threads=1"]
+SMALL = [
+    "rl.steps=50",
+    "curation.difficulty.max_prompts=600",
+    "curation.dart.budget=3000",
+    "curation.rft.steps=20",
+    "threads=1",
+]
 
 pytestmark = pytest.mark.e2e
 
 
 def laminar(*args: str, ws: Path, check: bool = True) -> subprocess.CompletedProcess:
     env = {**os.environ, "PYTHONPATH": str(ROOT)}
-    proc = subprocess.run([*LAMINAR, *args, "--workspace", str(ws)], cwd=ROOT, env=env, capture_output=True,
-                          text=True, timeout=900)
+    proc = subprocess.run(
+        [*LAMINAR, *args, "--workspace", str(ws)],
+        cwd=ROOT,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=900,
+    )
     if check and proc.returncode != 0:
-        raise AssertionError(f"laminar {args} failed ({proc.returncode}):\n{proc.stdout[-3000:]}\n{proc.stderr[-3000:]}")
+        raise AssertionError(
+            f"laminar {args} failed ({proc.returncode}):\n{proc.stdout[-3000:]}\n{proc.stderr[-3000:]}"
+        )
     return proc
 
 

@@ -16,17 +16,34 @@ from pathlib import Path
 import pytest
 
 ROOT = Path(__file__).resolve().parents[2]
-EXPECTED = {"proof.log", "proof.json", "gpu_check.json", "rl_throughput_cpu.json", "gpu_check.png",
-            "rl_throughput.png", "timelines.tar.gz"}
+EXPECTED = {
+    "proof.log",
+    "proof.json",
+    "gpu_check.json",
+    "rl_throughput_cpu.json",
+    "gpu_check.png",
+    "rl_throughput.png",
+    "timelines.tar.gz",
+}
 
 
 @pytest.mark.slow
 def test_cpu_smoke_runs_every_step_and_writes_the_device_layout(tmp_path):
     env = {k: v for k, v in os.environ.items() if k != "OUT"}
-    env.update(PYTHON=sys.executable, PROOF_OUT=str(tmp_path / "out"), PROOF_WORK=str(tmp_path / "work"),
-               PYTHONPATH=str(ROOT) + (os.pathsep + env["PYTHONPATH"] if env.get("PYTHONPATH") else ""))
-    proc = subprocess.run(["bash", "benchmarks/device_proof.sh", "--cpu-smoke"], cwd=ROOT, env=env,
-                          capture_output=True, text=True, timeout=600)
+    env.update(
+        PYTHON=sys.executable,
+        PROOF_OUT=str(tmp_path / "out"),
+        PROOF_WORK=str(tmp_path / "work"),
+        PYTHONPATH=str(ROOT) + (os.pathsep + env["PYTHONPATH"] if env.get("PYTHONPATH") else ""),
+    )
+    proc = subprocess.run(
+        ["bash", "benchmarks/device_proof.sh", "--cpu-smoke"],
+        cwd=ROOT,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     out = tmp_path / "out"
     files = sorted(p.name for p in out.iterdir())
@@ -45,8 +62,9 @@ def test_cpu_smoke_runs_every_step_and_writes_the_device_layout(tmp_path):
     engine = [r for r in gpu["rows"] if r["section"] == "engine"]
     assert any(r.get("skipped") == "no CUDA" and r["variant"] == "graphs" for r in engine)
     assert any(r.get("ratio", 0) > 0 for r in engine)
-    assert [r["ours"] for r in gpu["rows"] if "ZeRO" in r.get("case", "")] == \
-        ["skipped: --no-deepspeed (no CUDA)"] * 2
+    assert [r["ours"] for r in gpu["rows"] if "ZeRO" in r.get("case", "")] == [
+        "skipped: --no-deepspeed (no CUDA)"
+    ] * 2
     assert gpu["env"]["complete"] is True
     # a smoke measures no 0.5B engine at batch 256 and no ZeRO update: no target may read as met
     targets = proof["targets"]["gpu_check"]

@@ -5,7 +5,6 @@ last complete checkpoint, the report files; (slow) the same with the torch train
 from __future__ import annotations
 
 import json
-import signal
 import subprocess
 import time
 from pathlib import Path
@@ -63,16 +62,28 @@ def test_laminar_deepspeed_run_checkpoints_resumes_and_reports(tmp_path):
     trainer is SIGKILLed after its first checkpoint, the run fails, the rerun resumes from that
     checkpoint to the end, and the run report shows the runtime and its timeline."""
     ws = tmp_path / "ws"
-    args = ("run", *TINY_CURATED, "trainer.backend=deepspeed", "rl.mode=laminar", "rl.steps=8",
-            "rl.checkpoint_every=2", "--until", "rl")
-    proc = popen(*args, ws=ws, stdout=subprocess.PIPE, stderr=subprocess.STDOUT)  # curation, then RL checkpoints
+    args = (
+        "run",
+        *TINY_CURATED,
+        "trainer.backend=deepspeed",
+        "rl.mode=laminar",
+        "rl.steps=8",
+        "rl.checkpoint_every=2",
+        "--until",
+        "rl",
+    )
+    proc = popen(
+        *args, ws=ws, stdout=subprocess.PIPE, stderr=subprocess.STDOUT
+    )  # curation, then RL checkpoints
     deadline = time.time() + 400
     marker = None
     while time.time() < deadline and marker is None and proc.poll() is None:
         found = sorted(ws.glob("state/rl-*/checkpoints/step-*/COMPLETE.json"))
         marker = found[-1] if found else None
         time.sleep(0.1)
-    assert marker is not None, f"no checkpoint appeared: {proc.communicate()[0][-3000:] if proc.poll() is not None else ''}"
+    assert marker is not None, (
+        f"no checkpoint appeared: {proc.communicate()[0][-3000:] if proc.poll() is not None else ''}"
+    )
     assert (marker.parent / "deepspeed").is_dir()  # DeepSpeed's own files inside the atomic folder
     for pid in _trainer_pids():
         subprocess.run(["kill", "-9", str(pid)])
@@ -106,9 +117,17 @@ def test_laminar_deepspeed_run_checkpoints_resumes_and_reports(tmp_path):
 
     logged: dict[int, float] = {}
     for run_dir in sorted((ws / "runs").iterdir()):  # run ids sort by start time: the resumed run's steps win
-        scalars = tensorboard_scalars(Path(json.loads((run_dir / "tracking.json").read_text())["tensorboard"]["logdir"]))
+        scalars = tensorboard_scalars(
+            Path(json.loads((run_dir / "tracking.json").read_text())["tensorboard"]["logdir"])
+        )
         logged.update(scalars.get("rl/reward", []))
         if run_dir.name == latest["run_id"]:
-            assert {"rl/staleness_mean", "rl/staleness_max", "rl/occupancy", "rl/publish_stall_s",
-                    "rl/tokens_per_s", "rl/repacks"} <= set(scalars)
+            assert {
+                "rl/staleness_mean",
+                "rl/staleness_max",
+                "rl/occupancy",
+                "rl/publish_stall_s",
+                "rl/tokens_per_s",
+                "rl/repacks",
+            } <= set(scalars)
     assert logged == {m["step"]: pytest.approx(m["reward"]) for m in history}

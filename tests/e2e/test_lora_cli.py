@@ -20,8 +20,14 @@ pytestmark = [pytest.mark.e2e, pytest.mark.slow]  # two minutes on the loaded 2-
 
 def laminar(*args: str, ws: Path) -> subprocess.CompletedProcess:
     env = {**os.environ, "PYTHONPATH": str(ROOT)}
-    proc = subprocess.run([sys.executable, "-m", "flows.cli", *args, "--workspace", str(ws)], cwd=ROOT, env=env,
-                          capture_output=True, text=True, timeout=900)
+    proc = subprocess.run(
+        [sys.executable, "-m", "flows.cli", *args, "--workspace", str(ws)],
+        cwd=ROOT,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=900,
+    )
     assert proc.returncode == 0, f"laminar {args} failed:\n{proc.stdout[-3000:]}\n{proc.stderr[-3000:]}"
     return proc
 
@@ -29,7 +35,9 @@ def laminar(*args: str, ws: Path) -> subprocess.CompletedProcess:
 @pytest.fixture(scope="module")
 def lora_run(tmp_path_factory):
     ws = tmp_path_factory.mktemp("ws-lora")
-    laminar("run", *TINY_CURATED, "model.lora.enabled=true", "model.lora.rank=4", "tracking.backends=[]", ws=ws)
+    laminar(
+        "run", *TINY_CURATED, "model.lora.enabled=true", "model.lora.rank=4", "tracking.backends=[]", ws=ws
+    )
     run = sorted((ws / "runs").iterdir(), key=lambda p: p.stat().st_mtime)[-1]
     return ws, json.loads((run / "summary.json").read_text())
 
@@ -48,7 +56,10 @@ def test_adapter_stages_write_peft_folders_on_the_base(lora_run):
         folder = ws / "artifacts" / "model" / sha[stage]
         assert {"adapter_config.json", "adapter_model.safetensors"} <= {p.name for p in folder.iterdir()}
         assert not (folder / "model.safetensors").exists(), f"{stage} wrote full weights"
-        assert json.loads((folder / "adapter_config.json").read_text())["base_model_name_or_path"] == sha["base_model"]
+        assert (
+            json.loads((folder / "adapter_config.json").read_text())["base_model_name_or_path"]
+            == sha["base_model"]
+        )
         assert base_dir(folder) == base.resolve()
     PeftModel.from_pretrained(load_model(base)[0], str(ws / "artifacts" / "model" / sha["rl"]))
 
@@ -74,4 +85,6 @@ def test_eval_and_export_take_the_adapter_checkpoint(lora_run, tmp_path):
     np.testing.assert_allclose(sequence_logprobs(plain, seq), sequence_logprobs(adapted, seq), atol=1e-5)
     lineage = laminar("lineage", rl_sha[:10], ws=ws).stdout
     base16 = summary["stages"]["base_model"]["artifacts"]["model"][:16]
-    assert f"base model {base16}" in lineage and f"LoRA adapter (rank 4, alpha 32.0) on base {base16}" in lineage
+    assert (
+        f"base model {base16}" in lineage and f"LoRA adapter (rank 4, alpha 32.0) on base {base16}" in lineage
+    )

@@ -44,21 +44,37 @@ def _env(**extra) -> dict:
 
 
 def laminar(*args: str, ws: Path, check: bool = True, timeout: int = 600) -> subprocess.CompletedProcess:
-    proc = subprocess.run([sys.executable, "-m", "flows.cli", *args, "--workspace", str(ws)], cwd=ROOT, env=_env(),
-                          capture_output=True, text=True, timeout=timeout)
+    proc = subprocess.run(
+        [sys.executable, "-m", "flows.cli", *args, "--workspace", str(ws)],
+        cwd=ROOT,
+        env=_env(),
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+    )
     if check and proc.returncode != 0:
-        raise AssertionError(f"laminar {args} failed ({proc.returncode}):\n{proc.stdout[-3000:]}\n{proc.stderr[-3000:]}")
+        raise AssertionError(
+            f"laminar {args} failed ({proc.returncode}):\n{proc.stdout[-3000:]}\n{proc.stderr[-3000:]}"
+        )
     return proc
 
 
 def popen(*args: str, ws: Path, **kw) -> subprocess.Popen:
-    return subprocess.Popen([sys.executable, "-m", "flows.cli", *args, "--workspace", str(ws)], cwd=ROOT, env=_env(),
-                            start_new_session=True, **kw)
+    return subprocess.Popen(
+        [sys.executable, "-m", "flows.cli", *args, "--workspace", str(ws)],
+        cwd=ROOT,
+        env=_env(),
+        start_new_session=True,
+        **kw,
+    )
 
 
 def summaries(ws: Path) -> dict[str, dict]:
-    return {p.name: json.loads((p / "summary.json").read_text()) for p in (ws / "runs").iterdir()
-            if (p / "summary.json").exists()}
+    return {
+        p.name: json.loads((p / "summary.json").read_text())
+        for p in (ws / "runs").iterdir()
+        if (p / "summary.json").exists()
+    }
 
 
 def latest_summary(ws: Path) -> dict:
@@ -87,7 +103,11 @@ def final_checkpoint(summary: dict) -> tuple[str, str]:
 
 def middle_stage() -> str:
     """The last stage of the DAG that has inputs and readers (the cheapest to rerun with its downstream)."""
-    return [s.name for s in STAGES if s.inputs and any(src == s.name for t in STAGES for src, _ in t.inputs.values())][-1]
+    return [
+        s.name
+        for s in STAGES
+        if s.inputs and any(src == s.name for t in STAGES for src, _ in t.inputs.values())
+    ][-1]
 
 
 @pytest.fixture(scope="module")
@@ -99,21 +119,30 @@ def first(tmp_path_factory):
 
 # ---- lineage and runs ---------------------------------------------------------------------------------
 
+
 def test_lineage_cli_names_every_stage_prompts_and_openlineage(first):
     ws, summary = first
     stage, sha = final_checkpoint(summary)
     text = laminar("lineage", sha[:12], "--prompts", ws=ws).stdout
     for name in upstream_of([stage]):
         assert f"\n  {name}\n" in text and summary["stages"][name]["cache_key"] in text
-    assert "source fingerprint" in text and "sources (the roots of the tree)" in text and "evaluations:" in text
+    assert (
+        "source fingerprint" in text and "sources (the roots of the tree)" in text and "evaluations:" in text
+    )
     lin = json.loads(laminar("lineage", sha[:12], "--json", "--prompts", ws=ws).stdout)
     assert {n["stage"] for n in lin["stages"]} == upstream_of([stage])
     trajectories = summary["stages"][stage]["metrics"]["trajectories"]
     assert sum(p["n"] for p in lin["prompts"]["prompts"]) == trajectories > 0
-    events = [json.loads(line) for line in laminar("lineage", sha[:12], "--format", "openlineage", ws=ws)
-              .stdout.splitlines() if line.strip()]
+    events = [
+        json.loads(line)
+        for line in laminar("lineage", sha[:12], "--format", "openlineage", ws=ws).stdout.splitlines()
+        if line.strip()
+    ]
     assert [e["job"]["name"] for e in events] == [n["stage"] for n in lin["stages"]]
-    assert all(e["eventType"] == "COMPLETE" and uuid.UUID(e["run"]["runId"]) and e["job"]["namespace"] for e in events)
+    assert all(
+        e["eventType"] == "COMPLETE" and uuid.UUID(e["run"]["runId"]) and e["job"]["namespace"]
+        for e in events
+    )
     assert events[-1]["outputs"][0]["facets"]["version"]["datasetVersion"] == sha
     bad = laminar("lineage", "abcdef0123", ws=ws, check=False)
     assert bad.returncode == 2 and "no artifact" in bad.stderr
@@ -145,11 +174,15 @@ def test_a_copied_workspace_works_after_the_original_is_gone(first, tmp_path):
     try:
         run = laminar("run", *TINY, ws=copy)
         moved = latest_summary(copy)
-        assert set(statuses(moved).values()) == {"cached"} and moved["metrics"] == summary["metrics"], statuses(moved)
+        assert set(statuses(moved).values()) == {"cached"} and moved["metrics"] == summary["metrics"], (
+            statuses(moved)
+        )
         assert f"laminar: stage {NAMES[0]:<14} cached" in run.stdout  # progress while the cached run goes on
 
         stage, sha = final_checkpoint(summary)
-        out = laminar("eval", f"ckpt={sha[:12]}", "eval.n_samples=1", "eval.max_new_tokens=8", "seed=3", ws=copy)
+        out = laminar(
+            "eval", f"ckpt={sha[:12]}", "eval.n_samples=1", "eval.max_new_tokens=8", "seed=3", ws=copy
+        )
         assert "arith_heldout" in out.stdout
         ev = max((s for s in summaries(copy).values() if s.get("kind") == "eval"), key=lambda s: s["run_id"])
         assert ev["status"] == "ran" and ev["checkpoint"]["path"] == f"artifacts/model/{sha}"
@@ -161,11 +194,16 @@ def test_a_copied_workspace_works_after_the_original_is_gone(first, tmp_path):
         assert f"path {copy}/artifacts/model/{sha}" in text and str(ws) not in text
 
         status = laminar("status", *TINY, "rl.lr=0.0003", ws=copy).stdout
-        assert "config (rl.lr 0.0001 -> 0.0003)" in next(line for line in status.splitlines() if line.startswith("rl "))
+        assert "config (rl.lr 0.0001 -> 0.0003)" in next(
+            line for line in status.splitlines() if line.startswith("rl ")
+        )
 
         rerun = laminar("rerun", "rl", *TINY, ws=copy)
         again = max((s for s in summaries(copy).values() if "stages" in s), key=lambda s: s["run_id"])
-        assert "eval_warmup" not in again["stages"] and again["metrics_from_catalog"] == ["eval_rft", "eval_warmup"]
+        assert "eval_warmup" not in again["stages"] and again["metrics_from_catalog"] == [
+            "eval_rft",
+            "eval_warmup",
+        ]
         for key in ("heldout_accuracy_warmup", "heldout_accuracy_rft"):
             assert again["metrics"][key] == summary["metrics"][key] is not None
         final = next(line for line in rerun.stdout.splitlines() if line.startswith("held-out accuracy"))
@@ -175,6 +213,7 @@ def test_a_copied_workspace_works_after_the_original_is_gone(first, tmp_path):
 
 
 # ---- rerun and --until --------------------------------------------------------------------------------
+
 
 def test_rerun_reruns_the_stage_and_its_downstream_only(first):
     ws, _ = first
@@ -205,6 +244,7 @@ def test_until_runs_only_the_stage_and_its_upstream(first):
 
 # ---- concurrency and crashes ------------------------------------------------------------------------------
 
+
 def test_a_second_run_on_a_busy_workspace_fails_at_once_and_writes_nothing(first, tmp_path):
     ws, _ = first
     runs_before = query(ws, "SELECT count(*) FROM runs")[0][0]
@@ -231,7 +271,9 @@ def test_a_second_run_on_a_busy_workspace_fails_at_once_and_writes_nothing(first
         a_err.close()
     assert query(ws, "SELECT count(*) FROM runs")[0][0] == runs_before + 1  # the first run's row only
     new = set(os.listdir(ws / "runs")) - dirs_before
-    assert len(new) == 1 and query(ws, "SELECT status FROM runs WHERE run_id = ?", [new.pop()]) == [("completed",)]
+    assert len(new) == 1 and query(ws, "SELECT status FROM runs WHERE run_id = ?", [new.pop()]) == [
+        ("completed",)
+    ]
 
 
 def _artifact_folders_complete(ws: Path, tmp_clean: bool) -> None:
@@ -279,14 +321,19 @@ def test_sigkill_mid_stage_then_rerun_completes_from_finished_stages(first):
         assert query(ws, "SELECT status FROM runs WHERE run_id = ?", [killed[0]]) == [("interrupted",)]
         # no duplicate rows: one stage row per (run, stage), the killed RL attempt counted nowhere
         assert query(ws, "SELECT count(*) FROM stage_runs WHERE run_id = ?", [s["run_id"]]) == [(len(NAMES),)]
-        assert query(ws, "SELECT count(*), count(DISTINCT stage) FROM stage_runs WHERE run_id = ?", [killed[0]]) == \
-            [(len(finished), len(finished))]
+        assert query(
+            ws, "SELECT count(*), count(DISTINCT stage) FROM stage_runs WHERE run_id = ?", [killed[0]]
+        ) == [(len(finished), len(finished))]
         rl_sha = s["stages"]["rl"]["artifacts"]["model"]
-        assert query(ws, "SELECT sum(n_trajectories) FROM consumed_prompts WHERE checkpoint_sha = ?", [rl_sha]) == \
-            [(s["stages"]["rl"]["metrics"]["trajectories"],)]
+        assert query(
+            ws, "SELECT sum(n_trajectories) FROM consumed_prompts WHERE checkpoint_sha = ?", [rl_sha]
+        ) == [(s["stages"]["rl"]["metrics"]["trajectories"],)]
         assert query(ws, "SELECT count(*) FROM checkpoints WHERE checkpoint_sha = ?", [rl_sha]) == [(1,)]
-        steps = query(ws, "SELECT count(DISTINCT step), max(step) FROM metrics WHERE cache_key = ? AND name = 'reward'",
-                      [s["stages"]["rl"]["cache_key"]])
+        steps = query(
+            ws,
+            "SELECT count(DISTINCT step), max(step) FROM metrics WHERE cache_key = ? AND name = 'reward'",
+            [s["stages"]["rl"]["cache_key"]],
+        )
         assert steps == [(200, 200)]
         _artifact_folders_complete(ws, tmp_clean=True)
         assert orphan_prefect_servers(Workspace.at(ws)) == []  # the killed run's Prefect server was stopped
@@ -298,6 +345,7 @@ def test_sigkill_mid_stage_then_rerun_completes_from_finished_stages(first):
 
 
 # ---- source code -------------------------------------------------------------------------------------------
+
 
 @pytest.mark.slow  # the CLI path; in process: tests/tasks/test_lineage.py (make test)
 def test_an_edited_source_file_reruns_exactly_the_downstream_stages(first, tmp_path):
@@ -315,11 +363,21 @@ def test_an_edited_source_file_reruns_exactly_the_downstream_stages(first, tmp_p
     if not edited.exists():
         edited = copy / Path(*module.split(".")) / "__init__.py"
     edited.write_text(edited.read_text() + "\n# an edit\n")
-    direct = {s.name for s in STAGES if module in {m for m, _ in cache.module_closure(tuple(sorted(s.modules)))}}
-    code = ("import sys; from pathlib import Path; import tasks.cache as c; c.ROOT = Path(sys.argv[1]); "
-            "from flows.cli import main; sys.exit(main(sys.argv[2:]))")
-    proc = subprocess.run([sys.executable, "-c", code, str(copy), "run", *TINY, "--workspace", str(ws)], cwd=ROOT,
-                          env=_env(), capture_output=True, text=True, timeout=600)
+    direct = {
+        s.name for s in STAGES if module in {m for m, _ in cache.module_closure(tuple(sorted(s.modules)))}
+    }
+    code = (
+        "import sys; from pathlib import Path; import tasks.cache as c; c.ROOT = Path(sys.argv[1]); "
+        "from flows.cli import main; sys.exit(main(sys.argv[2:]))"
+    )
+    proc = subprocess.run(
+        [sys.executable, "-c", code, str(copy), "run", *TINY, "--workspace", str(ws)],
+        cwd=ROOT,
+        env=_env(),
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
     assert proc.returncode == 0, proc.stderr[-3000:]
     after = latest_summary(ws)
     st = statuses(after)
@@ -331,8 +389,10 @@ def test_an_edited_source_file_reruns_exactly_the_downstream_stages(first, tmp_p
     before = first[1]["stages"]
     for stage_ in STAGES:
         if stage_.name in downstream_of(direct) - direct:
-            inputs_changed = any(after["stages"][src]["artifacts"][out] != before[src]["artifacts"][out]
-                                 for src, out in stage_.inputs.values())
+            inputs_changed = any(
+                after["stages"][src]["artifacts"][out] != before[src]["artifacts"][out]
+                for src, out in stage_.inputs.values()
+            )
             assert (st[stage_.name] == "ran") == inputs_changed, stage_.name
     laminar("run", *TINY, ws=ws)  # the unedited sources are still served from cache
     assert set(statuses(latest_summary(ws)).values()) == {"cached"}
@@ -340,12 +400,24 @@ def test_an_edited_source_file_reruns_exactly_the_downstream_stages(first, tmp_p
 
 # ---- serve -------------------------------------------------------------------------------------------------
 
+
 @pytest.mark.slow
 def test_serve_registers_the_cron_schedule_and_a_triggered_run_completes(first):
     ws, _ = first
     cron = "0 0 1 1 *"  # never fires during the test: the run is triggered
-    proc = popen("serve", "--cron", cron, "--port", "0", *TINY, "rl.steps=3", ws=ws, stdout=subprocess.PIPE,
-                 stderr=subprocess.STDOUT, text=True)
+    proc = popen(
+        "serve",
+        "--cron",
+        cron,
+        "--port",
+        "0",
+        *TINY,
+        "rl.steps=3",
+        ws=ws,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+    )
     lines: list[str] = []
     api: list[str] = []
 
@@ -393,15 +465,23 @@ def test_serve_registers_the_cron_schedule_and_a_triggered_run_completes(first):
         wanted = asset_key(Workspace.at(ws), "rl", "model")
         deadline = time.monotonic() + 60
         while True:  # events reach the API in the background
-            events = client.call("/events/filter", {"filter": {"event": {"prefix": ["prefect.asset."]}}, "limit": 50})
-            mats = [e for e in events["events"] if e["event"] == "prefect.asset.materialization.succeeded"
-                    and e["resource"]["prefect.resource.id"] == wanted]
+            events = client.call(
+                "/events/filter", {"filter": {"event": {"prefix": ["prefect.asset."]}}, "limit": 50}
+            )
+            mats = [
+                e
+                for e in events["events"]
+                if e["event"] == "prefect.asset.materialization.succeeded"
+                and e["resource"]["prefect.resource.id"] == wanted
+            ]
             if mats or time.monotonic() > deadline:
                 break
             time.sleep(2)
         assert mats and mats[0]["payload"]["sha256"] == s["stages"]["rl"]["artifacts"]["model"]
         upstream = {asset_key(Workspace.at(ws), src, out) for src, out in STAGE_BY_NAME["rl"].inputs.values()}
-        assert upstream == {r["prefect.resource.id"] for r in mats[0]["related"] if r["prefect.resource.role"] == "asset"}
+        assert upstream == {
+            r["prefect.resource.id"] for r in mats[0]["related"] if r["prefect.resource.role"] == "asset"
+        }
     finally:
         if proc.poll() is None:
             proc.send_signal(signal.SIGTERM)  # stops the runner, pauses the schedule, stops the server

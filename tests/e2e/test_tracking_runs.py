@@ -30,8 +30,14 @@ def laminar(*args: str, ws: Path) -> subprocess.CompletedProcess:
     env = {**os.environ, "PYTHONPATH": str(ROOT)}
     env.pop("PREFECT_API_URL", None)
     env.pop("WANDB_API_KEY", None)  # offline files, never the network
-    proc = subprocess.run([sys.executable, "-m", "flows.cli", *args, "--workspace", str(ws)], cwd=ROOT, env=env,
-                          capture_output=True, text=True, timeout=600)
+    proc = subprocess.run(
+        [sys.executable, "-m", "flows.cli", *args, "--workspace", str(ws)],
+        cwd=ROOT,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
     assert proc.returncode == 0, f"laminar {args} failed:\n{proc.stdout[-3000:]}\n{proc.stderr[-3000:]}"
     return proc
 
@@ -65,8 +71,16 @@ def test_tensorboard_has_every_rl_step_and_the_evaluation_accuracy(runs):
     assert len(history) == 2  # rl.steps=2 in TINY_CURATED
     scalars = tensorboard_scalars(Path(first["tracking"]["tensorboard"]["logdir"]))
     assert scalars["rl/reward"] == _rewards(history)
-    for key in ("accuracy", "response_length", "entropy", "clipfrac", "staleness_mean", "staleness_max",
-                "dropped_groups", "gen_tokens_per_s"):
+    for key in (
+        "accuracy",
+        "response_length",
+        "entropy",
+        "clipfrac",
+        "staleness_mean",
+        "staleness_max",
+        "dropped_groups",
+        "gen_tokens_per_s",
+    ):
         assert [s for s, _ in scalars[f"rl/{key}"]] == [1, 2], key
     acc = first["summary"]["metrics"]["heldout_accuracy_rl"]
     assert scalars["eval_rl/arith_heldout/accuracy"] == [(0, pytest.approx(acc))]
@@ -95,7 +109,9 @@ def test_mlflow_run_has_config_lineage_curves_and_accuracy(runs):
         for name, sha in s["artifacts"].items():
             assert tags[f"artifact.{stage}.{name}"] == sha
     assert mlflow_history(client, run.info.run_id, "rl/reward") == _rewards(history)
-    assert run.data.metrics["eval_rl/arith_heldout/accuracy"] == pytest.approx(summary["metrics"]["heldout_accuracy_rl"])
+    assert run.data.metrics["eval_rl/arith_heldout/accuracy"] == pytest.approx(
+        summary["metrics"]["heldout_accuracy_rl"]
+    )
     found = client.search_runs([loc["experiment_id"]], f"tags.`laminar.run_id` = '{summary['run_id']}'")
     assert [r.info.run_id for r in found] == [run.info.run_id]
 
@@ -110,7 +126,9 @@ def test_wandb_offline_run_files_have_the_curves(runs):
     rows, summary = wandb_run(files[0])
     steps = [(r["rl/step"], pytest.approx(r["rl/reward"])) for r in rows if "rl/reward" in r]
     assert steps == _rewards(history)
-    assert summary["eval_rl/arith_heldout/accuracy"] == pytest.approx(first["summary"]["metrics"]["heldout_accuracy_rl"])
+    assert summary["eval_rl/arith_heldout/accuracy"] == pytest.approx(
+        first["summary"]["metrics"]["heldout_accuracy_rl"]
+    )
 
 
 def test_a_cached_rerun_is_logged_as_cached_with_its_curves(runs):
@@ -121,22 +139,27 @@ def test_a_cached_rerun_is_logged_as_cached_with_its_curves(runs):
     for stage in second["summary"]["stages"]:
         assert scalars[f"{stage}/cached"] == [(0, 1.0)], stage
     assert scalars["rl/reward"] == _rewards(history)  # from the catalog's metrics rows
-    assert scalars["eval_rl/arith_heldout/accuracy"] == [(0, pytest.approx(
-        first["summary"]["metrics"]["heldout_accuracy_rl"]))]
+    assert scalars["eval_rl/arith_heldout/accuracy"] == [
+        (0, pytest.approx(first["summary"]["metrics"]["heldout_accuracy_rl"]))
+    ]
     run = mlflow_client(second["tracking"]["mlflow"]["uri"]).get_run(second["tracking"]["mlflow"]["run"])
-    assert run.data.tags["stage.rl"] == "cached" and run.data.tags["checkpoint.rl"] == first["summary"]["checkpoints"]["rl"]
+    assert (
+        run.data.tags["stage.rl"] == "cached"
+        and run.data.tags["checkpoint.rl"] == first["summary"]["checkpoints"]["rl"]
+    )
 
 
 def test_runs_and_lineage_print_each_runs_tracker_location(runs):
     ws, first, second, _ = runs
     out = laminar("runs", ws=ws).stdout
-    tracked = out[out.index("tracker runs:"):]
+    tracked = out[out.index("tracker runs:") :]
     for r in (first, second):
         assert r["summary"]["run_id"] in tracked
         assert r["tracking"]["tensorboard"]["logdir"] in tracked and r["tracking"]["mlflow"]["run"] in tracked
     listing = json.loads(laminar("runs", "--json", ws=ws).stdout)
     assert {r["run_id"]: r["tracking"] for r in listing["runs"]} == {
-        r["summary"]["run_id"]: r["tracking"] for r in (first, second)}
+        r["summary"]["run_id"]: r["tracking"] for r in (first, second)
+    }
     lin = laminar("lineage", first["summary"]["checkpoints"]["rl"][:12], ws=ws).stdout
     assert "tracker runs:" in lin and first["tracking"]["tensorboard"]["logdir"] in lin
 

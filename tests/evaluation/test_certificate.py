@@ -16,8 +16,9 @@ H_MATH, H_AIME = "a" * 64, "b" * 64
 def _pool(tmp: Path, name: str, benchmarks: dict) -> str:
     folder = tmp / name
     folder.mkdir()
-    (folder / "certificate.json").write_text(json.dumps({
-        "rules": ["ngram(n=13, min_coverage=0.7)", "paraphrase(...)"], "benchmarks": benchmarks}))
+    (folder / "certificate.json").write_text(
+        json.dumps({"rules": ["ngram(n=13, min_coverage=0.7)", "paraphrase(...)"], "benchmarks": benchmarks})
+    )
     return str(folder)
 
 
@@ -26,19 +27,44 @@ def _catalog(tmp: Path, *, model_kind: str = "tiny", pool: dict | None = None) -
     cat = Catalog(tmp / "catalog.duckdb")
     pool = {"math500": {"sha256": H_MATH, "items": 500, "removed": 0}} if pool is None else pool
     with cat.transaction() as con:
-        con.execute("INSERT INTO runs VALUES ('r1', now(), now(), 'completed', 'laminar run', ?, NULL)",
-                    [json.dumps({"model": {"kind": model_kind}})])
-        con.execute("INSERT INTO stage_runs (run_id, stage, status, cache_key) VALUES ('r1', 'base_model', 'ran', 'kB')")
-        for kind, sha, stage, path, key in (("model", "B", "base_model", None, "kB"), ("prompts", "I", "ingest", None, "kI"),
-                                            ("prompts", "P", "decontaminate", _pool(tmp, "P", pool), "kP"),
-                                            ("model", "W", "warmup", None, "kW"), ("model", "R", "rl", None, "kR"),
-                                            ("selection", "S", "select", None, "kS")):
-            con.execute("INSERT INTO artifacts VALUES (?, ?, ?, now(), ?, ?, '{}')", [kind, sha, path, stage, key])
-        for parent, child, stage in (("I", "P", "decontaminate"), ("B", "W", "warmup"), ("P", "W", "warmup"),
-                                     ("P", "S", "select"), ("W", "R", "rl"), ("S", "R", "rl")):
-            kinds = {"B": "model", "W": "model", "R": "model", "I": "prompts", "P": "prompts", "S": "selection"}
-            con.execute("INSERT INTO artifact_edges VALUES (?, ?, ?, ?, ?, 'k')",
-                        [kinds[parent], parent, kinds[child], child, stage])
+        con.execute(
+            "INSERT INTO runs VALUES ('r1', now(), now(), 'completed', 'laminar run', ?, NULL)",
+            [json.dumps({"model": {"kind": model_kind}})],
+        )
+        con.execute(
+            "INSERT INTO stage_runs (run_id, stage, status, cache_key) VALUES ('r1', 'base_model', 'ran', 'kB')"
+        )
+        for kind, sha, stage, path, key in (
+            ("model", "B", "base_model", None, "kB"),
+            ("prompts", "I", "ingest", None, "kI"),
+            ("prompts", "P", "decontaminate", _pool(tmp, "P", pool), "kP"),
+            ("model", "W", "warmup", None, "kW"),
+            ("model", "R", "rl", None, "kR"),
+            ("selection", "S", "select", None, "kS"),
+        ):
+            con.execute(
+                "INSERT INTO artifacts VALUES (?, ?, ?, now(), ?, ?, '{}')", [kind, sha, path, stage, key]
+            )
+        for parent, child, stage in (
+            ("I", "P", "decontaminate"),
+            ("B", "W", "warmup"),
+            ("P", "W", "warmup"),
+            ("P", "S", "select"),
+            ("W", "R", "rl"),
+            ("S", "R", "rl"),
+        ):
+            kinds = {
+                "B": "model",
+                "W": "model",
+                "R": "model",
+                "I": "prompts",
+                "P": "prompts",
+                "S": "selection",
+            }
+            con.execute(
+                "INSERT INTO artifact_edges VALUES (?, ?, ?, ?, ?, 'k')",
+                [kinds[parent], parent, kinds[child], child, stage],
+            )
     return cat
 
 
@@ -82,7 +108,17 @@ def test_a_trained_checkpoint_without_a_checked_pool_is_not_checked(tmp_path):
 def test_report_marks_scores_that_are_not_clean(status):
     from evaluation.report import EvalGroup, markdown_benchmark_table
 
-    summary = {"n_problems": 2, "n_samples": 1, "accuracy": 0.5, "avg@1": 0.5, "maj@1": 0.5, "mean_length": 3.0,
-               "truncation_rate": 0.0, "verifier_errors": 0}
-    table = markdown_benchmark_table([EvalGroup("rl", "c" * 64, "e" * 64, "aime24", summary, True, certificate=status)])
+    summary = {
+        "n_problems": 2,
+        "n_samples": 1,
+        "accuracy": 0.5,
+        "avg@1": 0.5,
+        "maj@1": 0.5,
+        "mean_length": 3.0,
+        "truncation_rate": 0.0,
+        "verifier_errors": 0,
+    }
+    table = markdown_benchmark_table(
+        [EvalGroup("rl", "c" * 64, "e" * 64, "aime24", summary, True, certificate=status)]
+    )
     assert ("aime24 (not-checked)" in table) == (status == "not-checked")

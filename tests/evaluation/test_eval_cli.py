@@ -17,11 +17,27 @@ import duckdb
 import pytest
 
 ROOT = Path(__file__).resolve().parents[2]
-TINY = ["data.pool_size=200", "data.heldout_size=20", "sft.steps=10", "sft.batch_size=8", "rl.steps=2",
-        "rl.prompts_per_step=4", "rl.group_size=2", "rl.max_new_tokens=32", "eval.n_samples=2",
-        "eval.max_new_tokens=32", "model.hidden_size=32", "model.intermediate_size=64", "model.num_layers=1",
-        "model.num_heads=2", "model.num_kv_heads=1", "curation.difficulty.max_prompts=50",
-        "curation.difficulty.max_new_tokens=16", "curation.dart.budget=200", "curation.rft.steps=5"]
+TINY = [
+    "data.pool_size=200",
+    "data.heldout_size=20",
+    "sft.steps=10",
+    "sft.batch_size=8",
+    "rl.steps=2",
+    "rl.prompts_per_step=4",
+    "rl.group_size=2",
+    "rl.max_new_tokens=32",
+    "eval.n_samples=2",
+    "eval.max_new_tokens=32",
+    "model.hidden_size=32",
+    "model.intermediate_size=64",
+    "model.num_layers=1",
+    "model.num_heads=2",
+    "model.num_kv_heads=1",
+    "curation.difficulty.max_prompts=50",
+    "curation.difficulty.max_new_tokens=16",
+    "curation.dart.budget=200",
+    "curation.rft.steps=5",
+]
 EVAL = ["eval.n_samples=2", "eval.max_new_tokens=32"]
 HELDOUT = 20
 PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
@@ -32,10 +48,18 @@ def _env() -> dict:
 
 
 def laminar(*args: str, ws: Path, check: bool = True) -> subprocess.CompletedProcess:
-    proc = subprocess.run([sys.executable, "-m", "flows.cli", *args, "--workspace", str(ws)], cwd=ROOT, env=_env(),
-                          capture_output=True, text=True, timeout=600)
+    proc = subprocess.run(
+        [sys.executable, "-m", "flows.cli", *args, "--workspace", str(ws)],
+        cwd=ROOT,
+        env=_env(),
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
     if check and proc.returncode != 0:
-        raise AssertionError(f"laminar {args} failed ({proc.returncode}):\n{proc.stdout[-3000:]}\n{proc.stderr[-3000:]}")
+        raise AssertionError(
+            f"laminar {args} failed ({proc.returncode}):\n{proc.stdout[-3000:]}\n{proc.stderr[-3000:]}"
+        )
     return proc
 
 
@@ -52,14 +76,20 @@ def eval_run(ws: Path, run_id: str) -> dict:
 
 
 def latest_eval_summary(ws: Path) -> dict:
-    runs = sorted((p for p in (ws / "runs").iterdir() if p.name.startswith("eval-")), key=lambda p: p.stat().st_mtime)
+    runs = sorted(
+        (p for p in (ws / "runs").iterdir() if p.name.startswith("eval-")), key=lambda p: p.stat().st_mtime
+    )
     return eval_run(ws, runs[-1].name)
 
 
 def row_counts(ws: Path, checkpoint: str, eval_sha: str) -> tuple[int, int]:
     """(rows, distinct (benchmark, problem, sample)) of one evaluation of one checkpoint."""
-    return query(ws, "SELECT count(*), count(DISTINCT (benchmark, problem_id, sample_idx)) FROM eval_results "
-                     "WHERE checkpoint_sha = ? AND eval_sha = ?", [checkpoint, eval_sha])[0]
+    return query(
+        ws,
+        "SELECT count(*), count(DISTINCT (benchmark, problem_id, sample_idx)) FROM eval_results "
+        "WHERE checkpoint_sha = ? AND eval_sha = ?",
+        [checkpoint, eval_sha],
+    )[0]
 
 
 @pytest.fixture(scope="module")
@@ -85,8 +115,11 @@ def test_eval_by_sha_prefix_is_idempotent(workspace):
     second = latest_eval_summary(ws)
     assert second["status"] == "cached" and second["eval"] == ev
     assert row_counts(ws, rl, ev) == (HELDOUT * 2, HELDOUT * 2)
-    dup = query(ws, "SELECT count(*) FROM (SELECT count(*) AS n FROM eval_results GROUP BY checkpoint_sha, eval_sha, "
-                    "benchmark, problem_id, sample_idx HAVING n > 1)")
+    dup = query(
+        ws,
+        "SELECT count(*) FROM (SELECT count(*) AS n FROM eval_results GROUP BY checkpoint_sha, eval_sha, "
+        "benchmark, problem_id, sample_idx HAVING n > 1)",
+    )
     assert dup == [(0,)]
 
 
@@ -105,7 +138,10 @@ def test_max_problems_evaluates_a_seeded_subset_and_counts_prompts_over_the_cont
     full = load_benchmark("gsm8k")
     assert (g["n_problems"], g["problems_total"]) == (12, len(full)) and f"12/{len(full)}" in out
     picked = subset(full, 12, seed=0, name="gsm8k")
-    ids = {r[0] for r in query(ws, "SELECT DISTINCT problem_id FROM eval_results WHERE eval_sha = ?", [s["eval"]])}
+    ids = {
+        r[0]
+        for r in query(ws, "SELECT DISTINCT problem_id FROM eval_results WHERE eval_sha = ?", [s["eval"]])
+    }
     assert ids == {it.problem_id for it in picked}
     model, tokenizer = load_model(ws / "artifacts" / "model" / summary["checkpoints"]["rl"])
     context = model.config.max_position_embeddings
@@ -115,10 +151,21 @@ def test_max_problems_evaluates_a_seeded_subset_and_counts_prompts_over_the_cont
     # the same subset for another checkpoint; another size is another cache key
     laminar("eval", f"ckpt={summary['checkpoints']['warmup'][:12]}", *args, ws=ws)
     warm = latest_eval_summary(ws)
-    assert {r[0] for r in query(ws, "SELECT DISTINCT problem_id FROM eval_results WHERE eval_sha = ?",
-                                [warm["eval"]])} == ids
-    laminar("eval", f"ckpt={summary['checkpoints']['rl'][:12]}", *args[:1], "eval.max_problems=13", *args[2:], ws=ws)
-    assert latest_eval_summary(ws)["status"] == "ran" and latest_eval_summary(ws)["cache_key"] != s["cache_key"]
+    assert {
+        r[0]
+        for r in query(ws, "SELECT DISTINCT problem_id FROM eval_results WHERE eval_sha = ?", [warm["eval"]])
+    } == ids
+    laminar(
+        "eval",
+        f"ckpt={summary['checkpoints']['rl'][:12]}",
+        *args[:1],
+        "eval.max_problems=13",
+        *args[2:],
+        ws=ws,
+    )
+    assert (
+        latest_eval_summary(ws)["status"] == "ran" and latest_eval_summary(ws)["cache_key"] != s["cache_key"]
+    )
 
 
 def test_bad_ckpt_fails_with_a_clear_message(workspace):
@@ -133,8 +180,14 @@ def test_killed_evaluation_reruns_to_one_row_per_sample(workspace):
     ws, summary = workspace
     warm = summary["checkpoints"]["warmup"]
     args = [f"ckpt={warm[:12]}", "eval.n_samples=48", "eval.max_new_tokens=32", "seed=7"]
-    proc = subprocess.Popen([sys.executable, "-m", "flows.cli", "eval", *args, "--workspace", str(ws)], cwd=ROOT,
-                            env=_env(), stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, start_new_session=True)
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "flows.cli", "eval", *args, "--workspace", str(ws)],
+        cwd=ROOT,
+        env=_env(),
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.PIPE,
+        start_new_session=True,
+    )
     sampling = threading.Event()
 
     def watch() -> None:  # the progress bar of the evaluation appears once the model is loaded
@@ -153,7 +206,9 @@ def test_killed_evaluation_reruns_to_one_row_per_sample(workspace):
 
     incomplete = [p for p in (ws / "artifacts" / "eval").iterdir() if not (p / "manifest.json").exists()]
     assert incomplete == []
-    killed_run = query(ws, "SELECT run_id, status FROM runs WHERE run_id LIKE 'eval-%' ORDER BY started_at DESC LIMIT 1")
+    killed_run = query(
+        ws, "SELECT run_id, status FROM runs WHERE run_id LIKE 'eval-%' ORDER BY started_at DESC LIMIT 1"
+    )
     assert killed_run[0][1] == "running"  # never reached its end
 
     laminar("eval", *args, ws=ws)
@@ -197,7 +252,11 @@ def test_report_writes_markdown_and_plots(workspace):
         assert heading in text
     assert summary["checkpoints"]["rl"][:12] in text and "warm-up" in text
     pngs = sorted(report_dir.glob("*.png"))
-    assert {p.name for p in pngs} == {"benchmark_accuracy.png", "rl_reward_length.png", "accuracy_by_level.png"}
+    assert {p.name for p in pngs} == {
+        "benchmark_accuracy.png",
+        "rl_reward_length.png",
+        "accuracy_by_level.png",
+    }
     for p in pngs:
         data = p.read_bytes()
         assert data[:8] == PNG_MAGIC and len(data) > 5000, p

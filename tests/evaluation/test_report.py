@@ -2,14 +2,32 @@
 
 from __future__ import annotations
 
-from evaluation.report import (PLOTS, EvalGroup, ReportData, format_eval_table, markdown_benchmark_table,
-                               summarize_eval_rows, write_report)
+from evaluation.report import (
+    PLOTS,
+    EvalGroup,
+    ReportData,
+    format_eval_table,
+    markdown_benchmark_table,
+    summarize_eval_rows,
+    write_report,
+)
 
 
 def _rows(correct_by_problem: dict[str, list[bool]], level: dict[str, str]) -> list[dict]:
-    return [{"problem_id": pid, "sample_idx": i, "pred": "3" if c else "4", "correct": c, "error": None,
-             "length": 10 + i, "truncated": i == 0, "level": level[pid]}
-            for pid, cs in correct_by_problem.items() for i, c in enumerate(cs)]
+    return [
+        {
+            "problem_id": pid,
+            "sample_idx": i,
+            "pred": "3" if c else "4",
+            "correct": c,
+            "error": None,
+            "length": 10 + i,
+            "truncated": i == 0,
+            "level": level[pid],
+        }
+        for pid, cs in correct_by_problem.items()
+        for i, c in enumerate(cs)
+    ]
 
 
 def test_summary_from_rows_matches_hand_computed():
@@ -26,15 +44,23 @@ def test_tables_and_plots(tmp_path):
     level = {"a": "1", "b": "2"}
     warm = summarize_eval_rows(_rows({"a": [True, False], "b": [False, False]}, level))
     rl = summarize_eval_rows(_rows({"a": [True, True], "b": [True, False]}, level))
-    evals = [EvalGroup("warmup", "w" * 64, "e" * 64, "arith_heldout", warm, True),
-             EvalGroup("rl", "r" * 64, "f" * 64, "arith_heldout", rl, True),
-             EvalGroup("rl", "r" * 64, "g" * 64, "gsm8k", rl, False)]
+    evals = [
+        EvalGroup("warmup", "w" * 64, "e" * 64, "arith_heldout", warm, True),
+        EvalGroup("rl", "r" * 64, "f" * 64, "arith_heldout", rl, True),
+        EvalGroup("rl", "r" * 64, "g" * 64, "gsm8k", rl, False),
+    ]
     text = format_eval_table({"arith_heldout": rl})
     assert "avg@2" in text and "0.750" in text and "by level: 1 1.000" in text
     md = markdown_benchmark_table(evals)
     assert md.count("\n") == 4 and "(laminar eval)" in md
-    data = ReportData("run-1", "completed", "laminar run", [{"stage": "rl", "status": "ran", "seconds": 1.5}],
-                      evals, {"reward": [(1, 0.1), (2, 0.3)], "response_length": [(1, 20.0), (2, 18.0)]})
+    data = ReportData(
+        "run-1",
+        "completed",
+        "laminar run",
+        [{"stage": "rl", "status": "ran", "seconds": 1.5}],
+        evals,
+        {"reward": [(1, 0.1), (2, 0.3)], "response_length": [(1, 20.0), (2, 18.0)]},
+    )
     path = write_report(data, tmp_path / "report")
     assert path.read_text().startswith("# Laminar run run-1")
     assert not (tmp_path / "report" / PLOTS["timeline"]).exists()  # only a Ray-runtime RL run has a timeline

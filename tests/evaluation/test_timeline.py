@@ -64,8 +64,12 @@ def test_summary_end_defaults_to_latest_time():
 
 
 def test_summary_edge_cases():
-    tl = {"rollouts": ["a"], "samples": [{"t": 1.0, "rollout": "b", "occupancy": 0.4, "active": 1}],
-          "events": [{"t": 1.0, "rollout": "c", "kind": "pull", "version": 0}], "updates": []}
+    tl = {
+        "rollouts": ["a"],
+        "samples": [{"t": 1.0, "rollout": "b", "occupancy": 0.4, "active": 1}],
+        "events": [{"t": 1.0, "rollout": "c", "kind": "pull", "version": 0}],
+        "updates": [],
+    }
     s = summarize_timeline(tl)
     assert list(s["rollouts"]) == ["a", "b", "c"]  # unlisted rollouts appended in order of appearance
     assert s["rollouts"]["a"]["mean_occupancy"] == 0.0 and s["rollouts"]["a"]["pulls"] == 0
@@ -91,11 +95,19 @@ def test_plot_larger_and_empty_timelines(tmp_path):
             t = k * 0.25 + 0.05 * i
             samples.append({"t": t, "rollout": r, "occupancy": ((k + 7 * i) % 17) / 16, "active": k % 9})
         events += [{"t": 3.0 * v + i * 0.1, "rollout": r, "kind": "pull", "version": v} for v in range(10)]
-        events.append({"t": 12.0 + i, "rollout": r, "kind": "repack_out" if i % 2 else "repack_in", "version": 4})
+        events.append(
+            {"t": 12.0 + i, "rollout": r, "kind": "repack_out" if i % 2 else "repack_in", "version": 4}
+        )
     events.append({"t": 20.0, "rollout": "rollout-2", "kind": "restart", "version": 6})
-    tl = {"rollouts": rollouts, "samples": samples, "events": events,
-          "updates": [{"t": 3.0 * v - 0.2, "version": v} for v in range(1, 10)]}
+    tl = {
+        "rollouts": rollouts,
+        "samples": samples,
+        "events": events,
+        "updates": [{"t": 3.0 * v - 0.2, "version": v} for v in range(1, 10)],
+    }
     big = plot_timeline(tl, tmp_path / "big.png")
     assert big.read_bytes()[:8] == PNG_MAGIC
-    empty = plot_timeline({"rollouts": [], "samples": [], "events": [], "updates": []}, tmp_path / "empty.png")
+    empty = plot_timeline(
+        {"rollouts": [], "samples": [], "events": [], "updates": []}, tmp_path / "empty.png"
+    )
     assert empty.read_bytes()[:8] == PNG_MAGIC

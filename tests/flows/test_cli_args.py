@@ -11,8 +11,15 @@ import pytest
 from flows.cli import did_you_mean, main
 
 
-@pytest.mark.parametrize("argv", [["--workspace", "{ws}", "runs"], ["runs", "--workspace", "{ws}"],
-                                  ["--workspace={ws}", "runs"], ["--workspace", "/elsewhere", "runs", "--workspace", "{ws}"]])
+@pytest.mark.parametrize(
+    "argv",
+    [
+        ["--workspace", "{ws}", "runs"],
+        ["runs", "--workspace", "{ws}"],
+        ["--workspace={ws}", "runs"],
+        ["--workspace", "/elsewhere", "runs", "--workspace", "{ws}"],
+    ],
+)
 def test_workspace_before_or_after_the_subcommand(tmp_path, capsys, argv):
     ws = tmp_path / "ws-given"
     code = main([a.format(ws=ws) for a in argv])
@@ -25,7 +32,9 @@ def test_workspace_before_or_after_the_subcommand(tmp_path, capsys, argv):
 def test_a_mistyped_subcommand_gets_a_did_you_mean(capsys):
     assert main(["staus"]) == 2
     err = capsys.readouterr().err
-    assert "unknown command 'staus' (did you mean 'status'?)" in err and "choose from run, rerun, status" in err
+    assert (
+        "unknown command 'staus' (did you mean 'status'?)" in err and "choose from run, rerun, status" in err
+    )
     assert main(["--workspace", "ws", "lineag"]) == 2
     assert "did you mean 'lineage'?" in capsys.readouterr().err
     assert main(["frobnicate"]) == 2
@@ -43,11 +52,17 @@ def test_a_mistyped_option_gets_a_did_you_mean(capsys):
 def test_config_prints_the_values_the_preset_fills_in(capsys):
     assert main(["config", "rl.algorithm=dapo", "rl.clip_low=0.1"]) == 0
     rl = re.split(r"\n(?=\S)", capsys.readouterr().out.split("\nrl:\n", 1)[1], maxsplit=1)[0]
-    lines = {line.split(":")[0].strip(): line.split(":", 1)[1].strip() for line in rl.splitlines() if ":" in line}
+    lines = {
+        line.split(":")[0].strip(): line.split(":", 1)[1].strip() for line in rl.splitlines() if ":" in line
+    }
     from training.objectives import PRESETS
 
     dapo = PRESETS["dapo"]
-    assert lines["clip_high"] == f"{dapo.clip_high}  # rl.algorithm=dapo preset" == "0.28  # rl.algorithm=dapo preset"
+    assert (
+        lines["clip_high"]
+        == f"{dapo.clip_high}  # rl.algorithm=dapo preset"
+        == "0.28  # rl.algorithm=dapo preset"
+    )
     assert lines["dynamic_sampling"].startswith("true") and lines["loss_agg"].startswith("token_mean")
     assert lines["clip_low"] == "0.1"  # an explicit override is printed as given, with no preset mark
     assert "null" not in lines["clip_high"] + lines["dynamic_sampling"] + lines["overlong_shaping"]

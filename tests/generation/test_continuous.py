@@ -14,7 +14,9 @@ from training.rl.trainer import build_batch, response_logits, token_logprobs
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 
-SMALL = ModelConfig(hidden_size=32, intermediate_size=64, num_layers=2, num_heads=4, num_kv_heads=2, max_seq_len=128)
+SMALL = ModelConfig(
+    hidden_size=32, intermediate_size=64, num_layers=2, num_heads=4, num_kv_heads=2, max_seq_len=128
+)
 MAX_NEW = 16
 
 
@@ -33,8 +35,12 @@ def _model(tok, seed=0):
 
 
 def _requests(tok, n_prompts=10, k=2, offset=0):
-    items = [PromptItem(f"p{i}", f"What is {i}+1?", str(i + 1), encode_prompt(tok, f"What is {i}+1?" + "x" * (i % 7)))
-             for i in range(offset, offset + n_prompts)]
+    items = [
+        PromptItem(
+            f"p{i}", f"What is {i}+1?", str(i + 1), encode_prompt(tok, f"What is {i}+1?" + "x" * (i % 7))
+        )
+        for i in range(offset, offset + n_prompts)
+    ]
     return [GenRequest(p, s, group_uid=100 + j) for j, p in enumerate(items) for s in range(k)]
 
 
@@ -64,7 +70,9 @@ def _staggered(engine, waves, steps_between=3):
 
 def _recompute(model, tok, trajs, temperature=1.0):
     """Behaviour log-probs and mean entropies recomputed by one plain forward over prompt+response."""
-    group = ScoredGroup("scored_group", "all", tuple(trajs), tuple(0.0 for _ in trajs), tuple(False for _ in trajs))
+    group = ScoredGroup(
+        "scored_group", "all", tuple(trajs), tuple(0.0 for _ in trajs), tuple(False for _ in trajs)
+    )
     batch = build_batch([group], tok.pad_token_id)
     with torch.no_grad():
         logits = response_logits(model, batch, "cpu")
@@ -78,18 +86,19 @@ def _recompute(model, tok, trajs, temperature=1.0):
 def _check_trajectory(t, tok):
     assert t.kind == "trajectory" and len(t.response_tokens) == len(t.behaviour_logprobs) >= 1
     eos = tok.eos_token_id
-    assert (t.finished and t.response_tokens[-1] == eos and eos not in t.response_tokens[:-1]) or \
-           (not t.finished and len(t.response_tokens) == MAX_NEW and eos not in t.response_tokens)
+    assert (t.finished and t.response_tokens[-1] == eos and eos not in t.response_tokens[:-1]) or (
+        not t.finished and len(t.response_tokens) == MAX_NEW and eos not in t.response_tokens
+    )
     body = t.response_tokens[:-1] if t.finished else t.response_tokens
     assert t.text == tok.decode(list(body), skip_special_tokens=True)
     assert all(lp <= 0 for lp in t.behaviour_logprobs) and t.mean_entropy > 0
 
 
 def test_counter_hash_matches_reference_and_ignores_batch_composition():
-    xs = [0, 1, 2 ** 63 - 1, -1, -(2 ** 63), 12345678901234567, -987654321]
+    xs = [0, 1, 2**63 - 1, -1, -(2**63), 12345678901234567, -987654321]
     assert _mix(torch.tensor(xs)).tolist() == [_signed(_mix_py(x)) for x in xs]
     vocab = torch.arange(50)
-    keys, t = torch.tensor([7, -3, 2 ** 40]), torch.tensor([0, 5, 9])
+    keys, t = torch.tensor([7, -3, 2**40]), torch.tensor([0, 5, 9])
     u = gumbel_uniforms(keys, t, vocab)
     assert u.dtype == torch.float64 and bool(((u > 0) & (u < 1)).all())
     assert torch.equal(u[1:2], gumbel_uniforms(keys[1:2], t[1:2], vocab))  # a row's noise is its own
@@ -113,7 +122,9 @@ def test_every_request_finishes_once_and_slots_are_refilled(tok):
         if st["active"]:
             assert st["kv_tokens"] >= st["active"] * (len(reqs[0].prompt.prompt_tokens) + 1)
     assert queued_seen[0] <= 10 and queued_seen == sorted(queued_seen, reverse=True) and queued_seen[-1] == 0
-    assert sorted(_key(t) for t in out) == sorted((r.prompt.prompt_id, r.group_uid, r.sample_idx) for r in reqs)
+    assert sorted(_key(t) for t in out) == sorted(
+        (r.prompt.prompt_id, r.group_uid, r.sample_idx) for r in reqs
+    )
     for t in out:
         _check_trajectory(t, tok)
         assert t.version == 0 and t.last_version == 0
@@ -135,8 +146,13 @@ def test_tokens_do_not_depend_on_batching(tok):
         np.testing.assert_allclose(a[k].behaviour_logprobs, b[k].behaviour_logprobs, atol=1e-5)
         assert a[k].mean_entropy == pytest.approx(b[k].mean_entropy, abs=1e-5)
     # the same prompt's two samples differ, and another seed draws other tokens
-    assert sum(a[(f"p{i}", 100 + i, 0)].response_tokens != a[(f"p{i}", 100 + i, 1)].response_tokens
-               for i in range(10)) >= 8
+    assert (
+        sum(
+            a[(f"p{i}", 100 + i, 0)].response_tokens != a[(f"p{i}", 100 + i, 1)].response_tokens
+            for i in range(10)
+        )
+        >= 8
+    )
     other = ContinuousEngine(model, tok, capacity=8, max_new_tokens=MAX_NEW, seed=4)
     other.submit(reqs)
     c = {_key(t): t for t in _drain(other)}
@@ -155,8 +171,10 @@ def test_logprobs_match_full_recomputation_after_joins(tok):
 
     engine._prefill = spy
     reqs = _requests(tok, 12, 2)
-    trajs = _staggered(engine, [reqs[i:i + 4] for i in range(0, len(reqs), 4)], steps_between=2)
-    assert sorted(_key(t) for t in trajs) == sorted((r.prompt.prompt_id, r.group_uid, r.sample_idx) for r in reqs)
+    trajs = _staggered(engine, [reqs[i : i + 4] for i in range(0, len(reqs), 4)], steps_between=2)
+    assert sorted(_key(t) for t in trajs) == sorted(
+        (r.prompt.prompt_id, r.group_uid, r.sample_idx) for r in reqs
+    )
     # new rows joined a running batch, and only the new rows were prefilled
     assert any(running > 0 for running, _ in calls)
     assert all(running + n <= 5 for running, n in calls)
@@ -211,12 +229,16 @@ def test_admission_switch_and_injected_partials(tok):
     complete = Partial(done_req, (5, 6, tok.eos_token_id), (-1.0, -2.0, -0.5), version=0, entropy_sum=3.0)
     engine.inject(partials + [complete])
     out = engine.step(1)
-    assert [t.prompt.prompt_id for t in out if t.prompt.prompt_id == "p30"] == ["p30"]  # nothing left to sample
+    assert [t.prompt.prompt_id for t in out if t.prompt.prompt_id == "p30"] == [
+        "p30"
+    ]  # nothing left to sample
     finished = [t for t in out if t.prompt.prompt_id == "p30"][0]
     assert finished.finished and finished.response_tokens == complete.tokens and finished.mean_entropy == 1.0
     assert engine.status()["queued"] == 3 and engine.status()["active"] <= len(partials)
     out += _drain(engine)
-    assert partials and {t.prompt.prompt_id for t in out} == {"p30"} | {p.request.prompt.prompt_id for p in partials}
+    assert partials and {t.prompt.prompt_id for t in out} == {"p30"} | {
+        p.request.prompt.prompt_id for p in partials
+    }
     assert engine.status()["queued"] == 3 and engine.status()["active"] == 0
     engine.admitting = True
     rest = _drain(engine)
@@ -235,14 +257,18 @@ def test_load_state_with_active_sequences_continues_them_under_new_weights(tok):
     engine = ContinuousEngine(_model(tok), tok, capacity=4, max_new_tokens=MAX_NEW)
     engine.submit(reqs)
     before = engine.step(3)
-    n_before = {(r.request.prompt.prompt_id, r.request.group_uid, r.request.sample_idx): n
-                for r, n in zip(engine._rows, engine._ngen.tolist())}
+    n_before = {
+        (r.request.prompt.prompt_id, r.request.group_uid, r.request.sample_idx): n
+        for r, n in zip(engine._rows, engine._ngen.tolist())
+    }
     assert n_before, "some sequences should still be active"
     twin = ContinuousEngine(_model(tok), tok, capacity=4, max_new_tokens=MAX_NEW)  # the same run, handed over
     twin.submit(reqs)
     twin.step(3)
     handed, _ = twin.extract()
-    assert {(p.request.prompt.prompt_id, p.request.group_uid, p.request.sample_idx) for p in handed} == set(n_before)
+    assert {(p.request.prompt.prompt_id, p.request.group_uid, p.request.sample_idx) for p in handed} == set(
+        n_before
+    )
 
     with pytest.raises(KeyError):
         engine.load_state({k: v for k, v in list(state.items())[1:]}, 9)
@@ -250,7 +276,9 @@ def test_load_state_with_active_sequences_continues_them_under_new_weights(tok):
     engine.load_state(state, 1)
     assert engine.status()["version"] == 1 and engine.status()["active"] == len(n_before)
     after = _drain(engine)
-    assert {_key(t) for t in before + after} == {(r.prompt.prompt_id, r.group_uid, r.sample_idx) for r in reqs}
+    assert {_key(t) for t in before + after} == {
+        (r.prompt.prompt_id, r.group_uid, r.sample_idx) for r in reqs
+    }
     for t in after:
         n = n_before[_key(t)]
         assert t.version == 0
@@ -271,7 +299,6 @@ def test_load_state_with_active_sequences_continues_them_under_new_weights(tok):
     cont = {_key(t): t for t in _drain(fresh)}
     for t in after:
         assert cont[_key(t)].response_tokens == t.response_tokens
-
 
 
 def test_lazy_retirement_gives_the_same_trajectories(tok):

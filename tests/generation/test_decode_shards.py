@@ -35,8 +35,13 @@ def test_shards_sample_what_one_shard_samples(small_shards, fused):
         assert lengths[0] < lengths[-1] and any(not t.finished for t in three[0])
         _assert_same(one[0], three[0])
         assert torch.equal(one[1], three[1])  # the generator is left where one shard leaves it
-        ref = [t for s in range(0, len(reqs), 20)
-               for t in engine._generate_batch_reference(reqs[s:s + 20], 40, 1.0, torch.Generator().manual_seed(seed))]
+        ref = [
+            t
+            for s in range(0, len(reqs), 20)
+            for t in engine._generate_batch_reference(
+                reqs[s : s + 20], 40, 1.0, torch.Generator().manual_seed(seed)
+            )
+        ]
         assert [t.response_tokens for t in ref[:20]] == [t.response_tokens for t in three[0][:20]]
     assert torch.get_num_threads() == threads
     assert engine.model.config._attn_implementation == "sdpa"  # switched back once, not per shard

@@ -9,12 +9,16 @@ from generation.engine import TorchEngine
 from generation.model import build_char_tokenizer, build_tiny_model, encode_prompt
 from generation.records import GenRequest, PromptItem
 
-SMALL = ModelConfig(hidden_size=32, intermediate_size=64, num_layers=2, num_heads=4, num_kv_heads=2, max_seq_len=128)
+SMALL = ModelConfig(
+    hidden_size=32, intermediate_size=64, num_layers=2, num_heads=4, num_kv_heads=2, max_seq_len=128
+)
 
 
 def _requests(tok, n=12):
-    items = [PromptItem(f"p{i}", "", "", encode_prompt(tok, f"What is {i}+{i % 3}?\n" + "x" * (i % 5)))
-             for i in range(n)]
+    items = [
+        PromptItem(f"p{i}", "", "", encode_prompt(tok, f"What is {i}+{i % 3}?\n" + "x" * (i % 5)))
+        for i in range(n)
+    ]
     return [GenRequest(p, s) for p in items for s in range(3)]
 
 
@@ -29,7 +33,9 @@ def _assert_same(a, b, tol=1e-5):
     assert [t.response_tokens for t in a] == [t.response_tokens for t in b]
     assert [t.finished for t in a] == [t.finished for t in b]
     for x, y in zip(a, b):
-        assert max((abs(p - q) for p, q in zip(x.behaviour_logprobs, y.behaviour_logprobs)), default=0.0) < tol
+        assert (
+            max((abs(p - q) for p, q in zip(x.behaviour_logprobs, y.behaviour_logprobs)), default=0.0) < tol
+        )
         assert abs(x.mean_entropy - y.mean_entropy) < tol
 
 
@@ -40,7 +46,11 @@ def test_static_decode_matches_reference_with_early_stops():
     engine.eos_id = _frequent_token(engine, reqs)
     for seed in (0, 1, 2):
         gen = torch.Generator().manual_seed(seed)  # one generator across the batches, as generate() uses
-        ref = [t for s in range(0, len(reqs), 16) for t in engine._generate_batch_reference(reqs[s:s + 16], 40, 1.0, gen)]
+        ref = [
+            t
+            for s in range(0, len(reqs), 16)
+            for t in engine._generate_batch_reference(reqs[s : s + 16], 40, 1.0, gen)
+        ]
         got = engine.generate(reqs, 40, 1.0, torch.Generator().manual_seed(seed))
         lengths = sorted(len(t.response_tokens) for t in got)
         assert lengths[0] < lengths[-1] and any(t.finished for t in got) and any(not t.finished for t in got)
@@ -67,8 +77,12 @@ def test_eager_attention_takes_the_reference_loop():
     reqs = _requests(tok, 4)
     a = engine.generate(reqs, 16, 1.0, torch.Generator().manual_seed(0))
     b = engine._generate_batch_reference(reqs, 16, 1.0, torch.Generator().manual_seed(0))
-    assert [t.behaviour_logprobs for t in a] == [t.behaviour_logprobs for t in b]  # bit for bit: the same loop
+    assert [t.behaviour_logprobs for t in a] == [
+        t.behaviour_logprobs for t in b
+    ]  # bit for bit: the same loop
     off = TorchEngine(build_tiny_model(SMALL, tok, seed=0), tok, static_cache=False)
     c = off.generate(reqs, 16, 1.0, torch.Generator().manual_seed(0))
-    assert [t.response_tokens for t in c] == [t.response_tokens for t in off._generate_batch_reference(
-        reqs, 16, 1.0, torch.Generator().manual_seed(0))]
+    assert [t.response_tokens for t in c] == [
+        t.response_tokens
+        for t in off._generate_batch_reference(reqs, 16, 1.0, torch.Generator().manual_seed(0))
+    ]

@@ -17,30 +17,48 @@ from generation.model import build_char_tokenizer, build_tiny_model, encode_prom
 from generation.records import GenRequest, PromptItem, WeightsUpdate
 from test_engine_static import _assert_same
 
-SMALL = ModelConfig(hidden_size=32, intermediate_size=64, num_layers=2, num_heads=4, num_kv_heads=2, max_seq_len=128)
-HEAD16 = ModelConfig(hidden_size=64, intermediate_size=96, num_layers=2, num_heads=4, num_kv_heads=2, max_seq_len=128)
+SMALL = ModelConfig(
+    hidden_size=32, intermediate_size=64, num_layers=2, num_heads=4, num_kv_heads=2, max_seq_len=128
+)
+HEAD16 = ModelConfig(
+    hidden_size=64, intermediate_size=96, num_layers=2, num_heads=4, num_kv_heads=2, max_seq_len=128
+)
 
 
 def _requests(tok, n=10, samples=3):
-    items = [PromptItem(f"p{i}", "", "", encode_prompt(tok, f"What is {i}+{i % 3}?\n" + "x" * (i % 4)))
-             for i in range(n)]
+    items = [
+        PromptItem(f"p{i}", "", "", encode_prompt(tok, f"What is {i}+{i % 3}?\n" + "x" * (i % 4)))
+        for i in range(n)
+    ]
     return [GenRequest(p, s) for p in items for s in range(samples)]
 
 
 def _reference(engine, reqs, max_new, temperature, seed):
     gen = torch.Generator().manual_seed(seed)
     bs = engine.batch_size
-    return [t for s in range(0, len(reqs), bs)
-            for t in engine._generate_batch_reference(reqs[s:s + bs], max_new, temperature, gen)]
+    return [
+        t
+        for s in range(0, len(reqs), bs)
+        for t in engine._generate_batch_reference(reqs[s : s + bs], max_new, temperature, gen)
+    ]
 
 
 def _qwen2(tok, seed=0, hidden_size=48, max_positions=128):
     """A tiny Qwen2 (2 query heads, 1 KV head) with non-zero q/k/v biases."""
     torch.manual_seed(seed)
-    cfg = Qwen2Config(vocab_size=len(tok), hidden_size=hidden_size, intermediate_size=64, num_hidden_layers=2,
-                      num_attention_heads=2, num_key_value_heads=1, max_position_embeddings=max_positions,
-                      pad_token_id=tok.pad_token_id, bos_token_id=tok.bos_token_id, eos_token_id=tok.eos_token_id,
-                      tie_word_embeddings=False)
+    cfg = Qwen2Config(
+        vocab_size=len(tok),
+        hidden_size=hidden_size,
+        intermediate_size=64,
+        num_hidden_layers=2,
+        num_attention_heads=2,
+        num_key_value_heads=1,
+        max_position_embeddings=max_positions,
+        pad_token_id=tok.pad_token_id,
+        bos_token_id=tok.bos_token_id,
+        eos_token_id=tok.eos_token_id,
+        tie_word_embeddings=False,
+    )
     model = Qwen2ForCausalLM(cfg)
     with torch.no_grad():  # Qwen2's q/k/v biases start at zero: make them matter
         for layer in model.model.layers:
@@ -70,8 +88,13 @@ def test_new_weights_reach_the_fused_decoder():
     reqs = _requests(tok, 4, 2)
     before = engine.generate(reqs, 20, 1.0, torch.Generator().manual_seed(0))
     other = build_tiny_model(SMALL, tok, seed=7)
-    engine.load_weights(WeightsUpdate(kind="weights_update", version=3,
-                                      state={k: v.detach().numpy() for k, v in other.state_dict().items()}))
+    engine.load_weights(
+        WeightsUpdate(
+            kind="weights_update",
+            version=3,
+            state={k: v.detach().numpy() for k, v in other.state_dict().items()},
+        )
+    )
     after = engine.generate(reqs, 20, 1.0, torch.Generator().manual_seed(0))
     _assert_same(_reference(engine, reqs, 20, 1.0, 0), after)
     assert [t.response_tokens for t in after] != [t.response_tokens for t in before]
@@ -97,4 +120,6 @@ def test_models_it_does_not_reproduce_decode_through_the_model():
     assert fused_decoder(gpt2) is None
     engine = TorchEngine(scaled, tok)
     reqs = _requests(tok, 3, 2)
-    _assert_same(_reference(engine, reqs, 12, 1.0, 1), engine.generate(reqs, 12, 1.0, torch.Generator().manual_seed(1)))
+    _assert_same(
+        _reference(engine, reqs, 12, 1.0, 1), engine.generate(reqs, 12, 1.0, torch.Generator().manual_seed(1))
+    )

@@ -1,13 +1,22 @@
 import torch
 
 from conf.schema import ModelConfig
-from generation.model import build_char_tokenizer, build_tiny_model, encode_prompt, encode_response, load_model, save_model
+from generation.model import (
+    build_char_tokenizer,
+    build_tiny_model,
+    encode_prompt,
+    encode_response,
+    load_model,
+    save_model,
+)
 from generation.engine import TorchEngine
 from generation.records import GenRequest, PromptItem
 from training.rl.trainer import build_batch, response_logits, token_logprobs
 from generation.records import ScoredGroup
 
-SMALL = ModelConfig(hidden_size=32, intermediate_size=64, num_layers=2, num_heads=4, num_kv_heads=2, max_seq_len=96)
+SMALL = ModelConfig(
+    hidden_size=32, intermediate_size=64, num_layers=2, num_heads=4, num_kv_heads=2, max_seq_len=96
+)
 
 
 def _tiny(tmp_path):
@@ -29,8 +38,10 @@ def test_char_tokenizer_roundtrip_and_auto_loading(tmp_path):
 
 
 def _requests(tok, n=6):
-    items = [PromptItem(f"p{i}", f"What is {i}+1?", str(i + 1), encode_prompt(tok, f"What is {i}+1?\n" + "x" * i))
-             for i in range(n)]
+    items = [
+        PromptItem(f"p{i}", f"What is {i}+1?", str(i + 1), encode_prompt(tok, f"What is {i}+1?\n" + "x" * i))
+        for i in range(n)
+    ]
     return [GenRequest(p, s) for p in items for s in range(2)]
 
 
@@ -41,7 +52,9 @@ def test_engine_logprobs_match_trainer_recomputation(tmp_path):
     trajs = engine.generate(reqs, 12, 1.0, torch.Generator().manual_seed(0))
     assert [t.sample_idx for t in trajs] == [r.sample_idx for r in reqs]
     assert all(len(t.response_tokens) == len(t.behaviour_logprobs) and t.version == 0 for t in trajs)
-    group = ScoredGroup("scored_group", "all", tuple(trajs), tuple(0.0 for _ in trajs), tuple(False for _ in trajs))
+    group = ScoredGroup(
+        "scored_group", "all", tuple(trajs), tuple(0.0 for _ in trajs), tuple(False for _ in trajs)
+    )
     batch = build_batch([group], tok.pad_token_id)
     with torch.no_grad():
         lp = token_logprobs(response_logits(model, batch, "cpu"), batch.targets, 1.0)
@@ -57,14 +70,16 @@ def test_engine_deterministic_and_stops_at_eos(tmp_path):
     assert [t.response_tokens for t in a] == [t.response_tokens for t in b]
     for t in a:
         eos = tok.eos_token_id
-        assert (t.finished and t.response_tokens[-1] == eos and eos not in t.response_tokens[:-1]) or \
-               (not t.finished and len(t.response_tokens) == 10 and eos not in t.response_tokens)
+        assert (t.finished and t.response_tokens[-1] == eos and eos not in t.response_tokens[:-1]) or (
+            not t.finished and len(t.response_tokens) == 10 and eos not in t.response_tokens
+        )
 
 
 def test_load_weights_changes_version_and_outputs(tmp_path):
     model, tok = _tiny(tmp_path)
     engine = TorchEngine(model, tok)
     from generation.records import WeightsUpdate
+
     state = {k: (v.detach().numpy() * 0).copy() for k, v in model.state_dict().items()}
     engine.load_weights(WeightsUpdate("weights_update", 7, state))
     trajs = engine.generate(_requests(tok, 1), 4, 1.0, torch.Generator().manual_seed(0))

@@ -24,8 +24,14 @@ if kernels.load() is None:  # no C compiler or no exported sgemm_ on this platfo
 
 
 def _llama(tok, hidden, heads, kv):
-    cfg = ModelConfig(hidden_size=hidden, intermediate_size=96, num_layers=2, num_heads=heads, num_kv_heads=kv,
-                      max_seq_len=160)
+    cfg = ModelConfig(
+        hidden_size=hidden,
+        intermediate_size=96,
+        num_layers=2,
+        num_heads=heads,
+        num_kv_heads=kv,
+        max_seq_len=160,
+    )
     return build_tiny_model(cfg, tok, seed=0)
 
 
@@ -39,8 +45,10 @@ MODELS = {  # head_dim, query heads per KV head
 
 def _requests(tok, n=11, samples=4):
     # prompts of several lengths (left padding), each sampled by a group of consecutive rows
-    items = [PromptItem(f"p{i}", "", "", encode_prompt(tok, f"What is {i}+{i % 3}?\n" + "x" * (3 * i % 7)))
-             for i in range(n)]
+    items = [
+        PromptItem(f"p{i}", "", "", encode_prompt(tok, f"What is {i}+{i % 3}?\n" + "x" * (3 * i % 7)))
+        for i in range(n)
+    ]
     return [GenRequest(p, s) for p in items for s in range(samples)]
 
 
@@ -73,15 +81,21 @@ def test_native_step_samples_what_the_torch_ops_sample(name, monkeypatch):
         gen = torch.Generator().manual_seed(3)
         want = torch_ops.generate(reqs, 48, temperature, gen)
         _assert_same(want, got)
-        assert torch.equal(after, torch.rand(3, generator=gen))  # the generator ends where it ends on torch ops
+        assert torch.equal(
+            after, torch.rand(3, generator=gen)
+        )  # the generator ends where it ends on torch ops
         lengths = sorted(len(t.response_tokens) for t in got)
         assert lengths[0] < lengths[-1] and any(t.finished for t in got) and any(not t.finished for t in got)
     assert calls and min(calls) < 20  # the native step ran, also after rows left the batch
     # and the model's own forward (the reference loop) samples the same
-    ref = [t for s in range(0, len(reqs), 20)
-           for t in native._generate_batch_reference(reqs[s:s + 20], 48, 1.0, torch.Generator().manual_seed(3))]
-    assert [t.response_tokens for t in ref[:20]] == [t.response_tokens for t in
-                                                     native.generate(reqs, 48, 1.0, torch.Generator().manual_seed(3))[:20]]
+    ref = [
+        t
+        for s in range(0, len(reqs), 20)
+        for t in native._generate_batch_reference(reqs[s : s + 20], 48, 1.0, torch.Generator().manual_seed(3))
+    ]
+    assert [t.response_tokens for t in ref[:20]] == [
+        t.response_tokens for t in native.generate(reqs, 48, 1.0, torch.Generator().manual_seed(3))[:20]
+    ]
 
 
 def test_native_shards_sample_what_one_shard_samples(monkeypatch):
@@ -153,16 +167,42 @@ def test_bad_inputs_raise_before_reaching_the_kernels():
     with pytest.raises(ValueError, match="inputs"):  # int32 ids
         model.step(torch.tensor([3, 4, 5], dtype=torch.int32), pos, dec._cos, dec._sin, caches, 1)
     with pytest.raises(ValueError, match="float32"):
-        model.cache_pointers(engine_mod._PromptKV(_prefill(engine, tok, torch.float64), torch.ones(2, 5)), rows)
+        model.cache_pointers(
+            engine_mod._PromptKV(_prefill(engine, tok, torch.float64), torch.ones(2, 5)), rows
+        )
     out = engine_mod._Outputs(3, 8)
     with pytest.raises(ValueError, match="rows out of range"):
-        dec.native.sample_step(ok, 1.0, torch.ones(3, len(tok)), torch.tensor([0, 1, 3]), 0, 2, out.tokens,
-                               out.logps, out.ent_sum, out.lengths, out.done, torch.empty(3, dtype=torch.long),
-                               torch.empty(3, dtype=torch.bool))
+        dec.native.sample_step(
+            ok,
+            1.0,
+            torch.ones(3, len(tok)),
+            torch.tensor([0, 1, 3]),
+            0,
+            2,
+            out.tokens,
+            out.logps,
+            out.ent_sum,
+            out.lengths,
+            out.done,
+            torch.empty(3, dtype=torch.long),
+            torch.empty(3, dtype=torch.bool),
+        )
     with pytest.raises(ValueError, match="float32"):
-        dec.native.sample_step(ok.double(), 1.0, torch.ones(3, len(tok)), torch.tensor([0, 1, 2]), 0, 2, out.tokens,
-                               out.logps, out.ent_sum, out.lengths, out.done, torch.empty(3, dtype=torch.long),
-                               torch.empty(3, dtype=torch.bool))
+        dec.native.sample_step(
+            ok.double(),
+            1.0,
+            torch.ones(3, len(tok)),
+            torch.tensor([0, 1, 2]),
+            0,
+            2,
+            out.tokens,
+            out.logps,
+            out.ent_sum,
+            out.lengths,
+            out.done,
+            torch.empty(3, dtype=torch.long),
+            torch.empty(3, dtype=torch.bool),
+        )
 
 
 def _prefill(engine, tok, dtype=torch.float32):

@@ -28,7 +28,9 @@ from generation.records import GenRequest, PromptItem
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 
-SMALL = ModelConfig(hidden_size=32, intermediate_size=64, num_layers=2, num_heads=4, num_kv_heads=2, max_seq_len=128)
+SMALL = ModelConfig(
+    hidden_size=32, intermediate_size=64, num_layers=2, num_heads=4, num_kv_heads=2, max_seq_len=128
+)
 MAX_NEW = 12
 CAP = 4
 KINDS = ["torch", "torch-static", "torch-process", "vllm-fake", "vllm"]
@@ -47,8 +49,12 @@ def _state(model):
 
 
 def _requests(tok, n=6, offset=0):
-    items = [PromptItem(f"p{i}", f"What is {i}+2?", str(i + 2), encode_prompt(tok, f"What is {i}+2?" + "y" * (i % 5)))
-             for i in range(offset, offset + n)]
+    items = [
+        PromptItem(
+            f"p{i}", f"What is {i}+2?", str(i + 2), encode_prompt(tok, f"What is {i}+2?" + "y" * (i % 5))
+        )
+        for i in range(offset, offset + n)
+    ]
     return [GenRequest(p, s, group_uid=7 + i) for i, p in enumerate(items) for s in range(2)]
 
 
@@ -79,18 +85,37 @@ def assets(tmp_path_factory, one_thread):
     fake = str(Path(__file__).resolve().parent / "fake_vllm")
     pool = ThreadPoolExecutor(2)
     workers = {
-        "torch-process": pool.submit(make_engine, "torch-process", str(model_dir), capacity=CAP,
-                                     max_new_tokens=MAX_NEW, env={"OMP_NUM_THREADS": "1"}),
-        "vllm-fake": pool.submit(make_engine, "vllm", str(model_dir), capacity=CAP, max_new_tokens=MAX_NEW,
-                                 python=sys.executable, env={"PYTHONPATH": os.pathsep.join([fake, str(REPO_ROOT)]),
-                                                             "OMP_NUM_THREADS": "1"}),
+        "torch-process": pool.submit(
+            make_engine,
+            "torch-process",
+            str(model_dir),
+            capacity=CAP,
+            max_new_tokens=MAX_NEW,
+            env={"OMP_NUM_THREADS": "1"},
+        ),
+        "vllm-fake": pool.submit(
+            make_engine,
+            "vllm",
+            str(model_dir),
+            capacity=CAP,
+            max_new_tokens=MAX_NEW,
+            python=sys.executable,
+            env={"PYTHONPATH": os.pathsep.join([fake, str(REPO_ROOT)]), "OMP_NUM_THREADS": "1"},
+        ),
     }
     reqs = _requests(tok)
     ref = TorchRolloutEngine(_model(tok, 0), tok, capacity=CAP, max_new_tokens=MAX_NEW)
     ref.submit(reqs)
     expected = {request_id(GenRequest(t.prompt, t.sample_idx, t.group_uid)): t for t in _drain(ref)}
-    yield {"tok": tok, "A": _state(a), "B": _state(b), "dir": str(model_dir), "reqs": reqs, "expected": expected,
-           "workers": workers}
+    yield {
+        "tok": tok,
+        "A": _state(a),
+        "B": _state(b),
+        "dir": str(model_dir),
+        "reqs": reqs,
+        "expected": expected,
+        "workers": workers,
+    }
     for f in workers.values():
         f.result().close()  # idempotent: the engine fixture may have closed it already
     pool.shutdown()
@@ -111,19 +136,29 @@ def shared_engine(request, assets):
     if kind == "torch":
         eng = _local(assets)
     elif kind == "torch-static":  # the static-slot engine (CUDA-graph decode on a GPU), eager here
-        eng = StaticTorchRolloutEngine(_model(assets["tok"], 0), assets["tok"], capacity=CAP, max_new_tokens=MAX_NEW,
-                                       static_width=24)
+        eng = StaticTorchRolloutEngine(
+            _model(assets["tok"], 0), assets["tok"], capacity=CAP, max_new_tokens=MAX_NEW, static_width=24
+        )
     elif kind in ("vllm-fake", "torch-process"):
         eng = assets["workers"][kind].result()
         assert eng.info["engine"] == ("vllm" if kind == "vllm-fake" else "torch")
     else:
         py = _vllm_interpreter()
         if py is None:
-            pytest.skip("vLLM is not importable here: neither .venv-vllm/bin/python nor $LAMINAR_VLLM_PYTHON can "
-                        "import vllm, and this interpreter has no vllm module (run `make vllm-env` on a CUDA "
-                        "machine to test it)")
-        eng = make_engine("vllm", assets["dir"], device="cuda", capacity=CAP, max_new_tokens=MAX_NEW,
-                          python=py, vllm_args=["--vllm-gpu-memory-utilization", "0.3"])
+            pytest.skip(
+                "vLLM is not importable here: neither .venv-vllm/bin/python nor $LAMINAR_VLLM_PYTHON can "
+                "import vllm, and this interpreter has no vllm module (run `make vllm-env` on a CUDA "
+                "machine to test it)"
+            )
+        eng = make_engine(
+            "vllm",
+            assets["dir"],
+            device="cuda",
+            capacity=CAP,
+            max_new_tokens=MAX_NEW,
+            python=py,
+            vllm_args=["--vllm-gpu-memory-utilization", "0.3"],
+        )
     yield kind, eng
     eng.close()
 
@@ -171,7 +206,13 @@ def test_trajectories_are_version_tagged_with_behaviour_logprobs(engine, assets)
 def test_status_counts_and_admission_switch(engine, assets):
     kind, eng = engine
     st = eng.status()
-    assert (st["active"], st["queued"], st["capacity"], st["version"], st["admitting"]) == (0, 0, CAP, 0, True)
+    assert (st["active"], st["queued"], st["capacity"], st["version"], st["admitting"]) == (
+        0,
+        0,
+        CAP,
+        0,
+        True,
+    )
     reqs = assets["reqs"][:6]
     eng.submit(reqs)
     assert eng.status()["queued"] == 6 and eng.status()["active"] == 0
@@ -211,8 +252,8 @@ def test_abort_hands_over_prefixes_that_continue_elsewhere(engine, assets):
         assert all(math.isfinite(x) for x in p.logprobs)
         if _deterministic(kind):
             ref = expected[request_id(p.request)]
-            assert ref.response_tokens[:len(p.tokens)] == p.tokens  # a prefix of the uninterrupted run
-            np.testing.assert_allclose(p.logprobs, ref.behaviour_logprobs[:len(p.tokens)], atol=1e-5)
+            assert ref.response_tokens[: len(p.tokens)] == p.tokens  # a prefix of the uninterrupted run
+            np.testing.assert_allclose(p.logprobs, ref.behaviour_logprobs[: len(p.tokens)], atol=1e-5)
     assert any(p.tokens for p in partials)
     # continue them on another engine: the uninterrupted trajectories (counter-hash sampler)
     other = _local(assets, assets["A"])
@@ -235,7 +276,7 @@ def test_abort_hands_over_prefixes_that_continue_elsewhere(engine, assets):
     assert cont.keys() == expected.keys()
     for p in partials2:
         t = cont[request_id(p.request)]
-        assert t.response_tokens[:len(p.tokens)] == p.tokens and t.version == 0
+        assert t.response_tokens[: len(p.tokens)] == p.tokens and t.version == 0
         if _deterministic(kind):
             assert t.response_tokens == expected[request_id(p.request)].response_tokens
 
@@ -299,9 +340,11 @@ def test_bad_messages_give_clear_errors(engine, assets):
 
 
 def test_protocol_and_worker_modules_import_without_torch_ray_or_prefect():
-    code = ("import sys, generation.protocol, generation.vllm_worker\n"
-            "bad = sorted(m for m in ('torch', 'ray', 'prefect', 'vllm') if m in sys.modules)\n"
-            "assert not bad, bad\n")
+    code = (
+        "import sys, generation.protocol, generation.vllm_worker\n"
+        "bad = sorted(m for m in ('torch', 'ray', 'prefect', 'vllm') if m in sys.modules)\n"
+        "assert not bad, bad\n"
+    )
     proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
     assert proc.returncode == 0, proc.stderr[-2000:]
 
@@ -311,12 +354,21 @@ def test_rollout_engine_options_map_the_config_section():
 
     from generation.engines import rollout_engine_options
 
-    assert rollout_engine_options() == {"kind": "torch", "dtype": "auto", "sync_every": 0, "static_cache": False,
-                                        "cuda_graphs": False}
-    opts = rollout_engine_options(SimpleNamespace(engine="vllm", vllm_gpu_memory_utilization=0.5,
-                                                  vllm_enforce_eager=True))
-    assert opts["kind"] == "vllm" and opts["vllm_args"] == ["--vllm-gpu-memory-utilization", "0.5",
-                                                            "--vllm-enforce-eager"]
+    assert rollout_engine_options() == {
+        "kind": "torch",
+        "dtype": "auto",
+        "sync_every": 0,
+        "static_cache": False,
+        "cuda_graphs": False,
+    }
+    opts = rollout_engine_options(
+        SimpleNamespace(engine="vllm", vllm_gpu_memory_utilization=0.5, vllm_enforce_eager=True)
+    )
+    assert opts["kind"] == "vllm" and opts["vllm_args"] == [
+        "--vllm-gpu-memory-utilization",
+        "0.5",
+        "--vllm-enforce-eager",
+    ]
     with pytest.raises(ValueError, match="rollout.engine='tpu'"):
         rollout_engine_options(SimpleNamespace(engine="tpu"))
     if vllm_python() is None:  # no vLLM environment: a clear message, not a failed subprocess

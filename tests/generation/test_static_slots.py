@@ -43,12 +43,24 @@ def test_static_slots_match_the_dynamic_engine_through_compaction_and_growth(tok
     model = _model(tok)
     reqs = _requests(tok, 12, 2)
     waves = [reqs[:3], reqs[3:9], reqs[9:]]
-    ref = {_key(t): t for t in _staggered(ContinuousEngine(model, tok, capacity=3, max_new_tokens=MAX_NEW), waves)}
-    eng = StaticSlotEngine(model, tok, capacity=3, max_new_tokens=MAX_NEW, static_width=20, sync_every=sync_every)
+    ref = {
+        _key(t): t
+        for t in _staggered(ContinuousEngine(model, tok, capacity=3, max_new_tokens=MAX_NEW), waves)
+    }
+    eng = StaticSlotEngine(
+        model, tok, capacity=3, max_new_tokens=MAX_NEW, static_width=20, sync_every=sync_every
+    )
     got = {_key(t): t for t in _staggered(eng, waves)}
     _same(ref, got)
     assert eng._width > 20 and eng.compactions >= 1  # the cache grew and was compacted
-    assert eng.status() == {"version": 0, "queued": 0, "active": 0, "capacity": 3, "kv_tokens": 0, "admitting": True}
+    assert eng.status() == {
+        "version": 0,
+        "queued": 0,
+        "active": 0,
+        "capacity": 3,
+        "kv_tokens": 0,
+        "admitting": True,
+    }
     assert not eng.cuda_graphs  # CPU: eager forward
 
 
@@ -96,8 +108,13 @@ def test_static_decode_step_reads_no_tensor_value_on_the_host(tok):
     from conf.schema import ModelConfig
     from generation.model import build_tiny_model
 
-    model = build_tiny_model(ModelConfig(hidden_size=32, intermediate_size=64, num_layers=2, num_heads=4,
-                                         num_kv_heads=2, max_seq_len=64), tok, seed=0).to("meta")
+    model = build_tiny_model(
+        ModelConfig(
+            hidden_size=32, intermediate_size=64, num_layers=2, num_heads=4, num_kv_heads=2, max_seq_len=64
+        ),
+        tok,
+        seed=0,
+    ).to("meta")
     eng = StaticSlotEngine(model, tok, device="meta", capacity=4, max_new_tokens=8, static_width=16)
 
     class _Layer:

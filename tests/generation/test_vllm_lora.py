@@ -26,7 +26,9 @@ from generation.records import GenRequest, PromptItem
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 
-SMALL = ModelConfig(hidden_size=32, intermediate_size=64, num_layers=2, num_heads=4, num_kv_heads=2, max_seq_len=128)
+SMALL = ModelConfig(
+    hidden_size=32, intermediate_size=64, num_layers=2, num_heads=4, num_kv_heads=2, max_seq_len=128
+)
 FAKE = str(Path(__file__).resolve().parent / "fake_vllm")
 RANK, TEMP, MAX_NEW, TOL = 4, 0.8, 10, 1e-4
 
@@ -39,8 +41,12 @@ def _peft_version(base_dir, seed):
 
     model, _ = load_model(base_dir)
     torch.manual_seed(seed)
-    model = get_peft_model(model, peft_config(LoraConfig(enabled=True, rank=RANK, alpha=2.0 * RANK,
-                                                         target_modules=list(LLAMA_LINEAR_MODULES))))
+    model = get_peft_model(
+        model,
+        peft_config(
+            LoraConfig(enabled=True, rank=RANK, alpha=2.0 * RANK, target_modules=list(LLAMA_LINEAR_MODULES))
+        ),
+    )
     g = torch.Generator().manual_seed(100 + seed)
     with torch.no_grad():
         for name, p in model.named_parameters():
@@ -61,11 +67,21 @@ def assets(tmp_path_factory, one_thread):
     save_model(base, tok, base_dir)
     versions = {k: _peft_version(base_dir, seed=k) for k in (1, 2)}
     states = {k: adapter_state(m) for k, m in versions.items()}
-    items = [PromptItem(f"p{i}", f"What is {i}+2?", str(i + 2), encode_prompt(tok, f"What is {i}+2?" + "y" * (i % 3)))
-             for i in range(4)]
+    items = [
+        PromptItem(
+            f"p{i}", f"What is {i}+2?", str(i + 2), encode_prompt(tok, f"What is {i}+2?" + "y" * (i % 3))
+        )
+        for i in range(4)
+    ]
     reqs = [GenRequest(p, s, group_uid=i) for i, p in enumerate(items) for s in range(2)]
-    return {"tok": tok, "dir": str(base_dir), "versions": versions, "states": states, "reqs": reqs,
-            "base": load_model(base_dir)[0].eval()}
+    return {
+        "tok": tok,
+        "dir": str(base_dir),
+        "versions": versions,
+        "states": states,
+        "reqs": reqs,
+        "base": load_model(base_dir)[0].eval(),
+    }
 
 
 def _drain(engine):
@@ -83,7 +99,7 @@ def _gaps(trajs, model) -> list[float]:
     gaps = []
     for t in trajs:
         prompt = list(t.prompt.prompt_tokens)
-        ref = sequence_logprobs(model, prompt + list(t.response_tokens), TEMP)[len(prompt) - 1:]
+        ref = sequence_logprobs(model, prompt + list(t.response_tokens), TEMP)[len(prompt) - 1 :]
         assert len(ref) == len(t.behaviour_logprobs) > 0
         gaps.append(max(abs(a - b) for a, b in zip(t.behaviour_logprobs, ref)))
     return gaps
@@ -95,9 +111,17 @@ def _lora_folders(pid: int) -> list[Path]:
 
 @pytest.fixture(scope="module")
 def worker(assets):
-    eng = make_engine("vllm", assets["dir"], capacity=4, max_new_tokens=MAX_NEW, temperature=TEMP, seed=0,
-                      python=sys.executable, lora_rank=RANK,
-                      env={"PYTHONPATH": os.pathsep.join([FAKE, str(REPO_ROOT)]), "OMP_NUM_THREADS": "1"})
+    eng = make_engine(
+        "vllm",
+        assets["dir"],
+        capacity=4,
+        max_new_tokens=MAX_NEW,
+        temperature=TEMP,
+        seed=0,
+        python=sys.executable,
+        lora_rank=RANK,
+        env={"PYTHONPATH": os.pathsep.join([FAKE, str(REPO_ROOT)]), "OMP_NUM_THREADS": "1"},
+    )
     yield eng
     eng.close()
 
@@ -114,15 +138,23 @@ def test_each_adapter_version_is_one_peft_folder_and_samples_under_it(worker, as
         folders = _lora_folders(pid)
         assert [f.name.split("-")[0] for f in folders] == [f"v{k}"], folders  # the one before is deleted
         seen[k] = folders[0]
-        assert sorted(p.name for p in folders[0].iterdir()) == ["adapter_config.json", "adapter_model.safetensors"]
+        assert sorted(p.name for p in folders[0].iterdir()) == [
+            "adapter_config.json",
+            "adapter_model.safetensors",
+        ]
         loaded = PeftModel.from_pretrained(load_model(assets["dir"])[0], str(folders[0])).eval()
-        gap = max(abs(a - b) for a, b in zip(sequence_logprobs(loaded, probe), sequence_logprobs(versions[k], probe)))
+        gap = max(
+            abs(a - b)
+            for a, b in zip(sequence_logprobs(loaded, probe), sequence_logprobs(versions[k], probe))
+        )
         assert gap < 1e-5, f"peft loads the worker's folder for version {k} as another model ({gap:.3g})"
         eng.submit(assets["reqs"])
         out = _drain(eng)
         assert len(out) == len(assets["reqs"]) and all(t.version == k == t.last_version for t in out)
         gaps = _gaps(out, versions[k])
-        assert max(gaps) <= TOL, f"version {k}: behaviour log-probs differ from the peft model's by {max(gaps):.3g}"
+        assert max(gaps) <= TOL, (
+            f"version {k}: behaviour log-probs differ from the peft model's by {max(gaps):.3g}"
+        )
         other = _gaps(out, versions[3 - k]) + _gaps(out, assets["base"])
         assert min(other) > 100 * TOL, "the check cannot tell this version from the other one or the base"
     assert seen[1].name != seen[2].name and not seen[1].exists()
@@ -147,7 +179,7 @@ def test_a_load_in_flight_continues_under_the_new_adapter(worker, assets):
 
 def _per_token_gaps(t, model) -> list[float]:
     prompt = list(t.prompt.prompt_tokens)
-    ref = sequence_logprobs(model, prompt + list(t.response_tokens), TEMP)[len(prompt) - 1:]
+    ref = sequence_logprobs(model, prompt + list(t.response_tokens), TEMP)[len(prompt) - 1 :]
     return [abs(a - b) for a, b in zip(t.behaviour_logprobs, ref)]
 
 
@@ -164,7 +196,9 @@ def in_process(monkeypatch):
 def test_a_worker_that_submits_without_the_adapter_fails_the_check(in_process, assets, monkeypatch):
     from generation.vllm_worker import VllmEngine
 
-    eng = VllmEngine(assets["dir"], capacity=4, max_new_tokens=MAX_NEW, temperature=TEMP, seed=0, lora_rank=RANK)
+    eng = VllmEngine(
+        assets["dir"], capacity=4, max_new_tokens=MAX_NEW, temperature=TEMP, seed=0, lora_rank=RANK
+    )
     try:
         path = write_weights(assets["states"][1])
         try:
@@ -174,8 +208,9 @@ def test_a_worker_that_submits_without_the_adapter_fails_the_check(in_process, a
         eng.submit(assets["reqs"][:4])
         assert max(_gaps(_drain(eng), assets["versions"][1])) <= TOL  # as it is: right
         add = eng.engine.add_request
-        monkeypatch.setattr(eng.engine, "add_request", lambda rid, prompt, params, lora_request=None:
-                            add(rid, prompt, params))  # the adapter dropped on submit
+        monkeypatch.setattr(
+            eng.engine, "add_request", lambda rid, prompt, params, lora_request=None: add(rid, prompt, params)
+        )  # the adapter dropped on submit
         eng.submit(assets["reqs"][:4])
         gaps = _gaps(_drain(eng), assets["versions"][1])
         assert min(gaps) > 100 * TOL, "a worker that ignores the adapter passed the check"
@@ -201,18 +236,30 @@ def test_bad_adapters_give_clear_errors(in_process, assets):
     assert eng.max_lora_rank == 8 and eng.llm.adapters.max_lora_rank == 8 and eng.llm.adapters.capacity == 1
     name = "base_model.model.model.layers.0.self_attn.q_proj"
     h = SMALL.hidden_size
-    wide = {f"{name}.lora_A.weight": np.zeros((16, h), np.float32), f"{name}.lora_B.weight": np.zeros((h, 16), np.float32),
-            SCALING_KEY: np.array([2.0], np.float32)}
+    wide = {
+        f"{name}.lora_A.weight": np.zeros((16, h), np.float32),
+        f"{name}.lora_B.weight": np.zeros((h, 16), np.float32),
+        SCALING_KEY: np.array([2.0], np.float32),
+    }
     with pytest.raises(ProtocolError, match="rank 16 > the worker's max_lora_rank 8"):
         load(eng, wide)
     with pytest.raises(ProtocolError, match="does not fit the base weight"):
         load(eng, {**wide, f"{name}.lora_B.weight": np.zeros((h + 1, 16), np.float32)})
     ghost = "base_model.model.model.layers.9.self_attn.q_proj"
     with pytest.raises(ProtocolError, match="which the base model"):
-        load(eng, {f"{ghost}.lora_A.weight": np.zeros((4, h), np.float32),
-                   f"{ghost}.lora_B.weight": np.zeros((h, 4), np.float32), SCALING_KEY: np.array([2.0], np.float32)})
+        load(
+            eng,
+            {
+                f"{ghost}.lora_A.weight": np.zeros((4, h), np.float32),
+                f"{ghost}.lora_B.weight": np.zeros((h, 4), np.float32),
+                SCALING_KEY: np.array([2.0], np.float32),
+            },
+        )
     with pytest.raises(ProtocolError, match="lora_A or lora_B missing"):
-        load(eng, {f"{name}.lora_A.weight": np.zeros((4, h), np.float32), SCALING_KEY: np.array([2.0], np.float32)})
+        load(
+            eng,
+            {f"{name}.lora_A.weight": np.zeros((4, h), np.float32), SCALING_KEY: np.array([2.0], np.float32)},
+        )
     assert eng.version == 0 and eng.lora_request is None  # nothing changed
     assert [vllm_max_lora_rank(r) for r in (1, 8, 9, 512)] == [8, 8, 16, 512]
     with pytest.raises(ValueError, match="above vLLM's largest max_lora_rank"):
@@ -230,11 +277,18 @@ def test_the_lora_rank_travels_from_the_adapter_folder_to_the_worker_flags(tmp_p
     assert adapter_rank(tmp_path / "adapter") == RANK and adapter_rank(assets["dir"]) == 0
     opts = rollout_engine_options(SimpleNamespace(engine="vllm"), lora_rank=RANK)
     assert opts["lora_rank"] == RANK and "lora_rank" not in rollout_engine_options(None, lora_rank=RANK)
-    kw = dict(python="py", device="cuda", capacity=4, max_new_tokens=8, temperature=1.0, seed=0, lora_rank=RANK)
+    kw = dict(
+        python="py", device="cuda", capacity=4, max_new_tokens=8, temperature=1.0, seed=0, lora_rank=RANK
+    )
     assert worker_command("vllm", "/m", **kw)[-2:] == ["--lora-rank", str(RANK)]
     assert "--lora-rank" not in worker_command("torch-process", "/m", **kw)
     assert VLLM_MAX_LORA_RANK == VLLM_LORA_RANKS[-1]
-    lora_vllm = ["device=cuda", "rollout.engine=vllm", "model.lora.enabled=true", "model.lora.stages=[rft,rl]"]
+    lora_vllm = [
+        "device=cuda",
+        "rollout.engine=vllm",
+        "model.lora.enabled=true",
+        "model.lora.stages=[rft,rl]",
+    ]
     assert load_config(lora_vllm).model.lora.on("rl")  # accepted now
     with pytest.raises(ConfigError, match="vLLM takes adapters up to rank 512"):
         load_config(lora_vllm + ["model.lora.rank=1024"])

@@ -44,8 +44,12 @@ HOLDER = textwrap.dedent("""
 def held(path: Path, mode: str, seconds: float | None = None):
     """Another process holding a ``mode`` ("ro"/"rw") connection to ``path`` until the block ends, or
     for ``seconds`` when given (the block may go on meanwhile)."""
-    proc = subprocess.Popen([sys.executable, "-c", HOLDER, str(path), mode], stdin=subprocess.PIPE,
-                            stdout=subprocess.PIPE, text=True)
+    proc = subprocess.Popen(
+        [sys.executable, "-c", HOLDER, str(path), mode],
+        stdin=subprocess.PIPE,
+        stdout=subprocess.PIPE,
+        text=True,
+    )
     try:
         assert proc.stdout.readline().strip() == "open"
         if seconds is not None:
@@ -76,6 +80,7 @@ def insert_run(con, run_id: str) -> None:
 
 
 # ---- the writer's side --------------------------------------------------------------------------
+
 
 def test_a_reader_holding_the_catalog_open_never_delays_a_write(tmp_path):
     """A notebook's own ``duckdb.connect("catalog.duckdb", read_only=True)``, held open: the write goes
@@ -147,9 +152,15 @@ def test_every_write_lands_while_a_reader_polls(tmp_path, caplog):
                 print(type(e).__name__, e, file=sys.stderr)
         print(n, errors, flush=True)
     """)
-    proc = subprocess.Popen([sys.executable, "-c", poller, str(cat.path)], cwd=ROOT, stdin=subprocess.PIPE,
-                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
-                            env={**os.environ, "PYTHONPATH": str(ROOT)})
+    proc = subprocess.Popen(
+        [sys.executable, "-c", poller, str(cat.path)],
+        cwd=ROOT,
+        stdin=subprocess.PIPE,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+        env={**os.environ, "PYTHONPATH": str(ROOT)},
+    )
     assert proc.stdout.readline().strip() == "open"
     caplog.set_level(logging.INFO, logger="laminar.catalog")
     t0, n = time.monotonic(), 0
@@ -168,6 +179,7 @@ def test_every_write_lands_while_a_reader_polls(tmp_path, caplog):
 
 # ---- the reader's side --------------------------------------------------------------------------
 
+
 def test_a_reader_waits_for_a_write_then_reads(tmp_path):
     cat = fresh_catalog(tmp_path)
     with cat.transaction() as con:
@@ -182,8 +194,14 @@ def test_a_reader_waits_for_a_write_then_reads(tmp_path):
 def _laminar(*args: str, ws: Path, **env) -> subprocess.CompletedProcess:
     full_env = {**os.environ, "PYTHONPATH": str(ROOT), **env}
     full_env.pop("PREFECT_API_URL", None)
-    return subprocess.run([sys.executable, "-m", "flows.cli", *args, "--workspace", str(ws)], cwd=ROOT,
-                          env=full_env, capture_output=True, text=True, timeout=120)
+    return subprocess.run(
+        [sys.executable, "-m", "flows.cli", *args, "--workspace", str(ws)],
+        cwd=ROOT,
+        env=full_env,
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
 
 
 def test_laminar_status_waits_for_a_write_and_prints_no_traceback(tmp_path):
@@ -197,8 +215,9 @@ def test_laminar_status_waits_for_a_write_and_prints_no_traceback(tmp_path):
     assert "never ran in this workspace" in proc.stdout
 
 
-@pytest.mark.parametrize("command", [["status"], ["report"], ["runs"], ["lineage", "abcd1234"]],
-                         ids=lambda c: c[0])
+@pytest.mark.parametrize(
+    "command", [["status"], ["report"], ["runs"], ["lineage", "abcd1234"]], ids=lambda c: c[0]
+)
 def test_a_reader_behind_a_write_past_its_wait_prints_one_line(tmp_path, command):
     ws = Workspace.at(tmp_path / "ws")
     fresh_catalog(ws.root)
@@ -208,18 +227,28 @@ def test_a_reader_behind_a_write_past_its_wait_prints_one_line(tmp_path, command
     assert proc.returncode == 3, (proc.returncode, proc.stderr[-2000:])
     lines = proc.stderr.strip().splitlines()
     assert len(lines) == 1, lines
-    assert lines[0].startswith(f"laminar: the catalog {ws.catalog.path} is locked for writing by another process "
-                               f"(PID {writer.pid}"), lines[0]
+    assert lines[0].startswith(
+        f"laminar: the catalog {ws.catalog.path} is locked for writing by another process (PID {writer.pid}"
+    ), lines[0]
     assert lines[0].endswith("try again in a moment")
 
 
 # ---- the run's final status ---------------------------------------------------------------------
 
+
 def _run(ws: Workspace, pipeline):
     from conf.loader import load_config
 
-    return run_pipeline(load_config([]), ws, pipeline, overrides=[], selection=Selection(None, []), command="test",
-                        say=lambda m: None, warn=lambda m: None)
+    return run_pipeline(
+        load_config([]),
+        ws,
+        pipeline,
+        overrides=[],
+        selection=Selection(None, []),
+        command="test",
+        say=lambda m: None,
+        warn=lambda m: None,
+    )
 
 
 @pytest.fixture
@@ -245,14 +274,19 @@ def test_a_failed_final_status_update_does_not_hide_the_runs_error(tmp_path, bar
     finally:
         holder["cm"].__exit__(None, None, None)
     notes = getattr(err.value, "__notes__", [])
-    assert len(notes) == 1 and "could not be recorded as failed in the catalog (CatalogBusy:" in notes[0], notes
+    assert len(notes) == 1 and "could not be recorded as failed in the catalog (CatalogBusy:" in notes[0], (
+        notes
+    )
     rows = ws.catalog.query("SELECT status FROM runs")
     assert rows == [{"status": "running"}]  # the next run marks it interrupted
 
 
 def test_a_completed_run_whose_status_cannot_be_closed_says_so(tmp_path, bare_run, monkeypatch):
     ws = Workspace.at(tmp_path / "ws")
-    monkeypatch.setattr("tasks.summary.build_summary", lambda run_id, outcomes, seconds, *rest: {"run_id": run_id, "seconds": seconds, "metrics": {}})
+    monkeypatch.setattr(
+        "tasks.summary.build_summary",
+        lambda run_id, outcomes, seconds, *rest: {"run_id": run_id, "seconds": seconds, "metrics": {}},
+    )
     monkeypatch.setattr("tasks.summary.format_table", lambda summary: "")
     holder: dict = {}
 
@@ -269,6 +303,7 @@ def test_a_completed_run_whose_status_cannot_be_closed_says_so(tmp_path, bare_ru
 
 
 # ---- a real run with readers polling (slow) ------------------------------------------------------
+
 
 @pytest.mark.slow
 def test_a_tiny_run_completes_with_every_row_while_readers_poll(tmp_path):

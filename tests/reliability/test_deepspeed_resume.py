@@ -5,7 +5,6 @@ CPU) in a fresh process, as the Ray trainer actor does."""
 
 from __future__ import annotations
 
-import json
 import subprocess
 import sys
 import textwrap
@@ -71,9 +70,18 @@ SCRIPT = textwrap.dedent("""
 
 
 def load_case(tmp_path: Path, case: str, port: int) -> str:
-    code = SCRIPT.format(root=str(ROOT), training=str(ROOT / "tests" / "training"), ext=str(tmp_path / "ext"),
-                         port=port, ckpt=str(tmp_path / "ckpt"), case=case, flag=str(tmp_path / "pwned"))
-    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=600, cwd=tmp_path)
+    code = SCRIPT.format(
+        root=str(ROOT),
+        training=str(ROOT / "tests" / "training"),
+        ext=str(tmp_path / "ext"),
+        port=port,
+        ckpt=str(tmp_path / "ckpt"),
+        case=case,
+        flag=str(tmp_path / "pwned"),
+    )
+    out = subprocess.run(
+        [sys.executable, "-c", code], capture_output=True, text=True, timeout=600, cwd=tmp_path
+    )
     lines = [x for x in out.stdout.splitlines() if x.startswith(("REFUSED", "LOADED"))]
     assert lines, out.stderr[-3000:]
     return lines[-1]
@@ -85,7 +93,9 @@ def test_an_intact_deepspeed_checkpoint_loads_weights_only(tmp_path):
 
 def test_a_file_the_checkpoint_did_not_write_is_refused(tmp_path):
     line = load_case(tmp_path, "planted", 29612)
-    assert line.startswith("REFUSED ValueError") and "extra.pt is not in the checkpoint's COMPLETE.json" in line
+    assert (
+        line.startswith("REFUSED ValueError") and "extra.pt is not in the checkpoint's COMPLETE.json" in line
+    )
 
 
 def test_a_rewritten_pickle_never_runs(tmp_path):

@@ -27,9 +27,11 @@ def _fake_ray_wheel(path: Path) -> Path:
         z.writestr("ray/__init__.py", "VERSION = 'fake'\n" * 200)
         z.writestr("ray/jars/ray_dist.jar", b"\x00java" * 5000)
         z.writestr("ray/core/bin", random.Random(0).randbytes(20_000))  # incompressible: several chunks
-        z.writestr("ray-2.60.0.dist-info/RECORD",
-                   "ray/__init__.py,sha256=x,1\nray/jars/ray_dist.jar,sha256=y,2\nray/core/bin,sha256=z,3\n"
-                   "ray-2.60.0.dist-info/RECORD,,\n")
+        z.writestr(
+            "ray-2.60.0.dist-info/RECORD",
+            "ray/__init__.py,sha256=x,1\nray/jars/ray_dist.jar,sha256=y,2\nray/core/bin,sha256=z,3\n"
+            "ray-2.60.0.dist-info/RECORD,,\n",
+        )
     return path
 
 
@@ -44,11 +46,21 @@ def _pack(tmp: Path, chunk: int) -> tuple[Path, dict]:
     slim = dp.slim_stored(whl, stored, ("ray/jars/",))
     blob = tmp / f"{whl.name}.xz"
     dp.xz(stored, blob, preset=1)
-    ray = {"wheel": whl.name, "wheel_sha256": dp.sha256(stored), "xz_name": blob.name, "xz_sha256": dp.sha256(blob),
-           "xz_bytes": blob.stat().st_size, **slim, "parts": dp.split(blob, chunk, pack / "chunks")}
+    ray = {
+        "wheel": whl.name,
+        "wheel_sha256": dp.sha256(stored),
+        "xz_name": blob.name,
+        "xz_sha256": dp.sha256(blob),
+        "xz_bytes": blob.stat().st_size,
+        **slim,
+        "parts": dp.split(blob, chunk, pack / "chunks"),
+    }
     f = pack / "wheels" / "small-1.0-py3-none-any.whl"
-    manifest = {"files": [{"name": f.name, "bytes": f.stat().st_size, "sha256": dp.sha256(f)}], "ray": ray,
-                "manifest_bytes": 4096}
+    manifest = {
+        "files": [{"name": f.name, "bytes": f.stat().st_size, "sha256": dp.sha256(f)}],
+        "ray": ray,
+        "manifest_bytes": 4096,
+    }
     (pack / "manifest.json").write_text(json.dumps(manifest))
     return pack, manifest
 
@@ -107,12 +119,17 @@ def test_unpack_names_a_chunk_no_call_brought(tmp_path):
 
 def test_plan_keeps_every_call_under_the_limit():
     mib = dp.MIB
-    manifest = {"manifest_bytes": 4096, "files": [{"bytes": 5 * mib}],
-                "ray": {"parts": [{"name": "r.part00", "bytes": 40 * mib}, {"name": "r.part01", "bytes": 30 * mib}]}}
+    manifest = {
+        "manifest_bytes": 4096,
+        "files": [{"bytes": 5 * mib}],
+        "ray": {"parts": [{"name": "r.part00", "bytes": 40 * mib}, {"name": "r.part01", "bytes": 30 * mib}]},
+    }
     calls = dp.plan_calls(manifest, tree=10 * mib)
     assert [c["call"] for c in calls] == [1, 2]
     assert calls[0]["carry"] == [".devicepack/chunks/r.part00"] and "--stash" in calls[0]["command"]
-    assert ".devicepack/wheels" in calls[1]["carry"] and calls[1]["command"] == "bash benchmarks/device_proof.sh"
+    assert (
+        ".devicepack/wheels" in calls[1]["carry"] and calls[1]["command"] == "bash benchmarks/device_proof.sh"
+    )
     assert all(c["bytes"] <= dp.CALL_LIMIT - dp.MARGIN for c in calls)
     assert len(calls[-1]["carry"]) <= 8
     manifest["ray"]["parts"] = [{"name": "r.part00", "bytes": 60 * mib}]
@@ -121,27 +138,86 @@ def test_plan_keeps_every_call_under_the_limit():
 
 
 def _gpu_rows(engine_ratio: float, publish_ratio: float, zero3: bool) -> dict:
-    rows = [{"section": "engine", "model": "0.5b-shape", "dtype": "bfloat16", "batch": 256, "variant": v,
-             "new_tokens": 128, "engine_tokens_per_s": 1000 * r, "eager_tokens_per_s": 1000.0,
-             "eager_ms_per_step": 17.0, "engine_ms_per_step": 17.0 / r, "ratio": r}
-            for v, r in (("dynamic", engine_ratio - 0.5), ("graphs", engine_ratio))]
-    rows.append({"section": "engine", "model": "0.5b-shape", "batch": 256, "variant": "static", "skipped": "time budget"})
-    rows.append({"section": "publish", "model": "0.5b-shape", "dtype": "bfloat16", "gbytes": 1.26, "publish_ms": 25 * publish_ratio,
-                 "raw_copy_ms": 25.0, "ratio": publish_ratio, "raw_gb_per_s": 50.0})
-    rows.append({"section": "trainer", "model": "0.5b-shape", "case": "deepspeed ZeRO-2, 64 seqs", "ours": "900 ms/update",
-                 "update_ms": 900.0})
-    rows.append({"section": "trainer", "model": "0.5b-shape", "case": "deepspeed ZeRO-3, 64 seqs",
-                 **({"ours": "1,200 ms/update", "update_ms": 1200.0} if zero3 else {"ours": "FAILED: OOM"})})
+    rows = [
+        {
+            "section": "engine",
+            "model": "0.5b-shape",
+            "dtype": "bfloat16",
+            "batch": 256,
+            "variant": v,
+            "new_tokens": 128,
+            "engine_tokens_per_s": 1000 * r,
+            "eager_tokens_per_s": 1000.0,
+            "eager_ms_per_step": 17.0,
+            "engine_ms_per_step": 17.0 / r,
+            "ratio": r,
+        }
+        for v, r in (("dynamic", engine_ratio - 0.5), ("graphs", engine_ratio))
+    ]
+    rows.append(
+        {
+            "section": "engine",
+            "model": "0.5b-shape",
+            "batch": 256,
+            "variant": "static",
+            "skipped": "time budget",
+        }
+    )
+    rows.append(
+        {
+            "section": "publish",
+            "model": "0.5b-shape",
+            "dtype": "bfloat16",
+            "gbytes": 1.26,
+            "publish_ms": 25 * publish_ratio,
+            "raw_copy_ms": 25.0,
+            "ratio": publish_ratio,
+            "raw_gb_per_s": 50.0,
+        }
+    )
+    rows.append(
+        {
+            "section": "trainer",
+            "model": "0.5b-shape",
+            "case": "deepspeed ZeRO-2, 64 seqs",
+            "ours": "900 ms/update",
+            "update_ms": 900.0,
+        }
+    )
+    rows.append(
+        {
+            "section": "trainer",
+            "model": "0.5b-shape",
+            "case": "deepspeed ZeRO-3, 64 seqs",
+            **({"ours": "1,200 ms/update", "update_ms": 1200.0} if zero3 else {"ours": "FAILED: OOM"}),
+        }
+    )
     return {"env": {}, "rows": rows}
 
 
 def test_report_targets_and_plots(tmp_path):
     (tmp_path / "gpu_check.json").write_text(json.dumps(_gpu_rows(2.5, 1.4, zero3=False)))
-    modes = [{"mode": m, "tokens_per_s": t, "tokens_per_s_runs": [t] * 3, "ratio_runs": [t / 100] * 3, "ratio": t / 100,
-              "runs": 3, "cores_trainer": 3.5, "cores_rollout": 5.0, "cores_driver": 0.8, "machine_busy": 0.6}
-             for m, t in (("sync", 100.0), ("one_step", 150.0), ("partial", 160.0), ("laminar", 230.0))]
-    (tmp_path / "rl_throughput_cpu.json").write_text(json.dumps({"modes": modes, "shape": {"cpus": 16, "rollouts": 6}}))
-    (tmp_path / "steps.jsonl").write_text(json.dumps({"step": "gpu_check", "status": "ok", "seconds": 1.0, "note": ""}) + "\n")
+    modes = [
+        {
+            "mode": m,
+            "tokens_per_s": t,
+            "tokens_per_s_runs": [t] * 3,
+            "ratio_runs": [t / 100] * 3,
+            "ratio": t / 100,
+            "runs": 3,
+            "cores_trainer": 3.5,
+            "cores_rollout": 5.0,
+            "cores_driver": 0.8,
+            "machine_busy": 0.6,
+        }
+        for m, t in (("sync", 100.0), ("one_step", 150.0), ("partial", 160.0), ("laminar", 230.0))
+    ]
+    (tmp_path / "rl_throughput_cpu.json").write_text(
+        json.dumps({"modes": modes, "shape": {"cpus": 16, "rollouts": 6}})
+    )
+    (tmp_path / "steps.jsonl").write_text(
+        json.dumps({"step": "gpu_check", "status": "ok", "seconds": 1.0, "note": ""}) + "\n"
+    )
     res = dr.report(tmp_path)
     g = res["targets"]["gpu_check"]
     assert g["engine_0.5b_batch256_vs_eager"]["ok"] is True
@@ -166,7 +242,9 @@ def test_report_targets_and_plots(tmp_path):
     assert g["engine_0.5b_batch256_vs_eager"]["ok"] is False and g["publish_stall_vs_raw_copy"]["ok"] is False
     assert g["deepspeed_zero3_update"]["ok"] is True
     cpu = res["targets"]["rl_throughput_cpu"]
-    assert cpu["laminar_vs_sync"]["ok"] is False and cpu["laminar_ahead_of_one_step_and_partial"]["ok"] is False
+    assert (
+        cpu["laminar_vs_sync"]["ok"] is False and cpu["laminar_ahead_of_one_step_and_partial"]["ok"] is False
+    )
 
     # the CPU smoke's stand-in shape measures nothing the targets are about
     smoke = _gpu_rows(3.0, 1.0, zero3=True)

@@ -25,6 +25,7 @@ def _fill(files: dict[str, bytes]):
         for name, data in files.items():
             (d / name).parent.mkdir(parents=True, exist_ok=True)
             (d / name).write_bytes(data)
+
     return write
 
 
@@ -78,7 +79,8 @@ def test_fsck_quarantines_what_no_longer_matches_and_keeps_the_rest(tmp_path):
     assert (moved["model"] / "model.safetensors").read_bytes() == corrupted
     rows = ws.catalog.query("SELECT kind, sha256, reason, moved_to FROM quarantined_artifacts ORDER BY kind")
     assert [(r["kind"], r["sha256"]) for r in rows] == sorted(
-        (refs[n].kind, refs[n].sha256) for n in ("flipped", "deleted", "added", "manifest"))
+        (refs[n].kind, refs[n].sha256) for n in ("flipped", "deleted", "added", "manifest")
+    )
     log = [json.loads(line) for line in (ws.root / "quarantine" / "fsck.jsonl").read_text().splitlines()]
     assert {e["sha256"] for e in log} == {r["sha256"] for r in rows}
 
@@ -114,8 +116,14 @@ def test_fsck_waits_for_no_run_it_refuses_while_one_holds_the_workspace(tmp_path
 def _laminar(*args: str, ws: Path) -> subprocess.CompletedProcess:
     env = {**os.environ, "PYTHONPATH": str(ROOT)}
     env.pop("PREFECT_API_URL", None)
-    return subprocess.run([sys.executable, "-m", "flows.cli", *args, "--workspace", str(ws)], cwd=ROOT, env=env,
-                          capture_output=True, text=True, timeout=120)
+    return subprocess.run(
+        [sys.executable, "-m", "flows.cli", *args, "--workspace", str(ws)],
+        cwd=ROOT,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
 
 
 def test_laminar_fsck_prints_one_summary_line_and_exits_1_when_it_quarantined(tmp_path):
@@ -125,7 +133,9 @@ def test_laminar_fsck_prints_one_summary_line_and_exits_1_when_it_quarantined(tm
     clean = _laminar("fsck", ws=ws.root)
     assert clean.returncode == 0, clean.stderr
     assert clean.stdout.strip().splitlines() == [clean.stdout.strip()]
-    assert clean.stdout.startswith("fsck: 5 artifacts rehashed") and "5 intact, none quarantined" in clean.stdout
+    assert (
+        clean.stdout.startswith("fsck: 5 artifacts rehashed") and "5 intact, none quarantined" in clean.stdout
+    )
 
     damage(refs)
     bad = _laminar("fsck", ws=ws.root)
@@ -133,8 +143,12 @@ def test_laminar_fsck_prints_one_summary_line_and_exits_1_when_it_quarantined(tm
     (summary,) = bad.stdout.strip().splitlines()
     assert "1 intact, 4 QUARANTINED to " + str(ws.root / "quarantine") in summary
     assert "Traceback" not in bad.stderr
-    assert sorted(line.split()[2].split("/")[0] for line in bad.stderr.strip().splitlines()) == \
-        ["eval", "metrics", "model", "prompts"]
+    assert sorted(line.split()[2].split("/")[0] for line in bad.stderr.strip().splitlines()) == [
+        "eval",
+        "metrics",
+        "model",
+        "prompts",
+    ]
 
     assert _laminar("fsck", ws=ws.root).returncode == 0
     missing = _laminar("fsck", ws=tmp_path / "nowhere")
@@ -156,13 +170,24 @@ def test_a_stage_whose_artifact_was_quarantined_is_stale(tmp_path):
     first = STAGES[0]
     assert not first.inputs
     key = stage_key(first, cfg, {}, ws)
-    refs = {name: ws.artifacts.write(name, _fill({f"{name}.parquet": f"{first.name} {name}".encode()}))
-            for name in ("dataset",)}
+    refs = {
+        name: ws.artifacts.write(name, _fill({f"{name}.parquet": f"{first.name} {name}".encode()}))
+        for name in ("dataset",)
+    }
     with ws.catalog.transaction() as con:
-        con.execute("INSERT INTO stage_runs (run_id, stage, status, cache_key, config_hash, inputs_hash, "
-                    "source_hash, seed, finished_at, outputs_json) VALUES ('r', ?, 'ran', ?, ?, ?, ?, ?, now(), ?)",
-                    [first.name, key.digest, key.config_hash, key.inputs_hash, key.source_hash, key.seed,
-                     dumps({n: r.to_dict() for n, r in refs.items()})])
+        con.execute(
+            "INSERT INTO stage_runs (run_id, stage, status, cache_key, config_hash, inputs_hash, "
+            "source_hash, seed, finished_at, outputs_json) VALUES ('r', ?, 'ran', ?, ?, ?, ?, ?, now(), ?)",
+            [
+                first.name,
+                key.digest,
+                key.config_hash,
+                key.inputs_hash,
+                key.source_hash,
+                key.seed,
+                dumps({n: r.to_dict() for n, r in refs.items()}),
+            ],
+        )
     assert plan(cfg, ws)[0].status == "cached"
 
     f = refs["dataset"].file("dataset.parquet")
@@ -193,7 +218,9 @@ def test_a_cached_stage_whose_artifact_was_quarantined_reruns_and_restores_it(tm
     assert s1["status"] == "ran"
     sha = next(iter(s1["artifacts"].values()))
     folder = next((ws / "artifacts").glob(f"*/{sha}"))
-    victim = max((p for p in folder.rglob("*") if p.is_file() and p.name != MANIFEST), key=lambda p: p.stat().st_size)
+    victim = max(
+        (p for p in folder.rglob("*") if p.is_file() and p.name != MANIFEST), key=lambda p: p.stat().st_size
+    )
     original = victim.read_bytes()
     victim.write_bytes(original[: len(original) // 2])
 

@@ -38,14 +38,18 @@ def quarantine(out: Path) -> dict[int, str]:
 
 
 def test_a_10mb_prompt_is_quarantined_not_ingested(tmp_path):
-    rows = [{"problem": "x" * 10_000_000, "answer": "1"},  # 10 MB
-            {"problem": "y" * LIMIT, "answer": "2"},  # exactly at the limit: kept
-            {"problem": "z" * (LIMIT + 1), "answer": "3"},
-            {"problem": "What is 1+1?", "answer": "2"}]
+    rows = [
+        {"problem": "x" * 10_000_000, "answer": "1"},  # 10 MB
+        {"problem": "y" * LIMIT, "answer": "2"},  # exactly at the limit: kept
+        {"problem": "z" * (LIMIT + 1), "answer": "3"},
+        {"problem": "What is 1+1?", "answer": "2"},
+    ]
     m = ingest([SourceSpec("big", str(write_jsonl(tmp_path / "big.jsonl", rows)))], tmp_path / "out")
     reasons = quarantine(tmp_path / "out")
-    assert reasons == {0: f"problem too long (10,000,000 characters > data.max_prompt_chars={LIMIT:,})",
-                       2: f"problem too long ({LIMIT + 1:,} characters > data.max_prompt_chars={LIMIT:,})"}
+    assert reasons == {
+        0: f"problem too long (10,000,000 characters > data.max_prompt_chars={LIMIT:,})",
+        2: f"problem too long ({LIMIT + 1:,} characters > data.max_prompt_chars={LIMIT:,})",
+    }
     assert (m["ingested"], m["quarantined"]) == (2.0, 2.0)
     kept = pq.read_table(tmp_path / "out" / "prompts.parquet").column("problem").to_pylist()
     assert max(len(p) for p in kept) == LIMIT
@@ -60,7 +64,9 @@ def test_the_default_limit_keeps_every_vendored_prompt_and_the_synthetic_task():
 
     longest = {}
     data = json.loads((ROOT / "data_curation" / "data" / "math_train.json").read_text())
-    longest["math_train"] = max(len(normalize_text(r["problem"])) for r in data if isinstance(r.get("problem"), str))
+    longest["math_train"] = max(
+        len(normalize_text(r["problem"])) for r in data if isinstance(r.get("problem"), str)
+    )
     for path in sorted((ROOT / "evaluation" / "data").glob("*.jsonl")):
         rows = [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
         longest[path.stem] = max(len(normalize_text(r.get("problem") or r.get("question"))) for r in rows)
@@ -88,7 +94,9 @@ def test_levels_out_of_range_are_quarantined_with_a_reason(tmp_path, fmt):
     reasons = quarantine(tmp_path / "out")
     bad = {1, 2} | ({5, 6, 7, 8} if fmt == "jsonl" else set())
     assert set(reasons) == bad, reasons
-    assert all(r.startswith("level out of range (") and "-2147483648..2147483647" in r for r in reasons.values())
+    assert all(
+        r.startswith("level out of range (") and "-2147483648..2147483647" in r for r in reasons.values()
+    )
     assert "99999999999;" in reasons[1]
     if fmt == "jsonl":
         assert "(400 characters)" in reasons[5] and len(reasons[5]) < 200  # the value is shown cut short
@@ -98,9 +106,14 @@ def test_levels_out_of_range_are_quarantined_with_a_reason(tmp_path, fmt):
 
 
 def test_json_that_python_cannot_parse_is_quarantined_per_row(tmp_path):
-    path = write_jsonl(tmp_path / "p.jsonl", [{"problem": "fine", "answer": "1"}], extra_lines=(
-        '{"problem": "deep", "answer": ' + "[" * 100_000 + "]" * 100_000 + "}",
-        '{"problem": "a huge answer", "answer": ' + "9" * 5000 + "}"))
+    path = write_jsonl(
+        tmp_path / "p.jsonl",
+        [{"problem": "fine", "answer": "1"}],
+        extra_lines=(
+            '{"problem": "deep", "answer": ' + "[" * 100_000 + "]" * 100_000 + "}",
+            '{"problem": "a huge answer", "answer": ' + "9" * 5000 + "}",
+        ),
+    )
     m = ingest([SourceSpec("j", str(path))], tmp_path / "out")
     reasons = quarantine(tmp_path / "out")
     assert reasons[1].startswith("bad json: RecursionError") and reasons[2].startswith("bad json: ValueError")
@@ -126,12 +139,15 @@ def test_a_random_bytes_parquet_fails_with_one_line_naming_the_file(tmp_path, la
     if layout == "file_parquet":
         spec = SourceSpec("pool", str(bad), format="parquet")
     elif layout == "folder":  # a good file first: the bad one is found while reading, not while sniffing
-        pq.write_table(pa.Table.from_pylist([{"problem": "p", "answer": "1"}]), tmp_path / "data" / "a_good.parquet")
+        pq.write_table(
+            pa.Table.from_pylist([{"problem": "p", "answer": "1"}]), tmp_path / "data" / "a_good.parquet"
+        )
         spec = SourceSpec("pool", str(tmp_path / "data"))
     with pytest.raises(SourceError) as err:
         ingest([spec], tmp_path / "out")
-    _assert_one_line_naming(err.value, bad, "source 'pool'", "cannot read", "as parquet",
-                            "Parquet magic bytes not found")
+    _assert_one_line_naming(
+        err.value, bad, "source 'pool'", "cannot read", "as parquet", "Parquet magic bytes not found"
+    )
 
 
 def test_a_random_bytes_json_document_fails_with_one_line(tmp_path):
@@ -145,10 +161,17 @@ def test_a_random_bytes_json_document_fails_with_one_line(tmp_path):
 def test_a_2_million_digit_answer_gets_a_verdict_not_an_overflow():
     huge = "1" * 2_000_000
     with Verifier() as v:  # the fast path decides all of these: no worker pool starts
-        verdicts = v.verify_batch([f"#### {huge}", f"#### {huge}.5", f"#### {huge}.5", f"#### {huge}"],
-                                  ["1.5", f"{huge}.5000000000001", f"2{huge[1:]}.5", huge])
-        assert [(x.correct, x.error) for x in verdicts] == [(False, None), (True, None), (False, None), (True, None)]
+        verdicts = v.verify_batch(
+            [f"#### {huge}", f"#### {huge}.5", f"#### {huge}.5", f"#### {huge}"],
+            ["1.5", f"{huge}.5000000000001", f"2{huge[1:]}.5", huge],
+        )
+        assert [(x.correct, x.error) for x in verdicts] == [
+            (False, None),
+            (True, None),
+            (False, None),
+            (True, None),
+        ]
         # a gold Python cannot even print (an int past its 4,300-digit str() limit): a verdict with a reason
-        big_int = v.verify("#### 7", 10 ** 5000)
+        big_int = v.verify("#### 7", 10**5000)
         assert big_int.correct is False and big_int.error.startswith("error: ValueError")
         assert v._pool is None

@@ -93,15 +93,32 @@ def test_laminar_run_with_a_traversing_source_name_exits_2_before_any_write(tmp_
     ws = tmp_path / "ws"
     pool = _pool(tmp_path)
     before = _files(tmp_path)
-    proc = subprocess.run([sys.executable, "-m", "flows.cli", "run", "data.source=files", _sources("../../escape", pool),
-                           "--until", "data", "--workspace", str(ws)], cwd=ROOT, env=_env(), capture_output=True,
-                          text=True, timeout=300)
+    proc = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "flows.cli",
+            "run",
+            "data.source=files",
+            _sources("../../escape", pool),
+            "--until",
+            "data",
+            "--workspace",
+            str(ws),
+        ],
+        cwd=ROOT,
+        env=_env(),
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
     assert proc.returncode == 2, proc.stderr[-3000:]
     assert "config error: data.sources[0].name='../../escape' is not an identifier" in proc.stderr
     assert _files(tmp_path) == before  # no workspace, no escaped folder
 
 
 # ---- what a run of the served deployment may choose -------------------------------------------------------
+
 
 @pytest.fixture
 def served(tmp_path, monkeypatch):
@@ -125,8 +142,15 @@ def served(tmp_path, monkeypatch):
         raise Ran
 
     monkeypatch.setattr(pipeline, "run_pipeline", record)
-    return {"ws": ws, "params": params, "operator": operator, "started": started, "Ran": Ran,
-            "run": pipeline.laminar_run.fn, "tmp": tmp_path}
+    return {
+        "ws": ws,
+        "params": params,
+        "operator": operator,
+        "started": started,
+        "Ran": Ran,
+        "run": pipeline.laminar_run.fn,
+        "tmp": tmp_path,
+    }
 
 
 def test_the_deployment_offers_only_overrides_and_its_own_workspace(served):
@@ -138,28 +162,39 @@ def test_a_served_run_on_another_workspace_is_refused_before_any_write(served):
 
     other = served["tmp"] / "other"
     before = _files(served["tmp"])
-    with pytest.raises(ServeError, match=re.escape(f"this deployment runs on workspace {served['ws'].root} only; "
-                                                   f"a run may not choose another (workspace='{other}' refused)")):
+    with pytest.raises(
+        ServeError,
+        match=re.escape(
+            f"this deployment runs on workspace {served['ws'].root} only; "
+            f"a run may not choose another (workspace='{other}' refused)"
+        ),
+    ):
         served["run"](overrides=None, workspace=str(other))
     assert served["started"] == [] and _files(served["tmp"]) == before and not other.exists()
 
 
-@pytest.mark.parametrize("override,why", [
-    ("no_such.key=1", "config error: unknown config key 'no_such.key'"),
-    ("rl.no_such_key=1", "config error: unknown config key 'rl.no_such_key'"),
-    ("rl.lr=-1", "config error: rl.lr="),
-    ("rollout.vllm_python=/bin/sh", "rollout.vllm_python names a file, folder, executable or cluster"),
-    ("data.sources=[{name: x, path: /etc/passwd, format: jsonl}]", "data.sources names a file, folder"),
-    ("data.sources[0].path=/etc/passwd", "data.sources.path names a file, folder"),
-    ("model.path=/tmp/m", "model.path names a file, folder"),
-    ("trainer.deepspeed=/tmp/ds.json", "trainer.deepspeed names a file, folder"),
-    ("cluster.address=10.0.0.1:6379", "cluster.address names a file, folder"),
-    ("cluster={address: '10.0.0.1:6379'}", "a top-level key takes a plain value or a config group's option"),
-    ("data=../../../etc/x", "a top-level key takes a plain value"),
-    ("+rl.extra=1", "a run's overrides are key=value or group=option"),
-    ("~rl.lr", "a run's overrides are key=value or group=option"),
-    ("rollout.dtype=${oc.env:HOME}", "no ${...} interpolation"),
-])
+@pytest.mark.parametrize(
+    "override,why",
+    [
+        ("no_such.key=1", "config error: unknown config key 'no_such.key'"),
+        ("rl.no_such_key=1", "config error: unknown config key 'rl.no_such_key'"),
+        ("rl.lr=-1", "config error: rl.lr="),
+        ("rollout.vllm_python=/bin/sh", "rollout.vllm_python names a file, folder, executable or cluster"),
+        ("data.sources=[{name: x, path: /etc/passwd, format: jsonl}]", "data.sources names a file, folder"),
+        ("data.sources[0].path=/etc/passwd", "data.sources.path names a file, folder"),
+        ("model.path=/tmp/m", "model.path names a file, folder"),
+        ("trainer.deepspeed=/tmp/ds.json", "trainer.deepspeed names a file, folder"),
+        ("cluster.address=10.0.0.1:6379", "cluster.address names a file, folder"),
+        (
+            "cluster={address: '10.0.0.1:6379'}",
+            "a top-level key takes a plain value or a config group's option",
+        ),
+        ("data=../../../etc/x", "a top-level key takes a plain value"),
+        ("+rl.extra=1", "a run's overrides are key=value or group=option"),
+        ("~rl.lr", "a run's overrides are key=value or group=option"),
+        ("rollout.dtype=${oc.env:HOME}", "no ${...} interpolation"),
+    ],
+)
 def test_a_served_run_with_a_refused_override_fails_before_any_write(served, override, why):
     from tasks.serving import ServeError
 
@@ -202,15 +237,33 @@ def test_the_served_api_secret_is_fresh_and_private_and_the_server_is_locked_dow
 
 # ---- the real `laminar serve` ------------------------------------------------------------------------------
 
+
 @pytest.mark.slow
 def test_laminar_serve_refuses_anonymous_calls_and_runs_that_choose_the_workspace_or_unknown_keys(tmp_path):
     import httpx
 
     ws, other = tmp_path / "ws", tmp_path / "other"
-    proc = subprocess.Popen([sys.executable, "-m", "flows.cli", "serve", "--cron", "0 0 1 1 *", "--port", "0",
-                             *TINY_CURATED, "--workspace", str(ws)], cwd=ROOT, stdout=subprocess.PIPE,
-                            stderr=subprocess.STDOUT, text=True, start_new_session=True,
-                            env=_env(PREFECT_RUNNER_POLL_FREQUENCY="2"))
+    proc = subprocess.Popen(
+        [
+            sys.executable,
+            "-m",
+            "flows.cli",
+            "serve",
+            "--cron",
+            "0 0 1 1 *",
+            "--port",
+            "0",
+            *TINY_CURATED,
+            "--workspace",
+            str(ws),
+        ],
+        cwd=ROOT,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+        start_new_session=True,
+        env=_env(PREFECT_RUNNER_POLL_FREQUENCY="2"),
+    )
     lines: list[str] = []
     api: list[str] = []
 
@@ -237,7 +290,10 @@ def test_laminar_serve_refuses_anonymous_calls_and_runs_that_choose_the_workspac
         assert httpx.post(f"{url}/deployments/filter", json={}, timeout=30).status_code in (401, 403)
         wrong = {"Authorization": "Basic " + base64.b64encode(b"laminar:guess").decode()}
         assert httpx.get(f"{url}/admin/version", headers=wrong, timeout=30).status_code == 401
-        assert httpx.get(f"{url}/csrf-token", params={"client": "x"}, headers=wrong, timeout=30).status_code == 401
+        assert (
+            httpx.get(f"{url}/csrf-token", params={"client": "x"}, headers=wrong, timeout=30).status_code
+            == 401
+        )
         assert httpx.get(f"{url}/health", timeout=30).status_code == 200
         assert stat.S_IMODE((ws / "prefect" / "api-auth").stat().st_mode) == 0o600
         from tests.served_api import ServedAPI
@@ -247,8 +303,11 @@ def test_laminar_serve_refuses_anonymous_calls_and_runs_that_choose_the_workspac
         r = httpx.post(f"{url}/deployments/filter", json={}, headers=client.auth, timeout=30)
         assert r.status_code == 403 and "CSRF" in r.text
         # another web page's origin gets no CORS grant
-        r = httpx.options(f"{url}/deployments/filter", timeout=30, headers={
-            "Origin": "http://evil.example", "Access-Control-Request-Method": "POST"})
+        r = httpx.options(
+            f"{url}/deployments/filter",
+            timeout=30,
+            headers={"Origin": "http://evil.example", "Access-Control-Request-Method": "POST"},
+        )
         assert r.headers.get("access-control-allow-origin") in (None, "") and r.status_code >= 400
 
         deadline = time.monotonic() + 120
@@ -259,23 +318,36 @@ def test_laminar_serve_refuses_anonymous_calls_and_runs_that_choose_the_workspac
         assert set(dep["parameters"]) == {"overrides", "workspace"}
         # a `laminar run` on the served workspace attaches with the auth string; Prefect's own client then
         # reads and writes (CSRF token included)
-        attach = ("import sys; from core.workspace import Workspace; from tasks.serving import attach_served_api\n"
-                  "assert attach_served_api(Workspace.at(sys.argv[1]))\n"
-                  "from prefect.client.orchestration import get_client\n"
-                  "with get_client(sync_client=True) as c:\n"
-                  "    print('deployments', len(c.read_deployments()), 'flow', c.create_flow_from_name('lockdown-probe'))\n")
-        probe = subprocess.run([sys.executable, "-c", attach, str(ws)], cwd=ROOT, env=_env(), capture_output=True,
-                               text=True, timeout=120)
+        attach = (
+            "import sys; from core.workspace import Workspace; from tasks.serving import attach_served_api\n"
+            "assert attach_served_api(Workspace.at(sys.argv[1]))\n"
+            "from prefect.client.orchestration import get_client\n"
+            "with get_client(sync_client=True) as c:\n"
+            "    print('deployments', len(c.read_deployments()), 'flow', c.create_flow_from_name('lockdown-probe'))\n"
+        )
+        probe = subprocess.run(
+            [sys.executable, "-c", attach, str(ws)],
+            cwd=ROOT,
+            env=_env(),
+            capture_output=True,
+            text=True,
+            timeout=120,
+        )
         assert probe.returncode == 0 and "deployments 1 flow " in probe.stdout, probe.stderr[-3000:]
         before = _files(ws)
 
         refused = {
-            "workspace": client.call(f"/deployments/{dep['id']}/create_flow_run",
-                                     {"parameters": {"workspace": str(other)}}),
-            "unknown": client.call(f"/deployments/{dep['id']}/create_flow_run",
-                                   {"parameters": {"overrides": [*TINY_CURATED, "no_such.key=1"]}}),
-            "executable": client.call(f"/deployments/{dep['id']}/create_flow_run",
-                                      {"parameters": {"overrides": ["rollout.vllm_python=/bin/sh"]}}),
+            "workspace": client.call(
+                f"/deployments/{dep['id']}/create_flow_run", {"parameters": {"workspace": str(other)}}
+            ),
+            "unknown": client.call(
+                f"/deployments/{dep['id']}/create_flow_run",
+                {"parameters": {"overrides": [*TINY_CURATED, "no_such.key=1"]}},
+            ),
+            "executable": client.call(
+                f"/deployments/{dep['id']}/create_flow_run",
+                {"parameters": {"overrides": ["rollout.vllm_python=/bin/sh"]}},
+            ),
         }
         states = {}
         deadline = time.monotonic() + 300
@@ -290,7 +362,10 @@ def test_laminar_serve_refuses_anonymous_calls_and_runs_that_choose_the_workspac
             assert state["type"] == "FAILED", (why, state)
         assert f"this deployment runs on workspace {ws} only" in states["workspace"]["message"]
         assert "unknown config key 'no_such.key'" in states["unknown"]["message"]
-        assert "rollout.vllm_python names a file, folder, executable or cluster" in states["executable"]["message"]
+        assert (
+            "rollout.vllm_python names a file, folder, executable or cluster"
+            in states["executable"]["message"]
+        )
         assert not other.exists()  # the other folder was never touched
         after = _files(ws)
         assert not any(p.startswith(("runs/", "artifacts/")) for p in after - before), after - before
@@ -320,7 +395,7 @@ def _runs(ws: Path) -> list:
 
 # ---- Ray started by the runtime -----------------------------------------------------------------------------
 
-RAY_PROBE = textwrap.dedent('''
+RAY_PROBE = textwrap.dedent("""
     import ipaddress, json, os, sys
     import psutil
     from generation.model import build_char_tokenizer, build_tiny_model, encode_problem, load_tokenizer, save_model
@@ -353,7 +428,7 @@ RAY_PROBE = textwrap.dedent('''
 
     make_runtime(model_dir, prompts, "sync", steps=2, on_step=on_step, rollouts=1).run()
     print("PROBE " + json.dumps(seen))
-''')
+""")
 
 
 def _loopback(ip: str) -> bool:
@@ -379,8 +454,14 @@ def test_a_locally_started_ray_listens_on_the_loopback_only_and_its_token_file_i
     env = _env(HOME=str(home), RAY_USAGE_STATS_ENABLED="0")
     for var in ("RAY_AUTH_MODE", "RAY_AUTH_TOKEN", "RAY_AUTH_TOKEN_PATH", "RAY_ADDRESS"):
         env.pop(var, None)
-    proc = subprocess.run([sys.executable, "-c", RAY_PROBE, str(tmp_path / "model")], cwd=ROOT, env=env,
-                          capture_output=True, text=True, timeout=600)
+    proc = subprocess.run(
+        [sys.executable, "-c", RAY_PROBE, str(tmp_path / "model")],
+        cwd=ROOT,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
     assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-4000:]
     seen = json.loads(next(line for line in proc.stdout.splitlines() if line.startswith("PROBE "))[6:])
     names = {name for name, _, _ in seen["listening"]}

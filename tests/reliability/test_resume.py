@@ -28,8 +28,12 @@ class HalfRight:
 
 
 def prompts(tok, n=48):
-    return [PromptItem(f"p{i}", f"What is {i}+{i % 3}?", str(i % 2), encode_prompt(tok, f"What is {i}+{i % 3}?\n"), 1)
-            for i in range(n)]
+    return [
+        PromptItem(
+            f"p{i}", f"What is {i}+{i % 3}?", str(i % 2), encode_prompt(tok, f"What is {i}+{i % 3}?\n"), 1
+        )
+        for i in range(n)
+    ]
 
 
 class Killed(Exception):
@@ -40,9 +44,19 @@ def run(tmp_path, *, kill_at=None, hive=True, ckpt="ckpt", steps=7):
     torch.manual_seed(0)
     tok = build_char_tokenizer()
     model = build_tiny_model(MICRO, tok, seed=0)
-    rl = RLConfig(steps=steps, prompts_per_step=4, group_size=4, lr=1e-2, max_new_tokens=3, micro_batch_tokens=0,
-                  checkpoint_every=2, eval_every=3)
-    source = (lambda cursor, engine: HiveSource(cursor, engine, greso=GresoFilter(None), seed=0)) if hive else None
+    rl = RLConfig(
+        steps=steps,
+        prompts_per_step=4,
+        group_size=4,
+        lr=1e-2,
+        max_new_tokens=3,
+        micro_batch_tokens=0,
+        checkpoint_every=2,
+        eval_every=3,
+    )
+    source = (
+        (lambda cursor, engine: HiveSource(cursor, engine, greso=GresoFilter(None), seed=0)) if hive else None
+    )
 
     def on_step(m):
         if kill_at is not None and m["step"] == kill_at:
@@ -51,8 +65,20 @@ def run(tmp_path, *, kill_at=None, hive=True, ckpt="ckpt", steps=7):
     def evaluate(m):  # an in-run evaluation that depends on the weights
         return {"eval_probe": float(sum(p.detach().double().abs().sum() for p in m.parameters()))}
 
-    result = run_sync(model, tok, prompts(tok), HalfRight(), PRESETS["grpo"], rl, seed=0, device="cpu",
-                      source=source, evaluate=evaluate, on_step=on_step, checkpoint_dir=tmp_path / ckpt)
+    result = run_sync(
+        model,
+        tok,
+        prompts(tok),
+        HalfRight(),
+        PRESETS["grpo"],
+        rl,
+        seed=0,
+        device="cpu",
+        source=source,
+        evaluate=evaluate,
+        on_step=on_step,
+        checkpoint_dir=tmp_path / ckpt,
+    )
     return result, {k: v.clone() for k, v in model.state_dict().items()}
 
 
@@ -69,8 +95,10 @@ def test_sync_mode_killed_midway_resumes_where_it_stopped_and_ends_identical(tmp
         assert state["source"]["greso"]["observed"] and "rng" in state["source"]
     resumed, w_resumed = run(tmp_path, hive=hive, ckpt="killed")
     assert len(resumed.history) == 7
-    untimed = lambda h: json.dumps([{k: v for k, v in m.items() if k not in TIMING_KEYS} for m in h],  # noqa: E731
-                                   sort_keys=True)
+    untimed = lambda h: json.dumps(
+        [{k: v for k, v in m.items() if k not in TIMING_KEYS} for m in h],  # noqa: E731
+        sort_keys=True,
+    )
     assert untimed(resumed.history) == untimed(whole.history)  # what history.jsonl keeps, to the bit
     assert resumed.rewards == whole.rewards and resumed.consumed == whole.consumed
     assert all(torch.equal(w_whole[k], w_resumed[k]) for k in w_whole)
@@ -113,14 +141,36 @@ def test_a_hive_laminar_run_killed_after_a_checkpoint_draws_the_prompts_it_recor
     model_dir = tmp_path / "model"
     save_model(build_tiny_model(MICRO, tok, seed=0), tok, model_dir)
     items = prompts(tok, 200)
-    rl = RLConfig(mode="laminar", steps=8, prompts_per_step=4, group_size=4, lr=1e-3, max_new_tokens=8,
-                  rollout_capacity=16, chunk_steps=4, repack_interval_s=0.2, checkpoint_every=2, eval_every=0,
-                  micro_batch_tokens=0, max_staleness=4)
+    rl = RLConfig(
+        mode="laminar",
+        steps=8,
+        prompts_per_step=4,
+        group_size=4,
+        lr=1e-3,
+        max_new_tokens=8,
+        rollout_capacity=16,
+        chunk_steps=4,
+        repack_interval_s=0.2,
+        checkpoint_every=2,
+        eval_every=0,
+        micro_batch_tokens=0,
+        max_staleness=4,
+    )
 
     def runtime(on_step=None):
-        return LaminarRuntime(model_dir, items, HalfRight(), PRESETS["grpo"], rl, seed=0, device="cpu",
-                              cluster=ClusterConfig(rollouts=2), state_dir=tmp_path / "state", on_step=on_step,
-                              source=lambda cursor, engine: HiveSource(cursor, engine, greso=GresoFilter(None), seed=0))
+        return LaminarRuntime(
+            model_dir,
+            items,
+            HalfRight(),
+            PRESETS["grpo"],
+            rl,
+            seed=0,
+            device="cpu",
+            cluster=ClusterConfig(rollouts=2),
+            state_dir=tmp_path / "state",
+            on_step=on_step,
+            source=lambda cursor, engine: HiveSource(cursor, engine, greso=GresoFilter(None), seed=0),
+        )
 
     def kill_trainer(m):
         if m["step"] == 5:
@@ -139,9 +189,18 @@ def test_a_hive_laminar_run_killed_after_a_checkpoint_draws_the_prompts_it_recor
     assert rt2.summary.get("resumed") == 1 and rt2.summary["updates"] == 8
     by_uid = dict(rt2.summary["trained_prompts"])
     recorded = {q["group_uid"]: q["prompt"]["prompt_id"] for q in saved["in_flight"]}
-    recorded.update({t["group_uid"]: t["prompt"]["prompt_id"] for t in saved["buffer"]["partial"] + saved["buffer"]["ready"]})
-    assert all(by_uid[u] == p for u, p in recorded.items() if u in by_uid)  # the checkpoint's groups keep their prompts
+    recorded.update(
+        {
+            t["group_uid"]: t["prompt"]["prompt_id"]
+            for t in saved["buffer"]["partial"] + saved["buffer"]["ready"]
+        }
+    )
+    assert all(
+        by_uid[u] == p for u, p in recorded.items() if u in by_uid
+    )  # the checkpoint's groups keep their prompts
     first_new = saved["queue"]["next_uid"]
     buffered = [p["prompt_id"] for p in hive["buffer"]]
-    new = [(u - first_new, p) for u, p in sorted(by_uid.items()) if first_new <= u < first_new + len(buffered)]
+    new = [
+        (u - first_new, p) for u, p in sorted(by_uid.items()) if first_new <= u < first_new + len(buffered)
+    ]
     assert new and all(buffered[i] == p for i, p in new)  # new groups draw HIVE's buffered prompts, in order

@@ -54,8 +54,13 @@ def alive(pid: int) -> bool:
 def test_workers_die_within_seconds_when_their_parent_is_sigkilled(tmp_path):
     script = tmp_path / "parent.py"
     script.write_text(f"ROOT = {str(ROOT)!r}\n" + PARENT)
-    parent = subprocess.Popen([sys.executable, str(script)], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
-                              env={**os.environ, "PYTHONPATH": str(ROOT)})
+    parent = subprocess.Popen(
+        [sys.executable, str(script)],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+        env={**os.environ, "PYTHONPATH": str(ROOT)},
+    )
     workers: list[int] = []
     try:
         line = parent.stdout.readline()

@@ -33,7 +33,9 @@ def test_fingerprint_depends_on_module_set():
 
 def test_rl_code_does_not_reach_earlier_stages():
     """Editing the RL objective or engine must not rerun warm-up (DESIGN: only the stage and what follows)."""
-    closures = {name: {m for m, _ in module_closure(tuple(sorted(st.modules)))} for name, st in STAGE_BY_NAME.items()}
+    closures = {
+        name: {m for m, _ in module_closure(tuple(sorted(st.modules)))} for name, st in STAGE_BY_NAME.items()
+    }
     for stage in ("data", "base_model", "warmup"):
         assert not any(m.startswith(("training.rl", "training.objectives")) for m in closures[stage]), stage
     assert "training.objectives" in closures["rl"]

@@ -40,8 +40,14 @@ def final_checkpoint(summary: dict) -> tuple[str, str]:
 @pytest.fixture(scope="module")
 def run(tmp_path_factory):
     ws = tmp_path_factory.mktemp("lineage_ws")
-    proc = subprocess.run([sys.executable, "-m", "flows.cli", "run", *TINY, "--workspace", str(ws)], cwd=ROOT,
-                          env={**os.environ, "PYTHONPATH": str(ROOT)}, capture_output=True, text=True, timeout=600)
+    proc = subprocess.run(
+        [sys.executable, "-m", "flows.cli", "run", *TINY, "--workspace", str(ws)],
+        cwd=ROOT,
+        env={**os.environ, "PYTHONPATH": str(ROOT)},
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
     assert proc.returncode == 0, proc.stderr[-3000:]
     (run_dir,) = (ws / "runs").iterdir()
     return Workspace.at(ws), json.loads((run_dir / "summary.json").read_text())
@@ -65,7 +71,9 @@ def test_lineage_names_every_stage_back_to_the_source_hashes(run):
     order = [n["stage"] for n in lin["stages"]]
     cfg = load_config(TINY)
     for name, node in nodes.items():
-        assert order.index(name) > max((order.index(src) for src, _ in STAGE_BY_NAME[name].inputs.values()), default=-1)
+        assert order.index(name) > max(
+            (order.index(src) for src, _ in STAGE_BY_NAME[name].inputs.values()), default=-1
+        )
         s = summary["stages"][name]
         assert node["cache_key"] == s["cache_key"] and node["outputs"] == s["artifacts"]
         assert node["run_id"] == summary["run_id"] and node["status"] == "ran"
@@ -87,7 +95,9 @@ def test_lineage_names_every_stage_back_to_the_source_hashes(run):
         if not STAGE_BY_NAME[name].inputs:
             for out, h in summary["stages"][name]["artifacts"].items():
                 assert roots[(name, out)] == h
-    assert lin["base_model"]["sha256"] in {a for s in summary["stages"].values() for a in s["artifacts"].values()}
+    assert lin["base_model"]["sha256"] in {
+        a for s in summary["stages"].values() for a in s["artifacts"].values()
+    }
     assert not STAGE_BY_NAME[lin["base_model"]["stage"]].inputs.get("model")
     text = format_lineage(lin)
     for name, node in nodes.items():
@@ -101,8 +111,9 @@ def test_prompts_add_up_to_the_trained_trajectories(run):
     trajectories = summary["stages"][stage]["metrics"]["trajectories"]
     assert trajectories > 0 and p["trajectories"] == trajectories
     assert sum(r["n"] for r in p["prompts"]) == trajectories
-    assert _catalog(ws, "SELECT sum(n_trajectories) FROM consumed_prompts WHERE checkpoint_sha = ?", [sha]) == \
-        [(trajectories,)]
+    assert _catalog(
+        ws, "SELECT sum(n_trajectories) FROM consumed_prompts WHERE checkpoint_sha = ?", [sha]
+    ) == [(trajectories,)]
     assert all(r["problem"] and r["level"] is not None and r["split"] == "pool" for r in p["prompts"])
     assert len({r["prompt_id"] for r in p["prompts"]}) == p["distinct"]
 
@@ -113,7 +124,11 @@ def test_evaluations_of_the_checkpoint(run):
     evals = lineage(ws, sha)["evaluations"]
     heldout = [e for e in evals if e["benchmark"] == "arith_heldout"]
     assert heldout and heldout[0]["problems"] == 20 and heldout[0]["samples"] == 40
-    evaluating = {s.name for s in STAGES if summary["stages"].get(s.name, {}).get("metrics", {}).get("checkpoint") == sha}
+    evaluating = {
+        s.name
+        for s in STAGES
+        if summary["stages"].get(s.name, {}).get("metrics", {}).get("checkpoint") == sha
+    }
     assert evaluating and {b["stage"] for b in heldout[0]["by"]} <= evaluating | {"eval"}
 
 
@@ -135,7 +150,10 @@ def test_openlineage_events_chain_the_stages(run):
                 assert produced[ds["name"]] == ds["facets"]["version"]["datasetVersion"]
         for ds in e["outputs"]:
             produced[ds["name"]] = ds["facets"]["version"]["datasetVersion"]
-        assert e["run"]["facets"]["laminar_stage"]["cacheKey"] == summary["stages"][e["job"]["name"]]["cache_key"]
+        assert (
+            e["run"]["facets"]["laminar_stage"]["cacheKey"]
+            == summary["stages"][e["job"]["name"]]["cache_key"]
+        )
         json.dumps(e)
     assert sha in produced.values()
 
@@ -177,7 +195,9 @@ def test_an_edited_source_file_makes_exactly_the_downstream_stages_stale(run, tm
     cfg = load_config(TINY)
     assert {p.stage for p in plan(cfg, ws) if p.status == "stale"} == set()
     # a stage in the middle of the DAG: it has inputs and readers
-    middle = next(s for s in STAGES if s.inputs and any(src == s.name for t in STAGES for src, _ in t.inputs.values()))
+    middle = next(
+        s for s in STAGES if s.inputs and any(src == s.name for t in STAGES for src, _ in t.inputs.values())
+    )
     module = middle.modules[0]
     copy = tmp_path / "src"
     _copy_sources(copy)
@@ -185,7 +205,9 @@ def test_an_edited_source_file_makes_exactly_the_downstream_stages_stale(run, tm
     cache.module_closure.cache_clear()
     try:
         (path,) = [p for m, p in cache.module_closure((module,)) if m == module]
-        direct = {s.name for s in STAGES if module in {m for m, _ in cache.module_closure(tuple(sorted(s.modules)))}}
+        direct = {
+            s.name for s in STAGES if module in {m for m, _ in cache.module_closure(tuple(sorted(s.modules)))}
+        }
         before = {s.name: cache.source_fingerprint(s.modules) for s in STAGES}
         path.write_text(path.read_text() + "\n# edited\n")
         after = {s.name: cache.source_fingerprint(s.modules) for s in STAGES}
@@ -208,23 +230,40 @@ def test_a_fully_cached_rerun_is_recorded_without_starting_prefect(run, tmp_path
     shutil.copytree(ws.root, copy)
     env = {**os.environ, "PYTHONPATH": str(ROOT)}
     env.pop("PREFECT_API_URL", None)
-    proc = subprocess.run([sys.executable, "-m", "flows.cli", "run", *TINY, "--workspace", str(copy)], cwd=ROOT,
-                          env=env, capture_output=True, text=True, timeout=600)
+    proc = subprocess.run(
+        [sys.executable, "-m", "flows.cli", "run", *TINY, "--workspace", str(copy)],
+        cwd=ROOT,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
     assert proc.returncode == 0, proc.stderr[-3000:]
-    again = json.loads(max((copy / "runs").iterdir(), key=lambda p: p.name).joinpath("summary.json").read_text())
+    again = json.loads(
+        max((copy / "runs").iterdir(), key=lambda p: p.name).joinpath("summary.json").read_text()
+    )
     assert again["run_id"] != summary["run_id"]
     assert {s: v["status"] for s, v in again["stages"].items()} == {s: "cached" for s in summary["stages"]}
     for name, s in summary["stages"].items():
         assert again["stages"][name]["cache_key"] == s["cache_key"]
         assert again["stages"][name]["artifacts"] == s["artifacts"]
     cws = Workspace.at(copy)
-    assert _catalog(cws, "SELECT status, prefect_flow_run_id FROM runs WHERE run_id = ?", [again["run_id"]]) == \
-        [("completed", None)]
-    rows = _catalog(cws, "SELECT status, prefect_task_run_id FROM stage_runs WHERE run_id = ?", [again["run_id"]])
+    assert _catalog(
+        cws, "SELECT status, prefect_flow_run_id FROM runs WHERE run_id = ?", [again["run_id"]]
+    ) == [("completed", None)]
+    rows = _catalog(
+        cws, "SELECT status, prefect_task_run_id FROM stage_runs WHERE run_id = ?", [again["run_id"]]
+    )
     assert len(rows) == len(STAGES) and all(r == ("cached", None) for r in rows)
     assert "Prefect" not in proc.stderr  # no server, no flow-run log lines
-    forced = subprocess.run([sys.executable, "-m", "flows.cli", "run", *TINY, "--force", "eval_rl",
-                             "--workspace", str(copy)], cwd=ROOT, env=env, capture_output=True, text=True, timeout=600)
+    forced = subprocess.run(
+        [sys.executable, "-m", "flows.cli", "run", *TINY, "--force", "eval_rl", "--workspace", str(copy)],
+        cwd=ROOT,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
     assert forced.returncode == 0, forced.stderr[-3000:]
     (flow_run,) = _catalog(cws, "SELECT prefect_flow_run_id FROM runs ORDER BY started_at DESC LIMIT 1")[0]
     uuid.UUID(str(flow_run))

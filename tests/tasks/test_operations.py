@@ -12,8 +12,16 @@ import pytest
 from core.artifacts import ArtifactRef
 from core.workspace import Workspace
 from tasks.cache import make_key
-from tasks.operate import (UnknownStage, downstream_of, in_dag_order, mark_interrupted, orphan_prefect_servers, select,
-                           upstream_of, workspace_busy)
+from tasks.operate import (
+    UnknownStage,
+    downstream_of,
+    in_dag_order,
+    mark_interrupted,
+    orphan_prefect_servers,
+    select,
+    upstream_of,
+    workspace_busy,
+)
 from tasks.prefect_publish import artifact_key, asset_events, asset_key, flatten
 from tasks.stages import STAGE_BY_NAME, STAGES, StageResult
 
@@ -117,9 +125,14 @@ def _in_prefect(tmp_path: Path, code: str, *args: str) -> None:
     import sys
 
     root = Path(__file__).resolve().parents[2]
-    proc = subprocess.run([sys.executable, "-c", "import sys\n" + code, *args], cwd=root, capture_output=True,
-                          text=True, timeout=120, env={**os.environ, "PYTHONPATH": str(root),
-                                                       "PREFECT_HOME": str(tmp_path / "prefect")})
+    proc = subprocess.run(
+        [sys.executable, "-c", "import sys\n" + code, *args],
+        cwd=root,
+        capture_output=True,
+        text=True,
+        timeout=120,
+        env={**os.environ, "PYTHONPATH": str(root), "PREFECT_HOME": str(tmp_path / "prefect")},
+    )
     assert proc.returncode == 0, proc.stderr[-2000:]
 
 
@@ -130,10 +143,13 @@ def test_cron_expressions_are_checked(tmp_path):
     for bad in ("bad cron", "* * *", "0 3 * * * * *", "0 3 * * {x}"):
         with pytest.raises(ServeError, match="not a cron expression"):
             check_cron_shape(bad)
-    _in_prefect(tmp_path, "from tasks.serving import ServeError, check_cron\n"
-                          "assert check_cron('0 3 * * *') == '0 3 * * *'\n"
-                          "try:\n    check_cron('99 * * * *')\nexcept ServeError as e:\n    assert 'Invalid cron' in str(e)\n"
-                          "else:\n    raise AssertionError('accepted')\n")
+    _in_prefect(
+        tmp_path,
+        "from tasks.serving import ServeError, check_cron\n"
+        "assert check_cron('0 3 * * *') == '0 3 * * *'\n"
+        "try:\n    check_cron('99 * * * *')\nexcept ServeError as e:\n    assert 'Invalid cron' in str(e)\n"
+        "else:\n    raise AssertionError('accepted')\n",
+    )
 
 
 class _Outcome:
@@ -151,7 +167,10 @@ def _stage_with_inputs():
 def test_asset_events_follow_prefects_materialize_shape(tmp_path):
     ws = Workspace.at(tmp_path / "my ws")
     stage = _stage_with_inputs()
-    inputs = {name: ArtifactRef(out, f"{i:064x}", f"/x/{i}") for i, (name, (_, out)) in enumerate(stage.inputs.items())}
+    inputs = {
+        name: ArtifactRef(out, f"{i:064x}", f"/x/{i}")
+        for i, (name, (_, out)) in enumerate(stage.inputs.items())
+    }
     out = ArtifactRef("model", "f" * 64, "/x/out")
     ran = _Outcome(stage.name, "ran", {"model": out}, {"loss": 1.5, "nested": {"a": 1}})
     events = asset_events(ws, stage.name, ran, inputs)
@@ -161,13 +180,23 @@ def test_asset_events_follow_prefects_materialize_shape(tmp_path):
     (mat,) = mats
     assert mat["resource"]["prefect.resource.id"] == asset_key(ws, stage.name, "model")
     upstream = {asset_key(ws, *stage.inputs[n]) for n in inputs}
-    assert {r["prefect.resource.id"] for r in mat["related"] if r["prefect.resource.role"] == "asset"} == upstream
-    assert mat["payload"]["sha256"] == out.sha256 and mat["payload"]["metrics"] == {"loss": 1.5, "nested.a": 1}
-    _in_prefect(tmp_path, "from pydantic import TypeAdapter\nfrom prefect.types import ValidAssetKey\n"
-                          "for key in sys.argv[1:]: TypeAdapter(ValidAssetKey).validate_python(key)\n",
-                *[mat["resource"]["prefect.resource.id"], *upstream])  # Prefect's own validation accepts the keys
+    assert {
+        r["prefect.resource.id"] for r in mat["related"] if r["prefect.resource.role"] == "asset"
+    } == upstream
+    assert mat["payload"]["sha256"] == out.sha256 and mat["payload"]["metrics"] == {
+        "loss": 1.5,
+        "nested.a": 1,
+    }
+    _in_prefect(
+        tmp_path,
+        "from pydantic import TypeAdapter\nfrom prefect.types import ValidAssetKey\n"
+        "for key in sys.argv[1:]: TypeAdapter(ValidAssetKey).validate_python(key)\n",
+        *[mat["resource"]["prefect.resource.id"], *upstream],
+    )  # Prefect's own validation accepts the keys
     cached = _Outcome(stage.name, "cached", {"model": out}, {})
-    assert asset_events(ws, stage.name, cached, inputs) == []  # like Prefect: a cache hit materialises nothing
+    assert (
+        asset_events(ws, stage.name, cached, inputs) == []
+    )  # like Prefect: a cache hit materialises nothing
 
 
 def test_artifact_keys_and_flatten():
@@ -175,16 +204,27 @@ def test_artifact_keys_and_flatten():
         key = artifact_key(s.name, "lineage")
         assert key.startswith("laminar-") and all(c.islower() or c.isdigit() or c == "-" for c in key)
     assert flatten({"a": {"b": 1, "c": {"d": 2}}, "e": None}) == [
-        {"metric": "a.b", "value": 1}, {"metric": "a.c.d", "value": 2}, {"metric": "e", "value": None}]
+        {"metric": "a.b", "value": 1},
+        {"metric": "a.c.d", "value": 2},
+        {"metric": "e", "value": None},
+    ]
 
 
 def test_operate_modules_import_without_prefect():
     import subprocess
     import sys
 
-    code = ("import sys, tasks.operate, tasks.lineage, tasks.serving, tasks.prefect_publish\n"
-            "assert 'prefect' not in sys.modules, 'imported prefect'\n")
+    code = (
+        "import sys, tasks.operate, tasks.lineage, tasks.serving, tasks.prefect_publish\n"
+        "assert 'prefect' not in sys.modules, 'imported prefect'\n"
+    )
     root = Path(__file__).resolve().parents[2]
-    proc = subprocess.run([sys.executable, "-c", code], cwd=root, capture_output=True, text=True, timeout=120,
-                          env={**os.environ, "PYTHONPATH": str(root)})
+    proc = subprocess.run(
+        [sys.executable, "-c", code],
+        cwd=root,
+        capture_output=True,
+        text=True,
+        timeout=120,
+        env={**os.environ, "PYTHONPATH": str(root)},
+    )
     assert proc.returncode == 0, proc.stderr[-2000:]

@@ -13,8 +13,9 @@ from tasks.summary import build_summary, format_table, run_warnings
 
 def outcome(stage: str, metrics: dict) -> SimpleNamespace:
     key = SimpleNamespace(digest="0" * 64)
-    return SimpleNamespace(stage=stage, status="ran", seconds=1.0, key=key,
-                           result=SimpleNamespace(metrics=metrics, artifacts={}))
+    return SimpleNamespace(
+        stage=stage, status="ran", seconds=1.0, key=key, result=SimpleNamespace(metrics=metrics, artifacts={})
+    )
 
 
 def held(acc: float) -> dict:
@@ -26,8 +27,17 @@ def by(**stages: dict) -> dict:
 
 
 def test_a_healthy_run_has_no_warnings():
-    assert run_warnings(by(eval_warmup=held(0.45), eval_rft=held(0.80), eval_rl=held(0.86),
-                           rl={"reward_peak5": 0.8, "reward_last5": 0.78})) == []
+    assert (
+        run_warnings(
+            by(
+                eval_warmup=held(0.45),
+                eval_rft=held(0.80),
+                eval_rl=held(0.86),
+                rl={"reward_peak5": 0.8, "reward_last5": 0.78},
+            )
+        )
+        == []
+    )
 
 
 def test_a_warmup_that_learned_nothing_is_named():
@@ -49,7 +59,11 @@ def test_rl_ending_below_rft_is_named_beyond_noise():
 
 
 def test_warnings_reach_the_summary_and_the_final_table():
-    outcomes = [outcome("eval_warmup", held(0.0)), outcome("eval_rft", held(0.5)), outcome("eval_rl", held(0.3))]
+    outcomes = [
+        outcome("eval_warmup", held(0.0)),
+        outcome("eval_rft", held(0.5)),
+        outcome("eval_rl", held(0.3)),
+    ]
     summary = build_summary("r1", outcomes, 12.0)
     assert len(summary["warnings"]) == 2
     table = format_table(summary)
@@ -61,8 +75,10 @@ def configs():
     return {t: load_config([f"threads={t}"]) for t in (0, 1, 2)}
 
 
-@pytest.mark.parametrize("stage", ["warmup", "eval_warmup", "difficulty", "dart", "rft", "eval_rft",
-                                   "difficulty_rft", "rl", "eval_rl"])
+@pytest.mark.parametrize(
+    "stage",
+    ["warmup", "eval_warmup", "difficulty", "dart", "rft", "eval_rft", "difficulty_rft", "rl", "eval_rl"],
+)
 def test_threads_enter_the_cache_key_of_every_stage_that_computes_with_torch(stage, configs):
     from tasks.stages import STAGE_BY_NAME
 

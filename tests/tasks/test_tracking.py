@@ -9,7 +9,6 @@ import re
 import signal
 import subprocess
 import sys
-import time
 from pathlib import Path
 
 import pytest
@@ -28,7 +27,9 @@ def test_default_backend_is_tensorboard():
 
 
 def test_unknown_backend_fails_at_config_time():
-    with pytest.raises(ConfigError, match=r"tracking.backends='neptune' is not supported; .*tensorboard, mlflow, wandb"):
+    with pytest.raises(
+        ConfigError, match=r"tracking.backends='neptune' is not supported; .*tensorboard, mlflow, wandb"
+    ):
         load_config(["tracking.backends=[neptune]"])
     with pytest.raises(ConfigError, match="twice"):
         load_config(["tracking.backends=[mlflow,mlflow]"])
@@ -38,7 +39,9 @@ def test_unknown_backend_fails_at_config_time():
 def test_uninstalled_backend_fails_with_the_install_command(backend, monkeypatch):
     module, install = TRACKING_BACKENDS[backend]
     real = importlib.util.find_spec
-    monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: None if name == module else real(name, *a))
+    monkeypatch.setattr(
+        importlib.util, "find_spec", lambda name, *a: None if name == module else real(name, *a)
+    )
     with pytest.raises(ConfigError) as err:
         load_config([f"tracking.backends=[{backend}]"])
     assert f"`{install}`" in str(err.value) and "\n" not in str(err.value)
@@ -53,16 +56,33 @@ def test_install_commands_pin_what_requirements_pin():
 
 def test_a_bad_backend_config_writes_nothing(tmp_path):
     env = {**os.environ, "PYTHONPATH": str(ROOT)}
-    proc = subprocess.run([sys.executable, "-m", "flows.cli", "run", "tracking.backends=[neptune]", "--workspace",
-                           str(tmp_path / "ws")], cwd=ROOT, env=env, capture_output=True, text=True, timeout=120)
+    proc = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "flows.cli",
+            "run",
+            "tracking.backends=[neptune]",
+            "--workspace",
+            str(tmp_path / "ws"),
+        ],
+        cwd=ROOT,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
     assert proc.returncode != 0 and "tracking.backends" in proc.stderr
     assert not (tmp_path / "ws").exists()
 
 
 def test_metric_names_and_flattening():
     assert metric_key("eval_rl", "math", "pass@4") == "eval_rl/math/pass_at_4"
-    assert flatten({"a": {"b": 1, "c": True, "d": "x", "e": None, "f": float("nan")}, "g": 2.5}, "s") == \
-        {"s/a/b": 1.0, "s/a/c": 1.0, "s/g": 2.5}
+    assert flatten({"a": {"b": 1, "c": True, "d": "x", "e": None, "f": float("nan")}, "g": 2.5}, "s") == {
+        "s/a/b": 1.0,
+        "s/a/c": 1.0,
+        "s/g": 2.5,
+    }
 
 
 class _Broken:
@@ -112,8 +132,13 @@ time.sleep(600)
 
 def test_a_killed_run_keeps_every_logged_step(tmp_path):
     """Nothing is closed: what reached the trackers before SIGKILL is all there is."""
-    proc = subprocess.Popen([sys.executable, "-c", KILLED, str(tmp_path)], cwd=ROOT, stdout=subprocess.PIPE,
-                            text=True, env={**os.environ, "PYTHONPATH": str(ROOT)})
+    proc = subprocess.Popen(
+        [sys.executable, "-c", KILLED, str(tmp_path)],
+        cwd=ROOT,
+        stdout=subprocess.PIPE,
+        text=True,
+        env={**os.environ, "PYTHONPATH": str(ROOT)},
+    )
     try:
         mlflow_run = proc.stdout.readline().strip()
     finally:
@@ -136,7 +161,9 @@ def test_a_moved_workspace_keeps_its_tracker_locations(tmp_path):
     tracker = start_run(load_config([]), old, "r1", "laminar run")
     tracker.log_metrics("rl", {"reward": 1.0}, 1)
     finish_run(tracker, "completed")
-    assert locations(old, "r1")["tensorboard"]["logdir"] == str((tmp_path / "old" / "tracking" / "tensorboard" / "r1").resolve())
+    assert locations(old, "r1")["tensorboard"]["logdir"] == str(
+        (tmp_path / "old" / "tracking" / "tensorboard" / "r1").resolve()
+    )
     (tmp_path / "old").rename(tmp_path / "new")
     logdir = Path(locations(Workspace.at(tmp_path / "new"), "r1")["tensorboard"]["logdir"])
     assert logdir == (tmp_path / "new" / "tracking" / "tensorboard" / "r1").resolve()

@@ -20,15 +20,39 @@ def random_groups(tok, n_groups: int = 4, group_size: int = 4, seed: int = 0):
         for i in range(group_size):
             n = [2, 3, 9, 17][(g + i) % 4]
             toks = tuple(int(x) for x in torch.randint(5, 40, (n,), generator=gen))
-            trajs.append(Trajectory("trajectory", p, i, toks, tuple(float(-x) for x in torch.rand(n, generator=gen)),
-                                    0, i != 3, "3" if i % 2 else "4"))
-        groups.append(ScoredGroup("scored_group", f"p{g}", tuple(trajs), tuple(float(i % 2) for i in range(group_size)),
-                                  tuple(bool(i % 2) for i in range(group_size))))
+            trajs.append(
+                Trajectory(
+                    "trajectory",
+                    p,
+                    i,
+                    toks,
+                    tuple(float(-x) for x in torch.rand(n, generator=gen)),
+                    0,
+                    i != 3,
+                    "3" if i % 2 else "4",
+                )
+            )
+        groups.append(
+            ScoredGroup(
+                "scored_group",
+                f"p{g}",
+                tuple(trajs),
+                tuple(float(i % 2) for i in range(group_size)),
+                tuple(bool(i % 2) for i in range(group_size)),
+            )
+        )
     return groups
 
 
-TRAIN_KW = dict(lr=1e-3, weight_decay=0.0, max_grad_norm=100.0, temperature=1.0, max_new_tokens=20, device="cpu",
-                micro_batch_tokens=40)
+TRAIN_KW = dict(
+    lr=1e-3,
+    weight_decay=0.0,
+    max_grad_norm=100.0,
+    temperature=1.0,
+    max_new_tokens=20,
+    device="cpu",
+    micro_batch_tokens=40,
+)
 
 
 def lora_micro_model(tok):
@@ -41,7 +65,9 @@ def lora_micro_model(tok):
     from training.lora import peft_config
 
     torch.manual_seed(0)
-    model = get_peft_model(build_tiny_model(MICRO, tok, seed=0), peft_config(LoraConfig(enabled=True, rank=4)))
+    model = get_peft_model(
+        build_tiny_model(MICRO, tok, seed=0), peft_config(LoraConfig(enabled=True, rank=4))
+    )
     g = torch.Generator().manual_seed(1)
     with torch.no_grad():
         for name, p in model.named_parameters():
@@ -50,8 +76,9 @@ def lora_micro_model(tok):
     return model
 
 
-def run_rank(rank: int, world: int, port: int, backend: str, stage: int, updates: int, out_dir: str,
-             lora: bool = False) -> None:
+def run_rank(
+    rank: int, world: int, port: int, backend: str, stage: int, updates: int, out_dir: str, lora: bool = False
+) -> None:
     """Build the micro model (``lora``: with LoRA adapters), join the group, take ``updates`` updates;
     rank 0 writes losses, grad norms and the final published weights (safetensors + JSON) to ``out_dir``."""
     import json
@@ -70,7 +97,9 @@ def run_rank(rank: int, world: int, port: int, backend: str, stage: int, updates
     init_distributed("gloo", rank, world, "127.0.0.1", port, deepspeed_comm=backend == "deepspeed")
     kw = dict(TRAIN_KW, pad_id=tok.pad_token_id, rank=rank, world_size=world)
     if backend == "deepspeed":
-        trainer = DeepSpeedPolicyTrainer(model, PRESETS["grpo"], ds_config={"zero_optimization": {"stage": stage}}, **kw)
+        trainer = DeepSpeedPolicyTrainer(
+            model, PRESETS["grpo"], ds_config={"zero_optimization": {"stage": stage}}, **kw
+        )
     else:
         trainer = PolicyTrainer(model, PRESETS["grpo"], **kw)
     stats = [trainer.update(random_groups(tok, seed=s)) for s in range(updates)]

@@ -35,7 +35,9 @@ class EvenLengthVerifier:
 
 
 def probe_tokens(tokenizer) -> list[int]:
-    return [tokenizer.bos_token_id] + list(tokenizer("3+4=7 and 12-5=7\n#### 7", add_special_tokens=False)["input_ids"])
+    return [tokenizer.bos_token_id] + list(
+        tokenizer("3+4=7 and 12-5=7\n#### 7", add_special_tokens=False)["input_ids"]
+    )
 
 
 def write_base_and_adapter(root: Path, rank: int = 4) -> tuple[Path, Path]:
@@ -46,7 +48,9 @@ def write_base_and_adapter(root: Path, rank: int = 4) -> tuple[Path, Path]:
     base, adapter = Path(root) / "base", Path(root) / "adapter"
     tok = build_char_tokenizer()
     save_model(build_tiny_model(MICRO, tok, seed=0), tok, base)
-    model, tokenizer, _ = load_trainable(base, LoraConfig(enabled=True, rank=rank, alpha=2.0 * rank), "rl", seed=0)
+    model, tokenizer, _ = load_trainable(
+        base, LoraConfig(enabled=True, rank=rank, alpha=2.0 * rank), "rl", seed=0
+    )
     g = torch.Generator().manual_seed(1)
     with torch.no_grad():
         for name, p in model.named_parameters():
@@ -56,8 +60,9 @@ def write_base_and_adapter(root: Path, rank: int = 4) -> tuple[Path, Path]:
     return base, adapter
 
 
-def check_rollouts_match(trainer_lp: dict[int, list[float]], seen: list[tuple[str, int, list[float]]],
-                         tol: float = TOL) -> int:
+def check_rollouts_match(
+    trainer_lp: dict[int, list[float]], seen: list[tuple[str, int, list[float]]], tol: float = TOL
+) -> int:
     """Every (rollout, version, log-probs) seen equals the trainer's log-probs of that version; returns
     how many observations of a version after 0 were checked (the caller asserts some were)."""
     assert seen, "no rollout was probed"
@@ -65,8 +70,10 @@ def check_rollouts_match(trainer_lp: dict[int, list[float]], seen: list[tuple[st
     for who, version, lp in seen:
         assert version in trainer_lp, f"{who} holds version {version}, which the trainer never had"
         gap = max(abs(a - b) for a, b in zip(lp, trainer_lp[version]))
-        assert gap <= tol, (f"{who} says it holds version {version} but its log-probs differ from the "
-                            f"trainer's for that version by up to {gap:.3g} (> {tol})")
+        assert gap <= tol, (
+            f"{who} says it holds version {version} but its log-probs differ from the "
+            f"trainer's for that version by up to {gap:.3g} (> {tol})"
+        )
         checked += version > 0
     return checked
 

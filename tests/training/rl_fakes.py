@@ -4,7 +4,9 @@ from dataclasses import dataclass
 
 from conf.schema import ModelConfig
 
-MICRO = ModelConfig(hidden_size=32, intermediate_size=64, num_layers=1, num_heads=2, num_kv_heads=1, max_seq_len=32)
+MICRO = ModelConfig(
+    hidden_size=32, intermediate_size=64, num_layers=1, num_heads=2, num_kv_heads=1, max_seq_len=32
+)
 
 
 @dataclass(frozen=True)

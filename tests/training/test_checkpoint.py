@@ -34,6 +34,7 @@ def _files_writer(payload: dict[str, bytes]):
         for name, data in payload.items():
             (d / name).parent.mkdir(parents=True, exist_ok=True)
             (d / name).write_bytes(data)
+
     return writer
 
 
@@ -121,6 +122,7 @@ def test_save_and_load_json(tmp_path):
 
 # ---- trainer state: bit-identical resume -------------------------------------------------------
 
+
 class Tiny(torch.nn.Module):
     """Embedding tied to the output head, plus dropout so a step consumes the torch RNG."""
 
@@ -142,8 +144,12 @@ def _build(seed=0):
     model = Tiny()
     decay = [p for n, p in model.named_parameters() if n.endswith("weight") and "norm" not in n]
     no_decay = [p for n, p in model.named_parameters() if not (n.endswith("weight") and "norm" not in n)]
-    opt = torch.optim.AdamW([{"params": decay, "weight_decay": 0.1}, {"params": no_decay, "weight_decay": 0.0}],
-                            lr=1e-2, betas=(0.85, 0.97), eps=1e-7)
+    opt = torch.optim.AdamW(
+        [{"params": decay, "weight_decay": 0.1}, {"params": no_decay, "weight_decay": 0.0}],
+        lr=1e-2,
+        betas=(0.85, 0.97),
+        eps=1e-7,
+    )
     return model, opt
 
 
@@ -175,10 +181,12 @@ def test_resume_is_bit_identical(tmp_path):
     _seed_all(123)
     for _ in range(2):
         _step(model_b, opt_b)
-    ckpt = write_checkpoint(tmp_path, 2, lambda d: save_trainer_state(d, model_b, opt_b, version=2,
-                                                                      extra={"cursor": 8}))
-    assert {"model.safetensors", "optimizer.safetensors", "rng.safetensors", "trainer_state.json"} <= \
-        set(json.loads((ckpt / MARKER).read_text())["files"])
+    ckpt = write_checkpoint(
+        tmp_path, 2, lambda d: save_trainer_state(d, model_b, opt_b, version=2, extra={"cursor": 8})
+    )
+    assert {"model.safetensors", "optimizer.safetensors", "rng.safetensors", "trainer_state.json"} <= set(
+        json.loads((ckpt / MARKER).read_text())["files"]
+    )
     del model_b, opt_b
     _seed_all(999)  # the fresh process would have other RNG states
 

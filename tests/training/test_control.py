@@ -16,13 +16,24 @@ def _prompts(n=10):
 
 def _traj(req, version=0, correct=True):
     text = req.prompt.answer if correct else "x"
-    return Trajectory("trajectory", req.prompt, req.sample_idx, (5, 6), (-0.1, -0.2), version, True, text,
-                      group_uid=req.group_uid)
+    return Trajectory(
+        "trajectory",
+        req.prompt,
+        req.sample_idx,
+        (5, 6),
+        (-0.1, -0.2),
+        version,
+        True,
+        text,
+        group_uid=req.group_uid,
+    )
 
 
 def _score(trajs):
     ok = tuple(t.text == t.prompt.answer for t in trajs)
-    return ScoredGroup("scored_group", trajs[0].prompt.prompt_id, tuple(trajs), tuple(float(c) for c in ok), ok)
+    return ScoredGroup(
+        "scored_group", trajs[0].prompt.prompt_id, tuple(trajs), tuple(float(c) for c in ok), ok
+    )
 
 
 def test_prompt_queue_issues_whole_groups_and_retries_first():
@@ -38,7 +49,9 @@ def test_prompt_queue_issues_whole_groups_and_retries_first():
     q2 = PromptQueue(PromptCursor(_prompts(), seed=0), group_size=4)
     q2.source.position = q.source.position
     q2.load_state(state)
-    assert [(r.prompt.prompt_id, r.group_uid) for r in q2.take(4)] == [(r.prompt.prompt_id, r.group_uid) for r in q.take(4)]
+    assert [(r.prompt.prompt_id, r.group_uid) for r in q2.take(4)] == [
+        (r.prompt.prompt_id, r.group_uid) for r in q.take(4)
+    ]
 
 
 def test_buffer_trains_whole_groups_at_most_once_and_bounds_staleness():
@@ -78,7 +91,13 @@ def test_buffer_state_round_trip():
 
 def test_repack_best_fit_within_a_version():
     v = lambda name, version, active, prev, queued=0: RolloutView(name, version, queued, active, prev, 64)  # noqa: E731
-    views = [v("a", 1, 3, 10), v("b", 1, 20, 30), v("c", 1, 40, 50), v("d", 2, 2, 9), v("e", 1, 60, 60, queued=4)]
+    views = [
+        v("a", 1, 3, 10),
+        v("b", 1, 20, 30),
+        v("c", 1, 40, 50),
+        v("d", 2, 2, 9),
+        v("e", 1, 60, 60, queued=4),
+    ]
     moves = plan_repack(views, b_threshold=64)
     # a (3 active, fewest) goes where it ends fullest while fitting 64: c (40 + 3); then b (20) can
     # no longer join c (43 + 20 = 63 fits!) -> c ends at 63; d has no peer on version 2
@@ -89,7 +108,11 @@ def test_repack_best_fit_within_a_version():
 
 
 def test_repack_respects_b_and_skips_rising_rollouts():
-    views = [RolloutView("a", 0, 0, 10, 12, 64), RolloutView("b", 0, 0, 30, 31, 64), RolloutView("c", 0, 0, 5, 4, 64)]
+    views = [
+        RolloutView("a", 0, 0, 10, 12, 64),
+        RolloutView("b", 0, 0, 30, 31, 64),
+        RolloutView("c", 0, 0, 5, 4, 64),
+    ]
     # a (10) fits onto c (5 -> 15 <= 32) but not onto b (40 > 32); b (30) then fits nowhere;
     # c is rising (5 > 4), so it is a destination, never a source
     assert plan_repack(views, b_threshold=32) == [control.Move("a", "c", 10)]
@@ -99,8 +122,11 @@ def test_repack_respects_b_and_skips_rising_rollouts():
 def test_repack_never_hands_work_to_a_rollout_whose_pull_is_in_flight():
     # b's call in flight loads new weights: its version 1 is about to change, so partials of version 1
     # handed to it would arrive at a newer version and restart from their prompts
-    views = [RolloutView("a", 1, 0, 3, 10, 64), RolloutView("b", 1, 0, 0, 0, 64, pulling=True),
-             RolloutView("c", 1, 0, 20, 20, 64)]
+    views = [
+        RolloutView("a", 1, 0, 3, 10, 64),
+        RolloutView("b", 1, 0, 0, 0, 64, pulling=True),
+        RolloutView("c", 1, 0, 20, 20, 64),
+    ]
     assert plan_repack(views, b_threshold=64) == [control.Move("a", "c", 3)]
     assert plan_repack([views[0], views[1]], b_threshold=64) == []
 
@@ -153,8 +179,10 @@ def test_outstanding_counts_trainer_buffer_rollouts_and_new_work_and_retries_alw
 
     buf = ExperienceBuffer(2, score=lambda ts: None)
     buf.partial[7] = {0: object()}  # one response of an incomplete group
-    rollouts = [SimpleNamespace(assigned={(1, 0): 0, (1, 1): 0}, pending_inject=[0]),
-                SimpleNamespace(assigned={}, pending_inject=[])]
+    rollouts = [
+        SimpleNamespace(assigned={(1, 0): 0, (1, 1): 0}, pending_inject=[0]),
+        SimpleNamespace(assigned={}, pending_inject=[]),
+    ]
     assert outstanding_responses(rollouts, buf) == 1 + 2 + 1
     assert outstanding_responses(rollouts, buf, training=16, new=3) == 16 + 1 + 2 + 1 + 3
     kw = dict(batch_groups=16, group_size=8)

@@ -23,8 +23,10 @@ class StartsWithDigit:
 
 
 def _prompts(tok, n=16):
-    return [PromptItem(f"p{i}", f"What is {i}+{i % 3}?", "7", encode_prompt(tok, f"What is {i}+{i % 3}?\n"), 1)
-            for i in range(n)]
+    return [
+        PromptItem(f"p{i}", f"What is {i}+{i % 3}?", "7", encode_prompt(tok, f"What is {i}+{i % 3}?\n"), 1)
+        for i in range(n)
+    ]
 
 
 def test_prompt_entropy_is_one_forward_pass_over_prompt_positions():
@@ -49,9 +51,17 @@ def test_hive_source_skips_by_history_and_prunes_by_entropy():
     engine = TorchEngine(build_tiny_model(MICRO, tok, seed=0), tok)
     items = _prompts(tok, 64)
     # every even prompt has a long run of all-correct groups: GRESO skips it with prob 1 - 0.5**6
-    history = pl.DataFrame({"prompt_id": [p.prompt_id for p in items[::2] for _ in range(6)],
-                            "mean_reward": [1.0] * (32 * 6), "n": [8] * (32 * 6), "seq": list(range(32 * 6))})
-    source = HiveSource(PromptCursor(items, 0), engine, greso=GresoFilter(history), entropy_rule="median", seed=0)
+    history = pl.DataFrame(
+        {
+            "prompt_id": [p.prompt_id for p in items[::2] for _ in range(6)],
+            "mean_reward": [1.0] * (32 * 6),
+            "n": [8] * (32 * 6),
+            "seq": list(range(32 * 6)),
+        }
+    )
+    source = HiveSource(
+        PromptCursor(items, 0), engine, greso=GresoFilter(history), entropy_rule="median", seed=0
+    )
     taken = source.take(16)
     counts = source.step_counts()
     assert len(taken) == 16
@@ -60,7 +70,9 @@ def test_hive_source_skips_by_history_and_prunes_by_entropy():
     odd = sum(int(p.prompt_id[1:]) % 2 for p in taken)
     assert odd >= 13, [p.prompt_id for p in taken]
     # deterministic from the seed
-    again = HiveSource(PromptCursor(items, 0), engine, greso=GresoFilter(history), entropy_rule="median", seed=0)
+    again = HiveSource(
+        PromptCursor(items, 0), engine, greso=GresoFilter(history), entropy_rule="median", seed=0
+    )
     assert [p.prompt_id for p in again.take(16)] == [p.prompt_id for p in taken]
 
 
@@ -75,11 +87,27 @@ def test_run_sync_with_hive_source_records_history_and_in_run_evals():
         return {"eval_toy": 0.5, "eval_seconds": 0.0}
 
     greso = GresoFilter(None)
-    rl = RLConfig(steps=5, prompts_per_step=4, group_size=4, lr=1e-2, max_new_tokens=3, micro_batch_tokens=0,
-                  eval_every=2)
-    result = run_sync(model, tok, _prompts(tok, 32), StartsWithDigit(), PRESETS["grpo"], rl, seed=0, device="cpu",
-                      source=lambda cursor, engine: HiveSource(cursor, engine, greso=greso, seed=0),
-                      evaluate=evaluate)
+    rl = RLConfig(
+        steps=5,
+        prompts_per_step=4,
+        group_size=4,
+        lr=1e-2,
+        max_new_tokens=3,
+        micro_batch_tokens=0,
+        eval_every=2,
+    )
+    result = run_sync(
+        model,
+        tok,
+        _prompts(tok, 32),
+        StartsWithDigit(),
+        PRESETS["grpo"],
+        rl,
+        seed=0,
+        device="cpu",
+        source=lambda cursor, engine: HiveSource(cursor, engine, greso=greso, seed=0),
+        evaluate=evaluate,
+    )
     assert len(calls) == 2 and calls == [False, False]  # steps 2 and 4, model in eval mode
     assert [("eval_toy" in m) for m in result.history] == [False, True, False, True, False]
     assert sum(m["pruned_prompts"] for m in result.history) > 0
@@ -92,8 +120,10 @@ def test_difficulty_writes_attempts_and_history(tmp_path):
     tok = build_char_tokenizer()
     model_dir = tmp_path / "model"
     save_model(build_tiny_model(MICRO, tok, seed=0), tok, model_dir)
-    rows = [{"prompt_id": f"p{i}", "problem": f"What is {i}+1?", "answer": str(i + 1), "level": 1 + i % 5}
-            for i in range(30)]
+    rows = [
+        {"prompt_id": f"p{i}", "problem": f"What is {i}+1?", "answer": str(i + 1), "level": 1 + i % 5}
+        for i in range(30)
+    ]
     pl.DataFrame(rows).write_parquet(tmp_path / "prompts.parquet")
 
     class Judge:
@@ -102,17 +132,34 @@ def test_difficulty_writes_attempts_and_history(tmp_path):
 
     out = tmp_path / "out"
     out.mkdir()
-    m = estimate_difficulty(model_dir, tmp_path / "prompts.parquet", out, samples=4, max_prompts=20, temperature=1.0,
-                            max_new_tokens=6, template="{problem}\n", seed=0, device="cpu", verifier=Judge())
+    m = estimate_difficulty(
+        model_dir,
+        tmp_path / "prompts.parquet",
+        out,
+        samples=4,
+        max_prompts=20,
+        temperature=1.0,
+        max_new_tokens=6,
+        template="{problem}\n",
+        seed=0,
+        device="cpu",
+        verifier=Judge(),
+    )
     attempts = pl.read_parquet(out / "attempts.parquet")
     assert attempts.height == 20 and m["prompts_sampled"] == 20 and m["samples"] == 80
     assert set(attempts["prompt_id"]) == {r["prompt_id"] for r in seeded_subset(rows, 20, 0)}
     responses = pl.read_parquet(out / "responses.parquet")
-    check = responses.group_by("prompt_id").agg(pl.col("correct").mean().alias("p")).join(attempts, on="prompt_id")
+    check = (
+        responses.group_by("prompt_id")
+        .agg(pl.col("correct").mean().alias("p"))
+        .join(attempts, on="prompt_id")
+    )
     assert (check["p"] - check["pass_rate"]).abs().max() < 1e-12
     assert attempts["mean_entropy"].min() > 0 and attempts["level"].null_count() == 0
     history = pl.read_parquet(out / "history.parquet")
-    assert history.columns == ["step", "idx", "prompt_id", "mean_reward", "n", "origin"] and history.height == 20
+    assert (
+        history.columns == ["step", "idx", "prompt_id", "mean_reward", "n", "origin"] and history.height == 20
+    )
     assert m["learning_edge"] + m["all_correct"] + m["all_wrong"] == 20
 
 
@@ -138,7 +185,9 @@ def test_the_rl_stage_builds_greso_with_the_configured_thresholds():
     from conf.schema import SelectConfig
     from training.rl.stage import hive_source
 
-    src = hive_source(SelectConfig(greso_easy_threshold=0.85, greso_hard_threshold=0.2), None, seed=0)(None, None)
+    src = hive_source(SelectConfig(greso_easy_threshold=0.85, greso_hard_threshold=0.2), None, seed=0)(
+        None, None
+    )
     assert (src.greso.easy_threshold, src.greso.hard_threshold) == (0.85, 0.2)
     src.greso.observe("p", 7 / 8)  # 7 of 8 correct now counts as easy
     assert src.greso.runs("p") == (1, 0) and src.greso.skip_probability("p") == 0.5

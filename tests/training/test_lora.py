@@ -14,8 +14,13 @@ from conf.schema import ConfigError, LoraConfig, RLConfig
 from generation.adapter import SCALING_KEY, base_dir, is_adapter_dir, merge_adapter, sequence_logprobs
 from generation.model import encode_prompt, load_model
 from generation.records import PromptItem
-from tests.training.lora_probe import (EvenLengthVerifier, check_rollouts_match, probe_tokens, versions_differ,
-                                       write_base_and_adapter)
+from tests.training.lora_probe import (
+    EvenLengthVerifier,
+    check_rollouts_match,
+    probe_tokens,
+    versions_differ,
+    write_base_and_adapter,
+)
 from training.objectives import PRESETS
 
 
@@ -30,11 +35,13 @@ def test_lora_is_off_by_default_and_typos_fail_at_config_time():
     assert load_config([]).model.lora.enabled is False
     cfg = load_config(["model.lora.enabled=true", "model.lora.rank=8", "model.lora.stages=[rft,rl]"])
     assert cfg.model.lora.on("rl") and not cfg.model.lora.on("warmup") and cfg.model.lora.rank == 8
-    for bad, words in ((["model.lora.rnak=4"], "unknown config key 'model.lora.rnak'"),
-                       (["model.lora.target_modules=[q_prj]"], "model.lora.target_modules='q_prj'"),
-                       (["model.lora.stages=[sft]"], "model.lora.stages='sft'"),
-                       (["model.lora.rank=0"], "model.lora.rank=0 must be > 0"),
-                       (["model.lora.dropout=1.0"], "model.lora.dropout=1.0")):
+    for bad, words in (
+        (["model.lora.rnak=4"], "unknown config key 'model.lora.rnak'"),
+        (["model.lora.target_modules=[q_prj]"], "model.lora.target_modules='q_prj'"),
+        (["model.lora.stages=[sft]"], "model.lora.stages='sft'"),
+        (["model.lora.rank=0"], "model.lora.rank=0 must be > 0"),
+        (["model.lora.dropout=1.0"], "model.lora.dropout=1.0"),
+    ):
         with pytest.raises(ConfigError, match=words.replace("(", r"\(").replace("[", r"\[")):
             load_config(bad)
 
@@ -51,10 +58,24 @@ def test_sft_trains_only_the_adapter_and_writes_a_peft_folder(dirs, tmp_path):
     frozen = {k: v.clone() for k, v in model.get_base_model().state_dict().items() if "lora_" not in k}
     n_train = sum(p.numel() for p in trainable_parameters(model))
     assert 0 < n_train < sum(p.numel() for p in model.parameters()) / 4
-    ex = [SFTExample(encode_prompt(tok, "1+2="), tuple(tok("3", add_special_tokens=False)["input_ids"])
-                     + (tok.eos_token_id,))] * 4
-    m = train_sft(model, ex, steps=6, batch_size=4, lr=1e-2, warmup_steps=1, weight_decay=0.1, max_grad_norm=1.0,
-                  pad_id=tok.pad_token_id, seed=0)
+    ex = [
+        SFTExample(
+            encode_prompt(tok, "1+2="),
+            tuple(tok("3", add_special_tokens=False)["input_ids"]) + (tok.eos_token_id,),
+        )
+    ] * 4
+    m = train_sft(
+        model,
+        ex,
+        steps=6,
+        batch_size=4,
+        lr=1e-2,
+        warmup_steps=1,
+        weight_decay=0.1,
+        max_grad_norm=1.0,
+        pad_id=tok.pad_token_id,
+        seed=0,
+    )
     assert m["sft_loss_last"] < m["sft_loss_first"]
     after = model.get_base_model().state_dict()
     assert all(torch.equal(frozen[k], after[k]) for k in frozen), "the frozen base moved"
@@ -76,7 +97,9 @@ def test_sft_optimizer_state_covers_only_adapter_parameters(dirs):
     from training.rl.trainer import PolicyTrainer
 
     model, tok, _ = load_trainable(dirs[0], LoraConfig(enabled=True, rank=4), "rl", seed=0)
-    trainer = PolicyTrainer.from_config(model, PRESETS["grpo"], RLConfig(), pad_id=tok.pad_token_id, device="cpu")
+    trainer = PolicyTrainer.from_config(
+        model, PRESETS["grpo"], RLConfig(), pad_id=tok.pad_token_id, device="cpu"
+    )
     in_opt = {id(p) for g in trainer.opt.param_groups for p in g["params"]}
     names = [n for n, p in model.named_parameters() if id(p) in in_opt]
     assert names and all("lora_" in n for n in names)
@@ -121,7 +144,9 @@ def _sync_probe(adapter_dir, steps=3):
         return out
 
     prompts = [PromptItem(f"p{i}", f"{i}+1", str(i + 1), encode_prompt(tok, f"{i}+1="), 1) for i in range(8)]
-    rl = RLConfig(steps=steps, prompts_per_step=4, group_size=4, lr=2e-2, max_new_tokens=6, micro_batch_tokens=0)
+    rl = RLConfig(
+        steps=steps, prompts_per_step=4, group_size=4, lr=2e-2, max_new_tokens=6, micro_batch_tokens=0
+    )
     loop.publish_phase = probing_publish
     try:
         loop.run_sync(model, tok, prompts, EvenLengthVerifier(), PRESETS["grpo"], rl, seed=0, device="cpu")
@@ -144,8 +169,11 @@ def test_negative_control_an_adapter_dropped_from_the_publish_fails_the_check(di
 
     def drop_adapter(self):  # verl's bug: the version moves, the adapter never reaches the sampler
         update = original(self)
-        return type(update)(kind=update.kind, version=update.version,
-                            state={k: v for k, v in update.state.items() if k == SCALING_KEY})
+        return type(update)(
+            kind=update.kind,
+            version=update.version,
+            state={k: v for k, v in update.state.items() if k == SCALING_KEY},
+        )
 
     monkeypatch.setattr(PolicyTrainer, "publish", drop_adapter)
     trainer_lp, seen = _sync_probe(dirs[1], steps=2)
@@ -162,20 +190,48 @@ def test_rl_stage_writes_an_adapter_with_the_base_from_the_lineage(dirs, tmp_pat
 
     base, _ = dirs
     tok = load_model(base)[1]
-    pl.DataFrame({"prompt_id": [f"p{i}" for i in range(8)], "problem": [f"{i}+1" for i in range(8)],
-                  "answer": [str(i + 1) for i in range(8)], "level": [1] * 8}).write_parquet(tmp_path / "p.parquet")
+    pl.DataFrame(
+        {
+            "prompt_id": [f"p{i}" for i in range(8)],
+            "problem": [f"{i}+1" for i in range(8)],
+            "answer": [str(i + 1) for i in range(8)],
+            "level": [1] * 8,
+        }
+    ).write_parquet(tmp_path / "p.parquet")
     out = tmp_path / "out"
     out.mkdir()
-    rl(base, tmp_path / "p.parquet", RLConfig(steps=2, prompts_per_step=4, group_size=4, lr=2e-2, max_new_tokens=6,
-                                              eval_every=0, micro_batch_tokens=0),
-       template="{problem}=", seed=0, device="cpu", out_dir=out, verifier=EvenLengthVerifier(),
-       lora=LoraConfig(enabled=True, rank=4, stages=["rl"]))
+    rl(
+        base,
+        tmp_path / "p.parquet",
+        RLConfig(
+            steps=2,
+            prompts_per_step=4,
+            group_size=4,
+            lr=2e-2,
+            max_new_tokens=6,
+            eval_every=0,
+            micro_batch_tokens=0,
+        ),
+        template="{problem}=",
+        seed=0,
+        device="cpu",
+        out_dir=out,
+        verifier=EvenLengthVerifier(),
+        lora=LoraConfig(enabled=True, rank=4, stages=["rl"]),
+    )
     assert is_adapter_dir(out) and base_dir(out) == base.resolve()
     cfg = json.loads((out / "adapter_config.json").read_text())
     assert cfg["r"] == 4 and not (out / "model.safetensors").exists()
     seq = probe_tokens(tok)
-    assert max(abs(a - b) for a, b in zip(sequence_logprobs(load_model(out)[0], seq),
-                                          sequence_logprobs(load_model(base)[0], seq))) > 1e-4
+    assert (
+        max(
+            abs(a - b)
+            for a, b in zip(
+                sequence_logprobs(load_model(out)[0], seq), sequence_logprobs(load_model(base)[0], seq)
+            )
+        )
+        > 1e-4
+    )
 
 
 def test_sync_resume_restores_adapter_optimizer_and_rng(dirs, tmp_path):
@@ -186,11 +242,29 @@ def test_sync_resume_restores_adapter_optimizer_and_rng(dirs, tmp_path):
 
     def run(steps, ckpt):
         model, tok, _ = continue_adapter(dirs[1])
-        prompts = [PromptItem(f"p{i}", f"{i}+1", str(i + 1), encode_prompt(tok, f"{i}+1="), 1) for i in range(8)]
-        rl = RLConfig(steps=steps, prompts_per_step=4, group_size=4, lr=2e-2, max_new_tokens=6, micro_batch_tokens=0,
-                      checkpoint_every=1)
-        run_sync(model, tok, prompts, EvenLengthVerifier(), PRESETS["grpo"], rl, seed=0, device="cpu",
-                 checkpoint_dir=ckpt)
+        prompts = [
+            PromptItem(f"p{i}", f"{i}+1", str(i + 1), encode_prompt(tok, f"{i}+1="), 1) for i in range(8)
+        ]
+        rl = RLConfig(
+            steps=steps,
+            prompts_per_step=4,
+            group_size=4,
+            lr=2e-2,
+            max_new_tokens=6,
+            micro_batch_tokens=0,
+            checkpoint_every=1,
+        )
+        run_sync(
+            model,
+            tok,
+            prompts,
+            EvenLengthVerifier(),
+            PRESETS["grpo"],
+            rl,
+            seed=0,
+            device="cpu",
+            checkpoint_dir=ckpt,
+        )
         return adapter_state(model)
 
     whole = run(3, tmp_path / "a")
@@ -201,7 +275,9 @@ def test_sync_resume_restores_adapter_optimizer_and_rng(dirs, tmp_path):
 
     with safe_open(str(latest_checkpoint(tmp_path / "b") / "model.safetensors"), "np") as f:
         saved = list(f.keys())
-    assert saved and all("lora_" in k for k in saved), "a LoRA checkpoint holds the adapters, not the frozen base"
+    assert saved and all("lora_" in k for k in saved), (
+        "a LoRA checkpoint holds the adapters, not the frozen base"
+    )
     resumed = run(3, tmp_path / "b")
     assert whole.keys() == resumed.keys()
     for k in whole:
@@ -249,7 +325,10 @@ def test_export_writes_the_adapter_merged_into_its_base(dirs, tmp_path):
     from tasks.export import export_checkpoint, parse_export_args
 
     base, adapter = dirs
-    assert parse_export_args([f"out={tmp_path / 'm'}", f"ckpt={adapter}"]) == (str(adapter), str(tmp_path / "m"))
+    assert parse_export_args([f"out={tmp_path / 'm'}", f"ckpt={adapter}"]) == (
+        str(adapter),
+        str(tmp_path / "m"),
+    )
     for bad in (["ckpt=x"], ["ckpt=x", "out=y", "out=z"], ["ckpt=x", "dir=y"]):
         with pytest.raises(EvalInputError):
             parse_export_args(bad)
@@ -276,5 +355,6 @@ def test_the_ray_runtime_final_adapter_state_is_written_as_the_start_adapters_pe
     adapter_from_state(dirs[1], adapter_state(model), tmp_path / "out")
     assert base_dir(tmp_path / "out") == dirs[0].resolve()
     seq = probe_tokens(tok)
-    np.testing.assert_allclose(sequence_logprobs(load_model(tmp_path / "out")[0], seq), sequence_logprobs(model, seq),
-                               atol=1e-5)
+    np.testing.assert_allclose(
+        sequence_logprobs(load_model(tmp_path / "out")[0], seq), sequence_logprobs(model, seq), atol=1e-5
+    )

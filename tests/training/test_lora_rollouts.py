@@ -13,8 +13,13 @@ import pytest
 from conf.schema import ClusterConfig, RLConfig
 from generation.model import encode_problem, load_model
 from generation.records import PromptItem
-from tests.training.lora_probe import (EvenLengthVerifier, check_rollouts_match, probe_tokens, versions_differ,
-                                       write_base_and_adapter)
+from tests.training.lora_probe import (
+    EvenLengthVerifier,
+    check_rollouts_match,
+    probe_tokens,
+    versions_differ,
+    write_base_and_adapter,
+)
 from training.objectives import PRESETS
 
 ray = pytest.importorskip("ray")
@@ -31,8 +36,13 @@ def local_ray():
         ray.shutdown()
     from training.rl.runtime import actor_env
 
-    ray.init(address="local", num_cpus=2, include_dashboard=False, logging_level="WARNING",
-             runtime_env={"env_vars": actor_env(1)})
+    ray.init(
+        address="local",
+        num_cpus=2,
+        include_dashboard=False,
+        logging_level="WARNING",
+        runtime_env={"env_vars": actor_env(1)},
+    )
     yield ray
     ray.shutdown()
 
@@ -47,11 +57,32 @@ def probe_run(adapter_dir, mode: str, *, steps: int = 3, rollouts: int = 1):
     seq = probe_tokens(tok)
     trainer_lp: dict[int, list[float]] = {0: sequence_logprobs(model, seq)}
     seen: list[tuple[str, int, list[float]]] = []
-    prompts = [PromptItem(f"p{i}", f"{i % 7}+{i % 5}", str(i % 7 + i % 5),
-                          encode_problem(tok, "{problem}=", f"{i % 7}+{i % 5}"), 1) for i in range(64)]
-    rl = RLConfig(mode=mode, steps=steps, prompts_per_step=2, group_size=4, lr=2e-2, max_new_tokens=8,
-                  rollout_capacity=8, chunk_steps=2, max_staleness=2, admit_lag=1, repack_interval_s=0.2,
-                  checkpoint_every=0, eval_every=0, micro_batch_tokens=0)
+    prompts = [
+        PromptItem(
+            f"p{i}",
+            f"{i % 7}+{i % 5}",
+            str(i % 7 + i % 5),
+            encode_problem(tok, "{problem}=", f"{i % 7}+{i % 5}"),
+            1,
+        )
+        for i in range(64)
+    ]
+    rl = RLConfig(
+        mode=mode,
+        steps=steps,
+        prompts_per_step=2,
+        group_size=4,
+        lr=2e-2,
+        max_new_tokens=8,
+        rollout_capacity=8,
+        chunk_steps=2,
+        max_staleness=2,
+        admit_lag=1,
+        repack_interval_s=0.2,
+        checkpoint_every=0,
+        eval_every=0,
+        micro_batch_tokens=0,
+    )
     rt = None
 
     def on_step(_m):
@@ -62,18 +93,35 @@ def probe_run(adapter_dir, mode: str, *, steps: int = 3, rollouts: int = 1):
             if rv >= 0:
                 seen.append((name, rv, rlp))
 
-    rt = LaminarRuntime(adapter_dir, prompts, EvenLengthVerifier(), PRESETS["grpo"], rl, seed=0, device="cpu",
-                        cluster=ClusterConfig(rollouts=rollouts, rollout_priority="normal"), on_step=on_step)
+    rt = LaminarRuntime(
+        adapter_dir,
+        prompts,
+        EvenLengthVerifier(),
+        PRESETS["grpo"],
+        rl,
+        seed=0,
+        device="cpu",
+        cluster=ClusterConfig(rollouts=rollouts, rollout_priority="normal"),
+        on_step=on_step,
+    )
     rt.run()
     return trainer_lp, seen, rt
 
 
 # laminar (two rollouts, relays) runs in `make test`; the other modes (about 20 s each here, mostly actor
 # start-up) in `make test-slow`, beside the in-process sync check in test_lora.py
-@pytest.mark.parametrize("mode,rollouts", [pytest.param("sync", 1, marks=pytest.mark.slow),
-                                           pytest.param("one_step", 1, marks=pytest.mark.slow),
-                                           pytest.param("partial", 1, marks=pytest.mark.slow), ("laminar", 2)])
-def test_rollouts_hold_the_trainers_weights_for_their_version_after_each_lora_update(local_ray, dirs, mode, rollouts):
+@pytest.mark.parametrize(
+    "mode,rollouts",
+    [
+        pytest.param("sync", 1, marks=pytest.mark.slow),
+        pytest.param("one_step", 1, marks=pytest.mark.slow),
+        pytest.param("partial", 1, marks=pytest.mark.slow),
+        ("laminar", 2),
+    ],
+)
+def test_rollouts_hold_the_trainers_weights_for_their_version_after_each_lora_update(
+    local_ray, dirs, mode, rollouts
+):
     trainer_lp, seen, rt = probe_run(dirs[1], mode, rollouts=rollouts)
     versions_differ(trainer_lp)  # each update moves the probe: a stale rollout cannot pass by chance
     assert sorted(trainer_lp) == [0, 1, 2, 3]

@@ -16,7 +16,16 @@ from training.rl.loop import PromptCursor
 from training.rl.manager import ManagerSettings, RolloutManager
 from training.rl.records import ExtractOrder, PullResult, RolloutStatus, StepOrder
 
-DRIVEN = ("dispatch", "step_done", "extract_done", "next_batch", "updated", "maybe_open_batch", "repack", "requeue")
+DRIVEN = (
+    "dispatch",
+    "step_done",
+    "extract_done",
+    "next_batch",
+    "updated",
+    "maybe_open_batch",
+    "repack",
+    "requeue",
+)
 
 
 class Outside:
@@ -41,25 +50,46 @@ def prompts(n=40):
 
 def score_by(right: dict[str, float]):
     """Scores a group with response i right iff i < right[prompt] x group size."""
+
     def score(trajs):
         k = right.get(trajs[0].prompt.prompt_id, 0.0) * len(trajs)
         correct = tuple(t.sample_idx < k for t in trajs)
-        return ScoredGroup("scored_group", trajs[0].prompt.prompt_id, tuple(trajs), tuple(map(float, correct)), correct)
+        return ScoredGroup(
+            "scored_group", trajs[0].prompt.prompt_id, tuple(trajs), tuple(map(float, correct)), correct
+        )
+
     return score
 
 
 def finish(order: StepOrder, version: int) -> list[Trajectory]:
-    return [Trajectory("trajectory", q.prompt, q.sample_idx, (5,), (-0.1,), version, True, "x", group_uid=q.group_uid)
-            for q in order.submit]
+    return [
+        Trajectory(
+            "trajectory", q.prompt, q.sample_idx, (5,), (-0.1,), version, True, "x", group_uid=q.group_uid
+        )
+        for q in order.submit
+    ]
 
 
 def manager(mode="sync", *, rollouts=2, dynamic=False, rounds=5, right=None, n=4, group=2, capacity=8):
-    settings = ManagerSettings(mode=MODES[mode], steps=3, prompts_per_step=n, group_size=group, capacity=capacity,
-                               max_staleness=None, max_sampling_rounds=rounds if dynamic else 1)
+    settings = ManagerSettings(
+        mode=MODES[mode],
+        steps=3,
+        prompts_per_step=n,
+        group_size=group,
+        capacity=capacity,
+        max_staleness=None,
+        max_sampling_rounds=rounds if dynamic else 1,
+    )
     out = Outside()
     keep = (lambda g: len(set(g.correct)) > 1) if dynamic else None
-    m = RolloutManager(settings, PromptCursor(prompts(), 0), score_by(right or {}), out,
-                       [(f"rollout-{i}", "node", "relay-0") for i in range(rollouts)], keep=keep)
+    m = RolloutManager(
+        settings,
+        PromptCursor(prompts(), 0),
+        score_by(right or {}),
+        out,
+        [(f"rollout-{i}", "node", "relay-0") for i in range(rollouts)],
+        keep=keep,
+    )
     return m, out
 
 
@@ -68,8 +98,12 @@ def run_batch(m: RolloutManager) -> None:
     for name in m.rollouts:
         order = m.dispatch(name)
         if order is not None:
-            m.step_done(name, finish(order, m.batch_min_version), RolloutStatus(m.batch_min_version, 0, 0, 8),
-                        PullResult(True, m.batch_min_version) if order.pull else None)
+            m.step_done(
+                name,
+                finish(order, m.batch_min_version),
+                RolloutStatus(m.batch_min_version, 0, 0, 8),
+                PullResult(True, m.batch_min_version) if order.pull else None,
+            )
 
 
 def test_sync_batch_is_dealt_by_group_trained_once_and_version_gated():
@@ -115,7 +149,9 @@ def test_a_dead_rollout_loses_only_its_work_and_a_repack_hands_partials_over():
     assert a.pull and len(a.submit) == 4 and len(b.submit) == 4  # continuous: free slots from the queue
     held = set(m.rollouts["rollout-0"].assigned)
     assert m.died("rollout-0") == 4 and [(q.group_uid, q.sample_idx) for q in m.queue.retry] == sorted(held)
-    assert sorted((q.group_uid, q.sample_idx) for q in m.in_flight()) == sorted(held | set(m.rollouts["rollout-1"].assigned))
+    assert sorted((q.group_uid, q.sample_idx) for q in m.in_flight()) == sorted(
+        held | set(m.rollouts["rollout-1"].assigned)
+    )
     m.revived("rollout-0")
     assert m.rollouts["rollout-0"].alive and m.rollouts["rollout-0"].version == -1
     # rollout-1 in its long tail (1 of 4 active, falling), rollout-0 idle at the same version: repack
@@ -145,9 +181,14 @@ def test_runtime_settings_are_the_schema_defaults():
     assert rt.rl is rl and rt.cluster == ClusterConfig() == cfg.cluster
     assert rt.trainer_cfg == TrainerConfig() and rt.rollout_cfg == RolloutConfig()
     s = rt.settings
-    assert (s.max_staleness, s.capacity, s.steps, s.prompts_per_step, s.group_size, s.repack_b) == \
-        (RLConfig.max_staleness, RLConfig.rollout_capacity, RLConfig.steps, RLConfig.prompts_per_step,
-         RLConfig.group_size, RLConfig.repack_b)
+    assert (s.max_staleness, s.capacity, s.steps, s.prompts_per_step, s.group_size, s.repack_b) == (
+        RLConfig.max_staleness,
+        RLConfig.rollout_capacity,
+        RLConfig.steps,
+        RLConfig.prompts_per_step,
+        RLConfig.group_size,
+        RLConfig.repack_b,
+    )
     assert s.mode.admit_lag == RLConfig.admit_lag and s.max_sampling_rounds == 1
     assert rt.cluster.driver_threads == 1 and rt.cluster.trainer_threads == 0  # what users run
 
@@ -161,8 +202,22 @@ def test_the_learning_rate_reaches_the_optimizer_in_three_hops(tmp_path):
     from training.rl.actors import TrainerWorker
 
     tok = build_char_tokenizer()
-    save_model(build_tiny_model(ModelConfig(hidden_size=16, intermediate_size=32, num_layers=1, num_heads=2,
-                                            num_kv_heads=1, max_seq_len=32), tok, seed=0), tok, tmp_path)
+    save_model(
+        build_tiny_model(
+            ModelConfig(
+                hidden_size=16,
+                intermediate_size=32,
+                num_layers=1,
+                num_heads=2,
+                num_kv_heads=1,
+                max_seq_len=32,
+            ),
+            tok,
+            seed=0,
+        ),
+        tok,
+        tmp_path,
+    )
     rl = RLConfig(lr=0.0123, weight_decay=0.01, max_grad_norm=0.5)
     worker = TrainerWorker(str(tmp_path), PRESETS["grpo"], rl, device="cpu", seed=0)  # hop 2
     group = worker.trainer.opt.param_groups[0]
@@ -177,6 +232,7 @@ def spy_on_manager(monkeypatch) -> Counter:
         def wrapped(self, *a, _fn=fn, _name=name, **k):
             calls[_name] += 1
             return _fn(self, *a, **k)
+
         monkeypatch.setattr(RolloutManager, name, wrapped)
     return calls
 
@@ -188,11 +244,21 @@ def test_the_simulator_and_the_runtime_drive_the_same_manager(monkeypatch, tmp_p
     from training.rl import simulate as sim
 
     calls = spy_on_manager(monkeypatch)
-    cfg = sim.config_from_dict({
-        "cluster": {"nodes": 1, "gpus_per_node": 4, "trainer_share": 0.25},
-        "workload": {"prompts_per_step": 4, "group_size": 4, "steps": 4, "max_output": 512, "prompt_len": 16,
-                     "lengths": {"median": 60, "p99_over_median": 12}},
-        "sched": {"capacity": 8, "repack_interval_s": 0.5}, "cost": {"mfu_train": 0.02}})
+    cfg = sim.config_from_dict(
+        {
+            "cluster": {"nodes": 1, "gpus_per_node": 4, "trainer_share": 0.25},
+            "workload": {
+                "prompts_per_step": 4,
+                "group_size": 4,
+                "steps": 4,
+                "max_output": 512,
+                "prompt_len": 16,
+                "lengths": {"median": 60, "p99_over_median": 12},
+            },
+            "sched": {"capacity": 8, "repack_interval_s": 0.5},
+            "cost": {"mfu_train": 0.02},
+        }
+    )
     for mode in ("laminar", "sync"):
         sim.Simulator(cfg, mode).run()
     by_sim = {k for k, v in calls.items() if v}
@@ -203,10 +269,32 @@ def test_the_simulator_and_the_runtime_drive_the_same_manager(monkeypatch, tmp_p
     from training.rl.runtime import LaminarRuntime
 
     tok = build_char_tokenizer()
-    save_model(build_tiny_model(ModelConfig(hidden_size=32, intermediate_size=64, num_layers=1, num_heads=2,
-                                            num_kv_heads=1, max_seq_len=64), tok, seed=0), tok, tmp_path)
-    items = [PromptItem(f"p{i}", f"{i % 7}+{i % 5}", str(i % 7 + i % 5),
-                        encode_problem(tok, "{problem}\n", f"{i % 7}+{i % 5}"), 1) for i in range(64)]
+    save_model(
+        build_tiny_model(
+            ModelConfig(
+                hidden_size=32,
+                intermediate_size=64,
+                num_layers=1,
+                num_heads=2,
+                num_kv_heads=1,
+                max_seq_len=64,
+            ),
+            tok,
+            seed=0,
+        ),
+        tok,
+        tmp_path,
+    )
+    items = [
+        PromptItem(
+            f"p{i}",
+            f"{i % 7}+{i % 5}",
+            str(i % 7 + i % 5),
+            encode_problem(tok, "{problem}\n", f"{i % 7}+{i % 5}"),
+            1,
+        )
+        for i in range(64)
+    ]
 
     class Verifier:
         def verify_batch(self, texts, answers):
@@ -220,13 +308,36 @@ def test_the_simulator_and_the_runtime_drive_the_same_manager(monkeypatch, tmp_p
 
     if ray.is_initialized():
         ray.shutdown()
-    ray.init(address="local", num_cpus=2, include_dashboard=False, logging_level="WARNING", runtime_env={"env_vars": actor_env(1)})
+    ray.init(
+        address="local",
+        num_cpus=2,
+        include_dashboard=False,
+        logging_level="WARNING",
+        runtime_env={"env_vars": actor_env(1)},
+    )
     try:
         for mode in ("laminar", "sync"):
-            rl = RLConfig(mode=mode, steps=3, prompts_per_step=4, group_size=4, max_new_tokens=24,
-                          rollout_capacity=16, chunk_steps=4, repack_interval_s=0.05, micro_batch_tokens=0)
-            rt = LaminarRuntime(tmp_path, items, Verifier(), PRESETS["grpo"], rl, seed=0, device="cpu",
-                                cluster=ClusterConfig(rollouts=2))
+            rl = RLConfig(
+                mode=mode,
+                steps=3,
+                prompts_per_step=4,
+                group_size=4,
+                max_new_tokens=24,
+                rollout_capacity=16,
+                chunk_steps=4,
+                repack_interval_s=0.05,
+                micro_batch_tokens=0,
+            )
+            rt = LaminarRuntime(
+                tmp_path,
+                items,
+                Verifier(),
+                PRESETS["grpo"],
+                rl,
+                seed=0,
+                device="cpu",
+                cluster=ClusterConfig(rollouts=2),
+            )
             assert len(rt.run().history) == 3
     finally:
         ray.shutdown()

@@ -61,8 +61,17 @@ GROUPS = torch.tensor([5, 2, 5, 9, 2, 5])
 def test_grpo_unequal_groups_unbiased_std():
     adv = grpo_advantages(REWARDS, GROUPS, eps=0.0)
     # (2/3)/sqrt(1/3) = 2/sqrt(3); (-1/3)/sqrt(1/3) = -1/sqrt(3); +-1/sqrt(2); singleton 0
-    close(adv, [1.1547005383792517, 0.7071067811865476, -0.5773502691896258,
-                0.0, -0.7071067811865476, -0.5773502691896258])
+    close(
+        adv,
+        [
+            1.1547005383792517,
+            0.7071067811865476,
+            -0.5773502691896258,
+            0.0,
+            -0.7071067811865476,
+            -0.5773502691896258,
+        ],
+    )
 
 
 def test_grpo_default_eps_in_denominator():
@@ -81,8 +90,11 @@ def test_grpo_constant_group_is_exactly_zero():
 
 def test_grpo_integer_rewards_and_single_group_of_one():
     assert torch.equal(grpo_advantages(torch.tensor([1]), torch.tensor([0])), torch.zeros(1))
-    close(grpo_advantages(torch.tensor([1, 0, 0, 1]), torch.tensor([3, 3, 3, 3]), eps=0.0).double(),
-          [0.8660254037844386, -0.8660254037844386, -0.8660254037844386, 0.8660254037844386], atol=1e-6)
+    close(
+        grpo_advantages(torch.tensor([1, 0, 0, 1]), torch.tensor([3, 3, 3, 3]), eps=0.0).double(),
+        [0.8660254037844386, -0.8660254037844386, -0.8660254037844386, 0.8660254037844386],
+        atol=1e-6,
+    )
 
 
 def test_dr_grpo_is_centred_reward():
@@ -92,8 +104,17 @@ def test_dr_grpo_is_centred_reward():
 def test_batch_normalized():
     # centred [2/3, 1, -1/3, 0, -1, -1/3]: sum of squares 8/3, unbiased batch std sqrt(8/15)=0.7302967
     adv = batch_normalized_advantages(REWARDS, GROUPS)
-    close(adv, [0.9128696791769884, 1.3693045187654826, -0.4564348395884942,
-                0.0, -1.3693045187654826, -0.4564348395884942])
+    close(
+        adv,
+        [
+            0.9128696791769884,
+            1.3693045187654826,
+            -0.4564348395884942,
+            0.0,
+            -1.3693045187654826,
+            -0.4564348395884942,
+        ],
+    )
 
 
 def test_batch_normalized_all_constant_is_zero():
@@ -219,7 +240,9 @@ def test_overlong_penalty_rejects_bad_cache():
 
 
 def test_overlong_filter_mask():
-    assert torch.equal(overlong_filter_mask(torch.tensor([True, False, False])), torch.tensor([0.0, 1.0, 1.0]))
+    assert torch.equal(
+        overlong_filter_mask(torch.tensor([True, False, False])), torch.tensor([0.0, 1.0, 1.0])
+    )
 
 
 def test_dynamic_sampling_groups():
@@ -278,8 +301,9 @@ def test_decoupled_reduces_to_clipped_when_on_policy():
     adv = t([1.0, -0.5])
     expected, clipfrac = clipped_policy_loss(lp, prox, adv, clip_low=0.2, clip_high=0.28)
     for mode in BEHAVIOUR_WEIGHTS:
-        loss, stats = decoupled_ppo_loss(lp, prox, prox, adv, clip_low=0.2, clip_high=0.28,
-                                         behaviour_weight=mode)
+        loss, stats = decoupled_ppo_loss(
+            lp, prox, prox, adv, clip_low=0.2, clip_high=0.28, behaviour_weight=mode
+        )
         torch.testing.assert_close(loss, expected, atol=0, rtol=0)
         torch.testing.assert_close(stats["clipfrac"], clipfrac, atol=0, rtol=0)
         assert torch.equal(stats["behaviour_weight"], torch.ones(2, 3, dtype=F64))
@@ -338,8 +362,12 @@ def test_kl_k3_gradient_only_through_logprobs():
 
 
 def test_entropy_from_logits():
-    logits = torch.tensor([[[0.0, 0.0, 0.0, 0.0], [math.log(2.0), 0.0, 0.0, float("-inf")]],
-                           [[0.0, float("-inf"), float("-inf"), 0.0], [1000.0, 0.0, 0.0, 0.0]]])
+    logits = torch.tensor(
+        [
+            [[0.0, 0.0, 0.0, 0.0], [math.log(2.0), 0.0, 0.0, float("-inf")]],
+            [[0.0, float("-inf"), float("-inf"), 0.0], [1000.0, 0.0, 0.0, 0.0]],
+        ]
+    )
     ent = entropy_from_logits(logits).double()
     # uniform over 4: ln4 ; (1/2,1/4,1/4): 1.5 ln2 ; uniform over 2: ln2 ; near one-hot: ~0
     close(ent, [[1.3862943611198906, 1.0397207708399179], [0.6931471805599453, 0.0]], atol=1e-6)
@@ -370,8 +398,13 @@ def test_presets():
 
 @pytest.mark.parametrize(
     "field, value, match",
-    [("advantage", "ppo", "grpo"), ("loss_agg", "sum", "token_mean"),
-     ("behaviour_weight", "clip", "truncate"), ("dual_clip", 1.0, "dual_clip"), ("clip_low", 1.0, "clip_low")],
+    [
+        ("advantage", "ppo", "grpo"),
+        ("loss_agg", "sum", "token_mean"),
+        ("behaviour_weight", "clip", "truncate"),
+        ("dual_clip", 1.0, "dual_clip"),
+        ("clip_low", 1.0, "clip_low"),
+    ],
 )
 def test_params_validation_names_the_field(field, value, match):
     with pytest.raises(ValueError, match=match):
@@ -382,8 +415,14 @@ def make_batch(**overrides):
     # ratios row 0 (A=+1): 1.5, 0.5, 1.1 ; row 1 (A=-1): 1.0, 1.5, padding
     lp = logs([[1.5, 0.5, 1.1], [1.0, 1.5, 1.0]]).requires_grad_()
     zeros = torch.zeros(2, 3, dtype=F64)
-    fields = dict(logprobs=lp, old_logprobs=zeros, behaviour_logprobs=zeros, advantages=t([1.0, -1.0]),
-                  mask=t([[1.0, 1.0, 1.0], [1.0, 1.0, 0.0]]), max_len=4)
+    fields = dict(
+        logprobs=lp,
+        old_logprobs=zeros,
+        behaviour_logprobs=zeros,
+        advantages=t([1.0, -1.0]),
+        mask=t([[1.0, 1.0, 1.0], [1.0, 1.0, 0.0]]),
+        max_len=4,
+    )
     fields.update(overrides)
     return PolicyBatch(**fields)
 
@@ -419,8 +458,11 @@ def test_policy_loss_off_policy_weights_and_none():
 
 
 def test_policy_loss_kl_and_staleness():
-    batch = make_batch(ref_logprobs=logs([[1.5, 0.5, 1.1], [1.0, 1.5, 1.0]]) + math.log(2.0),
-                       versions=torch.tensor([5, 3]), trainer_version=7)
+    batch = make_batch(
+        ref_logprobs=logs([[1.5, 0.5, 1.1], [1.0, 1.5, 1.0]]) + math.log(2.0),
+        versions=torch.tensor([5, 3]),
+        trainer_version=7,
+    )
     loss, metrics = policy_loss(batch, dataclasses.replace(PRESETS["dapo"], kl_coef=0.1))
     close(loss, -0.076 + 0.1 * 0.3068528194400546)  # k3 with ref - lp = ln2 on every token
     assert metrics["kl"] == pytest.approx(0.3068528194400546, abs=1e-9)

@@ -13,21 +13,40 @@ from generation.model import build_char_tokenizer, build_tiny_model, encode_prom
 from generation.records import GenRequest, PromptItem, ScoredGroup
 from training.objectives import PRESETS
 from training.rl import trainer as trainer_mod
-from training.rl.trainer import PolicyTrainer, build_batch, packed_layout, packed_response_logits, response_logits
+from training.rl.trainer import (
+    PolicyTrainer,
+    build_batch,
+    packed_layout,
+    packed_response_logits,
+    response_logits,
+)
 
-SMALL = ModelConfig(hidden_size=32, intermediate_size=64, num_layers=2, num_heads=4, num_kv_heads=2, max_seq_len=128)
+SMALL = ModelConfig(
+    hidden_size=32, intermediate_size=64, num_layers=2, num_heads=4, num_kv_heads=2, max_seq_len=128
+)
 
 
 def _groups(model, tok, n_prompts=5, group=4, seed=0):
-    items = [PromptItem(f"p{i}", "", "", encode_prompt(tok, f"{i}+{i % 3}=?\n" + "y" * (i % 4))) for i in range(n_prompts)]
+    items = [
+        PromptItem(f"p{i}", "", "", encode_prompt(tok, f"{i}+{i % 3}=?\n" + "y" * (i % 4)))
+        for i in range(n_prompts)
+    ]
     engine = TorchEngine(copy.deepcopy(model), tok)
     engine.eos_id = tok.convert_tokens_to_ids("1")  # a frequent token: ragged response lengths
-    trajs = engine.generate([GenRequest(p, s) for p in items for s in range(group)], 20, 1.0,
-                            torch.Generator().manual_seed(seed))
+    trajs = engine.generate(
+        [GenRequest(p, s) for p in items for s in range(group)], 20, 1.0, torch.Generator().manual_seed(seed)
+    )
     rng = random.Random(seed)
-    return [ScoredGroup("scored_group", p.prompt_id, tuple(trajs[g * group:(g + 1) * group]),
-                        tuple(float(rng.random() < 0.5) for _ in range(group)), tuple(False for _ in range(group)))
-            for g, p in enumerate(items)]
+    return [
+        ScoredGroup(
+            "scored_group",
+            p.prompt_id,
+            tuple(trajs[g * group : (g + 1) * group]),
+            tuple(float(rng.random() < 0.5) for _ in range(group)),
+            tuple(False for _ in range(group)),
+        )
+        for g, p in enumerate(items)
+    ]
 
 
 def test_packed_logits_equal_padded_logits():
@@ -53,8 +72,18 @@ def test_packed_update_matches_padded_update():
     out = {}
     for pack in (False, True):
         model = copy.deepcopy(base)
-        tr = PolicyTrainer(model, PRESETS["grpo"], lr=1e-3, weight_decay=0.0, max_grad_norm=1.0, temperature=1.0,
-                           max_new_tokens=20, pad_id=tok.pad_token_id, device="cpu", micro_batch_tokens=96)
+        tr = PolicyTrainer(
+            model,
+            PRESETS["grpo"],
+            lr=1e-3,
+            weight_decay=0.0,
+            max_grad_norm=1.0,
+            temperature=1.0,
+            max_new_tokens=20,
+            pad_id=tok.pad_token_id,
+            device="cpu",
+            micro_batch_tokens=96,
+        )
         tr.pack = pack
         stats = [tr.update(groups), tr.update(groups)]  # several micro-batches; the second step off-policy
         out[pack] = (stats, {k: v.detach().clone() for k, v in model.state_dict().items()})
@@ -72,8 +101,17 @@ def test_reference_switch_takes_the_padded_forward(monkeypatch):
     groups = _groups(model, tok, n_prompts=2, group=2)
     calls = []
     monkeypatch.setattr(trainer_mod, "response_logits", lambda *a: calls.append(1) or response_logits(*a))
-    tr = PolicyTrainer(model, PRESETS["grpo"], lr=1e-3, weight_decay=0.0, max_grad_norm=1.0, temperature=1.0,
-                       max_new_tokens=20, pad_id=tok.pad_token_id, device="cpu")
+    tr = PolicyTrainer(
+        model,
+        PRESETS["grpo"],
+        lr=1e-3,
+        weight_decay=0.0,
+        max_grad_norm=1.0,
+        temperature=1.0,
+        max_new_tokens=20,
+        pad_id=tok.pad_token_id,
+        device="cpu",
+    )
     tr.update(groups)
     assert not calls
     monkeypatch.setattr(trainer_mod, "REFERENCE_FORWARD", True)

@@ -41,7 +41,9 @@ def test_config_overrides_reach_the_objective():
     assert p.clip_high == 0.3 and p.kl_coef == 0.01 and p.dynamic_sampling and p.loss_agg == "token_mean"
     assert p.overlong_cache_len == cfg.overlong_cache_len
     assert objective_params(load_config(["rl.algorithm=dr_grpo"]).rl).advantage == "dr_grpo"
-    p = objective_params(load_config(["rl.advantage=batch", "rl.loss_agg=token_mean", "rl.behaviour_weight=mask"]).rl)
+    p = objective_params(
+        load_config(["rl.advantage=batch", "rl.loss_agg=token_mean", "rl.behaviour_weight=mask"]).rl
+    )
     assert (p.advantage, p.loss_agg, p.behaviour_weight) == ("batch", "token_mean", "mask")
 
 
@@ -59,21 +61,48 @@ def test_dynamic_sampling_drops_constant_groups_and_refills():
     tok, model, prompts = _setup(["easy", "hard", "mixed", "mixed"] * 4)
     engine = TorchEngine(model, tok)
     params = replace(PRESETS["dapo"], max_sampling_rounds=10, overlong_cache_len=1)
-    got = collect_phase(engine, PromptCursor(prompts, 0), ByPrompt(), params, prompts_per_step=4, group_size=8,
-                        max_new_tokens=2, temperature=1.0, generator=torch.Generator().manual_seed(0))
+    got = collect_phase(
+        engine,
+        PromptCursor(prompts, 0),
+        ByPrompt(),
+        params,
+        prompts_per_step=4,
+        group_size=8,
+        max_new_tokens=2,
+        temperature=1.0,
+        generator=torch.Generator().manual_seed(0),
+    )
     assert len(got.groups) == 4 and got.rounds >= 2 and got.dropped_groups >= 4
     assert all(len(set(g.correct)) == 2 for g in got.groups)
     assert got.generated == got.rounds * 4 * 8
-    plain = collect_phase(engine, PromptCursor(prompts, 0), ByPrompt(), PRESETS["grpo"], prompts_per_step=4,
-                          group_size=8, max_new_tokens=2, temperature=1.0, generator=torch.Generator().manual_seed(0))
+    plain = collect_phase(
+        engine,
+        PromptCursor(prompts, 0),
+        ByPrompt(),
+        PRESETS["grpo"],
+        prompts_per_step=4,
+        group_size=8,
+        max_new_tokens=2,
+        temperature=1.0,
+        generator=torch.Generator().manual_seed(0),
+    )
     assert plain.rounds == 1 and plain.dropped_groups == 0 and len(plain.groups) == 4
 
 
 def test_dynamic_sampling_stops_at_the_round_cap():
     tok, model, prompts = _setup(["easy", "hard"] * 4)
     params = replace(PRESETS["dapo"], max_sampling_rounds=3, overlong_cache_len=1)
-    got = collect_phase(TorchEngine(model, tok), PromptCursor(prompts, 0), ByPrompt(), params, prompts_per_step=4,
-                        group_size=4, max_new_tokens=2, temperature=1.0, generator=torch.Generator().manual_seed(0))
+    got = collect_phase(
+        TorchEngine(model, tok),
+        PromptCursor(prompts, 0),
+        ByPrompt(),
+        params,
+        prompts_per_step=4,
+        group_size=4,
+        max_new_tokens=2,
+        temperature=1.0,
+        generator=torch.Generator().manual_seed(0),
+    )
     assert got.groups == [] and got.rounds == 3 and got.dropped_groups == 12
 
 
@@ -82,6 +111,7 @@ def test_overlong_shaping_changes_reward_not_correctness():
     mk = lambda n: Trajectory("trajectory", p, 0, tuple([5] * n), tuple([0.0] * n), 0, n < 64, "7")  # noqa: E731
     params = PRESETS["dapo"]  # max 64, cache 16 below: 0 up to 48, linear to -1 at 64, -1 beyond
     from training.rl.loop import overlong_shaping
+
     shape = overlong_shaping(replace(params, overlong_cache_len=16), 64)
     (g,) = score_phase([mk(40), mk(56), mk(64), mk(70)], ByPrompt(), shape)
     assert g.correct == (True, True, True, True)
@@ -95,8 +125,17 @@ def test_overlong_filter_and_kl_in_the_trainer():
     short_t = Trajectory("trajectory", p, 1, (5, tok.eos_token_id), (-1.0, -1.0), 0, True, "5")
     group = ScoredGroup("scored_group", p.prompt_id, (long_t, short_t), (0.0, 1.0), (False, True))
     params = replace(PRESETS["grpo"], overlong_filter=True, kl_coef=0.1)
-    trainer = PolicyTrainer(model, params, lr=1e-3, weight_decay=0.0, max_grad_norm=1.0, temperature=1.0,
-                            max_new_tokens=3, pad_id=tok.pad_token_id, device="cpu")
+    trainer = PolicyTrainer(
+        model,
+        params,
+        lr=1e-3,
+        weight_decay=0.0,
+        max_grad_norm=1.0,
+        temperature=1.0,
+        max_new_tokens=3,
+        pad_id=tok.pad_token_id,
+        device="cpu",
+    )
     stats = trainer.update([group])
     assert stats.metrics["kl"] == 0.0  # first step: policy == reference
     assert stats.n_tokens == 2  # the truncated response is masked out
@@ -107,14 +146,42 @@ def test_overlong_filter_and_kl_in_the_trainer():
 def test_minibatches_make_the_clip_bind():
     tok, model, prompts = _setup(["mixed"] * 4)
     engine = TorchEngine(model, tok)
-    got = collect_phase(engine, PromptCursor(prompts, 0), ByPrompt(), PRESETS["grpo"], prompts_per_step=4,
-                        group_size=8, max_new_tokens=3, temperature=1.0, generator=torch.Generator().manual_seed(0))
-    one = PolicyTrainer(model, PRESETS["grpo"], lr=5e-2, weight_decay=0.0, max_grad_norm=10.0, temperature=1.0,
-                        max_new_tokens=3, pad_id=tok.pad_token_id, device="cpu")
+    got = collect_phase(
+        engine,
+        PromptCursor(prompts, 0),
+        ByPrompt(),
+        PRESETS["grpo"],
+        prompts_per_step=4,
+        group_size=8,
+        max_new_tokens=3,
+        temperature=1.0,
+        generator=torch.Generator().manual_seed(0),
+    )
+    one = PolicyTrainer(
+        model,
+        PRESETS["grpo"],
+        lr=5e-2,
+        weight_decay=0.0,
+        max_grad_norm=10.0,
+        temperature=1.0,
+        max_new_tokens=3,
+        pad_id=tok.pad_token_id,
+        device="cpu",
+    )
     stats = one.update(got.groups)
     assert stats.metrics["clipfrac"] == 0.0 and stats.metrics["ratio"] == 1.0 and stats.version == 1
-    four = PolicyTrainer(model, PRESETS["grpo"], lr=5e-2, weight_decay=0.0, max_grad_norm=10.0, temperature=1.0,
-                         max_new_tokens=3, pad_id=tok.pad_token_id, device="cpu", minibatches=4)
+    four = PolicyTrainer(
+        model,
+        PRESETS["grpo"],
+        lr=5e-2,
+        weight_decay=0.0,
+        max_grad_norm=10.0,
+        temperature=1.0,
+        max_new_tokens=3,
+        pad_id=tok.pad_token_id,
+        device="cpu",
+        minibatches=4,
+    )
     stats = four.update(got.groups)
     assert stats.version == 1 and stats.n_sequences == 32
     assert stats.metrics["clipfrac"] > 0.0 and stats.metrics["ratio"] != 1.0
@@ -137,16 +204,42 @@ def test_micro_batches_give_the_gradient_of_one_batch(algorithm):
         for i in range(4):
             n = [2, 3, 9, 17][(g + i) % 4]
             toks = tuple(int(x) for x in torch.randint(5, 40, (n,), generator=gen))
-            trajs.append(Trajectory("trajectory", p, i, toks, tuple(float(-x) for x in torch.rand(n, generator=gen)),
-                                    0, i != 3, "3" if i % 2 else "4"))
-        groups.append(ScoredGroup("scored_group", f"p{g}", tuple(trajs), tuple(float(i % 2) for i in range(4)),
-                                  tuple(bool(i % 2) for i in range(4))))
+            trajs.append(
+                Trajectory(
+                    "trajectory",
+                    p,
+                    i,
+                    toks,
+                    tuple(float(-x) for x in torch.rand(n, generator=gen)),
+                    0,
+                    i != 3,
+                    "3" if i % 2 else "4",
+                )
+            )
+        groups.append(
+            ScoredGroup(
+                "scored_group",
+                f"p{g}",
+                tuple(trajs),
+                tuple(float(i % 2) for i in range(4)),
+                tuple(bool(i % 2) for i in range(4)),
+            )
+        )
     params = PRESETS[algorithm]
-    kw = dict(lr=1e-2, weight_decay=0.0, max_grad_norm=100.0, temperature=1.0, max_new_tokens=20,
-              pad_id=tok.pad_token_id, device="cpu")
+    kw = dict(
+        lr=1e-2,
+        weight_decay=0.0,
+        max_grad_norm=100.0,
+        temperature=1.0,
+        max_new_tokens=20,
+        pad_id=tok.pad_token_id,
+        device="cpu",
+    )
     whole = PolicyTrainer(copy.deepcopy(model), params, **kw)
     split = PolicyTrainer(copy.deepcopy(model), params, micro_batch_tokens=40, **kw)
-    lengths = torch.tensor([len(t.prompt.prompt_tokens) + len(t.response_tokens) for g in groups for t in g.trajectories])
+    lengths = torch.tensor(
+        [len(t.prompt.prompt_tokens) + len(t.response_tokens) for g in groups for t in g.trajectories]
+    )
     assert len(micro_batches(lengths, torch.arange(12), 40)) >= 3
     a, b = whole.update(groups), split.update(groups)
     assert a.loss == pytest.approx(b.loss, abs=1e-5) and a.grad_norm == pytest.approx(b.grad_norm, rel=1e-4)

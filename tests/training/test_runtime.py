@@ -23,7 +23,9 @@ from tests.training.rl_fakes import Verdict
 
 ray = pytest.importorskip("ray")
 
-TINY = ModelConfig(hidden_size=32, intermediate_size=64, num_layers=1, num_heads=2, num_kv_heads=1, max_seq_len=64)
+TINY = ModelConfig(
+    hidden_size=32, intermediate_size=64, num_layers=1, num_heads=2, num_kv_heads=1, max_seq_len=64
+)
 
 
 class ExactVerifier:
@@ -44,8 +46,16 @@ def prompts(model_dir):
     from generation.model import load_tokenizer
 
     tok = load_tokenizer(model_dir)
-    return [PromptItem(f"p{i}", f"{i % 7}+{i % 5}", str(i % 7 + i % 5),
-                       encode_problem(tok, "{problem}\n", f"{i % 7}+{i % 5}"), 1) for i in range(200)]
+    return [
+        PromptItem(
+            f"p{i}",
+            f"{i % 7}+{i % 5}",
+            str(i % 7 + i % 5),
+            encode_problem(tok, "{problem}\n", f"{i % 7}+{i % 5}"),
+            1,
+        )
+        for i in range(200)
+    ]
 
 
 @pytest.fixture(scope="module")
@@ -54,24 +64,67 @@ def local_ray():
         ray.shutdown()
     from training.rl.runtime import actor_env
 
-    ray.init(address="local", num_cpus=2, include_dashboard=False, logging_level="WARNING",
-             runtime_env={"env_vars": actor_env(1)})  # the actors' environment, as the runtime starts them
+    ray.init(
+        address="local",
+        num_cpus=2,
+        include_dashboard=False,
+        logging_level="WARNING",
+        runtime_env={"env_vars": actor_env(1)},
+    )  # the actors' environment, as the runtime starts them
     yield ray
     ray.shutdown()
 
 
-def make_runtime(model_dir, prompts, mode, *, steps=5, on_step=None, state_dir=None, checkpoint_every=0,
-                 max_staleness=4, eval_every=0, evaluate=None, trainer=None, rollout=None, **cluster_kw):
+def make_runtime(
+    model_dir,
+    prompts,
+    mode,
+    *,
+    steps=5,
+    on_step=None,
+    state_dir=None,
+    checkpoint_every=0,
+    max_staleness=4,
+    eval_every=0,
+    evaluate=None,
+    trainer=None,
+    rollout=None,
+    **cluster_kw,
+):
     """A small run in the schema's own config sections (what a user's config builds)."""
     from conf.schema import ClusterConfig, RLConfig
     from training.rl.runtime import LaminarRuntime
 
-    rl = RLConfig(mode=mode, steps=steps, prompts_per_step=4, group_size=4, lr=1e-3, max_new_tokens=24,
-                  rollout_capacity=16, chunk_steps=4, max_staleness=max_staleness, repack_interval_s=0.2,
-                  checkpoint_every=checkpoint_every, eval_every=eval_every, micro_batch_tokens=0)
-    return LaminarRuntime(model_dir, prompts, ExactVerifier(), PRESETS["grpo"], rl, seed=0, device="cpu",
-                          cluster=ClusterConfig(**{"rollouts": 2, **cluster_kw}), trainer=trainer, rollout=rollout,
-                          state_dir=state_dir, on_step=on_step, evaluate=evaluate)
+    rl = RLConfig(
+        mode=mode,
+        steps=steps,
+        prompts_per_step=4,
+        group_size=4,
+        lr=1e-3,
+        max_new_tokens=24,
+        rollout_capacity=16,
+        chunk_steps=4,
+        max_staleness=max_staleness,
+        repack_interval_s=0.2,
+        checkpoint_every=checkpoint_every,
+        eval_every=eval_every,
+        micro_batch_tokens=0,
+    )
+    return LaminarRuntime(
+        model_dir,
+        prompts,
+        ExactVerifier(),
+        PRESETS["grpo"],
+        rl,
+        seed=0,
+        device="cpu",
+        cluster=ClusterConfig(**{"rollouts": 2, **cluster_kw}),
+        trainer=trainer,
+        rollout=rollout,
+        state_dir=state_dir,
+        on_step=on_step,
+        evaluate=evaluate,
+    )
 
 
 def check_whole_groups_once(rt, result, group_size=4):
@@ -152,12 +205,16 @@ def test_sigkill_a_rollout_mid_generation_loses_only_its_work(local_ray, model_d
     result = rt.run()
     assert killed and rt.summary["rollout_failures"] >= 1 and rt.summary["requeued_requests"] > 0
     assert rt.rollouts["rollout-0"].pid != killed["pid"]  # Ray restarted it ...
-    if sys.platform == "linux":  # ... at the rollouts' idle CPU priority (cluster.rollout_priority), as the others
+    if (
+        sys.platform == "linux"
+    ):  # ... at the rollouts' idle CPU priority (cluster.rollout_priority), as the others
         assert killed["idle"] == [True, True]
     restarted = [e for e in rt.timeline["events"] if e["rollout"] == "rollout-0"]
     assert any(e["kind"] == "restart" for e in restarted)
-    assert any(e["kind"] == "pull" and e["t"] > next(x["t"] for x in restarted if x["kind"] == "restart")
-               for e in restarted)  # ... and it pulled weights from its relay again
+    assert any(
+        e["kind"] == "pull" and e["t"] > next(x["t"] for x in restarted if x["kind"] == "restart")
+        for e in restarted
+    )  # ... and it pulled weights from its relay again
     check_whole_groups_once(rt, result)
     assert len(result.history) == 30
 
@@ -176,14 +233,18 @@ def test_a_killed_relay_is_bypassed_and_rebuilt(local_ray, model_dir, prompts):
     rt = make_runtime(model_dir, prompts, "laminar", steps=12, on_step=on_step)
     result = rt.run()
     assert rt.summary["relay_failures"] >= 1 and rt.summary["relays"] != ["relay-0"]
-    later_pulls = [e for e in rt.timeline["events"] if e["kind"] == "pull" and e["version"] > state["version"]]
+    later_pulls = [
+        e for e in rt.timeline["events"] if e["kind"] == "pull" and e["version"] > state["version"]
+    ]
     assert later_pulls, "rollouts got no new version after the relay died"
     check_whole_groups_once(rt, result)
 
 
 @pytest.mark.slow
 @pytest.mark.parametrize("backend", ["torch", "deepspeed"])
-def test_sigkill_the_trainer_then_resume_from_the_last_checkpoint(local_ray, model_dir, prompts, tmp_path, backend):
+def test_sigkill_the_trainer_then_resume_from_the_last_checkpoint(
+    local_ray, model_dir, prompts, tmp_path, backend
+):
     from training.rl.checkpoint import latest_checkpoint, load_json
 
     from conf.schema import TrainerConfig
@@ -211,7 +272,7 @@ def test_sigkill_the_trainer_then_resume_from_the_last_checkpoint(local_ray, mod
     assert rt2.summary.get("resumed") == 1 and len(result.history) == 8
     assert rt2.summary["trainer_backend"] == backend
     uids = rt2.summary["trained_uids"]
-    assert uids[:len(saved["trained_uids"])] == saved["trained_uids"] and len(uids) == len(set(uids))
+    assert uids[: len(saved["trained_uids"])] == saved["trained_uids"] and len(uids) == len(set(uids))
     # the same prompt order: uid k is the k-th prompt of the seeded cursor in both runs
     from training.rl.loop import PromptCursor
 
@@ -219,7 +280,7 @@ def test_sigkill_the_trainer_then_resume_from_the_last_checkpoint(local_ray, mod
     by_uid = {uid: pid for uid, pid in rt2.summary["trained_prompts"]}
     assert all(order[uid] == pid for uid, pid in by_uid.items())  # uid k is still the k-th prompt
     # buffered and in-flight groups at the checkpoint were kept: trained after the resume
-    after = set(uids[len(saved["trained_uids"]):])
+    after = set(uids[len(saved["trained_uids"]) :])
     assert (buffered | in_flight) & after, "nothing buffered at the checkpoint was trained after resuming"
 
 
@@ -234,8 +295,17 @@ def test_two_node_cluster_one_relay_per_node_rollouts_pull_locally(model_dir, pr
     try:
         ray.init(address=cluster.address, include_dashboard=False, logging_level="WARNING")
         cluster.wait_for_nodes()
-        rt = make_runtime(model_dir, prompts, "laminar", steps=3, rollouts=2, address=cluster.address,
-                          trainer_cpus=0.25, rollout_cpus=0.25, relay_cpus=0.05)
+        rt = make_runtime(
+            model_dir,
+            prompts,
+            "laminar",
+            steps=3,
+            rollouts=2,
+            address=cluster.address,
+            trainer_cpus=0.25,
+            rollout_cpus=0.25,
+            relay_cpus=0.05,
+        )
         result = rt.run()
         s = rt.summary
         assert len(s["relays"]) == 2 and len(set(s["relay_nodes"].values())) == 2  # one relay per node
@@ -261,9 +331,20 @@ def test_two_node_cluster_places_trainer_ranks_and_rollouts_per_config(model_dir
     try:
         ray.init(address=cluster.address, include_dashboard=False, logging_level="WARNING")
         cluster.wait_for_nodes()
-        rt = make_runtime(model_dir, prompts, "laminar", steps=3, rollouts=2, address=cluster.address,
-                          trainer_cpus=0.25, rollout_cpus=0.25, relay_cpus=0.05, trainer=TrainerConfig(ranks=2),
-                          trainer_strategy="STRICT_SPREAD", rollout_nodes=[1])
+        rt = make_runtime(
+            model_dir,
+            prompts,
+            "laminar",
+            steps=3,
+            rollouts=2,
+            address=cluster.address,
+            trainer_cpus=0.25,
+            rollout_cpus=0.25,
+            relay_cpus=0.05,
+            trainer=TrainerConfig(ranks=2),
+            trainer_strategy="STRICT_SPREAD",
+            rollout_nodes=[1],
+        )
         result = rt.run()
         s = rt.summary
         head, worker = rt.nodes
@@ -289,8 +370,9 @@ def test_rollouts_with_the_engine_behind_the_worker_protocol(local_ray, model_di
 
 
 @pytest.mark.slow
-def test_bounded_laminar_generates_nothing_that_goes_stale_and_evaluates_beside_the_loop(local_ray, model_dir, prompts,
-                                                                                          tmp_path):
+def test_bounded_laminar_generates_nothing_that_goes_stale_and_evaluates_beside_the_loop(
+    local_ray, model_dir, prompts, tmp_path
+):
     """Flow control counts the batch in the trainer's hands: with ``max_staleness=1`` every admitted
     group is trained in time (none is dropped stale and regenerated). The in-run evaluation runs in a
     thread beside the loop and its metrics land in its step's history entry. A checkpoint falling due
@@ -310,8 +392,17 @@ def test_bounded_laminar_generates_nothing_that_goes_stale_and_evaluates_beside_
         waited_out.append(rt.version < until)
         return {"eval_probe": float(sum(p.detach().abs().sum() for p in model.parameters()))}
 
-    rt = make_runtime(model_dir, prompts, "laminar", steps=8, max_staleness=1, state_dir=tmp_path,
-                      checkpoint_every=2, eval_every=3, evaluate=evaluate)
+    rt = make_runtime(
+        model_dir,
+        prompts,
+        "laminar",
+        steps=8,
+        max_staleness=1,
+        state_dir=tmp_path,
+        checkpoint_every=2,
+        eval_every=3,
+        evaluate=evaluate,
+    )
     result = rt.run()
     check_whole_groups_once(rt, result)
     assert rt.summary["stale_dropped"] == 0
@@ -324,7 +415,9 @@ def test_bounded_laminar_generates_nothing_that_goes_stale_and_evaluates_beside_
     steps = [checkpoint_step(c) for c in list_checkpoints(tmp_path / "checkpoints")]  # the last two are kept
     assert 4 not in steps and max(steps) >= 5  # due at 4 while version 3 was evaluated: written after it
     history = load_json(tmp_path / "checkpoints" / f"step-{max(steps):06d}", "runtime.json")["history"]
-    assert len(history) == max(steps) and history[2]["eval_probe"] == evals[2]  # with the evaluation's metrics
+    assert (
+        len(history) == max(steps) and history[2]["eval_probe"] == evals[2]
+    )  # with the evaluation's metrics
 
 
 @pytest.mark.skipif(sys.platform != "linux", reason="SCHED_IDLE and niceness as Linux has them")
@@ -333,11 +426,18 @@ def test_lower_priority_sets_the_calling_process_as_asked(priority):
     """``cluster.rollout_priority`` in a fresh process (it lowers the calling thread for good)."""
     import subprocess
 
-    code = ("import os; from training.rl.actors import lower_priority; n = os.getpriority(os.PRIO_PROCESS, 0); "
-            f"lower_priority({priority!r}); "
-            "print(os.sched_getscheduler(0) == os.SCHED_IDLE, os.getpriority(os.PRIO_PROCESS, 0) - n)")
-    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True,
-                         cwd=Path(__file__).resolve().parents[2]).stdout.split()
+    code = (
+        "import os; from training.rl.actors import lower_priority; n = os.getpriority(os.PRIO_PROCESS, 0); "
+        f"lower_priority({priority!r}); "
+        "print(os.sched_getscheduler(0) == os.SCHED_IDLE, os.getpriority(os.PRIO_PROCESS, 0) - n)"
+    )
+    out = subprocess.run(
+        [sys.executable, "-c", code],
+        capture_output=True,
+        text=True,
+        check=True,
+        cwd=Path(__file__).resolve().parents[2],
+    ).stdout.split()
     assert out == {"idle": ["True", "0"], "low": ["False", "10"], "normal": ["False", "0"]}[priority]
 
 

@@ -1,6 +1,7 @@
 """SFT packs each batch's examples into few rows instead of padding them: the same loss and
 gradients as the padded batch, checked once per run, and a model that cannot attend within packed
 examples is trained on padded batches instead."""
+
 import torch
 
 from conf.schema import ModelConfig
@@ -11,8 +12,13 @@ from training.sft import SFTExample, collate, pack, packing_matches, train_sft
 
 def _examples(tok, n=24):
     pool, _ = generate(0, 200, 10, [1, 2, 3, 4, 5], 0.15)
-    return [SFTExample(tuple(tok(PROMPT_TEMPLATE.format(problem=p.problem))["input_ids"]),
-                       tuple(tok(p.demonstration)["input_ids"]) + (tok.eos_token_id,)) for p in pool[:n]]
+    return [
+        SFTExample(
+            tuple(tok(PROMPT_TEMPLATE.format(problem=p.problem))["input_ids"]),
+            tuple(tok(p.demonstration)["input_ids"]) + (tok.eos_token_id,),
+        )
+        for p in pool[:n]
+    ]
 
 
 def _grads(model, **inputs):
@@ -28,7 +34,11 @@ def test_pack_fills_few_rows_and_keeps_every_response_token():
     ids, pos, labels = pack(exs, tok.pad_token_id, width=64)
     padded_ids, attn, padded_labels = collate(exs, tok.pad_token_id)
     assert ids.shape[0] < len(exs) and ids.numel() < padded_ids.numel()
-    assert int((labels != -100).sum()) == int((padded_labels != -100).sum()) == sum(len(e.response_tokens) for e in exs)
+    assert (
+        int((labels != -100).sum())
+        == int((padded_labels != -100).sum())
+        == sum(len(e.response_tokens) for e in exs)
+    )
     assert int((ids != tok.pad_token_id).sum()) == int(attn.sum())
     # every example starts at position 0 and counts up through its own tokens
     assert int((pos == 0).sum()) >= len(exs)
@@ -65,8 +75,18 @@ def test_a_model_that_attends_across_packed_examples_is_trained_padded():
     exs = _examples(tok)
     model = _IgnoresPositions(build_tiny_model(ModelConfig(), tok, seed=0))
     assert not packing_matches(model, exs, tok.pad_token_id, "cpu")
-    metrics = train_sft(model, exs, steps=2, batch_size=8, lr=1e-3, warmup_steps=1, weight_decay=0.0,
-                        max_grad_norm=1.0, pad_id=tok.pad_token_id, seed=0)
+    metrics = train_sft(
+        model,
+        exs,
+        steps=2,
+        batch_size=8,
+        lr=1e-3,
+        warmup_steps=1,
+        weight_decay=0.0,
+        max_grad_norm=1.0,
+        pad_id=tok.pad_token_id,
+        seed=0,
+    )
     assert metrics["sft_packed"] == 0.0
 
 
@@ -74,7 +94,17 @@ def test_train_sft_packs_by_default_and_learns():
     tok = build_char_tokenizer()
     exs = _examples(tok)
     model = build_tiny_model(ModelConfig(), tok, seed=0)
-    metrics = train_sft(model, exs, steps=30, batch_size=8, lr=3e-3, warmup_steps=2, weight_decay=0.0,
-                        max_grad_norm=1.0, pad_id=tok.pad_token_id, seed=0)
+    metrics = train_sft(
+        model,
+        exs,
+        steps=30,
+        batch_size=8,
+        lr=3e-3,
+        warmup_steps=2,
+        weight_decay=0.0,
+        max_grad_norm=1.0,
+        pad_id=tok.pad_token_id,
+        seed=0,
+    )
     assert metrics["sft_packed"] == 1.0
     assert metrics["sft_loss_last"] < 0.6 * metrics["sft_loss_first"]

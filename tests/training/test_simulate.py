@@ -16,8 +16,14 @@ from training.rl import simulate as sim
 def tiny(**over) -> sim.SimConfig:
     base = {
         "cluster": {"nodes": 2, "gpus_per_node": 4, "trainer_share": 0.25},
-        "workload": {"prompts_per_step": 8, "group_size": 4, "steps": 6, "max_output": 2048, "prompt_len": 64,
-                     "lengths": {"median": 200, "p99_over_median": 10}},
+        "workload": {
+            "prompts_per_step": 8,
+            "group_size": 4,
+            "steps": 6,
+            "max_output": 2048,
+            "prompt_len": 64,
+            "lengths": {"median": 200, "p99_over_median": 10},
+        },
         "sched": {"capacity": 16, "repack_interval_s": 1.0},
         "cost": {"train_gen_share": 0.0, "mfu_train": 0.02},
         "warmup_updates": 1,
@@ -34,7 +40,9 @@ def test_deterministic_and_conserving(mode):
     assert a.summary() == b.summary()
     assert a.timeline == b.timeline
     # every group trained at most once; trained groups == steps x batch
-    assert len(a.trained_uids) == len(set(a.trained_uids)) == cfg.workload.steps * cfg.workload.prompts_per_step
+    assert (
+        len(a.trained_uids) == len(set(a.trained_uids)) == cfg.workload.steps * cfg.workload.prompts_per_step
+    )
     assert a.updates == cfg.workload.steps
     assert sum(a.staleness_histogram.values()) == a.trained_groups
     assert a.trained_tokens > 0 and a.wall_s > 0
@@ -70,13 +78,21 @@ def test_simulator_drives_the_runtimes_manager_and_control_plane(monkeypatch):
     """The simulator holds no copy of the manager: it drives ``training.rl.manager.RolloutManager``
     (the runtime's, see tests/training/test_manager.py), whose decisions come from
     ``training.rl.control`` (spied here)."""
-    calls = {"plan_repack": 0, "dispatch_plan": 0, "add": 0, "take": 0, "take_uids": 0, "may_open_batch": 0,
-             "admission_room": 0}
+    calls = {
+        "plan_repack": 0,
+        "dispatch_plan": 0,
+        "add": 0,
+        "take": 0,
+        "take_uids": 0,
+        "may_open_batch": 0,
+        "admission_room": 0,
+    }
 
     def spy(name, fn):
         def wrapped(*a, **k):
             calls[name] += 1
             return fn(*a, **k)
+
         return wrapped
 
     monkeypatch.setattr(control, "plan_repack", spy("plan_repack", control.plan_repack))
@@ -84,7 +100,9 @@ def test_simulator_drives_the_runtimes_manager_and_control_plane(monkeypatch):
     monkeypatch.setattr(control, "may_open_batch", spy("may_open_batch", control.may_open_batch))
     monkeypatch.setattr(control, "admission_room", spy("admission_room", control.admission_room))
     for name in ("add", "take", "take_uids"):
-        monkeypatch.setattr(control.ExperienceBuffer, name, spy(name, getattr(control.ExperienceBuffer, name)))
+        monkeypatch.setattr(
+            control.ExperienceBuffer, name, spy(name, getattr(control.ExperienceBuffer, name))
+        )
     a = sim.Simulator(tiny(sched={"max_staleness": 1}), "laminar")
     a.run()
     sim.Simulator(tiny(), "sync").run()
@@ -93,8 +111,15 @@ def test_simulator_drives_the_runtimes_manager_and_control_plane(monkeypatch):
 
     assert type(a.m) is RolloutManager and a.queue is a.m.queue and a.buffer is a.m.buffer
     src = inspect.getsource(sim)
-    for copied in ("def plan_repack", "class ExperienceBuffer", "def _trainable", "def _requeue", "dispatch_plan(",
-                   "admission_room(", "take_uids("):
+    for copied in (
+        "def plan_repack",
+        "class ExperienceBuffer",
+        "def _trainable",
+        "def _requeue",
+        "dispatch_plan(",
+        "admission_room(",
+        "take_uids(",
+    ):
         assert copied not in src, copied
     assert all(sim.SIM_MODES[m] is control.MODES[m] for m in control.MODES)
 
@@ -113,7 +138,9 @@ def test_dynamic_sampling_resamples_rounds_until_the_batch_is_full():
             assert r.extra_rounds > 0, mode
     off = sim.Simulator(tiny(workload={"pass_rates": [0.0, 0.5, 1.0]}), "sync").run()
     assert off.dropped_groups == 0 and off.extra_rounds == 0
-    capped = sim.Simulator(tiny(**{**base, "sched": {"dynamic_sampling": True, "max_sampling_rounds": 1}}), "sync").run()
+    capped = sim.Simulator(
+        tiny(**{**base, "sched": {"dynamic_sampling": True, "max_sampling_rounds": 1}}), "sync"
+    ).run()
     assert capped.extra_rounds == 0 and capped.trained_groups < 8 * 6  # one round: batches stay short
 
 
@@ -122,18 +149,22 @@ def test_flow_control_under_a_staleness_bound_cuts_regeneration(monkeypatch):
     the trainer's batch included). On a long tail a few groups still go stale (a slow response can
     finish after newer, shorter ones have filled the batches its bound allows), but against the same
     run admitting whatever fits in the rollouts, regeneration falls to a fraction (9 vs 433 here)."""
-    cfg = tiny(workload={"steps": 8, "lengths": {"median": 150, "p99_over_median": 12}}, sched={"max_staleness": 1})
+    cfg = tiny(
+        workload={"steps": 8, "lengths": {"median": 150, "p99_over_median": 12}}, sched={"max_staleness": 1}
+    )
     r = sim.Simulator(cfg, "laminar").run()
     assert r.updates == 8 and max(int(k) for k in r.staleness_histogram) <= 1
-    monkeypatch.setattr(control, "admission_room", lambda *a, **k: 10 ** 9)
+    monkeypatch.setattr(control, "admission_room", lambda *a, **k: 10**9)
     unlimited = sim.Simulator(cfg, "laminar").run()
     assert unlimited.updates == 8 and unlimited.stale_dropped > 100
     assert r.stale_dropped * 10 < unlimited.stale_dropped
 
 
 def test_repack_happens_and_is_counted():
-    cfg = tiny(workload={"steps": 8, "lengths": {"median": 150, "p99_over_median": 15}},
-               sched={"repack_interval_s": 0.2})
+    cfg = tiny(
+        workload={"steps": 8, "lengths": {"median": 150, "p99_over_median": 15}},
+        sched={"repack_interval_s": 0.2},
+    )
     r = sim.Simulator(cfg, "laminar").run()
     assert r.repacks > 0
     kinds = {e["kind"] for e in r.timeline["events"]}
@@ -143,13 +174,16 @@ def test_repack_happens_and_is_counted():
 def test_dispatch_plan_matches_the_modes():
     m = control.MODES
     kw = dict(active=3, queued=0, pending=False, awaiting=0)
-    assert control.dispatch_plan(m["laminar"], version=0, latest=1, **kw) == control.DispatchPlan(False, -1, False, False)
+    assert control.dispatch_plan(m["laminar"], version=0, latest=1, **kw) == control.DispatchPlan(
+        False, -1, False, False
+    )
     assert control.dispatch_plan(m["laminar"], version=0, latest=1, **{**kw, "active": 0}).pull
     p = control.dispatch_plan(m["partial"], version=0, latest=1, **kw)
     assert p.pull and p.interrupt and p.admitting
     assert not control.dispatch_plan(m["sync"], version=0, latest=1, batch_min_version=1, **kw).pull
-    assert control.dispatch_plan(m["sync"], version=0, latest=1, batch_min_version=1,
-                                 **{**kw, "active": 0}).pull
+    assert control.dispatch_plan(
+        m["sync"], version=0, latest=1, batch_min_version=1, **{**kw, "active": 0}
+    ).pull
     assert control.dispatch_plan(m["one_step"], version=-1, latest=0, **kw).pull
 
 
@@ -158,9 +192,13 @@ def test_admit_lag_keeps_a_laminar_rollout_admitting_until_the_trainer_is_that_f
 
     lag3 = dataclasses.replace(control.MODES["laminar"], admit_lag=3)
     kw = dict(active=3, queued=0, pending=False, awaiting=0)
-    assert control.dispatch_plan(lag3, version=4, latest=6, **kw) == control.DispatchPlan(False, -1, False, True)
+    assert control.dispatch_plan(lag3, version=4, latest=6, **kw) == control.DispatchPlan(
+        False, -1, False, True
+    )
     assert not control.dispatch_plan(lag3, version=4, latest=7, **kw).admitting  # 3 behind: drain
-    assert control.dispatch_plan(lag3, version=4, latest=6, **{**kw, "active": 0}).pull  # empty: pull the latest
+    assert control.dispatch_plan(
+        lag3, version=4, latest=6, **{**kw, "active": 0}
+    ).pull  # empty: pull the latest
 
 
 def test_admit_lag_raises_simulated_occupancy_with_no_staleness_bound():
@@ -220,10 +258,24 @@ def test_cli_end_to_end(tmp_path, capsys):
     from flows.cli import main
 
     out = tmp_path / "sim"
-    rc = main(["simulate", "cluster.nodes=2", "cluster.gpus_per_node=4", "workload.prompts_per_step=8",
-               "workload.group_size=4", "workload.steps=4", "workload.max_output=2048",
-               "workload.lengths.median=200", "sched.capacity=16", "timeline_rollouts=4",
-               "modes=[sync,laminar]", f"out={out}", "--workspace", str(tmp_path / "ws")])
+    rc = main(
+        [
+            "simulate",
+            "cluster.nodes=2",
+            "cluster.gpus_per_node=4",
+            "workload.prompts_per_step=8",
+            "workload.group_size=4",
+            "workload.steps=4",
+            "workload.max_output=2048",
+            "workload.lengths.median=200",
+            "sched.capacity=16",
+            "timeline_rollouts=4",
+            "modes=[sync,laminar]",
+            f"out={out}",
+            "--workspace",
+            str(tmp_path / "ws"),
+        ]
+    )
     assert rc == 0
     text = capsys.readouterr().out
     assert "| laminar |" in text and "| sync |" in text and "laminar speedup over sync" in text
@@ -256,7 +308,9 @@ def test_lengths_from_a_real_run(tmp_path):
 
     run = tmp_path / "runtime.json"
     run.write_text(json.dumps({"response_lengths": [20, 30, 40, 230]}))
-    cfg = resolve(load_simulate_config(["workload.lengths.kind=values", f"workload.lengths.values_file={run}"]))
+    cfg = resolve(
+        load_simulate_config(["workload.lengths.kind=values", f"workload.lengths.values_file={run}"])
+    )
     assert cfg.workload.lengths.values == [20, 30, 40, 230]
     sampler = sim.LengthSampler(cfg.workload.lengths, 320, 8, 0)
     assert set(sampler.group(0)) <= {20, 30, 40, 230}

@@ -10,8 +10,15 @@ from training.base import build_base_model
 def test_hf_model_path_goes_through_the_same_loading_code(tmp_path):
     src = tmp_path / "some-hf-model"
     tok = build_char_tokenizer()
-    save_model(build_tiny_model(ModelConfig(hidden_size=32, intermediate_size=64, num_layers=1, num_heads=2,
-                                            num_kv_heads=1), tok, 0), tok, src)
+    save_model(
+        build_tiny_model(
+            ModelConfig(hidden_size=32, intermediate_size=64, num_layers=1, num_heads=2, num_kv_heads=1),
+            tok,
+            0,
+        ),
+        tok,
+        src,
+    )
     out = tmp_path / "out"
     out.mkdir()
     metrics = build_base_model(ModelConfig(kind="hf", path=str(src)), 0, out)

@@ -8,7 +8,6 @@ import socket
 
 import numpy as np
 import pytest
-import torch
 import torch.multiprocessing as mp
 from dist_worker import TRAIN_KW, lora_micro_model, random_groups, run_rank
 from rl_fakes import MICRO
@@ -36,8 +35,13 @@ def _reference(lora: bool = False):
 
 
 def _spawn(world: int, backend: str, stage: int, tmp_path, lora: bool = False) -> tuple[list[dict], dict]:
-    mp.start_processes(run_rank, args=(world, _free_port(), backend, stage, UPDATES, str(tmp_path), lora), nprocs=world,
-                       join=True, start_method="spawn")
+    mp.start_processes(
+        run_rank,
+        args=(world, _free_port(), backend, stage, UPDATES, str(tmp_path), lora),
+        nprocs=world,
+        join=True,
+        start_method="spawn",
+    )
     return json.loads((tmp_path / "stats.json").read_text()), load_file(str(tmp_path / "weights.safetensors"))
 
 
@@ -51,9 +55,15 @@ def _assert_same(stats, state, ref_stats, ref_state):
 
 
 def test_deepspeed_config_sets_what_the_trainer_owns():
-    cfg = deepspeed_config({"zero_optimization": {"stage": 2}, "bf16": {"enabled": "auto"}, "_comment": "x"},
-                           max_grad_norm=0.5, world_size=4, device="cpu")
-    assert cfg["gradient_clipping"] == 0.5 and cfg["train_batch_size"] == 4 and cfg["bf16"] == {"enabled": False}
+    cfg = deepspeed_config(
+        {"zero_optimization": {"stage": 2}, "bf16": {"enabled": "auto"}, "_comment": "x"},
+        max_grad_norm=0.5,
+        world_size=4,
+        device="cpu",
+    )
+    assert (
+        cfg["gradient_clipping"] == 0.5 and cfg["train_batch_size"] == 4 and cfg["bf16"] == {"enabled": False}
+    )
     assert "_comment" not in cfg and cfg["gradient_accumulation_steps"] == 1
 
 
@@ -76,7 +86,9 @@ def test_lora_backend_matches_one_torch_rank_and_trains_only_the_adapter(world, 
     _assert_same(stats, state, ref_stats, ref_state)
     start = {k: v.detach().numpy() for k, v in lora_micro_model(build_char_tokenizer()).named_parameters()}
     moved = [k for k in ref_state if "lora_B" in k]
-    assert moved and any(not np.allclose(ref_state[k], start[k.replace(".weight", ".default.weight")]) for k in moved)
+    assert moved and any(
+        not np.allclose(ref_state[k], start[k.replace(".weight", ".default.weight")]) for k in moved
+    )
 
 
 @pytest.mark.slow

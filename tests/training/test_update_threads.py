@@ -16,8 +16,18 @@ from training.rl.trainer import PolicyTrainer, group_shards
 
 
 def _trainer(model, tok, **kw):
-    return PolicyTrainer(model, PRESETS[kw.pop("preset", "grpo")], lr=1e-3, weight_decay=0.0, max_grad_norm=1.0,
-                         temperature=1.0, max_new_tokens=20, pad_id=tok.pad_token_id, device="cpu", **kw)
+    return PolicyTrainer(
+        model,
+        PRESETS[kw.pop("preset", "grpo")],
+        lr=1e-3,
+        weight_decay=0.0,
+        max_grad_norm=1.0,
+        temperature=1.0,
+        max_new_tokens=20,
+        pad_id=tok.pad_token_id,
+        device="cpu",
+        **kw,
+    )
 
 
 def _run(base, tok, groups, threads, **kw):
@@ -81,7 +91,9 @@ def test_group_shards_keep_groups_whole_and_balanced():
     shards = group_shards(torch.arange(10), lengths, group_index, 2)
     assert sorted(torch.cat(shards).tolist()) == list(range(10))
     for s in shards:
-        assert all(((group_index == group_index[i]).nonzero().squeeze(1) == s[:, None]).any(0).all() for i in s)
+        assert all(
+            ((group_index == group_index[i]).nonzero().squeeze(1) == s[:, None]).any(0).all() for i in s
+        )
     loads = sorted(int(lengths[s].sum()) for s in shards)
     assert loads == [26, 28]  # 20, 16, 10, 6, 2: largest first onto the lighter shard
     assert len(group_shards(torch.arange(4), lengths, group_index, 5)) == 2  # no more shards than groups

@@ -15,8 +15,15 @@ from pathlib import Path
 
 import numpy as np
 
-from training.rl.records import (ActorInfo, ExtractReply, Published, PullResult, RolloutStatus, StepReply,
-                                 TrainReply)
+from training.rl.records import (
+    ActorInfo,
+    ExtractReply,
+    Published,
+    PullResult,
+    RolloutStatus,
+    StepReply,
+    TrainReply,
+)
 
 
 def _setup(threads: int, seed: int) -> None:
@@ -44,7 +51,9 @@ def lower_priority(priority: str) -> None:
             os.sched_setscheduler(0, os.SCHED_IDLE, os.sched_param(0))
             return
         except OSError as e:  # a sandbox that forbids it: lower the niceness instead
-            logging.getLogger("laminar.training").warning("SCHED_IDLE refused (%s): rollout niceness +10 instead", e)
+            logging.getLogger("laminar.training").warning(
+                "SCHED_IDLE refused (%s): rollout niceness +10 instead", e
+            )
     try:
         os.nice(10)
     except (OSError, AttributeError) as e:
@@ -64,7 +73,9 @@ class RelayWorker:
         self._local: dict[int, dict] = {}
 
     def ping(self) -> ActorInfo:
-        return ActorInfo(self.name, os.getpid(), _node_id(), time.process_time(), versions=tuple(sorted(self.versions)))
+        return ActorInfo(
+            self.name, os.getpid(), _node_id(), time.process_time(), versions=tuple(sorted(self.versions))
+        )
 
     def set_next(self, handle) -> None:
         self.next = handle
@@ -125,25 +136,51 @@ class RolloutWorker:
     ``rl`` (``conf.schema.RLConfig``) gives its capacity and sampling, ``rollout``
     (``conf.schema.RolloutConfig``) its engine."""
 
-    def __init__(self, name: str, model_dir: str, rl, rollout, *, device: str, seed: int, threads: int = 1,
-                 priority: str = "normal"):
+    def __init__(
+        self,
+        name: str,
+        model_dir: str,
+        rl,
+        rollout,
+        *,
+        device: str,
+        seed: int,
+        threads: int = 1,
+        priority: str = "normal",
+    ):
         _setup(threads, seed)
         lower_priority(priority)
         from generation.adapter import adapter_rank, model_dir_for_sampling
         from generation.engines import make_engine, rollout_engine_options
 
         self.name = name
-        opts = rollout_engine_options(rollout, lora_rank=adapter_rank(model_dir))  # vLLM: started for its adapters
+        opts = rollout_engine_options(
+            rollout, lora_rank=adapter_rank(model_dir)
+        )  # vLLM: started for its adapters
         kind = opts.pop("kind")  # torch | torch-process | vllm: all speak the rollout protocol
         # a LoRA run's rollouts load the bare base: every adapter version (0 first) is merged into it on pull
-        self.engine = make_engine(kind, model_dir_for_sampling(model_dir), device=device, capacity=rl.rollout_capacity,
-                                  max_new_tokens=rl.max_new_tokens, temperature=rl.temperature, seed=seed, **opts)
+        self.engine = make_engine(
+            kind,
+            model_dir_for_sampling(model_dir),
+            device=device,
+            capacity=rl.rollout_capacity,
+            max_new_tokens=rl.max_new_tokens,
+            temperature=rl.temperature,
+            seed=seed,
+            **opts,
+        )
         self.engine.version = -1  # no published version loaded yet: the first step pulls
 
     def ping(self) -> ActorInfo:
         sched = os.sched_getscheduler(0) if hasattr(os, "sched_getscheduler") else None
-        return ActorInfo(self.name, os.getpid(), _node_id(), time.process_time(), version=self.engine.version,
-                         idle_priority=sched == getattr(os, "SCHED_IDLE", -1))
+        return ActorInfo(
+            self.name,
+            os.getpid(),
+            _node_id(),
+            time.process_time(),
+            version=self.engine.version,
+            idle_priority=sched == getattr(os, "SCHED_IDLE", -1),
+        )
 
     def pull(self, relay, min_version: int = -1, wait_s: float = 10.0) -> PullResult:
         """Load the relay's latest version (at least ``min_version``, waiting up to ``wait_s``)."""
@@ -165,8 +202,9 @@ class RolloutWorker:
             self.engine.load_state(state, got.version)
         return PullResult(True, got.version, time.perf_counter() - t0)
 
-    def step(self, chunk: int, *, submit=(), inject=(), relay=None, min_version: int = -1,
-             admitting: bool = True) -> StepReply:
+    def step(
+        self, chunk: int, *, submit=(), inject=(), relay=None, min_version: int = -1, admitting: bool = True
+    ) -> StepReply:
         pulled = None
         if relay is not None:
             pulled = self.pull(relay, min_version)
@@ -180,8 +218,14 @@ class RolloutWorker:
         # no published weights yet (a fresh or restarted actor): hold the work until the first pull
         ready = self.engine.version >= 0 and (st["active"] or st["queued"])
         finished = self.engine.step(chunk) if ready else []
-        return StepReply(tuple(finished), RolloutStatus.of(self.engine.status()), pulled, time.perf_counter() - t0,
-                         os.getpid(), time.process_time())
+        return StepReply(
+            tuple(finished),
+            RolloutStatus.of(self.engine.status()),
+            pulled,
+            time.perf_counter() - t0,
+            os.getpid(),
+            time.process_time(),
+        )
 
     def score(self, tokens: list[int]) -> tuple[int, list[float]]:
         """(the version this rollout holds, the log-probs its engine gives ``tokens[1:]``): what the
@@ -192,8 +236,13 @@ class RolloutWorker:
 
     def extract(self) -> ExtractReply:
         partials, queued = self.engine.extract(include_queued=True)
-        return ExtractReply(tuple(partials), tuple(queued), RolloutStatus.of(self.engine.status()), os.getpid(),
-                            time.process_time())
+        return ExtractReply(
+            tuple(partials),
+            tuple(queued),
+            RolloutStatus.of(self.engine.status()),
+            os.getpid(),
+            time.process_time(),
+        )
 
 
 class TrainerWorker:
@@ -205,8 +254,21 @@ class TrainerWorker:
     rendezvous ``address()`` and then calls ``start(addr, port)`` on every rank together; a single
     torch rank needs no group and starts at once."""
 
-    def __init__(self, model_dir: str, params, rl, trainer=None, *, device: str, seed: int, threads: int = 1,
-                 rank: int = 0, world_size: int = 1, dist_backend: str = "gloo", extensions_dir: str | None = None):
+    def __init__(
+        self,
+        model_dir: str,
+        params,
+        rl,
+        trainer=None,
+        *,
+        device: str,
+        seed: int,
+        threads: int = 1,
+        rank: int = 0,
+        world_size: int = 1,
+        dist_backend: str = "gloo",
+        extensions_dir: str | None = None,
+    ):
         """``params``: the resolved objective; ``rl``: ``conf.schema.RLConfig`` (optimizer and batch
         settings, read by ``PolicyTrainer.from_config``)."""
         _setup(threads, seed)
@@ -247,22 +309,35 @@ class TrainerWorker:
 
         if self.trainer is None:
             if self.needs_group():
-                init_distributed(self.dist_backend, self.rank, self.world_size, master_addr, master_port,
-                                 deepspeed_comm=self.backend == "deepspeed")
+                init_distributed(
+                    self.dist_backend,
+                    self.rank,
+                    self.world_size,
+                    master_addr,
+                    master_port,
+                    deepspeed_comm=self.backend == "deepspeed",
+                )
             place = dict(pad_id=self.pad_id, device=self.device, rank=self.rank, world_size=self.world_size)
             if self.backend == "deepspeed":
                 from conf.loader import deepspeed_config
 
-                self.trainer = DeepSpeedPolicyTrainer.from_config(self._model, self.params, self.rl,
-                                                                  ds_config=deepspeed_config(self.deepspeed), **place)
+                self.trainer = DeepSpeedPolicyTrainer.from_config(
+                    self._model, self.params, self.rl, ds_config=deepspeed_config(self.deepspeed), **place
+                )
             else:
                 self.trainer = PolicyTrainer.from_config(self._model, self.params, self.rl, **place)
             self._model = None
         return self.ping()
 
     def ping(self) -> ActorInfo:
-        return ActorInfo(f"trainer-{self.rank}", os.getpid(), _node_id(), time.process_time(), rank=self.rank,
-                         version=self.trainer.version if self.trainer is not None else None)
+        return ActorInfo(
+            f"trainer-{self.rank}",
+            os.getpid(),
+            _node_id(),
+            time.process_time(),
+            rank=self.rank,
+            version=self.trainer.version if self.trainer is not None else None,
+        )
 
     def set_master(self, relay) -> None:
         self.master = relay
@@ -324,7 +399,9 @@ class TrainerWorker:
             if self.rank == 0:
                 save_trainer_state(Path(directory), None, None, version=self.trainer.version)
         elif self.rank == 0:
-            save_trainer_state(Path(directory), self.trainer.model, self.trainer.opt, version=self.trainer.version)
+            save_trainer_state(
+                Path(directory), self.trainer.model, self.trainer.opt, version=self.trainer.version
+            )
 
     def load(self, directory: str) -> int:
         from training.rl.checkpoint import load_trainer_state

@@ -27,13 +27,23 @@ import random
 import re
 import shutil
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any
+from collections.abc import Callable
 
 from core.artifacts import hash_file
 
 __all__ = [
-    "MARKER", "write_checkpoint", "latest_checkpoint", "list_checkpoints", "checkpoint_step", "is_complete",
-    "save_trainer_state", "load_trainer_state", "save_json", "load_json", "verified_files",
+    "MARKER",
+    "write_checkpoint",
+    "latest_checkpoint",
+    "list_checkpoints",
+    "checkpoint_step",
+    "is_complete",
+    "save_trainer_state",
+    "load_trainer_state",
+    "save_json",
+    "load_json",
+    "verified_files",
 ]
 
 MARKER = "COMPLETE.json"
@@ -47,6 +57,7 @@ STATE_FILE = "trainer_state.json"
 
 
 # ---- durable filesystem helpers -----------------------------------------------------------------
+
 
 def _fsync_dir(path: Path) -> None:
     if os.name == "nt":  # directories cannot be opened for fsync on Windows
@@ -104,6 +115,7 @@ def _pid_alive(pid: int) -> bool:
 
 
 # ---- checkpoints --------------------------------------------------------------------------------
+
 
 def checkpoint_step(path: Path) -> int | None:
     """The step of a ``step-NNNNNN`` folder name, else None."""
@@ -169,8 +181,9 @@ def verified_files(ckpt: Path, sub: str) -> list[Path]:
         if rel not in listed:
             raise ValueError(f"{ckpt / rel} is not in the checkpoint's {MARKER}: refusing to load it")
         if hash_file(ckpt / rel) != listed[rel]:
-            raise ValueError(f"{ckpt / rel} does not match the sha256 in the checkpoint's {MARKER}: "
-                             "refusing to load it")
+            raise ValueError(
+                f"{ckpt / rel} does not match the sha256 in the checkpoint's {MARKER}: refusing to load it"
+            )
     missing = sorted(set(listed) - set(present))
     if missing:
         raise ValueError(f"{ckpt / missing[0]} is listed in the checkpoint's {MARKER} but missing")
@@ -245,7 +258,9 @@ def write_checkpoint(root: Path, step: int, writer: Callable[[Path], None], keep
         os.rename(tmp, final)
         renamed = True
         _fsync_dir(root)
-        _atomic_write_text(final / MARKER, json.dumps({"step": step, "files": files}, indent=1, sort_keys=True))
+        _atomic_write_text(
+            final / MARKER, json.dumps({"step": step, "files": files}, indent=1, sort_keys=True)
+        )
         _fsync_dir(root)
     except BaseException:
         shutil.rmtree(final if renamed else tmp, ignore_errors=True)
@@ -261,6 +276,7 @@ def write_checkpoint(root: Path, step: int, writer: Callable[[Path], None], keep
 
 
 # ---- JSON state ---------------------------------------------------------------------------------
+
 
 def _json_path(dir: Path, name: str) -> Path:
     p = Path(dir) / name
@@ -353,8 +369,13 @@ def _numpy_state() -> dict | None:
     except ImportError:  # pragma: no cover - numpy is a dependency
         return None
     name, keys, pos, has_gauss, cached = np.random.get_state(legacy=True)
-    return {"name": name, "keys": [int(k) for k in keys], "pos": int(pos), "has_gauss": int(has_gauss),
-            "cached_gaussian": float(cached)}
+    return {
+        "name": name,
+        "keys": [int(k) for k in keys],
+        "pos": int(pos),
+        "has_gauss": int(has_gauss),
+        "cached_gaussian": float(cached),
+    }
 
 
 def _set_numpy_state(state: dict | None) -> None:
@@ -362,8 +383,15 @@ def _set_numpy_state(state: dict | None) -> None:
         return
     import numpy as np
 
-    np.random.set_state((state["name"], np.asarray(state["keys"], dtype=np.uint32), state["pos"],
-                         state["has_gauss"], state["cached_gaussian"]))
+    np.random.set_state(
+        (
+            state["name"],
+            np.asarray(state["keys"], dtype=np.uint32),
+            state["pos"],
+            state["has_gauss"],
+            state["cached_gaussian"],
+        )
+    )
 
 
 def save_trainer_state(dir: Path, model, optimizer, *, version: int, extra: dict | None = None) -> None:
@@ -390,9 +418,13 @@ def save_trainer_state(dir: Path, model, optimizer, *, version: int, extra: dict
     if model is not None:
         from training.lora import is_peft
 
-        if is_peft(model):  # LoRA: the adapters only; the frozen base comes back from its own folder on resume
-            save_file({n: p.detach().contiguous() for n, p in model.named_parameters() if p.requires_grad},
-                      str(dir / MODEL_FILE))
+        if is_peft(
+            model
+        ):  # LoRA: the adapters only; the frozen base comes back from its own folder on resume
+            save_file(
+                {n: p.detach().contiguous() for n, p in model.named_parameters() if p.requires_grad},
+                str(dir / MODEL_FILE),
+            )
         else:
             save_model(model, str(dir / MODEL_FILE))
     opt_json = None
@@ -429,7 +461,9 @@ def load_trainer_state(dir: Path, model, optimizer) -> dict:
     dir = Path(dir)
     state = json.loads((dir / STATE_FILE).read_text(encoding="utf-8"))
     if optimizer is not None and state.get("optimizer_class") not in (None, type(optimizer).__name__):
-        raise ValueError(f"checkpoint optimizer is {state['optimizer_class']}, got {type(optimizer).__name__}")
+        raise ValueError(
+            f"checkpoint optimizer is {state['optimizer_class']}, got {type(optimizer).__name__}"
+        )
     if model is not None:
         device = next((p.device for p in model.parameters()), torch.device("cpu"))
         from training.lora import is_peft
@@ -438,7 +472,9 @@ def load_trainer_state(dir: Path, model, optimizer) -> dict:
             tensors = load_file(str(dir / MODEL_FILE), device=str(device))
             want = {n for n, p in model.named_parameters() if p.requires_grad}
             if set(tensors) != want:
-                raise KeyError(f"checkpoint adapters {sorted(set(tensors) ^ want)[:3]} do not match the model's")
+                raise KeyError(
+                    f"checkpoint adapters {sorted(set(tensors) ^ want)[:3]} do not match the model's"
+                )
             model.load_state_dict(tensors, strict=False)
         else:
             load_model(model, str(dir / MODEL_FILE), strict=True, device=str(device))
@@ -453,5 +489,9 @@ def load_trainer_state(dir: Path, model, optimizer) -> dict:
         torch.cuda.set_rng_state_all(cuda_states[: torch.cuda.device_count()])
     random.setstate(_decode(state["python_random"], {}))
     _set_numpy_state(state.get("numpy_random"))
-    return {"version": state["version"], "extra": state["extra"],
-            "optimizer_class": state.get("optimizer_class"), "torch_version": state.get("torch_version")}
+    return {
+        "version": state["version"],
+        "extra": state["extra"],
+        "optimizer_class": state.get("optimizer_class"),
+        "torch_version": state.get("torch_version"),
+    }

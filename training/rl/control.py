@@ -20,7 +20,7 @@ from __future__ import annotations
 import dataclasses
 from collections import Counter, OrderedDict, deque
 from dataclasses import dataclass, field
-from typing import Callable, Iterable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 
 from generation.records import GenRequest, PromptItem, ScoredGroup, Trajectory
 
@@ -70,8 +70,17 @@ class DispatchPlan:
     admitting: bool
 
 
-def dispatch_plan(mode: ModeSpec, *, version: int, latest: int, active: int, queued: int, pending: bool,
-                  awaiting: int, batch_min_version: int = 0) -> DispatchPlan:
+def dispatch_plan(
+    mode: ModeSpec,
+    *,
+    version: int,
+    latest: int,
+    active: int,
+    queued: int,
+    pending: bool,
+    awaiting: int,
+    batch_min_version: int = 0,
+) -> DispatchPlan:
     """The mode's decision for one rollout (the real runtime's ``_dispatch`` and the simulator both
     call this). ``version``: the rollout's weights (-1: none loaded yet); ``latest``: the trainer's;
     ``pending``: work handed to it that it has not started; ``awaiting``: repacks on their way to it.
@@ -96,15 +105,25 @@ def dispatch_plan(mode: ModeSpec, *, version: int, latest: int, active: int, que
     return DispatchPlan(pull=pull, min_version=min_version, interrupt=interrupt, admitting=not draining)
 
 
-def outstanding_responses(rollouts: Iterable, buffer: "ExperienceBuffer", *, training: int = 0, new: int = 0) -> int:
+def outstanding_responses(
+    rollouts: Iterable, buffer: ExperienceBuffer, *, training: int = 0, new: int = 0
+) -> int:
     """Responses admitted and not yet trained: the batch the trainer is updating on (``training``),
     what the buffer holds, what each rollout was handed (``assigned`` and ``pending_inject``) and
     ``new`` requests about to be handed over. The runtime and the simulator count the same way."""
     return training + buffer.n_held() + new + sum(len(x.assigned) + len(x.pending_inject) for x in rollouts)
 
 
-def admission_room(max_staleness: int | None, *, latest: int, version: int, batch_groups: int, group_size: int,
-                   outstanding: int, retry: int = 0) -> int | None:
+def admission_room(
+    max_staleness: int | None,
+    *,
+    latest: int,
+    version: int,
+    batch_groups: int,
+    group_size: int,
+    outstanding: int,
+    retry: int = 0,
+) -> int | None:
     """Flow control of the unbatched modes: how many more responses a rollout at ``version`` may start
     so that all ``outstanding`` work (``outstanding_responses``) can still be trained within
     ``max_staleness``. A response of version v is trainable in the updates the trainer takes at
@@ -185,8 +204,11 @@ class PromptQueue:
             self.retry.appendleft(r)
 
     def state(self) -> dict:
-        return {"next_uid": self.next_uid, "issued_groups": self.issued_groups,
-                "retry": [request_to_json(r) for r in self.retry]}
+        return {
+            "next_uid": self.next_uid,
+            "issued_groups": self.issued_groups,
+            "retry": [request_to_json(r) for r in self.retry],
+        }
 
     def load_state(self, state: dict) -> None:
         self.next_uid = state["next_uid"]
@@ -214,8 +236,13 @@ class ExperienceBuffer:
     bound); older ones are returned for requeueing. A group is trained at most once: a second
     trajectory for an index already held, or anything for a trained group, is counted and ignored."""
 
-    def __init__(self, group_size: int, score: Callable[[list[Trajectory]], ScoredGroup],
-                 keep: Callable[[ScoredGroup], bool] | None = None, max_staleness: int | None = None):
+    def __init__(
+        self,
+        group_size: int,
+        score: Callable[[list[Trajectory]], ScoredGroup],
+        keep: Callable[[ScoredGroup], bool] | None = None,
+        max_staleness: int | None = None,
+    ):
         self.group_size = group_size
         self.score = score
         self.keep = keep or (lambda g: True)
@@ -256,20 +283,27 @@ class ExperienceBuffer:
 
     def n_held(self) -> int:
         """Trajectories held and not yet trained: of incomplete groups and of ready groups."""
-        return sum(len(slot) for slot in self.partial.values()) + sum(len(g.trajectories) for g in self.ready.values())
+        return sum(len(slot) for slot in self.partial.values()) + sum(
+            len(g.trajectories) for g in self.ready.values()
+        )
 
     @staticmethod
     def group_version(group: ScoredGroup) -> int:
         return min(t.version for t in group.trajectories)
 
-    def take(self, n: int, trainer_version: int, *, full: bool = False
-             ) -> tuple[list[tuple[int, ScoredGroup]], list[tuple[int, ScoredGroup]]]:
+    def take(
+        self, n: int, trainer_version: int, *, full: bool = False
+    ) -> tuple[list[tuple[int, ScoredGroup]], list[tuple[int, ScoredGroup]]]:
         """Up to ``n`` ready groups (oldest issued first) within the staleness bound, marked trained
         (with ``full``, none unless ``n`` are ready); and the groups dropped as too stale (the caller
         requeues their prompts)."""
         stale = []
         if self.max_staleness is not None:
-            for uid in [u for u, g in self.ready.items() if trainer_version - self.group_version(g) > self.max_staleness]:
+            for uid in [
+                u
+                for u, g in self.ready.items()
+                if trainer_version - self.group_version(g) > self.max_staleness
+            ]:
                 stale.append((uid, self.ready.pop(uid)))
                 self.stats.stale_dropped += 1
         if full and len(self.ready) < n:
@@ -302,9 +336,12 @@ class ExperienceBuffer:
 
     def state(self) -> dict:
         """Buffered work for a checkpoint: finished trajectories of incomplete groups, ready groups."""
-        return {"partial": [trajectory_to_json(t) for slot in self.partial.values() for t in slot.values()],
-                "ready": [trajectory_to_json(t) for g in self.ready.values() for t in g.trajectories],
-                "done": sorted(self.done), "staleness": {str(k): v for k, v in self.stats.staleness.items()}}
+        return {
+            "partial": [trajectory_to_json(t) for slot in self.partial.values() for t in slot.values()],
+            "ready": [trajectory_to_json(t) for g in self.ready.values() for t in g.trajectories],
+            "done": sorted(self.done),
+            "staleness": {str(k): v for k, v in self.stats.staleness.items()},
+        }
 
     def load_state(self, state: dict) -> None:
         self.done = set(state["done"])
@@ -358,7 +395,9 @@ def plan_repack(rollouts: Sequence[RolloutView], b_threshold: int) -> list[Move]
             by_version.setdefault(r.version, []).append(r)
     for version in sorted(by_version):
         group = by_version[version]
-        sources = sorted((r for r in group if is_repack_source(r, b_threshold)), key=lambda r: (r.active, r.name))
+        sources = sorted(
+            (r for r in group if is_repack_source(r, b_threshold)), key=lambda r: (r.active, r.name)
+        )
         for src in sources:
             if src.name in receivers or src.name in emptied:
                 continue
@@ -446,7 +485,9 @@ def request_to_json(r: GenRequest) -> dict:
 
 
 def request_from_json(d: dict) -> GenRequest:
-    return GenRequest(prompt=prompt_from_json(d["prompt"]), sample_idx=d["sample_idx"], group_uid=d["group_uid"])
+    return GenRequest(
+        prompt=prompt_from_json(d["prompt"]), sample_idx=d["sample_idx"], group_uid=d["group_uid"]
+    )
 
 
 def trajectory_to_json(t: Trajectory) -> dict:
@@ -458,5 +499,11 @@ def trajectory_to_json(t: Trajectory) -> dict:
 
 
 def trajectory_from_json(d: dict) -> Trajectory:
-    return Trajectory(**{**d, "prompt": prompt_from_json(d["prompt"]), "response_tokens": tuple(d["response_tokens"]),
-                         "behaviour_logprobs": tuple(d["behaviour_logprobs"])})
+    return Trajectory(
+        **{
+            **d,
+            "prompt": prompt_from_json(d["prompt"]),
+            "response_tokens": tuple(d["response_tokens"]),
+            "behaviour_logprobs": tuple(d["behaviour_logprobs"]),
+        }
+    )

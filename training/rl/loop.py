@@ -13,7 +13,7 @@ import time
 from collections import Counter
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Callable, Sequence
+from collections.abc import Callable, Sequence
 
 import torch
 
@@ -83,8 +83,18 @@ class HiveSource:
     above the pool's median (``rule``) are kept. Every rolled-out group's mean correctness goes back
     into the history, and GRESO's skip bases adapt to the observed zero-variance ratios."""
 
-    def __init__(self, cursor: PromptCursor, engine: TorchEngine, *, greso=None, entropy_rule: str = "median",
-                 seed: int = 0, min_raw_batch: int = 32, round_headroom: float = 1.0, min_round: float = 0.0):
+    def __init__(
+        self,
+        cursor: PromptCursor,
+        engine: TorchEngine,
+        *,
+        greso=None,
+        entropy_rule: str = "median",
+        seed: int = 0,
+        min_raw_batch: int = 32,
+        round_headroom: float = 1.0,
+        min_round: float = 0.0,
+    ):
         self.cursor = cursor
         self.round_headroom = round_headroom
         self.min_round = min_round
@@ -153,9 +163,13 @@ class HiveSource:
         from training.rl.control import prompt_to_json
 
         version, internal, gauss = self.rng.getstate()
-        return {"cursor": self.cursor.state(), "buffer": [prompt_to_json(p) for p in self.buffer],
-                "rng": [version, list(internal), gauss], "counts": dict(self._counts),
-                "greso": self.greso.state() if self.greso is not None else None}
+        return {
+            "cursor": self.cursor.state(),
+            "buffer": [prompt_to_json(p) for p in self.buffer],
+            "rng": [version, list(internal), gauss],
+            "counts": dict(self._counts),
+            "greso": self.greso.state() if self.greso is not None else None,
+        }
 
     def load_state(self, state: dict) -> None:
         from training.rl.control import prompt_from_json
@@ -175,14 +189,22 @@ class HiveSource:
         return out
 
 
-def sample_phase(engine: TorchEngine, prompts: Sequence[PromptItem], group_size: int, *, max_new_tokens: int,
-                 temperature: float, generator: torch.Generator) -> list[Trajectory]:
+def sample_phase(
+    engine: TorchEngine,
+    prompts: Sequence[PromptItem],
+    group_size: int,
+    *,
+    max_new_tokens: int,
+    temperature: float,
+    generator: torch.Generator,
+) -> list[Trajectory]:
     requests = [GenRequest(prompt=p, sample_idx=i) for p in prompts for i in range(group_size)]
     return engine.generate(requests, max_new_tokens, temperature, generator)
 
 
-def score_phase(trajectories: Sequence[Trajectory], verifier,
-                shaping: Callable[[Trajectory], float] | None = None) -> list[ScoredGroup]:
+def score_phase(
+    trajectories: Sequence[Trajectory], verifier, shaping: Callable[[Trajectory], float] | None = None
+) -> list[ScoredGroup]:
     """Group trajectories by prompt (in first-seen order) and score each with the shared verifier;
     ``shaping`` adds a term to the reward (DAPO's overlong punishment), never to ``correct``."""
     verdicts = verifier.verify_batch([t.text for t in trajectories], [t.prompt.answer for t in trajectories])
@@ -190,10 +212,16 @@ def score_phase(trajectories: Sequence[Trajectory], verifier,
     for t, v in zip(trajectories, verdicts):
         by_prompt.setdefault(t.prompt.prompt_id, []).append((t, v))
     extra = shaping or (lambda _t: 0.0)
-    return [ScoredGroup(kind="scored_group", prompt_id=pid, trajectories=tuple(t for t, _ in items),
-                        rewards=tuple(v.reward + extra(t) for t, v in items),
-                        correct=tuple(v.correct for _, v in items))
-            for pid, items in by_prompt.items()]
+    return [
+        ScoredGroup(
+            kind="scored_group",
+            prompt_id=pid,
+            trajectories=tuple(t for t, _ in items),
+            rewards=tuple(v.reward + extra(t) for t, v in items),
+            correct=tuple(v.correct for _, v in items),
+        )
+        for pid, items in by_prompt.items()
+    ]
 
 
 def overlong_shaping(params: ObjectiveParams, max_new_tokens: int) -> Callable[[Trajectory], float] | None:
@@ -204,6 +232,7 @@ def overlong_shaping(params: ObjectiveParams, max_new_tokens: int) -> Callable[[
     def shape(t: Trajectory) -> float:
         length = torch.tensor([len(t.response_tokens)])
         return float(overlong_penalty(length, max_new_tokens, params.overlong_cache_len)[0])
+
     return shape
 
 
@@ -219,9 +248,18 @@ class Collected:
     """Every group sampled this step, kept or dropped (the reward history records them all)."""
 
 
-def collect_phase(engine: TorchEngine, cursor: PromptCursor | HiveSource, verifier, params: ObjectiveParams, *,
-                  prompts_per_step: int, group_size: int, max_new_tokens: int, temperature: float,
-                  generator: torch.Generator) -> Collected:
+def collect_phase(
+    engine: TorchEngine,
+    cursor: PromptCursor | HiveSource,
+    verifier,
+    params: ObjectiveParams,
+    *,
+    prompts_per_step: int,
+    group_size: int,
+    max_new_tokens: int,
+    temperature: float,
+    generator: torch.Generator,
+) -> Collected:
     """Sample and score groups for one step. With dynamic sampling (DAPO), groups whose rewards are
     all equal carry no signal and are dropped; sampling continues, ``prompts_per_step`` prompts a
     round, until the batch is full or ``max_sampling_rounds`` rounds have run."""
@@ -234,9 +272,17 @@ def collect_phase(engine: TorchEngine, cursor: PromptCursor | HiveSource, verifi
         rounds += 1
         n = prompts_per_step
         if rounds > 1 and isinstance(cursor, HiveSource):
-            n = cursor.round_size(prompts_per_step - len(kept), dropped / max(1, len(all_groups)), prompts_per_step)
-        trajectories = sample_phase(engine, cursor.take(n), group_size,
-                                    max_new_tokens=max_new_tokens, temperature=temperature, generator=generator)
+            n = cursor.round_size(
+                prompts_per_step - len(kept), dropped / max(1, len(all_groups)), prompts_per_step
+            )
+        trajectories = sample_phase(
+            engine,
+            cursor.take(n),
+            group_size,
+            max_new_tokens=max_new_tokens,
+            temperature=temperature,
+            generator=generator,
+        )
         generated += len(trajectories)
         scored = score_phase(trajectories, verifier, shaping)
         cursor.observe(scored)
@@ -258,39 +304,60 @@ def publish_phase(trainer: PolicyTrainer, engine: TorchEngine) -> int:
     return engine.version
 
 
-def step_metrics(step: int, collected: Collected, stats: UpdateStats | None, gen_s: float, train_s: float) -> dict:
+def step_metrics(
+    step: int, collected: Collected, stats: UpdateStats | None, gen_s: float, train_s: float
+) -> dict:
     groups = collected.groups
     trajs = [t for g in groups for t in g.trajectories]
     n = max(1, len(trajs))
     n_tokens = sum(len(t.response_tokens) for t in trajs)
     return {
-        "step": float(step), "reward": sum(r for g in groups for r in g.rewards) / n,
+        "step": float(step),
+        "reward": sum(r for g in groups for r in g.rewards) / n,
         "accuracy": sum(c for g in groups for c in g.correct) / n,
         "response_length": n_tokens / n,
         "truncated": sum(not t.finished for t in trajs) / n,
         "constant_groups": float(sum(1 for g in groups if len(set(g.correct)) == 1)),
-        "dropped_groups": float(collected.dropped_groups), "sampling_rounds": float(collected.rounds),
-        "trained_trajectories": float(len(trajs)), "generated_trajectories": float(collected.generated),
-        "loss": stats.loss if stats else float("nan"), "grad_norm": stats.grad_norm if stats else float("nan"),
-        "gen_seconds": gen_s, "train_seconds": train_s, "gen_tokens_per_s": n_tokens / max(gen_s, 1e-9),
-        "entropy": sum(t.mean_entropy for t in trajs) / n if trajs else float("nan"), "clipfrac": float("nan"),
+        "dropped_groups": float(collected.dropped_groups),
+        "sampling_rounds": float(collected.rounds),
+        "trained_trajectories": float(len(trajs)),
+        "generated_trajectories": float(collected.generated),
+        "loss": stats.loss if stats else float("nan"),
+        "grad_norm": stats.grad_norm if stats else float("nan"),
+        "gen_seconds": gen_s,
+        "train_seconds": train_s,
+        "gen_tokens_per_s": n_tokens / max(gen_s, 1e-9),
+        "entropy": sum(t.mean_entropy for t in trajs) / n if trajs else float("nan"),
+        "clipfrac": float("nan"),
         **({k: float(v) for k, v in stats.metrics.items()} if stats else {}),
     }
 
 
 def format_step(m: dict, total: int) -> str:
     """One fixed-format line per RL step."""
-    return (f"step {int(m['step']):4d}/{total} | reward {m['reward']:.3f} | acc {m['accuracy']:.3f} | "
-            f"len {m['response_length']:5.1f} | entropy {m['entropy']:.3f} | clipfrac {m['clipfrac']:.3f} | "
-            f"dropped {int(m['dropped_groups']):3d} | gen {m['gen_seconds']:.2f}s | "
-            f"train {m['train_seconds']:.2f}s | tok/s {m['gen_tokens_per_s']:.0f}")
+    return (
+        f"step {int(m['step']):4d}/{total} | reward {m['reward']:.3f} | acc {m['accuracy']:.3f} | "
+        f"len {m['response_length']:5.1f} | entropy {m['entropy']:.3f} | clipfrac {m['clipfrac']:.3f} | "
+        f"dropped {int(m['dropped_groups']):3d} | gen {m['gen_seconds']:.2f}s | "
+        f"train {m['train_seconds']:.2f}s | tok/s {m['gen_tokens_per_s']:.0f}"
+    )
 
 
-def run_sync(model, tokenizer, prompts: Sequence[PromptItem], verifier, params: ObjectiveParams, rl, *, seed: int,
-             device: str, on_step: Callable[[dict], None] | None = None,
-             source: Callable[[PromptCursor, TorchEngine], PromptCursor | HiveSource] | None = None,
-             evaluate: Callable[[object], dict[str, float]] | None = None,
-             checkpoint_dir: Path | None = None) -> RLResult:
+def run_sync(
+    model,
+    tokenizer,
+    prompts: Sequence[PromptItem],
+    verifier,
+    params: ObjectiveParams,
+    rl,
+    *,
+    seed: int,
+    device: str,
+    on_step: Callable[[dict], None] | None = None,
+    source: Callable[[PromptCursor, TorchEngine], PromptCursor | HiveSource] | None = None,
+    evaluate: Callable[[object], dict[str, float]] | None = None,
+    checkpoint_dir: Path | None = None,
+) -> RLResult:
     """Synchronous GRPO-family RL: generate a batch of groups with the current weights, score it,
     take one update and refresh the sampler's weights. Trains ``model`` in place. ``rl``:
     ``conf.schema.RLConfig`` (steps, batch, lengths, optimizer, ``eval_every``, ``checkpoint_every``).
@@ -309,13 +376,23 @@ def run_sync(model, tokenizer, prompts: Sequence[PromptItem], verifier, params: 
     cursor = PromptCursor(prompts, seed)
     prompt_source = source(cursor, engine) if source is not None else cursor
     result = RLResult()
-    start = _resume_sync(Path(checkpoint_dir), trainer, engine, prompt_source, result) if checkpoint_dir else 1
+    start = (
+        _resume_sync(Path(checkpoint_dir), trainer, engine, prompt_source, result) if checkpoint_dir else 1
+    )
     for step in range(start, steps + 1):
         generator = torch.Generator().manual_seed(seed * 1_000_003 + step)
         t0 = time.perf_counter()
-        collected = collect_phase(engine, prompt_source, verifier, params, prompts_per_step=rl.prompts_per_step,
-                                  group_size=rl.group_size, max_new_tokens=rl.max_new_tokens,
-                                  temperature=rl.temperature, generator=generator)
+        collected = collect_phase(
+            engine,
+            prompt_source,
+            verifier,
+            params,
+            prompts_per_step=rl.prompts_per_step,
+            group_size=rl.group_size,
+            max_new_tokens=rl.max_new_tokens,
+            temperature=rl.temperature,
+            generator=generator,
+        )
         gen_s = time.perf_counter() - t0
         t1 = time.perf_counter()
         stats = None
@@ -327,8 +404,9 @@ def run_sync(model, tokenizer, prompts: Sequence[PromptItem], verifier, params: 
         if evaluate is not None and eval_every > 0 and step % eval_every == 0 and step < steps:
             metrics.update(evaluate(engine.model))
         result.history.append(metrics)
-        result.rewards.extend((step, g.prompt_id, sum(g.correct) / len(g.correct), len(g.correct))
-                              for g in collected.rolled_out)
+        result.rewards.extend(
+            (step, g.prompt_id, sum(g.correct) / len(g.correct), len(g.correct)) for g in collected.rolled_out
+        )
         result.consumed.update(t.prompt.prompt_id for g in collected.groups for t in g.trajectories)
         if checkpoint_dir and rl.checkpoint_every and step % rl.checkpoint_every == 0 and step < steps:
             _checkpoint_sync(Path(checkpoint_dir), step, trainer, prompt_source, result)
@@ -346,8 +424,18 @@ def _checkpoint_sync(root: Path, step: int, trainer: PolicyTrainer, source, resu
 
     def writer(tmp: Path) -> None:
         save_trainer_state(tmp, trainer.model, trainer.opt, version=trainer.version)
-        save_json(tmp, SYNC_STATE, {"step": step, "source": source.state(), "history": result.history,
-                                    "consumed": dict(result.consumed), "rewards": [list(x) for x in result.rewards]})
+        save_json(
+            tmp,
+            SYNC_STATE,
+            {
+                "step": step,
+                "source": source.state(),
+                "history": result.history,
+                "consumed": dict(result.consumed),
+                "rewards": [list(x) for x in result.rewards],
+            },
+        )
+
     write_checkpoint(root, step, writer)
 
 
@@ -367,5 +455,7 @@ def _resume_sync(root: Path, trainer: PolicyTrainer, engine: TorchEngine, source
     result.history = state["history"]
     result.consumed = Counter(state["consumed"])
     result.rewards = [tuple(x) for x in state["rewards"]]
-    logging.getLogger("laminar.training").warning("resuming RL from checkpoint %s (step %d)", ckpt, state["step"])
+    logging.getLogger("laminar.training").warning(
+        "resuming RL from checkpoint %s (step %d)", ckpt, state["step"]
+    )
     return int(state["step"]) + 1

@@ -19,7 +19,8 @@ from __future__ import annotations
 import dataclasses
 from collections import Counter
 from dataclasses import dataclass, field
-from typing import Callable, Iterable, Protocol, Sequence
+from typing import Protocol
+from collections.abc import Callable, Iterable, Sequence
 
 from generation.records import GenRequest, Partial, ScoredGroup, Trajectory
 from training.rl import control
@@ -60,14 +61,20 @@ class ManagerSettings:
     """Back-pressure of the continuous modes: issued-but-untrained groups stay within this many batches (0: off)."""
 
     @classmethod
-    def from_config(cls, rl, params) -> "ManagerSettings":
+    def from_config(cls, rl, params) -> ManagerSettings:
         """From ``conf.schema.RLConfig`` and the resolved objective (``training.objectives.ObjectiveParams``)."""
         if rl.mode not in MODES:
             raise ValueError(f"rl.mode={rl.mode!r}: expected one of {sorted(MODES)}")
-        return cls(mode=dataclasses.replace(MODES[rl.mode], admit_lag=rl.admit_lag), steps=rl.steps,
-                   prompts_per_step=rl.prompts_per_step, group_size=rl.group_size, capacity=rl.rollout_capacity,
-                   max_staleness=rl.max_staleness, repack_b=rl.repack_b,
-                   max_sampling_rounds=params.max_sampling_rounds if params.dynamic_sampling else 1)
+        return cls(
+            mode=dataclasses.replace(MODES[rl.mode], admit_lag=rl.admit_lag),
+            steps=rl.steps,
+            prompts_per_step=rl.prompts_per_step,
+            group_size=rl.group_size,
+            capacity=rl.rollout_capacity,
+            max_staleness=rl.max_staleness,
+            repack_b=rl.repack_b,
+            max_sampling_rounds=params.max_sampling_rounds if params.dynamic_sampling else 1,
+        )
 
 
 @dataclass
@@ -120,16 +127,26 @@ def _request(item: Partial | GenRequest) -> GenRequest:
 class RolloutManager:
     """See the module docstring. ``rollouts``: (name, node, relay) of each rollout."""
 
-    def __init__(self, settings: ManagerSettings, source, score: Callable[[list[Trajectory]], ScoredGroup],
-                 outside: Outside, rollouts: Sequence[tuple[str, str, str]],
-                 keep: Callable[[ScoredGroup], bool] | None = None):
+    def __init__(
+        self,
+        settings: ManagerSettings,
+        source,
+        score: Callable[[list[Trajectory]], ScoredGroup],
+        outside: Outside,
+        rollouts: Sequence[tuple[str, str, str]],
+        keep: Callable[[ScoredGroup], bool] | None = None,
+    ):
         self.s = settings
         self.mode = settings.mode
         self.source = source
         self.outside = outside
         self.queue = PromptQueue(source, settings.group_size)
-        self.buffer = ExperienceBuffer(settings.group_size, score, keep=keep, max_staleness=settings.max_staleness)
-        self.rollouts: dict[str, RolloutState] = {n: RolloutState(n, node, relay) for n, node, relay in rollouts}
+        self.buffer = ExperienceBuffer(
+            settings.group_size, score, keep=keep, max_staleness=settings.max_staleness
+        )
+        self.rollouts: dict[str, RolloutState] = {
+            n: RolloutState(n, node, relay) for n, node, relay in rollouts
+        }
         self.version = 0
         """The trainer's latest version."""
         self.counts: Counter = Counter()
@@ -184,8 +201,9 @@ class RolloutManager:
         groups, stale = self.buffer.take(self.s.prompts_per_step, self.version, full=True)
         for uid, g in stale:  # too stale: regenerate the prompt under newer weights
             self.buffer.forget(uid)
-            self.queue.requeue(GenRequest(prompt=t.prompt, sample_idx=t.sample_idx, group_uid=uid)
-                               for t in g.trajectories)
+            self.queue.requeue(
+                GenRequest(prompt=t.prompt, sample_idx=t.sample_idx, group_uid=uid) for t in g.trajectories
+            )
         return groups
 
     def updated(self, version: int, stats=None, wall: float = 0.0, train_s: float = 0.0) -> dict | None:
@@ -208,22 +226,33 @@ class RolloutManager:
             self.repack()
         return m
 
-    def _update_metrics(self, groups: Sequence[tuple[int, ScoredGroup]], stats, wall: float, train_s: float) -> dict:
+    def _update_metrics(
+        self, groups: Sequence[tuple[int, ScoredGroup]], stats, wall: float, train_s: float
+    ) -> dict:
         from training.rl.loop import Collected, step_metrics
 
         kept = [g for _, g in groups]
         w = self.window
-        collected = Collected(kept, rounds=1, dropped_groups=self.buffer.stats.filtered - w.filtered_before,
-                              generated=w.generated)
+        collected = Collected(
+            kept,
+            rounds=1,
+            dropped_groups=self.buffer.stats.filtered - w.filtered_before,
+            generated=w.generated,
+        )
         m = step_metrics(self.version, collected, stats, wall, train_s)
         trained_tokens = sum(len(t.response_tokens) for g in kept for t in g.trajectories)
         st = [self.version - 1 - ExperienceBuffer.group_version(g) for g in kept]
-        m.update({
-            "trained_tokens": float(trained_tokens), "tokens_per_s": trained_tokens / max(wall, 1e-9),
-            "staleness_mean": sum(st) / max(1, len(st)), "staleness_max": float(max(st) if st else 0),
-            "occupancy": sum(w.occupancy) / max(1, len(w.occupancy)), "repacks": float(w.repacks),
-            "gen_tokens_per_s": w.generated_tokens / max(wall, 1e-9),
-        })
+        m.update(
+            {
+                "trained_tokens": float(trained_tokens),
+                "tokens_per_s": trained_tokens / max(wall, 1e-9),
+                "staleness_mean": sum(st) / max(1, len(st)),
+                "staleness_max": float(max(st) if st else 0),
+                "occupancy": sum(w.occupancy) / max(1, len(w.occupancy)),
+                "repacks": float(w.repacks),
+                "gen_tokens_per_s": w.generated_tokens / max(wall, 1e-9),
+            }
+        )
         m.update(self.source.step_counts())
         return m
 
@@ -239,16 +268,23 @@ class RolloutManager:
             kept = sum(1 for u in self.batch_uids if u in self.buffer.ready)
             if kept < self.s.prompts_per_step and self.batch_rounds < self.s.max_sampling_rounds:
                 self.counts["extra_rounds"] += 1
-                need = self.source.round_size(self.s.prompts_per_step - kept,
-                                              self.buffer.stats.filtered / max(1, len(self.batch_uids)),
-                                              self.s.prompts_per_step)
+                need = self.source.round_size(
+                    self.s.prompts_per_step - kept,
+                    self.buffer.stats.filtered / max(1, len(self.batch_uids)),
+                    self.s.prompts_per_step,
+                )
                 self._issue_batch(need)
                 return "issued"
             self.batch_open = False
             self.closed_batches.append(set(self.batch_uids))
             return "closed"
-        if not control.may_open_batch(self.mode, version=self.version, batch_idx=self.batch_idx, steps=self.s.steps,
-                                      closed_waiting=len(self.closed_batches)):
+        if not control.may_open_batch(
+            self.mode,
+            version=self.version,
+            batch_idx=self.batch_idx,
+            steps=self.s.steps,
+            closed_waiting=len(self.closed_batches),
+        ):
             return ""  # the trainer has not caught up, or every batch is issued
         self.batch_open = True
         self.batch_rounds = 0
@@ -289,9 +325,16 @@ class RolloutManager:
         # the mode's decision: pull first? interrupt? admit queued requests? laminar is version-atomic:
         # it pulls only when no response is in flight here (queued requests have not started, so they
         # run under the new version) and no repack is about to hand some over
-        plan = control.dispatch_plan(self.mode, version=r.version, latest=self.version, active=r.active,
-                                     queued=r.queued, pending=bool(r.pending_inject), awaiting=r.awaiting,
-                                     batch_min_version=self.batch_min_version)
+        plan = control.dispatch_plan(
+            self.mode,
+            version=r.version,
+            latest=self.version,
+            active=r.active,
+            queued=r.queued,
+            pending=bool(r.pending_inject),
+            awaiting=r.awaiting,
+            batch_min_version=self.batch_min_version,
+        )
         if plan.interrupt:
             self.counts["interrupts"] += 1
             self.outside.note(name, "interrupt", self.version)
@@ -313,8 +356,13 @@ class RolloutManager:
         if not plan.pull and not submit and not inject and r.active == 0 and r.queued == 0:
             return None
         r.busy, r.draining, r.pulling = True, not plan.admitting, plan.pull
-        return StepOrder(submit=tuple(submit), inject=tuple(inject), pull=plan.pull, min_version=plan.min_version,
-                         admitting=plan.admitting)
+        return StepOrder(
+            submit=tuple(submit),
+            inject=tuple(inject),
+            pull=plan.pull,
+            min_version=plan.min_version,
+            admitting=plan.admitting,
+        )
 
     def _same_version(self, r: RolloutState, inject: list[Partial]) -> list[Partial]:
         """Handed-over partials of the version the receiver runs; the others (it moved on) restart
@@ -337,18 +385,26 @@ class RolloutManager:
         if self.s.max_staleness is not None:  # unbounded: no flow control, nothing to count
             # the batch in the trainer's hands fills the update at the latest version (the first update
             # the room counts): without it, every other update's rollouts overshoot by a batch
-            outstanding = control.outstanding_responses(self.rollouts.values(), self.buffer,
-                                                        training=self.training_responses, new=new)
-            room = control.admission_room(self.s.max_staleness, latest=self.version, version=r.version,
-                                          batch_groups=self.s.prompts_per_step, group_size=self.s.group_size,
-                                          outstanding=outstanding, retry=len(self.queue.retry))
+            outstanding = control.outstanding_responses(
+                self.rollouts.values(), self.buffer, training=self.training_responses, new=new
+            )
+            room = control.admission_room(
+                self.s.max_staleness,
+                latest=self.version,
+                version=r.version,
+                batch_groups=self.s.prompts_per_step,
+                group_size=self.s.group_size,
+                outstanding=outstanding,
+                retry=len(self.queue.retry),
+            )
             if room < free:
                 free = room
                 self.counts["admission_limited"] += 1
         return free
 
-    def step_done(self, name: str, finished: Iterable[Trajectory], status: RolloutStatus,
-                  pulled: PullResult | None) -> list[tuple[int, ScoredGroup]]:
+    def step_done(
+        self, name: str, finished: Iterable[Trajectory], status: RolloutStatus, pulled: PullResult | None
+    ) -> list[tuple[int, ScoredGroup]]:
         """A step call returned: its finished trajectories go to the buffer (whole groups complete),
         its status and pull are recorded. Returns the groups it completed."""
         r = self.rollouts[name]
@@ -372,8 +428,9 @@ class RolloutManager:
         self._status(r, status)
         return completed
 
-    def extract_done(self, name: str, partials: Sequence[Partial], queued: Sequence[GenRequest],
-                     status: RolloutStatus) -> str | None:
+    def extract_done(
+        self, name: str, partials: Sequence[Partial], queued: Sequence[GenRequest], status: RolloutStatus
+    ) -> str | None:
         """A repack source handed over its work: the partials go to the receiver (or back to their
         prompts if it died meanwhile), its queued requests back in line. Returns the receiver."""
         r = self.rollouts[name]
@@ -405,8 +462,9 @@ class RolloutManager:
             return
         self.source.observe([g for _, g in completed])
         step = self.version + 1
-        self.rewards.extend((step, g.prompt_id, sum(g.correct) / len(g.correct), len(g.correct))
-                            for _, g in completed)
+        self.rewards.extend(
+            (step, g.prompt_id, sum(g.correct) / len(g.correct), len(g.correct)) for _, g in completed
+        )
 
     def requeue(self, requests: Iterable[GenRequest]) -> None:
         """Lost or returned requests go back first in line. Batched modes hand them straight to a live
@@ -420,7 +478,7 @@ class RolloutManager:
         alive = self._alive()
         for i, q in enumerate(sorted(requests, key=_key)):
             alive[i % len(alive)].pending_inject.append(q)
-        for r in alive[:len(requests)]:
+        for r in alive[: len(requests)]:
             self.outside.poke(r.name)
 
     # ------------------------------------------------------------------------------------------ failures
@@ -472,9 +530,19 @@ class RolloutManager:
     # ------------------------------------------------------------------------------------------ repack
     def repack(self) -> None:
         """Laminar's repack: long-tail rollouts of one version hand their work to the best fit."""
-        views = [RolloutView(r.name, r.version, r.queued + len(r.pending_inject), r.active, r.prev_active,
-                             self.s.capacity, alive=r.alive and r.extract_to is None, pulling=r.pulling)
-                 for r in self.rollouts.values()]
+        views = [
+            RolloutView(
+                r.name,
+                r.version,
+                r.queued + len(r.pending_inject),
+                r.active,
+                r.prev_active,
+                self.s.capacity,
+                alive=r.alive and r.extract_to is None,
+                pulling=r.pulling,
+            )
+            for r in self.rollouts.values()
+        ]
         for m in control.plan_repack(views, self.s.repack_b or self.s.capacity):
             src, dst = self.rollouts[m.src], self.rollouts[m.dst]
             if src.extract_to is None and dst.extract_to is None:
@@ -500,10 +568,15 @@ class RolloutManager:
 
     def state(self) -> dict:
         """The manager's part of a checkpoint (JSON)."""
-        return {"queue": self.queue.state(), "in_flight": [control.request_to_json(q) for q in self.in_flight()],
-                "buffer": self.buffer.state(), "consumed": dict(self.consumed),
-                "rewards": [list(x) for x in self.rewards], "trained_uids": list(self.trained_uids),
-                "batch_idx": self.batch_idx}
+        return {
+            "queue": self.queue.state(),
+            "in_flight": [control.request_to_json(q) for q in self.in_flight()],
+            "buffer": self.buffer.state(),
+            "consumed": dict(self.consumed),
+            "rewards": [list(x) for x in self.rewards],
+            "trained_uids": list(self.trained_uids),
+            "batch_idx": self.batch_idx,
+        }
 
     def load_state(self, state: dict) -> None:
         self.queue.load_state(state["queue"])

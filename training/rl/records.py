@@ -52,10 +52,15 @@ class RolloutStatus:
     admitting: bool = True
 
     @classmethod
-    def of(cls, status: dict) -> "RolloutStatus":
+    def of(cls, status: dict) -> RolloutStatus:
         """From an engine's protocol status (``generation.protocol``: a msgpack map on the worker's wire)."""
-        return cls(version=int(status["version"]), active=int(status["active"]), queued=int(status["queued"]),
-                   capacity=int(status["capacity"]), admitting=bool(status.get("admitting", True)))
+        return cls(
+            version=int(status["version"]),
+            active=int(status["active"]),
+            queued=int(status["queued"]),
+            capacity=int(status["capacity"]),
+            admitting=bool(status.get("admitting", True)),
+        )
 
 
 @dataclass(frozen=True)

@@ -27,7 +27,7 @@ import os
 import time
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Callable, Sequence
+from collections.abc import Callable, Sequence
 
 import torch
 
@@ -54,8 +54,12 @@ MALLOC_ENV = {"MALLOC_MMAP_THRESHOLD_": str(32 << 20), "MALLOC_TRIM_THRESHOLD_":
 def actor_env(threads: int) -> dict[str, str]:
     """The environment of every actor the runtime starts (Ray's ``runtime_env``): ``threads`` intra-op
     threads, no tokenizer threads, and ``MALLOC_ENV`` unless the driver's environment sets it."""
-    return {**{k: os.environ.get(k, v) for k, v in MALLOC_ENV.items()},
-            "OMP_NUM_THREADS": str(threads), "MKL_NUM_THREADS": str(threads), "TOKENIZERS_PARALLELISM": "false"}
+    return {
+        **{k: os.environ.get(k, v) for k, v in MALLOC_ENV.items()},
+        "OMP_NUM_THREADS": str(threads),
+        "MKL_NUM_THREADS": str(threads),
+        "TOKENIZERS_PARALLELISM": "false",
+    }
 
 
 class _TrainerGroup:
@@ -106,12 +110,24 @@ class LaminarRuntime:
     ``self.timeline`` and ``self.summary``. With ``state_dir`` it checkpoints every
     ``rl.checkpoint_every`` updates into ``state_dir/checkpoints`` and resumes from the last one."""
 
-    def __init__(self, model_dir: Path, prompts: Sequence[PromptItem], verifier, params: ObjectiveParams,
-                 rl: RLConfig, *, seed: int, device: str, cluster: ClusterConfig | None = None,
-                 trainer: TrainerConfig | None = None, rollout: RolloutConfig | None = None,
-                 state_dir: Path | None = None, source: Callable | None = None,
-                 on_step: Callable[[dict], None] | None = None,
-                 evaluate: Callable[[object], dict[str, float]] | None = None):
+    def __init__(
+        self,
+        model_dir: Path,
+        prompts: Sequence[PromptItem],
+        verifier,
+        params: ObjectiveParams,
+        rl: RLConfig,
+        *,
+        seed: int,
+        device: str,
+        cluster: ClusterConfig | None = None,
+        trainer: TrainerConfig | None = None,
+        rollout: RolloutConfig | None = None,
+        state_dir: Path | None = None,
+        source: Callable | None = None,
+        on_step: Callable[[dict], None] | None = None,
+        evaluate: Callable[[object], dict[str, float]] | None = None,
+    ):
         self.settings = ManagerSettings.from_config(rl, params)
         self.mode = self.settings.mode
         self.model_dir = Path(model_dir)
@@ -125,7 +141,9 @@ class LaminarRuntime:
         self.seed = seed
         self.device = device
         self.checkpoint_dir = Path(state_dir) / "checkpoints" if state_dir is not None else None
-        self.extensions_dir = str(Path(state_dir).parent / "torch_extensions") if state_dir is not None else None
+        self.extensions_dir = (
+            str(Path(state_dir).parent / "torch_extensions") if state_dir is not None else None
+        )
         self.source_factory = source
         self.on_step = on_step
         self.evaluate = evaluate
@@ -179,8 +197,9 @@ class LaminarRuntime:
         within a chunk of decode steps."""
 
     def note(self, rollout: str, kind: str, version: int) -> None:
-        self.timeline["events"].append({"t": time.perf_counter() - self.t0, "rollout": rollout, "kind": kind,
-                                        "version": version})
+        self.timeline["events"].append(
+            {"t": time.perf_counter() - self.t0, "rollout": rollout, "kind": kind, "version": version}
+        )
 
     # ------------------------------------------------------------------------------------------ setup
     def _start_ray(self):
@@ -188,8 +207,12 @@ class LaminarRuntime:
 
         self._own_ray = not ray.is_initialized()
         if self._own_ray:
-            kw = dict(include_dashboard=False, logging_level=logging.WARNING, log_to_driver=True,
-                      runtime_env={"env_vars": actor_env(self.cluster.actor_threads)})
+            kw = dict(
+                include_dashboard=False,
+                logging_level=logging.WARNING,
+                log_to_driver=True,
+                runtime_env={"env_vars": actor_env(self.cluster.actor_threads)},
+            )
             if self.cluster.address:
                 ray.init(address=self.cluster.address, **kw)
                 return ray
@@ -202,7 +225,9 @@ class LaminarRuntime:
 
             from ray._private import ray_constants
 
-            if os.environ.get("RAY_AUTH_MODE", "token").lower() != "disabled" and not os.environ.get("RAY_AUTH_TOKEN"):
+            if os.environ.get("RAY_AUTH_MODE", "token").lower() != "disabled" and not os.environ.get(
+                "RAY_AUTH_TOKEN"
+            ):
                 token = Path(os.environ.get("RAY_AUTH_TOKEN_PATH") or Path.home() / ".ray" / "auth_token")
                 token.parent.mkdir(mode=0o700, parents=True, exist_ok=True)
                 try:
@@ -218,9 +243,12 @@ class LaminarRuntime:
             try:  # Ray's CPUs are a scheduling resource: enough for every role, however many cores
                 # address="local": always a new Ray of its own, never one a killed run left recorded in
                 # /tmp/ray/ray_current_cluster (single-node mode would try to join that)
-                ray.init(address="local",
-                         num_cpus=max(self.cluster.num_cpus or os.cpu_count(), math.ceil(self._cpus_needed(1))),
-                         _node_ip_address="127.0.0.1", **kw)
+                ray.init(
+                    address="local",
+                    num_cpus=max(self.cluster.num_cpus or os.cpu_count(), math.ceil(self._cpus_needed(1))),
+                    _node_ip_address="127.0.0.1",
+                    **kw,
+                )
             finally:
                 ray_constants.ENABLE_RAY_CLUSTER = saved
                 if saved_env is None:
@@ -246,7 +274,8 @@ class LaminarRuntime:
                 f"the Ray cluster has {have:g} CPUs but the RL roles need {self._cpus_needed(len(nodes)):g} "
                 f"(trainer {self.trainer_cfg.ranks} x {c.trainer_cpus:g} + {c.rollouts} rollouts x {c.rollout_cpus:g} + "
                 f"{len(nodes)} relays x {c.relay_cpus:g}): lower cluster.rollout_cpus / cluster.trainer_cpus "
-                "or add nodes; the actors would otherwise wait for resources forever")
+                "or add nodes; the actors would otherwise wait for resources forever"
+            )
         head = ray.get_runtime_context().get_node_id()
         self.nodes = [head] + [n for n in nodes if n != head]
         self._pin = lambda node: NodeAffinitySchedulingStrategy(node_id=node, soft=False)
@@ -254,7 +283,9 @@ class LaminarRuntime:
         chain = []
         for i, node in enumerate(self.nodes):
             name = f"relay-{i}"
-            self.relays[name] = self._Relay.options(scheduling_strategy=self._pin(node)).remote(name, KEEP_VERSIONS)
+            self.relays[name] = self._Relay.options(scheduling_strategy=self._pin(node)).remote(
+                name, KEEP_VERSIONS
+            )
             chain.append((name, node))
         self.chain = RelayChain(chain)
         self._relay_seq = len(chain)
@@ -265,7 +296,9 @@ class LaminarRuntime:
 
     def _rollout_node(self, i: int) -> str:
         picks = self.cluster.rollout_nodes
-        return self.nodes[picks[i % len(picks)] % len(self.nodes)] if picks else self.nodes[i % len(self.nodes)]
+        return (
+            self.nodes[picks[i % len(picks)] % len(self.nodes)] if picks else self.nodes[i % len(self.nodes)]
+        )
 
     def _build_rollouts(self, ray) -> None:
         from generation.engines import rollout_engine_options
@@ -273,12 +306,21 @@ class LaminarRuntime:
 
         rollout_engine_options(self.rollout_cfg)  # an unknown engine fails here, before any actor starts
         c, rl = self.cluster, self.rl
-        Rollout = ray.remote(num_cpus=c.rollout_cpus, num_gpus=c.rollout_gpus, max_restarts=c.max_restarts)(RolloutWorker)
+        Rollout = ray.remote(num_cpus=c.rollout_cpus, num_gpus=c.rollout_gpus, max_restarts=c.max_restarts)(
+            RolloutWorker
+        )
         for i in range(c.rollouts):
             name = f"rollout-{i}"
             handle = Rollout.options(scheduling_strategy=self._pin(self._rollout_node(i))).remote(
-                name, str(self.model_dir), rl, self.rollout_cfg, device=self.device, seed=self.seed,
-                threads=c.actor_threads, priority=c.rollout_priority)
+                name,
+                str(self.model_dir),
+                rl,
+                self.rollout_cfg,
+                device=self.device,
+                seed=self.seed,
+                threads=c.actor_threads,
+                priority=c.rollout_priority,
+            )
             self.rollouts[name] = _RolloutActor(name, handle)
         self.timeline["rollouts"] = list(self.rollouts)
         for a in self.rollouts.values():
@@ -300,19 +342,35 @@ class LaminarRuntime:
             pg = placement_group([bundle] * ranks, strategy=c.trainer_strategy)
             ready, _ = ray.wait([pg.ready()], timeout=120)
             if not ready:
-                raise RuntimeError(f"the trainer's placement group ({ranks} x {c.trainer_cpus:g} CPU, "
-                                   f"{c.trainer_strategy}) could not be placed on this cluster within 120 s")
+                raise RuntimeError(
+                    f"the trainer's placement group ({ranks} x {c.trainer_cpus:g} CPU, "
+                    f"{c.trainer_strategy}) could not be placed on this cluster within 120 s"
+                )
         dist_backend = t.dist_backend
         if dist_backend == "auto":
             dist_backend = "nccl" if str(self.device).startswith("cuda") else "gloo"
         handles = []
         for rank in range(ranks):
-            strategy = (PlacementGroupSchedulingStrategy(pg, placement_group_bundle_index=rank) if pg is not None
-                        else self._pin(self.nodes[c.trainer_node % len(self.nodes)]))
-            handles.append(Trainer.options(scheduling_strategy=strategy).remote(
-                str(self.model_dir), self.params, self.rl, t, device=self.device, seed=self.seed,
-                threads=c.trainer_threads or c.actor_threads, rank=rank, world_size=ranks,
-                dist_backend=dist_backend, extensions_dir=self.extensions_dir))
+            strategy = (
+                PlacementGroupSchedulingStrategy(pg, placement_group_bundle_index=rank)
+                if pg is not None
+                else self._pin(self.nodes[c.trainer_node % len(self.nodes)])
+            )
+            handles.append(
+                Trainer.options(scheduling_strategy=strategy).remote(
+                    str(self.model_dir),
+                    self.params,
+                    self.rl,
+                    t,
+                    device=self.device,
+                    seed=self.seed,
+                    threads=c.trainer_threads or c.actor_threads,
+                    rank=rank,
+                    world_size=ranks,
+                    dist_backend=dist_backend,
+                    extensions_dir=self.extensions_dir,
+                )
+            )
         group = _TrainerGroup(handles, pg)
         if ranks > 1 or t.backend != "torch":
             addr, port = ray.get(handles[0].address.remote())
@@ -325,7 +383,9 @@ class LaminarRuntime:
     def _wire_chain(self) -> None:
         import ray
 
-        ray.get([self.relays[a].set_next.remote(self.relays[b] if b else None) for a, b in self.chain.links()])
+        ray.get(
+            [self.relays[a].set_next.remote(self.relays[b] if b else None) for a, b in self.chain.links()]
+        )
 
     def _prepare(self, ray):
         """The driver's side: its policy copy, the prompt source and the manager; resume if a
@@ -340,13 +400,22 @@ class LaminarRuntime:
             self.local_version = -1
         self.local_engine = TorchEngine(model, tokenizer, device="cpu")  # HIVE's prompt entropy, in-run eval
         self.cursor = PromptCursor(self.prompts, self.seed)
-        self.source = self.source_factory(self.cursor, self.local_engine) if self.source_factory else self.cursor
+        self.source = (
+            self.source_factory(self.cursor, self.local_engine) if self.source_factory else self.cursor
+        )
         shaping = overlong_shaping(self.params, self.rl.max_new_tokens)
         keep = (lambda g: len(set(g.correct)) > 1) if self.params.dynamic_sampling else None
         self.manager = RolloutManager(
-            self.settings, self.source, lambda trajs: score_phase(trajs, self.verifier, shaping)[0], self,
-            [(a.name, self._rollout_node(i), self.chain.relay_for(self._rollout_node(i)))
-             for i, a in enumerate(self.rollouts.values())], keep=keep)
+            self.settings,
+            self.source,
+            lambda trajs: score_phase(trajs, self.verifier, shaping)[0],
+            self,
+            [
+                (a.name, self._rollout_node(i), self.chain.relay_for(self._rollout_node(i)))
+                for i, a in enumerate(self.rollouts.values())
+            ],
+            keep=keep,
+        )
         self.t0 = time.perf_counter()
         self._resume(ray)
         self.trainer.get(ray, "publish")
@@ -374,8 +443,11 @@ class LaminarRuntime:
 
     def _teardown(self, ray) -> None:
         group = self.trainer
-        for handle in [*(group.handles if group is not None else []), *[a.handle for a in self.rollouts.values()],
-                       *self.relays.values()]:
+        for handle in [
+            *(group.handles if group is not None else []),
+            *[a.handle for a in self.rollouts.values()],
+            *self.relays.values(),
+        ]:
             try:
                 ray.kill(handle, no_restart=True)
             except Exception:  # noqa: BLE001
@@ -462,8 +534,14 @@ class LaminarRuntime:
             a.future, a.op = a.handle.extract.remote(), "extract"
             return
         relay = self.relays[self.manager.rollouts[a.name].relay] if order.pull else None
-        a.future = a.handle.step.remote(self.rl.chunk_steps, submit=list(order.submit), inject=list(order.inject),
-                                        relay=relay, min_version=order.min_version, admitting=order.admitting)
+        a.future = a.handle.step.remote(
+            self.rl.chunk_steps,
+            submit=list(order.submit),
+            inject=list(order.inject),
+            relay=relay,
+            min_version=order.min_version,
+            admitting=order.admitting,
+        )
         a.op = "step"
 
     def _on_result(self, ray, a: _RolloutActor, fut) -> None:
@@ -474,7 +552,9 @@ class LaminarRuntime:
             out: StepReply | ExtractReply = ray.get(fut)
         except RayActorError:
             lost = self.manager.died(a.name)
-            LOG.warning("%s died: %d in-flight requests re-queued; waiting for Ray to restart it", a.name, lost)
+            LOG.warning(
+                "%s died: %d in-flight requests re-queued; waiting for Ray to restart it", a.name, lost
+            )
             return
         self.cpu.see(a.name, out.pid, out.cpu_s)
         if out.pid != a.pid:  # Ray restarted it between two calls: what it held is gone
@@ -485,9 +565,14 @@ class LaminarRuntime:
             self.manager.extract_done(a.name, out.partials, out.queued, out.status)
         else:
             self.manager.step_done(a.name, out.finished, out.status, out.pulled)
-        self.timeline["samples"].append({"t": time.perf_counter() - self.t0, "rollout": a.name,
-                                         "occupancy": out.status.active / max(1, out.status.capacity),
-                                         "active": out.status.active})
+        self.timeline["samples"].append(
+            {
+                "t": time.perf_counter() - self.t0,
+                "rollout": a.name,
+                "occupancy": out.status.active / max(1, out.status.capacity),
+                "active": out.status.active,
+            }
+        )
 
     def _revive(self, ray) -> None:
         for a in self.rollouts.values():
@@ -523,8 +608,15 @@ class LaminarRuntime:
         self.chain.add(new, node)
         self.chain.remove(name)
         self.manager.counts["relay_failures"] += 1
-        self.timeline["events"].append({"t": time.perf_counter() - self.t0, "rollout": "", "kind": "relay_dead",
-                                        "version": self.manager.version, "relay": name})
+        self.timeline["events"].append(
+            {
+                "t": time.perf_counter() - self.t0,
+                "rollout": "",
+                "kind": "relay_dead",
+                "version": self.manager.version,
+                "relay": name,
+            }
+        )
         self._wire_chain()
         if was_master:
             ray.get(self.trainer.lead.set_master.remote(self.relays[self.chain.master]))
@@ -546,10 +638,19 @@ class LaminarRuntime:
         m = self.manager.updated(reply.stats.version, reply.stats, wall, reply.train_s)
         version = self.manager.version
         self.timeline["updates"].append({"t": time.perf_counter() - self.t0, "version": version})
-        m.update({"publish_stall_s": reply.publish_stall_s, "publish_cpu_s": reply.publish_cpu_s,
-                  "wall_seconds": time.perf_counter() - self.t0})
-        if self.evaluate is not None and self.rl.eval_every > 0 and version % self.rl.eval_every == 0 \
-                and version < self.rl.steps:
+        m.update(
+            {
+                "publish_stall_s": reply.publish_stall_s,
+                "publish_cpu_s": reply.publish_cpu_s,
+                "wall_seconds": time.perf_counter() - self.t0,
+            }
+        )
+        if (
+            self.evaluate is not None
+            and self.rl.eval_every > 0
+            and version % self.rl.eval_every == 0
+            and version < self.rl.steps
+        ):
             self._start_eval(m, self.trainer.get(ray, "state"))
         self.result.history.append(m)
         if self.on_step is not None:
@@ -606,9 +707,19 @@ class LaminarRuntime:
 
         def writer(tmp: Path) -> None:
             self.trainer.get(ray, "save", str(tmp))
-            save_json(tmp, "runtime.json", {"version": self.manager.version, "cursor": self.cursor.position,
-                                            "source": self.source.state(), **self.manager.state(),
-                                            "history": self.result.history, "mode": self.mode.name})
+            save_json(
+                tmp,
+                "runtime.json",
+                {
+                    "version": self.manager.version,
+                    "cursor": self.cursor.position,
+                    "source": self.source.state(),
+                    **self.manager.state(),
+                    "history": self.result.history,
+                    "mode": self.mode.name,
+                },
+            )
+
         path = write_checkpoint(self.checkpoint_dir, self.manager.version, writer)
         self.manager.counts["checkpoints"] += 1
         LOG.info("checkpoint %s", path)
@@ -640,25 +751,36 @@ class LaminarRuntime:
         wall = time.perf_counter() - self.t0
         trained = sum(h.get("trained_tokens", 0) for h in hist)
         self.summary = {
-            "mode": self.mode.name, "updates": len(hist), "wall_seconds": wall,
-            "trained_tokens": trained, "tokens_per_s": trained / max(wall, 1e-9),
+            "mode": self.mode.name,
+            "updates": len(hist),
+            "wall_seconds": wall,
+            "trained_tokens": trained,
+            "tokens_per_s": trained / max(wall, 1e-9),
             "staleness_histogram": {str(k): v for k, v in sorted(m.buffer.stats.staleness.items())},
-            "duplicates_ignored": m.buffer.stats.duplicates, "stale_dropped": m.buffer.stats.stale_dropped,
+            "duplicates_ignored": m.buffer.stats.duplicates,
+            "stale_dropped": m.buffer.stats.stale_dropped,
             **{k: v for k, v in m.counts.items() if k != "idle_spins"},
             "publish_stall_s": [h.get("publish_stall_s", 0.0) for h in hist],
             "publish_cpu_s": [h.get("publish_cpu_s", 0.0) for h in hist],
-            "rollouts": self.cluster.rollouts, "relays": list(self.chain.order),
+            "rollouts": self.cluster.rollouts,
+            "relays": list(self.chain.order),
             "relay_nodes": {n: self.chain.node_of[n] for n in self.chain.order},
             "rollout_relays": {r.name: r.relay for r in m.rollouts.values()},
             "rollout_nodes": {r.name: r.node for r in m.rollouts.values()},
-            "trainer_backend": self.trainer_cfg.backend, "trainer_nodes": self.trainer_nodes,
-            "trained_uids": m.trained_uids, "response_lengths": m.response_lengths,
+            "trainer_backend": self.trainer_cfg.backend,
+            "trainer_nodes": self.trainer_nodes,
+            "trained_uids": m.trained_uids,
+            "response_lengths": m.response_lengths,
             "trained_prompts": m.trained_prompts,
             **self.cpu.report(),
         }
-        LOG.info("CPU over the loop (%.1f s, %d cores%s): %s", self.summary["loop_seconds"], self.summary["cores"],
-                 f", {100 * self.summary['machine_busy']:.0f}% busy" if "machine_busy" in self.summary else "",
-                 ", ".join(f"{n} {v:.1f} s" for n, v in self.summary["cpu_seconds"].items()))
+        LOG.info(
+            "CPU over the loop (%.1f s, %d cores%s): %s",
+            self.summary["loop_seconds"],
+            self.summary["cores"],
+            f", {100 * self.summary['machine_busy']:.0f}% busy" if "machine_busy" in self.summary else "",
+            ", ".join(f"{n} {v:.1f} s" for n, v in self.summary["cpu_seconds"].items()),
+        )
 
 
 class _CpuLedger:
@@ -696,8 +818,11 @@ class _CpuLedger:
             self.see(name, info.pid, info.cpu_s)
 
     def report(self) -> dict:
-        out = {"loop_seconds": time.perf_counter() - self.t0, "cores": os.cpu_count(),
-               "cpu_seconds": {n: self.done.get(n, 0.0) + c[2] - c[1] for n, c in sorted(self.procs.items())}}
+        out = {
+            "loop_seconds": time.perf_counter() - self.t0,
+            "cores": os.cpu_count(),
+            "cpu_seconds": {n: self.done.get(n, 0.0) + c[2] - c[1] for n, c in sorted(self.procs.items())},
+        }
         m1 = _machine_jiffies()
         if self.machine0 is not None and m1 is not None and m1[1] > self.machine0[1]:
             out["machine_busy"] = (m1[0] - self.machine0[0]) / (m1[1] - self.machine0[1])

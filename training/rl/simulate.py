@@ -64,9 +64,10 @@ import dataclasses
 import heapq
 import math
 import random
-from collections import Counter, deque
+from collections import deque
 from dataclasses import dataclass, field
-from typing import Any, Iterable, Mapping, Sequence
+from typing import Any
+from collections.abc import Iterable, Mapping, Sequence
 
 from generation.records import GenRequest, Partial, PromptItem, ScoredGroup, Trajectory
 from training.rl import control
@@ -113,7 +114,10 @@ class ModelSpec:
         return self.params_b * 1e9 * self.bytes_per_param
 
     def kv_per_token(self) -> float:
-        return self.kv_bytes_per_token or 2.0 * self.layers * self.kv_heads * self.head_dim * self.bytes_per_param
+        return (
+            self.kv_bytes_per_token
+            or 2.0 * self.layers * self.kv_heads * self.head_dim * self.bytes_per_param
+        )
 
 
 @dataclass
@@ -236,9 +240,14 @@ def _build(cls, data: Mapping[str, Any] | None):
     for key, value in data.items():
         if key not in names:
             raise KeyError(f"unknown simulator key {cls.__name__}.{key}")
-        default = names[key].default_factory() if names[key].default_factory is not dataclasses.MISSING else None
-        kw[key] = _build(type(default), value) if dataclasses.is_dataclass(default) and isinstance(value, Mapping) \
+        default = (
+            names[key].default_factory() if names[key].default_factory is not dataclasses.MISSING else None
+        )
+        kw[key] = (
+            _build(type(default), value)
+            if dataclasses.is_dataclass(default) and isinstance(value, Mapping)
             else (list(value) if isinstance(value, (list, tuple)) else value)
+        )
     return cls(**kw)
 
 
@@ -308,8 +317,10 @@ class CostModel:
     def auto_capacity(self, mean_ctx: float, max_capacity: int) -> int:
         free = (self.c.gpu_mem_gb * 1e9 * self.tp - self.w) * self.c.kv_mem_share
         if free <= 0:
-            raise ValueError(f"{self.m.name} does not fit {self.tp} GPU(s) of {self.c.gpu_mem_gb:g} GB: "
-                             "raise cluster.gpus_per_engine")
+            raise ValueError(
+                f"{self.m.name} does not fit {self.tp} GPU(s) of {self.c.gpu_mem_gb:g} GB: "
+                "raise cluster.gpus_per_engine"
+            )
         return max(1, min(max_capacity, int(free / (self.kv * max(1.0, mean_ctx)))))
 
 
@@ -346,8 +357,10 @@ class LengthSampler:
         rho = min(max(s.group_corr, 0.0), 1.0)
         z0 = rng.gauss(0, 1)
         mu = math.log(s.median)
-        return [self._clip(math.exp(mu + sigma * (math.sqrt(rho) * z0 + math.sqrt(1 - rho) * rng.gauss(0, 1))))
-                for _ in range(self.g)]
+        return [
+            self._clip(math.exp(mu + sigma * (math.sqrt(rho) * z0 + math.sqrt(1 - rho) * rng.gauss(0, 1))))
+            for _ in range(self.g)
+        ]
 
     def _clip(self, x: float) -> int:
         return int(min(self.max, max(1, round(x))))
@@ -361,7 +374,9 @@ class _Source:
     """The prompt source the manager's queue draws from: synthetic prompts, one length list each and,
     with ``pass_rates``, which of its responses are right (deterministic per seed and prompt)."""
 
-    def __init__(self, sampler: LengthSampler, prompt_len: int, pass_rates: Sequence[float] = (), seed: int = 0):
+    def __init__(
+        self, sampler: LengthSampler, prompt_len: int, pass_rates: Sequence[float] = (), seed: int = 0
+    ):
         self.sampler = sampler
         self.prompt_len = prompt_len
         self.pass_rates = list(pass_rates)
@@ -420,23 +435,25 @@ class _SimRollout:
     busy: bool = False
     op: str = ""
     epoch: int = 0
-    rows: list = field(default_factory=list)           # heap of (finish_at, seq, _Row)
+    rows: list = field(default_factory=list)  # heap of (finish_at, seq, _Row)
     row_seq: int = 0
-    S: float = 0.0                                     # decode steps performed (the engine's clock)
+    S: float = 0.0  # decode steps performed (the engine's clock)
     sum_c0: float = 0.0
-    queue: deque = field(default_factory=deque)        # submitted GenRequests not yet admitted
-    partials: deque = field(default_factory=deque)     # injected Partials not yet admitted (tokens so far: Simulator.pre)
+    queue: deque = field(default_factory=deque)  # submitted GenRequests not yet admitted
+    partials: deque = field(
+        default_factory=deque
+    )  # injected Partials not yet admitted (tokens so far: Simulator.pre)
     admitting: bool = True
-    eversion: int = -1                                 # the engine's loaded weights
+    eversion: int = -1  # the engine's loaded weights
     finished: list = field(default_factory=list)
     seg_start: float = 0.0
-    seg_work: float = 0.0                              # seconds of work at full speed in this segment
+    seg_work: float = 0.0  # seconds of work at full speed in this segment
     seg_done: float = 0.0
     seg_speed: float = 1.0
-    seg_steps: float = 0.0                             # decode steps in this segment (0: prefill/pull)
+    seg_steps: float = 0.0  # decode steps in this segment (0: prefill/pull)
     chunk_left: float = 0.0
     pull_version: int = -1
-    pulled: bool = False                               # this call pulled weights
+    pulled: bool = False  # this call pulled weights
     cut_req: bool = False
     # accounting
     busy_active_s: float = 0.0
@@ -505,8 +522,10 @@ class Simulator:
             trainer_gpus = cl.trainer_gpus or self._auto_trainer_gpus(total)
             rollout_gpus = total - trainer_gpus
         if rollout_gpus < cl.gpus_per_engine or trainer_gpus < 1:
-            raise ValueError(f"trainer {trainer_gpus} GPUs leaves {rollout_gpus} for rollouts of "
-                             f"{cl.gpus_per_engine} GPUs each")
+            raise ValueError(
+                f"trainer {trainer_gpus} GPUs leaves {rollout_gpus} for rollouts of "
+                f"{cl.gpus_per_engine} GPUs each"
+            )
         self.trainer_gpus, self.rollout_gpus = trainer_gpus, rollout_gpus
         self.cost = CostModel(cfg, cl.gpus_per_engine, trainer_gpus)
         self.sampler = LengthSampler(wl.lengths, wl.max_output, wl.group_size, cfg.seed)
@@ -518,9 +537,13 @@ class Simulator:
         self.source = _Source(self.sampler, wl.prompt_len, wl.pass_rates, cfg.seed)
         n_rollouts = rollout_gpus // cl.gpus_per_engine
         per_node = max(1, cl.gpus_per_node // cl.gpus_per_engine)
-        first_node = 0 if self.colocated else math.ceil(trainer_gpus / cl.gpus_per_node) if cl.nodes > 1 else 0
-        nodes_used = sorted({f"node-{(first_node + i // per_node) % cl.nodes}" for i in range(n_rollouts)},
-                            key=lambda s: int(s.split("-")[1]))
+        first_node = (
+            0 if self.colocated else math.ceil(trainer_gpus / cl.gpus_per_node) if cl.nodes > 1 else 0
+        )
+        nodes_used = sorted(
+            {f"node-{(first_node + i // per_node) % cl.nodes}" for i in range(n_rollouts)},
+            key=lambda s: int(s.split("-")[1]),
+        )
         self.chain = RelayChain([(f"relay-{i}", node) for i, node in enumerate(nodes_used)])
         self.rollouts: dict[str, _SimRollout] = {}
         placed = []
@@ -531,10 +554,16 @@ class Simulator:
             placed.append((name, node, self.chain.relay_for(node)))
         self.rlist = list(self.rollouts.values())
         settings = ManagerSettings(
-            mode=self.mode, steps=wl.steps, prompts_per_step=wl.prompts_per_step, group_size=wl.group_size,
-            capacity=self.capacity, max_staleness=None if mode == "sync" else sc.max_staleness, repack_b=self.b,
+            mode=self.mode,
+            steps=wl.steps,
+            prompts_per_step=wl.prompts_per_step,
+            group_size=wl.group_size,
+            capacity=self.capacity,
+            max_staleness=None if mode == "sync" else sc.max_staleness,
+            repack_b=self.b,
             max_sampling_rounds=sc.max_sampling_rounds if sc.dynamic_sampling else 1,
-            max_ahead_batches=sc.max_ahead_batches)
+            max_ahead_batches=sc.max_ahead_batches,
+        )
         keep = (lambda g: len(set(g.correct)) > 1) if sc.dynamic_sampling else None
         self.m = RolloutManager(settings, self.source, self.source.score, self, placed, keep=keep)
         """The rollout manager the real runtime drives, driven here by the event clock."""
@@ -546,8 +575,12 @@ class Simulator:
             self.traced = {self.rlist[i].name for i in idx}
         else:
             self.traced = set(self.rollouts)
-        self.timeline: dict = {"rollouts": [r.name for r in self.rlist if r.name in self.traced],
-                               "samples": [], "events": [], "updates": []}
+        self.timeline: dict = {
+            "rollouts": [r.name for r in self.rlist if r.name in self.traced],
+            "samples": [],
+            "events": [],
+            "updates": [],
+        }
 
     def _auto_trainer_gpus(self, total: int) -> int:
         cl = self.cfg.cluster
@@ -581,7 +614,9 @@ class Simulator:
 
     def note(self, rollout: str, kind: str, version: int) -> None:
         if rollout in self.traced:
-            self.timeline["events"].append({"t": self.now, "rollout": rollout, "kind": kind, "version": version})
+            self.timeline["events"].append(
+                {"t": self.now, "rollout": rollout, "kind": kind, "version": version}
+            )
 
     def _push(self, t: float, kind: str, obj=None, epoch: int = 0) -> None:
         self.seq += 1
@@ -589,8 +624,14 @@ class Simulator:
 
     def _sample(self, r: _SimRollout) -> None:
         if r.name in self.traced:
-            self.timeline["samples"].append({"t": self.now, "rollout": r.name,
-                                             "occupancy": len(r.rows) / r.capacity, "active": len(r.rows)})
+            self.timeline["samples"].append(
+                {
+                    "t": self.now,
+                    "rollout": r.name,
+                    "occupancy": len(r.rows) / r.capacity,
+                    "active": len(r.rows),
+                }
+            )
 
     def _account(self, r: _SimRollout) -> None:
         dt = self.now - r.last_t
@@ -629,7 +670,7 @@ class Simulator:
         if r.seg_steps:
             r.S += r.seg_steps * frac
             r.chunk_left -= r.seg_steps * frac
-            r.seg_steps *= (1 - frac)
+            r.seg_steps *= 1 - frac
         r.seg_work = max(0.0, r.seg_work - done)
         r.seg_start, r.seg_speed = self.now, sp
         r.epoch += 1
@@ -669,8 +710,18 @@ class Simulator:
         return tokens
 
     def _finish(self, r: _SimRollout, row: _Row) -> None:
-        traj = Trajectory("trajectory", row.req.prompt, row.req.sample_idx, (), (), row.version, True, "",
-                          group_uid=row.req.group_uid, last_version=r.eversion)
+        traj = Trajectory(
+            "trajectory",
+            row.req.prompt,
+            row.req.sample_idx,
+            (),
+            (),
+            row.version,
+            True,
+            "",
+            group_uid=row.req.group_uid,
+            last_version=r.eversion,
+        )
         r.finished.append((traj, row.target))
 
     def _retire(self, r: _SimRollout) -> None:
@@ -707,7 +758,9 @@ class Simulator:
         if op == "pull":
             r.eversion = r.pull_version
             if self.mode.interrupt and r.rows:  # continue under the new weights: re-prefill every row
-                tokens = sum(self.cfg.workload.prompt_len + row.pre + int(r.S - row.s_admit) for _, _, row in r.rows)
+                tokens = sum(
+                    self.cfg.workload.prompt_len + row.pre + int(r.S - row.s_admit) for _, _, row in r.rows
+                )
                 r.op = "reprefill"
                 self._start_segment(r, self.cost.prefill_s(tokens), 0)
                 return
@@ -934,8 +987,9 @@ class Simulator:
             relay = self.chain.next_of(relay)
             hop += 1
         self.relay_at[version] = at
-        keep = control.retained_versions(version, [r.version for r in self.m.rollouts.values() if r.active],
-                                         self.cfg.sched.keep_versions)
+        keep = control.retained_versions(
+            version, [r.version for r in self.m.rollouts.values() if r.active], self.cfg.sched.keep_versions
+        )
         for v in [v for v in self.relay_at if v not in keep and v != version]:
             self.relay_at.pop(v)
         if self.streamed:
@@ -977,8 +1031,9 @@ class Simulator:
         self._control_pass()
         while self.version < self.steps:
             if not self.heap:
-                raise RuntimeError(f"simulation of {self.mode.name} stalled at t={self.now:.1f}s "
-                                   f"(version {self.version})")
+                raise RuntimeError(
+                    f"simulation of {self.mode.name} stalled at t={self.now:.1f}s (version {self.version})"
+                )
             t, _, kind, obj, epoch = heapq.heappop(self.heap)
             self.now = t
             events += 1
@@ -1042,17 +1097,34 @@ class Simulator:
         self.timeline["t_end"] = wall
         steps = [b - a for a, b in zip([0.0] + times[:-1], times)]
         return ModeResult(
-            mode=self.mode.name, updates=self.version, wall_s=wall, trained_tokens=self.trained_tokens,
-            tokens_per_s=self.trained_tokens / max(wall, 1e-9), steady_tokens_per_s=steady, idle_share=idle,
+            mode=self.mode.name,
+            updates=self.version,
+            wall_s=wall,
+            trained_tokens=self.trained_tokens,
+            tokens_per_s=self.trained_tokens / max(wall, 1e-9),
+            steady_tokens_per_s=steady,
+            idle_share=idle,
             mean_occupancy=occ,
             staleness_histogram={str(k): v for k, v in sorted(self.buffer.stats.staleness.items())},
-            stale_dropped=self.buffer.stats.stale_dropped, dropped_groups=self.buffer.stats.filtered,
-            extra_rounds=self.m.counts["extra_rounds"], empty_batches=self.m.counts["empty_batches"],
-            repacks=self.m.counts["repacks"], pulls=self.m.counts["pulls"], interrupts=self.m.counts["interrupts"],
-            update_times=times, step_seconds=steps, generation_share=gen_time / max(wall, 1e-9),
-            rollouts=n, trainer_gpus=self.trainer_gpus, rollout_gpus=self.rollout_gpus, capacity=self.capacity,
-            events=events, trained_groups=len(self.m.trained_uids), trained_uids=list(self.m.trained_uids),
-            timeline=self.timeline)
+            stale_dropped=self.buffer.stats.stale_dropped,
+            dropped_groups=self.buffer.stats.filtered,
+            extra_rounds=self.m.counts["extra_rounds"],
+            empty_batches=self.m.counts["empty_batches"],
+            repacks=self.m.counts["repacks"],
+            pulls=self.m.counts["pulls"],
+            interrupts=self.m.counts["interrupts"],
+            update_times=times,
+            step_seconds=steps,
+            generation_share=gen_time / max(wall, 1e-9),
+            rollouts=n,
+            trainer_gpus=self.trainer_gpus,
+            rollout_gpus=self.rollout_gpus,
+            capacity=self.capacity,
+            events=events,
+            trained_groups=len(self.m.trained_uids),
+            trained_uids=list(self.m.trained_uids),
+            timeline=self.timeline,
+        )
 
 
 def balanced_trainer_gpus(cfg: SimConfig) -> int:
@@ -1085,10 +1157,14 @@ def calibrate_train_share(cfg: SimConfig) -> tuple[SimConfig, dict]:
         return cfg, {}
     if not 0 < s < 1:
         raise ValueError("cost.train_gen_share must be in (0, 1)")
-    probe = dataclasses.replace(cfg, cluster=dataclasses.replace(cfg.cluster, colocate_sync=True),
-                                cost=dataclasses.replace(cfg.cost, train_s_per_token=1e-12, train_step_overhead_s=0.0,
-                                                         train_gen_share=0.0),
-                                workload=dataclasses.replace(cfg.workload, steps=min(cfg.workload.steps, 3)))
+    probe = dataclasses.replace(
+        cfg,
+        cluster=dataclasses.replace(cfg.cluster, colocate_sync=True),
+        cost=dataclasses.replace(
+            cfg.cost, train_s_per_token=1e-12, train_step_overhead_s=0.0, train_gen_share=0.0
+        ),
+        workload=dataclasses.replace(cfg.workload, steps=min(cfg.workload.steps, 3)),
+    )
     sim = Simulator(probe, "sync")
     res = sim.run()
     gen = sum(res.step_seconds) / len(res.step_seconds)
@@ -1096,8 +1172,10 @@ def calibrate_train_share(cfg: SimConfig) -> tuple[SimConfig, dict]:
     tokens = res.trained_tokens / res.updates
     # the trainer's time per update on all GPUs at mfu 1, from the same FLOP model
     total = cfg.cluster.nodes * cfg.cluster.gpus_per_node
-    unit = dataclasses.replace(cfg, cost=dataclasses.replace(cfg.cost, mfu_train=1.0, train_step_overhead_s=0.0,
-                                                             train_s_per_token=0.0))
+    unit = dataclasses.replace(
+        cfg,
+        cost=dataclasses.replace(cfg.cost, mfu_train=1.0, train_step_overhead_s=0.0, train_s_per_token=0.0),
+    )
     mean_ctx = cfg.workload.prompt_len + sim.mean_len
     at_peak = CostModel(unit, cfg.cluster.gpus_per_engine, total).train_s(int(tokens), mean_ctx)
     busy = max(1e-9, target - cfg.cost.train_step_overhead_s)
@@ -1107,8 +1185,14 @@ def calibrate_train_share(cfg: SimConfig) -> tuple[SimConfig, dict]:
         mfu = MAX_TRAIN_MFU
         target = at_peak / mfu + cfg.cost.train_step_overhead_s
     new = dataclasses.replace(cfg, cost=dataclasses.replace(cfg.cost, mfu_train=mfu, train_gen_share=0.0))
-    return new, {"sync_generation_s": gen, "train_s_per_update_all_gpus": target, "implied_mfu_train": mfu,
-                 "train_gen_share": s, "capped": capped, "generation_share": gen / (gen + target)}
+    return new, {
+        "sync_generation_s": gen,
+        "train_s_per_update_all_gpus": target,
+        "implied_mfu_train": mfu,
+        "train_gen_share": s,
+        "capped": capped,
+        "generation_share": gen / (gen + target),
+    }
 
 
 def simulate(cfg: SimConfig, modes: Iterable[str] | None = None) -> dict[str, ModeResult]:
@@ -1126,13 +1210,18 @@ def speedups(results: Mapping[str, ModeResult], of: str = "laminar", steady: boo
 
 def format_table(results: Mapping[str, ModeResult], baseline: str = "sync") -> str:
     base = results.get(baseline) or next(iter(results.values()))
-    lines = ["| mode | trained tok/s (steady) | vs " + base.mode + " | overall tok/s | step s | idle share | "
-             "occupancy | staleness | repacks | gen share |", "|---|---|---|---|---|---|---|---|---|---|"]
+    lines = [
+        "| mode | trained tok/s (steady) | vs " + base.mode + " | overall tok/s | step s | idle share | "
+        "occupancy | staleness | repacks | gen share |",
+        "|---|---|---|---|---|---|---|---|---|---|",
+    ]
     for r in results.values():
         steps = r.step_seconds[1:] or r.step_seconds
-        lines.append(f"| {r.mode} | {r.steady_tokens_per_s:,.0f} | {r.steady_tokens_per_s / base.steady_tokens_per_s:.2f}x | "
-                     f"{r.tokens_per_s:,.0f} | {sum(steps) / max(1, len(steps)):.1f} | {r.idle_share:.2f} | "
-                     f"{r.mean_occupancy:.2f} | {r.staleness_histogram} | {r.repacks} | {r.generation_share:.2f} |")
+        lines.append(
+            f"| {r.mode} | {r.steady_tokens_per_s:,.0f} | {r.steady_tokens_per_s / base.steady_tokens_per_s:.2f}x | "
+            f"{r.tokens_per_s:,.0f} | {sum(steps) / max(1, len(steps)):.1f} | {r.idle_share:.2f} | "
+            f"{r.mean_occupancy:.2f} | {r.staleness_histogram} | {r.repacks} | {r.generation_share:.2f} |"
+        )
     return "\n".join(lines)
 
 

@@ -13,7 +13,7 @@ import logging
 import tempfile
 from pathlib import Path
 
-from typing import Callable
+from collections.abc import Callable
 
 from tqdm.auto import tqdm
 
@@ -26,12 +26,34 @@ from generation.records import PromptItem
 from generation.setup import read_table
 
 LOG = logging.getLogger("laminar.training")
-TIMING_KEYS = ("gen_seconds", "train_seconds", "gen_tokens_per_s", "eval_seconds", "tokens_per_s", "occupancy",
-               "publish_stall_s", "publish_cpu_s", "wall_seconds", "repacks")
+TIMING_KEYS = (
+    "gen_seconds",
+    "train_seconds",
+    "gen_tokens_per_s",
+    "eval_seconds",
+    "tokens_per_s",
+    "occupancy",
+    "publish_stall_s",
+    "publish_cpu_s",
+    "wall_seconds",
+    "repacks",
+)
 
 
-OVERRIDABLE = ("advantage", "loss_agg", "behaviour_weight", "is_cap", "clip_low", "clip_high", "dual_clip",
-               "dynamic_sampling", "max_sampling_rounds", "overlong_shaping", "overlong_filter", "kl_coef")
+OVERRIDABLE = (
+    "advantage",
+    "loss_agg",
+    "behaviour_weight",
+    "is_cap",
+    "clip_low",
+    "clip_high",
+    "dual_clip",
+    "dynamic_sampling",
+    "max_sampling_rounds",
+    "overlong_shaping",
+    "overlong_filter",
+    "kl_coef",
+)
 
 
 def objective_params(cfg: RLConfig) -> ObjectiveParams:
@@ -53,19 +75,44 @@ def hive_source(select: SelectConfig, history_path: Path | None, seed: int):
         import polars as pl
 
         history = pl.read_parquet(history_path)
-    greso = GresoFilter(history, easy_threshold=select.greso_easy_threshold,
-                        hard_threshold=select.greso_hard_threshold) if select.online_greso else None
-    return lambda cursor, engine: HiveSource(cursor, engine, greso=greso, entropy_rule=select.online_entropy,
-                                             seed=seed, round_headroom=select.round_headroom,
-                                             min_round=select.min_round)
+    greso = (
+        GresoFilter(
+            history, easy_threshold=select.greso_easy_threshold, hard_threshold=select.greso_hard_threshold
+        )
+        if select.online_greso
+        else None
+    )
+    return lambda cursor, engine: HiveSource(
+        cursor,
+        engine,
+        greso=greso,
+        entropy_rule=select.online_entropy,
+        seed=seed,
+        round_headroom=select.round_headroom,
+        min_round=select.min_round,
+    )
 
 
-def rl(model_dir: Path, prompts_path: Path, cfg: RLConfig, *, template: str, seed: int, device: str, out_dir: Path,
-       verifier, select: SelectConfig | None = None, history_path: Path | None = None,
-       evaluate: Callable[[object], dict[str, float]] | None = None, cluster: ClusterConfig | None = None,
-       state_dir: Path | None = None, trainer: TrainerConfig | None = None,
-       rollout: RolloutConfig | None = None, on_metrics: Callable[[dict], None] | None = None,
-       lora: LoraConfig | None = None) -> RLResult:
+def rl(
+    model_dir: Path,
+    prompts_path: Path,
+    cfg: RLConfig,
+    *,
+    template: str,
+    seed: int,
+    device: str,
+    out_dir: Path,
+    verifier,
+    select: SelectConfig | None = None,
+    history_path: Path | None = None,
+    evaluate: Callable[[object], dict[str, float]] | None = None,
+    cluster: ClusterConfig | None = None,
+    state_dir: Path | None = None,
+    trainer: TrainerConfig | None = None,
+    rollout: RolloutConfig | None = None,
+    on_metrics: Callable[[dict], None] | None = None,
+    lora: LoraConfig | None = None,
+) -> RLResult:
     """RL from ``model_dir`` on the prompts of ``prompts_path`` (see the module docstring for what
     it writes). ``select`` turns on HIVE's online pruning; ``evaluate`` runs every ``cfg.eval_every`` steps.
     Either loop checkpoints into ``state_dir`` every ``cfg.checkpoint_every`` steps and resumes from
@@ -77,9 +124,24 @@ def rl(model_dir: Path, prompts_path: Path, cfg: RLConfig, *, template: str, see
     it), only adapters are published, and ``out_dir`` becomes a PEFT adapter folder."""
     with tempfile.TemporaryDirectory(prefix="laminar-rl-start-") as scratch:
         model_dir = rl_start(Path(model_dir), lora, Path(scratch), seed)
-        return _rl(model_dir, prompts_path, cfg, template=template, seed=seed, device=device, out_dir=out_dir,
-                   verifier=verifier, select=select, history_path=history_path, evaluate=evaluate, cluster=cluster,
-                   state_dir=state_dir, trainer=trainer, rollout=rollout, on_metrics=on_metrics)
+        return _rl(
+            model_dir,
+            prompts_path,
+            cfg,
+            template=template,
+            seed=seed,
+            device=device,
+            out_dir=out_dir,
+            verifier=verifier,
+            select=select,
+            history_path=history_path,
+            evaluate=evaluate,
+            cluster=cluster,
+            state_dir=state_dir,
+            trainer=trainer,
+            rollout=rollout,
+            on_metrics=on_metrics,
+        )
 
 
 def rl_start(model_dir: Path, lora: LoraConfig | None, scratch: Path, seed: int) -> Path:
@@ -95,20 +157,47 @@ def rl_start(model_dir: Path, lora: LoraConfig | None, scratch: Path, seed: int)
     return model_dir
 
 
-def _rl(model_dir: Path, prompts_path: Path, cfg: RLConfig, *, template: str, seed: int, device: str, out_dir: Path,
-        verifier, select, history_path, evaluate, cluster, state_dir, trainer, rollout, on_metrics) -> RLResult:
+def _rl(
+    model_dir: Path,
+    prompts_path: Path,
+    cfg: RLConfig,
+    *,
+    template: str,
+    seed: int,
+    device: str,
+    out_dir: Path,
+    verifier,
+    select,
+    history_path,
+    evaluate,
+    cluster,
+    state_dir,
+    trainer,
+    rollout,
+    on_metrics,
+) -> RLResult:
     from training.lora import adapter_from_state, load_for_rl, save_trained
 
     model, tokenizer = load_for_rl(model_dir, device)
     rows = read_table(Path(prompts_path))
     if not rows and cfg.steps > 0:
-        raise ValueError(f"RL has no prompts to train on ({prompts_path} is empty): check the curation counts "
-                         "(quarantined, contaminated, selected) in the run table")
-    prompts = [PromptItem(prompt_id=r["prompt_id"], text=r["problem"], answer=r["answer"],
-                          prompt_tokens=encode_problem(tokenizer, template, r["problem"]),
-                          level=r.get("level")) for r in rows]
+        raise ValueError(
+            f"RL has no prompts to train on ({prompts_path} is empty): check the curation counts "
+            "(quarantined, contaminated, selected) in the run table"
+        )
+    prompts = [
+        PromptItem(
+            prompt_id=r["prompt_id"],
+            text=r["problem"],
+            answer=r["answer"],
+            prompt_tokens=encode_problem(tokenizer, template, r["problem"]),
+            level=r.get("level"),
+        )
+        for r in rows
+    ]
     params = objective_params(cfg)
     with tqdm(total=cfg.steps, desc=f"rl {cfg.algorithm}/{cfg.mode}", unit="step", leave=False) as bar:
+
         def on_step(m: dict) -> None:
             line = format_step(m, cfg.steps)
             bar.update(1)
@@ -117,20 +206,43 @@ def _rl(model_dir: Path, prompts_path: Path, cfg: RLConfig, *, template: str, se
             if on_metrics is not None:
                 on_metrics(m)
 
-        common = dict(seed=seed, device=device, on_step=on_step, evaluate=evaluate,
-                      source=hive_source(select, history_path, seed) if select is not None else None)
+        common = dict(
+            seed=seed,
+            device=device,
+            on_step=on_step,
+            evaluate=evaluate,
+            source=hive_source(select, history_path, seed) if select is not None else None,
+        )
         if cfg.uses_ray():
             from training.rl.runtime import LaminarRuntime
 
             del model
-            runtime = LaminarRuntime(Path(model_dir), prompts, verifier, params, cfg, cluster=cluster,
-                                     trainer=trainer, rollout=rollout, state_dir=state_dir, **common)
+            runtime = LaminarRuntime(
+                Path(model_dir),
+                prompts,
+                verifier,
+                params,
+                cfg,
+                cluster=cluster,
+                trainer=trainer,
+                rollout=rollout,
+                state_dir=state_dir,
+                **common,
+            )
             result = runtime.run()
             model = runtime.final_model
             write_runtime_report(runtime, Path(out_dir))
         else:
-            result = run_sync(model, tokenizer, prompts, verifier, params, cfg, **common,
-                              checkpoint_dir=Path(state_dir) / "checkpoints" if state_dir is not None else None)
+            result = run_sync(
+                model,
+                tokenizer,
+                prompts,
+                verifier,
+                params,
+                cfg,
+                **common,
+                checkpoint_dir=Path(state_dir) / "checkpoints" if state_dir is not None else None,
+            )
     if cfg.uses_ray() and is_adapter_dir(model_dir):
         adapter_from_state(model_dir, runtime.final_state, out_dir)  # the adapter, not the merged model
     else:
@@ -142,10 +254,13 @@ def _rl(model_dir: Path, prompts_path: Path, cfg: RLConfig, *, template: str, se
         json.dump(dict(sorted(result.consumed.items())), f, indent=1)
     import polars as pl
 
-    pl.DataFrame(result.rewards, schema={"step": pl.Int64, "prompt_id": pl.Utf8, "mean_reward": pl.Float64,
-                                         "n": pl.Int64}, orient="row").with_columns(
-        idx=pl.int_range(pl.len(), dtype=pl.Int64), origin=pl.lit("rl")).select(
-        "step", "idx", "prompt_id", "mean_reward", "n", "origin").write_parquet(Path(out_dir) / "rewards.parquet")
+    pl.DataFrame(
+        result.rewards,
+        schema={"step": pl.Int64, "prompt_id": pl.Utf8, "mean_reward": pl.Float64, "n": pl.Int64},
+        orient="row",
+    ).with_columns(idx=pl.int_range(pl.len(), dtype=pl.Int64), origin=pl.lit("rl")).select(
+        "step", "idx", "prompt_id", "mean_reward", "n", "origin"
+    ).write_parquet(Path(out_dir) / "rewards.parquet")
     return result
 
 

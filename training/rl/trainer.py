@@ -12,7 +12,7 @@ import functools
 import math
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Sequence
+from collections.abc import Sequence
 
 import numpy as np
 import torch
@@ -44,18 +44,28 @@ class TrainBatch:
     versions: torch.Tensor
     finished: torch.Tensor
 
-    def rows(self, idx: torch.Tensor) -> "TrainBatch":
+    def rows(self, idx: torch.Tensor) -> TrainBatch:
         """The sub-batch of sequences ``idx`` (shapes as above with B = len(idx))."""
         return TrainBatch(*(getattr(self, f.name)[idx] for f in dataclasses.fields(self)))
 
-    def trimmed(self) -> "TrainBatch":
+    def trimmed(self) -> TrainBatch:
         """The same sequences with L and T cut to the longest row here (everything beyond is padding)."""
         width = max(1, int(self.attention_mask.sum(1).max()))
         tmax = max(1, int(self.mask.sum(1).max()))
-        cut = {"input_ids": width, "attention_mask": width, "positions": tmax, "targets": tmax, "behaviour": tmax,
-               "mask": tmax}
-        return TrainBatch(*(getattr(self, f.name)[:, :cut[f.name]] if f.name in cut else getattr(self, f.name)
-                            for f in dataclasses.fields(self)))
+        cut = {
+            "input_ids": width,
+            "attention_mask": width,
+            "positions": tmax,
+            "targets": tmax,
+            "behaviour": tmax,
+            "mask": tmax,
+        }
+        return TrainBatch(
+            *(
+                getattr(self, f.name)[:, : cut[f.name]] if f.name in cut else getattr(self, f.name)
+                for f in dataclasses.fields(self)
+            )
+        )
 
 
 def micro_batches(lengths: torch.Tensor, idx: torch.Tensor, token_budget: int) -> list[torch.Tensor]:
@@ -97,7 +107,9 @@ def _accumulate(metrics: dict[str, float], more: dict[str, float], share: float 
             metrics[k] = metrics.get(k, 0.0) + share * v
 
 
-def group_shards(idx: torch.Tensor, lengths: torch.Tensor, group_index: torch.Tensor, k: int) -> list[torch.Tensor]:
+def group_shards(
+    idx: torch.Tensor, lengths: torch.Tensor, group_index: torch.Tensor, k: int
+) -> list[torch.Tensor]:
     """Rows ``idx`` in ``k`` shards of whole groups (a group's samples share their prompt, which the
     packed forward then computes once), the groups' tokens balanced (largest first onto the
     lightest shard); rows keep their order within a shard. Fewer shards when there are fewer groups."""
@@ -129,15 +141,20 @@ def build_batch(groups: Sequence[ScoredGroup], pad_id: int) -> TrainBatch:
     mask = torch.zeros((bsz, tmax), dtype=torch.float32)
     for i, (_, t, _) in enumerate(trajs):
         p, r = len(t.prompt.prompt_tokens), len(t.response_tokens)
-        ids[i, :p + r] = torch.tensor(t.prompt.prompt_tokens + t.response_tokens)
-        attn[i, :p + r] = 1
+        ids[i, : p + r] = torch.tensor(t.prompt.prompt_tokens + t.response_tokens)
+        attn[i, : p + r] = 1
         positions[i, :r] = torch.arange(p - 1, p - 1 + r)
         targets[i, :r] = torch.tensor(t.response_tokens)
         behaviour[i, :r] = torch.tensor(t.behaviour_logprobs, dtype=torch.float32)
         mask[i, :r] = 1.0
     return TrainBatch(
-        input_ids=ids, attention_mask=attn, positions=positions, targets=targets, behaviour=behaviour,
-        mask=mask, rewards=torch.tensor([r for _, _, r in trajs], dtype=torch.float32),
+        input_ids=ids,
+        attention_mask=attn,
+        positions=positions,
+        targets=targets,
+        behaviour=behaviour,
+        mask=mask,
+        rewards=torch.tensor([r for _, _, r in trajs], dtype=torch.float32),
         group_index=torch.tensor([g for g, _, _ in trajs], dtype=torch.long),
         versions=torch.tensor([t.version for _, t, _ in trajs], dtype=torch.long),
         finished=torch.tensor([t.finished for _, t, _ in trajs], dtype=torch.bool),
@@ -146,7 +163,9 @@ def build_batch(groups: Sequence[ScoredGroup], pad_id: int) -> TrainBatch:
 
 def response_logits(model, batch: TrainBatch, device: str) -> torch.Tensor:
     """Logits (B, T, V) at the positions predicting each response token."""
-    logits = model(input_ids=batch.input_ids.to(device), attention_mask=batch.attention_mask.to(device)).logits
+    logits = model(
+        input_ids=batch.input_ids.to(device), attention_mask=batch.attention_mask.to(device)
+    ).logits
     idx = batch.positions.to(device)[..., None].expand(-1, -1, logits.shape[-1])
     return logits.gather(1, idx).float()
 
@@ -175,7 +194,7 @@ def packed_layout(batch: TrainBatch, row_tokens: int = PACK_ROW_TOKENS):
     resp = batch.mask.sum(1).long().tolist()
     by_prompt: dict[tuple[int, ...], list[int]] = {}
     for i, (n, r) in enumerate(zip(total, resp)):
-        by_prompt.setdefault(tuple(ids_all[i][:n - r]), []).append(i)
+        by_prompt.setdefault(tuple(ids_all[i][: n - r]), []).append(i)
     # rows of ``width`` tokens: at least the longest sequence, else ``row_tokens``; a prompt's responses
     # that do not fit one row are split into several bundles, each with its own copy of the prompt
     width = max([row_tokens] + [len(k) + max(resp[i] - 1, 0) for k, rows in by_prompt.items() for i in rows])
@@ -205,8 +224,8 @@ def packed_layout(batch: TrainBatch, row_tokens: int = PACK_ROW_TOKENS):
     n_rows, tmax = len(bins), batch.mask.shape[1]
     ids = torch.zeros((n_rows, width), dtype=torch.long)
     pos = torch.zeros((n_rows, width), dtype=torch.long)
-    bundle_of = torch.full((n_rows, width), -1, dtype=torch.long)   # -1: padding
-    seg = torch.full((n_rows, width), -1, dtype=torch.long)         # -1: a prompt token (shared)
+    bundle_of = torch.full((n_rows, width), -1, dtype=torch.long)  # -1: padding
+    seg = torch.full((n_rows, width), -1, dtype=torch.long)  # -1: a prompt token (shared)
     gather = torch.zeros((len(total), tmax), dtype=torch.long)
     b_id = 0
     for row, keys in enumerate(bins):
@@ -214,18 +233,18 @@ def packed_layout(batch: TrainBatch, row_tokens: int = PACK_ROW_TOKENS):
         for j in keys:
             key, members = bundles[j]
             p = len(key)
-            ids[row, at:at + p] = torch.tensor(key, dtype=torch.long)
-            pos[row, at:at + p] = torch.arange(p)
-            bundle_of[row, at:at + p] = b_id
+            ids[row, at : at + p] = torch.tensor(key, dtype=torch.long)
+            pos[row, at : at + p] = torch.arange(p)
+            bundle_of[row, at : at + p] = b_id
             prompt_last = row * width + at + p - 1
             at += p
             for i in members:
                 r = resp[i]
-                body = ids_all[i][p:p + r - 1]
-                ids[row, at:at + len(body)] = torch.tensor(body, dtype=torch.long)
-                pos[row, at:at + len(body)] = torch.arange(p, p + len(body))
-                bundle_of[row, at:at + len(body)] = b_id
-                seg[row, at:at + len(body)] = i
+                body = ids_all[i][p : p + r - 1]
+                ids[row, at : at + len(body)] = torch.tensor(body, dtype=torch.long)
+                pos[row, at : at + len(body)] = torch.arange(p, p + len(body))
+                bundle_of[row, at : at + len(body)] = b_id
+                seg[row, at : at + len(body)] = i
                 if r:
                     gather[i, 0] = prompt_last
                     gather[i, 1:r] = row * width + at + torch.arange(r - 1)
@@ -245,7 +264,9 @@ def packed_response_logits(model, batch: TrainBatch, device: str) -> torch.Tenso
     packed rows' tails. Equal to the padded forward up to float rounding
     (``tests/training/test_packed_forward.py``)."""
     ids, pos, mask, gather = packed_layout(batch)
-    logits = model(input_ids=ids.to(device), position_ids=pos.to(device), attention_mask=mask.to(device)).logits
+    logits = model(
+        input_ids=ids.to(device), position_ids=pos.to(device), attention_mask=mask.to(device)
+    ).logits
     flat = logits.reshape(-1, logits.shape[-1])
     return flat[gather.to(device).reshape(-1)].reshape(*gather.shape, -1).float()
 
@@ -270,13 +291,28 @@ class PolicyTrainer:
     stage = "rl"
     """The pipeline stage this trainer runs in, for the finite checks' errors."""
 
-    def __init__(self, model, params: ObjectiveParams, *, lr: float, weight_decay: float,
-                 max_grad_norm: float, temperature: float, max_new_tokens: int, pad_id: int, device: str,
-                 minibatches: int = 1, micro_batch_tokens: int = 0, rank: int = 0, world_size: int = 1):
+    def __init__(
+        self,
+        model,
+        params: ObjectiveParams,
+        *,
+        lr: float,
+        weight_decay: float,
+        max_grad_norm: float,
+        temperature: float,
+        max_new_tokens: int,
+        pad_id: int,
+        device: str,
+        minibatches: int = 1,
+        micro_batch_tokens: int = 0,
+        rank: int = 0,
+        world_size: int = 1,
+    ):
         self.model = model.to(device).train()
         self.params = params
-        self.opt = torch.optim.AdamW(trainable_parameters(model), lr=lr, weight_decay=weight_decay,
-                                     betas=(0.9, 0.99))  # LoRA: the adapters only (training.lora)
+        self.opt = torch.optim.AdamW(
+            trainable_parameters(model), lr=lr, weight_decay=weight_decay, betas=(0.9, 0.99)
+        )  # LoRA: the adapters only (training.lora)
         self.lr = lr
         self.weight_decay = weight_decay
         self.max_grad_norm = max_grad_norm
@@ -306,9 +342,18 @@ class PolicyTrainer:
         """A trainer with the optimizer and batch settings of ``rl`` (``conf.schema.RLConfig``: ``lr``,
         ``weight_decay``, ``max_grad_norm``, ``temperature``, ``max_new_tokens``, ``minibatches``,
         ``micro_batch_tokens``); ``kw``: where it runs (``pad_id``, ``device``, ranks, a backend's own)."""
-        return cls(model, params, lr=rl.lr, weight_decay=rl.weight_decay, max_grad_norm=rl.max_grad_norm,
-                   temperature=rl.temperature, max_new_tokens=rl.max_new_tokens, minibatches=rl.minibatches,
-                   micro_batch_tokens=rl.micro_batch_tokens, **kw)
+        return cls(
+            model,
+            params,
+            lr=rl.lr,
+            weight_decay=rl.weight_decay,
+            max_grad_norm=rl.max_grad_norm,
+            temperature=rl.temperature,
+            max_new_tokens=rl.max_new_tokens,
+            minibatches=rl.minibatches,
+            micro_batch_tokens=rl.micro_batch_tokens,
+            **kw,
+        )
 
     # ------------------------------------------------------------------ backend hooks (plain torch)
     @property
@@ -338,9 +383,16 @@ class PolicyTrainer:
 
     def _check_finite(self, **values: float | None) -> None:
         """``training.finite.check_finite`` for the update in progress, naming the RL config keys."""
-        check_finite(self._where, {"rl.lr": self.lr, "rl.max_grad_norm": self.max_grad_norm,
-                                   "rl.weight_decay": self.weight_decay, "rl.temperature": self.temperature},
-                     **values)
+        check_finite(
+            self._where,
+            {
+                "rl.lr": self.lr,
+                "rl.max_grad_norm": self.max_grad_norm,
+                "rl.weight_decay": self.weight_decay,
+                "rl.temperature": self.temperature,
+            },
+            **values,
+        )
 
     def full_state(self) -> dict[str, np.ndarray]:
         """The full weights as host arrays (float32 for dtypes NumPy lacks, e.g. bf16). On CUDA they
@@ -368,27 +420,41 @@ class PolicyTrainer:
         if self.world_size == 1:
             return [(mb, True) for mb in micro_batches(lengths, idx, self.micro_batch_tokens)]
         order = idx[torch.argsort(lengths[idx], descending=True, stable=True)]
-        plans = [micro_batches(lengths, order[r::self.world_size], self.micro_batch_tokens)
-                 if len(order[r::self.world_size]) else [] for r in range(self.world_size)]
+        plans = [
+            micro_batches(lengths, order[r :: self.world_size], self.micro_batch_tokens)
+            if len(order[r :: self.world_size])
+            else []
+            for r in range(self.world_size)
+        ]
         mine = [(mb, True) for mb in plans[self.rank]]
         filler = mine[0][0] if mine else order[:1]
         return mine + [(filler, False)] * (max(len(p) for p in plans) - len(mine))
 
-    def _thread_shards(self, idx: torch.Tensor, lengths: torch.Tensor, group_index: torch.Tensor) -> list[torch.Tensor]:
+    def _thread_shards(
+        self, idx: torch.Tensor, lengths: torch.Tensor, group_index: torch.Tensor
+    ) -> list[torch.Tensor]:
         """Rows ``idx`` split for ``_backward_in_threads`` (``group_shards``), one shard per
         ``update_threads``; a single shard under DeepSpeed, with several ranks, with dropout (its random
         draws would depend on the threads' timing) or with fewer than ``MIN_THREAD_ROWS`` rows a shard."""
         k = self.update_threads if self.update_threads is not None else torch.get_num_threads()
         k = min(k, len(idx) // MIN_THREAD_ROWS)
-        if k <= 1 or self.world_size > 1 or type(self)._backward is not PolicyTrainer._backward or self._has_dropout():
+        if (
+            k <= 1
+            or self.world_size > 1
+            or type(self)._backward is not PolicyTrainer._backward
+            or self._has_dropout()
+        ):
             return [idx]
         return group_shards(idx, lengths, group_index, k)
 
     def _has_dropout(self) -> bool:
         if self._dropout is None:
-            self._dropout = any(isinstance(m, torch.nn.Dropout) and m.p > 0 for m in self.model.modules()) or any(
+            self._dropout = any(
+                isinstance(m, torch.nn.Dropout) and m.p > 0 for m in self.model.modules()
+            ) or any(
                 float(getattr(getattr(self.model, "config", None), a, 0.0) or 0.0) > 0
-                for a in ("attention_dropout", "hidden_dropout", "resid_pdrop", "attn_pdrop", "embd_pdrop"))
+                for a in ("attention_dropout", "hidden_dropout", "resid_pdrop", "attn_pdrop", "embd_pdrop")
+            )
         return self._dropout
 
     def _replica(self, j: int):
@@ -428,7 +494,9 @@ class PolicyTrainer:
         import torch.distributed as dist
 
         keys = sorted(metrics)
-        summed = torch.tensor([metrics[k] for k in keys if k != "staleness_max"] + [loss], dtype=torch.float64)
+        summed = torch.tensor(
+            [metrics[k] for k in keys if k != "staleness_max"] + [loss], dtype=torch.float64
+        )
         dist.all_reduce(summed, op=dist.ReduceOp.SUM)
         out = dict(zip([k for k in keys if k != "staleness_max"], summed[:-1].tolist()))
         if "staleness_max" in metrics:
@@ -463,16 +531,18 @@ class PolicyTrainer:
             for mb in micro_batches(lengths, everything, self.micro_batch_tokens):
                 sub = batch.rows(mb).trimmed()
                 t = sub.mask.shape[1]
-                out[mb.to(self.device), :t] = token_logprobs(self._response_logits(model, sub),
-                                                             targets[mb, :t], self.temperature)
+                out[mb.to(self.device), :t] = token_logprobs(
+                    self._response_logits(model, sub), targets[mb, :t], self.temperature
+                )
             return out
 
         with torch.no_grad():
             ref = logprobs_of(self.ref_model) if self.ref_model is not None else None
             proximal = logprobs_of(self.forward_model) if self.minibatches > 1 else None
 
-        def backward_rows(model, mbs: list[tuple[torch.Tensor, bool]],
-                          idx: torch.Tensor) -> tuple[dict[str, float], float]:
+        def backward_rows(
+            model, mbs: list[tuple[torch.Tensor, bool]], idx: torch.Tensor
+        ) -> tuple[dict[str, float], float]:
             """Forward and backward of micro-batches ``mbs`` on ``model``; (metrics, loss), each
             weighted by the micro-batches' shares of the minibatch ``idx``."""
             metrics: dict[str, float] = {}
@@ -486,8 +556,12 @@ class PolicyTrainer:
                 pbatch = PolicyBatch(
                     logprobs=logprobs,
                     old_logprobs=proximal[mb, :t] if proximal is not None else logprobs.detach(),
-                    behaviour_logprobs=sub.behaviour.to(self.device), advantages=advantages[mb], mask=m,
-                    max_len=self.max_new_tokens, versions=sub.versions, trainer_version=self.version,
+                    behaviour_logprobs=sub.behaviour.to(self.device),
+                    advantages=advantages[mb],
+                    mask=m,
+                    max_len=self.max_new_tokens,
+                    versions=sub.versions,
+                    trainer_version=self.version,
                     ref_logprobs=ref[mb, :t] if ref is not None else None,
                 )
                 loss, mb_metrics = policy_loss(pbatch, self.params)
@@ -496,10 +570,12 @@ class PolicyTrainer:
                 part_loss += float(loss.detach()) * share
                 with torch.no_grad():
                     denom = m.sum().clamp_min(1)
-                    mb_metrics["entropy"] = float((entropy_from_logits(logits.detach() / self.temperature) * m)
-                                                  .sum() / denom)
-                    mb_metrics["sampler_logprob_gap"] = float(((pbatch.old_logprobs - pbatch.behaviour_logprobs)
-                                                               .abs() * m).sum() / denom)
+                    mb_metrics["entropy"] = float(
+                        (entropy_from_logits(logits.detach() / self.temperature) * m).sum() / denom
+                    )
+                    mb_metrics["sampler_logprob_gap"] = float(
+                        ((pbatch.old_logprobs - pbatch.behaviour_logprobs).abs() * m).sum() / denom
+                    )
                 _accumulate(metrics, mb_metrics, share)
             return metrics, part_loss
 
@@ -507,16 +583,23 @@ class PolicyTrainer:
         per_chunk: list[dict[str, float]] = []
         losses, norms = [], []
         for i, idx in enumerate(chunks):
-            self._where = (f"stage {self.stage}, update {self.version + 1}"
-                           + (f" (minibatch {i + 1}/{len(chunks)})" if len(chunks) > 1 else ""))
+            self._where = f"stage {self.stage}, update {self.version + 1}" + (
+                f" (minibatch {i + 1}/{len(chunks)})" if len(chunks) > 1 else ""
+            )
             self._zero_grad()
             shards = self._thread_shards(idx, lengths, batch.group_index)
             if len(shards) == 1:
-                metrics, chunk_loss = backward_rows(self.forward_model, self._my_micro_batches(idx, lengths), idx)
+                metrics, chunk_loss = backward_rows(
+                    self.forward_model, self._my_micro_batches(idx, lengths), idx
+                )
             else:
                 metrics, chunk_loss = self._backward_in_threads(
                     functools.partial(backward_rows, idx=idx),
-                    [[(mb, True) for mb in micro_batches(lengths, rows, self.micro_batch_tokens)] for rows in shards])
+                    [
+                        [(mb, True) for mb in micro_batches(lengths, rows, self.micro_batch_tokens)]
+                        for rows in shards
+                    ],
+                )
             if self.world_size == 1:  # several ranks hold partial losses: checked once summed, below
                 self._check_finite(loss=chunk_loss)
             norms.append(self._step())  # checks the gradient norm
@@ -528,8 +611,15 @@ class PolicyTrainer:
         merged = {k: sum(c[k] for c in per_chunk) / len(per_chunk) for k in per_chunk[0]}
         if "staleness_max" in merged:
             merged["staleness_max"] = max(c["staleness_max"] for c in per_chunk)
-        return UpdateStats(kind="update_stats", version=self.version, loss=sum(losses) / len(losses),
-                           grad_norm=max(norms), n_sequences=n, n_tokens=int(mask.sum()), metrics=merged)
+        return UpdateStats(
+            kind="update_stats",
+            version=self.version,
+            loss=sum(losses) / len(losses),
+            grad_norm=max(norms),
+            n_sequences=n,
+            n_tokens=int(mask.sum()),
+            metrics=merged,
+        )
 
     def publish(self) -> WeightsUpdate:
         return WeightsUpdate(kind="weights_update", version=self.version, state=self.full_state())
@@ -568,8 +658,13 @@ def deepspeed_config(base: dict, *, max_grad_norm: float, world_size: int, devic
     rank; clipping is ``rl.max_grad_norm``; bf16 is on where the device has it (``"auto"``)."""
     cfg = copy.deepcopy(base)
     cfg.pop("_comment", None)
-    cfg.update(train_micro_batch_size_per_gpu=1, gradient_accumulation_steps=1, train_batch_size=world_size,
-               gradient_clipping=max_grad_norm, zero_allow_untested_optimizer=True)
+    cfg.update(
+        train_micro_batch_size_per_gpu=1,
+        gradient_accumulation_steps=1,
+        train_batch_size=world_size,
+        gradient_clipping=max_grad_norm,
+        zero_allow_untested_optimizer=True,
+    )
     bf16 = cfg.get("bf16", {}).get("enabled", "auto")
     if bf16 == "auto":
         bf16 = str(device).startswith("cuda") and torch.cuda.is_available() and torch.cuda.is_bf16_supported()
@@ -589,8 +684,9 @@ class DeepSpeedPolicyTrainer(PolicyTrainer):
         super().__init__(model, params, **kw)
         import deepspeed
 
-        cfg = deepspeed_config(ds_config, max_grad_norm=self.max_grad_norm, world_size=self.world_size,
-                               device=self.device)
+        cfg = deepspeed_config(
+            ds_config, max_grad_norm=self.max_grad_norm, world_size=self.world_size, device=self.device
+        )
         self.zero_stage = int(cfg.get("zero_optimization", {}).get("stage", 0))
         self.engine, self.opt, _, _ = deepspeed.initialize(model=self.model, optimizer=self.opt, config=cfg)
         self.model = self.engine.module
@@ -623,8 +719,14 @@ class DeepSpeedPolicyTrainer(PolicyTrainer):
             import deepspeed
 
             with deepspeed.zero.GatheredParameters(list(self.model.parameters()), modifier_rank=None):
-                return adapter_state(self.model) if is_peft(self.model) else _host_arrays(self.model.state_dict(), self)
-        return adapter_state(self.model) if is_peft(self.model) else _host_arrays(self.model.state_dict(), self)
+                return (
+                    adapter_state(self.model)
+                    if is_peft(self.model)
+                    else _host_arrays(self.model.state_dict(), self)
+                )
+        return (
+            adapter_state(self.model) if is_peft(self.model) else _host_arrays(self.model.state_dict(), self)
+        )
 
     def save(self, directory: str) -> None:
         """DeepSpeed's own checkpoint (every rank writes its shards) inside the caller's atomic
@@ -643,10 +745,13 @@ class DeepSpeedPolicyTrainer(PolicyTrainer):
         from deepspeed.runtime.checkpoint_engine import TorchCheckpointEngine
 
         if not isinstance(ce, TorchCheckpointEngine):
-            raise ValueError(f"resume reads DeepSpeed's torch checkpoint engine only, not {type(ce).__name__}")
+            raise ValueError(
+                f"resume reads DeepSpeed's torch checkpoint engine only, not {type(ce).__name__}"
+            )
         ce.load = _weights_only_load
-        path, _ = self.engine.load_checkpoint(directory, tag="deepspeed", load_optimizer_states=True,
-                                              load_lr_scheduler_states=False)
+        path, _ = self.engine.load_checkpoint(
+            directory, tag="deepspeed", load_optimizer_states=True, load_lr_scheduler_states=False
+        )
         if path is None:
             raise FileNotFoundError(f"no DeepSpeed checkpoint under {directory}")
 
@@ -662,25 +767,36 @@ def _weights_only_load(path: str, map_location=None):
         return torch.load(path, map_location=map_location, weights_only=True)
 
 
-def init_distributed(backend: str, rank: int, world_size: int, master_addr: str, master_port: int,
-                     *, deepspeed_comm: bool) -> None:
+def init_distributed(
+    backend: str, rank: int, world_size: int, master_addr: str, master_port: int, *, deepspeed_comm: bool
+) -> None:
     """Join the trainer group's process group (``backend`` gloo on the CPU, nccl on GPUs). With
     DeepSpeed, through ``deepspeed.init_distributed`` (its shared-memory inference all-reduce op,
     a 1-2 minute JIT build that training never uses, is skipped)."""
     import os
 
-    os.environ.update(MASTER_ADDR=master_addr, MASTER_PORT=str(master_port), RANK=str(rank),
-                      WORLD_SIZE=str(world_size), LOCAL_RANK="0")
+    os.environ.update(
+        MASTER_ADDR=master_addr,
+        MASTER_PORT=str(master_port),
+        RANK=str(rank),
+        WORLD_SIZE=str(world_size),
+        LOCAL_RANK="0",
+    )
     if deepspeed_comm:
         import deepspeed
         import deepspeed.ops
 
         deepspeed.ops.__compatible_ops__["deepspeed_shm_comm"] = False
-        deepspeed.init_distributed(dist_backend=backend, rank=rank, world_size=world_size,
-                                   auto_mpi_discovery=False, init_method=f"tcp://{master_addr}:{master_port}")
+        deepspeed.init_distributed(
+            dist_backend=backend,
+            rank=rank,
+            world_size=world_size,
+            auto_mpi_discovery=False,
+            init_method=f"tcp://{master_addr}:{master_port}",
+        )
     else:
         import torch.distributed as dist
 
-        dist.init_process_group(backend, rank=rank, world_size=world_size,
-                                init_method=f"tcp://{master_addr}:{master_port}")
-
+        dist.init_process_group(
+            backend, rank=rank, world_size=world_size, init_method=f"tcp://{master_addr}:{master_port}"
+        )

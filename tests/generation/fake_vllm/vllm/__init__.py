@@ -74,7 +74,9 @@ class _Model:
             n += 1
             if params is not None:
                 if name not in params or tuple(params[name].shape) != tuple(tensor.shape):
-                    raise ValueError(f"fake vLLM load_weights: no parameter {name} of shape {tuple(tensor.shape)}")
+                    raise ValueError(
+                        f"fake vLLM load_weights: no parameter {name} of shape {tuple(tensor.shape)}"
+                    )
                 with __import__("torch").no_grad():
                     params[name].copy_(tensor)
         self.digest = int.from_bytes(h.digest(), "little")
@@ -107,7 +109,7 @@ class _Adapters:
         self.model, self.max_lora_rank, self.capacity = model, max_lora_rank, capacity
         self.tensors: dict[int, tuple[float, dict]] = {}  # id -> (scaling, {base weight name: (A, B)})
         self.merged: dict[tuple[int, int], object] = {}
-        self.reads: list[tuple[int, str]] = []            # (id, path) of every folder read
+        self.reads: list[tuple[int, str]] = []  # (id, path) of every folder read
 
     def _read(self, req) -> tuple[float, dict]:
         from safetensors.torch import load_file
@@ -120,11 +122,13 @@ class _Adapters:
         r, alpha = int(cfg["r"]), float(cfg["lora_alpha"])
         if r > self.max_lora_rank:
             raise ValueError(f"LoRA rank {r} is greater than max_lora_rank {self.max_lora_rank}")
-        scaling = alpha / (r ** 0.5 if cfg.get("use_rslora") else r)
+        scaling = alpha / (r**0.5 if cfg.get("use_rslora") else r)
         pairs: dict[str, list] = {}
         for name, t in load_file(os.path.join(path, "adapter_model.safetensors")).items():
-            assert name.startswith("base_model.model.") and name.endswith((".lora_A.weight", ".lora_B.weight")), name
-            module = name[len("base_model.model."):-len(".lora_A.weight")]
+            assert name.startswith("base_model.model.") and name.endswith(
+                (".lora_A.weight", ".lora_B.weight")
+            ), name
+            module = name[len("base_model.model.") : -len(".lora_A.weight")]
             if module.rsplit(".", 1)[-1] not in cfg["target_modules"]:
                 raise ValueError(f"fake vLLM: adapter {path}: {module} is not in target_modules")
             pairs.setdefault(module + ".weight", [None, None])[0 if ".lora_A." in name else 1] = t
@@ -159,14 +163,16 @@ class _Adapters:
 
 
 class _Engine:
-    def __init__(self, llm: "LLM", max_num_seqs: int):
+    def __init__(self, llm: LLM, max_num_seqs: int):
         self.llm = llm
         self.max_num_seqs = max_num_seqs
         self.requests: dict[str, _Req] = {}
 
     def add_request(self, request_id, prompt, params, arrival_time=None, lora_request=None):
         assert isinstance(request_id, str) and request_id not in self.requests, request_id
-        assert params.logprobs == 0 and params.output_kind == RequestOutputKind.DELTA and params.max_tokens >= 1
+        assert (
+            params.logprobs == 0 and params.output_kind == RequestOutputKind.DELTA and params.max_tokens >= 1
+        )
         if lora_request is not None and self.llm.adapters is None:
             raise ValueError(f"LoRA is not enabled but request {request_id} has a lora_request")
         self.requests[request_id] = _Req(list(prompt["prompt_token_ids"]), params, lora_request)
@@ -196,30 +202,54 @@ class _Engine:
 
     def step(self):
         outs = []
-        for rid in list(self.requests)[:self.max_num_seqs]:
+        for rid in list(self.requests)[: self.max_num_seqs]:
             r = self.requests[rid]
             eos = self.llm.tokenizer.eos_token_id
             if self.llm.adapters is not None:
                 tok, lp = self._model_step(r)
             else:
-                key = repr((r.params.seed, r.prompt, len(r.generated), self.llm.worker.model_runner.model.digest))
+                key = repr(
+                    (r.params.seed, r.prompt, len(r.generated), self.llm.worker.model_runner.model.digest)
+                )
                 x = int.from_bytes(hashlib.blake2b(key.encode(), digest_size=8).digest(), "little")
                 tok = eos if x % 100 < 15 else 3 + x % (len(self.llm.tokenizer) - 3)
                 lp = -((x >> 20) % 1000) / 300.0 - 0.01
             r.generated.append(tok)
             done = tok == eos or len(r.generated) >= r.params.max_tokens
-            outs.append(RequestOutput(rid, [CompletionOutput(0, [tok], [{tok: Logprob(lp)}],
-                                                             "stop" if tok == eos else ("length" if done else None))],
-                                      done))
+            outs.append(
+                RequestOutput(
+                    rid,
+                    [
+                        CompletionOutput(
+                            0,
+                            [tok],
+                            [{tok: Logprob(lp)}],
+                            "stop" if tok == eos else ("length" if done else None),
+                        )
+                    ],
+                    done,
+                )
+            )
             if done:
                 del self.requests[rid]
         return outs
 
 
 class LLM:
-    def __init__(self, model, tokenizer=None, seed=0, max_num_seqs=256, worker_extension_cls=None,
-                 logprobs_mode="raw_logprobs", enable_lora=False, max_lora_rank=16, max_loras=1, max_cpu_loras=None,
-                 **engine_args):
+    def __init__(
+        self,
+        model,
+        tokenizer=None,
+        seed=0,
+        max_num_seqs=256,
+        worker_extension_cls=None,
+        logprobs_mode="raw_logprobs",
+        enable_lora=False,
+        max_lora_rank=16,
+        max_loras=1,
+        max_cpu_loras=None,
+        **engine_args,
+    ):
         from transformers import AutoTokenizer
 
         assert logprobs_mode == "processed_logprobs", "behaviour log-probs need the processed distribution"
@@ -236,10 +266,16 @@ class LLM:
             if max_lora_rank not in MAX_LORA_RANKS:
                 raise ValueError(f"max_lora_rank ({max_lora_rank}) must be one of {MAX_LORA_RANKS}.")
             if max_loras < 1 or (max_cpu_loras is not None and max_cpu_loras < max_loras):
-                raise ValueError(f"max_loras ({max_loras}) must be >= 1 and <= max_cpu_loras ({max_cpu_loras})")
-            base = AutoModelForCausalLM.from_pretrained(model, use_safetensors=True, dtype=torch.float32).eval()
+                raise ValueError(
+                    f"max_loras ({max_loras}) must be >= 1 and <= max_cpu_loras ({max_cpu_loras})"
+                )
+            base = AutoModelForCausalLM.from_pretrained(
+                model, use_safetensors=True, dtype=torch.float32
+            ).eval()
             self.worker.model_runner.model = _Model(base)
-            self.adapters = _Adapters(self.worker.model_runner.model, max_lora_rank, max_cpu_loras or max_loras)
+            self.adapters = _Adapters(
+                self.worker.model_runner.model, max_lora_rank, max_cpu_loras or max_loras
+            )
         self.llm_engine = _Engine(self, max_num_seqs)
         self.prefix_resets = 0
         self.engine_args = engine_args
