@@ -3,7 +3,7 @@
 Collect correct responses per prompt, with sampling trials allocated by difficulty, to build the
 RFT dataset. Difficulty = fail rate = ``1 - pass_rate`` from the difficulty stage's attempts.
 
-Strategies (``STRATEGIES``; one target rule and one cap rule each, dispatched through dicts):
+Strategies (``conf.schema.DartStrategy``; one target rule and one cap rule each, dispatched through dicts):
 
 - ``uniform``: every prompt targets ``k_u`` correct responses.
 - ``prop2diff``: prompt i targets ``max(1, ceil(k_p * fail_rate_i))`` correct responses, so the
@@ -57,10 +57,10 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 from collections.abc import Callable, Iterable
 
+from conf.schema import DART_STRATEGIES, DartStrategy
+
 if TYPE_CHECKING:
     import polars as pl
-
-STRATEGIES = ("uniform", "prop2diff", "vanilla")
 
 # A stated integer equation: an expression of integers and + - * (at least one operator) = an integer,
 # standing alone (not part of a longer expression, a decimal, a power, a fraction or a name).
@@ -103,7 +103,7 @@ class DartParams:
     """DART's knobs. ``k_u``/``k_p`` default small for the embedded task (the repo example uses
     ``k_u = 40``; a third-party reading of the DART paper gives ``k_p = 192``)."""
 
-    strategy: str = "prop2diff"
+    strategy: DartStrategy = "prop2diff"
     k_u: int = 4  # uniform: correct responses targeted per prompt
     k_p: int = 8  # prop2diff: target = max(1, ceil(k_p * fail_rate))
     max_trials: int = 32  # per-prompt trial cap (0 = none)
@@ -112,9 +112,9 @@ class DartParams:
     p_floor: float = 0.05  # allocation only: the pass rate assumed at least, when estimating trials needed
 
     def __post_init__(self) -> None:
-        if self.strategy not in STRATEGIES:
+        if self.strategy not in DART_STRATEGIES:
             raise ValueError(
-                f"dart strategy {self.strategy!r} is unknown: use one of {', '.join(STRATEGIES)}"
+                f"dart strategy {self.strategy!r} is unknown: use one of {', '.join(DART_STRATEGIES)}"
             )
         for name in ("k_u", "k_p", "budget", "round_size"):
             if getattr(self, name) < 1:
@@ -126,7 +126,7 @@ class DartParams:
 
 
 # target per prompt (SQL over the column fail_rate); NULL = no target
-_TARGETS: dict[str, Callable[[DartParams], str]] = {
+_TARGETS: dict[DartStrategy, Callable[[DartParams], str]] = {
     "uniform": lambda p: f"{int(p.k_u)}",
     "prop2diff": lambda p: f"GREATEST(1, CAST(CEIL({int(p.k_p)} * fail_rate - {_CEIL_EPS}) AS BIGINT))",
     "vanilla": lambda p: "NULL",
@@ -144,7 +144,7 @@ def _vanilla_cap(p: DartParams, n_prompts: int) -> int:
 
 
 # per-prompt trial cap; None = no cap (only the budget stops a prompt)
-_CAPS: dict[str, Callable[[DartParams, int], int | None]] = {
+_CAPS: dict[DartStrategy, Callable[[DartParams, int], int | None]] = {
     "uniform": lambda p, n: p.max_trials or None,
     "prop2diff": lambda p, n: p.max_trials or None,
     "vanilla": _vanilla_cap,
@@ -254,8 +254,8 @@ class DartPlanner:
         need = (
             "cap_left"
             if p.strategy == "vanilla"
-            else f"LEAST(cap_left, GREATEST(1, CAST(CEIL((target - corrects) / GREATEST(p_hat, {float(p.p_floor)})) "
-            "AS BIGINT)))"
+            else "LEAST(cap_left, GREATEST(1, CAST(CEIL((target - corrects) / "
+            f"GREATEST(p_hat, {float(p.p_floor)})) AS BIGINT)))"
         )
         # Active = not stopped and nothing in flight. Stop rule: trials >= cap or corrects >= target. The
         # dart-math repo writes the second as `n_corrects > min_n_corrects` (strictly greater): the same
@@ -279,11 +279,13 @@ class DartPlanner:
                 FROM sized
             ), ranked AS (
                 SELECT *, {r} - SUM(base) OVER () AS leftover,
-                       ROW_NUMBER() OVER (ORDER BY (rem > 0) DESC, CAST(issued + base AS DOUBLE) / (issued + need),
-                                          rem DESC, fail_rate DESC, prompt_id) AS rk
+                       ROW_NUMBER() OVER (
+                           ORDER BY (rem > 0) DESC, CAST(issued + base AS DOUBLE) / (issued + need),
+                                    rem DESC, fail_rate DESC, prompt_id) AS rk
                 FROM scaled
             )
-            SELECT prompt_id, CAST(base + CASE WHEN rem > 0 AND rk <= leftover THEN 1 ELSE 0 END AS BIGINT) AS n
+            SELECT prompt_id,
+                   CAST(base + CASE WHEN rem > 0 AND rk <= leftover THEN 1 ELSE 0 END AS BIGINT) AS n
             FROM ranked WHERE base > 0 OR (rem > 0 AND rk <= leftover)""")
         self._con.execute(
             "UPDATE dart_state SET issued = dart_state.issued + pl.n FROM dart_plan pl "
@@ -326,7 +328,8 @@ class DartPlanner:
             bad = con.execute("""
                 SELECT b.prompt_id, COUNT(*) AS k, ANY_VALUE(s.issued - s.trials) AS pending
                 FROM dart_batch b LEFT JOIN dart_state s USING (prompt_id)
-                GROUP BY b.prompt_id HAVING ANY_VALUE(s.issued) IS NULL OR COUNT(*) > ANY_VALUE(s.issued - s.trials)
+                GROUP BY b.prompt_id
+                HAVING ANY_VALUE(s.issued) IS NULL OR COUNT(*) > ANY_VALUE(s.issued - s.trials)
                 ORDER BY b.prompt_id LIMIT 3""").fetchall()
             if bad:
                 raise ValueError(
@@ -337,10 +340,12 @@ class DartPlanner:
             con.execute("""INSERT INTO dart_responses
                 SELECT prompt_id, response, length, trial_idx FROM (
                     SELECT b.prompt_id, b.response, b.length, b.correct, b.pos,
-                           s.trials + ROW_NUMBER() OVER (PARTITION BY b.prompt_id ORDER BY b.pos) - 1 AS trial_idx
+                           s.trials + ROW_NUMBER() OVER (PARTITION BY b.prompt_id ORDER BY b.pos) - 1
+                               AS trial_idx
                     FROM dart_batch b JOIN dart_state s USING (prompt_id))
                 WHERE correct ORDER BY pos""")
-            con.execute("""UPDATE dart_state SET trials = dart_state.trials + a.k, corrects = dart_state.corrects + a.c
+            con.execute("""UPDATE dart_state
+                SET trials = dart_state.trials + a.k, corrects = dart_state.corrects + a.c
                 FROM (SELECT prompt_id, COUNT(*) AS k, COUNT(*) FILTER (WHERE correct) AS c
                       FROM dart_batch GROUP BY prompt_id) a
                 WHERE dart_state.prompt_id = a.prompt_id""")

@@ -17,10 +17,11 @@ Every input row ends in exactly one of them: rows_in == ingested + quarantined +
 
 A row moves through: parse (bad JSON, undecodable bytes, not an object) -> fields (missing or empty
 problem / answer, non-string problem, a problem longer than ``max_prompt_chars``, a level outside
-the int32 level column, missing id) -> the source's shared wrapper out -> ids (a prompt_id already taken by an earlier
-row, when ids come from ``id_field``) -> exact dedup -> near dedup (``data_curation.dedup``; by
-default only between prompts with the same canonical answer). Duplicates keep the earliest row
-(source order, then source_row), across sources too. The id and dedup steps run as DuckDB SQL.
+the int32 level column, missing id) -> the source's shared wrapper out -> ids (a prompt_id already
+taken by an earlier row, when ids come from ``id_field``) -> exact dedup -> near dedup
+(``data_curation.dedup``; by default only between prompts with the same canonical answer). Duplicates
+keep the earliest row (source order, then source_row), across sources too. The id and dedup steps
+run as DuckDB SQL.
 
 ``prompt_id`` is ``str(record[id_field])`` when the source has ids, else
 ``f"{source}-{sha256(problem)[:16]}"`` over the normalised problem.
@@ -49,7 +50,7 @@ from typing import Any
 import pyarrow as pa
 import pyarrow.parquet as pq
 
-from conf.schema import DataConfig
+from conf.schema import SOURCE_FORMATS, DataConfig, SourceFormat
 from core.errors import StageError
 from data_curation.dedup import NearDupParams, exact_duplicates, near_duplicates
 from data_curation.templates import MIN_SHARE as TEMPLATE_SHARE
@@ -58,7 +59,6 @@ from evaluation.verifier import normalize_answer
 
 __all__ = [
     "DUPLICATES_SCHEMA",
-    "FORMATS",
     "QUARANTINE_SCHEMA",
     "TEMPLATES_SCHEMA",
     "SourceError",
@@ -70,7 +70,6 @@ __all__ = [
     "resolve_format",
 ]
 
-FORMATS = ("auto", "jsonl", "json", "parquet", "hf", "verl")
 RAW_MAX_CHARS = 2000
 MAX_PROMPT_CHARS = DataConfig.max_prompt_chars
 """The default limit on a problem's length (``data.max_prompt_chars``; see the schema for why)."""
@@ -134,7 +133,7 @@ class SourceSpec:
 
     name: str
     path: str
-    format: str = "auto"
+    format: SourceFormat = "auto"
     problem_field: str = "problem"
     answer_field: str = "answer"
     id_field: str | None = None
@@ -146,9 +145,9 @@ class SourceSpec:
     def __post_init__(self) -> None:
         if not self.name:
             raise ValueError("SourceSpec.name must be a non-empty label, e.g. 'math_train'")
-        if self.format not in FORMATS:
+        if self.format not in SOURCE_FORMATS:
             raise ValueError(
-                f"source {self.name!r}: format={self.format!r} is not one of {', '.join(FORMATS)}"
+                f"source {self.name!r}: format={self.format!r} is not one of {', '.join(SOURCE_FORMATS)}"
             )
         object.__setattr__(self, "extra_fields", tuple(self.extra_fields))
         clash = sorted(set(self.extra_fields) & set(CORE_COLUMNS))
@@ -408,7 +407,7 @@ def resolve_format(spec: SourceSpec) -> str:
         if fmt is None:
             raise ValueError(
                 f"source {spec.name!r}: cannot tell the format of {path} from its suffix; "
-                f"set format to one of {', '.join(FORMATS[1:])}"
+                f"set format to one of {', '.join(SOURCE_FORMATS[1:])}"
             )
         first = path
     return "verl" if fmt == "parquet" and _is_verl(spec, first) else fmt
@@ -715,7 +714,8 @@ def _duplicate_ids(con) -> list[int]:
     by the source (two derived ids collide only for equal problems: exact dedup records those)."""
     con.execute("""
         CREATE TEMP TABLE _dup_ids AS SELECT rid FROM (
-            SELECT rid, id_explicit, row_number() OVER w AS rn, first_value(id_explicit) OVER w AS first_explicit
+            SELECT rid, id_explicit, row_number() OVER w AS rn,
+                   first_value(id_explicit) OVER w AS first_explicit
             FROM _rows WINDOW w AS (PARTITION BY prompt_id ORDER BY rid)
         ) WHERE rn > 1 AND (id_explicit OR first_explicit)
     """)
@@ -725,7 +725,8 @@ def _duplicate_ids(con) -> list[int]:
 def _select_prompts(con, extra_fields: list[str]) -> pa.Table:
     extras = "".join(f', r."{f}"' for f in extra_fields)
     table = con.sql(f"""
-        SELECT r.prompt_id, r.source, r.source_row, r.problem, r.answer, r.level, r.subject, e.text_hash{extras}
+        SELECT r.prompt_id, r.source, r.source_row, r.problem, r.answer, r.level, r.subject,
+               e.text_hash{extras}
         FROM _rows r JOIN _exact e ON e.rid = r.rid
         WHERE e.canonical_rid = r.rid AND r.rid NOT IN (SELECT rid FROM _near)
         ORDER BY r.rid
@@ -736,7 +737,8 @@ def _select_prompts(con, extra_fields: list[str]) -> pa.Table:
 def _select_duplicates(con) -> pa.Table:
     table = con.sql("""
         SELECT r.source, r.source_row, r.prompt_id, c.prompt_id AS canonical_id, kind, similarity FROM (
-            SELECT rid, canonical_rid, 'exact' AS kind, 1.0::DOUBLE AS similarity FROM _exact WHERE rid <> canonical_rid
+            SELECT rid, canonical_rid, 'exact' AS kind, 1.0::DOUBLE AS similarity
+            FROM _exact WHERE rid <> canonical_rid
             UNION ALL
             SELECT rid, canonical_rid, 'near' AS kind, similarity FROM _near
         ) d JOIN _rows r ON r.rid = d.rid JOIN _rows c ON c.rid = d.canonical_rid

@@ -18,6 +18,7 @@ from collections.abc import Iterable, Mapping, Sequence
 import numpy as np
 import torch
 
+from conf.schema import ENGINE_KINDS, EngineKind
 from generation.continuous import ContinuousEngine
 from generation.protocol import (
     REPO_ROOT,
@@ -31,7 +32,6 @@ from generation.protocol import (
 from generation.records import GenRequest, Partial, Trajectory
 from generation.static_slots import StaticSlotEngine
 
-ENGINE_KINDS = ("torch", "torch-process", "vllm")
 VLLM_PYTHON_ENV = "LAMINAR_VLLM_PYTHON"
 
 
@@ -128,7 +128,7 @@ def vllm_python(explicit: str | None = None) -> str | None:
 
 
 def worker_command(
-    kind: str,
+    kind: EngineKind,
     model_dir: str | Path,
     *,
     python: str,
@@ -176,7 +176,7 @@ def worker_command(
 
 
 def make_engine(
-    kind: str,
+    kind: EngineKind,
     model_dir: str | Path,
     *,
     device: str = "cpu",

@@ -6,9 +6,9 @@ stdin/stdout (``generation.protocol``).
 
 ``--engine vllm`` runs in vLLM's own environment (``make vllm-env``; vLLM pins torch, transformers and
 fastapi against Prefect's) and imports only vLLM, this module, the protocol module and
-``generation.adapter``'s names (standard library, numpy, msgpack, the plain records; torch only inside
-the adapter functions the worker never calls). ``--engine torch`` hosts the built-in engine behind the
-same loop, so the wire path is tested without vLLM.
+``generation.adapter``'s names and ``conf.schema``'s (standard library, numpy, msgpack, the plain
+records; torch only inside the adapter functions the worker never calls). ``--engine torch`` hosts the
+built-in engine behind the same loop, so the wire path is tested without vLLM.
 
 vLLM is driven through its documented offline interfaces: ``vllm.LLM`` and its ``llm_engine``
 (``add_request`` / ``step`` / ``abort_request``), ``SamplingParams(logprobs=0, seed=...)`` with the
@@ -59,6 +59,7 @@ from collections.abc import Iterable, Mapping, Sequence
 
 import numpy as np
 
+from conf.schema import VLLM_LORA_RANKS
 from generation.adapter import ADAPTER_CONFIG, SCALING_KEY, adapter_pairs
 from generation.protocol import (
     EngineBase,
@@ -116,11 +117,6 @@ def _tensor_shapes(paths: Sequence[str]) -> dict[str, tuple[int, ...]]:
             for k in f.keys():
                 shapes[k] = tuple(f.get_slice(k).get_shape())
     return shapes
-
-
-VLLM_LORA_RANKS = (8, 16, 32, 64, 128, 256, 320, 512)
-"""The ``max_lora_rank`` values vLLM accepts (its ``LoRAConfig`` refuses others); adapters of any rank
-up to it load."""
 
 
 def vllm_max_lora_rank(rank: int) -> int:

@@ -30,7 +30,7 @@ from pathlib import Path
 from typing import Any
 from collections.abc import Callable, Iterable, Mapping
 
-from conf.schema import Config, TrackingConfig
+from conf.schema import Config, TrackingBackend, TrackingConfig
 from core.workspace import Workspace
 
 LOG = logging.getLogger("laminar.tracking")
@@ -96,7 +96,7 @@ def git_revision(root: Path = ROOT) -> str:
 class TensorBoardBackend:
     """Event files under ``<workspace>/tracking/tensorboard/<run-id>``."""
 
-    name = "tensorboard"
+    name: TrackingBackend = "tensorboard"
 
     def __init__(self, root: Path, run_id: str):
         from torch.utils.tensorboard import SummaryWriter
@@ -154,7 +154,7 @@ def _quiet_mlflow() -> None:
 class MlflowBackend:
     """An MLflow run (``run_name`` = the run id, tag ``laminar.run_id``) in ``tracking.mlflow_experiment``."""
 
-    name = "mlflow"
+    name: TrackingBackend = "mlflow"
     STATUS = {"completed": "FINISHED", "failed": "FAILED", "interrupted": "KILLED"}
 
     def __init__(self, root: Path, run_id: str, t: TrackingConfig):
@@ -239,7 +239,7 @@ class WandbBackend:
     """A W&B run with id and name = the run id; offline files under ``<workspace>/tracking/wandb``
     unless logged in (``tracking.wandb_mode``). Per-step curves use their own x axis (``rl/step``)."""
 
-    name = "wandb"
+    name: TrackingBackend = "wandb"
 
     def __init__(self, root: Path, run_id: str, t: TrackingConfig, config: dict):
         os.environ.setdefault("WANDB_ERROR_REPORTING", "false")
@@ -410,7 +410,10 @@ def open_backends(t: TrackingConfig, root: Path, run_id: str, config: dict) -> l
             elif name == "wandb":
                 out.append(WandbBackend(root, run_id, t, config))
         except Exception as err:  # noqa: BLE001 - the tracker's view never fails a run
-            msg = f"laminar: tracking: {name} could not open a run ({type(err).__name__}: {err}); run {run_id} goes on without it"
+            msg = (
+                f"laminar: tracking: {name} could not open a run ({type(err).__name__}: {err}); "
+                f"run {run_id} goes on without it"
+            )
             LOG.warning(msg)
             print(msg, file=sys.stderr)
     return out

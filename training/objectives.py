@@ -21,10 +21,13 @@ from collections.abc import Callable, Mapping
 import torch
 from torch import Tensor
 
+from conf.schema import Advantage, Algorithm, BehaviourWeight, LossAgg
+
+_K = TypeVar("_K", bound=str)
 _V = TypeVar("_V")
 
 
-def _lookup(table: Mapping[str, _V], name: str, what: str) -> _V:
+def _lookup(table: Mapping[_K, _V], name: str, what: str) -> _V:
     if name not in table:
         raise ValueError(f"unknown {what} {name!r}; choose one of {sorted(table)}")
     return table[name]
@@ -77,7 +80,7 @@ def batch_normalized_advantages(rewards: Tensor, group_index: Tensor, eps: float
 
 
 AdvantageFn = Callable[[Tensor, Tensor], Tensor]
-ADVANTAGES: Mapping[str, AdvantageFn] = MappingProxyType(
+ADVANTAGES: Mapping[Advantage, AdvantageFn] = MappingProxyType(
     {"grpo": grpo_advantages, "dr_grpo": dr_grpo_advantages, "batch": batch_normalized_advantages}
 )
 
@@ -161,12 +164,12 @@ def _seq_sum_const(loss: Tensor, mask: Tensor, max_len: int | None) -> Tensor:
 
 
 AggregationFn = Callable[[Tensor, Tensor, int | None], Tensor]
-AGGREGATIONS: Mapping[str, AggregationFn] = MappingProxyType(
+AGGREGATIONS: Mapping[LossAgg, AggregationFn] = MappingProxyType(
     {"token_mean": _token_mean, "seq_mean": _seq_mean, "seq_sum_const": _seq_sum_const}
 )
 
 
-def aggregate(loss: Tensor, mask: Tensor, mode: str, max_len: int | None = None) -> Tensor:
+def aggregate(loss: Tensor, mask: Tensor, mode: LossAgg, max_len: int | None = None) -> Tensor:
     """Reduce a ``(B, T)`` per-token loss to a scalar over ``mask``.
 
     ``token_mean`` (DAPO): sum over all tokens / number of tokens in the batch. ``seq_mean`` (GRPO):
@@ -258,7 +261,7 @@ def masked_is_weights(
 
 
 BehaviourWeightFn = Callable[[Tensor, Tensor, float, Tensor | None], Tensor]
-BEHAVIOUR_WEIGHTS: Mapping[str, BehaviourWeightFn] = MappingProxyType(
+BEHAVIOUR_WEIGHTS: Mapping[BehaviourWeight, BehaviourWeightFn] = MappingProxyType(
     {
         "truncate": lambda prox, behave, cap, mask: truncated_is_weights(prox, behave, cap=cap, mask=mask),
         "mask": lambda prox, behave, cap, mask: masked_is_weights(prox, behave, high=cap, mask=mask),
@@ -276,7 +279,7 @@ def decoupled_ppo_loss(
     clip_low: float,
     clip_high: float,
     dual_clip: float | None = None,
-    behaviour_weight: str = "truncate",
+    behaviour_weight: BehaviourWeight = "truncate",
     cap: float = 3.0,
     mask: Tensor | None = None,
 ) -> tuple[Tensor, dict[str, Tensor]]:
@@ -315,9 +318,9 @@ def staleness(trainer_version: int, versions: Tensor) -> Tensor:
 class ObjectiveParams:
     """Which objective to optimise. Defaults are plain GRPO; see ``PRESETS`` for DAPO, Dr. GRPO."""
 
-    advantage: str = "grpo"
+    advantage: Advantage = "grpo"
     """Key of ``ADVANTAGES``. GRPO and DAPO: "grpo" (group std); Dr. GRPO: "dr_grpo"; also "batch"."""
-    loss_agg: str = "seq_mean"
+    loss_agg: LossAgg = "seq_mean"
     """Key of ``AGGREGATIONS``. GRPO: "seq_mean"; DAPO: "token_mean"; Dr. GRPO: "seq_sum_const"."""
     clip_low: float = 0.2
     """Lower clip ``eps_low``: ratio floor ``1 - clip_low``. PPO/GRPO/DAPO: 0.2."""
@@ -335,7 +338,7 @@ class ObjectiveParams:
     """DAPO dynamic sampling: drop groups with constant rewards and resample; DAPO: on."""
     max_sampling_rounds: int = 10
     """Cap on generation rounds when dynamic sampling (verl's DAPO example: 10)."""
-    behaviour_weight: str = "truncate"
+    behaviour_weight: BehaviourWeight = "truncate"
     """Key of ``BEHAVIOUR_WEIGHTS`` for ``pi_prox / pi_behave``. Truncated IS (TRL); exactly 1 on-policy."""
     is_cap: float = 3.0
     """Truncation cap (or upper mask bound) of the behaviour weight; TRL default 3.0."""
@@ -351,7 +354,8 @@ class ObjectiveParams:
             _lookup(table, value, name)
         if not (0.0 <= self.clip_low < 1.0 and self.clip_high >= 0.0):
             raise ValueError(
-                f"clip_low={self.clip_low}, clip_high={self.clip_high}: need 0 <= clip_low < 1, clip_high >= 0"
+                f"clip_low={self.clip_low}, clip_high={self.clip_high}: "
+                "need 0 <= clip_low < 1, clip_high >= 0"
             )
         if self.dual_clip is not None and self.dual_clip <= 1.0:
             raise ValueError(f"dual_clip={self.dual_clip} must be > 1 (verl uses 3.0) or None to turn it off")
@@ -362,7 +366,7 @@ class ObjectiveParams:
 
 
 _GRPO = ObjectiveParams()
-PRESETS: Mapping[str, ObjectiveParams] = MappingProxyType(
+PRESETS: Mapping[Algorithm, ObjectiveParams] = MappingProxyType(
     {
         "grpo": _GRPO,
         "dapo": dataclasses.replace(

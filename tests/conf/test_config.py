@@ -106,11 +106,85 @@ def test_preflight_catches_what_needs_files(tmp_path):
     preflight(load_config(["eval.benchmarks=[arith_heldout,gsm8k]"]))
 
 
-def test_rollout_engines_are_the_engine_kinds():
-    from conf.schema import ROLLOUT_ENGINES
-    from generation.engines import ENGINE_KINDS
+def _declared_fields(node=None, prefix=""):
+    """(key, path of attribute names, metadata item) of every name set and bound the schema declares."""
+    import dataclasses
+    import typing
 
-    assert set(ROLLOUT_ENGINES) == set(ENGINE_KINDS)
+    node = Config() if node is None else node
+    hints = typing.get_type_hints(type(node), include_extras=True)
+    for f in dataclasses.fields(node):
+        for rule in getattr(hints[f.name], "__metadata__", ()):
+            yield prefix + f.name, rule
+        value = getattr(node, f.name)
+        if dataclasses.is_dataclass(value):
+            yield from _declared_fields(value, f"{prefix}{f.name}.")
+
+
+def _with(key, value):
+    cfg = Config()
+    *parents, name = key.split(".")
+    node = cfg
+    for part in parents:
+        node = getattr(node, part)
+    setattr(node, name, [value] if isinstance(getattr(node, name), list) else value)
+    return cfg
+
+
+DECLARED = list(_declared_fields())
+
+
+def _rule_id(rule):
+    import conf.schema as schema
+
+    return next(
+        (n for n in ("Positive", "NonNegative", "Fraction", "Share") if getattr(schema, n) is rule), "names"
+    )
+
+
+def test_the_schema_declares_names_and_bounds_for_the_keys_it_checks():
+    from conf.schema import NonNegative, Positive
+
+    keys = {key for key, _ in DECLARED}
+    assert {"rl.mode", "rl.algorithm", "rollout.engine", "tracking.backends", "model.lora.stages"} <= keys
+    assert sum(rule is Positive for _, rule in DECLARED) >= 40
+    assert sum(rule is NonNegative for _, rule in DECLARED) >= 14
+
+
+@pytest.mark.parametrize("key,rule", DECLARED, ids=[f"{k}-{_rule_id(r)}" for k, r in DECLARED])
+def test_every_declared_rule_refuses_a_bad_value_naming_the_key(key, rule):
+    import typing
+
+    from conf.schema import Bound, Fraction, NonNegative, Positive, Share, validate
+
+    if typing.get_origin(rule) is typing.Literal:
+        names = ", ".join(typing.get_args(rule))
+        bad, message = "nope", f"{key}='nope' is not supported; set {key} to one of: {names}"
+    else:
+        assert isinstance(rule, Bound)
+        bad = {Positive: 0, NonNegative: -1, Fraction: 1, Share: 0}[rule]
+        message = rule.message.format(key=key, value=bad)
+    with pytest.raises(ConfigError) as err:
+        validate(_with(key, bad))
+    assert str(err.value) == message
+    if isinstance(rule, Bound):  # inf and nan fail before the bound
+        with pytest.raises(
+            ConfigError, match=f"{key}=inf is not a finite number; set {key} to a finite value"
+        ):
+            validate(_with(key, float("inf")))
+
+
+def test_a_source_format_is_checked_in_every_listed_source():
+    from conf.schema import SourceConfig
+
+    with pytest.raises(ConfigError, match=r"data.sources\[1\].format='csv' is not supported"):
+        load_config(
+            [
+                "data.source=files",
+                "data.sources=[{name: a, path: a.jsonl}, {name: b, path: b.csv, format: csv}]",
+            ]
+        )
+    assert SourceConfig().format == "auto"
 
 
 @pytest.mark.parametrize(

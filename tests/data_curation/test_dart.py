@@ -4,7 +4,8 @@ import random
 import polars as pl
 import pytest
 
-from data_curation.dart import STRATEGIES, DartParams, DartPlanner, arithmetic_consistent
+from conf.schema import DART_STRATEGIES
+from data_curation.dart import DartParams, DartPlanner, arithmetic_consistent
 
 # true pass rate per difficulty bucket; "never" can not be solved at all
 BUCKETS = {"easy": 0.9, "mid": 0.5, "hard": 0.15, "never": 0.0}
@@ -102,7 +103,7 @@ def test_targets_follow_the_strategy():
 
 
 def test_budget_never_exceeded_and_rounds_respect_round_size():
-    for strategy in STRATEGIES:
+    for strategy in DART_STRATEGIES:
         planner, rft, calls = _run(strategy, budget=300, round_size=64, max_trials=32)
         assert all(sum(n for _, n in plan) <= 64 for plan in calls)
         s = planner.summary()

@@ -270,8 +270,6 @@ def test_bad_adapters_give_clear_errors(in_process, assets):
 
 def test_the_lora_rank_travels_from_the_adapter_folder_to_the_worker_flags(tmp_path, assets):
     from conf.loader import load_config
-    from conf.schema import VLLM_MAX_LORA_RANK
-    from generation.vllm_worker import VLLM_LORA_RANKS
 
     assets["versions"][1].save_pretrained(tmp_path / "adapter")
     assert adapter_rank(tmp_path / "adapter") == RANK and adapter_rank(assets["dir"]) == 0
@@ -282,7 +280,6 @@ def test_the_lora_rank_travels_from_the_adapter_folder_to_the_worker_flags(tmp_p
     )
     assert worker_command("vllm", "/m", **kw)[-2:] == ["--lora-rank", str(RANK)]
     assert "--lora-rank" not in worker_command("torch-process", "/m", **kw)
-    assert VLLM_MAX_LORA_RANK == VLLM_LORA_RANKS[-1]
     lora_vllm = [
         "device=cuda",
         "rollout.engine=vllm",

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import pytest
 
+from conf.schema import RL_MODES
 from training.rl import control
 from training.rl.control import ExperienceBuffer, PromptQueue, RelayChain, RolloutView, plan_repack
 from training.rl.loop import PromptCursor
@@ -151,7 +152,7 @@ def test_retained_versions():
 
 
 def test_modes_table():
-    assert set(control.MODES) == {"sync", "one_step", "partial", "laminar"}
+    assert set(control.MODES) == set(RL_MODES)  # every mode the config accepts
     assert control.MODES["laminar"].repack and control.MODES["laminar"].drain
     assert control.MODES["partial"].interrupt and not control.MODES["partial"].batched
     assert control.MODES["one_step"].max_ahead == 1 and control.MODES["sync"].max_ahead == 0

@@ -2,10 +2,12 @@
 
 import dataclasses
 import math
+import typing
 
 import pytest
 import torch
 
+from conf.schema import RL_ALGORITHMS, Advantage, BehaviourWeight, LossAgg
 from training.objectives import (
     ADVANTAGES,
     AGGREGATIONS,
@@ -120,6 +122,13 @@ def test_batch_normalized():
 def test_batch_normalized_all_constant_is_zero():
     adv = batch_normalized_advantages(t([1.0, 1.0, 0.0, 0.0]), torch.tensor([0, 0, 1, 1]))
     assert torch.equal(adv, torch.zeros(4, dtype=F64))
+
+
+def test_every_name_the_config_accepts_has_its_function():
+    assert set(ADVANTAGES) == set(typing.get_args(Advantage))
+    assert set(AGGREGATIONS) == set(typing.get_args(LossAgg))
+    assert set(BEHAVIOUR_WEIGHTS) == set(typing.get_args(BehaviourWeight))
+    assert set(PRESETS) == set(RL_ALGORITHMS)
 
 
 def test_advantage_table():

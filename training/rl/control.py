@@ -22,6 +22,7 @@ from collections import Counter, OrderedDict, deque
 from dataclasses import dataclass, field
 from collections.abc import Callable, Iterable, Sequence
 
+from conf.schema import Mode
 from generation.records import GenRequest, PromptItem, ScoredGroup, Trajectory
 
 
@@ -49,7 +50,7 @@ class ModeSpec:
     admit_lag: int = 1
 
 
-MODES: dict[str, ModeSpec] = {
+MODES: dict[Mode, ModeSpec] = {
     "sync": ModeSpec("sync", batched=True, max_ahead=0, interrupt=False, drain=False, repack=False),
     "one_step": ModeSpec("one_step", batched=True, max_ahead=1, interrupt=False, drain=False, repack=False),
     "partial": ModeSpec("partial", batched=False, max_ahead=0, interrupt=True, drain=False, repack=False),
