@@ -64,7 +64,7 @@ up to it load, so ``model.lora.rank`` above the last cannot sample with ``rollou
 @dataclass(frozen=True)
 class Bound:
     """A declared constraint of a number field (``Annotated[float, Positive]``), checked by
-    :func:`validate`: ``inf`` and ``nan`` fail first, None passes (the algorithm's default applies)."""
+    :func:`validate`: ``inf`` and ``nan`` fail first; None (an optional key left unset) passes."""
 
     ok: Callable[[Any], bool]
     message: str
@@ -535,19 +535,26 @@ def _check_declared(node: Any, prefix: str = "") -> None:
     rules apply to each item, and sections (lists of sections too) are walked."""
     for f in fields(node):
         key, value = prefix + f.name, getattr(node, f.name)
+        items = value if isinstance(value, list) else [value]
         for rule in _declared(type(node))[f.name]:
-            for item in value if isinstance(value, list) else [value]:
-                if item is None:
-                    continue
-                if get_origin(rule) is Literal:
-                    _one_of(key, item, get_args(rule))
-                elif isinstance(rule, Bound):
-                    _finite(key, item)
-                    if not rule.ok(item):
-                        raise ConfigError(rule.message.format(key=key, value=item))
-        for i, item in enumerate(value if isinstance(value, list) else [value]):
+            for item in items:
+                _check_rule(key, item, rule)
+        for i, item in enumerate(items):
             if is_dataclass(item):
                 _check_declared(item, f"{key}[{i}]." if isinstance(value, list) else f"{key}.")
+
+
+def _check_rule(key: str, value: object, rule: object) -> None:
+    if value is None:
+        return
+    if get_origin(rule) is Literal:
+        _one_of(key, value, get_args(rule))  # type: ignore[arg-type]
+    elif isinstance(rule, Bound):
+        _finite(key, value)
+        if not rule.ok(value):
+            raise ConfigError(rule.message.format(key=key, value=value))
+    else:
+        raise TypeError(f"{key}: Annotated metadata {rule!r} is neither a Literal of names nor a Bound")
 
 
 def validate(cfg: Config) -> Config:

@@ -279,9 +279,9 @@ class DartPlanner:
                 FROM sized
             ), ranked AS (
                 SELECT *, {r} - SUM(base) OVER () AS leftover,
-                       ROW_NUMBER() OVER (
-                           ORDER BY (rem > 0) DESC, CAST(issued + base AS DOUBLE) / (issued + need),
-                                    rem DESC, fail_rate DESC, prompt_id) AS rk
+                       ROW_NUMBER() OVER (ORDER BY (rem > 0) DESC,
+                                          CAST(issued + base AS DOUBLE) / (issued + need),
+                                          rem DESC, fail_rate DESC, prompt_id) AS rk
                 FROM scaled
             )
             SELECT prompt_id,

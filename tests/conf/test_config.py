@@ -174,6 +174,14 @@ def test_every_declared_rule_refuses_a_bad_value_naming_the_key(key, rule):
             validate(_with(key, float("inf")))
 
 
+def test_every_tracking_backend_has_its_module_and_install_line():
+    import typing
+
+    from conf.schema import TRACKING_BACKENDS, TrackingBackend
+
+    assert set(TRACKING_BACKENDS) == set(typing.get_args(TrackingBackend))
+
+
 def test_a_source_format_is_checked_in_every_listed_source():
     from conf.schema import SourceConfig
 
