@@ -22,8 +22,9 @@ from training.rl.manager import ManagerSettings, RolloutManager
 from training.rl.records import ExtractOrder
 
 STREAM = ModeSpec("stream", batched=True, max_ahead=1, interrupt=False, drain=False, repack=False)
-SIM_MODES: dict[str, ModeSpec] = {name: MODES[name] if name in MODES else STREAM for name in SIM_MODE_NAMES}
-"""The runtime's modes plus ``stream`` (simulator only: never in the real config's ``rl.mode``)."""
+SIM_MODES: dict[str, ModeSpec] = {name: {**MODES, "stream": STREAM}[name] for name in SIM_MODE_NAMES}
+"""The runtime's modes plus ``stream`` (simulator only: never in the real config's ``rl.mode``), in
+the order and with the names of ``conf.simulate.SIM_MODE_NAMES``."""
 STREAMED_TRAINING = {"stream"}
 
 
