@@ -171,6 +171,15 @@ def test_repack_happens_and_is_counted():
     assert {"repack_out", "repack_in", "pull"} <= kinds
 
 
+def test_relays_keep_only_the_versions_in_flight_and_the_newest():
+    s = sim.Simulator(tiny(sched={"keep_versions": 1}), "laminar")
+    r = s.run()
+    latest = r.updates
+    in_flight = {x.version for x in s.m.rollouts.values() if x.active}
+    assert latest in s.relays.at and set(s.relays.at) <= {latest} | in_flight
+    assert len(s.relays.at) < latest + 1  # older versions were dropped along the way
+
+
 def test_dispatch_plan_matches_the_modes():
     m = control.MODES
     kw = dict(active=3, queued=0, pending=False, awaiting=0)
