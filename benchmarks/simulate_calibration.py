@@ -28,6 +28,8 @@ What comes from where (the result JSONs record neither per-response lengths nor 
 from __future__ import annotations
 
 import argparse
+import dataclasses
+import functools
 import json
 import sys
 import time
@@ -36,7 +38,8 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
-from training.rl.simulate import Simulator, config_from_dict  # noqa: E402
+from conf.simulate import simulate_config  # noqa: E402 (after the sys.path line above)
+from training.rl.drivers.sim import Simulator  # noqa: E402 (after the sys.path line above)
 
 # ms per decode step, measured here (2026-12-01, continuous engine, 1 thread, context ~80, machine shared)
 MEASURED_DECODE = {
@@ -87,9 +90,18 @@ MODES = ["sync", "one_step", "partial", "laminar"]
 
 
 def config(points_ms, capacity: int, updates: int, train_s_per_token: float, seed: int = 0):
-    pts = [[b, ms / 1000.0] for b, ms in points_ms]
+    """The run's config with this training cost and seed (the rest built and checked once per run)."""
+    base = _base_config(json.dumps(points_ms), capacity, updates)
+    return dataclasses.replace(
+        base, cost=dataclasses.replace(base.cost, train_s_per_token=train_s_per_token), seed=seed
+    )
+
+
+@functools.cache
+def _base_config(points_json: str, capacity: int, updates: int):
+    pts = [[b, ms / 1000.0] for b, ms in json.loads(points_json)]
     step64 = max(s for b, s in pts if b <= 64)
-    return config_from_dict(
+    return simulate_config(
         {
             "cluster": {
                 "nodes": 1,
@@ -99,6 +111,7 @@ def config(points_ms, capacity: int, updates: int, train_s_per_token: float, see
                 "colocate_sync": False,
             },
             "model": {
+                "preset": "",
                 "name": "tiny",
                 "params_b": 0.0008,
                 "layers": 4,
@@ -119,7 +132,6 @@ def config(points_ms, capacity: int, updates: int, train_s_per_token: float, see
                 "decode_points": pts,
                 "prefill_s_per_token": step64 / 64,
                 "prefill_overhead_s": pts[0][1],
-                "train_s_per_token": train_s_per_token,
                 "train_step_overhead_s": 0.0,
                 "d2h_gbps": 5.0,
                 "relay_gbps": 5.0,
@@ -138,7 +150,6 @@ def config(points_ms, capacity: int, updates: int, train_s_per_token: float, see
                 "max_staleness": None,
                 "max_ahead_batches": 0,
             },
-            "seed": seed,
             "warmup_updates": 0,
             "timeline_rollouts": 0,
         }
@@ -210,12 +221,14 @@ def main() -> None:
         )
         print(f"\n{label}  (fitted training cost {per_token * 1e3:.3f} ms/token)")
         print(
-            "| mode | measured vs sync | simulated vs sync | error | measured occupancy | simulated occupancy |"
+            "| mode | measured vs sync | simulated vs sync | error | measured occupancy "
+            "| simulated occupancy |"
         )
         print("|---|---|---|---|---|---|")
         for m, x in modes.items():
             print(
-                f"| {m} | {x['measured_ratio']:.2f}x | {x['simulated_ratio']:.2f}x | {x['error'] * 100:+.0f}% | "
+                f"| {m} | {x['measured_ratio']:.2f}x | {x['simulated_ratio']:.2f}x "
+                f"| {x['error'] * 100:+.0f}% | "
                 f"{x['measured_occupancy']:.2f} | {x['simulated']['mean_occupancy']:.2f} |"
             )
     worst = max(abs(x["error"]) for r in rows for m, x in r["modes"].items() if m != "sync")

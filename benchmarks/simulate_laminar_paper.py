@@ -6,7 +6,7 @@ generation about 83% of a synchronous step; 64 to 1,024 GPUs. The Laminar paper'
 speedup: 2.56x over verl sync, 1.98x over one-step staleness, 1.93x over stream generation, 1.39x over
 AReaL-style partial rollout.
 
-Assumptions (all in ``training.rl.simulate``'s module docstring; none tuned to the Laminar paper's speedups):
+Assumptions (all in docs/simulator.md's model of the simulator; none tuned to the Laminar paper's speedups):
 
 - **Hardware**: H800 = H100 SXM compute (989 dense bf16 TFLOP/s) and memory (80 GB HBM3, 3.35 TB/s;
   the H800 differs only in NVLink and export-limited interconnect), 70% of HBM bandwidth and 50% of
@@ -49,7 +49,8 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
-from training.rl.simulate import Simulator, calibrate_train_share, config_from_settings  # noqa: E402
+from conf.simulate import simulate_config  # noqa: E402 (after the sys.path line above)
+from training.rl.drivers.sim import Simulator, calibrate_train_share  # noqa: E402 (after the sys.path line above)
 
 PAPER = {"sync": 2.56, "one_step": 1.98, "stream": 1.93, "partial": 1.39}
 MODEL_NAMES = ["qwen2.5-7b", "qwen2.5-32b", "qwen2.5-72b"]
@@ -58,7 +59,7 @@ MAX_AHEAD = 0
 
 
 def base_config(model: str, gpus: int, steps: int, seed: int):
-    return config_from_settings(
+    return simulate_config(
         {
             "cluster": {"nodes": gpus // 8, "gpus_per_node": 8, "colocate_sync": True},
             "model": {"preset": model},
@@ -154,7 +155,8 @@ def main() -> None:
                 f"{info['train_s_per_update_all_gpus']:.0f} s/update on all GPUs (implied MFU "
                 f"{info['implied_mfu_train'] * 100:.1f}% of the 8N-FLOP count"
                 + (
-                    f"; capped at the physical ceiling: generation {info['generation_share'] * 100:.0f}% of a step)"
+                    "; capped at the physical ceiling: generation "
+                    f"{info['generation_share'] * 100:.0f}% of a step)"
                     if info["capped"]
                     else ")"
                 ),
@@ -233,11 +235,13 @@ def main() -> None:
             if "error" in o:
                 print(f"  {model} {m}: {o['error']}")
                 continue
+            later = o["step_seconds"][2:]
             print(
-                f"  {model} {m}: trainer {o['trainer_gpus']} GPUs, {o['rollouts']} engines x {o['capacity']}, "
+                f"  {model} {m}: trainer {o['trainer_gpus']} GPUs, {o['rollouts']} engines "
+                f"x {o['capacity']}, "
                 f"{o['steady_tokens_per_s']:,.0f} tok/s, idle {o['idle_share']:.2f}, occupancy "
                 f"{o['mean_occupancy']:.2f}, max staleness {max(int(k) for k in o['staleness'])}, "
-                f"repacks {o['repacks']}, mean step {sum(o['step_seconds'][2:]) / max(1, len(o['step_seconds'][2:])):.0f} s"
+                f"repacks {o['repacks']}, mean step {sum(later) / max(1, len(later)):.0f} s"
             )
     if fixed_rows:
         print(f"\nThe same with one fixed split for every disaggregated mode (trainer share {fixed_share}):")

@@ -1,17 +1,30 @@
-"""Typed schema of ``laminar simulate`` (the cluster-scale simulator), composed by Hydra from
-``conf/simulate.yaml``. The fields mirror ``training.rl.simulate.SimConfig`` one for one (a test
-checks it); an unknown key or a wrong type fails here, before anything is written.
+"""Typed schema of ``laminar simulate`` (the cluster-scale simulator, ``training.rl.drivers.sim``),
+composed by Hydra from ``conf/simulate.yaml``; the simulator reads it as it is. An unknown key or a
+wrong type fails here, before anything is written.
 """
 
 from __future__ import annotations
 
+import dataclasses
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
 from conf.schema import ConfigError
 
 SIM_MODE_NAMES = ("sync", "one_step", "stream", "partial", "laminar")
+"""The runtime's modes plus the simulator-only ``stream``."""
 LENGTH_KINDS = ("lognormal", "mixture", "values")
+
+MODEL_PRESETS: dict[str, dict[str, Any]] = {
+    "qwen2.5-7b": dict(name="qwen2.5-7b", params_b=7.6, layers=28, hidden=3584, kv_heads=4, head_dim=128),
+    "qwen2.5-32b": dict(name="qwen2.5-32b", params_b=32.8, layers=64, hidden=5120, kv_heads=8, head_dim=128),
+    "qwen2.5-72b": dict(name="qwen2.5-72b", params_b=72.7, layers=80, hidden=8192, kv_heads=8, head_dim=128),
+}
+"""``model.preset`` -> the architecture fields it sets (Qwen2.5 configs)."""
+ENGINE_TP: dict[str, int] = {"qwen2.5-7b": 1, "qwen2.5-32b": 4, "qwen2.5-72b": 8}
+"""GPUs per rollout engine (tensor parallel) for each preset: room for a few hundred 16K-token
+sequences of KV cache next to the weights on 80 GB GPUs."""
 
 
 @dataclass
@@ -134,7 +147,22 @@ class SimulateConfig:
     """Output folder (default ``<workspace>/simulate/<timestamp>``)."""
 
 
+def apply_preset(cfg: SimulateConfig) -> SimulateConfig:
+    """``cfg`` with ``model.preset``'s architecture in the model fields and ``cluster.gpus_per_engine
+    = 0`` replaced by the preset's tensor-parallel size (1 without a preset). Idempotent."""
+    preset = cfg.model.preset
+    if preset and preset not in MODEL_PRESETS:
+        raise ConfigError(f"model.preset={preset!r}: choose one of {', '.join(MODEL_PRESETS)} (or empty)")
+    model = dataclasses.replace(cfg.model, **MODEL_PRESETS[preset]) if preset else cfg.model
+    tp = cfg.cluster.gpus_per_engine or ENGINE_TP.get(preset, 1)
+    return dataclasses.replace(cfg, model=model, cluster=dataclasses.replace(cfg.cluster, gpus_per_engine=tp))
+
+
 def validate_simulate(cfg: SimulateConfig) -> SimulateConfig:
+    if cfg.model.preset and cfg.model.preset not in MODEL_PRESETS:
+        raise ConfigError(
+            f"model.preset={cfg.model.preset!r}: choose one of {', '.join(MODEL_PRESETS)} (or empty)"
+        )
     bad = [m for m in cfg.modes if m not in SIM_MODE_NAMES]
     if bad or not cfg.modes:
         raise ConfigError(f"modes={list(cfg.modes)}: choose from {', '.join(SIM_MODE_NAMES)}")
@@ -193,10 +221,8 @@ def load_simulate_config(overrides=()) -> SimulateConfig:
     from hydra import compose, initialize_config_dir
     from hydra.core.config_store import ConfigStore
     from hydra.errors import HydraException
-    from omegaconf import OmegaConf
-    from omegaconf.errors import OmegaConfBaseException
 
-    from conf.loader import CONF_DIR, _explain_composition, _unknown_keys
+    from conf.loader import CONF_DIR, _explain_composition
 
     ConfigStore.instance().store(name="simulate_schema", node=SimulateConfig)
     try:
@@ -208,6 +234,25 @@ def load_simulate_config(overrides=()) -> SimulateConfig:
             .replace("`laminar config` prints", "conf/simulate.py lists")
             .replace("`laminar config` shows", "conf/simulate.py shows")
         ) from None
+    return _typed(raw)
+
+
+def simulate_config(data: Mapping[str, Any] | None = None) -> SimulateConfig:
+    """A validated :class:`SimulateConfig` from a nested mapping over the schema's defaults (not
+    ``conf/simulate.yaml``, so ``cost.train_gen_share`` stays 0), for code that builds configs:
+    benchmarks and tests. Unknown keys and wrong types fail as in :func:`load_simulate_config`."""
+    from omegaconf import OmegaConf
+
+    return _typed(OmegaConf.create(dict(data or {})))
+
+
+def _typed(raw) -> SimulateConfig:
+    """A composed or built node -> the validated dataclass; errors name the key."""
+    from omegaconf import OmegaConf
+    from omegaconf.errors import OmegaConfBaseException
+
+    from conf.loader import _unknown_keys
+
     unknown = _unknown_keys(raw, SimulateConfig)
     if unknown:
         raise ConfigError(

@@ -1,4 +1,4 @@
-"""``laminar simulate``: run the cluster-scale simulator (``training.rl.simulate``) for every mode of
+"""``laminar simulate``: run the cluster-scale simulator (``training.rl.drivers.sim``) for every mode of
 a ``conf.simulate.SimulateConfig`` and write its summary JSON and timeline plots. No Prefect and no
 catalog: the simulator reads nothing from the workspace and writes only its output folder."""
 
@@ -13,19 +13,15 @@ from conf.schema import ConfigError
 
 
 def resolve(cfg):
-    """The simulator's config from the validated ``SimulateConfig``; preset errors as ``ConfigError``
-    (raised before anything is written)."""
-    from training.rl.simulate import config_from_settings
+    """The validated ``SimulateConfig`` as the simulator runs it: ``model.preset`` applied and
+    ``workload.lengths.values_file`` read into ``values``; errors as ``ConfigError`` (raised before
+    anything is written)."""
+    from conf.simulate import apply_preset
 
-    data = dataclasses.asdict(cfg)
-    lengths = data["workload"]["lengths"]
-    path = lengths.pop("values_file", None)
-    if path:
-        lengths["values"] = read_lengths(Path(path))
-    try:
-        return config_from_settings(data)
-    except (KeyError, ValueError) as err:
-        raise ConfigError(str(err).strip("'\"")) from None
+    lengths = cfg.workload.lengths
+    if lengths.values_file:
+        lengths = dataclasses.replace(lengths, values=read_lengths(Path(lengths.values_file)))
+    return apply_preset(dataclasses.replace(cfg, workload=dataclasses.replace(cfg.workload, lengths=lengths)))
 
 
 def read_lengths(path: Path) -> list[int]:
@@ -54,7 +50,7 @@ def run_simulation(cfg, workspace: str | Path, progress=None) -> dict:
     """Simulate every mode of ``cfg.modes``; write ``simulate.json``, ``timeline_<mode>.json`` and
     ``timeline_<mode>.png`` under the output folder. Returns {"out", "table", "summary"}."""
     from evaluation.timeline import plot_timeline, summarize_timeline
-    from training.rl.simulate import Simulator, calibrate_train_share, format_table, speedups
+    from training.rl.drivers.sim import Simulator, calibrate_train_share, format_table, speedups
 
     sim_cfg = resolve(cfg)
     out = output_dir(cfg, workspace)

@@ -241,10 +241,11 @@ def test_the_simulator_and_the_runtime_drive_the_same_manager(monkeypatch, tmp_p
     """Spies on the manager's methods: the simulator and the real Ray runtime (a tiny laminar and a
     tiny sync run) call the same ones, so a behaviour added to the manager is in both."""
     pytest.importorskip("ray")
-    from training.rl import simulate as sim
+    from conf.simulate import simulate_config
+    from training.rl.drivers import sim
 
     calls = spy_on_manager(monkeypatch)
-    cfg = sim.config_from_dict(
+    cfg = simulate_config(
         {
             "cluster": {"nodes": 1, "gpus_per_node": 4, "trainer_share": 0.25},
             "workload": {

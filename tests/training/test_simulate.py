@@ -3,17 +3,17 @@ real control plane (no copy of it), and ``laminar simulate`` end to end on a tin
 
 from __future__ import annotations
 
-import dataclasses
-import inspect
 import json
+from pathlib import Path
 
 import pytest
 
+from conf.simulate import SimulateConfig, simulate_config
 from training.rl import control
-from training.rl import simulate as sim
+from training.rl.drivers import sim
 
 
-def tiny(**over) -> sim.SimConfig:
+def tiny(**over) -> SimulateConfig:
     base = {
         "cluster": {"nodes": 2, "gpus_per_node": 4, "trainer_share": 0.25},
         "workload": {
@@ -30,7 +30,7 @@ def tiny(**over) -> sim.SimConfig:
     }
     for key, value in over.items():
         base[key] = {**base.get(key, {}), **value} if isinstance(value, dict) else value
-    return sim.config_from_dict(base)
+    return simulate_config(base)
 
 
 @pytest.mark.parametrize("mode", sorted(sim.SIM_MODES))
@@ -110,7 +110,7 @@ def test_simulator_drives_the_runtimes_manager_and_control_plane(monkeypatch):
     from training.rl.manager import RolloutManager
 
     assert type(a.m) is RolloutManager and a.queue is a.m.queue and a.buffer is a.m.buffer
-    src = inspect.getsource(sim)
+    src = "\n".join(p.read_text() for p in Path(sim.__file__).parent.glob("*.py"))
     for copied in (
         "def plan_repack",
         "class ExperienceBuffer",
@@ -171,6 +171,15 @@ def test_repack_happens_and_is_counted():
     assert {"repack_out", "repack_in", "pull"} <= kinds
 
 
+def test_relays_keep_only_the_versions_in_flight_and_the_newest():
+    s = sim.Simulator(tiny(sched={"keep_versions": 1}), "laminar")
+    r = s.run()
+    latest = r.updates
+    in_flight = {x.version for x in s.m.rollouts.values() if x.active}
+    assert latest in s.relays.at and set(s.relays.at) <= {latest} | in_flight
+    assert len(s.relays.at) < latest + 1  # older versions were dropped along the way
+
+
 def test_dispatch_plan_matches_the_modes():
     m = control.MODES
     kw = dict(active=3, queued=0, pending=False, awaiting=0)
@@ -227,21 +236,22 @@ def test_calibrate_train_share_hits_the_share():
     assert 0.7 < r.generation_share < 0.9, (r.generation_share, info)
 
 
-def test_conf_schema_mirrors_the_simulator():
-    from conf.simulate import SimulateConfig
+def test_the_simulator_reads_the_conf_schema_with_its_presets():
+    """One schema: the simulator takes ``conf.simulate.SimulateConfig`` as it is; ``model.preset``
+    fills the architecture and the engine's tensor-parallel size (0 = the preset's)."""
+    from conf.schema import ConfigError
+    from conf.simulate import MODEL_PRESETS, apply_preset
 
-    def names(cls):
-        out = {}
-        for f in dataclasses.fields(cls):
-            d = f.default_factory() if f.default_factory is not dataclasses.MISSING else None
-            out[f.name] = names(type(d)) if dataclasses.is_dataclass(d) else None
-        return out
-
-    ours, theirs = names(SimulateConfig), names(sim.SimConfig)
-    theirs["model"]["preset"] = None
-    theirs["workload"]["lengths"]["values_file"] = None
-    ours.pop("out")
-    assert ours == theirs
+    s = sim.Simulator(tiny(model={"preset": "qwen2.5-32b"}, cluster={"nodes": 2, "gpus_per_node": 8}), "sync")
+    assert s.cfg.model.params_b == MODEL_PRESETS["qwen2.5-32b"]["params_b"] == 32.8
+    assert s.cfg.cluster.gpus_per_engine == 4 and len(s.rollouts) == 4
+    assert apply_preset(s.cfg) == s.cfg
+    own = tiny(model={"preset": "", "name": "mine", "params_b": 1.0, "layers": 4})
+    assert sim.Simulator(own, "sync").cfg.model == own.model
+    with pytest.raises(ConfigError, match="sched.capcity"):
+        tiny(sched={"capcity": 4})
+    with pytest.raises(ConfigError, match="model.preset='qwen9'"):
+        tiny(model={"preset": "qwen9"})
 
 
 def test_config_errors_before_any_write(tmp_path):
@@ -293,7 +303,7 @@ def test_back_pressure_bounds_what_is_issued():
     cfg = tiny(sched={"max_ahead_batches": 1}, cost={"mfu_train": 0.002})
     s = sim.Simulator(cfg, "laminar")
     r = s.run()
-    n, g = cfg.workload.prompts_per_step, cfg.workload.group_size
+    n = cfg.workload.prompts_per_step
     # never more than one batch beyond the trainer, plus whole-group rounding per rollout
     assert s.queue.issued_groups <= (cfg.workload.steps + 1) * n + r.rollouts
     free = sim.Simulator(tiny(cost={"mfu_train": 0.002}), "laminar")

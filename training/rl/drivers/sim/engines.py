@@ -1,0 +1,310 @@
+"""The rollout engines as cost models: a continuous batch of at most ``capacity`` sequences whose
+calls jump from one completion (or chunk end) to the next on the simulated clock."""
+
+from __future__ import annotations
+
+import heapq
+import math
+from collections import deque
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+from conf.simulate import SimulateConfig
+from generation.records import GenRequest, Partial, Trajectory
+from training.rl.drivers.sim.clock import Clock
+from training.rl.drivers.sim.costs import CostModel
+from training.rl.drivers.sim.lengths import PromptSource
+from training.rl.records import PullResult, RolloutStatus
+
+
+@dataclass
+class Row:
+    """One sequence in an engine's batch: it finishes when the engine's step count reaches
+    ``s_admit + target - pre`` (``pre``: tokens it had when admitted, from a hand-over)."""
+
+    key: tuple[int, int]
+    req: GenRequest
+    target: int
+    pre: int
+    s_admit: float
+    version: int
+
+
+@dataclass
+class SimRollout:
+    """A simulated rollout engine (the manager keeps its scheduling state: ``RolloutManager.rollouts``).
+    ``op``: what its current segment does (``pull``, ``reprefill``, ``step``, ``extract``); a segment
+    is ``seg_work`` seconds at full speed, ``seg_steps`` of them decode steps (0: a prefill or pull)."""
+
+    name: str
+    index: int
+    capacity: int
+    busy: bool = False
+    op: str = ""
+    epoch: int = 0
+    rows: list = field(default_factory=list)  # heap of (finish_at, seq, Row)
+    row_seq: int = 0
+    S: float = 0.0  # decode steps performed (the engine's clock)
+    sum_c0: float = 0.0
+    queue: deque = field(default_factory=deque)  # submitted GenRequests not yet admitted
+    partials: deque = field(default_factory=deque)  # injected Partials not yet admitted
+    admitting: bool = True
+    eversion: int = -1  # the engine's loaded weights
+    finished: list = field(default_factory=list)  # (Trajectory, length)
+    seg_start: float = 0.0
+    seg_work: float = 0.0
+    seg_speed: float = 1.0
+    seg_steps: float = 0.0
+    chunk_left: float = 0.0
+    pull_version: int = -1
+    pulled: bool = False  # this call pulled weights
+    cut_req: bool = False
+    busy_active_s: float = 0.0
+    last_t: float = 0.0
+    occ_s: float = 0.0
+
+    def status(self) -> RolloutStatus:
+        return RolloutStatus(
+            self.eversion, len(self.rows), len(self.queue) + len(self.partials), self.capacity
+        )
+
+
+class EngineModel:
+    """Every rollout engine's batch and segments. A call returns through ``on_return`` (its finished
+    trajectories go to the manager); a finished hand-over through ``on_extract``."""
+
+    def __init__(
+        self,
+        cfg: SimulateConfig,
+        names: list[str],
+        capacity: int,
+        cost: CostModel,
+        source: PromptSource,
+        clock: Clock,
+        speed: Callable[[], float],
+        interrupt: bool,
+        on_return: Callable[[SimRollout], None],
+        on_extract: Callable[[SimRollout], None],
+    ):
+        self.rollouts = {name: SimRollout(name, i, capacity) for i, name in enumerate(names)}
+        self.rlist = list(self.rollouts.values())
+        self.prompt_len = cfg.workload.prompt_len
+        self.chunk_steps = cfg.sched.chunk_steps
+        self.call_overhead_s = cfg.sched.call_overhead_s
+        self.extract_s = cfg.cost.extract_s
+        self.cost = cost
+        self.source = source
+        self.clock = clock
+        self.speed = speed
+        self.interrupt = interrupt
+        self.on_return = on_return
+        self.on_extract = on_extract
+        self.n_busy = 0
+        self.pre: dict[tuple[int, int], int] = {}
+        """Tokens generated so far of each handed-over response (its Partial carries no tokens here)."""
+
+    # ---------------------------------------------------------------------------- accounting, speed
+    def account(self, r: SimRollout) -> None:
+        dt = self.clock.now - r.last_t
+        if dt > 0:
+            if r.rows:
+                r.busy_active_s += dt
+                r.occ_s += dt * len(r.rows) / r.capacity
+            r.last_t = self.clock.now
+
+    def set_busy(self, r: SimRollout, busy: bool) -> None:
+        if r.busy != busy:
+            r.busy = busy
+            self.n_busy += 1 if busy else -1
+
+    def retime(self, sp: float) -> None:
+        """Shared cores: every running segment continues at speed ``sp`` from now."""
+        for r in self.rlist:
+            if r.busy and r.seg_speed != sp:
+                self._retime(r, sp)
+
+    def _retime(self, r: SimRollout, sp: float) -> None:
+        now = self.clock.now
+        done = (now - r.seg_start) * r.seg_speed
+        frac = min(1.0, done / r.seg_work) if r.seg_work > 0 else 1.0
+        if r.seg_steps:
+            r.S += r.seg_steps * frac
+            r.chunk_left -= r.seg_steps * frac
+            r.seg_steps *= 1 - frac
+        r.seg_work = max(0.0, r.seg_work - done)
+        r.seg_start, r.seg_speed = now, sp
+        r.epoch += 1
+        self.clock.push(now + r.seg_work / sp, "seg_end", r, r.epoch)
+
+    def _start_segment(self, r: SimRollout, work: float, steps: float) -> None:
+        sp = self.speed()
+        r.seg_start, r.seg_work, r.seg_speed, r.seg_steps = self.clock.now, work, sp, steps
+        r.epoch += 1
+        self.clock.push(self.clock.now + work / sp, "seg_end", r, r.epoch)
+
+    # ---------------------------------------------------------------------------- starting a call
+    def start_extract(self, r: SimRollout) -> None:
+        r.op = "extract"
+        self._start_segment(r, self.extract_s, 0)
+
+    def start_step(self, r: SimRollout) -> None:
+        r.op = "step"
+        self._begin_step(r)
+
+    def start_pull(self, r: SimRollout, version: int, wait: float, cost: float) -> None:
+        """Load ``version``: wait for the relay to hold it (idle time, it does not slow shared cores),
+        then ``cost`` seconds of copy."""
+        r.op, r.pulled = "pull", True
+        r.pull_version = version
+        sp = self.speed()
+        r.seg_start, r.seg_work, r.seg_speed, r.seg_steps = self.clock.now, cost + wait * sp, sp, 0
+        r.epoch += 1
+        self.clock.push(self.clock.now + wait + cost / sp, "seg_end", r, r.epoch)
+
+    def _begin_step(self, r: SimRollout) -> None:
+        """After an optional pull: admit (prefill) then decode."""
+        r.chunk_left = float(self.chunk_steps) if self.chunk_steps > 0 else math.inf
+        tokens = self._admit(r)
+        self._retire(r)
+        self._decode_or_return(r, self.cost.prefill_s(tokens) + self.call_overhead_s)
+
+    # ---------------------------------------------------------------------------- the batch
+    def _admit(self, r: SimRollout) -> int:
+        """Fill free slots (partials first, queued requests when admitting); returns prefill tokens."""
+        tokens = 0
+        while len(r.rows) < r.capacity and (r.partials or (r.admitting and r.queue)):
+            if r.partials:
+                p = r.partials.popleft()
+                req, version = p.request, p.version
+                pre = self.pre.pop((req.group_uid, req.sample_idx), 0)
+            else:
+                req, pre, version = r.queue.popleft(), 0, r.eversion
+            target = self.source.lengths[req.prompt.prompt_id][req.sample_idx]
+            row = Row((req.group_uid, req.sample_idx), req, target, pre, r.S, version)
+            if pre >= target:  # already complete
+                self._finish(r, row)
+                continue
+            r.row_seq += 1
+            heapq.heappush(r.rows, (r.S + (target - pre), r.row_seq, row))
+            r.sum_c0 += self.prompt_len + pre - r.S
+            tokens += self.prompt_len + pre
+        return tokens
+
+    def _finish(self, r: SimRollout, row: Row) -> None:
+        traj = Trajectory(
+            "trajectory",
+            row.req.prompt,
+            row.req.sample_idx,
+            (),
+            (),
+            row.version,
+            True,
+            "",
+            group_uid=row.req.group_uid,
+            last_version=r.eversion,
+        )
+        r.finished.append((traj, row.target))
+
+    def _retire(self, r: SimRollout) -> None:
+        while r.rows and r.rows[0][0] <= r.S + 1e-6:
+            _, _, row = heapq.heappop(r.rows)
+            r.sum_c0 -= self.prompt_len + row.pre - row.s_admit
+            self._finish(r, row)
+
+    def _decode_or_return(self, r: SimRollout, extra_s: float = 0.0) -> None:
+        """Continue the current call: decode to the next completion (or the chunk's end), else return.
+        ``extra_s``: a prefill (and call overhead) that precedes the decode steps in the same segment."""
+        chunked = self.chunk_steps > 0
+        if not r.rows or (chunked and r.chunk_left <= 1e-9) or r.eversion < 0:
+            if extra_s > 0:
+                self._start_segment(r, extra_s, 0)
+                r.cut_req = True  # return once the prefill is done
+                return
+            self.on_return(r)
+            return
+        nxt = r.rows[0][0] - r.S
+        k = min(nxt, r.chunk_left) if chunked else nxt
+        k = max(k, 1e-9)
+        n = len(r.rows)
+        ctx = r.sum_c0 / n + r.S + k / 2
+        self._start_segment(r, extra_s + k * self.cost.decode_step_s(n, ctx), k)
+
+    def segment_end(self, r: SimRollout) -> None:
+        """``r``'s current segment is done: go on with its call (or end it)."""
+        self.account(r)
+        if r.seg_steps:
+            r.S += r.seg_steps
+            r.chunk_left -= r.seg_steps
+            r.seg_steps = 0
+        if r.op == "pull":
+            r.eversion = r.pull_version
+            if self.interrupt and r.rows:  # continue under the new weights: re-prefill every row
+                tokens = sum(self.prompt_len + row.pre + int(r.S - row.s_admit) for _, _, row in r.rows)
+                r.op = "reprefill"
+                self._start_segment(r, self.cost.prefill_s(tokens), 0)
+                return
+            self.start_step(r)
+            return
+        if r.op == "reprefill":
+            self.start_step(r)
+            return
+        if r.op == "extract":
+            self.on_extract(r)
+            return
+        self._after_decode(r)
+
+    def _after_decode(self, r: SimRollout) -> None:
+        """A decode segment (or a prefill) ended."""
+        self._retire(r)
+        if r.cut_req:
+            r.cut_req = False
+            self.on_return(r)
+            return
+        if self.chunk_steps > 0:
+            tokens = self._admit(r)
+            self._retire(r)
+            self._decode_or_return(r, self.cost.prefill_s(tokens))
+            return
+        if r.finished:
+            self.on_return(r)
+            return
+        self._decode_or_return(r)
+
+    def cut(self, r: SimRollout) -> None:
+        """Event mode: end a busy decode call now (the manager needs the rollout before its next
+        completion)."""
+        if not r.busy or r.op != "step" or self.chunk_steps > 0:
+            return
+        if not r.seg_steps:  # a prefill: the call returns when it is done
+            r.cut_req = True
+            return
+        self.account(r)
+        done = (self.clock.now - r.seg_start) * r.seg_speed
+        frac = min(1.0, done / r.seg_work) if r.seg_work > 0 else 1.0
+        r.S += r.seg_steps * frac
+        r.seg_steps = 0
+        r.epoch += 1  # the pending seg_end is void
+        self._retire(r)
+        self.on_return(r)
+
+    # ---------------------------------------------------------------------------- ending a call
+    def collect(self, r: SimRollout) -> tuple[list[tuple[Trajectory, int]], PullResult | None]:
+        """A call returns: its finished ``(trajectory, length)`` pairs and the pull it made, if any."""
+        self.set_busy(r, False)
+        pulled = PullResult(True, r.eversion) if r.pulled and r.eversion >= 0 else None
+        r.pulled = False
+        finished, r.finished = r.finished, []
+        return finished, pulled
+
+    def hand_over(self, r: SimRollout) -> tuple[list[Partial], list[GenRequest]]:
+        """A repack source gives up its in-flight rows (as partials, tokens so far in ``pre``) and queue."""
+        partials = list(r.partials)
+        r.partials.clear()
+        for _, _, row in r.rows:
+            self.pre[row.key] = row.pre + int(r.S - row.s_admit)
+            partials.append(Partial(row.req, (), (), row.version))
+        r.rows, r.sum_c0 = [], 0.0
+        queued = list(r.queue)
+        r.queue.clear()
+        self.set_busy(r, False)
+        return partials, queued
