@@ -254,8 +254,8 @@ class DartPlanner:
         need = (
             "cap_left"
             if p.strategy == "vanilla"
-            else f"LEAST(cap_left, GREATEST(1, CAST(CEIL((target - corrects) / GREATEST(p_hat, {float(p.p_floor)})) "
-            "AS BIGINT)))"
+            else "LEAST(cap_left, GREATEST(1, CAST(CEIL((target - corrects) / "
+            f"GREATEST(p_hat, {float(p.p_floor)})) AS BIGINT)))"
         )
         # Active = not stopped and nothing in flight. Stop rule: trials >= cap or corrects >= target. The
         # dart-math repo writes the second as `n_corrects > min_n_corrects` (strictly greater): the same
@@ -279,11 +279,13 @@ class DartPlanner:
                 FROM sized
             ), ranked AS (
                 SELECT *, {r} - SUM(base) OVER () AS leftover,
-                       ROW_NUMBER() OVER (ORDER BY (rem > 0) DESC, CAST(issued + base AS DOUBLE) / (issued + need),
+                       ROW_NUMBER() OVER (ORDER BY (rem > 0) DESC,
+                                          CAST(issued + base AS DOUBLE) / (issued + need),
                                           rem DESC, fail_rate DESC, prompt_id) AS rk
                 FROM scaled
             )
-            SELECT prompt_id, CAST(base + CASE WHEN rem > 0 AND rk <= leftover THEN 1 ELSE 0 END AS BIGINT) AS n
+            SELECT prompt_id,
+                   CAST(base + CASE WHEN rem > 0 AND rk <= leftover THEN 1 ELSE 0 END AS BIGINT) AS n
             FROM ranked WHERE base > 0 OR (rem > 0 AND rk <= leftover)""")
         self._con.execute(
             "UPDATE dart_state SET issued = dart_state.issued + pl.n FROM dart_plan pl "
@@ -326,7 +328,8 @@ class DartPlanner:
             bad = con.execute("""
                 SELECT b.prompt_id, COUNT(*) AS k, ANY_VALUE(s.issued - s.trials) AS pending
                 FROM dart_batch b LEFT JOIN dart_state s USING (prompt_id)
-                GROUP BY b.prompt_id HAVING ANY_VALUE(s.issued) IS NULL OR COUNT(*) > ANY_VALUE(s.issued - s.trials)
+                GROUP BY b.prompt_id
+                HAVING ANY_VALUE(s.issued) IS NULL OR COUNT(*) > ANY_VALUE(s.issued - s.trials)
                 ORDER BY b.prompt_id LIMIT 3""").fetchall()
             if bad:
                 raise ValueError(
@@ -337,10 +340,12 @@ class DartPlanner:
             con.execute("""INSERT INTO dart_responses
                 SELECT prompt_id, response, length, trial_idx FROM (
                     SELECT b.prompt_id, b.response, b.length, b.correct, b.pos,
-                           s.trials + ROW_NUMBER() OVER (PARTITION BY b.prompt_id ORDER BY b.pos) - 1 AS trial_idx
+                           s.trials + ROW_NUMBER() OVER (PARTITION BY b.prompt_id ORDER BY b.pos) - 1
+                               AS trial_idx
                     FROM dart_batch b JOIN dart_state s USING (prompt_id))
                 WHERE correct ORDER BY pos""")
-            con.execute("""UPDATE dart_state SET trials = dart_state.trials + a.k, corrects = dart_state.corrects + a.c
+            con.execute("""UPDATE dart_state
+                SET trials = dart_state.trials + a.k, corrects = dart_state.corrects + a.c
                 FROM (SELECT prompt_id, COUNT(*) AS k, COUNT(*) FILTER (WHERE correct) AS c
                       FROM dart_batch GROUP BY prompt_id) a
                 WHERE dart_state.prompt_id = a.prompt_id""")

@@ -17,10 +17,11 @@ Every input row ends in exactly one of them: rows_in == ingested + quarantined +
 
 A row moves through: parse (bad JSON, undecodable bytes, not an object) -> fields (missing or empty
 problem / answer, non-string problem, a problem longer than ``max_prompt_chars``, a level outside
-the int32 level column, missing id) -> the source's shared wrapper out -> ids (a prompt_id already taken by an earlier
-row, when ids come from ``id_field``) -> exact dedup -> near dedup (``data_curation.dedup``; by
-default only between prompts with the same canonical answer). Duplicates keep the earliest row
-(source order, then source_row), across sources too. The id and dedup steps run as DuckDB SQL.
+the int32 level column, missing id) -> the source's shared wrapper out -> ids (a prompt_id already
+taken by an earlier row, when ids come from ``id_field``) -> exact dedup -> near dedup
+(``data_curation.dedup``; by default only between prompts with the same canonical answer).
+Duplicates keep the earliest row (source order, then source_row), across sources too. The id and
+dedup steps run as DuckDB SQL.
 
 ``prompt_id`` is ``str(record[id_field])`` when the source has ids, else
 ``f"{source}-{sha256(problem)[:16]}"`` over the normalised problem.
@@ -358,7 +359,7 @@ def _read_hf(spec: SourceSpec, path: Path) -> Iterator[Row]:
         records = _load_hf(spec).to_list()
     except SourceError:
         raise
-    except Exception as exc:  # noqa: BLE001 - datasets' many error types: one line naming the source
+    except Exception as exc:  # datasets' many error types: one line naming the source
         raise SourceError(
             f"source {spec.name!r}: cannot load {spec.path} with datasets ({_one_line(exc)})"
         ) from None
@@ -715,7 +716,8 @@ def _duplicate_ids(con) -> list[int]:
     by the source (two derived ids collide only for equal problems: exact dedup records those)."""
     con.execute("""
         CREATE TEMP TABLE _dup_ids AS SELECT rid FROM (
-            SELECT rid, id_explicit, row_number() OVER w AS rn, first_value(id_explicit) OVER w AS first_explicit
+            SELECT rid, id_explicit, row_number() OVER w AS rn,
+                first_value(id_explicit) OVER w AS first_explicit
             FROM _rows WINDOW w AS (PARTITION BY prompt_id ORDER BY rid)
         ) WHERE rn > 1 AND (id_explicit OR first_explicit)
     """)
@@ -725,7 +727,8 @@ def _duplicate_ids(con) -> list[int]:
 def _select_prompts(con, extra_fields: list[str]) -> pa.Table:
     extras = "".join(f', r."{f}"' for f in extra_fields)
     table = con.sql(f"""
-        SELECT r.prompt_id, r.source, r.source_row, r.problem, r.answer, r.level, r.subject, e.text_hash{extras}
+        SELECT r.prompt_id, r.source, r.source_row, r.problem, r.answer, r.level, r.subject,
+            e.text_hash{extras}
         FROM _rows r JOIN _exact e ON e.rid = r.rid
         WHERE e.canonical_rid = r.rid AND r.rid NOT IN (SELECT rid FROM _near)
         ORDER BY r.rid
@@ -736,7 +739,8 @@ def _select_prompts(con, extra_fields: list[str]) -> pa.Table:
 def _select_duplicates(con) -> pa.Table:
     table = con.sql("""
         SELECT r.source, r.source_row, r.prompt_id, c.prompt_id AS canonical_id, kind, similarity FROM (
-            SELECT rid, canonical_rid, 'exact' AS kind, 1.0::DOUBLE AS similarity FROM _exact WHERE rid <> canonical_rid
+            SELECT rid, canonical_rid, 'exact' AS kind, 1.0::DOUBLE AS similarity FROM _exact
+            WHERE rid <> canonical_rid
             UNION ALL
             SELECT rid, canonical_rid, 'near' AS kind, similarity FROM _near
         ) d JOIN _rows r ON r.rid = d.rid JOIN _rows c ON c.rid = d.canonical_rid

@@ -351,7 +351,8 @@ class ObjectiveParams:
             _lookup(table, value, name)
         if not (0.0 <= self.clip_low < 1.0 and self.clip_high >= 0.0):
             raise ValueError(
-                f"clip_low={self.clip_low}, clip_high={self.clip_high}: need 0 <= clip_low < 1, clip_high >= 0"
+                f"clip_low={self.clip_low}, clip_high={self.clip_high}: "
+                "need 0 <= clip_low < 1, clip_high >= 0"
             )
         if self.dual_clip is not None and self.dual_clip <= 1.0:
             raise ValueError(f"dual_clip={self.dual_clip} must be > 1 (verl uses 3.0) or None to turn it off")
