@@ -196,7 +196,7 @@ def status_loop(ws: Path, poll_s: float, stop: Path, out: Path, cli_every_s: flo
         try:
             with contextlib.redirect_stdout(buf_out), contextlib.redirect_stderr(buf_err):
                 rc = laminar_main(["status", "--workspace", str(ws)])
-        except BaseException as err:  # noqa: BLE001 - what a user would see as a traceback
+        except BaseException as err:  # what a user would see as a traceback
             rc = None
             status["tracebacks"] += 1
             status["first_failure"] = (
@@ -279,7 +279,7 @@ def raw_loop(ws: Path, poll_s: float, stop: Path, out: Path) -> None:
             else:
                 raw["other_errors"] += 1
                 raw["first_error"] = raw["first_error"] or str(err)
-        except Exception as err:  # noqa: BLE001
+        except Exception as err:  # any other failure is counted; the poll goes on
             raw["other_errors"] += 1
             raw["first_error"] = raw["first_error"] or f"{type(err).__name__}: {err}"
         raw["seconds"].append(time.perf_counter() - t0)

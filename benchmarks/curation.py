@@ -17,11 +17,11 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-import numpy as np  # noqa: E402
-import polars as pl  # noqa: E402
+import numpy as np
+import polars as pl
 
-from data_curation.dart import DartParams, DartPlanner  # noqa: E402
-from data_curation.hive import GresoFilter, select_learning_edge  # noqa: E402
+from data_curation.dart import DartParams, DartPlanner
+from data_curation.hive import GresoFilter, select_learning_edge
 
 G = 8  # responses per group
 
@@ -105,7 +105,8 @@ def main() -> None:
     planner.record(results)
     t_rec = time.perf_counter() - t
     print(
-        f"DART prop2diff round: plan {t_plan:.3f} s ({len(plan):,} prompts, {sum(n for _, n in plan):,} trials), "
+        f"DART prop2diff round: plan {t_plan:.3f} s "
+        f"({len(plan):,} prompts, {sum(n for _, n in plan):,} trials), "
         f"record {t_rec:.3f} s ({len(results):,} results)"
     )
 

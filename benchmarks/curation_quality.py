@@ -22,7 +22,7 @@ import json
 import statistics
 from pathlib import Path
 
-from objectives import run  # noqa: E402  (the same `laminar run` driver; benchmarks/ is the script's path)
+from objectives import run  # (the same `laminar run` driver; benchmarks/ is the script's path)
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -76,7 +76,8 @@ def dart(args) -> list[dict]:
                 flush=True,
             )
     print(
-        "\n| seed | strategy | trials | RFT examples | share L1..L5 | held-out acc L1..L5 (RFT model) | L4+L5 | all |"
+        "\n| seed | strategy | trials | RFT examples | share L1..L5 | held-out acc L1..L5 (RFT model) "
+        "| L4+L5 | all |"
     )
     print("|---|---|---|---|---|---|---|---|")
     for r in results:
@@ -133,20 +134,28 @@ def hive(args) -> list[dict]:
                 flush=True,
             )
     print(
-        "\n| seed | selection | prompts | held-out acc after RL | rollouts generated | trained | groups dropped | RL s |"
+        "\n| seed | selection | prompts | held-out acc after RL | rollouts generated | trained "
+        "| groups dropped | RL s |"
     )
     print("|---|---|---|---|---|---|---|---|")
     for r in results:
         print(
-            f"| {r['seed']} | {r['strategy']} | {r['selected']:.0f} | {r['acc_rl']:.3f} | {r['generated']:.0f} | "
-            f"{r['trained']:.0f} | {r['dropped_groups']:.0f} | {r['rl_seconds']:.0f} |"
+            f"| {r['seed']} | {r['strategy']} | {r['selected']:.0f} | {r['acc_rl']:.3f} | "
+            f"{r['generated']:.0f} | {r['trained']:.0f} | {r['dropped_groups']:.0f} | {r['rl_seconds']:.0f} |"
         )
-    by = lambda st, k: [r[k] for r in results if r["strategy"] == st]  # noqa: E731
+
+    def by(st: str, k: str) -> list:
+        return [r[k] for r in results if r["strategy"] == st]
+
     gu, gh = sum(by("uniform", "generated")), sum(by("hive", "generated"))
     au, ah = by("uniform", "acc_rl"), by("hive", "acc_rl")
-    sd = lambda xs: statistics.stdev(xs) if len(xs) > 1 else float("nan")  # noqa: E731
+
+    def sd(xs: list) -> float:
+        return statistics.stdev(xs) if len(xs) > 1 else float("nan")
+
     print(
-        f"\nuniform acc {statistics.fmean(au):.3f} ± {sd(au):.3f}   hive acc {statistics.fmean(ah):.3f} ± {sd(ah):.3f}"
+        f"\nuniform acc {statistics.fmean(au):.3f} ± {sd(au):.3f}   "
+        f"hive acc {statistics.fmean(ah):.3f} ± {sd(ah):.3f}"
         f"   rollouts uniform/hive = {gu / max(gh, 1):.2f}x"
     )
     hs = sum(by("hive", "history_samples"))

@@ -39,12 +39,12 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-import pyarrow.parquet as pq  # noqa: E402
+import pyarrow.parquet as pq
 
-from conf.schema import DecontamConfig  # noqa: E402
-from data_curation.decontaminate import ParaphraseParams, decontaminate  # noqa: E402
-from data_curation.ingest import SourceSpec, ingest  # noqa: E402
-from evaluation.benchmarks import load_benchmark  # noqa: E402
+from conf.schema import DecontamConfig
+from data_curation.decontaminate import ParaphraseParams, decontaminate
+from data_curation.ingest import SourceSpec, ingest
+from evaluation.benchmarks import load_benchmark
 
 ROOT = Path(__file__).resolve().parent.parent
 MATH_TRAIN = ROOT / "data_curation" / "data" / "math_train.json"
@@ -61,7 +61,8 @@ WRAPPERS = [  # (prefix, suffix), as public RL pools put them around problems
     ("", " Let's think step by step and output the final answer within \\boxed{}."),
     ("Question: ", "\nPlease reason step by step, and put your final answer within \\boxed{}."),
     (
-        "You are a helpful math assistant. Solve the problem below and give only the final answer.\n\nProblem: ",
+        "You are a helpful math assistant. Solve the problem below and give only the final answer."
+        "\n\nProblem: ",
         "",
     ),
 ]
@@ -493,8 +494,9 @@ def main() -> None:
         )
     c = res["clean_pool"]
     print(
-        f"clean pool: {c['flagged_prompts']} of {c['prompts']:.0f} flagged ({100 * c['flagged_share']:.2f}%): "
-        f"{c['flagged_by_ngram']} by the n-gram rule, {c['flagged_by_paraphrase_only']} by the paraphrase rule"
+        f"clean pool: {c['flagged_prompts']} of {c['prompts']:.0f} flagged "
+        f"({100 * c['flagged_share']:.2f}%): {c['flagged_by_ngram']} by the n-gram rule, "
+        f"{c['flagged_by_paraphrase_only']} by the paraphrase rule"
     )
     t = res["timing"]
     print(

@@ -122,9 +122,9 @@ def markdown(rows: list[dict], cached: list[dict], verdicts: dict[str, bool], he
         )
     for t in sorted({r["threads"] for r in rows}):
         rs = [r for r in rows if r["threads"] == t]
-        m = lambda k: statistics.fmean(r["accuracy"][k] for r in rs)  # noqa: E731
+        m = {k: statistics.fmean(r["accuracy"][k] for r in rs) for k in ("warmup", "rft", "rl")}
         lines.append(
-            f"| {t} | mean | {m('warmup'):.3f} | {m('rft'):.3f} | {m('rl'):.3f} | {m('rl') - m('rft'):+.3f} "
+            f"| {t} | mean | {m['warmup']:.3f} | {m['rft']:.3f} | {m['rl']:.3f} | {m['rl'] - m['rft']:+.3f} "
             f"| | | | | | | {statistics.median(r['pipeline_s'] for r in rs):.0f} (median) | "
             f"{statistics.median(r['wall_s'] for r in rs):.0f} (median) | |"
         )
@@ -199,8 +199,9 @@ def main() -> None:
     verdicts = checks(first)
     stamp = dt.date.today().isoformat()
     name = f"{stamp}{'_' + args.label if args.label else ''}"
+    combined = f" (combined from {', '.join(p.name for p in args.combine)})" if args.combine else ""
     header = (
-        f"# Default run, {stamp}{' (combined from ' + ', '.join(p.name for p in args.combine) + ')' if args.combine else ''}: {platform.processor() or platform.machine()}, "
+        f"# Default run, {stamp}{combined}: {platform.processor() or platform.machine()}, "
         f"{__import__('os').cpu_count()} cores; overrides: {' '.join(args.overrides) or '(none)'}"
     )
     args.out.mkdir(parents=True, exist_ok=True)

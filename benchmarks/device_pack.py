@@ -179,7 +179,10 @@ def plan_calls(manifest: dict, tree: int, limit: int = CALL_LIMIT, margin: int =
     """The device calls: every chunk but the last in a call of its own (``device_proof.sh --stash``),
     then one call carrying the last chunk, the wheels and the manifest that runs the proof. Raises
     ``ValueError`` when a call would exceed ``limit - margin``."""
-    rel = lambda name: f".devicepack/{name}"  # noqa: E731
+
+    def rel(name: str) -> str:
+        return f".devicepack/{name}"
+
     small = [rel("manifest.json"), rel("wheels")]
     small_bytes = manifest["manifest_bytes"] + sum(f["bytes"] for f in manifest["files"])
     parts = manifest["ray"]["parts"]
@@ -215,7 +218,8 @@ def print_plan(calls: list[dict]) -> None:
     print(f"{len(calls)} device call(s), {total / MIB:.1f} MiB moved in all:")
     for c in calls:
         print(
-            f"  call {c['call']}: {c['bytes'] / MIB:.1f} MiB, timeout_s={c['timeout_s']}, carry={json.dumps(c['carry'])}"
+            f"  call {c['call']}: {c['bytes'] / MIB:.1f} MiB, timeout_s={c['timeout_s']}, "
+            f"carry={json.dumps(c['carry'])}"
             f"\n          command: {c['command']}"
         )
 
@@ -346,7 +350,8 @@ def main(argv=None) -> None:
     if args.cmd == "pack":
         m = pack(args.pack_dir, full_ray=args.full_ray, chunk_mib=args.chunk_mib, preset=args.xz_preset)
         print(
-            f"packed {len(m['files'])} wheels/sdists and Ray in {len(m['ray']['parts'])} chunk(s) in {args.pack_dir}"
+            f"packed {len(m['files'])} wheels/sdists and Ray in {len(m['ray']['parts'])} chunk(s) "
+            f"in {args.pack_dir}"
         )
         print_plan(m["calls"])
     elif args.cmd == "plan":

@@ -229,7 +229,8 @@ def main(argv=None) -> None:
         for name, t in targets.items():
             mark = {True: "met", False: "NOT MET", None: "no measurement"}[t["ok"]]
             print(
-                f"{group:22s} {name:40s} {t['target']:>12s}  {mark:15s} {json.dumps(t['value'], default=str)[:160]}"
+                f"{group:22s} {name:40s} {t['target']:>12s}  {mark:15s} "
+                f"{json.dumps(t['value'], default=str)[:160]}"
             )
     for s in result["steps"]:
         print(f"step {s['step']:14s} {s['status']:10s} {s.get('seconds', 0):6.1f} s  {s.get('note', '')}")

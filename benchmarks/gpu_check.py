@@ -25,6 +25,7 @@ would start past it (each skipped row says so), and a section that fails is one 
 from __future__ import annotations
 
 import argparse
+import functools
 import json
 import os
 import platform
@@ -37,11 +38,11 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from conf.schema import ModelConfig  # noqa: E402
-from generation.model import build_char_tokenizer, build_tiny_model  # noqa: E402
-from generation.continuous import ContinuousEngine  # noqa: E402
-from generation.records import GenRequest, PromptItem  # noqa: E402
-from generation.static_slots import StaticSlotEngine  # noqa: E402
+from conf.schema import ModelConfig
+from generation.model import build_char_tokenizer, build_tiny_model
+from generation.continuous import ContinuousEngine
+from generation.records import GenRequest, PromptItem
+from generation.static_slots import StaticSlotEngine
 
 QWEN05_SHAPE = dict(
     hidden_size=896,
@@ -229,7 +230,7 @@ def engine_rows(args, device, models) -> list[dict]:
                 }
                 try:
                     eng = time_engine(model, tok, device, b, prompt[:b], args.new_tokens, variant)
-                except Exception as e:  # noqa: BLE001 - reported in the table, the check goes on
+                except Exception as e:  # reported in the table, the check goes on
                     row.update(error=f"{type(e).__name__}: {str(e)[:200]}")
                     print(f"  engine {name} {variant} batch {b}: FAILED {row['error']}", file=sys.stderr)
                     rows.append(row)
@@ -261,6 +262,12 @@ def _best_of(fn, repeats: int, device) -> float:
     return best
 
 
+def _copy_all(host: list, params: list, pin: bool) -> None:
+    """The raw device-to-host copy: each of ``params`` into its (pinned) buffer in ``host``."""
+    for h, p in zip(host, params):
+        h.copy_(p, non_blocking=pin)
+
+
 def trainer_publish(model):
     """The trainer's publish path (``PolicyTrainer.publish``: its ``full_state`` host arrays) bound
     to ``model`` without building an optimizer: what the trainer actor does before ``ray.put``."""
@@ -283,13 +290,8 @@ def publish_rows(args, device, models) -> list[dict]:
             nbytes = sum(p.numel() * p.element_size() for p in params)
             pin = device.type == "cuda"
             host = [torch.empty(p.shape, dtype=p.dtype, pin_memory=pin) for p in params]
-
-            def raw_copy():
-                for h, p in zip(host, params):
-                    h.copy_(p, non_blocking=pin)
-
             publish = trainer_publish(model)
-            raw = _best_of(raw_copy, args.repeats, device)
+            raw = _best_of(functools.partial(_copy_all, host, params, pin), args.repeats, device)
             pub = _best_of(publish, args.repeats, device)
             row = {
                 "section": "publish",
@@ -309,7 +311,9 @@ def publish_rows(args, device, models) -> list[dict]:
                     if not ray.is_initialized():
                         ray.init(num_cpus=1, include_dashboard=False, log_to_driver=False)
                     state = publish().state
-                    row["ray_put_ms"] = 1000 * _best_of(lambda: ray.put(state), args.repeats, device)
+                    row["ray_put_ms"] = 1000 * _best_of(
+                        functools.partial(ray.put, state), args.repeats, device
+                    )
                 except ImportError:
                     pass
             rows.append(row)
@@ -442,7 +446,7 @@ def trainer_rows(args) -> list[dict]:
                     model, PRESETS["grpo"], ds_config=deepspeed_config(f"zero{stage}"), **kw
                 )
             trainer.update(groups)  # warm-up (allocations, kernels)
-            step = _best_of(lambda: trainer.update(groups), args.repeats, device)
+            step = _best_of(functools.partial(trainer.update, groups), args.repeats, device)
             pub = _best_of(trainer.full_state, args.repeats, device)
             params = [p for p in trainer.model.state_dict().values()]
             if backend == "deepspeed" and stage == 3:  # partitioned: time the copy of the gathered weights
@@ -452,15 +456,12 @@ def trainer_rows(args) -> list[dict]:
                     params = [p.detach().clone() for p in trainer.model.state_dict().values()]
             pin = device.type == "cuda"
             host = [torch.empty(p.shape, dtype=p.dtype, pin_memory=pin) for p in params]
-
-            def raw():
-                for h, p in zip(host, params):
-                    h.copy_(p, non_blocking=pin)
-
-            raw_s = _best_of(raw, args.repeats, device)
+            raw_s = _best_of(functools.partial(_copy_all, host, params, pin), args.repeats, device)
             base_ms = 1000 * step if backend == "torch" else base_ms
             row.update(
-                ours=f"{1000 * step:,.0f} ms/update ({tokens / step:,.0f} tok/s); publish {1000 * pub:.1f} ms",
+                ours=(
+                    f"{1000 * step:,.0f} ms/update ({tokens / step:,.0f} tok/s); publish {1000 * pub:.1f} ms"
+                ),
                 baseline=(f"torch AdamW {base_ms:,.0f} ms/update; " if base_ms and backend != "torch" else "")
                 + f"raw D2H copy {1000 * raw_s:.1f} ms",
                 ratio=f"publish {pub / raw_s:.2f}x raw",
@@ -470,7 +471,7 @@ def trainer_rows(args) -> list[dict]:
                 dtype=str(params[0].dtype).replace("torch.", ""),
             )
             del trainer, model, params, host
-        except Exception as err:  # noqa: BLE001 - one failed case shows in the table, the rest still run
+        except Exception as err:  # one failed case shows in the table, the rest still run
             row["ours"] = (
                 f"FAILED: {type(err).__name__}: {str(err).splitlines()[0][:160] if str(err) else ''}"
             )
@@ -486,7 +487,8 @@ def markdown(rows: list[dict]) -> str:
     for r in rows:
         if r.get("skipped"):
             lines.append(
-                f"| {r['section']} | {r.get('model', '')} | {r.get('variant', '')}, batch {r.get('batch', '')} | "
+                f"| {r['section']} | {r.get('model', '')} | "
+                f"{r.get('variant', '')}, batch {r.get('batch', '')} | "
                 f"skipped: {r['skipped']} | | |"
             )
         elif r.get("section_error"):
@@ -604,7 +606,7 @@ def main(argv=None) -> None:
             continue
         try:
             rows += fn()
-        except Exception as err:  # noqa: BLE001 - one failed section is a row; the others still run
+        except Exception as err:  # one failed section is a row; the others still run
             rows.append({"section": section, "section_error": f"{type(err).__name__}: {str(err)[:300]}"})
             print(f"  {section}: FAILED {rows[-1]['section_error']}", file=sys.stderr)
         write(False)

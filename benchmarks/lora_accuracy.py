@@ -26,10 +26,11 @@ import statistics
 import sys
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from default_run import laminar, row_of  # noqa: E402
+from default_run import laminar, row_of
+
+ROOT = Path(__file__).resolve().parent.parent
 
 LORA_DEFAULT = [
     "model.lora.enabled=true",
@@ -64,10 +65,10 @@ def markdown(pairs: list[dict], verdicts: dict[str, bool], header: str) -> str:
                 f"{a['rl'] - a['rft']:+.3f} | {lv} | {s.get('rft', 0):.0f} | {s.get('rl', 0):.0f} |"
             )
     for arm in ("full", "lora"):
-        m = lambda k: statistics.fmean(p[arm]["accuracy"][k] for p in pairs)  # noqa: E731
+        m = {k: statistics.fmean(p[arm]["accuracy"][k] for p in pairs) for k in ("warmup", "rft", "rl")}
         lines.append(
-            f"| mean | {arm} | {m('warmup'):.3f} | {m('rft'):.3f} | {m('rl'):.3f} | {m('rl') - m('rft'):+.3f} "
-            "| | | |"
+            f"| mean | {arm} | {m['warmup']:.3f} | {m['rft']:.3f} | {m['rl']:.3f} | "
+            f"{m['rl'] - m['rft']:+.3f} | | | |"
         )
     lines += ["", "Checks:"] + [f"- {'PASS' if ok else 'FAIL'} {name}" for name, ok in verdicts.items()]
     return "\n".join(lines) + "\n"
@@ -87,7 +88,7 @@ def main() -> None:
         "--full-overrides", nargs="*", default=[], help="overrides of both arms (before the LoRA ones)"
     )
     ap.add_argument(
-        "overrides", nargs="*", help="the LoRA arm's overrides (default: %s)" % " ".join(LORA_DEFAULT)
+        "overrides", nargs="*", help=f"the LoRA arm's overrides (default: {' '.join(LORA_DEFAULT)})"
     )
     args = ap.parse_args()
     lora = args.overrides or LORA_DEFAULT
@@ -108,7 +109,8 @@ def main() -> None:
     stamp = dt.date.today().isoformat()
     name = f"lora_accuracy_{stamp}{'_' + args.label if args.label else ''}"
     header = (
-        f"# LoRA vs full fine-tuning on the default task, {stamp}: {platform.processor() or platform.machine()}, "
+        f"# LoRA vs full fine-tuning on the default task, {stamp}: "
+        f"{platform.processor() or platform.machine()}, "
         f"threads={args.threads}; LoRA arm: {' '.join(lora)}"
         + (f"; both arms: {' '.join(args.full_overrides)}" if args.full_overrides else "")
     )

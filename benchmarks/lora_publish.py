@@ -17,6 +17,7 @@ from __future__ import annotations
 import argparse
 import copy
 import datetime
+import functools
 import json
 import os
 import statistics
@@ -28,14 +29,14 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from conf.schema import LoraConfig, ModelConfig  # noqa: E402
-from generation.adapter import merge_adapter  # noqa: E402
-from generation.continuous import ContinuousEngine  # noqa: E402
-from generation.model import build_char_tokenizer, build_tiny_model  # noqa: E402
-from generation.records import GenRequest, PromptItem  # noqa: E402
-from training.lora import peft_config  # noqa: E402
-from training.objectives import PRESETS  # noqa: E402
-from training.rl.trainer import PolicyTrainer  # noqa: E402
+from conf.schema import LoraConfig, ModelConfig
+from generation.adapter import merge_adapter
+from generation.continuous import ContinuousEngine
+from generation.model import build_char_tokenizer, build_tiny_model
+from generation.records import GenRequest, PromptItem
+from training.lora import peft_config
+from training.objectives import PRESETS
+from training.rl.trainer import PolicyTrainer
 
 QWEN05_SHAPE = dict(
     hidden_size=896,
@@ -145,7 +146,7 @@ def measure(name: str, args, ray) -> dict:
     row["full"] = publish_costs(_trainer(model), args.repeats, ray)
     full_state = _trainer(model).publish().state
     eng = ContinuousEngine(rollout, _Tok(), capacity=1, max_new_tokens=1)
-    row["full"]["apply_ms"] = 1000 * _median_s(lambda: eng.load_state(full_state, 1), args.repeats)
+    row["full"]["apply_ms"] = 1000 * _median_s(functools.partial(eng.load_state, full_state, 1), args.repeats)
     del full_state
     # LoRA: the trainer publishes the adapter tensors; a rollout merges them into its copy of the base
     torch.manual_seed(0)
@@ -224,8 +225,9 @@ def main() -> None:
     for r in rows:
         d = r["decode"]
         print(
-            f"| {r['model']} | {r['parameters']:,} | {r['trainable_parameters']:,} | {r['full']['bytes']:,} | "
-            f"{r['lora']['bytes']:,} | {r['bytes_ratio']:.1f}x | {r['full'][key]:.1f} | {r['lora'][key]:.2f} | "
+            f"| {r['model']} | {r['parameters']:,} | {r['trainable_parameters']:,} | "
+            f"{r['full']['bytes']:,} | {r['lora']['bytes']:,} | {r['bytes_ratio']:.1f}x | "
+            f"{r['full'][key]:.1f} | {r['lora'][key]:.2f} | "
             f"{r['full']['apply_ms']:.1f} | {r['lora']['apply_ms']:.1f} | {d['merged_tok_s']:.0f} / "
             f"{d['unmerged_tok_s']:.0f} ({d['merged_vs_unmerged']:.2f}x) |"
         )

@@ -82,11 +82,14 @@ def main() -> None:
             r = results[-1]
             print(
                 f"seed {seed} {algo:<8} acc {r['acc_warmup']:.3f} -> {r['acc_rl']:.3f}  entropy "
-                f"{r['entropy_first10pct']:.3f} -> {r['entropy_last10pct']:.3f}  dropped {r['dropped_groups']:.0f}",
+                f"{r['entropy_first10pct']:.3f} -> {r['entropy_last10pct']:.3f}  "
+                f"dropped {r['dropped_groups']:.0f}",
                 flush=True,
             )
     print(
-        "\n| algorithm | held-out acc after RL (mean over seeds) | per seed | gain over warm-up | entropy first 10% -> last 10% | groups dropped (total) | trajectories generated / trained | RL seconds |"
+        "\n| algorithm | held-out acc after RL (mean over seeds) | per seed | gain over warm-up "
+        "| entropy first 10% -> last 10% | groups dropped (total) | trajectories generated / trained "
+        "| RL seconds |"
     )
     print("|---|---|---|---|---|---|---|---|")
     for algo in args.algorithms:
@@ -95,7 +98,8 @@ def main() -> None:
         print(
             f"| {algo} | {mean([r['acc_rl'] for r in rs]):.3f} | {per_seed} | "
             f"{mean([r['acc_rl'] - r['acc_warmup'] for r in rs]):+.3f} | "
-            f"{mean([r['entropy_first10pct'] for r in rs]):.3f} -> {mean([r['entropy_last10pct'] for r in rs]):.3f} | "
+            f"{mean([r['entropy_first10pct'] for r in rs]):.3f} -> "
+            f"{mean([r['entropy_last10pct'] for r in rs]):.3f} | "
             f"{sum(r['dropped_groups'] for r in rs):.0f} | {sum(r['generated'] for r in rs):.0f} / "
             f"{sum(r['trained'] for r in rs):.0f} | {mean([r['rl_seconds'] for r in rs]):.0f} |"
         )

@@ -39,7 +39,7 @@ def main():
     out = Path(tempfile.mkdtemp(prefix="rl_probe-"))
     t0 = time.time()
     with Verifier(timeout_s=5.0) as ver:
-        res = rl(
+        rl(
             rft,
             sel / "prompts.parquet",
             cfg.rl,

@@ -8,8 +8,9 @@ mode runs the same number of updates from it on the Ray runtime with the same ro
 and CPUs. Reports trained tokens/s per mode and the ratio to sync, staleness, repacks and publish
 stall, and writes each mode's timeline plot (``--out``).
 
-    .venv/bin/python benchmarks/rl_throughput.py [--updates 12] [--rollouts 2] [--modes sync laminar laminar@3 laminar:1x128]
-        [--repeats 3] [--small-model] [--unbounded] [--chunk-steps 16] [overrides, e.g. rollout.static_cache=true]
+    .venv/bin/python benchmarks/rl_throughput.py [--updates 12] [--rollouts 2]
+        [--modes sync laminar laminar@3 laminar:1x128] [--repeats 3] [--small-model] [--unbounded]
+        [--chunk-steps 16] [overrides, e.g. rollout.static_cache=true]
 
 The rollouts run with the config's engine (``rollout.*``) and CPU priority (``cluster.rollout_priority``).
 A mode spec ``mode[@N][:RxC]`` runs ``mode`` with ``rl.admit_lag=N`` and/or R rollouts of capacity C
@@ -263,8 +264,8 @@ def role_columns(cpu: dict[str, float], wall_s: float) -> dict[str, float]:
 
 def cpu_split(cpu: dict[str, float]) -> str:
     """Trainer ranks / rollouts / driver CPU seconds over the loop, from ``summary["cpu_seconds"]``."""
-    part = lambda prefix: sum(v for k, v in cpu.items() if k.startswith(prefix))  # noqa: E731
-    return f"{part('trainer'):.1f} / {part('rollout'):.1f} / {part('driver'):.1f}"
+    part = {p: sum(v for k, v in cpu.items() if k.startswith(p)) for p in ("trainer", "rollout", "driver")}
+    return f"{part['trainer']:.1f} / {part['rollout']:.1f} / {part['driver']:.1f}"
 
 
 def main() -> None:
@@ -396,12 +397,13 @@ def main() -> None:
     print(
         f"\n{args.rollouts} rollouts x capacity {args.capacity}, {args.updates} updates of "
         f"{args.prompts_per_step}x{args.group_size}, {args.cpus} CPUs, chunk {args.chunk_steps} steps, "
-        f"{args.repeats} round(s) (median run per mode; ratio = median of the rounds' ratios); timelines in {out}"
+        f"{args.repeats} round(s) (median run per mode; ratio = median of the rounds' ratios); "
+        f"timelines in {out}"
     )
     print(
-        "| mode | trained tok/s | vs sync | vs sync, each round | wall s | p50/p99 len | occupancy | staleness | "
-        "repacks | publish stall ms | CPU-s trainer / rollouts / driver | cores busy trainer / rollouts / driver | "
-        "machine busy |"
+        "| mode | trained tok/s | vs sync | vs sync, each round | wall s | p50/p99 len | occupancy | "
+        "staleness | repacks | publish stall ms | CPU-s trainer / rollouts / driver | "
+        "cores busy trainer / rollouts / driver | machine busy |"
     )
     print("|---|---|---|---|---|---|---|---|---|---|---|---|---|")
     for r in results if base else []:
@@ -429,8 +431,8 @@ def main() -> None:
         lo = min(r["publish_stall_ms"] for r in stalls)
         lo_cpu = min(r["publish_cpu_ms"] for r in stalls)
         print(
-            "\n| rollouts | publish stall ms (median, wall) | vs lowest | trainer CPU ms in publish | vs lowest | "
-            "trained tok/s |"
+            "\n| rollouts | publish stall ms (median, wall) | vs lowest | trainer CPU ms in publish | "
+            "vs lowest | trained tok/s |"
         )
         print("|---|---|---|---|---|---|")
         for r in stalls:
@@ -448,7 +450,7 @@ def summarize(runs: dict[str, list[dict]]) -> list[dict]:
     base = runs.get("sync") or next((rs for rs in runs.values() if rs), [])
     by_round = {b.get("round"): b for b in base}
     results = []
-    for mode, rs in runs.items():
+    for rs in runs.values():
         if not rs:
             continue
         ratios = [

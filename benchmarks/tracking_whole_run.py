@@ -2,7 +2,8 @@
 trackers (`tracking.backends=[tensorboard]`) and with none (`tracking.backends=[]`), alternated so
 that a change in the machine's load falls on both, then the median of each and the overhead.
 
-    .venv/bin/python benchmarks/tracking_whole_run.py [--repeats 3] [--seed 0] [--threads 0] [--cached-rerun] [overrides...]
+    .venv/bin/python benchmarks/tracking_whole_run.py [--repeats 3] [--seed 0] [--threads 0]
+        [--cached-rerun] [overrides...]
 
 Each run is `benchmarks/default_run.py`'s: the command's wall seconds and the pipeline's own seconds
 (summary.json), plus held-out accuracy after RL (which the trackers must not change: on the CPU the
@@ -21,9 +22,10 @@ import statistics
 import sys
 from pathlib import Path
 
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from default_run import laminar
+
 ROOT = Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(ROOT / "benchmarks"))
-from default_run import laminar  # noqa: E402
 
 ARMS = {"default": [], "none": ["tracking.backends=[]"]}
 
@@ -107,7 +109,8 @@ def main() -> int:
         "|---|---|---|---|---|---|",
     ]
     lines += [
-        f"| {r['repeat']} | {r['arm']} | {r['wall_s']} | {r['pipeline_s']} | {r['rl_accuracy']} | {r['load_before']} |"
+        f"| {r['repeat']} | {r['arm']} | {r['wall_s']} | {r['pipeline_s']} | {r['rl_accuracy']} | "
+        f"{r['load_before']} |"
         for r in rows
     ]
     reruns = [r["cached_rerun_wall_s"] for r in rows if "cached_rerun_wall_s" in r]

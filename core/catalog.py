@@ -108,7 +108,8 @@ CREATE TABLE IF NOT EXISTS contamination (
     matched VARCHAR, overlap BIGINT,
     PRIMARY KEY (artifact_sha, prompt_id, benchmark, benchmark_problem_id)
 );
--- rule: which check flagged the prompt (ngram | paraphrase | paraphrase+answer); score: its coverage or similarity
+-- rule: which check flagged the prompt (ngram | paraphrase | paraphrase+answer);
+-- score: its coverage or similarity
 ALTER TABLE contamination ADD COLUMN IF NOT EXISTS rule VARCHAR;
 ALTER TABLE contamination ADD COLUMN IF NOT EXISTS score DOUBLE;
 CREATE TABLE IF NOT EXISTS attempts (
@@ -210,8 +211,9 @@ class Catalog:
                 if waited >= wait:
                     if read_only:
                         msg = (
-                            f"the catalog {path} is locked for writing by another process ({lock_holder(err)}) "
-                            f"and stayed locked for {waited:.1f} s; try again in a moment"
+                            f"the catalog {path} is locked for writing by another process "
+                            f"({lock_holder(err)}) and stayed locked for {waited:.1f} s; "
+                            "try again in a moment"
                         )
                     else:
                         msg = (
@@ -279,7 +281,7 @@ class Catalog:
             con.execute("CHECKPOINT")
             shutil.copyfile(self.live, tmp)
             os.replace(tmp, self.path)
-        except Exception as err:  # noqa: BLE001 - the live file holds the truth; readers keep the last copy
+        except Exception as err:  # the live file holds the truth; readers keep the last copy
             tmp.unlink(missing_ok=True)
             LOG.warning(
                 "catalog %s: could not publish the readers' copy (%s: %s); it stays at the last write",

@@ -117,7 +117,8 @@ _HITS_SQL = """
         WHERE c.coverage >= {min_coverage} - 1e-12
     ), matched AS (
         SELECT h.pid, h.bid, string_agg(t.x, ' ' ORDER BY t.k) AS matched
-        FROM kept h JOIN _pgrams_tokens t ON t.id = h.pid AND t.k BETWEEN h.first_pos AND h.first_pos + {n} - 1
+        FROM kept h JOIN _pgrams_tokens t
+            ON t.id = h.pid AND t.k BETWEEN h.first_pos AND h.first_pos + {n} - 1
         GROUP BY h.pid, h.bid
     )
     SELECT pr.prompt_id, pr.source, it.benchmark, it.problem_id AS benchmark_problem_id, m.matched, h.overlap,
@@ -189,9 +190,9 @@ _NUMBER_RE = re.compile(
 _SINGLE_LETTER_RE = re.compile(r"(?<![A-Za-z\\])[A-Za-z](?![A-Za-z])")
 STOPWORDS = frozenset(
     """
-an and are as at be been being but by can could did do does for from had has have he her his how if in into is it
-its of on or our she so such than that the their them then there these they this those to was we were what when
-where which who whom whose why will with would you your let all any each also let's
+an and are as at be been being but by can could did do does for from had has have he her his how if in
+into is it its of on or our she so such than that the their them then there these they this those to
+was we were what when where which who whom whose why will with would you your let all any each also let's
 """.split()
 )
 _WORD_RE = re.compile(r"[a-z']{2,}")
@@ -199,9 +200,9 @@ _SENTENCE_RE = re.compile(r"(?:(?<=[.?!:])|(?<=[.?!:]\$)|(?<=\$\$)|(?<=\\\])|(?<
 """Sentence ends for dropping instructions: after . ? ! : (also when math closes right after) and
 after display math."""
 _INSTRUCTION_RE = re.compile(
-    r"step[- ]by[- ]step|final answer|\\boxed|on its own line|last line of your response|answer to the problem"
-    r"|without quotes|helpful (?:math )?assistant|(?:solve|answer) the following (?:math )?(?:problem|question)"
-    r"|the problem below",
+    r"step[- ]by[- ]step|final answer|\\boxed|on its own line|last line of your response"
+    r"|answer to the problem|without quotes|helpful (?:math )?assistant"
+    r"|(?:solve|answer) the following (?:math )?(?:problem|question)|the problem below",
     re.I,
 )
 _LABEL_RE = re.compile(r"^\s*(?:question|problem)\s*:\s*", re.I)
@@ -219,7 +220,8 @@ def paraphrase_text(text: str) -> str:
     braces and style-only LaTeX (``\\mathcal``, ``\\text``, ``\\left``/``\\right``, spacing) removed,
     macro spellings unified (``\\dfrac`` = ``\\frac``), sentences of instructions to the solver
     ("... step by step", "... final answer within \\boxed{}", "Problem:") dropped, number words 0-99 as
-    digits, every one-letter symbol as ``v`` (a renamed variable is the same symbol), articles and stop words dropped."""
+    digits, every one-letter symbol as ``v`` (a renamed variable is the same symbol), articles and stop
+    words dropped."""
     s = " ".join(
         _LABEL_RE.sub("", x)
         for x in _SENTENCE_RE.split(_ASY_RE.sub(" ", normalize_text(text)))
@@ -284,7 +286,8 @@ _PARA_SQL = """
                sa.n AS na, sb.n AS nb
         FROM inter i JOIN _psh_size sa ON sa.rid = i.a JOIN _psh_size sb ON sb.rid = i.b
     ), ranked AS (
-        SELECT *, CASE WHEN na <= 2 * nb THEN greatest(jaccard, containment) ELSE jaccard END AS score FROM scored
+        SELECT *, CASE WHEN na <= 2 * nb THEN greatest(jaccard, containment) ELSE jaccard END AS score
+        FROM scored
     )
     SELECT pr.prompt_id, pr.source, it.benchmark, it.problem_id AS benchmark_problem_id,
            r.n AS overlap, r.score, (pr.answer = it.answer) AS same_answer, r.a AS pid

@@ -149,7 +149,8 @@ def select_learning_edge(
             ), est AS (
                 SELECT a.prompt_id,
                        CASE WHEN hs.p IS NOT NULL THEN hs.p ELSE a.p END AS pass_rate_est,
-                       CASE WHEN hs.p IS NOT NULL THEN CAST(hs.n_obs AS BIGINT) ELSE a.n END AS n_observations,
+                       CASE WHEN hs.p IS NOT NULL THEN CAST(hs.n_obs AS BIGINT) ELSE a.n END
+                           AS n_observations,
                        CASE WHEN hs.p IS NOT NULL THEN 'history' ELSE 'attempts' END AS source
                 FROM a LEFT JOIN hs USING (prompt_id)
             ), cls AS (
@@ -166,7 +167,8 @@ def select_learning_edge(
             )
             SELECT prompt_id, pass_rate_est, score, n_observations,
                    COALESCE(zone = 'edge' AND ({cut} IS NULL OR edge_rank <= {cut}), false) AS selected,
-                   CASE WHEN zone = 'edge' AND edge_rank > {cut} THEN 'cut_by_max_prompts' ELSE zone END AS reason,
+                   CASE WHEN zone = 'edge' AND edge_rank > {cut} THEN 'cut_by_max_prompts' ELSE zone END
+                       AS reason,
                    edge_rank, source
             FROM ranked
             ORDER BY edge_rank NULLS LAST, score DESC NULLS LAST, prompt_id"""

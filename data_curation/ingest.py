@@ -357,7 +357,7 @@ def _read_hf(spec: SourceSpec, path: Path) -> Iterator[Row]:
         records = _load_hf(spec).to_list()
     except SourceError:
         raise
-    except Exception as exc:  # noqa: BLE001 - datasets' many error types: one line naming the source
+    except Exception as exc:  # datasets' many error types: one line naming the source
         raise SourceError(
             f"source {spec.name!r}: cannot load {spec.path} with datasets ({_one_line(exc)})"
         ) from None

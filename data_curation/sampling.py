@@ -36,7 +36,10 @@ def seeded_subset(rows: list[dict], n: int, seed: int) -> list[dict]:
     independent of row order, so the same prompts are chosen whatever the pool's order."""
     if n <= 0 or n >= len(rows):
         return rows
-    key = lambda r: hashlib.sha256(f"{seed}:{r['prompt_id']}".encode()).hexdigest()  # noqa: E731
+
+    def key(r: dict) -> str:
+        return hashlib.sha256(f"{seed}:{r['prompt_id']}".encode()).hexdigest()
+
     chosen = {r["prompt_id"] for r in sorted(rows, key=key)[:n]}
     return [r for r in rows if r["prompt_id"] in chosen]
 

@@ -2,9 +2,9 @@
 
 Difficulty grows with the number of operations (one to five chained one-digit additions and
 subtractions, running totals 0..19): each step is a fact to get right, so errors compound. Every
-problem has a step-by-step gold solution (left to right, one operation per line) ending in ``#### <answer>``, the final-answer
-marker the verifier reads. Generation is deterministic from the seed; the held-out set is drawn
-first and the pool never contains one of its expressions.
+problem has a step-by-step gold solution (left to right, one operation per line) ending in
+``#### <answer>``, the final-answer marker the verifier reads. Generation is deterministic from the
+seed; the held-out set is drawn first and the pool never contains one of its expressions.
 """
 
 from __future__ import annotations

@@ -173,8 +173,9 @@ def format_eval_table(summaries: Mapping[str, Mapping[str, Any]]) -> str:
             f" {too_long_label(s):>10}"
         )
     notes = [
-        f"{bench}: {s['too_long']} of {s['n_problems']} prompts are longer than the model's {s['context']}-token "
-        "context (positions it was never built or trained for): its score there says little about the model"
+        f"{bench}: {s['too_long']} of {s['n_problems']} prompts are longer than the model's "
+        f"{s['context']}-token context (positions it was never built or trained for): "
+        "its score there says little about the model"
         for bench, s in summaries.items()
         if s.get("too_long")
     ]
@@ -463,7 +464,10 @@ def plot_levels(
     for ax, bench in zip(axes[0], benches):
         sub = [r for r in rows if r[0] == bench]
         bars = _grouped_bars(
-            ax, [r[1] for r in sub], labels, lambda j, i: sub[j][2 + i] if sub[j][2 + i] != "" else None
+            ax,
+            [r[1] for r in sub],
+            labels,
+            lambda j, i, sub=sub: sub[j][2 + i] if sub[j][2 + i] != "" else None,
         )
         drawn.update({(f"{bench} {lv}", label): v for (lv, label), v in bars.items()})
         ax.set_xticks(range(len(sub)), [r[1] for r in sub])
@@ -584,7 +588,8 @@ def render_markdown(data: ReportData) -> str:
                 else ""
             )
             parts += [
-                f"CPU seconds per role over the loop ({rt['loop_seconds']:.1f} s on {rt['cores']} cores{busy}): "
+                "CPU seconds per role over the loop "
+                f"({rt['loop_seconds']:.1f} s on {rt['cores']} cores{busy}): "
                 + ", ".join(f"{k} {v:.1f}" for k, v in rt["cpu_seconds"].items()),
                 "",
             ]

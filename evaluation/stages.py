@@ -138,9 +138,9 @@ def in_run_evaluator(
     device: str,
     verifier,
 ):
-    """A callback for evaluation every N RL steps: ``model -> {"eval_<benchmark>": avg@n, "eval_seconds": s}``.
-    Same items, sampling and verifier as the eval stages, so the last in-run value of a checkpoint
-    matches its eval stage's accuracy."""
+    """A callback for evaluation every N RL steps:
+    ``model -> {"eval_<benchmark>": avg@n, "eval_seconds": s}``. Same items, sampling and verifier as
+    the eval stages, so the last in-run value of a checkpoint matches its eval stage's accuracy."""
     import time
 
     items, _ = benchmark_items(cfg, data_dir, seed)

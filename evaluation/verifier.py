@@ -359,7 +359,7 @@ class Verifier:
                     verdicts[i] = Verdict(False, pred, "empty gold answer")
                     continue
                 decided = _fast_decision(gold_n, pred)
-            except Exception as exc:  # noqa: BLE001 - a verdict for every item, whatever the input
+            except Exception as exc:  # a verdict for every item, whatever the input
                 verdicts[i] = Verdict(False, pred, f"error: {_describe(exc)}")
                 continue
             if decided is None:
@@ -406,7 +406,7 @@ class Verifier:
                 except BrokenProcessPool:
                     broken = True
                     self._retry_or_fail(item, pending, results)
-                except Exception as exc:  # noqa: BLE001 - any worker exception is a crash verdict
+                except Exception as exc:  # any worker exception is a crash verdict
                     results[item.index] = Verdict(False, item.pred, f"crash: {_describe(exc)}")
                 else:
                     results[item.index] = Verdict(bool(ok), item.pred, None)
@@ -493,8 +493,8 @@ class Verifier:
                     self._kill_pool()
                     raise RuntimeError(
                         f"verifier worker pool did not start: no progress for {_POOL_START_TIMEOUT_S:.0f} s "
-                        f"({time.monotonic() - start:.0f} s in all); check that math-verify imports in a fresh "
-                        "interpreter"
+                        f"({time.monotonic() - start:.0f} s in all); "
+                        "check that math-verify imports in a fresh interpreter"
                     )
             try:
                 seen.update(f.result() for f in done)

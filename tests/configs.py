@@ -26,7 +26,8 @@ TINY_CURATED = [
     "curation.rft.batch_size=8",
     # the tiny model solves nothing: HIVE's learning edge would be empty, so RL takes every curated prompt
     "curation.select.strategy=uniform",
-    # one torch thread: on a shared, loaded 2-core machine torch's default threads make a tiny RL step 100x slower
+    # one torch thread: on a shared, loaded 2-core machine torch's default threads make a tiny RL step
+    # 100x slower
     "threads=1",
 ]
 """The whole DAG on a micro model in about half a minute (the operate and lineage tests)."""

@@ -140,7 +140,8 @@ def train_sft(
     rng = random.Random(f"sft:{seed}")
     torch.manual_seed(seed)
     model.to(device).train()
-    # a PEFT model's frozen base has requires_grad False: the optimizer (and its state) holds only the adapters
+    # a PEFT model's frozen base has requires_grad False: the optimizer (and its state) holds only the
+    # adapters
     opt = torch.optim.AdamW(
         [p for p in model.parameters() if p.requires_grad],
         lr=lr,

@@ -83,7 +83,10 @@ def test_history_uses_the_most_recent_k_rows_weighted_by_n():
     history = _history(
         [("a", 1, 0.0, 8, "rl"), ("a", 7, 1.0, 4, "rl"), ("a", 3, 0.5, 8, "rl"), ("a", 5, 0.25, 8, "rl")]
     )
-    est = lambda k: select_learning_edge(attempts, history, recent_k=k)["pass_rate_est"][0]  # noqa: E731
+
+    def est(k: int) -> float:
+        return select_learning_edge(attempts, history, recent_k=k)["pass_rate_est"][0]
+
     assert est(1) == 1.0  # latest by seq, not by position
     assert est(2) == pytest.approx((1.0 * 4 + 0.25 * 8) / 12)
     assert est(3) == pytest.approx((1.0 * 4 + 0.25 * 8 + 0.5 * 8) / 20)

@@ -31,9 +31,9 @@ def test_solutions_are_step_by_step_and_correct():
         assert len(steps) == LEVELS[p.level][0]  # one line per operation
         for s in steps:
             lhs, rhs = s.split("=")
-            assert eval(lhs) == int(rhs) and 0 <= int(rhs) <= MAX_TOTAL  # noqa: S307 - test data we made
+            assert eval(lhs) == int(rhs) and 0 <= int(rhs) <= MAX_TOTAL  # eval of test data we made
         expr = re.match(r"What is (.*)\?", p.problem).group(1)
-        assert eval(expr) == int(p.answer)  # noqa: S307
+        assert eval(expr) == int(p.answer)
 
 
 def test_write_dataset_parquet(tmp_path):
@@ -65,6 +65,6 @@ def test_demonstration_slips_at_the_configured_rate_without_changing_problems():
         for line in p.demonstration.splitlines()[:-1]:
             lhs, rhs = line.split("=")
             steps += 1
-            slipped += eval(lhs) != int(rhs)  # noqa: S307
+            slipped += eval(lhs) != int(rhs)
         assert len(p.demonstration.splitlines()) == len(p.solution.splitlines())
     assert 0.17 < slipped / steps < 0.23

@@ -23,7 +23,8 @@ def _pool(tmp: Path, name: str, benchmarks: dict) -> str:
 
 
 def _catalog(tmp: Path, *, model_kind: str = "tiny", pool: dict | None = None) -> Catalog:
-    """base (B) + decontaminated pool (P, from ingest I) -> warm-up (W) -> RL (R), as the runner records it."""
+    """base (B) + decontaminated pool (P, from ingest I) -> warm-up (W) -> RL (R), as the runner
+    records it."""
     cat = Catalog(tmp / "catalog.duckdb")
     pool = {"math500": {"sha256": H_MATH, "items": 500, "removed": 0}} if pool is None else pool
     with cat.transaction() as con:
@@ -32,7 +33,8 @@ def _catalog(tmp: Path, *, model_kind: str = "tiny", pool: dict | None = None) -
             [json.dumps({"model": {"kind": model_kind}})],
         )
         con.execute(
-            "INSERT INTO stage_runs (run_id, stage, status, cache_key) VALUES ('r1', 'base_model', 'ran', 'kB')"
+            "INSERT INTO stage_runs (run_id, stage, status, cache_key) "
+            "VALUES ('r1', 'base_model', 'ran', 'kB')"
         )
         for kind, sha, stage, path, key in (
             ("model", "B", "base_model", None, "kB"),

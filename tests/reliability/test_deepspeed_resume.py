@@ -32,7 +32,8 @@ SCRIPT = textwrap.dedent("""
     init_distributed("gloo", 0, 1, "127.0.0.1", {port}, deepspeed_comm=True)
 
     def trainer():
-        return DeepSpeedPolicyTrainer(build_tiny_model(MICRO, tok, seed=0), PRESETS["grpo"], ds_config={{"zero_optimization": {{"stage": 2}}}},
+        return DeepSpeedPolicyTrainer(build_tiny_model(MICRO, tok, seed=0), PRESETS["grpo"],
+                                      ds_config={{"zero_optimization": {{"stage": 2}}}},
                                       pad_id=tok.pad_token_id, rank=0, world_size=1, **TRAIN_KW)
 
     a = trainer()
@@ -62,7 +63,8 @@ SCRIPT = textwrap.dedent("""
     except Exception as e:
         print("REFUSED", type(e).__name__, str(e).splitlines()[0][:300])
     else:
-        same = all(torch.equal(x, y) for x, y in zip(a.model.state_dict().values(), b.model.state_dict().values()))
+        same = all(torch.equal(x, y)
+                   for x, y in zip(a.model.state_dict().values(), b.model.state_dict().values()))
         print("LOADED", same)
     import torch.distributed as dist
     dist.destroy_process_group()

@@ -14,11 +14,12 @@ from pathlib import Path
 
 import pytest
 
-ROOT = Path(__file__).resolve().parents[2]
-sys.path.insert(0, str(ROOT / "benchmarks"))
+sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "benchmarks"))
 
-import device_pack as dp  # noqa: E402
-import device_report as dr  # noqa: E402
+import device_pack as dp
+import device_report as dr
+
+ROOT = Path(__file__).resolve().parents[2]
 
 
 def _fake_ray_wheel(path: Path) -> Path:

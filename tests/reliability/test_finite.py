@@ -278,8 +278,9 @@ from training.rl.trainer import DeepSpeedPolicyTrainer, init_distributed
 s = socket.socket(); s.bind(("127.0.0.1", 0)); port = s.getsockname()[1]; s.close()
 init_distributed("gloo", 0, 1, "127.0.0.1", port, deepspeed_comm=True)
 tok = build_char_tokenizer()
-trainer = DeepSpeedPolicyTrainer(build_tiny_model(MICRO, tok, seed=0), PRESETS["grpo"], pad_id=tok.pad_token_id,
-                                 ds_config={{"zero_optimization": {{"stage": 2}}}}, **TRAIN_KW)
+trainer = DeepSpeedPolicyTrainer(build_tiny_model(MICRO, tok, seed=0), PRESETS["grpo"],
+                                 pad_id=tok.pad_token_id, ds_config={{"zero_optimization": {{"stage": 2}}}},
+                                 **TRAIN_KW)
 next(trainer.model.parameters()).register_hook(lambda g: g * float("inf"))
 try:
     trainer.update(random_groups(tok, seed=0))

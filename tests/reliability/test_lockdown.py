@@ -275,7 +275,10 @@ def test_laminar_serve_refuses_anonymous_calls_and_runs_that_choose_the_workspac
                 api.append(m.group(1))
 
     threading.Thread(target=read, daemon=True).start()
-    log = lambda: "".join(lines)[-4000:]  # noqa: E731
+
+    def log() -> str:
+        return "".join(lines)[-4000:]
+
     try:
         deadline = time.monotonic() + 240
         while not api:
@@ -323,7 +326,8 @@ def test_laminar_serve_refuses_anonymous_calls_and_runs_that_choose_the_workspac
             "assert attach_served_api(Workspace.at(sys.argv[1]))\n"
             "from prefect.client.orchestration import get_client\n"
             "with get_client(sync_client=True) as c:\n"
-            "    print('deployments', len(c.read_deployments()), 'flow', c.create_flow_from_name('lockdown-probe'))\n"
+            "    print('deployments', len(c.read_deployments()),\n"
+            "          'flow', c.create_flow_from_name('lockdown-probe'))\n"
         )
         probe = subprocess.run(
             [sys.executable, "-c", attach, str(ws)],
@@ -393,12 +397,14 @@ def _runs(ws: Path) -> list:
         con.close()
 
 
-# ---- Ray started by the runtime -----------------------------------------------------------------------------
+# ---- Ray started by the runtime -----------------------------------------------------------------------
 
 RAY_PROBE = textwrap.dedent("""
     import ipaddress, json, os, sys
     import psutil
-    from generation.model import build_char_tokenizer, build_tiny_model, encode_problem, load_tokenizer, save_model
+    from generation.model import (
+        build_char_tokenizer, build_tiny_model, encode_problem, load_tokenizer, save_model,
+    )
     from generation.records import PromptItem
     from tests.training.test_runtime import TINY, make_runtime
 

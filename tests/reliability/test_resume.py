@@ -95,10 +95,10 @@ def test_sync_mode_killed_midway_resumes_where_it_stopped_and_ends_identical(tmp
         assert state["source"]["greso"]["observed"] and "rng" in state["source"]
     resumed, w_resumed = run(tmp_path, hive=hive, ckpt="killed")
     assert len(resumed.history) == 7
-    untimed = lambda h: json.dumps(
-        [{k: v for k, v in m.items() if k not in TIMING_KEYS} for m in h],  # noqa: E731
-        sort_keys=True,
-    )
+
+    def untimed(h: list) -> str:
+        return json.dumps([{k: v for k, v in m.items() if k not in TIMING_KEYS} for m in h], sort_keys=True)
+
     assert untimed(resumed.history) == untimed(whole.history)  # what history.jsonl keeps, to the bit
     assert resumed.rewards == whole.rewards and resumed.consumed == whole.consumed
     assert all(torch.equal(w_whole[k], w_resumed[k]) for k in w_whole)
