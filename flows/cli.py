@@ -156,7 +156,7 @@ def cmd_config(args) -> int:
 
 def cmd_status(args) -> int:
     from core.workspace import Workspace
-    from tasks.runner import plan
+    from tasks.plan import plan
 
     cfg = _load(args.overrides)
     for p in plan(cfg, Workspace.at(args.workspace)):
@@ -165,7 +165,7 @@ def cmd_status(args) -> int:
 
 
 def _selection(**kw):
-    from tasks.operate import UnknownStage, select
+    from tasks.dag import UnknownStage, select
 
     try:
         return select(**kw)
@@ -197,7 +197,7 @@ def _pipeline(**kwargs):
 
 def _execute(overrides: list[str], workspace: str, selection) -> int:
     from core.workspace import Workspace, WorkspaceBusy
-    from tasks.operate import command_line, run_pipeline
+    from tasks.runner import command_line, run_pipeline
 
     cfg = _load(overrides, preflight=True)
     try:
@@ -245,15 +245,9 @@ def cmd_eval(args) -> int:
     ws = Workspace.at(args.workspace)
     try:
         with ws.lock():
-            from tasks.operate import command_line, mark_interrupted, new_run_id, save_run_files
+            from tasks.runner import clear_dead_runs, command_line, new_run_id, save_run_files
 
-            ws.create()
-            ws.artifacts.clean_tmp()
-            for stale in mark_interrupted(ws):
-                print(
-                    f"laminar: run {stale} never finished (its process was killed); marked interrupted",
-                    file=sys.stderr,
-                )
+            clear_dead_runs(ws, lambda line: print(line, file=sys.stderr))
             run_id, command = new_run_id("eval-"), command_line()
             _quiet_transformers()
             try:
@@ -363,7 +357,7 @@ def cmd_lineage(args) -> int:
 
 def cmd_serve(args) -> int:
     from core.workspace import Workspace
-    from tasks.operate import command_line
+    from tasks.runner import command_line
     from tasks.serving import ServeError, auth_file, prefect_api, served_parameters
 
     _load(args.overrides, preflight=True)
@@ -534,14 +528,28 @@ def main(argv: list[str] | None = None) -> int:
     from core.catalog import CatalogBusy
     from core.errors import StageError
 
+    if not sys.stderr.isatty():  # progress bars only on a terminal (tqdm's own rule for disable=None)
+        os.environ.setdefault("TQDM_DISABLE", "1")
     try:
         return COMMANDS[args.command](args)
     except CatalogBusy as err:  # another process kept the catalog locked past the bounded wait
-        print(f"laminar: {err}", *getattr(err, "__notes__", []), sep="\n", file=sys.stderr)
-        return 3
+        return _said(err, 3)
     except StageError as err:  # a stage stopped for a reason its one-line message states whole
-        print(f"laminar: {err}", *getattr(err, "__notes__", []), sep="\n", file=sys.stderr)
-        return 1
+        return _said(err, 1)
+
+
+def _said(err: BaseException, code: int) -> int:
+    """Print ``err`` as its one line (and its notes) and return ``code``. Its traceback is dropped: the
+    frames it holds (the runner's, Prefect's engine's) would keep DuckDB objects alive until the
+    interpreter's teardown, which then reports them as leaked."""
+    print(f"laminar: {err}", *getattr(err, "__notes__", []), sep="\n", file=sys.stderr)
+    seen: set[int] = set()
+    e: BaseException | None = err
+    while e is not None and id(e) not in seen:
+        seen.add(id(e))
+        e.__traceback__ = None
+        e = e.__cause__ or e.__context__
+    return code
 
 
 if __name__ == "__main__":

@@ -9,7 +9,8 @@ from collections import defaultdict
 from pathlib import Path
 
 from core.workspace import Workspace
-from tasks.stages import EVAL, MODEL, stage_headline
+from tasks.bodies import EVAL, MODEL
+from tasks.dag import stage_headline
 
 CHECKPOINT_STAGES = ("base_model", "warmup", "rft", "rl")
 ROLE_ORDER = (*CHECKPOINT_STAGES, "external")
@@ -84,9 +85,10 @@ def gather(ws: Workspace, run_id: str):
             )
         )
         rows = cat.query(
-            "SELECT e.checkpoint_sha, e.eval_sha, e.benchmark, e.problem_id, e.sample_idx, e.pred, e.correct, "
-            f"e.error, e.length, e.truncated, e.level, e.subject, {'e.certificate' if has_cert else 'NULL'} "
-            f"AS certificate FROM eval_results e WHERE e.checkpoint_sha IN ({marks})",
+            "SELECT e.checkpoint_sha, e.eval_sha, e.benchmark, e.problem_id, e.sample_idx, e.pred, "
+            "e.correct, e.error, e.length, e.truncated, e.level, e.subject, "
+            f"{'e.certificate' if has_cert else 'NULL'} AS certificate FROM eval_results e "
+            f"WHERE e.checkpoint_sha IN ({marks})",
             list(roles),
         )
         arts = {
