@@ -546,8 +546,6 @@ def main(argv: list[str] | None = None) -> int:
     from core.catalog import CatalogBusy
     from core.errors import StageError
 
-    if not sys.stderr.isatty():  # progress bars only on a terminal (tqdm's own rule for disable=None)
-        os.environ.setdefault("TQDM_DISABLE", "1")
     try:
         return COMMANDS[args.command](args)
     except CatalogBusy as err:  # another process kept the catalog locked past the bounded wait

@@ -22,6 +22,7 @@ import time
 import uuid
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from contextlib import contextmanager
+from contextvars import ContextVar
 from datetime import UTC, datetime
 from typing import Any
 
@@ -44,6 +45,8 @@ def _execute(
     stage_name: str, key: str, cfg: Config, workspace: str, inputs: dict[str, dict], device: str
 ) -> dict:
     """The body of every stage task: run the library function, return JSON-ready artifact refs."""
+    if (progress := _PROGRESS.get()) is not None:
+        progress.flush()  # the cached stages before this one, before its own output
     ws = Workspace.at(workspace)
     state = ws.stage_state(stage_name, key)
     ctx = StageContext(
@@ -101,6 +104,10 @@ class _Progress:
         elif cached:
             names = ", ".join(o.stage for o in cached)
             print(f"laminar: stages {names} cached {sum(o.seconds for o in cached):.1f}s", flush=True)
+
+
+_PROGRESS: ContextVar[_Progress | None] = ContextVar("laminar_progress", default=None)
+"""The progress of the stages the current flow runs (a stage body that starts flushes it)."""
 
 
 def record_outcome(
@@ -177,6 +184,7 @@ def run_stages(
     device = resolve_device(cfg.device)
     outcomes: dict[str, StageOutcome] = {}
     progress = _Progress()
+    token = _PROGRESS.set(progress)
     try:
         for stage in selection.stages_to_run():
             inputs = stage_inputs(stage, {n: o.result.artifacts for n, o in outcomes.items()})
@@ -190,6 +198,7 @@ def run_stages(
             except Exception as err:  # noqa: BLE001 - the UI's view never fails a run
                 LOG.warning("stage %s: Prefect artifacts/assets not published: %s", stage.name, err)
     finally:
+        _PROGRESS.reset(token)
         progress.flush()
     publish_prefect_artifacts(list(outcomes.values()))
     return list(outcomes.values())
