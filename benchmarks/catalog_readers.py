@@ -298,7 +298,7 @@ def _laminar_cmd() -> list[str]:
 def catalog_facts(ws: Path) -> dict:
     """Row counts per table, the latest run's row and its stages."""
     from core.catalog import Catalog
-    from tasks.stages import STAGES
+    from tasks.dag import STAGES
 
     cat = Catalog(ws / "catalog.duckdb")
     tables = [

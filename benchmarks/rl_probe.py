@@ -18,7 +18,7 @@ from training.rl.stage import rl
 from evaluation.verifier import Verifier
 from evaluation.stages import evaluate_checkpoint
 from generation.setup import setup_torch
-from tasks.stages import template, _eval_templates
+from tasks.bodies import eval_templates as _eval_templates, template
 
 
 def main():

@@ -29,6 +29,14 @@ def _parser() -> tuple[argparse.ArgumentParser, dict[str, argparse.ArgumentParse
     _workspace_arg(p)
     sub = p.add_subparsers(dest="command", required=True)
 
+    _pipeline_commands(sub)
+    _checkpoint_commands(sub)
+    _workspace_commands(sub)
+    return p, dict(sub.choices)
+
+
+def _pipeline_commands(sub: argparse._SubParsersAction) -> None:
+    """run, rerun, status, config."""
     sp = sub.add_parser("run", help="run the pipeline (cached stages are skipped)")
     _overrides_arg(sp)
     sp.add_argument(
@@ -56,6 +64,9 @@ def _parser() -> tuple[argparse.ArgumentParser, dict[str, argparse.ArgumentParse
     _overrides_arg(sp)
     _workspace_arg(sp)
 
+
+def _checkpoint_commands(sub: argparse._SubParsersAction) -> None:
+    """eval, export, report, runs, lineage."""
     sp = sub.add_parser(
         "eval", help="evaluate one checkpoint: ckpt=<sha prefix or save_pretrained folder> [overrides]"
     )
@@ -101,6 +112,9 @@ def _parser() -> tuple[argparse.ArgumentParser, dict[str, argparse.ArgumentParse
     )
     _workspace_arg(sp)
 
+
+def _workspace_commands(sub: argparse._SubParsersAction) -> None:
+    """fsck, simulate, serve."""
     sp = sub.add_parser(
         "fsck", help="rehash every stored artifact and quarantine those whose files changed (exit 1 if any)"
     )
@@ -128,7 +142,6 @@ def _parser() -> tuple[argparse.ArgumentParser, dict[str, argparse.ArgumentParse
     sp.add_argument("--until", metavar="STAGE", help="run only STAGE and the stages it needs")
     _overrides_arg(sp)
     _workspace_arg(sp)
-    return p, dict(sub.choices)
 
 
 def _load(overrides, preflight: bool = False):
@@ -144,7 +157,7 @@ def _load(overrides, preflight: bool = False):
         return cfg
     except ConfigError as err:
         print(f"laminar: config error: {err}", file=sys.stderr)
-        raise SystemExit(2)
+        raise SystemExit(2) from None
 
 
 def cmd_config(args) -> int:
@@ -156,7 +169,7 @@ def cmd_config(args) -> int:
 
 def cmd_status(args) -> int:
     from core.workspace import Workspace
-    from tasks.runner import plan
+    from tasks.plan import plan
 
     cfg = _load(args.overrides)
     for p in plan(cfg, Workspace.at(args.workspace)):
@@ -165,13 +178,13 @@ def cmd_status(args) -> int:
 
 
 def _selection(**kw):
-    from tasks.operate import UnknownStage, select
+    from tasks.dag import UnknownStage, select
 
     try:
         return select(**kw)
     except UnknownStage as err:
         print(f"laminar: {err}", file=sys.stderr)
-        raise SystemExit(2)
+        raise SystemExit(2) from None
 
 
 def _pipeline(**kwargs):
@@ -197,7 +210,7 @@ def _pipeline(**kwargs):
 
 def _execute(overrides: list[str], workspace: str, selection) -> int:
     from core.workspace import Workspace, WorkspaceBusy
-    from tasks.operate import command_line, run_pipeline
+    from tasks.runner import command_line, run_pipeline
 
     cfg = _load(overrides, preflight=True)
     try:
@@ -229,7 +242,8 @@ def _split_ckpt(overrides: list[str]) -> tuple[str, list[str]]:
     if len(ckpts) != 1 or not ckpts[0]:
         print(
             "laminar: eval needs exactly one ckpt=<checkpoint sha prefix or save_pretrained folder>, e.g. "
-            "`laminar eval ckpt=3f2a9c eval.benchmarks=[arith_heldout]` (a run's summary.json lists its checkpoints)",
+            "`laminar eval ckpt=3f2a9c eval.benchmarks=[arith_heldout]` "
+            "(a run's summary.json lists its checkpoints)",
             file=sys.stderr,
         )
         raise SystemExit(2)
@@ -245,15 +259,9 @@ def cmd_eval(args) -> int:
     ws = Workspace.at(args.workspace)
     try:
         with ws.lock():
-            from tasks.operate import command_line, mark_interrupted, new_run_id, save_run_files
+            from tasks.runner import clear_dead_runs, command_line, new_run_id, save_run_files
 
-            ws.create()
-            ws.artifacts.clean_tmp()
-            for stale in mark_interrupted(ws):
-                print(
-                    f"laminar: run {stale} never finished (its process was killed); marked interrupted",
-                    file=sys.stderr,
-                )
+            clear_dead_runs(ws, lambda line: print(line, file=sys.stderr))
             run_id, command = new_run_id("eval-"), command_line()
             _quiet_transformers()
             try:
@@ -363,7 +371,7 @@ def cmd_lineage(args) -> int:
 
 def cmd_serve(args) -> int:
     from core.workspace import Workspace
-    from tasks.operate import command_line
+    from tasks.runner import command_line
     from tasks.serving import ServeError, auth_file, prefect_api, served_parameters
 
     _load(args.overrides, preflight=True)
@@ -375,7 +383,8 @@ def cmd_serve(args) -> int:
             from flows.serve import serve
 
             print(
-                f"laminar: serving deployment laminar-run/{name} on cron {args.cron!r} for workspace {ws.root}\n"
+                f"laminar: serving deployment laminar-run/{name} on cron {args.cron!r} "
+                f"for workspace {ws.root}\n"
                 f"laminar: Prefect API {api_url}  UI {api_url.removesuffix('/api')}  (Ctrl-C stops; "
                 f"`prefect deployment run laminar-run/{name}` triggers a run now)",
                 flush=True,
@@ -409,7 +418,8 @@ def cmd_fsck(args) -> int:
     ws = Workspace.at(args.workspace)
     if not ws.artifacts.root.is_dir():
         print(
-            f"laminar: no artifact store in {ws.root}; pass --workspace DIR of a workspace `laminar run` used",
+            f"laminar: no artifact store in {ws.root}; "
+            "pass --workspace DIR of a workspace `laminar run` used",
             file=sys.stderr,
         )
         return 2
@@ -468,7 +478,8 @@ COMMANDS = {
 
 
 GLOBAL_OPTIONS = ("--workspace",)
-"""Options every subcommand takes; they may also come before the subcommand (`laminar --workspace ws status`)."""
+"""Options every subcommand takes; they may also come before the subcommand
+    (`laminar --workspace ws status`)."""
 
 
 def _split_global(argv: list[str]) -> tuple[list[str], list[str]]:
@@ -497,7 +508,8 @@ def did_you_mean(word: str, choices) -> str:
 
 
 def _unknown_options(sub: argparse.ArgumentParser, rest: list[str]) -> None:
-    """Exit 2 naming the nearest real option for a mistyped ``--option``; argparse says only 'unrecognized'."""
+    """Exit 2 naming the nearest real option for a mistyped ``--option``; argparse says only
+    'unrecognized'."""
     options = [o for a in sub._actions for o in a.option_strings if o.startswith("--")]
     for arg in rest:
         name = arg.split("=", 1)[0]
@@ -537,11 +549,23 @@ def main(argv: list[str] | None = None) -> int:
     try:
         return COMMANDS[args.command](args)
     except CatalogBusy as err:  # another process kept the catalog locked past the bounded wait
-        print(f"laminar: {err}", *getattr(err, "__notes__", []), sep="\n", file=sys.stderr)
-        return 3
+        return _said(err, 3)
     except StageError as err:  # a stage stopped for a reason its one-line message states whole
-        print(f"laminar: {err}", *getattr(err, "__notes__", []), sep="\n", file=sys.stderr)
-        return 1
+        return _said(err, 1)
+
+
+def _said(err: BaseException, code: int) -> int:
+    """Print ``err`` as its one line (and its notes) and return ``code``. Its traceback is dropped: the
+    frames it holds (the runner's, Prefect's engine's) would keep DuckDB objects alive until the
+    interpreter's teardown, which then reports them as leaked."""
+    print(f"laminar: {err}", *getattr(err, "__notes__", []), sep="\n", file=sys.stderr)
+    seen: set[int] = set()
+    e: BaseException | None = err
+    while e is not None and id(e) not in seen:
+        seen.add(id(e))
+        e.__traceback__ = None
+        e = e.__cause__ or e.__context__
+    return code
 
 
 if __name__ == "__main__":

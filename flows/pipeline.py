@@ -1,27 +1,22 @@
 """The DAG as Prefect flows. No logic here.
 
 ``laminar_pipeline``: every selected stage in DAG order, each a cached Prefect task, then its lineage
-record and its Prefect artifacts and asset events. ``laminar_run``: one whole run (workspace lock,
-run record, summary) around ``laminar_pipeline``: what ``laminar serve`` deploys on a schedule.
+record and its Prefect artifacts and asset events (``tasks.runner.run_stages``). ``laminar_run``: one
+whole run (workspace lock, run record, summary) around ``laminar_pipeline``: what ``laminar serve``
+deploys on a schedule.
 """
 
 from __future__ import annotations
-
-import logging
 
 from prefect import flow, runtime
 
 from conf.loader import load_config
 from core.workspace import Workspace
-from tasks.lineage import record_stage
-from tasks.operate import record_flow_run, run_pipeline, select
-from tasks.prefect_publish import publish_stage
-from tasks.runner import run_stage
+from tasks.dag import Selection, select
+from tasks.prefect_env import one_line_failures
+from tasks.records import StageOutcome
+from tasks.runner import run_pipeline, run_stages
 from tasks.serving import check_served_run
-from tasks.stages import STAGES
-from tasks.summary import publish_prefect_artifacts
-
-LOG = logging.getLogger("laminar.flows")
 
 
 @flow(name="laminar-pipeline", log_prints=False, persist_result=False)
@@ -31,25 +26,16 @@ def laminar_pipeline(
     run_id: str,
     force: list[str] | None = None,
     stages: list[str] | None = None,
-) -> list:
-    """``stages``: the stages to run (None: all); each must come with its upstream (``tasks.operate.select``)."""
-    cfg = load_config(overrides)
-    ws = Workspace.at(workspace)
-    record_flow_run(ws, run_id, runtime.flow_run.id)
-    outcomes: dict = {}
-    for stage in STAGES:
-        if stages is not None and stage.name not in stages:
-            continue
-        outcomes[stage.name] = run_stage(
-            stage.name, cfg, ws, run_id, outcomes, force=stage.name in (force or [])
-        )
-        record_stage(ws, stage.name, cfg, outcomes)
-        try:
-            publish_stage(ws, stage.name, outcomes)
-        except Exception as err:  # noqa: BLE001 - the UI's view never fails a run
-            LOG.warning("stage %s: Prefect artifacts/assets not published: %s", stage.name, err)
-    publish_prefect_artifacts(list(outcomes.values()))
-    return list(outcomes.values())
+) -> list[StageOutcome]:
+    """``stages``: the stages to run (None: all); each must come with its upstream (``tasks.dag.select``)."""
+    one_line_failures()
+    return run_stages(
+        load_config(overrides),
+        Workspace.at(workspace),
+        run_id,
+        Selection(stages, list(force or [])),
+        flow_run_id=str(runtime.flow_run.id),
+    )
 
 
 @flow(name="laminar-run", log_prints=True, persist_result=False)
@@ -68,4 +54,4 @@ def laminar_run(overrides: list[str] | None = None, workspace: str | None = None
         command=served.command,
         flow_run_id=str(runtime.flow_run.id),
     )
-    return {"run_id": result.run_id, "metrics": result.summary["metrics"]}
+    return {"run_id": result.run_id, "metrics": result.summary.metrics}

@@ -1,8 +1,9 @@
 """Cache keys: hash(stage name, resolved config subtree, input artifact hashes, source fingerprint, seed).
 
 The source fingerprint covers the stage library's modules and every project module they import,
-transitively (found by reading their imports, not by importing them), so editing a module
-invalidates exactly the stages whose code reaches it.
+transitively (found by reading their imports, not by importing them), and the compiled-code package
+data of every package reached (``generation/kernels/decode.c``: it computes each CPU decode step), so
+editing either invalidates exactly the stages whose code reaches it.
 """
 
 from __future__ import annotations
@@ -11,20 +12,22 @@ import ast
 import hashlib
 import json
 from dataclasses import dataclass
+from collections.abc import Iterable
 from functools import cache
 from pathlib import Path
-from collections.abc import Iterable
 
 ROOT = Path(__file__).resolve().parent.parent
 # conf/ is left out: config values enter the key themselves, and the schema's code computes nothing.
 PROJECT_PACKAGES = ("core", "generation", "data_curation", "training", "evaluation")
+CODE_DATA_SUFFIXES = (".c", ".h", ".cc", ".cpp", ".cu")
+"""Package data that is code: a package's files with these suffixes are part of its source."""
 
 
-def _module_file(name: str) -> Path | None:
+def _module_file(name: str, root: Path) -> Path | None:
     parts = name.split(".")
     if parts[0] not in PROJECT_PACKAGES:
         return None
-    base = ROOT.joinpath(*parts)
+    base = root.joinpath(*parts)
     for cand in (base.with_suffix(".py"), base / "__init__.py"):
         if cand.exists():
             return cand
@@ -54,28 +57,52 @@ def _imports(path: Path, module: str) -> set[str]:
     return found
 
 
+def _code_data(package: str, init: Path) -> dict[str, Path]:
+    """A package's compiled-code data files, named ``package/file``."""
+    return {
+        f"{package}/{f.name}": f
+        for f in sorted(init.parent.iterdir())
+        if f.suffix in CODE_DATA_SUFFIXES and f.is_file()
+    }
+
+
 @cache
-def module_closure(modules: tuple[str, ...]) -> tuple[tuple[str, Path], ...]:
-    """Every project module reachable from ``modules`` by imports, with its file, sorted."""
+def module_closure(modules: tuple[str, ...], root: Path | None = None) -> tuple[tuple[str, Path], ...]:
+    """Every project module reachable from ``modules`` by imports, with its file, and the code data
+    files of the packages among them (``generation.kernels/decode.c``), sorted. ``root``: the tree to
+    read (default ``ROOT``, the project's own)."""
+    root = ROOT if root is None else root
     seen: dict[str, Path] = {}
     todo = list(modules)
     while todo:
         name = todo.pop()
         if name in seen:
             continue
-        path = _module_file(name)
+        path = _module_file(name, root)
         if path is None:
             continue
         seen[name] = path
+        if path.name == "__init__.py":
+            seen.update(_code_data(name, path))
         todo.extend(_imports(path, name))
     return tuple(sorted(seen.items()))
 
 
-def source_fingerprint(modules: Iterable[str]) -> str:
+def source_fingerprint(modules: Iterable[str], root: Path | None = None) -> str:
     h = hashlib.sha256()
-    for name, path in module_closure(tuple(sorted(modules))):
+    for name, path in module_closure(tuple(sorted(modules)), root):
         h.update(name.encode() + b"\0" + path.read_bytes() + b"\0")
     return h.hexdigest()
+
+
+def source_files(modules: Iterable[str], root: Path | None = None) -> dict[str, dict]:
+    """The project files behind a source fingerprint, each with its path (relative to the tree read)
+    and sha256."""
+    base = ROOT if root is None else root
+    return {
+        name: {"path": str(path.relative_to(base)), "sha256": hashlib.sha256(path.read_bytes()).hexdigest()}
+        for name, path in module_closure(tuple(sorted(modules)), root)
+    }
 
 
 def _digest(obj) -> str:

@@ -20,19 +20,11 @@ from collections.abc import Callable
 
 from conf.schema import Config
 from core.artifacts import ArtifactRef, hash_tree, write_json_atomic
-from core.catalog import dumps
 from core.workspace import Workspace
-from tasks.runner import StageOutcome, record, stage_key
-from tasks.stages import (
-    DATASET,
-    EVAL,
-    EVAL_STAGE,
-    MODEL,
-    StageContext,
-    StageResult,
-    eval_metrics,
-    read_eval_certificates,
-)
+from tasks.bodies import DATASET, EVAL, MODEL, eval_metrics, read_eval_certificates
+from tasks.dag import EVAL_STAGE, stage_key
+from tasks.records import StageContext, StageOutcome, StageResult
+from tasks.runner import record_outcome, recorded_run
 
 _SHA_PREFIX = re.compile(r"[0-9a-f]{4,64}")
 
@@ -178,13 +170,7 @@ def evaluate(
     cfg, inputs = _inputs(cfg, ws, spec, say)
     device = resolve_device(cfg.device)
     key = stage_key(EVAL_STAGE, cfg, inputs)
-    with ws.catalog.transaction() as con:
-        con.execute(
-            "INSERT INTO runs VALUES (?, now(), NULL, 'running', ?, ?, NULL)",
-            [run_id, command, dumps(dataclasses.asdict(cfg))],
-        )
-    status, error = "failed", None
-    try:
+    with recorded_run(ws, run_id, command, dataclasses.asdict(cfg)) as status:
         ref = _cached(ws, key.digest)
         if ref is not None:
             with open(ref.file("summary.json")) as f:
@@ -206,12 +192,12 @@ def evaluate(
                 summary = json.load(f)
             outcome_status = "ran"
         outcome = StageOutcome(EVAL_STAGE.name, outcome_status, time.perf_counter() - t0, key, result, None)
-        record(ws, run_id, EVAL_STAGE, outcome, inputs, started, cfg, device)
+        record_outcome(ws, run_id, EVAL_STAGE, outcome, inputs, started, cfg, device, lineage=False)
         certificates = {
             r["benchmark"]: json.loads(r["certificate_json"])
             for r in ws.catalog.query(
-                "SELECT DISTINCT benchmark, certificate_json FROM eval_results WHERE checkpoint_sha = ? AND eval_sha = ? "
-                "AND certificate_json IS NOT NULL",
+                "SELECT DISTINCT benchmark, certificate_json FROM eval_results WHERE checkpoint_sha = ? "
+                "AND eval_sha = ? AND certificate_json IS NOT NULL",
                 [inputs[MODEL].sha256, ref.sha256],
             )
         }
@@ -233,15 +219,8 @@ def evaluate(
                 "certificates": certificates,
             },
         )
-        status = "completed"
+        status.value = "completed"
         return report
-    except BaseException as err:
-        error = err
-        raise
-    finally:
-        from tasks.operate import finish_run
-
-        finish_run(ws, run_id, status, error)
 
 
 def format_eval(report: EvalReport) -> str:

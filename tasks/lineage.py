@@ -8,38 +8,24 @@ curation counts), the Prefect task run, the laminar run and the time it ran. The
 on, and the checkpoint's evaluations. ``openlineage_events`` turns the tree into OpenLineage run
 events, one per stage.
 
-``record_stage`` keeps, per cache key, what the key was made of (``stage_lineage``): the catalog's
-``stage_runs`` stores only the key parts' hashes. The flow calls it after every stage, ran or cached
-(idempotent), so a stage that finished before a crash is completed on the rerun.
+What each cache key was made of comes from ``stage_lineage`` (written by
+``tasks.recording.record_lineage`` after every stage): the catalog's ``stage_runs`` stores only the
+key parts' hashes.
 """
 
 from __future__ import annotations
 
 import json
 import uuid
-from dataclasses import asdict, is_dataclass
 from datetime import datetime, UTC
 from pathlib import Path
 from typing import Any
-from collections.abc import Mapping
 
 from conf.schema import Config
-from core.artifacts import hash_file, hash_tree
-from core.catalog import dumps
+from core.artifacts import hash_tree
 from core.workspace import Workspace
-from tasks.cache import _digest, module_closure
-from tasks.stages import MODEL, STAGE_BY_NAME, stage_headline
+from tasks.dag import MODEL, STAGE_BY_NAME, stage_headline
 
-LINEAGE_SCHEMA = """
-CREATE TABLE IF NOT EXISTS stage_lineage (
-    cache_key VARCHAR PRIMARY KEY, stage VARCHAR,
-    config_json VARCHAR,   -- the config subtree in the key
-    inputs_json VARCHAR,   -- input name -> {kind, sha256, path} of store artifacts
-    external_json VARCHAR, -- name -> sha256 of inputs from outside the store
-    sources_json VARCHAR,  -- module -> {path, sha256}: the files behind the source fingerprint
-    verified BOOLEAN       -- the recorded inputs and external hashes reproduce the key's inputs hash
-);
-"""
 PRODUCER = "https://github.com/laminar-pipeline/laminar"
 OPENLINEAGE_SCHEMA = "https://openlineage.io/spec/2-0-2/OpenLineage.json#/definitions/RunEvent"
 NAMESPACE = "laminar"
@@ -49,73 +35,11 @@ class LineageError(ValueError):
     pass
 
 
-# ---- recording -------------------------------------------------------------------------------------
-
-
-def _jsonable(obj: Any) -> Any:
-    return asdict(obj) if is_dataclass(obj) else obj
-
-
-def source_files(modules: tuple[str, ...]) -> dict[str, dict]:
-    """The project files behind a stage's source fingerprint, each with its sha256."""
-    from tasks.cache import ROOT
-
-    out = {}
-    for name, path in module_closure(tuple(sorted(modules))):
-        try:
-            rel = str(Path(path).relative_to(ROOT))
-        except ValueError:
-            rel = str(path)
-        out[name] = {"path": rel, "sha256": hash_file(Path(path))}
-    return out
-
-
-def _external(stage: Any, cfg: Config, ws: Workspace) -> dict[str, str]:
-    """The stage's hashes of inputs from outside the store, as ``tasks.runner.stage_key`` takes them."""
-    if stage.external is None:
-        return {}
-    try:
-        return stage.external(cfg, ws.catalog)
-    except TypeError:  # the one-argument form
-        return stage.external(cfg)
-
-
-def record_stage(ws: Workspace, stage_name: str, cfg: Config, outcomes: Mapping[str, Any]) -> None:
-    """What ``outcomes[stage_name]``'s cache key was made of, once per key."""
-    stage = STAGE_BY_NAME[stage_name]
-    out = outcomes[stage_name]
-    key = out.key
-    with ws.catalog.transaction() as con:
-        con.execute(LINEAGE_SCHEMA)
-        if con.execute("SELECT 1 FROM stage_lineage WHERE cache_key = ?", [key.digest]).fetchall():
-            return
-    inputs = {name: outcomes[src].result.artifacts[o] for name, (src, o) in stage.inputs.items()}
-    external = _external(stage, cfg, ws)
-    hashes = {**{k: v.sha256 for k, v in inputs.items()}, **external}
-    verified = _digest(dict(sorted(hashes.items()))) == key.inputs_hash
-    with ws.catalog.transaction() as con:
-        con.execute(LINEAGE_SCHEMA)
-        con.execute(
-            "INSERT INTO stage_lineage VALUES (?, ?, ?, ?, ?, ?, ?) ON CONFLICT DO NOTHING",
-            [
-                key.digest,
-                stage.name,
-                dumps(_jsonable(stage.config(cfg))),
-                dumps({k: ws.artifacts.stored(v) for k, v in inputs.items()}),
-                dumps(external),
-                dumps(source_files(stage.modules)),
-                verified,
-            ],
-        )
-
-
 # ---- reading ---------------------------------------------------------------------------------------
 
 
 def _q(ws: Workspace, sql: str, params=()) -> list[dict]:
-    from tasks.operate import query
-
-    return query(ws, sql, params)
+    return ws.catalog.query(sql, params)
 
 
 def _has_table(ws: Workspace, name: str) -> bool:
@@ -188,12 +112,13 @@ def _run_config(ws: Workspace, run_id: str) -> dict:
 
 
 def _stage_config_fallback(stage_name: str, run_cfg: dict) -> Any:
-    """The stage's config subtree rebuilt from the run's config (for keys recorded before ``stage_lineage``)."""
+    """The stage's config subtree rebuilt from the run's config (for keys recorded before
+    ``stage_lineage``)."""
     from omegaconf import OmegaConf
 
     try:
         cfg = OmegaConf.to_object(OmegaConf.merge(OmegaConf.structured(Config), run_cfg))
-        return _jsonable(STAGE_BY_NAME[stage_name].config(cfg))
+        return STAGE_BY_NAME[stage_name].config(cfg)
     except Exception:  # noqa: BLE001 - a config of an older schema: show the run's whole config
         return {"run_config": run_cfg}
 
@@ -435,7 +360,8 @@ def _evaluations(ws: Workspace, sha: str) -> list[dict]:
 
 
 def _prompts(ws: Workspace, stages: list[dict], target: dict) -> dict:
-    """Prompts each trained checkpoint of the tree consumed (``consumed_prompts``), with their text and level."""
+    """Prompts each trained checkpoint of the tree consumed (``consumed_prompts``), with their text
+    and level."""
     datasets = sorted({v["sha256"] for n in stages for v in n["inputs"].values() if v["kind"] != MODEL})
     models = [sha for n in stages for sha in n["outputs"].values()]
     per: dict[str, list[dict]] = {}
@@ -560,8 +486,8 @@ def format_lineage(lin: dict) -> str:
     for e in lin["evaluations"]:
         by = ", ".join(f"{x['stage']} in {x['run_id']}" for x in e["by"][:3])
         lines.append(
-            f"  {e['benchmark']:<14} acc {e['accuracy']:.3f}  {e['problems']} problems, {e['samples']} samples"
-            f"  eval {e['eval'][:12]}" + (f"  ({by})" if by else "")
+            f"  {e['benchmark']:<14} acc {e['accuracy']:.3f}  {e['problems']} problems, "
+            f"{e['samples']} samples  eval {e['eval'][:12]}" + (f"  ({by})" if by else "")
         )
         c = e.get("certificate")
         if c:
@@ -583,7 +509,8 @@ def format_lineage(lin: dict) -> str:
             )
         for sha, u in p["upstream"].items():
             lines.append(
-                f"  upstream checkpoint {sha[:12]}: {len(u['prompts'])} prompts, {u['trajectories']} trajectories"
+                f"  upstream checkpoint {sha[:12]}: {len(u['prompts'])} prompts, "
+                f"{u['trajectories']} trajectories"
             )
     return "\n".join(lines)
 

@@ -101,3 +101,39 @@ def seed_database(home: Path) -> bool:
             f": {detail}" if detail else "",
         )
         return False
+
+
+class _SaidOnce(logging.Filter):
+    """On the console, a stage that stopped with a ``StageError`` (a diverged loss, an unreadable
+    source file) or a ``CatalogBusy`` is said once, by the CLI's ``laminar: ...`` line: Prefect's
+    task- and flow-run ERROR records of that failure (the exception, the final state naming it) are
+    left out there. Prefect's API handler (its UI) still gets them."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.said: set[str] = set()
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        from core.catalog import CatalogBusy
+        from core.errors import StageError
+
+        if record.levelno < logging.ERROR or not record.name.startswith(
+            ("prefect.task_runs", "prefect.flow_runs")
+        ):
+            return True
+        exc = record.exc_info[1] if record.exc_info else None
+        if isinstance(exc, (CatalogBusy, StageError)):
+            self.said.add(str(exc))
+            return False
+        message = record.getMessage()
+        return not any(text in message for text in self.said)
+
+
+def one_line_failures() -> None:
+    """Install ``_SaidOnce`` on the console handlers Prefect's logging config set up (once; call it
+    inside a flow run, when that config is in place)."""
+    for handler in logging.getLogger().handlers:
+        if isinstance(handler, logging.StreamHandler) and not any(
+            isinstance(f, _SaidOnce) for f in handler.filters
+        ):
+            handler.addFilter(_SaidOnce())

@@ -19,11 +19,14 @@ Prefect's events reach the API in the background; the flow's end flushes them.
 from __future__ import annotations
 
 import re
-from typing import Any
 from collections.abc import Mapping
+from typing import Any
 
+from core.artifacts import ArtifactRef
+from core.nested import flatten
 from core.workspace import Workspace
-from tasks.stages import STAGE_BY_NAME, stage_headline
+from tasks.dag import STAGE_BY_NAME, stage_headline
+from tasks.records import Stage, StageOutcome
 
 _BANNED = re.compile(r"[\s#?&%\"'<>\[\]{}|\\^`]")
 
@@ -38,17 +41,14 @@ def asset_key(ws: Workspace, stage: str, output: str) -> str:
     return f"laminar://{root}/{stage}/{output}"
 
 
-def flatten(metrics: Mapping[str, Any], prefix: str = "") -> list[dict]:
-    rows = []
-    for k, v in metrics.items():
-        if isinstance(v, Mapping):
-            rows += flatten(v, f"{prefix}{k}.")
-        else:
-            rows.append({"metric": f"{prefix}{k}", "value": v})
-    return rows
+def metric_rows(metrics: Mapping[str, Any]) -> list[dict]:
+    """A stage's metrics as table rows, nested keys joined with dots."""
+    return [{"metric": k, "value": v} for k, v in flatten(metrics).items()]
 
 
-def stage_markdown(ws: Workspace, stage_name: str, outcome: Any, inputs: Mapping[str, Any]) -> str:
+def stage_markdown(
+    ws: Workspace, stage_name: str, outcome: StageOutcome, inputs: Mapping[str, ArtifactRef]
+) -> str:
     k = outcome.key
     lines = [
         f"# {stage_name}: {outcome.status}",
@@ -69,25 +69,25 @@ def stage_markdown(ws: Workspace, stage_name: str, outcome: Any, inputs: Mapping
         "|---|---|---|---|---|",
     ]
     for name, ref in inputs.items():
-        src = STAGE_BY_NAME[stage_name].inputs[name][0]
-        lines.append(
-            f"| input | {name} | {ref.kind} | `{ref.sha256}` | `{asset_key(ws, src, STAGE_BY_NAME[stage_name].inputs[name][1])}` |"
-        )
+        src, out = STAGE_BY_NAME[stage_name].inputs[name]
+        lines.append(f"| input | {name} | {ref.kind} | `{ref.sha256}` | `{asset_key(ws, src, out)}` |")
     for name, ref in outcome.result.artifacts.items():
         lines.append(
             f"| output | {name} | {ref.kind} | `{ref.sha256}` | `{asset_key(ws, stage_name, name)}` |"
         )
     lines += [
         "",
-        f"`laminar lineage {next(iter(outcome.result.artifacts.values())).sha256[:12]} --workspace {ws.root}` "
-        "shows its full upstream tree."
+        f"`laminar lineage {next(iter(outcome.result.artifacts.values())).sha256[:12]} "
+        f"--workspace {ws.root}` shows its full upstream tree."
         if outcome.result.artifacts
         else "",
     ]
     return "\n".join(lines)
 
 
-def asset_events(ws: Workspace, stage_name: str, outcome: Any, inputs: Mapping[str, Any]) -> list[dict]:
+def asset_events(
+    ws: Workspace, stage_name: str, outcome: StageOutcome, inputs: Mapping[str, ArtifactRef]
+) -> list[dict]:
     """The events ``publish_stage`` emits (as ``emit_event`` keyword arguments); none for a cached stage."""
     if outcome.status != "ran":
         return []
@@ -123,7 +123,7 @@ def asset_events(ws: Workspace, stage_name: str, outcome: Any, inputs: Mapping[s
                     "inputs": {n: r.sha256 for n, r in inputs.items()},
                     "metrics": {
                         r["metric"]: r["value"]
-                        for r in flatten(outcome.result.metrics)
+                        for r in metric_rows(outcome.result.metrics)
                         if isinstance(r["value"], (int, float, str, bool)) or r["value"] is None
                     },
                 },
@@ -132,24 +132,23 @@ def asset_events(ws: Workspace, stage_name: str, outcome: Any, inputs: Mapping[s
     return events
 
 
-def publish_stage(ws: Workspace, stage_name: str, outcomes: Mapping[str, Any]) -> None:
+def publish_stage(
+    ws: Workspace, stage: Stage, outcome: StageOutcome, inputs: Mapping[str, ArtifactRef]
+) -> None:
     """Prefect artifacts and asset events of one finished stage (call inside the flow run)."""
     from prefect.artifacts import create_markdown_artifact, create_table_artifact
     from prefect.events import emit_event
 
-    outcome = outcomes[stage_name]
-    stage = STAGE_BY_NAME[stage_name]
-    inputs = {name: outcomes[src].result.artifacts[out] for name, (src, out) in stage.inputs.items()}
-    rows = flatten(outcome.result.metrics) or [{"metric": "(none)", "value": None}]
+    rows = metric_rows(outcome.result.metrics) or [{"metric": "(none)", "value": None}]
     create_table_artifact(
         table=rows,
-        key=artifact_key(stage_name),
-        description=f"stage {stage_name} ({outcome.status}): metrics",
+        key=artifact_key(stage.name),
+        description=f"stage {stage.name} ({outcome.status}): metrics",
     )
     create_markdown_artifact(
-        markdown=stage_markdown(ws, stage_name, outcome, inputs),
-        key=artifact_key(stage_name, "lineage"),
-        description=f"stage {stage_name} ({outcome.status}): cache key, inputs and outputs",
+        markdown=stage_markdown(ws, stage.name, outcome, inputs),
+        key=artifact_key(stage.name, "lineage"),
+        description=f"stage {stage.name} ({outcome.status}): cache key, inputs and outputs",
     )
-    for ev in asset_events(ws, stage_name, outcome, inputs):
+    for ev in asset_events(ws, stage.name, outcome, inputs):
         emit_event(**ev)

@@ -3,9 +3,19 @@ schema's own validation): a bad benchmark name or model folder fails here, not m
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from pathlib import Path
 
 from conf.schema import Config, ConfigError
+
+
+def load_checked(overrides: Sequence[str]) -> Config:
+    """The config of ``overrides``, validated by the schema and by ``preflight`` (raises ConfigError)."""
+    from conf.loader import load_config
+
+    cfg = load_config(list(overrides))
+    preflight(cfg)
+    return cfg
 
 
 def preflight(cfg: Config) -> None:

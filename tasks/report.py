@@ -7,9 +7,11 @@ from __future__ import annotations
 import json
 from collections import defaultdict
 from pathlib import Path
+from typing import Any
 
 from core.workspace import Workspace
-from tasks.stages import EVAL, MODEL, stage_headline
+from tasks.bodies import EVAL, MODEL
+from tasks.dag import stage_headline
 
 CHECKPOINT_STAGES = ("base_model", "warmup", "rft", "rl")
 ROLE_ORDER = (*CHECKPOINT_STAGES, "external")
@@ -33,7 +35,7 @@ def default_run(ws: Workspace) -> str:
 
 
 def gather(ws: Workspace, run_id: str):
-    from evaluation.report import EvalGroup, ReportData, summarize_eval_rows
+    from evaluation.report import ReportData
 
     cat = ws.catalog
     run = cat.query("SELECT run_id, status, command FROM runs WHERE run_id = ?", [run_id])
@@ -48,6 +50,17 @@ def gather(ws: Workspace, run_id: str):
         [run_id],
     )
     data = ReportData(run_id=run_id, status=run[0]["status"], command=run[0]["command"] or "")
+    roles, own = _roles(cat, stages, data)
+    data.evals = _eval_groups(ws, roles, own)
+    rl = next((s for s in stages if s["stage"] == "rl"), None)
+    if rl is not None:
+        _rl_series(ws, rl, data)
+    return data
+
+
+def _roles(cat: Any, stages: list[dict], data: Any) -> tuple[dict[str, str], set[tuple[str, str]]]:
+    """The run's stage rows into ``data.stages``; checkpoint sha -> role, and the (checkpoint, eval
+    artifact) pairs this run's eval stages made."""
     roles: dict[str, str] = {}  # checkpoint sha -> role
     own: set[tuple[str, str]] = set()  # (checkpoint, eval artifact) made by this run's eval stages
     outputs = {s["stage"]: json.loads(s["outputs_json"] or "{}") for s in stages}
@@ -75,64 +88,76 @@ def gather(ws: Workspace, run_id: str):
     for stage, role in OWN_EVALS.items():
         if EVAL in outputs.get(stage, {}) and MODEL in outputs.get(role, {}):
             own.add((outputs[role][MODEL]["sha256"], outputs[stage][EVAL]["sha256"]))
-    if roles:
-        marks = ", ".join("?" * len(roles))
-        has_cert = bool(
-            cat.query(
-                "SELECT 1 FROM information_schema.columns WHERE table_name = 'eval_results' "
-                "AND column_name = 'certificate'"
-            )
+    return roles, own
+
+
+def _eval_groups(ws: Workspace, roles: dict[str, str], own: set[tuple[str, str]]) -> list:
+    """One ``EvalGroup`` per (checkpoint, eval artifact, benchmark) of the run's checkpoints, by role."""
+    from evaluation.report import EvalGroup, summarize_eval_rows
+
+    cat = ws.catalog
+    if not roles:
+        return []
+    marks = ", ".join("?" * len(roles))
+    has_cert = bool(
+        cat.query(
+            "SELECT 1 FROM information_schema.columns WHERE table_name = 'eval_results' "
+            "AND column_name = 'certificate'"
         )
-        rows = cat.query(
-            "SELECT e.checkpoint_sha, e.eval_sha, e.benchmark, e.problem_id, e.sample_idx, e.pred, e.correct, "
-            f"e.error, e.length, e.truncated, e.level, e.subject, {'e.certificate' if has_cert else 'NULL'} "
-            f"AS certificate FROM eval_results e WHERE e.checkpoint_sha IN ({marks})",
-            list(roles),
+    )
+    rows = cat.query(
+        "SELECT e.checkpoint_sha, e.eval_sha, e.benchmark, e.problem_id, e.sample_idx, e.pred, "
+        "e.correct, e.error, e.length, e.truncated, e.level, e.subject, "
+        f"{'e.certificate' if has_cert else 'NULL'} AS certificate FROM eval_results e "
+        f"WHERE e.checkpoint_sha IN ({marks})",
+        list(roles),
+    )
+    arts = {
+        r["sha256"]: r
+        for r in cat.query("SELECT sha256, created_at, stage, path FROM artifacts WHERE kind = ?", [EVAL])
+    }
+    groups: dict[tuple[str, str, str], list[dict]] = defaultdict(list)
+    for r in rows:
+        groups[(r["checkpoint_sha"], r["eval_sha"], r["benchmark"])].append(r)
+    order = sorted(
+        groups,
+        key=lambda g: (
+            ROLE_ORDER.index(roles[g[0]]),
+            g[2],
+            str(arts.get(g[1], {}).get("created_at", "")),
+        ),
+    )
+    return [
+        EvalGroup(
+            roles[c],
+            c,
+            e,
+            b,
+            {**summarize_eval_rows(groups[(c, e, b)]), **_coverage(ws, arts.get(e), b)},
+            (c, e) in own,
+            (arts.get(e) or {}).get("stage") or "eval",
+            groups[(c, e, b)][0]["certificate"],
         )
-        arts = {
-            r["sha256"]: r
-            for r in cat.query("SELECT sha256, created_at, stage, path FROM artifacts WHERE kind = ?", [EVAL])
-        }
-        groups: dict[tuple[str, str, str], list[dict]] = defaultdict(list)
-        for r in rows:
-            groups[(r["checkpoint_sha"], r["eval_sha"], r["benchmark"])].append(r)
-        order = sorted(
-            groups,
-            key=lambda g: (
-                ROLE_ORDER.index(roles[g[0]]),
-                g[2],
-                str(arts.get(g[1], {}).get("created_at", "")),
-            ),
-        )
-        data.evals = [
-            EvalGroup(
-                roles[c],
-                c,
-                e,
-                b,
-                {**summarize_eval_rows(groups[(c, e, b)]), **_coverage(ws, arts.get(e), b)},
-                (c, e) in own,
-                (arts.get(e) or {}).get("stage") or "eval",
-                groups[(c, e, b)][0]["certificate"],
-            )
-            for c, e, b in order
-        ]
-    rl = next((s for s in stages if s["stage"] == "rl"), None)
-    if rl is not None:
-        series: dict[str, list[tuple[int, float]]] = defaultdict(list)
-        for m in cat.query(
-            "SELECT step, name, value FROM metrics WHERE cache_key = ? AND stage = 'rl' ORDER BY step",
-            [rl["cache_key"]],
-        ):
-            series[m["name"]].append((int(m["step"]), float(m["value"])))
-        data.rl_metrics = dict(series)
-        art = json.loads(rl["outputs_json"] or "{}").get(MODEL)
-        runtime = Path(ws.artifacts.locate(art).path) / "runtime.json" if art else None
-        if runtime is not None and runtime.exists():
-            data.runtime = json.loads(runtime.read_text())
-            data.runtime["timeline_summary"] = data.runtime.pop("timeline", {})
-            data.runtime["timeline"] = json.loads((runtime.parent / "timeline.json").read_text())
-    return data
+        for c, e, b in order
+    ]
+
+
+def _rl_series(ws: Workspace, rl: dict, data: Any) -> None:
+    """The RL stage's per-step metrics and its runtime files into ``data``."""
+    cat = ws.catalog
+    series: dict[str, list[tuple[int, float]]] = defaultdict(list)
+    for m in cat.query(
+        "SELECT step, name, value FROM metrics WHERE cache_key = ? AND stage = 'rl' ORDER BY step",
+        [rl["cache_key"]],
+    ):
+        series[m["name"]].append((int(m["step"]), float(m["value"])))
+    data.rl_metrics = dict(series)
+    art = json.loads(rl["outputs_json"] or "{}").get(MODEL)
+    runtime = Path(ws.artifacts.locate(art).path) / "runtime.json" if art else None
+    if runtime is not None and runtime.exists():
+        data.runtime = json.loads(runtime.read_text())
+        data.runtime["timeline_summary"] = data.runtime.pop("timeline", {})
+        data.runtime["timeline"] = json.loads((runtime.parent / "timeline.json").read_text())
 
 
 def _coverage(ws: Workspace, art: dict | None, benchmark: str) -> dict:

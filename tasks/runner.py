@@ -1,52 +1,52 @@
-"""Runs stages as Prefect tasks with the pipeline's cache keys, and records lineage in the catalog.
+"""Runs the pipeline: one run under the workspace lock, and each of its stages as a Prefect task with
+the pipeline's cache key; the only caller of ``tasks.recording`` (every catalog write).
 
-``run_stage`` is called by the flow for each stage in DAG order. The Prefect task's
-``cache_key_fn`` returns the stage's key, so an unchanged stage returns its cached result (small
-artifact refs, JSON-serialised) without running its body; the catalog rows are written after
-every stage, ran or cached, in one transaction with idempotent keys.
+- ``run_pipeline``: one run, for the CLI and for scheduled runs alike. It marks the runs that died
+  without finishing (their row still says ``running``; holding the lock proves no one else runs) as
+  ``interrupted``, writes the ``runs`` row, the run files and ``summary.json``, and closes the row as
+  ``completed``, ``failed`` or ``interrupted``.
+- ``run_stages`` (inside the Prefect flow) runs the selected stages in DAG order. A Prefect task's
+  ``cache_key_fn`` returns the stage's key, so an unchanged stage returns its cached result (small
+  artifact refs, JSON-serialised) without running its body; its catalog rows are written after every
+  stage, ran or cached. ``replay_cached`` records a run in which nothing would run without Prefect.
 """
 
 from __future__ import annotations
 
 import logging
+import os
+import shlex
+import shutil
+import sys
 import time
-from dataclasses import dataclass
-from datetime import datetime, UTC
+import uuid
+from collections.abc import Callable, Iterator, Mapping, Sequence
+from contextlib import contextmanager
+from contextvars import ContextVar
+from datetime import UTC, datetime
 from typing import Any
 
 from conf.schema import Config
 from core.artifacts import ArtifactRef
-from core.catalog import dumps
 from core.workspace import Workspace
-from tasks.cache import CacheKey, make_key
-from tasks.stages import STAGE_BY_NAME, STAGES, Stage, StageContext, StageResult
+from tasks import recording
+from tasks.dag import STAGE_BY_NAME, STAGES, Selection, stage_inputs, stage_key
+from tasks.plan import finished_result
+from tasks.records import INTERRUPTED, RunResult, Stage, StageContext, StageOutcome, StageResult
 
 LOG = logging.getLogger("laminar.tasks")
+RunRecordError = recording.RunRecordError
 
 
-@dataclass
-class StageOutcome:
-    stage: str
-    status: str  # "ran" | "cached"
-    seconds: float
-    key: CacheKey
-    result: StageResult
-    task_run_id: str | None
-
-
-def stage_key(
-    stage: Stage, cfg: Config, inputs: dict[str, ArtifactRef], ws: Workspace | None = None
-) -> CacheKey:
-    hashes = {k: v.sha256 for k, v in inputs.items()}
-    if stage.external is not None:
-        hashes.update(stage.external(cfg, ws.catalog if ws is not None else None))
-    return make_key(stage.name, stage.config(cfg), hashes, stage.modules, cfg.seed)
+# ---- one stage --------------------------------------------------------------------------------------
 
 
 def _execute(
     stage_name: str, key: str, cfg: Config, workspace: str, inputs: dict[str, dict], device: str
 ) -> dict:
     """The body of every stage task: run the library function, return JSON-ready artifact refs."""
+    if (progress := _PROGRESS.get()) is not None:
+        progress.flush()  # the cached stages before this one, before its own output
     ws = Workspace.at(workspace)
     state = ws.stage_state(stage_name, key)
     ctx = StageContext(
@@ -57,12 +57,9 @@ def _execute(
         catalog=ws.catalog,
         state_dir=state,
     )
-    out = (
-        STAGE_BY_NAME[stage_name].body(ctx).to_dict(ws.artifacts)
-    )  # Prefect stores paths relative to the workspace
+    # Prefect stores paths relative to the workspace
+    out = STAGE_BY_NAME[stage_name].body(ctx).to_dict(ws.artifacts)
     if state.exists():  # the artifact is complete: its resumable state is spent
-        import shutil
-
         shutil.rmtree(state, ignore_errors=True)
     return out
 
@@ -70,7 +67,7 @@ def _execute(
 _TASKS: dict[str, Any] = {}
 
 
-def prefect_task(stage: Stage):
+def prefect_task(stage: Stage) -> Any:
     """One Prefect task per stage, keyed by the pipeline's cache key, results stored as JSON."""
     if stage.name not in _TASKS:
         from prefect import task
@@ -86,19 +83,65 @@ def prefect_task(stage: Stage):
     return _TASKS[stage.name]
 
 
+class _Progress:
+    """One line per stage that ran; consecutive cached stages share one line, printed when the next
+    stage runs or the run ends (a rerun or a failure is not preceded by a screen of cache hits)."""
+
+    def __init__(self) -> None:
+        self.cached: list[StageOutcome] = []
+
+    def __call__(self, outcome: StageOutcome) -> None:
+        if outcome.status == "cached":
+            self.cached.append(outcome)
+            return
+        self.flush()
+        print(f"laminar: stage {outcome.stage:<14} {outcome.status:<6} {outcome.seconds:6.1f}s", flush=True)
+
+    def flush(self) -> None:
+        cached, self.cached = self.cached, []
+        if len(cached) == 1:
+            print(f"laminar: stage {cached[0].stage:<14} cached {cached[0].seconds:6.1f}s", flush=True)
+        elif cached:
+            names = ", ".join(o.stage for o in cached)
+            print(f"laminar: stages {names} cached {sum(o.seconds for o in cached):.1f}s", flush=True)
+
+
+_PROGRESS: ContextVar[_Progress | None] = ContextVar("laminar_progress", default=None)
+"""The progress of the stages the current flow runs (a stage body that starts flushes it)."""
+
+
+def record_outcome(
+    ws: Workspace,
+    run_id: str,
+    stage: Stage,
+    outcome: StageOutcome,
+    inputs: Mapping[str, ArtifactRef],
+    started: datetime,
+    cfg: Config,
+    device: str,
+    lineage: bool = True,
+) -> None:
+    """A finished stage's catalog rows (and, with ``lineage``, what its key was made of), then its
+    tracker entries."""
+    from tasks.tracking import log_stage
+
+    recording.record_stage_run(ws, run_id, stage, outcome, inputs, started, cfg, device)
+    if lineage:
+        recording.record_lineage(ws, stage, cfg, outcome, inputs)
+    log_stage(ws, stage.name, outcome)
+
+
 def run_stage(
-    stage_name: str,
+    stage: Stage,
     cfg: Config,
     ws: Workspace,
     run_id: str,
-    upstream: dict[str, StageOutcome],
+    inputs: Mapping[str, ArtifactRef],
+    device: str,
     force: bool = False,
+    progress: Callable[[StageOutcome], None] | None = None,
 ) -> StageOutcome:
-    from generation.model import resolve_device
-
-    device = resolve_device(cfg.device)
-    stage = STAGE_BY_NAME[stage_name]
-    inputs = {name: upstream[src].result.artifacts[out] for name, (src, out) in stage.inputs.items()}
+    """Run ``stage`` (or take it from cache) as its Prefect task, and record it."""
     key = stage_key(stage, cfg, inputs, ws)
     t0 = time.perf_counter()
     started = datetime.now(UTC)
@@ -118,97 +161,47 @@ def run_stage(
         # Prefect remembers a result whose artifact is gone (workspace cleaned by hand): rebuild it.
         state = task.with_options(refresh_cache=True)(**params, return_state=True)
         result, status = StageResult.from_dict(state.result(), ws.artifacts), "ran"
+    task_run_id = state.state_details.task_run_id
     outcome = StageOutcome(
-        stage.name,
-        status,
-        time.perf_counter() - t0,
-        key,
-        result,
-        str(state.state_details.task_run_id) if state.state_details.task_run_id else None,
+        stage.name, status, time.perf_counter() - t0, key, result, str(task_run_id) if task_run_id else None
     )
-    record(ws, run_id, stage, outcome, inputs, started, cfg, device)
-    from tasks.tracking import log_stage
-
-    log_stage(ws, stage.name, outcome)
+    record_outcome(ws, run_id, stage, outcome, inputs, started, cfg, device)
     LOG.info("stage %s %s in %.1fs key %s", stage.name, status, outcome.seconds, key.digest[:16])
-    print(f"laminar: stage {stage.name:<14} {status:<6} {outcome.seconds:6.1f}s", flush=True)  # progress
+    (progress or _Progress())(outcome)
     return outcome
 
 
-def record(
-    ws: Workspace,
-    run_id: str,
-    stage: Stage,
-    out: StageOutcome,
-    inputs: dict[str, ArtifactRef],
-    started: datetime,
-    cfg: Config,
-    device: str,
-) -> None:
-    """Lineage rows for one stage, all or nothing."""
-    ctx = StageContext(cfg=cfg, store=ws.artifacts, inputs=inputs, device=device)
-    k = out.key
-    with ws.catalog.transaction() as con:
-        con.execute(
-            "INSERT INTO stage_runs VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?, now(), ?, ?, ?, ?) "
-            "ON CONFLICT DO UPDATE SET status = excluded.status, finished_at = excluded.finished_at, "
-            "seconds = excluded.seconds, outputs_json = excluded.outputs_json, metrics_json = excluded.metrics_json",
-            [
-                run_id,
-                stage.name,
-                out.status,
-                k.digest,
-                k.config_hash,
-                k.inputs_hash,
-                k.source_hash,
-                k.seed,
-                started,
-                out.seconds,
-                out.task_run_id,
-                dumps(out.result.to_dict(ws.artifacts)["artifacts"]),
-                dumps(out.result.metrics),
-            ],
-        )
-        for ref in out.result.artifacts.values():
-            manifest = ws.artifacts.manifest(ref)
-            con.execute(
-                "INSERT INTO artifacts VALUES (?, ?, ?, now(), ?, ?, ?) ON CONFLICT DO NOTHING",
-                [
-                    ref.kind,
-                    ref.sha256,
-                    ws.artifacts.stored(ref)["path"],
-                    stage.name,
-                    k.digest,
-                    dumps(manifest.get("meta", {})),
-                ],
+def run_stages(
+    cfg: Config, ws: Workspace, run_id: str, selection: Selection, flow_run_id: str | None
+) -> list[StageOutcome]:
+    """The selected stages in DAG order (call inside the Prefect flow), each with its Prefect
+    artifacts and asset events; the stage table as a Prefect artifact at the end."""
+    from generation.model import resolve_device
+    from tasks.prefect_publish import publish_stage
+    from tasks.summary import publish_prefect_artifacts
+
+    recording.record_flow_run(ws, run_id, flow_run_id)
+    device = resolve_device(cfg.device)
+    outcomes: dict[str, StageOutcome] = {}
+    progress = _Progress()
+    token = _PROGRESS.set(progress)
+    try:
+        for stage in selection.stages_to_run():
+            inputs = stage_inputs(stage, {n: o.result.artifacts for n, o in outcomes.items()})
+            if inputs is None:
+                raise ValueError(f"stage {stage.name} needs its upstream stages in the selection")
+            outcomes[stage.name] = run_stage(
+                stage, cfg, ws, run_id, inputs, device, force=stage.name in selection.force, progress=progress
             )
-            for parent in inputs.values():
-                con.execute(
-                    "INSERT INTO artifact_edges VALUES (?, ?, ?, ?, ?, ?) ON CONFLICT DO NOTHING",
-                    [parent.kind, parent.sha256, ref.kind, ref.sha256, stage.name, k.digest],
-                )
-        if stage.record is not None:
-            stage.record(con, ctx, out.result, k.digest)
-
-
-def finished_result(ws: Workspace, stage: str, key: CacheKey) -> StageResult | None:
-    """The artifacts and metrics of the latest finished run of ``stage`` under ``key``, from the catalog."""
-    import json
-
-    rows = ws.catalog.query(
-        "SELECT outputs_json, metrics_json FROM stage_runs WHERE stage = ? AND cache_key = ? "
-        "ORDER BY finished_at DESC LIMIT 1",
-        [stage, key.digest],
-    )
-    if not rows:
-        return None
-    return StageResult.from_dict(
-        {
-            "artifacts": json.loads(rows[0]["outputs_json"]),
-            "metrics": json.loads(rows[0]["metrics_json"] or "{}"),
-        },
-        ws.artifacts,
-    )
+            try:
+                publish_stage(ws, stage, outcomes[stage.name], inputs)
+            except Exception as err:  # noqa: BLE001 - the UI's view never fails a run
+                LOG.warning("stage %s: Prefect artifacts/assets not published: %s", stage.name, err)
+    finally:
+        _PROGRESS.reset(token)
+        progress.flush()
+    publish_prefect_artifacts(list(outcomes.values()))
+    return list(outcomes.values())
 
 
 def replay_cached(
@@ -221,131 +214,175 @@ def replay_cached(
     start is most of a cached rerun's time). Returns None, having written nothing, when any stage
     would run; the caller then runs the Prefect flow. Never used with ``PREFECT_API_URL`` set: runs
     reported to a server stay visible there."""
-    import os
-
-    from tasks.lineage import record_stage
-    from tasks.tracking import log_stage
-
     if force or os.environ.get("PREFECT_API_URL"):
         return None
     from generation.model import resolve_device
 
     device = resolve_device(cfg.device)
-    found: dict[str, tuple[StageOutcome, dict[str, ArtifactRef], float]] = {}
-    for stage in STAGES:
-        if stages is not None and stage.name not in stages:
-            continue
-        if any(src not in found for src, _ in stage.inputs.values()):
-            return None
+    found: dict[str, tuple[StageOutcome, dict[str, ArtifactRef]]] = {}
+    for stage in Selection(stages, []).stages_to_run():
         t0 = time.perf_counter()
-        inputs = {name: found[src][0].result.artifacts[o] for name, (src, o) in stage.inputs.items()}
+        inputs = stage_inputs(stage, {n: o.result.artifacts for n, (o, _) in found.items()})
+        if inputs is None:
+            return None
         key = stage_key(stage, cfg, inputs, ws)
         result = finished_result(ws, stage.name, key)
         if result is None or not all(ws.artifacts.exists(r) for r in result.artifacts.values()):
             return None
-        found[stage.name] = (
-            StageOutcome(stage.name, "cached", time.perf_counter() - t0, key, result, None),
-            inputs,
-            t0,
-        )
-    outcomes: dict[str, StageOutcome] = {}
-    for name, (outcome, inputs, _) in found.items():
-        started = datetime.now(UTC)
-        outcomes[name] = outcome
-        record(ws, run_id, STAGE_BY_NAME[name], outcome, inputs, started, cfg, device)
-        record_stage(ws, name, cfg, outcomes)
-        log_stage(ws, name, outcome)
-        print(f"laminar: stage {name:<14} cached {outcome.seconds:6.1f}s", flush=True)
-    return list(outcomes.values())
+        outcome = StageOutcome(stage.name, "cached", time.perf_counter() - t0, key, result, None)
+        found[stage.name] = (outcome, inputs)
+    progress = _Progress()
+    for name, (outcome, inputs) in found.items():
+        record_outcome(ws, run_id, STAGE_BY_NAME[name], outcome, inputs, datetime.now(UTC), cfg, device)
+        progress(outcome)
+    progress.flush()
+    return [o for o, _ in found.values()]
 
 
-@dataclass
-class StagePlan:
-    stage: str
-    status: str  # "cached" | "stale"
-    reason: str
-    key: CacheKey | None
+# ---- one run under the workspace lock -----------------------------------------------------------------
 
 
-def plan(cfg: Config, ws: Workspace) -> list[StagePlan]:
-    """Each stage cached or stale for ``cfg``, and why: read-only, no Prefect, no stage body."""
-    cat = ws.catalog
-    produced: dict[str, dict[str, ArtifactRef]] = {}
-    out: list[StagePlan] = []
-    for stage in STAGES:
-        missing = [src for src, _ in stage.inputs.values() if src not in produced]
-        if missing:
-            out.append(
-                StagePlan(
-                    stage.name, "stale", f"upstream {', '.join(sorted(set(missing)))} must run first", None
-                )
-            )
-            continue
-        inputs = {name: produced[src][o] for name, (src, o) in stage.inputs.items()}
-        key = stage_key(stage, cfg, inputs, ws)
-        found = finished_result(ws, stage.name, key)
-        refs = found.artifacts if found is not None else {}
-        if found is not None and all(ws.artifacts.exists(r) for r in refs.values()):
-            produced[stage.name] = refs
-            out.append(StagePlan(stage.name, "cached", "key matches a finished run", key))
-            continue
-        last = cat.query(
-            "SELECT config_hash, inputs_hash, source_hash, seed, cache_key FROM stage_runs "
-            "WHERE stage = ? ORDER BY finished_at DESC LIMIT 1",
-            [stage.name],
-        )
-        if not last:
-            reason = "never ran in this workspace"
-        elif found is not None:
-            reason = "its artifact is missing from the store"
-        else:
-            prev = CacheKey(
-                stage.name,
-                last[0]["config_hash"],
-                last[0]["inputs_hash"],
-                last[0]["source_hash"],
-                last[0]["seed"],
-            )
-            parts = key.changed_parts(prev) or ["key"]
-            if "config" in parts:
-                keys = changed_config_keys(ws, stage, cfg, last[0]["cache_key"])
-                parts = [f"config ({keys})" if keys and p == "config" else p for p in parts]
-            reason = "changed since last run: " + ", ".join(parts)
-        out.append(StagePlan(stage.name, "stale", reason, key))
-    return out
+def new_run_id(prefix: str = "") -> str:
+    return prefix + datetime.now(UTC).strftime("%Y%m%d-%H%M%S-") + uuid.uuid4().hex[:6]
 
 
-def _flatten(value: Any, prefix: str = "") -> dict[str, Any]:
-    if isinstance(value, dict):
-        out: dict[str, Any] = {}
-        for k, v in value.items():
-            out.update(_flatten(v, f"{prefix}{k}."))
-        return out
-    return {prefix[:-1]: value}
+def command_line() -> str:
+    return shlex.join(["laminar", *sys.argv[1:]])
 
 
-def changed_config_keys(ws: Workspace, stage: Stage, cfg: Config, prev_key: str, limit: int = 4) -> str:
-    """The config keys whose values differ from the stage's last run (``rl.lr 0.0001 -> 0.0003``), from
-    the stage config the lineage recorded under ``prev_key``; "" when it was not recorded."""
-    import json
+def save_run_files(ws: Workspace, run_id: str, cfg: Config, command: str) -> None:
+    """The resolved config and the exact command beside the run's outputs."""
+    from conf.loader import to_yaml
 
-    from conf.loader import to_dict
-    from core.catalog import dumps as cat_dumps
+    run_dir = ws.run_dir(run_id)
+    run_dir.mkdir(parents=True, exist_ok=True)
+    (run_dir / "config.yaml").write_text(to_yaml(cfg))
+    (run_dir / "command.txt").write_text(command + "\n")
 
+
+def clear_dead_runs(ws: Workspace, say: Callable[[str], None]) -> None:
+    """Under the lock, before any run: folders, writers' leftovers, and the rows of runs that died
+    (marked ``interrupted``)."""
+    ws.create()
+    ws.artifacts.clean_tmp()
+    for run_id in recording.mark_interrupted(ws):
+        say(f"laminar: run {run_id} never finished (its process was killed); marked {INTERRUPTED}")
+
+
+def prepare_workspace(ws: Workspace, say: Callable[[str], None]) -> None:
+    """Under the lock, before a pipeline run: ``clear_dead_runs``, Prefect's settings, and the Prefect
+    servers of runs that died."""
+    from tasks.operate import stop_orphan_prefect_servers
+    from tasks.prefect_env import configure_prefect
+    from tasks.serving import attach_served_api
+
+    clear_dead_runs(ws, say)
+    configure_prefect(ws)
+    attach_served_api(ws)
+    for pid in stop_orphan_prefect_servers(ws):
+        say(f"laminar: stopped Prefect server pid {pid} left behind by a killed run")
+
+
+def _run_logging(ws: Workspace, run_id: str) -> logging.Handler:
+    logging.getLogger("transformers").setLevel(logging.ERROR)
+    handler = logging.FileHandler(ws.logs / f"{run_id}.log")
+    handler.setFormatter(logging.Formatter("%(asctime)s %(name)s %(levelname)s %(message)s"))
+    laminar_log = logging.getLogger("laminar")
+    laminar_log.setLevel(logging.INFO)
+    laminar_log.addHandler(handler)
+    laminar_log.propagate = False
+    return handler
+
+
+class _Status:
+    """How a recorded run ended; ``recorded_run`` closes the row with it."""
+
+    def __init__(self) -> None:
+        self.value = "failed"
+
+
+@contextmanager
+def recorded_run(
+    ws: Workspace, run_id: str, command: str, config: dict, flow_run_id: str | None = None
+) -> Iterator[_Status]:
+    """The ``runs`` row around one run: opened ``running``; closed ``completed`` when the body set
+    ``status.value`` so, ``interrupted`` on Ctrl-C, ``failed`` otherwise (``recording.finish_run``)."""
+    recording.open_run(ws, run_id, command, config, flow_run_id)
+    status = _Status()
+    error: BaseException | None = None
     try:
-        rows = ws.catalog.query("SELECT config_json FROM stage_lineage WHERE cache_key = ?", [prev_key])
-    except Exception:  # noqa: BLE001 - a catalog from before stage_lineage existed: say only "config"
-        return ""
-    if not rows:
-        return ""
-    old = _flatten(json.loads(rows[0]["config_json"]))
-    new = _flatten(json.loads(cat_dumps(stage.config(cfg))))
-    full = _flatten(json.loads(cat_dumps(to_dict(cfg))))
-    changed = sorted(k for k in old.keys() | new.keys() if old.get(k, "(unset)") != new.get(k, "(unset)"))
+        yield status
+    except KeyboardInterrupt as err:
+        status.value, error = INTERRUPTED, err
+        raise
+    except BaseException as err:
+        error = err
+        raise
+    finally:
+        try:
+            recording.finish_run(ws, run_id, status.value, error)
+        finally:
+            error = None  # this frame must not keep the traceback (and its frames) alive in a cycle
 
-    def name(k: str) -> str:  # the stage's subtree key as the full config key that holds the new value
-        hits = [f for f in full if (f == k or f.endswith("." + k)) and full[f] == new.get(k)]
-        return min(hits, key=len) if hits else k
 
-    text = ", ".join(f"{name(k)} {old.get(k, '(unset)')} -> {new.get(k, '(unset)')}" for k in changed[:limit])
-    return text + (f", and {len(changed) - limit} more" if len(changed) > limit else "")
+def run_pipeline(
+    cfg: Config,
+    ws: Workspace,
+    pipeline: Callable[..., list[StageOutcome]],
+    *,
+    overrides: Sequence[str],
+    selection: Selection,
+    command: str,
+    flow_run_id: str | None = None,
+    say: Callable[[str], None] = print,
+    warn: Callable[[str], None] | None = None,
+) -> RunResult:
+    """One pipeline run: lock, runs row, ``pipeline(...)`` (the Prefect flow), summary, final status.
+
+    Raises ``core.workspace.WorkspaceBusy`` at once, before writing anything, when another laminar
+    process holds the workspace."""
+    from conf.loader import to_dict
+    from core.artifacts import write_json_atomic
+    from tasks import tracking
+    from tasks.summary import build_summary, catalog_metrics, format_table
+
+    warn = warn or (lambda m: print(m, file=sys.stderr))
+    with ws.lock():
+        prepare_workspace(ws, warn)
+        run_id = new_run_id()
+        save_run_files(ws, run_id, cfg, command)
+        handler = _run_logging(ws, run_id)
+        t0 = time.perf_counter()
+        n = len(selection.stages) if selection.stages is not None else len(STAGES)
+        try:
+            with recorded_run(ws, run_id, command, to_dict(cfg), flow_run_id) as status:
+                say(
+                    f"laminar: run {run_id}: {n} stages, each runs or comes from cache (when any must run, "
+                    "Prefect's local server starts first: ~15 s)"
+                )
+                tracker = tracking.start_run(cfg, ws, run_id, command)
+                try:
+                    outcomes = pipeline(
+                        overrides=list(overrides),
+                        workspace=str(ws.root),
+                        run_id=run_id,
+                        force=list(selection.force),
+                        stages=selection.stages,
+                    )
+                    summary = build_summary(
+                        run_id, outcomes, time.perf_counter() - t0, catalog_metrics(cfg, ws, outcomes)
+                    )
+                    tracker.log_metrics("summary", {"seconds": summary.seconds, **summary.metrics})
+                    write_json_atomic(ws.run_dir(run_id) / "summary.json", summary.to_dict())
+                    say(format_table(summary))
+                    say(f"summary: {ws.run_dir(run_id) / 'summary.json'}")
+                    status.value = "completed"
+                except KeyboardInterrupt:
+                    status.value = INTERRUPTED
+                    raise
+                finally:
+                    tracking.finish_run(tracker, status.value)
+        finally:
+            logging.getLogger("laminar").removeHandler(handler)
+            handler.close()
+    return RunResult(run_id, summary)

@@ -339,7 +339,7 @@ def check_served_run(overrides: object, workspace: object) -> ServedRun:
     pass ``check_caller_override``, and the config must validate (schema and preflight). Raises
     ServeError naming what was refused."""
     from conf.schema import ConfigError
-    from tasks.operate import load_checked
+    from tasks.preflight import load_checked
 
     raw = os.environ.get(SERVE_SPEC_ENV)
     if not raw:

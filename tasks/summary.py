@@ -2,10 +2,13 @@
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+import json
+from collections.abc import Mapping, Sequence
 
-from tasks.runner import StageOutcome
-from tasks.stages import stage_headline
+from conf.schema import Config
+from core.workspace import Workspace
+from tasks.dag import STAGE_BY_NAME, stage_headline, stage_inputs, stage_key
+from tasks.records import RunSummary, StageOutcome
 
 
 HEADLINE_EVALS = (
@@ -15,24 +18,17 @@ HEADLINE_EVALS = (
 )
 
 
-def catalog_metrics(cfg, ws, outcomes: Sequence[StageOutcome]) -> dict[str, dict]:
+def catalog_metrics(cfg: Config, ws: Workspace, outcomes: Sequence[StageOutcome]) -> dict[str, dict]:
     """Metrics of the headline eval stages a run did not select (``laminar rerun rl`` leaves out
     ``eval_warmup`` and ``eval_rft``) whose cache key under this run's config and artifacts matches a
     finished stage run in the catalog: the same evaluation, known without running it."""
-    import json
-
-    from tasks.runner import stage_key
-    from tasks.stages import STAGE_BY_NAME
-
-    by = {o.stage: o for o in outcomes}
+    produced = {o.stage: o.result.artifacts for o in outcomes}
     out: dict[str, dict] = {}
     for _, name in HEADLINE_EVALS:
         stage = STAGE_BY_NAME[name]
-        if name in by or any(
-            src not in by or o not in by[src].result.artifacts for src, o in stage.inputs.values()
-        ):
+        inputs = stage_inputs(stage, produced)
+        if name in produced or inputs is None:
             continue
-        inputs = {n: by[src].result.artifacts[o] for n, (src, o) in stage.inputs.items()}
         key = stage_key(stage, cfg, inputs, ws)
         rows = ws.catalog.query(
             "SELECT metrics_json FROM stage_runs WHERE stage = ? AND cache_key = ? "
@@ -46,7 +42,7 @@ def catalog_metrics(cfg, ws, outcomes: Sequence[StageOutcome]) -> dict[str, dict
 
 def build_summary(
     run_id: str, outcomes: Sequence[StageOutcome], seconds: float, from_catalog: dict[str, dict] | None = None
-) -> dict:
+) -> RunSummary:
     """``from_catalog``: ``catalog_metrics`` of the headline evals this run did not select; their values
     fill ``metrics`` and their stages are listed in ``metrics_from_catalog``."""
     by = {o.stage: o for o in outcomes}
@@ -57,11 +53,11 @@ def build_summary(
         metrics[label] = m.get("arith_heldout", {}).get("accuracy")
     if metrics["heldout_accuracy_warmup"] is not None and metrics["heldout_accuracy_rl"] is not None:
         metrics["heldout_accuracy_gain"] = metrics["heldout_accuracy_rl"] - metrics["heldout_accuracy_warmup"]
-    return {
-        "run_id": run_id,
-        "seconds": seconds,
-        "warnings": run_warnings(by),
-        "stages": {
+    return RunSummary(
+        run_id=run_id,
+        seconds=seconds,
+        warnings=run_warnings(by),
+        stages={
             o.stage: {
                 "status": o.status,
                 "seconds": round(o.seconds, 3),
@@ -71,14 +67,12 @@ def build_summary(
             }
             for o in outcomes
         },
-        "metrics": metrics,
-        "checkpoints": {
-            s: by[s].result.artifacts["model"].sha256 for s in ("warmup", "rft", "rl") if s in by
-        },
-        "curation": reconciliation(by),
-        "certificates": certificates(outcomes),
-        "metrics_from_catalog": sorted(s for s in from_catalog if s not in by),
-    }
+        metrics=metrics,
+        checkpoints={s: by[s].result.artifacts["model"].sha256 for s in ("warmup", "rft", "rl") if s in by},
+        curation=reconciliation(by),
+        certificates=certificates(outcomes),
+        metrics_from_catalog=sorted(s for s in from_catalog if s not in by),
+    )
 
 
 WARMUP_FLOOR = 0.05
@@ -90,7 +84,7 @@ RL_DROP = 0.02
 1.5 standard errors of avg@4 on the 300 synthetic held-out problems)."""
 
 
-def run_warnings(by: dict) -> list[str]:
+def run_warnings(by: Mapping[str, StageOutcome]) -> list[str]:
     """What is clearly broken in a run's outputs, in words: a warm-up that learned nothing, an RL
     reward that collapsed, an RL stage that made its model worse. Cached stages count like fresh ones."""
     out: list[str] = []
@@ -138,7 +132,7 @@ def certificates(outcomes: Sequence[StageOutcome]) -> dict[str, dict[str, str]]:
     return out
 
 
-def reconciliation(by: dict) -> dict[str, int]:
+def reconciliation(by: Mapping[str, StageOutcome]) -> dict[str, int]:
     """Where the pool's rows went: rows in = ingested + quarantined + duplicates; ingested =
     clean + contaminated; selected is what RL draws from."""
     m = lambda stage: by[stage].result.metrics if stage in by else {}  # noqa: E731
@@ -158,28 +152,28 @@ def reconciliation(by: dict) -> dict[str, int]:
     return {k: int(v) for k, v in out.items()}
 
 
-def format_table(summary: dict) -> str:
+def format_table(summary: RunSummary) -> str:
     lines = [f"{'stage':<12} {'status':<7} {'seconds':>8}  metrics", "-" * 72]
-    for name, s in summary["stages"].items():
+    for name, s in summary.stages.items():
         lines.append(
             f"{name:<12} {s['status']:<7} {s['seconds']:>8.1f}  {stage_headline(name, s['metrics'])}"
         )
-    m = summary["metrics"]
+    m = summary.metrics
     lines.append("-" * 72)
-    if summary.get("curation"):
+    if summary.curation:
         lines.append(
-            "curation: " + "  ".join(f"{k.replace('_', ' ')} {v}" for k, v in summary["curation"].items())
+            "curation: " + "  ".join(f"{k.replace('_', ' ')} {v}" for k, v in summary.curation.items())
         )
-    if summary.get("certificates"):
+    if summary.certificates:
         lines.append(
             "decontamination certificates: "
             + "  ".join(
                 f"{stage} {bench} {status}"
-                for stage, certs in summary["certificates"].items()
+                for stage, certs in summary.certificates.items()
                 for bench, status in certs.items()
             )
         )
-    known = set(summary.get("metrics_from_catalog", ()))
+    known = set(summary.metrics_from_catalog)
 
     def fmt(label: str, stage: str) -> str:
         v = m.get(label)
@@ -188,9 +182,9 @@ def format_table(summary: dict) -> str:
     lines.append(
         f"held-out accuracy: warm-up {fmt('heldout_accuracy_warmup', 'eval_warmup')} -> "
         f"RFT {fmt('heldout_accuracy_rft', 'eval_rft')} -> RL {fmt('heldout_accuracy_rl', 'eval_rl')}   "
-        f"total {summary['seconds']:.1f}s   run {summary['run_id']}"
+        f"total {summary.seconds:.1f}s   run {summary.run_id}"
     )
-    lines += [f"WARNING: {w}" for w in summary.get("warnings", [])]
+    lines += [f"WARNING: {w}" for w in summary.warnings]
     return "\n".join(lines)
 
 
@@ -215,9 +209,8 @@ def publish_prefect_artifacts(outcomes: Sequence[StageOutcome]) -> None:
 
 
 def publish_eval_markdown(outcomes: Sequence[StageOutcome]) -> None:
-    """The benchmark table of the run's eval stages (as in ``laminar report``) as a Prefect markdown artifact."""
-    import json
-
+    """The benchmark table of the run's eval stages (as in ``laminar report``) as a Prefect markdown
+    artifact."""
     from prefect.artifacts import create_markdown_artifact
 
     from evaluation.report import EvalGroup, markdown_benchmark_table

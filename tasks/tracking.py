@@ -31,6 +31,8 @@ from typing import Any
 from collections.abc import Callable, Iterable, Mapping
 
 from conf.schema import Config, TrackingBackend, TrackingConfig
+from core import nested
+from tasks.records import StageOutcome
 from core.workspace import Workspace
 
 LOG = logging.getLogger("laminar.tracking")
@@ -50,25 +52,17 @@ def flatten(metrics: Mapping[str, Any], prefix: str = "") -> dict[str, float]:
     """The finite numeric leaves of a nested metrics dict, keyed ``a/b/c`` (bools as 0/1; strings,
     None and non-finite values left out)."""
     out: dict[str, float] = {}
-    for k, v in metrics.items():
-        key = metric_key(prefix, str(k))
-        if isinstance(v, Mapping):
-            out.update(flatten(v, key))
-        elif isinstance(v, bool):
-            out[key] = float(v)
-        elif isinstance(v, (int, float)) and math.isfinite(float(v)):
-            out[key] = float(v)
+    for path, v in nested.flatten(metrics, "/", prefix).items():
+        if isinstance(v, bool) or (isinstance(v, (int, float)) and math.isfinite(float(v))):
+            out[metric_key(path)] = float(v)
     return out
 
 
-def flat_params(obj: Any, prefix: str = "") -> dict[str, str]:
+def flat_params(obj: Mapping[str, Any]) -> dict[str, str]:
     """The resolved config as ``a.b.c -> value`` strings (lists as JSON)."""
-    if isinstance(obj, Mapping):
-        out: dict[str, str] = {}
-        for k, v in obj.items():
-            out.update(flat_params(v, f"{prefix}.{k}" if prefix else str(k)))
-        return out
-    return {prefix: json.dumps(obj) if isinstance(obj, (list, tuple)) else str(obj)}
+    return {
+        k: json.dumps(v) if isinstance(v, (list, tuple)) else str(v) for k, v in nested.flatten(obj).items()
+    }
 
 
 def git_revision(root: Path = ROOT) -> str:
@@ -464,7 +458,7 @@ def finish_run(tracker: Tracker, status: str) -> None:
 CHECKPOINT_KIND = "model"
 
 
-def log_stage(ws: Workspace, stage_name: str, outcome: Any, tracker: Tracker | None = None) -> None:
+def log_stage(ws: Workspace, stage_name: str, outcome: StageOutcome, tracker: Tracker | None = None) -> None:
     """One finished stage (ran or cached): its seconds, status and headline metrics, its artifacts'
     shas as tags, pass-rate histograms and evaluation summaries from its artifacts; a cached RL stage
     its per-step curve from the catalog (the live one was logged by the run that trained it)."""

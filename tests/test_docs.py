@@ -266,7 +266,7 @@ def check_laminar(words: tuple[str, ...]) -> None:
     args, _ = parse(argv)
     if args is None:
         return
-    from tasks.operate import UnknownStage, select
+    from tasks.dag import UnknownStage, select
 
     try:
         select(

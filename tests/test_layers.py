@@ -30,7 +30,6 @@ def test_library_does_not_import_prefect(pkg):
 
 
 def test_flows_import_only_tasks_and_config():
-    allowed = ("tasks", "conf", "core", "flows", "prefect")
     for path in (ROOT / "flows").glob("*.py"):
         for node in ast.walk(ast.parse(path.read_text())):
             if isinstance(node, ast.ImportFrom) and node.module and node.level == 0:
@@ -96,3 +95,84 @@ def test_layer_check_catches_an_import_against_the_order(tmp_path):
     (tmp_path / "evaluation").mkdir()
     (tmp_path / "evaluation" / "ok.py").write_text("from generation.records import PromptItem\n")
     assert layer_violations(tmp_path) == ["generation/engine.py:2 imports training.rl.loop (layer 4 > 1)"]
+
+
+def package_import_graph(root: Path = ROOT, package: str = "tasks") -> dict[str, set[str]]:
+    """Module -> the modules of ``package`` it imports, top-level or inside a function (``import
+    tasks.x``, ``from tasks.x import y``, ``from tasks import x``)."""
+    mods = {p.stem for p in (root / package).glob("*.py") if p.stem != "__init__"}
+    graph: dict[str, set[str]] = {}
+    for name in sorted(mods):
+        found: set[str] = set()
+        for node in ast.walk(ast.parse((root / package / f"{name}.py").read_text())):
+            if isinstance(node, ast.ImportFrom) and node.level == 0 and node.module == package:
+                found.update(a.name for a in node.names if a.name in mods)
+            elif isinstance(node, ast.ImportFrom) and node.level == 0 and node.module:
+                parts = node.module.split(".")
+                if parts[0] == package and len(parts) > 1:
+                    found.add(parts[1])
+            elif isinstance(node, ast.Import):
+                for alias in node.names:
+                    parts = alias.name.split(".")
+                    if parts[0] == package and len(parts) > 1:
+                        found.add(parts[1])
+        graph[name] = found - {name}
+    return graph
+
+
+def import_cycle(graph: dict[str, set[str]]) -> list[str]:
+    """One import cycle of ``graph`` (``[a, b, ..., a]``), or [] when it has none."""
+    state: dict[str, int] = {}  # 1: on the current path, 2: done
+    path: list[str] = []
+
+    def visit(node: str) -> list[str]:
+        state[node] = 1
+        path.append(node)
+        for nxt in sorted(graph.get(node, ())):
+            if state.get(nxt) == 1:
+                return path[path.index(nxt) :] + [nxt]
+            if nxt not in state and (found := visit(nxt)):
+                return found
+        state[node] = 2
+        path.pop()
+        return []
+
+    for node in sorted(graph):
+        if node not in state and (found := visit(node)):
+            return found
+    return []
+
+
+def test_tasks_imports_have_no_cycle_even_through_imports_inside_functions():
+    assert import_cycle(package_import_graph()) == []
+
+
+def test_the_cycle_check_sees_an_import_inside_a_function(tmp_path):
+    (tmp_path / "tasks").mkdir()
+    (tmp_path / "tasks" / "runner.py").write_text("from tasks.summary import build_summary\n")
+    (tmp_path / "tasks" / "summary.py").write_text("def f():\n    from tasks import lineage\n")
+    (tmp_path / "tasks" / "lineage.py").write_text("def g():\n    import tasks.runner\n")
+    graph = package_import_graph(tmp_path)
+    assert graph == {"lineage": {"runner"}, "runner": {"summary"}, "summary": {"lineage"}}
+    assert import_cycle(graph) == ["lineage", "runner", "summary", "lineage"]
+    (tmp_path / "tasks" / "lineage.py").write_text("import json\n")
+    assert import_cycle(package_import_graph(tmp_path)) == []
+
+
+def test_only_the_runner_writes_the_catalog():
+    """Every catalog transaction of a run is in ``tasks.recording``, which only the runner calls
+    (``tasks.dag`` names its per-stage hooks in the stage table; the runner gives them its
+    transaction). ``laminar fsck`` keeps its own quarantine table."""
+    graph = package_import_graph()
+    assert {m for m, deps in graph.items() if "recording" in deps} == {"runner", "dag"}
+    dag = ast.parse((ROOT / "tasks" / "dag.py").read_text())
+    used = {
+        n.attr
+        for n in ast.walk(dag)
+        if isinstance(n, ast.Attribute) and getattr(n.value, "id", "") == "recording"
+    }
+    assert used and all(name.startswith("record_") for name in used), used
+    for folder in ("tasks", "flows"):
+        for path in sorted((ROOT / folder).glob("*.py")):
+            if path.name not in ("recording.py", "fsck.py"):
+                assert ".transaction()" not in path.read_text(), path

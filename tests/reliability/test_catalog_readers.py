@@ -26,8 +26,9 @@ import pytest
 
 from core.catalog import Catalog, CatalogBusy
 from core.workspace import Workspace
-from tasks import operate
-from tasks.operate import RunRecordError, Selection, run_pipeline
+from tasks import runner as operate
+from tasks.records import RunSummary
+from tasks.runner import RunRecordError, Selection, run_pipeline
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -285,7 +286,7 @@ def test_a_completed_run_whose_status_cannot_be_closed_says_so(tmp_path, bare_ru
     ws = Workspace.at(tmp_path / "ws")
     monkeypatch.setattr(
         "tasks.summary.build_summary",
-        lambda run_id, outcomes, seconds, *rest: {"run_id": run_id, "seconds": seconds, "metrics": {}},
+        lambda run_id, outcomes, seconds, *rest: RunSummary(run_id, seconds, [], {}, {}, {}, {}, {}, []),
     )
     monkeypatch.setattr("tasks.summary.format_table", lambda summary: "")
     holder: dict = {}

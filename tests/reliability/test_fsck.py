@@ -161,8 +161,8 @@ def test_a_stage_whose_artifact_was_quarantined_is_stale(tmp_path):
     (the slow test below goes through a real run)."""
     from conf.loader import load_config
     from tasks.fsck import fsck
-    from tasks.runner import plan, stage_key
-    from tasks.stages import STAGES
+    from tasks.dag import STAGES, stage_key
+    from tasks.plan import plan
 
     cfg = load_config([])
     ws = Workspace.at(tmp_path / "ws")
@@ -203,7 +203,7 @@ def test_a_cached_stage_whose_artifact_was_quarantined_reruns_and_restores_it(tm
     """Through the real CLI: run the first stage, truncate a file of its artifact; after `laminar fsck`
     the next run reruns the stage (instead of taking it from cache) and the artifact is sealed again
     with its original content."""
-    from tasks.stages import STAGES
+    from tasks.dag import STAGES
 
     ws = tmp_path / "ws"
     first = STAGES[0].name

@@ -1,6 +1,10 @@
+import shutil
+from pathlib import Path
+
 from conf.loader import load_config
+from tasks import cache
 from tasks.cache import make_key, module_closure, source_fingerprint
-from tasks.stages import STAGE_BY_NAME
+from tasks.dag import STAGE_BY_NAME, STAGES
 
 
 def test_closure_follows_project_imports_only():
@@ -54,3 +58,34 @@ def test_history_prompts_keys_only_the_rft_difficulty_stage():
     assert rft.config(small)["max_prompts"] == 40
     follows = load_config(["curation.select.history_prompts=null"])
     assert rft.config(follows)["max_prompts"] == follows.curation.difficulty.max_prompts
+
+
+def _copy_tree(dst: Path) -> Path:
+    """The project packages' sources (Python and compiled-code data) under ``dst``."""
+    for pkg in cache.PROJECT_PACKAGES:
+        for f in (cache.ROOT / pkg).rglob("*"):
+            if f.is_file() and (f.suffix == ".py" or f.suffix in cache.CODE_DATA_SUFFIXES):
+                target = dst / f.relative_to(cache.ROOT)
+                target.parent.mkdir(parents=True, exist_ok=True)
+                shutil.copy2(f, target)
+    return dst
+
+
+def test_editing_the_c_decode_kernel_makes_every_stage_that_runs_it_stale(tmp_path):
+    """``generation/kernels/decode.c`` computes each CPU decode step: it is part of the source of every
+    stage whose code reaches ``generation.kernels``, and of no other (edited on a copy of the tree)."""
+    tree = _copy_tree(tmp_path / "src")
+    kernel = tree / "generation" / "kernels" / "decode.c"
+    runs_it = {
+        s.name
+        for s in STAGES
+        if "generation.kernels" in {m for m, _ in cache.module_closure(s.modules, tree)}
+    }
+    assert {"difficulty", "dart", "rl", "eval_rl"} <= runs_it and "data" not in runs_it
+    before = {s.name: cache.source_fingerprint(s.modules, tree) for s in STAGES}
+    kernel.write_text(kernel.read_text() + "\n/* edited */\n")
+    cache.module_closure.cache_clear()
+    after = {s.name: cache.source_fingerprint(s.modules, tree) for s in STAGES}
+    assert {n for n in before if before[n] != after[n]} == runs_it
+    files = cache.source_files(STAGE_BY_NAME["rl"].modules, tree)
+    assert files["generation.kernels/decode.c"]["path"] == "generation/kernels/decode.c"

@@ -21,8 +21,8 @@ from core.workspace import Workspace
 from tests.configs import TINY_CURATED
 from tasks import cache
 from tasks.lineage import LineageError, format_lineage, lineage, openlineage_events
-from tasks.operate import downstream_of, list_runs, upstream_of
-from tasks.stages import STAGE_BY_NAME, STAGES
+from tasks.dag import STAGE_BY_NAME, STAGES, downstream_of, upstream_of
+from tasks.operate import list_runs
 
 ROOT = Path(__file__).resolve().parents[2]
 TINY = TINY_CURATED
@@ -189,7 +189,7 @@ def _copy_sources(dst: Path) -> None:
 
 def test_an_edited_source_file_makes_exactly_the_downstream_stages_stale(run, tmp_path, monkeypatch):
     """On a copy of the source tree (the real files are never touched), through the module-source lookup."""
-    from tasks.runner import plan
+    from tasks.plan import plan
 
     ws, _ = run
     cfg = load_config(TINY)

@@ -12,18 +12,11 @@ import pytest
 from core.artifacts import ArtifactRef
 from core.workspace import Workspace
 from tasks.cache import make_key
-from tasks.operate import (
-    UnknownStage,
-    downstream_of,
-    in_dag_order,
-    mark_interrupted,
-    orphan_prefect_servers,
-    select,
-    upstream_of,
-    workspace_busy,
-)
-from tasks.prefect_publish import artifact_key, asset_events, asset_key, flatten
-from tasks.stages import STAGE_BY_NAME, STAGES, StageResult
+from tasks.dag import STAGE_BY_NAME, STAGES, UnknownStage, downstream_of, in_dag_order, select, upstream_of
+from tasks.operate import orphan_prefect_servers, workspace_busy
+from tasks.prefect_publish import artifact_key, asset_events, asset_key, metric_rows
+from tasks.recording import mark_interrupted
+from tasks.records import StageOutcome, StageResult
 
 NAMES = [s.name for s in STAGES]
 
@@ -152,12 +145,9 @@ def test_cron_expressions_are_checked(tmp_path):
     )
 
 
-class _Outcome:
-    def __init__(self, stage, status, artifacts, metrics):
-        self.stage, self.status, self.seconds = stage, status, 0.5
-        self.key = make_key(stage, {}, {}, STAGE_BY_NAME[stage].modules, 0)
-        self.result = StageResult(artifacts, metrics)
-        self.task_run_id = None
+def _Outcome(stage, status, artifacts, metrics) -> StageOutcome:
+    key = make_key(stage, {}, {}, STAGE_BY_NAME[stage].modules, 0)
+    return StageOutcome(stage, status, 0.5, key, StageResult(artifacts, metrics), None)
 
 
 def _stage_with_inputs():
@@ -199,11 +189,11 @@ def test_asset_events_follow_prefects_materialize_shape(tmp_path):
     )  # like Prefect: a cache hit materialises nothing
 
 
-def test_artifact_keys_and_flatten():
+def test_artifact_keys_and_metric_rows():
     for s in STAGES:
         key = artifact_key(s.name, "lineage")
         assert key.startswith("laminar-") and all(c.islower() or c.isdigit() or c == "-" for c in key)
-    assert flatten({"a": {"b": 1, "c": {"d": 2}}, "e": None}) == [
+    assert metric_rows({"a": {"b": 1, "c": {"d": 2}}, "e": None}) == [
         {"metric": "a.b", "value": 1},
         {"metric": "a.c.d", "value": 2},
         {"metric": "e", "value": None},
@@ -215,7 +205,7 @@ def test_operate_modules_import_without_prefect():
     import sys
 
     code = (
-        "import sys, tasks.operate, tasks.lineage, tasks.serving, tasks.prefect_publish\n"
+        "import sys, tasks.operate, tasks.lineage, tasks.serving, tasks.prefect_publish, tasks.runner\n"
         "assert 'prefect' not in sys.modules, 'imported prefect'\n"
     )
     root = Path(__file__).resolve().parents[2]

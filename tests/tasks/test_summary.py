@@ -3,19 +3,17 @@ part of every training and sampling stage's cache key."""
 
 from __future__ import annotations
 
-from types import SimpleNamespace
-
 import pytest
 
 from conf.loader import load_config
+from tasks.cache import CacheKey
+from tasks.dag import STAGE_BY_NAME
+from tasks.records import StageOutcome, StageResult
 from tasks.summary import build_summary, format_table, run_warnings
 
 
-def outcome(stage: str, metrics: dict) -> SimpleNamespace:
-    key = SimpleNamespace(digest="0" * 64)
-    return SimpleNamespace(
-        stage=stage, status="ran", seconds=1.0, key=key, result=SimpleNamespace(metrics=metrics, artifacts={})
-    )
+def outcome(stage: str, metrics: dict) -> StageOutcome:
+    return StageOutcome(stage, "ran", 1.0, CacheKey(stage, "c", "i", "s", 0), StageResult({}, metrics), None)
 
 
 def held(acc: float) -> dict:
@@ -65,7 +63,7 @@ def test_warnings_reach_the_summary_and_the_final_table():
         outcome("eval_rl", held(0.3)),
     ]
     summary = build_summary("r1", outcomes, 12.0)
-    assert len(summary["warnings"]) == 2
+    assert len(summary.warnings) == 2
     table = format_table(summary)
     assert table.count("WARNING: ") == 2 and "RL ended below where it started" in table
 
@@ -80,8 +78,6 @@ def configs():
     ["warmup", "eval_warmup", "difficulty", "dart", "rft", "eval_rft", "difficulty_rft", "rl", "eval_rl"],
 )
 def test_threads_enter_the_cache_key_of_every_stage_that_computes_with_torch(stage, configs):
-    from tasks.stages import STAGE_BY_NAME
-
     one, two = configs[1], configs[2]
     s = STAGE_BY_NAME[stage]
     assert s.config(one)["torch_threads"] == 1 and s.config(two)["torch_threads"] == 2
@@ -89,7 +85,6 @@ def test_threads_enter_the_cache_key_of_every_stage_that_computes_with_torch(sta
 
 def test_threads_zero_resolves_to_torchs_own_count(configs):
     from generation.setup import _DEFAULT_THREADS
-    from tasks.stages import STAGE_BY_NAME
 
     assert STAGE_BY_NAME["warmup"].config(configs[0])["torch_threads"] == _DEFAULT_THREADS >= 1
     # stages that compute nothing with torch floats keep their keys across thread counts

@@ -5,8 +5,7 @@ from __future__ import annotations
 
 from core.artifacts import ArtifactRef
 from tasks.cache import CacheKey
-from tasks.runner import StageOutcome
-from tasks.stages import StageResult
+from tasks.records import StageOutcome, StageResult
 from tasks.summary import build_summary, format_table
 
 
@@ -29,10 +28,10 @@ def test_a_rerun_reports_the_cached_headline_evaluations_from_the_catalog():
     }
     summary = build_summary("run-2", [rl], 3.0, catalog)
     assert (
-        summary["metrics"]["heldout_accuracy_warmup"] == 0.343
-        and summary["metrics"]["heldout_accuracy_rft"] == 0.817
+        summary.metrics["heldout_accuracy_warmup"] == 0.343
+        and summary.metrics["heldout_accuracy_rft"] == 0.817
     )
-    assert summary["metrics_from_catalog"] == ["eval_rft", "eval_warmup"]
+    assert summary.metrics_from_catalog == ["eval_rft", "eval_warmup"]
     final = format_table(summary).splitlines()[-1]
     assert final.startswith(
         "held-out accuracy: warm-up 0.343 (cached, from the catalog) -> RFT 0.817 (cached, "

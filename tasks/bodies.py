@@ -1,0 +1,516 @@
+"""The stages' bodies: each calls one library function on its input artifacts and returns its
+artifacts and headline metrics (``tasks.records.StageResult``). No stage logic here, no catalog write.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+from conf.schema import Config
+from core.artifacts import ArtifactRef
+from core.catalog import Catalog
+from tasks.records import StageContext, StageResult
+
+MODEL, DATASET, EVAL = "model", "dataset", "eval"
+PROMPTS, ATTEMPTS, RFT_DATA, SELECTION = "prompts", "attempts", "rft_data", "selection"
+
+
+def _produce(
+    ctx: StageContext, kind: str, fn: Callable[[Path], dict], meta: dict | None = None
+) -> tuple[ArtifactRef, dict]:
+    """Run ``fn`` into a new artifact of ``kind``; ``meta`` (which ``fn`` may fill) goes into its manifest."""
+    with ctx.store.create(kind, meta) as pending:
+        metrics = fn(pending.dir)
+    assert pending.ref is not None
+    return pending.ref, metrics
+
+
+# ---- bodies -------------------------------------------------------------------------------------
+
+
+def template(cfg: Config) -> str:
+    """The prompt template of the training pool: the bare problem for the synthetic task, the
+    \\boxed{} instruction of the benchmarks for real pools (a chat template wraps either)."""
+    from data_curation.synthetic import PROMPT_TEMPLATE
+    from evaluation.benchmarks import DEFAULT_TEMPLATE
+
+    return PROMPT_TEMPLATE if cfg.data.source == "arith" else DEFAULT_TEMPLATE
+
+
+def eval_templates() -> dict[str, str | None]:
+    from data_curation.synthetic import PROMPT_TEMPLATE
+    from evaluation.stages import HELDOUT
+
+    return {HELDOUT: PROMPT_TEMPLATE}
+
+
+def data_body(ctx: StageContext) -> StageResult:
+    from data_curation.sources import ARITH_SOURCE, snapshot_sources, write_sources
+    from data_curation.synthetic import write_dataset
+
+    d = ctx.cfg.data
+
+    def build(out: Path) -> dict:
+        metrics: dict = {}
+        specs = []
+        if d.source == "arith":
+            metrics = write_dataset(
+                out,
+                seed=ctx.cfg.seed,
+                pool_size=d.pool_size,
+                heldout_size=d.heldout_size,
+                levels=list(d.levels),
+                demo_error_rate=d.demo_error_rate,
+            )
+            specs.append(dict(ARITH_SOURCE))
+        specs += snapshot_sources(d.sources, out)
+        write_sources(out, specs)
+        return {**metrics, "sources": float(len(specs))}
+
+    ref, metrics = _produce(ctx, DATASET, build)
+    return StageResult({DATASET: ref}, metrics)
+
+
+def ingest_body(ctx: StageContext) -> StageResult:
+    from data_curation.ingest import SourceSpec, ingest
+    from data_curation.sources import read_sources
+
+    specs = []
+    for spec in read_sources(Path(ctx.inputs[DATASET].path)):
+        spec["extra_fields"] = tuple(spec.get("extra_fields") or ())
+        specs.append(SourceSpec(**spec))
+    ref, metrics = _produce(
+        ctx,
+        PROMPTS,
+        lambda out: ingest(
+            specs,
+            out,
+            near_dup_threshold=ctx.cfg.curation.dedup.near_threshold,
+            near_dup_same_answer=ctx.cfg.curation.dedup.same_answer,
+            seed=ctx.cfg.seed,
+            max_prompt_chars=ctx.cfg.data.max_prompt_chars,
+            template_share=ctx.cfg.curation.templates.min_share if ctx.cfg.curation.templates.strip else None,
+        ),
+    )
+    return StageResult({PROMPTS: ref}, metrics)
+
+
+def paraphrase_params(cfg: Config):
+    """``curation.decontam``'s paraphrase rule settings, or None when it is off."""
+    from data_curation.decontaminate import ParaphraseParams
+
+    d = cfg.curation.decontam
+    if not d.paraphrase:
+        return None
+    return ParaphraseParams(
+        high=d.paraphrase_high,
+        moderate=d.paraphrase_moderate,
+        ngram=d.paraphrase_ngram,
+        num_perm=d.paraphrase_num_perm,
+        bands=d.paraphrase_bands,
+        seed=cfg.seed,
+    )
+
+
+def decontam_benchmarks(cfg: Config) -> list[str]:
+    """What ``decontaminate`` checks the pool against: ``eval.benchmarks`` and
+    ``curation.decontam.benchmarks``, in that order, once each."""
+    return list(dict.fromkeys([*cfg.eval.benchmarks, *cfg.curation.decontam.benchmarks]))
+
+
+def decontaminate_body(ctx: StageContext) -> StageResult:
+    from data_curation.decontaminate import decontaminate
+    from evaluation.stages import HELDOUT, benchmark_hash, load_items
+
+    data = Path(ctx.inputs[DATASET].path)
+    has_heldout = (data / "heldout.parquet").exists()
+    names = [b for b in decontam_benchmarks(ctx.cfg) if b != HELDOUT or has_heldout]
+    items = [it for b in names for it in load_items(b, data)]
+    ref, metrics = _produce(
+        ctx,
+        PROMPTS,
+        lambda out: decontaminate(
+            Path(ctx.inputs[PROMPTS].file("prompts.parquet")),
+            items,
+            out,
+            ngram=ctx.cfg.curation.decontam.ngram,
+            min_coverage=ctx.cfg.curation.decontam.min_coverage,
+            paraphrase=paraphrase_params(ctx.cfg),
+            benchmark_hashes={b: benchmark_hash(b, data) for b in names},
+        ),
+    )
+    return StageResult({PROMPTS: ref}, metrics)
+
+
+def base_model_body(ctx: StageContext) -> StageResult:
+    from training.base import build_base_model
+    from generation.setup import setup_torch
+
+    setup_torch(ctx.cfg.threads, ctx.cfg.seed)
+    ref, metrics = _produce(ctx, MODEL, lambda out: build_base_model(ctx.cfg.model, ctx.cfg.seed, out))
+    return StageResult({MODEL: ref}, metrics)
+
+
+def warmup_body(ctx: StageContext) -> StageResult:
+    from generation.setup import setup_torch
+    from training.warmup import warmup
+
+    setup_torch(ctx.cfg.threads, ctx.cfg.seed)
+    ref, metrics = _produce(
+        ctx,
+        MODEL,
+        lambda out: warmup(
+            Path(ctx.inputs[MODEL].path),
+            ctx.inputs[PROMPTS].file("prompts.parquet"),
+            ctx.cfg.sft,
+            template=template(ctx.cfg),
+            seed=ctx.cfg.seed,
+            device=ctx.device,
+            out_dir=out,
+            lora=ctx.cfg.model.lora,
+        ),
+    )
+    return StageResult({MODEL: ref}, metrics)
+
+
+def history_prompts(c: Config) -> int:
+    """Prompts HIVE's history samples with the RL starting model (``difficulty_rft``)."""
+    h, cap = c.curation.select.history_prompts, c.curation.difficulty.max_prompts
+    if h is None:
+        return cap
+    return min(h, cap) if h > 0 and cap > 0 else h
+
+
+def difficulty_body(ctx: StageContext) -> StageResult:
+    """Pass rates of the warm-up model (they steer DART)."""
+    return _difficulty(ctx, ctx.cfg.curation.difficulty.max_prompts)
+
+
+def difficulty_rft_body(ctx: StageContext) -> StageResult:
+    """Pass rates of the RFT model, the one RL starts from (they steer HIVE's selection)."""
+    return _difficulty(ctx, history_prompts(ctx.cfg))
+
+
+def _difficulty(ctx: StageContext, max_prompts: int) -> StageResult:
+    from data_curation.sampling import estimate_difficulty
+    from evaluation.verifier import Verifier
+    from generation.setup import setup_torch
+
+    setup_torch(ctx.cfg.threads, ctx.cfg.seed)
+    c = ctx.cfg.curation.difficulty
+
+    def run(out: Path) -> dict:
+        with Verifier(timeout_s=ctx.cfg.eval.verifier_timeout_s) as verifier:
+            return estimate_difficulty(
+                Path(ctx.inputs[MODEL].path),
+                ctx.inputs[PROMPTS].file("prompts.parquet"),
+                out,
+                samples=c.samples,
+                max_prompts=max_prompts,
+                temperature=c.temperature,
+                max_new_tokens=c.max_new_tokens,
+                template=template(ctx.cfg),
+                seed=ctx.cfg.seed,
+                device=ctx.device,
+                verifier=verifier,
+            )
+
+    ref, metrics = _produce(ctx, ATTEMPTS, run, {"model": ctx.inputs[MODEL].sha256})
+    return StageResult({ATTEMPTS: ref}, metrics)
+
+
+def dart_body(ctx: StageContext) -> StageResult:
+    from data_curation.dart import DartParams
+    from data_curation.sampling import dart_sample
+    from evaluation.verifier import Verifier
+    from generation.setup import setup_torch
+
+    setup_torch(ctx.cfg.threads, ctx.cfg.seed)
+    c = ctx.cfg.curation.dart
+    params = DartParams(
+        strategy=c.strategy,
+        k_u=c.k_u,
+        k_p=c.k_p,
+        max_trials=c.max_trials,
+        budget=c.budget,
+        round_size=c.round_size,
+    )
+
+    def run(out: Path) -> dict:
+        with Verifier(timeout_s=ctx.cfg.eval.verifier_timeout_s) as verifier:
+            return dart_sample(
+                Path(ctx.inputs[MODEL].path),
+                ctx.inputs[PROMPTS].file("prompts.parquet"),
+                ctx.inputs[ATTEMPTS].file("attempts.parquet"),
+                out,
+                params,
+                max_new_tokens=ctx.cfg.curation.difficulty.max_new_tokens,
+                temperature=c.temperature,
+                template=template(ctx.cfg),
+                seed=ctx.cfg.seed,
+                device=ctx.device,
+                verifier=verifier,
+                check_arithmetic=c.check_arithmetic,
+            )
+
+    ref, metrics = _produce(ctx, RFT_DATA, run)
+    return StageResult({RFT_DATA: ref}, metrics)
+
+
+def rft_body(ctx: StageContext) -> StageResult:
+    from training.rft import rft
+    from generation.setup import setup_torch
+
+    setup_torch(ctx.cfg.threads, ctx.cfg.seed)
+    ref, metrics = _produce(
+        ctx,
+        MODEL,
+        lambda out: rft(
+            Path(ctx.inputs[MODEL].path),
+            ctx.inputs[RFT_DATA].file("rft.parquet"),
+            ctx.cfg.curation.rft,
+            template=template(ctx.cfg),
+            seed=ctx.cfg.seed,
+            device=ctx.device,
+            out_dir=out,
+            lora=ctx.cfg.model.lora,
+        ),
+    )
+    return StageResult({MODEL: ref}, metrics)
+
+
+def workspace_history(catalog: Catalog | None) -> Any:
+    """Every RL group reward in the workspace's catalog, in the order it was recorded."""
+    import polars as pl
+
+    if catalog is None:
+        return None
+    rows = catalog.query(
+        "SELECT prompt_id, mean_reward, n, origin FROM reward_history WHERE origin = 'rl' "
+        "ORDER BY recorded_at, source_sha, step, idx"
+    )
+    return pl.DataFrame(
+        rows, schema={"prompt_id": pl.Utf8, "mean_reward": pl.Float64, "n": pl.Int64, "origin": pl.Utf8}
+    )
+
+
+def select_body(ctx: StageContext) -> StageResult:
+    import polars as pl
+
+    from data_curation.hive import select_learning_edge
+
+    c = ctx.cfg.curation.select
+
+    def run(out: Path) -> dict:
+        prompts = pl.read_parquet(ctx.inputs[PROMPTS].file("prompts.parquet"))
+        attempts = pl.read_parquet(ctx.inputs[ATTEMPTS].file("attempts.parquet"))
+        history = pl.read_parquet(ctx.inputs[ATTEMPTS].file("history.parquet")).select(
+            "prompt_id", "mean_reward", "n", "origin"
+        )
+        if c.history == "workspace":
+            prior = workspace_history(ctx.catalog)
+            if prior is not None and prior.height:
+                history = pl.concat([history, prior])
+        history = history.with_columns(seq=pl.int_range(pl.len(), dtype=pl.Int64))
+        history.write_parquet(out / "history.parquet")
+        if c.strategy == "uniform":
+            decisions = prompts.select("prompt_id").with_columns(
+                pass_rate_est=pl.lit(None, pl.Float64),
+                score=pl.lit(None, pl.Float64),
+                n_observations=pl.lit(0, pl.Int64),
+                selected=pl.lit(True),
+                reason=pl.lit("uniform"),
+            )
+        else:
+            decisions = top_up(
+                select_learning_edge(attempts, history, max_prompts=c.max_prompts),
+                prompts,
+                ctx.cfg.rl.prompts_per_step,
+            )
+        decisions.write_parquet(out / "selection.parquet")
+        chosen = decisions.filter(pl.col("selected"))["prompt_id"]
+        kept = prompts.filter(pl.col("prompt_id").is_in(chosen.implode()))
+        kept.write_parquet(out / "prompts.parquet")
+        counts = decisions.group_by("reason").len().to_dicts()
+        return {
+            "candidates": float(prompts.height),
+            "selected": float(kept.height),
+            **{f"reason_{r['reason']}": float(r["len"]) for r in counts},
+        }
+
+    ref, metrics = _produce(ctx, SELECTION, run)
+    return StageResult({SELECTION: ref}, metrics)
+
+
+def top_up(decisions, prompts, minimum: int):
+    """With fewer than ``minimum`` prompts at the learning edge (a model that solves nothing yet),
+    RL still needs a batch: the most uncertain of the rest are added, then unobserved prompts, each
+    recorded with reason ``top_up``."""
+    import polars as pl
+
+    short = minimum - int(decisions["selected"].sum())
+    if short <= 0:
+        return decisions
+    unseen = prompts.select("prompt_id").join(decisions.select("prompt_id"), on="prompt_id", how="anti")
+    rest = pl.concat(
+        [
+            decisions.filter(~pl.col("selected"))
+            .sort(["score", "prompt_id"], descending=[True, False], nulls_last=True)
+            .select("prompt_id"),
+            unseen.sort("prompt_id"),
+        ]
+    )
+    extra = rest.head(short)["prompt_id"].implode()
+    decisions = decisions.with_columns(
+        reason=pl.when(pl.col("prompt_id").is_in(extra)).then(pl.lit("top_up")).otherwise(pl.col("reason")),
+        selected=pl.col("selected") | pl.col("prompt_id").is_in(extra),
+    )
+    added = unseen.filter(pl.col("prompt_id").is_in(extra)).with_columns(
+        selected=pl.lit(True), reason=pl.lit("top_up")
+    )
+    return pl.concat([decisions, added], how="diagonal_relaxed")
+
+
+def rl_body(ctx: StageContext) -> StageResult:
+    from evaluation.stages import in_run_evaluator
+    from evaluation.verifier import Verifier
+    from generation.model import load_tokenizer
+    from training.rl.stage import TIMING_KEYS, rl
+    from generation.setup import setup_torch
+    from tasks.tracking import active
+
+    setup_torch(ctx.cfg.threads, ctx.cfg.seed)
+    meta: dict = {}
+    data = Path(ctx.inputs[DATASET].path)
+
+    def run(out: Path) -> dict:
+        with Verifier(timeout_s=ctx.cfg.eval.verifier_timeout_s) as verifier:
+            evaluate = None
+            if ctx.cfg.rl.eval_every > 0:
+                tokenizer = load_tokenizer(ctx.inputs[MODEL].path)
+                evaluate = in_run_evaluator(
+                    tokenizer,
+                    data if (data / "heldout.parquet").exists() else None,
+                    ctx.cfg.eval,
+                    templates=eval_templates(),
+                    seed=ctx.cfg.seed,
+                    device=ctx.device,
+                    verifier=verifier,
+                )
+            sel = ctx.inputs[SELECTION]
+            result = rl(
+                Path(ctx.inputs[MODEL].path),
+                sel.file("prompts.parquet"),
+                ctx.cfg.rl,
+                template=template(ctx.cfg),
+                seed=ctx.cfg.seed,
+                device=ctx.device,
+                out_dir=out,
+                verifier=verifier,
+                select=ctx.cfg.curation.select,
+                history_path=sel.file("history.parquet"),
+                evaluate=evaluate,
+                cluster=ctx.cfg.cluster,
+                state_dir=ctx.state_dir,
+                trainer=ctx.cfg.trainer,
+                rollout=ctx.cfg.rollout,
+                on_metrics=active().step_logger("rl"),
+                lora=ctx.cfg.model.lora,
+            )
+        meta["timings"] = [{k: m[k] for k in ("step", *TIMING_KEYS) if k in m} for m in result.history]
+        rewards = [m["reward"] for m in result.history]
+        window = (
+            [sum(rewards[i : i + 5]) / len(rewards[i : i + 5]) for i in range(max(1, len(rewards) - 4))]
+            if rewards
+            else []
+        )
+        return {
+            "steps": len(result.history),
+            "trajectories": sum(result.consumed.values()),
+            "generated": int(sum(m["generated_trajectories"] for m in result.history)),
+            "reward_last5": window[-1] if window else None,
+            "reward_first5": window[0] if window else None,
+            "reward_peak5": max(window) if window else None,
+            "reward_first": rewards[0] if rewards else None,
+        }
+
+    ref, metrics = _produce(ctx, MODEL, run, meta)
+    return StageResult({MODEL: ref}, metrics)
+
+
+def eval_certificates(query, checkpoint: str, benchmarks, data_dir: Path | None) -> dict[str, dict]:
+    """The decontamination certificate (``tasks.certificate``) of each benchmark an evaluation of
+    ``checkpoint`` scores, against the hash of the very file it reads."""
+    from evaluation.stages import benchmark_hash
+    from tasks.certificate import certify
+
+    return certify(query, checkpoint, {b: benchmark_hash(b, data_dir) for b in benchmarks})
+
+
+def eval_body(ctx: StageContext) -> StageResult:
+    from evaluation.stages import evaluate_checkpoint
+    from generation.setup import setup_torch
+    from tasks.certificate import CERTIFICATE_FILE
+
+    setup_torch(ctx.cfg.threads, ctx.cfg.seed)
+    data = ctx.inputs.get(DATASET)  # absent for `laminar eval` when no data artifact exists
+    certificates: dict = {}
+
+    def run(out: Path) -> dict:
+        summary = evaluate_checkpoint(
+            Path(ctx.inputs[MODEL].path),
+            Path(data.path) if data else None,
+            ctx.cfg.eval,
+            templates=eval_templates(),
+            seed=ctx.cfg.seed,
+            device=ctx.device,
+            out_dir=out,
+        )
+        query = ctx.catalog.query if ctx.catalog is not None else _no_catalog
+        certificates.update(
+            eval_certificates(query, ctx.inputs[MODEL].sha256, summary, Path(data.path) if data else None)
+        )
+        with open(out / CERTIFICATE_FILE, "w") as f:
+            json.dump(certificates, f, indent=1, sort_keys=True)
+        return summary
+
+    ref, summary = _produce(ctx, EVAL, run, meta={"checkpoint": ctx.inputs[MODEL].sha256})
+    return StageResult(
+        {EVAL: ref}, eval_metrics(ctx.inputs[MODEL].sha256, summary, ctx.cfg.eval.n_samples, certificates)
+    )
+
+
+def _no_catalog(sql: str, params=()) -> list[dict]:
+    """No catalog, no lineage: the checkpoint is of unknown origin."""
+    return []
+
+
+def read_eval_certificates(ref: ArtifactRef) -> dict[str, dict]:
+    """An evaluation artifact's certificates (empty for one made before certificates existed)."""
+    from tasks.certificate import CERTIFICATE_FILE
+
+    path = ref.file(CERTIFICATE_FILE)
+    return json.loads(path.read_text()) if path.exists() else {}
+
+
+def eval_metrics(checkpoint: str, summary: dict, n_samples: int, certificates: dict | None = None) -> dict:
+    """A stage result's metrics from an evaluation summary (benchmark -> evaluation.metrics summary),
+    with each benchmark's decontamination certificate status when given."""
+    avg = f"avg@{n_samples}"
+    certificates = certificates or {}
+    return {
+        "checkpoint": checkpoint,
+        **{
+            b: {
+                "accuracy": s["accuracy"],
+                "mean_length": s["mean_length"],
+                "by_level": {lv: v[avg] for lv, v in s.get("by_level", {}).items()},
+                **{k: s[k] for k in ("n_problems", "problems_total", "too_long", "context") if k in s},
+                **({"certificate": certificates[b]["status"]} if b in certificates else {}),
+            }
+            for b, s in summary.items()
+        },
+    }

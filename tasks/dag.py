@@ -1,0 +1,555 @@
+"""The DAG: the stage table (``STAGES``, in DAG order) and the operations on the graph.
+
+Each ``Stage`` declaration says what the stage reads (its upstream stages' outputs), which config and
+which library code enter its cache key, the body that makes its artifacts (``tasks.bodies``), the
+catalog rows it records (``tasks.recording``) and its one-line headline. Every stage selection
+(``laminar rerun STAGE``, ``laminar run --until STAGE``) is computed from the declared inputs, never
+from a list of names, and every stage's inputs are resolved by ``stage_inputs``.
+"""
+
+from __future__ import annotations
+
+import hashlib
+from collections.abc import Iterable, Mapping, Sequence
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+from conf.schema import Config
+from core.artifacts import ArtifactRef
+from core.catalog import Catalog, dumps
+from core.workspace import Workspace
+from tasks import recording
+from tasks.bodies import (
+    ATTEMPTS,
+    DATASET,
+    MODEL,
+    PROMPTS,
+    RFT_DATA,
+    SELECTION,
+    base_model_body,
+    dart_body,
+    data_body,
+    decontam_benchmarks,
+    decontaminate_body,
+    difficulty_body,
+    difficulty_rft_body,
+    eval_body,
+    history_prompts,
+    ingest_body,
+    rft_body,
+    rl_body,
+    select_body,
+    template,
+    warmup_body,
+)
+from tasks.cache import CacheKey
+from tasks.records import Stage
+
+# ---- what enters each stage's cache key ------------------------------------------------------------
+
+
+def _numerics(c: Config) -> dict:
+    """What a stage that trains or samples with torch adds to its key: the thread count it computes
+    with (``threads=0`` resolved to torch's default), since float results depend on it."""
+    from generation.setup import resolve_threads
+
+    return {"torch_threads": resolve_threads(c.threads)}
+
+
+def _lora_key(c: Config, stage: str) -> dict:
+    """What ``model.lora`` adds to a training stage's key: nothing when the stage trains every weight
+    (the keys of runs without LoRA stay as they were), else the adapter's settings."""
+    lo = c.model.lora
+    if not lo.on(stage):
+        return {}
+    return {"lora": {k: v for k, v in asdict(lo).items() if k not in ("enabled", "stages")}}
+
+
+def _select_config(c: Config) -> dict:
+    """``curation.select`` as select and RL see it: ``history_prompts`` reaches them through the
+    history's content (difficulty_rft's artifact), so it is not part of their keys."""
+    return {k: v for k, v in asdict(c.curation.select).items() if k != "history_prompts"}
+
+
+def data_key(c: Config) -> dict:
+    return asdict(c.data)
+
+
+def ingest_key(c: Config) -> dict:
+    return {
+        **asdict(c.curation.dedup),
+        "max_prompt_chars": c.data.max_prompt_chars,
+        "templates": asdict(c.curation.templates),
+    }
+
+
+def decontaminate_key(c: Config) -> dict:
+    return {**asdict(c.curation.decontam), "benchmarks": decontam_benchmarks(c)}
+
+
+def base_model_key(c: Config) -> dict:
+    """The model fields less ``lora`` (adapters never change the base)."""
+    return {k: v for k, v in asdict(c.model).items() if k != "lora"}
+
+
+def warmup_key(c: Config) -> dict:
+    return {**asdict(c.sft), "template": template(c), **_numerics(c), **_lora_key(c, "warmup")}
+
+
+def eval_key(c: Config) -> dict:
+    return {**asdict(c.eval), **_numerics(c)}
+
+
+def _difficulty_key(c: Config, max_prompts: int) -> dict:
+    return {
+        **asdict(c.curation.difficulty),
+        "max_prompts": max_prompts,
+        "template": template(c),
+        "verifier_timeout_s": c.eval.verifier_timeout_s,
+        **_numerics(c),
+    }
+
+
+def difficulty_key(c: Config) -> dict:
+    return _difficulty_key(c, c.curation.difficulty.max_prompts)
+
+
+def difficulty_rft_key(c: Config) -> dict:
+    return _difficulty_key(c, history_prompts(c))
+
+
+def dart_key(c: Config) -> dict:
+    return {
+        **asdict(c.curation.dart),
+        "max_new_tokens": c.curation.difficulty.max_new_tokens,
+        "template": template(c),
+        "verifier_timeout_s": c.eval.verifier_timeout_s,
+        **_numerics(c),
+    }
+
+
+def rft_key(c: Config) -> dict:
+    return {**asdict(c.curation.rft), "template": template(c), **_numerics(c), **_lora_key(c, "rft")}
+
+
+def select_key(c: Config) -> dict:
+    return {**_select_config(c), "min_prompts": c.rl.prompts_per_step}
+
+
+def rl_key(c: Config) -> dict:
+    return {
+        **asdict(c.rl),
+        "verifier_timeout_s": c.eval.verifier_timeout_s,
+        "template": template(c),
+        **_numerics(c),
+        **_lora_key(c, "rl"),
+        "select": _select_config(c),
+        **({"cluster": asdict(c.cluster)} if c.rl.uses_ray() else {}),
+        **({"trainer": asdict(c.trainer)} if not c.trainer.is_default() else {}),
+        **({"rollout": asdict(c.rollout)} if c.rl.uses_ray() else {}),
+        **({"eval": asdict(c.eval)} if c.rl.eval_every else {}),
+    }
+
+
+# ---- inputs from outside the store (``Stage.external``) ---------------------------------------------
+
+
+def model_files(cfg: Config, catalog: Catalog | None = None) -> dict[str, str]:
+    from core.artifacts import hash_tree
+
+    return {"model.path": hash_tree(Path(cfg.model.path).expanduser())} if cfg.model.kind == "hf" else {}
+
+
+def _benchmark_hashes(names: Iterable[str]) -> dict[str, str]:
+    from core.artifacts import hash_file
+    from evaluation.benchmarks import benchmark_path
+    from evaluation.stages import HELDOUT
+
+    return {f"benchmark:{b}": hash_file(benchmark_path(b)) for b in names if b != HELDOUT}
+
+
+def benchmark_files(cfg: Config, catalog: Catalog | None = None) -> dict[str, str]:
+    return _benchmark_hashes(cfg.eval.benchmarks)
+
+
+def decontam_files(cfg: Config, catalog: Catalog | None = None) -> dict[str, str]:
+    return _benchmark_hashes(decontam_benchmarks(cfg))
+
+
+def source_files(cfg: Config, catalog: Catalog | None = None) -> dict[str, str]:
+    from data_curation.sources import source_hashes
+
+    return source_hashes(cfg.data.sources)
+
+
+def history_fingerprint(cfg: Config, catalog: Catalog | None = None) -> dict[str, str]:
+    """With ``curation.select.history=workspace`` the selection depends on every RL reward recorded
+    in the catalog: its fingerprint enters the key, so new history reruns ``select``."""
+    if cfg.curation.select.history != "workspace" or catalog is None:
+        return {}
+    rows = catalog.query(
+        "SELECT source_sha, count(*) AS n FROM reward_history WHERE origin = 'rl' "
+        "GROUP BY source_sha ORDER BY source_sha"
+    )
+    return {"history:workspace": hashlib.sha256(dumps(rows).encode()).hexdigest()}
+
+
+# ---- headlines (``Stage.headline``) -------------------------------------------------------------------
+
+
+def data_headline(m: dict) -> str:
+    pool = (
+        f"pool {int(m['pool_prompts'])}  heldout {int(m['heldout_prompts'])}  " if "pool_prompts" in m else ""
+    )
+    return pool + f"sources {int(m['sources'])}"
+
+
+def ingest_headline(m: dict) -> str:
+    return (
+        f"rows {m['rows_in']:.0f}  ingested {m['ingested']:.0f}  quarantined {m['quarantined']:.0f}  "
+        f"duplicates {m['duplicates_exact']:.0f}+{m['duplicates_near']:.0f} near"
+    )
+
+
+def decontaminate_headline(m: dict) -> str:
+    detail = (
+        f" ({m['contaminated_ngram']:.0f} n-gram, {m['contaminated_paraphrase']:.0f} paraphrase)"
+        if "contaminated_paraphrase" in m
+        else ""
+    )
+    return f"clean {m['clean']:.0f}  contaminated {m['contaminated']:.0f}" + detail
+
+
+def base_model_headline(m: dict) -> str:
+    return f"params {int(m['parameters']):,}"
+
+
+def warmup_headline(m: dict) -> str:
+    return f"loss {m['sft_loss_first']:.3f} -> {m['sft_loss_ema']:.3f}"
+
+
+def eval_headline(m: dict) -> str:
+    from evaluation.report import coverage_note
+
+    return "  ".join(
+        f"{b} acc {v['accuracy']:.3f}{coverage_note(v, short=True)}"
+        + (f" ({v['certificate']})" if v.get("certificate", "clean") != "clean" else "")
+        for b, v in m.items()
+        if isinstance(v, dict)
+    )
+
+
+def difficulty_headline(m: dict) -> str:
+    return (
+        f"prompts {m['prompts_sampled']:.0f}  pass {m['mean_pass_rate']:.3f}  edge {m['learning_edge']:.0f}  "
+        f"all-correct {m['all_correct']:.0f}  all-wrong {m['all_wrong']:.0f}"
+    )
+
+
+def dart_headline(m: dict) -> str:
+    rejected = (
+        f"  ({m['rejected_arithmetic']:.0f} right answers with a false step turned down)"
+        if m.get("rejected_arithmetic")
+        else ""
+    )
+    return f"{m.get('trials', 0):.0f} trials  {m['rft_examples']:.0f} correct responses" + rejected
+
+
+def rft_headline(m: dict) -> str:
+    loss = (
+        f"  loss {m['rft_loss_first']:.3f} -> {m['rft_loss_ema']:.3f}"
+        if m.get("rft_steps")
+        else "  (passed through)"
+    )
+    return f"{m['rft_examples']:.0f} examples" + loss
+
+
+def select_headline(m: dict) -> str:
+    return f"selected {m['selected']:.0f} of {m['candidates']:.0f}"
+
+
+def rl_headline(m: dict) -> str:
+    if not m.get("steps"):
+        return ""
+    return (
+        f"reward {m['reward_first']:.3f} -> {m['reward_last5']:.3f} (last 5)  "
+        f"{m.get('generated', 0):.0f} rollouts"
+    )
+
+
+# ---- the table ------------------------------------------------------------------------------------------
+
+_EVAL_MODULES = ("evaluation.stages", "data_curation.synthetic", "generation.setup", "tasks.certificate")
+_SAMPLING_MODULES = (
+    "data_curation.sampling",
+    "generation.setup",
+    "evaluation.verifier",
+    "data_curation.synthetic",
+    "evaluation.benchmarks",
+)
+_TRAINING_MODULES = ("generation.setup", "training.lora", "generation.adapter")
+
+
+def _eval_stage(name: str, model_stage: str) -> Stage:
+    """Held-out and benchmark accuracy of ``model_stage``'s model."""
+    return Stage(
+        name=name,
+        inputs={MODEL: (model_stage, MODEL), DATASET: ("data", DATASET)},
+        config=eval_key,
+        modules=_EVAL_MODULES,
+        body=eval_body,
+        record=recording.record_eval,
+        headline=eval_headline,
+        external=benchmark_files,
+    )
+
+
+STAGES: tuple[Stage, ...] = (
+    Stage(
+        name="data",
+        inputs={},
+        config=data_key,
+        modules=("data_curation.synthetic", "data_curation.sources"),
+        body=data_body,
+        record=recording.record_data,
+        headline=data_headline,
+        external=source_files,
+    ),
+    Stage(
+        name="ingest",
+        inputs={DATASET: ("data", DATASET)},
+        config=ingest_key,
+        modules=(
+            "data_curation.ingest",
+            "data_curation.sources",
+            "data_curation.dedup",
+            "data_curation.templates",
+        ),
+        body=ingest_body,
+        record=recording.record_ingest,
+        headline=ingest_headline,
+    ),
+    Stage(
+        name="decontaminate",
+        inputs={PROMPTS: ("ingest", PROMPTS), DATASET: ("data", DATASET)},
+        config=decontaminate_key,
+        modules=("data_curation.decontaminate", "evaluation.stages"),
+        body=decontaminate_body,
+        record=recording.record_decontaminate,
+        headline=decontaminate_headline,
+        external=decontam_files,
+    ),
+    Stage(
+        name="base_model",
+        inputs={},
+        config=base_model_key,
+        modules=("training.base", "generation.setup"),
+        body=base_model_body,
+        record=recording.record_base_model,
+        headline=base_model_headline,
+        external=model_files,
+    ),
+    Stage(
+        name="warmup",
+        inputs={MODEL: ("base_model", MODEL), PROMPTS: ("decontaminate", PROMPTS)},
+        config=warmup_key,
+        modules=("training.warmup", *_TRAINING_MODULES),
+        body=warmup_body,
+        record=recording.record_warmup,
+        headline=warmup_headline,
+    ),
+    _eval_stage("eval_warmup", "warmup"),
+    Stage(
+        name="difficulty",
+        inputs={MODEL: ("warmup", MODEL), PROMPTS: ("decontaminate", PROMPTS)},
+        config=difficulty_key,
+        modules=_SAMPLING_MODULES,
+        body=difficulty_body,
+        record=recording.record_difficulty,
+        headline=difficulty_headline,
+    ),
+    Stage(
+        name="dart",
+        inputs={
+            MODEL: ("warmup", MODEL),
+            PROMPTS: ("decontaminate", PROMPTS),
+            ATTEMPTS: ("difficulty", ATTEMPTS),
+        },
+        config=dart_key,
+        modules=(*_SAMPLING_MODULES, "data_curation.dart"),
+        body=dart_body,
+        record=recording.record_dart,
+        headline=dart_headline,
+    ),
+    Stage(
+        name="rft",
+        inputs={MODEL: ("warmup", MODEL), RFT_DATA: ("dart", RFT_DATA)},
+        config=rft_key,
+        modules=("training.rft", *_TRAINING_MODULES),
+        body=rft_body,
+        record=recording.record_rft,
+        headline=rft_headline,
+    ),
+    _eval_stage("eval_rft", "rft"),
+    # HIVE selects from the pass rates of the model RL starts from (the RFT model, often much better than
+    # the warm-up model whose pass rates steered DART): stale rates put solved prompts on the "edge".
+    Stage(
+        name="difficulty_rft",
+        inputs={MODEL: ("rft", MODEL), PROMPTS: ("decontaminate", PROMPTS)},
+        config=difficulty_rft_key,
+        modules=_SAMPLING_MODULES,
+        body=difficulty_rft_body,
+        record=recording.record_difficulty,
+        headline=difficulty_headline,
+    ),
+    Stage(
+        name="select",
+        inputs={PROMPTS: ("decontaminate", PROMPTS), ATTEMPTS: ("difficulty_rft", ATTEMPTS)},
+        config=select_key,
+        modules=("data_curation.hive",),
+        body=select_body,
+        record=recording.record_select,
+        headline=select_headline,
+        external=history_fingerprint,
+    ),
+    Stage(
+        name="rl",
+        inputs={MODEL: ("rft", MODEL), SELECTION: ("select", SELECTION), DATASET: ("data", DATASET)},
+        config=rl_key,
+        modules=(
+            "training.rl.stage",
+            "training.rl.runtime",
+            "training.rl.actors",
+            "training.rl.trainer",
+            "generation.setup",
+            "data_curation.hive",
+            "evaluation.verifier",
+            "evaluation.stages",
+            "training.lora",
+            "generation.adapter",
+        ),
+        body=rl_body,
+        record=recording.record_rl,
+        headline=rl_headline,
+    ),
+    _eval_stage("eval_rl", "rl"),
+)
+STAGE_BY_NAME = {s.name: s for s in STAGES}
+
+EVAL_STAGE = Stage(
+    name="eval",
+    inputs={MODEL: ("", MODEL), DATASET: ("", DATASET)},
+    config=eval_key,
+    modules=_EVAL_MODULES,
+    body=eval_body,
+    record=recording.record_adhoc_eval,
+    headline=eval_headline,
+    external=benchmark_files,
+)
+"""``laminar eval`` on any checkpoint: not part of the DAG (its inputs come from the command line:
+a checkpoint and the latest data artifact, which may be absent), same body and key scheme as the
+DAG's eval stages."""
+
+
+# ---- operations on the graph --------------------------------------------------------------------------
+
+
+class UnknownStage(ValueError):
+    pass
+
+
+def check_stages(names: Iterable[str]) -> list[str]:
+    names = list(names)
+    unknown = [n for n in names if n not in STAGE_BY_NAME]
+    if unknown:
+        raise UnknownStage(
+            f"unknown stage {', '.join(unknown)}; stages are {', '.join(s.name for s in STAGES)}"
+        )
+    return names
+
+
+def upstream_of(names: Iterable[str]) -> set[str]:
+    """``names`` and every stage they read from, transitively."""
+    todo, seen = check_stages(names), set()
+    while todo:
+        name = todo.pop()
+        if name not in seen:
+            seen.add(name)
+            todo.extend(src for src, _ in STAGE_BY_NAME[name].inputs.values())
+    return seen
+
+
+def downstream_of(names: Iterable[str]) -> set[str]:
+    """``names`` and every stage that reads from them, transitively (whatever the order of STAGES)."""
+    seen = set(check_stages(names))
+    changed = True
+    while changed:
+        changed = False
+        for stage in STAGES:
+            if stage.name not in seen and any(src in seen for src, _ in stage.inputs.values()):
+                seen.add(stage.name)
+                changed = True
+    return seen
+
+
+def in_dag_order(names: Iterable[str]) -> list[str]:
+    wanted = set(names)
+    return [s.name for s in STAGES if s.name in wanted]
+
+
+@dataclass(frozen=True)
+class Selection:
+    """What one ``laminar run``/``rerun`` executes: ``stages`` (None: all of them) and ``force``."""
+
+    stages: list[str] | None
+    force: list[str]
+
+    def stages_to_run(self) -> list[Stage]:
+        return [s for s in STAGES if self.stages is None or s.name in self.stages]
+
+
+def select(until: str | None = None, force: Sequence[str] = (), rerun: str | None = None) -> Selection:
+    """``until``: only that stage and its upstream. ``rerun``: that stage and its downstream are forced,
+    their upstream comes from cache, and stages that neither feed nor follow it are left out."""
+    force = check_stages(force)
+    stages: set[str] | None = None
+    if rerun is not None:
+        forced = downstream_of([rerun])
+        force = sorted(set(force) | forced)
+        stages = upstream_of(forced)
+    if until is not None:
+        up = upstream_of([until])
+        stages = up if stages is None else stages & up
+    if stages is not None:
+        force = [f for f in force if f in stages]
+    return Selection(in_dag_order(stages) if stages is not None else None, in_dag_order(force))
+
+
+def stage_inputs(
+    stage: Stage, produced: Mapping[str, Mapping[str, ArtifactRef]]
+) -> dict[str, ArtifactRef] | None:
+    """The stage's input artifacts, from ``produced`` (upstream stage -> its artifacts by output name);
+    None when an upstream stage or one of its outputs is missing."""
+    try:
+        return {name: produced[src][out] for name, (src, out) in stage.inputs.items()}
+    except KeyError:
+        return None
+
+
+def missing_upstream(stage: Stage, produced: Mapping[str, Mapping[str, ArtifactRef]]) -> list[str]:
+    """The upstream stages of ``stage`` absent from ``produced``, sorted."""
+    return sorted({src for src, _ in stage.inputs.values() if src not in produced})
+
+
+def stage_key(
+    stage: Stage, cfg: Config, inputs: Mapping[str, ArtifactRef], ws: Workspace | None = None
+) -> CacheKey:
+    return stage.key(cfg, inputs, ws.catalog if ws is not None else None)
+
+
+def stage_headline(stage: str, metrics: dict) -> str:
+    """The stage's one-line metric summary; empty when its metrics lack what the line shows."""
+    try:
+        return STAGE_BY_NAME[stage].headline(metrics)
+    except (KeyError, TypeError, ValueError):
+        return ""

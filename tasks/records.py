@@ -1,0 +1,137 @@
+"""The stage records: what a stage is (``Stage``; the table of them is ``tasks.dag.STAGES``), what its
+body reads (``StageContext``) and returns (``StageResult``), what one stage of a run was
+(``StageOutcome``) or would be (``StagePlan``), and one run's summary (``RunSummary``, written as
+``summary.json``). Typed records; nothing here runs a stage or writes the catalog."""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Mapping
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import TYPE_CHECKING, Any, Literal
+
+from conf.schema import Config
+from core.artifacts import ArtifactRef, ArtifactStore
+from core.catalog import Catalog
+from tasks.cache import CacheKey, make_key
+
+if TYPE_CHECKING:
+    from duckdb import DuckDBPyConnection as Connection
+
+StageStatus = Literal["ran", "cached"]
+INTERRUPTED = "interrupted"
+RunStatus = Literal["running", "completed", "failed", "interrupted"]
+
+
+@dataclass
+class StageContext:
+    cfg: Config
+    store: ArtifactStore
+    inputs: dict[str, ArtifactRef]
+    device: str
+    catalog: Catalog | None = None
+    """Read-only use in bodies (HIVE's workspace history); only the record hooks write."""
+    state_dir: Path | None = None
+    """Where a long stage keeps resumable state between attempts (RL checkpoints); None: no resume."""
+
+
+@dataclass
+class StageResult:
+    """What a stage produced: named artifacts and headline metrics (JSON-ready)."""
+
+    artifacts: dict[str, ArtifactRef]
+    metrics: dict[str, Any] = field(default_factory=dict)
+
+    def to_dict(self, store: ArtifactStore | None = None) -> dict:
+        """JSON-ready; with ``store``, artifact paths as stored (relative to the workspace root)."""
+        conv = store.stored if store is not None else ArtifactRef.to_dict
+        return {"artifacts": {k: conv(v) for k, v in self.artifacts.items()}, "metrics": self.metrics}
+
+    @classmethod
+    def from_dict(cls, d: dict, store: ArtifactStore | None = None) -> StageResult:
+        """With ``store``, stored paths (relative, or absolute from a workspace since moved) are
+        located in it."""
+        conv = store.locate if store is not None else ArtifactRef.from_dict
+        return cls({k: conv(v) for k, v in d["artifacts"].items()}, d.get("metrics", {}))
+
+
+def no_headline(metrics: dict) -> str:
+    return ""
+
+
+@dataclass(frozen=True, kw_only=True)
+class Stage:
+    """One stage of the DAG. ``inputs``: input name -> (upstream stage, its output name). ``config``:
+    the config subtree that enters the cache key; ``modules``: the library code whose source does.
+    ``body`` makes the artifacts; ``record`` writes the stage's own catalog rows (inside the runner's
+    transaction); ``headline`` is its one-line metric summary; ``external`` hashes its inputs from
+    outside the store (a local model folder, vendored benchmark files, the workspace's reward
+    history): they enter the cache key like artifact inputs, so replacing them reruns the stage."""
+
+    name: str
+    inputs: Mapping[str, tuple[str, str]]
+    config: Callable[[Config], dict]
+    modules: tuple[str, ...]
+    body: Callable[[StageContext], StageResult]
+    record: Callable[[Connection, StageContext, StageResult, str], None] | None = None
+    headline: Callable[[dict], str] = no_headline
+    external: Callable[[Config, Catalog | None], dict[str, str]] | None = None
+
+    def external_hashes(self, cfg: Config, catalog: Catalog | None) -> dict[str, str]:
+        return self.external(cfg, catalog) if self.external is not None else {}
+
+    def key(self, cfg: Config, inputs: Mapping[str, ArtifactRef], catalog: Catalog | None = None) -> CacheKey:
+        """The cache key for ``cfg`` and these input artifacts (``catalog``: the workspace's, for
+        ``external`` hashes that read it)."""
+        hashes = {k: v.sha256 for k, v in inputs.items()} | self.external_hashes(cfg, catalog)
+        return make_key(self.name, self.config(cfg), hashes, self.modules, cfg.seed)
+
+
+@dataclass(frozen=True)
+class StageOutcome:
+    """One stage of one run: ran or came from cache, under ``key``, producing ``result``."""
+
+    stage: str
+    status: StageStatus
+    seconds: float
+    key: CacheKey
+    result: StageResult
+    task_run_id: str | None
+
+
+@dataclass(frozen=True)
+class StagePlan:
+    """What ``laminar status`` says of a stage: cached or stale for a config, and why (``key`` is None
+    while an upstream stage must run first)."""
+
+    stage: str
+    status: Literal["cached", "stale"]
+    reason: str
+    key: CacheKey | None
+
+
+@dataclass
+class RunSummary:
+    """The end-of-run record (``summary.json``): per stage its status, seconds, key, artifact hashes and
+    metrics; the headline held-out accuracies; checkpoints, curation counts, certificates and warnings.
+    ``metrics_from_catalog`` names the headline eval stages the run did not select whose metrics came
+    from an earlier run with the same key."""
+
+    run_id: str
+    seconds: float
+    warnings: list[str]
+    stages: dict[str, dict[str, Any]]
+    metrics: dict[str, float | None]
+    checkpoints: dict[str, str]
+    curation: dict[str, int]
+    certificates: dict[str, dict[str, str]]
+    metrics_from_catalog: list[str]
+
+    def to_dict(self) -> dict[str, Any]:
+        return asdict(self)
+
+
+@dataclass(frozen=True)
+class RunResult:
+    run_id: str
+    summary: RunSummary
