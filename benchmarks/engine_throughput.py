@@ -71,7 +71,8 @@ def main() -> None:
             best = max(best, n / (time.perf_counter() - t0))
         results[name] = best
         print(
-            f"{name:<12} {best:10.0f} tokens/s  (batch {args.batch}, {args.new_tokens} new tokens, best of {args.repeats})"
+            f"{name:<12} {best:10.0f} tokens/s  (batch {args.batch}, {args.new_tokens} new tokens, "
+            f"best of {args.repeats})"
         )
     print(f"ratio engine/hf_generate: {results['engine'] / results['hf_generate']:.2f}x")
 

@@ -372,7 +372,8 @@ def main() -> None:
             res.update(round=r, load_before=load0, load_after=loadavg())
             runs.append(res)
             print(
-                f"round {r} {v:18s} {res['median_step_s']:.3f} s/step | step {res['step_tokens_per_s']:7.0f} tok/s | "
+                f"round {r} {v:18s} {res['median_step_s']:.3f} s/step | "
+                f"step {res['step_tokens_per_s']:7.0f} tok/s | "
                 f"gen {res['gen_tokens_per_s']:7.0f} tok/s | update {res['median_update_s']:.3f} s | "
                 f"len {res['mean_response_tokens']:.1f} | load {load0:.2f}->{res['load_after']:.2f}",
                 flush=True,

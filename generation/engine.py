@@ -174,7 +174,7 @@ class TorchEngine:
                 decode(0, shards[0])
             else:
                 self._threads.run(lambda i: decode(i, shards[i]), len(shards), inference=True)
-        del cache
+        cache = None  # the prefill cache is no longer needed
         mean_ent = (out.ent_sum / out.lengths.clamp(min=1)).tolist()
         return self._trajectories(requests, out.tokens, out.logps, out.lengths, out.done, mean_ent)
 
@@ -232,6 +232,7 @@ class TorchEngine:
         if native is not None:
             next_buf = torch.empty(n_all, dtype=torch.long)
             keep_buf = torch.empty(n_all, dtype=torch.bool)
+        step_ids = None  # written by step t's sampling, read by step t + 1
         for t in range(max_new_tokens):
             if t > 0:
                 col = plen + t - 1

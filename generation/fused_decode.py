@@ -55,7 +55,7 @@ def fused_decoder(model) -> FusedDecoder | None:
     try:
         inner = model.model
         layers = list(inner.layers)
-        rotary = inner.rotary_emb
+        inner.rotary_emb  # noqa: B018 - a model without rotary embeddings is unsupported (AttributeError below)
         lm_head = model.lm_head
         for layer in layers:
             a, m = layer.self_attn, layer.mlp
@@ -191,8 +191,8 @@ class FusedDecoder:
     ) -> torch.Tensor:
         """Logits [n, vocab] of the next token after ``ids`` [n] at positions ``pos`` [n]. Writes each
         layer's key/value into column ``col`` of the first n rows of ``keys[l]`` [rows, kv_heads,
-        head_dim, width] and ``values[l]`` [rows, kv_heads, width, head_dim] and attends over columns [0, col] under the additive ``mask``
-        [n, 1, 1, col + 1]."""
+        head_dim, width] and ``values[l]`` [rows, kv_heads, width, head_dim] and attends over columns
+        [0, col] under the additive ``mask`` [n, 1, 1, col + 1]."""
         n = ids.shape[0]
         h_, kv, d = self.n_heads, self.n_kv, self.head_dim
         qd, kd = h_ * d, kv * d

@@ -29,7 +29,8 @@ def parse_export_args(items: list[str]) -> tuple[str, str]:
 
 
 def export_checkpoint(ws: Workspace, spec: str, out: str | Path) -> dict:
-    """Write checkpoint ``spec`` merged to ``out`` (which must not exist or be empty); returns what was done."""
+    """Write checkpoint ``spec`` merged to ``out`` (which must not exist or be empty); returns what
+    was done."""
     from generation.adapter import base_dir, is_adapter_dir
     from training.lora import full_model
 

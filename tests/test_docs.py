@@ -62,8 +62,7 @@ TOP_LEVEL = (
     "docs",
 )
 REPO_PATH = re.compile(
-    r"^(?:\./)?((?:%s)/[\w./*-]*|README\.md|Makefile|pyproject\.toml|requirements\.txt)$"
-    % "|".join(TOP_LEVEL)
+    rf"^(?:\./)?((?:{'|'.join(TOP_LEVEL)})/[\w./*-]*|README\.md|Makefile|pyproject\.toml|requirements\.txt)$"
 )
 CONFIG_REF = re.compile(r"^([a-z_][a-z0-9_]*(?:\.[a-z_][a-z0-9_]*)+)(?:=.*)?$")
 FILE_SUFFIXES = {"py", "md", "yaml", "json", "jsonl", "png", "parquet", "duckdb", "txt", "log"}
@@ -376,7 +375,8 @@ def check_prose(doc: Path) -> list[str]:
                 parts = CONFIG_REF.match(span).group(1).split(".")
                 if not any(_has_key(schema, parts) for schema in _schemas()):
                     problems.append(
-                        f"{where}: `{span}`: no config key {'.'.join(parts)} (conf/schema.py, conf/simulate.py)"
+                        f"{where}: `{span}`: no config key {'.'.join(parts)} "
+                        "(conf/schema.py, conf/simulate.py)"
                     )
         for target in re.findall(r"\]\(([^)\s]+)\)", text):
             if re.match(r"^[a-z]+:", target) or target.startswith("#"):

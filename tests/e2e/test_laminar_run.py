@@ -56,7 +56,8 @@ def test_sigkill_the_trainer_then_laminar_run_resumes(tmp_path):
     assert not state.exists()
 
 
-@pytest.mark.slow  # ~165 s on 2 cores; make test keeps DeepSpeed's resume and backend tests (tests/reliability, tests/training)
+# ~165 s on 2 cores; make test keeps DeepSpeed's resume and backend tests (tests/reliability, tests/training)
+@pytest.mark.slow
 def test_laminar_deepspeed_run_checkpoints_resumes_and_reports(tmp_path):
     """`laminar run rl.mode=laminar trainer.backend=deepspeed` (ZeRO-2, CPU, gloo) in the pipeline: the
     trainer is SIGKILLed after its first checkpoint, the run fails, the rerun resumes from that

@@ -24,7 +24,8 @@ def test_workspace_before_or_after_the_subcommand(tmp_path, capsys, argv):
     ws = tmp_path / "ws-given"
     code = main([a.format(ws=ws) for a in argv])
     err = capsys.readouterr().err
-    # the empty workspace named is the one read (a later --workspace wins), not ./workspace nor an argparse error
+    # the empty workspace named is the one read (a later --workspace wins), not ./workspace nor an
+    # argparse error
     assert code == 2 and f"no catalog in {ws}" in err, err
     assert "invalid choice" not in err
 

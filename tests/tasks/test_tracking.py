@@ -121,7 +121,8 @@ from pathlib import Path
 from conf.schema import TrackingConfig
 from tasks.tracking import Tracker, open_backends
 root = Path(sys.argv[1])
-tracker = Tracker("killed-run", open_backends(TrackingConfig(backends=["tensorboard", "mlflow"]), root, "killed-run", {}))
+backends = open_backends(TrackingConfig(backends=["tensorboard", "mlflow"]), root, "killed-run", {})
+tracker = Tracker("killed-run", backends)
 log = tracker.step_logger("rl")
 for step in range(1, 6):
     log({"step": step, "reward": step / 10})

@@ -1,6 +1,7 @@
 """Atomic RL checkpoints: marker-last writes, corruption and partial folders ignored, pruning,
 bit-identical trainer resume (no pickle), and a writer SIGKILLed mid-checkpoint."""
 
+import functools
 import json
 import os
 import random
@@ -182,7 +183,9 @@ def test_resume_is_bit_identical(tmp_path):
     for _ in range(2):
         _step(model_b, opt_b)
     ckpt = write_checkpoint(
-        tmp_path, 2, lambda d: save_trainer_state(d, model_b, opt_b, version=2, extra={"cursor": 8})
+        tmp_path,
+        2,
+        functools.partial(save_trainer_state, model=model_b, optimizer=opt_b, version=2, extra={"cursor": 8}),
     )
     assert {"model.safetensors", "optimizer.safetensors", "rng.safetensors", "trainer_state.json"} <= set(
         json.loads((ckpt / MARKER).read_text())["files"]

@@ -250,7 +250,8 @@ class TrainerWorker:
     from whole scored groups; rank 0 then pushes ``(version, weights)`` once to the master relay.
 
     ``trainer`` (``conf.schema.TrainerConfig``): ``backend`` ``torch`` (AdamW) or ``deepspeed`` (ZeRO
-    from the JSON ``trainer.deepspeed`` names). With ``world_size`` > 1 (or DeepSpeed) the ranks form a ``torch.distributed`` group: the driver asks rank 0 for a
+    from the JSON ``trainer.deepspeed`` names). With ``world_size`` > 1 (or DeepSpeed) the ranks form a
+    ``torch.distributed`` group: the driver asks rank 0 for a
     rendezvous ``address()`` and then calls ``start(addr, port)`` on every rank together; a single
     torch rank needs no group and starts at once."""
 

@@ -453,8 +453,9 @@ def save_trainer_state(dir: Path, model, optimizer, *, version: int, extra: dict
 
 def load_trainer_state(dir: Path, model, optimizer) -> dict:
     """Restore what :func:`save_trainer_state` wrote into ``model`` and ``optimizer`` (built the same
-    way as when saved: same parameters and param-group layout; ``None`` skips one) and restore the torch, CUDA, Python
-    and NumPy RNGs. Returns ``{"version", "extra", "optimizer_class", "torch_version"}``."""
+    way as when saved: same parameters and param-group layout; ``None`` skips one) and restore the
+    torch, CUDA, Python and NumPy RNGs. Returns
+    ``{"version", "extra", "optimizer_class", "torch_version"}``."""
     import torch
     from safetensors.torch import load_file, load_model
 

@@ -58,11 +58,13 @@ class ManagerSettings:
     max_sampling_rounds: int = 1
     """Batched modes with dynamic sampling: sampling rounds a batch may take to fill (1 = one round)."""
     max_ahead_batches: int = 0
-    """Back-pressure of the continuous modes: issued-but-untrained groups stay within this many batches (0: off)."""
+    """Back-pressure of the continuous modes: issued-but-untrained groups stay within this many
+    batches (0: off)."""
 
     @classmethod
     def from_config(cls, rl, params) -> ManagerSettings:
-        """From ``conf.schema.RLConfig`` and the resolved objective (``training.objectives.ObjectiveParams``)."""
+        """From ``conf.schema.RLConfig`` and the resolved objective
+        (``training.objectives.ObjectiveParams``)."""
         if rl.mode not in MODES:
             raise ValueError(f"rl.mode={rl.mode!r}: expected one of {sorted(MODES)}")
         return cls(

@@ -272,7 +272,8 @@ class LaminarRuntime:
         if have + 1e-9 < self._cpus_needed(len(nodes)):
             raise RuntimeError(
                 f"the Ray cluster has {have:g} CPUs but the RL roles need {self._cpus_needed(len(nodes)):g} "
-                f"(trainer {self.trainer_cfg.ranks} x {c.trainer_cpus:g} + {c.rollouts} rollouts x {c.rollout_cpus:g} + "
+                f"(trainer {self.trainer_cfg.ranks} x {c.trainer_cpus:g} + "
+                f"{c.rollouts} rollouts x {c.rollout_cpus:g} + "
                 f"{len(nodes)} relays x {c.relay_cpus:g}): lower cluster.rollout_cpus / cluster.trainer_cpus "
                 "or add nodes; the actors would otherwise wait for resources forever"
             )

@@ -146,7 +146,8 @@ def rl(
 
 def rl_start(model_dir: Path, lora: LoraConfig | None, scratch: Path, seed: int) -> Path:
     """The folder RL's roles start from: an adapter folder exactly when ``lora`` is on for rl (a fresh
-    adapter on a full model, written to ``scratch``), else a full model (an adapter merged into ``scratch``)."""
+    adapter on a full model, written to ``scratch``), else a full model (an adapter merged into
+    ``scratch``)."""
     from training.lora import fresh_adapter, full_model
 
     on = lora is not None and lora.on("rl")

@@ -186,7 +186,8 @@ def packed_layout(batch: TrainBatch, row_tokens: int = PACK_ROW_TOKENS):
     """How ``packed_response_logits`` lays ``batch`` out: sequences that share a prompt (a group's
     samples) become *bundles* of at most ``row_tokens`` tokens (or the longest sequence), the prompt
     once followed by each response less its last token (no prediction reads it); bundles are packed
-    first-fit-decreasing into rows of that width. Returns (input ids [R, L], position ids [R, L], attention mask [R, 1, L, L] (bool), gather
+    first-fit-decreasing into rows of that width. Returns (input ids [R, L], position ids [R, L],
+    attention mask [R, 1, L, L] (bool), gather
     index [B, T] into the flattened [R * L] positions): a response token attends to its own prompt
     and the earlier tokens of its own response, so every logit is what the padded forward computes."""
     ids_all = batch.input_ids.tolist()
