@@ -121,7 +121,7 @@ def test_rollout_engines_are_the_engine_kinds():
         (["trainer.backend=deepspeed", "rl.runtime=local"], "Ray runtime"),
         (["cluster.trainer_strategy=RANDOM"], "cluster.trainer_strategy"),
         (["cluster.rollout_priority=high"], "cluster.rollout_priority"),
-        (["rollout.engine=vllm"], "device=cuda"),
+        (["rollout.engine=vllm"], "refuses head_dim=16.*model=tiny_vllm"),
         (["rollout.engine=sglang"], "rollout.engine"),
     ],
 )
