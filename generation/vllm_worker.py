@@ -465,9 +465,13 @@ class VllmEngine(EngineBase):
 
 
 def cpu_defaults(env: MutableMapping[str, str]) -> None:
-    """vLLM's CPU build sizes its key/value cache from ``VLLM_CPU_KVCACHE_SPACE`` (GiB); unset it takes a
-    share of the machine's memory. A rollout worker needs little: 1 GiB unless the caller set it."""
+    """Settings of vLLM's CPU build, unless the caller set them: a 1 GiB key/value cache
+    (``VLLM_CPU_KVCACHE_SPACE``, GiB; unset, it takes a share of the machine's memory) and no thread
+    pinning (``VLLM_CPU_OMP_THREADS_BIND=nobind``: by default every vLLM process binds its threads to
+    the same first cores, so two rollouts, or a rollout and the trainer, would share one core); the
+    worker's threads are ``OMP_NUM_THREADS``. The CUDA build ignores both."""
     env.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
+    env.setdefault("VLLM_CPU_OMP_THREADS_BIND", "nobind")
 
 
 def self_check() -> None:

@@ -222,7 +222,9 @@ def test_status_counts_and_admission_switch(engine, assets):
     done = eng.step(1)
     st = eng.status()
     assert 1 <= st["active"] <= CAP and st["active"] + st["queued"] + len(done) == 6
-    assert st["kv_tokens"] >= st["active"] * (min(len(r.prompt.prompt_tokens) for r in reqs) + 1)
+    # a step makes progress, but not necessarily one token for every live request: real vLLM's first
+    # step after an admission may sample for only some of them
+    assert st["kv_tokens"] >= st["active"] * min(len(r.prompt.prompt_tokens) for r in reqs) + 1
     eng.admitting = False
     more = assets["reqs"][6:8]
     eng.submit(more)
