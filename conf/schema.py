@@ -433,9 +433,10 @@ class ClusterConfig:
 @dataclass
 class RolloutConfig:
     """The rollouts' generation engine. ``torch``: the built-in continuous-batching engine in the
-    rollout actor; ``vllm``: a vLLM worker process in its own environment (``make vllm-env``; CUDA
-    only) speaking the rollout protocol (``generation/protocol.py``); ``torch-process``: the built-in
-    engine behind that same protocol in a worker process (what the conformance test exercises)."""
+    rollout actor; ``vllm``: a vLLM worker process in its own environment (``make vllm-env``: the
+    CUDA build, or the CPU build on a machine without CUDA) speaking the rollout protocol
+    (``generation/protocol.py``); ``torch-process``: the built-in engine behind that same protocol in
+    a worker process (what the conformance test exercises)."""
 
     engine: Annotated[str, EngineKind] = "torch"
     dtype: Annotated[str, Dtype] = "auto"
@@ -508,6 +509,23 @@ class Config:
     trainer: TrainerConfig = field(default_factory=TrainerConfig)
     rollout: RolloutConfig = field(default_factory=RolloutConfig)
     tracking: TrackingConfig = field(default_factory=TrackingConfig)
+
+
+VLLM_CPU_HEAD_SIZES = (32, 64, 80, 96, 112, 128, 160, 192, 224, 256, 512)
+"""The attention head sizes vLLM's CPU build runs (``CPUAttentionBackend``, vllm-cpu 0.32); it refuses
+others at start ("Unsupported CPU attention configuration")."""
+
+
+def vllm_cpu_refusal(head_dim: int) -> str | None:
+    """Why vLLM's CPU build refuses a model whose attention heads have ``head_dim`` dimensions (None:
+    it runs it)."""
+    if int(head_dim) in VLLM_CPU_HEAD_SIZES:
+        return None
+    return (
+        f"vLLM's CPU build refuses head_dim={head_dim} (Unsupported CPU attention configuration); it runs "
+        f"head sizes {', '.join(map(str, VLLM_CPU_HEAD_SIZES))}: use model=tiny_vllm (4 heads of 32), "
+        "a model with such heads, or rollout.engine=torch"
+    )
 
 
 class ConfigError(ValueError):
@@ -591,11 +609,13 @@ def _validate_runtime(cfg: Config) -> None:
     if cfg.rollout.sync_every < 0 or not 0 < cfg.rollout.vllm_gpu_memory_utilization <= 1:
         raise ConfigError("rollout.sync_every must be >= 0 and rollout.vllm_gpu_memory_utilization in (0, 1]")
     if cfg.rollout.engine != "torch":
-        if cfg.rollout.engine == "vllm" and cfg.device == "cpu":
-            raise ConfigError(
-                "rollout.engine=vllm needs device=cuda (vLLM generates on GPUs); use rollout.engine=torch "
-                "on the CPU"
-            )
+        if cfg.rollout.engine == "vllm" and cfg.device == "cpu" and cfg.model.kind == "tiny":
+            why = vllm_cpu_refusal(cfg.model.hidden_size // max(1, cfg.model.num_heads))
+            if why:
+                raise ConfigError(
+                    f"rollout.engine=vllm with model.hidden_size={cfg.model.hidden_size} "
+                    f"model.num_heads={cfg.model.num_heads}: {why}"
+                )
         if cfg.rl.runtime == "local":
             raise ConfigError(
                 f"rollout.engine={cfg.rollout.engine} runs in the Ray runtime's rollouts: drop "

@@ -15,8 +15,9 @@ vLLM is driven through its documented offline interfaces: ``vllm.LLM`` and its `
 engine option ``logprobs_mode="processed_logprobs"`` (the sampled token's log-prob under the
 temperature-scaled distribution: the behaviour log-prob the objectives need), and new weights through
 ``LLM.collective_rpc`` into a worker extension (``WeightLoader``, passed as ``worker_extension_cls``)
-whose method reads a safetensors file and calls the model's ``load_weights``; the prefix cache is
-reset afterwards so no key/value computed by old weights is reused.
+whose method reads a safetensors file and hands it to the worker's own in-place weight update
+(``reload_weights``, which also redoes the CPU build's weight repacking); the prefix cache is reset
+afterwards so no key/value computed by old weights is reused.
 
 LoRA (``--lora-rank R``, for a ``model.lora`` RL run): the ``--model-dir`` is the bare base, vLLM is
 started with ``enable_lora=True, max_lora_rank=<R rounded up to a rank vLLM accepts>, max_loras=1``,
@@ -55,7 +56,7 @@ import tempfile
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
-from collections.abc import Iterable, Mapping, Sequence
+from collections.abc import Iterable, Mapping, MutableMapping, Sequence
 
 import numpy as np
 
@@ -76,18 +77,17 @@ from generation.records import GenRequest, Partial, Trajectory
 
 class WeightLoader:
     """vLLM worker extension (``worker_extension_cls="generation.vllm_worker.WeightLoader"``): vLLM
-    mixes it into its GPU worker class, so ``self.model_runner`` is the worker's model runner.
-    Called through ``LLM.collective_rpc("laminar_load_weights", args=(path,))`` on every worker."""
+    mixes it into its worker class. Called through ``LLM.collective_rpc("laminar_load_weights",
+    args=(path,))`` on every worker: the weights go through the worker's own in-place update,
+    ``reload_weights(weights_iterator=..., is_checkpoint_format=True)``, which re-runs the kernel-format
+    processing after loading (vLLM's CPU build repacks linear weights at start: a plain
+    ``model.load_weights`` then fails on the emptied parameters)."""
 
     def laminar_load_weights(self, path: str) -> int:
         from safetensors.torch import load_file
 
         weights = load_file(path, device="cpu")
-        runner = self.model_runner
-        model = (
-            runner.get_model() if hasattr(runner, "get_model") else runner.model
-        )  # unwrapped (no graph wrapper)
-        model.load_weights(weights=weights.items())
+        self.reload_weights(weights_iterator=iter(weights.items()), is_checkpoint_format=True)
         return len(weights)
 
 
@@ -460,6 +460,65 @@ class VllmEngine(EngineBase):
             shutil.rmtree(self._lora_root, ignore_errors=True)
 
 
+def cpu_defaults(env: MutableMapping[str, str]) -> None:
+    """Settings of vLLM's CPU build, unless the caller set them: a 1 GiB key/value cache
+    (``VLLM_CPU_KVCACHE_SPACE``, GiB; unset, it takes a share of the machine's memory) and no thread
+    pinning (``VLLM_CPU_OMP_THREADS_BIND=nobind``: by default every vLLM process binds its threads to
+    the same first cores, so two rollouts, or a rollout and the trainer, would share one core); the
+    worker's threads are ``OMP_NUM_THREADS``. The CUDA build ignores both."""
+    env.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
+    env.setdefault("VLLM_CPU_OMP_THREADS_BIND", "nobind")
+
+
+def self_check() -> None:
+    """``make vllm-env``'s last step: vLLM started once on a random model of ``conf/model/tiny_vllm.yaml``'s
+    shape, 8 completions sampled, the same weights loaded back through the weight-update path and 8
+    more sampled under version 1; prints vLLM's version and the timings."""
+    import yaml
+    import vllm
+
+    from conf.schema import ModelConfig
+    from generation.model import build_char_tokenizer, build_tiny_model, encode_prompt, save_model
+    from generation.protocol import write_weights
+    from generation.records import PromptItem
+
+    shape = yaml.safe_load((Path(__file__).resolve().parents[1] / "conf/model/tiny_vllm.yaml").read_text())
+    shape.pop("kind", None)
+    t0 = time.perf_counter()
+    with tempfile.TemporaryDirectory(prefix="laminar-vllm-check-") as d:
+        tok = build_char_tokenizer()
+        model = build_tiny_model(ModelConfig(**shape), tok, seed=0)
+        save_model(model, tok, Path(d))
+        engine = VllmEngine(
+            d, capacity=8, max_new_tokens=16, temperature=1.0, seed=0, dtype="float32", enforce_eager=True
+        )
+        started = time.perf_counter() - t0
+        reqs = [
+            GenRequest(PromptItem(f"q{i}", f"{i}+1=", "", encode_prompt(tok, f"{i}+1=")), 0) for i in range(8)
+        ]
+        engine.submit(reqs)
+        out = []
+        while engine.status()["active"] or engine.status()["queued"]:
+            out += engine.step(16)
+        path = write_weights({k: v.detach().numpy() for k, v in model.state_dict().items()})
+        t1 = time.perf_counter()
+        engine.load_weights(1, path=path)
+        loaded = time.perf_counter() - t1
+        os.unlink(path)
+        engine.submit(reqs)
+        again = []
+        while engine.status()["active"] or engine.status()["queued"]:
+            again += engine.step(16)
+        engine.close()
+    if len(out) != 8 or len(again) != 8 or any(t.version != 1 for t in again):
+        raise SystemExit(f"vllm {vllm.__version__}: self-check failed ({len(out)} + {len(again)} of 8 + 8)")
+    n = sum(len(t.response_tokens) for t in out + again)
+    print(
+        f"vllm {vllm.__version__} ready: started in {started:.1f} s, {n} tokens in 16 completions, "
+        f"weights loaded in {loaded:.2f} s"
+    )
+
+
 def build_engine(args):
     if args.engine == "vllm":
         return VllmEngine(
@@ -496,8 +555,13 @@ def build_engine(args):
 
 def main(argv: Sequence[str] | None = None) -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--engine", choices=("vllm", "torch"), required=True)
-    ap.add_argument("--model-dir", required=True)
+    ap.add_argument("--engine", choices=("vllm", "torch"))
+    ap.add_argument("--model-dir")
+    ap.add_argument(
+        "--self-check",
+        action="store_true",
+        help="start vLLM once on a random tiny_vllm-shaped model, sample, load weights, print the version",
+    )
     ap.add_argument("--device", default="cpu")
     ap.add_argument("--capacity", type=int, default=64)
     ap.add_argument("--max-new-tokens", type=int, default=64)
@@ -518,6 +582,12 @@ def main(argv: Sequence[str] | None = None) -> None:
         "torch engine merges adapters and ignores it",
     )
     args = ap.parse_args(argv)
+    cpu_defaults(os.environ)
+    if args.self_check:
+        self_check()
+        return
+    if args.engine is None or args.model_dir is None:
+        ap.error("the following arguments are required: --engine, --model-dir (or --self-check)")
     rfile, wfile = protocol_streams()  # before anything can print to stdout
     t0 = time.perf_counter()
     engine = build_engine(args)

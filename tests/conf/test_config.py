@@ -203,7 +203,7 @@ def test_a_source_format_is_checked_in_every_listed_source():
         (["trainer.backend=deepspeed", "rl.runtime=local"], "Ray runtime"),
         (["cluster.trainer_strategy=RANDOM"], "cluster.trainer_strategy"),
         (["cluster.rollout_priority=high"], "cluster.rollout_priority"),
-        (["rollout.engine=vllm"], "device=cuda"),
+        (["rollout.engine=vllm"], "refuses head_dim=16.*model=tiny_vllm"),
         (["rollout.engine=sglang"], "rollout.engine"),
     ],
 )

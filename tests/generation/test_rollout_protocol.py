@@ -5,7 +5,10 @@
 - ``torch-process``: the same engine in a worker process, over the msgpack wire format;
 - ``vllm-fake``: the vLLM worker (``VllmEngine``'s admission, abort, hand-over and weight-load
   bookkeeping, the wire) over ``tests/generation/fake_vllm``, a stand-in for vLLM's offline interfaces;
-- ``vllm``: vLLM's worker in its own environment; skipped, with the reason, where vLLM is absent.
+- ``vllm``: real vLLM's worker in its own environment (``make vllm-env``: the CPU build here, the CUDA
+  build on a GPU), in the slow suite; skipped, with the reason, where vLLM is absent.
+
+The model has heads of 32 dimensions, the smallest vLLM's CPU build runs.
 """
 
 import importlib.util
@@ -29,11 +32,11 @@ from generation.records import GenRequest, PromptItem
 pytestmark = pytest.mark.usefixtures("one_thread")
 
 SMALL = ModelConfig(
-    hidden_size=32, intermediate_size=64, num_layers=2, num_heads=4, num_kv_heads=2, max_seq_len=128
+    hidden_size=64, intermediate_size=128, num_layers=2, num_heads=2, num_kv_heads=1, max_seq_len=128
 )
 MAX_NEW = 12
 CAP = 4
-KINDS = ["torch", "torch-static", "torch-process", "vllm-fake", "vllm"]
+KINDS = ["torch", "torch-static", "torch-process", "vllm-fake", pytest.param("vllm", marks=pytest.mark.slow)]
 
 
 def _model(tok, seed):
@@ -147,17 +150,17 @@ def shared_engine(request, assets):
         if py is None:
             pytest.skip(
                 "vLLM is not importable here: neither .venv-vllm/bin/python nor $LAMINAR_VLLM_PYTHON can "
-                "import vllm, and this interpreter has no vllm module (run `make vllm-env` on a CUDA "
-                "machine to test it)"
+                "import vllm, and this interpreter has no vllm module (run `make vllm-env` to test it)"
             )
+        cuda = torch.cuda.is_available()
         eng = make_engine(
             "vllm",
             assets["dir"],
-            device="cuda",
+            device="cuda" if cuda else "cpu",
             capacity=CAP,
             max_new_tokens=MAX_NEW,
             python=py,
-            vllm_args=["--vllm-gpu-memory-utilization", "0.3"],
+            vllm_args=["--vllm-gpu-memory-utilization", "0.3"] + ([] if cuda else ["--vllm-enforce-eager"]),
         )
     yield kind, eng
     eng.close()
@@ -219,7 +222,9 @@ def test_status_counts_and_admission_switch(engine, assets):
     done = eng.step(1)
     st = eng.status()
     assert 1 <= st["active"] <= CAP and st["active"] + st["queued"] + len(done) == 6
-    assert st["kv_tokens"] >= st["active"] * (min(len(r.prompt.prompt_tokens) for r in reqs) + 1)
+    # a step makes progress, but not necessarily one token for every live request: real vLLM's first
+    # step after an admission may sample for only some of them
+    assert st["kv_tokens"] >= st["active"] * min(len(r.prompt.prompt_tokens) for r in reqs) + 1
     eng.admitting = False
     more = assets["reqs"][6:8]
     eng.submit(more)

@@ -4,8 +4,9 @@ It mimics what ``generation.vllm_worker`` uses, with vLLM's documented behaviour
 args)`` with ``llm_engine.add_request / step / abort_request`` (one token per live request per step,
 at most ``max_num_seqs`` live, ``RequestOutputKind.DELTA`` outputs, the sampled token's log-prob when
 ``logprobs=0``, EOS included in the tokens), ``collective_rpc`` into the ``worker_extension_cls``
-mixed into a worker whose ``model_runner.get_model().load_weights(weights=...)`` receives
-(name, tensor) pairs, ``reset_prefix_cache`` and ``get_tokenizer``. Tokens are a deterministic hash
+mixed into a worker whose ``reload_weights(weights_iterator=...)`` hands (name, tensor) pairs to the
+model's ``load_weights`` (which, as in vLLM's CPU build, fails when called directly: the weights are
+repacked at start), ``reset_prefix_cache`` and ``get_tokenizer``. Tokens are a deterministic hash
 of (request seed, position, loaded weights), so new weights change the outputs.
 
 With ``enable_lora=True`` (and vLLM's checks on ``max_lora_rank`` / ``max_loras``) it runs the real
@@ -63,8 +64,14 @@ class _Model:
         self.digest = 0
         self.loads = 0
         self.torch_model = torch_model  # the real model (LoRA mode), else None
+        self.processed = True  # weights in kernel format (the CPU build repacks them at start)
 
     def load_weights(self, weights):
+        if self.processed:  # vLLM's CPU build: the repacked parameters are empty
+            raise RuntimeError(
+                "Attempted to load weight into parameter (torch.Size([0])): weights are in kernel "
+                "format; load them through the worker's reload_weights"
+            )
         h = hashlib.blake2b(digest_size=8)
         n = 0
         params = dict(self.torch_model.named_parameters()) if self.torch_model is not None else None
@@ -90,6 +97,20 @@ class _Runner:
 
     def get_model(self):
         return self.model
+
+
+class _Worker:
+    """vLLM's worker, as far as an extension can tell: ``model_runner`` and the in-place weight update
+    ``reload_weights`` (checkpoint-format weights loaded, then processed into kernel format again)."""
+
+    def reload_weights(self, weights_iterator=None, weights_path=None, is_checkpoint_format=True):
+        assert weights_iterator is not None and is_checkpoint_format, "the fake reloads from an iterator"
+        model = self.model_runner.get_model()
+        model.processed = False
+        try:
+            model.load_weights(weights_iterator)
+        finally:
+            model.processed = True
 
 
 @dataclass
@@ -256,7 +277,7 @@ class LLM:
         self.tokenizer = AutoTokenizer.from_pretrained(tokenizer or model)
         mod, cls = worker_extension_cls.rsplit(".", 1)
         ext = getattr(importlib.import_module(mod), cls)
-        self.worker = type("FakeWorker", (ext,), {})()
+        self.worker = type("FakeWorker", (ext, _Worker), {})()
         self.worker.model_runner = _Runner()
         self.adapters = None
         if enable_lora:
