@@ -38,7 +38,6 @@ step, bit-for-bit the behaviour without lazy retirement. Trajectories do not dep
 
 from __future__ import annotations
 
-import hashlib
 from collections import deque
 from dataclasses import dataclass
 from collections.abc import Sequence
@@ -47,63 +46,7 @@ import numpy as np
 import torch
 
 from generation.records import GenRequest, Partial, Trajectory
-
-_M64 = (1 << 64) - 1
-_GOLDEN = 0x9E3779B97F4A7C15
-_MIX1 = 0xBF58476D1CE4E5B9
-_MIX2 = 0x94D049BB133111EB
-_VOCAB_STRIDE = 0xD1B54A32D192ED03  # odd constant: spreads vocabulary indices over the counter space
-
-
-def _signed(x: int) -> int:
-    """A 64-bit pattern as the torch.int64 value with the same bits."""
-    x &= _M64
-    return x - (1 << 64) if x >= (1 << 63) else x
-
-
-def _mix_py(z: int) -> int:
-    """splitmix64's finaliser on Python ints (exact 64-bit arithmetic): the reference for ``_mix``."""
-    z &= _M64
-    z = ((z ^ (z >> 30)) * _MIX1) & _M64
-    z = ((z ^ (z >> 27)) * _MIX2) & _M64
-    return z ^ (z >> 31)
-
-
-def _srl(x: torch.Tensor, k: int) -> torch.Tensor:
-    """Logical right shift of int64 bit patterns (torch's ``>>`` on int64 is arithmetic)."""
-    return (x >> k) & ((1 << (64 - k)) - 1)
-
-
-def _mix(z: torch.Tensor) -> torch.Tensor:
-    """splitmix64's finaliser on int64 tensors; multiplication wraps modulo 2^64 like uint64."""
-    z = (z ^ _srl(z, 30)) * _signed(_MIX1)
-    z = (z ^ _srl(z, 27)) * _signed(_MIX2)
-    return z ^ _srl(z, 31)
-
-
-def request_key(request: GenRequest) -> tuple[str, int, int]:
-    """What identifies a request within a run: (prompt id, group_uid, sample_idx)."""
-    return (request.prompt.prompt_id, int(request.group_uid), int(request.sample_idx))
-
-
-def row_key(seed: int, request: GenRequest) -> int:
-    """The noise key of one request: (seed, prompt id, group_uid, sample_idx) hashed to 64 bits. The
-    prompt id is hashed with blake2b (stable across processes, unlike ``hash``) so that two prompts
-    sharing a ``group_uid`` (e.g. the default 0) still draw independent noise."""
-    pid = int.from_bytes(hashlib.blake2b(request.prompt.prompt_id.encode(), digest_size=8).digest(), "little")
-    k = _mix_py(seed * _GOLDEN + 1)
-    for part in (pid, request.group_uid, request.sample_idx):
-        k = _mix_py(k ^ _mix_py(part + _GOLDEN))
-    return _signed(k)
-
-
-def gumbel_uniforms(keys: torch.Tensor, t: torch.Tensor, vocab: torch.Tensor) -> torch.Tensor:
-    """Uniforms in (0, 1), float64 [B, V], for rows with noise ``keys`` [B] (int64) at response
-    positions ``t`` [B] over vocabulary indices ``vocab`` [V]: a pure function of
-    (key, t, vocabulary index), so independent of batch composition and device."""
-    h = _mix(keys + (t + 1) * _signed(_GOLDEN))  # [B]
-    h = _mix(h[:, None] ^ ((vocab[None, :] + 1) * _signed(_VOCAB_STRIDE)))  # [B, V]
-    return (_srl(h, 11).double() + 0.5) * (1.0 / (1 << 53))  # 53 random bits, never 0 or 1
+from generation.sampler import request_key, row_key, sample
 
 
 def _resolve_dtype(dtype: str, cuda: bool):
@@ -174,7 +117,6 @@ class ContinuousEngine:
         self.pad_id = 0 if pad is None else int(pad)
         self._queue: deque[GenRequest] = deque()
         self._partials: deque[Partial] = deque()
-        self._vocab_idx: torch.Tensor | None = None
         self._reset_batch()
 
     # ----------------------------------------------------------------------------------- public API
@@ -317,20 +259,10 @@ class ContinuousEngine:
         self._keys = torch.zeros(0, dtype=torch.long, device=dev)  # [B] noise keys
         self._lastv = torch.zeros(0, dtype=torch.long, device=dev)  # [B] version of the last token
 
-    def _vocab(self, v: int) -> torch.Tensor:
-        if self._vocab_idx is None or self._vocab_idx.numel() != v:
-            self._vocab_idx = torch.arange(v, dtype=torch.long, device=self.device)
-        return self._vocab_idx
-
     def _sample(self, logits: torch.Tensor, keys: torch.Tensor, t: torch.Tensor):
         """(logits [B, V], noise keys [B], response positions [B]) -> (token, behaviour log-prob,
-        entropy), each [B]: Gumbel-max under the temperature-scaled distribution."""
-        logp = torch.log_softmax(logits.float() / self.temperature, dim=-1)
-        u = gumbel_uniforms(keys, t, self._vocab(logp.shape[-1]))
-        nxt = (logp.double() - torch.log(-torch.log(u))).argmax(-1)
-        lp = logp.gather(1, nxt[:, None]).squeeze(1)
-        ent = -(logp.exp() * logp).nan_to_num().sum(-1)
-        return nxt, lp, ent.double()
+        entropy), each [B]: ``generation.sampler.sample``."""
+        return sample(logits, self.temperature, keys, t)
 
     def _prefill(self, seqs: list[list[int]]):
         """One left-padded forward over ``seqs``: (fresh DynamicCache, attention mask [B, W], logits at

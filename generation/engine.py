@@ -14,6 +14,7 @@ from collections.abc import Sequence
 import torch
 
 from generation.records import GenRequest, PromptItem, Trajectory, WeightsUpdate
+from generation.sampler import row_keys, sample, seed_from
 from generation.setup import HostThreads
 
 
@@ -69,14 +70,19 @@ class TorchEngine:
         requests: Sequence[GenRequest],
         max_new_tokens: int,
         temperature: float,
-        generator: torch.Generator,
+        generator: torch.Generator | None = None,
         progress=None,
+        *,
+        seed: int | None = None,
     ) -> list[Trajectory]:
-        """Sample one response per request, in batches of ``batch_size``; output order = input order."""
+        """Sample one response per request, in batches of ``batch_size``; output order = input order.
+        The noise is ``generation.sampler``'s under ``seed`` (else one draw from ``generator``), so a
+        request's tokens do not depend on the batch it is in."""
+        seed = seed_from(generator, seed)
         out: list[Trajectory] = []
         for start in range(0, len(requests), self.batch_size):
             chunk = list(requests[start : start + self.batch_size])
-            out.extend(self._generate_batch(chunk, max_new_tokens, temperature, generator))
+            out.extend(self._generate_batch(chunk, max_new_tokens, temperature, seed))
             if progress is not None:
                 progress.update(len(chunk))
         return out
@@ -106,10 +112,10 @@ class TorchEngine:
 
     @torch.inference_mode()
     def _generate_batch(
-        self, requests: list[GenRequest], max_new_tokens: int, temperature: float, generator: torch.Generator
+        self, requests: list[GenRequest], max_new_tokens: int, temperature: float, seed: int
     ) -> list[Trajectory]:
         if not self.static_cache or not _decode_attention_supported(self.model):
-            return self._generate_batch_reference(requests, max_new_tokens, temperature, generator)
+            return self._generate_batch_reference(requests, max_new_tokens, temperature, seed)
         from transformers import DynamicCache
 
         # the prefill runs once per distinct prompt (a group's samples share theirs) and its keys and
@@ -142,7 +148,7 @@ class TorchEngine:
         # the native step reads the prompts' keys/values once per group, not a copy per row
         prompt_kv = _PromptKV(cache, attn) if fused is not None and fused.native is not None else None
         shards = self._shards(bsz)
-        noise = _StepNoise(bsz, logits.shape[1], generator, len(shards))
+        noise = row_keys(seed, requests)
         pad_rows = attn.index_select(0, of_row_dev) == 0
         step_pos = positions[:, -1:].index_select(0, of_row_dev)
 
@@ -200,14 +206,15 @@ class TorchEngine:
         max_new_tokens: int,
         temperature: float,
         fused,
-        noise: _StepNoise,
+        noise: torch.Tensor,
         out: _Outputs,
         shard: int,
         prompt_kv: _PromptKV | None = None,
     ) -> None:
         """The decode loop of the batch rows ``rows`` (full-batch indices) from their first-token
         ``logits``: a static KV cache filled from the ``prefill`` cache (row i from its prompt's row
-        ``of_row[i]``), finished rows compacted away, samples written to ``out``. With ``prompt_kv``
+        ``of_row[i]``), finished rows compacted away, samples written to ``out``; ``noise``: the
+        batch rows' noise keys [batch] (``generation.sampler``). With ``prompt_kv``
         (the native step) the rows share their prompt's keys/values and keep only their own."""
         while len(self._kv_store) <= shard:
             self._kv_store.append([])
@@ -257,13 +264,13 @@ class TorchEngine:
                         use_cache=True,
                     ).logits[:, -1, :]
             if native is not None and logits.dtype == torch.float32 and logits.stride(-1) == 1:
-                # the same draw as below in one pass (float rounding of the exp/log aside)
+                # the sampler's draw (``generation.sampler.sample``) in one pass
                 n = len(rows)
                 nxt, keep = next_buf[:n], keep_buf[:n]
                 kept = native.sample_step(
                     logits,
                     temperature,
-                    noise.step(t),
+                    noise,
                     rows,
                     t,
                     self.eos_id,
@@ -276,29 +283,22 @@ class TorchEngine:
                     keep,
                 )
                 if not kept:
-                    noise.finished()
                     break
                 n_done = n - kept
                 step_ids = nxt[:, None]  # read by the next step before the buffer is written again
                 step_pos = step_pos + 1
             else:
-                logprobs = torch.log_softmax(logits.float() / temperature, dim=-1).cpu()
-                probs = logprobs.exp()
-                # torch.multinomial(probs, 1) of the whole batch, drawn the same way (argmax of p / Exp(1)
-                # noise over [batch, vocab]), so every row gets the noise it would get in the full batch
-                nxt = (probs / noise.rows(t, rows)).argmax(-1)
+                nxt, lp, ent = sample(logits.cpu(), temperature, noise[rows], torch.full((len(rows),), t))
                 live = ~done[rows]
-                ent = -(probs * logprobs).nan_to_num().sum(-1)
                 idx = rows[live]
-                out.ent_sum[idx] += ent[live]
+                out.ent_sum[idx] += ent[live].float()
                 out.tokens[idx, t] = nxt[live]
-                out.logps[idx, t] = logprobs.gather(1, nxt[:, None]).squeeze(1)[live]
+                out.logps[idx, t] = lp[live]
                 newly = idx[nxt[live] == self.eos_id]
                 out.lengths[newly] = t + 1
                 done[newly] = True
                 keep = ~done[rows]
                 if not bool(keep.any()):
-                    noise.finished()
                     break
                 step_ids = nxt[:, None].to(self.device)
                 step_pos = step_pos + 1
@@ -357,7 +357,7 @@ class TorchEngine:
 
     @torch.inference_mode()
     def _generate_batch_reference(
-        self, requests: list[GenRequest], max_new_tokens: int, temperature: float, generator: torch.Generator
+        self, requests: list[GenRequest], max_new_tokens: int, temperature: float, seed: int
     ) -> list[Trajectory]:
         """The decode loop before the static cache (a ``DynamicCache`` grown by concatenation, every row
         decoded until the whole batch is done): kept as the reference ``tests`` compare against."""
@@ -372,6 +372,7 @@ class TorchEngine:
         lengths = torch.full((bsz,), max_new_tokens, dtype=torch.long)
         done = torch.zeros(bsz, dtype=torch.bool)
         step_ids, step_pos = input_ids, positions
+        keys = row_keys(seed, requests)
         for t in range(max_new_tokens):
             logits = self.model(
                 input_ids=step_ids,
@@ -380,12 +381,10 @@ class TorchEngine:
                 past_key_values=cache,
                 use_cache=True,
             ).logits[:, -1, :]
-            logprobs = torch.log_softmax(logits.float() / temperature, dim=-1).cpu()
-            probs = logprobs.exp()
-            nxt = torch.multinomial(probs, 1, generator=generator).squeeze(1)
-            ent_sum += torch.where(done, 0.0, -(probs * logprobs).nan_to_num().sum(-1))
+            nxt, lp, ent = sample(logits.cpu(), temperature, keys, torch.full((bsz,), t))
+            ent_sum += torch.where(done, 0.0, ent.float())
             tokens[:, t] = nxt
-            logps[:, t] = logprobs.gather(1, nxt[:, None]).squeeze(1)
+            logps[:, t] = lp
             newly = (nxt == self.eos_id) & ~done
             lengths[newly] = t + 1
             done |= newly
@@ -445,46 +444,6 @@ class _Outputs:
         self.ent_sum = torch.zeros(bsz)
         self.lengths = torch.full((bsz,), max_new_tokens, dtype=torch.long)
         self.done = torch.zeros(bsz, dtype=torch.bool)
-
-
-class _StepNoise:
-    """The Exp(1) noise of each decode step over the whole batch [bsz, vocab], drawn from the generator
-    in step order by whichever shard asks first, so every row gets the noise it gets in a one-shard
-    decode and the generator ends in the same state (steps are drawn up to the last one any row
-    needs). A step's noise is dropped once every shard live when it was drawn has read it."""
-
-    def __init__(self, bsz: int, vocab: int, generator: torch.Generator, shards: int = 1):
-        import threading
-
-        self.shape, self.generator = (bsz, vocab), generator
-        self.steps: dict[int, list] = {}
-        self.drawn = 0
-        self.live = shards
-        self.lock = threading.Lock()
-
-    def rows(self, t: int, rows: torch.Tensor) -> torch.Tensor:
-        """Step ``t``'s noise of batch rows ``rows``."""
-        return self.step(t)[rows]
-
-    def step(self, t: int) -> torch.Tensor:
-        """Step ``t``'s noise of the whole batch [bsz, vocab] (a shard reads its own rows)."""
-        with self.lock:
-            while self.drawn <= t:
-                self.steps[self.drawn] = [
-                    torch.empty(self.shape).exponential_(1, generator=self.generator),
-                    self.live,
-                ]
-                self.drawn += 1
-            entry = self.steps[t]
-            entry[1] -= 1
-            if entry[1] <= 0:
-                del self.steps[t]
-        return entry[0]
-
-    def finished(self) -> None:
-        """A shard has no live row left: it reads no later step."""
-        with self.lock:
-            self.live -= 1
 
 
 _DECODE_ATTN = "laminar_decode"

@@ -224,7 +224,7 @@ class StaticSlotEngine(ContinuousEngine):
         self._sync_rows()
 
     def _row_key(self, request: GenRequest) -> int:
-        from generation.continuous import row_key
+        from generation.sampler import row_key
 
         return row_key(self.seed, request)
 
@@ -380,7 +380,7 @@ class StaticSlotEngine(ContinuousEngine):
     def extract(self, include_queued: bool = True, only=None) -> tuple[list[Partial], list[GenRequest]]:
         from collections import deque
 
-        from generation.continuous import request_key
+        from generation.sampler import request_key
 
         def chosen(r: GenRequest) -> bool:
             return only is None or request_key(r) in only

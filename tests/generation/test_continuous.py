@@ -8,7 +8,8 @@ import torch
 
 from conf.schema import ModelConfig
 from generation.model import build_char_tokenizer, build_tiny_model, encode_prompt
-from generation.continuous import ContinuousEngine, _mix, _mix_py, _signed, gumbel_uniforms
+from generation.continuous import ContinuousEngine
+from generation.sampler import _mix, _mix_py, _signed, gumbel_uniforms
 from generation.records import GenRequest, Partial, PromptItem, ScoredGroup
 from training.rl.trainer import build_batch, response_logits, token_logprobs
 
@@ -322,7 +323,7 @@ def test_lazy_retirement_gives_the_same_trajectories(tok):
 
 
 def test_extract_only_some_requests_keeps_the_others_running(tok):
-    from generation.continuous import request_key
+    from generation.sampler import request_key
 
     model = _model(tok)
     reqs = _requests(tok, 4, 1)

@@ -27,22 +27,18 @@ def test_shards_sample_what_one_shard_samples(small_shards, fused):
         runs = {}
         for k in (1, 3):
             engine.decode_threads = k
-            gen = torch.Generator().manual_seed(seed)
-            runs[k] = (engine.generate(reqs, 40, 1.0, gen), torch.rand(4, generator=gen))
+            runs[k] = engine.generate(reqs, 40, 1.0, seed=seed)
         assert len(engine._shards(20)) == 3
         one, three = runs[1], runs[3]
-        lengths = sorted(len(t.response_tokens) for t in three[0])
-        assert lengths[0] < lengths[-1] and any(not t.finished for t in three[0])
-        _assert_same(one[0], three[0])
-        assert torch.equal(one[1], three[1])  # the generator is left where one shard leaves it
+        lengths = sorted(len(t.response_tokens) for t in three)
+        assert lengths[0] < lengths[-1] and any(not t.finished for t in three)
+        _assert_same(one, three)
         ref = [
             t
             for s in range(0, len(reqs), 20)
-            for t in engine._generate_batch_reference(
-                reqs[s : s + 20], 40, 1.0, torch.Generator().manual_seed(seed)
-            )
+            for t in engine._generate_batch_reference(reqs[s : s + 20], 40, 1.0, seed)
         ]
-        assert [t.response_tokens for t in ref[:20]] == [t.response_tokens for t in three[0][:20]]
+        assert [t.response_tokens for t in ref[:20]] == [t.response_tokens for t in three[:20]]
     assert torch.get_num_threads() == threads
     assert engine.model.config._attn_implementation == "sdpa"  # switched back once, not per shard
 
@@ -61,8 +57,8 @@ def test_a_failing_shard_raises_and_the_engine_stays_usable(small_shards, monkey
 
     monkeypatch.setattr(TorchEngine, "_decode_rows", failing)
     with pytest.raises(RuntimeError, match="shard died"):
-        engine.generate(reqs, 16, 1.0, torch.Generator().manual_seed(0))
+        engine.generate(reqs, 16, 1.0, seed=0)
     monkeypatch.setattr(TorchEngine, "_decode_rows", original)
-    got = engine.generate(reqs, 16, 1.0, torch.Generator().manual_seed(0))
+    got = engine.generate(reqs, 16, 1.0, seed=0)
     engine.decode_threads = 1
-    _assert_same(engine.generate(reqs, 16, 1.0, torch.Generator().manual_seed(0)), got)
+    _assert_same(engine.generate(reqs, 16, 1.0, seed=0), got)

@@ -24,7 +24,7 @@ def _requests(tok, n=12):
 
 def _frequent_token(engine, reqs) -> int:
     """A token the model samples often, used as EOS so rows finish at many different steps."""
-    out = engine._generate_batch_reference(reqs, 8, 1.0, torch.Generator().manual_seed(0))
+    out = engine._generate_batch_reference(reqs, 8, 1.0, 0)
     counts = torch.bincount(torch.tensor([t for tr in out for t in tr.response_tokens]))
     return int(counts.argmax())
 
@@ -45,13 +45,12 @@ def test_static_decode_matches_reference_with_early_stops():
     reqs = _requests(tok)
     engine.eos_id = _frequent_token(engine, reqs)
     for seed in (0, 1, 2):
-        gen = torch.Generator().manual_seed(seed)  # one generator across the batches, as generate() uses
         ref = [
             t
             for s in range(0, len(reqs), 16)
-            for t in engine._generate_batch_reference(reqs[s : s + 16], 40, 1.0, gen)
+            for t in engine._generate_batch_reference(reqs[s : s + 16], 40, 1.0, seed)
         ]
-        got = engine.generate(reqs, 40, 1.0, torch.Generator().manual_seed(seed))
+        got = engine.generate(reqs, 40, 1.0, seed=seed)
         lengths = sorted(len(t.response_tokens) for t in got)
         assert lengths[0] < lengths[-1] and any(t.finished for t in got) and any(not t.finished for t in got)
         _assert_same(ref, got)
@@ -63,8 +62,8 @@ def test_static_decode_matches_reference_to_the_cap_and_at_temperature():
     engine = TorchEngine(build_tiny_model(SMALL, tok, seed=1), tok)
     engine.eos_id = -1  # no row stops: every step runs the whole batch
     reqs = _requests(tok, 6)
-    ref = engine._generate_batch_reference(reqs, 24, 0.7, torch.Generator().manual_seed(3))
-    got = engine.generate(reqs, 24, 0.7, torch.Generator().manual_seed(3))
+    ref = engine._generate_batch_reference(reqs, 24, 0.7, 3)
+    got = engine.generate(reqs, 24, 0.7, seed=3)
     assert all(len(t.response_tokens) == 24 and not t.finished for t in got)
     _assert_same(ref, got)
 
@@ -75,14 +74,13 @@ def test_eager_attention_takes_the_reference_loop():
     model.config._attn_implementation = "eager"
     engine = TorchEngine(model, tok)
     reqs = _requests(tok, 4)
-    a = engine.generate(reqs, 16, 1.0, torch.Generator().manual_seed(0))
-    b = engine._generate_batch_reference(reqs, 16, 1.0, torch.Generator().manual_seed(0))
+    a = engine.generate(reqs, 16, 1.0, seed=0)
+    b = engine._generate_batch_reference(reqs, 16, 1.0, 0)
     assert [t.behaviour_logprobs for t in a] == [
         t.behaviour_logprobs for t in b
     ]  # bit for bit: the same loop
     off = TorchEngine(build_tiny_model(SMALL, tok, seed=0), tok, static_cache=False)
-    c = off.generate(reqs, 16, 1.0, torch.Generator().manual_seed(0))
+    c = off.generate(reqs, 16, 1.0, seed=0)
     assert [t.response_tokens for t in c] == [
-        t.response_tokens
-        for t in off._generate_batch_reference(reqs, 16, 1.0, torch.Generator().manual_seed(0))
+        t.response_tokens for t in off._generate_batch_reference(reqs, 16, 1.0, 0)
     ]

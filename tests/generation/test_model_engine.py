@@ -49,7 +49,7 @@ def test_engine_logprobs_match_trainer_recomputation(tmp_path):
     model, tok = _tiny(tmp_path)
     engine = TorchEngine(model, tok, batch_size=5)  # several batches, ragged prompts (left padding)
     reqs = _requests(tok)
-    trajs = engine.generate(reqs, 12, 1.0, torch.Generator().manual_seed(0))
+    trajs = engine.generate(reqs, 12, 1.0, seed=0)
     assert [t.sample_idx for t in trajs] == [r.sample_idx for r in reqs]
     assert all(len(t.response_tokens) == len(t.behaviour_logprobs) and t.version == 0 for t in trajs)
     group = ScoredGroup(
@@ -65,8 +65,8 @@ def test_engine_deterministic_and_stops_at_eos(tmp_path):
     model, tok = _tiny(tmp_path)
     engine = TorchEngine(model, tok)
     reqs = _requests(tok, 3)
-    a = engine.generate(reqs, 10, 1.0, torch.Generator().manual_seed(1))
-    b = engine.generate(reqs, 10, 1.0, torch.Generator().manual_seed(1))
+    a = engine.generate(reqs, 10, 1.0, seed=1)
+    b = engine.generate(reqs, 10, 1.0, seed=1)
     assert [t.response_tokens for t in a] == [t.response_tokens for t in b]
     for t in a:
         eos = tok.eos_token_id

@@ -75,15 +75,8 @@ def test_native_step_samples_what_the_torch_ops_sample(name, monkeypatch):
     native.eos_id = torch_ops.eos_id = _frequent_token(native, reqs)  # rows finish at many steps: compaction
     calls = _count_native_steps(monkeypatch)
     for temperature in (1.0, 0.7):
-        gen = torch.Generator().manual_seed(3)
-        got = native.generate(reqs, 48, temperature, gen)
-        after = torch.rand(3, generator=gen)
-        gen = torch.Generator().manual_seed(3)
-        want = torch_ops.generate(reqs, 48, temperature, gen)
-        _assert_same(want, got)
-        assert torch.equal(
-            after, torch.rand(3, generator=gen)
-        )  # the generator ends where it ends on torch ops
+        got = native.generate(reqs, 48, temperature, seed=3)
+        _assert_same(torch_ops.generate(reqs, 48, temperature, seed=3), got)
         lengths = sorted(len(t.response_tokens) for t in got)
         assert lengths[0] < lengths[-1] and any(t.finished for t in got) and any(not t.finished for t in got)
     assert calls and min(calls) < 20  # the native step ran, also after rows left the batch
@@ -91,10 +84,10 @@ def test_native_step_samples_what_the_torch_ops_sample(name, monkeypatch):
     ref = [
         t
         for s in range(0, len(reqs), 20)
-        for t in native._generate_batch_reference(reqs[s : s + 20], 48, 1.0, torch.Generator().manual_seed(3))
+        for t in native._generate_batch_reference(reqs[s : s + 20], 48, 1.0, 3)
     ]
     assert [t.response_tokens for t in ref[:20]] == [
-        t.response_tokens for t in native.generate(reqs, 48, 1.0, torch.Generator().manual_seed(3))[:20]
+        t.response_tokens for t in native.generate(reqs, 48, 1.0, seed=3)[:20]
     ]
 
 
@@ -108,7 +101,7 @@ def test_native_shards_sample_what_one_shard_samples(monkeypatch):
     runs = {}
     for k in (1, 3):
         engine.decode_threads = k
-        runs[k] = engine.generate(reqs, 40, 1.0, torch.Generator().manual_seed(1))
+        runs[k] = engine.generate(reqs, 40, 1.0, seed=1)
     _assert_same(runs[1], runs[3])
     assert 44 in calls and {14, 15} <= set(calls)  # one shard of 44 rows, then three of 14-15
 
@@ -117,10 +110,10 @@ def test_switched_off_or_without_a_compiler_the_engine_runs_on_torch_ops(monkeyp
     tok = build_char_tokenizer()
     model = _llama(tok, 64, 4, 2)
     reqs = _requests(tok, 4, 2)
-    want = TorchEngine(model, tok).generate(reqs, 20, 1.0, torch.Generator().manual_seed(0))
+    want = TorchEngine(model, tok).generate(reqs, 20, 1.0, seed=0)
     calls = _count_native_steps(monkeypatch)
     monkeypatch.setenv("LAMINAR_NATIVE_KERNELS", "0")
-    _assert_same(want, TorchEngine(model, tok).generate(reqs, 20, 1.0, torch.Generator().manual_seed(0)))
+    _assert_same(want, TorchEngine(model, tok).generate(reqs, 20, 1.0, seed=0))
     monkeypatch.delenv("LAMINAR_NATIVE_KERNELS")
     # a compiler that fails (and an empty cache): a warning, torch ops, the same samples
     monkeypatch.setattr(kernels, "_tried", False)
@@ -128,7 +121,7 @@ def test_switched_off_or_without_a_compiler_the_engine_runs_on_torch_ops(monkeyp
     monkeypatch.setenv("LAMINAR_KERNEL_CACHE", str(tmp_path / "cache"))
     monkeypatch.setenv("CC", "false")
     assert kernels.load() is None
-    _assert_same(want, TorchEngine(model, tok).generate(reqs, 20, 1.0, torch.Generator().manual_seed(0)))
+    _assert_same(want, TorchEngine(model, tok).generate(reqs, 20, 1.0, seed=0))
     assert calls == [] and not list((tmp_path / "cache").glob("*.so"))
 
 
@@ -175,7 +168,7 @@ def test_bad_inputs_raise_before_reaching_the_kernels():
         dec.native.sample_step(
             ok,
             1.0,
-            torch.ones(3, len(tok)),
+            torch.zeros(3, dtype=torch.long),
             torch.tensor([0, 1, 3]),
             0,
             2,
@@ -191,7 +184,7 @@ def test_bad_inputs_raise_before_reaching_the_kernels():
         dec.native.sample_step(
             ok.double(),
             1.0,
-            torch.ones(3, len(tok)),
+            torch.zeros(3, dtype=torch.long),
             torch.tensor([0, 1, 2]),
             0,
             2,
