@@ -7,10 +7,9 @@ import random
 import pytest
 import torch
 
-import generation.engine as engine_mod
+import generation.wave as wave_mod
 from generation import kernels
-from generation.continuous import ContinuousEngine
-from generation.engine import TorchEngine
+from generation.engine import Engine
 from generation.model import build_char_tokenizer, build_tiny_model, encode_prompt
 from generation.records import GenRequest, PromptItem
 from generation.sampler import row_keys, sample
@@ -36,12 +35,12 @@ def setup():
     tok = build_char_tokenizer()
     model = build_tiny_model(SMALL, tok, seed=0)
     reqs = _requests(tok, 8, 4)
-    eos = _frequent_token(TorchEngine(model, tok), reqs)  # rows finish at many steps
+    eos = _frequent_token(Engine(model, tok), reqs)  # rows finish at many steps
     return tok, model, reqs, eos
 
 
 def _engine(model, tok, eos, **kw):
-    engine = TorchEngine(model, tok, **kw)
+    engine = Engine(model, tok, **kw)
     engine.eos_id = eos
     return engine
 
@@ -65,13 +64,13 @@ def test_batch_composition_order_and_batch_size_do_not_change_the_tokens(setup):
 @pytest.mark.parametrize("fused", [True, False])
 def test_shard_counts_do_not_change_the_tokens(setup, monkeypatch, fused):
     tok, model, reqs, eos = setup
-    monkeypatch.setattr(engine_mod, "MIN_SHARD_ROWS", 4)
+    monkeypatch.setattr(wave_mod, "MIN_SHARD_ROWS", 4)
     engine = _engine(model, tok, eos, fused_decode=fused)
     runs = []
     for k in (1, 3, 5):
         engine.decode_threads = k
         runs.append(engine.generate(reqs, 24, 0.8, seed=3))
-    assert len(engine._shards(len(reqs))) == 5
+    assert len(wave_mod.shard_rows(len(reqs), "cpu", engine.decode_threads)) == 5
     _assert_same(runs[0], runs[1])
     _assert_same(runs[0], runs[2])
 
@@ -80,7 +79,7 @@ def test_the_batch_call_and_the_continuous_step_loop_sample_the_same(setup):
     tok, model, reqs, eos = setup
     want = _by_key(_engine(model, tok, eos).generate(reqs, 24, 1.0, seed=11))
     for capacity, steps in ((5, 3), (32, 24)):
-        cont = ContinuousEngine(model, tok, capacity=capacity, max_new_tokens=24, seed=11)
+        cont = Engine(model, tok, capacity=capacity, max_new_tokens=24, seed=11)
         cont.eos_id = eos
         cont.submit(list(reversed(reqs)))
         out = []
@@ -101,7 +100,7 @@ def test_the_native_sampling_step_draws_what_the_torch_sampler_draws():
     keys = row_keys(4, requests)
     rows = torch.arange(n).flip(0)  # batch rows in another order than the logits' rows
     want, lp, ent = sample(logits, 0.7, keys[rows], torch.full((n,), t))
-    out = engine_mod._Outputs(n, 8)
+    out = wave_mod.Outputs(n, 8)
     nxt, keep = torch.empty(n, dtype=torch.long), torch.empty(n, dtype=torch.bool)
     k = kernels.load()
     k.sample_step(
@@ -110,3 +109,58 @@ def test_the_native_sampling_step_draws_what_the_torch_sampler_draws():
     assert torch.equal(nxt, want)
     assert torch.allclose(out.logps[rows, t], lp, atol=1e-5)
     assert torch.allclose(out.ent_sum[rows], ent.float(), atol=1e-4)
+
+
+def _drain(engine, steps=3):
+    out = []
+    while engine.status()["active"] or engine.status()["queued"]:
+        out.extend(engine.step(steps))
+    return out
+
+
+def test_a_wave_handed_over_dissolved_or_reloaded_midway_samples_the_same(setup, monkeypatch):
+    tok, model, reqs, eos = setup
+    want = _by_key(_engine(model, tok, eos).generate(reqs, 24, 1.0, seed=2))
+    keys = sorted(want)
+
+    def check(trajs):
+        got = _by_key(trajs)
+        assert sorted(got) == keys
+        _assert_same([want[k] for k in keys], [got[k] for k in keys])
+
+    def engine(**kw):
+        e = Engine(model, tok, max_new_tokens=24, seed=2, **kw)
+        e.eos_id = eos
+        return e
+
+    # handed over midway: extract from a wave, inject into another engine
+    a, b = engine(capacity=64), engine(capacity=64)
+    a.submit(reqs)
+    early = a.step(5)
+    assert not a._batch.joins and a.status()["active"] > 0  # a wave was running
+    partials, queued = a.extract()
+    assert queued == [] and a.status()["active"] == 0 and partials
+    b.inject(partials)
+    check(early + _drain(b))
+    # dissolved: a wave of half the requests, the rest queued; once a few of its rows are done the
+    # others continue beside the queued ones
+    dissolved = []
+    original = Engine._dissolve_wave
+    monkeypatch.setattr(Engine, "_dissolve_wave", lambda self: dissolved.append(1) or original(self))
+    d = engine(capacity=16)
+    d.wave_refill = 0.9
+    check(_drain_submitted(d, reqs))
+    assert dissolved
+    # new weights (the same values) midway: the rows continue by re-prefill, the version moves
+    c = engine(capacity=64)
+    c.submit(reqs)
+    early = c.step(5)
+    c.load_weights(1, state={k: v.detach().numpy().copy() for k, v in model.state_dict().items()})
+    late = _drain(c)
+    check(early + late)
+    assert all(t.version == 0 for t in late) and any(t.last_version == 1 for t in late)
+
+
+def _drain_submitted(engine, reqs):
+    engine.submit(reqs)
+    return _drain(engine)
