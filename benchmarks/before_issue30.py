@@ -1,9 +1,10 @@
 """``laminar`` with the sampling and update paths the project had before issue 30, for before/after
 runs of the same pipeline on the same code, config and machine (``default_run.py --paths before-issue-30``).
 
-Switched back: every ``TorchEngine`` batch samples through ``_generate_batch_reference`` (a
-``DynamicCache`` grown by concatenation, every row decoded to the end of the batch: no static cache,
-fused decode step, shared prefill or host decode threads), and the RL trainer runs the padded forward
+Switched back: every ``Engine.generate`` call samples through the reference loop the engine's tests
+compare against (``tests.generation.oracle``: a ``DynamicCache`` grown by concatenation, every row
+decoded to the end of the batch: no static cache, fused decode step, shared prefill or host decode
+threads), and the RL trainer runs the padded forward
 (``REFERENCE_FORWARD``) in one host thread. Both produce what the new paths produce up to float
 rounding (``tests/generation/test_engine_static.py``, ``tests/training/test_packed_forward.py``,
 ``tests/training/test_update_threads.py``).
@@ -21,10 +22,11 @@ sys.path.insert(0, str(ROOT))
 
 
 def switch_back() -> None:
-    from generation.engine import TorchEngine
+    from generation.engine import Engine
+    from tests.generation.oracle import oracle_generate
     from training.rl import trainer
 
-    TorchEngine._generate_batch = TorchEngine._generate_batch_reference
+    Engine.generate = oracle_generate
     trainer.REFERENCE_FORWARD = True
     trainer.MIN_THREAD_ROWS = 1 << 62
 

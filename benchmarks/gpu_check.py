@@ -5,8 +5,9 @@
 
 Sections:
 - **engine**: tokens/s of the built-in continuous-batching engine at batch 1, 64 and 256, in three
-  variants: ``dynamic`` (``ContinuousEngine``: bf16 on CUDA, lazy host syncs), ``static``
-  (``StaticSlotEngine``: static slot KV cache) and ``graphs`` (the same with the decode forward
+  variants: ``wave`` (``Engine``'s default: a wave of rows that start together, prompt-shared
+  static KV cache), ``dynamic`` (``Engine(waves=False)``: bf16 on CUDA, lazy host syncs), ``static``
+  (``Engine(static_cache=True)``: static slot KV cache) and ``graphs`` (the same with the decode forward
   captured as a CUDA graph; CUDA only), for the tiny model and a random Qwen2.5-0.5B-shaped Llama
   (hidden 896, 24 layers, 14 heads, 2 KV heads, intermediate 4864, vocab 151,936; built from a config,
   nothing downloaded), against a plain eager KV-cache loop (model forward with ``past_key_values``,
@@ -40,9 +41,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from conf.schema import ModelConfig
 from generation.model import build_char_tokenizer, build_tiny_model
-from generation.continuous import ContinuousEngine
+from generation.engine import Engine
 from generation.records import GenRequest, PromptItem
-from generation.static_slots import StaticSlotEngine
 
 QWEN05_SHAPE = dict(
     hidden_size=896,
@@ -121,9 +121,10 @@ def _prompts(batch: int, prompt_len: int, vocab: int, seed: int = 0) -> torch.Te
 
 
 ENGINE_VARIANTS = {
-    "dynamic": "ContinuousEngine (concat/select KV cache)",
-    "static": "StaticSlotEngine (static slot KV cache, eager forward)",
-    "graphs": "StaticSlotEngine + CUDA graph of the decode forward",
+    "wave": "Engine (a wave: prompt-shared static KV cache)",
+    "dynamic": "Engine(waves=False) (concat/select KV cache)",
+    "static": "Engine(static_cache=True) (static slot KV cache, eager forward)",
+    "graphs": "Engine(static_cache=True, cuda_graphs=True): CUDA graph of the decode forward",
 }
 
 
@@ -132,10 +133,10 @@ def time_engine(
 ) -> dict:
     """The built-in engine: ``batch`` requests, capacity ``batch``, every row ``new_tokens`` long."""
     kw = dict(device=str(device), capacity=batch, max_new_tokens=new_tokens, temperature=1.0, seed=0)
-    if variant == "dynamic":
-        engine = ContinuousEngine(model, tok, **kw)
+    if variant in ("wave", "dynamic"):
+        engine = Engine(model, tok, waves=variant == "wave", **kw)
     else:
-        engine = StaticSlotEngine(model, tok, cuda_graphs=variant == "graphs", **kw)
+        engine = Engine(model, tok, static_cache=True, cuda_graphs=variant == "graphs", **kw)
     reqs = [
         GenRequest(PromptItem(f"p{i}", "", "", tuple(prompt[i].tolist())), 0, group_uid=i)
         for i in range(batch)
@@ -531,8 +532,8 @@ def main(argv=None) -> None:
     ap.add_argument("--sections", default="engine,publish,trainer")
     ap.add_argument(
         "--variants",
-        default="dynamic,static,graphs",
-        help="engine variants: dynamic, static, graphs (graphs: CUDA only)",
+        default="wave,dynamic,static,graphs",
+        help="engine variants: wave, dynamic, static, graphs (graphs: CUDA only)",
     )
     ap.add_argument(
         "--ray",

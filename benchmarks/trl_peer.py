@@ -8,13 +8,13 @@ gradient norm clipped at 1.0, ``--threads`` torch threads. Each (round, variant)
 process, the variants in a rotated order per round; every process runs ``--warmup`` untimed steps,
 then ``--steps`` timed ones. Reported per variant (median over rounds of each round's median):
 seconds per step, generated tokens/s over the whole step, and generated tokens/s of the generation
-phase alone (the time inside ``model.generate`` for TRL, inside ``TorchEngine.generate`` for
+phase alone (the time inside ``model.generate`` for TRL, inside ``Engine.generate`` for
 laminar; generated tokens = each completion up to and including its EOS), and the ratios to TRL.
 
 Variants: ``trl`` (TRL 1.16, HF ``generate``), ``laminar`` (the sync RL stage's loop ``run_sync``
 as shipped) and ``laminar-reference`` (the same loop with the decode loop and trainer forward the
-project had before issue 30: ``TorchEngine._generate_batch_reference`` and the padded trainer
-forward), so the before/after of this machine and load sits in one table.
+project had before issue 30: the engine tests' reference loop, ``tests.generation.oracle``, and the
+padded trainer forward), so the before/after of this machine and load sits in one table.
 
 TRL is a benchmark-only dependency: ``pip install -e '.[bench]'`` (or ``pip install trl==1.16.0``);
 the project never imports it.
@@ -97,7 +97,7 @@ def run_laminar(args, reference: bool) -> dict:
 
     from conf.loader import load_config
     from evaluation.verifier import Verifier
-    from generation.engine import TorchEngine
+    from generation.engine import Engine
     from generation.model import load_model
     from training.rl import trainer as trainer_mod
     from training.rl.loop import run_sync
@@ -116,7 +116,7 @@ def run_laminar(args, reference: bool) -> dict:
     model, tok = load_model(args.model_dir, "cpu")
     _, prompts = load_prompts(args.model_dir, args.prompts)
     gen_calls: list[tuple[float, int]] = []
-    original = TorchEngine.generate
+    original = Engine.generate
 
     def timed_generate(self, requests, *a, **kw):
         t0 = time.perf_counter()
@@ -124,9 +124,11 @@ def run_laminar(args, reference: bool) -> dict:
         gen_calls.append((time.perf_counter() - t0, sum(len(t.response_tokens) for t in out)))
         return out
 
-    TorchEngine.generate = timed_generate
+    Engine.generate = timed_generate
     if reference:
-        TorchEngine._generate_batch = TorchEngine._generate_batch_reference
+        from tests.generation.oracle import oracle_generate
+
+        original = oracle_generate
         if hasattr(trainer_mod, "REFERENCE_FORWARD"):
             trainer_mod.REFERENCE_FORWARD = True
     stamps = [time.perf_counter()]

@@ -444,7 +444,7 @@ class RolloutConfig:
     sync_every: int = 0
     """Decode steps between host syncs (finished rows leave then); 0 = 8 on CUDA, 1 on the CPU."""
     static_cache: bool = False
-    """Fixed-shape decode over a static slot KV cache (``generation/static_slots.py``)."""
+    """Fixed-shape decode over a static slot KV cache (``generation/rows.py``: ``SlotRows``)."""
     cuda_graphs: bool = False
     """Capture the decode forward in CUDA graphs (implies static_cache; ignored off CUDA)."""
     vllm_python: str | None = None

@@ -1,6 +1,6 @@
 """Curation steps that sample the current model: difficulty estimation and DART rejection sampling.
 
-Both drive the rollout engine (``generation.engine.TorchEngine``) and the shared verifier, so a
+Both drive the rollout engine (``generation.engine.Engine``) and the shared verifier, so a
 prompt's pass rate here means exactly what the RL reward means. Outputs are parquet files; the
 selection logic itself lives in ``data_curation.dart`` and ``data_curation.hive`` (SQL).
 """
@@ -46,10 +46,10 @@ def seeded_subset(rows: list[dict], n: int, seed: int) -> list[dict]:
 
 def _engine(model_dir: Path, device: str, batch_size: int):
     from generation.model import load_model
-    from generation.engine import TorchEngine
+    from generation.engine import Engine
 
     model, tokenizer = load_model(model_dir, device)
-    return TorchEngine(model, tokenizer, device=device, batch_size=batch_size), tokenizer
+    return Engine(model, tokenizer, device=device, batch_size=batch_size), tokenizer
 
 
 def estimate_difficulty(

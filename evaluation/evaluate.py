@@ -15,7 +15,7 @@ from evaluation.benchmarks import BenchmarkItem, build_prompt
 from evaluation.metrics import summarize
 from evaluation.verifier import Verifier
 from generation.model import encode_prompt
-from generation.engine import TorchEngine
+from generation.engine import Engine
 from generation.records import GenRequest, PromptItem
 
 
@@ -55,7 +55,7 @@ def evaluate_items(
     """One row per (item, sample). ``templates`` maps a benchmark to its prompt template
     (None = the registry default). Prompts longer than the model's context are still sampled (a
     model with rotary positions runs past them); ``summarize_rows`` counts them."""
-    engine = TorchEngine(model, tokenizer, device=device, batch_size=batch_size)
+    engine = Engine(model, tokenizer, device=device, batch_size=batch_size)
     prompts = [
         PromptItem(
             prompt_id=it.problem_id,

@@ -1,85 +1,315 @@
-"""The built-in rollout engine: batched sampling with a KV cache, driving the model directly.
+"""The built-in generation engine: continuous batching over any Hugging Face causal LM, driving the
+model directly (a decode step costs far less than ``generate``'s), for every caller: curation,
+evaluation and the RL drivers.
 
-It records the behaviour log-prob of every sampled token (under the temperature-scaled
-distribution it sampled from) and the weight version that produced it. Any Hugging Face causal LM
-works; the decode loop is a plain ``forward(past_key_values=...)`` loop, which costs far less per
-step than ``generate`` for small models.
+``submit`` queues requests, ``step`` admits them into free rows and decodes, finished rows leave at
+once and queued ones take their place; ``extract`` / ``inject`` hand in-flight responses between
+engines; ``load_weights`` swaps weights (version-atomic); ``generate`` is the batch call on top of the
+same scheduling. Every token is drawn by ``generation.sampler`` (a request's tokens do not depend on
+its batch) and carries its behaviour log-prob and the weight version that sampled it.
+
+The running rows live in one of three layouts: a **wave** (``generation.wave``: rows that start
+together, the fastest path: prompt-shared KV, the native C step) whenever the engine is idle and
+fresh requests arrive; else ``DynamicRows`` (a growing ``DynamicCache``) or, with ``static_cache``,
+``SlotRows`` (static slots; ``cuda_graphs`` on CUDA), both in ``generation.rows``. A wave dissolves
+into partials (continued by re-prefill) when queued work waits and half its rows have finished, on
+a weight load mid-wave, and on ``extract``.
 """
 
 from __future__ import annotations
 
-import contextlib
-from collections.abc import Sequence
+from collections import deque
+from collections.abc import Iterable, Mapping, Sequence
 
+import numpy as np
 import torch
 
-from generation.records import GenRequest, PromptItem, Trajectory, WeightsUpdate
+from generation.protocol import EngineBase, ProtocolError, SamplingSpec, load_safetensors
+from generation.records import GenRequest, Partial, PromptItem, Trajectory, WeightsUpdate
+from generation.rows import DynamicRows, Row, SlotRows
+from generation.sampler import request_key, sample, seed_from
 from generation.setup import HostThreads
+from generation.wave import Wave, decode_attention_supported
 
 
-class TorchEngine:
+def _resolve_dtype(dtype: str, cuda: bool):
+    """The dtype to cast the model to, or None to leave it as loaded. ``auto``: bfloat16 on a CUDA
+    device that supports it, unchanged elsewhere (the CPU path keeps the checkpoint's float32)."""
+    if dtype == "auto":
+        return torch.bfloat16 if cuda and torch.cuda.is_bf16_supported() else None
+    table = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+    if dtype not in table:
+        raise ValueError(f"dtype must be auto, float32, bfloat16 or float16, got {dtype!r}")
+    return table[dtype]
+
+
+class Engine(EngineBase):
+    """The generation engine (see the module docstring); it speaks ``generation.protocol``'s
+    ``RolloutEngine`` in process. ``admitting=False`` stops ``step`` from admitting queued requests
+    (the runtime drains a rollout before pulling new weights); injected partials are admitted
+    regardless. Not thread-safe: one caller drives it.
+
+    ``capacity`` (alias ``batch_size``): rows decoded at once. ``static_cache``: static KV slots
+    (fixed shapes), with ``cuda_graphs`` the decode step captured once and replayed on CUDA.
+    ``waves``: take the wave path when rows start together; ``fused_decode`` / ``native_kernels``:
+    the wave's fused torch step and native C step where they reproduce the model (False: the
+    model's own forward)."""
+
+    engine_name = "torch"
+
     def __init__(
         self,
         model,
         tokenizer,
+        *,
         device: str = "cpu",
-        batch_size: int = 256,
-        static_cache: bool = True,
+        capacity: int = 256,
+        max_new_tokens: int = 64,
+        temperature: float = 1.0,
+        seed: int = 0,
+        dtype: str = "auto",
+        sync_every: int = 0,
+        static_cache: bool = False,
+        static_width: int = 0,
+        cuda_graphs: bool = False,
+        waves: bool = True,
         fused_decode: bool = True,
+        native_kernels: bool = True,
+        batch_size: int | None = None,
     ):
-        self.model = model.to(device).eval()
-        self.static_cache = static_cache
-        """Decode over a static KV cache with finished rows compacted away (``_generate_batch``); False:
-        the reference loop (``_generate_batch_reference``), also taken for models whose attention is
-        not SDPA."""
-        self.fused_decode = fused_decode
-        """Decode steps through ``generation.fused_decode`` where it reproduces the model (Llama-family);
-        False: through the model's own forward."""
-        self._fused_decoder = None
-        self.native_kernels = True
-        """On the CPU in float32 (head_dim a multiple of 16), run each decode step and each sampling
-        step as one call of the native kernels (``generation.kernels``, built once per machine) where
-        a C compiler is there; False (or ``LAMINAR_NATIVE_KERNELS=0``): torch ops only."""
-        self._kv_store: list[list] = []
-        """Per decode shard, the static decode's host buffers, reused from batch to batch
-        (``_StaticDecodeCache``)."""
-        self.decode_threads: int | None = None
-        """Host decode shards (threads) per batch; None: one per torch thread (``_shards``)."""
-        self._threads = HostThreads("laminar-decode")
+        capacity = batch_size if batch_size is not None else capacity
+        if capacity < 1 or max_new_tokens < 1:
+            raise ValueError("capacity and max_new_tokens must be >= 1")
+        if not temperature > 0:
+            raise ValueError(f"temperature must be > 0, got {temperature}")
+        if sync_every < 0:
+            raise ValueError(f"sync_every must be >= 0 (0: automatic), got {sync_every}")
+        cuda = torch.device(device).type == "cuda"
+        self._cuda = cuda
+        model_dtype = _resolve_dtype(dtype, cuda)
+        self.model = (
+            model.to(device) if model_dtype is None else model.to(device=device, dtype=model_dtype)
+        ).eval()
+        self.sync_every = int(sync_every) if sync_every else (8 if cuda else 1)
+        """Decode steps between host synchronisations (finished rows leave, queued ones join)."""
         self.tokenizer = tokenizer
         self.device = device
-        self.batch_size = batch_size
+        self.capacity = capacity
+        self.max_new_tokens = max_new_tokens
+        self.temperature = float(temperature)
+        self.seed = int(seed)
+        self.sampling = SamplingSpec(self.temperature, self.max_new_tokens, self.seed)
         self.version = 0
-        self.eos_id = tokenizer.eos_token_id
-        self.pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else self.eos_id
-
-    def load_weights(self, update: WeightsUpdate) -> None:
-        """Version-atomic: every parameter is replaced (strict names), or a LoRA adapter version merged
-        into the kept base (``generation.adapter``), before the version moves."""
-        from generation.adapter import load_published
-
-        load_published(self.model, update.state)
-        self._fused_decoder = (
-            None  # rebuilt from the new weights (a merge through ``.data`` moves no version counter)
+        self.admitting = True
+        eos = tokenizer.eos_token_id
+        self.eos_id = -1 if eos is None else int(eos)
+        pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else eos
+        self.pad_id = 0 if pad is None else int(pad)
+        self.static_cache, self.static_width, self.cuda_graphs = (
+            static_cache or cuda_graphs,
+            static_width,
+            cuda_graphs,
         )
-        self.version = update.version
+        self.waves = waves
+        self.wave_refill = 0.5
+        """A wave dissolves (its rows continue in the joinable layout, by re-prefill) once queued work
+        waits and at most this fraction of ``capacity`` is still live; 0: waves run to the end."""
+        self.fused_decode = fused_decode
+        self.native_kernels = native_kernels
+        """On the CPU in float32 (head_dim a multiple of 16), each wave decode and sampling step is one
+        call of the native kernels (``generation.kernels``, built once per machine) where a C compiler
+        is there; False (or ``LAMINAR_NATIVE_KERNELS=0``): torch ops only."""
+        self.decode_threads: int | None = None
+        """Host decode shards (threads) of a wave; None: one per torch thread."""
+        self._fused_decoder = None
+        self._kv_store: list[list] = []
+        """Per decode shard, a wave's host buffers, reused from wave to wave."""
+        self._threads = HostThreads("laminar-decode")
+        self._queue: deque[GenRequest] = deque()
+        self._partials: deque[Partial] = deque()
+        self._batch = self._joinable()
+
+    # ----------------------------------------------------------------------------------- public API
+
+    def submit(self, requests: Sequence[GenRequest], sampling: SamplingSpec | None = None) -> None:
+        self.check_sampling(sampling)
+        for r in requests:
+            if not r.prompt.prompt_tokens:
+                raise ProtocolError(f"request {r.prompt.prompt_id!r}: empty prompt_tokens")
+        self._queue.extend(requests)
+
+    def inject(self, partials: Sequence[Partial]) -> None:
+        """Continue handed-over responses: first in line, admitted even when ``admitting`` is False,
+        re-prefilled (prompt + tokens so far) on admission."""
+        self._partials.extend(partials)
+
+    def step(self, max_steps: int) -> list[Trajectory]:
+        """Admit into free rows, then up to ``max_steps`` decode steps, refilling freed rows; returns
+        the trajectories that finished (in finishing order). Returns early when nothing is active."""
+        out: list[Trajectory] = []
+        with torch.inference_mode():
+            self._admit(out)
+            i = 0
+            while i < max_steps and self._batch.active():
+                if self._batch.joins:
+                    self._batch.decode()
+                    i += 1
+                    if i % self.sync_every and i < max_steps:
+                        continue
+                else:
+                    i += max(1, self._batch.advance(max_steps - i))
+                self._batch.retire(out)
+                self._admit(out)
+        return out
+
+    def extract(self, include_queued: bool = True, only=None) -> tuple[list[Partial], list[GenRequest]]:
+        """Remove every active sequence (as a ``Partial`` with its tokens so far) and, when
+        ``include_queued``, every queued partial and request. Returns (partials, requests), the queued
+        partials (first in line) ahead of the active rows; an active row's tokens include the pending
+        one, so the receiver re-prefills them all and samples the next token.
+
+        ``only``: a set of ``request_key``s; then just those requests leave (the others keep running)."""
+        partials: list[Partial] = []
+        requests: list[GenRequest] = []
+
+        def chosen(r: GenRequest) -> bool:
+            return only is None or request_key(r) in only
+
+        if include_queued:
+            partials.extend(p for p in self._partials if chosen(p.request))
+            requests.extend(r for r in self._queue if chosen(r))
+            self._partials = deque(p for p in self._partials if not chosen(p.request))
+            self._queue = deque(r for r in self._queue if not chosen(r))
+        with torch.inference_mode():  # the row tensors are inference tensors, updated in place
+            partials.extend(self._batch.take(chosen))
+        return partials, requests
+
+    def abort(
+        self, request_ids: Iterable | None = None, include_queued: bool = True
+    ) -> tuple[list[Partial], list[GenRequest]]:
+        only = None if request_ids is None else {tuple(i) for i in request_ids}
+        return self.extract(include_queued=include_queued, only=only)
+
+    def load_weights(
+        self,
+        version: int | WeightsUpdate,
+        state: Mapping[str, np.ndarray] | None = None,
+        path: str | None = None,
+    ) -> None:
+        """New weights: a ``WeightsUpdate``, or ``version`` with exactly one of named arrays
+        (``state``) and a safetensors file (``path``). See ``load_state``."""
+        if isinstance(version, WeightsUpdate):
+            version, state = version.version, version.state
+        if (state is None) == (path is None):
+            raise ValueError("load_weights takes exactly one of state= and path=")
+        self.load_state(dict(state) if state is not None else load_safetensors(path), version)
+
+    def load_state(self, state: Mapping[str, np.ndarray], version: int) -> None:
+        """Replace every parameter (strict: the same names and shapes as the model's state dict,
+        checked before anything is written), then move ``version``; a LoRA adapter version
+        (``generation.adapter``) is merged into the engine's copy of the base instead.
+
+        With sequences active (the runtime's ``partial`` mode), their cached keys/values were computed
+        by the old weights: every active row is re-prefilled (prompt + tokens so far, less the pending
+        token) under the new weights, so later tokens are sampled exactly as a fresh engine with the new
+        weights would continue them. Tokens already sampled keep their old behaviour log-probs and the
+        trajectory's ``last_version`` records the newest version that sampled a token."""
+        from generation.adapter import is_adapter_state, merge_adapter
+
+        state = dict(state)
+        if not self._batch.joins:  # a wave's rows continue by re-prefill under the new weights
+            with torch.inference_mode():
+                self._dissolve_wave()
+        if is_adapter_state(state):
+            merge_adapter(self.model, state)
+        else:
+            current = self.model.state_dict()
+            missing, unexpected = set(current) - set(state), set(state) - set(current)
+            if missing or unexpected:
+                raise KeyError(
+                    f"load_state: missing {sorted(missing)[:5]}, unexpected {sorted(unexpected)[:5]}"
+                )
+            for k, v in state.items():
+                if tuple(v.shape) != tuple(current[k].shape):
+                    raise ValueError(
+                        f"load_state: {k} has shape {tuple(v.shape)}, model has {tuple(current[k].shape)}"
+                    )
+            tensors = {k: torch.from_numpy(v if v.flags.writeable else np.array(v)) for k, v in state.items()}
+            with torch.no_grad():
+                self.model.load_state_dict(tensors, strict=True)
+        self._fused_decoder = None  # rebuilt from the new weights (a merge moves no version counter)
+        self.version = int(version)
+        if self._batch.active():
+            self._batch.reprefill()
+
+    def status(self) -> dict:
+        return {
+            "version": self.version,
+            "queued": len(self._queue) + len(self._partials),
+            "active": self._batch.active(),
+            "capacity": self.capacity,
+            "kv_tokens": self._batch.kv_tokens(),
+            "admitting": self.admitting,
+        }
 
     def generate(
         self,
         requests: Sequence[GenRequest],
-        max_new_tokens: int,
-        temperature: float,
-        generator: torch.Generator,
+        max_new_tokens: int | None = None,
+        temperature: float | None = None,
+        generator: torch.Generator | None = None,
         progress=None,
+        *,
+        seed: int | None = None,
     ) -> list[Trajectory]:
-        """Sample one response per request, in batches of ``batch_size``; output order = input order."""
-        out: list[Trajectory] = []
-        for start in range(0, len(requests), self.batch_size):
-            chunk = list(requests[start : start + self.batch_size])
-            out.extend(self._generate_batch(chunk, max_new_tokens, temperature, generator))
-            if progress is not None:
-                progress.update(len(chunk))
-        return out
+        """Sample one response per request through ``submit``/``step`` (waves of ``capacity`` rows);
+        output order = input order. ``max_new_tokens`` / ``temperature`` (default: the engine's) hold
+        for this call; the noise seed is ``seed``, else one draw from ``generator``, else the
+        engine's. The engine must be idle."""
+        if self._queue or self._partials or self._batch.active():
+            raise RuntimeError("generate() needs an idle engine: drain it (step) or extract() first")
+        saved = (
+            self.max_new_tokens,
+            self.temperature,
+            self.seed,
+            self.sampling,
+            self.admitting,
+            self.wave_refill,
+        )
+        m = self.max_new_tokens if max_new_tokens is None else int(max_new_tokens)
+        temp = self.temperature if temperature is None else float(temperature)
+        if m < 1 or not temp > 0:
+            raise ValueError(f"generate: max_new_tokens must be >= 1 and temperature > 0, got {m}, {temp}")
+        self.max_new_tokens, self.temperature = m, temp
+        self.seed = seed_from(generator, seed) if (seed is not None or generator is not None) else self.seed
+        self.sampling = SamplingSpec(temp, m, self.seed)
+        self.admitting, self.wave_refill = True, 0.0
+        slots: dict[tuple, deque[int]] = {}  # by prompt object: ids may repeat across benchmarks
+        for i, r in enumerate(requests):
+            slots.setdefault((id(r.prompt), r.group_uid, r.sample_idx), deque()).append(i)
+        results: list[Trajectory | None] = [None] * len(requests)
+        try:
+            self._batch = self._joinable()
+            self.submit(requests)
+            while self._queue or self._partials or self._batch.active():
+                done = self.step(m)
+                for t in done:
+                    results[slots[(id(t.prompt), t.group_uid, t.sample_idx)].popleft()] = t
+                if progress is not None and done:
+                    progress.update(len(done))
+        finally:
+            self._queue.clear()
+            self._partials.clear()
+            (
+                self.max_new_tokens,
+                self.temperature,
+                self.seed,
+                self.sampling,
+                self.admitting,
+                self.wave_refill,
+            ) = saved
+            self._batch = self._joinable()
+        return results
 
     @torch.inference_mode()
     def prompt_entropy(self, prompts: Sequence[PromptItem]) -> list[float]:
@@ -87,8 +317,8 @@ class TorchEngine:
         entropy of the current policy's next-token distribution (temperature 1). One forward pass,
         no generation."""
         out: list[float] = []
-        for start in range(0, len(prompts), self.batch_size):
-            chunk = prompts[start : start + self.batch_size]
+        for start in range(0, len(prompts), self.capacity):
+            chunk = prompts[start : start + self.capacity]
             width = max(len(p.prompt_tokens) for p in chunk)
             ids = torch.full((len(chunk), width), self.pad_id, dtype=torch.long)
             attn = torch.zeros_like(ids)
@@ -104,216 +334,122 @@ class TorchEngine:
             out.extend((ent * mask).sum(1).div(mask.sum(1).clamp(min=1)).tolist())
         return out
 
-    @torch.inference_mode()
-    def _generate_batch(
-        self, requests: list[GenRequest], max_new_tokens: int, temperature: float, generator: torch.Generator
-    ) -> list[Trajectory]:
-        if not self.static_cache or not _decode_attention_supported(self.model):
-            return self._generate_batch_reference(requests, max_new_tokens, temperature, generator)
-        from transformers import DynamicCache
+    # ------------------------------------------------------------------------------ scheduling
 
-        # the prefill runs once per distinct prompt (a group's samples share theirs) and its keys and
-        # values are copied to every row that has that prompt
-        unique: dict[tuple[int, ...], int] = {}
-        of_row = torch.tensor(
-            [unique.setdefault(tuple(r.prompt.prompt_tokens), len(unique)) for r in requests]
-        )
-        input_ids, attn, positions = self._left_padded(list(unique))
-        plen = input_ids.shape[1]
-        bsz = len(requests)
-        of_row_dev = of_row.to(self.device)
-        cache = DynamicCache()
-        out = _Outputs(bsz, max_new_tokens)
-        logits = (
-            self.model(
-                input_ids=input_ids,
-                attention_mask=attn,
-                position_ids=positions,
-                past_key_values=cache,
-                use_cache=True,
-            )
-            .logits[:, -1, :]
-            .index_select(0, of_row_dev)
-        )
-        # the static cache: every layer's keys/values in one buffer [rows, kv_heads, width, head_dim]; the
-        # token fed at step t (t >= 1) writes column plen + t - 1; the last sampled token is never fed
-        width = plen + max_new_tokens - 1
-        fused = self._fused(width + 1)
-        # the native step reads the prompts' keys/values once per group, not a copy per row
-        prompt_kv = _PromptKV(cache, attn) if fused is not None and fused.native is not None else None
-        shards = self._shards(bsz)
-        noise = _StepNoise(bsz, logits.shape[1], generator, len(shards))
-        pad_rows = attn.index_select(0, of_row_dev) == 0
-        step_pos = positions[:, -1:].index_select(0, of_row_dev)
+    def _joinable(self):
+        """A fresh joinable layout: static slots or a growing cache."""
+        if self.static_cache:
+            return SlotRows(self, static_width=self.static_width, cuda_graphs=self.cuda_graphs)
+        return DynamicRows(self)
 
-        def decode(shard: int, rows: torch.Tensor) -> None:
-            if len(shards) == 1:  # the whole batch: its tensors as they are (no copy of the logits)
-                part = (logits, of_row_dev, pad_rows, step_pos)
+    def _waiting(self) -> bool:
+        return bool(self._partials) or (self.admitting and bool(self._queue))
+
+    def _dissolve_wave(self) -> None:
+        """The wave's live rows become partials first in line (continued by re-prefill)."""
+        self._partials.extendleft(reversed(self._batch.take(None)))
+        self._batch = self._joinable()
+
+    def _admit(self, out: list[Trajectory]) -> None:
+        """Fill free rows: a new wave when nothing runs and fresh requests wait; else injected partials
+        first, then (if ``admitting``) the queue. Rows that finish on their first sample leave at once
+        and their rows are refilled in the same call."""
+        if not self._batch.joins:
+            live = self._batch.active()
+            if live and not (self._waiting() and live <= self.wave_refill * self.capacity):
+                return
+            if live:
+                self._dissolve_wave()
             else:
-                rows_dev = rows.to(self.device)
-                part = tuple(x.index_select(0, rows_dev) for x in (logits, of_row_dev, pad_rows, step_pos))
-            self._decode_rows(
-                rows,
-                *part,
-                cache,
-                plen,
-                width,
-                max_new_tokens,
-                temperature,
-                fused,
-                noise,
-                out,
-                shard,
-                prompt_kv,
-            )
-
-        # the model's own forward decodes through ``_gqa_decode_attention``, switched on once for all
-        # shards (the switch is the model config's, shared by the threads)
-        with _decode_attention(self.model) if fused is None else contextlib.nullcontext():
-            if len(shards) == 1:
-                decode(0, shards[0])
-            else:
-                self._threads.run(lambda i: decode(i, shards[i]), len(shards), inference=True)
-        cache = None  # the prefill cache is no longer needed
-        mean_ent = (out.ent_sum / out.lengths.clamp(min=1)).tolist()
-        return self._trajectories(requests, out.tokens, out.logps, out.lengths, out.done, mean_ent)
-
-    def _shards(self, bsz: int) -> list[torch.Tensor]:
-        """The batch's rows split into contiguous shards decoded side by side, one host thread each
-        (``decode_threads``; one shard on accelerators and for small batches)."""
-        k = 1
-        if self.device == "cpu":
-            k = self.decode_threads if self.decode_threads is not None else torch.get_num_threads()
-            k = max(1, min(k, bsz // MIN_SHARD_ROWS))
-        return list(torch.arange(bsz).tensor_split(k))
-
-    def _decode_rows(
-        self,
-        rows: torch.Tensor,
-        logits: torch.Tensor,
-        of_row: torch.Tensor,
-        pad_rows: torch.Tensor,
-        step_pos: torch.Tensor,
-        prefill,
-        plen: int,
-        width: int,
-        max_new_tokens: int,
-        temperature: float,
-        fused,
-        noise: _StepNoise,
-        out: _Outputs,
-        shard: int,
-        prompt_kv: _PromptKV | None = None,
-    ) -> None:
-        """The decode loop of the batch rows ``rows`` (full-batch indices) from their first-token
-        ``logits``: a static KV cache filled from the ``prefill`` cache (row i from its prompt's row
-        ``of_row[i]``), finished rows compacted away, samples written to ``out``. With ``prompt_kv``
-        (the native step) the rows share their prompt's keys/values and keep only their own."""
-        while len(self._kv_store) <= shard:
-            self._kv_store.append([])
-        store = self._kv_store[shard] if self.device == "cpu" else None
-        n_all = len(rows)
-        if prompt_kv is not None:
-            slots, mask = _CompletionKV(prompt_kv, of_row, max_new_tokens - 1, store), None
-        else:
-            slots = _StaticDecodeCache(
-                prefill,
-                width,
-                of_row,
-                keys_transposed=fused is not None and fused.keys_transposed,
-                store=store,
-            )
-            neg = torch.finfo(slots.values[0].dtype).min
-            mask = torch.zeros((n_all, 1, 1, width), dtype=slots.values[0].dtype, device=self.device)
-            mask[:, 0, 0, :plen].masked_fill_(pad_rows, neg)  # left padding: never attended
-        done = out.done
-        # the native sampling step (float32 logits on the CPU): one call for what follows the logits
-        native = fused.native if fused is not None else None
-        if native is not None:
-            next_buf = torch.empty(n_all, dtype=torch.long)
-            keep_buf = torch.empty(n_all, dtype=torch.bool)
-        step_ids = None  # written by step t's sampling, read by step t + 1
-        for t in range(max_new_tokens):
-            if t > 0:
-                col = plen + t - 1
-                n = len(rows)
-                if prompt_kv is not None:
-                    logits = fused.step_shared(step_ids[:, 0], step_pos[:, 0], prompt_kv, slots, t - 1)
-                elif fused is not None:
-                    logits = fused.step(
-                        step_ids[:, 0],
-                        step_pos[:, 0],
-                        slots.keys,
-                        slots.values,
-                        col,
-                        mask[:n, :, :, : col + 1],
+                self._batch = self._joinable()
+        if (
+            not self._batch.active()
+            and self._wave_path()
+            and self.admitting
+            and self._queue
+            and not self._partials
+        ):
+            take = [self._queue.popleft() for _ in range(min(self.capacity, len(self._queue)))]
+            self._batch = Wave(self, [Row(r, self.version) for r in take])
+            self._batch.advance(1)  # the first token, sampled on admission as in the joinable rows
+            self._batch.retire(out)
+            return
+        while self._batch.active() < self.capacity and self._waiting():
+            new: list[tuple[GenRequest, tuple[int, ...], tuple[float, ...], int | None, float]] = []
+            while self._batch.active() + len(new) < self.capacity and self._waiting():
+                if self._partials:
+                    p = self._partials.popleft()
+                    if len(p.tokens) != len(p.logprobs):
+                        raise ValueError("Partial has len(tokens) != len(logprobs)")
+                    if p.tokens and (len(p.tokens) >= self.max_new_tokens or p.tokens[-1] == self.eos_id):
+                        # already complete (a sender with a larger cap): nothing to sample; the Partial
+                        # does not say which version sampled its last token, so its version stands in
+                        out.append(
+                            self._trajectory(
+                                p.request,
+                                list(p.tokens),
+                                list(p.logprobs),
+                                p.version,
+                                p.version,
+                                p.entropy_sum,
+                            )
+                        )
+                        continue
+                    new.append(
+                        (p.request, p.tokens, p.logprobs, p.version if p.tokens else None, p.entropy_sum)
                     )
                 else:
-                    slots.col = col  # the caller has switched the attention to ``_gqa_decode_attention``
-                    logits = self.model(
-                        input_ids=step_ids,
-                        attention_mask=mask[:n, :, :, : col + 1],
-                        position_ids=step_pos,
-                        past_key_values=slots,
-                        use_cache=True,
-                    ).logits[:, -1, :]
-            if native is not None and logits.dtype == torch.float32 and logits.stride(-1) == 1:
-                # the same draw as below in one pass (float rounding of the exp/log aside)
-                n = len(rows)
-                nxt, keep = next_buf[:n], keep_buf[:n]
-                kept = native.sample_step(
-                    logits,
-                    temperature,
-                    noise.step(t),
-                    rows,
-                    t,
-                    self.eos_id,
-                    out.tokens,
-                    out.logps,
-                    out.ent_sum,
-                    out.lengths,
-                    done,
-                    nxt,
-                    keep,
-                )
-                if not kept:
-                    noise.finished()
-                    break
-                n_done = n - kept
-                step_ids = nxt[:, None]  # read by the next step before the buffer is written again
-                step_pos = step_pos + 1
-            else:
-                logprobs = torch.log_softmax(logits.float() / temperature, dim=-1).cpu()
-                probs = logprobs.exp()
-                # torch.multinomial(probs, 1) of the whole batch, drawn the same way (argmax of p / Exp(1)
-                # noise over [batch, vocab]), so every row gets the noise it would get in the full batch
-                nxt = (probs / noise.rows(t, rows)).argmax(-1)
-                live = ~done[rows]
-                ent = -(probs * logprobs).nan_to_num().sum(-1)
-                idx = rows[live]
-                out.ent_sum[idx] += ent[live]
-                out.tokens[idx, t] = nxt[live]
-                out.logps[idx, t] = logprobs.gather(1, nxt[:, None]).squeeze(1)[live]
-                newly = idx[nxt[live] == self.eos_id]
-                out.lengths[newly] = t + 1
-                done[newly] = True
-                keep = ~done[rows]
-                if not bool(keep.any()):
-                    noise.finished()
-                    break
-                step_ids = nxt[:, None].to(self.device)
-                step_pos = step_pos + 1
-                n_done = len(rows) - int(keep.sum())
-            if n_done and n_done * 8 >= len(rows):  # compact: finished rows leave the batch
-                sel = keep.nonzero().squeeze(1)
-                sel_dev = sel.to(self.device)
-                m = len(sel)
-                if mask is None:
-                    slots.select(sel_dev, t)
-                else:
-                    slots.select(sel_dev, plen + t)
-                    mask[:m] = mask.index_select(0, sel_dev)
-                rows, step_ids, step_pos = rows[sel], step_ids[sel_dev], step_pos[sel_dev]
+                    new.append((self._queue.popleft(), (), (), None, 0.0))
+            if new:
+                self._batch.join(new)
+                self._batch.retire(out)
+
+    def _wave_path(self) -> bool:
+        return self.waves and not self.static_cache and decode_attention_supported(self.model)
+
+    # ------------------------------------------------------------------------------ model and sampling
+
+    def _sample(self, logits: torch.Tensor, keys: torch.Tensor, t: torch.Tensor):
+        """(logits [B, V], noise keys [B], response positions [B]) -> (token, behaviour log-prob,
+        entropy), each [B]: ``generation.sampler.sample``."""
+        return sample(logits, self.temperature, keys, t)
+
+    def _prefill(self, seqs: list[list[int]]):
+        """One left-padded forward over ``seqs``: (fresh DynamicCache, attention mask [B, W], logits at
+        each row's last position [B, V]). Padded columns' keys/values are zeroed."""
+        from transformers import DynamicCache
+
+        ids, attn, positions = self._left_padded(seqs)
+        cache = DynamicCache()
+        # on CUDA only the last position's logits are computed (a 150k vocabulary makes the full
+        # [B, T, V] tensor gigabytes); the CPU path keeps the full forward
+        extra = {"logits_to_keep": 1} if self._cuda else {}
+        logits = self.model(
+            input_ids=ids,
+            attention_mask=attn,
+            position_ids=positions,
+            past_key_values=cache,
+            use_cache=True,
+            **extra,
+        ).logits[:, -1, :]
+        if not bool(attn.all()):
+            pad = (attn == 0)[:, None, :, None]
+            for layer in cache.layers:
+                layer.keys = layer.keys.masked_fill(pad, 0.0)
+                layer.values = layer.values.masked_fill(pad, 0.0)
+        return cache, attn, logits
+
+    def _left_padded(self, seqs) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """(input_ids, attention_mask, position_ids) on the device, left-padded: every sequence's next
+        token is at the end."""
+        bsz, width = len(seqs), max(len(s) for s in seqs)
+        ids = torch.full((bsz, width), self.pad_id, dtype=torch.long)
+        attn = torch.zeros((bsz, width), dtype=torch.long)
+        for i, s in enumerate(seqs):
+            ids[i, width - len(s) :] = torch.tensor(list(s), dtype=torch.long)
+            attn[i, width - len(s) :] = 1
+        ids, attn = ids.to(self.device), attn.to(self.device)
+        return ids, attn, (attn.cumsum(-1) - 1).clamp(min=0)
 
     def _fused(self, positions: int):
         """The model's ``FusedDecoder`` (built once, its weights refreshed when they changed) with
@@ -344,356 +480,27 @@ class TorchEngine:
 
         return kernels.load()
 
-    def _left_padded(self, prompts) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        """(input_ids, attention_mask, position_ids) on the device, left-padded: every sequence's next
-        token is at the end."""
-        bsz, plen = len(prompts), max(len(p) for p in prompts)
-        input_ids = torch.full((bsz, plen), self.pad_id, dtype=torch.long)
-        attn = torch.zeros((bsz, plen), dtype=torch.long)
-        for i, p in enumerate(prompts):
-            input_ids[i, plen - len(p) :] = torch.tensor(p)
-            attn[i, plen - len(p) :] = 1
-        input_ids, attn = input_ids.to(self.device), attn.to(self.device)
-        return input_ids, attn, (attn.cumsum(-1) - 1).clamp(min=0)
-
-    @torch.inference_mode()
-    def _generate_batch_reference(
-        self, requests: list[GenRequest], max_new_tokens: int, temperature: float, generator: torch.Generator
-    ) -> list[Trajectory]:
-        """The decode loop before the static cache (a ``DynamicCache`` grown by concatenation, every row
-        decoded until the whole batch is done): kept as the reference ``tests`` compare against."""
-        from transformers import DynamicCache
-
-        input_ids, attn, positions = self._left_padded([r.prompt.prompt_tokens for r in requests])
-        bsz, plen = input_ids.shape
-        cache = DynamicCache()
-        tokens = torch.empty((bsz, max_new_tokens), dtype=torch.long)
-        logps = torch.zeros((bsz, max_new_tokens))
-        ent_sum = torch.zeros(bsz)
-        lengths = torch.full((bsz,), max_new_tokens, dtype=torch.long)
-        done = torch.zeros(bsz, dtype=torch.bool)
-        step_ids, step_pos = input_ids, positions
-        for t in range(max_new_tokens):
-            logits = self.model(
-                input_ids=step_ids,
-                attention_mask=attn,
-                position_ids=step_pos,
-                past_key_values=cache,
-                use_cache=True,
-            ).logits[:, -1, :]
-            logprobs = torch.log_softmax(logits.float() / temperature, dim=-1).cpu()
-            probs = logprobs.exp()
-            nxt = torch.multinomial(probs, 1, generator=generator).squeeze(1)
-            ent_sum += torch.where(done, 0.0, -(probs * logprobs).nan_to_num().sum(-1))
-            tokens[:, t] = nxt
-            logps[:, t] = logprobs.gather(1, nxt[:, None]).squeeze(1)
-            newly = (nxt == self.eos_id) & ~done
-            lengths[newly] = t + 1
-            done |= newly
-            if bool(done.all()):
-                break
-            step_ids = nxt[:, None].to(self.device)
-            step_pos = step_pos[:, -1:] + 1
-            attn = torch.cat([attn, torch.ones((bsz, 1), dtype=attn.dtype, device=self.device)], dim=1)
-        mean_ent = (ent_sum / lengths.clamp(min=1)).tolist()
-        return self._trajectories(requests, tokens, logps, lengths, done, mean_ent)
-
-    def _trajectories(
+    def _trajectory(
         self,
-        requests: list[GenRequest],
-        tokens: torch.Tensor,
-        logps: torch.Tensor,
-        lengths: torch.Tensor,
-        done: torch.Tensor,
-        mean_ent: list[float],
-    ) -> list[Trajectory]:
-        """One ``Trajectory`` per request from the batch's [B, max_new_tokens] tokens and log-probs (row i
-        valid up to ``lengths[i]``; a finished row's last token is its EOS, not part of its text)."""
-        ids_all, lps_all = tokens.tolist(), logps.double().tolist()
-        ns, fin = lengths.tolist(), done.tolist()
-        ids = [row[:n] for row, n in zip(ids_all, ns)]
-        texts = self.tokenizer.batch_decode(
-            [x[:-1] if f else x for x, f in zip(ids, fin)], skip_special_tokens=True
+        req: GenRequest,
+        ids: list[int],
+        logps: list[float],
+        version: int,
+        last_version: int,
+        ent_sum: float,
+    ) -> Trajectory:
+        finished = bool(ids) and ids[-1] == self.eos_id
+        body = ids[:-1] if finished else ids
+        return Trajectory(
+            kind="trajectory",
+            prompt=req.prompt,
+            sample_idx=req.sample_idx,
+            response_tokens=tuple(int(i) for i in ids),
+            behaviour_logprobs=tuple(np.asarray(logps, dtype=np.float64).tolist()),
+            version=version,
+            finished=finished,
+            text=self.tokenizer.decode(body, skip_special_tokens=True),
+            mean_entropy=ent_sum / max(1, len(ids)),
+            group_uid=req.group_uid,
+            last_version=last_version,
         )
-        return [
-            Trajectory(
-                kind="trajectory",
-                prompt=r.prompt,
-                sample_idx=r.sample_idx,
-                response_tokens=tuple(x),
-                behaviour_logprobs=tuple(lp[:n]),
-                version=self.version,
-                finished=f,
-                text=text,
-                mean_entropy=e,
-            )
-            for r, x, lp, n, f, text, e in zip(requests, ids, lps_all, ns, fin, texts, mean_ent)
-        ]
-
-
-MIN_SHARD_ROWS = 32
-"""A host decode shard has at least this many rows: fewer pay more in per-step overhead than a second
-thread saves."""
-
-
-class _Outputs:
-    """A batch's samples, written row by row by the decode shards: tokens and log-probs
-    [rows, max_new_tokens], entropy sums, lengths and done flags [rows]."""
-
-    def __init__(self, bsz: int, max_new_tokens: int):
-        self.tokens = torch.empty((bsz, max_new_tokens), dtype=torch.long)
-        self.logps = torch.zeros((bsz, max_new_tokens))
-        self.ent_sum = torch.zeros(bsz)
-        self.lengths = torch.full((bsz,), max_new_tokens, dtype=torch.long)
-        self.done = torch.zeros(bsz, dtype=torch.bool)
-
-
-class _StepNoise:
-    """The Exp(1) noise of each decode step over the whole batch [bsz, vocab], drawn from the generator
-    in step order by whichever shard asks first, so every row gets the noise it gets in a one-shard
-    decode and the generator ends in the same state (steps are drawn up to the last one any row
-    needs). A step's noise is dropped once every shard live when it was drawn has read it."""
-
-    def __init__(self, bsz: int, vocab: int, generator: torch.Generator, shards: int = 1):
-        import threading
-
-        self.shape, self.generator = (bsz, vocab), generator
-        self.steps: dict[int, list] = {}
-        self.drawn = 0
-        self.live = shards
-        self.lock = threading.Lock()
-
-    def rows(self, t: int, rows: torch.Tensor) -> torch.Tensor:
-        """Step ``t``'s noise of batch rows ``rows``."""
-        return self.step(t)[rows]
-
-    def step(self, t: int) -> torch.Tensor:
-        """Step ``t``'s noise of the whole batch [bsz, vocab] (a shard reads its own rows)."""
-        with self.lock:
-            while self.drawn <= t:
-                self.steps[self.drawn] = [
-                    torch.empty(self.shape).exponential_(1, generator=self.generator),
-                    self.live,
-                ]
-                self.drawn += 1
-            entry = self.steps[t]
-            entry[1] -= 1
-            if entry[1] <= 0:
-                del self.steps[t]
-        return entry[0]
-
-    def finished(self) -> None:
-        """A shard has no live row left: it reads no later step."""
-        with self.lock:
-            self.live -= 1
-
-
-_DECODE_ATTN = "laminar_decode"
-
-
-def _store_buffer(store: list | None, slot: int, shape: tuple[int, ...], like: torch.Tensor) -> torch.Tensor:
-    """An uninitialised [shape] tensor: a view of the ``store``'s buffer ``slot`` when that is large
-    enough (a host engine keeps its buffers from batch to batch: fresh pages cost more than the
-    copies into them), else a new one (kept in the store)."""
-    if store is None:
-        return like.new_empty(shape)
-    while len(store) <= slot:
-        store.append(None)
-    buf = store[slot]
-    if (
-        buf is None
-        or buf.dim() != len(shape)
-        or buf.dtype != like.dtype
-        or buf.device != like.device
-        or any(have < need for have, need in zip(buf.shape, shape))
-    ):
-        grown = shape if buf is None or buf.dim() != len(shape) else tuple(map(max, buf.shape, shape))
-        buf = store[slot] = like.new_empty(grown)
-    return buf[tuple(slice(0, n) for n in shape)]
-
-
-class _PromptKV:
-    """The native decode's prompt part of the KV cache, shared by every row with that prompt (a
-    group's samples) and every decode shard: per layer the prefill's keys transposed [U, kv,
-    head_dim, P] and values [U, kv, P, head_dim] of the U distinct prompts, and the additive mask [U,
-    P] of their left padding. Nothing is copied per row."""
-
-    def __init__(self, prefill_cache, attn: torch.Tensor):
-        self.keys = [layer.keys.transpose(-1, -2).contiguous() for layer in prefill_cache.layers]
-        self.values = [layer.values.contiguous() for layer in prefill_cache.layers]
-        dtype = self.values[0].dtype
-        self.mask = torch.zeros(attn.shape, dtype=dtype).masked_fill_(attn.cpu() == 0, torch.finfo(dtype).min)
-
-
-class _CompletionKV:
-    """The native decode's per-row part of the KV cache: the keys and values of the tokens a row has
-    sampled, per layer keys [rows, kv, blocks, head_dim, 16] (blocks of 16 columns, each transposed:
-    the layout of ``generation/kernels/decode.c``) and values [rows, kv, columns, head_dim], and each
-    row's prompt (``prompt_of``, an index into ``_PromptKV``). ``select`` keeps some rows (finished
-    ones leave), copying only the columns written so far."""
-
-    def __init__(self, prompt: _PromptKV, prompt_of: torch.Tensor, columns: int, store: list | None):
-        self.store, self.set = store, 0
-        self.caches = None
-        """The native step's checked view of these buffers (``NativeModel.cache_pointers``)."""
-        self.prompt_of = prompt_of.contiguous()
-        rows = len(prompt_of)
-        blocks = max(1, -(-columns // 16))
-        self.keys, self.values = [], []
-        for i, (pk, pv) in enumerate(zip(prompt.keys, prompt.values)):
-            _, kv, d, _ = pk.shape
-            self.keys.append(_store_buffer(store, 2 * i, (rows, kv, blocks, d, 16), pk))
-            self.values.append(_store_buffer(store, 2 * i + 1, (rows, kv, blocks * 16, d), pv))
-
-    def select(self, keep: torch.Tensor, upto: int) -> None:
-        """Rows ``keep`` (indices into the current rows) move to the front, completion columns
-        ``[0, upto)``, gathered into the store's other set of buffers (one copy)."""
-        m, n_layers = len(keep), len(self.keys)
-        blocks = -(-upto // 16)
-        self.set = 1 - self.set
-        base = 2 * n_layers * self.set
-        for i in range(n_layers):
-            for j, (bufs, cols) in enumerate(
-                ((self.keys, lambda b: b[:, :, :blocks]), (self.values, lambda b: b[:, :, :upto]))
-            ):
-                buf = bufs[i]
-                target = _store_buffer(self.store, base + 2 * i + j, tuple(buf.shape), buf)
-                torch.index_select(cols(buf), 0, keep, out=cols(target)[:m])
-                bufs[i] = target
-        self.prompt_of = self.prompt_of.index_select(0, keep)
-        self.caches = None
-
-
-def _decode_attention_supported(model) -> bool:
-    """The static decode needs a model whose attention layers call Hugging Face's attention
-    interface with SDPA (Llama, Qwen2, Mistral, ... as loaded here): ours replaces it for the
-    one-token decode steps only."""
-    config = getattr(model, "config", None)
-    return config is not None and getattr(config, "_attn_implementation", None) in ("sdpa", _DECODE_ATTN)
-
-
-def _gqa_decode_attention(module, query, key, value, attention_mask, dropout=0.0, scaling=None, **kwargs):
-    """Attention of one new token per row over a (strided) static cache, grouped-query aware without
-    repeating the keys/values: query [B, H, 1, D], key/value [B, KV, T, D], ``attention_mask`` the
-    additive [B, 1, 1, T] mask. Two batched matmuls and a softmax; the same result as SDPA up to
-    float rounding (``tests/generation/test_engine_static.py`` bounds it)."""
-    b, h, q_len, d = query.shape
-    if q_len != 1:  # not a decode step: SDPA as usual
-        from transformers.integrations.sdpa_attention import sdpa_attention_forward
-
-        return sdpa_attention_forward(
-            module, query, key, value, attention_mask, dropout=dropout, scaling=scaling, **kwargs
-        )
-    kv = key.shape[1]
-    scores = torch.matmul(query.reshape(b, kv, h // kv, d), key.transpose(-1, -2))  # [B, KV, G, T]
-    scores = scores.mul_(d**-0.5 if scaling is None else scaling).add_(attention_mask)
-    out = torch.matmul(torch.softmax(scores, dim=-1), value)  # [B, KV, G, D]
-    return out.reshape(b, 1, h, d), None
-
-
-class _decode_attention:
-    """Within the block the model's attention layers use ``_gqa_decode_attention`` (registered once
-    with Hugging Face's attention and mask interfaces); the model's own setting comes back after."""
-
-    _registered = False
-
-    def __init__(self, model):
-        self.config = model.config
-
-    def __enter__(self):
-        if not _decode_attention._registered:
-            from transformers import AttentionInterface
-            from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
-
-            AttentionInterface.register(_DECODE_ATTN, _gqa_decode_attention)
-            AttentionMaskInterface.register(_DECODE_ATTN, sdpa_mask)
-            _decode_attention._registered = True
-        self.saved = self.config._attn_implementation
-        self.config._attn_implementation = _DECODE_ATTN
-        return self
-
-    def __exit__(self, *exc):
-        self.config._attn_implementation = self.saved
-        return False
-
-
-class _StaticDecodeCache:
-    """The cache object handed to the model during decode (duck-typed like a Hugging Face ``Cache``):
-    per layer one key and one value buffer [rows, kv_heads, width, head_dim], filled from the prefill's
-    ``DynamicCache`` (its row ``rows[i]`` into row i when ``rows`` is given); ``update`` writes the step's
-    key/value at column ``col`` of the first ``rows`` rows and returns views of columns ``[0, col]``
-    (nothing is concatenated or copied per step). ``keys_transposed``: the key buffers are [rows,
-    kv_heads, head_dim, width] instead (``generation.fused_decode``'s layout: its score matmul reads
-    them without a transpose); ``update`` is not used then."""
-
-    is_compileable = False
-
-    def __init__(
-        self,
-        prefill_cache,
-        width: int,
-        rows: torch.Tensor | None = None,
-        keys_transposed: bool = False,
-        store: list | None = None,
-    ):
-        self.keys, self.values = [], []
-        self.keys_transposed = keys_transposed
-        self.store = store
-        self.set = 0
-        """Which of the store's two sets of buffers holds the cache (``select`` alternates them)."""
-        for i, layer in enumerate(prefill_cache.layers):
-            b, h, p, d = layer.keys.shape
-            b = b if rows is None else len(rows)
-            keys = layer.keys if rows is None else layer.keys.index_select(0, rows)
-            v = _store_buffer(self.store, 2 * i + 1, (b, h, width, layer.values.shape[-1]), layer.values)
-            v[:, :, :p] = layer.values if rows is None else layer.values.index_select(0, rows)
-            if keys_transposed:
-                k = _store_buffer(self.store, 2 * i, (b, h, d, width), keys)
-                k[..., :p] = keys.transpose(-1, -2)
-            else:
-                k = _store_buffer(self.store, 2 * i, (b, h, width, d), keys)
-                k[:, :, :p] = keys
-            self.keys.append(k)
-            self.values.append(v)
-        self.rows = self.values[0].shape[0]
-        self.col = p
-
-    def update(self, key_states, value_states, layer_idx, cache_kwargs=None):
-        n, c = key_states.shape[0], self.col
-        k, v = self.keys[layer_idx][:n], self.values[layer_idx][:n]
-        k[:, :, c : c + 1] = key_states
-        v[:, :, c : c + 1] = value_states
-        return k[:, :, : c + 1], v[:, :, : c + 1]
-
-    def select(self, keep: torch.Tensor, upto: int) -> None:
-        """Rows ``keep`` (indices into the current rows) move to the front, columns ``[0, upto)``. With a
-        ``store`` the rows are gathered straight into the store's other set of buffers (one copy),
-        which then become the cache."""
-        m = len(keep)
-        n_keys = len(self.keys)
-        if self.store is not None:
-            self.set = 1 - self.set
-        for i, buf in enumerate((*self.keys, *self.values)):
-            is_key = i < n_keys
-            cols = (
-                (lambda b: b[..., :upto]) if self.keys_transposed and is_key else (lambda b: b[:, :, :upto])
-            )
-            if self.store is None:
-                view = cols(buf)
-                view[:m] = view.index_select(0, keep)
-                continue
-            layer = i if is_key else i - n_keys
-            slot = 2 * n_keys * self.set + 2 * layer + (0 if is_key else 1)
-            target = _store_buffer(self.store, slot, tuple(buf.shape), buf)
-            torch.index_select(cols(buf), 0, keep, out=cols(target)[:m])
-            if is_key:
-                self.keys[layer] = target
-            else:
-                self.values[layer] = target
-        self.rows = m
-
-    def get_seq_length(self, layer_idx: int = 0) -> int:
-        return self.col
-
-    def __len__(self) -> int:
-        return len(self.keys)

@@ -1,8 +1,8 @@
 """Rollout engines behind the rollout protocol (``generation.protocol``), and the one place the
 runtime chooses among them (``make_engine``).
 
-- ``torch``: ``TorchRolloutEngine``, the built-in ``ContinuousEngine`` in this process (or, with
-  ``static_cache``/``cuda_graphs``, ``StaticSlotEngine``: fixed-shape decode, CUDA graphs on a GPU).
+- ``torch``: the built-in ``generation.engine.Engine`` in this process (``static_cache`` /
+  ``cuda_graphs``: fixed-shape decode, CUDA graphs on a GPU).
 - ``torch-process``: the same engine in a worker process behind the wire format (what ``vllm`` uses,
   with the built-in engine: the conformance tests exercise the wire path with it).
 - ``vllm``: ``generation.vllm_worker`` in vLLM's own Python environment (``make vllm-env``).
@@ -13,77 +13,15 @@ from __future__ import annotations
 import os
 import sys
 from pathlib import Path
-from collections.abc import Iterable, Mapping, Sequence
+from collections.abc import Mapping, Sequence
 
-import numpy as np
 import torch
 
 from conf.schema import ENGINE_KINDS, EngineKind
-from generation.continuous import ContinuousEngine
-from generation.protocol import (
-    REPO_ROOT,
-    EngineBase,
-    EngineProcess,
-    ProtocolError,
-    RolloutEngine,
-    SamplingSpec,
-    load_safetensors,
-)
-from generation.records import GenRequest, Partial, Trajectory
-from generation.static_slots import StaticSlotEngine
+from generation.engine import Engine
+from generation.protocol import REPO_ROOT, EngineProcess, RolloutEngine
 
 VLLM_PYTHON_ENV = "LAMINAR_VLLM_PYTHON"
-
-
-def _protocol_adapter(base: type) -> type:
-    """``base`` (``ContinuousEngine`` or ``StaticSlotEngine``) speaking the rollout protocol in
-    process: ``abort`` (all or selected requests), ``load_weights`` (named arrays or a safetensors
-    path), a checked ``SamplingSpec``; ``ContinuousEngine``'s own names keep working."""
-
-    class Adapter(base, EngineBase):
-        engine_name = "torch"
-
-        def __init__(self, model, tokenizer, **kwargs):
-            base.__init__(self, model, tokenizer, **kwargs)
-            self.sampling = SamplingSpec(self.temperature, self.max_new_tokens, self.seed)
-
-        def submit(self, requests: Sequence[GenRequest], sampling: SamplingSpec | None = None) -> None:
-            self.check_sampling(sampling)
-            for r in requests:
-                if not r.prompt.prompt_tokens:
-                    raise ProtocolError(f"request {r.prompt.prompt_id!r}: empty prompt_tokens")
-            base.submit(self, requests)
-
-        def abort(
-            self, request_ids: Iterable | None = None, include_queued: bool = True
-        ) -> tuple[list[Partial], list[GenRequest]]:
-            only = None if request_ids is None else {tuple(i) for i in request_ids}
-            return base.extract(self, include_queued=include_queued, only=only)
-
-        def extract(self, include_queued: bool = True, only=None) -> tuple[list[Partial], list[GenRequest]]:
-            return base.extract(self, include_queued=include_queued, only=only)
-
-        def load_weights(
-            self, version: int, state: Mapping[str, np.ndarray] | None = None, path: str | None = None
-        ) -> None:
-            if (state is None) == (path is None):
-                raise ValueError("load_weights takes exactly one of state= and path=")
-            base.load_state(self, dict(state) if state is not None else load_safetensors(path), version)
-
-        def load_state(self, state: Mapping[str, np.ndarray], version: int) -> None:
-            base.load_state(self, dict(state), version)
-
-        def step(self, max_steps: int) -> list[Trajectory]:
-            return base.step(self, max_steps)
-
-    Adapter.__name__ = Adapter.__qualname__ = f"Protocol{base.__name__}"
-    return Adapter
-
-
-TorchRolloutEngine = _protocol_adapter(ContinuousEngine)
-"""The built-in engine in process, speaking the rollout protocol."""
-StaticTorchRolloutEngine = _protocol_adapter(StaticSlotEngine)
-"""The static-slot engine (fixed-shape decode, optional CUDA graphs) speaking the rollout protocol."""
 
 
 def load_torch_engine(
@@ -99,8 +37,8 @@ def load_torch_engine(
     static_cache: bool = False,
     cuda_graphs: bool = False,
 ):
-    """The built-in engine over the HF checkpoint in ``model_dir``; ``static_cache`` (implied by
-    ``cuda_graphs``) selects ``StaticSlotEngine``."""
+    """The built-in ``Engine`` over the HF checkpoint in ``model_dir``; ``static_cache`` (implied by
+    ``cuda_graphs``): static KV slots."""
     from generation.model import load_model
 
     model, tokenizer = load_model(Path(model_dir), device)
@@ -113,9 +51,7 @@ def load_torch_engine(
         dtype=dtype,
         sync_every=sync_every,
     )
-    if static_cache or cuda_graphs:
-        return StaticTorchRolloutEngine(model, tokenizer, cuda_graphs=cuda_graphs, **kw)
-    return TorchRolloutEngine(model, tokenizer, **kw)
+    return Engine(model, tokenizer, static_cache=static_cache, cuda_graphs=cuda_graphs, **kw)
 
 
 def vllm_python(explicit: str | None = None) -> str | None:
@@ -194,12 +130,12 @@ def make_engine(
     env: Mapping[str, str] | None = None,
 ) -> RolloutEngine:
     """The rollout engine ``kind`` (``torch``, ``torch-process`` or ``vllm``) over the HF checkpoint in
-    ``model_dir``. Every kind speaks ``RolloutEngine`` and keeps ``ContinuousEngine``'s names
+    ``model_dir``. Every kind speaks ``RolloutEngine`` and keeps ``Engine``'s names
     (``version``, ``admitting``, ``extract``, ``load_state``, ``step``, ``status``), so
     ``RolloutWorker`` drives them alike. ``python`` is the worker interpreter of the process kinds
     (``vllm``: ``vllm_python()``); ``vllm_args`` are extra ``--vllm-*`` options for the vLLM worker
     (e.g. ``["--vllm-gpu-memory-utilization", "0.5"]``). ``dtype``, ``sync_every``, ``static_cache`` and
-    ``cuda_graphs`` configure the built-in engine (``ContinuousEngine`` / ``StaticSlotEngine``).
+    ``cuda_graphs`` configure the built-in ``Engine``.
     ``lora_rank`` > 0 starts the vLLM worker for published LoRA adapters up to that rank (a ``model.lora``
     RL run; ``generation.adapter.adapter_rank``); the built-in engines merge adapters without it."""
     if kind == "torch":

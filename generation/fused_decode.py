@@ -5,7 +5,7 @@ goes through module hooks, the cache object and separate q/k/v and gate/up proje
 default model a decode step of 128 rows is a few milliseconds of arithmetic under ~20 ms of that
 overhead (issue 30). ``FusedDecoder.step`` computes the same function with a fixed sequence of
 tensor ops: the q/k/v and the gate/up weights concatenated (one matmul each), rotary tables
-precomputed per generation, the static KV cache of ``generation.engine`` written in place, grouped
+precomputed per generation, the static KV cache of ``generation.wave`` written in place, grouped
 query attention without repeating K/V. Results equal the model's own forward up to float rounding
 (``tests/generation/test_fused_decode.py`` bounds the logits; the engine's tests check the samples).
 
@@ -55,7 +55,7 @@ def fused_decoder(model) -> FusedDecoder | None:
     try:
         inner = model.model
         layers = list(inner.layers)
-        inner.rotary_emb  # noqa: B018 - a model without rotary embeddings is unsupported (AttributeError below)
+        _ = inner.rotary_emb  # a model without rotary embeddings raises here: not one it reproduces
         lm_head = model.lm_head
         for layer in layers:
             a, m = layer.self_attn, layer.mlp
@@ -244,7 +244,7 @@ class FusedDecoder:
     def step_shared(self, ids: torch.Tensor, pos: torch.Tensor, prompt, rows, ccol: int) -> torch.Tensor:
         """``step`` as one native call (``native`` set; float32 on the CPU): logits [n, vocab] of the
         next token after ``ids`` [n] at positions ``pos`` [n], where row i's cache is its prompt's
-        keys/values (``prompt``: ``generation.engine._PromptKV``, shared by the rows of that prompt)
+        keys/values (``prompt``: ``generation.wave.PromptKV``, shared by the rows of that prompt)
         and its own completion columns [0, ccol] (``rows``: ``_CompletionKV``; the step's key and value
         are written at ``ccol``)."""
         m = self.native_model()

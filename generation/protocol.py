@@ -1,6 +1,6 @@
 """The rollout protocol: what the runtime asks of a generation engine, in process or across a pipe.
 
-Every rollout engine (the built-in ``ContinuousEngine``, vLLM in its own Python environment) speaks
+Every rollout engine (the built-in ``generation.engine.Engine``, vLLM in its own Python environment) speaks
 ``RolloutEngine``:
 
 - ``submit(requests, sampling=None)``: queue prompts (token ids, request ids = (prompt id, group_uid,
@@ -15,7 +15,7 @@ Every rollout engine (the built-in ``ContinuousEngine``, vLLM in its own Python 
   file; the version moves with them;
 - ``status()``: ``version``, ``active``, ``queued``, ``capacity``, ``kv_tokens``, ``admitting``.
 
-``ContinuousEngine``'s own names (``extract``, ``load_state``) are kept as aliases so the runtime can
+``generation.engine.Engine``'s own names (``extract``, ``load_state``) are kept as aliases so the runtime can
 drive any engine through one surface.
 
 **Wire format** (``EngineProcess`` <-> ``serve``): frames on the worker's stdin/stdout, each a 4-byte
@@ -110,7 +110,7 @@ class RolloutEngine(Protocol):
 
 
 class EngineBase:
-    """Shared conveniences for ``RolloutEngine`` implementations: the ``ContinuousEngine`` aliases
+    """Shared conveniences for ``RolloutEngine`` implementations: the ``generation.engine.Engine`` aliases
     and the sampling check."""
 
     sampling: SamplingSpec

@@ -209,7 +209,6 @@ class NativeKernels:
             _I,
             _F,
             _P,
-            _I,
             _P,
             _I,
             _I,
@@ -247,7 +246,7 @@ class NativeKernels:
         self,
         logits: torch.Tensor,
         temperature: float,
-        noise: torch.Tensor,
+        keys: torch.Tensor,
         rows: torch.Tensor,
         t: int,
         eos: int,
@@ -260,13 +259,15 @@ class NativeKernels:
         keep: torch.Tensor,
     ) -> int:
         """The decode loop's sampling step of ``logits`` [n, vocab] for batch rows ``rows`` at step
-        ``t`` (see ``decode.c``): writes ``next_ids``/``keep`` [n] and the not-yet-done rows' entries
+        ``t`` with the rows' noise ``keys`` [batch] (int64, ``generation.sampler.row_key``; see
+        ``decode.c``): writes ``next_ids``/``keep`` [n] and the not-yet-done rows' entries
         of the batch outputs; returns how many rows are kept."""
         n, vocab = logits.shape
-        _f32(logits, noise, logps, ent_sum)
+        _f32(logits, logps, ent_sum)
         m = tokens.shape[1]
         if (
-            noise.shape[1] != vocab
+            keys.dtype != torch.int64
+            or not keys.is_contiguous()
             or rows.dtype != torch.int64
             or rows.shape != (n,)
             or rows.stride(0) != 1
@@ -283,7 +284,7 @@ class NativeKernels:
         ):
             raise ValueError("sample_step: shapes")
         bsz = tokens.shape[0]
-        if noise.shape[0] != bsz or any(x.shape != (bsz,) for x in (ent_sum, lengths, done)):
+        if keys.shape != (bsz,) or any(x.shape != (bsz,) for x in (ent_sum, lengths, done)):
             raise ValueError("sample_step: batch shapes")
         scratch = torch.empty(vocab)
         kept = self.lib.lm_sample_step(
@@ -292,8 +293,7 @@ class NativeKernels:
             n,
             vocab,
             temperature,
-            noise.data_ptr(),
-            noise.stride(0),
+            keys.data_ptr(),
             rows.data_ptr(),
             bsz,
             t,

@@ -6,7 +6,8 @@
  * attention over the KV cache (a prompt's keys/values shared by its rows), output projection and
  * the SiLU-gated MLP, then the final norm and the LM head; the matmuls go to the BLAS sgemm_ the
  * caller hands over (torch's MKL, threaded as torch set it for the calling thread). lm_sample_step
- * is the sampling step after it (log-softmax, Exp(1)-noise argmax, entropy, bookkeeping). Callers
+ * is the sampling step after it (log-softmax, Gumbel-max over counter-based noise, entropy,
+ * bookkeeping). Callers
  * run shards of rows in parallel host threads (ctypes releases the GIL); nothing else here is
  * threaded. Loops are written for the compiler's vectoriser (-O3, -fopenmp-simd, gcc/clang vector
  * extensions); the exponential is Cephes' expf polynomial, which it can vectorise.
@@ -410,15 +411,23 @@ i64 lm_decode_step(const i64 *dims, const float *eps_scale, const float *const *
     return 0;
 }
 
-/* The sampling step of rows [0, n) (batch rows rows[i]) at decode step t: log-softmax of
- * logits[i] / temp, the token argmax(p / noise[rows[i]]) (torch.multinomial's distribution, the
- * noise Exp(1)), entropy -sum p log p. Rows not yet done get their token, its log-prob and the
- * entropy written to tokens[b, t], logps[b, t], ent_sum[b]; a row that drew eos is done with
- * lengths[b] = t + 1. next[i] = the drawn token (fed next step), keep[i] = the row is not done.
- * Returns the number of kept rows, or -1 (nothing written) when a row is outside [0, B).
- * scratch: V floats. */
+/* splitmix64's finaliser: generation/sampler.py's _mix */
+static inline uint64_t mix64(uint64_t z) {
+    z = (z ^ (z >> 30)) * 0xBF58476D1CE4E5B9ull;
+    z = (z ^ (z >> 27)) * 0x94D049BB133111EBull;
+    return z ^ (z >> 31);
+}
+
+/* The sampling step of rows [0, n) (batch rows rows[i]) at response position t: log-softmax of
+ * logits[i] / temp, the token argmax(logp + g) with the Gumbel noise g = -log(-log u) of
+ * generation/sampler.py (u a pure function of the row's noise key keys[rows[i]], t and the
+ * vocabulary index: the same hash, the same doubles), entropy -sum p log p. Rows not yet done get
+ * their token, its log-prob and the entropy written to tokens[b, t], logps[b, t], ent_sum[b]; a row
+ * that drew eos is done with lengths[b] = t + 1. next[i] = the drawn token (fed next step), keep[i]
+ * = the row is not done. Returns the number of kept rows, or -1 (nothing written) when a row is
+ * outside [0, B). scratch: V floats. */
 i64 lm_sample_step(const float *logits, i64 ls, i64 n, i64 V, float temp,
-                   const float *noise, i64 ns, const i64 *rows, i64 B, i64 t, i64 eos, i64 M,
+                   const i64 *keys, const i64 *rows, i64 B, i64 t, i64 eos, i64 M,
                    i64 *tokens, float *logps, float *ent_sum, i64 *lengths, uint8_t *done,
                    i64 *next, uint8_t *keep, float *scratch) {
     i64 kept = 0;
@@ -426,7 +435,7 @@ i64 lm_sample_step(const float *logits, i64 ls, i64 n, i64 V, float temp,
         if (rows[i] < 0 || rows[i] >= B) return -1;
     for (i64 i = 0; i < n; i++) {
         const float *x = logits + i * ls;
-        const float *nz = noise + rows[i] * ns;
+        const uint64_t h0 = mix64((uint64_t)keys[rows[i]] + (uint64_t)(t + 1) * 0x9E3779B97F4A7C15ull);
         float *y = scratch;
         float mx = -INFINITY;
         for (i64 v = 0; v < V; v++) {
@@ -438,12 +447,15 @@ i64 lm_sample_step(const float *logits, i64 ls, i64 n, i64 V, float temp,
         for (i64 v = 0; v < V; v++) sum += exp_neg(y[v] - mx);
         const float lse = logf(sum);
         i64 best = 0;
-        float best_score = -INFINITY, ent = 0.0f;
+        double best_score = -INFINITY;
+        float ent = 0.0f;
         for (i64 v = 0; v < V; v++) {
             const float lp = (y[v] - mx) - lse;
             const float p = exp_neg(lp);
             if (p > 0.0f) ent -= p * lp;
-            const float sc = p / nz[v];
+            const uint64_t h = mix64(h0 ^ ((uint64_t)(v + 1) * 0xD1B54A32D192ED03ull));
+            const double u = ((double)(h >> 11) + 0.5) * 0x1p-53;
+            const double sc = (double)lp - log(-log(u));
             if (sc > best_score) { best_score = sc; best = v; }
             y[v] = lp;
         }

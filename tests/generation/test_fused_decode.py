@@ -1,6 +1,6 @@
 """``generation.fused_decode``: the engine's plain-ops decode step computes what the model computes.
 
-Against the reference loop (``TorchEngine._generate_batch_reference``: the model's own forward over a
+Against the reference loop (``Engine._generate_batch_reference``: the model's own forward over a
 growing cache) the fused engine samples the same tokens at a fixed seed, with behaviour log-probs and
 entropies within 1e-5, for Llama (power-of-two attention scale, folded into q) and Qwen2 (q/k/v
 biases, a scale that is not a power of two); new weights reach it (loaded versions and in-place
@@ -11,9 +11,10 @@ import torch
 from transformers import Qwen2Config, Qwen2ForCausalLM
 
 from conf.schema import ModelConfig
-from generation.engine import TorchEngine
+from generation.engine import Engine
 from generation.fused_decode import fused_decoder
 from generation.model import build_char_tokenizer, build_tiny_model, encode_prompt
+from tests.generation.oracle import reference_generate
 from generation.records import GenRequest, PromptItem, WeightsUpdate
 from test_engine_static import _assert_same
 
@@ -34,12 +35,11 @@ def _requests(tok, n=10, samples=3):
 
 
 def _reference(engine, reqs, max_new, temperature, seed):
-    gen = torch.Generator().manual_seed(seed)
-    bs = engine.batch_size
+    bs = engine.capacity
     return [
         t
         for s in range(0, len(reqs), bs)
-        for t in engine._generate_batch_reference(reqs[s : s + bs], max_new, temperature, gen)
+        for t in reference_generate(engine, reqs[s : s + bs], max_new, temperature, seed)
     ]
 
 
@@ -71,22 +71,22 @@ def _qwen2(tok, seed=0, hidden_size=48, max_positions=128):
 def test_fused_decode_samples_what_the_model_samples(arch):
     tok = build_char_tokenizer()
     model = build_tiny_model(HEAD16, tok, seed=0) if arch == "llama" else _qwen2(tok)
-    engine = TorchEngine(model, tok, batch_size=8)  # several batches: the kept buffers are reused and regrown
+    engine = Engine(model, tok, batch_size=8)  # several batches: the kept buffers are reused and regrown
     dec = engine._fused(64)
     assert dec is not None and dec.scale_folded == (arch == "llama")  # head_dim 16 (scale 1/4) vs 24
     reqs = _requests(tok)
-    out = engine.generate(reqs, 30, 0.8, torch.Generator().manual_seed(5))
+    out = engine.generate(reqs, 30, 0.8, seed=5)
     _assert_same(_reference(engine, reqs, 30, 0.8, 5), out)
     # and the model's own forward over the same static cache (fused off) agrees too
-    off = TorchEngine(model, tok, batch_size=8, fused_decode=False)
-    _assert_same(off.generate(reqs, 30, 0.8, torch.Generator().manual_seed(5)), out)
+    off = Engine(model, tok, batch_size=8, fused_decode=False)
+    _assert_same(off.generate(reqs, 30, 0.8, seed=5), out)
 
 
 def test_new_weights_reach_the_fused_decoder():
     tok = build_char_tokenizer()
-    engine = TorchEngine(build_tiny_model(SMALL, tok, seed=0), tok)
+    engine = Engine(build_tiny_model(SMALL, tok, seed=0), tok)
     reqs = _requests(tok, 4, 2)
-    before = engine.generate(reqs, 20, 1.0, torch.Generator().manual_seed(0))
+    before = engine.generate(reqs, 20, 1.0, seed=0)
     other = build_tiny_model(SMALL, tok, seed=7)
     engine.load_weights(
         WeightsUpdate(
@@ -95,12 +95,12 @@ def test_new_weights_reach_the_fused_decoder():
             state={k: v.detach().numpy() for k, v in other.state_dict().items()},
         )
     )
-    after = engine.generate(reqs, 20, 1.0, torch.Generator().manual_seed(0))
+    after = engine.generate(reqs, 20, 1.0, seed=0)
     _assert_same(_reference(engine, reqs, 20, 1.0, 0), after)
     assert [t.response_tokens for t in after] != [t.response_tokens for t in before]
     with torch.no_grad():  # an in-place edit of one weight (what an optimizer step does) is picked up too
         engine.model.model.layers[0].mlp.down_proj.weight.mul_(3.0)
-    edited = engine.generate(reqs, 20, 1.0, torch.Generator().manual_seed(0))
+    edited = engine.generate(reqs, 20, 1.0, seed=0)
     _assert_same(_reference(engine, reqs, 20, 1.0, 0), edited)
     assert [t.behaviour_logprobs for t in edited] != [t.behaviour_logprobs for t in after]
 
@@ -118,8 +118,6 @@ def test_models_it_does_not_reproduce_decode_through_the_model():
 
     gpt2 = GPT2LMHeadModel(GPT2Config(vocab_size=len(tok), n_embd=32, n_layer=1, n_head=2, n_positions=64))
     assert fused_decoder(gpt2) is None
-    engine = TorchEngine(scaled, tok)
+    engine = Engine(scaled, tok)
     reqs = _requests(tok, 3, 2)
-    _assert_same(
-        _reference(engine, reqs, 12, 1.0, 1), engine.generate(reqs, 12, 1.0, torch.Generator().manual_seed(1))
-    )
+    _assert_same(_reference(engine, reqs, 12, 1.0, 1), engine.generate(reqs, 12, 1.0, seed=1))

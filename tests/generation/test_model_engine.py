@@ -9,7 +9,7 @@ from generation.model import (
     load_model,
     save_model,
 )
-from generation.engine import TorchEngine
+from generation.engine import Engine
 from generation.records import GenRequest, PromptItem
 from training.rl.trainer import build_batch, response_logits, token_logprobs
 from generation.records import ScoredGroup
@@ -47,9 +47,9 @@ def _requests(tok, n=6):
 
 def test_engine_logprobs_match_trainer_recomputation(tmp_path):
     model, tok = _tiny(tmp_path)
-    engine = TorchEngine(model, tok, batch_size=5)  # several batches, ragged prompts (left padding)
+    engine = Engine(model, tok, batch_size=5)  # several batches, ragged prompts (left padding)
     reqs = _requests(tok)
-    trajs = engine.generate(reqs, 12, 1.0, torch.Generator().manual_seed(0))
+    trajs = engine.generate(reqs, 12, 1.0, seed=0)
     assert [t.sample_idx for t in trajs] == [r.sample_idx for r in reqs]
     assert all(len(t.response_tokens) == len(t.behaviour_logprobs) and t.version == 0 for t in trajs)
     group = ScoredGroup(
@@ -63,10 +63,10 @@ def test_engine_logprobs_match_trainer_recomputation(tmp_path):
 
 def test_engine_deterministic_and_stops_at_eos(tmp_path):
     model, tok = _tiny(tmp_path)
-    engine = TorchEngine(model, tok)
+    engine = Engine(model, tok)
     reqs = _requests(tok, 3)
-    a = engine.generate(reqs, 10, 1.0, torch.Generator().manual_seed(1))
-    b = engine.generate(reqs, 10, 1.0, torch.Generator().manual_seed(1))
+    a = engine.generate(reqs, 10, 1.0, seed=1)
+    b = engine.generate(reqs, 10, 1.0, seed=1)
     assert [t.response_tokens for t in a] == [t.response_tokens for t in b]
     for t in a:
         eos = tok.eos_token_id
@@ -77,7 +77,7 @@ def test_engine_deterministic_and_stops_at_eos(tmp_path):
 
 def test_load_weights_changes_version_and_outputs(tmp_path):
     model, tok = _tiny(tmp_path)
-    engine = TorchEngine(model, tok)
+    engine = Engine(model, tok)
     from generation.records import WeightsUpdate
 
     state = {k: (v.detach().numpy() * 0).copy() for k, v in model.state_dict().items()}

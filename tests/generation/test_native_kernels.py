@@ -8,11 +8,12 @@ stops (compaction), left padding, grouped-query attention with odd groups, q/k/v
 import pytest
 import torch
 
-import generation.engine as engine_mod
+import generation.wave as wave_mod
 from conf.schema import ModelConfig
 from generation import kernels
-from generation.engine import TorchEngine
+from generation.engine import Engine
 from generation.model import build_char_tokenizer, build_tiny_model, encode_prompt
+from tests.generation.oracle import reference_generate
 from generation.records import GenRequest, PromptItem
 from tests.generation.test_engine_static import _assert_same, _frequent_token
 from tests.generation.test_fused_decode import _qwen2
@@ -68,47 +69,38 @@ def _count_native_steps(monkeypatch) -> list:
 def test_native_step_samples_what_the_torch_ops_sample(name, monkeypatch):
     tok = build_char_tokenizer()
     model = MODELS[name](tok)
-    native = TorchEngine(model, tok, batch_size=20)  # batches of 20, 20, 4: buffers reused and regrown
-    torch_ops = TorchEngine(model, tok, batch_size=20)
+    native = Engine(model, tok, batch_size=20)  # batches of 20, 20, 4: buffers reused and regrown
+    torch_ops = Engine(model, tok, batch_size=20)
     torch_ops.native_kernels = False
     reqs = _requests(tok)
     native.eos_id = torch_ops.eos_id = _frequent_token(native, reqs)  # rows finish at many steps: compaction
     calls = _count_native_steps(monkeypatch)
     for temperature in (1.0, 0.7):
-        gen = torch.Generator().manual_seed(3)
-        got = native.generate(reqs, 48, temperature, gen)
-        after = torch.rand(3, generator=gen)
-        gen = torch.Generator().manual_seed(3)
-        want = torch_ops.generate(reqs, 48, temperature, gen)
-        _assert_same(want, got)
-        assert torch.equal(
-            after, torch.rand(3, generator=gen)
-        )  # the generator ends where it ends on torch ops
+        got = native.generate(reqs, 48, temperature, seed=3)
+        _assert_same(torch_ops.generate(reqs, 48, temperature, seed=3), got)
         lengths = sorted(len(t.response_tokens) for t in got)
         assert lengths[0] < lengths[-1] and any(t.finished for t in got) and any(not t.finished for t in got)
     assert calls and min(calls) < 20  # the native step ran, also after rows left the batch
     # and the model's own forward (the reference loop) samples the same
     ref = [
-        t
-        for s in range(0, len(reqs), 20)
-        for t in native._generate_batch_reference(reqs[s : s + 20], 48, 1.0, torch.Generator().manual_seed(3))
+        t for s in range(0, len(reqs), 20) for t in reference_generate(native, reqs[s : s + 20], 48, 1.0, 3)
     ]
     assert [t.response_tokens for t in ref[:20]] == [
-        t.response_tokens for t in native.generate(reqs, 48, 1.0, torch.Generator().manual_seed(3))[:20]
+        t.response_tokens for t in native.generate(reqs, 48, 1.0, seed=3)[:20]
     ]
 
 
 def test_native_shards_sample_what_one_shard_samples(monkeypatch):
-    monkeypatch.setattr(engine_mod, "MIN_SHARD_ROWS", 4)
+    monkeypatch.setattr(wave_mod, "MIN_SHARD_ROWS", 4)
     tok = build_char_tokenizer()
-    engine = TorchEngine(_llama(tok, 64, 4, 2), tok, batch_size=44)
+    engine = Engine(_llama(tok, 64, 4, 2), tok, batch_size=44)
     reqs = _requests(tok)
     engine.eos_id = _frequent_token(engine, reqs)
     calls = _count_native_steps(monkeypatch)
     runs = {}
     for k in (1, 3):
         engine.decode_threads = k
-        runs[k] = engine.generate(reqs, 40, 1.0, torch.Generator().manual_seed(1))
+        runs[k] = engine.generate(reqs, 40, 1.0, seed=1)
     _assert_same(runs[1], runs[3])
     assert 44 in calls and {14, 15} <= set(calls)  # one shard of 44 rows, then three of 14-15
 
@@ -117,10 +109,10 @@ def test_switched_off_or_without_a_compiler_the_engine_runs_on_torch_ops(monkeyp
     tok = build_char_tokenizer()
     model = _llama(tok, 64, 4, 2)
     reqs = _requests(tok, 4, 2)
-    want = TorchEngine(model, tok).generate(reqs, 20, 1.0, torch.Generator().manual_seed(0))
+    want = Engine(model, tok).generate(reqs, 20, 1.0, seed=0)
     calls = _count_native_steps(monkeypatch)
     monkeypatch.setenv("LAMINAR_NATIVE_KERNELS", "0")
-    _assert_same(want, TorchEngine(model, tok).generate(reqs, 20, 1.0, torch.Generator().manual_seed(0)))
+    _assert_same(want, Engine(model, tok).generate(reqs, 20, 1.0, seed=0))
     monkeypatch.delenv("LAMINAR_NATIVE_KERNELS")
     # a compiler that fails (and an empty cache): a warning, torch ops, the same samples
     monkeypatch.setattr(kernels, "_tried", False)
@@ -128,7 +120,7 @@ def test_switched_off_or_without_a_compiler_the_engine_runs_on_torch_ops(monkeyp
     monkeypatch.setenv("LAMINAR_KERNEL_CACHE", str(tmp_path / "cache"))
     monkeypatch.setenv("CC", "false")
     assert kernels.load() is None
-    _assert_same(want, TorchEngine(model, tok).generate(reqs, 20, 1.0, torch.Generator().manual_seed(0)))
+    _assert_same(want, Engine(model, tok).generate(reqs, 20, 1.0, seed=0))
     assert calls == [] and not list((tmp_path / "cache").glob("*.so"))
 
 
@@ -146,11 +138,11 @@ def test_the_build_is_cached_per_source_compiler_and_cpu(monkeypatch, tmp_path):
 
 def test_bad_inputs_raise_before_reaching_the_kernels():
     tok = build_char_tokenizer()
-    engine = TorchEngine(_llama(tok, 64, 4, 2), tok)
+    engine = Engine(_llama(tok, 64, 4, 2), tok)
     dec = engine._fused(64)
     model = dec.native_model()
-    prompt = engine_mod._PromptKV(_prefill(engine, tok), torch.ones(2, 5, dtype=torch.long))
-    rows = engine_mod._CompletionKV(prompt, torch.tensor([0, 0, 1]), 10, None)
+    prompt = wave_mod.PromptKV(_prefill(engine, tok), torch.ones(2, 5, dtype=torch.long))
+    rows = wave_mod.CompletionKV(prompt, torch.tensor([0, 0, 1]), 10, None)
     caches = model.cache_pointers(prompt, rows)
     pos = torch.tensor([5, 5, 5])
     ok = model.step(torch.tensor([3, 4, 5]), pos, dec._cos, dec._sin, caches, 0)
@@ -160,22 +152,20 @@ def test_bad_inputs_raise_before_reaching_the_kernels():
     with pytest.raises(ValueError, match="out of range"):  # a position past the rotary tables
         model.step(torch.tensor([3, 4, 5]), torch.tensor([5, 5, 64]), dec._cos, dec._sin, caches, 1)
     with pytest.raises(ValueError, match="out of range"):  # a prompt that is not there
-        stray = engine_mod._CompletionKV(prompt, torch.tensor([0, 0, 2]), 10, None)
+        stray = wave_mod.CompletionKV(prompt, torch.tensor([0, 0, 2]), 10, None)
         model.step(torch.tensor([3, 4, 5]), pos, dec._cos, dec._sin, model.cache_pointers(prompt, stray), 1)
     with pytest.raises(ValueError, match="inputs"):  # a column past the completion buffers
         model.step(torch.tensor([3, 4, 5]), pos, dec._cos, dec._sin, caches, 16)
     with pytest.raises(ValueError, match="inputs"):  # int32 ids
         model.step(torch.tensor([3, 4, 5], dtype=torch.int32), pos, dec._cos, dec._sin, caches, 1)
     with pytest.raises(ValueError, match="float32"):
-        model.cache_pointers(
-            engine_mod._PromptKV(_prefill(engine, tok, torch.float64), torch.ones(2, 5)), rows
-        )
-    out = engine_mod._Outputs(3, 8)
+        model.cache_pointers(wave_mod.PromptKV(_prefill(engine, tok, torch.float64), torch.ones(2, 5)), rows)
+    out = wave_mod.Outputs(3, 8)
     with pytest.raises(ValueError, match="rows out of range"):
         dec.native.sample_step(
             ok,
             1.0,
-            torch.ones(3, len(tok)),
+            torch.zeros(3, dtype=torch.long),
             torch.tensor([0, 1, 3]),
             0,
             2,
@@ -191,7 +181,7 @@ def test_bad_inputs_raise_before_reaching_the_kernels():
         dec.native.sample_step(
             ok.double(),
             1.0,
-            torch.ones(3, len(tok)),
+            torch.zeros(3, dtype=torch.long),
             torch.tensor([0, 1, 2]),
             0,
             2,

@@ -1,6 +1,6 @@
 """Rollout protocol conformance: one suite run against every engine that speaks it.
 
-- ``torch``: the built-in ``ContinuousEngine`` in process (``TorchRolloutEngine``);
+- ``torch``: the built-in ``Engine`` in process;
 - ``torch-static``: the static-slot variant (fixed-shape decode for CUDA graphs), in process;
 - ``torch-process``: the same engine in a worker process, over the msgpack wire format;
 - ``vllm-fake``: the vLLM worker (``VllmEngine``'s admission, abort, hand-over and weight-load
@@ -25,7 +25,8 @@ import torch
 
 from conf.schema import ModelConfig
 from generation.model import build_char_tokenizer, build_tiny_model, encode_prompt, save_model
-from generation.engines import StaticTorchRolloutEngine, TorchRolloutEngine, make_engine, vllm_python
+from generation.engine import Engine
+from generation.engines import make_engine, vllm_python
 from generation.protocol import REPO_ROOT, ProtocolError, RolloutEngine, SamplingSpec, request_id
 from generation.records import GenRequest, PromptItem
 
@@ -72,7 +73,7 @@ def _drain(engine, max_steps=3):
 
 
 def _local(assets, state=None):
-    eng = TorchRolloutEngine(_model(assets["tok"], 0), assets["tok"], capacity=CAP, max_new_tokens=MAX_NEW)
+    eng = Engine(_model(assets["tok"], 0), assets["tok"], capacity=CAP, max_new_tokens=MAX_NEW)
     if state is not None:
         eng.load_weights(0, state=state)
     return eng
@@ -107,7 +108,7 @@ def assets(tmp_path_factory, one_thread):
         ),
     }
     reqs = _requests(tok)
-    ref = TorchRolloutEngine(_model(tok, 0), tok, capacity=CAP, max_new_tokens=MAX_NEW)
+    ref = Engine(_model(tok, 0), tok, capacity=CAP, max_new_tokens=MAX_NEW)
     ref.submit(reqs)
     expected = {request_id(GenRequest(t.prompt, t.sample_idx, t.group_uid)): t for t in _drain(ref)}
     yield {
@@ -139,8 +140,13 @@ def shared_engine(request, assets):
     if kind == "torch":
         eng = _local(assets)
     elif kind == "torch-static":  # the static-slot engine (CUDA-graph decode on a GPU), eager here
-        eng = StaticTorchRolloutEngine(
-            _model(assets["tok"], 0), assets["tok"], capacity=CAP, max_new_tokens=MAX_NEW, static_width=24
+        eng = Engine(
+            _model(assets["tok"], 0),
+            assets["tok"],
+            static_cache=True,
+            capacity=CAP,
+            max_new_tokens=MAX_NEW,
+            static_width=24,
         )
     elif kind in ("vllm-fake", "torch-process"):
         eng = assets["workers"][kind].result()

@@ -1,4 +1,4 @@
-"""The static-slot engine (fixed-shape decode for CUDA graphs) samples what ``ContinuousEngine``
+"""The static-slot engine (fixed-shape decode for CUDA graphs) samples what ``Engine``
 samples: joins into a running batch, cache compaction and growth, lazy retirement, extract/inject
 and weight loads with sequences in flight. Runs on the CPU without graphs (the captured forward is
 the same eager forward)."""
@@ -7,8 +7,8 @@ import numpy as np
 import pytest
 import torch
 
-from generation.continuous import ContinuousEngine, request_key
-from generation.static_slots import StaticSlotEngine
+from generation.engine import Engine
+from generation.sampler import request_key
 
 from test_continuous import MAX_NEW, _drain, _key, _model, _requests, _staggered
 
@@ -33,7 +33,7 @@ def _same(a: dict, b: dict) -> None:
 
 def _reference(model, tok, reqs, capacity: int) -> dict:
     """What the dynamic engine samples for ``reqs``, by request key."""
-    ref = ContinuousEngine(model, tok, capacity=capacity, max_new_tokens=MAX_NEW)
+    ref = Engine(model, tok, capacity=capacity, max_new_tokens=MAX_NEW)
     ref.submit(reqs)
     return {_key(t): t for t in _drain(ref)}
 
@@ -43,16 +43,19 @@ def test_static_slots_match_the_dynamic_engine_through_compaction_and_growth(tok
     model = _model(tok)
     reqs = _requests(tok, 12, 2)
     waves = [reqs[:3], reqs[3:9], reqs[9:]]
-    ref = {
-        _key(t): t
-        for t in _staggered(ContinuousEngine(model, tok, capacity=3, max_new_tokens=MAX_NEW), waves)
-    }
-    eng = StaticSlotEngine(
-        model, tok, capacity=3, max_new_tokens=MAX_NEW, static_width=20, sync_every=sync_every
+    ref = {_key(t): t for t in _staggered(Engine(model, tok, capacity=3, max_new_tokens=MAX_NEW), waves)}
+    eng = Engine(
+        model,
+        tok,
+        static_cache=True,
+        capacity=3,
+        max_new_tokens=MAX_NEW,
+        static_width=20,
+        sync_every=sync_every,
     )
     got = {_key(t): t for t in _staggered(eng, waves)}
     _same(ref, got)
-    assert eng._width > 20 and eng.compactions >= 1  # the cache grew and was compacted
+    assert eng._batch._width > 20 and eng._batch.compactions >= 1  # the cache grew and was compacted
     assert eng.status() == {
         "version": 0,
         "queued": 0,
@@ -69,15 +72,15 @@ def test_static_slots_hand_over_and_load_weights_like_the_dynamic_engine(tok):
     reqs = _requests(tok, 6, 2)
     expected = _reference(model, tok, reqs, capacity=4)
 
-    eng = StaticSlotEngine(model, tok, capacity=4, max_new_tokens=MAX_NEW, static_width=24)
+    eng = Engine(model, tok, static_cache=True, capacity=4, max_new_tokens=MAX_NEW, static_width=24)
     eng.submit(reqs)
     done = eng.step(3)
-    running = [r.request for r in eng._rows]
+    running = [r.request for r in eng._batch._rows]
     one, _ = eng.extract(include_queued=False, only={request_key(running[0])})
     assert len(one) == 1 and eng.status()["active"] == len(running) - 1
     partials, queued = eng.extract()
     assert eng.status()["active"] == 0 and eng.status()["kv_tokens"] == 0
-    other = StaticSlotEngine(model, tok, capacity=3, max_new_tokens=MAX_NEW, static_width=24)
+    other = Engine(model, tok, static_cache=True, capacity=3, max_new_tokens=MAX_NEW, static_width=24)
     other.submit(_requests(tok, 2, 1, offset=40))  # busy with other work when the partials arrive
     other.step(2)
     other.inject(one + partials)
@@ -90,7 +93,7 @@ def test_static_slots_hand_over_and_load_weights_like_the_dynamic_engine(tok):
     new = _model(tok, seed=1)
     state = {k: v.detach().numpy().copy() for k, v in new.state_dict().items()}
     runs = []
-    for cls, kw in ((ContinuousEngine, {}), (StaticSlotEngine, {"static_width": 24})):
+    for cls, kw in ((Engine, {}), (Engine, {"static_width": 24})):
         e = cls(_model(tok), tok, capacity=4, max_new_tokens=MAX_NEW, **kw)
         e.submit(reqs[:6])
         out = e.step(3)
@@ -115,17 +118,17 @@ def test_static_decode_step_reads_no_tensor_value_on_the_host(tok):
         tok,
         seed=0,
     ).to("meta")
-    eng = StaticSlotEngine(model, tok, device="meta", capacity=4, max_new_tokens=8, static_width=16)
+    eng = Engine(model, tok, static_cache=True, device="meta", capacity=4, max_new_tokens=8, static_width=16)
 
     class _Layer:
         keys = torch.empty((1, 2, 1, 8), device="meta")
         values = torch.empty((1, 2, 1, 8), device="meta")
 
-    eng._ensure_kv(type("_Cache", (), {"layers": [_Layer(), _Layer()]})(), 16)
-    eng._c = 5
+    eng._batch._ensure_kv(type("_Cache", (), {"layers": [_Layer(), _Layer()]})(), 16)
+    eng._batch._c = 5
     with torch.inference_mode():
-        eng._decode()
-    assert eng._c == 6 and eng._next.device.type == "meta"
+        eng._batch.decode()
+    assert eng._batch._c == 6 and eng._batch._next.device.type == "meta"
 
 
 def test_narrowed_cpu_step_moves_stragglers_down_and_samples_the_same(tok):
@@ -135,8 +138,8 @@ def test_narrowed_cpu_step_moves_stragglers_down_and_samples_the_same(tok):
     model = _model(tok)
     reqs = _requests(tok, 8, 2)
     expected = _reference(model, tok, reqs, capacity=8)
-    eng = StaticSlotEngine(model, tok, capacity=8, max_new_tokens=MAX_NEW, static_width=24)
-    assert eng.narrow
+    eng = Engine(model, tok, static_cache=True, capacity=8, max_new_tokens=MAX_NEW, static_width=24)
+    assert eng._batch.narrow
     eng.submit(reqs)
     _same(expected, {_key(t): t for t in _drain(eng)})
-    assert eng.slot_moves > 0  # rows finished below running ones, which then moved down
+    assert eng._batch.slot_moves > 0  # rows finished below running ones, which then moved down

@@ -106,10 +106,10 @@ def test_sync_mode_killed_midway_resumes_where_it_stopped_and_ends_identical(tmp
 
 
 def test_hive_source_state_round_trips_to_the_same_prompts():
-    from generation.engine import TorchEngine
+    from generation.engine import Engine
 
     tok = build_char_tokenizer()
-    engine = TorchEngine(build_tiny_model(MICRO, tok, seed=0), tok)
+    engine = Engine(build_tiny_model(MICRO, tok, seed=0), tok)
     items = prompts(tok, 64)
     greso = GresoFilter(None)
     a = HiveSource(PromptCursor(items, 0), engine, greso=greso, seed=0)

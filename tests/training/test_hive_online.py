@@ -12,7 +12,7 @@ from data_curation.sampling import estimate_difficulty, seeded_subset
 from generation.model import build_char_tokenizer, build_tiny_model, encode_prompt, save_model
 from conf.schema import RLConfig
 from training.objectives import PRESETS
-from generation.engine import TorchEngine
+from generation.engine import Engine
 from training.rl.loop import HiveSource, PromptCursor, run_sync
 from generation.records import PromptItem
 
@@ -32,7 +32,7 @@ def _prompts(tok, n=16):
 def test_prompt_entropy_is_one_forward_pass_over_prompt_positions():
     tok = build_char_tokenizer()
     model = build_tiny_model(MICRO, tok, seed=0)
-    engine = TorchEngine(model, tok)
+    engine = Engine(model, tok)
     items = _prompts(tok, 3)
     got = engine.prompt_entropy(items)
     # by hand for the first prompt: mean entropy of the next-token distributions at positions 1..L-1
@@ -48,7 +48,7 @@ def test_prompt_entropy_is_one_forward_pass_over_prompt_positions():
 
 def test_hive_source_skips_by_history_and_prunes_by_entropy():
     tok = build_char_tokenizer()
-    engine = TorchEngine(build_tiny_model(MICRO, tok, seed=0), tok)
+    engine = Engine(build_tiny_model(MICRO, tok, seed=0), tok)
     items = _prompts(tok, 64)
     # every even prompt has a long run of all-correct groups: GRESO skips it with prob 1 - 0.5**6
     history = pl.DataFrame(
@@ -173,7 +173,7 @@ def test_greso_round_size_and_one_group_per_prompt():
     assert exact.round_size(1, 0.0, 16) == 1
     assert exact.round_size(3, 0.25, 16) == 4
     tok = build_char_tokenizer()
-    engine = TorchEngine(build_tiny_model(MICRO, tok, seed=0), tok)
+    engine = Engine(build_tiny_model(MICRO, tok, seed=0), tok)
     items = _prompts(tok, 5)  # fewer prompts than a raw batch: the cursor wraps into the next epoch
     source = HiveSource(PromptCursor(items, 0), engine, greso=None, entropy_rule="off", seed=0)
     for _ in range(4):

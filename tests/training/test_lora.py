@@ -288,7 +288,8 @@ def test_every_built_in_engine_kind_samples_the_same_tokens_under_an_adapter_ver
     """A published adapter applied by the in-process engine, the static-slot engine and the engine in a
     worker process (through the safetensors wire path) gives the same sampled tokens, and different ones
     from the bare base: the adapter reaches every engine kind the rollouts run."""
-    from generation.engines import StaticTorchRolloutEngine, TorchRolloutEngine, make_engine
+    from generation.engine import Engine
+    from generation.engines import make_engine
     from generation.records import GenRequest
     from training.lora import adapter_state, continue_adapter
 
@@ -307,9 +308,9 @@ def test_every_built_in_engine_kind_samples_the_same_tokens_under_an_adapter_ver
         return {t.prompt.prompt_id: t.response_tokens for t in out}
 
     kw = dict(capacity=8, max_new_tokens=12, seed=3)
-    local = sample(TorchRolloutEngine(load_model(base)[0], tok, **kw), state)
-    assert local != sample(TorchRolloutEngine(load_model(base)[0], tok, **kw), None)
-    assert sample(StaticTorchRolloutEngine(load_model(base)[0], tok, static_width=24, **kw), state) == local
+    local = sample(Engine(load_model(base)[0], tok, **kw), state)
+    assert local != sample(Engine(load_model(base)[0], tok, **kw), None)
+    assert sample(Engine(load_model(base)[0], tok, static_cache=True, static_width=24, **kw), state) == local
     proc = make_engine("torch-process", str(base), env={"OMP_NUM_THREADS": "1"}, **kw)
     try:
         assert sample(proc, state) == local

@@ -8,7 +8,7 @@ import random
 import torch
 
 from conf.schema import ModelConfig
-from generation.engine import TorchEngine
+from generation.engine import Engine
 from generation.model import build_char_tokenizer, build_tiny_model, encode_prompt
 from generation.records import GenRequest, PromptItem, ScoredGroup
 from training.objectives import PRESETS
@@ -31,11 +31,9 @@ def _groups(model, tok, n_prompts=5, group=4, seed=0):
         PromptItem(f"p{i}", "", "", encode_prompt(tok, f"{i}+{i % 3}=?\n" + "y" * (i % 4)))
         for i in range(n_prompts)
     ]
-    engine = TorchEngine(copy.deepcopy(model), tok)
+    engine = Engine(copy.deepcopy(model), tok)
     engine.eos_id = tok.convert_tokens_to_ids("1")  # a frequent token: ragged response lengths
-    trajs = engine.generate(
-        [GenRequest(p, s) for p in items for s in range(group)], 20, 1.0, torch.Generator().manual_seed(seed)
-    )
+    trajs = engine.generate([GenRequest(p, s) for p in items for s in range(group)], 20, 1.0, seed=seed)
     rng = random.Random(seed)
     return [
         ScoredGroup(

@@ -9,7 +9,7 @@ from rl_fakes import MICRO, Verdict
 from conf.loader import load_config
 from generation.model import build_char_tokenizer, build_tiny_model, encode_problem, encode_prompt
 from training.objectives import PRESETS
-from generation.engine import TorchEngine
+from generation.engine import Engine
 from training.rl.loop import PromptCursor, collect_phase, score_phase
 from generation.records import PromptItem, ScoredGroup, Trajectory
 from training.rl.trainer import PolicyTrainer
@@ -56,7 +56,7 @@ def test_bad_objective_names_fail_before_any_write():
 
 def test_dynamic_sampling_drops_constant_groups_and_refills():
     tok, model, prompts = _setup(["easy", "hard", "mixed", "mixed"] * 4)
-    engine = TorchEngine(model, tok)
+    engine = Engine(model, tok)
     params = replace(PRESETS["dapo"], max_sampling_rounds=10, overlong_cache_len=1)
     got = collect_phase(
         engine,
@@ -90,7 +90,7 @@ def test_dynamic_sampling_stops_at_the_round_cap():
     tok, model, prompts = _setup(["easy", "hard"] * 4)
     params = replace(PRESETS["dapo"], max_sampling_rounds=3, overlong_cache_len=1)
     got = collect_phase(
-        TorchEngine(model, tok),
+        Engine(model, tok),
         PromptCursor(prompts, 0),
         ByPrompt(),
         params,
@@ -142,7 +142,7 @@ def test_overlong_filter_and_kl_in_the_trainer():
 
 def test_minibatches_make_the_clip_bind():
     tok, model, prompts = _setup(["mixed"] * 4)
-    engine = TorchEngine(model, tok)
+    engine = Engine(model, tok)
     got = collect_phase(
         engine,
         PromptCursor(prompts, 0),

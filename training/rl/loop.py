@@ -18,7 +18,7 @@ from collections.abc import Callable, Sequence
 import torch
 
 from training.objectives import ObjectiveParams, overlong_penalty
-from generation.engine import TorchEngine
+from generation.engine import Engine as TorchEngine
 from generation.records import GenRequest, PromptItem, ScoredGroup, Trajectory
 from training.rl.records import UpdateStats
 from training.rl.trainer import PolicyTrainer

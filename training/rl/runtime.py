@@ -392,7 +392,7 @@ class LaminarRuntime:
         """The driver's side: its policy copy, the prompt source and the manager; resume if a
         checkpoint is there; version 0 (or the resumed one) goes to the relays before any rollout starts."""
         from generation.adapter import is_adapter_dir, model_dir_for_sampling
-        from generation.engine import TorchEngine
+        from generation.engine import Engine as TorchEngine
         from generation.model import load_model
 
         torch.manual_seed(self.seed)
