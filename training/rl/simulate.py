@@ -70,7 +70,6 @@ from typing import Any
 from collections.abc import Iterable, Mapping, Sequence
 
 from generation.records import GenRequest, Partial, PromptItem, ScoredGroup, Trajectory
-from training.rl import control
 from training.rl.control import MODES, ModeSpec, RelayChain
 from training.rl.manager import ManagerSettings, RolloutManager
 from training.rl.records import ExtractOrder, PullResult, RolloutStatus
@@ -987,9 +986,7 @@ class Simulator:
             relay = self.chain.next_of(relay)
             hop += 1
         self.relay_at[version] = at
-        keep = control.retained_versions(
-            version, [r.version for r in self.m.rollouts.values() if r.active], self.cfg.sched.keep_versions
-        )
+        keep = self.m.retained_versions(self.cfg.sched.keep_versions, latest=version)
         for v in [v for v in self.relay_at if v not in keep and v != version]:
             self.relay_at.pop(v)
         if self.streamed:
