@@ -144,6 +144,39 @@ def test_dynamic_sampling_rounds_fill_the_batch_and_an_empty_batch_repeats():
     assert m2.batch_idx == 0 and m2.maybe_open_batch() == "issued"
 
 
+def test_relays_keep_the_latest_versions_and_every_version_a_rollout_still_decodes_with():
+    m, _ = manager("laminar")
+    m.start_at(7)
+    m.rollouts["rollout-0"].version, m.rollouts["rollout-0"].active = 3, 5  # a long response on version 3
+    m.rollouts["rollout-1"].version, m.rollouts["rollout-1"].active = 5, 0  # idle: holds nothing
+    assert m.retained_versions(2) == {6, 7, 3}
+    assert m.retained_versions(1, latest=8) == {8, 3}  # the simulator asks before the update lands
+    m.rollouts["rollout-0"].active = 0
+    assert m.retained_versions(2) == {6, 7}
+
+
+def test_the_step_metrics_round_trip_and_keep_the_history_keys():
+    from training.rl.records import StepMetrics, UpdateStats
+
+    m, _ = manager("sync")
+    m.maybe_open_batch()
+    run_batch(m)
+    m.maybe_open_batch()
+    m.next_batch()
+    stats = UpdateStats(
+        "update_stats", 1, 0.5, 2.0, 8, 8, {"clipfrac": 0.25, "kl": 0.1, "staleness_max": 9.0}
+    )
+    got = m.updated(1, stats, wall=2.0, train_s=0.5)
+    assert (got.step, got.trained_trajectories, got.trained_tokens, got.sampling_rounds) == (1, 8, 8, 1)
+    assert got.clipfrac == 0.25 and got.extra == {"kl": 0.1} and got.staleness_max == 0.0  # the manager's
+    assert got.gen_seconds == 1.5 and got.tokens_per_s == 4.0
+    d = got.as_dict()
+    assert all(isinstance(v, float) for v in d.values()) and {"step", "reward", "loss", "kl"} <= set(d)
+    assert StepMetrics.from_dict(d) == got
+    with pytest.raises(ValueError, match="lack"):
+        StepMetrics.from_dict({"step": 1.0})
+
+
 def test_a_dead_rollout_loses_only_its_work_and_a_repack_hands_partials_over():
     m, out = manager("laminar", capacity=4, n=2, group=2)
     a, b = m.dispatch("rollout-0"), m.dispatch("rollout-1")

@@ -4,11 +4,11 @@ One object holds the manager's state (the prompt queue, the experience buffer, t
 batched modes, what each rollout holds) and applies every event to it: a rollout's result, an
 update, a repack tick, a dead or revived rollout. It has no Ray, no clock and no I/O. What it must
 ask of the world around it goes through :class:`Outside` (refresh the prompt source's policy copy,
-poke a rollout that has news, note a timeline event), which the Ray runtime
-(``training.rl.runtime``) and the discrete-event simulator (``training.rl.simulate``) each
-implement. The runtime turns ``ray.wait`` results into manager calls; the simulator turns its
-event heap into the same calls. A behaviour added here is in both, and in the unit tests that
-drive the manager directly.
+poke a rollout that has news, note a timeline event), which each driver implements: the local
+driver (``training.rl.drivers.local``), the Ray driver (``training.rl.drivers.ray``) and the
+discrete-event simulator (``training.rl.simulate``). The local driver runs the orders in process,
+the Ray driver turns ``ray.wait`` results into manager calls, the simulator its event heap. A
+behaviour added here is in all three, and in the unit tests that drive the manager directly.
 
 The stateless rules it applies (mode decisions, admission room, repack planning) are in
 ``training.rl.control``.

@@ -237,22 +237,28 @@ def _rl(
         adapter_from_state(model_dir, driver.final_state, out_dir)  # the adapter, not the merged model
     else:
         save_trained(model.to("cpu"), tokenizer, out_dir)
-    with open(Path(out_dir) / "history.jsonl", "w") as f:
+    write_rl_records(result, Path(out_dir))
+    return result
+
+
+def write_rl_records(result: RLResult, out_dir: Path) -> None:
+    """The run's records beside its model: ``history.jsonl`` (no timings), ``consumed.json`` and
+    ``rewards.parquet``."""
+    import polars as pl
+
+    with open(out_dir / "history.jsonl", "w") as f:
         for m in result.history:
             row = {k: v for k, v in m.as_dict().items() if k not in TIMING_KEYS}
             f.write(json.dumps(row, sort_keys=True) + "\n")
-    with open(Path(out_dir) / "consumed.json", "w") as f:
+    with open(out_dir / "consumed.json", "w") as f:
         json.dump(dict(sorted(result.consumed.items())), f, indent=1)
-    import polars as pl
-
     pl.DataFrame(
         result.rewards,
         schema={"step": pl.Int64, "prompt_id": pl.Utf8, "mean_reward": pl.Float64, "n": pl.Int64},
         orient="row",
     ).with_columns(idx=pl.int_range(pl.len(), dtype=pl.Int64), origin=pl.lit("rl")).select(
         "step", "idx", "prompt_id", "mean_reward", "n", "origin"
-    ).write_parquet(Path(out_dir) / "rewards.parquet")
-    return result
+    ).write_parquet(out_dir / "rewards.parquet")
 
 
 def write_runtime_report(runtime, out_dir: Path) -> None:
