@@ -103,7 +103,7 @@ def untimed(history) -> str:
     )
 
 
-@pytest.mark.parametrize("algorithm", ["grpo", "dapo"])
+@pytest.mark.parametrize("algorithm", ["grpo", pytest.param("dapo", marks=pytest.mark.slow)])
 def test_local_and_ray_sync_runs_sample_the_same_tokens_and_write_the_same_history(
     local_ray, monkeypatch, model_dir, prompts, algorithm
 ):
