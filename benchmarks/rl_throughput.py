@@ -174,7 +174,7 @@ def run_mode(spec: str, model_dir: Path, prompts, args, out: Path, tag: str = ""
     from conf.loader import load_config
     from evaluation.timeline import plot_timeline, summarize_timeline
     from evaluation.verifier import Verifier
-    from training.rl.runtime import LaminarRuntime
+    from training.rl.drivers.ray import LaminarRuntime
     from training.rl.stage import objective_params
 
     cfg = load_config([f"seed={args.seed}", *WORKLOAD, f"rl.algorithm={args.algorithm}", *args.overrides])

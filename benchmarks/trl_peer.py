@@ -8,13 +8,13 @@ gradient norm clipped at 1.0, ``--threads`` torch threads. Each (round, variant)
 process, the variants in a rotated order per round; every process runs ``--warmup`` untimed steps,
 then ``--steps`` timed ones. Reported per variant (median over rounds of each round's median):
 seconds per step, generated tokens/s over the whole step, and generated tokens/s of the generation
-phase alone (the time inside ``model.generate`` for TRL, inside ``Engine.generate`` for
-laminar; generated tokens = each completion up to and including its EOS), and the ratios to TRL.
+phase alone (the time inside ``model.generate`` for TRL, inside the rollout's orders for laminar;
+generated tokens = each completion up to and including its EOS), and the ratios to TRL.
 
-Variants: ``trl`` (TRL 1.16, HF ``generate``), ``laminar`` (the sync RL stage's loop ``run_sync``
-as shipped) and ``laminar-reference`` (the same loop with the decode loop and trainer forward the
-project had before issue 30: the engine tests' reference loop, ``tests.generation.oracle``, and the
-padded trainer forward), so the before/after of this machine and load sits in one table.
+Variants: ``trl`` (TRL 1.16, HF ``generate``), ``laminar`` (the sync RL stage's local driver,
+``training.rl.drivers.local.LocalDriver``, as shipped) and ``laminar-reference`` (the same driver
+with the padded trainer forward the project had before issue 30), so the before/after of this
+machine and load sits in one table.
 
 TRL is a benchmark-only dependency: ``pip install -e '.[bench]'`` (or ``pip install trl==1.16.0``);
 the project never imports it.
@@ -95,12 +95,10 @@ def completion_lengths(completions, eos_id: int) -> list[int]:
 def run_laminar(args, reference: bool) -> dict:
     import torch
 
+    import training.rl.drivers.local as local
     from conf.loader import load_config
     from evaluation.verifier import Verifier
-    from generation.engine import Engine
-    from generation.model import load_model
     from training.rl import trainer as trainer_mod
-    from training.rl.loop import run_sync
     from training.rl.stage import objective_params
 
     cfg = load_config(
@@ -113,37 +111,39 @@ def run_laminar(args, reference: bool) -> dict:
             "rl.eval_every=0",
         ]
     )
-    model, tok = load_model(args.model_dir, "cpu")
     _, prompts = load_prompts(args.model_dir, args.prompts)
     gen_calls: list[tuple[float, int]] = []
-    original = Engine.generate
+    pending = [0.0, 0]  # seconds and tokens of the rollout's orders since the last step
+    original = local.run_order
 
-    def timed_generate(self, requests, *a, **kw):
+    def timed_order(engine, order, *a, **kw):
         t0 = time.perf_counter()
-        out = original(self, requests, *a, **kw)
-        gen_calls.append((time.perf_counter() - t0, sum(len(t.response_tokens) for t in out)))
+        out = original(engine, order, *a, **kw)
+        pending[0] += time.perf_counter() - t0
+        pending[1] += sum(len(t.response_tokens) for t in getattr(out, "finished", ()))
         return out
 
-    Engine.generate = timed_generate
-    if reference:
-        from tests.generation.oracle import oracle_generate
+    def on_step(m) -> None:
+        stamps.append(time.perf_counter())
+        gen_calls.append((pending[0], pending[1]))
+        pending[:] = [0.0, 0]
 
-        original = oracle_generate
-        if hasattr(trainer_mod, "REFERENCE_FORWARD"):
-            trainer_mod.REFERENCE_FORWARD = True
+    local.run_order = timed_order
+    if reference and hasattr(trainer_mod, "REFERENCE_FORWARD"):
+        trainer_mod.REFERENCE_FORWARD = True  # the padded trainer forward (the decode has no reference path)
     stamps = [time.perf_counter()]
     with Verifier(timeout_s=cfg.eval.verifier_timeout_s) as verifier:
-        run_sync(
-            model,
-            tok,
+        local.LocalDriver(
+            Path(args.model_dir),
             prompts,
             verifier,
             objective_params(cfg.rl),
             cfg.rl,
             seed=args.seed,
             device="cpu",
-            on_step=lambda m: stamps.append(time.perf_counter()),
-        )
+            rollout=cfg.rollout,
+            on_step=on_step,
+        ).run()
     return {
         "step_s": [b - a for a, b in zip(stamps, stamps[1:])],
         "gen_s": [g for g, _ in gen_calls],

@@ -216,7 +216,7 @@ class RLConfig:
     """Evaluate ``eval.benchmarks`` inside the run every N steps (the eval stages cover the start and
     the end); 0 = off."""
     runtime: Annotated[str, Runtime] = "auto"
-    """``local``: the in-process synchronous loop (sync only; deterministic metrics on the CPU);
+    """``local``: the local driver, in process (sync only; deterministic metrics on the CPU);
     ``ray``: the Laminar runtime (trainer, relays, rollouts as Ray actors; every mode);
     ``auto``: local for ``mode=sync``, ray otherwise."""
     max_staleness: int | None = 1
@@ -237,7 +237,7 @@ class RLConfig:
     repack_b: int = 0
     """Repack's B: the batch below which decoding is memory-bound; 0 = ``rollout_capacity``."""
     checkpoint_every: int = 10
-    """Ray runtime: an atomic checkpoint every N updates (0 = off); a rerun resumes from the last."""
+    """An atomic checkpoint every N updates (0 = off), by either driver; a rerun resumes from the last."""
 
     def uses_ray(self) -> bool:
         return self.runtime == "ray" or (self.runtime == "auto" and self.mode != "sync")

@@ -420,8 +420,9 @@ def rl_body(ctx: StageContext) -> StageResult:
                 on_metrics=active().step_logger("rl"),
                 lora=ctx.cfg.model.lora,
             )
-        meta["timings"] = [{k: m[k] for k in ("step", *TIMING_KEYS) if k in m} for m in result.history]
-        rewards = [m["reward"] for m in result.history]
+        rows = [m.as_dict() for m in result.history]
+        meta["timings"] = [{k: m[k] for k in ("step", *TIMING_KEYS) if k in m} for m in rows]
+        rewards = [m.reward for m in result.history]
         window = (
             [sum(rewards[i : i + 5]) / len(rewards[i : i + 5]) for i in range(max(1, len(rewards) - 4))]
             if rewards
@@ -430,7 +431,7 @@ def rl_body(ctx: StageContext) -> StageResult:
         return {
             "steps": len(result.history),
             "trajectories": sum(result.consumed.values()),
-            "generated": int(sum(m["generated_trajectories"] for m in result.history)),
+            "generated": int(sum(m.generated_trajectories for m in result.history)),
             "reward_last5": window[-1] if window else None,
             "reward_first5": window[0] if window else None,
             "reward_peak5": max(window) if window else None,

@@ -146,7 +146,7 @@ def rl_key(c: Config) -> dict:
         "select": _select_config(c),
         **({"cluster": asdict(c.cluster)} if c.rl.uses_ray() else {}),
         **({"trainer": asdict(c.trainer)} if not c.trainer.is_default() else {}),
-        **({"rollout": asdict(c.rollout)} if c.rl.uses_ray() else {}),
+        "rollout": asdict(c.rollout),  # both drivers sample with the rollout engine
         **({"eval": asdict(c.eval)} if c.rl.eval_every else {}),
     }
 
@@ -418,7 +418,8 @@ STAGES: tuple[Stage, ...] = (
         config=rl_key,
         modules=(
             "training.rl.stage",
-            "training.rl.runtime",
+            "training.rl.drivers.local",
+            "training.rl.drivers.ray",
             "training.rl.actors",
             "training.rl.trainer",
             "generation.setup",

@@ -204,11 +204,12 @@ class HalfRight:
         return [Verdict(r[:1].isdigit() and int(r[0]) % 2 == int(g) % 2) for r, g in zip(responses, golds)]
 
 
-def test_rl_with_lr_1e30_stops_the_sync_loop():
+def test_rl_with_lr_1e30_stops_the_sync_loop(tmp_path):
     from conf.schema import RLConfig
     from generation.model import encode_prompt
     from generation.records import PromptItem
-    from training.rl.loop import run_sync
+    from tests.training.rl_fakes import saved_model
+    from training.rl.drivers.local import LocalDriver
 
     tok = build_char_tokenizer()
     model = build_tiny_model(MICRO, tok, seed=0)
@@ -222,8 +223,9 @@ def test_rl_with_lr_1e30_stops_the_sync_loop():
         micro_batch_tokens=0,
         eval_every=0,
     )
+    model_dir = saved_model(tmp_path, model, tok)
     with pytest.raises(NonFiniteError) as err:
-        run_sync(model, tok, items, HalfRight(), PRESETS["grpo"], rl, seed=0, device="cpu")
+        LocalDriver(model_dir, items, HalfRight(), PRESETS["grpo"], rl, seed=0, device="cpu").run()
     assert_one_clear_line(err.value, "stage rl, update", "rl.lr=1e+30")
 
 
@@ -279,8 +281,8 @@ s = socket.socket(); s.bind(("127.0.0.1", 0)); port = s.getsockname()[1]; s.clos
 init_distributed("gloo", 0, 1, "127.0.0.1", port, deepspeed_comm=True)
 tok = build_char_tokenizer()
 trainer = DeepSpeedPolicyTrainer(build_tiny_model(MICRO, tok, seed=0), PRESETS["grpo"],
-                                 pad_id=tok.pad_token_id, ds_config={{"zero_optimization": {{"stage": 2}}}},
-                                 **TRAIN_KW)
+                                 pad_id=tok.pad_token_id,
+                                 ds_config={{"zero_optimization": {{"stage": 2}}}}, **TRAIN_KW)
 next(trainer.model.parameters()).register_hook(lambda g: g * float("inf"))
 try:
     trainer.update(random_groups(tok, seed=0))

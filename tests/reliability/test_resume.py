@@ -1,6 +1,6 @@
-"""Every mode resumes: the in-process synchronous loop checkpoints and a killed run goes on exactly as
-the unkilled one (deterministic on the CPU), HIVE's online state included; the Ray runtime's
-checkpoint holds HIVE's state too, so a resumed HIVE run draws the prompts the checkpoint records."""
+"""Every mode resumes: the local driver checkpoints and a killed run goes on exactly as the unkilled
+one (deterministic on the CPU), HIVE's online state included; the Ray driver's checkpoint (the same
+record) holds HIVE's state too, so a resumed HIVE run draws the prompts the checkpoint records."""
 
 from __future__ import annotations
 
@@ -13,10 +13,11 @@ from conf.schema import RLConfig
 from data_curation.hive import GresoFilter
 from generation.model import build_char_tokenizer, build_tiny_model, encode_prompt
 from generation.records import PromptItem
-from tests.training.rl_fakes import MICRO, Verdict
+from tests.training.rl_fakes import MICRO, Verdict, saved_model
 from training.objectives import PRESETS
-from training.rl.checkpoint import latest_checkpoint, list_checkpoints, load_json
-from training.rl.loop import HiveSource, PromptCursor, run_sync
+from training.rl.checkpoint import RUN_STATE, latest_checkpoint, list_checkpoints, load_json
+from training.rl.drivers.local import LocalDriver
+from training.rl.loop import HiveSource, PromptCursor
 from training.rl.stage import TIMING_KEYS
 
 
@@ -59,15 +60,14 @@ def run(tmp_path, *, kill_at=None, hive=True, ckpt="ckpt", steps=7):
     )
 
     def on_step(m):
-        if kill_at is not None and m["step"] == kill_at:
+        if kill_at is not None and m.step == kill_at:
             raise Killed(kill_at)
 
     def evaluate(m):  # an in-run evaluation that depends on the weights
         return {"eval_probe": float(sum(p.detach().double().abs().sum() for p in m.parameters()))}
 
-    result = run_sync(
-        model,
-        tok,
+    driver = LocalDriver(
+        saved_model(tmp_path / f"model-{ckpt}", model, tok),
         prompts(tok),
         HalfRight(),
         PRESETS["grpo"],
@@ -77,9 +77,10 @@ def run(tmp_path, *, kill_at=None, hive=True, ckpt="ckpt", steps=7):
         source=source,
         evaluate=evaluate,
         on_step=on_step,
-        checkpoint_dir=tmp_path / ckpt,
+        state_dir=tmp_path / ckpt,
     )
-    return result, {k: v.clone() for k, v in model.state_dict().items()}
+    result = driver.run()
+    return result, {k: v.clone() for k, v in driver.final_model.state_dict().items()}
 
 
 @pytest.mark.parametrize("hive", [True, False])
@@ -87,22 +88,27 @@ def test_sync_mode_killed_midway_resumes_where_it_stopped_and_ends_identical(tmp
     whole, w_whole = run(tmp_path, hive=hive, ckpt="whole")
     with pytest.raises(Killed):
         run(tmp_path, kill_at=5, hive=hive, ckpt="killed")  # dies after step 5: the last checkpoint is step 4
-    last = latest_checkpoint(tmp_path / "killed")
+    last = latest_checkpoint(tmp_path / "killed" / "checkpoints")
     assert last is not None and last.name == "step-000004"
-    state = load_json(last, "sync.json")
-    assert state["step"] == 4 and len(state["history"]) == 4
+    state = load_json(last, RUN_STATE)
+    assert state["version"] == 4 and state["mode"] == "sync" and len(state["history"]) == 4
     if hive:  # HIVE's online state is in the checkpoint
         assert state["source"]["greso"]["observed"] and "rng" in state["source"]
     resumed, w_resumed = run(tmp_path, hive=hive, ckpt="killed")
     assert len(resumed.history) == 7
 
-    def untimed(h: list) -> str:
-        return json.dumps([{k: v for k, v in m.items() if k not in TIMING_KEYS} for m in h], sort_keys=True)
+    def untimed(history):
+        return json.dumps(
+            [{k: v for k, v in m.as_dict().items() if k not in TIMING_KEYS} for m in history], sort_keys=True
+        )
 
     assert untimed(resumed.history) == untimed(whole.history)  # what history.jsonl keeps, to the bit
     assert resumed.rewards == whole.rewards and resumed.consumed == whole.consumed
     assert all(torch.equal(w_whole[k], w_resumed[k]) for k in w_whole)
-    assert [c.name for c in list_checkpoints(tmp_path / "whole")] == ["step-000004", "step-000006"]
+    assert [c.name for c in list_checkpoints(tmp_path / "whole" / "checkpoints")] == [
+        "step-000004",
+        "step-000006",
+    ]
 
 
 def test_hive_source_state_round_trips_to_the_same_prompts():
@@ -135,7 +141,7 @@ def test_a_hive_laminar_run_killed_after_a_checkpoint_draws_the_prompts_it_recor
     ray = pytest.importorskip("ray")
     from conf.schema import ClusterConfig
     from generation.model import save_model
-    from training.rl.runtime import LaminarRuntime
+    from training.rl.drivers.ray import LaminarRuntime
 
     tok = build_char_tokenizer()
     model_dir = tmp_path / "model"
@@ -173,7 +179,7 @@ def test_a_hive_laminar_run_killed_after_a_checkpoint_draws_the_prompts_it_recor
         )
 
     def kill_trainer(m):
-        if m["step"] == 5:
+        if m.step == 5:
             os.kill(ray.get(rt.trainer.lead.ping.remote()).pid, signal.SIGKILL)
 
     rt = runtime(kill_trainer)
@@ -181,7 +187,7 @@ def test_a_hive_laminar_run_killed_after_a_checkpoint_draws_the_prompts_it_recor
         rt.run()
     last = latest_checkpoint(tmp_path / "state" / "checkpoints")
     assert last is not None and last.name == "step-000004"
-    saved = load_json(last, "runtime.json")
+    saved = load_json(last, RUN_STATE)
     hive = saved["source"]
     assert hive["greso"]["observed"] and hive["cursor"]["position"] > 0
     rt2 = runtime()

@@ -18,3 +18,13 @@ class Verdict:
     @property
     def reward(self) -> float:
         return float(self.correct)
+
+
+def saved_model(folder, model, tokenizer):
+    """``model`` and ``tokenizer`` written as a checkpoint folder, which the RL drivers start from."""
+    from pathlib import Path
+
+    from generation.model import save_model
+
+    save_model(model, tokenizer, Path(folder))
+    return Path(folder)

@@ -5,7 +5,7 @@ import math
 
 import polars as pl
 import torch
-from rl_fakes import MICRO, Verdict
+from rl_fakes import MICRO, Verdict, saved_model
 
 from data_curation.hive import GresoFilter
 from data_curation.sampling import estimate_difficulty, seeded_subset
@@ -13,7 +13,8 @@ from generation.model import build_char_tokenizer, build_tiny_model, encode_prom
 from conf.schema import RLConfig
 from training.objectives import PRESETS
 from generation.engine import Engine
-from training.rl.loop import HiveSource, PromptCursor, run_sync
+from training.rl.drivers.local import LocalDriver
+from training.rl.loop import HiveSource, PromptCursor
 from generation.records import PromptItem
 
 
@@ -76,7 +77,7 @@ def test_hive_source_skips_by_history_and_prunes_by_entropy():
     assert [p.prompt_id for p in again.take(16)] == [p.prompt_id for p in taken]
 
 
-def test_run_sync_with_hive_source_records_history_and_in_run_evals():
+def test_the_local_driver_with_hive_source_records_history_and_in_run_evals(tmp_path):
     torch.manual_seed(0)
     tok = build_char_tokenizer()
     model = build_tiny_model(MICRO, tok, seed=0)
@@ -96,9 +97,8 @@ def test_run_sync_with_hive_source_records_history_and_in_run_evals():
         micro_batch_tokens=0,
         eval_every=2,
     )
-    result = run_sync(
-        model,
-        tok,
+    result = LocalDriver(
+        saved_model(tmp_path, model, tok),
         _prompts(tok, 32),
         StartsWithDigit(),
         PRESETS["grpo"],
@@ -107,11 +107,11 @@ def test_run_sync_with_hive_source_records_history_and_in_run_evals():
         device="cpu",
         source=lambda cursor, engine: HiveSource(cursor, engine, greso=greso, seed=0),
         evaluate=evaluate,
-    )
+    ).run()
     assert len(calls) == 2 and calls == [False, False]  # steps 2 and 4, model in eval mode
-    assert [("eval_toy" in m) for m in result.history] == [False, True, False, True, False]
-    assert sum(m["pruned_prompts"] for m in result.history) > 0
-    assert all("skipped_prompts" in m for m in result.history)
+    assert [("eval_toy" in m.extra) for m in result.history] == [False, True, False, True, False]
+    assert sum(m.extra["pruned_prompts"] for m in result.history) > 0
+    assert all("skipped_prompts" in m.extra for m in result.history)
     assert len(result.rewards) == 5 * 4 and {r[0] for r in result.rewards} == {1, 2, 3, 4, 5}
     assert len(greso.history_rows()) == 20  # every rolled-out group observed
 

@@ -125,38 +125,34 @@ def test_merging_a_published_adapter_equals_peft_and_never_accumulates(dirs):
 
 
 def _sync_probe(adapter_dir, steps=3):
-    """The in-process sync loop from ``adapter_dir``; after every publish, the sampler's log-probs of
-    the probe against the trainer's for the version the sampler says it holds."""
-    import training.rl.loop as loop
+    """The local driver from ``adapter_dir``; at every weight pull, the sampler's log-probs of the
+    probe against the trainer's for the version the sampler says it holds."""
     from generation.adapter import sequence_logprobs as lp_of
-    from training.lora import continue_adapter
+    from generation.model import load_tokenizer
+    from training.rl.drivers.local import LocalDriver
 
-    model, tok, _ = continue_adapter(adapter_dir)
+    tok = load_tokenizer(adapter_dir)
     seq = probe_tokens(tok)
     trainer_lp: dict[int, list[float]] = {0: lp_of(load_model(adapter_dir)[0], seq)}  # PEFT's own merge
     seen: list[tuple[str, int, list[float]]] = []
-    original = loop.publish_phase
 
-    def probing_publish(trainer, engine):
-        out = original(trainer, engine)
-        trainer_lp[trainer.version] = lp_of(trainer.model, seq)
-        seen.append(("sampler", engine.version, lp_of(engine.model, seq)))
-        return out
+    class Probing(LocalDriver):
+        def _pull(self, min_version):
+            out = super()._pull(min_version)
+            trainer_lp[self.trainer.version] = lp_of(self.trainer.model, seq)
+            seen.append(("sampler", self.engine.version, lp_of(self.engine.model, seq)))
+            return out
 
     prompts = [PromptItem(f"p{i}", f"{i}+1", str(i + 1), encode_prompt(tok, f"{i}+1="), 1) for i in range(8)]
     rl = RLConfig(
         steps=steps, prompts_per_step=4, group_size=4, lr=2e-2, max_new_tokens=6, micro_batch_tokens=0
     )
-    loop.publish_phase = probing_publish
-    try:
-        loop.run_sync(model, tok, prompts, EvenLengthVerifier(), PRESETS["grpo"], rl, seed=0, device="cpu")
-    finally:
-        loop.publish_phase = original
+    Probing(adapter_dir, prompts, EvenLengthVerifier(), PRESETS["grpo"], rl, seed=0, device="cpu").run()
     return trainer_lp, seen
 
 
 def test_sync_loop_sampler_equals_trainer_after_every_lora_update(dirs):
-    trainer_lp, seen = _sync_probe(dirs[1])
+    trainer_lp, seen = _sync_probe(dirs[1], steps=4)  # the batches of updates 1-4 pull versions 0-3
     versions_differ(trainer_lp)
     assert [v for _, v, _ in seen] == [0, 1, 2, 3]
     assert check_rollouts_match(trainer_lp, seen) == 3
@@ -237,11 +233,12 @@ def test_rl_stage_writes_an_adapter_with_the_base_from_the_lineage(dirs, tmp_pat
 def test_sync_resume_restores_adapter_optimizer_and_rng(dirs, tmp_path):
     """A run stopped after its step-1 checkpoint and resumed ends with the same adapter as the
     uninterrupted run: the adapter, its optimizer state and the RNGs all came back."""
-    from training.lora import adapter_state, continue_adapter
-    from training.rl.loop import run_sync
+    from generation.model import load_tokenizer
+    from training.lora import adapter_state
+    from training.rl.drivers.local import LocalDriver
 
     def run(steps, ckpt):
-        model, tok, _ = continue_adapter(dirs[1])
+        tok = load_tokenizer(dirs[1])
         prompts = [
             PromptItem(f"p{i}", f"{i}+1", str(i + 1), encode_prompt(tok, f"{i}+1="), 1) for i in range(8)
         ]
@@ -254,18 +251,11 @@ def test_sync_resume_restores_adapter_optimizer_and_rng(dirs, tmp_path):
             micro_batch_tokens=0,
             checkpoint_every=1,
         )
-        run_sync(
-            model,
-            tok,
-            prompts,
-            EvenLengthVerifier(),
-            PRESETS["grpo"],
-            rl,
-            seed=0,
-            device="cpu",
-            checkpoint_dir=ckpt,
+        driver = LocalDriver(
+            dirs[1], prompts, EvenLengthVerifier(), PRESETS["grpo"], rl, seed=0, device="cpu", state_dir=ckpt
         )
-        return adapter_state(model)
+        driver.run()
+        return adapter_state(driver.final_model)
 
     whole = run(3, tmp_path / "a")
     run(2, tmp_path / "b")  # checkpoints after step 1 (never after the last step), then "stops"
@@ -273,7 +263,7 @@ def test_sync_resume_restores_adapter_optimizer_and_rng(dirs, tmp_path):
 
     from training.rl.checkpoint import latest_checkpoint
 
-    with safe_open(str(latest_checkpoint(tmp_path / "b") / "model.safetensors"), "np") as f:
+    with safe_open(str(latest_checkpoint(tmp_path / "b" / "checkpoints") / "model.safetensors"), "np") as f:
         saved = list(f.keys())
     assert saved and all("lora_" in k for k in saved), (
         "a LoRA checkpoint holds the adapters, not the frozen base"

@@ -34,7 +34,7 @@ def dirs(tmp_path_factory):
 def local_ray():
     if ray.is_initialized():
         ray.shutdown()
-    from training.rl.runtime import actor_env
+    from training.rl.drivers.ray import actor_env
 
     ray.init(
         address="local",
@@ -51,7 +51,7 @@ def probe_run(adapter_dir, mode: str, *, steps: int = 3, rollouts: int = 1):
     """A short LoRA run of ``mode``; after every update, the trainer's probe log-probs (by version)
     and every rollout's (with the version it holds)."""
     from generation.adapter import sequence_logprobs
-    from training.rl.runtime import LaminarRuntime
+    from training.rl.drivers.ray import LaminarRuntime
 
     model, tok = load_model(adapter_dir)  # PEFT's own merge of the starting adapter: version 0
     seq = probe_tokens(tok)

@@ -1,5 +1,5 @@
-"""The rollout manager (``training.rl.manager``): driven directly, by the simulator and by the Ray
-runtime, with the same methods; and the runtime's settings are the schema's own."""
+"""The rollout manager (``training.rl.manager``): driven directly, by the simulator, by the local
+driver and by the Ray driver, with the same methods; and the Ray driver's settings are the schema's own."""
 
 from __future__ import annotations
 
@@ -25,6 +25,7 @@ DRIVEN = (
     "maybe_open_batch",
     "repack",
     "requeue",
+    "retained_versions",
 )
 
 
@@ -143,6 +144,39 @@ def test_dynamic_sampling_rounds_fill_the_batch_and_an_empty_batch_repeats():
     assert m2.batch_idx == 0 and m2.maybe_open_batch() == "issued"
 
 
+def test_relays_keep_the_latest_versions_and_every_version_a_rollout_still_decodes_with():
+    m, _ = manager("laminar")
+    m.start_at(7)
+    m.rollouts["rollout-0"].version, m.rollouts["rollout-0"].active = 3, 5  # a long response on version 3
+    m.rollouts["rollout-1"].version, m.rollouts["rollout-1"].active = 5, 0  # idle: holds nothing
+    assert m.retained_versions(2) == {6, 7, 3}
+    assert m.retained_versions(1, latest=8) == {8, 3}  # the simulator asks before the update lands
+    m.rollouts["rollout-0"].active = 0
+    assert m.retained_versions(2) == {6, 7}
+
+
+def test_the_step_metrics_round_trip_and_keep_the_history_keys():
+    from training.rl.records import StepMetrics, UpdateStats
+
+    m, _ = manager("sync")
+    m.maybe_open_batch()
+    run_batch(m)
+    m.maybe_open_batch()
+    m.next_batch()
+    stats = UpdateStats(
+        "update_stats", 1, 0.5, 2.0, 8, 8, {"clipfrac": 0.25, "kl": 0.1, "staleness_max": 9.0}
+    )
+    got = m.updated(1, stats, wall=2.0, train_s=0.5)
+    assert (got.step, got.trained_trajectories, got.trained_tokens, got.sampling_rounds) == (1, 8, 8, 1)
+    assert got.clipfrac == 0.25 and got.extra == {"kl": 0.1} and got.staleness_max == 0.0  # the manager's
+    assert got.gen_seconds == 1.5 and got.tokens_per_s == 4.0
+    d = got.as_dict()
+    assert all(isinstance(v, float) for v in d.values()) and {"step", "reward", "loss", "kl"} <= set(d)
+    assert StepMetrics.from_dict(d) == got
+    with pytest.raises(ValueError, match="lack"):
+        StepMetrics.from_dict({"step": 1.0})
+
+
 def test_a_dead_rollout_loses_only_its_work_and_a_repack_hands_partials_over():
     m, out = manager("laminar", capacity=4, n=2, group=2)
     a, b = m.dispatch("rollout-0"), m.dispatch("rollout-1")
@@ -172,7 +206,7 @@ def test_a_dead_rollout_loses_only_its_work_and_a_repack_hands_partials_over():
 def test_runtime_settings_are_the_schema_defaults():
     """No second copy of the config: the runtime keeps the schema's sections and the manager's
     settings are read from them in one place."""
-    import training.rl.runtime as runtime
+    import training.rl.drivers.ray as runtime
 
     assert not hasattr(runtime, "RuntimeConfig")
     cfg = Config()
@@ -195,7 +229,7 @@ def test_runtime_settings_are_the_schema_defaults():
 
 def test_the_learning_rate_reaches_the_optimizer_in_three_hops(tmp_path):
     """``RLConfig`` travels as one object: (1) ``training.rl.stage.rl`` hands it to ``LaminarRuntime``
-    (or ``run_sync``), (2) the runtime hands it to each ``TrainerWorker``, (3) the worker builds
+    (or ``LocalDriver``), (2) the runtime hands it to each ``TrainerWorker``, (3) the worker builds
     ``PolicyTrainer.from_config(rl)``, which gives ``rl.lr`` to ``torch.optim.AdamW``."""
     from conf.schema import ModelConfig
     from generation.model import build_char_tokenizer, build_tiny_model, save_model
@@ -237,9 +271,10 @@ def spy_on_manager(monkeypatch) -> Counter:
     return calls
 
 
-def test_the_simulator_and_the_runtime_drive_the_same_manager(monkeypatch, tmp_path):
-    """Spies on the manager's methods: the simulator and the real Ray runtime (a tiny laminar and a
-    tiny sync run) call the same ones, so a behaviour added to the manager is in both."""
+def test_the_simulator_and_both_drivers_drive_the_same_manager(monkeypatch, tmp_path):
+    """Spies on the manager's methods: the simulator, the real Ray driver (a tiny laminar and a tiny
+    sync run) and the local driver (the same sync run) call the same ones, so a behaviour added to
+    the manager is in all three."""
     pytest.importorskip("ray")
     from conf.simulate import simulate_config
     from training.rl.drivers import sim
@@ -267,7 +302,8 @@ def test_the_simulator_and_the_runtime_drive_the_same_manager(monkeypatch, tmp_p
 
     from conf.schema import ModelConfig
     from generation.model import build_char_tokenizer, build_tiny_model, encode_problem, save_model
-    from training.rl.runtime import LaminarRuntime
+    from training.rl.drivers.local import LocalDriver
+    from training.rl.drivers.ray import LaminarRuntime
 
     tok = build_char_tokenizer()
     save_model(
@@ -305,7 +341,7 @@ def test_the_simulator_and_the_runtime_drive_the_same_manager(monkeypatch, tmp_p
 
     import ray
 
-    from training.rl.runtime import actor_env
+    from training.rl.drivers.ray import actor_env
 
     if ray.is_initialized():
         ray.shutdown()
@@ -316,19 +352,25 @@ def test_the_simulator_and_the_runtime_drive_the_same_manager(monkeypatch, tmp_p
         logging_level="WARNING",
         runtime_env={"env_vars": actor_env(1)},
     )
+
+    def rl_for(mode: str) -> RLConfig:
+        return RLConfig(
+            mode=mode,
+            steps=3,
+            prompts_per_step=4,
+            group_size=4,
+            max_new_tokens=24,
+            rollout_capacity=16,
+            chunk_steps=4,
+            repack_interval_s=0.05,
+            micro_batch_tokens=0,
+        )
+
+    by_ray_sync: set = set()
     try:
         for mode in ("laminar", "sync"):
-            rl = RLConfig(
-                mode=mode,
-                steps=3,
-                prompts_per_step=4,
-                group_size=4,
-                max_new_tokens=24,
-                rollout_capacity=16,
-                chunk_steps=4,
-                repack_interval_s=0.05,
-                micro_batch_tokens=0,
-            )
+            rl = rl_for(mode)
+            before = Counter(calls)
             rt = LaminarRuntime(
                 tmp_path,
                 items,
@@ -340,8 +382,18 @@ def test_the_simulator_and_the_runtime_drive_the_same_manager(monkeypatch, tmp_p
                 cluster=ClusterConfig(rollouts=2),
             )
             assert len(rt.run().history) == 3
+            if mode == "sync":
+                by_ray_sync = {k for k, v in (calls - before).items() if v}
     finally:
         ray.shutdown()
     by_runtime = {k for k, v in calls.items() if v}
-    core = {"dispatch", "step_done", "next_batch", "updated", "maybe_open_batch", "repack"}
-    assert core <= by_sim and core <= by_runtime, (by_sim, by_runtime)
+    calls.clear()
+    local = LocalDriver(tmp_path, items, Verifier(), PRESETS["grpo"], rl_for("sync"), seed=0, device="cpu")
+    assert len(local.run().history) == 3
+    by_local = {k for k, v in calls.items() if v}
+    core = {"dispatch", "step_done", "next_batch", "updated", "maybe_open_batch"}
+    assert (
+        core | {"repack", "retained_versions"} <= by_sim
+        and core | {"repack", "retained_versions"} <= by_runtime
+    )
+    assert core <= by_local and by_local == by_ray_sync - {"retained_versions"}, (by_local, by_ray_sync)

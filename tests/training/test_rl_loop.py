@@ -1,12 +1,14 @@
-"""The synchronous loop's phases on a micro model: grouping, the data cursor, and real learning."""
+"""What the drivers share on a micro model (grouping, the data cursor) and real learning through the
+local driver."""
 
 import torch
-from rl_fakes import MICRO, Verdict
+from rl_fakes import MICRO, Verdict, saved_model
 
 from generation.model import build_char_tokenizer, build_tiny_model, encode_prompt
 from conf.schema import RLConfig
 from training.objectives import PRESETS
-from training.rl.loop import PromptCursor, run_sync, score_phase
+from training.rl.drivers.local import LocalDriver
+from training.rl.loop import PromptCursor, score_phase
 from generation.records import PromptItem, Trajectory
 
 
@@ -41,13 +43,22 @@ def test_score_phase_groups_by_prompt_in_order():
     assert groups[0].rewards == (1.0, 0.0) and groups[1].rewards == (0.0, 1.0)
 
 
-def test_grpo_really_learns_a_simple_preference():
+def test_grpo_really_learns_a_simple_preference(tmp_path):
     torch.manual_seed(0)
     tok = build_char_tokenizer()
     model = build_tiny_model(MICRO, tok, seed=0)
     rl = RLConfig(steps=30, prompts_per_step=8, group_size=8, lr=1e-2, max_new_tokens=3, micro_batch_tokens=0)
-    result = run_sync(model, tok, _prompts(tok), StartsWithDigit(), PRESETS["grpo"], rl, seed=0, device="cpu")
-    first = sum(m["reward"] for m in result.history[:3]) / 3
-    last = sum(m["reward"] for m in result.history[-3:]) / 3
+    driver = LocalDriver(
+        saved_model(tmp_path, model, tok),
+        _prompts(tok),
+        StartsWithDigit(),
+        PRESETS["grpo"],
+        rl,
+        seed=0,
+        device="cpu",
+    )
+    result = driver.run()
+    first = sum(m.reward for m in result.history[:3]) / 3
+    last = sum(m.reward for m in result.history[-3:]) / 3
     assert first < 0.3 and last > 0.7, (first, last)
     assert sum(result.consumed.values()) == 30 * 8 * 8

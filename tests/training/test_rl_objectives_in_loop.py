@@ -4,21 +4,21 @@ from dataclasses import replace
 
 import pytest
 import torch
-from rl_fakes import MICRO, Verdict
+from rl_fakes import MICRO, Verdict, saved_model
 
 from conf.loader import load_config
 from generation.model import build_char_tokenizer, build_tiny_model, encode_problem, encode_prompt
 from training.objectives import PRESETS
 from generation.engine import Engine
-from training.rl.loop import PromptCursor, collect_phase, score_phase
-from generation.records import PromptItem, ScoredGroup, Trajectory
+from training.rl.loop import score_phase
+from generation.records import GenRequest, PromptItem, ScoredGroup, Trajectory
 from training.rl.trainer import PolicyTrainer
 from training.rl.stage import objective_params
 
 
 class ByPrompt:
-    """Prompts 'easy*' are always right, 'hard*' always wrong, others right when the text starts with
-    a digit."""
+    """Prompts 'easy*' are always right, 'hard*' always wrong, others right when the text starts
+    with a digit."""
 
     def verify_batch(self, responses, golds):
         return [Verdict(g == "easy" or (g == "mixed" and r[:1].isdigit())) for r, g in zip(responses, golds)]
@@ -54,53 +54,49 @@ def test_bad_objective_names_fail_before_any_write():
         load_config(["rl.loss_agg=mean_of_means"])
 
 
-def test_dynamic_sampling_drops_constant_groups_and_refills():
+def _local(tmp_path, model, tok, prompts, params, **rl_kw):
+    """The local driver on the micro model: one update per step, batches of ``prompts_per_step``."""
+    from conf.schema import RLConfig
+    from training.rl.drivers.local import LocalDriver
+
+    rl = RLConfig(lr=1e-3, micro_batch_tokens=0, rollout_capacity=64, **rl_kw)
+    return LocalDriver(
+        saved_model(tmp_path, model, tok), prompts, ByPrompt(), params, rl, seed=0, device="cpu"
+    )
+
+
+def test_dynamic_sampling_drops_constant_groups_and_refills(tmp_path):
     tok, model, prompts = _setup(["easy", "hard", "mixed", "mixed"] * 4)
-    engine = Engine(model, tok)
     params = replace(PRESETS["dapo"], max_sampling_rounds=10, overlong_cache_len=1)
-    got = collect_phase(
-        engine,
-        PromptCursor(prompts, 0),
-        ByPrompt(),
-        params,
-        prompts_per_step=4,
-        group_size=8,
-        max_new_tokens=2,
-        temperature=1.0,
-        generator=torch.Generator().manual_seed(0),
-    )
-    assert len(got.groups) == 4 and got.rounds >= 2 and got.dropped_groups >= 4
-    assert all(len(set(g.correct)) == 2 for g in got.groups)
-    assert got.generated == got.rounds * 4 * 8
-    plain = collect_phase(
-        engine,
-        PromptCursor(prompts, 0),
-        ByPrompt(),
-        PRESETS["grpo"],
-        prompts_per_step=4,
-        group_size=8,
-        max_new_tokens=2,
-        temperature=1.0,
-        generator=torch.Generator().manual_seed(0),
-    )
-    assert plain.rounds == 1 and plain.dropped_groups == 0 and len(plain.groups) == 4
+    kw = dict(steps=1, prompts_per_step=4, group_size=8, max_new_tokens=2)
+    driver = _local(tmp_path / "dapo", model, tok, prompts, params, **kw)
+    (got,) = driver.run().history
+    assert got.trained_trajectories == 4 * 8 and got.sampling_rounds >= 2 and got.dropped_groups >= 4
+    assert all(pid.startswith("mixed") for _, pid in driver.manager.trained_prompts)
+    assert got.generated_trajectories >= (4 + got.dropped_groups) * 8
+    driver = _local(tmp_path / "grpo", model, tok, prompts, PRESETS["grpo"], **kw)
+    (plain,) = driver.run().history
+    assert plain.sampling_rounds == 1 and plain.dropped_groups == 0 and plain.trained_trajectories == 4 * 8
+    assert plain.generated_trajectories == 4 * 8
 
 
-def test_dynamic_sampling_stops_at_the_round_cap():
+def test_dynamic_sampling_stops_at_the_round_cap_and_a_pool_without_signal_fails(tmp_path):
+    from training.rl.manager import EMPTY_BATCH_LIMIT
+
     tok, model, prompts = _setup(["easy", "hard"] * 4)
     params = replace(PRESETS["dapo"], max_sampling_rounds=3, overlong_cache_len=1)
-    got = collect_phase(
-        Engine(model, tok),
-        PromptCursor(prompts, 0),
-        ByPrompt(),
-        params,
-        prompts_per_step=4,
-        group_size=4,
-        max_new_tokens=2,
-        temperature=1.0,
-        generator=torch.Generator().manual_seed(0),
+    driver = _local(
+        tmp_path, model, tok, prompts, params, steps=1, prompts_per_step=4, group_size=4, max_new_tokens=2
     )
-    assert got.groups == [] and got.rounds == 3 and got.dropped_groups == 12
+    with pytest.raises(RuntimeError, match="dynamic sampling kept no group in 10 batches"):
+        driver.run()
+    m = driver.manager
+    assert m.counts["empty_batches"] == EMPTY_BATCH_LIMIT and m.version == 0 and m.trained_uids == []
+    # every empty batch took exactly the cap's 3 rounds of 4 groups, all dropped
+    assert (
+        m.counts["extra_rounds"] == 2 * EMPTY_BATCH_LIMIT
+        and m.buffer.stats.filtered == 12 * EMPTY_BATCH_LIMIT
+    )
 
 
 def test_overlong_shaping_changes_reward_not_correctness():
@@ -142,18 +138,9 @@ def test_overlong_filter_and_kl_in_the_trainer():
 
 def test_minibatches_make_the_clip_bind():
     tok, model, prompts = _setup(["mixed"] * 4)
-    engine = Engine(model, tok)
-    got = collect_phase(
-        engine,
-        PromptCursor(prompts, 0),
-        ByPrompt(),
-        PRESETS["grpo"],
-        prompts_per_step=4,
-        group_size=8,
-        max_new_tokens=3,
-        temperature=1.0,
-        generator=torch.Generator().manual_seed(0),
-    )
+    requests = [GenRequest(prompt=p, sample_idx=i) for p in prompts for i in range(8)]
+    trajectories = Engine(model, tok).generate(requests, 3, 1.0, torch.Generator().manual_seed(0))
+    groups = score_phase(trajectories, ByPrompt())
     one = PolicyTrainer(
         model,
         PRESETS["grpo"],
@@ -165,7 +152,7 @@ def test_minibatches_make_the_clip_bind():
         pad_id=tok.pad_token_id,
         device="cpu",
     )
-    stats = one.update(got.groups)
+    stats = one.update(groups)
     assert stats.metrics["clipfrac"] == 0.0 and stats.metrics["ratio"] == 1.0 and stats.version == 1
     four = PolicyTrainer(
         model,
@@ -179,7 +166,7 @@ def test_minibatches_make_the_clip_bind():
         device="cpu",
         minibatches=4,
     )
-    stats = four.update(got.groups)
+    stats = four.update(groups)
     assert stats.version == 1 and stats.n_sequences == 32
     assert stats.metrics["clipfrac"] > 0.0 and stats.metrics["ratio"] != 1.0
 

@@ -1,4 +1,5 @@
-"""The Laminar runtime on real Ray actors: modes, whole-group training, failure isolation, resume.
+"""The Ray driver (the Laminar runtime) on real Ray actors: modes, whole-group training, failure
+isolation, resume.
 
 Fault tests use real processes and real signals (SIGKILL of a rollout, a relay, the trainer).
 """
@@ -62,7 +63,7 @@ def prompts(model_dir):
 def local_ray():
     if ray.is_initialized():
         ray.shutdown()
-    from training.rl.runtime import actor_env
+    from training.rl.drivers.ray import actor_env
 
     ray.init(
         address="local",
@@ -93,7 +94,7 @@ def make_runtime(
 ):
     """A small run in the schema's own config sections (what a user's config builds)."""
     from conf.schema import ClusterConfig, RLConfig
-    from training.rl.runtime import LaminarRuntime
+    from training.rl.drivers.ray import LaminarRuntime
 
     rl = RLConfig(
         mode=mode,
@@ -130,7 +131,7 @@ def make_runtime(
 def check_whole_groups_once(rt, result, group_size=4):
     uids = rt.summary["trained_uids"]
     assert len(uids) == len(set(uids)), "a group was trained twice"
-    assert all(m["trained_trajectories"] == group_size * 4 for m in result.history), "a half-trained group"
+    assert all(m.trained_trajectories == group_size * 4 for m in result.history), "a half-trained group"
     assert sum(result.consumed.values()) == group_size * len(uids)
 
 
@@ -149,7 +150,7 @@ def test_laminar_mode_trains_whole_groups_and_draws_a_timeline(local_ray, model_
     kinds = Counter(e["kind"] for e in rt.timeline["events"])
     assert kinds["pull"] >= 2 and len(rt.timeline["updates"]) == 6 and rt.timeline["samples"]
     for m in result.history:
-        assert m["tokens_per_s"] > 0 and 0 <= m["occupancy"] <= 1 and m["publish_stall_s"] >= 0
+        assert m.tokens_per_s > 0 and 0 <= m.occupancy <= 1 and m.publish_stall_s >= 0
     from evaluation.timeline import plot_timeline
 
     assert plot_timeline(rt.timeline, tmp_path / "t.png").stat().st_size > 1000
@@ -181,14 +182,14 @@ def test_sigkill_a_rollout_mid_generation_loses_only_its_work(local_ray, model_d
     killed = {}
 
     def on_step(m):
-        if m["step"] == 2 and not killed:
+        if m.step == 2 and not killed:
             victim = rt.rollouts["rollout-0"]
             assert victim.future is not None  # it is mid-generation
             os.kill(victim.pid, signal.SIGKILL)
             killed["pid"] = victim.pid
             # the tiny run is fast: hold the driver until Ray reports the death ...
             ray.wait([victim.future], timeout=30)
-        if m["step"] == 6:  # ... and, later, until Ray has restarted the actor
+        if m.step == 6:  # ... and, later, until Ray has restarted the actor
             deadline = time.time() + 60
             while time.time() < deadline:
                 try:
@@ -224,10 +225,10 @@ def test_a_killed_relay_is_bypassed_and_rebuilt(local_ray, model_dir, prompts):
     state = {}
 
     def on_step(m):
-        if m["step"] == 2 and not state:
+        if m.step == 2 and not state:
             info = ray.get(rt.relays[rt.chain.master].ping.remote())
             os.kill(info.pid, signal.SIGKILL)
-            state["version"] = int(m["step"])
+            state["version"] = int(m.step)
             time.sleep(1.2)  # the tiny run is fast: let the manager's relay check (every second) come due
 
     rt = make_runtime(model_dir, prompts, "laminar", steps=12, on_step=on_step)
@@ -245,7 +246,7 @@ def test_a_killed_relay_is_bypassed_and_rebuilt(local_ray, model_dir, prompts):
 def test_sigkill_the_trainer_then_resume_from_the_last_checkpoint(
     local_ray, model_dir, prompts, tmp_path, backend
 ):
-    from training.rl.checkpoint import latest_checkpoint, load_json
+    from training.rl.checkpoint import RUN_STATE, latest_checkpoint, load_json
 
     from conf.schema import TrainerConfig
 
@@ -254,7 +255,7 @@ def test_sigkill_the_trainer_then_resume_from_the_last_checkpoint(
     kw = dict(trainer=TrainerConfig(backend=backend, deepspeed="zero2"), state_dir=state_dir)
 
     def on_step(m):
-        if m["step"] == 5:
+        if m.step == 5:
             os.kill(ray.get(rt.trainer.lead.ping.remote()).pid, signal.SIGKILL)
 
     rt = make_runtime(model_dir, prompts, "laminar", steps=8, on_step=on_step, checkpoint_every=2, **kw)
@@ -262,7 +263,7 @@ def test_sigkill_the_trainer_then_resume_from_the_last_checkpoint(
         rt.run()
     last = latest_checkpoint(ckpt)
     assert last is not None and last.name == "step-000004"
-    saved = load_json(last, "runtime.json")
+    saved = load_json(last, RUN_STATE)
     buffered = {t["group_uid"] for t in saved["buffer"]["partial"] + saved["buffer"]["ready"]}
     in_flight = {q["group_uid"] for q in saved["in_flight"]}
     if backend == "deepspeed":  # DeepSpeed's own checkpoint files, inside the atomic folder
@@ -379,7 +380,7 @@ def test_bounded_laminar_generates_nothing_that_goes_stale_and_evaluates_beside_
     while it runs does not stop the loop: it is written after the evaluation, with its metrics."""
     import threading
 
-    from training.rl.checkpoint import checkpoint_step, list_checkpoints, load_json
+    from training.rl.checkpoint import RUN_STATE, checkpoint_step, list_checkpoints, load_json
 
     seen, waited_out = [], []
 
@@ -409,12 +410,12 @@ def test_bounded_laminar_generates_nothing_that_goes_stale_and_evaluates_beside_
     assert max(int(k) for k in rt.summary["staleness_histogram"]) <= 1
     assert seen == ["laminar-eval", "laminar-eval"]  # versions 3 and 6, never on the loop's thread
     assert waited_out == [False, False]
-    evals = [m.get("eval_probe") for m in result.history]
+    evals = [m.extra.get("eval_probe") for m in result.history]
     assert [i + 1 for i, v in enumerate(evals) if v is not None] == [3, 6]
     assert evals[2] != evals[5]  # each saw its own version's weights
     steps = [checkpoint_step(c) for c in list_checkpoints(tmp_path / "checkpoints")]  # the last two are kept
     assert 4 not in steps and max(steps) >= 5  # due at 4 while version 3 was evaluated: written after it
-    history = load_json(tmp_path / "checkpoints" / f"step-{max(steps):06d}", "runtime.json")["history"]
+    history = load_json(tmp_path / "checkpoints" / f"step-{max(steps):06d}", RUN_STATE)["history"]
     assert (
         len(history) == max(steps) and history[2]["eval_probe"] == evals[2]
     )  # with the evaluation's metrics
@@ -442,7 +443,7 @@ def test_lower_priority_sets_the_calling_process_as_asked(priority):
 
 
 def test_actor_env_keeps_freed_memory_in_the_heap_unless_the_caller_says_otherwise(monkeypatch):
-    from training.rl.runtime import actor_env
+    from training.rl.drivers.ray import actor_env
 
     for k in ("MALLOC_MMAP_THRESHOLD_", "MALLOC_TRIM_THRESHOLD_"):
         monkeypatch.delenv(k, raising=False)

@@ -1,6 +1,6 @@
 """The Ray roles of the Laminar runtime: trainer, relay, rollout.
 
-Each class is a plain Python class; ``training.rl.runtime`` wraps it with ``ray.remote``. Weights
+Each class is a plain Python class; ``training.rl.drivers.ray`` wraps it with ``ray.remote``. Weights
 travel as ``{name: numpy array}`` dicts put once into the object store by the trainer; relays hold
 the ObjectRef (one copy per node, shared zero-copy by that node's rollouts) and forward the ref
 along the chain, never the bytes. No pickle files: checkpoints are safetensors + JSON.
@@ -17,13 +17,15 @@ import numpy as np
 
 from training.rl.records import (
     ActorInfo,
+    ExtractOrder,
     ExtractReply,
     Published,
     PullResult,
-    RolloutStatus,
+    StepOrder,
     StepReply,
     TrainReply,
 )
+from training.rl.rollout import run_order
 
 
 def _setup(threads: int, seed: int) -> None:
@@ -36,7 +38,7 @@ def _setup(threads: int, seed: int) -> None:
 
 
 def lower_priority(priority: str) -> None:
-    """Lower this process's CPU priority (``training.rl.runtime``'s ``rollout_priority``): ``idle`` =
+    """Lower this process's CPU priority (``cluster.rollout_priority``): ``idle`` =
     SCHED_IDLE, ``low`` = 10 more niceness, ``normal`` = unchanged. Set on the calling thread (the
     actor's, which runs every call) and inherited by threads started later; only ever lowered, which
     needs no privilege. Where the OS has no SCHED_IDLE, ``idle`` falls back to ``low``."""
@@ -130,9 +132,9 @@ class RelayWorker:
 
 
 class RolloutWorker:
-    """A rollout: the continuous-batching engine behind one Ray actor. ``step`` is the only busy
-    call: it optionally pulls the latest weights from the relay, takes new requests and handed-over
-    partials, then decodes for up to ``chunk`` steps and returns what finished plus its status.
+    """A rollout: the continuous-batching engine behind one Ray actor. ``run`` is the only busy
+    call: the manager's order as the local driver runs it in process (``training.rl.rollout``), its
+    pulls from the node's relay.
     ``rl`` (``conf.schema.RLConfig``) gives its capacity and sampling, ``rollout``
     (``conf.schema.RolloutConfig``) its engine."""
 
@@ -202,29 +204,10 @@ class RolloutWorker:
             self.engine.load_state(state, got.version)
         return PullResult(True, got.version, time.perf_counter() - t0)
 
-    def step(
-        self, chunk: int, *, submit=(), inject=(), relay=None, min_version: int = -1, admitting: bool = True
-    ) -> StepReply:
-        pulled = None
-        if relay is not None:
-            pulled = self.pull(relay, min_version)
-        self.engine.admitting = admitting
-        if inject:
-            self.engine.inject(list(inject))
-        if submit:
-            self.engine.submit(list(submit))
-        t0 = time.perf_counter()
-        st = self.engine.status()
-        # no published weights yet (a fresh or restarted actor): hold the work until the first pull
-        ready = self.engine.version >= 0 and (st["active"] or st["queued"])
-        finished = self.engine.step(chunk) if ready else []
-        return StepReply(
-            tuple(finished),
-            RolloutStatus.of(self.engine.status()),
-            pulled,
-            time.perf_counter() - t0,
-            os.getpid(),
-            time.process_time(),
+    def run(self, order: StepOrder | ExtractOrder, chunk: int, relay=None) -> StepReply | ExtractReply:
+        """The manager's ``order`` (``training.rl.rollout.run_order``); a pull loads from ``relay``."""
+        return run_order(
+            self.engine, order, chunk, (lambda v: self.pull(relay, v)) if relay is not None else None
         )
 
     def score(self, tokens: list[int]) -> tuple[int, list[float]]:
@@ -233,16 +216,6 @@ class RolloutWorker:
         from generation.adapter import sequence_logprobs
 
         return self.engine.version, sequence_logprobs(self.engine.model, tokens)
-
-    def extract(self) -> ExtractReply:
-        partials, queued = self.engine.extract(include_queued=True)
-        return ExtractReply(
-            tuple(partials),
-            tuple(queued),
-            RolloutStatus.of(self.engine.status()),
-            os.getpid(),
-            time.process_time(),
-        )
 
 
 class TrainerWorker:

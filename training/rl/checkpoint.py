@@ -22,10 +22,12 @@ from __future__ import annotations
 
 import hashlib
 import json
+import logging
 import os
 import random
 import re
 import shutil
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 from collections.abc import Callable
@@ -44,6 +46,9 @@ __all__ = [
     "save_json",
     "load_json",
     "verified_files",
+    "RUN_STATE",
+    "save_run",
+    "resume_run",
 ]
 
 MARKER = "COMPLETE.json"
@@ -454,8 +459,8 @@ def save_trainer_state(dir: Path, model, optimizer, *, version: int, extra: dict
 def load_trainer_state(dir: Path, model, optimizer) -> dict:
     """Restore what :func:`save_trainer_state` wrote into ``model`` and ``optimizer`` (built the same
     way as when saved: same parameters and param-group layout; ``None`` skips one) and restore the
-    torch, CUDA, Python and NumPy RNGs. Returns
-    ``{"version", "extra", "optimizer_class", "torch_version"}``."""
+    torch, CUDA, Python
+    and NumPy RNGs. Returns ``{"version", "extra", "optimizer_class", "torch_version"}``."""
     import torch
     from safetensors.torch import load_file, load_model
 
@@ -496,3 +501,63 @@ def load_trainer_state(dir: Path, model, optimizer) -> dict:
         "optimizer_class": state.get("optimizer_class"),
         "torch_version": state.get("torch_version"),
     }
+
+
+# ---- the RL run's record ------------------------------------------------------------------------
+
+RUN_STATE = "rl_state.json"
+"""The driver's part of an RL checkpoint (beside the trainer's files): the version, the mode, the
+prompt source's state, the manager's state (``RolloutManager.state``) and the history."""
+
+
+@dataclass(frozen=True)
+class Resumed:
+    """What :func:`resume_run` restored: the checkpoint, the trainer's version, the history so far."""
+
+    path: Path
+    version: int
+    history: list
+
+
+def save_run(
+    root: Path, *, save_trainer: Callable[[Path], None], manager, source, history: list, mode: str
+) -> Path:
+    """Checkpoint an RL run at the manager's version, atomically (:func:`write_checkpoint`), for
+    every driver: ``save_trainer(folder)`` writes the trainer's state (its weights, optimizer and RNG;
+    a DeepSpeed trainer its shards), then :data:`RUN_STATE` holds the manager, the prompt source and
+    the history (``StepMetrics``). Returns the checkpoint's folder."""
+
+    def writer(tmp: Path) -> None:
+        save_trainer(tmp)
+        save_json(
+            tmp,
+            RUN_STATE,
+            {
+                "version": manager.version,
+                "mode": mode,
+                "source": source.state(),
+                **manager.state(),
+                "history": [m.as_dict() for m in history],
+            },
+        )
+
+    return write_checkpoint(root, manager.version, writer)
+
+
+def resume_run(root: Path | None, *, load_trainer: Callable[[Path], int], manager, source) -> Resumed | None:
+    """Restore the last complete checkpoint under ``root`` that :func:`save_run` wrote, if any:
+    ``load_trainer(folder)`` restores the trainer and returns its version; the prompt source and the
+    manager take their state back and the manager starts at that version. None without one."""
+    from training.rl.records import StepMetrics
+
+    ckpt = latest_checkpoint(root) if root is not None and Path(root).exists() else None
+    if ckpt is None:
+        return None
+    state = load_json(ckpt, RUN_STATE)
+    version = load_trainer(ckpt)
+    source.load_state(state["source"])
+    manager.load_state(state)
+    manager.start_at(version)
+    manager.counts["resumed"] = 1
+    logging.getLogger("laminar.training").warning("resuming RL from checkpoint %s (update %d)", ckpt, version)
+    return Resumed(ckpt, version, [StepMetrics.from_dict(h) for h in state["history"]])

@@ -1,6 +1,6 @@
 """The Laminar control plane: plain Python, no Ray and no torch inside.
 
-The real runtime (``training.rl.runtime``, Ray actors), the unit tests and the discrete-event
+The drivers (``training.rl.drivers``: local, Ray actors), the unit tests and the discrete-event
 simulator all drive these same classes:
 
 - ``PromptQueue``: issues groups of generation requests from the data source (cursor or HIVE),

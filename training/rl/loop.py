@@ -1,34 +1,34 @@
-"""The synchronous RL loop, phase by phase: sample -> score -> update -> publish.
-
-Each phase is a function with typed records in and out, so the asynchronous runtime can move the
-phases onto separate workers without changing them.
+"""What every RL driver shares (the local, the Ray and the simulated one): the prompt sources
+(``PromptCursor``, HIVE's ``HiveSource``), the scoring of finished groups with the shared verifier
+and DAPO's overlong shaping, and the run's result (``RLResult``). The drivers themselves are in
+``training.rl.drivers``; the scheduling they share is ``training.rl.manager``.
 """
 
 from __future__ import annotations
 
-import logging
 import math
 import random
-import time
 from collections import Counter
 from dataclasses import dataclass, field
 from pathlib import Path
 from collections.abc import Callable, Sequence
+from typing import TYPE_CHECKING
 
 import torch
 
 from training.objectives import ObjectiveParams, overlong_penalty
-from generation.engine import Engine as TorchEngine
-from generation.records import GenRequest, PromptItem, ScoredGroup, Trajectory
-from training.rl.records import UpdateStats
-from training.rl.trainer import PolicyTrainer
+from generation.records import PromptItem, ScoredGroup, Trajectory
+from training.rl.records import StepMetrics
+
+if TYPE_CHECKING:
+    from generation.engine import Engine
 
 
 @dataclass
 class RLResult:
-    """Per-step metrics (one dict per step) and how often each prompt was trained on."""
+    """One ``StepMetrics`` per update, how often each prompt was trained on, and the reward history."""
 
-    history: list[dict[str, float]] = field(default_factory=list)
+    history: list[StepMetrics] = field(default_factory=list)
     consumed: Counter = field(default_factory=Counter)
     rewards: list[tuple[int, str, float, int]] = field(default_factory=list)
     """(step, prompt_id, mean correctness, responses) of every rolled-out group: the reward history."""
@@ -60,7 +60,7 @@ class PromptCursor:
         """Uniform sampling learns nothing from rewards."""
 
     def round_size(self, remaining: int, zero_var_ratio: float, batch: int) -> int:
-        """A further dynamic-sampling round of the Ray runtime's batched modes: the groups still missing."""
+        """A further dynamic-sampling round of the batched modes: the groups still missing."""
         return remaining
 
     def state(self) -> dict:
@@ -86,7 +86,7 @@ class HiveSource:
     def __init__(
         self,
         cursor: PromptCursor,
-        engine: TorchEngine,
+        engine: Engine,
         *,
         greso=None,
         entropy_rule: str = "median",
@@ -189,19 +189,6 @@ class HiveSource:
         return out
 
 
-def sample_phase(
-    engine: TorchEngine,
-    prompts: Sequence[PromptItem],
-    group_size: int,
-    *,
-    max_new_tokens: int,
-    temperature: float,
-    generator: torch.Generator,
-) -> list[Trajectory]:
-    requests = [GenRequest(prompt=p, sample_idx=i) for p in prompts for i in range(group_size)]
-    return engine.generate(requests, max_new_tokens, temperature, generator)
-
-
 def score_phase(
     trajectories: Sequence[Trajectory], verifier, shaping: Callable[[Trajectory], float] | None = None
 ) -> list[ScoredGroup]:
@@ -236,226 +223,29 @@ def overlong_shaping(params: ObjectiveParams, max_new_tokens: int) -> Callable[[
     return shape
 
 
-@dataclass
-class Collected:
-    """The groups one step trains on, and what dynamic sampling discarded to get them."""
-
-    groups: list[ScoredGroup]
-    rounds: int
-    dropped_groups: int
-    generated: int
-    rolled_out: list[ScoredGroup] = field(default_factory=list)
-    """Every group sampled this step, kept or dropped (the reward history records them all)."""
-
-
-def collect_phase(
-    engine: TorchEngine,
-    cursor: PromptCursor | HiveSource,
-    verifier,
-    params: ObjectiveParams,
-    *,
-    prompts_per_step: int,
-    group_size: int,
-    max_new_tokens: int,
-    temperature: float,
-    generator: torch.Generator,
-) -> Collected:
-    """Sample and score groups for one step. With dynamic sampling (DAPO), groups whose rewards are
-    all equal carry no signal and are dropped; sampling continues, ``prompts_per_step`` prompts a
-    round, until the batch is full or ``max_sampling_rounds`` rounds have run."""
+def group_scorer(
+    verifier, params: ObjectiveParams, max_new_tokens: int
+) -> Callable[[list[Trajectory]], ScoredGroup]:
+    """The manager's ``score``: one finished group (its trajectories) scored with the shared verifier
+    and the objective's shaping."""
     shaping = overlong_shaping(params, max_new_tokens)
-    kept: list[ScoredGroup] = []
-    all_groups: list[ScoredGroup] = []
-    dropped = generated = rounds = 0
-    max_rounds = params.max_sampling_rounds if params.dynamic_sampling else 1
-    while len(kept) < prompts_per_step and rounds < max_rounds:
-        rounds += 1
-        n = prompts_per_step
-        if rounds > 1 and isinstance(cursor, HiveSource):
-            n = cursor.round_size(
-                prompts_per_step - len(kept), dropped / max(1, len(all_groups)), prompts_per_step
-            )
-        trajectories = sample_phase(
-            engine,
-            cursor.take(n),
-            group_size,
-            max_new_tokens=max_new_tokens,
-            temperature=temperature,
-            generator=generator,
-        )
-        generated += len(trajectories)
-        scored = score_phase(trajectories, verifier, shaping)
-        cursor.observe(scored)
-        all_groups.extend(scored)
-        for group in scored:
-            if params.dynamic_sampling and len(set(group.correct)) == 1:
-                dropped += 1
-            else:
-                kept.append(group)
-    return Collected(kept[:prompts_per_step], rounds, dropped, generated, all_groups)
+    return lambda trajs: score_phase(trajs, verifier, shaping)[0]
 
 
-def update_phase(trainer: PolicyTrainer, groups: Sequence[ScoredGroup]) -> UpdateStats:
-    return trainer.update(groups)
+def keep_filter(params: ObjectiveParams) -> Callable[[ScoredGroup], bool] | None:
+    """The manager's ``keep``: with dynamic sampling (DAPO) a group whose responses are all equally
+    correct carries no signal and is dropped; None keeps every group."""
+    return (lambda g: len(set(g.correct)) > 1) if params.dynamic_sampling else None
 
 
-def publish_phase(trainer: PolicyTrainer, engine: TorchEngine) -> int:
-    engine.load_weights(trainer.publish())
-    return engine.version
+def policy_copy(model_dir: Path) -> Engine:
+    """The driver's own copy of the policy on the CPU (HIVE's prompt entropy), at version 0, or -1 for
+    an adapter folder (the bare base: the adapter arrives with the first refresh)."""
+    from generation.adapter import is_adapter_dir, model_dir_for_sampling
+    from generation.engine import Engine
+    from generation.model import load_model
 
-
-def step_metrics(
-    step: int, collected: Collected, stats: UpdateStats | None, gen_s: float, train_s: float
-) -> dict:
-    groups = collected.groups
-    trajs = [t for g in groups for t in g.trajectories]
-    n = max(1, len(trajs))
-    n_tokens = sum(len(t.response_tokens) for t in trajs)
-    return {
-        "step": float(step),
-        "reward": sum(r for g in groups for r in g.rewards) / n,
-        "accuracy": sum(c for g in groups for c in g.correct) / n,
-        "response_length": n_tokens / n,
-        "truncated": sum(not t.finished for t in trajs) / n,
-        "constant_groups": float(sum(1 for g in groups if len(set(g.correct)) == 1)),
-        "dropped_groups": float(collected.dropped_groups),
-        "sampling_rounds": float(collected.rounds),
-        "trained_trajectories": float(len(trajs)),
-        "generated_trajectories": float(collected.generated),
-        "loss": stats.loss if stats else float("nan"),
-        "grad_norm": stats.grad_norm if stats else float("nan"),
-        "gen_seconds": gen_s,
-        "train_seconds": train_s,
-        "gen_tokens_per_s": n_tokens / max(gen_s, 1e-9),
-        "entropy": sum(t.mean_entropy for t in trajs) / n if trajs else float("nan"),
-        "clipfrac": float("nan"),
-        **({k: float(v) for k, v in stats.metrics.items()} if stats else {}),
-    }
-
-
-def format_step(m: dict, total: int) -> str:
-    """One fixed-format line per RL step."""
-    return (
-        f"step {int(m['step']):4d}/{total} | reward {m['reward']:.3f} | acc {m['accuracy']:.3f} | "
-        f"len {m['response_length']:5.1f} | entropy {m['entropy']:.3f} | clipfrac {m['clipfrac']:.3f} | "
-        f"dropped {int(m['dropped_groups']):3d} | gen {m['gen_seconds']:.2f}s | "
-        f"train {m['train_seconds']:.2f}s | tok/s {m['gen_tokens_per_s']:.0f}"
-    )
-
-
-def run_sync(
-    model,
-    tokenizer,
-    prompts: Sequence[PromptItem],
-    verifier,
-    params: ObjectiveParams,
-    rl,
-    *,
-    seed: int,
-    device: str,
-    on_step: Callable[[dict], None] | None = None,
-    source: Callable[[PromptCursor, TorchEngine], PromptCursor | HiveSource] | None = None,
-    evaluate: Callable[[object], dict[str, float]] | None = None,
-    checkpoint_dir: Path | None = None,
-) -> RLResult:
-    """Synchronous GRPO-family RL: generate a batch of groups with the current weights, score it,
-    take one update and refresh the sampler's weights. Trains ``model`` in place. ``rl``:
-    ``conf.schema.RLConfig`` (steps, batch, lengths, optimizer, ``eval_every``, ``checkpoint_every``).
-    With ``checkpoint_dir`` it writes an atomic checkpoint every ``rl.checkpoint_every`` steps
-    (weights, optimizer, RNGs, the prompt source's state, the history) and starts from the last one
-    there: every step samples with its own seeded generator, so a resumed run goes on exactly as
-    the uninterrupted one would."""
-    from training.lora import is_peft, sampling_copy
-
-    torch.manual_seed(seed)
-    steps, eval_every = rl.steps, rl.eval_every
-    trainer = PolicyTrainer.from_config(model, params, rl, pad_id=tokenizer.pad_token_id, device=device)
-    engine = TorchEngine(sampling_copy(model), tokenizer, device=device)
-    if is_peft(model):  # the sampler holds the bare base: the adapter arrives as version 0
-        publish_phase(trainer, engine)
-    cursor = PromptCursor(prompts, seed)
-    prompt_source = source(cursor, engine) if source is not None else cursor
-    result = RLResult()
-    start = (
-        _resume_sync(Path(checkpoint_dir), trainer, engine, prompt_source, result) if checkpoint_dir else 1
-    )
-    for step in range(start, steps + 1):
-        generator = torch.Generator().manual_seed(seed * 1_000_003 + step)
-        t0 = time.perf_counter()
-        collected = collect_phase(
-            engine,
-            prompt_source,
-            verifier,
-            params,
-            prompts_per_step=rl.prompts_per_step,
-            group_size=rl.group_size,
-            max_new_tokens=rl.max_new_tokens,
-            temperature=rl.temperature,
-            generator=generator,
-        )
-        gen_s = time.perf_counter() - t0
-        t1 = time.perf_counter()
-        stats = None
-        if collected.groups:  # all groups dropped after the last round: no signal, no update
-            stats = update_phase(trainer, collected.groups)
-            publish_phase(trainer, engine)
-        metrics = step_metrics(step, collected, stats, gen_s, time.perf_counter() - t1)
-        metrics.update(prompt_source.step_counts())
-        if evaluate is not None and eval_every > 0 and step % eval_every == 0 and step < steps:
-            metrics.update(evaluate(engine.model))
-        result.history.append(metrics)
-        result.rewards.extend(
-            (step, g.prompt_id, sum(g.correct) / len(g.correct), len(g.correct)) for g in collected.rolled_out
-        )
-        result.consumed.update(t.prompt.prompt_id for g in collected.groups for t in g.trajectories)
-        if checkpoint_dir and rl.checkpoint_every and step % rl.checkpoint_every == 0 and step < steps:
-            _checkpoint_sync(Path(checkpoint_dir), step, trainer, prompt_source, result)
-        if on_step is not None:
-            on_step(metrics)
-    trainer.model.eval()
-    return result
-
-
-SYNC_STATE = "sync.json"
-
-
-def _checkpoint_sync(root: Path, step: int, trainer: PolicyTrainer, source, result: RLResult) -> None:
-    from training.rl.checkpoint import save_json, save_trainer_state, write_checkpoint
-
-    def writer(tmp: Path) -> None:
-        save_trainer_state(tmp, trainer.model, trainer.opt, version=trainer.version)
-        save_json(
-            tmp,
-            SYNC_STATE,
-            {
-                "step": step,
-                "source": source.state(),
-                "history": result.history,
-                "consumed": dict(result.consumed),
-                "rewards": [list(x) for x in result.rewards],
-            },
-        )
-
-    write_checkpoint(root, step, writer)
-
-
-def _resume_sync(root: Path, trainer: PolicyTrainer, engine: TorchEngine, source, result: RLResult) -> int:
-    """Restore the last complete checkpoint under ``root`` (if any) into the trainer, the sampler's
-    weights, the prompt source and ``result``; returns the step to run next (1 without one)."""
-    from training.rl.checkpoint import latest_checkpoint, load_json, load_trainer_state
-
-    ckpt = latest_checkpoint(root) if root.exists() else None
-    if ckpt is None:
-        return 1
-    info = load_trainer_state(ckpt, trainer.model, trainer.opt)
-    trainer.version = int(info["version"])
-    publish_phase(trainer, engine)
-    state = load_json(ckpt, SYNC_STATE)
-    source.load_state(state["source"])
-    result.history = state["history"]
-    result.consumed = Counter(state["consumed"])
-    result.rewards = [tuple(x) for x in state["rewards"]]
-    logging.getLogger("laminar.training").warning(
-        "resuming RL from checkpoint %s (step %d)", ckpt, state["step"]
-    )
-    return int(state["step"]) + 1
+    model, tokenizer = load_model(model_dir_for_sampling(model_dir), "cpu")
+    engine = Engine(model, tokenizer, device="cpu")
+    engine.version = -1 if is_adapter_dir(model_dir) else 0
+    return engine

@@ -4,11 +4,11 @@ One object holds the manager's state (the prompt queue, the experience buffer, t
 batched modes, what each rollout holds) and applies every event to it: a rollout's result, an
 update, a repack tick, a dead or revived rollout. It has no Ray, no clock and no I/O. What it must
 ask of the world around it goes through :class:`Outside` (refresh the prompt source's policy copy,
-poke a rollout that has news, note a timeline event), which the Ray runtime
-(``training.rl.runtime``) and the discrete-event simulator (``training.rl.simulate``) each
-implement. The runtime turns ``ray.wait`` results into manager calls; the simulator turns its
-event heap into the same calls. A behaviour added here is in both, and in the unit tests that
-drive the manager directly.
+poke a rollout that has news, note a timeline event), which each driver implements: the local
+driver (``training.rl.drivers.local``), the Ray driver (``training.rl.drivers.ray``) and the
+discrete-event simulator (``training.rl.simulate``). The local driver runs the orders in process,
+the Ray driver turns ``ray.wait`` results into manager calls, the simulator its event heap. A
+behaviour added here is in all three, and in the unit tests that drive the manager directly.
 
 The stateless rules it applies (mode decisions, admission room, repack planning) are in
 ``training.rl.control``.
@@ -25,7 +25,12 @@ from collections.abc import Callable, Iterable, Sequence
 from generation.records import GenRequest, Partial, ScoredGroup, Trajectory
 from training.rl import control
 from training.rl.control import MODES, ExperienceBuffer, ModeSpec, PromptQueue, RolloutView
-from training.rl.records import ExtractOrder, PullResult, RolloutStatus, StepOrder
+from training.rl.records import ExtractOrder, PullResult, RolloutStatus, StepMetrics, StepOrder
+
+
+EMPTY_BATCH_LIMIT = 10
+"""Batches in a row that dynamic sampling may empty before the run stops with an error (else a
+prompt pool without signal would sample forever)."""
 
 
 class Outside(Protocol):
@@ -58,8 +63,8 @@ class ManagerSettings:
     max_sampling_rounds: int = 1
     """Batched modes with dynamic sampling: sampling rounds a batch may take to fill (1 = one round)."""
     max_ahead_batches: int = 0
-    """Back-pressure of the continuous modes: issued-but-untrained groups stay within this many
-    batches (0: off)."""
+    """Back-pressure of the continuous modes: issued-but-untrained groups stay within this many batches
+    (0: off)."""
 
     @classmethod
     def from_config(cls, rl, params) -> ManagerSettings:
@@ -156,6 +161,10 @@ class RolloutManager:
         self.training: list[tuple[int, ScoredGroup]] = []
         """The batch the trainer is updating on now."""
         self.training_responses = 0
+        self.training_rounds = 1
+        """Sampling rounds the batch in training took (batched modes with dynamic sampling)."""
+        self.empty_streak = 0
+        """Batches in a row whose every group dynamic sampling dropped (``EMPTY_BATCH_LIMIT``)."""
         # batched modes: the open batch and the closed ones waiting for the trainer
         self.batch_idx = 0
         self.batch_open = False
@@ -165,6 +174,8 @@ class RolloutManager:
         self.batch_rounds = 0
         self.batch_min_version = 0
         self.closed_batches: list[set[int]] = []
+        self.closed_rounds: list[int] = []
+        """The sampling rounds of each closed batch."""
         self.batch_of: dict[int, int] = {}
         # what was trained and rolled out
         self.trained_uids: list[int] = []
@@ -193,10 +204,22 @@ class RolloutManager:
             if not self.closed_batches:
                 return []
             uids = self.closed_batches.pop(0)
+            self.training_rounds = self.closed_rounds.pop(0)
             groups = self.buffer.take_uids(uids, self.s.prompts_per_step, self.version)
             if not groups:  # every group filtered (dynamic sampling): no update; the batch index repeats
                 self.counts["empty_batches"] += 1
+                self.empty_streak += 1
                 self.batch_idx -= 1
+                if self.empty_streak >= EMPTY_BATCH_LIMIT:
+                    raise RuntimeError(
+                        f"dynamic sampling kept no group in {self.empty_streak} batches in a row (every "
+                        "group's responses were all right or all wrong, in "
+                        f"{self.s.max_sampling_rounds} rounds each): "
+                        "the prompts carry no signal for this policy; select harder or easier prompts, raise "
+                        "rl.max_sampling_rounds, or set rl.dynamic_sampling=false"
+                    )
+            else:
+                self.empty_streak = 0
             return groups
         if self.buffer.n_ready() < self.s.prompts_per_step:
             return []
@@ -208,18 +231,21 @@ class RolloutManager:
             )
         return groups
 
-    def updated(self, version: int, stats=None, wall: float = 0.0, train_s: float = 0.0) -> dict | None:
+    def updated(
+        self, version: int, stats=None, wall: float = 0.0, train_s: float = 0.0
+    ) -> StepMetrics | None:
         """The trainer finished its update on ``self.training`` and is at ``version``: record what was
         trained, tell the rollouts per the mode (interrupt: all; drain: those with nothing active) and
         repack (laminar). With the update's ``stats`` (``UpdateStats``), returns its history entry
         (``wall`` seconds since the last update, ``train_s`` of them training) and resets the window."""
         groups, self.training, self.training_responses = self.training, [], 0
+        rounds, self.training_rounds = self.training_rounds, 1
         self.version = version
         self.trained_uids += [u for u, _ in groups]
         self.trained_prompts += [(u, g.prompt_id) for u, g in groups]
         self.response_lengths += [len(t.response_tokens) for _, g in groups for t in g.trajectories]
         self.consumed.update(t.prompt.prompt_id for _, g in groups for t in g.trajectories)
-        m = self._update_metrics(groups, stats, wall, train_s) if stats is not None else None
+        m = self._update_metrics(groups, rounds, stats, wall, train_s) if stats is not None else None
         self.window = Window(filtered_before=self.buffer.stats.filtered)
         for r in self.rollouts.values():
             if self.mode.interrupt or (self.mode.drain and (not r.busy or r.active == 0)):
@@ -229,34 +255,35 @@ class RolloutManager:
         return m
 
     def _update_metrics(
-        self, groups: Sequence[tuple[int, ScoredGroup]], stats, wall: float, train_s: float
-    ) -> dict:
-        from training.rl.loop import Collected, step_metrics
-
+        self, groups: Sequence[tuple[int, ScoredGroup]], rounds: int, stats, wall: float, train_s: float
+    ) -> StepMetrics:
         kept = [g for _, g in groups]
         w = self.window
-        collected = Collected(
+        m = StepMetrics.of(
+            self.version,
             kept,
-            rounds=1,
+            stats,
             dropped_groups=self.buffer.stats.filtered - w.filtered_before,
+            sampling_rounds=rounds,
             generated=w.generated,
+            generated_tokens=w.generated_tokens,
+            staleness=[self.version - 1 - ExperienceBuffer.group_version(g) for g in kept],
+            occupancy=sum(w.occupancy) / max(1, len(w.occupancy)),
+            repacks=w.repacks,
+            wall=wall,
+            train_s=train_s,
         )
-        m = step_metrics(self.version, collected, stats, wall, train_s)
-        trained_tokens = sum(len(t.response_tokens) for g in kept for t in g.trajectories)
-        st = [self.version - 1 - ExperienceBuffer.group_version(g) for g in kept]
-        m.update(
-            {
-                "trained_tokens": float(trained_tokens),
-                "tokens_per_s": trained_tokens / max(wall, 1e-9),
-                "staleness_mean": sum(st) / max(1, len(st)),
-                "staleness_max": float(max(st) if st else 0),
-                "occupancy": sum(w.occupancy) / max(1, len(w.occupancy)),
-                "repacks": float(w.repacks),
-                "gen_tokens_per_s": w.generated_tokens / max(wall, 1e-9),
-            }
-        )
-        m.update(self.source.step_counts())
+        m.extra.update(self.source.step_counts())
         return m
+
+    def retained_versions(self, keep_recent: int, latest: int | None = None) -> set[int]:
+        """The weight versions the relays must keep: the newest ``keep_recent`` up to ``latest`` (the
+        trainer's version by default) and every version a rollout still decodes with."""
+        return control.retained_versions(
+            self.version if latest is None else latest,
+            [r.version for r in self.rollouts.values() if r.active and r.version >= 0],
+            keep_recent,
+        )
 
     # ------------------------------------------------------------------------------------------ batches
     def maybe_open_batch(self) -> str:
@@ -279,6 +306,7 @@ class RolloutManager:
                 return "issued"
             self.batch_open = False
             self.closed_batches.append(set(self.batch_uids))
+            self.closed_rounds.append(self.batch_rounds)
             return "closed"
         if not control.may_open_batch(
             self.mode,

@@ -5,7 +5,7 @@ project; generation's own records (prompts, requests, trajectories) live in ``ge
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, fields
 from typing import Literal
 
 
@@ -135,3 +135,122 @@ class ExtractOrder:
     """The manager's order to a repack source: hand every in-flight response to rollout ``dst``."""
 
     dst: str
+
+
+# ------------------------------------------------------------------------------- step metrics
+@dataclass
+class StepMetrics:
+    """One RL update's metrics: one line of ``history.jsonl`` and one tracker record. Every driver
+    builds it with :meth:`of` (the manager, from the groups it trained); ``as_dict`` is the flat form
+    the history, the trackers and the checkpoints hold (keys named as the fields, every value a
+    float), ``from_dict`` its inverse. ``extra`` holds what the update's objective (``UpdateStats
+    .metrics``), the prompt source (``step_counts``) and the in-run evaluation add under their own
+    names."""
+
+    step: int
+    reward: float
+    accuracy: float
+    response_length: float
+    truncated: float
+    constant_groups: int
+    dropped_groups: int
+    sampling_rounds: int
+    trained_trajectories: int
+    generated_trajectories: int
+    trained_tokens: int
+    loss: float
+    grad_norm: float
+    entropy: float
+    clipfrac: float
+    staleness_mean: float
+    staleness_max: float
+    # timings and throughput (``training.rl.stage.TIMING_KEYS`` leaves them out of history.jsonl)
+    gen_seconds: float
+    train_seconds: float
+    gen_tokens_per_s: float
+    tokens_per_s: float
+    occupancy: float
+    repacks: int
+    publish_stall_s: float = 0.0
+    publish_cpu_s: float = 0.0
+    wall_seconds: float = 0.0
+    extra: dict[str, float] = field(default_factory=dict)
+
+    @classmethod
+    def of(
+        cls,
+        step: int,
+        groups,
+        stats: UpdateStats | None,
+        *,
+        dropped_groups: int,
+        sampling_rounds: int,
+        generated: int,
+        generated_tokens: int,
+        staleness: list[int],
+        occupancy: float,
+        repacks: int,
+        wall: float,
+        train_s: float,
+    ) -> StepMetrics:
+        """From the ``ScoredGroup``s the update trained on and its ``stats`` (None: no update ran);
+        ``wall``: seconds since the last update, ``train_s`` of them in the update."""
+        trajs = [t for g in groups for t in g.trajectories]
+        n = max(1, len(trajs))
+        n_tokens = sum(len(t.response_tokens) for t in trajs)
+        objective = {k: float(v) for k, v in stats.metrics.items()} if stats else {}
+        nan = float("nan")
+        return cls(
+            step=step,
+            reward=sum(r for g in groups for r in g.rewards) / n,
+            accuracy=sum(c for g in groups for c in g.correct) / n,
+            response_length=n_tokens / n,
+            truncated=sum(not t.finished for t in trajs) / n,
+            constant_groups=sum(1 for g in groups if len(set(g.correct)) == 1),
+            dropped_groups=dropped_groups,
+            sampling_rounds=sampling_rounds,
+            trained_trajectories=len(trajs),
+            generated_trajectories=generated,
+            trained_tokens=n_tokens,
+            loss=stats.loss if stats else nan,
+            grad_norm=stats.grad_norm if stats else nan,
+            entropy=objective.pop("entropy", sum(t.mean_entropy for t in trajs) / n if trajs else nan),
+            clipfrac=objective.pop("clipfrac", nan),
+            staleness_mean=sum(staleness) / max(1, len(staleness)),
+            staleness_max=float(max(staleness) if staleness else 0),
+            gen_seconds=max(0.0, wall - train_s),
+            train_seconds=train_s,
+            gen_tokens_per_s=generated_tokens / max(wall, 1e-9),
+            tokens_per_s=n_tokens / max(wall, 1e-9),
+            occupancy=occupancy,
+            repacks=repacks,
+            extra={k: v for k, v in objective.items() if k not in _STEP_NAMES},  # the manager's win
+        )
+
+    def as_dict(self) -> dict[str, float]:
+        out = {f.name: float(getattr(self, f.name)) for f in _STEP_FIELDS}
+        out.update(self.extra)
+        return out
+
+    @classmethod
+    def from_dict(cls, d: dict[str, float]) -> StepMetrics:
+        """What ``as_dict`` wrote (a checkpoint's history)."""
+        names = {f.name: f.type for f in _STEP_FIELDS}
+        missing = [k for k in names if k not in d]
+        if missing:
+            raise ValueError(f"a step's metrics lack {missing}: not written by StepMetrics.as_dict")
+        kw = {k: (int(d[k]) if t == "int" else float(d[k])) for k, t in names.items()}
+        return cls(**kw, extra={k: float(v) for k, v in d.items() if k not in names})
+
+    def line(self, total: int) -> str:
+        """One fixed-format line per RL step."""
+        return (
+            f"step {self.step:4d}/{total} | reward {self.reward:.3f} | acc {self.accuracy:.3f} | "
+            f"len {self.response_length:5.1f} | entropy {self.entropy:.3f} | clipfrac {self.clipfrac:.3f} | "
+            f"dropped {self.dropped_groups:3d} | gen {self.gen_seconds:.2f}s | "
+            f"train {self.train_seconds:.2f}s | tok/s {self.gen_tokens_per_s:.0f}"
+        )
+
+
+_STEP_FIELDS = tuple(f for f in fields(StepMetrics) if f.name != "extra")
+_STEP_NAMES = frozenset(f.name for f in _STEP_FIELDS)

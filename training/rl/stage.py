@@ -21,7 +21,8 @@ from conf.schema import ClusterConfig, LoraConfig, RLConfig, RolloutConfig, Sele
 from generation.adapter import is_adapter_dir
 from generation.model import encode_problem
 from training.objectives import PRESETS, ObjectiveParams
-from training.rl.loop import RLResult, format_step, run_sync
+from training.rl.loop import RLResult
+from training.rl.records import StepMetrics
 from generation.records import PromptItem
 from generation.setup import read_table
 
@@ -110,16 +111,17 @@ def rl(
     state_dir: Path | None = None,
     trainer: TrainerConfig | None = None,
     rollout: RolloutConfig | None = None,
-    on_metrics: Callable[[dict], None] | None = None,
+    on_metrics: Callable[[dict[str, float]], None] | None = None,
     lora: LoraConfig | None = None,
 ) -> RLResult:
     """RL from ``model_dir`` on the prompts of ``prompts_path`` (see the module docstring for what
     it writes). ``select`` turns on HIVE's online pruning; ``evaluate`` runs every ``cfg.eval_every`` steps.
     Either loop checkpoints into ``state_dir`` every ``cfg.checkpoint_every`` steps and resumes from
-    it after a crash. With ``cfg.uses_ray()`` the Laminar runtime runs the roles on Ray (``cluster``);
-    it also writes ``timeline.json``/``.png`` and ``runtime.json`` (throughput, staleness histogram,
-    repacks, failures). ``on_metrics``: called with every step's metrics as the step ends (an
-    experiment tracker's logger; in the Laminar runtime on the driver, with what the actors report).
+    it after a crash. ``cfg.uses_ray()`` picks the driver: the Ray driver runs the roles on Ray
+    (``cluster``) and also writes ``timeline.json``/``.png`` and ``runtime.json`` (throughput, staleness
+    histogram, repacks, failures); else the local driver runs in this process. ``on_metrics``: called
+    with every step's metrics (``StepMetrics.as_dict``) as the step ends (an experiment tracker's
+    logger; with Ray on the driver, with what the actors report).
     ``lora`` on for rl: only adapters train (continuing the adapter ``model_dir`` holds, or a fresh one on
     it), only adapters are published, and ``out_dir`` becomes a PEFT adapter folder."""
     with tempfile.TemporaryDirectory(prefix="laminar-rl-start-") as scratch:
@@ -177,9 +179,10 @@ def _rl(
     rollout,
     on_metrics,
 ) -> RLResult:
-    from training.lora import adapter_from_state, load_for_rl, save_trained
+    from generation.model import load_tokenizer
+    from training.lora import adapter_from_state, save_trained
 
-    model, tokenizer = load_for_rl(model_dir, device)
+    tokenizer = load_tokenizer(model_dir)
     rows = read_table(Path(prompts_path))
     if not rows and cfg.steps > 0:
         raise ValueError(
@@ -199,13 +202,13 @@ def _rl(
     params = objective_params(cfg)
     with tqdm(total=cfg.steps, desc=f"rl {cfg.algorithm}/{cfg.mode}", unit="step", leave=False) as bar:
 
-        def on_step(m: dict) -> None:
-            line = format_step(m, cfg.steps)
+        def on_step(m: StepMetrics) -> None:
+            line = m.line(cfg.steps)
             bar.update(1)
             bar.write(line)
             LOG.info(line)
             if on_metrics is not None:
-                on_metrics(m)
+                on_metrics(m.as_dict())
 
         common = dict(
             seed=seed,
@@ -213,56 +216,49 @@ def _rl(
             on_step=on_step,
             evaluate=evaluate,
             source=hive_source(select, history_path, seed) if select is not None else None,
+            rollout=rollout,
+            state_dir=state_dir,
         )
         if cfg.uses_ray():
-            from training.rl.runtime import LaminarRuntime
+            from training.rl.drivers.ray import LaminarRuntime
 
-            del model
-            runtime = LaminarRuntime(
-                Path(model_dir),
-                prompts,
-                verifier,
-                params,
-                cfg,
-                cluster=cluster,
-                trainer=trainer,
-                rollout=rollout,
-                state_dir=state_dir,
-                **common,
+            driver = LaminarRuntime(
+                Path(model_dir), prompts, verifier, params, cfg, cluster=cluster, trainer=trainer, **common
             )
-            result = runtime.run()
-            model = runtime.final_model
-            write_runtime_report(runtime, Path(out_dir))
         else:
-            result = run_sync(
-                model,
-                tokenizer,
-                prompts,
-                verifier,
-                params,
-                cfg,
-                **common,
-                checkpoint_dir=Path(state_dir) / "checkpoints" if state_dir is not None else None,
-            )
+            from training.rl.drivers.local import LocalDriver
+
+            driver = LocalDriver(Path(model_dir), prompts, verifier, params, cfg, **common)
+        result = driver.run()
+        model = driver.final_model
+        if cfg.uses_ray():
+            write_runtime_report(driver, Path(out_dir))
     if cfg.uses_ray() and is_adapter_dir(model_dir):
-        adapter_from_state(model_dir, runtime.final_state, out_dir)  # the adapter, not the merged model
+        adapter_from_state(model_dir, driver.final_state, out_dir)  # the adapter, not the merged model
     else:
         save_trained(model.to("cpu"), tokenizer, out_dir)
-    with open(Path(out_dir) / "history.jsonl", "w") as f:
-        for m in result.history:
-            f.write(json.dumps({k: v for k, v in m.items() if k not in TIMING_KEYS}, sort_keys=True) + "\n")
-    with open(Path(out_dir) / "consumed.json", "w") as f:
-        json.dump(dict(sorted(result.consumed.items())), f, indent=1)
+    write_rl_records(result, Path(out_dir))
+    return result
+
+
+def write_rl_records(result: RLResult, out_dir: Path) -> None:
+    """The run's records beside its model: ``history.jsonl`` (no timings), ``consumed.json`` and
+    ``rewards.parquet``."""
     import polars as pl
 
+    with open(out_dir / "history.jsonl", "w") as f:
+        for m in result.history:
+            row = {k: v for k, v in m.as_dict().items() if k not in TIMING_KEYS}
+            f.write(json.dumps(row, sort_keys=True) + "\n")
+    with open(out_dir / "consumed.json", "w") as f:
+        json.dump(dict(sorted(result.consumed.items())), f, indent=1)
     pl.DataFrame(
         result.rewards,
         schema={"step": pl.Int64, "prompt_id": pl.Utf8, "mean_reward": pl.Float64, "n": pl.Int64},
         orient="row",
     ).with_columns(idx=pl.int_range(pl.len(), dtype=pl.Int64), origin=pl.lit("rl")).select(
         "step", "idx", "prompt_id", "mean_reward", "n", "origin"
-    ).write_parquet(Path(out_dir) / "rewards.parquet")
-    return result
+    ).write_parquet(out_dir / "rewards.parquet")
 
 
 def write_runtime_report(runtime, out_dir: Path) -> None:

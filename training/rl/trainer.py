@@ -187,9 +187,9 @@ def packed_layout(batch: TrainBatch, row_tokens: int = PACK_ROW_TOKENS):
     samples) become *bundles* of at most ``row_tokens`` tokens (or the longest sequence), the prompt
     once followed by each response less its last token (no prediction reads it); bundles are packed
     first-fit-decreasing into rows of that width. Returns (input ids [R, L], position ids [R, L],
-    attention mask [R, 1, L, L] (bool), gather
-    index [B, T] into the flattened [R * L] positions): a response token attends to its own prompt
-    and the earlier tokens of its own response, so every logit is what the padded forward computes."""
+    attention mask [R, 1, L, L] (bool), gather index [B, T] into the flattened [R * L] positions): a
+    response token attends to its own prompt and the earlier tokens of its own response, so every
+    logit is what the padded forward computes."""
     ids_all = batch.input_ids.tolist()
     total = batch.attention_mask.sum(1).tolist()
     resp = batch.mask.sum(1).long().tolist()
@@ -275,6 +275,25 @@ def packed_response_logits(model, batch: TrainBatch, device: str) -> torch.Tenso
 def token_logprobs(logits: torch.Tensor, targets: torch.Tensor, temperature: float) -> torch.Tensor:
     """(B, T, V) logits, (B, T) targets -> (B, T) log-probs under the temperature-scaled policy."""
     return torch.log_softmax(logits / temperature, dim=-1).gather(-1, targets[..., None]).squeeze(-1)
+
+
+@dataclass
+class _UpdateInputs:
+    """One update's tensors (``PolicyTrainer._update_inputs``): the batch, per-row ``advantages`` (B,),
+    the loss ``mask`` and ``targets`` (B, T) on the device, ``lengths`` (B,) of prompt + response, and
+    the reference and proximal log-probs (B, T) when the objective uses them."""
+
+    batch: TrainBatch
+    advantages: torch.Tensor
+    mask: torch.Tensor
+    targets: torch.Tensor
+    lengths: torch.Tensor
+    ref: torch.Tensor | None = None
+    proximal: torch.Tensor | None = None
+
+    @property
+    def n(self) -> int:
+        return self.mask.shape[0]
 
 
 class PolicyTrainer:
@@ -517,110 +536,117 @@ class PolicyTrainer:
         (one rank: the loss; plain torch: the summed gradient norm), else right after the step
         (DeepSpeed's norm, several ranks' summed loss; every rank sees the same value and raises):
         ``version`` does not advance and nothing is published."""
-        batch = build_batch(groups, self.pad_id)
-        advantages = ADVANTAGES[self.params.advantage](batch.rewards, batch.group_index).to(self.device)
-        mask = batch.mask.to(self.device)
-        if self.params.overlong_filter:  # DAPO: truncated responses carry no loss
-            mask = mask * batch.finished.to(self.device, mask.dtype)[:, None]
-        targets = batch.targets.to(self.device)
-        lengths = batch.attention_mask.sum(1)
-        n, tmax = mask.shape
-        everything = torch.arange(n)
-
-        def logprobs_of(model) -> torch.Tensor:  # (B, T), computed micro-batch by micro-batch
-            out = torch.zeros((n, tmax), device=self.device)
-            for mb in micro_batches(lengths, everything, self.micro_batch_tokens):
-                sub = batch.rows(mb).trimmed()
-                t = sub.mask.shape[1]
-                out[mb.to(self.device), :t] = token_logprobs(
-                    self._response_logits(model, sub), targets[mb, :t], self.temperature
-                )
-            return out
-
-        with torch.no_grad():
-            ref = logprobs_of(self.ref_model) if self.ref_model is not None else None
-            proximal = logprobs_of(self.forward_model) if self.minibatches > 1 else None
-
-        def backward_rows(
-            model, mbs: list[tuple[torch.Tensor, bool]], idx: torch.Tensor
-        ) -> tuple[dict[str, float], float]:
-            """Forward and backward of micro-batches ``mbs`` on ``model``; (metrics, loss), each
-            weighted by the micro-batches' shares of the minibatch ``idx``."""
-            metrics: dict[str, float] = {}
-            part_loss = 0.0
-            for j, (mb, counts) in enumerate(mbs):
-                sub = batch.rows(mb).trimmed()
-                t = sub.mask.shape[1]
-                logits = self._response_logits(model, sub)
-                logprobs = token_logprobs(logits, targets[mb, :t], self.temperature)
-                m = mask[mb, :t]
-                pbatch = PolicyBatch(
-                    logprobs=logprobs,
-                    old_logprobs=proximal[mb, :t] if proximal is not None else logprobs.detach(),
-                    behaviour_logprobs=sub.behaviour.to(self.device),
-                    advantages=advantages[mb],
-                    mask=m,
-                    max_len=self.max_new_tokens,
-                    versions=sub.versions,
-                    trainer_version=self.version,
-                    ref_logprobs=ref[mb, :t] if ref is not None else None,
-                )
-                loss, mb_metrics = policy_loss(pbatch, self.params)
-                share = micro_share(m, mask[idx], self.params.loss_agg) if counts else 0.0
-                self._backward(loss * share, boundary=j == len(mbs) - 1)
-                part_loss += float(loss.detach()) * share
-                with torch.no_grad():
-                    denom = m.sum().clamp_min(1)
-                    mb_metrics["entropy"] = float(
-                        (entropy_from_logits(logits.detach() / self.temperature) * m).sum() / denom
-                    )
-                    mb_metrics["sampler_logprob_gap"] = float(
-                        ((pbatch.old_logprobs - pbatch.behaviour_logprobs).abs() * m).sum() / denom
-                    )
-                _accumulate(metrics, mb_metrics, share)
-            return metrics, part_loss
-
-        chunks = [idx for idx in torch.arange(n).chunk(min(self.minibatches, n))]
-        per_chunk: list[dict[str, float]] = []
-        losses, norms = [], []
-        for i, idx in enumerate(chunks):
-            self._where = f"stage {self.stage}, update {self.version + 1}" + (
-                f" (minibatch {i + 1}/{len(chunks)})" if len(chunks) > 1 else ""
-            )
-            self._zero_grad()
-            shards = self._thread_shards(idx, lengths, batch.group_index)
-            if len(shards) == 1:
-                metrics, chunk_loss = backward_rows(
-                    self.forward_model, self._my_micro_batches(idx, lengths), idx
-                )
-            else:
-                metrics, chunk_loss = self._backward_in_threads(
-                    functools.partial(backward_rows, idx=idx),
-                    [
-                        [(mb, True) for mb in micro_batches(lengths, rows, self.micro_batch_tokens)]
-                        for rows in shards
-                    ],
-                )
-            if self.world_size == 1:  # several ranks hold partial losses: checked once summed, below
-                self._check_finite(loss=chunk_loss)
-            norms.append(self._step())  # checks the gradient norm
-            metrics, chunk_loss = self._reduce_metrics(metrics, chunk_loss)
-            self._check_finite(loss=chunk_loss)
-            losses.append(chunk_loss)
-            per_chunk.append(metrics)
+        inp = self._update_inputs(groups)
+        chunks = list(torch.arange(inp.n).chunk(min(self.minibatches, inp.n)))
+        steps = [self._minibatch_step(inp, idx, i, len(chunks)) for i, idx in enumerate(chunks)]
         self.version += 1
+        per_chunk = [m for m, _, _ in steps]
         merged = {k: sum(c[k] for c in per_chunk) / len(per_chunk) for k in per_chunk[0]}
         if "staleness_max" in merged:
             merged["staleness_max"] = max(c["staleness_max"] for c in per_chunk)
         return UpdateStats(
             kind="update_stats",
             version=self.version,
-            loss=sum(losses) / len(losses),
-            grad_norm=max(norms),
-            n_sequences=n,
-            n_tokens=int(mask.sum()),
+            loss=sum(loss for _, loss, _ in steps) / len(steps),
+            grad_norm=max(norm for _, _, norm in steps),
+            n_sequences=inp.n,
+            n_tokens=int(inp.mask.sum()),
             metrics=merged,
         )
+
+    def _update_inputs(self, groups: Sequence[ScoredGroup]) -> _UpdateInputs:
+        """The batch of ``groups`` on the device with its advantages, loss mask (DAPO's overlong filter
+        applied) and, where the objective needs them, the reference and proximal log-probs."""
+        batch = build_batch(groups, self.pad_id)
+        mask = batch.mask.to(self.device)
+        if self.params.overlong_filter:  # DAPO: truncated responses carry no loss
+            mask = mask * batch.finished.to(self.device, mask.dtype)[:, None]
+        inp = _UpdateInputs(
+            batch=batch,
+            advantages=ADVANTAGES[self.params.advantage](batch.rewards, batch.group_index).to(self.device),
+            mask=mask,
+            targets=batch.targets.to(self.device),
+            lengths=batch.attention_mask.sum(1),
+        )
+        with torch.no_grad():
+            inp.ref = self._logprobs_of(self.ref_model, inp) if self.ref_model is not None else None
+            inp.proximal = self._logprobs_of(self.forward_model, inp) if self.minibatches > 1 else None
+        return inp
+
+    def _logprobs_of(self, model, inp: _UpdateInputs) -> torch.Tensor:
+        """(B, T) log-probs of every response token under ``model``, micro-batch by micro-batch."""
+        out = torch.zeros((inp.n, inp.mask.shape[1]), device=self.device)
+        for mb in micro_batches(inp.lengths, torch.arange(inp.n), self.micro_batch_tokens):
+            sub = inp.batch.rows(mb).trimmed()
+            t = sub.mask.shape[1]
+            out[mb.to(self.device), :t] = token_logprobs(
+                self._response_logits(model, sub), inp.targets[mb, :t], self.temperature
+            )
+        return out
+
+    def _minibatch_step(
+        self, inp: _UpdateInputs, idx: torch.Tensor, i: int, n_chunks: int
+    ) -> tuple[dict[str, float], float, float]:
+        """Forward, backward and one optimizer step on rows ``idx`` (minibatch ``i`` of ``n_chunks``),
+        in host threads where that pays (``_thread_shards``); (metrics, loss, gradient norm)."""
+        self._where = f"stage {self.stage}, update {self.version + 1}" + (
+            f" (minibatch {i + 1}/{n_chunks})" if n_chunks > 1 else ""
+        )
+        self._zero_grad()
+        rows = functools.partial(self._backward_rows, inp, idx=idx)
+        shards = self._thread_shards(idx, inp.lengths, inp.batch.group_index)
+        if len(shards) == 1:
+            metrics, loss = rows(self.forward_model, self._my_micro_batches(idx, inp.lengths))
+        else:
+            parts = [
+                [(mb, True) for mb in micro_batches(inp.lengths, r, self.micro_batch_tokens)] for r in shards
+            ]
+            metrics, loss = self._backward_in_threads(rows, parts)
+        if self.world_size == 1:  # several ranks hold partial losses: checked once summed, below
+            self._check_finite(loss=loss)
+        norm = self._step()  # checks the gradient norm
+        metrics, loss = self._reduce_metrics(metrics, loss)
+        self._check_finite(loss=loss)
+        return metrics, loss, norm
+
+    def _backward_rows(
+        self, inp: _UpdateInputs, model, mbs: list[tuple[torch.Tensor, bool]], idx: torch.Tensor
+    ) -> tuple[dict[str, float], float]:
+        """Forward and backward of micro-batches ``mbs`` on ``model``; (metrics, loss), each weighted
+        by the micro-batches' shares of the minibatch ``idx``."""
+        metrics: dict[str, float] = {}
+        part_loss = 0.0
+        for j, (mb, counts) in enumerate(mbs):
+            sub = inp.batch.rows(mb).trimmed()
+            t = sub.mask.shape[1]
+            logits = self._response_logits(model, sub)
+            logprobs = token_logprobs(logits, inp.targets[mb, :t], self.temperature)
+            m = inp.mask[mb, :t]
+            pbatch = PolicyBatch(
+                logprobs=logprobs,
+                old_logprobs=inp.proximal[mb, :t] if inp.proximal is not None else logprobs.detach(),
+                behaviour_logprobs=sub.behaviour.to(self.device),
+                advantages=inp.advantages[mb],
+                mask=m,
+                max_len=self.max_new_tokens,
+                versions=sub.versions,
+                trainer_version=self.version,
+                ref_logprobs=inp.ref[mb, :t] if inp.ref is not None else None,
+            )
+            loss, mb_metrics = policy_loss(pbatch, self.params)
+            share = micro_share(m, inp.mask[idx], self.params.loss_agg) if counts else 0.0
+            self._backward(loss * share, boundary=j == len(mbs) - 1)
+            part_loss += float(loss.detach()) * share
+            with torch.no_grad():
+                denom = m.sum().clamp_min(1)
+                mb_metrics["entropy"] = float(
+                    (entropy_from_logits(logits.detach() / self.temperature) * m).sum() / denom
+                )
+                mb_metrics["sampler_logprob_gap"] = float(
+                    ((pbatch.old_logprobs - pbatch.behaviour_logprobs).abs() * m).sum() / denom
+                )
+            _accumulate(metrics, mb_metrics, share)
+        return metrics, part_loss
 
     def publish(self) -> WeightsUpdate:
         return WeightsUpdate(kind="weights_update", version=self.version, state=self.full_state())

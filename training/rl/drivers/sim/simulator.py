@@ -7,7 +7,6 @@ import dataclasses
 
 from conf.simulate import SIM_MODE_NAMES, SimulateConfig, apply_preset
 from generation.records import ScoredGroup
-from training.rl import control
 from training.rl.control import MODES, ModeSpec
 from training.rl.drivers.sim.clock import Clock
 from training.rl.drivers.sim.costs import CostModel
@@ -232,9 +231,7 @@ class Simulator:
 
     def _retain_relay_versions(self, version: int) -> None:
         """Relays keep the newest ``sched.keep_versions`` and every version in-flight responses use."""
-        keep = control.retained_versions(
-            version, [r.version for r in self.m.rollouts.values() if r.active], self.cfg.sched.keep_versions
-        )
+        keep = self.m.retained_versions(self.cfg.sched.keep_versions, latest=version)
         self.relays.keep_only(keep)
 
     # ---------------------------------------------------------------------------- loop

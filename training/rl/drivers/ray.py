@@ -1,4 +1,5 @@
-"""The Laminar runtime: trainer, relays and rollouts as Ray actors around the rollout manager.
+"""The Ray driver (the Laminar runtime): trainer, relays and rollouts as Ray actors around the
+rollout manager.
 
 The driver (this module, in the RL stage's process) holds the rollout manager
 (``training.rl.manager``: prompt queue, experience buffer, batch gate, per-rollout state and every
@@ -14,9 +15,11 @@ flight per actor, and hands whichever returns first (``ray.wait``) to the manage
   restarts it and it pulls weights from its node's relay. A relay that dies is cut out of the
   chain (its node's rollouts bypass to the master) and rebuilt (here: relay health is transport).
 
-Checkpoints (``rl.checkpoint_every``) hold the trainer's weights, optimizer and RNG, the data
-cursor, the manager's state (prompt queue, buffered trajectories, requests in flight); a rerun
-resumes from the last complete one with the same prompt order.
+Checkpoints (``rl.checkpoint_every``) are the record every driver writes (``training.rl.checkpoint
+.save_run``): the trainer's weights, optimizer and RNG, the prompt source, the manager's state
+(prompt queue, buffered trajectories, requests in flight) and the history; a rerun resumes from the
+last complete one with the same prompt order. After each update the relays keep the versions the
+manager says in-flight work still uses (``RolloutManager.retained_versions``).
 """
 
 from __future__ import annotations
@@ -29,6 +32,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from collections.abc import Callable, Sequence
 
+import psutil
 import torch
 
 from conf.schema import ClusterConfig, RLConfig, RolloutConfig, TrainerConfig
@@ -36,9 +40,10 @@ from generation.adapter import load_published
 from generation.records import PromptItem
 from training.objectives import ObjectiveParams
 from training.rl.control import RelayChain
-from training.rl.loop import PromptCursor, RLResult, overlong_shaping, score_phase
+from training.rl.checkpoint import resume_run, save_run
+from training.rl.loop import PromptCursor, RLResult, group_scorer, keep_filter, policy_copy
 from training.rl.manager import ManagerSettings, RolloutManager
-from training.rl.records import ExtractOrder, ExtractReply, StepReply, TrainReply
+from training.rl.records import ExtractOrder, ExtractReply, StepMetrics, StepReply, TrainReply
 
 LOG = logging.getLogger("laminar.training")
 
@@ -106,7 +111,7 @@ class LaminarRuntime:
     """One RL run on Ray in any of ``control.MODES``, configured by the schema's sections: ``rl``
     (``RLConfig``: steps, batch, mode, staleness, repack, checkpoints), ``cluster`` (``ClusterConfig``:
     where the roles run), ``trainer`` (``TrainerConfig``) and ``rollout`` (``RolloutConfig``: the
-    engine). ``run()`` returns an ``RLResult`` whose history has one dict per update, plus
+    engine). ``run()`` returns an ``RLResult`` whose history has one ``StepMetrics`` per update, plus
     ``self.timeline`` and ``self.summary``. With ``state_dir`` it checkpoints every
     ``rl.checkpoint_every`` updates into ``state_dir/checkpoints`` and resumes from the last one."""
 
@@ -125,7 +130,7 @@ class LaminarRuntime:
         rollout: RolloutConfig | None = None,
         state_dir: Path | None = None,
         source: Callable | None = None,
-        on_step: Callable[[dict], None] | None = None,
+        on_step: Callable[[StepMetrics], None] | None = None,
         evaluate: Callable[[object], dict[str, float]] | None = None,
     ):
         self.settings = ManagerSettings.from_config(rl, params)
@@ -391,31 +396,26 @@ class LaminarRuntime:
     def _prepare(self, ray):
         """The driver's side: its policy copy, the prompt source and the manager; resume if a
         checkpoint is there; version 0 (or the resumed one) goes to the relays before any rollout starts."""
-        from generation.adapter import is_adapter_dir, model_dir_for_sampling
-        from generation.engine import Engine as TorchEngine
-        from generation.model import load_model
-
         torch.manual_seed(self.seed)
-        model, tokenizer = load_model(model_dir_for_sampling(self.model_dir), "cpu")
-        if is_adapter_dir(self.model_dir):  # the bare base: the driver's copy takes version 0 from the relay
-            self.local_version = -1
-        self.local_engine = TorchEngine(model, tokenizer, device="cpu")  # HIVE's prompt entropy, in-run eval
+        self.local_engine = policy_copy(self.model_dir)  # HIVE's prompt entropy, in-run eval
+        self.local_version = (
+            self.local_engine.version
+        )  # an adapter's bare base takes version 0 from the relay
+        model = self.local_engine.model
         self.cursor = PromptCursor(self.prompts, self.seed)
         self.source = (
             self.source_factory(self.cursor, self.local_engine) if self.source_factory else self.cursor
         )
-        shaping = overlong_shaping(self.params, self.rl.max_new_tokens)
-        keep = (lambda g: len(set(g.correct)) > 1) if self.params.dynamic_sampling else None
         self.manager = RolloutManager(
             self.settings,
             self.source,
-            lambda trajs: score_phase(trajs, self.verifier, shaping)[0],
+            group_scorer(self.verifier, self.params, self.rl.max_new_tokens),
             self,
             [
                 (a.name, self._rollout_node(i), self.chain.relay_for(self._rollout_node(i)))
                 for i, a in enumerate(self.rollouts.values())
             ],
-            keep=keep,
+            keep=keep_filter(self.params),
         )
         self.t0 = time.perf_counter()
         self._resume(ray)
@@ -531,19 +531,9 @@ class LaminarRuntime:
         order = self.manager.dispatch(a.name)
         if order is None:
             return  # idle
-        if isinstance(order, ExtractOrder):
-            a.future, a.op = a.handle.extract.remote(), "extract"
-            return
-        relay = self.relays[self.manager.rollouts[a.name].relay] if order.pull else None
-        a.future = a.handle.step.remote(
-            self.rl.chunk_steps,
-            submit=list(order.submit),
-            inject=list(order.inject),
-            relay=relay,
-            min_version=order.min_version,
-            admitting=order.admitting,
-        )
-        a.op = "step"
+        relay = self.relays[self.manager.rollouts[a.name].relay] if getattr(order, "pull", False) else None
+        a.future = a.handle.run.remote(order, self.rl.chunk_steps, relay)
+        a.op = "extract" if isinstance(order, ExtractOrder) else "step"
 
     def _on_result(self, ray, a: _RolloutActor, fut) -> None:
         from ray.exceptions import RayActorError
@@ -639,13 +629,11 @@ class LaminarRuntime:
         m = self.manager.updated(reply.stats.version, reply.stats, wall, reply.train_s)
         version = self.manager.version
         self.timeline["updates"].append({"t": time.perf_counter() - self.t0, "version": version})
-        m.update(
-            {
-                "publish_stall_s": reply.publish_stall_s,
-                "publish_cpu_s": reply.publish_cpu_s,
-                "wall_seconds": time.perf_counter() - self.t0,
-            }
-        )
+        m.publish_stall_s, m.publish_cpu_s = reply.publish_stall_s, reply.publish_cpu_s
+        m.wall_seconds = time.perf_counter() - self.t0
+        keep = sorted(self.manager.retained_versions(KEEP_VERSIONS))
+        for relay in self.relays.values():  # fire and forget: a dead relay is the health check's
+            relay.retain.remote(keep)
         if (
             self.evaluate is not None
             and self.rl.eval_every > 0
@@ -665,7 +653,7 @@ class LaminarRuntime:
             self._checkpoint(ray)
             self._checkpoint_due = False
 
-    def _start_eval(self, m: dict, state: dict) -> None:
+    def _start_eval(self, m: StepMetrics, state: dict) -> None:
         """Held-out evaluation of the version just trained, beside the loop: a thread of the driver on
         its own copy of the policy, so the trainer and rollouts keep being fed meanwhile (the in-process
         sync loop waits for it). Its metrics join the step's history entry ``m``; a checkpoint falling
@@ -681,7 +669,7 @@ class LaminarRuntime:
 
         def work() -> None:
             try:
-                m.update(self.evaluate(self.eval_model))
+                m.extra.update(self.evaluate(self.eval_model))
             except BaseException as e:  # noqa: BLE001 - handed to the loop's thread by _join_eval
                 self._eval_error = e
 
@@ -702,55 +690,35 @@ class LaminarRuntime:
 
     # ------------------------------------------------------------------------------------------ checkpoints
     def _checkpoint(self, ray) -> None:
-        from training.rl.checkpoint import save_json, write_checkpoint
-
         self._join_eval()  # the history it writes holds the evaluation's metrics
-
-        def writer(tmp: Path) -> None:
-            self.trainer.get(ray, "save", str(tmp))
-            save_json(
-                tmp,
-                "runtime.json",
-                {
-                    "version": self.manager.version,
-                    "cursor": self.cursor.position,
-                    "source": self.source.state(),
-                    **self.manager.state(),
-                    "history": self.result.history,
-                    "mode": self.mode.name,
-                },
-            )
-
-        path = write_checkpoint(self.checkpoint_dir, self.manager.version, writer)
+        path = save_run(
+            self.checkpoint_dir,
+            save_trainer=lambda folder: self.trainer.get(ray, "save", str(folder)),
+            manager=self.manager,
+            source=self.source,
+            history=self.result.history,
+            mode=self.mode.name,
+        )
         self.manager.counts["checkpoints"] += 1
         LOG.info("checkpoint %s", path)
 
     def _resume(self, ray) -> None:
-        if not (self.checkpoint_dir and self.checkpoint_dir.exists()):
-            return
-        from training.rl.checkpoint import latest_checkpoint, load_json
-
-        ckpt = latest_checkpoint(self.checkpoint_dir)
-        if ckpt is None:
-            return
-        state = load_json(ckpt, "runtime.json")
-        version = self.trainer.get(ray, "load", str(ckpt))
-        self.cursor.position = state["cursor"]
-        if "source" in state:  # HIVE's online state (GRESO's history and RNG, the filtered prompts waiting)
-            self.source.load_state(state["source"])
-        self.manager.load_state(state)
-        self.manager.start_at(version)
-        self.result.history = state["history"]
-        self.resumed_from = int(state["version"])
-        self.manager.counts["resumed"] = 1
-        LOG.warning("resuming RL from checkpoint %s (update %d)", ckpt, version)
+        resumed = resume_run(
+            self.checkpoint_dir,
+            load_trainer=lambda folder: self.trainer.get(ray, "load", str(folder)),
+            manager=self.manager,
+            source=self.source,
+        )
+        if resumed is not None:
+            self.result.history = resumed.history
+            self.resumed_from = resumed.version
 
     # ------------------------------------------------------------------------------------------ report
     def _finish_summary(self) -> None:
         m = self.manager
         hist = self.result.history
         wall = time.perf_counter() - self.t0
-        trained = sum(h.get("trained_tokens", 0) for h in hist)
+        trained = sum(h.trained_tokens for h in hist)
         self.summary = {
             "mode": self.mode.name,
             "updates": len(hist),
@@ -761,8 +729,8 @@ class LaminarRuntime:
             "duplicates_ignored": m.buffer.stats.duplicates,
             "stale_dropped": m.buffer.stats.stale_dropped,
             **{k: v for k, v in m.counts.items() if k != "idle_spins"},
-            "publish_stall_s": [h.get("publish_stall_s", 0.0) for h in hist],
-            "publish_cpu_s": [h.get("publish_cpu_s", 0.0) for h in hist],
+            "publish_stall_s": [h.publish_stall_s for h in hist],
+            "publish_cpu_s": [h.publish_cpu_s for h in hist],
             "rollouts": self.cluster.rollouts,
             "relays": list(self.chain.order),
             "relay_nodes": {n: self.chain.node_of[n] for n in self.chain.order},
@@ -789,7 +757,7 @@ class _CpuLedger:
     when the loop starts and the latest seen. Rollouts report theirs with every result; the trainer
     ranks and relays answer a ping at both ends; the driver counts all its threads (scoring, HIVE's
     prompt entropy, the in-run evaluation). A restarted process counts from its first report. Plus
-    the head machine's busy share over the loop (Linux ``/proc/stat``), to tell a CPU-bound loop
+    the head machine's busy share over the loop (``psutil.cpu_times``), to tell a CPU-bound loop
     from one that waits."""
 
     def __init__(self):
@@ -825,18 +793,17 @@ class _CpuLedger:
             "cpu_seconds": {n: self.done.get(n, 0.0) + c[2] - c[1] for n, c in sorted(self.procs.items())},
         }
         m1 = _machine_jiffies()
-        if self.machine0 is not None and m1 is not None and m1[1] > self.machine0[1]:
+        if m1[1] > self.machine0[1]:
             out["machine_busy"] = (m1[0] - self.machine0[0]) / (m1[1] - self.machine0[1])
         return out
 
 
-def _machine_jiffies() -> tuple[int, int] | None:
-    """(busy, total) jiffies of this machine's CPUs since boot, or None off Linux."""
-    try:
-        with open("/proc/stat") as f:
-            vals = [int(x) for x in f.readline().split()[1:]]
-    except (OSError, ValueError):
-        return None
-    idle = vals[3] + (vals[4] if len(vals) > 4 else 0)  # idle + iowait
-    total = sum(vals[:8])  # guest time is already inside user time
+def _machine_jiffies() -> tuple[float, float]:
+    """(busy, total) CPU seconds of this machine since boot (``psutil``; iowait counts as idle, guest
+    time is already inside user time)."""
+    t = psutil.cpu_times()
+    idle = t.idle + getattr(t, "iowait", 0.0)
+    total = sum(
+        getattr(t, k, 0.0) for k in ("user", "nice", "system", "idle", "iowait", "irq", "softirq", "steal")
+    )
     return total - idle, total
