@@ -89,7 +89,9 @@ def evaluate_checkpoint(
     items, totals = benchmark_items(cfg, data_dir, seed)
     with (
         Verifier(timeout_s=cfg.verifier_timeout_s) as verifier,
-        tqdm(total=len(items) * cfg.n_samples, desc="evaluate", unit="sample", leave=False) as bar,
+        tqdm(
+            total=len(items) * cfg.n_samples, desc="evaluate", unit="sample", leave=False, disable=None
+        ) as bar,
     ):
         rows = evaluate_items(
             model,

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 from pathlib import Path
 
 import torch
@@ -22,6 +23,11 @@ def resolve_threads(threads: int) -> int:
 def setup_torch(threads: int, seed: int) -> None:
     torch.set_num_threads(resolve_threads(threads))
     torch.manual_seed(seed)
+    if not torch.cuda.is_available():
+        # transformers imports DeepSpeed when it saves or loads a model; on a machine without CUDA its
+        # accelerator probe then warns "Setting accelerator to CPU" into every run's output. Naming
+        # the CPU accelerator is what the probe would conclude, without the warning.
+        os.environ.setdefault("DS_ACCELERATOR", "cpu")
     try:
         from transformers.utils import logging as hf_logging
 

@@ -36,7 +36,7 @@ def rft(
     ]
     metrics: dict[str, float] = {"rft_examples": float(len(examples)), "rft_steps": 0.0}
     if cfg.steps > 0 and examples:
-        with tqdm(total=cfg.steps, desc="rft", unit="step", leave=False) as bar:
+        with tqdm(total=cfg.steps, desc="rft", unit="step", leave=False, disable=None) as bar:
             m = train_sft(
                 model,
                 examples,

@@ -45,7 +45,7 @@ def warmup(
         SFTExample(encode_problem(tokenizer, template, r["problem"]), encode_response(tokenizer, target(r)))
         for r in rows
     ]
-    with tqdm(total=cfg.steps, desc="warmup sft", unit="step", leave=False) as bar:
+    with tqdm(total=cfg.steps, desc="warmup sft", unit="step", leave=False, disable=None) as bar:
         metrics = train_sft(
             model,
             examples,

@@ -200,7 +200,9 @@ def _rl(
         for r in rows
     ]
     params = objective_params(cfg)
-    with tqdm(total=cfg.steps, desc=f"rl {cfg.algorithm}/{cfg.mode}", unit="step", leave=False) as bar:
+    with tqdm(
+        total=cfg.steps, desc=f"rl {cfg.algorithm}/{cfg.mode}", unit="step", leave=False, disable=None
+    ) as bar:
 
         def on_step(m: StepMetrics) -> None:
             line = m.line(cfg.steps)
