@@ -21,6 +21,7 @@ from typing import Annotated, Any, Literal, get_args, get_origin, get_type_hints
 ModelKind = Literal["tiny", "hf"]
 DataSource = Literal["arith", "files"]
 SourceFormat = Literal["auto", "jsonl", "json", "parquet", "hf", "verl"]
+Verifiability = Literal["short_form", "off"]
 DartStrategy = Literal["prop2diff", "uniform", "vanilla"]
 SelectStrategy = Literal["hive", "uniform"]
 SelectHistory = Literal["run", "workspace"]
@@ -43,6 +44,7 @@ WandbMode = Literal["auto", "offline", "online"]
 LoraStage = Literal["warmup", "rft", "rl"]
 
 SOURCE_FORMATS: tuple[SourceFormat, ...] = get_args(SourceFormat)
+VERIFIABILITY: tuple[Verifiability, ...] = get_args(Verifiability)
 DART_STRATEGIES: tuple[DartStrategy, ...] = get_args(DartStrategy)
 RL_ALGORITHMS: tuple[Algorithm, ...] = get_args(Algorithm)
 RL_MODES: tuple[Mode, ...] = get_args(Mode)
@@ -156,6 +158,9 @@ class DataConfig:
     "problem too long": the engines pad every batch to its longest prompt, so one huge row would
     ask for a huge allocation. The longest vendored prompt has 4,308 characters (MATH train; the
     benchmarks' longest, AIME 2025 and MATH-500, about 1,730; the synthetic task's at most 70)."""
+    verifiability: Annotated[str, Verifiability] = "short_form"
+    """Ingest quarantines a row whose reference answer the verifier cannot check (a proof, a
+    multi-part answer, a free-text sentence: "unverifiable answer: <kind> (...)"); ``off`` keeps it."""
 
 
 @dataclass

@@ -92,6 +92,7 @@ def ingest_body(ctx: StageContext) -> StageResult:
             near_dup_same_answer=ctx.cfg.curation.dedup.same_answer,
             seed=ctx.cfg.seed,
             max_prompt_chars=ctx.cfg.data.max_prompt_chars,
+            verifiability=ctx.cfg.data.verifiability,
             template_share=ctx.cfg.curation.templates.min_share if ctx.cfg.curation.templates.strip else None,
         ),
     )

@@ -79,6 +79,7 @@ def ingest_key(c: Config) -> dict:
     return {
         **asdict(c.curation.dedup),
         "max_prompt_chars": c.data.max_prompt_chars,
+        "verifiability": c.data.verifiability,
         "templates": asdict(c.curation.templates),
     }
 
@@ -207,8 +208,20 @@ def data_headline(m: dict) -> str:
 def ingest_headline(m: dict) -> str:
     return (
         f"rows {m['rows_in']:.0f}  ingested {m['ingested']:.0f}  quarantined {m['quarantined']:.0f}  "
-        f"duplicates {m['duplicates_exact']:.0f}+{m['duplicates_near']:.0f} near"
+        f"duplicates {m['duplicates_exact']:.0f}+{m['duplicates_near']:.0f} near" + unverifiable_detail(m)
     )
+
+
+def unverifiable_detail(m: dict) -> str:
+    """`` (unverifiable answers 12: proof 3, multi part 9)`` from ingest's counts; "" for none."""
+    if not m.get("unverifiable"):
+        return ""
+    kinds = ", ".join(
+        f"{k.removeprefix('unverifiable_').replace('_', ' ')} {v:.0f}"
+        for k, v in m.items()
+        if k.startswith("unverifiable_")
+    )
+    return f" (unverifiable answers {m['unverifiable']:.0f}: {kinds})"
 
 
 def decontaminate_headline(m: dict) -> str:
@@ -324,6 +337,7 @@ STAGES: tuple[Stage, ...] = (
             "data_curation.sources",
             "data_curation.dedup",
             "data_curation.templates",
+            "data_curation.verifiability",
         ),
         body=ingest_body,
         record=recording.record_ingest,
