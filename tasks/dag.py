@@ -161,20 +161,28 @@ def model_files(cfg: Config, catalog: Catalog | None = None) -> dict[str, str]:
     return {"model.path": hash_tree(Path(cfg.model.path).expanduser())} if cfg.model.kind == "hf" else {}
 
 
-def _benchmark_hashes(names: Iterable[str]) -> dict[str, str]:
+def _benchmark_hashes(cfg: Config, names: Iterable[str]) -> dict[str, str]:
+    """``benchmark:<name>`` -> sha256 of the vendored file, or of a file benchmark's file or folder."""
     from core.artifacts import hash_file
+    from data_curation.sources import source_hashes
     from evaluation.benchmarks import benchmark_path
     from evaluation.stages import HELDOUT
 
-    return {f"benchmark:{b}": hash_file(benchmark_path(b)) for b in names if b != HELDOUT}
+    files = cfg.eval.benchmark_files()
+    own = {k.removeprefix("source:"): v for k, v in source_hashes(files.values()).items()}
+    return {
+        f"benchmark:{b}": own[b] if b in files else hash_file(benchmark_path(b))
+        for b in names
+        if b != HELDOUT
+    }
 
 
 def benchmark_files(cfg: Config, catalog: Catalog | None = None) -> dict[str, str]:
-    return _benchmark_hashes(cfg.eval.benchmarks)
+    return _benchmark_hashes(cfg, cfg.eval.benchmark_names())
 
 
 def decontam_files(cfg: Config, catalog: Catalog | None = None) -> dict[str, str]:
-    return _benchmark_hashes(decontam_benchmarks(cfg))
+    return _benchmark_hashes(cfg, decontam_benchmarks(cfg))
 
 
 def source_files(cfg: Config, catalog: Catalog | None = None) -> dict[str, str]:
