@@ -453,15 +453,21 @@ def rl_body(ctx: StageContext) -> StageResult:
 
 
 def eval_certificates(
-    query, checkpoint: str, benchmarks, data_dir: Path | None, files: dict | None = None
+    query,
+    checkpoint: str,
+    benchmarks,
+    data_dir: Path | None,
+    files: dict | None = None,
+    root: Path | None = None,
 ) -> dict[str, dict]:
     """The decontamination certificate (``tasks.certificate``) of each benchmark an evaluation of
     ``checkpoint`` scores, against the hash of the very file it reads (``files``: the file
-    benchmarks, read)."""
+    benchmarks, read; ``root``: the workspace root the catalog's artifact paths are under)."""
     from evaluation.stages import benchmark_hash
     from tasks.certificate import certify
 
-    return certify(query, checkpoint, {b: benchmark_hash(b, data_dir, files or {}) for b in benchmarks})
+    hashes = {b: benchmark_hash(b, data_dir, files or {}) for b in benchmarks}
+    return certify(query, checkpoint, hashes, root=root)
 
 
 def eval_body(ctx: StageContext) -> StageResult:
@@ -488,7 +494,12 @@ def eval_body(ctx: StageContext) -> StageResult:
         query = ctx.catalog.query if ctx.catalog is not None else _no_catalog
         certificates.update(
             eval_certificates(
-                query, ctx.inputs[MODEL].sha256, summary, Path(data.path) if data else None, files
+                query,
+                ctx.inputs[MODEL].sha256,
+                summary,
+                Path(data.path) if data else None,
+                files,
+                ctx.store.workspace_root,
             )
         )
         with open(out / CERTIFICATE_FILE, "w") as f:

@@ -65,7 +65,9 @@ def test_laminar_eval_scores_the_file_benchmark_with_its_certificate(run):
     s = latest_eval_summary(ws)
     assert s["certificates"]["mine"]["status"] == "contaminated-removed"
     rows = query(
-        ws, "SELECT count(*) FROM eval_results WHERE checkpoint_sha = ? AND benchmark = 'mine'", [rl]
+        ws,
+        "SELECT count(*) FROM eval_results WHERE checkpoint_sha = ? AND eval_sha = ? AND benchmark = 'mine'",
+        [rl, s["eval"]],
     )
     assert rows[0][0] == 6  # 6 problems x 1 sample
 
