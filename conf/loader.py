@@ -5,13 +5,14 @@ Everything here runs before the workspace is touched: a typo fails with a messag
 
 from __future__ import annotations
 
+import dataclasses
 import re
 from dataclasses import asdict
 from pathlib import Path
 from typing import Any
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 
-from conf.schema import Config, ConfigError, validate
+from conf.schema import BenchmarkFileConfig, Config, ConfigError, validate
 
 CONF_DIR = Path(__file__).resolve().parent
 
@@ -90,7 +91,31 @@ def load_config(overrides: Sequence[str] = ()) -> Config:
             f"config key '{key}': {msg}; give {key} a value of the type its default has"
         ) from None
     assert isinstance(cfg, Config)
+    cfg.eval.benchmarks = [_benchmark_spec(i, b) for i, b in enumerate(cfg.eval.benchmarks)]
     return check_source_names(validate(cfg))
+
+
+def _benchmark_spec(i: int, item: Any) -> Any:
+    """An ``eval.benchmarks`` mapping as a typed :class:`BenchmarkFileConfig` (a name stays as it is)."""
+    from omegaconf import OmegaConf
+    from omegaconf.errors import OmegaConfBaseException
+
+    if not isinstance(item, Mapping):
+        return item
+    try:
+        spec = OmegaConf.to_object(OmegaConf.merge(OmegaConf.structured(BenchmarkFileConfig), dict(item)))
+    except OmegaConfBaseException as err:
+        key = f"eval.benchmarks[{i}].{getattr(err, 'full_key', None) or '?'}"
+        if "not in struct" in str(err) or type(err).__name__ == "ConfigKeyError":
+            fields = ", ".join(f.name for f in dataclasses.fields(BenchmarkFileConfig))
+            raise ConfigError(f"unknown config key '{key}': a benchmark file spec takes {fields}") from None
+        raise ConfigError(f"config key '{key}': {str(err).splitlines()[0]}") from None
+    if spec.name and not SOURCE_NAME.fullmatch(spec.name):
+        raise ConfigError(
+            f"eval.benchmarks[{i}].name={spec.name!r} is not an identifier: use letters, digits, _ and - "
+            "(it names the benchmark's scores and catalog rows)"
+        )
+    return spec
 
 
 SOURCE_NAME = re.compile(r"[A-Za-z_][A-Za-z0-9_-]{0,63}")

@@ -21,6 +21,8 @@ from typing import Annotated, Any, Literal, get_args, get_origin, get_type_hints
 ModelKind = Literal["tiny", "hf"]
 DataSource = Literal["arith", "files"]
 SourceFormat = Literal["auto", "jsonl", "json", "parquet", "hf", "verl"]
+Verifiability = Literal["short_form", "off"]
+RewardName = Literal["math_verify", "cosine_length", "repetition", "overlong", "format"]
 DartStrategy = Literal["prop2diff", "uniform", "vanilla"]
 SelectStrategy = Literal["hive", "uniform"]
 SelectHistory = Literal["run", "workspace"]
@@ -43,6 +45,8 @@ WandbMode = Literal["auto", "offline", "online"]
 LoraStage = Literal["warmup", "rft", "rl"]
 
 SOURCE_FORMATS: tuple[SourceFormat, ...] = get_args(SourceFormat)
+VERIFIABILITY: tuple[Verifiability, ...] = get_args(Verifiability)
+REWARD_NAMES: tuple[RewardName, ...] = get_args(RewardName)
 DART_STRATEGIES: tuple[DartStrategy, ...] = get_args(DartStrategy)
 RL_ALGORITHMS: tuple[Algorithm, ...] = get_args(Algorithm)
 RL_MODES: tuple[Mode, ...] = get_args(Mode)
@@ -156,6 +160,9 @@ class DataConfig:
     "problem too long": the engines pad every batch to its longest prompt, so one huge row would
     ask for a huge allocation. The longest vendored prompt has 4,308 characters (MATH train; the
     benchmarks' longest, AIME 2025 and MATH-500, about 1,730; the synthetic task's at most 70)."""
+    verifiability: Annotated[str, Verifiability] = "short_form"
+    """Ingest quarantines a row whose reference answer the verifier cannot check (a proof, a
+    multi-part answer, a free-text sentence: "unverifiable answer: <kind> (...)"); ``off`` keeps it."""
 
 
 @dataclass
@@ -244,10 +251,32 @@ class RLConfig:
 
 
 @dataclass
+class BenchmarkFileConfig:
+    """A benchmark of your own, read like a ``data.sources`` entry (same formats and field paths)
+    and decontaminated against like a vendored one; ``score_with`` names the reward components
+    that score it."""
+
+    name: str = ""
+    path: str = ""
+    format: Annotated[str, SourceFormat] = "auto"
+    problem_field: str = "problem"
+    answer_field: str = "answer"
+    id_field: str | None = None
+    """None: the 0-based row number is the problem id."""
+    level_field: str | None = None
+    subject_field: str | None = None
+    split: str = "test"
+    template: str | None = None
+    """The prompt template (with ``{problem}``); None: the vendored benchmarks' \\boxed{} instruction."""
+    score_with: Annotated[list[str], RewardName] = field(default_factory=lambda: ["math_verify"])
+
+
+@dataclass
 class EvalConfig:
     """Held-out evaluation of checkpoints: ``n_samples`` sampled responses per problem (avg@n)."""
 
-    benchmarks: list[str] = field(default_factory=lambda: ["arith_heldout"])
+    benchmarks: list[Any] = field(default_factory=lambda: ["arith_heldout"])
+    """Each a vendored benchmark's name or a :class:`BenchmarkFileConfig` (``{name, path, ...}``)."""
     n_samples: Annotated[int, Positive] = 4
     temperature: Annotated[float, Positive] = 1.0
     max_new_tokens: Annotated[int, Positive] = 64
@@ -258,6 +287,12 @@ class EvalConfig:
     """Evaluate a seeded subset of at most this many problems per benchmark (drawn with ``seed`` and
     the benchmark's name, the same for every checkpoint); 0 = every problem. Part of the cache key,
     and printed with every score ("100 of 1319 problems")."""
+
+    def benchmark_names(self) -> list[str]:
+        return [b if isinstance(b, str) else b.name for b in self.benchmarks]
+
+    def benchmark_files(self) -> dict[str, BenchmarkFileConfig]:
+        return {b.name: b for b in self.benchmarks if isinstance(b, BenchmarkFileConfig)}
 
 
 @dataclass
@@ -585,9 +620,34 @@ def validate(cfg: Config) -> Config:
     _validate_rl(cfg)
     _validate_curation(cfg)
     _validate_tracking(cfg)
+    _validate_eval(cfg)
+    return cfg
+
+
+def _validate_eval(cfg: Config) -> None:
+    """Names and file specs of ``eval.benchmarks``; the files themselves are read in ``tasks.preflight``."""
     if not cfg.eval.benchmarks:
         raise ConfigError("eval.benchmarks is empty; name at least one, e.g. eval.benchmarks=[arith_heldout]")
-    return cfg
+    for i, b in enumerate(cfg.eval.benchmarks):
+        if isinstance(b, BenchmarkFileConfig):
+            if not b.name or not b.path:
+                raise ConfigError(
+                    f"eval.benchmarks[{i}] needs a name and a path, e.g. "
+                    "{name: mine, path: /data/test.jsonl, answer_field: answer}"
+                )
+            if not b.score_with:
+                raise ConfigError(f"eval.benchmarks[{i}].score_with is empty; e.g. score_with=[math_verify]")
+            if b.template is not None and "{problem}" not in b.template:
+                raise ConfigError(
+                    f"eval.benchmarks[{i}].template must contain {{problem}}, got {b.template!r}"
+                )
+        elif not isinstance(b, str):
+            raise ConfigError(
+                f"eval.benchmarks[{i}]={b!r}: give a benchmark name or a file spec {{name, path, ...}}"
+            )
+    names = cfg.eval.benchmark_names()
+    if len(set(names)) != len(names):
+        raise ConfigError(f"eval.benchmarks names a benchmark twice: {names}")
 
 
 def _validate_runtime(cfg: Config) -> None:

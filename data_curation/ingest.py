@@ -41,7 +41,7 @@ import json
 import math
 import re
 import unicodedata
-from collections.abc import Callable, Iterator, Mapping, Sequence
+from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
@@ -50,11 +50,12 @@ from typing import Any
 import pyarrow as pa
 import pyarrow.parquet as pq
 
-from conf.schema import SOURCE_FORMATS, DataConfig, SourceFormat
+from conf.schema import SOURCE_FORMATS, VERIFIABILITY, DataConfig, SourceFormat, Verifiability
 from core.errors import StageError
 from data_curation.dedup import NearDupParams, exact_duplicates, near_duplicates
 from data_curation.templates import MIN_SHARE as TEMPLATE_SHARE
 from data_curation.templates import Template, detect_template, strip_template
+from data_curation.verifiability import UNVERIFIABLE, UNVERIFIABLE_KINDS, grade_answer
 from evaluation.verifier import normalize_answer
 
 __all__ = [
@@ -68,6 +69,7 @@ __all__ = [
     "prompts_schema",
     "read_source",
     "resolve_format",
+    "unverifiable_counts",
 ]
 
 RAW_MAX_CHARS = 2000
@@ -434,7 +436,10 @@ def read_source(spec: SourceSpec) -> tuple[list[dict], list[dict]]:
 
 
 def _fields(
-    spec: SourceSpec, record: Mapping[str, Any], max_prompt_chars: int = MAX_PROMPT_CHARS
+    spec: SourceSpec,
+    record: Mapping[str, Any],
+    max_prompt_chars: int = MAX_PROMPT_CHARS,
+    verifiability: Verifiability = "short_form",
 ) -> dict[str, Any] | str:
     """The prompt fields of one record, or the reason it is quarantined."""
     found, problem = _lookup(record, spec.problem_field)
@@ -452,9 +457,14 @@ def _fields(
         return "missing answer"
     if not isinstance(answer, (str, int, float)):
         return "non-scalar answer"
-    answer = normalize_answer(normalize_text(answer) if isinstance(answer, str) else answer)
-    if not answer:
+    answer = normalize_text(answer) if isinstance(answer, str) else answer
+    if not normalize_answer(answer):
         return "empty answer"
+    if verifiability == "short_form":
+        graded = grade_answer(answer)
+        if graded is not None:
+            return graded.reason
+    answer = normalize_answer(answer)
     if spec.id_field:
         found, value = _lookup(record, spec.id_field)
         if not found or value is None or not str(value).strip():
@@ -505,6 +515,7 @@ def _collect(
     extra_fields: list[str],
     max_prompt_chars: int = MAX_PROMPT_CHARS,
     template_share: float | None = TEMPLATE_SHARE,
+    verifiability: Verifiability = "short_form",
 ):
     """Read and validate every source, taking out the instruction wrapper its rows share (when
     ``template_share`` is not None; see ``data_curation.templates``). Returns (columns of the
@@ -535,7 +546,7 @@ def _collect(
         quarantine += [(si, q) for q in bad]
         accepted = []
         for row in rows:
-            fields = _fields(spec, row["record"], max_prompt_chars)
+            fields = _fields(spec, row["record"], max_prompt_chars, verifiability)
             if isinstance(fields, str):
                 quarantine.append(
                     (
@@ -596,6 +607,7 @@ def ingest(
     near_dup_same_answer: bool = True,
     max_prompt_chars: int = MAX_PROMPT_CHARS,
     template_share: float | None = TEMPLATE_SHARE,
+    verifiability: Verifiability = "short_form",
 ) -> dict[str, float]:
     """Read, normalise, quarantine and deduplicate ``sources`` into ``out_dir`` (see the module
     docstring for the three tables). ``near_dup_threshold``, ``ngram``, ``num_perm``, ``bands`` and
@@ -607,9 +619,13 @@ def ingest(
     An instruction wrapper shared by at least ``template_share`` of a source's rows is taken out of
     them before the ids and dedup (``data_curation.templates``; None keeps every problem as it is)
     and written to ``templates.parquet`` (source, template, prefix, suffix, rows, matched).
+    With ``verifiability="short_form"`` (``data.verifiability``) a reference answer the verifier
+    cannot check (a proof, a multi-part answer, free text; ``data_curation.verifiability``) is
+    quarantined as "unverifiable answer: <kind> (...)"; ``"off"`` keeps it.
     Returns counts: rows_in, ingested, quarantined, duplicates_exact, duplicates_near, and
     rows_in_<source> / ingested_<source> per source; templated_sources and template_stripped (rows
-    that lost the wrapper) when some source had one."""
+    that lost the wrapper) when some source had one; unverifiable and unverifiable_<kind> (spaces
+    and dashes as ``_``) when some answer was."""
     from data_curation.db import memory_db
 
     params = NearDupParams(
@@ -618,6 +634,8 @@ def ingest(
     params.validate()
     if max_prompt_chars <= 0:
         raise ValueError(f"max_prompt_chars must be > 0, got {max_prompt_chars}")
+    if verifiability not in VERIFIABILITY:
+        raise ValueError(f"verifiability={verifiability!r} is not one of {', '.join(VERIFIABILITY)}")
     names = [s.name for s in sources]
     if len(set(names)) != len(names):
         raise ValueError(f"source names must be unique, got {names}")
@@ -626,7 +644,7 @@ def ingest(
     out_dir.mkdir(parents=True, exist_ok=True)
 
     cols, records, quarantine, per_source, templates = _collect(
-        sources, extra_fields, max_prompt_chars, template_share
+        sources, extra_fields, max_prompt_chars, template_share, verifiability
     )
     con = memory_db()
     try:
@@ -698,6 +716,7 @@ def ingest(
     if templates:  # only then, so that the counts of a pool without wrappers stay as they were
         counts["templated_sources"] = float(len(templates))
         counts["template_stripped"] = float(sum(t.matched for t in templates.values()))
+    counts.update(unverifiable_counts(q["reason"] for _, q in quarantine))
     assert counts["rows_in"] == (
         counts["ingested"] + counts["quarantined"] + counts["duplicates_exact"] + counts["duplicates_near"]
     ), counts
@@ -707,6 +726,18 @@ def ingest(
         counts[f"rows_in_{name}"] = per_source[f"rows_in_{name}"]
         counts[f"ingested_{name}"] = float(by_source.get(name, 0))
     return counts
+
+
+def unverifiable_counts(reasons: Iterable[str]) -> dict[str, float]:
+    """``unverifiable`` and ``unverifiable_<kind>`` over quarantine reasons; {} when none is."""
+    kinds = [r[len(UNVERIFIABLE) + 2 :].split(" (")[0] for r in reasons if r.startswith(UNVERIFIABLE + ":")]
+    if not kinds:
+        return {}
+    out = {"unverifiable": float(len(kinds))}
+    for kind in UNVERIFIABLE_KINDS:
+        if kind in kinds:
+            out["unverifiable_" + re.sub(r"[ -]", "_", kind)] = float(kinds.count(kind))
+    return out
 
 
 def _duplicate_ids(con) -> list[int]:

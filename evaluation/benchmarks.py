@@ -23,6 +23,7 @@ __all__ = [
     "DEFAULT_TEMPLATE",
     "BenchmarkItem",
     "BenchmarkSpec",
+    "FileBenchmark",
     "benchmark_path",
     "build_prompt",
     "get_spec",
@@ -113,6 +114,19 @@ BENCHMARKS: dict[str, BenchmarkSpec] = {
         id_field="id",
     ),
 }
+
+
+@dataclass(frozen=True)
+class FileBenchmark:
+    """A benchmark from an ``eval.benchmarks`` file spec, read (``data_curation.benchmark_files``):
+    its items in file order, the sha256 of its file (or folder), the components that score it and
+    its prompt template."""
+
+    name: str
+    items: tuple[BenchmarkItem, ...]
+    sha256: str
+    score_with: tuple[str, ...] = ("math_verify",)
+    template: str = DEFAULT_TEMPLATE
 
 
 def get_spec(name: str) -> BenchmarkSpec:

@@ -7,8 +7,10 @@ from pathlib import Path
 
 from tqdm.auto import tqdm
 
+from collections.abc import Mapping
+
 from conf.schema import EvalConfig
-from evaluation.benchmarks import BENCHMARKS, items_from_records, load_benchmark
+from evaluation.benchmarks import BENCHMARKS, FileBenchmark, items_from_records, load_benchmark
 from evaluation.evaluate import EvalRow, evaluate_items, model_context, summarize_rows
 from evaluation.verifier import Verifier
 
@@ -16,7 +18,14 @@ HELDOUT = "arith_heldout"
 """The synthetic task's held-out set, read from the data artifact rather than the registry."""
 
 
-def load_items(name: str, data_dir: Path | None):
+NO_FILES: Mapping[str, FileBenchmark] = {}
+
+
+def load_items(name: str, data_dir: Path | None, files: Mapping[str, FileBenchmark] = NO_FILES):
+    """The items of benchmark ``name``: a file benchmark of ``files``, the held-out set, or a
+    vendored one."""
+    if name in files:
+        return list(files[name].items)
     if name == HELDOUT:
         import polars as pl
 
@@ -30,12 +39,15 @@ def load_items(name: str, data_dir: Path | None):
     return load_benchmark(name)
 
 
-def benchmark_hash(name: str, data_dir: Path | None) -> str:
-    """sha256 of the file benchmark ``name`` is read from: the vendored JSON lines, or the data
-    artifact's ``heldout.parquet`` for the held-out set. Decontamination certificates name it."""
+def benchmark_hash(name: str, data_dir: Path | None, files: Mapping[str, FileBenchmark] = NO_FILES) -> str:
+    """sha256 of the file benchmark ``name`` is read from: the vendored JSON lines, the data
+    artifact's ``heldout.parquet`` for the held-out set, or a file benchmark's own file (or folder).
+    Decontamination certificates name it."""
     from core.artifacts import hash_file
     from evaluation.benchmarks import benchmark_path
 
+    if name in files:
+        return files[name].sha256
     if name == HELDOUT:
         if data_dir is None:
             raise ValueError(f"benchmark {HELDOUT} needs the data artifact")
@@ -55,14 +67,16 @@ def subset(items: list, max_problems: int, seed: int, name: str) -> list:
     return [items[i] for i in keep]
 
 
-def benchmark_items(cfg: EvalConfig, data_dir: Path | None, seed: int) -> tuple[list, dict[str, int]]:
+def benchmark_items(
+    cfg: EvalConfig, data_dir: Path | None, seed: int, files: Mapping[str, FileBenchmark] = NO_FILES
+) -> tuple[list, dict[str, int]]:
     """The items ``cfg`` evaluates (a seeded subset per benchmark with ``max_problems``) and each
-    benchmark's full size."""
+    benchmark's full size. ``files`` holds the file benchmarks of ``cfg``, already read."""
     items, totals = [], {}
-    for name in cfg.benchmarks:
+    for name in cfg.benchmark_names():
         if name == HELDOUT and data_dir is None:
             continue
-        full = load_items(name, data_dir)
+        full = load_items(name, data_dir, files)
         totals[name] = len(full)
         items += subset(full, cfg.max_problems, seed, name)
     return items, totals
@@ -77,16 +91,19 @@ def evaluate_checkpoint(
     seed: int,
     device: str,
     out_dir: Path,
+    files: Mapping[str, FileBenchmark] = NO_FILES,
 ) -> dict:
-    """Writes ``rows.parquet`` (one row per problem and sample) and ``summary.json``; returns the summary."""
+    """Writes ``rows.parquet`` (one row per problem and sample) and ``summary.json``; returns the
+    summary. ``files``: the file benchmarks of ``cfg``, read (each with its own template)."""
     import polars as pl
 
     from generation.model import load_model
 
     model, tokenizer = load_model(model_dir, device)
-    if HELDOUT in cfg.benchmarks and data_dir is None:
+    if HELDOUT in cfg.benchmark_names() and data_dir is None:
         load_items(HELDOUT, None)  # raises: the held-out set needs the data artifact
-    items, totals = benchmark_items(cfg, data_dir, seed)
+    items, totals = benchmark_items(cfg, data_dir, seed, files)
+    templates = {**templates, **{name: f.template for name, f in files.items()}}
     with (
         Verifier(timeout_s=cfg.verifier_timeout_s) as verifier,
         tqdm(
@@ -139,13 +156,15 @@ def in_run_evaluator(
     seed: int,
     device: str,
     verifier,
+    files: Mapping[str, FileBenchmark] = NO_FILES,
 ):
     """A callback for evaluation every N RL steps:
     ``model -> {"eval_<benchmark>": avg@n, "eval_seconds": s}``. Same items, sampling and verifier as
     the eval stages, so the last in-run value of a checkpoint matches its eval stage's accuracy."""
     import time
 
-    items, _ = benchmark_items(cfg, data_dir, seed)
+    items, _ = benchmark_items(cfg, data_dir, seed, files)
+    templates = {**templates, **{name: f.template for name, f in files.items()}}
 
     def evaluate(model) -> dict[str, float]:
         t0 = time.perf_counter()

@@ -92,6 +92,7 @@ def ingest_body(ctx: StageContext) -> StageResult:
             near_dup_same_answer=ctx.cfg.curation.dedup.same_answer,
             seed=ctx.cfg.seed,
             max_prompt_chars=ctx.cfg.data.max_prompt_chars,
+            verifiability=ctx.cfg.data.verifiability,
             template_share=ctx.cfg.curation.templates.min_share if ctx.cfg.curation.templates.strip else None,
         ),
     )
@@ -116,9 +117,16 @@ def paraphrase_params(cfg: Config):
 
 
 def decontam_benchmarks(cfg: Config) -> list[str]:
-    """What ``decontaminate`` checks the pool against: ``eval.benchmarks`` and
+    """What ``decontaminate`` checks the pool against: ``eval.benchmarks`` (file benchmarks too) and
     ``curation.decontam.benchmarks``, in that order, once each."""
-    return list(dict.fromkeys([*cfg.eval.benchmarks, *cfg.curation.decontam.benchmarks]))
+    return list(dict.fromkeys([*cfg.eval.benchmark_names(), *cfg.curation.decontam.benchmarks]))
+
+
+def file_benchmarks(cfg: Config) -> dict:
+    """The file benchmarks of ``eval.benchmarks``, read (name -> ``evaluation.benchmarks.FileBenchmark``)."""
+    from data_curation.benchmark_files import load_file_benchmarks
+
+    return load_file_benchmarks(cfg.eval.benchmark_files().values())
 
 
 def decontaminate_body(ctx: StageContext) -> StageResult:
@@ -128,7 +136,8 @@ def decontaminate_body(ctx: StageContext) -> StageResult:
     data = Path(ctx.inputs[DATASET].path)
     has_heldout = (data / "heldout.parquet").exists()
     names = [b for b in decontam_benchmarks(ctx.cfg) if b != HELDOUT or has_heldout]
-    items = [it for b in names for it in load_items(b, data)]
+    files = file_benchmarks(ctx.cfg)
+    items = [it for b in names for it in load_items(b, data, files)]
     ref, metrics = _produce(
         ctx,
         PROMPTS,
@@ -139,7 +148,7 @@ def decontaminate_body(ctx: StageContext) -> StageResult:
             ngram=ctx.cfg.curation.decontam.ngram,
             min_coverage=ctx.cfg.curation.decontam.min_coverage,
             paraphrase=paraphrase_params(ctx.cfg),
-            benchmark_hashes={b: benchmark_hash(b, data) for b in names},
+            benchmark_hashes={b: benchmark_hash(b, data, files) for b in names},
         ),
     )
     return StageResult({PROMPTS: ref}, metrics)
@@ -399,6 +408,7 @@ def rl_body(ctx: StageContext) -> StageResult:
                     seed=ctx.cfg.seed,
                     device=ctx.device,
                     verifier=verifier,
+                    files=file_benchmarks(ctx.cfg),
                 )
             sel = ctx.inputs[SELECTION]
             result = rl(
@@ -442,13 +452,22 @@ def rl_body(ctx: StageContext) -> StageResult:
     return StageResult({MODEL: ref}, metrics)
 
 
-def eval_certificates(query, checkpoint: str, benchmarks, data_dir: Path | None) -> dict[str, dict]:
+def eval_certificates(
+    query,
+    checkpoint: str,
+    benchmarks,
+    data_dir: Path | None,
+    files: dict | None = None,
+    root: Path | None = None,
+) -> dict[str, dict]:
     """The decontamination certificate (``tasks.certificate``) of each benchmark an evaluation of
-    ``checkpoint`` scores, against the hash of the very file it reads."""
+    ``checkpoint`` scores, against the hash of the very file it reads (``files``: the file
+    benchmarks, read; ``root``: the workspace root the catalog's artifact paths are under)."""
     from evaluation.stages import benchmark_hash
     from tasks.certificate import certify
 
-    return certify(query, checkpoint, {b: benchmark_hash(b, data_dir) for b in benchmarks})
+    hashes = {b: benchmark_hash(b, data_dir, files or {}) for b in benchmarks}
+    return certify(query, checkpoint, hashes, root=root)
 
 
 def eval_body(ctx: StageContext) -> StageResult:
@@ -459,6 +478,7 @@ def eval_body(ctx: StageContext) -> StageResult:
     setup_torch(ctx.cfg.threads, ctx.cfg.seed)
     data = ctx.inputs.get(DATASET)  # absent for `laminar eval` when no data artifact exists
     certificates: dict = {}
+    files = file_benchmarks(ctx.cfg)
 
     def run(out: Path) -> dict:
         summary = evaluate_checkpoint(
@@ -469,10 +489,18 @@ def eval_body(ctx: StageContext) -> StageResult:
             seed=ctx.cfg.seed,
             device=ctx.device,
             out_dir=out,
+            files=files,
         )
         query = ctx.catalog.query if ctx.catalog is not None else _no_catalog
         certificates.update(
-            eval_certificates(query, ctx.inputs[MODEL].sha256, summary, Path(data.path) if data else None)
+            eval_certificates(
+                query,
+                ctx.inputs[MODEL].sha256,
+                summary,
+                Path(data.path) if data else None,
+                files,
+                ctx.store.workspace_root,
+            )
         )
         with open(out / CERTIFICATE_FILE, "w") as f:
             json.dump(certificates, f, indent=1, sort_keys=True)

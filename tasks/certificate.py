@@ -73,10 +73,11 @@ def _model_kind(query: Query, cache_key: str | None) -> str | None:
     return None
 
 
-def _read_pool_certificate(path: str | None) -> dict | None:
+def _read_pool_certificate(path: str | None, root: Path | None) -> dict | None:
+    """A pool's ``certificate.json``; a relative ``path`` (as the catalog stores it) is under ``root``."""
     if not path:
         return None
-    file = Path(path) / CERTIFICATE_FILE
+    file = (Path(path) if root is None or Path(path).is_absolute() else Path(root) / path) / CERTIFICATE_FILE
     if not file.is_file():
         return None
     try:
@@ -86,10 +87,15 @@ def _read_pool_certificate(path: str | None) -> dict | None:
 
 
 def certify(
-    query: Query, checkpoint_sha: str, benchmarks: Mapping[str, str], kind: str = "model"
+    query: Query,
+    checkpoint_sha: str,
+    benchmarks: Mapping[str, str],
+    kind: str = "model",
+    root: Path | None = None,
 ) -> dict[str, dict]:
     """benchmark -> certificate (``status``, ``benchmark_sha256``, ``rules``, ``pools``, ``detail``)
-    for the checkpoint ``checkpoint_sha`` scored on ``benchmarks`` (name -> sha256 of its file)."""
+    for the checkpoint ``checkpoint_sha`` scored on ``benchmarks`` (name -> sha256 of its file).
+    ``root``: the workspace root the catalog's relative artifact paths are under."""
     tree = query(_UPSTREAM_SQL, [kind, checkpoint_sha])
     unknown: list[str] = []
     trained = False
@@ -117,7 +123,7 @@ def certify(
                     + (f" (stage {node['stage']})" if node["stage"] else "")
                 )
         elif node["stage"] == "decontaminate":
-            pools.append((node["sha"], _read_pool_certificate(node["path"])))
+            pools.append((node["sha"], _read_pool_certificate(node["path"], root)))
     rules = sorted({r for _, c in pools if c for r in c.get("rules", [])})
     out: dict[str, dict] = {}
     for bench, sha in benchmarks.items():

@@ -131,7 +131,7 @@ def _inputs(
     from evaluation.stages import HELDOUT
 
     inputs = {MODEL: resolve_checkpoint(ws, spec)}
-    if HELDOUT in cfg.eval.benchmarks:
+    if HELDOUT in cfg.eval.benchmark_names():
         data = latest_dataset(ws)
         if data is not None:
             inputs[DATASET] = data
@@ -181,10 +181,8 @@ def evaluate(
             )
             outcome_status = "cached"
         else:
-            say(
-                f"evaluating checkpoint {inputs[MODEL].sha256[:12]} on {', '.join(cfg.eval.benchmarks)} "
-                f"(n={cfg.eval.n_samples})"
-            )
+            names = ", ".join(cfg.eval.benchmark_names())
+            say(f"evaluating checkpoint {inputs[MODEL].sha256[:12]} on {names} (n={cfg.eval.n_samples})")
             ctx = StageContext(cfg=cfg, store=ws.artifacts, inputs=inputs, device=device, catalog=ws.catalog)
             result = EVAL_STAGE.body(ctx)
             ref = result.artifacts[EVAL]

@@ -79,6 +79,7 @@ def ingest_key(c: Config) -> dict:
     return {
         **asdict(c.curation.dedup),
         "max_prompt_chars": c.data.max_prompt_chars,
+        "verifiability": c.data.verifiability,
         "templates": asdict(c.curation.templates),
     }
 
@@ -160,20 +161,28 @@ def model_files(cfg: Config, catalog: Catalog | None = None) -> dict[str, str]:
     return {"model.path": hash_tree(Path(cfg.model.path).expanduser())} if cfg.model.kind == "hf" else {}
 
 
-def _benchmark_hashes(names: Iterable[str]) -> dict[str, str]:
+def _benchmark_hashes(cfg: Config, names: Iterable[str]) -> dict[str, str]:
+    """``benchmark:<name>`` -> sha256 of the vendored file, or of a file benchmark's file or folder."""
     from core.artifacts import hash_file
+    from data_curation.sources import source_hashes
     from evaluation.benchmarks import benchmark_path
     from evaluation.stages import HELDOUT
 
-    return {f"benchmark:{b}": hash_file(benchmark_path(b)) for b in names if b != HELDOUT}
+    files = cfg.eval.benchmark_files()
+    own = {k.removeprefix("source:"): v for k, v in source_hashes(files.values()).items()}
+    return {
+        f"benchmark:{b}": own[b] if b in files else hash_file(benchmark_path(b))
+        for b in names
+        if b != HELDOUT
+    }
 
 
 def benchmark_files(cfg: Config, catalog: Catalog | None = None) -> dict[str, str]:
-    return _benchmark_hashes(cfg.eval.benchmarks)
+    return _benchmark_hashes(cfg, cfg.eval.benchmark_names())
 
 
 def decontam_files(cfg: Config, catalog: Catalog | None = None) -> dict[str, str]:
-    return _benchmark_hashes(decontam_benchmarks(cfg))
+    return _benchmark_hashes(cfg, decontam_benchmarks(cfg))
 
 
 def source_files(cfg: Config, catalog: Catalog | None = None) -> dict[str, str]:
@@ -207,8 +216,20 @@ def data_headline(m: dict) -> str:
 def ingest_headline(m: dict) -> str:
     return (
         f"rows {m['rows_in']:.0f}  ingested {m['ingested']:.0f}  quarantined {m['quarantined']:.0f}  "
-        f"duplicates {m['duplicates_exact']:.0f}+{m['duplicates_near']:.0f} near"
+        f"duplicates {m['duplicates_exact']:.0f}+{m['duplicates_near']:.0f} near" + unverifiable_detail(m)
     )
+
+
+def unverifiable_detail(m: dict) -> str:
+    """`` (unverifiable answers 12: proof 3, multi part 9)`` from ingest's counts; "" for none."""
+    if not m.get("unverifiable"):
+        return ""
+    kinds = ", ".join(
+        f"{k.removeprefix('unverifiable_').replace('_', ' ')} {v:.0f}"
+        for k, v in m.items()
+        if k.startswith("unverifiable_")
+    )
+    return f" (unverifiable answers {m['unverifiable']:.0f}: {kinds})"
 
 
 def decontaminate_headline(m: dict) -> str:
@@ -324,6 +345,7 @@ STAGES: tuple[Stage, ...] = (
             "data_curation.sources",
             "data_curation.dedup",
             "data_curation.templates",
+            "data_curation.verifiability",
         ),
         body=ingest_body,
         record=recording.record_ingest,

@@ -18,16 +18,37 @@ def load_checked(overrides: Sequence[str]) -> Config:
     return cfg
 
 
+def _check_benchmark_files(cfg: Config, vendored: tuple[str, ...]) -> None:
+    """Each file benchmark: a name of its own, a file that exists and rows with its fields (read now)."""
+    from data_curation.benchmark_files import BenchmarkFileError, load_file_benchmark
+
+    for i, b in enumerate(cfg.eval.benchmarks):
+        if isinstance(b, str):
+            continue
+        if b.name in vendored:
+            raise ConfigError(
+                f"eval.benchmarks[{i}].name={b.name!r} is a vendored benchmark's name; give your file "
+                "another name (or drop the file spec and name the vendored one)"
+            )
+        try:
+            load_file_benchmark(b)
+        except BenchmarkFileError as err:
+            raise ConfigError(f"eval.benchmarks[{i}]: {err}") from None
+
+
 def preflight(cfg: Config) -> None:
     from evaluation.benchmarks import BENCHMARKS
     from evaluation.stages import HELDOUT
 
     valid = (HELDOUT, *BENCHMARKS)
-    unknown = [b for b in cfg.eval.benchmarks if b not in valid]
+    unknown = [b for b in cfg.eval.benchmarks if isinstance(b, str) and b not in valid]
     if unknown:
         raise ConfigError(
-            f"eval.benchmarks: unknown benchmark {unknown[0]!r}; choose from {', '.join(valid)}"
+            f"eval.benchmarks: unknown benchmark {unknown[0]!r}; choose from {', '.join(valid)}, "
+            "or give a file spec {name: mine, path: /data/test.jsonl, ...}"
         )
+    _check_benchmark_files(cfg, valid)
+    valid = (*valid, *cfg.eval.benchmark_files())
     unknown = [b for b in cfg.curation.decontam.benchmarks if b not in valid]
     if unknown:
         raise ConfigError(

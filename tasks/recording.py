@@ -366,7 +366,11 @@ def record_eval(con: Connection, ctx: StageContext, res: StageResult, key: str) 
         data = ctx.inputs.get(DATASET)
         try:
             certificates = eval_certificates(
-                connection_query(con), ctx.inputs[MODEL].sha256, benches, Path(data.path) if data else None
+                connection_query(con),
+                ctx.inputs[MODEL].sha256,
+                benches,
+                Path(data.path) if data else None,
+                root=ctx.store.workspace_root,
             )
         except (OSError, ValueError):  # a benchmark file no longer there: nothing to certify against
             certificates = {}

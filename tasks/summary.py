@@ -145,6 +145,8 @@ def reconciliation(by: Mapping[str, StageOutcome]) -> dict[str, int]:
         "quarantined": ing["quarantined"],
         "duplicates": ing["duplicates_exact"] + ing["duplicates_near"],
     }
+    if ing.get("unverifiable"):  # of the quarantined; per kind in the ingest stage's metrics
+        out["unverifiable"] = ing["unverifiable"]
     if dec:
         out["contaminated"] = dec["contaminated"]
     if sel:

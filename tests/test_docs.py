@@ -248,7 +248,7 @@ def check_overrides(command: str, overrides: list[str]) -> None:
         from conf.loader import deepspeed_config, load_config
 
         cfg = load_config(overrides)
-        unknown = [b for b in cfg.eval.benchmarks if b not in benchmark_names()]
+        unknown = [b for b in cfg.eval.benchmarks if isinstance(b, str) and b not in benchmark_names()]
         if unknown:
             raise AssertionError(
                 f"unknown benchmark {unknown[0]!r}; benchmarks are {', '.join(benchmark_names())}"
