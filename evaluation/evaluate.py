@@ -13,7 +13,7 @@ import torch
 
 from evaluation.benchmarks import BenchmarkItem, build_prompt
 from evaluation.metrics import summarize
-from evaluation.verifier import Verifier
+from rewards.verifier import Verifier
 from generation.model import encode_prompt
 from generation.engine import Engine
 from generation.records import GenRequest, PromptItem

@@ -10,7 +10,7 @@ from collections import Counter, defaultdict
 from collections.abc import Iterable, Mapping, Sequence
 from typing import Any
 
-from evaluation.verifier import normalize_answer
+from rewards.verifier import normalize_answer
 
 __all__ = ["avg_at_n", "maj_at_k", "pass_at_k", "summarize"]
 

@@ -10,7 +10,7 @@ from tqdm.auto import tqdm
 from conf.schema import EvalConfig
 from evaluation.benchmarks import BENCHMARKS, items_from_records, load_benchmark
 from evaluation.evaluate import EvalRow, evaluate_items, model_context, summarize_rows
-from evaluation.verifier import Verifier
+from rewards.verifier import Verifier
 
 HELDOUT = "arith_heldout"
 """The synthetic task's held-out set, read from the data artifact rather than the registry."""
