@@ -344,10 +344,10 @@ def record_rl(con: Connection, ctx: StageContext, res: StageResult, key: str) ->
         [(ref.sha256, pid, n) for pid, n in consumed.items()],
     )
     _record_history(con, ref, "rewards.parquet")
-    _record_reward(con, ctx, ref)
+    record_reward(con, ref)
 
 
-def _record_reward(con: Connection, ctx: StageContext, ref: ArtifactRef) -> None:
+def record_reward(con: Connection, ref: ArtifactRef) -> None:
     """``reward_components`` (the reward the checkpoint trained under) and ``reward_terms`` (every
     response's score per component): the RL artifact's ``reward.json`` and ``reward_terms.parquet``."""
     with open(ref.file("reward.json")) as f:
