@@ -49,6 +49,10 @@ def test_components_come_from_the_cli_with_parameters():
             r"cache_len is not a parameter of repetition",
         ),
         ("[{name: repetition}]", r"lacks math_verify"),
+        (
+            "[{name: math_verify}, {name: repetition, ngrams: 2}]",
+            r"reward.components': an item has the key 'ngrams'",
+        ),
         ("[{name: math_verify}, {name: format}, {name: format}]", r"names a component twice"),
         (
             "[{name: math_verify}, {name: overlong, cache_len: 64}]",

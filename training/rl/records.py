@@ -8,6 +8,8 @@ from __future__ import annotations
 from dataclasses import dataclass, field, fields
 from typing import Literal
 
+from rewards.components import repeated_ngram_rate
+
 
 @dataclass(frozen=True)
 class UpdateStats:
@@ -226,6 +228,7 @@ class StepMetrics:
             repacks=repacks,
             extra={
                 **reward_term_means(groups),
+                **length_metrics(groups),
                 **{k: v for k, v in objective.items() if k not in _STEP_NAMES},  # the manager's win
             },
         )
@@ -255,6 +258,20 @@ class StepMetrics:
             f"dropped {self.dropped_groups:3d} | gen {self.gen_seconds:.2f}s | "
             f"train {self.train_seconds:.2f}s | tok/s {self.gen_tokens_per_s:.0f}{shaped}"
         )
+
+
+def length_metrics(groups) -> dict[str, float]:
+    """What length shaping acts on: the mean length (tokens) of the correct and of the wrong responses
+    (nan when there are none) and their mean repeated word-3-gram rate."""
+    pairs = [(len(t.response_tokens), c) for g in groups for t, c in zip(g.trajectories, g.correct)]
+    right = [n for n, c in pairs if c]
+    wrong = [n for n, c in pairs if not c]
+    texts = [t.text for g in groups for t in g.trajectories]
+    return {
+        "response_length_correct": sum(right) / len(right) if right else float("nan"),
+        "response_length_wrong": sum(wrong) / len(wrong) if wrong else float("nan"),
+        "repeated_ngram_rate": sum(repeated_ngram_rate(x, 3) for x in texts) / max(1, len(texts)),
+    }
 
 
 def reward_term_means(groups) -> dict[str, float]:
