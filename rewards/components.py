@@ -28,7 +28,10 @@ class Sample:
 
 
 def _limit(max_len: int | None, sample: Sample) -> int:
-    return int(max_len) if max_len is not None else int(sample.max_tokens)
+    limit = int(max_len) if max_len is not None else int(sample.max_tokens)
+    if limit <= 0:
+        raise ValueError("no length limit: set max_len, or score samples with their max_tokens")
+    return limit
 
 
 @dataclass(frozen=True)

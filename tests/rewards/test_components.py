@@ -211,3 +211,9 @@ def test_spec_names_each_component_its_weight_and_parameters():
             "params": {"ngram": 4, "max_penalty": -1.0},
         },
     ]
+
+
+def test_a_length_term_without_a_limit_falls_back_and_counts_the_error():
+    r = _reward({"name": "math_verify"}, {"name": "cosine_length"})
+    scores = r.score([S(limit=0)])
+    assert scores.terms["cosine_length"] == (0.0,) and scores.errors["cosine_length"] == 1
