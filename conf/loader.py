@@ -28,7 +28,11 @@ def _explain_composition(err: Exception, overrides: Sequence[str]) -> str:
         )
     inner = re.search(r"Key '([^']+)' not in '(\w+)'", str(err.__cause__ or ""))
     over = re.search(r"Could not override '([^']+)'", text)
-    if inner and over:  # a key inside a list item (reward.components, data.sources)
+    listed = over and any(
+        o.split("=", 1)[0].lstrip("+~") == over.group(1) and o.split("=", 1)[-1].lstrip().startswith("[")
+        for o in overrides
+    )
+    if inner and listed:  # a key inside a list item (reward.components, data.sources)
         return (
             f"config key '{over.group(1)}': an item has the key {inner.group(1)!r}, which {inner.group(2)} "
             "does not have; check the spelling (`laminar config` prints every key)"

@@ -262,16 +262,17 @@ class StepMetrics:
 
 def length_metrics(groups) -> dict[str, float]:
     """What length shaping acts on: the mean length (tokens) of the correct and of the wrong responses
-    (nan when there are none) and their mean repeated word-3-gram rate."""
+    (left out when there are none) and their mean repeated word-3-gram rate."""
     pairs = [(len(t.response_tokens), c) for g in groups for t, c in zip(g.trajectories, g.correct)]
     right = [n for n, c in pairs if c]
     wrong = [n for n, c in pairs if not c]
     texts = [t.text for g in groups for t in g.trajectories]
-    return {
-        "response_length_correct": sum(right) / len(right) if right else float("nan"),
-        "response_length_wrong": sum(wrong) / len(wrong) if wrong else float("nan"),
-        "repeated_ngram_rate": sum(repeated_ngram_rate(x, 3) for x in texts) / max(1, len(texts)),
-    }
+    out = {"repeated_ngram_rate": sum(repeated_ngram_rate(x, 3) for x in texts) / max(1, len(texts))}
+    if right:
+        out["response_length_correct"] = sum(right) / len(right)
+    if wrong:
+        out["response_length_wrong"] = sum(wrong) / len(wrong)
+    return out
 
 
 def reward_term_means(groups) -> dict[str, float]:
