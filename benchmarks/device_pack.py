@@ -67,7 +67,7 @@ WHEELS = [
     "annotated-types==0.8.0",
     "typing-inspection==0.4.5",
     "typing_extensions==4.16.0",
-    # the config loader (conf/loader.py) and the verifier (evaluation/verifier.py)
+    # the config loader (conf/loader.py) and the verifier (rewards/verifier.py)
     "hydra-core==1.3.8",
     "omegaconf==2.3.0",
     "math-verify==0.9.0",

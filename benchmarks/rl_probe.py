@@ -15,7 +15,7 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 from conf.loader import load_config
 from training.rl.stage import rl
-from evaluation.verifier import Verifier
+from rewards.verifier import Verifier
 from evaluation.stages import evaluate_checkpoint
 from generation.setup import setup_torch
 from tasks.bodies import eval_templates as _eval_templates, template
@@ -47,7 +47,7 @@ def main():
             seed=cfg.seed,
             device="cpu",
             out_dir=out,
-            verifier=ver,
+            reward=ver,
             select=cfg.curation.select,
             history_path=sel / "history.parquet",
         )

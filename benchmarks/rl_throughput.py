@@ -173,7 +173,7 @@ def run_mode(spec: str, model_dir: Path, prompts, args, out: Path, tag: str = ""
     """One run of ``spec``: ``mode[@N][:RxC]`` (``rl.admit_lag=N``; R rollouts of capacity C)."""
     from conf.loader import load_config
     from evaluation.timeline import plot_timeline, summarize_timeline
-    from evaluation.verifier import Verifier
+    from rewards.verifier import Verifier
     from training.rl.drivers.ray import LaminarRuntime
     from training.rl.stage import objective_params
 

@@ -97,7 +97,7 @@ def run_laminar(args, reference: bool) -> dict:
 
     import training.rl.drivers.local as local
     from conf.loader import load_config
-    from evaluation.verifier import Verifier
+    from rewards.verifier import Verifier
     from training.rl import trainer as trainer_mod
     from training.rl.stage import objective_params
 
@@ -160,7 +160,7 @@ def run_trl(args) -> dict:
 
     from conf.loader import load_config
     from data_curation.synthetic import PROMPT_TEMPLATE
-    from evaluation.verifier import Verifier
+    from rewards.verifier import Verifier
 
     cfg = load_config([f"seed={args.seed}"])
     tok, prompts = load_prompts(args.model_dir, args.prompts)

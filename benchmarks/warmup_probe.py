@@ -24,7 +24,7 @@ from generation.model import build_char_tokenizer, build_tiny_model, encode_prob
 from training.sft import SFTExample, collate, lr_lambda
 from evaluation.benchmarks import items_from_records
 from evaluation.evaluate import evaluate_items, summarize_rows
-from evaluation.verifier import Verifier
+from rewards.verifier import Verifier
 
 
 def main():

@@ -27,6 +27,17 @@ def _explain_composition(err: Exception, overrides: Sequence[str]) -> str:
             f"config key '{key}': {why}; give {key} a value of the type its default has "
             "(`laminar config` shows it)"
         )
+    inner = re.search(r"Key '([^']+)' not in '(\w+)'", str(err.__cause__ or ""))
+    over = re.search(r"Could not override '([^']+)'", text)
+    listed = over and any(
+        o.split("=", 1)[0].lstrip("+~") == over.group(1) and o.split("=", 1)[-1].lstrip().startswith("[")
+        for o in overrides
+    )
+    if inner and listed:  # a key inside a list item (reward.components, data.sources)
+        return (
+            f"config key '{over.group(1)}': an item has the key {inner.group(1)!r}, which {inner.group(2)} "
+            "does not have; check the spelling (`laminar config` prints every key)"
+        )
     missing = re.search(r"override '([^']+)'", text) or re.search(r"Key '([^']+)' is not in struct", text)
     if missing:
         key = missing.group(1)

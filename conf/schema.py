@@ -79,6 +79,10 @@ Positive = Bound(lambda v: v > 0, "{key}={value} must be > 0; set {key} to a pos
 NonNegative = Bound(lambda v: v >= 0, "{key}={value} must be >= 0; set {key} to zero or a positive value")
 Fraction = Bound(lambda v: 0 <= v < 1, "{key}={value} must be in [0, 1)")
 Share = Bound(lambda v: 0 < v <= 1, "{key}={value} must be in (0, 1]")
+Finite = Bound(lambda v: True, "")
+NonPositive = Bound(
+    lambda v: v <= 0, "{key}={value} must be <= 0 (a penalty); set {key} to zero or a negative value"
+)
 
 
 @dataclass
@@ -525,6 +529,100 @@ class TrackingConfig:
     offline; online."""
 
 
+# ------------------------------------------------------------------------------- rewards
+@dataclass(frozen=True)
+class CosineLengthParams:
+    """Yeo et al. 2025's cosine length-scaling reward (docs/rewards.md); the paper's symbols and values."""
+
+    r0_correct: float = 2.0
+    """r_0^c: a correct answer of length 0."""
+    rl_correct: float = 1.0
+    """r_L^c: a correct answer of length L."""
+    r0_wrong: float = -10.0
+    """r_0^w: a wrong answer of length 0."""
+    rl_wrong: float = 0.0
+    """r_L^w: a wrong answer of length L."""
+    r_exceed: float = -10.0
+    """r_e: any answer of length >= L."""
+    max_len: int | None = None
+    """L, in response tokens; None: the generation limit (``rl.max_new_tokens`` / ``eval.max_new_tokens``)."""
+
+
+@dataclass(frozen=True)
+class RepetitionParams:
+    """N-gram repetition penalty (docs/rewards.md): ``max_penalty * (1 - unique / all)`` word n-grams."""
+
+    ngram: int = 3
+    """n of the n-grams, in whitespace-separated words."""
+    max_penalty: float = -1.0
+    """The penalty of a response made only of repeated n-grams (<= 0)."""
+
+
+@dataclass(frozen=True)
+class OverlongParams:
+    """DAPO's soft overlong punishment (docs/rewards.md)."""
+
+    cache_len: int = 16
+    """L_cache: the ramp's length in tokens before L_max (DAPO: 4,096 of 20,480; here 16 of 64)."""
+    max_len: int | None = None
+    """L_max, in response tokens; None: the generation limit."""
+
+
+@dataclass(frozen=True)
+class FormatParams:
+    """The format term has no parameters besides its weight."""
+
+
+REWARD_PARAMS: dict[str, type] = {
+    "math_verify": FormatParams,  # no parameters: the timeout is eval.verifier_timeout_s
+    "cosine_length": CosineLengthParams,
+    "repetition": RepetitionParams,
+    "overlong": OverlongParams,
+    "format": FormatParams,
+}
+"""Component name -> its parameters' schema (every field of it may appear in the component's spec)."""
+
+
+@dataclass
+class RewardComponentConfig:
+    """One item of ``reward.components``: a component's name, its weight in the total and its
+    parameters (the fields of its ``REWARD_PARAMS`` schema; a field left None keeps its default)."""
+
+    name: Annotated[str, RewardName] = "math_verify"
+    weight: Annotated[float, Finite] = 1.0
+    r0_correct: Annotated[float | None, Finite] = None
+    rl_correct: Annotated[float | None, Finite] = None
+    r0_wrong: Annotated[float | None, Finite] = None
+    rl_wrong: Annotated[float | None, Finite] = None
+    r_exceed: Annotated[float | None, Finite] = None
+    max_len: Annotated[int | None, Positive] = None
+    ngram: Annotated[int | None, Positive] = None
+    max_penalty: Annotated[float | None, NonPositive] = None
+    cache_len: Annotated[int | None, Positive] = None
+
+    def given(self) -> dict[str, Any]:
+        """The parameters this spec sets (its non-None fields besides name and weight)."""
+        return {
+            f.name: getattr(self, f.name)
+            for f in fields(self)
+            if f.name not in ("name", "weight") and getattr(self, f.name) is not None
+        }
+
+    def params(self) -> Any:
+        """The component's typed parameters: its schema's defaults updated with what the spec sets."""
+        return REWARD_PARAMS[self.name](**self.given())
+
+
+@dataclass
+class RewardConfig:
+    """The reward every stage scores with: ``components``, each ``{name, weight, ...parameters}``; the
+    total is their weighted sum. ``math_verify`` gives the correctness verdict (``correct``, the pass
+    rates of curation, avg@n) and must be listed (weight 0 keeps it out of the total). Options:
+    ``reward=verifier`` (the default: the verifier alone), ``reward=long_cot``."""
+
+    components: list[RewardComponentConfig] = field(default_factory=lambda: [RewardComponentConfig()])
+
+
 @dataclass
 class Config:
     seed: int = 0
@@ -544,6 +642,7 @@ class Config:
     trainer: TrainerConfig = field(default_factory=TrainerConfig)
     rollout: RolloutConfig = field(default_factory=RolloutConfig)
     tracking: TrackingConfig = field(default_factory=TrackingConfig)
+    reward: RewardConfig = field(default_factory=RewardConfig)
 
 
 VLLM_CPU_HEAD_SIZES = (32, 64, 80, 96, 112, 128, 160, 192, 224, 256, 512)
@@ -620,6 +719,7 @@ def validate(cfg: Config) -> Config:
     _validate_rl(cfg)
     _validate_curation(cfg)
     _validate_tracking(cfg)
+    _validate_reward(cfg)
     _validate_eval(cfg)
     return cfg
 
@@ -836,3 +936,37 @@ def _validate_tracking(cfg: Config) -> None:
                 f"tracking.backends: {name} is not installed; install it with `{install}` "
                 f"(or drop {name} from tracking.backends)"
             )
+
+
+def _validate_reward(cfg: Config) -> None:
+    """Each component named once, ``math_verify`` among them, and only its own parameters set."""
+    specs = cfg.reward.components
+    names = [s.name for s in specs]
+    if "math_verify" not in names:
+        raise ConfigError(
+            f"reward.components={names} lacks math_verify: it gives the correctness verdict; add "
+            "{name: math_verify, weight: 0} to keep it out of the total"
+        )
+    if len(set(names)) != len(names):
+        raise ConfigError(f"reward.components={names} names a component twice; list each once")
+    for i, spec in enumerate(specs):
+        allowed = [f.name for f in fields(REWARD_PARAMS[spec.name])]
+        for key in spec.given():
+            if key not in allowed:
+                raise ConfigError(
+                    f"reward.components[{i}].{key} is not a parameter of {spec.name}; its parameters: "
+                    f"{', '.join(allowed) or 'none besides weight'}"
+                )
+        if spec.name == "overlong":
+            p = spec.params()
+            limit = p.max_len if p.max_len is not None else cfg.rl.max_new_tokens
+            if p.cache_len >= limit:
+                raise ConfigError(
+                    f"reward.components[{i}].cache_len={p.cache_len} must be below the length limit "
+                    f"{limit} (max_len, else rl.max_new_tokens)"
+                )
+    if cfg.rl.overlong_shaping is not None and "overlong" in names:
+        raise ConfigError(
+            "rl.overlong_shaping and an overlong item in reward.components both set DAPO's soft overlong "
+            "punishment: drop rl.overlong_shaping and set cache_len on reward.components' overlong item"
+        )

@@ -137,6 +137,18 @@ CREATE TABLE IF NOT EXISTS metrics (
     cache_key VARCHAR, stage VARCHAR, step BIGINT, name VARCHAR, value DOUBLE,
     PRIMARY KEY (cache_key, stage, step, name)
 );
+-- the reward an RL checkpoint trained under: one row per component (docs/rewards.md)
+CREATE TABLE IF NOT EXISTS reward_components (
+    checkpoint_sha VARCHAR, position INTEGER, component VARCHAR, weight DOUBLE, correctness BOOLEAN,
+    params_json VARCHAR,
+    PRIMARY KEY (checkpoint_sha, component)
+);
+-- every rolled-out response's score per reward component (unweighted; component 'total' is the sum)
+CREATE TABLE IF NOT EXISTS reward_terms (
+    checkpoint_sha VARCHAR, idx BIGINT, step BIGINT, prompt_id VARCHAR, sample_idx BIGINT,
+    component VARCHAR, value DOUBLE,
+    PRIMARY KEY (checkpoint_sha, idx)
+);
 """
 
 

@@ -10,7 +10,7 @@ from core.errors import StageError
 from data_curation.ingest import SourceSpec, _lookup, read_source
 from data_curation.sources import resolve_source_path, source_hashes
 from evaluation.benchmarks import DEFAULT_TEMPLATE, BenchmarkItem, FileBenchmark
-from evaluation.verifier import normalize_answer
+from rewards.verifier import normalize_answer
 
 __all__ = ["BenchmarkFileError", "load_file_benchmark", "load_file_benchmarks"]
 

@@ -56,7 +56,7 @@ from data_curation.dedup import NearDupParams, exact_duplicates, near_duplicates
 from data_curation.templates import MIN_SHARE as TEMPLATE_SHARE
 from data_curation.templates import Template, detect_template, strip_template
 from data_curation.verifiability import UNVERIFIABLE, UNVERIFIABLE_KINDS, grade_answer
-from evaluation.verifier import normalize_answer
+from rewards.verifier import normalize_answer
 
 __all__ = [
     "DUPLICATES_SCHEMA",

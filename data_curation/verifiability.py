@@ -11,7 +11,7 @@ from __future__ import annotations
 import re
 from dataclasses import dataclass
 
-from evaluation.verifier import extract_answer, normalize_answer
+from rewards.verifier import extract_answer, normalize_answer
 
 __all__ = [
     "MAX_ANSWER_CHARS",

@@ -15,7 +15,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from evaluation.verifier import extract_answer, normalize_answer
+from rewards.verifier import extract_answer, normalize_answer
 
 __all__ = [
     "BENCHMARKS",

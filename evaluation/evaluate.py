@@ -12,8 +12,8 @@ from collections.abc import Sequence
 import torch
 
 from evaluation.benchmarks import BenchmarkItem, build_prompt
-from evaluation.metrics import summarize
-from evaluation.verifier import Verifier
+from evaluation.metrics import shaping_metrics, summarize
+from rewards.verifier import Verifier
 from generation.model import encode_prompt
 from generation.engine import Engine
 from generation.records import GenRequest, PromptItem
@@ -118,6 +118,7 @@ def summarize_rows(
         out[bench] = summarize(subset, n_samples)
         out[bench]["verifier_errors"] = sum(1 for r in subset if r["error"])
         out[bench]["accuracy"] = out[bench][f"avg@{n_samples}"]
+        out[bench].update(shaping_metrics(subset))
         out[bench]["too_long"] = count_too_long(subset, context)
         out[bench]["context"] = context
         if totals and totals.get(bench, 0) > out[bench]["n_problems"]:

@@ -10,7 +10,8 @@ from collections import Counter, defaultdict
 from collections.abc import Iterable, Mapping, Sequence
 from typing import Any
 
-from evaluation.verifier import normalize_answer
+from rewards.components import repeated_ngram_rate
+from rewards.verifier import normalize_answer
 
 __all__ = ["avg_at_n", "maj_at_k", "pass_at_k", "summarize"]
 
@@ -130,3 +131,21 @@ def summarize(rows: Sequence[Any], n_samples: int, ks: Sequence[int] | None = No
                 g: {f"avg@{n}": _mean(v), "count": len(v)} for g, v in sorted(groups.items())
             }
     return summary
+
+
+REPEAT_NGRAM = 3
+"""The n of ``repeated_ngram_rate`` in evaluation reports (the ``repetition`` component's default)."""
+
+
+def shaping_metrics(rows: Sequence[dict]) -> dict[str, float | None]:
+    """What the shaping terms act on, beside avg@n: the mean length (tokens) of correct and of wrong
+    responses (None when there are none) and the mean repeated word-3-gram rate
+    (``rewards.components.repeated_ngram_rate``)."""
+    right = [r["length"] for r in rows if r["correct"]]
+    wrong = [r["length"] for r in rows if not r["correct"]]
+    rates = [repeated_ngram_rate(r.get("response") or "", REPEAT_NGRAM) for r in rows]
+    return {
+        "mean_length_correct": sum(right) / len(right) if right else None,
+        "mean_length_wrong": sum(wrong) / len(wrong) if wrong else None,
+        "repeated_ngram_rate": sum(rates) / len(rates) if rates else 0.0,
+    }

@@ -11,7 +11,7 @@ from pathlib import Path
 from typing import Any
 from collections.abc import Mapping, Sequence
 
-from evaluation.metrics import summarize
+from evaluation.metrics import shaping_metrics, summarize
 
 __all__ = [
     "EvalGroup",
@@ -104,6 +104,7 @@ def summarize_eval_rows(rows: Sequence[Mapping[str, Any]]) -> dict:
     out = summarize(rows, n)
     out["accuracy"] = out[f"avg@{n}"]
     out["verifier_errors"] = sum(1 for r in rows if r.get("error"))
+    out.update(shaping_metrics(rows))
     return out
 
 
@@ -152,6 +153,12 @@ def coverage_note(s: Mapping[str, Any], short: bool = False) -> str:
     return f" ({', '.join(parts)})" if parts else ""
 
 
+def _length(s: Mapping[str, Any], key: str) -> str:
+    """A mean length column: ``-`` where there are no such responses (or an older summary)."""
+    value = s.get(key)
+    return "-" if value is None else f"{value:.1f}"
+
+
 def format_eval_table(summaries: Mapping[str, Mapping[str, Any]]) -> str:
     """The per-benchmark text table ``laminar eval`` prints, with the level/subject breakdowns. ``problems``
     reads ``100/1319`` for a seeded subset; ``too long`` counts problems whose prompt exceeds the
@@ -162,14 +169,17 @@ def format_eval_table(summaries: Mapping[str, Mapping[str, Any]]) -> str:
         head = (
             f"{'benchmark':<14} {'problems':>9} "
             + " ".join(f"{c:>8}" for c in cols)
-            + f" {'mean len':>9} {'trunc':>6} {'verif err':>9} {'too long':>10}"
+            + f" {'mean len':>9} {'len right':>9} {'len wrong':>9} {'rep-3':>6} {'trunc':>6}"
+            + f" {'verif err':>9} {'too long':>10}"
         )
         if not lines or lines[0] != head:
             lines += [head, "-" * len(head)] if not lines else ["", head, "-" * len(head)]
         lines.append(
             f"{bench:<14} {problems_label(s):>9} "
             + " ".join(f"{s[c]:>8.3f}" for c in cols)
-            + f" {s['mean_length']:>9.1f} {s['truncation_rate']:>6.3f} {s.get('verifier_errors', 0):>9}"
+            + f" {s['mean_length']:>9.1f} {_length(s, 'mean_length_correct'):>9}"
+            + f" {_length(s, 'mean_length_wrong'):>9} {s.get('repeated_ngram_rate', 0.0):>6.3f}"
+            + f" {s['truncation_rate']:>6.3f} {s.get('verifier_errors', 0):>9}"
             f" {too_long_label(s):>10}"
         )
     notes = [

@@ -12,7 +12,7 @@ from collections.abc import Mapping
 from conf.schema import EvalConfig
 from evaluation.benchmarks import BENCHMARKS, FileBenchmark, items_from_records, load_benchmark
 from evaluation.evaluate import EvalRow, evaluate_items, model_context, summarize_rows
-from evaluation.verifier import Verifier
+from rewards.verifier import Verifier
 
 HELDOUT = "arith_heldout"
 """The synthetic task's held-out set, read from the data artifact rather than the registry."""

@@ -6,7 +6,7 @@ tensors tied to a device or a DictConfig.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Literal
 
 import numpy as np
@@ -73,13 +73,18 @@ class Trajectory:
 
 @dataclass(frozen=True)
 class ScoredGroup:
-    """All responses to one prompt with their rewards. Invariant: ``len(rewards) == len(trajectories)``."""
+    """All responses to one prompt with their rewards. Invariant: ``len(rewards) == len(trajectories)``,
+    and so has each ``terms`` entry (reward component name -> its unweighted score per response;
+    ``rewards`` is their weighted total, ``correct`` the correctness verdict)."""
 
     kind: Literal["scored_group"]
     prompt_id: str
     trajectories: tuple[Trajectory, ...]
     rewards: tuple[float, ...]
     correct: tuple[bool, ...]
+    terms: dict[str, tuple[float, ...]] = field(default_factory=dict)
+    errors: dict[str, int] = field(default_factory=dict)
+    """Reward component name -> responses that got its fallback score."""
 
 
 @dataclass(frozen=True)

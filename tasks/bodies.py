@@ -205,7 +205,7 @@ def difficulty_rft_body(ctx: StageContext) -> StageResult:
 
 def _difficulty(ctx: StageContext, max_prompts: int) -> StageResult:
     from data_curation.sampling import estimate_difficulty
-    from evaluation.verifier import Verifier
+    from rewards.verifier import Verifier
     from generation.setup import setup_torch
 
     setup_torch(ctx.cfg.threads, ctx.cfg.seed)
@@ -234,7 +234,7 @@ def _difficulty(ctx: StageContext, max_prompts: int) -> StageResult:
 def dart_body(ctx: StageContext) -> StageResult:
     from data_curation.dart import DartParams
     from data_curation.sampling import dart_sample
-    from evaluation.verifier import Verifier
+    from rewards.verifier import Verifier
     from generation.setup import setup_torch
 
     setup_torch(ctx.cfg.threads, ctx.cfg.seed)
@@ -385,7 +385,8 @@ def top_up(decisions, prompts, minimum: int):
 
 def rl_body(ctx: StageContext) -> StageResult:
     from evaluation.stages import in_run_evaluator
-    from evaluation.verifier import Verifier
+    from rewards.compose import Reward
+    from rewards.verifier import Verifier
     from generation.model import load_tokenizer
     from training.rl.stage import TIMING_KEYS, rl
     from generation.setup import setup_torch
@@ -419,7 +420,7 @@ def rl_body(ctx: StageContext) -> StageResult:
                 seed=ctx.cfg.seed,
                 device=ctx.device,
                 out_dir=out,
-                verifier=verifier,
+                reward=Reward.of(verifier, ctx.cfg.reward),
                 select=ctx.cfg.curation.select,
                 history_path=sel.file("history.parquet"),
                 evaluate=evaluate,
@@ -446,10 +447,23 @@ def rl_body(ctx: StageContext) -> StageResult:
             "reward_first5": window[0] if window else None,
             "reward_peak5": max(window) if window else None,
             "reward_first": rewards[0] if rewards else None,
+            **_term_summary(rows),
         }
 
     ref, metrics = _produce(ctx, MODEL, run, meta)
     return StageResult({MODEL: ref}, metrics)
+
+
+def _term_summary(rows: list[dict]) -> dict[str, float]:
+    """Each reward component's mean (``reward/<name>``) at the first step and over the last 5 steps,
+    and its fallback count over the run (``reward_errors/<name>``)."""
+    out: dict[str, float] = {}
+    for key in sorted({k for m in rows for k in m if k.startswith("reward/")}):
+        values = [m[key] for m in rows if key in m]
+        out[f"{key}_first"], out[f"{key}_last5"] = values[0], sum(values[-5:]) / len(values[-5:])
+    for key in sorted({k for m in rows for k in m if k.startswith("reward_errors/")}):
+        out[key] = sum(m.get(key, 0.0) for m in rows)
+    return out
 
 
 def eval_certificates(

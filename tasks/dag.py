@@ -149,7 +149,19 @@ def rl_key(c: Config) -> dict:
         **({"trainer": asdict(c.trainer)} if not c.trainer.is_default() else {}),
         "rollout": asdict(c.rollout),  # both drivers sample with the rollout engine
         **({"eval": asdict(c.eval)} if c.rl.eval_every else {}),
+        "reward": reward_key(c),
     }
+
+
+def reward_key(c: Config) -> list[dict]:
+    """The reward RL trains on (``rewards.compose.Reward.spec``: each component's name, weight,
+    whether it is the correctness verdict and its resolved parameters), with the overlong component
+    the objective's preset adds (``rl.algorithm=dapo``): what ``laminar lineage`` prints."""
+    from rewards.compose import Reward
+    from training.rl.loop import rl_reward
+    from training.rl.stage import objective_params
+
+    return rl_reward(Reward.of(None, c.reward), objective_params(c.rl)).spec()
 
 
 # ---- inputs from outside the store (``Stage.external``) ---------------------------------------------
@@ -304,7 +316,7 @@ _EVAL_MODULES = ("evaluation.stages", "data_curation.synthetic", "generation.set
 _SAMPLING_MODULES = (
     "data_curation.sampling",
     "generation.setup",
-    "evaluation.verifier",
+    "rewards.verifier",
     "data_curation.synthetic",
     "evaluation.benchmarks",
 )
@@ -446,7 +458,9 @@ STAGES: tuple[Stage, ...] = (
             "training.rl.trainer",
             "generation.setup",
             "data_curation.hive",
-            "evaluation.verifier",
+            "rewards.verifier",
+            "rewards.components",
+            "rewards.compose",
             "evaluation.stages",
             "training.lora",
             "generation.adapter",

@@ -416,6 +416,18 @@ def _short(obj: Any, width: int = 100) -> str:
     return text if len(text) <= width else text[: width - 3] + "..."
 
 
+def reward_line(spec: list[dict]) -> str:
+    """The reward components a stage scored with (``rewards.compose.Reward.spec``), on one line:
+    ``math_verify x1 + cosine_length x0.5 {"max_len": null, ...}``."""
+    parts = []
+    for c in spec:
+        params = {k: v for k, v in (c.get("params") or {}).items() if v is not None}
+        parts.append(
+            f"{c['name']} x{c['weight']:g}" + (f" {json.dumps(params, sort_keys=True)}" if params else "")
+        )
+    return " + ".join(parts)
+
+
 def format_lineage(lin: dict) -> str:
     a = lin["artifact"]
     lines = [f"lineage of {a['kind']} {a['sha256']}  (made by {a['stage']})", f"  path {a['path']}"]
@@ -445,6 +457,9 @@ def format_lineage(lin: dict) -> str:
         )
         lines.append(f"    cache key {n['cache_key']}")
         lines.append(f"    config {_short(n.get('config'))}")
+        reward = (n.get("config") or {}).get("reward")
+        if isinstance(reward, list):
+            lines.append(f"    reward {reward_line(reward)}")
         src = n.get("source_files") or {}
         lines.append(
             f"    source fingerprint {n.get('source_hash') or '?'} ({len(src)} files"

@@ -344,6 +344,29 @@ def record_rl(con: Connection, ctx: StageContext, res: StageResult, key: str) ->
         [(ref.sha256, pid, n) for pid, n in consumed.items()],
     )
     _record_history(con, ref, "rewards.parquet")
+    record_reward(con, ref)
+
+
+def record_reward(con: Connection, ref: ArtifactRef) -> None:
+    """``reward_components`` (the reward the checkpoint trained under) and ``reward_terms`` (every
+    response's score per component): the RL artifact's ``reward.json`` and ``reward_terms.parquet``."""
+    with open(ref.file("reward.json")) as f:
+        spec = json.load(f)
+    rows = [
+        (ref.sha256, i, c["name"], c["weight"], c["correctness"], dumps(c["params"]))
+        for i, c in enumerate(spec)
+    ]
+    insert_many(
+        con,
+        "reward_components",
+        ("checkpoint_sha", "position", "component", "weight", "correctness", "params_json"),
+        rows,
+    )
+    con.execute(
+        "INSERT INTO reward_terms SELECT ?, idx, step, prompt_id, sample_idx, component, value "
+        "FROM read_parquet(?) ON CONFLICT DO NOTHING",
+        [ref.sha256, str(ref.file("reward_terms.parquet"))],
+    )
 
 
 def record_eval(con: Connection, ctx: StageContext, res: StageResult, key: str) -> None:

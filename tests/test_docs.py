@@ -52,6 +52,7 @@ TOP_LEVEL = (
     "core",
     "conf",
     "generation",
+    "rewards",
     "evaluation",
     "data_curation",
     "training",
@@ -66,7 +67,7 @@ REPO_PATH = re.compile(
 )
 CONFIG_REF = re.compile(r"^([a-z_][a-z0-9_]*(?:\.[a-z_][a-z0-9_]*)+)(?:=.*)?$")
 FILE_SUFFIXES = {"py", "md", "yaml", "json", "jsonl", "png", "parquet", "duckdb", "txt", "log"}
-GROUP_OPTION = re.compile(r"^(model|data|sft|rl|eval)=([\w-]+)$")
+GROUP_OPTION = re.compile(r"^(model|data|sft|rl|eval|reward)=([\w-]+)$")
 
 
 # ------------------------------------------------------------------------------------------ reading docs

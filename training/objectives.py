@@ -182,16 +182,6 @@ def aggregate(loss: Tensor, mask: Tensor, mode: LossAgg, max_len: int | None = N
 # --------------------------------------------------------------------------- DAPO reward shaping
 
 
-def overlong_penalty(lengths: Tensor, max_len: int, cache_len: int) -> Tensor:
-    """DAPO soft overlong punishment, ``(B,) -> (B,)``, added to the correctness reward: 0 up to
-    ``max_len - cache_len``, then linear down to -1 at ``max_len``, and -1 beyond."""
-    if not 0 < cache_len <= max_len:
-        raise ValueError(f"overlong cache_len={cache_len} must be in (0, max_len={max_len}]")
-    lengths = _as_float(lengths)
-    ramp = ((max_len - cache_len) - lengths) / cache_len
-    return torch.where(lengths > max_len, -1.0, ramp.clamp(max=0.0))
-
-
 def overlong_filter_mask(truncated: Tensor) -> Tensor:
     """DAPO overlong filtering: ``(B,)`` float mask, 0 for truncated sequences, 1 otherwise."""
     return (~truncated.bool()).to(torch.get_default_dtype())
@@ -329,7 +319,8 @@ class ObjectiveParams:
     dual_clip: float | None = None
     """Dual-clip bound ``c > 1`` on negative-advantage losses; off in the papers (verl offers 3.0)."""
     overlong_shaping: bool = False
-    """DAPO soft overlong punishment added to the reward (``overlong_penalty``); DAPO: on."""
+    """DAPO soft overlong punishment added to the reward (the reward layer's ``overlong`` component,
+    ``rewards.components.overlong_penalty``); DAPO: on."""
     overlong_cache_len: int = 4096
     """DAPO ``L_cache`` for the soft punishment; DAPO paper: 4096 (with an expected max of 16384)."""
     overlong_filter: bool = False

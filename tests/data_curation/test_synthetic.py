@@ -2,7 +2,7 @@ import re
 from collections import Counter
 
 from data_curation.synthetic import LEVELS, MAX_TOTAL, generate, write_dataset
-from evaluation.verifier import Verifier
+from rewards.verifier import Verifier
 
 
 def test_deterministic_and_seed_dependent():

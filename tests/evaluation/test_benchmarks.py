@@ -20,7 +20,7 @@ from evaluation.benchmarks import (
     load_benchmark,
     load_with_datasets,
 )
-from evaluation.verifier import normalize_answer
+from rewards.verifier import normalize_answer
 
 EXPECTED_COUNTS = {"gsm8k": 1319, "math500": 500, "aime24": 30, "aime25": 30, "amc23": 40}
 REPO_ROOT = Path(__file__).resolve().parents[2]
@@ -128,7 +128,7 @@ def test_items_from_records_accepts_objects_and_another_id_key():
 
 def test_evaluation_never_imports_prefect():
     code = (
-        "import sys, evaluation.verifier, evaluation.metrics, evaluation.benchmarks\n"
+        "import sys, rewards.verifier, evaluation.metrics, evaluation.benchmarks\n"
         "bad = sorted(m for m in sys.modules if m.split('.')[0] in ('prefect', 'torch'))\n"
         "assert not bad, bad\n"
     )

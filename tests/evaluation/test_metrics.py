@@ -160,3 +160,17 @@ def test_summarize_rejects_a_ragged_run():
         summarize(rows, n_samples=4)
     with pytest.raises(ValueError):
         summarize([], n_samples=4)
+
+
+def test_shaping_metrics_report_lengths_of_correct_and_wrong_and_the_repeated_ngram_rate():
+    from evaluation.metrics import shaping_metrics
+
+    rows = [
+        {"correct": True, "length": 10, "response": "a b c a b c"},  # 4 trigrams, 3 distinct
+        {"correct": True, "length": 20, "response": "x y z"},
+        {"correct": False, "length": 64, "response": "no"},
+    ]
+    m = shaping_metrics(rows)
+    assert m["mean_length_correct"] == 15 and m["mean_length_wrong"] == 64
+    assert abs(m["repeated_ngram_rate"] - (0.25 + 0 + 0) / 3) < 1e-12
+    assert shaping_metrics([rows[2]])["mean_length_correct"] is None

@@ -18,7 +18,7 @@ import pytest
 from conf.schema import DataConfig
 from core.errors import StageError
 from data_curation.ingest import SourceError, SourceSpec, ingest, normalize_text
-from evaluation.verifier import Verifier
+from rewards.verifier import Verifier
 
 ROOT = Path(__file__).resolve().parents[2]
 LIMIT = DataConfig.max_prompt_chars

@@ -21,7 +21,7 @@ ROOT = Path(__file__).resolve().parents[2]
 PARENT = r"""
 import json, os, sys, threading, time
 sys.path.insert(0, ROOT)
-from evaluation.verifier import Verifier
+from rewards.verifier import Verifier
 
 if __name__ == "__main__":
     v = Verifier(timeout_s=30, workers=2)

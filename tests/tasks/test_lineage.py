@@ -267,3 +267,29 @@ def test_a_fully_cached_rerun_is_recorded_without_starting_prefect(run, tmp_path
     assert forced.returncode == 0, forced.stderr[-3000:]
     (flow_run,) = _catalog(cws, "SELECT prefect_flow_run_id FROM runs ORDER BY started_at DESC LIMIT 1")[0]
     uuid.UUID(str(flow_run))
+
+
+def test_the_rl_checkpoint_names_its_reward_and_each_terms_history(run):
+    ws, summary = run
+    sha = summary["stages"]["rl"]["artifacts"]["model"]
+    text = format_lineage(lineage(ws, sha[:12]))
+    assert "    reward math_verify x1" in text
+    assert _catalog(
+        ws, "SELECT component, weight, correctness FROM reward_components WHERE checkpoint_sha = ?", [sha]
+    ) == [("math_verify", 1.0, True)]
+    per_step = dict(
+        _catalog(
+            ws,
+            "SELECT step, avg(value) FROM reward_terms WHERE checkpoint_sha = ? "
+            "AND component = 'math_verify' GROUP BY step",
+            [sha],
+        )
+    )
+    logged = dict(
+        _catalog(ws, "SELECT step, value FROM metrics WHERE stage = 'rl' AND name = 'reward/math_verify'")
+    )
+    assert per_step and set(logged) <= set(per_step)
+    for step, value in logged.items():
+        assert per_step[step] == pytest.approx(value)
+    metrics = summary["stages"]["rl"]["metrics"]
+    assert metrics["reward/math_verify_last5"] == pytest.approx(metrics["reward_last5"])

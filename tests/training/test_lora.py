@@ -212,7 +212,7 @@ def test_rl_stage_writes_an_adapter_with_the_base_from_the_lineage(dirs, tmp_pat
         seed=0,
         device="cpu",
         out_dir=out,
-        verifier=EvenLengthVerifier(),
+        reward=EvenLengthVerifier(),
         lora=LoraConfig(enabled=True, rank=4, stages=["rl"]),
     )
     assert is_adapter_dir(out) and base_dir(out) == base.resolve()

@@ -168,7 +168,8 @@ def test_the_step_metrics_round_trip_and_keep_the_history_keys():
     )
     got = m.updated(1, stats, wall=2.0, train_s=0.5)
     assert (got.step, got.trained_trajectories, got.trained_tokens, got.sampling_rounds) == (1, 8, 8, 1)
-    assert got.clipfrac == 0.25 and got.extra == {"kl": 0.1} and got.staleness_max == 0.0  # the manager's
+    lengths = {"response_length_wrong": 1.0, "repeated_ngram_rate": 0.0}  # no response is correct
+    assert got.clipfrac == 0.25 and got.extra == {"kl": 0.1, **lengths} and got.staleness_max == 0.0
     assert got.gen_seconds == 1.5 and got.tokens_per_s == 4.0
     d = got.as_dict()
     assert all(isinstance(v, float) for v in d.values()) and {"step", "reward", "loss", "kl"} <= set(d)

@@ -27,7 +27,6 @@ from training.objectives import (
     masked_is_weights,
     nonconstant_groups,
     overlong_filter_mask,
-    overlong_penalty,
     policy_loss,
     staleness,
     truncated_is_weights,
@@ -230,22 +229,6 @@ def test_unknown_aggregation_names_choices():
 
 
 # --------------------------------------------------------------------------- DAPO shaping and sampling
-
-
-def test_overlong_penalty_regions_and_boundaries():
-    # max_len 20, cache 4: free up to 16, ramp to -1 at 20, -1 beyond
-    lengths = torch.tensor([0, 10, 16, 17, 18, 19, 20, 21, 30])
-    close(overlong_penalty(lengths, 20, 4).double(), [0.0, 0.0, 0.0, -0.25, -0.5, -0.75, -1.0, -1.0, -1.0])
-
-
-def test_overlong_penalty_paper_values():
-    pen = overlong_penalty(torch.tensor([12288, 14336, 16384, 16385]), 16384, 4096)
-    close(pen.double(), [0.0, -0.5, -1.0, -1.0])
-
-
-def test_overlong_penalty_rejects_bad_cache():
-    with pytest.raises(ValueError, match="cache_len"):
-        overlong_penalty(torch.tensor([1]), 10, 0)
 
 
 def test_overlong_filter_mask():

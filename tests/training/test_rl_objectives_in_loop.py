@@ -103,13 +103,14 @@ def test_overlong_shaping_changes_reward_not_correctness():
     tok, _, (p,) = _setup(["easy"])
     mk = lambda n: Trajectory("trajectory", p, 0, tuple([5] * n), tuple([0.0] * n), 0, n < 64, "7")  # noqa: E731
     params = PRESETS["dapo"]  # max 64, cache 16 below: 0 up to 48, linear to -1 at 64, -1 beyond
-    from training.rl.loop import overlong_shaping
+    from training.rl.loop import rl_reward
 
-    shape = overlong_shaping(replace(params, overlong_cache_len=16), 64)
-    (g,) = score_phase([mk(40), mk(56), mk(64), mk(70)], ByPrompt(), shape)
+    reward = rl_reward(ByPrompt(), replace(params, overlong_cache_len=16))
+    (g,) = score_phase([mk(40), mk(56), mk(64), mk(70)], reward, 64)
     assert g.correct == (True, True, True, True)
     assert g.rewards == (1.0, 0.5, 0.0, 0.0)
-    assert overlong_shaping(PRESETS["grpo"], 64) is None
+    assert g.terms["overlong"] == (0.0, -0.5, -1.0, -1.0)
+    assert rl_reward(ByPrompt(), PRESETS["grpo"]).names == ("math_verify",)
 
 
 def test_overlong_filter_and_kl_in_the_trainer():

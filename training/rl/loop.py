@@ -1,7 +1,8 @@
 """What every RL driver shares (the local, the Ray and the simulated one): the prompt sources
-(``PromptCursor``, HIVE's ``HiveSource``), the scoring of finished groups with the shared verifier
-and DAPO's overlong shaping, and the run's result (``RLResult``). The drivers themselves are in
-``training.rl.drivers``; the scheduling they share is ``training.rl.manager``.
+(``PromptCursor``, HIVE's ``HiveSource``), the scoring of finished groups through the reward layer
+(``rewards``; DAPO's overlong shaping is one of its components), and the run's result
+(``RLResult``). The drivers themselves are in ``training.rl.drivers``; the scheduling they share
+is ``training.rl.manager``.
 """
 
 from __future__ import annotations
@@ -14,10 +15,11 @@ from pathlib import Path
 from collections.abc import Callable, Sequence
 from typing import TYPE_CHECKING
 
-import torch
-
-from training.objectives import ObjectiveParams, overlong_penalty
+from training.objectives import ObjectiveParams
+from conf.schema import OverlongParams
 from generation.records import PromptItem, ScoredGroup, Trajectory
+from rewards.components import Overlong, Sample
+from rewards.compose import Reward, as_reward
 from training.rl.records import StepMetrics
 
 if TYPE_CHECKING:
@@ -32,6 +34,9 @@ class RLResult:
     consumed: Counter = field(default_factory=Counter)
     rewards: list[tuple[int, str, float, int]] = field(default_factory=list)
     """(step, prompt_id, mean correctness, responses) of every rolled-out group: the reward history."""
+    terms: list[tuple[int, str, int, str, float]] = field(default_factory=list)
+    """(step, prompt_id, sample_idx, component, score) of every rolled-out response (``total``: the
+    weighted sum): ``reward_terms.parquet``."""
 
 
 class PromptCursor:
@@ -189,47 +194,45 @@ class HiveSource:
         return out
 
 
-def score_phase(
-    trajectories: Sequence[Trajectory], verifier, shaping: Callable[[Trajectory], float] | None = None
-) -> list[ScoredGroup]:
-    """Group trajectories by prompt (in first-seen order) and score each with the shared verifier;
-    ``shaping`` adds a term to the reward (DAPO's overlong punishment), never to ``correct``."""
-    verdicts = verifier.verify_batch([t.text for t in trajectories], [t.prompt.answer for t in trajectories])
-    by_prompt: dict[str, list[tuple[Trajectory, object]]] = {}
-    for t, v in zip(trajectories, verdicts):
-        by_prompt.setdefault(t.prompt.prompt_id, []).append((t, v))
-    extra = shaping or (lambda _t: 0.0)
+def score_phase(trajectories: Sequence[Trajectory], reward, max_new_tokens: int = 0) -> list[ScoredGroup]:
+    """Group trajectories by prompt (in first-seen order) and score the batch through the reward layer
+    (``reward``: a ``rewards.Reward``, or a bare verifier: the math verifier alone): ``correct`` is
+    the correctness verdict, ``rewards`` the weighted total, ``terms`` each component's score."""
+    samples = [Sample(t.text, t.prompt.answer, len(t.response_tokens), max_new_tokens) for t in trajectories]
+    scores = as_reward(reward).score(samples)
+    by_prompt: dict[str, list[int]] = {}
+    for i, t in enumerate(trajectories):
+        by_prompt.setdefault(t.prompt.prompt_id, []).append(i)
     return [
         ScoredGroup(
             kind="scored_group",
             prompt_id=pid,
-            trajectories=tuple(t for t, _ in items),
-            rewards=tuple(v.reward + extra(t) for t, v in items),
-            correct=tuple(v.correct for _, v in items),
+            trajectories=tuple(trajectories[i] for i in idx),
+            rewards=tuple(scores.total[i] for i in idx),
+            correct=tuple(scores.verdicts[i].correct for i in idx),
+            terms={name: tuple(v[i] for i in idx) for name, v in scores.terms.items()},
+            errors={name: sum(f[i] for i in idx) for name, f in scores.failed.items()},
         )
-        for pid, items in by_prompt.items()
+        for pid, idx in by_prompt.items()
     ]
 
 
-def overlong_shaping(params: ObjectiveParams, max_new_tokens: int) -> Callable[[Trajectory], float] | None:
-    """DAPO's soft overlong punishment as a reward term, or None when the objective does not use it."""
-    if not params.overlong_shaping:
-        return None
-
-    def shape(t: Trajectory) -> float:
-        length = torch.tensor([len(t.response_tokens)])
-        return float(overlong_penalty(length, max_new_tokens, params.overlong_cache_len)[0])
-
-    return shape
+def rl_reward(reward, params: ObjectiveParams) -> Reward:
+    """The reward RL trains on: ``reward`` plus DAPO's overlong component when the objective's preset
+    (or ``rl.overlong_shaping``) turns it on and ``reward.components`` has none."""
+    out = as_reward(reward)
+    if params.overlong_shaping:
+        out = out.with_component(Overlong(OverlongParams(cache_len=params.overlong_cache_len)))
+    return out
 
 
 def group_scorer(
-    verifier, params: ObjectiveParams, max_new_tokens: int
+    reward, params: ObjectiveParams, max_new_tokens: int
 ) -> Callable[[list[Trajectory]], ScoredGroup]:
-    """The manager's ``score``: one finished group (its trajectories) scored with the shared verifier
-    and the objective's shaping."""
-    shaping = overlong_shaping(params, max_new_tokens)
-    return lambda trajs: score_phase(trajs, verifier, shaping)[0]
+    """The manager's ``score``: one finished group (its trajectories) scored through the reward layer
+    (``rl_reward``)."""
+    composed = rl_reward(reward, params)
+    return lambda trajs: score_phase(trajs, composed, max_new_tokens)[0]
 
 
 def keep_filter(params: ObjectiveParams) -> Callable[[ScoredGroup], bool] | None:

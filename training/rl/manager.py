@@ -183,6 +183,9 @@ class RolloutManager:
         self.response_lengths: list[int] = []
         self.consumed: Counter = Counter()
         self.rewards: list[tuple[int, str, float, int]] = []
+        self.terms: list[tuple[int, str, int, str, float]] = []
+        """(step, prompt_id, sample_idx, component, score) of every rolled-out response; component
+        ``total`` is the weighted sum the advantages used."""
         """(step, prompt_id, mean correctness, responses) of every completed group: the reward history."""
 
     def start_at(self, version: int) -> None:
@@ -495,6 +498,10 @@ class RolloutManager:
         self.rewards.extend(
             (step, g.prompt_id, sum(g.correct) / len(g.correct), len(g.correct)) for _, g in completed
         )
+        for _, g in completed:
+            for j, t in enumerate(g.trajectories):
+                self.terms.extend((step, g.prompt_id, t.sample_idx, k, v[j]) for k, v in g.terms.items())
+                self.terms.append((step, g.prompt_id, t.sample_idx, "total", g.rewards[j]))
 
     def requeue(self, requests: Iterable[GenRequest]) -> None:
         """Lost or returned requests go back first in line. Batched modes hand them straight to a live
@@ -604,6 +611,7 @@ class RolloutManager:
             "buffer": self.buffer.state(),
             "consumed": dict(self.consumed),
             "rewards": [list(x) for x in self.rewards],
+            "terms": [list(x) for x in self.terms],
             "trained_uids": list(self.trained_uids),
             "batch_idx": self.batch_idx,
         }
@@ -614,4 +622,5 @@ class RolloutManager:
         self.buffer.load_state(state["buffer"])
         self.consumed = Counter(state["consumed"])
         self.rewards = [tuple(x) for x in state["rewards"]]
+        self.terms = [tuple(x) for x in state.get("terms", [])]  # absent from older checkpoints
         self.trained_uids = list(state["trained_uids"])

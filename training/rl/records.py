@@ -8,6 +8,8 @@ from __future__ import annotations
 from dataclasses import dataclass, field, fields
 from typing import Literal
 
+from rewards.components import repeated_ngram_rate
+
 
 @dataclass(frozen=True)
 class UpdateStats:
@@ -224,7 +226,11 @@ class StepMetrics:
             tokens_per_s=n_tokens / max(wall, 1e-9),
             occupancy=occupancy,
             repacks=repacks,
-            extra={k: v for k, v in objective.items() if k not in _STEP_NAMES},  # the manager's win
+            extra={
+                **reward_term_means(groups),
+                **length_metrics(groups),
+                **{k: v for k, v in objective.items() if k not in _STEP_NAMES},  # the manager's win
+            },
         )
 
     def as_dict(self) -> dict[str, float]:
@@ -243,13 +249,47 @@ class StepMetrics:
         return cls(**kw, extra={k: float(v) for k, v in d.items() if k not in names})
 
     def line(self, total: int) -> str:
-        """One fixed-format line per RL step."""
+        """One fixed-format line per RL step (with each reward term's mean when there are several)."""
+        terms = {k.removeprefix("reward/"): v for k, v in self.extra.items() if k.startswith("reward/")}
+        shaped = "".join(f" | {k} {v:.3f}" for k, v in terms.items()) if len(terms) > 1 else ""
         return (
             f"step {self.step:4d}/{total} | reward {self.reward:.3f} | acc {self.accuracy:.3f} | "
             f"len {self.response_length:5.1f} | entropy {self.entropy:.3f} | clipfrac {self.clipfrac:.3f} | "
             f"dropped {self.dropped_groups:3d} | gen {self.gen_seconds:.2f}s | "
-            f"train {self.train_seconds:.2f}s | tok/s {self.gen_tokens_per_s:.0f}"
+            f"train {self.train_seconds:.2f}s | tok/s {self.gen_tokens_per_s:.0f}{shaped}"
         )
+
+
+def length_metrics(groups) -> dict[str, float]:
+    """What length shaping acts on: the mean length (tokens) of the correct and of the wrong responses
+    (left out when there are none) and their mean repeated word-3-gram rate."""
+    pairs = [(len(t.response_tokens), c) for g in groups for t, c in zip(g.trajectories, g.correct)]
+    right = [n for n, c in pairs if c]
+    wrong = [n for n, c in pairs if not c]
+    texts = [t.text for g in groups for t in g.trajectories]
+    out = {"repeated_ngram_rate": sum(repeated_ngram_rate(x, 3) for x in texts) / max(1, len(texts))}
+    if right:
+        out["response_length_correct"] = sum(right) / len(right)
+    if wrong:
+        out["response_length_wrong"] = sum(wrong) / len(wrong)
+    return out
+
+
+def reward_term_means(groups) -> dict[str, float]:
+    """``reward/<name>``: each reward component's mean over the groups' responses (unweighted; the
+    weighted total is ``reward``), and ``reward_errors/<name>``: responses that got its fallback."""
+    n = max(1, sum(len(g.trajectories) for g in groups))
+    sums: dict[str, float] = {}
+    errors: dict[str, float] = {}
+    for g in groups:
+        for name, values in g.terms.items():
+            sums[name] = sums.get(name, 0.0) + sum(values)
+        for name, count in g.errors.items():
+            errors[name] = errors.get(name, 0.0) + count
+    return {
+        **{f"reward/{k}": v / n for k, v in sums.items()},
+        **{f"reward_errors/{k}": v for k, v in errors.items()},
+    }
 
 
 _STEP_FIELDS = tuple(f for f in fields(StepMetrics) if f.name != "extra")

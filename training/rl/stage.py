@@ -21,7 +21,8 @@ from conf.schema import ClusterConfig, LoraConfig, RLConfig, RolloutConfig, Sele
 from generation.adapter import is_adapter_dir
 from generation.model import encode_problem
 from training.objectives import PRESETS, ObjectiveParams
-from training.rl.loop import RLResult
+from rewards.compose import Reward
+from training.rl.loop import RLResult, rl_reward
 from training.rl.records import StepMetrics
 from generation.records import PromptItem
 from generation.setup import read_table
@@ -103,7 +104,7 @@ def rl(
     seed: int,
     device: str,
     out_dir: Path,
-    verifier,
+    reward,
     select: SelectConfig | None = None,
     history_path: Path | None = None,
     evaluate: Callable[[object], dict[str, float]] | None = None,
@@ -123,7 +124,9 @@ def rl(
     with every step's metrics (``StepMetrics.as_dict``) as the step ends (an experiment tracker's
     logger; with Ray on the driver, with what the actors report).
     ``lora`` on for rl: only adapters train (continuing the adapter ``model_dir`` holds, or a fresh one on
-    it), only adapters are published, and ``out_dir`` becomes a PEFT adapter folder."""
+    it), only adapters are published, and ``out_dir`` becomes a PEFT adapter folder.
+    ``reward``: the ``rewards.compose.Reward`` every response is scored with (a bare verifier: the
+    math verifier alone); DAPO's preset adds its overlong component (``training.rl.loop.rl_reward``)."""
     with tempfile.TemporaryDirectory(prefix="laminar-rl-start-") as scratch:
         model_dir = rl_start(Path(model_dir), lora, Path(scratch), seed)
         return _rl(
@@ -134,7 +137,7 @@ def rl(
             seed=seed,
             device=device,
             out_dir=out_dir,
-            verifier=verifier,
+            reward=reward,
             select=select,
             history_path=history_path,
             evaluate=evaluate,
@@ -169,7 +172,7 @@ def _rl(
     seed: int,
     device: str,
     out_dir: Path,
-    verifier,
+    reward,
     select,
     history_path,
     evaluate,
@@ -200,6 +203,7 @@ def _rl(
         for r in rows
     ]
     params = objective_params(cfg)
+    reward = rl_reward(reward, params)
     with tqdm(
         total=cfg.steps, desc=f"rl {cfg.algorithm}/{cfg.mode}", unit="step", leave=False, disable=None
     ) as bar:
@@ -225,12 +229,12 @@ def _rl(
             from training.rl.drivers.ray import LaminarRuntime
 
             driver = LaminarRuntime(
-                Path(model_dir), prompts, verifier, params, cfg, cluster=cluster, trainer=trainer, **common
+                Path(model_dir), prompts, reward, params, cfg, cluster=cluster, trainer=trainer, **common
             )
         else:
             from training.rl.drivers.local import LocalDriver
 
-            driver = LocalDriver(Path(model_dir), prompts, verifier, params, cfg, **common)
+            driver = LocalDriver(Path(model_dir), prompts, reward, params, cfg, **common)
         result = driver.run()
         model = driver.final_model
         if cfg.uses_ray():
@@ -239,14 +243,18 @@ def _rl(
         adapter_from_state(model_dir, driver.final_state, out_dir)  # the adapter, not the merged model
     else:
         save_trained(model.to("cpu"), tokenizer, out_dir)
-    write_rl_records(result, Path(out_dir))
+    write_rl_records(result, Path(out_dir), reward)
     return result
 
 
-def write_rl_records(result: RLResult, out_dir: Path) -> None:
-    """The run's records beside its model: ``history.jsonl`` (no timings), ``consumed.json`` and
-    ``rewards.parquet``."""
+def write_rl_records(result: RLResult, out_dir: Path, reward: Reward) -> None:
+    """The run's records beside its model: ``history.jsonl`` (no timings), ``consumed.json``,
+    ``rewards.parquet``, ``reward.json`` (the reward's components: ``Reward.spec``) and
+    ``reward_terms.parquet`` (every response's score per reward component)."""
     import polars as pl
+
+    with open(out_dir / "reward.json", "w") as f:
+        json.dump(reward.spec(), f, indent=1, sort_keys=True)
 
     with open(out_dir / "history.jsonl", "w") as f:
         for m in result.history:
@@ -261,6 +269,17 @@ def write_rl_records(result: RLResult, out_dir: Path) -> None:
     ).with_columns(idx=pl.int_range(pl.len(), dtype=pl.Int64), origin=pl.lit("rl")).select(
         "step", "idx", "prompt_id", "mean_reward", "n", "origin"
     ).write_parquet(out_dir / "rewards.parquet")
+    pl.DataFrame(
+        result.terms,
+        schema={
+            "step": pl.Int64,
+            "prompt_id": pl.Utf8,
+            "sample_idx": pl.Int64,
+            "component": pl.Utf8,
+            "value": pl.Float64,
+        },
+        orient="row",
+    ).with_columns(idx=pl.int_range(pl.len(), dtype=pl.Int64)).write_parquet(out_dir / "reward_terms.parquet")
 
 
 def write_runtime_report(runtime, out_dir: Path) -> None:

@@ -45,7 +45,7 @@ class LocalDriver:
         self,
         model_dir: Path,
         prompts: Sequence[PromptItem],
-        verifier,
+        reward,
         params: ObjectiveParams,
         rl: RLConfig,
         *,
@@ -60,10 +60,10 @@ class LocalDriver:
         self.settings = ManagerSettings.from_config(rl, params)
         if self.settings.mode.name != "sync":
             raise ValueError(f"rl.mode={rl.mode} needs the Ray driver: set rl.runtime=ray (or auto)")
-        self.model_dir, self.prompts, self.verifier, self.params, self.rl = (
+        self.model_dir, self.prompts, self.reward, self.params, self.rl = (
             Path(model_dir),
             list(prompts),
-            verifier,
+            reward,
             params,
             rl,
         )
@@ -113,7 +113,7 @@ class LocalDriver:
             else:
                 m.step_done(ROLLOUT, reply.finished, reply.status, reply.pulled)
         self.trainer.model.eval()
-        self.result.consumed, self.result.rewards = m.consumed, m.rewards
+        self.result.consumed, self.result.rewards, self.result.terms = m.consumed, m.rewards, m.terms
         self.final_model = self.trainer.model
         return self.result
 
@@ -148,7 +148,7 @@ class LocalDriver:
         self.manager = RolloutManager(
             self.settings,
             self.source,
-            group_scorer(self.verifier, self.params, self.rl.max_new_tokens),
+            group_scorer(self.reward, self.params, self.rl.max_new_tokens),
             self,
             [(ROLLOUT, "local", "local")],
             keep=keep_filter(self.params),

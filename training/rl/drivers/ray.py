@@ -119,7 +119,7 @@ class LaminarRuntime:
         self,
         model_dir: Path,
         prompts: Sequence[PromptItem],
-        verifier,
+        reward,
         params: ObjectiveParams,
         rl: RLConfig,
         *,
@@ -137,7 +137,7 @@ class LaminarRuntime:
         self.mode = self.settings.mode
         self.model_dir = Path(model_dir)
         self.prompts = list(prompts)
-        self.verifier = verifier
+        self.reward = reward
         self.params = params
         self.rl = rl
         self.cluster = cluster or ClusterConfig()
@@ -409,7 +409,7 @@ class LaminarRuntime:
         self.manager = RolloutManager(
             self.settings,
             self.source,
-            group_scorer(self.verifier, self.params, self.rl.max_new_tokens),
+            group_scorer(self.reward, self.params, self.rl.max_new_tokens),
             self,
             [
                 (a.name, self._rollout_node(i), self.chain.relay_for(self._rollout_node(i)))
@@ -519,6 +519,7 @@ class LaminarRuntime:
         self.cpu.ping_all(ray, self._role_handles(rollouts=False))  # rollouts report with their results
         self.result.consumed = self.manager.consumed
         self.result.rewards = self.manager.rewards
+        self.result.terms = self.manager.terms
         self._finish_summary()
         state = self.trainer.get(ray, "state")
         load_published(model, state)

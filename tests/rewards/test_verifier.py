@@ -10,7 +10,7 @@ import time
 import pytest
 
 from evaluation.benchmarks import benchmark_path, load_benchmark
-from evaluation.verifier import (
+from rewards.verifier import (
     Verdict,
     Verifier,
     extract_answer,

@@ -1,0 +1,143 @@
+"""The composed reward: ``math_verify`` (the correctness verdict) plus shaping components, totalled
+as their weighted sum. Built from ``conf.schema.RewardConfig``; what RL, curation and evaluation
+score with."""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+from dataclasses import asdict, dataclass, field
+
+from conf.schema import RewardComponentConfig, RewardConfig
+from rewards.components import SHAPING, Sample
+from rewards.verifier import Verdict, Verifier
+
+MATH_VERIFY = "math_verify"
+
+
+@dataclass(frozen=True)
+class Scores:
+    """One batch's scores. Invariant: every tuple, and each ``terms`` entry, has one item per sample.
+    ``terms``: component name -> its unweighted score per sample; ``total``: the weighted sum;
+    ``failed``: component name -> per sample, whether it got the component's fallback score (for
+    ``math_verify``: a verdict with an ``error``, scored as wrong)."""
+
+    verdicts: tuple[Verdict, ...]
+    terms: dict[str, tuple[float, ...]]
+    total: tuple[float, ...]
+    failed: dict[str, tuple[bool, ...]] = field(default_factory=dict)
+
+    @property
+    def errors(self) -> dict[str, int]:
+        """Component name -> how many samples got its fallback score."""
+        return {k: sum(v) for k, v in self.failed.items()}
+
+    @property
+    def correct(self) -> tuple[bool, ...]:
+        return tuple(v.correct for v in self.verdicts)
+
+    def means(self) -> dict[str, float]:
+        """``reward/<name>``: each component's mean, ``reward/total`` and ``reward_errors/<name>``."""
+        n = max(1, len(self.total))
+        out = {f"reward/{k}": sum(v) / n for k, v in self.terms.items()}
+        out["reward/total"] = sum(self.total) / n
+        out.update({f"reward_errors/{k}": float(v) for k, v in self.errors.items()})
+        return out
+
+
+def _safe_scores(
+    component, samples: Sequence[Sample], correct: Sequence[bool]
+) -> tuple[list[float], list[bool]]:
+    """The component's scores of the batch and which samples failed: where it raises (or returns a
+    non-finite number) on a sample, that sample gets the component's ``fallback``."""
+    try:
+        scores = [float(x) for x in component.score(samples, correct)]
+        if len(scores) == len(samples) and all(math.isfinite(x) for x in scores):
+            return scores, [False] * len(samples)
+    except Exception:  # noqa: BLE001 - any failure of a component falls back per sample below
+        pass
+    out, failed = [], []
+    for s, c in zip(samples, correct):
+        try:
+            (x,) = component.score([s], [c])
+            x = float(x)
+            if not math.isfinite(x):
+                raise ValueError(f"{component.name} scored {x}")
+        except Exception:  # noqa: BLE001 - a bad sample gets the documented fallback, never a crash
+            x = None
+        failed.append(x is None)
+        out.append(float(component.fallback) if x is None else x)
+    return out, failed
+
+
+class Reward:
+    """Weighted components over one verifier. ``verifier``: anything with ``verify_batch(texts,
+    golds) -> [Verdict]`` (the math verifier, or a test's fake); ``weights``: component name ->
+    weight, ``math_verify`` first; ``shaping``: the shaping components in config order."""
+
+    def __init__(self, verifier, weights: dict[str, float], shaping: Sequence = ()) -> None:
+        if MATH_VERIFY not in weights:
+            raise ValueError("a Reward needs math_verify: it gives the correctness verdict")
+        self.verifier = verifier
+        self.weights = dict(weights)
+        self.shaping = tuple(shaping)
+        self.correctness = (MATH_VERIFY,)
+
+    @classmethod
+    def of(cls, verifier, cfg: RewardConfig | None = None) -> Reward:
+        """The reward ``cfg`` composes (None: the verifier alone) over ``verifier``."""
+        specs = cfg.components if cfg is not None else [RewardComponentConfig(name=MATH_VERIFY)]
+        weights = {s.name: float(s.weight) for s in specs}
+        shaping = [build_component(s) for s in specs if s.name != MATH_VERIFY]
+        return cls(verifier, weights, shaping)
+
+    @property
+    def names(self) -> tuple[str, ...]:
+        return tuple(self.weights)
+
+    def spec(self) -> list[dict]:
+        """The composition as JSON: per component its name, weight, whether it is the correctness
+        verdict, and its parameters."""
+        out = [{"name": MATH_VERIFY, "weight": self.weights[MATH_VERIFY], "correctness": True, "params": {}}]
+        for c in self.shaping:
+            params = asdict(c.params)
+            out.append(
+                {"name": c.name, "weight": self.weights[c.name], "correctness": False, "params": params}
+            )
+        return out
+
+    def with_component(self, component, weight: float = 1.0) -> Reward:
+        """This reward plus ``component`` (unless one of its name is already there)."""
+        if component.name in self.weights:
+            return self
+        return Reward(self.verifier, {**self.weights, component.name: weight}, (*self.shaping, component))
+
+    def score(self, samples: Sequence[Sample]) -> Scores:
+        verdicts = tuple(self.verifier.verify_batch([s.text for s in samples], [s.answer for s in samples]))
+        correct = [v.correct for v in verdicts]
+        terms = {MATH_VERIFY: tuple(1.0 if c else 0.0 for c in correct)}
+        failed = {MATH_VERIFY: tuple(bool(getattr(v, "error", None)) for v in verdicts)}
+        for comp in self.shaping:
+            scores, flags = _safe_scores(comp, samples, correct)
+            terms[comp.name], failed[comp.name] = tuple(scores), tuple(flags)
+        total = tuple(
+            sum(self.weights[name] * terms[name][i] for name in self.weights) for i in range(len(samples))
+        )
+        return Scores(verdicts=verdicts, terms=terms, total=total, failed=failed)
+
+
+def build_component(spec: RewardComponentConfig):
+    """A shaping component from its validated spec (``RewardComponentConfig.params()``)."""
+    cls, _ = SHAPING[spec.name]
+    return cls(spec.params())
+
+
+def as_reward(scorer) -> Reward:
+    """``scorer`` itself when it is a ``Reward``; a bare verifier is the math verifier alone."""
+    return scorer if isinstance(scorer, Reward) else Reward.of(scorer)
+
+
+def open_reward(cfg: RewardConfig | None, timeout_s: float) -> tuple[Verifier, Reward]:
+    """A fresh math verifier (a context manager: it owns a worker pool) and the reward over it."""
+    verifier = Verifier(timeout_s=timeout_s)
+    return verifier, Reward.of(verifier, cfg)
