@@ -69,6 +69,18 @@ def held(summary: dict, stage: str) -> dict:
     return summary["stages"].get(stage, {}).get("metrics", {}).get("arith_heldout", {})
 
 
+def ran_seconds(ws: Path, summary: dict, stage: str) -> float:
+    """The seconds ``stage`` took in the run that computed it (a cached stage's own are the lookup's)."""
+    st = summary["stages"][stage]
+    if st["status"] != "cached":
+        return st["seconds"]
+    for path in sorted((ws / "runs").glob("*/summary.json")):
+        other = json.loads(path.read_text())["stages"].get(stage, {})
+        if other.get("cache_key") == st["cache_key"] and other.get("status") != "cached":
+            return other["seconds"]
+    return float("nan")
+
+
 def row_of(summary: dict, ws: Path, seed: int, algo: str) -> dict:
     h = rl_history(ws, summary["stages"]["rl"]["cache_key"])
     rft, rl = held(summary, "eval_rft"), held(summary, "eval_rl")
@@ -79,7 +91,7 @@ def row_of(summary: dict, ws: Path, seed: int, algo: str) -> dict:
         "acc_rl": rl.get("accuracy"),
         "by_level_rft": dict(sorted(rft.get("by_level", {}).items())),
         "by_level_rl": dict(sorted(rl.get("by_level", {}).items())),
-        "rl_seconds": summary["stages"]["rl"]["seconds"],
+        "rl_seconds": ran_seconds(ws, summary, "rl"),
         "rl_status": summary["stages"]["rl"]["status"],
         "entropy_end": last_tenth(h.get("entropy", [])),
         "value_loss_end": last_tenth(h.get("value_loss", [])),
@@ -131,6 +143,11 @@ def main() -> None:
     ap.add_argument("--resume", action="store_true", help="skip the runs --json-out already holds")
     ap.add_argument("overrides", nargs="*")
     args = ap.parse_args()
+    if args.json_out:
+        args.json_out = args.json_out.resolve()
+        args.json_out.parent.mkdir(parents=True, exist_ok=True)
+    if args.md_out:
+        args.md_out = args.md_out.resolve()
     results: list[dict] = []
     if args.resume and args.json_out and args.json_out.exists():
         results = json.loads(args.json_out.read_text())
