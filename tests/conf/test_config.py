@@ -138,7 +138,8 @@ def _rule_id(rule):
     import conf.schema as schema
 
     return next(
-        (n for n in ("Positive", "NonNegative", "Fraction", "Share") if getattr(schema, n) is rule), "names"
+        (n for n in ("Positive", "NonNegative", "Fraction", "Share", "Unit") if getattr(schema, n) is rule),
+        "names",
     )
 
 
@@ -155,14 +156,14 @@ def test_the_schema_declares_names_and_bounds_for_the_keys_it_checks():
 def test_every_declared_rule_refuses_a_bad_value_naming_the_key(key, rule):
     import typing
 
-    from conf.schema import Bound, Fraction, NonNegative, Positive, Share, validate
+    from conf.schema import Bound, Fraction, NonNegative, Positive, Share, Unit, validate
 
     if typing.get_origin(rule) is typing.Literal:
         names = ", ".join(typing.get_args(rule))
         bad, message = "nope", f"{key}='nope' is not supported; set {key} to one of: {names}"
     else:
         assert isinstance(rule, Bound)
-        bad = {Positive: 0, NonNegative: -1, Fraction: 1, Share: 0}[rule]
+        bad = {Positive: 0, NonNegative: -1, Fraction: 1, Share: 0, Unit: 1.5}[rule]
         message = rule.message.format(key=key, value=bad)
     with pytest.raises(ConfigError) as err:
         validate(_with(key, bad))
