@@ -27,8 +27,9 @@ DartStrategy = Literal["prop2diff", "uniform", "vanilla"]
 SelectStrategy = Literal["hive", "uniform"]
 SelectHistory = Literal["run", "workspace"]
 EntropyRule = Literal["median", "paper", "off"]
-Algorithm = Literal["grpo", "dapo", "dr_grpo"]
-Advantage = Literal["grpo", "dr_grpo", "batch"]
+Algorithm = Literal["grpo", "dapo", "dr_grpo", "ppo", "vapo", "rloo", "reinforce_pp", "gspo"]
+Advantage = Literal["grpo", "dr_grpo", "batch", "rloo", "reinforce_pp", "gae"]
+RatioLevel = Literal["token", "sequence"]
 LossAgg = Literal["token_mean", "seq_mean", "seq_sum_const"]
 BehaviourWeight = Literal["truncate", "mask", "none"]
 Mode = Literal["sync", "one_step", "partial", "laminar"]
@@ -83,6 +84,7 @@ Finite = Bound(lambda v: True, "")
 NonPositive = Bound(
     lambda v: v <= 0, "{key}={value} must be <= 0 (a penalty); set {key} to zero or a negative value"
 )
+Unit = Bound(lambda v: 0 <= v <= 1, "{key}={value} must be in [0, 1]; set {key} to a value between 0 and 1")
 
 
 @dataclass
@@ -220,6 +222,41 @@ class RLConfig:
     overlong_shaping: bool | None = None
     overlong_filter: bool | None = None
     kl_coef: Annotated[float | None, NonNegative] = None
+    ratio_level: Annotated[str | None, RatioLevel] = None
+    """The policy ratio: per token (PPO, GRPO) or per sequence, exp of the mean token log-ratio (GSPO)."""
+    kl_in_reward: bool | None = None
+    """Fold ``kl_coef`` x the token KL into the returns instead of the loss (REINFORCE++)."""
+    gamma: Annotated[float | None, Unit] = None
+    """GAE discount (``advantage=gae``); LLM PPO: 1.0."""
+    gae_lambda: Annotated[float | None, Unit] = None
+    """GAE lambda of the policy's advantages."""
+    value_lambda: Annotated[float | None, Unit] = None
+    """GAE lambda of the critic's targets (VC-PPO/VAPO decouple it: 1.0); null in a preset = gae_lambda."""
+    lambda_alpha: Annotated[float | None, Positive] = None
+    """VAPO's length-adaptive policy lambda ``1 - 1/(alpha * length)``; VAPO: 0.05."""
+    value_coef: Annotated[float | None, NonNegative] = None
+    """Weight of the critic's clipped value loss."""
+    value_clip: Annotated[float | None, NonNegative] = None
+    """Clip range of the value loss around the values before the update (verl: 0.5)."""
+    value_warmup_steps: Annotated[int | None, NonNegative] = None
+    """The first N updates train the critic only; the policy stays fixed (VC-PPO's value pre-training)."""
+    nll_coef: Annotated[float | None, NonNegative] = None
+    """Weight of an NLL loss on positive-reward responses (VAPO: 0.1)."""
+    entropy_coef: Annotated[float | None, NonNegative] = None
+    """Entropy bonus: ``entropy_coef * H`` is subtracted from the loss (0: off)."""
+    entropy_target: Annotated[float | None, NonNegative] = None
+    """With a target, the coefficient adapts each update: ``c += entropy_adapt_rate * (target - H)``,
+    kept >= 0 (null: a fixed coefficient)."""
+    ref_reset_every: Annotated[int | None, NonNegative] = None
+    """Reset the KL reference (and the optimizer's moments) to the current policy every N updates
+    (ProRL); 0: the reference stays the RL-start weights."""
+    entropy_adapt_rate: Annotated[float, NonNegative] = 0.01
+    """Step of the adaptive entropy coefficient per nat of entropy below ``entropy_target``."""
+    critic_lr: Annotated[float | None, Positive] = None
+    """The critic's learning rate (critic presets); null: ``rl.lr``."""
+    critic_path: str | None = None
+    """A local Hugging Face model folder the critic starts from (its tokenizer must be the policy's);
+    null: a copy of the RL-start policy."""
     overlong_cache_len: int = 16
     """DAPO's soft-punishment buffer L_cache, in tokens before ``max_new_tokens`` (the DAPO paper uses
     4,096 of 20,480; here 16 of 64, the same order of share)."""
@@ -852,6 +889,11 @@ def _validate_rl(cfg: Config) -> None:
         raise ConfigError(f"rl.dual_clip={rl.dual_clip} must be > 1 (verl uses 3.0) or null")
     if rl.max_sampling_rounds is not None and rl.max_sampling_rounds < 1:
         raise ConfigError("rl.max_sampling_rounds must be >= 1")
+    if rl.value_warmup_steps is not None and rl.value_warmup_steps >= max(1, rl.steps) and rl.steps > 0:
+        raise ConfigError(
+            f"rl.value_warmup_steps={rl.value_warmup_steps} >= rl.steps={rl.steps}: the policy would never "
+            "move; lower rl.value_warmup_steps or raise rl.steps"
+        )
 
 
 def _validate_lora(cfg: Config) -> None:

@@ -82,6 +82,7 @@ def preflight(cfg: Config) -> None:
             f"rl.overlong_cache_len={cfg.rl.overlong_cache_len} must be in (0, rl.max_new_tokens="
             f"{cfg.rl.max_new_tokens}) when overlong shaping is on ({cfg.rl.algorithm})"
         )
+    _check_critic(cfg, params)
     if cfg.trainer.backend == "deepspeed":
         from conf.loader import deepspeed_config
 
@@ -93,6 +94,35 @@ def preflight(cfg: Config) -> None:
                 "trainer.backend=deepspeed: the deepspeed package is not installed "
                 "(it is in requirements.txt: run `make test` or `pip install -r requirements.txt`)"
             )
+
+
+def _check_critic(cfg: Config, params) -> None:
+    """``rl.critic_path``: only with a critic preset, a model folder whose tokenizer is the policy's."""
+    path = cfg.rl.critic_path
+    if path is None:
+        return
+    if not params.needs_critic:
+        raise ConfigError(
+            f"rl.critic_path={path}: rl.algorithm={cfg.rl.algorithm} (advantage={params.advantage}) has no "
+            "critic; use rl.algorithm=ppo|vapo or drop rl.critic_path"
+        )
+    folder = Path(path).expanduser()
+    if not (folder / "config.json").is_file():
+        raise ConfigError(f"rl.critic_path={folder} is not a save_pretrained folder (no config.json)")
+    from generation.model import build_char_tokenizer, load_tokenizer
+    from training.rl.critic import vocab_mismatch
+
+    policy_tok = (
+        load_tokenizer(Path(cfg.model.path).expanduser())
+        if cfg.model.kind == "hf"
+        else build_char_tokenizer()
+    )
+    why = vocab_mismatch(policy_tok, folder)
+    if why:
+        raise ConfigError(
+            f"rl.critic_path={folder} does not fit the policy's tokenizer: {why}; use a critic trained "
+            "with the policy's tokenizer or drop rl.critic_path (a copy of the policy)"
+        )
 
 
 def resolved_yaml(cfg: Config) -> str:

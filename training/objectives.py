@@ -6,7 +6,9 @@ sequences sharing a value are the responses to one prompt (groups may differ in 
 
 One small unit per algorithm, chosen through read-only tables (``ADVANTAGES``, ``AGGREGATIONS``,
 ``BEHAVIOUR_WEIGHTS``); ``policy_loss`` composes them from an ``ObjectiveParams``. Formulas follow
-``shared/ALGORITHMS.md`` (GRPO, Dr. GRPO, DAPO, AReaL's decoupled PPO, truncated IS).
+``docs/runtime.md`` (GRPO, Dr. GRPO, DAPO, RLOO, REINFORCE++, GSPO, PPO with GAE, VAPO, AReaL's
+decoupled PPO, truncated IS). Sequence-level estimators give ``(B,)`` advantages (``ADVANTAGES``);
+token-level ones (``TOKEN_ADVANTAGES``: GAE over a critic's values, REINFORCE++ returns) ``(B, T)``.
 """
 
 from __future__ import annotations
@@ -21,7 +23,7 @@ from collections.abc import Callable, Mapping
 import torch
 from torch import Tensor
 
-from conf.schema import Advantage, Algorithm, BehaviourWeight, LossAgg
+from conf.schema import Advantage, Algorithm, BehaviourWeight, LossAgg, RatioLevel
 
 _K = TypeVar("_K", bound=str)
 _V = TypeVar("_V")
@@ -79,10 +81,171 @@ def batch_normalized_advantages(rewards: Tensor, group_index: Tensor, eps: float
     return centred / (std + eps)
 
 
+def rloo_advantages(rewards: Tensor, group_index: Tensor) -> Tensor:
+    """RLOO: ``r_i - mean_{j != i} r_j`` over the k responses of a prompt, ``(B,)``; equal to
+    ``k / (k - 1) * (r_i - mean_group)``. A group of one (no other sample) and a constant group get 0."""
+    centred, _, constant = _group_stats(rewards, group_index)
+    _, inv, counts = torch.unique(group_index, return_inverse=True, return_counts=True)
+    k = counts[inv].to(centred.dtype)
+    return torch.where(constant | (k < 2), 0.0, centred * k / (k - 1).clamp_min(1))
+
+
 AdvantageFn = Callable[[Tensor, Tensor], Tensor]
-ADVANTAGES: Mapping[Advantage, AdvantageFn] = MappingProxyType(
-    {"grpo": grpo_advantages, "dr_grpo": dr_grpo_advantages, "batch": batch_normalized_advantages}
+ADVANTAGES: Mapping[str, AdvantageFn] = MappingProxyType(
+    {
+        "grpo": grpo_advantages,
+        "dr_grpo": dr_grpo_advantages,
+        "batch": batch_normalized_advantages,
+        "rloo": rloo_advantages,
+    }
 )
+"""Sequence-level estimators: ``(rewards (B,), group_index (B,)) -> (B,)``."""
+
+
+def _whiten(x: Tensor, mask: Tensor, eps: float = 1e-8) -> Tensor:
+    """``(x - mean) / (std + eps)`` over the tokens of ``mask`` (unbiased std; one token: std 0);
+    0 off the mask."""
+    m = mask.bool()
+    n = m.sum()
+    mean = _masked_sum(x, m) / n.clamp_min(1)
+    var = _masked_sum((x - mean).square(), m) / (n - 1).clamp_min(1)
+    return torch.where(m, (x - mean) / (var.sqrt() + eps), 0.0)
+
+
+def _last_token_rewards(rewards: Tensor, mask: Tensor) -> Tensor:
+    """``(B,)`` rewards placed on each sequence's last response token, ``(B, T)``."""
+    lengths = mask.to(torch.long).sum(-1)
+    out = torch.zeros(mask.shape, dtype=_as_float(rewards).dtype, device=mask.device)
+    rows = torch.nonzero(lengths > 0).squeeze(-1)
+    out[rows, lengths[rows] - 1] = _as_float(rewards)[rows]
+    return out
+
+
+def reinforce_pp_advantages(
+    rewards: Tensor, mask: Tensor, kl: Tensor | None = None, kl_coef: float = 0.0
+) -> Tensor:
+    """REINFORCE++ (arXiv 2501.03262), ``(B, T)``: the return of token t,
+    ``G_t = r - kl_coef * sum_{s >= t} kl_s`` (the reward on the last token, the token KL folded in,
+    gamma 1), normalised over every token of the batch (mean and std of ``mask``'s tokens). No critic
+    and no group baseline; ``kl`` (B, T), detached, is the per-token ``log pi - log pi_ref``."""
+    m = mask.to(torch.get_default_dtype() if not mask.is_floating_point() else mask.dtype)
+    token_r = _last_token_rewards(rewards, mask)
+    if kl is not None and kl_coef > 0.0:
+        token_r = token_r - kl_coef * kl.detach() * m
+    returns = token_r.flip(-1).cumsum(-1).flip(-1)
+    return _whiten(returns, mask)
+
+
+def adaptive_lambda(lengths: Tensor, alpha: float) -> Tensor:
+    """VAPO's length-adaptive GAE lambda per sequence, ``(B,) -> (B,)``: ``1 - 1 / (alpha * l)``,
+    clamped to [0, 1] (``alpha * l <= 1`` gives 0: a one-step TD advantage)."""
+    if alpha <= 0:
+        raise ValueError(f"lambda_alpha={alpha} must be > 0 (VAPO: 0.05)")
+    return (1.0 - 1.0 / (alpha * _as_float(lengths)).clamp_min(1e-12)).clamp(0.0, 1.0)
+
+
+def gae(
+    values: Tensor, rewards: Tensor, mask: Tensor, *, gamma: float, lam: float | Tensor
+) -> tuple[Tensor, Tensor]:
+    """Generalised advantage estimation over response tokens, reward on the last token.
+
+    ``values`` (B, T): the critic's ``V(s_t)``, the state before token t; ``rewards`` (B,);
+    ``mask`` (B, T), right-padded. ``lam``: a float or one lambda per sequence ``(B,)``.
+    ``delta_t = r_t + gamma * V_{t+1} - V_t`` (``V`` after the last token is 0),
+    ``A_t = delta_t + gamma * lam * A_{t+1}``. Returns ``(advantages, returns = A + V)``, both
+    ``(B, T)``, detached, 0 off the mask."""
+    values = values.detach()
+    m = mask.to(values.dtype)
+    lam_t = torch.as_tensor(lam, dtype=values.dtype, device=values.device)
+    lam_t = lam_t.reshape(-1, 1) if lam_t.dim() == 1 else lam_t
+    token_r = _last_token_rewards(rewards, mask).to(values.dtype)
+    v = values * m
+    next_v = torch.cat([v[:, 1:], v.new_zeros(v.shape[0], 1)], dim=1)
+    delta = (token_r + gamma * next_v - v) * m
+    adv = torch.zeros_like(values)
+    running = values.new_zeros(values.shape[0], 1)
+    coef = (gamma * lam_t).expand(values.shape[0], 1)
+    for t in range(values.shape[1] - 1, -1, -1):
+        running = delta[:, t : t + 1] + coef * running * m[:, t : t + 1]
+        adv[:, t : t + 1] = running
+    adv = adv * m
+    return adv, (adv + v) * m
+
+
+@dataclass(frozen=True)
+class TokenInputs:
+    """What the token-level estimators read: ``rewards`` (B,), ``mask`` (B, T), the critic's
+    ``values`` (B, T) (GAE) and the per-token ``kl`` (B, T) to the reference (REINFORCE++), each
+    None where the estimator does not need it."""
+
+    rewards: Tensor
+    mask: Tensor
+    values: Tensor | None = None
+    kl: Tensor | None = None
+
+
+def _gae_policy(inp: TokenInputs, p: ObjectiveParams) -> Tensor:
+    if inp.values is None:
+        raise ValueError("advantage 'gae' needs the critic's values (the trainer computes them)")
+    lam = adaptive_lambda(inp.mask.sum(-1), p.lambda_alpha) if p.lambda_alpha is not None else p.gae_lambda
+    adv, _ = gae(inp.values, inp.rewards, inp.mask, gamma=p.gamma, lam=lam)
+    return _whiten(adv, inp.mask)
+
+
+def value_targets(inp: TokenInputs, p: ObjectiveParams) -> Tensor:
+    """The critic's regression targets ``(B, T)``: GAE returns with ``p.critic_lambda``."""
+    if inp.values is None:
+        raise ValueError("value_targets needs the critic's values")
+    return gae(inp.values, inp.rewards, inp.mask, gamma=p.gamma, lam=p.critic_lambda)[1]
+
+
+TOKEN_ADVANTAGES: Mapping[str, Callable[[TokenInputs, ObjectiveParams], Tensor]] = MappingProxyType(
+    {
+        "gae": _gae_policy,
+        "reinforce_pp": lambda inp, p: reinforce_pp_advantages(
+            inp.rewards, inp.mask, inp.kl if p.kl_in_reward else None, p.kl_coef
+        ),
+    }
+)
+"""Token-level estimators: ``(TokenInputs, ObjectiveParams) -> (B, T)``."""
+
+NEEDS_CRITIC: frozenset[str] = frozenset({"gae"})
+"""Advantage estimators that read a learned critic's values."""
+
+
+def advantages_of(
+    params: ObjectiveParams, rewards: Tensor, group_index: Tensor, inp: TokenInputs | None = None
+) -> Tensor:
+    """The advantages ``params.advantage`` names: ``(B,)`` from ``ADVANTAGES`` or ``(B, T)`` from
+    ``TOKEN_ADVANTAGES`` (which read ``inp``)."""
+    if params.advantage in ADVANTAGES:
+        return ADVANTAGES[params.advantage](rewards, group_index)
+    if inp is None:
+        raise ValueError(f"advantage {params.advantage!r} is token-level: pass TokenInputs")
+    return _lookup(TOKEN_ADVANTAGES, params.advantage, "advantage")(inp, params)
+
+
+def clipped_value_loss(
+    values: Tensor, old_values: Tensor, returns: Tensor, clip: float
+) -> tuple[Tensor, Tensor]:
+    """PPO's clipped value loss per token, ``(B, T)``: ``0.5 * max((V - R)^2, (V_clip - R)^2)``,
+    ``V_clip = old + clip(V - old, -clip, clip)``. Gradient through ``values`` only. Returns
+    ``(loss, clipfrac)``; ``clipfrac`` is 1.0 where the clipped branch is the larger."""
+    old, ret = old_values.detach(), returns.detach()
+    clipped = old + (values - old).clamp(-clip, clip)
+    a, b = (values - ret).square(), (clipped - ret).square()
+    return 0.5 * torch.maximum(a, b), (b > a).to(values.dtype)
+
+
+def explained_variance(values: Tensor, returns: Tensor, mask: Tensor) -> float:
+    """``1 - Var(R - V) / Var(R)`` over ``mask``'s tokens (1: perfect, 0: no better than the mean;
+    NaN when the returns are constant)."""
+    m = mask.bool()
+    r, v = returns[m].double(), values[m].double()
+    var = r.var(unbiased=False) if r.numel() else r.new_zeros(())
+    if r.numel() == 0 or float(var) == 0.0:
+        return float("nan")
+    return float(1.0 - (r - v).var(unbiased=False) / var)
 
 
 # --------------------------------------------------------------------------- per-token losses
@@ -96,19 +259,23 @@ def clipped_policy_loss(
     clip_low: float = 0.2,
     clip_high: float = 0.28,
     dual_clip: float | None = None,
+    ratio_level: RatioLevel = "token",
+    mask: Tensor | None = None,
 ) -> tuple[Tensor, Tensor]:
     """PPO clipped surrogate per token: ``max(-A*rho, -A*clip(rho, 1-clip_low, 1+clip_high))``.
 
     ``logprobs``, ``old_logprobs``: ``(B, T)``; ``advantages``: ``(B,)`` (broadcast over tokens) or
     ``(B, T)``. Gradient flows through ``logprobs`` only. With ``dual_clip = c > 1`` the loss of a
-    negative-advantage token is also bounded by ``-A*c`` (verl's rule). Returns ``(loss, clipfrac)``,
-    both ``(B, T)``; ``clipfrac`` is 1.0 where a clipped branch (ratio or dual clip) is active, i.e.
-    where the token's gradient is zero."""
+    negative-advantage token is also bounded by ``-A*c`` (verl's rule). ``ratio_level="sequence"``
+    (GSPO) makes ``rho`` each sequence's ``exp(mean_t log(pi/pi_old))`` over ``mask``, broadcast to
+    its tokens (``RATIO_LEVELS``). Returns ``(loss, clipfrac)``, both ``(B, T)``; ``clipfrac`` is 1.0
+    where a clipped branch (ratio or dual clip) is active, i.e. where the token's gradient is zero."""
     if dual_clip is not None and dual_clip <= 1.0:
         raise ValueError(f"dual_clip={dual_clip}: must be > 1 (verl uses 3.0), or None to turn it off")
     adv = advantages.detach()
     adv = adv.unsqueeze(-1) if adv.dim() == 1 else adv
-    ratio = torch.exp(logprobs - old_logprobs.detach())
+    log_ratio = _lookup(RATIO_LEVELS, ratio_level, "ratio_level")(logprobs - old_logprobs.detach(), mask)
+    ratio = torch.exp(log_ratio)
     unclipped = -adv * ratio
     clipped = -adv * torch.clamp(ratio, 1.0 - clip_low, 1.0 + clip_high)
     loss = torch.maximum(unclipped, clipped)
@@ -211,9 +378,23 @@ def _sequence_log_ratio(log_ratio: Tensor, mask: Tensor | None) -> Tensor:
     return total.unsqueeze(-1).expand_as(log_ratio)
 
 
+def _sequence_mean_log_ratio(log_ratio: Tensor, mask: Tensor | None) -> Tensor:
+    """GSPO's length-normalised sequence log-ratio, ``mean_t`` over ``mask``, broadcast to every token."""
+    if mask is None:
+        return log_ratio.mean(-1, keepdim=True).expand_as(log_ratio)
+    n = mask.to(log_ratio.dtype).sum(-1).clamp_min(1)
+    return (_masked_sum(log_ratio, mask, dim=-1) / n).unsqueeze(-1).expand_as(log_ratio)
+
+
 _IS_LEVELS: Mapping[str, Callable[[Tensor, Tensor | None], Tensor]] = MappingProxyType(
     {"token": _token_log_ratio, "sequence": _sequence_log_ratio}
 )
+"""Behaviour (importance) weights: per token, or the product over the sequence."""
+
+RATIO_LEVELS: Mapping[RatioLevel, Callable[[Tensor, Tensor | None], Tensor]] = MappingProxyType(
+    {"token": _token_log_ratio, "sequence": _sequence_mean_log_ratio}
+)
+"""The clipped policy ratio: per token (PPO, GRPO) or GSPO's geometric mean over the sequence."""
 
 
 def _log_ratio(old_logprobs: Tensor, behaviour_logprobs: Tensor, level: str, mask: Tensor | None) -> Tensor:
@@ -272,6 +453,7 @@ def decoupled_ppo_loss(
     behaviour_weight: BehaviourWeight = "truncate",
     cap: float = 3.0,
     mask: Tensor | None = None,
+    ratio_level: RatioLevel = "token",
 ) -> tuple[Tensor, dict[str, Tensor]]:
     """AReaL's decoupled PPO per token: ``w * max(-A*u, -A*clip(u, 1-clip_low, 1+clip_high))``.
 
@@ -282,10 +464,17 @@ def decoupled_ppo_loss(
     ``behaviour_weight``, all detached."""
     weight_fn = _lookup(BEHAVIOUR_WEIGHTS, behaviour_weight, "behaviour_weight")
     loss, clipfrac = clipped_policy_loss(
-        logprobs, proximal_logprobs, advantages, clip_low=clip_low, clip_high=clip_high, dual_clip=dual_clip
+        logprobs,
+        proximal_logprobs,
+        advantages,
+        clip_low=clip_low,
+        clip_high=clip_high,
+        dual_clip=dual_clip,
+        ratio_level=ratio_level,
+        mask=mask,
     )
     weight = weight_fn(proximal_logprobs.detach(), behaviour_logprobs.detach(), cap, mask)
-    ratio = torch.exp(logprobs - proximal_logprobs).detach()
+    ratio = torch.exp(RATIO_LEVELS[ratio_level]((logprobs - proximal_logprobs).detach(), mask))
     return weight * loss, {"clipfrac": clipfrac, "ratio": ratio, "behaviour_weight": weight}
 
 
@@ -335,10 +524,46 @@ class ObjectiveParams:
     """Truncation cap (or upper mask bound) of the behaviour weight; TRL default 3.0."""
     kl_coef: float = 0.0
     """Weight of the k3 KL to the reference. DAPO and TRL: 0 (off); the original GRPO paper: 0.04."""
+    kl_in_reward: bool = False
+    """REINFORCE++: ``kl_coef`` x the k1 token KL goes into the returns instead of the loss."""
+    ratio_level: RatioLevel = "token"
+    """Key of ``RATIO_LEVELS``: "token" (PPO, GRPO) or "sequence" (GSPO)."""
+    gamma: float = 1.0
+    """GAE discount; LLM PPO (verl, OpenRLHF): 1.0."""
+    gae_lambda: float = 0.95
+    """GAE lambda of the policy's advantages (VC-PPO: 0.95 for the actor)."""
+    value_lambda: float | None = None
+    """GAE lambda of the critic's targets; None = ``gae_lambda`` (coupled PPO). VC-PPO/VAPO: 1.0."""
+    lambda_alpha: float | None = None
+    """VAPO's length-adaptive policy lambda ``1 - 1/(alpha*l)``; None: fixed ``gae_lambda``. VAPO: 0.05."""
+    value_coef: float = 0.5
+    """Weight of the critic's value loss (its own optimizer; matters through gradient clipping)."""
+    value_clip: float = 0.5
+    """Clip range of the value loss around the pre-update values (verl ``cliprange_value``: 0.5)."""
+    value_warmup_steps: int = 0
+    """Updates that train only the critic before the policy moves (VC-PPO/VAPO value pre-training)."""
+    nll_coef: float = 0.0
+    """Weight of the NLL of positive-reward responses added to the loss (VAPO: 0.1)."""
+    entropy_coef: float = 0.0
+    """Entropy bonus: ``entropy_coef * H`` per token is subtracted from the loss."""
+    entropy_target: float | None = None
+    """Adapt ``entropy_coef`` towards this mean token entropy (None: fixed coefficient)."""
+    ref_reset_every: int = 0
+    """ProRL: every N updates the KL reference becomes the current policy and the optimizer's moments
+    are cleared; 0 = never (the reference stays the RL-start weights)."""
+
+    @property
+    def critic_lambda(self) -> float:
+        return self.gae_lambda if self.value_lambda is None else self.value_lambda
+
+    @property
+    def needs_critic(self) -> bool:
+        return self.advantage in NEEDS_CRITIC
 
     def __post_init__(self) -> None:
+        _lookup({**ADVANTAGES, **TOKEN_ADVANTAGES}, self.advantage, "advantage")
         for value, table, name in (
-            (self.advantage, ADVANTAGES, "advantage"),
+            (self.ratio_level, RATIO_LEVELS, "ratio_level"),
             (self.loss_agg, AGGREGATIONS, "loss_agg"),
             (self.behaviour_weight, BEHAVIOUR_WEIGHTS, "behaviour_weight"),
         ):
@@ -354,6 +579,33 @@ class ObjectiveParams:
             raise ValueError("overlong_cache_len must be > 0 and max_sampling_rounds >= 1")
         if self.is_cap <= 0.0 or self.kl_coef < 0.0:
             raise ValueError(f"is_cap={self.is_cap} must be > 0 and kl_coef={self.kl_coef} >= 0")
+        lambdas = {"gamma": self.gamma, "gae_lambda": self.gae_lambda, "value_lambda": self.critic_lambda}
+        for name, value in lambdas.items():
+            if not 0.0 <= value <= 1.0:
+                raise ValueError(
+                    f"{name}={value} must be in [0, 1] (PPO: gamma 1.0, lambda 0.95; VC-PPO critic 1.0)"
+                )
+        if self.lambda_alpha is not None and self.lambda_alpha <= 0:
+            raise ValueError(f"lambda_alpha={self.lambda_alpha} must be > 0 (VAPO: 0.05) or None")
+        negative = {
+            k: getattr(self, k)
+            for k in (
+                "value_coef",
+                "value_clip",
+                "value_warmup_steps",
+                "nll_coef",
+                "entropy_coef",
+                "ref_reset_every",
+            )
+            if getattr(self, k) < 0
+        }
+        if negative:
+            raise ValueError(f"{negative}: must be >= 0")
+        if self.value_warmup_steps and not self.needs_critic:
+            raise ValueError(
+                f"value_warmup_steps={self.value_warmup_steps} pre-trains a critic, but advantage="
+                f"{self.advantage!r} has none: use advantage=gae (rl.algorithm=ppo|vapo) or set it to 0"
+            )
 
 
 _GRPO = ObjectiveParams()
@@ -364,8 +616,26 @@ PRESETS: Mapping[Algorithm, ObjectiveParams] = MappingProxyType(
             _GRPO, clip_high=0.28, loss_agg="token_mean", dynamic_sampling=True, overlong_shaping=True
         ),
         "dr_grpo": dataclasses.replace(_GRPO, advantage="dr_grpo", loss_agg="seq_sum_const"),
+        "rloo": dataclasses.replace(_GRPO, advantage="rloo", loss_agg="token_mean"),
+        "reinforce_pp": dataclasses.replace(
+            _GRPO, advantage="reinforce_pp", loss_agg="token_mean", kl_in_reward=True
+        ),
+        "gspo": dataclasses.replace(_GRPO, ratio_level="sequence", clip_low=3e-4, clip_high=4e-4),
+        "ppo": dataclasses.replace(_GRPO, advantage="gae", loss_agg="token_mean"),
+        "vapo": dataclasses.replace(
+            _GRPO,
+            advantage="gae",
+            loss_agg="token_mean",
+            clip_high=0.28,
+            value_lambda=1.0,
+            lambda_alpha=0.05,
+            value_warmup_steps=5,
+            nll_coef=0.1,
+        ),
     }
 )
+"""``rl.algorithm`` -> its objective. VAPO pre-trains its value model 50 steps in the paper (of
+several thousand); here 5 of the default 60 (``rl.value_warmup_steps`` overrides it)."""
 
 
 @dataclass(frozen=True)
@@ -377,7 +647,8 @@ class PolicyBatch:
     the sampler's. ``advantages`` (B,). ``mask`` (B, T): 1 on response tokens. ``max_len``: the
     generation's maximum response length. ``versions`` (B,): weight version that generated each
     sequence, given together with ``trainer_version``. ``ref_logprobs`` (B, T): reference model,
-    needed when ``kl_coef > 0``."""
+    needed when ``kl_coef > 0``. ``entropy`` (B, T), with grad: the policy's token entropy, needed
+    for an entropy bonus. ``positive`` (B,) bool: responses with a positive reward (VAPO's NLL)."""
 
     logprobs: Tensor
     old_logprobs: Tensor
@@ -388,6 +659,8 @@ class PolicyBatch:
     versions: Tensor | None = None
     trainer_version: int | None = None
     ref_logprobs: Tensor | None = None
+    entropy: Tensor | None = None
+    positive: Tensor | None = None
 
     def __post_init__(self) -> None:
         shape = tuple(self.mask.shape)
@@ -396,6 +669,7 @@ class PolicyBatch:
             "old_logprobs": self.old_logprobs,
             "behaviour_logprobs": self.behaviour_logprobs,
             "ref_logprobs": self.ref_logprobs,
+            "entropy": self.entropy,
         }
         bad = {k: tuple(v.shape) for k, v in named.items() if v is not None and tuple(v.shape) != shape}
         if len(shape) != 2 or bad:
@@ -412,17 +686,27 @@ def _masked_mean(x: Tensor, mask: Tensor) -> float:
     return float(_masked_sum(x.detach(), mask) / mask.sum().clamp_min(1))
 
 
-def policy_loss(batch: PolicyBatch, params: ObjectiveParams) -> tuple[Tensor, dict[str, float]]:
+def policy_loss(
+    batch: PolicyBatch, params: ObjectiveParams, *, entropy_coef: float | None = None
+) -> tuple[Tensor, dict[str, float]]:
     """Scalar loss for one update and its metrics (python floats).
 
-    Decoupled PPO with ``params.behaviour_weight`` ("none" gives the standard clipped loss), plus
-    ``kl_coef * k3`` per token, aggregated by ``params.loss_agg``. Metrics: ``loss``, ``clipfrac``,
-    ``ratio`` and ``behaviour_weight`` (token means), ``kl`` when ``ref_logprobs`` is given, and
-    ``staleness_mean`` / ``staleness_max`` when ``versions`` is given."""
+    Decoupled PPO with ``params.behaviour_weight`` ("none" gives the standard clipped loss) at
+    ``params.ratio_level``, plus per token ``kl_coef * k3`` (unless ``kl_in_reward``),
+    ``- entropy_coef * H`` (``entropy_coef`` overrides ``params.entropy_coef``: the adaptive
+    coefficient) and ``nll_coef * -log pi`` on positive responses, aggregated by ``params.loss_agg``.
+    Metrics: ``loss``, ``clipfrac``, ``ratio`` and ``behaviour_weight`` (token means), ``kl`` when
+    ``ref_logprobs`` is given, ``nll`` with ``nll_coef``, and ``staleness_mean`` / ``staleness_max``
+    when ``versions`` is given."""
     if params.kl_coef > 0.0 and batch.ref_logprobs is None:
         raise ValueError(
             f"kl_coef={params.kl_coef} needs batch.ref_logprobs; compute reference log-probs or set kl_coef=0"
         )
+    coef = params.entropy_coef if entropy_coef is None else entropy_coef
+    if coef > 0.0 and batch.entropy is None:
+        raise ValueError(f"entropy_coef={coef} needs batch.entropy (the policy's token entropy, with grad)")
+    if params.nll_coef > 0.0 and batch.positive is None:
+        raise ValueError(f"nll_coef={params.nll_coef} needs batch.positive (which responses were rewarded)")
     mask = batch.mask
     token_loss, stats = decoupled_ppo_loss(
         batch.logprobs,
@@ -435,13 +719,20 @@ def policy_loss(batch: PolicyBatch, params: ObjectiveParams) -> tuple[Tensor, di
         behaviour_weight=params.behaviour_weight,
         cap=params.is_cap,
         mask=mask,
+        ratio_level=params.ratio_level,
     )
     metrics: dict[str, float] = {}
     if batch.ref_logprobs is not None:
         kl = kl_k3(batch.logprobs, batch.ref_logprobs)
         metrics["kl"] = _masked_mean(kl, mask)
-        if params.kl_coef > 0.0:
+        if params.kl_coef > 0.0 and not params.kl_in_reward:
             token_loss = token_loss + params.kl_coef * kl
+    if coef > 0.0:
+        token_loss = token_loss - coef * batch.entropy
+    if params.nll_coef > 0.0:
+        nll = -batch.logprobs * batch.positive.to(batch.logprobs.dtype)[:, None]
+        metrics["nll"] = _masked_mean(nll, mask)
+        token_loss = token_loss + params.nll_coef * nll
     loss = aggregate(token_loss, mask, params.loss_agg, max_len=batch.max_len)
     metrics.update(
         loss=float(loss.detach()),

@@ -138,7 +138,8 @@ def _rule_id(rule):
     import conf.schema as schema
 
     return next(
-        (n for n in ("Positive", "NonNegative", "Fraction", "Share") if getattr(schema, n) is rule), "names"
+        (n for n in ("Positive", "NonNegative", "Fraction", "Share", "Unit") if getattr(schema, n) is rule),
+        "names",
     )
 
 
@@ -155,14 +156,14 @@ def test_the_schema_declares_names_and_bounds_for_the_keys_it_checks():
 def test_every_declared_rule_refuses_a_bad_value_naming_the_key(key, rule):
     import typing
 
-    from conf.schema import Bound, Fraction, NonNegative, Positive, Share, validate
+    from conf.schema import Bound, Fraction, NonNegative, Positive, Share, Unit, validate
 
     if typing.get_origin(rule) is typing.Literal:
         names = ", ".join(typing.get_args(rule))
         bad, message = "nope", f"{key}='nope' is not supported; set {key} to one of: {names}"
     else:
         assert isinstance(rule, Bound)
-        bad = {Positive: 0, NonNegative: -1, Fraction: 1, Share: 0}[rule]
+        bad = {Positive: 0, NonNegative: -1, Fraction: 1, Share: 0, Unit: 1.5}[rule]
         message = rule.message.format(key=key, value=bad)
     with pytest.raises(ConfigError) as err:
         validate(_with(key, bad))
@@ -228,3 +229,29 @@ def test_an_unknown_deepspeed_config_fails_in_preflight(tmp_path):
     with pytest.raises(ConfigError, match="not valid JSON"):
         preflight(load_config(["trainer.backend=deepspeed", f"trainer.deepspeed={bad}"]))
     preflight(load_config(["trainer.backend=deepspeed", "trainer.deepspeed=zero3"]))
+
+
+def test_critic_settings_fail_before_any_write(tmp_path):
+    from generation.model import build_char_tokenizer, build_tiny_model, save_model
+    from tasks.preflight import preflight
+    from tests.training.rl_fakes import MICRO
+
+    with pytest.raises(ConfigError, match=r"rl.gae_lambda=1.5 must be in \[0, 1\]"):
+        load_config(["rl.algorithm=ppo", "rl.gae_lambda=1.5"])
+    with pytest.raises(ConfigError, match="rl.value_coef=-0.5 must be >= 0"):
+        load_config(["rl.algorithm=ppo", "rl.value_coef=-0.5"])
+    with pytest.raises(ConfigError, match="rl.value_warmup_steps=60 >= rl.steps=60"):
+        load_config(["rl.algorithm=vapo", "rl.value_warmup_steps=60"])
+    with pytest.raises(ConfigError, match="has no critic"):
+        preflight(load_config(["rl.algorithm=grpo", f"rl.critic_path={tmp_path}"]))
+    other = build_char_tokenizer("0123456789+-=")
+    save_model(build_tiny_model(MICRO, other, seed=0), other, tmp_path / "critic")
+    with pytest.raises(ConfigError, match="does not fit the policy's tokenizer: its tokenizer differs"):
+        preflight(load_config(["rl.algorithm=ppo", f"rl.critic_path={tmp_path / 'critic'}"]))
+    same = build_char_tokenizer()
+    save_model(build_tiny_model(MICRO, same, seed=0), same, tmp_path / "fits")
+    preflight(load_config(["rl.algorithm=ppo", f"rl.critic_path={tmp_path / 'fits'}"]))
+    with pytest.raises(ConfigError, match="value_warmup_steps=3 pre-trains a critic"):
+        preflight(load_config(["rl.algorithm=grpo", "rl.value_warmup_steps=3"]))
+    for algorithm in ("ppo", "vapo", "rloo", "reinforce_pp", "gspo"):
+        preflight(load_config([f"rl.algorithm={algorithm}"]))

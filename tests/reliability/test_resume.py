@@ -4,6 +4,7 @@ record) holds HIVE's state too, so a resumed HIVE run draws the prompts the chec
 
 from __future__ import annotations
 
+import dataclasses
 import json
 
 import pytest
@@ -41,7 +42,7 @@ class Killed(Exception):
     pass
 
 
-def run(tmp_path, *, kill_at=None, hive=True, ckpt="ckpt", steps=7):
+def run(tmp_path, *, kill_at=None, hive=True, ckpt="ckpt", steps=7, params=PRESETS["grpo"], keep=None):
     torch.manual_seed(0)
     tok = build_char_tokenizer()
     model = build_tiny_model(MICRO, tok, seed=0)
@@ -70,7 +71,7 @@ def run(tmp_path, *, kill_at=None, hive=True, ckpt="ckpt", steps=7):
         saved_model(tmp_path / f"model-{ckpt}", model, tok),
         prompts(tok),
         HalfRight(),
-        PRESETS["grpo"],
+        params,
         rl,
         seed=0,
         device="cpu",
@@ -80,7 +81,29 @@ def run(tmp_path, *, kill_at=None, hive=True, ckpt="ckpt", steps=7):
         state_dir=tmp_path / ckpt,
     )
     result = driver.run()
+    if keep is not None:
+        keep["trainer"] = driver.trainer
     return result, {k: v.clone() for k, v in driver.final_model.state_dict().items()}
+
+
+def test_ppo_killed_midway_resumes_with_its_critic_and_ends_identical(tmp_path):
+    """The critic's weights and optimizer are in the checkpoint: a killed PPO run (value pre-training
+    across the kill, an entropy bonus adapting) resumes and ends exactly as the unkilled one."""
+    params = dataclasses.replace(PRESETS["ppo"], value_warmup_steps=5, entropy_coef=0.01, entropy_target=9.0)
+    whole_keep, killed_keep = {}, {}
+    whole, w_whole = run(tmp_path, hive=False, ckpt="whole", params=params, keep=whole_keep)
+    with pytest.raises(Killed):
+        run(tmp_path, kill_at=5, hive=False, ckpt="killed", params=params)
+    last = latest_checkpoint(tmp_path / "killed" / "checkpoints")
+    assert last.name == "step-000004" and (last / "critic.safetensors").exists()
+    assert (last / "critic_optimizer.safetensors").exists()
+    resumed, w_resumed = run(tmp_path, hive=False, ckpt="killed", params=params, keep=killed_keep)
+    assert [m.extra["value_loss"] for m in resumed.history] == [m.extra["value_loss"] for m in whole.history]
+    assert all(torch.equal(w_whole[k], w_resumed[k]) for k in w_whole)
+    a, b = whole_keep["trainer"], killed_keep["trainer"]
+    ca, cb = a.critic.state_dict(), b.critic.state_dict()
+    assert all(torch.equal(ca[k], cb[k]) for k in ca)
+    assert a.entropy_coef == b.entropy_coef
 
 
 @pytest.mark.parametrize("hive", [True, False])
@@ -210,3 +233,78 @@ def test_a_hive_laminar_run_killed_after_a_checkpoint_draws_the_prompts_it_recor
         (u - first_new, p) for u, p in sorted(by_uid.items()) if first_new <= u < first_new + len(buffered)
     ]
     assert new and all(buffered[i] == p for i, p in new)  # new groups draw HIVE's buffered prompts, in order
+
+
+@pytest.mark.parametrize("backend", ["torch", pytest.param("deepspeed", marks=pytest.mark.slow)])
+def test_a_ppo_laminar_run_killed_after_a_checkpoint_resumes_its_critic(tmp_path, backend):
+    """PPO on the Ray runtime (``rl.mode=laminar``; torch or DeepSpeed ZeRO-2 trainer): the trainer is
+    SIGKILLed after step 5, the rerun resumes from step 4 and runs to the end, and its critic's
+    optimizer continues from the checkpoint's (AdamW's step count at the next checkpoint is 6, not
+    the 2 a fresh critic would have)."""
+    import os
+    import signal
+
+    ray = pytest.importorskip("ray")
+    from safetensors.torch import load_file
+
+    from conf.schema import ClusterConfig, TrainerConfig
+    from generation.model import save_model
+    from training.rl.drivers.ray import LaminarRuntime
+
+    if backend == "deepspeed":
+        pytest.importorskip("deepspeed")
+        os.environ.setdefault("TORCH_EXTENSIONS_DIR", str(tmp_path / "ext"))
+    tok = build_char_tokenizer()
+    model_dir = tmp_path / "model"
+    save_model(build_tiny_model(MICRO, tok, seed=0), tok, model_dir)
+    rl = RLConfig(
+        mode="laminar",
+        algorithm="ppo",
+        steps=8,
+        prompts_per_step=4,
+        group_size=4,
+        lr=1e-3,
+        max_new_tokens=8,
+        rollout_capacity=16,
+        chunk_steps=4,
+        checkpoint_every=2,
+        eval_every=0,
+        micro_batch_tokens=0,
+        max_staleness=4,
+    )
+
+    def runtime(on_step=None):
+        return LaminarRuntime(
+            model_dir,
+            prompts(tok, 200),
+            HalfRight(),
+            PRESETS["ppo"],
+            rl,
+            seed=0,
+            device="cpu",
+            cluster=ClusterConfig(rollouts=1),
+            trainer=TrainerConfig(backend=backend),
+            state_dir=tmp_path / "state",
+            on_step=on_step,
+        )
+
+    def kill_trainer(m):
+        if m.step == 5:
+            os.kill(ray.get(rt.trainer.lead.ping.remote()).pid, signal.SIGKILL)
+
+    rt = runtime(kill_trainer)
+    with pytest.raises(ray.exceptions.RayActorError):
+        rt.run()
+    ckpts = tmp_path / "state" / "checkpoints"
+    assert latest_checkpoint(ckpts).name == "step-000004"
+
+    def critic_steps(ckpt):
+        state = load_file(str(ckpt / "critic_optimizer.safetensors"))
+        return {float(v) for k, v in state.items() if k.endswith(".step")}
+
+    assert critic_steps(latest_checkpoint(ckpts)) == {4.0}
+    rt2 = runtime()
+    result = rt2.run()
+    assert rt2.summary.get("resumed") == 1 and rt2.summary["updates"] == 8
+    assert critic_steps(latest_checkpoint(ckpts)) == {6.0}
+    assert all("value_loss" in m.extra for m in result.history) and len(result.history) == 8

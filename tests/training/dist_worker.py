@@ -77,10 +77,19 @@ def lora_micro_model(tok):
 
 
 def run_rank(
-    rank: int, world: int, port: int, backend: str, stage: int, updates: int, out_dir: str, lora: bool = False
+    rank: int,
+    world: int,
+    port: int,
+    backend: str,
+    stage: int,
+    updates: int,
+    out_dir: str,
+    lora: bool = False,
+    preset: str = "grpo",
 ) -> None:
-    """Build the micro model (``lora``: with LoRA adapters), join the group, take ``updates`` updates;
-    rank 0 writes losses, grad norms and the final published weights (safetensors + JSON) to ``out_dir``."""
+    """Build the micro model (``lora``: with LoRA adapters), join the group, take ``updates`` updates of
+    ``preset``; rank 0 writes losses, grad norms (and value losses with a critic) and the final
+    published weights (safetensors + JSON) to ``out_dir``."""
     import json
 
     from safetensors.numpy import save_file
@@ -98,16 +107,19 @@ def run_rank(
     kw = dict(TRAIN_KW, pad_id=tok.pad_token_id, rank=rank, world_size=world)
     if backend == "deepspeed":
         trainer = DeepSpeedPolicyTrainer(
-            model, PRESETS["grpo"], ds_config={"zero_optimization": {"stage": stage}}, **kw
+            model, PRESETS[preset], ds_config={"zero_optimization": {"stage": stage}}, **kw
         )
     else:
-        trainer = PolicyTrainer(model, PRESETS["grpo"], **kw)
+        trainer = PolicyTrainer(model, PRESETS[preset], **kw)
     stats = [trainer.update(random_groups(tok, seed=s)) for s in range(updates)]
     state = trainer.full_state()
     if rank == 0:
         save_file(state, os.path.join(out_dir, "weights.safetensors"))
         with open(os.path.join(out_dir, "stats.json"), "w") as f:
-            json.dump([{"loss": s.loss, "grad_norm": s.grad_norm, "version": s.version} for s in stats], f)
+            rows = [
+                {"loss": s.loss, "grad_norm": s.grad_norm, "version": s.version, **s.metrics} for s in stats
+            ]
+            json.dump(rows, f)
     # leave together, with the process group torn down: a rank exiting while gloo's threads still run
     # aborts ("terminate called without an active exception")
     import torch.distributed as dist

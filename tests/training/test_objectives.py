@@ -7,12 +7,14 @@ import typing
 import pytest
 import torch
 
-from conf.schema import RL_ALGORITHMS, Advantage, BehaviourWeight, LossAgg
+from conf.schema import RL_ALGORITHMS, Advantage, BehaviourWeight, LossAgg, RatioLevel
 from training.objectives import (
     ADVANTAGES,
     AGGREGATIONS,
     BEHAVIOUR_WEIGHTS,
     PRESETS,
+    RATIO_LEVELS,
+    TOKEN_ADVANTAGES,
     ObjectiveParams,
     PolicyBatch,
     aggregate,
@@ -124,7 +126,9 @@ def test_batch_normalized_all_constant_is_zero():
 
 
 def test_every_name_the_config_accepts_has_its_function():
-    assert set(ADVANTAGES) == set(typing.get_args(Advantage))
+    assert set(ADVANTAGES) | set(TOKEN_ADVANTAGES) == set(typing.get_args(Advantage))
+    assert not set(ADVANTAGES) & set(TOKEN_ADVANTAGES)
+    assert set(RATIO_LEVELS) == set(typing.get_args(RatioLevel))
     assert set(AGGREGATIONS) == set(typing.get_args(LossAgg))
     assert set(BEHAVIOUR_WEIGHTS) == set(typing.get_args(BehaviourWeight))
     assert set(PRESETS) == set(RL_ALGORITHMS)

@@ -26,18 +26,20 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-def _reference(lora: bool = False):
+def _reference(lora: bool = False, preset: str = "grpo"):
     tok = build_char_tokenizer()
     model = lora_micro_model(tok) if lora else build_tiny_model(MICRO, tok, seed=0)
-    trainer = PolicyTrainer(model, PRESETS["grpo"], pad_id=tok.pad_token_id, **TRAIN_KW)
+    trainer = PolicyTrainer(model, PRESETS[preset], pad_id=tok.pad_token_id, **TRAIN_KW)
     stats = [trainer.update(random_groups(tok, seed=s)) for s in range(UPDATES)]
     return stats, trainer.full_state()
 
 
-def _spawn(world: int, backend: str, stage: int, tmp_path, lora: bool = False) -> tuple[list[dict], dict]:
+def _spawn(
+    world: int, backend: str, stage: int, tmp_path, lora: bool = False, preset: str = "grpo"
+) -> tuple[list[dict], dict]:
     mp.start_processes(
         run_rank,
-        args=(world, _free_port(), backend, stage, UPDATES, str(tmp_path), lora),
+        args=(world, _free_port(), backend, stage, UPDATES, str(tmp_path), lora, preset),
         nprocs=world,
         join=True,
         start_method="spawn",
@@ -89,6 +91,18 @@ def test_lora_backend_matches_one_torch_rank_and_trains_only_the_adapter(world, 
     assert moved and any(
         not np.allclose(ref_state[k], start[k.replace(".weight", ".default.weight")]) for k in moved
     )
+
+
+@pytest.mark.parametrize("world,backend,stage,lora", [(2, "torch", 0, False), (1, "deepspeed", 2, True)])
+def test_ppo_with_its_critic_matches_one_torch_rank(world, backend, stage, lora, tmp_path):
+    """The critic is replicated on every rank and trained on the whole batch there: data-parallel
+    ranks and DeepSpeed ZeRO (LoRA policy) take the same policy and value updates as one torch rank."""
+    ref_stats, ref_state = _reference(lora=lora, preset="ppo")
+    stats, state = _spawn(world, backend, stage, tmp_path, lora=lora, preset="ppo")
+    _assert_same(stats, state, ref_stats, ref_state)
+    for got, want in zip(stats, ref_stats):
+        assert got["value_loss"] == pytest.approx(want.metrics["value_loss"], rel=1e-4)
+        assert got["explained_variance"] == pytest.approx(want.metrics["explained_variance"], abs=1e-4)
 
 
 @pytest.mark.slow

@@ -366,7 +366,7 @@ class TrainerWorker:
         """Every rank calls: DeepSpeed writes its shards through its own API (inside the caller's
         atomic checkpoint folder, on storage every trainer node sees); rank 0 writes the version and
         RNG (and, with torch, the weights and optimizer) as safetensors + JSON."""
-        from training.rl.checkpoint import save_trainer_state
+        from training.rl.checkpoint import save_trainer_extras, save_trainer_state
 
         if self.backend == "deepspeed":
             self.trainer.save(directory)
@@ -376,15 +376,18 @@ class TrainerWorker:
             save_trainer_state(
                 Path(directory), self.trainer.model, self.trainer.opt, version=self.trainer.version
             )
+        if self.rank == 0:  # the critic is replicated: rank 0's copy is every rank's
+            save_trainer_extras(Path(directory), self.trainer)
 
     def load(self, directory: str) -> int:
-        from training.rl.checkpoint import load_trainer_state
+        from training.rl.checkpoint import load_trainer_extras, load_trainer_state
 
         if self.backend == "deepspeed":
             self.trainer.load(directory)
             info = load_trainer_state(Path(directory), None, None)
         else:
             info = load_trainer_state(Path(directory), self.trainer.model, self.trainer.opt)
+        load_trainer_extras(Path(directory), self.trainer)
         self.trainer.version = int(info["version"])
         return self.trainer.version
 

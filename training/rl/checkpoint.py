@@ -59,6 +59,10 @@ MODEL_FILE = "model.safetensors"
 OPTIMIZER_FILE = "optimizer.safetensors"
 RNG_FILE = "rng.safetensors"
 STATE_FILE = "trainer_state.json"
+CRITIC_FILE = "critic.safetensors"
+CRITIC_OPTIMIZER_FILE = "critic_optimizer.safetensors"
+REFERENCE_FILE = "reference.safetensors"
+CONTROLS_FILE = "trainer_controls.json"
 
 
 # ---- durable filesystem helpers -----------------------------------------------------------------
@@ -501,6 +505,51 @@ def load_trainer_state(dir: Path, model, optimizer) -> dict:
         "optimizer_class": state.get("optimizer_class"),
         "torch_version": state.get("torch_version"),
     }
+
+
+def save_trainer_extras(dir: Path, trainer) -> None:
+    """What a ``PolicyTrainer`` holds beside its policy and optimizer, into ``dir``: the critic's
+    weights (``critic.safetensors``) and optimizer (``critic_optimizer.safetensors``) when it has a
+    critic, the KL reference (``reference.safetensors``) when the objective resets it, and the
+    adaptive entropy coefficient and the critic optimizer's param groups (``trainer_controls.json``)."""
+    from safetensors.torch import save_file, save_model
+
+    dir = Path(dir)
+    controls: dict[str, Any] = {"entropy_coef": float(trainer.entropy_coef), "critic_optimizer": None}
+    if trainer.critic is not None:
+        save_model(trainer.critic, str(dir / CRITIC_FILE))
+        controls["critic_optimizer"], tensors = _optimizer_payload(trainer.critic_opt)
+        save_file(tensors, str(dir / CRITIC_OPTIMIZER_FILE))
+    if trainer.ref_model is not None and trainer.params.ref_reset_every:
+        save_model(trainer.ref_model, str(dir / REFERENCE_FILE))
+    _atomic_write_text(dir / CONTROLS_FILE, json.dumps(controls))
+
+
+def load_trainer_extras(dir: Path, trainer) -> None:
+    """Restore what :func:`save_trainer_extras` wrote into ``trainer`` (built as when saved). A
+    checkpoint without a critic for a trainer with one (or the reverse) is refused: resuming would
+    silently restart the critic from scratch."""
+    from safetensors.torch import load_file, load_model
+
+    dir = Path(dir)
+    path = dir / CONTROLS_FILE
+    controls = json.loads(path.read_text(encoding="utf-8")) if path.exists() else {}
+    has_critic = (dir / CRITIC_FILE).exists()
+    if has_critic != (trainer.critic is not None):
+        raise ValueError(
+            f"checkpoint {dir} {'has' if has_critic else 'has no'} critic state but the run's objective "
+            f"{'has none' if has_critic else 'has a critic'}: resume with the rl.algorithm it was saved with"
+        )
+    if trainer.critic is not None:
+        device = next(trainer.critic.parameters()).device
+        load_model(trainer.critic, str(dir / CRITIC_FILE), strict=True, device=str(device))
+        tensors = load_file(str(dir / CRITIC_OPTIMIZER_FILE))
+        trainer.critic_opt.load_state_dict(_optimizer_from_payload(controls["critic_optimizer"], tensors))
+    if trainer.ref_model is not None and trainer.params.ref_reset_every and (dir / REFERENCE_FILE).exists():
+        device = next(trainer.ref_model.parameters()).device
+        load_model(trainer.ref_model, str(dir / REFERENCE_FILE), strict=True, device=str(device))
+    if "entropy_coef" in controls:
+        trainer.entropy_coef = float(controls["entropy_coef"])
 
 
 # ---- the RL run's record ------------------------------------------------------------------------

@@ -55,6 +55,19 @@ OVERRIDABLE = (
     "overlong_shaping",
     "overlong_filter",
     "kl_coef",
+    "kl_in_reward",
+    "ratio_level",
+    "gamma",
+    "gae_lambda",
+    "value_lambda",
+    "lambda_alpha",
+    "value_coef",
+    "value_clip",
+    "value_warmup_steps",
+    "nll_coef",
+    "entropy_coef",
+    "entropy_target",
+    "ref_reset_every",
 )
 
 

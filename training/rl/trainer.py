@@ -19,7 +19,18 @@ import torch
 
 from training.finite import check_finite
 from training.lora import adapter_state, is_peft, trainable_parameters
-from training.objectives import ADVANTAGES, ObjectiveParams, PolicyBatch, entropy_from_logits, policy_loss
+from training.objectives import (
+    ObjectiveParams,
+    PolicyBatch,
+    TokenInputs,
+    advantages_of,
+    aggregate,
+    clipped_value_loss,
+    entropy_from_logits,
+    explained_variance,
+    policy_loss,
+    value_targets,
+)
 from generation.records import ScoredGroup, WeightsUpdate
 from generation.setup import HostThreads
 from training.rl.records import UpdateStats
@@ -281,7 +292,9 @@ def token_logprobs(logits: torch.Tensor, targets: torch.Tensor, temperature: flo
 class _UpdateInputs:
     """One update's tensors (``PolicyTrainer._update_inputs``): the batch, per-row ``advantages`` (B,),
     the loss ``mask`` and ``targets`` (B, T) on the device, ``lengths`` (B,) of prompt + response, and
-    the reference and proximal log-probs (B, T) when the objective uses them."""
+    the reference and proximal log-probs (B, T) when the objective uses them; with a critic, its
+    ``values`` before the update and the value ``returns`` (B, T). ``advantages`` is (B, T) for a
+    token-level estimator."""
 
     batch: TrainBatch
     advantages: torch.Tensor
@@ -290,6 +303,8 @@ class _UpdateInputs:
     lengths: torch.Tensor
     ref: torch.Tensor | None = None
     proximal: torch.Tensor | None = None
+    values: torch.Tensor | None = None
+    returns: torch.Tensor | None = None
 
     @property
     def n(self) -> int:
@@ -327,6 +342,9 @@ class PolicyTrainer:
         micro_batch_tokens: int = 0,
         rank: int = 0,
         world_size: int = 1,
+        critic_lr: float | None = None,
+        critic_path: str | None = None,
+        entropy_adapt_rate: float = 0.01,
     ):
         self.model = model.to(device).train()
         self.params = params
@@ -354,14 +372,28 @@ class PolicyTrainer:
         self._threads = HostThreads("laminar-update")
         self._dropout: bool | None = None
         self._where = f"stage {self.stage}, update 1"
-        # a frozen copy of the starting weights, only when the objective has a KL term
+        # a frozen copy of the RL-start weights, only when the objective has a KL term (ProRL: reset
+        # to the current policy every params.ref_reset_every updates)
         self.ref_model = copy.deepcopy(model).eval().requires_grad_(False) if params.kl_coef > 0 else None
+        self.critic = None
+        self.critic_opt = None
+        if params.needs_critic:  # a separate critic from the same backbone (training.rl.critic)
+            from training.rl.critic import build_critic
+
+            self.critic = build_critic(model, critic_path, device)
+            self.critic_opt = torch.optim.AdamW(
+                self.critic.parameters(), lr=critic_lr or lr, weight_decay=weight_decay, betas=(0.9, 0.99)
+            )
+        self.entropy_coef = params.entropy_coef
+        """The entropy bonus's coefficient now (adapted each update when ``params.entropy_target`` is set)."""
+        self.entropy_adapt_rate = entropy_adapt_rate
 
     @classmethod
     def from_config(cls, model, params: ObjectiveParams, rl, **kw):
         """A trainer with the optimizer and batch settings of ``rl`` (``conf.schema.RLConfig``: ``lr``,
         ``weight_decay``, ``max_grad_norm``, ``temperature``, ``max_new_tokens``, ``minibatches``,
-        ``micro_batch_tokens``); ``kw``: where it runs (``pad_id``, ``device``, ranks, a backend's own)."""
+        ``micro_batch_tokens``, the critic's ``critic_lr`` and ``critic_path``, ``entropy_adapt_rate``);
+        ``kw``: where it runs (``pad_id``, ``device``, ranks, a backend's own)."""
         return cls(
             model,
             params,
@@ -372,6 +404,9 @@ class PolicyTrainer:
             max_new_tokens=rl.max_new_tokens,
             minibatches=rl.minibatches,
             micro_batch_tokens=rl.micro_batch_tokens,
+            critic_lr=rl.critic_lr,
+            critic_path=rl.critic_path,
+            entropy_adapt_rate=rl.entropy_adapt_rate,
             **kw,
         )
 
@@ -538,12 +573,18 @@ class PolicyTrainer:
         ``version`` does not advance and nothing is published."""
         inp = self._update_inputs(groups)
         chunks = list(torch.arange(inp.n).chunk(min(self.minibatches, inp.n)))
-        steps = [self._minibatch_step(inp, idx, i, len(chunks)) for i, idx in enumerate(chunks)]
+        if self.version < self.params.value_warmup_steps:  # VC-PPO: the critic learns, the policy waits
+            steps = [({"clipfrac": 0.0}, 0.0, 0.0)]
+        else:
+            steps = [self._minibatch_step(inp, idx, i, len(chunks)) for i, idx in enumerate(chunks)]
+        critic_metrics = self._critic_steps(inp, chunks) if self.critic is not None else {}
         self.version += 1
         per_chunk = [m for m, _, _ in steps]
         merged = {k: sum(c[k] for c in per_chunk) / len(per_chunk) for k in per_chunk[0]}
         if "staleness_max" in merged:
             merged["staleness_max"] = max(c["staleness_max"] for c in per_chunk)
+        merged.update(critic_metrics)
+        self._after_update(merged)
         return UpdateStats(
             kind="update_stats",
             version=self.version,
@@ -561,28 +602,93 @@ class PolicyTrainer:
         mask = batch.mask.to(self.device)
         if self.params.overlong_filter:  # DAPO: truncated responses carry no loss
             mask = mask * batch.finished.to(self.device, mask.dtype)[:, None]
+        p = self.params
         inp = _UpdateInputs(
             batch=batch,
-            advantages=ADVANTAGES[self.params.advantage](batch.rewards, batch.group_index).to(self.device),
+            advantages=torch.zeros(0),
             mask=mask,
             targets=batch.targets.to(self.device),
             lengths=batch.attention_mask.sum(1),
         )
+        kl_in_reward = p.kl_in_reward and p.kl_coef > 0
         with torch.no_grad():
             inp.ref = self._logprobs_of(self.ref_model, inp) if self.ref_model is not None else None
-            inp.proximal = self._logprobs_of(self.forward_model, inp) if self.minibatches > 1 else None
+            need_proximal = self.minibatches > 1 or kl_in_reward
+            inp.proximal = self._logprobs_of(self.forward_model, inp) if need_proximal else None
+            if self.critic is not None:
+                inp.values = self._logprobs_of(self.critic, inp, values=True)
+        rewards = batch.rewards.to(self.device)
+        token = TokenInputs(
+            rewards=rewards,
+            mask=mask,
+            values=inp.values,
+            kl=(inp.proximal - inp.ref) if kl_in_reward else None,  # k1, as REINFORCE++ folds it in
+        )
+        inp.advantages = advantages_of(p, rewards, batch.group_index.to(self.device), token)
+        if self.critic is not None:
+            inp.returns = value_targets(token, p)
         return inp
 
-    def _logprobs_of(self, model, inp: _UpdateInputs) -> torch.Tensor:
-        """(B, T) log-probs of every response token under ``model``, micro-batch by micro-batch."""
+    def _logprobs_of(self, model, inp: _UpdateInputs, values: bool = False) -> torch.Tensor:
+        """(B, T) log-probs of every response token under ``model``, micro-batch by micro-batch
+        (``values``: ``model`` is the critic, and these are its values ``V(s_t)``)."""
         out = torch.zeros((inp.n, inp.mask.shape[1]), device=self.device)
         for mb in micro_batches(inp.lengths, torch.arange(inp.n), self.micro_batch_tokens):
             sub = inp.batch.rows(mb).trimmed()
             t = sub.mask.shape[1]
-            out[mb.to(self.device), :t] = token_logprobs(
-                self._response_logits(model, sub), inp.targets[mb, :t], self.temperature
+            logits = self._response_logits(model, sub)
+            out[mb.to(self.device), :t] = (
+                logits[..., 0] if values else token_logprobs(logits, inp.targets[mb, :t], self.temperature)
             )
         return out
+
+    def _critic_steps(self, inp: _UpdateInputs, chunks: list[torch.Tensor]) -> dict[str, float]:
+        """One critic step per minibatch on the clipped value loss (``value_coef`` x its token mean),
+        gradients clipped at ``rl.max_grad_norm``. Every rank runs it on the whole minibatch (the
+        batch is on every rank), so the replicated critics stay equal without communication. Metrics:
+        ``value_loss``, ``value_clipfrac``, ``explained_variance`` (of the pre-update values)."""
+        p, total, clipped = self.params, 0.0, 0.0
+        for idx in chunks:
+            self.critic_opt.zero_grad(set_to_none=True)
+            for mb in micro_batches(inp.lengths, idx, self.micro_batch_tokens):
+                sub = inp.batch.rows(mb).trimmed()
+                t = sub.mask.shape[1]
+                m = inp.mask[mb, :t]
+                values = self._response_logits(self.critic, sub)[..., 0]
+                loss, frac = clipped_value_loss(values, inp.values[mb, :t], inp.returns[mb, :t], p.value_clip)
+                share = micro_share(m, inp.mask[idx], "token_mean")
+                (p.value_coef * aggregate(loss, m, "token_mean") * share).backward()
+                total += float(aggregate(loss.detach(), m, "token_mean")) * share / len(chunks)
+                clipped += float(aggregate(frac, m, "token_mean")) * share / len(chunks)
+            norm = float(torch.nn.utils.clip_grad_norm_(self.critic.parameters(), self.max_grad_norm))
+            self._check_finite(loss=total, gradient_norm=norm)
+            self.critic_opt.step()
+        return {
+            "value_loss": total,
+            "value_clipfrac": clipped,
+            "explained_variance": explained_variance(inp.values, inp.returns, inp.mask),
+        }
+
+    def _after_update(self, metrics: dict[str, float]) -> None:
+        """The exploration controls after update ``version``: the adaptive entropy coefficient moves
+        towards ``entropy_target``; every ``ref_reset_every`` updates the KL reference becomes the
+        current policy and the optimizer's moments are cleared (ProRL)."""
+        p = self.params
+        if p.entropy_target is not None and "entropy" in metrics:
+            step = self.entropy_adapt_rate * (p.entropy_target - metrics["entropy"])
+            self.entropy_coef = max(0.0, self.entropy_coef + step)
+        if self.entropy_coef > 0 or p.entropy_target is not None:
+            metrics["entropy_coef"] = self.entropy_coef
+        if p.ref_reset_every and self.ref_model is not None and self.version % p.ref_reset_every == 0:
+            self.ref_model.load_state_dict(self._policy_state_dict())
+            self._reset_optimizer()
+            metrics["reference_reset"] = 1.0
+
+    def _policy_state_dict(self) -> dict[str, torch.Tensor]:
+        return {k: v.detach().clone() for k, v in self.model.state_dict().items()}
+
+    def _reset_optimizer(self) -> None:
+        self.opt.state.clear()
 
     def _minibatch_step(
         self, inp: _UpdateInputs, idx: torch.Tensor, i: int, n_chunks: int
@@ -622,26 +728,28 @@ class PolicyTrainer:
             logits = self._response_logits(model, sub)
             logprobs = token_logprobs(logits, inp.targets[mb, :t], self.temperature)
             m = inp.mask[mb, :t]
+            bonus = self.entropy_coef > 0
             pbatch = PolicyBatch(
                 logprobs=logprobs,
                 old_logprobs=inp.proximal[mb, :t] if inp.proximal is not None else logprobs.detach(),
                 behaviour_logprobs=sub.behaviour.to(self.device),
-                advantages=inp.advantages[mb],
+                advantages=inp.advantages[mb] if inp.advantages.dim() == 1 else inp.advantages[mb, :t],
                 mask=m,
                 max_len=self.max_new_tokens,
                 versions=sub.versions,
                 trainer_version=self.version,
                 ref_logprobs=inp.ref[mb, :t] if inp.ref is not None else None,
+                entropy=entropy_from_logits(logits / self.temperature) if bonus else None,
+                positive=(sub.rewards > 0).to(self.device),
             )
-            loss, mb_metrics = policy_loss(pbatch, self.params)
+            loss, mb_metrics = policy_loss(pbatch, self.params, entropy_coef=self.entropy_coef)
             share = micro_share(m, inp.mask[idx], self.params.loss_agg) if counts else 0.0
             self._backward(loss * share, boundary=j == len(mbs) - 1)
             part_loss += float(loss.detach()) * share
             with torch.no_grad():
                 denom = m.sum().clamp_min(1)
-                mb_metrics["entropy"] = float(
-                    (entropy_from_logits(logits.detach() / self.temperature) * m).sum() / denom
-                )
+                ent = pbatch.entropy if bonus else entropy_from_logits(logits.detach() / self.temperature)
+                mb_metrics["entropy"] = float((ent.detach() * m).sum() / denom)
                 mb_metrics["sampler_logprob_gap"] = float(
                     ((pbatch.old_logprobs - pbatch.behaviour_logprobs).abs() * m).sum() / denom
                 )
@@ -721,6 +829,19 @@ class DeepSpeedPolicyTrainer(PolicyTrainer):
     @property
     def forward_model(self):
         return self.engine
+
+    def _policy_state_dict(self) -> dict[str, torch.Tensor]:
+        """ZeRO-3 partitions the parameters: gathered (every rank calls) for the reference reset."""
+        if self.zero_stage == 3:
+            import deepspeed
+
+            with deepspeed.zero.GatheredParameters(list(self.model.parameters()), modifier_rank=None):
+                return super()._policy_state_dict()
+        return super()._policy_state_dict()
+
+    def _reset_optimizer(self) -> None:
+        """DeepSpeed's ZeRO optimizer keeps its moments in partitioned buffers: only the reference is
+        reset (docs/runtime.md)."""
 
     def _zero_grad(self) -> None:  # the engine clears gradients after each step
         return None

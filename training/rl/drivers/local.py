@@ -23,7 +23,14 @@ from generation.adapter import adapter_rank, load_published, model_dir_for_sampl
 from generation.engines import make_engine, rollout_engine_options
 from generation.records import PromptItem
 from training.objectives import ObjectiveParams
-from training.rl.checkpoint import resume_run, save_run, save_trainer_state, load_trainer_state
+from training.rl.checkpoint import (
+    load_trainer_extras,
+    load_trainer_state,
+    resume_run,
+    save_run,
+    save_trainer_extras,
+    save_trainer_state,
+)
 from training.rl.loop import PromptCursor, RLResult, group_scorer, keep_filter, policy_copy
 from training.rl.manager import ManagerSettings, RolloutManager
 from training.rl.records import ExtractReply, PullResult, StepMetrics
@@ -212,9 +219,11 @@ class LocalDriver:
 
     def _save_trainer(self, folder: Path) -> None:
         save_trainer_state(folder, self.trainer.model, self.trainer.opt, version=self.trainer.version)
+        save_trainer_extras(folder, self.trainer)  # the critic, the reset reference, the entropy coefficient
 
     def _load_trainer(self, folder: Path) -> int:
         self.trainer.version = int(
             load_trainer_state(folder, self.trainer.model, self.trainer.opt)["version"]
         )
+        load_trainer_extras(folder, self.trainer)
         return self.trainer.version
