@@ -106,9 +106,7 @@ def evaluate_checkpoint(
     templates = {**templates, **{name: f.template for name, f in files.items()}}
     with (
         Verifier(timeout_s=cfg.verifier_timeout_s) as verifier,
-        tqdm(
-            total=len(items) * cfg.n_samples, desc="evaluate", unit="sample", leave=False, disable=None
-        ) as bar,
+        tqdm(total=len(items) * cfg.n_samples, desc="evaluate", unit="sample", leave=False) as bar,
     ):
         rows = evaluate_items(
             model,

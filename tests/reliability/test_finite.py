@@ -173,7 +173,7 @@ def test_rl_update_with_a_nan_loss_stops_before_the_optimizer_step(monkeypatch):
     monkeypatch.setattr(
         trainer_mod,
         "policy_loss",
-        lambda batch, params: (lambda out: (out[0] * float("nan"), out[1]))(real(batch, params)),
+        lambda batch, params, **kw: (lambda out: (out[0] * float("nan"), out[1]))(real(batch, params, **kw)),
     )
     with pytest.raises(NonFiniteError) as err:
         trainer.update(random_groups(tok, seed=0))
