@@ -72,8 +72,10 @@ class DynamicRows:
         self._keys = torch.zeros(0, dtype=torch.long, device=dev)  # [B] noise keys
         self._lastv = torch.zeros(0, dtype=torch.long, device=dev)  # [B] version of the last token
 
-    def join(self, new) -> None:
-        """Prefill ``new`` rows, sample their next token and merge them into the running batch."""
+    def _prefill_rows(self, new):
+        """Prefill ``new`` rows (request, tokens and log-probs so far, version, entropy sum) and sample
+        each one's next token: (seqs, cache, attn, keys, ngen, toks, lps, next, entropy), the token
+        and log-prob buffers [b, max_new_tokens] holding the sampled token at column ngen."""
         dev, m = self.e.device, self.e.max_new_tokens
         seqs = [list(r.prompt.prompt_tokens) + list(toks) for r, toks, _, _, _ in new]
         cache, attn, logits = self.e._prefill(seqs)
@@ -90,6 +92,13 @@ class DynamicRows:
         nxt, lp, ent = self.e._sample(logits, keys, ngen)
         toks_buf.scatter_(1, ngen[:, None], nxt[:, None])
         lps_buf.scatter_(1, ngen[:, None], lp[:, None])
+        return seqs, cache, attn, keys, ngen, toks_buf, lps_buf, nxt, ent
+
+    def join(self, new) -> None:
+        """Prefill ``new`` rows, sample their next token and merge them into the running batch."""
+        dev = self.e.device
+        seqs, cache, attn, keys, ngen, toks_buf, lps_buf, nxt, ent = self._prefill_rows(new)
+        b = len(new)
         plen = torch.tensor([len(r.prompt.prompt_tokens) for r, *_ in new], dtype=torch.long, device=dev)
         ent_sum = torch.tensor([e for *_, e in new], dtype=torch.float64, device=dev) + ent
         self._rows.extend(Row(r, self.e.version if v is None else v) for r, _, _, v, _ in new)
@@ -398,22 +407,9 @@ class SlotRows(DynamicRows):
         return (last == self.e.eos_id) | (self._ngen >= self.e.max_new_tokens)
 
     def join(self, new) -> None:
-        dev, m = self.e.device, self.e.max_new_tokens
-        seqs = [list(r.prompt.prompt_tokens) + list(toks) for r, toks, _, _, _ in new]
-        cache, attn, logits = self.e._prefill(seqs)
+        dev = self.e.device
+        seqs, cache, attn, keys, ngen, toks_buf, lps_buf, nxt, ent = self._prefill_rows(new)
         b, w = len(new), attn.shape[1]
-        ngen = torch.tensor([len(toks) for _, toks, _, _, _ in new], dtype=torch.long)
-        toks_buf = torch.zeros((b, m), dtype=torch.long)
-        lps_buf = torch.zeros((b, m), dtype=torch.float32)
-        for i, (_, toks, lps, _, _) in enumerate(new):
-            if toks:
-                toks_buf[i, : len(toks)] = torch.tensor(toks, dtype=torch.long)
-                lps_buf[i, : len(lps)] = torch.tensor(lps, dtype=torch.float32)
-        keys = torch.tensor([row_key(self.e.seed, r) for r, *_ in new], dtype=torch.long, device=dev)
-        ngen, toks_buf, lps_buf = ngen.to(dev), toks_buf.to(dev), lps_buf.to(dev)
-        nxt, lp, ent = self.e._sample(logits, keys, ngen)
-        toks_buf.scatter_(1, ngen[:, None], nxt[:, None])
-        lps_buf.scatter_(1, ngen[:, None], lp[:, None])
 
         # room: the new rows' cache ends at column c, so c >= w; one more column for the next step
         self._ensure_kv(cache, max(self._c, w) + 1)
