@@ -8,7 +8,7 @@ from pathlib import Path
 import pytest
 
 ROOT = Path(__file__).resolve().parent.parent
-LIBRARIES = ["generation", "rewards", "data_curation", "training", "evaluation", "core", "conf"]
+LIBRARIES = ["generation", "rewards", "environments", "data_curation", "training", "evaluation", "core", "conf"]
 
 
 def _modules(pkg):
@@ -47,6 +47,7 @@ LAYERS = [
     ("core", "conf"),
     ("generation",),
     ("rewards",),
+    ("environments",),
     ("evaluation",),
     ("data_curation",),
     ("training",),
@@ -95,7 +96,7 @@ def test_layer_check_catches_an_import_against_the_order(tmp_path):
     )
     (tmp_path / "evaluation").mkdir()
     (tmp_path / "evaluation" / "ok.py").write_text("from generation.records import PromptItem\n")
-    assert layer_violations(tmp_path) == ["generation/engine.py:2 imports training.rl.loop (layer 5 > 1)"]
+    assert layer_violations(tmp_path) == ["generation/engine.py:2 imports training.rl.loop (layer 6 > 1)"]
 
 
 def package_import_graph(root: Path = ROOT, package: str = "tasks") -> dict[str, set[str]]:
