@@ -63,6 +63,7 @@ def preflight(cfg: Config) -> None:
                 f"model.path={path} has no *.safetensors weights; pickled weights are never loaded, "
                 "convert them to safetensors first"
             )
+        _check_vllm_shape(cfg, path)
     from data_curation.sources import resolve_source_path
 
     for i, src in enumerate(cfg.data.sources):
@@ -94,6 +95,24 @@ def preflight(cfg: Config) -> None:
                 "trainer.backend=deepspeed: the deepspeed package is not installed "
                 "(it is in requirements.txt: run `make test` or `pip install -r requirements.txt`)"
             )
+
+
+def _check_vllm_shape(cfg: Config, path: Path) -> None:
+    """``rollout.engine=vllm`` on the CPU with a Hugging Face model: its attention heads must be a size
+    vLLM's CPU build runs (read from ``config.json``: ``head_dim``, else hidden size / heads), or the
+    run would fail minutes in, at the rollout's start."""
+    if cfg.rollout.engine != "vllm" or cfg.device != "cpu":
+        return
+    import json
+
+    from conf.schema import vllm_cpu_refusal
+
+    conf = json.loads((path / "config.json").read_text())
+    heads = conf.get("num_attention_heads")
+    head_dim = conf.get("head_dim") or (conf.get("hidden_size", 0) // heads if heads else None)
+    why = vllm_cpu_refusal(head_dim) if head_dim else None
+    if why:
+        raise ConfigError(f"rollout.engine=vllm with model.path={path} (head_dim={head_dim}): {why}")
 
 
 def _check_critic(cfg: Config, params) -> None:

