@@ -1,8 +1,10 @@
 """Length shaping on the default task: seeds x {verifier, cosine, cosine + repetition} with a longer
-generation limit, so the model can ramble. One workspace per seed, so every reward reuses the
-seed's curation and warm-up from cache (the reward is in the RL stage's key only).
+generation limit and rambling warm-up demonstrations (``data.demo_restate_rate``: after each step the
+running total is restated a geometric number of times), so the model starts RL long and repetitive
+for no gain. One workspace per seed, so every reward reuses the seed's curation and warm-up from
+cache (the reward is in the RL stage's key only). ``--resume`` keeps the rows already in the JSON.
 
-    nice -n 10 python benchmarks/reward_length.py --seeds 0 1 2 --threads 1
+    nice -n 10 python benchmarks/reward_length.py --seeds 0 1 2 --threads 1 --resume
 
 Per run it reads the RL artifact's ``history.jsonl`` (per step: mean length of correct and of wrong
 responses, repeated 3-gram rate, truncation, accuracy, each reward term) and the held-out accuracy
@@ -42,6 +44,7 @@ def run_one(ws: Path, seed: int, name: str, args) -> dict:
         f"seed={seed}",
         f"threads={args.threads}",
         f"rl.max_new_tokens={args.max_new_tokens}",
+        f"data.demo_restate_rate={args.restate_rate}",
         f"eval.max_new_tokens={args.max_new_tokens}",
         *REWARDS[name],
     ]
@@ -102,18 +105,24 @@ def main() -> None:
     ap.add_argument("--rewards", nargs="+", default=list(REWARDS), choices=list(REWARDS))
     ap.add_argument("--threads", type=int, default=1)
     ap.add_argument("--max-new-tokens", type=int, default=128)
+    ap.add_argument("--restate-rate", type=float, default=0.3)
+    ap.add_argument("--tag", default="length", help="results file name: <date>_<tag>.json / .png")
+    ap.add_argument("--resume", action="store_true")
     ap.add_argument("--workspaces", type=Path, default=Path("/tmp/reward-layer-length"))
     ap.add_argument("--out", type=Path, default=ROOT / "benchmarks" / "results" / "rewards")
     args = ap.parse_args()
     args.out.mkdir(parents=True, exist_ok=True)
-    rows = []
-    out = args.out / f"{DATE}_length.json"
+    out = args.out / f"{DATE}_{args.tag}.json"
+    rows = json.loads(out.read_text())["rows"] if args.resume and out.exists() else []
+    done = {(r["seed"], r["reward"]) for r in rows}
     for seed in args.seeds:
         for name in args.rewards:
+            if (seed, name) in done:
+                continue
             rows.append(run_one(args.workspaces / f"seed{seed}", seed, name, args))
             print(f"seed {seed} {name}: held-out {rows[-1]['heldout_accuracy_rl']} ({rows[-1]['wall_s']} s)")
             out.write_text(json.dumps({"date": DATE, "machine": "2-core CPU", "rows": rows}, indent=1))
-    plot(rows, args.out / f"{DATE}_length.png")
+    plot(rows, args.out / f"{DATE}_{args.tag}.png")
 
 
 if __name__ == "__main__":

@@ -161,6 +161,11 @@ class DataConfig:
     demo_error_rate: Annotated[float, Fraction] = 0.15
     """Per-step chance that a warm-up demonstration's result is off by 1-2 (an imperfect teacher);
     gold solutions and answers stay exact. RL with the verifier is what corrects the slips."""
+    demo_restate_rate: Annotated[float, Fraction] = 0.0
+    """Rambling demonstrations: after each step the running total is restated ("so the total is 12")
+    a geometric number of times (each further one with this probability, at most 3). Pure length and
+    repetition, no information: the task where length shaping has something to do
+    (benchmarks/reward_length.py, docs/rewards.md). 0 keeps the demonstrations as they are."""
     max_prompt_chars: Annotated[int, Positive] = 16384
     """Ingest quarantines a problem longer than this (after normalisation) with the reason
     "problem too long": the engines pad every batch to its longest prompt, so one huge row would

@@ -49,8 +49,22 @@ class Problem:
     imperfect teacher. ``solution`` and ``answer`` are always correct."""
 
 
-def _solve(operands: list[int], ops: list[str], slip: random.Random | None = None, rate: float = 0.0) -> str:
-    """The step-by-step solution; with ``slip``, each step's result is off by 1 or 2 with prob ``rate``."""
+RESTATE_LINE = "so the total is {acc}"
+"""A restatement a rambling demonstration adds after a step: it carries nothing (the total is on the
+step's line already), so it is pure length, and its words repeat from the second one on."""
+
+
+def _solve(
+    operands: list[int],
+    ops: list[str],
+    slip: random.Random | None = None,
+    rate: float = 0.0,
+    restate: random.Random | None = None,
+    restate_rate: float = 0.0,
+) -> str:
+    """The step-by-step solution; with ``slip``, each step's result is off by 1 or 2 with prob ``rate``;
+    with ``restate``, after each step the running total is restated (``RESTATE_LINE``) a geometric
+    number of times (each further one with prob ``restate_rate``, at most 3)."""
     steps, acc = [], operands[0]
     for op, x in zip(ops, operands[1:]):
         new = acc + x if op == "+" else acc - x
@@ -58,6 +72,11 @@ def _solve(operands: list[int], ops: list[str], slip: random.Random | None = Non
             new = max(0, new + slip.choice((-2, -1, 1, 2))) or new + 1
         steps.append(f"{acc}{op}{x}={new}")
         acc = new
+        if restate is not None and restate_rate > 0:
+            repeats = 0
+            while repeats < 3 and restate.random() < restate_rate:
+                repeats += 1
+            steps += [RESTATE_LINE.format(acc=acc)] * repeats
     return "\n".join(steps + [f"#### {acc}"])
 
 
@@ -87,12 +106,19 @@ def prompt_id(text: str) -> str:
 
 
 def generate(
-    seed: int, pool_size: int, heldout_size: int, levels: list[int], demo_error_rate: float = 0.0
+    seed: int,
+    pool_size: int,
+    heldout_size: int,
+    levels: list[int],
+    demo_error_rate: float = 0.0,
+    demo_restate_rate: float = 0.0,
 ) -> tuple[list[Problem], list[Problem]]:
     """(pool, heldout): disjoint, levels balanced round-robin, deterministic from ``seed``. The
-    problems do not depend on ``demo_error_rate`` (slips draw from their own generator)."""
+    problems do not depend on ``demo_error_rate`` or ``demo_restate_rate``, nor the slips on the
+    restatements (each draws from its own generator)."""
     rng = random.Random(f"arith:{seed}")
     slip = random.Random(f"arith-demo:{seed}")
+    restate = random.Random(f"arith-restate:{seed}")
     seen: set[str] = set()
 
     def draw(n: int, split: str) -> list[Problem]:
@@ -119,7 +145,7 @@ def generate(
             seen.add(expr)
             text = problem_text(expr)
             solution = _solve(operands, ops)
-            demonstration = _solve(operands, ops, slip, demo_error_rate)
+            demonstration = _solve(operands, ops, slip, demo_error_rate, restate, demo_restate_rate)
             answer = solution.rsplit("#### ", 1)[1]
             out.append(Problem(prompt_id(text), text, solution, answer, level, split, demonstration))
         return out
@@ -134,7 +160,14 @@ PROMPT_TEMPLATE = "{problem}\n"
 
 
 def write_dataset(
-    out_dir, *, seed: int, pool_size: int, heldout_size: int, levels: list[int], demo_error_rate: float = 0.0
+    out_dir,
+    *,
+    seed: int,
+    pool_size: int,
+    heldout_size: int,
+    levels: list[int],
+    demo_error_rate: float = 0.0,
+    demo_restate_rate: float = 0.0,
 ) -> dict[str, float]:
     """Write ``pool.parquet`` and ``heldout.parquet`` (columns: prompt_id, problem, solution, answer,
     level, split, demonstration) into ``out_dir``; returns counts."""
@@ -143,7 +176,7 @@ def write_dataset(
 
     import polars as pl
 
-    pool, heldout = generate(seed, pool_size, heldout_size, levels, demo_error_rate)
+    pool, heldout = generate(seed, pool_size, heldout_size, levels, demo_error_rate, demo_restate_rate)
     for name, rows in (("pool", pool), ("heldout", heldout)):
         pl.DataFrame([asdict(p) for p in rows]).write_parquet(Path(out_dir) / f"{name}.parquet")
     return {"pool_prompts": float(len(pool)), "heldout_prompts": float(len(heldout))}

@@ -64,6 +64,7 @@ def data_body(ctx: StageContext) -> StageResult:
                 heldout_size=d.heldout_size,
                 levels=list(d.levels),
                 demo_error_rate=d.demo_error_rate,
+                demo_restate_rate=d.demo_restate_rate,
             )
             specs.append(dict(ARITH_SOURCE))
         specs += snapshot_sources(d.sources, out)

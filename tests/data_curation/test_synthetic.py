@@ -68,3 +68,24 @@ def test_demonstration_slips_at_the_configured_rate_without_changing_problems():
             slipped += eval(lhs) != int(rhs)
         assert len(p.demonstration.splitlines()) == len(p.solution.splitlines())
     assert 0.17 < slipped / steps < 0.23
+
+
+def test_rambling_demonstrations_only_add_restatements():
+    plain, _ = generate(0, 1000, 50, [1, 2, 3, 4, 5], demo_error_rate=0.15)
+    ramble, _ = generate(0, 1000, 50, [1, 2, 3, 4, 5], demo_error_rate=0.15, demo_restate_rate=0.3)
+    assert [p.problem for p in plain] == [p.problem for p in ramble]
+    restated = steps = 0
+    for a, b in zip(plain, ramble):
+        lines = b.demonstration.splitlines()
+        kept = [ln for ln in lines if not ln.startswith("so the total is ")]
+        assert kept == a.demonstration.splitlines()  # the slips and the answer line are untouched
+        total = None
+        for ln in lines[:-1]:
+            if ln.startswith("so the total is "):
+                assert int(ln.rsplit(" ", 1)[1]) == total  # a restatement repeats the line before it
+                restated += 1
+            else:
+                total, steps = int(ln.split("=")[1]), steps + 1
+    # a geometric count per step capped at 3: 0.3 + 0.09 + 0.027 per step
+    assert 0.38 < restated / steps < 0.46
+    assert generate(0, 200, 20, [1, 2], 0.15, 0.0) == generate(0, 200, 20, [1, 2], 0.15)
