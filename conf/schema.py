@@ -44,6 +44,7 @@ Device = Literal["cpu", "cuda", "auto"]
 TrackingBackend = Literal["tensorboard", "mlflow", "wandb"]
 WandbMode = Literal["auto", "offline", "online"]
 LoraStage = Literal["warmup", "rft", "rl"]
+SandboxBackendName = Literal["bubblewrap", "unsafe"]
 
 SOURCE_FORMATS: tuple[SourceFormat, ...] = get_args(SourceFormat)
 VERIFIABILITY: tuple[Verifiability, ...] = get_args(Verifiability)
@@ -566,6 +567,40 @@ class TrackingConfig:
     offline; online."""
 
 
+# ------------------------------------------------------------------------------- sandbox
+@dataclass
+class SandboxLimits:
+    """Per-run limits of ``environments.sandbox.run`` (docs/sandbox.md)."""
+
+    cpu_s: Annotated[float, Positive] = 5.0
+    """RLIMIT_CPU: CPU seconds of each process (SIGXCPU at the limit, SIGKILL one second later)."""
+    memory_mb: Annotated[int, Positive] = 512
+    """RLIMIT_AS of each process, and the memory cgroup's limit for the whole run where it can be set."""
+    processes: Annotated[int, Positive] = 32
+    """Processes and threads of the run: the pids cgroup's limit where it can be set, and RLIMIT_NPROC."""
+    file_size_mb: Annotated[int, Positive] = 16
+    """RLIMIT_FSIZE: the largest file a process may write."""
+    open_files: Annotated[int, Positive] = 64
+    """RLIMIT_NOFILE."""
+    output_bytes: Annotated[int, Positive] = 1_000_000
+    """Bytes kept of stdout and of stderr each; a run that writes more is killed (``killed_by='output'``)."""
+    tmpfs_mb: Annotated[int, Positive] = 64
+    """Size of the private working folder and of ``/tmp`` (bubblewrap backend)."""
+
+
+@dataclass
+class SandboxConfig:
+    """Where and how untrusted code runs: ``backend`` (bubblewrap: namespaces, a read-only root, no
+    network); ``allow_unsafe=true`` lets a run fall back to a plain subprocess where bubblewrap cannot
+    run, with a warning every run."""
+
+    backend: Annotated[str, SandboxBackendName] = "bubblewrap"
+    allow_unsafe: bool = False
+    timeout_s: Annotated[float, Positive] = 10.0
+    """Wall-clock limit of one run; past it the whole sandbox is killed (``killed_by='wall'``)."""
+    limits: SandboxLimits = field(default_factory=SandboxLimits)
+
+
 # ------------------------------------------------------------------------------- rewards
 @dataclass(frozen=True)
 class CosineLengthParams:
@@ -680,6 +715,7 @@ class Config:
     rollout: RolloutConfig = field(default_factory=RolloutConfig)
     tracking: TrackingConfig = field(default_factory=TrackingConfig)
     reward: RewardConfig = field(default_factory=RewardConfig)
+    sandbox: SandboxConfig = field(default_factory=SandboxConfig)
 
 
 VLLM_CPU_HEAD_SIZES = (32, 64, 80, 96, 112, 128, 160, 192, 224, 256, 512)
@@ -758,6 +794,7 @@ def validate(cfg: Config) -> Config:
     _validate_tracking(cfg)
     _validate_reward(cfg)
     _validate_eval(cfg)
+    _validate_sandbox(cfg)
     return cfg
 
 
@@ -1011,4 +1048,13 @@ def _validate_reward(cfg: Config) -> None:
         raise ConfigError(
             "rl.overlong_shaping and an overlong item in reward.components both set DAPO's soft overlong "
             "punishment: drop rl.overlong_shaping and set cache_len on reward.components' overlong item"
+        )
+
+
+def _validate_sandbox(cfg: Config) -> None:
+    if cfg.sandbox.backend == "unsafe" and not cfg.sandbox.allow_unsafe:
+        raise ConfigError(
+            "sandbox.backend=unsafe runs untrusted code as a plain subprocess of this process, with the "
+            "host's files and network in reach; set sandbox.allow_unsafe=true to accept that, or use "
+            "sandbox.backend=bubblewrap"
         )
