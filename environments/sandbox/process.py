@@ -4,7 +4,6 @@ kills the process group, and the classification of how the run ended."""
 
 from __future__ import annotations
 
-import json
 import os
 import selectors
 import signal
@@ -19,13 +18,19 @@ from pathlib import Path
 from environments.sandbox.result import MAIN, Job, KilledBy, SandboxResult
 
 BOOTSTRAP = (
-    "import json, os, resource, runpy, sys\n"
-    "for _k, (_s, _h) in json.loads(sys.argv[1]).items():\n"
-    "    resource.setrlimit(getattr(resource, _k), (_s, _h))\n"
+    "import os, resource, sys, types\n"
+    "for _item in sys.argv[1].split():\n"
+    "    _k, _s, _h = _item.split(':')\n"
+    "    resource.setrlimit(getattr(resource, _k), (int(_s), int(_h)))\n"
     f"sys.argv = [{MAIN!r}]\n"
     "sys.path[0] = os.getcwd()\n"
+    "_main = types.ModuleType('__main__')\n"
+    f"_main.__file__ = {MAIN!r}\n"
+    "sys.modules['__main__'] = _main\n"
     "try:\n"
-    f"    runpy.run_path({MAIN!r}, run_name='__main__')\n"
+    f"    with open({MAIN!r}, 'rb') as _f:\n"
+    f"        _code = compile(_f.read(), {MAIN!r}, 'exec')\n"
+    "    exec(_code, _main.__dict__)\n"
     "except SystemExit:\n"
     "    raise\n"
     "except BaseException as _e:\n"
@@ -36,9 +41,10 @@ BOOTSTRAP = (
     "    traceback.print_exception(type(_e), _e, _tb)\n"
     "    sys.exit(1)\n"
 )
-"""What the sandboxed interpreter runs first: the job's rlimits (``sys.argv[1]``, JSON), then the
-program as ``__main__``; a traceback shows the program's frames only. The limits bind before any line
-of the program runs."""
+"""What the sandboxed interpreter runs first: the job's rlimits (``sys.argv[1]``: ``NAME:soft:hard``
+items), then the program as ``__main__``, compiled and run in place (json and runpy would add 50 ms
+of imports to every run's start-up); a traceback shows the program's frames only. The limits bind
+before any line of the program runs."""
 
 SAFE_ENV = {
     "PATH": "/usr/local/bin:/usr/bin:/bin",
@@ -354,4 +360,5 @@ def execute(
 
 def bootstrap_args(python: str, job: Job, nproc: bool = True) -> list[str]:
     """The interpreter command that sets ``job``'s rlimits and runs ``main.py`` of the working folder."""
-    return [python, "-s", "-B", "-c", BOOTSTRAP, json.dumps(job.rlimits(nproc))]
+    limits = " ".join(f"{k}:{s}:{h}" for k, (s, h) in job.rlimits(nproc).items())
+    return [python, "-S", "-s", "-B", "-c", BOOTSTRAP, limits]
