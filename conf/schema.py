@@ -22,7 +22,8 @@ ModelKind = Literal["tiny", "hf"]
 DataSource = Literal["arith", "files"]
 SourceFormat = Literal["auto", "jsonl", "json", "parquet", "hf", "verl"]
 Verifiability = Literal["short_form", "off"]
-RewardName = Literal["math_verify", "cosine_length", "repetition", "overlong", "format"]
+RewardName = Literal["math_verify", "cosine_length", "repetition", "overlong", "format", "code_tests"]
+CodeTestsScore = Literal["pass_fraction", "all_pass"]
 DartStrategy = Literal["prop2diff", "uniform", "vanilla"]
 SelectStrategy = Literal["hive", "uniform"]
 SelectHistory = Literal["run", "workspace"]
@@ -645,12 +646,23 @@ class FormatParams:
     """The format term has no parameters besides its weight."""
 
 
+@dataclass(frozen=True)
+class CodeTestsParams:
+    """The response's program against the problem's unit tests in the sandbox (docs/rewards.md)."""
+
+    score: Annotated[str, CodeTestsScore] = "pass_fraction"
+    """pass_fraction: the share of the tests that pass (0 to 1); all_pass: 1 when every test passes."""
+    timeout_s: Annotated[float, Positive] = 10.0
+    """Wall-clock limit of one response's run (its program and all its tests)."""
+
+
 REWARD_PARAMS: dict[str, type] = {
     "math_verify": FormatParams,  # no parameters: the timeout is eval.verifier_timeout_s
     "cosine_length": CosineLengthParams,
     "repetition": RepetitionParams,
     "overlong": OverlongParams,
     "format": FormatParams,
+    "code_tests": CodeTestsParams,
 }
 """Component name -> its parameters' schema (every field of it may appear in the component's spec)."""
 
@@ -671,6 +683,8 @@ class RewardComponentConfig:
     ngram: Annotated[int | None, Positive] = None
     max_penalty: Annotated[float | None, NonPositive] = None
     cache_len: Annotated[int | None, Positive] = None
+    score: Annotated[str | None, CodeTestsScore] = None
+    timeout_s: Annotated[float | None, Positive] = None
 
     def given(self) -> dict[str, Any]:
         """The parameters this spec sets (its non-None fields besides name and weight)."""
