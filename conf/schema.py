@@ -20,7 +20,7 @@ from typing import Annotated, Any, Literal, get_args, get_origin, get_type_hints
 # because OmegaConf's structured configs refuse Literal annotations; validate() checks the names.
 ModelKind = Literal["tiny", "hf"]
 DataSource = Literal["arith", "files"]
-SourceFormat = Literal["auto", "jsonl", "json", "parquet", "hf", "verl"]
+SourceFormat = Literal["auto", "jsonl", "json", "parquet", "hf", "verl", "code"]
 Verifiability = Literal["short_form", "off"]
 RewardName = Literal["math_verify", "cosine_length", "repetition", "overlong", "format", "code_tests"]
 CodeTestsScore = Literal["pass_fraction", "all_pass"]
