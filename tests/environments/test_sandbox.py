@@ -136,7 +136,7 @@ def test_the_unsafe_opt_in_runs_and_warns_on_every_run(monkeypatch, fresh_select
 
 def test_the_unsafe_backend_keeps_the_limits():
     result = sandbox.run(
-        "while True:\n    pass", backend=UnsafeSubprocessBackend(), limits=SMALL, timeout_s=5
+        "while True:\n    pass", backend=UnsafeSubprocessBackend(), limits=SMALL, timeout_s=15
     )
     assert result.killed_by == "cpu" and result.backend == "unsafe"
 

@@ -102,13 +102,12 @@ def test_an_infinite_loop_is_killed_at_the_wall_timeout():
 
 
 def test_a_cpu_spin_past_the_limit_is_killed_by_the_cpu_limit():
-    result = run("while True:\n    pass", timeout_s=5.0)
-    assert result.killed_by == "cpu" and not result.timed_out, result
-    assert result.wall_s < 4.0
+    result = run("while True:\n    pass", timeout_s=15.0)  # a loaded machine gives less than a core
+    assert result.killed_by == "cpu" and not result.timed_out and result.exit_code == -signal.SIGXCPU, result
 
 
 def test_a_cpu_spin_that_ignores_sigxcpu_is_killed_at_the_hard_limit():
-    result = run("import signal\nsignal.signal(signal.SIGXCPU, signal.SIG_IGN)\nwhile True:\n    pass", 6.0)
+    result = run("import signal\nsignal.signal(signal.SIGXCPU, signal.SIG_IGN)\nwhile True:\n    pass", 15.0)
     assert result.killed_by == "cpu" and result.exit_code == -signal.SIGKILL, result
 
 
