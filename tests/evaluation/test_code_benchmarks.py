@@ -47,3 +47,26 @@ def test_pass_at_k_over_several_samples():
     out = score_code(items, [[body, "    return None\n"], ["    return None\n"] * 2])
     assert out["passed"] == {"HumanEval/0": 1, "HumanEval/1": 0}
     assert out["pass@1"] == pytest.approx(0.25) and out["pass@2"] == pytest.approx(0.5)
+
+
+class Fixed:
+    """A real fake of the math verifier: every answer right."""
+
+    def verify_batch(self, texts, golds):
+        from rewards.verifier import Verdict
+
+        return [Verdict(True, "x") for _ in texts]
+
+
+def test_evaluation_scores_code_items_in_the_sandbox_and_math_items_with_the_verifier():
+    from types import SimpleNamespace
+
+    from evaluation.benchmarks import BenchmarkItem
+    from evaluation.evaluate import _verdicts
+
+    he = load_humaneval()[:2]
+    body = humaneval_rows()[0]["canonical_solution"]
+    items = [he[0], BenchmarkItem("gsm8k", "0", "1+1?", "2"), he[1]]
+    trajectories = [SimpleNamespace(text=t, prompt=SimpleNamespace(answer=it.answer)) for t, it in
+                    zip([body, "#### 2", "    return None\n"], items)]  # fmt: skip
+    assert [v.correct for v in _verdicts(items, trajectories, Fixed())] == [True, True, False]
