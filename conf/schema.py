@@ -20,9 +20,10 @@ from typing import Annotated, Any, Literal, get_args, get_origin, get_type_hints
 # because OmegaConf's structured configs refuse Literal annotations; validate() checks the names.
 ModelKind = Literal["tiny", "hf"]
 DataSource = Literal["arith", "files"]
-SourceFormat = Literal["auto", "jsonl", "json", "parquet", "hf", "verl"]
+SourceFormat = Literal["auto", "jsonl", "json", "parquet", "hf", "verl", "code"]
 Verifiability = Literal["short_form", "off"]
-RewardName = Literal["math_verify", "cosine_length", "repetition", "overlong", "format"]
+RewardName = Literal["math_verify", "cosine_length", "repetition", "overlong", "format", "code_tests"]
+CodeTestsScore = Literal["pass_fraction", "all_pass"]
 DartStrategy = Literal["prop2diff", "uniform", "vanilla"]
 SelectStrategy = Literal["hive", "uniform"]
 SelectHistory = Literal["run", "workspace"]
@@ -44,6 +45,7 @@ Device = Literal["cpu", "cuda", "auto"]
 TrackingBackend = Literal["tensorboard", "mlflow", "wandb"]
 WandbMode = Literal["auto", "offline", "online"]
 LoraStage = Literal["warmup", "rft", "rl"]
+SandboxBackendName = Literal["bubblewrap", "unsafe"]
 
 SOURCE_FORMATS: tuple[SourceFormat, ...] = get_args(SourceFormat)
 VERIFIABILITY: tuple[Verifiability, ...] = get_args(Verifiability)
@@ -571,6 +573,40 @@ class TrackingConfig:
     offline; online."""
 
 
+# ------------------------------------------------------------------------------- sandbox
+@dataclass
+class SandboxLimits:
+    """Per-run limits of ``environments.sandbox.run`` (docs/sandbox.md)."""
+
+    cpu_s: Annotated[float, Positive] = 5.0
+    """RLIMIT_CPU: CPU seconds of each process (SIGXCPU at the limit, SIGKILL one second later)."""
+    memory_mb: Annotated[int, Positive] = 512
+    """RLIMIT_AS of each process, and the memory cgroup's limit for the whole run where it can be set."""
+    processes: Annotated[int, Positive] = 32
+    """Processes and threads of the run: the pids cgroup's limit where it can be set, and RLIMIT_NPROC."""
+    file_size_mb: Annotated[int, Positive] = 16
+    """RLIMIT_FSIZE: the largest file a process may write."""
+    open_files: Annotated[int, Positive] = 64
+    """RLIMIT_NOFILE."""
+    output_bytes: Annotated[int, Positive] = 1_000_000
+    """Bytes kept of stdout and of stderr each; a run that writes more is killed (``killed_by='output'``)."""
+    tmpfs_mb: Annotated[int, Positive] = 64
+    """Size of the private working folder and of ``/tmp`` (bubblewrap backend)."""
+
+
+@dataclass
+class SandboxConfig:
+    """Where and how untrusted code runs: ``backend`` (bubblewrap: namespaces, a read-only root, no
+    network); ``allow_unsafe=true`` lets a run fall back to a plain subprocess where bubblewrap cannot
+    run, with a warning every run."""
+
+    backend: Annotated[str, SandboxBackendName] = "bubblewrap"
+    allow_unsafe: bool = False
+    timeout_s: Annotated[float, Positive] = 10.0
+    """Wall-clock limit of one run; past it the whole sandbox is killed (``killed_by='wall'``)."""
+    limits: SandboxLimits = field(default_factory=SandboxLimits)
+
+
 # ------------------------------------------------------------------------------- rewards
 @dataclass(frozen=True)
 class CosineLengthParams:
@@ -615,12 +651,23 @@ class FormatParams:
     """The format term has no parameters besides its weight."""
 
 
+@dataclass(frozen=True)
+class CodeTestsParams:
+    """The response's program against the problem's unit tests in the sandbox (docs/rewards.md)."""
+
+    score: Annotated[str, CodeTestsScore] = "pass_fraction"
+    """pass_fraction: the share of the tests that pass (0 to 1); all_pass: 1 when every test passes."""
+    timeout_s: Annotated[float, Positive] = 10.0
+    """Wall-clock limit of one response's run (its program and all its tests)."""
+
+
 REWARD_PARAMS: dict[str, type] = {
     "math_verify": FormatParams,  # no parameters: the timeout is eval.verifier_timeout_s
     "cosine_length": CosineLengthParams,
     "repetition": RepetitionParams,
     "overlong": OverlongParams,
     "format": FormatParams,
+    "code_tests": CodeTestsParams,
 }
 """Component name -> its parameters' schema (every field of it may appear in the component's spec)."""
 
@@ -641,6 +688,8 @@ class RewardComponentConfig:
     ngram: Annotated[int | None, Positive] = None
     max_penalty: Annotated[float | None, NonPositive] = None
     cache_len: Annotated[int | None, Positive] = None
+    score: Annotated[str | None, CodeTestsScore] = None
+    timeout_s: Annotated[float | None, Positive] = None
 
     def given(self) -> dict[str, Any]:
         """The parameters this spec sets (its non-None fields besides name and weight)."""
@@ -685,6 +734,7 @@ class Config:
     rollout: RolloutConfig = field(default_factory=RolloutConfig)
     tracking: TrackingConfig = field(default_factory=TrackingConfig)
     reward: RewardConfig = field(default_factory=RewardConfig)
+    sandbox: SandboxConfig = field(default_factory=SandboxConfig)
 
 
 VLLM_CPU_HEAD_SIZES = (32, 64, 80, 96, 112, 128, 160, 192, 224, 256, 512)
@@ -763,6 +813,7 @@ def validate(cfg: Config) -> Config:
     _validate_tracking(cfg)
     _validate_reward(cfg)
     _validate_eval(cfg)
+    _validate_sandbox(cfg)
     return cfg
 
 
@@ -1016,4 +1067,13 @@ def _validate_reward(cfg: Config) -> None:
         raise ConfigError(
             "rl.overlong_shaping and an overlong item in reward.components both set DAPO's soft overlong "
             "punishment: drop rl.overlong_shaping and set cache_len on reward.components' overlong item"
+        )
+
+
+def _validate_sandbox(cfg: Config) -> None:
+    if cfg.sandbox.backend == "unsafe" and not cfg.sandbox.allow_unsafe:
+        raise ConfigError(
+            "sandbox.backend=unsafe runs untrusted code as a plain subprocess of this process, with the "
+            "host's files and network in reach; set sandbox.allow_unsafe=true to accept that, or use "
+            "sandbox.backend=bubblewrap"
         )

@@ -56,6 +56,7 @@ from data_curation.dedup import NearDupParams, exact_duplicates, near_duplicates
 from data_curation.templates import MIN_SHARE as TEMPLATE_SHARE
 from data_curation.templates import Template, detect_template, strip_template
 from data_curation.verifiability import UNVERIFIABLE, UNVERIFIABLE_KINDS, grade_answer
+from environments.code import CodeSpec
 from rewards.verifier import normalize_answer
 
 __all__ = [
@@ -366,12 +367,34 @@ def _read_hf(spec: SourceSpec, path: Path) -> Iterator[Row]:
     yield from _objects(records, 0)
 
 
+def _code_record(spec: SourceSpec, record: Mapping[str, Any]) -> dict[str, Any]:
+    """A code row with ``answer`` set to its ``CodeSpec`` (JSON): ``tests`` (a string or a list of
+    strings), ``entry_point`` and ``prefix`` taken from the record exactly (indentation matters);
+    None when the tests are missing or malformed (the row is then quarantined as "missing answer")."""
+    try:
+        raw = {k: record.get(k) for k in ("tests", "entry_point", "prefix")}
+        answer = CodeSpec.from_answer(json.dumps(raw)).to_answer()
+    except (TypeError, ValueError):
+        answer = None
+    return {**record, "answer": answer}
+
+
+def _read_code(spec: SourceSpec, path: Path) -> Iterator[Row]:
+    files = [path] if path.is_file() else sorted(p for p in path.rglob("*") if p.suffix in SUFFIX_FORMATS)
+    if not files:
+        raise FileNotFoundError(f"no .jsonl, .json or .parquet files under {path}")
+    reader = _READERS[SUFFIX_FORMATS.get(files[0].suffix, "jsonl")]
+    for row, record, raw, reason in reader(spec, path):
+        yield row, (_code_record(spec, record) if record is not None else None), raw, reason
+
+
 _READERS: dict[str, Callable[[SourceSpec, Path], Iterator[Row]]] = {
     "jsonl": _read_jsonl,
     "json": _read_json,
     "parquet": _read_parquet,
     "hf": _read_hf,
     "verl": _read_verl,
+    "code": _read_code,
 }
 
 
@@ -452,6 +475,11 @@ def _fields(
         return "empty problem"
     if len(problem) > max_prompt_chars:
         return f"problem too long ({len(problem):,} characters > data.max_prompt_chars={max_prompt_chars:,})"
+    if spec.format == "code":
+        answer = record.get("answer")
+        if not answer:
+            return "missing answer"
+        return _ids_and_rest(spec, record, problem, answer)
     found, answer = _lookup(record, spec.answer_field)
     if not found or answer is None or (isinstance(answer, float) and not math.isfinite(answer)):
         return "missing answer"
@@ -464,7 +492,13 @@ def _fields(
         graded = grade_answer(answer)
         if graded is not None:
             return graded.reason
-    answer = normalize_answer(answer)
+    return _ids_and_rest(spec, record, problem, normalize_answer(answer))
+
+
+def _ids_and_rest(
+    spec: SourceSpec, record: Mapping[str, Any], problem: str, answer: str
+) -> dict[str, Any] | str:
+    """The id, level, subject and extra fields of a row whose problem and answer passed."""
     if spec.id_field:
         found, value = _lookup(record, spec.id_field)
         if not found or value is None or not str(value).strip():

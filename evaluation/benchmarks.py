@@ -138,8 +138,14 @@ def get_spec(name: str) -> BenchmarkSpec:
         ) from None
 
 
+CODE_FILES = {"humaneval": "HumanEval.jsonl.gz"}
+"""Code benchmark name -> its vendored file (read by ``evaluation.code_benchmarks``)."""
+
+
 def benchmark_path(name: str, data_dir: str | Path | None = None) -> Path:
     """The vendored file of benchmark ``name`` (under ``data_dir`` if given)."""
+    if name in CODE_FILES:
+        return Path(data_dir or DATA_DIR) / CODE_FILES[name]
     spec = get_spec(name)
     return Path(data_dir) / spec.file if data_dir is not None else DATA_DIR / spec.file
 

@@ -12,6 +12,7 @@ from collections.abc import Sequence
 import torch
 
 from evaluation.benchmarks import BenchmarkItem, build_prompt
+from evaluation.code_benchmarks import CODE_TEMPLATES, code_verdicts
 from evaluation.metrics import shaping_metrics, summarize
 from rewards.verifier import Verifier
 from generation.model import encode_prompt
@@ -61,7 +62,9 @@ def evaluate_items(
             prompt_id=it.problem_id,
             text=it.problem,
             answer=it.answer,
-            prompt_tokens=encode_prompt(tokenizer, build_prompt(it, templates.get(it.benchmark))),
+            prompt_tokens=encode_prompt(
+                tokenizer, build_prompt(it, templates.get(it.benchmark) or CODE_TEMPLATES.get(it.benchmark))
+            ),
             level=None,
         )
         for it in items
@@ -69,7 +72,7 @@ def evaluate_items(
     requests = [GenRequest(prompt=p, sample_idx=s) for p in prompts for s in range(n_samples)]
     generator = torch.Generator().manual_seed(seed)
     trajectories = engine.generate(requests, max_new_tokens, temperature, generator, progress=progress)
-    verdicts = verifier.verify_batch([t.text for t in trajectories], [t.prompt.answer for t in trajectories])
+    verdicts = _verdicts([items[i // n_samples] for i in range(len(trajectories))], trajectories, verifier)
     rows = []
     for i, (req, traj, v) in enumerate(zip(requests, trajectories, verdicts)):
         item = items[i // n_samples]  # requests are item-major; ids may repeat across benchmarks
@@ -90,6 +93,19 @@ def evaluate_items(
             )
         )
     return rows
+
+
+def _verdicts(items: Sequence[BenchmarkItem], trajectories, verifier) -> list:
+    """One verdict per trajectory: the math verifier's, or for a code benchmark's item, whether its
+    program passes every test in the sandbox (``code_tests``, ``all_pass``)."""
+    is_code = [it.benchmark in CODE_TEMPLATES for it in items]
+    math = [t for t, c in zip(trajectories, is_code) if not c]
+    code = [t for t, c in zip(trajectories, is_code) if c]
+    math_v = iter(
+        verifier.verify_batch([t.text for t in math], [t.prompt.answer for t in math]) if math else []
+    )
+    code_v = iter(code_verdicts([t.text for t in code], [t.prompt.answer for t in code]) if code else [])
+    return [next(code_v) if c else next(math_v) for c in is_code]
 
 
 def model_context(model) -> int | None:

@@ -11,6 +11,7 @@ from collections.abc import Mapping
 
 from conf.schema import EvalConfig
 from evaluation.benchmarks import BENCHMARKS, FileBenchmark, items_from_records, load_benchmark
+from evaluation.code_benchmarks import CODE_BENCHMARKS, load_humaneval
 from evaluation.evaluate import EvalRow, evaluate_items, model_context, summarize_rows
 from rewards.verifier import Verifier
 
@@ -34,8 +35,11 @@ def load_items(name: str, data_dir: Path | None, files: Mapping[str, FileBenchma
         return items_from_records(
             HELDOUT, pl.read_parquet(Path(data_dir) / "heldout.parquet").to_dicts(), id_key="prompt_id"
         )
+    if name in CODE_BENCHMARKS:
+        return load_humaneval()
     if name not in BENCHMARKS:
-        raise ValueError(f"unknown benchmark {name!r}; choose from {HELDOUT}, {', '.join(BENCHMARKS)}")
+        names = ", ".join([*BENCHMARKS, *CODE_BENCHMARKS])
+        raise ValueError(f"unknown benchmark {name!r}; choose from {HELDOUT}, {names}")
     return load_benchmark(name)
 
 

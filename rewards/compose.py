@@ -4,8 +4,9 @@ score with."""
 
 from __future__ import annotations
 
+import importlib
 import math
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import asdict, dataclass, field
 
 from conf.schema import RewardComponentConfig, RewardConfig
@@ -126,10 +127,34 @@ class Reward:
         return Scores(verdicts=verdicts, terms=terms, total=total, failed=failed)
 
 
+PROVIDERS: dict[str, str] = {"code_tests": "environments.code"}
+"""Component name -> the module above this layer that provides it (it runs programs in the sandbox);
+``build_component`` imports it by name the first time the component is built, and the module calls
+``register_component``. Nothing here imports it statically, so the layer order holds."""
+
+_registered: dict[str, tuple[type, Callable]] = {}
+
+
+def register_component(name: str, params_cls: type, factory: Callable) -> None:
+    """Make ``name`` buildable: ``factory(params)`` returns the component (``params``: a
+    ``params_cls``, the schema ``conf.schema.REWARD_PARAMS[name]`` declares). Called once, at import,
+    by the module ``PROVIDERS[name]`` names."""
+    if name in SHAPING:
+        raise ValueError(f"reward component {name!r} is built in; register another name")
+    _registered[name] = (params_cls, factory)
+
+
 def build_component(spec: RewardComponentConfig):
     """A shaping component from its validated spec (``RewardComponentConfig.params()``)."""
-    cls, _ = SHAPING[spec.name]
-    return cls(spec.params())
+    if spec.name in SHAPING:
+        cls, _ = SHAPING[spec.name]
+        return cls(spec.params())
+    if spec.name not in _registered and spec.name in PROVIDERS:
+        importlib.import_module(PROVIDERS[spec.name])
+    if spec.name not in _registered:
+        raise ValueError(f"reward component {spec.name!r} is not registered (no module provides it)")
+    _, factory = _registered[spec.name]
+    return factory(spec.params())
 
 
 def as_reward(scorer) -> Reward:

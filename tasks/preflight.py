@@ -38,9 +38,10 @@ def _check_benchmark_files(cfg: Config, vendored: tuple[str, ...]) -> None:
 
 def preflight(cfg: Config) -> None:
     from evaluation.benchmarks import BENCHMARKS
+    from evaluation.code_benchmarks import CODE_BENCHMARKS
     from evaluation.stages import HELDOUT
 
-    valid = (HELDOUT, *BENCHMARKS)
+    valid = (HELDOUT, *BENCHMARKS, *CODE_BENCHMARKS)
     unknown = [b for b in cfg.eval.benchmarks if isinstance(b, str) and b not in valid]
     if unknown:
         raise ConfigError(

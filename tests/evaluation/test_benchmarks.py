@@ -20,6 +20,7 @@ from evaluation.benchmarks import (
     load_benchmark,
     load_with_datasets,
 )
+from evaluation.code_benchmarks import CODE_BENCHMARKS
 from rewards.verifier import normalize_answer
 
 EXPECTED_COUNTS = {"gsm8k": 1319, "math500": 500, "aime24": 30, "aime25": 30, "amc23": 40}
@@ -45,7 +46,7 @@ def test_counts_ids_and_normalised_answers(name):
 def test_vendored_files_match_the_readme_checksums():
     readme = (DATA_DIR / "README.md").read_text(encoding="utf-8")
     sums = dict((f, h) for h, f in re.findall(r"^([0-9a-f]{64})  (\S+)$", readme, re.M))
-    assert set(sums) == {spec.file for spec in BENCHMARKS.values()}
+    assert set(sums) == {spec.file for spec in BENCHMARKS.values()} | set(CODE_BENCHMARKS.values())
     for file, digest in sums.items():
         assert hashlib.sha256((DATA_DIR / file).read_bytes()).hexdigest() == digest, file
 

