@@ -428,6 +428,7 @@ def rl_body(ctx: StageContext) -> StageResult:
                 state_dir=ctx.state_dir,
                 trainer=ctx.cfg.trainer,
                 rollout=ctx.cfg.rollout,
+                env=ctx.cfg.env,
                 on_metrics=active().step_logger("rl"),
                 lora=ctx.cfg.model.lora,
             )
