@@ -410,6 +410,7 @@ def rl_body(ctx: StageContext) -> StageResult:
                     device=ctx.device,
                     verifier=verifier,
                     files=file_benchmarks(ctx.cfg),
+                    env=ctx.cfg.env,
                 )
             sel = ctx.inputs[SELECTION]
             result = rl(
@@ -505,6 +506,7 @@ def eval_body(ctx: StageContext) -> StageResult:
             device=ctx.device,
             out_dir=out,
             files=files,
+            env=ctx.cfg.env,
         )
         query = ctx.catalog.query if ctx.catalog is not None else _no_catalog
         certificates.update(

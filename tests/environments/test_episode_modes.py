@@ -112,3 +112,142 @@ def test_a_sync_local_run_trains_on_masked_multi_turn_episodes(monkeypatch, mode
     assert last["episode/tool_calls"] > 0 and last["episode/turns"] > 1
     assert 0 < last["episode/policy_token_share"] < 1
     assert dataclasses.is_dataclass(result.history[-1])
+
+
+def taught_to_call(tok, steps: int = 200):
+    """A tiny model taught (a few hundred SFT steps) to answer every prompt with ``calc: 1+2``."""
+    model = build_tiny_model(TINY, tok, seed=0)
+    opt = torch.optim.AdamW(model.parameters(), lr=3e-3)
+    rows = [
+        list(encode_problem(tok, "{problem}\n", f"{i % 4}+{i % 3}"))
+        + tok("calc: 1+2", add_special_tokens=False)["input_ids"]
+        + [tok.eos_token_id]
+        for i in range(12)
+    ]
+    width = max(map(len, rows))
+    ids = torch.tensor([r + [tok.pad_token_id] * (width - len(r)) for r in rows])
+    labels = ids.masked_fill(ids == tok.pad_token_id, -100)
+    model.train()
+    for _ in range(steps):
+        loss = model(input_ids=ids, labels=labels).loss
+        opt.zero_grad()
+        loss.backward()
+        opt.step()
+    return model.eval()
+
+
+@pytest.fixture(scope="module")
+def caller_dir(tmp_path_factory):
+    d = tmp_path_factory.mktemp("caller-model")
+    tok = build_char_tokenizer()
+    save_model(taught_to_call(tok), tok, d)
+    return d
+
+
+@pytest.fixture(scope="module")
+def local_ray():
+    ray = pytest.importorskip("ray")
+    from training.rl.drivers.ray import actor_env
+
+    if ray.is_initialized():
+        ray.shutdown()
+    ray.init(
+        address="local",
+        num_cpus=2,
+        include_dashboard=False,
+        logging_level="WARNING",
+        runtime_env={"env_vars": actor_env(1)},
+    )
+    yield ray
+    ray.shutdown()
+
+
+@pytest.mark.parametrize(
+    "mode",
+    [
+        "laminar",
+        pytest.param("one_step", marks=pytest.mark.slow),
+        pytest.param("partial", marks=pytest.mark.slow),
+    ],
+)
+def test_the_ray_modes_train_calculator_episodes_once_each(local_ray, caller_dir, mode):
+    from conf.schema import ClusterConfig
+    from training.rl.drivers.ray import LaminarRuntime
+
+    tok = load_tokenizer(caller_dir)
+    prompts = [
+        PromptItem(
+            f"p{i}", f"{i % 4}+{i % 3}", "3", encode_problem(tok, "{problem}\n", f"{i % 4}+{i % 3}"), 1
+        )
+        for i in range(40)
+    ]
+    rl = RLConfig(
+        mode=mode,
+        runtime="ray",
+        steps=3,
+        prompts_per_step=4,
+        group_size=2,
+        lr=1e-3,
+        max_new_tokens=12,
+        rollout_capacity=8,
+        chunk_steps=4,
+        max_staleness=4,
+        repack_interval_s=0.2,
+        micro_batch_tokens=0,
+    )
+    rt = LaminarRuntime(
+        caller_dir,
+        prompts,
+        EndsWithAnswer(),
+        objective_params(rl),
+        rl,
+        seed=0,
+        device="cpu",
+        cluster=ClusterConfig(rollouts=2, actor_threads=1),
+        env=EnvConfig(name="calculator", max_turns=3),
+    )
+    result = rt.run()
+    uids = rt.summary["trained_uids"]
+    assert len(uids) == len(set(uids)) == 12  # every group trained once, none twice
+    assert all(m.trained_trajectories == 8 for m in result.history)
+    extra = [m.as_dict() for m in result.history]
+    assert all(e["episode/tool_calls"] > 0.5 and e["episode/turns"] > 1.5 for e in extra), extra
+    assert all(e["episode/tool_errors"] == 0 and e["episode/failed"] == 0 for e in extra)
+
+
+def test_evaluation_samples_whole_episodes_and_reports_tool_use(caller_dir):
+    from dataclasses import dataclass
+
+    from evaluation.benchmarks import BenchmarkItem
+    from evaluation.evaluate import evaluate_items, summarize_rows
+    from generation.model import load_model
+
+    @dataclass(frozen=True)
+    class Graded:
+        correct: bool
+        pred: str = ""
+        error: str | None = None
+
+    class Ends:
+        def verify_batch(self, texts, answers):
+            return [Graded(t.strip().endswith(a)) for t, a in zip(texts, answers)]
+
+    model, tok = load_model(caller_dir)
+    items = [BenchmarkItem("heldout", f"h{i}", f"{i % 4}+{i % 3}", "3") for i in range(6)]
+    kw = dict(
+        templates={"heldout": "{problem}\n"},
+        n_samples=2,
+        temperature=1.0,
+        max_new_tokens=12,
+        batch_size=8,
+        seed=0,
+        device="cpu",
+        verifier=Ends(),
+    )
+    rows = evaluate_items(model, tok, items, env=EnvConfig(name="calculator", max_turns=3), **kw)
+    assert len(rows) == 12 and any(r.tool_calls for r in rows) and max(r.turns for r in rows) > 1
+    summary = summarize_rows(rows, 2)["heldout"]
+    assert summary["tool_calls_per_episode"] > 0 and summary["turns_per_episode"] > 1
+    single = evaluate_items(model, tok, items, **kw)  # the default: one turn, no episode metrics
+    assert all(r.turns == 1 and r.tool_calls == 0 for r in single)
+    assert "tool_calls_per_episode" not in summarize_rows(single, 2)["heldout"]
