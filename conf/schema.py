@@ -684,6 +684,10 @@ class EnvConfig:
     tool_workers: Annotated[int, Positive] = 4
     on_error: Annotated[str, OnError] = "fail"
     tool_format: Annotated[str, ToolFormat] = "auto"
+    demo_tool_share: Annotated[float, Unit] = 0.5
+    """Warm-up: the share of demonstrations (chosen by prompt id) that solve the problem with the
+    tool (call, observation, ``#### answer``); the others are the worked solutions, so RL has both
+    behaviours to choose between."""
 
     def is_default(self) -> bool:
         return self.name == "single_turn"

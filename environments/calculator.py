@@ -4,6 +4,7 @@ never ``eval``; anything else in the expression is refused with a ``ToolError``.
 from __future__ import annotations
 
 import ast
+import re
 from fractions import Fraction
 
 from environments.base import ToolError
@@ -56,6 +57,18 @@ def _walk(node: ast.AST) -> Fraction:
 def render(value: Fraction) -> str:
     """An integer as itself, a non-integer as an exact fraction ``p/q``."""
     return str(value.numerator) if value.denominator == 1 else f"{value.numerator}/{value.denominator}"
+
+
+ARITH_PROBLEM = re.compile(r"^What is (.+)\?$")
+"""The synthetic arithmetic task's problem text (``data_curation.synthetic.problem_text``)."""
+
+
+def arith_call(problem: str):
+    """The calculator call that solves an arithmetic problem (``What is 3+4-2?``), or None."""
+    from environments.tool_use import ToolCall
+
+    m = ARITH_PROBLEM.match(problem.strip())
+    return ToolCall(Calculator.name, m.group(1)) if m else None
 
 
 class Calculator:

@@ -43,6 +43,9 @@ class TextFormat:
         m = self._call.search(turn_text)
         return ToolCall(m.group(1), m.group(2).strip()) if m else None
 
+    def call_text(self, call: ToolCall) -> str:
+        return f"{call.name}: {call.arguments}"
+
     def observation(self, result: str, error: bool) -> tuple[int, ...]:
         text = f"\n= error: {result}\n" if error else f"\n= {result}\n"
         return tuple(self.tokenizer(text, add_special_tokens=False)["input_ids"])
@@ -107,6 +110,10 @@ class ChatTemplateFormat:
             args = str(args["input"]) if "input" in args else json.dumps(args)
         return ToolCall(name, str(args))
 
+    def call_text(self, call: ToolCall) -> str:
+        body = json.dumps({"name": call.name, "arguments": {"input": call.arguments}})
+        return f"<tool_call>{body}</tool_call>"
+
     def observation(self, result: str, error: bool) -> tuple[int, ...]:
         """The tokens the template puts after an assistant turn's end token: the tool message and
         the next assistant header (the difference of two renderings, cut at the end token)."""
@@ -156,6 +163,21 @@ class ToolEnvironment:
         except ToolError as e:
             result, error = str(e), True
         return StepResult(self.format.observation(result, error), tool_call=True, tool_error=error)
+
+    def demonstration(self, call: ToolCall, answer: str) -> tuple[tuple[int, ...], tuple[int, ...]]:
+        """A two-turn episode to imitate (warm-up SFT): the turn that makes ``call``, the tool's real
+        result as the observation, then the turn ``answer``; (tokens, loss mask), the observation
+        masked out, every turn ending with EOS."""
+        tok = self.format.tokenizer
+        eos = [tok.eos_token_id]
+
+        def encode(text: str) -> list[int]:
+            return tok(text, add_special_tokens=False)["input_ids"]
+
+        first = encode(self.format.call_text(call)) + eos
+        obs = list(self.format.observation(self.tools[call.name](call.arguments), False))
+        last = encode(answer) + eos
+        return tuple(first + obs + last), tuple([1] * len(first) + [0] * len(obs) + [1] * len(last))
 
     def close(self) -> None:
         pass

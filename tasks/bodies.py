@@ -180,6 +180,7 @@ def warmup_body(ctx: StageContext) -> StageResult:
             device=ctx.device,
             out_dir=out,
             lora=ctx.cfg.model.lora,
+            env=ctx.cfg.env,
         ),
     )
     return StageResult({MODEL: ref}, metrics)

@@ -94,7 +94,7 @@ def base_model_key(c: Config) -> dict:
 
 
 def warmup_key(c: Config) -> dict:
-    return {**asdict(c.sft), "template": template(c), **_numerics(c), **_lora_key(c, "warmup")}
+    return {**asdict(c.sft), "template": template(c), **_numerics(c), **_lora_key(c, "warmup"), **_env_key(c)}
 
 
 def eval_key(c: Config) -> dict:

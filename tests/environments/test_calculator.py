@@ -51,3 +51,30 @@ def test_env_config_composes_and_typos_fail_before_any_write():
         load_config(["env=calculator", "env.on_error=ignore"])
     with pytest.raises(ConfigError, match="single_turn"):
         load_config(["env.max_turns=2"])
+
+
+def test_warm_up_demonstrations_use_the_tool_with_the_observation_masked():
+    import torch
+
+    from training.sft import SFTExample, collate, pack
+    from training.warmup import tool_demonstrations
+
+    tok = build_char_tokenizer()
+    env = load_config(["env=calculator"]).env
+    rows = [{"prompt_id": f"p{i}", "problem": f"What is {i}+9-3+1?", "answer": str(i + 7)} for i in range(40)]
+    plain = [SFTExample((1, 2), (3, tok.eos_token_id)) for _ in rows]
+    out = tool_demonstrations(plain, rows, env, tok)
+    tools = [(ex, r) for ex, r in zip(out, rows) if ex.loss_mask]
+    assert 10 < len(tools) < 30  # about env.demo_tool_share of them
+    ex, r = tools[0]
+    text = tok.decode(list(ex.response_tokens), skip_special_tokens=True)
+    assert text == f"calc: {r['problem'][8:-1]}\n= {r['answer']}\n#### {r['answer']}"
+    assert ex.response_tokens.count(tok.eos_token_id) == 2 and ex.response_tokens[-1] == tok.eos_token_id
+    masked = [t for t, m in zip(ex.response_tokens, ex.loss_mask) if m == 0]
+    assert tok.decode(masked) == f"\n= {r['answer']}\n"
+    for _ids, labels in (collate([ex], 0)[::2], pack([ex], 0)[::2]):
+        n = len(ex.prompt_tokens)
+        got = labels[0, n : n + len(ex.response_tokens)]
+        assert (got == -100).sum() == len(masked) and torch.equal(
+            got[got != -100], torch.tensor([t for t, m in zip(ex.response_tokens, ex.loss_mask) if m])
+        )
