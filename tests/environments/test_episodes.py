@@ -277,3 +277,14 @@ def test_single_turn_leaves_the_engine_as_it_is(tok, model):
     engine = Engine(model, tok, max_new_tokens=8)
     assert wrap_engine(engine, EnvConfig()) is engine
     assert isinstance(wrap_engine(engine, EnvConfig(name="calculator", max_turns=3), tok), EpisodeEngine)
+
+
+def test_an_episode_survives_the_checkpoint_codec(tok, model):
+    import json
+
+    from training.rl.control import trajectory_from_json, trajectory_to_json
+
+    _, trajs = _episodes(tok, model, AlwaysCalls(tok))
+    t = next(t for t in trajs if t.turns == 3)
+    back = trajectory_from_json(json.loads(json.dumps(trajectory_to_json(t))))
+    assert back == t and back.loss_mask == t.loss_mask and back.end_reason == "max_turns"
