@@ -46,6 +46,9 @@ TrackingBackend = Literal["tensorboard", "mlflow", "wandb"]
 WandbMode = Literal["auto", "offline", "online"]
 LoraStage = Literal["warmup", "rft", "rl"]
 SandboxBackendName = Literal["bubblewrap", "unsafe"]
+EnvName = Literal["single_turn", "calculator"]
+ToolFormat = Literal["auto", "text", "chat_template"]
+OnError = Literal["fail", "retry"]
 
 SOURCE_FORMATS: tuple[SourceFormat, ...] = get_args(SourceFormat)
 VERIFIABILITY: tuple[Verifiability, ...] = get_args(Verifiability)
@@ -62,6 +65,7 @@ TRACKING_BACKENDS: dict[TrackingBackend, tuple[str, str]] = {
     "wandb": ("wandb", "pip install wandb==0.31.0"),
 }
 LORA_STAGES: tuple[LoraStage, ...] = get_args(LoraStage)
+ENV_NAMES: tuple[EnvName, ...] = get_args(EnvName)
 LLAMA_LINEAR_MODULES = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
 VLLM_LORA_RANKS = (8, 16, 32, 64, 128, 256, 320, 512)
 """The ``max_lora_rank`` values vLLM accepts (its ``LoRAConfig`` refuses others); adapters of any rank
@@ -715,6 +719,35 @@ class RewardConfig:
 
 
 @dataclass
+class EnvConfig:
+    """The environment an episode runs in (``environments.registry``; docs/environments.md).
+    ``single_turn`` (the default): one policy turn, today's path unchanged; ``calculator``: the
+    arithmetic task with a calculator tool. An episode ends when the policy answers without a tool
+    call, or at ``max_turns`` policy turns, or ``max_tokens`` episode tokens (policy + observation;
+    0: ``max_turns`` x ``rl.max_new_tokens``). Tool calls run in a pool of ``tool_workers`` threads,
+    each with a ``tool_timeout_s`` limit (a hung tool ends the episode, reason ``tool_timeout``).
+    ``on_error``: an environment that raises ends the episode as failed (``fail``) or restarts it
+    once from its prompt (``retry``). ``tool_format``: ``text`` (the documented line format, the
+    only one a tokenizer without a chat template has), ``chat_template`` (the template's ``tools=``),
+    ``auto`` (the template where there is one)."""
+
+    name: Annotated[str, EnvName] = "single_turn"
+    max_turns: Annotated[int, Positive] = 1
+    max_tokens: Annotated[int, NonNegative] = 0
+    tool_timeout_s: Annotated[float, Positive] = 10.0
+    tool_workers: Annotated[int, Positive] = 4
+    on_error: Annotated[str, OnError] = "fail"
+    tool_format: Annotated[str, ToolFormat] = "auto"
+    demo_tool_share: Annotated[float, Unit] = 0.5
+    """Warm-up: the share of demonstrations (chosen by prompt id) that solve the problem with the
+    tool (call, observation, ``#### answer``); the others are the worked solutions, so RL has both
+    behaviours to choose between."""
+
+    def is_default(self) -> bool:
+        return self.name == "single_turn"
+
+
+@dataclass
 class Config:
     seed: int = 0
     device: Annotated[str, Device] = "cpu"
@@ -735,6 +768,7 @@ class Config:
     tracking: TrackingConfig = field(default_factory=TrackingConfig)
     reward: RewardConfig = field(default_factory=RewardConfig)
     sandbox: SandboxConfig = field(default_factory=SandboxConfig)
+    env: EnvConfig = field(default_factory=EnvConfig)
 
 
 VLLM_CPU_HEAD_SIZES = (32, 64, 80, 96, 112, 128, 160, 192, 224, 256, 512)
@@ -814,7 +848,22 @@ def validate(cfg: Config) -> Config:
     _validate_reward(cfg)
     _validate_eval(cfg)
     _validate_sandbox(cfg)
+    _validate_env(cfg)
     return cfg
+
+
+def _validate_env(cfg: Config) -> None:
+    env = cfg.env
+    if env.name == "single_turn" and env.max_turns != 1:
+        raise ConfigError(
+            f"env.max_turns={env.max_turns} with env=single_turn: a single-turn episode has one turn; "
+            "set env.max_turns=1 or choose a multi-turn environment (env=calculator)"
+        )
+    if env.name != "single_turn" and env.max_turns < 2:
+        raise ConfigError(
+            f"env.max_turns={env.max_turns} with env={env.name}: a tool call and its answer need two "
+            "turns; set env.max_turns to 2 or more"
+        )
 
 
 def _validate_eval(cfg: Config) -> None:

@@ -36,6 +36,10 @@ class EvalRow:
     prompt_length: int = 0
     """Prompt tokens (template and chat markup included): over the model's context, the model never saw
     the whole question."""
+    turns: int = 1
+    tool_calls: int = 0
+    tool_errors: int = 0
+    """A multi-turn episode's policy turns, tool calls and failed calls (``env``)."""
 
 
 def evaluate_items(
@@ -52,10 +56,13 @@ def evaluate_items(
     device: str,
     verifier: Verifier,
     progress=None,
+    env=None,
 ) -> list[EvalRow]:
     """One row per (item, sample). ``templates`` maps a benchmark to its prompt template
     (None = the registry default). Prompts longer than the model's context are still sampled (a
-    model with rotary positions runs past them); ``summarize_rows`` counts them."""
+    model with rotary positions runs past them); ``summarize_rows`` counts them. ``env``
+    (``conf.schema.EnvConfig``): a multi-turn environment samples whole episodes (None or single_turn:
+    one response per request, as always)."""
     engine = Engine(model, tokenizer, device=device, batch_size=batch_size)
     prompts = [
         PromptItem(
@@ -71,7 +78,12 @@ def evaluate_items(
     ]
     requests = [GenRequest(prompt=p, sample_idx=s) for p in prompts for s in range(n_samples)]
     generator = torch.Generator().manual_seed(seed)
-    trajectories = engine.generate(requests, max_new_tokens, temperature, generator, progress=progress)
+    if env is not None and not env.is_default():
+        trajectories = _episodes(
+            model, tokenizer, requests, env, max_new_tokens, temperature, generator, device, batch_size
+        )
+    else:
+        trajectories = engine.generate(requests, max_new_tokens, temperature, generator, progress=progress)
     verdicts = _verdicts([items[i // n_samples] for i in range(len(trajectories))], trajectories, verifier)
     rows = []
     for i, (req, traj, v) in enumerate(zip(requests, trajectories, verdicts)):
@@ -90,6 +102,9 @@ def evaluate_items(
                 level=item.level,
                 subject=item.subject,
                 prompt_length=len(traj.prompt.prompt_tokens),
+                turns=traj.turns,
+                tool_calls=traj.tool_calls,
+                tool_errors=traj.tool_errors,
             )
         )
     return rows
@@ -106,6 +121,28 @@ def _verdicts(items: Sequence[BenchmarkItem], trajectories, verifier) -> list:
     )
     code_v = iter(code_verdicts([t.text for t in code], [t.prompt.answer for t in code]) if code else [])
     return [next(code_v) if c else next(math_v) for c in is_code]
+
+
+def _episodes(model, tokenizer, requests, env, max_new_tokens, temperature, generator, device, batch_size):
+    """Whole episodes of ``env`` for ``requests``: the engine's noise seed drawn from ``generator`` as
+    ``Engine.generate`` draws it, ``max_new_tokens`` per turn."""
+    from environments.registry import wrap_engine
+    from generation.sampler import seed_from
+
+    engine = Engine(
+        model,
+        tokenizer,
+        device=device,
+        batch_size=batch_size,
+        max_new_tokens=max_new_tokens,
+        temperature=temperature,
+        seed=seed_from(generator, None),
+    )
+    runner = wrap_engine(engine, env, tokenizer)
+    try:
+        return runner.generate(requests)
+    finally:
+        runner.close()
 
 
 def model_context(model) -> int | None:
@@ -139,4 +176,9 @@ def summarize_rows(
         out[bench]["context"] = context
         if totals and totals.get(bench, 0) > out[bench]["n_problems"]:
             out[bench]["problems_total"] = totals[bench]
+        if any(r["turns"] != 1 or r["tool_calls"] for r in subset):  # multi-turn episodes (env)
+            n = len(subset)
+            out[bench]["tool_calls_per_episode"] = sum(r["tool_calls"] for r in subset) / n
+            out[bench]["tool_errors_per_episode"] = sum(r["tool_errors"] for r in subset) / n
+            out[bench]["turns_per_episode"] = sum(r["turns"] for r in subset) / n
     return out

@@ -96,6 +96,7 @@ def evaluate_checkpoint(
     device: str,
     out_dir: Path,
     files: Mapping[str, FileBenchmark] = NO_FILES,
+    env=None,
 ) -> dict:
     """Writes ``rows.parquet`` (one row per problem and sample) and ``summary.json``; returns the
     summary. ``files``: the file benchmarks of ``cfg``, read (each with its own template)."""
@@ -125,6 +126,7 @@ def evaluate_checkpoint(
             device=device,
             verifier=verifier,
             progress=bar,
+            env=env,
         )
     summary = summarize_rows(rows, cfg.n_samples, model_context(model), totals)
     pl.DataFrame(
@@ -159,6 +161,7 @@ def in_run_evaluator(
     device: str,
     verifier,
     files: Mapping[str, FileBenchmark] = NO_FILES,
+    env=None,
 ):
     """A callback for evaluation every N RL steps:
     ``model -> {"eval_<benchmark>": avg@n, "eval_seconds": s}``. Same items, sampling and verifier as
@@ -184,6 +187,7 @@ def in_run_evaluator(
             seed=seed,
             device=device,
             verifier=verifier,
+            env=env,
         )
         model.train(was_training)
         out = {f"eval_{b}": s["accuracy"] for b, s in summarize_rows(rows, cfg.n_samples).items()}

@@ -32,6 +32,9 @@ class GenRequest:
     group_uid: int = 0
     """Which issue of ``prompt`` this request belongs to (the prompt queue's position when it was
     drawn): the experience buffer assembles groups by it, so a prompt seen in two epochs forms two groups."""
+    episode: object = field(default=None, compare=False)
+    """A multi-turn episode's state so far (``environments.episodes.Episode``), carried when an
+    in-flight episode moves between rollouts; None for a fresh request. Opaque to generation."""
 
 
 @dataclass(frozen=True)
@@ -69,6 +72,24 @@ class Trajectory:
     last_version: int = -1
     """The version that sampled the last token; equals ``version`` except in ``partial`` mode, where a
     response interrupted by an update continues under newer weights (-1: same as ``version``)."""
+    loss_mask: tuple[int, ...] = ()
+    """Multi-turn episodes (``environments``): 1 on the policy's tokens, 0 on observation tokens (tool
+    output and chat-template glue, appended as tokens, never sampled), ``len(response_tokens)`` long;
+    an observation token's behaviour log-prob is a 0.0 placeholder. Empty: every token is the
+    policy's (a single-turn response)."""
+    turns: int = 1
+    """Policy turns in the episode."""
+    tool_calls: int = 0
+    tool_errors: int = 0
+    """Tool calls that returned an error observation (a bad expression, a timeout)."""
+    end_reason: str = ""
+    """Why a multi-turn episode ended: ``answer`` (a turn without a tool call), ``max_turns``,
+    ``max_tokens``, ``length`` (a turn hit the length cap), ``tool_timeout``, ``env_error``; empty for
+    a single-turn response."""
+
+    def policy_mask(self) -> tuple[int, ...]:
+        """``loss_mask``, or all ones for a single-turn response."""
+        return self.loss_mask or (1,) * len(self.response_tokens)
 
 
 @dataclass(frozen=True)

@@ -181,6 +181,7 @@ def warmup_body(ctx: StageContext) -> StageResult:
             device=ctx.device,
             out_dir=out,
             lora=ctx.cfg.model.lora,
+            env=ctx.cfg.env,
         ),
     )
     return StageResult({MODEL: ref}, metrics)
@@ -411,6 +412,7 @@ def rl_body(ctx: StageContext) -> StageResult:
                     device=ctx.device,
                     verifier=verifier,
                     files=file_benchmarks(ctx.cfg),
+                    env=ctx.cfg.env,
                 )
             sel = ctx.inputs[SELECTION]
             result = rl(
@@ -429,6 +431,7 @@ def rl_body(ctx: StageContext) -> StageResult:
                 state_dir=ctx.state_dir,
                 trainer=ctx.cfg.trainer,
                 rollout=ctx.cfg.rollout,
+                env=ctx.cfg.env,
                 on_metrics=active().step_logger("rl"),
                 lora=ctx.cfg.model.lora,
             )
@@ -505,6 +508,7 @@ def eval_body(ctx: StageContext) -> StageResult:
             device=ctx.device,
             out_dir=out,
             files=files,
+            env=ctx.cfg.env,
         )
         query = ctx.catalog.query if ctx.catalog is not None else _no_catalog
         certificates.update(

@@ -94,11 +94,16 @@ def base_model_key(c: Config) -> dict:
 
 
 def warmup_key(c: Config) -> dict:
-    return {**asdict(c.sft), "template": template(c), **_numerics(c), **_lora_key(c, "warmup")}
+    return {**asdict(c.sft), "template": template(c), **_numerics(c), **_lora_key(c, "warmup"), **_env_key(c)}
 
 
 def eval_key(c: Config) -> dict:
-    return {**asdict(c.eval), **_numerics(c)}
+    return {**asdict(c.eval), **_numerics(c), **_env_key(c)}
+
+
+def _env_key(c: Config) -> dict:
+    """The environment, for stages that sample episodes; absent for single-turn (keys unchanged)."""
+    return {} if c.env.is_default() else {"env": asdict(c.env)}
 
 
 def _difficulty_key(c: Config, max_prompts: int) -> dict:
@@ -150,6 +155,7 @@ def rl_key(c: Config) -> dict:
         "rollout": asdict(c.rollout),  # both drivers sample with the rollout engine
         **({"eval": asdict(c.eval)} if c.rl.eval_every else {}),
         "reward": reward_key(c),
+        **_env_key(c),
     }
 
 

@@ -17,10 +17,19 @@ from training.finite import check_finite
 
 @dataclass(frozen=True)
 class SFTExample:
-    """``response_tokens`` end with EOS; the loss covers exactly them."""
+    """``response_tokens`` end with EOS; the loss covers exactly them, less those ``loss_mask`` marks 0
+    (a tool demonstration's observation tokens; empty: every response token)."""
 
     prompt_tokens: tuple[int, ...]
     response_tokens: tuple[int, ...]
+    loss_mask: tuple[int, ...] = ()
+
+    def labels(self) -> torch.Tensor:
+        """The response's labels: its tokens, -100 where ``loss_mask`` is 0."""
+        out = torch.tensor(self.response_tokens)
+        if self.loss_mask:
+            out = out.masked_fill(torch.tensor(self.loss_mask) == 0, -100)
+        return out
 
 
 def collate(batch: Sequence[SFTExample], pad_id: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
@@ -33,7 +42,7 @@ def collate(batch: Sequence[SFTExample], pad_id: int) -> tuple[torch.Tensor, tor
     for i, (ex, s) in enumerate(zip(batch, seqs)):
         ids[i, : len(s)] = torch.tensor(s)
         attn[i, : len(s)] = 1
-        labels[i, len(ex.prompt_tokens) : len(s)] = torch.tensor(ex.response_tokens)
+        labels[i, len(ex.prompt_tokens) : len(s)] = ex.labels()
     return ids, attn, labels
 
 
@@ -72,7 +81,7 @@ def pack(
             s, n_prompt = seqs[i], len(batch[i].prompt_tokens)
             ids[r, at : at + len(s)] = torch.tensor(s)
             pos[r, at : at + len(s)] = torch.arange(len(s))
-            labels[r, at + n_prompt : at + len(s)] = torch.tensor(batch[i].response_tokens)
+            labels[r, at + n_prompt : at + len(s)] = batch[i].labels()
             at += len(s)
         pos[r, at:] = torch.arange(used - at)  # the tail's padding: one more "sequence", no labels
     return ids, pos, labels

@@ -2,11 +2,12 @@
 
 from __future__ import annotations
 
+import hashlib
 from pathlib import Path
 
 from tqdm.auto import tqdm
 
-from conf.schema import LoraConfig, SFTConfig
+from conf.schema import EnvConfig, LoraConfig, SFTConfig
 from generation.model import encode_problem, encode_response
 from training.lora import load_trainable, save_trained
 from generation.setup import read_table
@@ -22,6 +23,27 @@ def target(row: dict) -> str:
     return f"#### {row['answer']}"
 
 
+def tool_demonstrations(examples, rows, env: EnvConfig, tokenizer) -> list[SFTExample]:
+    """``examples`` with ``env.demo_tool_share`` of them (by a hash of the prompt id) replaced by a
+    two-turn tool demonstration (``ToolEnvironment.demonstration``: the observation masked out)."""
+    from environments.calculator import arith_call
+    from environments.registry import make_environment
+    from generation.records import PromptItem
+
+    environment = make_environment(env, tokenizer)
+    out = []
+    for ex, r in zip(examples, rows):
+        share = int(hashlib.sha256(f"tool:{r['prompt_id']}".encode()).hexdigest()[:8], 16) / 16**8
+        call = arith_call(r["problem"]) if share < env.demo_tool_share else None
+        if call is None:
+            out.append(ex)
+            continue
+        tokens, mask = environment.demonstration(call, f"#### {r['answer']}")
+        prompt = environment.reset(PromptItem(r["prompt_id"], r["problem"], r["answer"], ex.prompt_tokens))
+        out.append(SFTExample(prompt, tokens, mask))
+    return out
+
+
 def warmup(
     model_dir: Path,
     prompts_path: Path,
@@ -32,9 +54,11 @@ def warmup(
     device: str,
     out_dir: Path,
     lora: LoraConfig | None = None,
+    env: EnvConfig | None = None,
 ) -> dict[str, float]:
     """Warm-up SFT on the curated pool's demonstrations (for the synthetic task ``data.demo_error_rate``
-    of their steps slip); prompts without a level are always used, the others when in ``cfg.levels``."""
+    of their steps slip); prompts without a level are always used, the others when in ``cfg.levels``.
+    With a tool environment (``env``), ``env.demo_tool_share`` of them solve the problem with the tool."""
     model, tokenizer, _ = load_trainable(model_dir, lora, "warmup", device=device, seed=seed)
     rows = [
         r
@@ -45,6 +69,8 @@ def warmup(
         SFTExample(encode_problem(tokenizer, template, r["problem"]), encode_response(tokenizer, target(r)))
         for r in rows
     ]
+    if env is not None and not env.is_default():
+        examples = tool_demonstrations(examples, rows, env, tokenizer)
     with tqdm(total=cfg.steps, desc="warmup sft", unit="step", leave=False, disable=None) as bar:
         metrics = train_sft(
             model,

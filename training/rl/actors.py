@@ -149,6 +149,7 @@ class RolloutWorker:
         seed: int,
         threads: int = 1,
         priority: str = "normal",
+        env=None,
     ):
         _setup(threads, seed)
         lower_priority(priority)
@@ -171,6 +172,11 @@ class RolloutWorker:
             seed=seed,
             **opts,
         )
+        if env is not None and env.name != "single_turn":  # episodes: the engine in an episode runner
+            from environments.registry import wrap_engine
+            from generation.model import load_tokenizer
+
+            self.engine = wrap_engine(self.engine, env, load_tokenizer(model_dir))
         self.engine.version = -1  # no published version loaded yet: the first step pulls
 
     def ping(self) -> ActorInfo:

@@ -506,5 +506,6 @@ def trajectory_from_json(d: dict) -> Trajectory:
             "prompt": prompt_from_json(d["prompt"]),
             "response_tokens": tuple(d["response_tokens"]),
             "behaviour_logprobs": tuple(d["behaviour_logprobs"]),
+            "loss_mask": tuple(d.get("loss_mask", ())),
         }
     )

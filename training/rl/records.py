@@ -229,6 +229,7 @@ class StepMetrics:
             extra={
                 **reward_term_means(groups),
                 **length_metrics(groups),
+                **episode_metrics(trajs),
                 **{k: v for k, v in objective.items() if k not in _STEP_NAMES},  # the manager's win
             },
         )
@@ -252,12 +253,34 @@ class StepMetrics:
         """One fixed-format line per RL step (with each reward term's mean when there are several)."""
         terms = {k.removeprefix("reward/"): v for k, v in self.extra.items() if k.startswith("reward/")}
         shaped = "".join(f" | {k} {v:.3f}" for k, v in terms.items()) if len(terms) > 1 else ""
+        if "episode/tool_calls" in self.extra:
+            shaped += (
+                f" | tools {self.extra['episode/tool_calls']:.2f} | turns {self.extra['episode/turns']:.2f}"
+            )
         return (
             f"step {self.step:4d}/{total} | reward {self.reward:.3f} | acc {self.accuracy:.3f} | "
             f"len {self.response_length:5.1f} | entropy {self.entropy:.3f} | clipfrac {self.clipfrac:.3f} | "
             f"dropped {self.dropped_groups:3d} | gen {self.gen_seconds:.2f}s | "
             f"train {self.train_seconds:.2f}s | tok/s {self.gen_tokens_per_s:.0f}{shaped}"
         )
+
+
+def episode_metrics(trajs) -> dict[str, float]:
+    """Multi-turn episodes' means (none for single-turn responses): tool calls, tool errors and
+    policy turns per episode, the share that ended failed (environment crash, tool timeout) and the
+    policy's share of the episode tokens."""
+    eps = [t for t in trajs if t.loss_mask]
+    if not eps:
+        return {}
+    n = len(eps)
+    return {
+        "episode/tool_calls": sum(t.tool_calls for t in eps) / n,
+        "episode/tool_errors": sum(t.tool_errors for t in eps) / n,
+        "episode/turns": sum(t.turns for t in eps) / n,
+        "episode/failed": sum(t.end_reason in ("env_error", "tool_timeout") for t in eps) / n,
+        "episode/policy_token_share": sum(sum(t.loss_mask) for t in eps)
+        / max(1, sum(len(t.loss_mask) for t in eps)),
+    }
 
 
 def length_metrics(groups) -> dict[str, float]:

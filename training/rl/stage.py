@@ -17,7 +17,15 @@ from collections.abc import Callable
 
 from tqdm.auto import tqdm
 
-from conf.schema import ClusterConfig, LoraConfig, RLConfig, RolloutConfig, SelectConfig, TrainerConfig
+from conf.schema import (
+    ClusterConfig,
+    EnvConfig,
+    LoraConfig,
+    RLConfig,
+    RolloutConfig,
+    SelectConfig,
+    TrainerConfig,
+)
 from generation.adapter import is_adapter_dir
 from generation.model import encode_problem
 from training.objectives import PRESETS, ObjectiveParams
@@ -127,6 +135,7 @@ def rl(
     rollout: RolloutConfig | None = None,
     on_metrics: Callable[[dict[str, float]], None] | None = None,
     lora: LoraConfig | None = None,
+    env: EnvConfig | None = None,
 ) -> RLResult:
     """RL from ``model_dir`` on the prompts of ``prompts_path`` (see the module docstring for what
     it writes). ``select`` turns on HIVE's online pruning; ``evaluate`` runs every ``cfg.eval_every`` steps.
@@ -139,7 +148,8 @@ def rl(
     ``lora`` on for rl: only adapters train (continuing the adapter ``model_dir`` holds, or a fresh one on
     it), only adapters are published, and ``out_dir`` becomes a PEFT adapter folder.
     ``reward``: the ``rewards.compose.Reward`` every response is scored with (a bare verifier: the
-    math verifier alone); DAPO's preset adds its overlong component (``training.rl.loop.rl_reward``)."""
+    math verifier alone); DAPO's preset adds its overlong component (``training.rl.loop.rl_reward``).
+    ``env`` (``conf.schema.EnvConfig``): the episodes' environment (None: single-turn)."""
     with tempfile.TemporaryDirectory(prefix="laminar-rl-start-") as scratch:
         model_dir = rl_start(Path(model_dir), lora, Path(scratch), seed)
         return _rl(
@@ -159,6 +169,7 @@ def rl(
             trainer=trainer,
             rollout=rollout,
             on_metrics=on_metrics,
+            env=env,
         )
 
 
@@ -194,6 +205,7 @@ def _rl(
     trainer,
     rollout,
     on_metrics,
+    env=None,
 ) -> RLResult:
     from generation.model import load_tokenizer
     from training.lora import adapter_from_state, save_trained
@@ -237,6 +249,7 @@ def _rl(
             source=hive_source(select, history_path, seed) if select is not None else None,
             rollout=rollout,
             state_dir=state_dir,
+            env=env,
         )
         if cfg.uses_ray():
             from training.rl.drivers.ray import LaminarRuntime

@@ -42,7 +42,9 @@ class TrainBatch:
 
     ``input_ids``/``attention_mask`` (B, L); ``positions`` (B, T): index into the logits of the
     position that predicts response token t (prompt_len - 1 + t); ``targets``/``behaviour``/``mask``
-    (B, T); ``rewards``, ``group_index``, ``versions`` (B,)."""
+    (B, T); ``rewards``, ``group_index``, ``versions`` (B,). ``mask`` marks each response's extent
+    (1 on every response token), ``loss_mask`` (B, T) the policy's tokens among them (0 on a
+    multi-turn episode's observation tokens): the loss, KL and entropy use ``mask * loss_mask``."""
 
     input_ids: torch.Tensor
     attention_mask: torch.Tensor
@@ -54,6 +56,7 @@ class TrainBatch:
     group_index: torch.Tensor
     versions: torch.Tensor
     finished: torch.Tensor
+    loss_mask: torch.Tensor
 
     def rows(self, idx: torch.Tensor) -> TrainBatch:
         """The sub-batch of sequences ``idx`` (shapes as above with B = len(idx))."""
@@ -70,6 +73,7 @@ class TrainBatch:
             "targets": tmax,
             "behaviour": tmax,
             "mask": tmax,
+            "loss_mask": tmax,
         }
         return TrainBatch(
             *(
@@ -150,6 +154,7 @@ def build_batch(groups: Sequence[ScoredGroup], pad_id: int) -> TrainBatch:
     targets = torch.zeros((bsz, tmax), dtype=torch.long)
     behaviour = torch.zeros((bsz, tmax), dtype=torch.float32)
     mask = torch.zeros((bsz, tmax), dtype=torch.float32)
+    loss_mask = torch.zeros((bsz, tmax), dtype=torch.float32)
     for i, (_, t, _) in enumerate(trajs):
         p, r = len(t.prompt.prompt_tokens), len(t.response_tokens)
         ids[i, : p + r] = torch.tensor(t.prompt.prompt_tokens + t.response_tokens)
@@ -158,6 +163,10 @@ def build_batch(groups: Sequence[ScoredGroup], pad_id: int) -> TrainBatch:
         targets[i, :r] = torch.tensor(t.response_tokens)
         behaviour[i, :r] = torch.tensor(t.behaviour_logprobs, dtype=torch.float32)
         mask[i, :r] = 1.0
+        if t.loss_mask:
+            loss_mask[i, :r] = torch.tensor(t.loss_mask, dtype=torch.float32)
+        else:
+            loss_mask[i, :r] = 1.0
     return TrainBatch(
         input_ids=ids,
         attention_mask=attn,
@@ -169,6 +178,7 @@ def build_batch(groups: Sequence[ScoredGroup], pad_id: int) -> TrainBatch:
         group_index=torch.tensor([g for g, _, _ in trajs], dtype=torch.long),
         versions=torch.tensor([t.version for _, t, _ in trajs], dtype=torch.long),
         finished=torch.tensor([t.finished for _, t, _ in trajs], dtype=torch.bool),
+        loss_mask=loss_mask,
     )
 
 
@@ -599,7 +609,7 @@ class PolicyTrainer:
         """The batch of ``groups`` on the device with its advantages, loss mask (DAPO's overlong filter
         applied) and, where the objective needs them, the reference and proximal log-probs."""
         batch = build_batch(groups, self.pad_id)
-        mask = batch.mask.to(self.device)
+        mask = (batch.mask * batch.loss_mask).to(self.device)  # observation tokens carry no loss
         if self.params.overlong_filter:  # DAPO: truncated responses carry no loss
             mask = mask * batch.finished.to(self.device, mask.dtype)[:, None]
         p = self.params

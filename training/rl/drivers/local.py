@@ -18,7 +18,8 @@ from pathlib import Path
 
 import torch
 
-from conf.schema import RLConfig, RolloutConfig
+from conf.schema import EnvConfig, RLConfig, RolloutConfig
+from environments.registry import wrap_engine
 from generation.adapter import adapter_rank, load_published, model_dir_for_sampling
 from generation.engines import make_engine, rollout_engine_options
 from generation.records import PromptItem
@@ -44,8 +45,10 @@ ROLLOUT = "rollout-0"
 class LocalDriver:
     """Synchronous RL in process from the checkpoint in ``model_dir`` (a full model, or an adapter
     folder: LoRA). ``rl`` (``conf.schema.RLConfig``): steps, batch, lengths, optimizer, ``eval_every``,
-    ``checkpoint_every``; ``rollout`` (``conf.schema.RolloutConfig``): the engine. With ``state_dir``
-    it checkpoints into ``state_dir/checkpoints`` and resumes from the last checkpoint there.
+    ``checkpoint_every``; ``rollout`` (``conf.schema.RolloutConfig``): the engine; ``env``
+    (``conf.schema.EnvConfig``): the episodes' environment (None or single_turn: one turn, the
+    engine as it is). With ``state_dir`` it checkpoints into ``state_dir/checkpoints`` and resumes
+    from the last checkpoint there.
     ``run()`` returns the ``RLResult``; ``final_model`` is the trained model."""
 
     def __init__(
@@ -63,6 +66,7 @@ class LocalDriver:
         source: Callable | None = None,
         on_step: Callable[[StepMetrics], None] | None = None,
         evaluate: Callable[[object], dict[str, float]] | None = None,
+        env: EnvConfig | None = None,
     ):
         self.settings = ManagerSettings.from_config(rl, params)
         if self.settings.mode.name != "sync":
@@ -74,7 +78,7 @@ class LocalDriver:
             params,
             rl,
         )
-        self.seed, self.device, self.rollout_cfg = seed, device, rollout
+        self.seed, self.device, self.rollout_cfg, self.env_cfg = seed, device, rollout, env
         self.checkpoint_dir = Path(state_dir) / "checkpoints" if state_dir is not None else None
         self.source_factory, self.on_step, self.evaluate = source, on_step, evaluate
         self.result = RLResult()
@@ -145,6 +149,7 @@ class LocalDriver:
             seed=self.seed,
             **opts,
         )
+        self.engine = wrap_engine(self.engine, self.env_cfg, tokenizer)  # single_turn: the engine itself
         self.engine.version = -1  # no published version yet: the first order pulls
         cursor = PromptCursor(self.prompts, self.seed)
         if self.source_factory is not None:

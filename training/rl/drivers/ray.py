@@ -35,7 +35,7 @@ from collections.abc import Callable, Sequence
 import psutil
 import torch
 
-from conf.schema import ClusterConfig, RLConfig, RolloutConfig, TrainerConfig
+from conf.schema import ClusterConfig, EnvConfig, RLConfig, RolloutConfig, TrainerConfig
 from generation.adapter import load_published
 from generation.records import PromptItem
 from training.objectives import ObjectiveParams
@@ -132,9 +132,11 @@ class LaminarRuntime:
         source: Callable | None = None,
         on_step: Callable[[StepMetrics], None] | None = None,
         evaluate: Callable[[object], dict[str, float]] | None = None,
+        env: EnvConfig | None = None,
     ):
         self.settings = ManagerSettings.from_config(rl, params)
         self.mode = self.settings.mode
+        self.env_cfg = env
         self.model_dir = Path(model_dir)
         self.prompts = list(prompts)
         self.reward = reward
@@ -326,6 +328,7 @@ class LaminarRuntime:
                 seed=self.seed,
                 threads=c.actor_threads,
                 priority=c.rollout_priority,
+                env=self.env_cfg,
             )
             self.rollouts[name] = _RolloutActor(name, handle)
         self.timeline["rollouts"] = list(self.rollouts)

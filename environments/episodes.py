@@ -1,0 +1,337 @@
+"""Multi-turn episodes on a generation engine, token-exact.
+
+``EpisodeEngine`` wraps any engine with the continuous API (``submit``, ``inject``, ``step``,
+``extract``, ``load_state``, ``status``) and speaks the same API, so every RL driver runs episodes
+through ``training.rl.rollout.run_order`` unchanged. A policy turn ends at the end-of-turn token
+(EOS); the environment's ``step`` runs in a bounded thread pool while the engine keeps decoding the
+other rows; its observation tokens are appended to the episode's tokens and the episode continues as
+an injected row whose context is the episode's exact token sequence (prompt + every turn and
+observation so far): nothing is re-rendered from text. The finished ``Trajectory`` carries every
+token with ``loss_mask`` (1 policy, 0 observation) and the behaviour log-probs of the policy's tokens.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import time
+from concurrent.futures import FIRST_COMPLETED, Future, ThreadPoolExecutor, wait
+from dataclasses import dataclass
+
+from environments.base import Environment, StepResult
+from generation.records import GenRequest, Partial, PromptItem, Trajectory
+from generation.sampler import request_key
+
+
+@dataclass(frozen=True)
+class Episode:
+    """An episode's state after its completed turns. Invariant: ``tokens``, ``logprobs`` and ``mask``
+    share one length (observation tokens: log-prob 0.0, mask 0). ``request``: the episode's original
+    request (its prompt as the driver knows it); ``context``: the tokens the first turn conditioned on
+    (``Environment.reset``). ``version``: the weight version that sampled the first token (-1: none
+    yet). ``pending``: the text of a finished turn whose ``step`` had not answered when the episode
+    was handed over (the receiver runs it again)."""
+
+    request: GenRequest
+    context: tuple[int, ...]
+    tokens: tuple[int, ...] = ()
+    logprobs: tuple[float, ...] = ()
+    mask: tuple[int, ...] = ()
+    turns: int = 0
+    tool_calls: int = 0
+    tool_errors: int = 0
+    version: int = -1
+    last_version: int = -1
+    entropy_sum: float = 0.0
+    retries: int = 0
+    pending: str | None = None
+
+    def turn_request(self) -> GenRequest:
+        """The engine request of the next turn: the episode's tokens so far as its prompt (turn 0:
+        the original request, so a first turn samples what a single-turn run samples). The prompt id
+        names the turn, which gives every turn its own sampling noise."""
+        p = self.request.prompt
+        if self.turns == 0 and self.retries == 0 and self.context == p.prompt_tokens:
+            return dataclasses.replace(self.request, episode=None)
+        item = PromptItem(
+            prompt_id=f"{p.prompt_id}|r{self.retries}t{self.turns}",
+            text="",
+            answer=p.answer,
+            prompt_tokens=self.context + self.tokens,
+            level=p.level,
+        )
+        return GenRequest(item, self.request.sample_idx, self.request.group_uid)
+
+    def with_turn(self, t: Trajectory) -> Episode:
+        n = len(t.response_tokens)
+        return dataclasses.replace(
+            self,
+            tokens=self.tokens + t.response_tokens,
+            logprobs=self.logprobs + t.behaviour_logprobs,
+            mask=self.mask + (1,) * n,
+            turns=self.turns + 1,
+            version=t.version if self.version < 0 else self.version,
+            last_version=max(self.last_version, t.last_version if t.last_version >= 0 else t.version),
+            entropy_sum=self.entropy_sum + (t.mean_entropy * n if n else 0.0),
+        )
+
+    def with_observation(self, result: StepResult) -> Episode:
+        obs = tuple(int(i) for i in result.observation)
+        return dataclasses.replace(
+            self,
+            tokens=self.tokens + obs,
+            logprobs=self.logprobs + (0.0,) * len(obs),
+            mask=self.mask + (0,) * len(obs),
+            pending=None,
+        )
+
+
+@dataclass(frozen=True)
+class EpisodeLimits:
+    """``max_turns`` policy turns; ``max_tokens`` episode tokens (policy + observation, checked after
+    each turn; 0: no limit beyond the turns); ``tool_timeout_s`` per ``step``; ``tool_workers``
+    threads; ``on_error``: ``fail`` or ``retry`` (once, from the prompt)."""
+
+    max_turns: int = 4
+    max_tokens: int = 0
+    tool_timeout_s: float = 10.0
+    tool_workers: int = 4
+    on_error: str = "fail"
+
+    @classmethod
+    def from_config(cls, env) -> EpisodeLimits:
+        return cls(env.max_turns, env.max_tokens, env.tool_timeout_s, env.tool_workers, env.on_error)
+
+
+class EpisodeEngine:
+    """Episodes of ``env`` on ``engine`` (see the module docstring). ``status()['active']`` counts the
+    episodes waiting on their environment too, so a rollout holding them is not idle. Not
+    thread-safe: one caller drives it (the pool runs only ``env.step``)."""
+
+    def __init__(self, engine, env: Environment, tokenizer, limits: EpisodeLimits):
+        self.inner, self.env, self.tokenizer, self.limits = engine, env, tokenizer, limits
+        self._episodes: dict[tuple, Episode] = {}
+        """Engine request key -> the episode whose turn it is."""
+        self._waiting: list[tuple[Future, Episode, float]] = []
+        """Episodes whose finished turn is with the environment: (its step, the episode, start time)."""
+        self._pool = ThreadPoolExecutor(max_workers=limits.tool_workers, thread_name_prefix="laminar-env")
+        self.env_errors = 0
+        """Environment crashes (exceptions out of ``step``) so far."""
+
+    # -------------------------------------------------------------------------- the engine's API
+    @property
+    def version(self) -> int:
+        return self.inner.version
+
+    @version.setter
+    def version(self, v: int) -> None:
+        self.inner.version = v
+
+    @property
+    def admitting(self) -> bool:
+        return self.inner.admitting
+
+    @admitting.setter
+    def admitting(self, v: bool) -> None:
+        self.inner.admitting = v
+
+    def __getattr__(self, name):  # model, tokenizer, capacity, engine_name, ...: the engine's
+        if name == "inner":
+            raise AttributeError(name)
+        return getattr(self.inner, name)
+
+    def submit(self, requests, sampling=None) -> None:
+        """Start an episode per request (a request's own ``episode`` is ignored: it starts fresh)."""
+        self.inner.submit([self._start(r).turn_request() for r in requests], sampling)
+
+    def inject(self, partials) -> None:
+        """Continue handed-over episodes (a ``Partial`` whose request carries its ``Episode``; one
+        without is a first turn in flight)."""
+        rows = []
+        for p in partials:
+            ep = p.request.episode
+            if ep is None:
+                ep = self._start(p.request)
+            if ep.pending is not None:
+                self._ask(ep, ep.pending)
+                continue
+            req = ep.turn_request()
+            self._episodes[request_key(req)] = ep
+            rows.append(Partial(req, p.tokens, p.logprobs, p.version, p.entropy_sum))
+        if rows:
+            self.inner.inject(rows)
+
+    def step(self, max_steps: int) -> list[Trajectory]:
+        """Collect the environment's answers, decode up to ``max_steps`` steps, hand finished turns to
+        the environment; returns the episodes that ended. With nothing to decode it waits for the
+        first answer (at most the tool timeout) instead of returning empty-handed at once."""
+        out: list[Trajectory] = []
+        self._collect(out)
+        st = self.inner.status()
+        if st["active"] or st["queued"]:
+            for t in self.inner.step(max_steps):
+                self._turn_done(t, out)
+        elif self._waiting and not out:
+            self._collect(out, block=True)
+        self._collect(out)
+        return out
+
+    def extract(self, include_queued: bool = True, only=None) -> tuple[list[Partial], list[GenRequest]]:
+        """Every in-flight episode as a ``Partial`` carrying its ``Episode`` (an episode waiting on its
+        environment: no tokens, the unanswered turn in ``pending``), and the not yet started ones
+        as their requests; ``only``: just the episodes of those request keys."""
+        partials, queued = self.inner.extract(include_queued=include_queued, only=self._inner_keys(only))
+        out_p, out_r = [], []
+        for p in partials:
+            ep = self._episodes.pop(request_key(p.request))
+            out_p.append(Partial(self._carrier(ep), p.tokens, p.logprobs, p.version, p.entropy_sum))
+        for r in queued:
+            out_r.append(self._episodes.pop(request_key(r)).request)
+        if include_queued:
+            keep = []
+            for fut, ep, t0 in self._waiting:
+                if only is None or request_key(ep.request) in only:
+                    fut.cancel()
+                    out_p.append(Partial(self._carrier(ep), (), (), ep.version, 0.0))
+                else:
+                    keep.append((fut, ep, t0))
+            self._waiting = keep
+        return out_p, out_r
+
+    def abort(self, request_ids=None, include_queued: bool = True):
+        only = None if request_ids is None else {tuple(i) for i in request_ids}
+        return self.extract(include_queued=include_queued, only=only)
+
+    def load_state(self, state, version: int) -> None:
+        self.inner.load_state(state, version)
+
+    def load_weights(self, *args, **kw) -> None:
+        self.inner.load_weights(*args, **kw)
+
+    def status(self) -> dict:
+        st = dict(self.inner.status())
+        st["active"] = int(st["active"]) + len(self._waiting)
+        return st
+
+    def generate(self, requests, max_new_tokens: int | None = None, **_ignored) -> list[Trajectory]:
+        """One episode per request, run to its end; output order = input order (the evaluation's
+        batch call). The engine must be idle; its own length cap holds per turn."""
+        if max_new_tokens is not None and max_new_tokens != self.inner.max_new_tokens:
+            raise ValueError("EpisodeEngine.generate uses the engine's max_new_tokens per turn")
+        slots = {request_key(r): i for i, r in enumerate(requests)}
+        if len(slots) != len(requests):
+            raise ValueError("EpisodeEngine.generate needs distinct (prompt_id, group_uid, sample_idx)")
+        results: list[Trajectory | None] = [None] * len(requests)
+        self.submit(list(requests))
+        while self._episodes or self._waiting:
+            for t in self.step(self.inner.max_new_tokens):
+                results[slots[request_key(GenRequest(t.prompt, t.sample_idx, t.group_uid))]] = t
+        return results  # type: ignore[return-value]
+
+    def close(self) -> None:
+        self._pool.shutdown(wait=False, cancel_futures=True)
+        self.env.close()
+
+    # ---------------------------------------------------------------------------------- episodes
+    def _start(self, request: GenRequest, retries: int = 0) -> Episode:
+        plain = dataclasses.replace(request, episode=None)
+        ep = Episode(plain, tuple(self.env.reset(plain.prompt)), retries=retries)
+        self._episodes[request_key(ep.turn_request())] = ep
+        return ep
+
+    def _carrier(self, ep: Episode) -> GenRequest:
+        return dataclasses.replace(ep.request, episode=ep)
+
+    def _inner_keys(self, only):
+        if only is None:
+            return None
+        return {k for k, ep in self._episodes.items() if request_key(ep.request) in only}
+
+    def _turn_done(self, t: Trajectory, out: list[Trajectory]) -> None:
+        ep = self._episodes.pop(request_key(GenRequest(t.prompt, t.sample_idx, t.group_uid)))
+        ep = ep.with_turn(t)
+        if not t.finished:
+            out.append(self._finish(ep, "length"))
+        else:
+            self._ask(ep, t.text)
+
+    def _ask(self, ep: Episode, turn_text: str) -> None:
+        ep = dataclasses.replace(ep, pending=turn_text)
+        self._waiting.append((self._pool.submit(self.env.step, turn_text), ep, time.monotonic()))
+
+    def _collect(self, out: list[Trajectory], block: bool = False) -> None:
+        """Act on every answered (or timed-out) environment step; ``block``: wait for the first."""
+        if block and self._waiting:
+            now = time.monotonic()
+            left = min(t0 + self.limits.tool_timeout_s - now for _, _, t0 in self._waiting)
+            wait([f for f, _, _ in self._waiting], timeout=max(0.0, left), return_when=FIRST_COMPLETED)
+        keep, now = [], time.monotonic()
+        for fut, ep, t0 in self._waiting:
+            if fut.done():
+                self._answered(ep, fut, out)
+            elif now - t0 >= self.limits.tool_timeout_s:
+                fut.cancel()  # a running step cannot be stopped: its thread finishes on its own
+                out.append(
+                    self._finish(dataclasses.replace(ep, tool_errors=ep.tool_errors + 1), "tool_timeout")
+                )
+            else:
+                keep.append((fut, ep, t0))
+        self._waiting = keep
+
+    def _answered(self, ep: Episode, fut: Future, out: list[Trajectory]) -> None:
+        try:
+            res: StepResult = fut.result()
+        except Exception:  # noqa: BLE001 - any environment crash ends (or restarts) the episode
+            self.env_errors += 1
+            if self.limits.on_error == "retry" and ep.retries == 0:
+                self._restart(ep)
+            else:
+                out.append(self._finish(ep, "env_error"))
+            return
+        ep = dataclasses.replace(
+            ep,
+            pending=None,
+            tool_calls=ep.tool_calls + int(res.tool_call),
+            tool_errors=ep.tool_errors + int(res.tool_error),
+        )
+        lim = self.limits
+        if res.done:
+            out.append(self._finish(ep, res.reason or "answer"))
+        elif ep.turns >= lim.max_turns:
+            out.append(self._finish(ep, "max_turns"))
+        elif lim.max_tokens and len(ep.tokens) + len(res.observation) >= lim.max_tokens:
+            out.append(self._finish(ep, "max_tokens"))
+        else:
+            ep = ep.with_observation(res)
+            req = ep.turn_request()
+            self._episodes[request_key(req)] = ep
+            # injected, so a rollout told to stop admitting still finishes its episodes
+            self.inner.inject([Partial(req, (), (), ep.version, 0.0)])
+
+    def _restart(self, ep: Episode) -> None:
+        fresh = self._start(ep.request, retries=ep.retries + 1)
+        self.inner.inject([Partial(fresh.turn_request(), (), (), -1, 0.0)])
+
+    def _finish(self, ep: Episode, reason: str) -> Trajectory:
+        policy = sum(ep.mask)
+        prompt = ep.request.prompt
+        if ep.context != prompt.prompt_tokens:  # the environment rendered its own first context
+            prompt = dataclasses.replace(prompt, prompt_tokens=ep.context)
+        finished = reason == "answer"
+        return Trajectory(
+            kind="trajectory",
+            prompt=prompt,
+            sample_idx=ep.request.sample_idx,
+            response_tokens=ep.tokens,
+            behaviour_logprobs=ep.logprobs,
+            version=ep.version if ep.version >= 0 else self.inner.version,
+            finished=finished,
+            text=self.tokenizer.decode(list(ep.tokens), skip_special_tokens=True),
+            mean_entropy=ep.entropy_sum / max(1, policy),
+            group_uid=ep.request.group_uid,
+            last_version=ep.last_version,
+            loss_mask=ep.mask,
+            turns=ep.turns,
+            tool_calls=ep.tool_calls,
+            tool_errors=ep.tool_errors,
+            end_reason=reason,
+        )

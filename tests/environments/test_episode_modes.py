@@ -1,0 +1,253 @@
+"""Episodes through the RL drivers: a sync run of the local driver trains on multi-turn episodes
+(observation tokens masked, episode metrics in the history) through the same manager and
+``run_order`` as single-turn runs."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import pytest
+import torch
+
+from conf.schema import EnvConfig, ModelConfig, RLConfig
+from environments.base import StepResult
+from generation.model import (
+    build_char_tokenizer,
+    build_tiny_model,
+    encode_problem,
+    load_tokenizer,
+    save_model,
+)
+from generation.records import PromptItem
+from tests.training.rl_fakes import Verdict
+from training.rl.manager import RolloutManager
+from training.rl.stage import objective_params
+
+TINY = ModelConfig(
+    hidden_size=32, intermediate_size=64, num_layers=1, num_heads=2, num_kv_heads=1, max_seq_len=128
+)
+
+
+class EndsWithAnswer:
+    def verify_batch(self, texts, answers):
+        return [Verdict(t.strip().endswith(a)) for t, a in zip(texts, answers)]
+
+
+class CallsTwice:
+    """Text-format observations: the first two turns are answered ``= 7``, the third ends it."""
+
+    name = "calls_twice"
+
+    def __init__(self, tok):
+        self.obs = tuple(tok("\n= 7\n", add_special_tokens=False)["input_ids"])
+        self.turns = {}
+
+    def reset(self, prompt):
+        return prompt.prompt_tokens
+
+    def step(self, turn_text):
+        if turn_text.endswith("#"):  # a few turns answer: the episode ends with the policy's turn
+            return StepResult(done=True, reason="answer")
+        return StepResult(self.obs, tool_call=True)
+
+    def close(self):
+        pass
+
+
+@pytest.fixture(scope="module")
+def model_dir(tmp_path_factory):
+    d = tmp_path_factory.mktemp("episode-model")
+    tok = build_char_tokenizer()
+    model = build_tiny_model(TINY, tok, seed=0)
+    with torch.no_grad():  # turns end at varied lengths
+        model.get_input_embeddings().weight[tok.eos_token_id] *= 30
+    save_model(model, tok, d)
+    return d
+
+
+def test_a_sync_local_run_trains_on_masked_multi_turn_episodes(monkeypatch, model_dir):
+    import environments.registry as registry
+    from training.rl.drivers.local import LocalDriver
+
+    tok = load_tokenizer(model_dir)
+    monkeypatch.setattr(registry, "make_environment", lambda cfg, tokenizer: CallsTwice(tokenizer))
+    prompts = [
+        PromptItem(
+            f"p{i}", f"{i % 4}+{i % 3}", "7", encode_problem(tok, "{problem}\n", f"{i % 4}+{i % 3}"), 1
+        )
+        for i in range(16)
+    ]
+    rl = RLConfig(
+        mode="sync",
+        runtime="local",
+        steps=2,
+        prompts_per_step=4,
+        group_size=2,
+        lr=1e-2,
+        max_new_tokens=10,
+        rollout_capacity=8,
+        chunk_steps=4,
+        micro_batch_tokens=0,
+    )
+    seen = []
+    original = RolloutManager.next_batch
+
+    def spy(self):
+        groups = original(self)
+        seen.extend(t for _, g in groups for t in g.trajectories)
+        return groups
+
+    monkeypatch.setattr(RolloutManager, "next_batch", spy)
+    env = EnvConfig(name="calculator", max_turns=3)
+    driver = LocalDriver(
+        model_dir, prompts, EndsWithAnswer(), objective_params(rl), rl, seed=0, device="cpu", env=env
+    )
+    result = driver.run()
+    assert len(seen) == 2 * 4 * 2
+    multi = [t for t in seen if t.turns > 1]
+    assert multi and all(0 in t.loss_mask and len(t.loss_mask) == len(t.response_tokens) for t in multi)
+    assert all(t.turns <= 3 and t.end_reason for t in seen)
+    assert {t.version for t in seen} == {0, 1}  # sync: an episode keeps the version it started with
+    last = result.history[-1].as_dict()
+    assert last["episode/tool_calls"] > 0 and last["episode/turns"] > 1
+    assert 0 < last["episode/policy_token_share"] < 1
+    assert dataclasses.is_dataclass(result.history[-1])
+
+
+def taught_to_call(tok, steps: int = 200):
+    """A tiny model taught (a few hundred SFT steps) to answer every prompt with ``calc: 1+2``."""
+    model = build_tiny_model(TINY, tok, seed=0)
+    opt = torch.optim.AdamW(model.parameters(), lr=3e-3)
+    rows = [
+        list(encode_problem(tok, "{problem}\n", f"{i % 4}+{i % 3}"))
+        + tok("calc: 1+2", add_special_tokens=False)["input_ids"]
+        + [tok.eos_token_id]
+        for i in range(12)
+    ]
+    width = max(map(len, rows))
+    ids = torch.tensor([r + [tok.pad_token_id] * (width - len(r)) for r in rows])
+    labels = ids.masked_fill(ids == tok.pad_token_id, -100)
+    model.train()
+    for _ in range(steps):
+        loss = model(input_ids=ids, labels=labels).loss
+        opt.zero_grad()
+        loss.backward()
+        opt.step()
+    return model.eval()
+
+
+@pytest.fixture(scope="module")
+def caller_dir(tmp_path_factory):
+    d = tmp_path_factory.mktemp("caller-model")
+    tok = build_char_tokenizer()
+    save_model(taught_to_call(tok), tok, d)
+    return d
+
+
+@pytest.fixture(scope="module")
+def local_ray():
+    ray = pytest.importorskip("ray")
+    from training.rl.drivers.ray import actor_env
+
+    if ray.is_initialized():
+        ray.shutdown()
+    ray.init(
+        address="local",
+        num_cpus=2,
+        include_dashboard=False,
+        logging_level="WARNING",
+        runtime_env={"env_vars": actor_env(1)},
+    )
+    yield ray
+    ray.shutdown()
+
+
+@pytest.mark.parametrize(
+    "mode",
+    [
+        "laminar",
+        pytest.param("one_step", marks=pytest.mark.slow),
+        pytest.param("partial", marks=pytest.mark.slow),
+    ],
+)
+def test_the_ray_modes_train_calculator_episodes_once_each(local_ray, caller_dir, mode):
+    from conf.schema import ClusterConfig
+    from training.rl.drivers.ray import LaminarRuntime
+
+    tok = load_tokenizer(caller_dir)
+    prompts = [
+        PromptItem(
+            f"p{i}", f"{i % 4}+{i % 3}", "3", encode_problem(tok, "{problem}\n", f"{i % 4}+{i % 3}"), 1
+        )
+        for i in range(40)
+    ]
+    rl = RLConfig(
+        mode=mode,
+        runtime="ray",
+        steps=3,
+        prompts_per_step=4,
+        group_size=2,
+        lr=1e-3,
+        max_new_tokens=12,
+        rollout_capacity=8,
+        chunk_steps=4,
+        max_staleness=4,
+        repack_interval_s=0.2,
+        micro_batch_tokens=0,
+    )
+    rt = LaminarRuntime(
+        caller_dir,
+        prompts,
+        EndsWithAnswer(),
+        objective_params(rl),
+        rl,
+        seed=0,
+        device="cpu",
+        cluster=ClusterConfig(rollouts=2, actor_threads=1),
+        env=EnvConfig(name="calculator", max_turns=3),
+    )
+    result = rt.run()
+    uids = rt.summary["trained_uids"]
+    assert len(uids) == len(set(uids)) == 12  # every group trained once, none twice
+    assert all(m.trained_trajectories == 8 for m in result.history)
+    extra = [m.as_dict() for m in result.history]
+    assert all(e["episode/tool_calls"] > 0.5 and e["episode/turns"] > 1.5 for e in extra), extra
+    assert all(e["episode/tool_errors"] == 0 and e["episode/failed"] == 0 for e in extra)
+
+
+def test_evaluation_samples_whole_episodes_and_reports_tool_use(caller_dir):
+    from dataclasses import dataclass
+
+    from evaluation.benchmarks import BenchmarkItem
+    from evaluation.evaluate import evaluate_items, summarize_rows
+    from generation.model import load_model
+
+    @dataclass(frozen=True)
+    class Graded:
+        correct: bool
+        pred: str = ""
+        error: str | None = None
+
+    class Ends:
+        def verify_batch(self, texts, answers):
+            return [Graded(t.strip().endswith(a)) for t, a in zip(texts, answers)]
+
+    model, tok = load_model(caller_dir)
+    items = [BenchmarkItem("heldout", f"h{i}", f"{i % 4}+{i % 3}", "3") for i in range(6)]
+    kw = dict(
+        templates={"heldout": "{problem}\n"},
+        n_samples=2,
+        temperature=1.0,
+        max_new_tokens=12,
+        batch_size=8,
+        seed=0,
+        device="cpu",
+        verifier=Ends(),
+    )
+    rows = evaluate_items(model, tok, items, env=EnvConfig(name="calculator", max_turns=3), **kw)
+    assert len(rows) == 12 and any(r.tool_calls for r in rows) and max(r.turns for r in rows) > 1
+    summary = summarize_rows(rows, 2)["heldout"]
+    assert summary["tool_calls_per_episode"] > 0 and summary["turns_per_episode"] > 1
+    single = evaluate_items(model, tok, items, **kw)  # the default: one turn, no episode metrics
+    assert all(r.turns == 1 and r.tool_calls == 0 for r in single)
+    assert "tool_calls_per_episode" not in summarize_rows(single, 2)["heldout"]

@@ -1,0 +1,290 @@
+"""Multi-turn episodes on the engine: training tokens are the tokens the engine consumed (a real BPE
+tokenizer and chat template; re-rendering from text is caught), observation tokens carry no loss,
+hung and crashing environments end episodes with a reason, and an in-flight episode moves between
+engines with its state."""
+
+import threading
+import time
+
+import pytest
+import torch
+
+from conf.schema import EnvConfig
+from environments.base import StepResult
+from environments.calculator import Calculator
+from environments.episodes import EpisodeEngine, EpisodeLimits
+from environments.registry import wrap_engine
+from environments.tool_use import ChatTemplateFormat
+from generation.engine import Engine
+from generation.records import GenRequest, PromptItem, ScoredGroup
+from generation.sampler import request_key
+from tests.environments.bpe import bpe_tokenizer, random_qwen2
+from training.objectives import ObjectiveParams
+from training.rl.trainer import PolicyTrainer, build_batch, response_logits, token_logprobs
+
+RESULT = "16"
+
+
+@pytest.fixture(scope="module")
+def tok():
+    return bpe_tokenizer()
+
+
+@pytest.fixture(scope="module")
+def model(tok):
+    return random_qwen2(tok)
+
+
+class AlwaysCalls:
+    """Every turn is answered with the tool result ``RESULT`` in the chat template's tool message."""
+
+    name = "always_calls"
+
+    def __init__(self, tok, delay: float = 0.0):
+        self.fmt = ChatTemplateFormat(tok, [Calculator()])
+        self.delay = delay
+
+    def reset(self, prompt):
+        return self.fmt.reset(prompt)
+
+    def step(self, turn_text):
+        time.sleep(self.delay)
+        return StepResult(self.fmt.observation(RESULT, False), tool_call=True)
+
+    def close(self):
+        pass
+
+
+class Recording(Engine):
+    """The engine, recording the context (prompt tokens) of every row it was given."""
+
+    def __init__(self, *a, **kw):
+        super().__init__(*a, **kw)
+        self.contexts: dict[tuple, tuple[int, ...]] = {}
+        self.sampled: dict[tuple, tuple[int, ...]] = {}
+
+    def step(self, max_steps):
+        out = super().step(max_steps)
+        for t in out:
+            self.sampled[(t.prompt.prompt_id, t.group_uid, t.sample_idx)] = t.response_tokens
+        return out
+
+    def submit(self, requests, sampling=None):
+        for r in requests:
+            self.contexts[request_key(r)] = r.prompt.prompt_tokens
+        super().submit(requests, sampling)
+
+    def inject(self, partials):
+        for p in partials:
+            self.contexts[request_key(p.request)] = p.request.prompt.prompt_tokens
+        super().inject(partials)
+
+
+def _requests(n=6):
+    texts = ["What is 12 + 7 - 3?", "What is 4 * 5?", "Compute 9 - 2 + 1."]
+    return [
+        GenRequest(PromptItem(f"q{i}", texts[i % 3], "16", (0,)), sample_idx=i % 2, group_uid=i)
+        for i in range(n)
+    ]
+
+
+def _episodes(tok, model, env, engine_cls=Engine, turns=3, **limits):
+    engine = engine_cls(model, tok, max_new_tokens=24, capacity=4, seed=3)
+    runner = EpisodeEngine(engine, env, tok, EpisodeLimits(max_turns=turns, **limits))
+    return runner, runner.generate(_requests())
+
+
+def _runs(mask):
+    """(start, end) of each run of equal values in ``mask``."""
+    out, start = [], 0
+    for i in range(1, len(mask) + 1):
+        if i == len(mask) or mask[i] != mask[start]:
+            out.append((mask[start], start, i))
+            start = i
+    return out
+
+
+def _training_row(t, tok):
+    batch = build_batch([ScoredGroup("scored_group", "g", (t,), (0.0,), (False,))], tok.pad_token_id)
+    return tuple(batch.input_ids[0, : int(batch.attention_mask[0].sum())].tolist())
+
+
+def _consumed_matches(row, t, engine):
+    """The training row is, token for token, what the engine consumed and sampled: turn by turn,
+    each turn's context followed by the tokens sampled in it, then the next turn's context starts
+    with both (the observation after them), and the last turn's context plus its tokens is the row."""
+    mine = (t.group_uid, t.sample_idx)
+    keys = sorted(
+        (k for k in engine.contexts if k[0].split("|")[0] == t.prompt.prompt_id and k[1:] == mine),
+        key=lambda k: len(engine.contexts[k]),
+    )
+    if len(keys) != t.turns:
+        return False
+    seen = [engine.contexts[k] + engine.sampled[k] for k in keys]
+    return (
+        all(row[: len(s)] == s for s in seen)
+        and row == seen[-1]
+        and all(engine.contexts[b][: len(s)] == s for s, b in zip(seen, keys[1:]))
+    )
+
+
+def _rerendered(t, tok, fmt):
+    """The negative control: the conversation re-rendered from its text through the chat template
+    and tokenized again (what a text-level agent loop would train on)."""
+    messages = [{"role": "user", "content": t.prompt.text}]
+    for v, s, e in _runs(t.loss_mask):
+        text = tok.decode(list(t.response_tokens[s:e]), skip_special_tokens=True)
+        messages.append({"role": "assistant", "content": text} if v else {"role": "tool", "content": RESULT})
+    ids = tok.apply_chat_template(messages, tools=fmt.schemas, tokenize=True)
+    return tuple(ids["input_ids"] if hasattr(ids, "input_ids") or isinstance(ids, dict) else ids)
+
+
+def test_three_turn_episode_trains_on_exactly_the_tokens_the_engine_consumed(tok, model):
+    env = AlwaysCalls(tok)
+    runner, trajs = _episodes(tok, model, env, engine_cls=Recording)
+    three = [t for t in trajs if t.turns == 3 and t.end_reason == "max_turns"]
+    assert len(three) >= 3, [(t.turns, t.end_reason) for t in trajs]
+    obs = env.fmt.observation(RESULT, False)
+    for t in three:
+        assert len(t.response_tokens) == len(t.behaviour_logprobs) == len(t.loss_mask)
+        assert t.tool_calls == 3 and t.prompt.prompt_tokens == env.reset(t.prompt)
+        observations = [t.response_tokens[s:e] for v, s, e in _runs(t.loss_mask) if v == 0]
+        assert observations == [obs, obs]
+        row = _training_row(t, tok)
+        assert row == t.prompt.prompt_tokens + t.response_tokens
+        assert _consumed_matches(row, t, runner.inner)
+        # the negative control fails the same check: re-rendered text is not what the policy saw
+        again = _rerendered(t, tok, env.fmt)
+        assert again != row and not _consumed_matches(again, t, runner.inner)
+    # the policy tokens' behaviour log-probs are the trainer's forward over the training row
+    group = ScoredGroup("scored_group", "g", tuple(three), (0.0,) * len(three), (False,) * len(three))
+    batch = build_batch([group], tok.pad_token_id)
+    with torch.no_grad():
+        lp = token_logprobs(response_logits(model, batch, "cpu"), batch.targets, 1.0)
+    policy = (batch.loss_mask * batch.mask).bool()
+    assert torch.allclose(lp[policy], batch.behaviour[policy], atol=1e-4)
+    assert not policy[batch.mask.bool()].all()  # observation tokens are in the row, masked out
+
+
+def test_observation_tokens_get_no_gradient_from_loss_kl_or_entropy(tok, model):
+    _, trajs = _episodes(tok, model, AlwaysCalls(tok), turns=3)
+    trajs = [t for t in trajs if t.turns == 3][:2]
+    group = ScoredGroup("scored_group", "g", tuple(trajs), (1.0, 0.0), (True, False))
+    params = ObjectiveParams(kl_coef=0.1, entropy_coef=0.01)
+    trainer = PolicyTrainer(
+        random_qwen2(tok),
+        params,
+        lr=1e-3,
+        weight_decay=0.0,
+        max_grad_norm=1.0,
+        temperature=1.0,
+        max_new_tokens=24,
+        pad_id=tok.pad_token_id,
+        device="cpu",
+    )
+    trainer.pack = False
+    grads = []
+    plain = trainer._response_logits
+
+    def hooked(model, sub):
+        logits = plain(model, sub)
+        if logits.requires_grad:  # the update's forward (the reference's runs without grad)
+            logits.register_hook(lambda g: grads.append((sub, g.detach().clone())))
+        return logits
+
+    trainer._response_logits = hooked
+    trainer.update([group])
+    ((sub, g),) = grads
+    per_token = g.abs().sum(-1)  # (B, T)
+    obs = (sub.mask * (1 - sub.loss_mask)).bool()
+    pol = (sub.mask * sub.loss_mask).bool()
+    assert obs.any() and pol.any()
+    assert float(per_token[obs].max()) == 0.0
+    assert float(per_token[pol].min()) > 0.0
+
+
+def test_a_hung_tool_ends_only_its_episode_with_a_recorded_reason(tok, model):
+    class HangsOnce(AlwaysCalls):
+        def __init__(self, tok):
+            super().__init__(tok)
+            self.lock, self.first = threading.Lock(), True
+
+        def step(self, turn_text):
+            with self.lock:
+                hang, self.first = self.first, False
+            if hang:
+                time.sleep(1.5)
+            return super().step(turn_text)
+
+    _, trajs = _episodes(tok, model, HangsOnce(tok), tool_timeout_s=0.3)
+    reasons = [t.end_reason for t in trajs]
+    assert reasons.count("tool_timeout") == 1 and len(trajs) == 6
+    hung = next(t for t in trajs if t.end_reason == "tool_timeout")
+    assert not hung.finished and hung.tool_errors == 1
+
+
+@pytest.mark.parametrize("on_error", ["fail", "retry"])
+def test_an_environment_crash_fails_or_retries_the_episode_once(tok, model, on_error):
+    class CrashesOnce(AlwaysCalls):
+        def __init__(self, tok):
+            super().__init__(tok)
+            self.lock, self.first = threading.Lock(), True
+
+        def step(self, turn_text):
+            with self.lock:
+                crash, self.first = self.first, False
+            if crash:
+                raise RuntimeError("environment bug")
+            return super().step(turn_text)
+
+    runner, trajs = _episodes(tok, model, CrashesOnce(tok), on_error=on_error)
+    assert len(trajs) == 6 and all(t is not None for t in trajs)
+    assert len({(t.prompt.prompt_id, t.group_uid, t.sample_idx) for t in trajs}) == 6  # none twice
+    assert runner.env_errors == 1
+    failed = [t for t in trajs if t.end_reason == "env_error"]
+    assert len(failed) == (1 if on_error == "fail" else 0)
+
+
+def test_an_in_flight_episode_moves_to_another_engine_with_its_state(tok, model):
+    env = AlwaysCalls(tok, delay=0.02)
+    _, whole = _episodes(tok, model, env)
+
+    def runner():
+        return EpisodeEngine(
+            Engine(model, tok, max_new_tokens=24, capacity=4, seed=3), env, tok, EpisodeLimits(max_turns=3)
+        )
+
+    a, b = runner(), runner()
+    a.version = b.version = 0
+    a.submit(_requests())
+    done = []
+    for _ in range(4):
+        done += a.step(5)
+    partials, queued = a.extract()
+    assert any(p.request.episode is not None and p.request.episode.turns >= 1 for p in partials)
+    assert a.status()["active"] == 0
+    b.submit(queued)
+    b.inject(partials)
+    while b.status()["active"] or b.status()["queued"]:
+        done += b.step(24)
+    key = lambda t: (t.prompt.prompt_id, t.group_uid)  # noqa: E731 - a sort key
+    assert [(t.response_tokens, t.loss_mask) for t in sorted(done, key=key)] == [
+        (t.response_tokens, t.loss_mask) for t in sorted(whole, key=key)
+    ]
+
+
+def test_single_turn_leaves_the_engine_as_it_is(tok, model):
+    engine = Engine(model, tok, max_new_tokens=8)
+    assert wrap_engine(engine, EnvConfig()) is engine
+    assert isinstance(wrap_engine(engine, EnvConfig(name="calculator", max_turns=3), tok), EpisodeEngine)
+
+
+def test_an_episode_survives_the_checkpoint_codec(tok, model):
+    import json
+
+    from training.rl.control import trajectory_from_json, trajectory_to_json
+
+    _, trajs = _episodes(tok, model, AlwaysCalls(tok))
+    t = next(t for t in trajs if t.turns == 3)
+    back = trajectory_from_json(json.loads(json.dumps(trajectory_to_json(t))))
+    assert back == t and back.loss_mask == t.loss_mask and back.end_reason == "max_turns"
