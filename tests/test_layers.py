@@ -8,7 +8,16 @@ from pathlib import Path
 import pytest
 
 ROOT = Path(__file__).resolve().parent.parent
-LIBRARIES = ["generation", "rewards", "environments", "data_curation", "training", "evaluation", "core", "conf"]
+LIBRARIES = [
+    "generation",
+    "rewards",
+    "environments",
+    "data_curation",
+    "training",
+    "evaluation",
+    "core",
+    "conf",
+]
 
 
 def _modules(pkg):
