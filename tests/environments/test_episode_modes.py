@@ -144,24 +144,6 @@ def caller_dir(tmp_path_factory):
     return d
 
 
-@pytest.fixture(scope="module")
-def local_ray():
-    ray = pytest.importorskip("ray")
-    from training.rl.drivers.ray import actor_env
-
-    if ray.is_initialized():
-        ray.shutdown()
-    ray.init(
-        address="local",
-        num_cpus=2,
-        include_dashboard=False,
-        logging_level="WARNING",
-        runtime_env={"env_vars": actor_env(1)},
-    )
-    yield ray
-    ray.shutdown()
-
-
 @pytest.mark.parametrize(
     "mode",
     [

@@ -53,23 +53,6 @@ def prompts(model_dir):
     ]
 
 
-@pytest.fixture(scope="module")
-def local_ray():
-    from training.rl.drivers.ray import actor_env
-
-    if ray.is_initialized():
-        ray.shutdown()
-    ray.init(
-        address="local",
-        num_cpus=2,
-        include_dashboard=False,
-        logging_level="WARNING",
-        runtime_env={"env_vars": actor_env(1)},
-    )
-    yield ray
-    ray.shutdown()
-
-
 def trained(monkeypatch) -> list:
     """Every trajectory the trainer is handed, as (update, group uid, sample, prompt, tokens,
     behaviour log-probs, version), recorded at the manager whichever driver runs it."""

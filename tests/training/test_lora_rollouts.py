@@ -30,23 +30,6 @@ def dirs(tmp_path_factory):
     return write_base_and_adapter(tmp_path_factory.mktemp("lora-rt"))
 
 
-@pytest.fixture(scope="module")
-def local_ray():
-    if ray.is_initialized():
-        ray.shutdown()
-    from training.rl.drivers.ray import actor_env
-
-    ray.init(
-        address="local",
-        num_cpus=2,
-        include_dashboard=False,
-        logging_level="WARNING",
-        runtime_env={"env_vars": actor_env(1)},
-    )
-    yield ray
-    ray.shutdown()
-
-
 def probe_run(adapter_dir, mode: str, *, steps: int = 3, rollouts: int = 1):
     """A short LoRA run of ``mode``; after every update, the trainer's probe log-probs (by version)
     and every rollout's (with the version it holds)."""

@@ -59,23 +59,6 @@ def prompts(model_dir):
     ]
 
 
-@pytest.fixture(scope="module")
-def local_ray():
-    if ray.is_initialized():
-        ray.shutdown()
-    from training.rl.drivers.ray import actor_env
-
-    ray.init(
-        address="local",
-        num_cpus=2,
-        include_dashboard=False,
-        logging_level="WARNING",
-        runtime_env={"env_vars": actor_env(1)},
-    )  # the actors' environment, as the runtime starts them
-    yield ray
-    ray.shutdown()
-
-
 def make_runtime(
     model_dir,
     prompts,
