@@ -115,7 +115,7 @@ def test_per_sequence_lambda_equals_running_each_row_with_its_own():
 
 
 def test_vapo_uses_the_length_adaptive_lambda_for_the_policy_and_lambda_one_for_the_critic():
-    p = PRESETS["vapo"]
+    p = dataclasses.replace(PRESETS["vapo"], lambda_alpha=0.05)  # the paper's alpha
     mask = torch.ones(2, 40, dtype=F64)
     mask[1, 10:] = 0  # lengths 40 (lambda 0.5) and 10 (lambda 0)
     values = torch.linspace(0, 1, 80, dtype=F64).reshape(2, 40)
@@ -131,6 +131,10 @@ def test_vapo_uses_the_length_adaptive_lambda_for_the_policy_and_lambda_one_for_
     torch.testing.assert_close(advantages_of(p, inp.rewards, torch.tensor([0, 0]), inp), want)
     # the critic's targets: lambda 1, gamma 1 -> the reward on every token
     torch.testing.assert_close(value_targets(inp, p), mask * t([1.0, 0.0])[:, None])
+    # the preset's alpha 1.0 gives 30 tokens the lambda the paper's 0.05 gives 600
+    torch.testing.assert_close(
+        adaptive_lambda(t([30.0]), PRESETS["vapo"].lambda_alpha), adaptive_lambda(t([600.0]), 0.05)
+    )
 
 
 # ----------------------------------------------------------------------------------- value loss
@@ -249,7 +253,7 @@ def test_critic_presets_and_bad_values():
     v = PRESETS["vapo"]
     assert (v.critic_lambda, v.lambda_alpha, v.clip_high, v.loss_agg, v.nll_coef) == (
         1.0,
-        0.05,
+        1.0,
         0.28,
         "token_mean",
         0.1,
