@@ -7,13 +7,16 @@ Rows are keyed by (benchmark, problem_id, sample_idx) so the catalog can store t
 from __future__ import annotations
 
 from dataclasses import dataclass
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 
 import torch
 
 from evaluation.benchmarks import BenchmarkItem, build_prompt
 from evaluation.code_benchmarks import CODE_TEMPLATES, code_verdicts
 from evaluation.metrics import shaping_metrics, summarize
+from conf.schema import RewardComponentConfig
+from rewards.components import Sample
+from rewards.compose import MATH_VERIFY, build_component, safe_scores
 from rewards.verifier import Verifier
 from generation.model import encode_prompt
 from generation.engine import Engine
@@ -40,6 +43,9 @@ class EvalRow:
     tool_calls: int = 0
     tool_errors: int = 0
     """A multi-turn episode's policy turns, tool calls and failed calls (``env``)."""
+    terms: tuple[tuple[str, float, bool], ...] = ()
+    """The benchmark's ``score_with`` components other than the correctness verdict: per component
+    (name, score, whether it got its fallback score)."""
 
 
 def evaluate_items(
@@ -57,12 +63,15 @@ def evaluate_items(
     verifier: Verifier,
     progress=None,
     env=None,
+    score_with: Mapping[str, Sequence[str]] | None = None,
 ) -> list[EvalRow]:
     """One row per (item, sample). ``templates`` maps a benchmark to its prompt template
     (None = the registry default). Prompts longer than the model's context are still sampled (a
     model with rotary positions runs past them); ``summarize_rows`` counts them. ``env``
     (``conf.schema.EnvConfig``): a multi-turn environment samples whole episodes (None or single_turn:
-    one response per request, as always)."""
+    one response per request, as always). ``score_with``: benchmark -> the reward components that
+    score it (a file benchmark's ``score_with``); the correctness verdict is always the verifier's
+    (or a code benchmark's tests), each other component's score is kept per row (``EvalRow.terms``)."""
     engine = Engine(model, tokenizer, device=device, batch_size=batch_size)
     prompts = [
         PromptItem(
@@ -85,6 +94,7 @@ def evaluate_items(
     else:
         trajectories = engine.generate(requests, max_new_tokens, temperature, generator, progress=progress)
     verdicts = _verdicts([items[i // n_samples] for i in range(len(trajectories))], trajectories, verifier)
+    terms = _terms(items, n_samples, trajectories, verdicts, score_with or {}, max_new_tokens)
     rows = []
     for i, (req, traj, v) in enumerate(zip(requests, trajectories, verdicts)):
         item = items[i // n_samples]  # requests are item-major; ids may repeat across benchmarks
@@ -105,9 +115,37 @@ def evaluate_items(
                 turns=traj.turns,
                 tool_calls=traj.tool_calls,
                 tool_errors=traj.tool_errors,
+                terms=terms[i],
             )
         )
     return rows
+
+
+def _terms(items, n_samples, trajectories, verdicts, score_with, max_new_tokens) -> list[tuple]:
+    """Per trajectory, (name, score, failed) for each component of its benchmark's ``score_with``
+    other than ``math_verify``, scored a benchmark at a time (``rewards.compose.safe_scores``: a
+    component that raises gives its fallback score, counted)."""
+    out: list[tuple] = [() for _ in trajectories]
+    for bench, names in score_with.items():
+        shaping = [n for n in names if n != MATH_VERIFY]
+        idx = [i for i in range(len(trajectories)) if items[i // n_samples].benchmark == bench]
+        if not shaping or not idx:
+            continue
+        samples = [
+            Sample(
+                text=trajectories[i].text,
+                answer=trajectories[i].prompt.answer or "",
+                n_tokens=len(trajectories[i].response_tokens),
+                max_tokens=max_new_tokens,
+            )
+            for i in idx
+        ]
+        correct = [verdicts[i].correct for i in idx]
+        for name in shaping:
+            scores, failed = safe_scores(build_component(RewardComponentConfig(name=name)), samples, correct)
+            for i, x, f in zip(idx, scores, failed):
+                out[i] = (*out[i], (name, x, f))
+    return out
 
 
 def _verdicts(items: Sequence[BenchmarkItem], trajectories, verifier) -> list:
@@ -176,6 +214,10 @@ def summarize_rows(
         out[bench]["context"] = context
         if totals and totals.get(bench, 0) > out[bench]["n_problems"]:
             out[bench]["problems_total"] = totals[bench]
+        for name in dict.fromkeys(t[0] for r in subset for t in r["terms"]):
+            scored = [t for r in subset for t in r["terms"] if t[0] == name]
+            out[bench][f"reward/{name}"] = sum(t[1] for t in scored) / len(scored)
+            out[bench][f"reward_errors/{name}"] = sum(1 for t in scored if t[2])
         if any(r["turns"] != 1 or r["tool_calls"] for r in subset):  # multi-turn episodes (env)
             n = len(subset)
             out[bench]["tool_calls_per_episode"] = sum(r["tool_calls"] for r in subset) / n

@@ -196,6 +196,14 @@ def format_eval_table(summaries: Mapping[str, Mapping[str, Any]]) -> str:
                 avg = f"avg@{s['n_samples']}"
                 parts = "  ".join(f"{g} {v[avg]:.3f} (n={v['count']})" for g, v in s[key].items())
                 lines.append(f"{bench} {key.replace('_', ' ')}: {parts}")
+        terms = {k.removeprefix("reward/"): v for k, v in s.items() if k.startswith("reward/")}
+        if terms:  # the benchmark's score_with components beside the verdict
+            parts = "  ".join(
+                f"{name} {value:.3f}"
+                + (f" ({s[f'reward_errors/{name}']} fallbacks)" if s.get(f"reward_errors/{name}") else "")
+                for name, value in terms.items()
+            )
+            lines.append(f"{bench} reward terms (mean): {parts}")
     return "\n".join(lines)
 
 

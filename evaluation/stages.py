@@ -127,6 +127,7 @@ def evaluate_checkpoint(
             verifier=verifier,
             progress=bar,
             env=env,
+            score_with={name: f.score_with for name, f in files.items()},
         )
     summary = summarize_rows(rows, cfg.n_samples, model_context(model), totals)
     pl.DataFrame(
@@ -188,6 +189,7 @@ def in_run_evaluator(
             device=device,
             verifier=verifier,
             env=env,
+            score_with={name: f.score_with for name, f in files.items()},
         )
         model.train(was_training)
         out = {f"eval_{b}": s["accuracy"] for b, s in summarize_rows(rows, cfg.n_samples).items()}

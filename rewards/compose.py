@@ -46,7 +46,7 @@ class Scores:
         return out
 
 
-def _safe_scores(
+def safe_scores(
     component, samples: Sequence[Sample], correct: Sequence[bool]
 ) -> tuple[list[float], list[bool]]:
     """The component's scores of the batch and which samples failed: where it raises (or returns a
@@ -119,7 +119,7 @@ class Reward:
         terms = {MATH_VERIFY: tuple(1.0 if c else 0.0 for c in correct)}
         failed = {MATH_VERIFY: tuple(bool(getattr(v, "error", None)) for v in verdicts)}
         for comp in self.shaping:
-            scores, flags = _safe_scores(comp, samples, correct)
+            scores, flags = safe_scores(comp, samples, correct)
             terms[comp.name], failed[comp.name] = tuple(scores), tuple(flags)
         total = tuple(
             sum(self.weights[name] * terms[name][i] for name in self.weights) for i in range(len(samples))

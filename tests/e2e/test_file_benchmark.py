@@ -59,9 +59,12 @@ def test_training_prompts_copied_into_the_file_benchmark_are_removed(run):
 def test_laminar_eval_scores_the_file_benchmark_with_its_certificate(run):
     ws, summary, path, spec, _ = run
     rl = summary["checkpoints"]["rl"]
-    out = laminar("eval", f"ckpt={rl[:12]}", f"eval.benchmarks=[{spec}]", *EVAL, ws=ws).stdout
+    scored = spec[:-1] + ", score_with: [math_verify, repetition, format]}"
+    out = laminar("eval", f"ckpt={rl[:12]}", f"eval.benchmarks=[{scored}]", *EVAL, ws=ws).stdout
     line = next(x for x in out.splitlines() if x.strip().startswith("mine") and "sha256" in x)
     assert "contaminated-removed" in line and hash_file(path)[:12] in line, out
+    terms = next(x for x in out.splitlines() if x.startswith("mine reward terms (mean): "))
+    assert " repetition " in f" {terms}" and " format " in terms, out
     s = latest_eval_summary(ws)
     assert s["certificates"]["mine"]["status"] == "contaminated-removed"
     rows = query(

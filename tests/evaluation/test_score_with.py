@@ -1,0 +1,56 @@
+"""A file benchmark's ``score_with``: the components beside the correctness verdict are scored per
+response and reported per benchmark as ``reward/<name>`` (and their fallbacks counted), the verdict
+stays the verifier's."""
+
+from __future__ import annotations
+
+from types import SimpleNamespace
+
+from evaluation.benchmarks import BenchmarkItem
+from evaluation.evaluate import EvalRow, _terms, summarize_rows
+from rewards.components import repeated_ngram_rate
+
+
+def _traj(text: str, answer: str, n: int):
+    return SimpleNamespace(text=text, prompt=SimpleNamespace(answer=answer), response_tokens=[0] * n)
+
+
+def test_score_with_components_are_scored_per_row_and_summarised_per_benchmark():
+    items = [BenchmarkItem("mine", "a", "1+1", "2"), BenchmarkItem("other", "b", "2+2", "4")]
+    texts = ["the the the the the \\boxed{2}", "no answer here", "\\boxed{4}", "\\boxed{5}"]
+    trajs = [_traj(t, items[i // 2].answer, 8) for i, t in enumerate(texts)]
+    verdicts = [SimpleNamespace(correct=c) for c in (True, False, True, False)]
+    terms = _terms(items, 2, trajs, verdicts, {"mine": ("math_verify", "repetition", "format")}, 16)
+    assert [t[0] for t in terms[0]] == ["repetition", "format"] and terms[2] == terms[3] == ()
+    rep0 = dict((n, x) for n, x, _ in terms[0])["repetition"]
+    assert rep0 < 0 and repeated_ngram_rate(texts[0], 3) > 0  # the repeated words are penalised
+    assert dict((n, x) for n, x, _ in terms[1])["format"] < dict((n, x) for n, x, _ in terms[0])["format"]
+    rows = [
+        EvalRow(
+            it.benchmark, it.problem_id, s, texts[2 * k + s], None, v.correct, None, 8, False, None, terms=tm
+        )
+        for k, it in enumerate(items)
+        for s, v, tm in ((s, verdicts[2 * k + s], terms[2 * k + s]) for s in range(2))
+    ]
+    summary = summarize_rows(rows, 2)
+    mine = summary["mine"]
+    assert mine["accuracy"] == 0.5  # the verdict is the verifier's, not a shaping term's
+    assert (
+        mine["reward/repetition"] == sum(dict((n, x) for n, x, _ in t)["repetition"] for t in terms[:2]) / 2
+    )
+    assert mine["reward_errors/format"] == 0
+    assert not any(k.startswith("reward/") for k in summary["other"])
+
+
+def test_a_component_that_fails_on_a_row_gives_its_fallback_and_is_counted():
+    items = [BenchmarkItem("mine", "a", "1+1", "2")]
+    trajs = [_traj("\\boxed{2}", "2", 4), _traj("\\boxed{2}", "2", 0)]
+    verdicts = [SimpleNamespace(correct=True)] * 2
+    # cosine_length with the default limit (the generation's max_new_tokens): 0 means no limit -> fails
+    terms = _terms(items, 2, trajs, verdicts, {"mine": ("cosine_length",)}, 0)
+    assert all(t[0][2] for t in terms)  # both failed: no length limit
+    rows = [
+        EvalRow("mine", "a", s, "\\boxed{2}", "2", True, None, 4, False, None, terms=terms[s])
+        for s in range(2)
+    ]
+    assert summarize_rows(rows, 2)["mine"]["reward_errors/cosine_length"] == 2
