@@ -102,11 +102,6 @@ class _Live:
     logprobs: list[float] = field(default_factory=list)
 
 
-def _tensor_names(paths: Sequence[str]) -> set[str]:
-    """The tensor names in safetensors files (headers only)."""
-    return set(_tensor_shapes(paths))
-
-
 def _tensor_shapes(paths: Sequence[str]) -> dict[str, tuple[int, ...]]:
     """``{name: shape}`` of the tensors in safetensors files (headers only)."""
     from safetensors import safe_open
@@ -359,7 +354,8 @@ class VllmEngine(EngineBase):
     def load_weights(self, version: int, state: Mapping | None = None, path: str | None = None) -> None:
         if path is None:
             raise ProtocolError("the vLLM engine loads weights from a safetensors file (path=...)")
-        names = _tensor_names([path])
+        shapes = _tensor_shapes([path])
+        names = set(shapes)
         if SCALING_KEY in names:
             self._load_adapter(int(version), path)
             return
@@ -368,6 +364,13 @@ class VllmEngine(EngineBase):
             raise ProtocolError(
                 f"load_weights: missing {sorted(missing)[:5]} ({len(missing)} tensors of the "
                 "checkpoint are not in the file)"
+            )
+        wrong = sorted(n for n in self._names if tuple(shapes[n]) != tuple(self._shapes[n]))
+        if wrong:  # refused here, before vLLM's loader fails inside its worker
+            n = wrong[0]
+            raise ProtocolError(
+                f"load_weights: {n} has shape {tuple(shapes[n])}, the model has {tuple(self._shapes[n])} "
+                f"({len(wrong)} tensors of the wrong shape)"
             )
         live, _ = self.abort(None, include_queued=False) if self._live else ([], [])
         self.llm.collective_rpc("laminar_load_weights", args=(path,))

@@ -326,6 +326,10 @@ def test_bad_messages_give_clear_errors(engine, assets):
     with pytest.raises((KeyError, ProtocolError), match="missing"):
         eng.load_weights(9, state=bad_state)
     assert eng.version == 0
+    transposed = {k: (v.T.copy() if v.ndim == 2 else v) for k, v in assets["A"].items()}
+    with pytest.raises((ValueError, ProtocolError), match="shape"):
+        eng.load_weights(9, state=transposed)
+    assert eng.version == 0
     with pytest.raises((ProtocolError, ValueError)):
         eng.submit([GenRequest(PromptItem("empty", "", "", ()), 0)])
     if hasattr(eng, "call_raw"):  # the wire: malformed frames and calls

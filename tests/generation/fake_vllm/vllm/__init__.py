@@ -7,7 +7,9 @@ at most ``max_num_seqs`` live, ``RequestOutputKind.DELTA`` outputs, the sampled 
 mixed into a worker whose ``reload_weights(weights_iterator=...)`` hands (name, tensor) pairs to the
 model's ``load_weights`` (which, as in vLLM's CPU build, fails when called directly: the weights are
 repacked at start), ``reset_prefix_cache`` and ``get_tokenizer``. Tokens are a deterministic hash
-of (request seed, position, loaded weights), so new weights change the outputs.
+of (request seed, position, loaded weights), so new weights change the outputs. Like vLLM's weight
+loaders, a load refuses a tensor whose name the checkpoint does not have or whose shape differs
+from the checkpoint's (the shapes are read from the model folder's safetensors headers at start).
 
 With ``enable_lora=True`` (and vLLM's checks on ``max_lora_rank`` / ``max_loras``) it runs the real
 model instead (transformers, float32, CPU): each step samples the next token from the
@@ -60,7 +62,8 @@ MAX_LORA_RANKS = (1, 8, 16, 32, 64, 128, 256, 320, 512)  # vLLM's LoRAConfig (1 
 
 
 class _Model:
-    def __init__(self, torch_model=None):
+    def __init__(self, torch_model=None, shapes=None):
+        self.shapes = shapes or {}  # name -> shape of the checkpoint's tensors
         self.digest = 0
         self.loads = 0
         self.torch_model = torch_model  # the real model (LoRA mode), else None
@@ -76,6 +79,15 @@ class _Model:
         n = 0
         params = dict(self.torch_model.named_parameters()) if self.torch_model is not None else None
         for name, tensor in weights:
+            if self.shapes and name not in self.shapes:
+                if name == "lm_head.weight":  # tied embeddings: vLLM's loaders skip the head
+                    continue
+                raise KeyError(f"fake vLLM load_weights: the model has no parameter {name}")
+            if self.shapes and tuple(self.shapes[name]) != tuple(tensor.shape):
+                raise AssertionError(
+                    f"Attempted to load weight ({tuple(tensor.shape)}) into parameter "
+                    f"({tuple(self.shapes[name])}) for {name}"
+                )
             h.update(name.encode())
             h.update(tensor.float().numpy().tobytes())
             n += 1
@@ -256,6 +268,19 @@ class _Engine:
         return outs
 
 
+def _checkpoint_shapes(model_dir) -> dict:
+    """``{name: shape}`` of the tensors in the model folder's safetensors files (headers only)."""
+    from pathlib import Path
+
+    from safetensors import safe_open
+
+    shapes = {}
+    for path in sorted(Path(model_dir).glob("*.safetensors")):
+        with safe_open(str(path), framework="numpy") as f:
+            shapes.update({k: tuple(f.get_slice(k).get_shape()) for k in f.keys()})
+    return shapes
+
+
 class LLM:
     def __init__(
         self,
@@ -279,6 +304,7 @@ class LLM:
         ext = getattr(importlib.import_module(mod), cls)
         self.worker = type("FakeWorker", (ext, _Worker), {})()
         self.worker.model_runner = _Runner()
+        self.worker.model_runner.model.shapes = _checkpoint_shapes(model)
         self.adapters = None
         if enable_lora:
             import torch
