@@ -100,6 +100,43 @@ def cgroup_parents() -> dict[str, Path]:
     return out
 
 
+PREFIX = "laminar-sandbox-"
+
+
+def own_prefix() -> str:
+    """Name prefix of the cgroups this process creates: the owner's pid is in the name, so a process
+    (or a test) can tell its own runs from a neighbour's, and an owner's death can be detected."""
+    return f"{PREFIX}{os.getpid()}-"
+
+
+def _owner_alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True
+
+
+def reap_orphans(parents: dict[str, Path] | None = None) -> list[str]:
+    """Remove the cgroups of runs whose owner process died mid-run (SIGKILLed worker, OOM-killed
+    trainer): kill what is still inside them, then rmdir. Returns the names removed. Cgroups of live
+    owners, this process's included, are left alone."""
+    removed = []
+    for parent in (parents if parents is not None else cgroup_parents()).values():
+        for d in parent.glob(f"{PREFIX}*"):
+            owner, _, rest = d.name[len(PREFIX) :].partition("-")
+            if not rest or not owner.isdigit() or _owner_alive(int(owner)):
+                continue
+            orphan = Cgroup({"_": d})
+            orphan.kill_all()
+            orphan.remove()
+            if not d.exists():
+                removed.append(d.name)
+    return removed
+
+
 @dataclass
 class Cgroup:
     """The cgroups of one run: ``pids`` caps its processes (RLIMIT_NPROC does not bind uid 0),
@@ -113,7 +150,8 @@ class Cgroup:
         parents = cgroup_parents()
         if not parents:
             return None
-        name = f"laminar-sandbox-{uuid.uuid4().hex[:12]}"
+        reap_orphans(parents)
+        name = f"{own_prefix()}{uuid.uuid4().hex[:12]}"
         dirs = {c: p / name for c, p in parents.items()}
         made = cls({})
         try:

@@ -20,7 +20,7 @@ import pytest
 from conf.schema import SandboxLimits
 from environments import sandbox
 from environments.sandbox import SandboxResult, UnsafeSubprocessBackend
-from environments.sandbox.process import cgroup_parents
+from environments.sandbox.process import cgroup_parents, own_prefix
 
 LIMITS = SandboxLimits(cpu_s=1, memory_mb=256, processes=16, output_bytes=64 * 1024, tmpfs_mb=16)
 UNSAFE = UnsafeSubprocessBackend()
@@ -38,8 +38,9 @@ def next_call_works():
     yield
     after = sandbox.run("print(6 * 7)", timeout_s=10)
     assert after.ok and after.stdout == "42\n", after
+    # only this process's cgroups: a pytest process beside this one runs sandboxes of its own
     for parent in cgroup_parents().values():
-        assert not [p.name for p in parent.glob("laminar-sandbox-*")], "a run left its cgroup behind"
+        assert not [p.name for p in parent.glob(f"{own_prefix()}*")], "a run left its cgroup behind"
 
 
 def run(code: str, timeout_s: float = 3.0, backend=None, **kw) -> SandboxResult:
@@ -318,3 +319,38 @@ def test_killing_the_parent_or_everything_reaches_only_the_sandbox():
     finally:
         sentinel.kill()
         sentinel.wait()
+
+
+def test_an_owner_killed_mid_run_leaves_nothing_once_the_next_run_starts():
+    """A worker SIGKILLed while its sandboxed program runs cannot remove its cgroup; the next run in
+    any process reaps it (and whatever is still inside), and leaves a live owner's cgroups alone."""
+    parents = cgroup_parents()
+    if not parents:
+        pytest.skip("no cgroup this process may create children in")
+    owner_code = (
+        "from environments import sandbox\nsandbox.run('import time\\ntime.sleep(60)', timeout_s=60)\n"
+    )
+    repo = Path(__file__).resolve().parents[2]
+    owner = subprocess.Popen(
+        [sys.executable, "-c", owner_code], cwd=repo, env=dict(os.environ, PYTHONPATH=str(repo))
+    )
+    prefix = f"laminar-sandbox-{owner.pid}-"
+    try:
+        deadline = time.monotonic() + 60
+        while time.monotonic() < deadline and not any(list(p.glob(f"{prefix}*")) for p in parents.values()):
+            time.sleep(0.05)
+    finally:
+        owner.kill()
+        owner.wait()
+    left = [d for p in parents.values() for d in p.glob(f"{prefix}*")]
+    assert left, "the owner never started a run, or its cgroup went with it"
+    live = [p / f"{own_prefix()}still-mine" for p in parents.values()]
+    for d in live:
+        d.mkdir()
+    try:
+        assert run("print(1)").stdout == "1\n"  # the next run reaps
+        assert not [d.name for d in left if d.exists()], "the orphaned cgroup outlived the next run"
+        assert all(d.exists() for d in live), "a live owner's cgroup was reaped"
+    finally:
+        for d in live:
+            d.rmdir()
