@@ -108,3 +108,29 @@ def test_ingest_counts_reconcile_and_agreement_is_recorded(tmp_path):
     con = duckdb.connect()
     assert load_comparisons(con, tmp_path / "comparisons.parquet") == 6
     assert con.execute("SELECT count(*) FROM comparisons WHERE prompt = ?", [BENCH]).fetchone()[0] == 0
+
+
+def test_the_vendored_hh_rlhf_file_ingests_with_its_counts_reconciled(tmp_path):
+    """The real public file (Anthropic HH-RLHF harmless-base test, byte-identical): its sha256 and rows
+    as in data_curation/data/README.md, every row accounted for, a planted benchmark question caught."""
+    import gzip
+    import hashlib
+    import json
+    from pathlib import Path
+
+    path = Path(__file__).resolve().parents[2] / "data_curation" / "data" / "hh_rlhf_harmless_base_test.jsonl.gz"
+    readme = (path.parent / "README.md").read_text()
+    assert f"{hashlib.sha256(path.read_bytes()).hexdigest()}  {path.name}" in readme
+    with gzip.open(path, "rt", encoding="utf-8") as f:
+        rows = [json.loads(line) for line in f]
+    assert len(rows) == 2312
+    planted = f"\n\nHuman: {BENCH}?\n\nAssistant:"
+    rows.append({"chosen": planted + " 72", "rejected": planted + " 36"})
+    rows.append(dict(rows[0]))
+    item = SimpleNamespace(benchmark="gsm8k", problem_id="0", problem=BENCH, answer="72")
+    c = ingest_preferences([("hh", "hh", rows)], tmp_path, [item])
+    assert c["rows_in"] == c["candidates"] == 2314
+    assert c["candidates"] == c["comparisons"] + c["quarantined"] + c["duplicates"] + c["contaminated"]
+    assert (c["quarantined"], c["duplicates"], c["contaminated"]) == (4, 1, 1)
+    reasons = {r["reason"] for r in pq.read_table(tmp_path / "quarantine.parquet").to_pylist()}
+    assert reasons == {"empty field chosen"}
