@@ -166,6 +166,7 @@ def shared_engine(request, assets):
             capacity=CAP,
             max_new_tokens=MAX_NEW,
             python=py,
+            dtype="float32",  # the trainer's precision: its recompute must agree (bf16 differs by ~5e-3)
             vllm_args=["--vllm-gpu-memory-utilization", "0.3"] + ([] if cuda else ["--vllm-enforce-eager"]),
         )
     yield kind, eng
@@ -292,6 +293,16 @@ def test_abort_hands_over_prefixes_that_continue_elsewhere(engine, assets):
             assert t.response_tokens == expected[request_id(p.request)].response_tokens
 
 
+def _recomputed_logprobs(tok, seed, t) -> np.ndarray:
+    """The trainer's view: log-probs of ``t``'s response tokens under model ``seed`` (teacher-forced)."""
+    model = _model(tok, seed)
+    ids = torch.tensor([list(t.prompt.prompt_tokens) + list(t.response_tokens)])
+    with torch.no_grad():
+        logp = torch.log_softmax(model(ids).logits[0, :-1].float(), dim=-1)
+    n = len(t.prompt.prompt_tokens)
+    return logp[n - 1 :, :].gather(1, ids[0, n:, None])[:, 0].numpy()
+
+
 def test_load_weights_moves_the_version_and_the_outputs(engine, assets):
     kind, eng = engine
     reqs, expected = assets["reqs"], assets["expected"]
@@ -300,6 +311,13 @@ def test_load_weights_moves_the_version_and_the_outputs(engine, assets):
     eng.submit(reqs)
     new = {_key(t): t for t in _drain(eng)}
     assert all(t.version == 1 for t in new.values())
+    if kind != "vllm-fake":  # the engine runs the loaded weights: the trainer's recompute agrees.
+        # The fake computes no logits, so a worker that loads same-shape tensors wrongly (a transposed
+        # square projection) passes against it and fails here against real vLLM (docs/scale-out.md).
+        for t in new.values():
+            np.testing.assert_allclose(
+                t.behaviour_logprobs, _recomputed_logprobs(assets["tok"], 1, t), atol=2e-4, rtol=0
+            )
     assert sum(new[k].response_tokens != expected[k].response_tokens for k in expected) >= len(expected) // 2
     eng.load_weights(2, state=assets["A"])
     eng.submit(reqs)
