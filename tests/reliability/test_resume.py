@@ -235,7 +235,10 @@ def test_a_hive_laminar_run_killed_after_a_checkpoint_draws_the_prompts_it_recor
     assert new and all(buffered[i] == p for i, p in new)  # new groups draw HIVE's buffered prompts, in order
 
 
-@pytest.mark.parametrize("backend", ["torch", pytest.param("deepspeed", marks=pytest.mark.slow)])
+# both backends in the slow suite (Ray, ~70 s under load): make test keeps the trainer-level PPO resume
+# (test_ppo_killed_midway_resumes_with_its_critic_and_ends_identical) and the laminar HIVE resume above
+@pytest.mark.slow
+@pytest.mark.parametrize("backend", ["torch", "deepspeed"])
 def test_a_ppo_laminar_run_killed_after_a_checkpoint_resumes_its_critic(tmp_path, backend):
     """PPO on the Ray runtime (``rl.mode=laminar``; torch or DeepSpeed ZeRO-2 trainer): the trainer is
     SIGKILLed after step 5, the rerun resumes from step 4 and runs to the end, and its critic's
