@@ -47,12 +47,15 @@ def common_overrides(levels: list[int], max_new_tokens: int) -> list[str]:
     ]
 
 
-def run_arm(ws: Path, overrides: list[str], resume: bool) -> dict:
-    """Run ``laminar run`` into ``ws`` (unless ``resume`` and it finished before); the run's record."""
+def run_arm(ws: Path, overrides: list[str], resume: bool, in_place: bool = False) -> dict:
+    """Run ``laminar run`` into ``ws`` (unless ``resume`` and it finished before); the run's record.
+    ``in_place``: keep what ``ws`` holds, so stages whose cache key is unchanged come from cache
+    (content-addressed: the same results a fresh workspace computes, without the compute)."""
     done = ws / "bench_wall.json"
     if resume and done.exists():
         return json.loads(done.read_text())
-    shutil.rmtree(ws, ignore_errors=True)
+    if not in_place:
+        shutil.rmtree(ws, ignore_errors=True)
     cmd = [sys.executable, "-m", "flows.cli", "run", "--workspace", str(ws), *overrides]
     t0 = time.perf_counter()
     load0 = os.getloadavg()
@@ -63,8 +66,10 @@ def run_arm(ws: Path, overrides: list[str], resume: bool) -> dict:
     if proc.returncode != 0:
         raise SystemExit(f"{' '.join(cmd)} failed (exit {proc.returncode}):\n{proc.stderr[-3000:]}")
     latest = max((ws / "runs").iterdir(), key=lambda p: p.stat().st_mtime)
+    statuses = json.loads((latest / "summary.json").read_text())["stages"]
     rec = {
         "run_id": latest.name,
+        "cached_stages": sorted(k for k, v in statuses.items() if v["status"] == "cached"),
         "wall_s": round(wall, 1),
         "command": " ".join(["laminar", "run", "--workspace", str(ws.relative_to(ROOT)), *overrides]),
         "loadavg_start": [round(x, 2) for x in load0],
@@ -112,15 +117,16 @@ def collect(ws: Path, rec: dict, long_levels: list[str]) -> dict:
         held = stages[stage]["metrics"]["arith_heldout"]
         by_level = dict(sorted(held["by_level"].items(), key=lambda kv: int(kv[0])))
         long_acc = statistics.fmean(by_level[lv] for lv in long_levels)
-        rows_path = artifact_dir(ws, stages[stage]["artifacts"]["eval"]) / "rows.parquet"
+        art = artifact_dir(ws, stages[stage]["artifacts"]["eval"])
+        full = json.loads((art / "summary.json").read_text())["arith_heldout"]  # the stage metrics drop these
         row[role] = {
             "accuracy": held["accuracy"],
             "long_accuracy": long_acc,
             "by_level": by_level,
-            "tool_calls_per_episode": held.get("tool_calls_per_episode", 0.0),
-            "tool_errors_per_episode": held.get("tool_errors_per_episode", 0.0),
-            "turns_per_episode": held.get("turns_per_episode", 1.0),
-            "by_level_tool_use": per_level_tool_use(rows_path),
+            "tool_calls_per_episode": full.get("tool_calls_per_episode", 0.0),
+            "tool_errors_per_episode": full.get("tool_errors_per_episode", 0.0),
+            "turns_per_episode": full.get("turns_per_episode", 1.0),
+            "by_level_tool_use": per_level_tool_use(art / "rows.parquet"),
         }
     hist_path = artifact_dir(ws, stages["rl"]["artifacts"]["model"]) / "history.jsonl"
     hist = [json.loads(line) for line in hist_path.read_text().splitlines() if line.strip()]
@@ -258,6 +264,11 @@ def main() -> None:
     ap.add_argument("--keep", action="store_true", help="keep the workspaces (needed for --resume)")
     ap.add_argument("--resume", action="store_true", help="reuse finished runs of kept workspaces")
     ap.add_argument("--collect-only", action="store_true", help="run nothing: collect kept workspaces")
+    ap.add_argument(
+        "--in-place",
+        action="store_true",
+        help="run in the kept workspaces as they are (unchanged stages cached) instead of fresh ones",
+    )
     ap.add_argument("--out", type=Path, required=True, help="path without extension")
     ap.add_argument("overrides", nargs="*")
     args = ap.parse_args()
@@ -280,7 +291,7 @@ def main() -> None:
                     continue
                 rec = json.loads((ws / "bench_wall.json").read_text())
             else:
-                rec = run_arm(ws, overrides, args.resume)
+                rec = run_arm(ws, overrides, args.resume, args.in_place)
             row = collect(ws, rec, args.long_levels)
             result["rows"][arm][str(seed)] = row
             print(
