@@ -53,6 +53,17 @@ def test_env_config_composes_and_typos_fail_before_any_write():
         load_config(["env.max_turns=2"])
 
 
+def test_calculator_recipe_skips_rft_and_hive_but_not_the_default_run():
+    """conf/env/calculator.yaml: curation samples single-turn, so RFT on DART's worked solutions
+    trains the tool away; the recipe passes RFT through and selects uniformly. The default run keeps
+    both, and a user's override still wins."""
+    tool = load_config(["env=calculator"])
+    assert (tool.curation.rft.steps, tool.curation.select.strategy) == (0, "uniform")
+    default = load_config([])
+    assert (default.curation.rft.steps, default.curation.select.strategy) == (30, "hive")
+    assert load_config(["env=calculator", "curation.rft.steps=30"]).curation.rft.steps == 30
+
+
 def test_warm_up_demonstrations_use_the_tool_with_the_observation_masked():
     import torch
 
