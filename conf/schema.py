@@ -909,6 +909,12 @@ def _validate_latency(env: EnvConfig) -> None:
             f"{key}.kind={lat.kind} with env=single_turn: a single-turn episode calls no tool; "
             f"set {key}.kind=off or choose a tool environment (env=calculator)"
         )
+    _validate_latency_fields(lat, key)
+
+
+def _validate_latency_fields(lat: ToolLatencyConfig, key: str) -> None:
+    """A latency distribution's parameters (``env.tool_latency``, the simulator's tools)."""
+    _check_declared(lat, key + ".")
     if lat.kind == "fixed" and len(lat.seconds) != 1:
         raise ConfigError(f"{key}.kind=fixed needs one value in {key}.seconds, e.g. {key}.seconds=[0.5]")
     if lat.kind == "quantiles":
