@@ -93,6 +93,13 @@ def main() -> None:
     ap.add_argument("--warm-start", type=Path, default=ROOT / "workspace-bench-tools" / "warm")
     ap.add_argument("--out", type=Path, default=ROOT / "workspace-bench-tools" / "timelines")
     ap.add_argument("--json-out", type=Path)
+    ap.add_argument("--md-out", type=Path, help="also write the tables as markdown")
+    ap.add_argument(
+        "--tail-repeats",
+        type=int,
+        default=None,
+        help="rounds for tail scales other than 1 (default --repeats)",
+    )
     ap.add_argument("overrides", nargs="*")
     args = ap.parse_args()
     rt.WORKLOAD.extend(TOOL_WORKLOAD)
@@ -111,11 +118,12 @@ def main() -> None:
             }
         )
         runs: dict[str, list[dict]] = {m: [] for m in args.modes}
-        for rnd in range(args.repeats):
+        rounds = args.repeats if tail == 1.0 or args.tail_repeats is None else args.tail_repeats
+        for rnd in range(rounds):
             order = args.modes[rnd % len(args.modes) :] + args.modes[: rnd % len(args.modes)]
             for mode in order:
                 load_before = os.getloadavg()
-                print(f"tail x{tail} round {rnd + 1}/{args.repeats}: {mode} (load {load_before})", flush=True)
+                print(f"tail x{tail} round {rnd + 1}/{rounds}: {mode} (load {load_before})", flush=True)
                 r = rt.run_mode(mode, model_dir, prompts, targs, args.out, tag=f"_tail{tail}_r{rnd + 1}")
                 r.update(round=rnd + 1, load_before=load_before, load_after=os.getloadavg())
                 runs[mode].append(r)
@@ -124,33 +132,65 @@ def main() -> None:
                 )
                 if args.json_out:
                     write(args.json_out, report, tail, runs, args, batch)
-        write(args.json_out, report, tail, runs, args, batch, final=True) if args.json_out else None
+        if args.json_out:
+            write(args.json_out, report, tail, runs, args, batch, final=True)
         print_table(tail, rt.summarize(runs))
 
 
 def write(path: Path, report: dict, tail: float, runs, args, batch: int, final: bool = False) -> None:
+    modes = rt.summarize(runs)
+    for m in modes:
+        m["loads"] = [r["load_before"][0] for r in runs[m["mode"]]]
     entry = {
         "tail_scale": tail,
         "latency": {"kind": args.latency, **latency_stats(args.latency, tail, batch)},
-        "modes": rt.summarize(runs),
+        "modes": modes,
+        "runs": runs,
         "complete": final,
     }
     report["tails"] = [t for t in report["tails"] if t["tail_scale"] != tail] + [entry]
     report["env"] = {"cpu_count": os.cpu_count(), "loadavg_now": os.getloadavg()}
     path.parent.mkdir(parents=True, exist_ok=True)
     path.write_text(json.dumps(report, indent=1, default=str))
+    if args.md_out:
+        args.md_out.write_text(markdown(report))
+
+
+HEADER = (
+    "| mode | trained tok/s | vs sync (median) | vs sync, each round | wall s | occupancy | staleness | "
+    "repacks | p50/p99 len | load avg (1 min) before each run |\n|---|---|---|---|---|---|---|---|---|---|"
+)
+
+
+def rows(results: list[dict]) -> list[str]:
+    return [
+        f"| {r['mode']} | {r['tokens_per_s']:.0f} | {r['ratio']:.2f}x | "
+        f"{' / '.join(f'{x:.2f}' for x in r['ratio_runs'])} | {r['wall_s']:.1f} | "
+        f"{r['occupancy']:.2f} | {r['staleness']} | {r['repacks']} | {r['p50_len']:.0f}/{r['p99_len']:.0f} | "
+        f"{' / '.join(f'{x:.1f}' for x in r.get('loads', []))} |"
+        for r in results
+    ]
 
 
 def print_table(tail: float, results: list[dict]) -> None:
-    print(f"\ntail x{tail}")
-    print("| mode | trained tok/s | vs sync | each round | wall s | occupancy | staleness | repacks | load |")
-    print("|---|---|---|---|---|---|---|---|---|")
-    for r in results:
-        print(
-            f"| {r['mode']} | {r['tokens_per_s']:.0f} | {r['ratio']:.2f}x | "
-            f"{' / '.join(f'{x:.2f}' for x in r['ratio_runs'])} | {r['wall_s']:.1f} | "
-            f"{r['occupancy']:.2f} | {r['staleness']} | {r['repacks']} | {r['load_before'][0]:.1f} |"
+    print(f"\ntail x{tail}\n{HEADER}")
+    print("\n".join(rows(results)))
+
+
+def markdown(report: dict) -> str:
+    """The report's tables: one per tail scale, with the latency each one drew from."""
+    out = []
+    for t in report["tails"]:
+        lat = t["latency"]
+        slow = next(v for k, v in lat.items() if k.startswith("expected_max"))
+        out.append(
+            f"### Tail x{t['tail_scale']} ({lat['kind']}: P50 {lat['p50_s']:.2f} s, "
+            f"P90 {lat['p90_s']:.2f} s, "
+            f"P99 {lat['p99_s']:.2f} s, max {lat['max_s']:.1f} s, mean {lat['mean_s']:.2f} s; expected "
+            f"slowest of a step's calls {slow:.1f} s){'' if t['complete'] else ' (incomplete)'}\n"
         )
+        out += [HEADER, *rows(t["modes"]), ""]
+    return "\n".join(out) + "\n"
 
 
 if __name__ == "__main__":
