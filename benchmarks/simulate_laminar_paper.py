@@ -58,6 +58,7 @@ MODEL_NAMES = ["qwen2.5-7b", "qwen2.5-32b", "qwen2.5-72b"]
 MODES = ["sync", "one_step", "stream", "partial", "laminar"]
 MAX_AHEAD = 0
 TOOLS: list[dict] = []
+LENGTHS = {"kind": "lognormal", "median": 1500, "p99_over_median": 10, "group_corr": 0.5}
 """``--tool-calls N``: every episode calls a tool N times, each waiting a latency of ``--tool-latency``
 (``workload.tools``, the env's ``ToolLatencyConfig``): the agentic projection (docs/simulator.md)."""
 
@@ -73,7 +74,7 @@ def base_config(model: str, gpus: int, steps: int, seed: int):
                 "steps": steps,
                 "max_output": 16384,
                 "prompt_len": 256,
-                "lengths": {"kind": "lognormal", "median": 1500, "p99_over_median": 10, "group_corr": 0.5},
+                "lengths": LENGTHS,
                 "tools": TOOLS,
             },
             "cost": {"train_gen_share": 0.83},
@@ -142,9 +143,12 @@ def main() -> None:
     ap.add_argument("--tool-calls", type=int, default=0, help="tool calls per episode (0: none)")
     ap.add_argument("--tool-latency", default="codex_exec", help="their latency (env.tool_latency.kind)")
     ap.add_argument("--tail-scale", type=float, default=1.0, help="the latency's tail_scale")
+    ap.add_argument("--length-median", type=float, default=1500, help="response length median, tokens")
+    ap.add_argument("--length-p99", type=float, default=10, help="response length p99 / median")
     args = ap.parse_args()
     global MAX_AHEAD
     MAX_AHEAD = args.max_ahead_batches
+    LENGTHS.update(median=args.length_median, p99_over_median=args.length_p99)
     if args.tool_calls:
         latency = {"kind": args.tool_latency, "tail_scale": args.tail_scale}
         TOOLS.append({"name": "tool", "calls": args.tool_calls, "latency": latency})
@@ -152,7 +156,13 @@ def main() -> None:
 
     t_start = time.perf_counter()
     args.out.mkdir(parents=True, exist_ok=True)
-    results: dict = {"paper_average_speedups": PAPER, "settings": {}, "runs": {}, "tools": TOOLS}
+    results: dict = {
+        "paper_average_speedups": PAPER,
+        "settings": {},
+        "runs": {},
+        "tools": TOOLS,
+        "lengths": LENGTHS,
+    }
     jobs = []
     for model in args.models:
         for gpus in args.scales:
