@@ -90,12 +90,13 @@ def warm_start(ws: Path, args) -> tuple[Path, list]:
     )
     from generation.records import PromptItem
     from training.sft import SFTExample, train_sft
-    from training.warmup import target
+    from training.warmup import target, tool_demonstrations
 
     cfg = load_config([f"seed={args.seed}", *WORKLOAD, *args.overrides])
     key = hashlib.sha256(
         json.dumps(
-            [dc.asdict(cfg.data), dc.asdict(cfg.model), dc.asdict(cfg.sft), cfg.seed],
+            [dc.asdict(cfg.data), dc.asdict(cfg.model), dc.asdict(cfg.sft), cfg.seed]
+            + ([] if cfg.env.is_default() else [cfg.env.name, cfg.env.demo_tool_share]),
             sort_keys=True,
             default=str,
         ).encode()
@@ -113,13 +114,15 @@ def warm_start(ws: Path, args) -> tuple[Path, list]:
         tok = build_char_tokenizer()
         model = build_tiny_model(cfg.model, tok, cfg.seed)
         levels = set(cfg.sft.levels)
+        demo = [p for p in pool if p.level in levels]
         examples = [
             SFTExample(
                 encode_problem(tok, PROMPT_TEMPLATE, p.problem), encode_response(tok, target(dc.asdict(p)))
             )
-            for p in pool
-            if p.level in levels
+            for p in demo
         ]
+        if not cfg.env.is_default():  # the environment's tool demonstrations, as the warmup stage
+            examples = tool_demonstrations(examples, [dc.asdict(p) for p in demo], cfg.env, tok)
         metrics = train_sft(
             model,
             examples,
@@ -207,6 +210,7 @@ def run_mode(spec: str, model_dir: Path, prompts, args, out: Path, tag: str = ""
             cluster=cluster,
             trainer=cfg.trainer,
             rollout=cfg.rollout,
+            env=cfg.env,
         )
         t0 = time.perf_counter()
         rt.run()

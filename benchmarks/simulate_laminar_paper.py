@@ -34,6 +34,7 @@ Assumptions (all in docs/simulator.md's model of the simulator; none tuned to th
 - **Throughput**: trained tokens/s after ``warmup_updates`` updates (pipeline fill), over ``--steps``.
 
     .venv/bin/python benchmarks/simulate_laminar_paper.py [--scales 64 128 256 512 1024] [--jobs 2]
+        [--tool-calls N --tool-latency codex_exec --tail-scale 1.0]
 """
 
 from __future__ import annotations
@@ -56,6 +57,10 @@ PAPER = {"sync": 2.56, "one_step": 1.98, "stream": 1.93, "partial": 1.39}
 MODEL_NAMES = ["qwen2.5-7b", "qwen2.5-32b", "qwen2.5-72b"]
 MODES = ["sync", "one_step", "stream", "partial", "laminar"]
 MAX_AHEAD = 0
+TOOLS: list[dict] = []
+LENGTHS = {"kind": "lognormal", "median": 1500, "p99_over_median": 10, "group_corr": 0.5}
+"""``--tool-calls N``: every episode calls a tool N times, each waiting a latency of ``--tool-latency``
+(``workload.tools``, the env's ``ToolLatencyConfig``): the agentic projection (docs/simulator.md)."""
 
 
 def base_config(model: str, gpus: int, steps: int, seed: int):
@@ -69,7 +74,8 @@ def base_config(model: str, gpus: int, steps: int, seed: int):
                 "steps": steps,
                 "max_output": 16384,
                 "prompt_len": 256,
-                "lengths": {"kind": "lognormal", "median": 1500, "p99_over_median": 10, "group_corr": 0.5},
+                "lengths": LENGTHS,
+                "tools": TOOLS,
             },
             "cost": {"train_gen_share": 0.83},
             "sched": {"max_staleness": None, "repack_interval_s": 5.0, "max_ahead_batches": MAX_AHEAD},
@@ -134,14 +140,29 @@ def main() -> None:
         default=0,
         help="simulator back-pressure for the continuous modes (0: none, as the Laminar paper)",
     )
+    ap.add_argument("--tool-calls", type=int, default=0, help="tool calls per episode (0: none)")
+    ap.add_argument("--tool-latency", default="codex_exec", help="their latency (env.tool_latency.kind)")
+    ap.add_argument("--tail-scale", type=float, default=1.0, help="the latency's tail_scale")
+    ap.add_argument("--length-median", type=float, default=1500, help="response length median, tokens")
+    ap.add_argument("--length-p99", type=float, default=10, help="response length p99 / median")
     args = ap.parse_args()
     global MAX_AHEAD
     MAX_AHEAD = args.max_ahead_batches
+    LENGTHS.update(median=args.length_median, p99_over_median=args.length_p99)
+    if args.tool_calls:
+        latency = {"kind": args.tool_latency, "tail_scale": args.tail_scale}
+        TOOLS.append({"name": "tool", "calls": args.tool_calls, "latency": latency})
     from evaluation.timeline import plot_timeline
 
     t_start = time.perf_counter()
     args.out.mkdir(parents=True, exist_ok=True)
-    results: dict = {"paper_average_speedups": PAPER, "settings": {}, "runs": {}}
+    results: dict = {
+        "paper_average_speedups": PAPER,
+        "settings": {},
+        "runs": {},
+        "tools": TOOLS,
+        "lengths": LENGTHS,
+    }
     jobs = []
     for model in args.models:
         for gpus in args.scales:

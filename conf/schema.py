@@ -46,9 +46,10 @@ TrackingBackend = Literal["tensorboard", "mlflow", "wandb"]
 WandbMode = Literal["auto", "offline", "online"]
 LoraStage = Literal["warmup", "rft", "rl"]
 SandboxBackendName = Literal["bubblewrap", "unsafe"]
-EnvName = Literal["single_turn", "calculator"]
+EnvName = Literal["single_turn", "calculator", "calculator_sandbox"]
 ToolFormat = Literal["auto", "text", "chat_template"]
 OnError = Literal["fail", "retry"]
+LatencyKind = Literal["off", "fixed", "lognormal", "quantiles", "codex_exec"]
 
 SOURCE_FORMATS: tuple[SourceFormat, ...] = get_args(SourceFormat)
 VERIFIABILITY: tuple[Verifiability, ...] = get_args(Verifiability)
@@ -66,6 +67,13 @@ TRACKING_BACKENDS: dict[TrackingBackend, tuple[str, str]] = {
 }
 LORA_STAGES: tuple[LoraStage, ...] = get_args(LoraStage)
 ENV_NAMES: tuple[EnvName, ...] = get_args(EnvName)
+LATENCY_KINDS: tuple[LatencyKind, ...] = get_args(LatencyKind)
+CODEX_EXEC_LATENCY = ((0.0, 0.5, 0.9, 0.99, 1.0), (0.02, 0.16, 0.27, 8.6, 30.0))
+"""``env.tool_latency.kind=codex_exec``: (probabilities, seconds) of a tool call's latency outside its own
+work. P50 0.16 s, P90 0.27 s and P99 8.6 s are the published residual (end-to-end minus internal
+time) of 184k ``exec_command`` calls of Codex sessions (SyFI Trace Atlas, University of Washington,
+"Codex tool end-to-end vs internal latency", Table 1); the ends (0.02 s, 30 s) are ours, not
+published (docs/environments.md)."""
 LLAMA_LINEAR_MODULES = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
 VLLM_LORA_RANKS = (8, 16, 32, 64, 128, 256, 320, 512)
 """The ``max_lora_rank`` values vLLM accepts (its ``LoRAConfig`` refuses others); adapters of any rank
@@ -719,6 +727,30 @@ class RewardConfig:
 
 
 @dataclass
+class ToolLatencyConfig:
+    """Latency added to each tool call on top of the call's own time (a remote sandbox's launch and
+    transport, an API's queue): the environment's answer to a turn that called a tool reaches the
+    episode that many seconds after the tool returned, while the engine decodes the other rows.
+    Drawn per call from a seeded hash of the episode and turn (so every mode sees the same draw for
+    the same call). ``kind``: ``off`` (the default: no latency), ``fixed`` (``seconds[0]``),
+    ``lognormal`` (``median_s``, ``sigma``), ``quantiles`` (piecewise log-linear between the points
+    ``probs`` -> ``seconds``, from 0 to 1), ``codex_exec`` (``quantiles`` with the published points
+    of ``CODEX_EXEC_LATENCY``). ``tail_scale`` stretches everything above the median by that factor
+    (0.5 halves the tail, 2 doubles it). The latency counts against ``env.tool_timeout_s``."""
+
+    kind: Annotated[str, LatencyKind] = "off"
+    seconds: Annotated[list[float], NonNegative] = field(default_factory=list)
+    probs: Annotated[list[float], Unit] = field(default_factory=list)
+    median_s: Annotated[float, Positive] = 1.0
+    sigma: Annotated[float, NonNegative] = 1.0
+    tail_scale: Annotated[float, NonNegative] = 1.0
+    seed: int = 0
+
+    def is_off(self) -> bool:
+        return self.kind == "off"
+
+
+@dataclass
 class EnvConfig:
     """The environment an episode runs in (``environments.registry``; docs/environments.md).
     ``single_turn`` (the default): one policy turn, today's path unchanged; ``calculator``: the
@@ -742,6 +774,7 @@ class EnvConfig:
     """Warm-up: the share of demonstrations (chosen by prompt id) that solve the problem with the
     tool (call, observation, ``#### answer``); the others are the worked solutions, so RL has both
     behaviours to choose between."""
+    tool_latency: ToolLatencyConfig = field(default_factory=ToolLatencyConfig)
 
     def is_default(self) -> bool:
         return self.name == "single_turn"
@@ -864,6 +897,39 @@ def _validate_env(cfg: Config) -> None:
             f"env.max_turns={env.max_turns} with env={env.name}: a tool call and its answer need two "
             "turns; set env.max_turns to 2 or more"
         )
+    _validate_latency(env)
+
+
+def _validate_latency(env: EnvConfig) -> None:
+    lat, key = env.tool_latency, "env.tool_latency"
+    if lat.is_off():
+        return
+    if env.name == "single_turn":
+        raise ConfigError(
+            f"{key}.kind={lat.kind} with env=single_turn: a single-turn episode calls no tool; "
+            f"set {key}.kind=off or choose a tool environment (env=calculator)"
+        )
+    _validate_latency_fields(lat, key)
+
+
+def _validate_latency_fields(lat: ToolLatencyConfig, key: str) -> None:
+    """A latency distribution's parameters (``env.tool_latency``, the simulator's tools)."""
+    _check_declared(lat, key + ".")
+    if lat.kind == "fixed" and len(lat.seconds) != 1:
+        raise ConfigError(f"{key}.kind=fixed needs one value in {key}.seconds, e.g. {key}.seconds=[0.5]")
+    if lat.kind == "quantiles":
+        p, s = list(lat.probs), list(lat.seconds)
+        if len(p) < 2 or len(p) != len(s):
+            raise ConfigError(
+                f"{key}.kind=quantiles needs {key}.probs and {key}.seconds of one length (at least 2), "
+                f"got {len(p)} and {len(s)}; e.g. probs=[0,0.5,1] seconds=[0.01,0.2,5]"
+            )
+        if p[0] != 0 or p[-1] != 1 or any(b <= a for a, b in zip(p, p[1:])):
+            raise ConfigError(f"{key}.probs={p} must rise strictly from 0 to 1")
+        if s[0] <= 0 or any(b < a for a, b in zip(s, s[1:])):
+            raise ConfigError(
+                f"{key}.seconds={s} must be positive and non-decreasing (a latency per quantile)"
+            )
 
 
 def _validate_eval(cfg: Config) -> None:

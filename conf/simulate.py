@@ -10,7 +10,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
-from conf.schema import ConfigError
+from conf.schema import ConfigError, ToolLatencyConfig, _validate_latency_fields
 
 SIM_MODE_NAMES = ("sync", "one_step", "stream", "partial", "laminar")
 """The runtime's modes plus the simulator-only ``stream``."""
@@ -70,6 +70,16 @@ class SimLengthConfig:
 
 
 @dataclass
+class SimToolConfig:
+    """A tool every episode calls ``calls`` times, each call waiting a latency drawn from ``latency``
+    (``conf.schema.ToolLatencyConfig``, the same distributions as ``env.tool_latency``)."""
+
+    name: str = "tool"
+    calls: int = 1
+    latency: ToolLatencyConfig = field(default_factory=ToolLatencyConfig)
+
+
+@dataclass
 class SimWorkloadConfig:
     prompts_per_step: int = 512
     group_size: int = 16
@@ -80,6 +90,9 @@ class SimWorkloadConfig:
     pass_rates: list[float] = field(default_factory=list)
     """Each prompt's chance that a response is right, drawn per prompt from this list (empty: rewards
     are not modelled). With ``sched.dynamic_sampling``, groups whose responses all agree are dropped."""
+    tools: list[SimToolConfig] = field(default_factory=list)
+    """Tool calls of every episode, a latency distribution per tool (empty: single-turn responses). A
+    waiting episode keeps its slot while the batch decodes the others (docs/simulator.md)."""
 
 
 @dataclass
@@ -212,6 +225,10 @@ def validate_simulate(cfg: SimulateConfig) -> SimulateConfig:
     if any(b <= 0 or t <= 0 for b, t in points):
         raise ConfigError("cost.decode_points: batches and seconds must be > 0")
     cfg.cost.decode_points = points
+    for i, tool in enumerate(cfg.workload.tools):
+        if tool.calls < 0:
+            raise ConfigError(f"workload.tools[{i}].calls must be >= 0 (got {tool.calls})")
+        _validate_latency_fields(tool.latency, f"workload.tools[{i}].latency")
     return cfg
 
 

@@ -14,10 +14,12 @@ from __future__ import annotations
 
 import dataclasses
 import time
+import math
 from concurrent.futures import FIRST_COMPLETED, Future, ThreadPoolExecutor, wait
 from dataclasses import dataclass
 
 from environments.base import Environment, StepResult
+from environments.latency import LatencySampler
 from generation.records import GenRequest, Partial, PromptItem, Trajectory
 from generation.sampler import request_key
 
@@ -25,11 +27,12 @@ from generation.sampler import request_key
 @dataclass(frozen=True)
 class Episode:
     """An episode's state after its completed turns. Invariant: ``tokens``, ``logprobs`` and ``mask``
-    share one length (observation tokens: log-prob 0.0, mask 0). ``request``: the episode's original
-    request (its prompt as the driver knows it); ``context``: the tokens the first turn conditioned on
-    (``Environment.reset``). ``version``: the weight version that sampled the first token (-1: none
-    yet). ``pending``: the text of a finished turn whose ``step`` had not answered when the episode
-    was handed over (the receiver runs it again)."""
+        share one length (observation tokens: log-prob 0.0, mask 0). ``request``: the episode's original
+        request (its prompt as the driver knows it); ``context``: the tokens the first turn conditioned on
+        (``Environment.reset``). ``version``: the weight version that sampled the first token (-1: none
+        yet). ``pending``: the text of a finished turn whose ``step`` had not answered when the episode
+        was handed over (the receiver runs it again); ``pending_delay_s``: the tool latency that turn had left
+    to wait (``environments.latency``), which the receiver waits instead of a fresh draw."""
 
     request: GenRequest
     context: tuple[int, ...]
@@ -44,6 +47,7 @@ class Episode:
     entropy_sum: float = 0.0
     retries: int = 0
     pending: str | None = None
+    pending_delay_s: float | None = None
 
     def turn_request(self) -> GenRequest:
         """The engine request of the next turn: the episode's tokens so far as its prompt (turn 0:
@@ -82,6 +86,7 @@ class Episode:
             logprobs=self.logprobs + (0.0,) * len(obs),
             mask=self.mask + (0,) * len(obs),
             pending=None,
+            pending_delay_s=None,
         )
 
 
@@ -89,17 +94,46 @@ class Episode:
 class EpisodeLimits:
     """``max_turns`` policy turns; ``max_tokens`` episode tokens (policy + observation, checked after
     each turn; 0: no limit beyond the turns); ``tool_timeout_s`` per ``step``; ``tool_workers``
-    threads; ``on_error``: ``fail`` or ``retry`` (once, from the prompt)."""
+    threads; ``on_error``: ``fail`` or ``retry`` (once, from the prompt); ``latency``: seconds added to
+    each tool call (``environments.latency.LatencySampler``; None: none)."""
 
     max_turns: int = 4
     max_tokens: int = 0
     tool_timeout_s: float = 10.0
     tool_workers: int = 4
     on_error: str = "fail"
+    latency: LatencySampler | None = None
 
     @classmethod
     def from_config(cls, env) -> EpisodeLimits:
-        return cls(env.max_turns, env.max_tokens, env.tool_timeout_s, env.tool_workers, env.on_error)
+        lat = None if env.tool_latency.is_off() else LatencySampler(env.tool_latency)
+        return cls(env.max_turns, env.max_tokens, env.tool_timeout_s, env.tool_workers, env.on_error, lat)
+
+
+@dataclass
+class _Wait:
+    """An episode whose finished turn is with the environment: its step (which returns the result and
+    the monotonic time it finished), the episode, when it was asked, and the tool latency to add."""
+
+    fut: Future
+    ep: Episode
+    t0: float
+    delay: float
+
+    def ready_at(self) -> float | None:
+        """When the answer reaches the episode (None: the step is still running)."""
+        if not self.fut.done() or self.fut.cancelled():
+            return None
+        try:
+            res, done_at = self.fut.result()
+        except Exception:  # noqa: BLE001 - a crashed step is answered at once
+            return self.t0
+        return done_at + (self.delay if res.tool_call else 0.0)
+
+    def left(self, now: float) -> float:
+        """The latency still to wait, for a hand-over (all of it while the step runs)."""
+        ready = self.ready_at()
+        return self.delay if ready is None else max(0.0, ready - now)
 
 
 class EpisodeEngine:
@@ -111,8 +145,8 @@ class EpisodeEngine:
         self.inner, self.env, self.tokenizer, self.limits = engine, env, tokenizer, limits
         self._episodes: dict[tuple, Episode] = {}
         """Engine request key -> the episode whose turn it is."""
-        self._waiting: list[tuple[Future, Episode, float]] = []
-        """Episodes whose finished turn is with the environment: (its step, the episode, start time)."""
+        self._waiting: list[_Wait] = []
+        """Episodes whose finished turn is with the environment."""
         self._pool = ThreadPoolExecutor(max_workers=limits.tool_workers, thread_name_prefix="laminar-env")
         self.env_errors = 0
         """Environment crashes (exceptions out of ``step``) so far."""
@@ -152,7 +186,7 @@ class EpisodeEngine:
             if ep is None:
                 ep = self._start(p.request)
             if ep.pending is not None:
-                self._ask(ep, ep.pending)
+                self._ask(ep, ep.pending, ep.pending_delay_s)
                 continue
             req = ep.turn_request()
             self._episodes[request_key(req)] = ep
@@ -187,13 +221,14 @@ class EpisodeEngine:
         for r in queued:
             out_r.append(self._episodes.pop(request_key(r)).request)
         if include_queued:
-            keep = []
-            for fut, ep, t0 in self._waiting:
-                if only is None or request_key(ep.request) in only:
-                    fut.cancel()
+            keep, now = [], time.monotonic()
+            for w in self._waiting:
+                if only is None or request_key(w.ep.request) in only:
+                    w.fut.cancel()
+                    ep = dataclasses.replace(w.ep, pending_delay_s=w.left(now))
                     out_p.append(Partial(self._carrier(ep), (), (), ep.version, 0.0))
                 else:
-                    keep.append((fut, ep, t0))
+                    keep.append(w)
             self._waiting = keep
         return out_p, out_r
 
@@ -254,32 +289,47 @@ class EpisodeEngine:
         else:
             self._ask(ep, t.text)
 
-    def _ask(self, ep: Episode, turn_text: str) -> None:
-        ep = dataclasses.replace(ep, pending=turn_text)
-        self._waiting.append((self._pool.submit(self.env.step, turn_text), ep, time.monotonic()))
+    def _ask(self, ep: Episode, turn_text: str, delay: float | None = None) -> None:
+        """Hand a finished turn to the environment; a tool call's answer waits ``delay`` seconds more
+        (None: this call's draw from ``limits.latency``)."""
+        ep = dataclasses.replace(ep, pending=turn_text, pending_delay_s=None)
+        if delay is None:
+            lat = self.limits.latency
+            r = ep.request
+            key = f"{r.prompt.prompt_id}|{r.group_uid}|{r.sample_idx}|r{ep.retries}t{ep.turns}"
+            delay = 0.0 if lat is None else lat.sample(key)
+        fut = self._pool.submit(_timed, self.env.step, turn_text)
+        self._waiting.append(_Wait(fut, ep, time.monotonic(), delay))
 
     def _collect(self, out: list[Trajectory], block: bool = False) -> None:
         """Act on every answered (or timed-out) environment step; ``block``: wait for the first."""
+        timeout = self.limits.tool_timeout_s
         if block and self._waiting:
             now = time.monotonic()
-            left = min(t0 + self.limits.tool_timeout_s - now for _, _, t0 in self._waiting)
-            wait([f for f, _, _ in self._waiting], timeout=max(0.0, left), return_when=FIRST_COMPLETED)
-        keep, now = [], time.monotonic()
-        for fut, ep, t0 in self._waiting:
-            if fut.done():
-                self._answered(ep, fut, out)
-            elif now - t0 >= self.limits.tool_timeout_s:
-                fut.cancel()  # a running step cannot be stopped: its thread finishes on its own
-                out.append(
-                    self._finish(dataclasses.replace(ep, tool_errors=ep.tool_errors + 1), "tool_timeout")
-                )
+            due = min(
+                min(w.t0 + timeout, w.ready_at() or math.inf) for w in self._waiting
+            )  # the first answer or timeout
+            running = [w.fut for w in self._waiting if not w.fut.done()]
+            if running:
+                wait(running, timeout=max(0.0, due - now), return_when=FIRST_COMPLETED)
             else:
-                keep.append((fut, ep, t0))
+                time.sleep(max(0.0, due - now))
+        keep, now = [], time.monotonic()
+        for w in self._waiting:
+            ready = w.ready_at()
+            if ready is not None and ready <= now and (ready - w.t0 < timeout or not w.delay):
+                self._answered(w.ep, w.fut, out)
+            elif now - w.t0 >= timeout:
+                w.fut.cancel()  # a running step cannot be stopped: its thread finishes on its own
+                ep = dataclasses.replace(w.ep, tool_errors=w.ep.tool_errors + 1)
+                out.append(self._finish(ep, "tool_timeout"))
+            else:
+                keep.append(w)
         self._waiting = keep
 
     def _answered(self, ep: Episode, fut: Future, out: list[Trajectory]) -> None:
         try:
-            res: StepResult = fut.result()
+            res: StepResult = fut.result()[0]
         except Exception:  # noqa: BLE001 - any environment crash ends (or restarts) the episode
             self.env_errors += 1
             if self.limits.on_error == "retry" and ep.retries == 0:
@@ -335,3 +385,9 @@ class EpisodeEngine:
             tool_errors=ep.tool_errors,
             end_reason=reason,
         )
+
+
+def _timed(step, turn_text: str) -> tuple[StepResult, float]:
+    """``step(turn_text)`` and the monotonic time it returned (the tool latency counts from there)."""
+    res = step(turn_text)
+    return res, time.monotonic()

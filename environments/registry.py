@@ -19,8 +19,18 @@ def _calculator(tokenizer, env_cfg) -> Environment:
     return ToolEnvironment("calculator", [Calculator()], tokenizer, env_cfg.tool_format)
 
 
+def _calculator_sandbox(tokenizer, env_cfg) -> Environment:
+    from environments.tools import SandboxCalculator
+
+    return ToolEnvironment("calculator_sandbox", [SandboxCalculator()], tokenizer, env_cfg.tool_format)
+
+
 ENVIRONMENTS: Mapping[str, Callable[..., Environment]] = MappingProxyType(
-    {"single_turn": lambda tokenizer, env_cfg: SingleTurn(), "calculator": _calculator}
+    {
+        "single_turn": lambda tokenizer, env_cfg: SingleTurn(),
+        "calculator": _calculator,
+        "calculator_sandbox": _calculator_sandbox,
+    }
 )
 """``env.name`` -> (tokenizer, ``conf.schema.EnvConfig``) -> the environment."""
 

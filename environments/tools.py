@@ -6,8 +6,11 @@ from __future__ import annotations
 import json
 from dataclasses import dataclass, field
 
+from pathlib import Path
+
 from conf.schema import SandboxConfig
-from environments import sandbox
+from environments import calculator, sandbox
+from environments.base import ToolError
 from environments.sandbox import SandboxResult
 
 LIMIT_NAMES = {
@@ -68,3 +71,41 @@ class PythonTool:
 
 python_tool = PythonTool()
 """The Python tool with the default sandbox configuration."""
+
+
+CALC_MAIN = """import sys, types
+base = types.ModuleType("environments.base")
+exec("class ToolError(Exception):\\n    pass\\n", base.__dict__)
+sys.modules["environments"] = types.ModuleType("environments")
+sys.modules["environments.base"] = base
+calc = {"__name__": "calculator"}
+exec(compile(open("calculator.py").read(), "calculator.py", "exec"), calc)
+try:
+    print("ok", calc["render"](calc["evaluate"](open("expression.txt").read())))
+except base.ToolError as e:
+    print("error", e)
+"""
+"""The sandbox's ``main.py`` for ``SandboxCalculator``: the calculator module's own source, loaded with
+a stand-in for ``environments.base``, evaluates the expression file and prints ``ok VALUE`` or
+``error WHY``."""
+
+
+@dataclass(frozen=True)
+class SandboxCalculator:
+    """The calculator (``environments.calculator``) evaluated in the sandbox: each call is one
+    ``environments.sandbox.run`` of the calculator module's own source on the call's expression, so
+    the model's text runs only in the sandbox and a call costs a real sandboxed execution."""
+
+    config: SandboxConfig = field(default_factory=SandboxConfig)
+    name: str = calculator.Calculator.name
+    description: str = calculator.Calculator.description
+
+    def __call__(self, arguments: str) -> str:
+        files = {"calculator.py": Path(calculator.__file__).read_text(), "expression.txt": arguments}
+        result = sandbox.run(CALC_MAIN, files=files, config=self.config)
+        kind, _, text = result.stdout.strip().partition(" ")
+        if result.ok and kind == "ok":
+            return text
+        if result.ok and kind == "error":
+            raise ToolError(text)
+        raise ToolError(observation(result, 200).strip())

@@ -102,8 +102,14 @@ def eval_key(c: Config) -> dict:
 
 
 def _env_key(c: Config) -> dict:
-    """The environment, for stages that sample episodes; absent for single-turn (keys unchanged)."""
-    return {} if c.env.is_default() else {"env": asdict(c.env)}
+    """The environment, for stages that sample episodes; absent for single-turn (keys unchanged), and
+    its tool latency absent while off (keys of environments from before it unchanged)."""
+    if c.env.is_default():
+        return {}
+    env = asdict(c.env)
+    if c.env.tool_latency.is_off():
+        del env["tool_latency"]
+    return {"env": env}
 
 
 def _difficulty_key(c: Config, max_prompts: int) -> dict:

@@ -9,10 +9,11 @@ import time
 import pytest
 import torch
 
-from conf.schema import EnvConfig
+from conf.schema import EnvConfig, ToolLatencyConfig
 from environments.base import StepResult
 from environments.calculator import Calculator
 from environments.episodes import EpisodeEngine, EpisodeLimits
+from environments.latency import LatencySampler
 from environments.registry import wrap_engine
 from environments.tool_use import ChatTemplateFormat
 from generation.engine import Engine
@@ -288,3 +289,53 @@ def test_an_episode_survives_the_checkpoint_codec(tok, model):
     t = next(t for t in trajs if t.turns == 3)
     back = trajectory_from_json(json.loads(json.dumps(trajectory_to_json(t))))
     assert back == t and back.loss_mask == t.loss_mask and back.end_reason == "max_turns"
+
+
+# ------------------------------------------------------------------------ tool latency
+def _latency_runner(tok, model, latency, **limits):
+    engine = Engine(model, tok, max_new_tokens=24, capacity=6, seed=3)
+    lim = EpisodeLimits(max_turns=2, latency=LatencySampler(latency), **limits)
+    return EpisodeEngine(engine, AlwaysCalls(tok), tok, lim)
+
+
+def test_episodes_wait_their_latency_without_holding_a_tool_thread(tok, model):
+    runner = _latency_runner(tok, model, ToolLatencyConfig(kind="fixed", seconds=[30.0]), tool_workers=1)
+    runner.version = 0
+    runner.submit(_requests())
+    for _ in range(40):
+        runner.step(24)
+        now = time.monotonic()
+        held = [w for w in runner._waiting if w.fut.done() and w.ready_at() > now]
+        if len(held) >= 2:
+            break
+    # two or more answered calls wait their 30 s at once, with the one tool thread free
+    assert len(held) >= 2 and all(w.delay == 30.0 for w in held)
+    assert runner.status()["active"] >= len(held)
+    runner.close()
+    fast = _latency_runner(tok, model, ToolLatencyConfig(kind="fixed", seconds=[0.3]))
+    t0 = time.monotonic()
+    trajs = fast.generate(_requests(2))
+    assert any(t.tool_calls for t in trajs) and time.monotonic() - t0 >= 0.3
+
+
+def test_a_latency_past_the_tool_timeout_ends_the_episode(tok, model):
+    runner = _latency_runner(tok, model, ToolLatencyConfig(kind="fixed", seconds=[5.0]), tool_timeout_s=0.3)
+    reasons = [t.end_reason for t in runner.generate(_requests())]
+    assert "tool_timeout" in reasons and set(reasons) <= {"tool_timeout", "length"}
+
+
+def test_a_handed_over_episode_waits_only_the_latency_it_had_left(tok, model):
+    a = _latency_runner(tok, model, ToolLatencyConfig(kind="fixed", seconds=[30.0]))
+    b = _latency_runner(tok, model, ToolLatencyConfig(kind="fixed", seconds=[0.0]))
+    a.version = b.version = 0
+    a.submit(_requests(2))
+    while not any(w.fut.done() for w in a._waiting):
+        a.step(24)
+    t0 = time.monotonic()
+    partials, _ = a.extract()
+    left = [p.request.episode.pending_delay_s for p in partials if p.request.episode.pending]
+    assert left and all(30.0 - (t0 - w) - 1.0 <= x <= 30.0 for x, w in zip(left, [t0] * len(left)))
+    b.inject(partials)
+    assert sorted(w.delay for w in b._waiting) == sorted(left)  # not b's own draw (0 s)
+    a.close()
+    b.close()

@@ -328,3 +328,17 @@ def test_lengths_from_a_real_run(tmp_path):
     bad.write_text("{}")
     with pytest.raises(ConfigError):
         resolve(load_simulate_config(["workload.lengths.kind=values", f"workload.lengths.values_file={bad}"]))
+
+
+def test_tool_latency_slows_sync_more_than_laminar():
+    tool = {"name": "python", "calls": 2, "latency": {"kind": "codex_exec"}}
+    plain, tools = tiny(workload={"steps": 4}), tiny(workload={"steps": 4, "tools": [tool]})
+    base = {m: sim.Simulator(plain, m).run() for m in ("sync", "laminar")}
+    slow = {m: sim.Simulator(tools, m).run() for m in ("sync", "laminar")}
+    # the waits add time, never tokens (sync trains the same groups either way)
+    assert slow["sync"].trained_tokens == base["sync"].trained_tokens
+    assert slow["sync"].wall_s > base["sync"].wall_s
+    ratio = lambda r: r["laminar"].steady_tokens_per_s / r["sync"].steady_tokens_per_s  # noqa: E731
+    assert ratio(slow) > ratio(base)
+    with pytest.raises(Exception, match=r"workload.tools\[0\].latency"):
+        tiny(workload={"tools": [{**tool, "latency": {"kind": "fixed"}}]})

@@ -10,6 +10,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from conf.simulate import SimulateConfig
+from environments.latency import LatencySampler
 from generation.records import GenRequest, Partial, Trajectory
 from training.rl.drivers.sim.clock import Clock
 from training.rl.drivers.sim.costs import CostModel
@@ -28,6 +29,8 @@ class Row:
     pre: int
     s_admit: float
     version: int
+    pause: int = 0
+    """Of ``target``, the decode steps its tool calls wait (``EngineModel.pause_steps``), no tokens."""
 
 
 @dataclass
@@ -102,6 +105,9 @@ class EngineModel:
         self.n_busy = 0
         self.pre: dict[tuple[int, int], int] = {}
         """Tokens generated so far of each handed-over response (its Partial carries no tokens here)."""
+        self.tools = [(t, LatencySampler(t.latency)) for t in cfg.workload.tools if t.calls > 0]
+        self.pause_step_s = cost.decode_step_s(capacity, self.prompt_len) if self.tools else 0.0
+        """A tool wait in decode steps: the step cost of a full batch at the prompt's context."""
 
     # ---------------------------------------------------------------------------- accounting, speed
     def account(self, r: SimRollout) -> None:
@@ -179,8 +185,9 @@ class EngineModel:
                 pre = self.pre.pop((req.group_uid, req.sample_idx), 0)
             else:
                 req, pre, version = r.queue.popleft(), 0, r.eversion
-            target = self.source.lengths[req.prompt.prompt_id][req.sample_idx]
-            row = Row((req.group_uid, req.sample_idx), req, target, pre, r.S, version)
+            pause = self.pause_steps(req)
+            target = self.source.lengths[req.prompt.prompt_id][req.sample_idx] + pause
+            row = Row((req.group_uid, req.sample_idx), req, target, pre, r.S, version, pause)
             if pre >= target:  # already complete
                 self._finish(r, row)
                 continue
@@ -203,7 +210,16 @@ class EngineModel:
             group_uid=row.req.group_uid,
             last_version=r.eversion,
         )
-        r.finished.append((traj, row.target))
+        r.finished.append((traj, row.target - row.pause))
+
+    def pause_steps(self, req: GenRequest) -> int:
+        """The decode steps an episode's tool calls wait: each call's latency (drawn per prompt, sample,
+        tool and call, so every mode sees the same) over ``pause_step_s``; 0 without tools."""
+        if not self.tools:
+            return 0
+        key = f"{req.prompt.prompt_id}|{req.sample_idx}"
+        wait = sum(lat.sample(f"{key}|{t.name}|{i}") for t, lat in self.tools for i in range(t.calls))
+        return round(wait / self.pause_step_s)
 
     def _retire(self, r: SimRollout) -> None:
         while r.rows and r.rows[0][0] <= r.S + 1e-6:
