@@ -19,12 +19,13 @@ from rewards.verifier import extract_answer, normalize_answer
 class Sample:
     """One response to score: its text, the gold answer, its length in tokens and the generation limit
     it was sampled under (``max_tokens``: the default length limit of ``cosine_length`` and
-    ``overlong``)."""
+    ``overlong``); ``prompt``: the problem it answers (the learned reward model reads it; "" unknown)."""
 
     text: str
     answer: str
     n_tokens: int
     max_tokens: int
+    prompt: str = ""
 
 
 def _limit(max_len: int | None, sample: Sample) -> int:

@@ -21,9 +21,11 @@ from core.workspace import Workspace
 from tasks import recording
 from tasks.bodies import (
     ATTEMPTS,
+    COMPARISONS,
     DATASET,
     MODEL,
     PROMPTS,
+    REWARD_MODEL,
     RFT_DATA,
     SELECTION,
     base_model_body,
@@ -36,6 +38,8 @@ from tasks.bodies import (
     eval_body,
     history_prompts,
     ingest_body,
+    preferences_body,
+    reward_model_body,
     rft_body,
     rl_body,
     select_body,
@@ -72,7 +76,11 @@ def _select_config(c: Config) -> dict:
 
 
 def data_key(c: Config) -> dict:
-    return asdict(c.data)
+    """``data`` as it is; ``demo_full_stop_rate`` only when set (the default keys stay as they were)."""
+    out = asdict(c.data)
+    if not out["demo_full_stop_rate"]:
+        del out["demo_full_stop_rate"]
+    return out
 
 
 def ingest_key(c: Config) -> dict:
@@ -138,6 +146,26 @@ def rft_key(c: Config) -> dict:
     return {**asdict(c.curation.rft), "template": template(c), **_numerics(c), **_lora_key(c, "rft")}
 
 
+def preferences_key(c: Config) -> dict:
+    keys = ("prompts", "samples", "temperature", "max_new_tokens", "annotators", "flip", "rubric")
+    return {
+        **{k: getattr(c.reward_model, k) for k in keys},
+        "template": template(c),
+        "decontam": asdict(c.curation.decontam),
+        "benchmarks": decontam_benchmarks(c),
+        **_numerics(c),
+    }
+
+
+def reward_model_key(c: Config) -> dict:
+    keys = ("backbone", "path", "steps", "batch_size", "lr", "heldout_share", "max_len")
+    return {**{k: getattr(c.reward_model, k) for k in keys}, **_numerics(c)}
+
+
+def uses_reward_model(c: Config) -> bool:
+    return c.reward.uses_reward_model()
+
+
 def select_key(c: Config) -> dict:
     return {**_select_config(c), "min_prompts": c.rl.prompts_per_step}
 
@@ -177,6 +205,18 @@ def model_files(cfg: Config, catalog: Catalog | None = None) -> dict[str, str]:
     from core.artifacts import hash_tree
 
     return {"model.path": hash_tree(Path(cfg.model.path).expanduser())} if cfg.model.kind == "hf" else {}
+
+
+def reward_model_files(cfg: Config, catalog: Catalog | None = None) -> dict[str, str]:
+    """The folders ``reward_model.path`` and a ``reward_model.backbone`` other than the warm-up model."""
+    from core.artifacts import hash_tree
+
+    c, out = cfg.reward_model, {}
+    if c.path is not None:
+        out["reward_model.path"] = hash_tree(Path(c.path).expanduser())
+    if c.backbone != "warmup":
+        out["reward_model.backbone"] = hash_tree(Path(c.backbone).expanduser())
+    return out
 
 
 def _benchmark_hashes(cfg: Config, names: Iterable[str]) -> dict[str, str]:
@@ -301,6 +341,23 @@ def rft_headline(m: dict) -> str:
         else "  (passed through)"
     )
     return f"{m['rft_examples']:.0f} examples" + loss
+
+
+def preferences_headline(m: dict) -> str:
+    agree = f"  agreement {m['agreement']:.3f}" if "agreement" in m else ""
+    return (
+        f"comparisons {m['comparisons']:.0f}  quarantined {m['quarantined']:.0f}  "
+        f"duplicates {m['duplicates']:.0f}  rubric share {m['rubric_share']:.2f}" + agree
+    )
+
+
+def reward_model_headline(m: dict) -> str:
+    return (
+        f"held-out accuracy {m['rm_heldout_accuracy']:.3f}  (longer {m['baseline_longer_wins_accuracy']:.3f}, "
+        f"shorter {m['baseline_shorter_wins_accuracy']:.3f}, policy log-prob "
+        f"{m['baseline_policy_logprob_accuracy']:.3f}"
+        + (f", ceiling {m['agreement_ceiling']:.3f})" if "agreement_ceiling" in m else ")")
+    )
 
 
 def select_headline(m: dict) -> str:
@@ -431,6 +488,29 @@ STAGES: tuple[Stage, ...] = (
         headline=rft_headline,
     ),
     _eval_stage("eval_rft", "rft"),
+    # The learned reward model (reward=reward_model): annotators rate the warm-up model's responses.
+    Stage(
+        name="preferences",
+        inputs={MODEL: ("warmup", MODEL), PROMPTS: ("decontaminate", PROMPTS), DATASET: ("data", DATASET)},
+        config=preferences_key,
+        modules=("data_curation.annotators", "data_curation.preferences", *_SAMPLING_MODULES),
+        body=preferences_body,
+        record=recording.record_preferences,
+        headline=preferences_headline,
+        external=decontam_files,
+        when=uses_reward_model,
+    ),
+    Stage(
+        name="reward_model",
+        inputs={MODEL: ("warmup", MODEL), COMPARISONS: ("preferences", COMPARISONS)},
+        config=reward_model_key,
+        modules=("training.reward_model", "rewards.reward_model", "data_curation.preferences", "generation.setup"),
+        body=reward_model_body,
+        record=recording.record_reward_model,
+        headline=reward_model_headline,
+        external=reward_model_files,
+        when=uses_reward_model,
+    ),
     # HIVE selects from the pass rates of the model RL starts from (the RFT model, often much better than
     # the warm-up model whose pass rates steered DART): stale rates put solved prompts on the "edge".
     Stage(
@@ -454,7 +534,12 @@ STAGES: tuple[Stage, ...] = (
     ),
     Stage(
         name="rl",
-        inputs={MODEL: ("rft", MODEL), SELECTION: ("select", SELECTION), DATASET: ("data", DATASET)},
+        inputs={
+            MODEL: ("rft", MODEL),
+            SELECTION: ("select", SELECTION),
+            DATASET: ("data", DATASET),
+            REWARD_MODEL: ("reward_model", MODEL),
+        },
         config=rl_key,
         modules=(
             "training.rl.stage",
@@ -467,6 +552,7 @@ STAGES: tuple[Stage, ...] = (
             "rewards.verifier",
             "rewards.components",
             "rewards.compose",
+            "rewards.reward_model",
             "evaluation.stages",
             "training.lora",
             "generation.adapter",
@@ -547,8 +633,9 @@ class Selection:
     stages: list[str] | None
     force: list[str]
 
-    def stages_to_run(self) -> list[Stage]:
-        return [s for s in STAGES if self.stages is None or s.name in self.stages]
+    def stages_to_run(self, cfg: Config | None = None) -> list[Stage]:
+        """The selected stages that run under ``cfg`` (None: every selected stage)."""
+        return [s for s in STAGES if (self.stages is None or s.name in self.stages) and s.active(cfg)]
 
 
 def select(until: str | None = None, force: Sequence[str] = (), rerun: str | None = None) -> Selection:
@@ -568,20 +655,34 @@ def select(until: str | None = None, force: Sequence[str] = (), rerun: str | Non
     return Selection(in_dag_order(stages) if stages is not None else None, in_dag_order(force))
 
 
+def active_inputs(stage: Stage, cfg: Config | None) -> dict[str, tuple[str, str]]:
+    """``stage.inputs`` less those from stages that do not run under ``cfg`` (``Stage.when``)."""
+    return {n: (src, out) for n, (src, out) in stage.inputs.items() if STAGE_BY_NAME[src].active(cfg)}
+
+
 def stage_inputs(
-    stage: Stage, produced: Mapping[str, Mapping[str, ArtifactRef]]
+    stage: Stage, produced: Mapping[str, Mapping[str, ArtifactRef]], cfg: Config | None = None
 ) -> dict[str, ArtifactRef] | None:
-    """The stage's input artifacts, from ``produced`` (upstream stage -> its artifacts by output name);
-    None when an upstream stage or one of its outputs is missing."""
+    """The stage's input artifacts under ``cfg``, from ``produced`` (upstream stage -> its artifacts by
+    output name); None when an upstream stage or one of its outputs is missing. With no ``cfg``, an
+    input from a stage that runs only under some configs is taken when it was produced."""
+    inputs = active_inputs(stage, cfg)
+    optional = {n for n, (src, _) in inputs.items() if cfg is None and STAGE_BY_NAME[src].when is not None}
     try:
-        return {name: produced[src][out] for name, (src, out) in stage.inputs.items()}
+        return {
+            name: produced[src][out]
+            for name, (src, out) in inputs.items()
+            if name not in optional or src in produced
+        }
     except KeyError:
         return None
 
 
-def missing_upstream(stage: Stage, produced: Mapping[str, Mapping[str, ArtifactRef]]) -> list[str]:
-    """The upstream stages of ``stage`` absent from ``produced``, sorted."""
-    return sorted({src for src, _ in stage.inputs.values() if src not in produced})
+def missing_upstream(
+    stage: Stage, produced: Mapping[str, Mapping[str, ArtifactRef]], cfg: Config | None = None
+) -> list[str]:
+    """The upstream stages of ``stage`` (under ``cfg``) absent from ``produced``, sorted."""
+    return sorted({src for src, _ in active_inputs(stage, cfg).values() if src not in produced})
 
 
 def stage_key(
