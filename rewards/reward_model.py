@@ -140,4 +140,6 @@ class RewardModelComponent:
     def score(self, samples: Sequence[Sample], correct: Sequence[bool]) -> list[float]:
         scorer = self.scorer()
         texts = [rm_text(self.template, s.prompt, s.text) for s in samples]
-        return scorer.score([Sample(t, s.answer, s.n_tokens, s.max_tokens) for t, s in zip(texts, samples)], correct)
+        return scorer.score(
+            [Sample(t, s.answer, s.n_tokens, s.max_tokens) for t, s in zip(texts, samples)], correct
+        )

@@ -360,7 +360,13 @@ def reward_model_body(ctx: StageContext) -> StageResult:
             model, tok = rm.load_backbone(backbone)
             held, train = rm.split_by_prompt(comparisons, c.heldout_share, ctx.cfg.seed)
             losses = rm.fit(
-                model, tok, train, steps=c.steps, batch_size=c.batch_size, lr=c.lr, max_len=c.max_len,
+                model,
+                tok,
+                train,
+                steps=c.steps,
+                batch_size=c.batch_size,
+                lr=c.lr,
+                max_len=c.max_len,
                 seed=ctx.cfg.seed,
             )
             metrics = {"train_comparisons": float(len(train))}

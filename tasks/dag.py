@@ -352,12 +352,13 @@ def preferences_headline(m: dict) -> str:
 
 
 def reward_model_headline(m: dict) -> str:
-    return (
-        f"held-out accuracy {m['rm_heldout_accuracy']:.3f}  (longer {m['baseline_longer_wins_accuracy']:.3f}, "
-        f"shorter {m['baseline_shorter_wins_accuracy']:.3f}, policy log-prob "
-        f"{m['baseline_policy_logprob_accuracy']:.3f}"
-        + (f", ceiling {m['agreement_ceiling']:.3f})" if "agreement_ceiling" in m else ")")
+    base = (
+        f"longer {m['baseline_longer_wins_accuracy']:.3f}, "
+        f"shorter {m['baseline_shorter_wins_accuracy']:.3f}, "
+        f"policy log-prob {m['baseline_policy_logprob_accuracy']:.3f}"
     )
+    ceiling = f", ceiling {m['agreement_ceiling']:.3f}" if "agreement_ceiling" in m else ""
+    return f"held-out accuracy {m['rm_heldout_accuracy']:.3f}  ({base}{ceiling})"
 
 
 def select_headline(m: dict) -> str:
@@ -504,7 +505,12 @@ STAGES: tuple[Stage, ...] = (
         name="reward_model",
         inputs={MODEL: ("warmup", MODEL), COMPARISONS: ("preferences", COMPARISONS)},
         config=reward_model_key,
-        modules=("training.reward_model", "rewards.reward_model", "data_curation.preferences", "generation.setup"),
+        modules=(
+            "training.reward_model",
+            "rewards.reward_model",
+            "data_curation.preferences",
+            "generation.setup",
+        ),
         body=reward_model_body,
         record=recording.record_reward_model,
         headline=reward_model_headline,

@@ -149,7 +149,11 @@ def _check_critic(cfg: Config, params) -> None:
 def _policy_tokenizer(cfg: Config):
     from generation.model import build_char_tokenizer, load_tokenizer
 
-    return load_tokenizer(Path(cfg.model.path).expanduser()) if cfg.model.kind == "hf" else build_char_tokenizer()
+    return (
+        load_tokenizer(Path(cfg.model.path).expanduser())
+        if cfg.model.kind == "hf"
+        else build_char_tokenizer()
+    )
 
 
 def _check_reward_model(cfg: Config) -> None:

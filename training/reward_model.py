@@ -142,7 +142,17 @@ def load_backbone(backbone: str | Path):
     return model, tokenizer
 
 
-def fit(model, tokenizer, train: Sequence[dict], *, steps: int, batch_size: int, lr: float, max_len: int, seed: int):
+def fit(
+    model,
+    tokenizer,
+    train: Sequence[dict],
+    *,
+    steps: int,
+    batch_size: int,
+    lr: float,
+    max_len: int,
+    seed: int,
+):
     """``steps`` AdamW steps of the Bradley-Terry loss on random batches of ``train``; the losses."""
     opt = torch.optim.AdamW(model.parameters(), lr=lr)
     rng = random.Random(seed + 1)
@@ -223,7 +233,9 @@ def train_reward_model(
     torch.manual_seed(seed)
     model, tokenizer = load_backbone(backbone)
     held, train = split_by_prompt(list(comparisons), heldout_share, seed)
-    losses = fit(model, tokenizer, train, steps=steps, batch_size=batch_size, lr=lr, max_len=max_len, seed=seed)
+    losses = fit(
+        model, tokenizer, train, steps=steps, batch_size=batch_size, lr=lr, max_len=max_len, seed=seed
+    )
     metrics = {
         "rm_loss_first": losses[0] if losses else float("nan"),
         "rm_loss_last": losses[-1] if losses else float("nan"),
