@@ -23,7 +23,14 @@ DataSource = Literal["arith", "files"]
 SourceFormat = Literal["auto", "jsonl", "json", "parquet", "hf", "verl", "code"]
 Verifiability = Literal["short_form", "off"]
 RewardName = Literal[
-    "math_verify", "cosine_length", "repetition", "overlong", "format", "code_tests", "reward_model"
+    "math_verify",
+    "cosine_length",
+    "repetition",
+    "overlong",
+    "format",
+    "code_tests",
+    "reward_model",
+    "ends_with",
 ]
 CodeTestsScore = Literal["pass_fraction", "all_pass"]
 RewardModelNormalize = Literal["fixed", "none"]
@@ -675,6 +682,14 @@ class CodeTestsParams:
 
 
 @dataclass(frozen=True)
+class EndsWithParams:
+    """1 when the response (trailing whitespace stripped) ends with ``suffix``, else 0: a style check,
+    e.g. at weight 0 beside a learned reward model, to watch a rubric it was trained on."""
+
+    suffix: str = "."
+
+
+@dataclass(frozen=True)
 class RewardModelParams:
     """The learned reward model (docs/reward_models.md): the reward_model stage's checkpoint scores
     prompt and response; ``normalize=fixed`` standardises its raw score with the mean and standard
@@ -693,6 +708,7 @@ REWARD_PARAMS: dict[str, type] = {
     "format": FormatParams,
     "code_tests": CodeTestsParams,
     "reward_model": RewardModelParams,
+    "ends_with": EndsWithParams,
 }
 """Component name -> its parameters' schema (every field of it may appear in the component's spec)."""
 
@@ -717,6 +733,7 @@ class RewardComponentConfig:
     timeout_s: Annotated[float | None, Positive] = None
     normalize: Annotated[str | None, RewardModelNormalize] = None
     clip: Annotated[float | None, Positive] = None
+    suffix: str | None = None
 
     def given(self) -> dict[str, Any]:
         """The parameters this spec sets (its non-None fields besides name and weight)."""

@@ -594,6 +594,7 @@ def eval_body(ctx: StageContext) -> StageResult:
     data = ctx.inputs.get(DATASET)  # absent for `laminar eval` when no data artifact exists
     certificates: dict = {}
     files = file_benchmarks(ctx.cfg)
+    components = reward_model_components(ctx)
 
     def run(out: Path) -> dict:
         summary = evaluate_checkpoint(
@@ -606,6 +607,7 @@ def eval_body(ctx: StageContext) -> StageResult:
             out_dir=out,
             files=files,
             env=ctx.cfg.env,
+            components=components,
         )
         query = ctx.catalog.query if ctx.catalog is not None else _no_catalog
         certificates.update(
@@ -628,6 +630,19 @@ def eval_body(ctx: StageContext) -> StageResult:
     )
 
 
+def reward_model_components(ctx: StageContext) -> list:
+    """The learned reward model as an evaluation scorer, built like RL's ``reward_model`` component
+    (its normalisation and clip), when the stage reads a reward model; else none."""
+    from rewards.compose import REWARD_MODEL as NAME
+    from rewards.compose import build_component
+
+    ref = ctx.inputs.get(REWARD_MODEL)
+    if ref is None:
+        return []
+    spec = next(c for c in ctx.cfg.reward.components if c.name == NAME)
+    return [build_component(spec, ref.path, template(ctx.cfg))]
+
+
 def _no_catalog(sql: str, params=()) -> list[dict]:
     """No catalog, no lineage: the checkpoint is of unknown origin."""
     return []
@@ -645,6 +660,7 @@ def eval_metrics(checkpoint: str, summary: dict, n_samples: int, certificates: d
     """A stage result's metrics from an evaluation summary (benchmark -> evaluation.metrics summary),
     with each benchmark's decontamination certificate status when given."""
     avg = f"avg@{n_samples}"
+    rm_keys = ("reward/reward_model", f"rm_best@{n_samples}", f"maj@{n_samples}")  # with a reward model
     certificates = certificates or {}
     return {
         "checkpoint": checkpoint,
@@ -654,6 +670,7 @@ def eval_metrics(checkpoint: str, summary: dict, n_samples: int, certificates: d
                 "mean_length": s["mean_length"],
                 "by_level": {lv: v[avg] for lv, v in s.get("by_level", {}).items()},
                 **{k: s[k] for k in ("n_problems", "problems_total", "too_long", "context") if k in s},
+                **({k: s[k] for k in rm_keys if k in s} if "reward/reward_model" in s else {}),
                 **({"certificate": certificates[b]["status"]} if b in certificates else {}),
             }
             for b, s in summary.items()

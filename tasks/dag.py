@@ -106,7 +106,13 @@ def warmup_key(c: Config) -> dict:
 
 
 def eval_key(c: Config) -> dict:
-    return {**asdict(c.eval), **_numerics(c), **_env_key(c)}
+    return {**asdict(c.eval), **_numerics(c), **_env_key(c), **_reward_model_key(c)}
+
+
+def _reward_model_key(c: Config) -> dict:
+    """The reward model's scoring settings, for stages that score with it; absent without one."""
+    spec = [s for s in reward_key(c) if s["name"] == "reward_model"]
+    return {"reward_model": spec[0]["params"]} if spec else {}
 
 
 def _env_key(c: Config) -> dict:
@@ -312,6 +318,7 @@ def eval_headline(m: dict) -> str:
 
     return "  ".join(
         f"{b} acc {v['accuracy']:.3f}{coverage_note(v, short=True)}"
+        + "".join(f" {k} {v[k]:.3f}" for k in v if k.startswith("rm_best@"))
         + (f" ({v['certificate']})" if v.get("certificate", "clean") != "clean" else "")
         for b, v in m.items()
         if isinstance(v, dict)
@@ -391,7 +398,11 @@ def _eval_stage(name: str, model_stage: str) -> Stage:
     """Held-out and benchmark accuracy of ``model_stage``'s model."""
     return Stage(
         name=name,
-        inputs={MODEL: (model_stage, MODEL), DATASET: ("data", DATASET)},
+        inputs={
+            MODEL: (model_stage, MODEL),
+            DATASET: ("data", DATASET),
+            REWARD_MODEL: ("reward_model", MODEL),
+        },
         config=eval_key,
         modules=_EVAL_MODULES,
         body=eval_body,
@@ -456,6 +467,34 @@ STAGES: tuple[Stage, ...] = (
         record=recording.record_warmup,
         headline=warmup_headline,
     ),
+    # The learned reward model (reward=reward_model): annotators rate the warm-up model's responses.
+    Stage(
+        name="preferences",
+        inputs={MODEL: ("warmup", MODEL), PROMPTS: ("decontaminate", PROMPTS), DATASET: ("data", DATASET)},
+        config=preferences_key,
+        modules=("data_curation.annotators", "data_curation.preferences", *_SAMPLING_MODULES),
+        body=preferences_body,
+        record=recording.record_preferences,
+        headline=preferences_headline,
+        external=decontam_files,
+        when=uses_reward_model,
+    ),
+    Stage(
+        name="reward_model",
+        inputs={MODEL: ("warmup", MODEL), COMPARISONS: ("preferences", COMPARISONS)},
+        config=reward_model_key,
+        modules=(
+            "training.reward_model",
+            "rewards.reward_model",
+            "data_curation.preferences",
+            "generation.setup",
+        ),
+        body=reward_model_body,
+        record=recording.record_reward_model,
+        headline=reward_model_headline,
+        external=reward_model_files,
+        when=uses_reward_model,
+    ),
     _eval_stage("eval_warmup", "warmup"),
     Stage(
         name="difficulty",
@@ -489,34 +528,6 @@ STAGES: tuple[Stage, ...] = (
         headline=rft_headline,
     ),
     _eval_stage("eval_rft", "rft"),
-    # The learned reward model (reward=reward_model): annotators rate the warm-up model's responses.
-    Stage(
-        name="preferences",
-        inputs={MODEL: ("warmup", MODEL), PROMPTS: ("decontaminate", PROMPTS), DATASET: ("data", DATASET)},
-        config=preferences_key,
-        modules=("data_curation.annotators", "data_curation.preferences", *_SAMPLING_MODULES),
-        body=preferences_body,
-        record=recording.record_preferences,
-        headline=preferences_headline,
-        external=decontam_files,
-        when=uses_reward_model,
-    ),
-    Stage(
-        name="reward_model",
-        inputs={MODEL: ("warmup", MODEL), COMPARISONS: ("preferences", COMPARISONS)},
-        config=reward_model_key,
-        modules=(
-            "training.reward_model",
-            "rewards.reward_model",
-            "data_curation.preferences",
-            "generation.setup",
-        ),
-        body=reward_model_body,
-        record=recording.record_reward_model,
-        headline=reward_model_headline,
-        external=reward_model_files,
-        when=uses_reward_model,
-    ),
     # HIVE selects from the pass rates of the model RL starts from (the RFT model, often much better than
     # the warm-up model whose pass rates steered DART): stale rates put solved prompts on the "edge".
     Stage(

@@ -26,6 +26,9 @@ def test_reward_model_run_end_to_end(tmp_path):
     for key in ("heldout_accuracy", "baseline_random_accuracy", "baseline_longer_wins_accuracy",
                 "baseline_shorter_wins_accuracy", "baseline_policy_logprob_accuracy"):  # fmt: skip
         assert 0.0 <= m[f"reward_model_{key}"] <= 1.0
+    for stage in ("eval_warmup", "eval_rft", "eval_rl"):  # the reward model as a metric
+        held = s["stages"][stage]["metrics"]["arith_heldout"]
+        assert 0.0 <= held["rm_best@2"] <= 1.0 and "reward/reward_model" in held and "maj@2" in held
     rl = s["stages"]["rl"]["metrics"]
     assert "reward/reward_model_first" in rl and rl["reward_errors/reward_model"] == 0
     con = duckdb.connect(str(ws / "catalog.duckdb"), read_only=True)

@@ -45,7 +45,7 @@ def test_the_reward_model_stages_run_only_under_the_option():
     default, rm = load_config([]), load_config(["reward=reward_model"])
     assert [s.name for s in Selection(None, []).stages_to_run(default)] == DEFAULT_STAGES
     assert [s.name for s in Selection(None, []).stages_to_run(rm)] == [
-        *DEFAULT_STAGES[:10], "preferences", "reward_model", *DEFAULT_STAGES[10:],
+        *DEFAULT_STAGES[:5], "preferences", "reward_model", *DEFAULT_STAGES[5:],
     ]  # fmt: skip
     assert "demo_full_stop_rate" not in data_key(default)  # the default data key is as it was
     assert data_key(rm)["demo_full_stop_rate"] == 0.5
