@@ -604,34 +604,54 @@ class UnknownStage(ValueError):
     pass
 
 
-def check_stages(names: Iterable[str]) -> list[str]:
+DEFAULT_CONFIG = Config()
+"""The config the graph operations assume when given none: its stages are the default run's."""
+
+
+def _live(cfg: Config | None) -> Config:
+    return cfg if cfg is not None else DEFAULT_CONFIG
+
+
+def stages_of(cfg: Config | None = None) -> list[Stage]:
+    """The stages that run under ``cfg`` (None: the default config), in DAG order."""
+    return [s for s in STAGES if s.active(_live(cfg))]
+
+
+def check_stages(names: Iterable[str], cfg: Config | None = None) -> list[str]:
     names = list(names)
-    unknown = [n for n in names if n not in STAGE_BY_NAME]
+    known = [s.name for s in stages_of(cfg)]
+    unknown = [n for n in names if n not in known]
     if unknown:
-        raise UnknownStage(
-            f"unknown stage {', '.join(unknown)}; stages are {', '.join(s.name for s in STAGES)}"
+        gated = [n for n in unknown if n in STAGE_BY_NAME]
+        why = (
+            f"stage {', '.join(gated)} runs only when reward.components names reward_model "
+            "(reward=reward_model)"
+            if gated
+            else f"unknown stage {', '.join(unknown)}"
         )
+        raise UnknownStage(f"{why}; stages are {', '.join(known)}")
     return names
 
 
-def upstream_of(names: Iterable[str]) -> set[str]:
-    """``names`` and every stage they read from, transitively."""
-    todo, seen = check_stages(names), set()
+def upstream_of(names: Iterable[str], cfg: Config | None = None) -> set[str]:
+    """``names`` and every stage they read from under ``cfg`` (None: the default config), transitively."""
+    todo, seen = check_stages(names, cfg), set()
     while todo:
         name = todo.pop()
         if name not in seen:
             seen.add(name)
-            todo.extend(src for src, _ in STAGE_BY_NAME[name].inputs.values())
+            todo.extend(src for src, _ in active_inputs(STAGE_BY_NAME[name], _live(cfg)).values())
     return seen
 
 
-def downstream_of(names: Iterable[str]) -> set[str]:
-    """``names`` and every stage that reads from them, transitively (whatever the order of STAGES)."""
-    seen = set(check_stages(names))
+def downstream_of(names: Iterable[str], cfg: Config | None = None) -> set[str]:
+    """``names`` and every stage that reads from them under ``cfg`` (None: the default config),
+    transitively (whatever the order of STAGES)."""
+    seen = set(check_stages(names, cfg))
     changed = True
     while changed:
         changed = False
-        for stage in STAGES:
+        for stage in stages_of(cfg):
             if stage.name not in seen and any(src in seen for src, _ in stage.inputs.values()):
                 seen.add(stage.name)
                 changed = True
@@ -651,21 +671,24 @@ class Selection:
     force: list[str]
 
     def stages_to_run(self, cfg: Config | None = None) -> list[Stage]:
-        """The selected stages that run under ``cfg`` (None: every selected stage)."""
-        return [s for s in STAGES if (self.stages is None or s.name in self.stages) and s.active(cfg)]
+        """The selected stages that run under ``cfg`` (None: the default config)."""
+        return [s for s in stages_of(cfg) if self.stages is None or s.name in self.stages]
 
 
-def select(until: str | None = None, force: Sequence[str] = (), rerun: str | None = None) -> Selection:
+def select(
+    until: str | None = None, force: Sequence[str] = (), rerun: str | None = None, cfg: Config | None = None
+) -> Selection:
     """``until``: only that stage and its upstream. ``rerun``: that stage and its downstream are forced,
-    their upstream comes from cache, and stages that neither feed nor follow it are left out."""
-    force = check_stages(force)
+    their upstream comes from cache, and stages that neither feed nor follow it are left out. The
+    graph is the one ``cfg`` runs (None: the default config's)."""
+    force = check_stages(force, cfg)
     stages: set[str] | None = None
     if rerun is not None:
-        forced = downstream_of([rerun])
+        forced = downstream_of([rerun], cfg)
         force = sorted(set(force) | forced)
-        stages = upstream_of(forced)
+        stages = upstream_of(forced, cfg)
     if until is not None:
-        up = upstream_of([until])
+        up = upstream_of([until], cfg)
         stages = up if stages is None else stages & up
     if stages is not None:
         force = [f for f in force if f in stages]
