@@ -26,15 +26,19 @@ from pathlib import Path
 import yaml
 
 CLIP = 2.0
+ARMS = ("verifier", "rm", "rm_noclip")
 
 
 def _arm(run_dir: Path) -> str | None:
-    """``rm`` or ``verifier`` from the run's reward components; None for runs of neither arm."""
+    """``rm``, ``rm_noclip`` (the reward model unclipped) or ``verifier`` from the run's reward
+    components; None for runs of none of these arms."""
     cfg = yaml.safe_load((run_dir / "config.yaml").read_text())
     comps = {c["name"]: c for c in cfg["reward"]["components"]}
     if "ends_with" not in comps or "reward_model" not in comps:
         return None
-    return "rm" if comps["reward_model"]["weight"] > 0 else "verifier"
+    if comps["reward_model"]["weight"] <= 0:
+        return "verifier"
+    return "rm" if comps["reward_model"].get("clip") is not None else "rm_noclip"
 
 
 def _eval(ws: Path, sha: str) -> dict:
@@ -121,10 +125,14 @@ def _plot(seeds: dict, path: Path) -> None:
         ("rm_score", "reward-model score (normalised, clipped at 2)"),
         ("rubric_share", "rubric share (answer ends with a full stop)"),
     )
-    colors = {"rm": "tab:red", "verifier": "tab:blue"}
-    labels = {"rm": "verifier + RM (weight 0.5)", "verifier": "verifier alone"}
+    colors = {"rm": "tab:red", "verifier": "tab:blue", "rm_noclip": "tab:orange"}
+    labels = {
+        "rm": "verifier + RM (weight 0.5, clip 2)",
+        "verifier": "verifier alone",
+        "rm_noclip": "verifier + RM (weight 0.5, no clip)",
+    }
     for ax, (key, title) in zip(axes, keys):
-        for arm in ("verifier", "rm"):
+        for arm in ARMS:
             for i, (_seed, arms) in enumerate(sorted(seeds.items())):
                 if arm not in arms:
                     continue
@@ -146,7 +154,7 @@ def _table(seeds: dict) -> list[str]:
         "|---|---|---|---|---|---|---|---|---|",
     ]
     for seed, arms in sorted(seeds.items()):
-        for arm in ("verifier", "rm"):
+        for arm in ARMS:
             if arm not in arms:
                 continue
             r = arms[arm]
@@ -172,8 +180,10 @@ def main() -> None:
     args.out.with_suffix(".json").write_text(json.dumps(seeds, indent=1, sort_keys=True))
     _plot(seeds, args.out.with_suffix(".png"))
     agg = {}
-    for arm in ("verifier", "rm"):
+    for arm in ARMS:
         runs = [a[arm] for a in seeds.values() if arm in a]
+        if not runs:
+            continue
         agg[arm] = {
             "n": len(runs),
             "rl_acc": _ms([r["rl"]["accuracy"] for r in runs]),

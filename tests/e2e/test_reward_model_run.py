@@ -1,7 +1,8 @@
 """`laminar run reward=reward_model` through the real CLI on the micro model: the preferences and
 reward_model stages run, the comparisons land in the catalog, summary.json names the reward model's
 held-out accuracy beside its baselines, RL scores with it, and `laminar lineage` of the RL checkpoint
-reaches the reward model and the comparisons' source hash. About 50 s on 2 cores: marked slow."""
+reaches the reward model and the comparisons' source hash; `laminar eval` scores with the workspace's
+reward model. About 90 s on 2 cores: marked slow."""
 
 from __future__ import annotations
 
@@ -45,3 +46,6 @@ def test_reward_model_run_end_to_end(tmp_path):
     assert f"input reward_model: model {rm_sha[:16]} (from reward_model)" in out
     source = s["stages"]["preferences"]["metrics"]["source_sha256"]["simulated_annotators"]
     assert f"preferences: source simulated_annotators sha256 {source}" in out
+    ev = laminar("eval", f"ckpt={s['checkpoints']['rl'][:12]}", *TINY_CURATED, "reward=reward_model", ws=ws)
+    assert f"scoring with reward model {rm_sha[:12]}" in ev.stdout
+    assert "arith_heldout best of 2 reranked by the reward model" in ev.stdout
