@@ -22,8 +22,19 @@ ModelKind = Literal["tiny", "hf"]
 DataSource = Literal["arith", "files"]
 SourceFormat = Literal["auto", "jsonl", "json", "parquet", "hf", "verl", "code"]
 Verifiability = Literal["short_form", "off"]
-RewardName = Literal["math_verify", "cosine_length", "repetition", "overlong", "format", "code_tests"]
+RewardName = Literal[
+    "math_verify",
+    "cosine_length",
+    "repetition",
+    "overlong",
+    "format",
+    "code_tests",
+    "reward_model",
+    "ends_with",
+]
 CodeTestsScore = Literal["pass_fraction", "all_pass"]
+RewardModelNormalize = Literal["fixed", "none"]
+Rubric = Literal["full_stop"]
 DartStrategy = Literal["prop2diff", "uniform", "vanilla"]
 SelectStrategy = Literal["hive", "uniform"]
 SelectHistory = Literal["run", "workspace"]
@@ -176,6 +187,11 @@ class DataConfig:
     """Per-step chance that a warm-up demonstration's result is off by 1-2 (an imperfect teacher);
     gold solutions and answers stay exact. RL with the verifier is what corrects the slips."""
     demo_restate_rate: Annotated[float, Fraction] = 0.0
+    demo_full_stop_rate: Annotated[float, Fraction] = 0.0
+    """Style, not content: this share of the warm-up demonstrations (drawn by their own generator)
+    end their final line with a full stop (``#### 7.``), which the verifier strips. ``reward=reward_model``
+    sets 0.5 so the warm-up model writes both styles, and the simulated annotators' rubric (a full
+    stop; docs/reward_models.md) has something to prefer. 0 keeps the demonstrations as they are."""
     """Rambling demonstrations: after each step the running total is restated ("so the total is 12")
     a geometric number of times (each further one with this probability, at most 3). Pure length and
     repetition, no information: the task where length shaping has something to do
@@ -673,6 +689,25 @@ class CodeTestsParams:
     """Wall-clock limit of one response's run (its program and all its tests)."""
 
 
+@dataclass(frozen=True)
+class EndsWithParams:
+    """1 when the response (trailing whitespace stripped) ends with ``suffix``, else 0: a style check,
+    e.g. at weight 0 beside a learned reward model, to watch a rubric it was trained on."""
+
+    suffix: str = "."
+
+
+@dataclass(frozen=True)
+class RewardModelParams:
+    """The learned reward model (docs/reward_models.md): the reward_model stage's checkpoint scores
+    prompt and response; ``normalize=fixed`` standardises its raw score with the mean and standard
+    deviation it had on the held-out comparisons' responses (``none``: the raw score); ``clip``
+    bounds the result to ``[-clip, clip]`` (null: no bound)."""
+
+    normalize: Annotated[str, RewardModelNormalize] = "fixed"
+    clip: Annotated[float | None, Positive] = None
+
+
 REWARD_PARAMS: dict[str, type] = {
     "math_verify": FormatParams,  # no parameters: the timeout is eval.verifier_timeout_s
     "cosine_length": CosineLengthParams,
@@ -680,6 +715,8 @@ REWARD_PARAMS: dict[str, type] = {
     "overlong": OverlongParams,
     "format": FormatParams,
     "code_tests": CodeTestsParams,
+    "reward_model": RewardModelParams,
+    "ends_with": EndsWithParams,
 }
 """Component name -> its parameters' schema (every field of it may appear in the component's spec)."""
 
@@ -702,6 +739,9 @@ class RewardComponentConfig:
     cache_len: Annotated[int | None, Positive] = None
     score: Annotated[str | None, CodeTestsScore] = None
     timeout_s: Annotated[float | None, Positive] = None
+    normalize: Annotated[str | None, RewardModelNormalize] = None
+    clip: Annotated[float | None, Positive] = None
+    suffix: str | None = None
 
     def given(self) -> dict[str, Any]:
         """The parameters this spec sets (its non-None fields besides name and weight)."""
@@ -724,6 +764,39 @@ class RewardConfig:
     ``reward=verifier`` (the default: the verifier alone), ``reward=long_cot``."""
 
     components: list[RewardComponentConfig] = field(default_factory=lambda: [RewardComponentConfig()])
+
+    def uses_reward_model(self) -> bool:
+        """Whether a component is the learned reward model (the preferences and reward_model stages run)."""
+        return any(c.name == "reward_model" for c in self.components)
+
+
+@dataclass
+class RewardModelConfig:
+    """The ``preferences`` and ``reward_model`` stages, which run when ``reward.components`` names
+    ``reward_model`` (``reward=reward_model``; docs/reward_models.md). ``preferences``: the warm-up
+    model samples ``samples`` responses to each of ``prompts`` pool prompts; ``annotators`` simulated
+    annotators rate each 1-5 by ``rubric`` (``full_stop``: the final answer ends with a full stop,
+    which the verifier strips), each judging against the rubric with probability ``flip`` (their
+    disagreement); pairs come from rating differences. ``reward_model``: a Bradley-Terry model with one
+    label, initialised from ``backbone`` (``warmup``: the warm-up model; else a local save_pretrained
+    folder with the policy's tokenizer), trained ``steps`` steps, ``heldout_share`` of the prompts held
+    out; ``path``: a sequence-classification checkpoint to use instead of training one (it is
+    measured on the comparisons all the same)."""
+
+    prompts: Annotated[int, Positive] = 200
+    samples: Annotated[int, Positive] = 4
+    temperature: Annotated[float, Positive] = 1.0
+    max_new_tokens: Annotated[int, Positive] = 64
+    annotators: Annotated[int, Positive] = 3
+    flip: Annotated[float, Fraction] = 0.15
+    rubric: Annotated[str, Rubric] = "full_stop"
+    backbone: str = "warmup"
+    path: str | None = None
+    steps: Annotated[int, NonNegative] = 200
+    batch_size: Annotated[int, Positive] = 16
+    lr: Annotated[float, Positive] = 1e-3
+    heldout_share: Annotated[float, Fraction] = 0.2
+    max_len: Annotated[int, Positive] = 160
 
 
 @dataclass
@@ -800,6 +873,7 @@ class Config:
     rollout: RolloutConfig = field(default_factory=RolloutConfig)
     tracking: TrackingConfig = field(default_factory=TrackingConfig)
     reward: RewardConfig = field(default_factory=RewardConfig)
+    reward_model: RewardModelConfig = field(default_factory=RewardModelConfig)
     sandbox: SandboxConfig = field(default_factory=SandboxConfig)
     env: EnvConfig = field(default_factory=EnvConfig)
 
@@ -1178,6 +1252,11 @@ def _validate_reward(cfg: Config) -> None:
                     f"reward.components[{i}].cache_len={p.cache_len} must be below the length limit "
                     f"{limit} (max_len, else rl.max_new_tokens)"
                 )
+    if "reward_model" in names and cfg.reward_model.path is None and cfg.reward_model.heldout_share <= 0:
+        raise ConfigError(
+            "reward_model.heldout_share=0 leaves no held-out comparisons to measure the reward model and "
+            "its normalisation on; set reward_model.heldout_share to a share such as 0.2"
+        )
     if cfg.rl.overlong_shaping is not None and "overlong" in names:
         raise ConfigError(
             "rl.overlong_shaping and an overlong item in reward.components both set DAPO's soft overlong "

@@ -137,6 +137,16 @@ CREATE TABLE IF NOT EXISTS metrics (
     cache_key VARCHAR, stage VARCHAR, step BIGINT, name VARCHAR, value DOUBLE,
     PRIMARY KEY (cache_key, stage, step, name)
 );
+-- preference comparisons (data_curation.preferences) and the preference rows quarantined, by artifact
+CREATE TABLE IF NOT EXISTS comparisons (
+    artifact_sha VARCHAR, comparison_id VARCHAR, prompt VARCHAR, chosen VARCHAR, rejected VARCHAR,
+    margin DOUBLE, annotator VARCHAR, source VARCHAR,
+    PRIMARY KEY (artifact_sha, comparison_id)
+);
+CREATE TABLE IF NOT EXISTS preference_quarantine (
+    artifact_sha VARCHAR, source VARCHAR, source_row BIGINT, reason VARCHAR,
+    PRIMARY KEY (artifact_sha, source, source_row)
+);
 -- the reward an RL checkpoint trained under: one row per component (docs/rewards.md)
 CREATE TABLE IF NOT EXISTS reward_components (
     checkpoint_sha VARCHAR, position INTEGER, component VARCHAR, weight DOUBLE, correctness BOOLEAN,

@@ -112,13 +112,15 @@ def generate(
     levels: list[int],
     demo_error_rate: float = 0.0,
     demo_restate_rate: float = 0.0,
+    demo_full_stop_rate: float = 0.0,
 ) -> tuple[list[Problem], list[Problem]]:
     """(pool, heldout): disjoint, levels balanced round-robin, deterministic from ``seed``. The
-    problems do not depend on ``demo_error_rate`` or ``demo_restate_rate``, nor the slips on the
-    restatements (each draws from its own generator)."""
+    problems do not depend on ``demo_error_rate``, ``demo_restate_rate`` or ``demo_full_stop_rate``,
+    nor each of these on the others (each draws from its own generator)."""
     rng = random.Random(f"arith:{seed}")
     slip = random.Random(f"arith-demo:{seed}")
     restate = random.Random(f"arith-restate:{seed}")
+    full_stop = random.Random(f"arith-full-stop:{seed}")
     seen: set[str] = set()
 
     def draw(n: int, split: str) -> list[Problem]:
@@ -146,6 +148,8 @@ def generate(
             text = problem_text(expr)
             solution = _solve(operands, ops)
             demonstration = _solve(operands, ops, slip, demo_error_rate, restate, demo_restate_rate)
+            if demo_full_stop_rate > 0 and full_stop.random() < demo_full_stop_rate:
+                demonstration += "."
             answer = solution.rsplit("#### ", 1)[1]
             out.append(Problem(prompt_id(text), text, solution, answer, level, split, demonstration))
         return out
@@ -168,6 +172,7 @@ def write_dataset(
     levels: list[int],
     demo_error_rate: float = 0.0,
     demo_restate_rate: float = 0.0,
+    demo_full_stop_rate: float = 0.0,
 ) -> dict[str, float]:
     """Write ``pool.parquet`` and ``heldout.parquet`` (columns: prompt_id, problem, solution, answer,
     level, split, demonstration) into ``out_dir``; returns counts."""
@@ -176,7 +181,9 @@ def write_dataset(
 
     import polars as pl
 
-    pool, heldout = generate(seed, pool_size, heldout_size, levels, demo_error_rate, demo_restate_rate)
+    pool, heldout = generate(
+        seed, pool_size, heldout_size, levels, demo_error_rate, demo_restate_rate, demo_full_stop_rate
+    )
     for name, rows in (("pool", pool), ("heldout", heldout)):
         pl.DataFrame([asdict(p) for p in rows]).write_parquet(Path(out_dir) / f"{name}.parquet")
     return {"pool_prompts": float(len(pool)), "heldout_prompts": float(len(heldout))}

@@ -13,10 +13,10 @@ import torch
 
 from evaluation.benchmarks import BenchmarkItem, build_prompt
 from evaluation.code_benchmarks import CODE_TEMPLATES, code_verdicts
-from evaluation.metrics import shaping_metrics, summarize
+from evaluation.metrics import reranked_accuracy, shaping_metrics, summarize
 from conf.schema import RewardComponentConfig
 from rewards.components import Sample
-from rewards.compose import MATH_VERIFY, build_component, safe_scores
+from rewards.compose import MATH_VERIFY, REWARD_MODEL, build_component, safe_scores
 from rewards.verifier import Verifier
 from generation.model import encode_prompt
 from generation.engine import Engine
@@ -64,6 +64,7 @@ def evaluate_items(
     progress=None,
     env=None,
     score_with: Mapping[str, Sequence[str]] | None = None,
+    components: Sequence = (),
 ) -> list[EvalRow]:
     """One row per (item, sample). ``templates`` maps a benchmark to its prompt template
     (None = the registry default). Prompts longer than the model's context are still sampled (a
@@ -71,7 +72,8 @@ def evaluate_items(
     (``conf.schema.EnvConfig``): a multi-turn environment samples whole episodes (None or single_turn:
     one response per request, as always). ``score_with``: benchmark -> the reward components that
     score it (a file benchmark's ``score_with``); the correctness verdict is always the verifier's
-    (or a code benchmark's tests), each other component's score is kept per row (``EvalRow.terms``)."""
+    (or a code benchmark's tests), each other component's score is kept per row (``EvalRow.terms``).
+    ``components``: built reward components that score every benchmark (the learned reward model)."""
     engine = Engine(model, tokenizer, device=device, batch_size=batch_size)
     prompts = [
         PromptItem(
@@ -94,7 +96,7 @@ def evaluate_items(
     else:
         trajectories = engine.generate(requests, max_new_tokens, temperature, generator, progress=progress)
     verdicts = _verdicts([items[i // n_samples] for i in range(len(trajectories))], trajectories, verifier)
-    terms = _terms(items, n_samples, trajectories, verdicts, score_with or {}, max_new_tokens)
+    terms = _terms(items, n_samples, trajectories, verdicts, score_with or {}, max_new_tokens, components)
     rows = []
     for i, (req, traj, v) in enumerate(zip(requests, trajectories, verdicts)):
         item = items[i // n_samples]  # requests are item-major; ids may repeat across benchmarks
@@ -121,13 +123,17 @@ def evaluate_items(
     return rows
 
 
-def _terms(items, n_samples, trajectories, verdicts, score_with, max_new_tokens) -> list[tuple]:
+def _terms(
+    items, n_samples, trajectories, verdicts, score_with, max_new_tokens, components=()
+) -> list[tuple]:
     """Per trajectory, (name, score, failed) for each component of its benchmark's ``score_with``
-    other than ``math_verify``, scored a benchmark at a time (``rewards.compose.safe_scores``: a
-    component that raises gives its fallback score, counted)."""
+    other than ``math_verify``, then each of ``components`` (built, scoring every benchmark), scored a
+    benchmark at a time (``rewards.compose.safe_scores``: a component that raises gives its fallback
+    score, counted)."""
     out: list[tuple] = [() for _ in trajectories]
-    for bench, names in score_with.items():
-        shaping = [n for n in names if n != MATH_VERIFY]
+    for bench in dict.fromkeys([*score_with, *(it.benchmark for it in items)]):
+        named = [n for n in score_with.get(bench, ()) if n != MATH_VERIFY]
+        shaping = [build_component(RewardComponentConfig(name=n)) for n in named] + list(components)
         idx = [i for i in range(len(trajectories)) if items[i // n_samples].benchmark == bench]
         if not shaping or not idx:
             continue
@@ -137,14 +143,15 @@ def _terms(items, n_samples, trajectories, verdicts, score_with, max_new_tokens)
                 answer=trajectories[i].prompt.answer or "",
                 n_tokens=len(trajectories[i].response_tokens),
                 max_tokens=max_new_tokens,
+                prompt=items[i // n_samples].problem,
             )
             for i in idx
         ]
         correct = [verdicts[i].correct for i in idx]
-        for name in shaping:
-            scores, failed = safe_scores(build_component(RewardComponentConfig(name=name)), samples, correct)
+        for component in shaping:
+            scores, failed = safe_scores(component, samples, correct)
             for i, x, f in zip(idx, scores, failed):
-                out[i] = (*out[i], (name, x, f))
+                out[i] = (*out[i], (component.name, x, f))
     return out
 
 
@@ -218,6 +225,8 @@ def summarize_rows(
             scored = [t for r in subset for t in r["terms"] if t[0] == name]
             out[bench][f"reward/{name}"] = sum(t[1] for t in scored) / len(scored)
             out[bench][f"reward_errors/{name}"] = sum(1 for t in scored if t[2])
+        if any(t[0] == REWARD_MODEL for r in subset for t in r["terms"]):
+            out[bench][f"rm_best@{n_samples}"] = reranked_accuracy(subset, REWARD_MODEL)
         if any(r["turns"] != 1 or r["tool_calls"] for r in subset):  # multi-turn episodes (env)
             n = len(subset)
             out[bench]["tool_calls_per_episode"] = sum(r["tool_calls"] for r in subset) / n

@@ -133,6 +133,22 @@ def summarize(rows: Sequence[Any], n_samples: int, ks: Sequence[int] | None = No
     return summary
 
 
+def reranked_accuracy(rows: Sequence[dict], component: str) -> float:
+    """Best-of-n reranked by a scorer: per problem, whether the sample ``component`` scored highest
+    (its ``terms`` entry; the lowest ``sample_idx`` among ties) is correct, averaged over problems.
+    Problems with no sample the scorer scored are left out."""
+    best: dict[str, tuple[float, int, bool]] = {}
+    for r in rows:
+        score = next((t[1] for t in r["terms"] if t[0] == component), None)
+        if score is None:
+            continue
+        cand = (score, -int(r["sample_idx"]), bool(r["correct"]))
+        pid = str(r["problem_id"])
+        if pid not in best or cand[:2] > best[pid][:2]:
+            best[pid] = cand
+    return _mean(float(c) for _, _, c in best.values()) if best else float("nan")
+
+
 REPEAT_NGRAM = 3
 """The n of ``repeated_ngram_rate`` in evaluation reports (the ``repetition`` component's default)."""
 

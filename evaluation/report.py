@@ -204,6 +204,12 @@ def format_eval_table(summaries: Mapping[str, Mapping[str, Any]]) -> str:
                 for name, value in terms.items()
             )
             lines.append(f"{bench} reward terms (mean): {parts}")
+        n = s.get("n_samples")
+        if f"rm_best@{n}" in s:  # the learned reward model's pick of the n samples
+            lines.append(
+                f"{bench} best of {n} reranked by the reward model {s[f'rm_best@{n}']:.3f}  "
+                f"(maj@{n} {s[f'maj@{n}']:.3f}, avg@{n} {s[f'avg@{n}']:.3f})"
+            )
     return "\n".join(lines)
 
 

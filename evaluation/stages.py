@@ -97,9 +97,12 @@ def evaluate_checkpoint(
     out_dir: Path,
     files: Mapping[str, FileBenchmark] = NO_FILES,
     env=None,
+    components=(),
 ) -> dict:
     """Writes ``rows.parquet`` (one row per problem and sample) and ``summary.json``; returns the
-    summary. ``files``: the file benchmarks of ``cfg``, read (each with its own template)."""
+    summary. ``files``: the file benchmarks of ``cfg``, read (each with its own template);
+    ``components``: built reward components that score every benchmark (the learned reward model:
+    its mean as ``reward/reward_model`` and best-of-n reranked by it as ``rm_best@n``)."""
     import polars as pl
 
     from generation.model import load_model
@@ -128,6 +131,7 @@ def evaluate_checkpoint(
             progress=bar,
             env=env,
             score_with={name: f.score_with for name, f in files.items()},
+            components=components,
         )
     summary = summarize_rows(rows, cfg.n_samples, model_context(model), totals)
     pl.DataFrame(

@@ -208,11 +208,13 @@ def _pipeline(**kwargs):
     return laminar_pipeline(**kwargs)
 
 
-def _execute(overrides: list[str], workspace: str, selection) -> int:
+def _execute(overrides: list[str], workspace: str, **selection_kw) -> int:
+    """``selection_kw``: ``tasks.dag.select``'s ``until``/``force``/``rerun``, over the config's graph."""
     from core.workspace import Workspace, WorkspaceBusy
     from tasks.runner import command_line, run_pipeline
 
     cfg = _load(overrides, preflight=True)
+    selection = _selection(cfg=cfg, **selection_kw)
     try:
         run_pipeline(
             cfg,
@@ -229,11 +231,11 @@ def _execute(overrides: list[str], workspace: str, selection) -> int:
 
 
 def cmd_run(args) -> int:
-    return _execute(args.overrides, args.workspace, _selection(until=args.until, force=args.force))
+    return _execute(args.overrides, args.workspace, until=args.until, force=args.force)
 
 
 def cmd_rerun(args) -> int:
-    return _execute(args.overrides, args.workspace, _selection(rerun=args.stage))
+    return _execute(args.overrides, args.workspace, rerun=args.stage)
 
 
 def _split_ckpt(overrides: list[str]) -> tuple[str, list[str]]:
@@ -374,8 +376,8 @@ def cmd_serve(args) -> int:
     from tasks.runner import command_line
     from tasks.serving import ServeError, auth_file, prefect_api, served_parameters
 
-    _load(args.overrides, preflight=True)
-    selection = _selection(until=args.until, force=args.force)
+    cfg = _load(args.overrides, preflight=True)
+    selection = _selection(cfg=cfg, until=args.until, force=args.force)
     ws = Workspace.at(args.workspace)
     name = args.name or f"laminar-{ws.root.name}"
     try:

@@ -50,7 +50,7 @@ def laminar_run(overrides: list[str] | None = None, workspace: str | None = None
         Workspace.at(served.workspace),
         laminar_pipeline,
         overrides=served.overrides,
-        selection=select(until=served.until, force=served.force),
+        selection=select(until=served.until, force=served.force, cfg=served.cfg),
         command=served.command,
         flow_run_id=str(runtime.flow_run.id),
     )

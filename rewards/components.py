@@ -11,7 +11,7 @@ import math
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-from conf.schema import CosineLengthParams, FormatParams, OverlongParams, RepetitionParams
+from conf.schema import CosineLengthParams, EndsWithParams, FormatParams, OverlongParams, RepetitionParams
 from rewards.verifier import extract_answer, normalize_answer
 
 
@@ -19,12 +19,13 @@ from rewards.verifier import extract_answer, normalize_answer
 class Sample:
     """One response to score: its text, the gold answer, its length in tokens and the generation limit
     it was sampled under (``max_tokens``: the default length limit of ``cosine_length`` and
-    ``overlong``)."""
+    ``overlong``); ``prompt``: the problem it answers (the learned reward model reads it; "" unknown)."""
 
     text: str
     answer: str
     n_tokens: int
     max_tokens: int
+    prompt: str = ""
 
 
 def _limit(max_len: int | None, sample: Sample) -> int:
@@ -118,11 +119,25 @@ class Format:
         return out
 
 
+@dataclass(frozen=True)
+class EndsWith:
+    """1 when the response, trailing whitespace stripped, ends with ``suffix``, else 0."""
+
+    params: EndsWithParams
+    name: str = "ends_with"
+    correctness: bool = False
+    fallback: float = 0.0
+
+    def score(self, samples: Sequence[Sample], correct: Sequence[bool]) -> list[float]:
+        return [1.0 if s.text.rstrip().endswith(self.params.suffix) else 0.0 for s in samples]
+
+
 SHAPING = {
     "cosine_length": (CosineLength, CosineLengthParams),
     "repetition": (Repetition, RepetitionParams),
     "overlong": (Overlong, OverlongParams),
     "format": (Format, FormatParams),
+    "ends_with": (EndsWith, EndsWithParams),
 }
 """Shaping component name -> (its class, its parameters' schema). ``math_verify`` is built by
 ``rewards.compose.Reward`` around the verifier."""

@@ -11,9 +11,11 @@ from dataclasses import asdict, dataclass, field
 
 from conf.schema import RewardComponentConfig, RewardConfig
 from rewards.components import SHAPING, Sample
+from rewards.reward_model import RewardModelComponent
 from rewards.verifier import Verdict, Verifier
 
 MATH_VERIFY = "math_verify"
+REWARD_MODEL = "reward_model"
 
 
 @dataclass(frozen=True)
@@ -85,11 +87,15 @@ class Reward:
         self.correctness = (MATH_VERIFY,)
 
     @classmethod
-    def of(cls, verifier, cfg: RewardConfig | None = None) -> Reward:
-        """The reward ``cfg`` composes (None: the verifier alone) over ``verifier``."""
+    def of(
+        cls, verifier, cfg: RewardConfig | None = None, reward_model: str | None = None, template: str = ""
+    ) -> Reward:
+        """The reward ``cfg`` composes (None: the verifier alone) over ``verifier``; a ``reward_model``
+        component scores with the checkpoint folder ``reward_model`` (None: it describes itself only)
+        and reads prompts put in ``template``."""
         specs = cfg.components if cfg is not None else [RewardComponentConfig(name=MATH_VERIFY)]
         weights = {s.name: float(s.weight) for s in specs}
-        shaping = [build_component(s) for s in specs if s.name != MATH_VERIFY]
+        shaping = [build_component(s, reward_model, template) for s in specs if s.name != MATH_VERIFY]
         return cls(verifier, weights, shaping)
 
     @property
@@ -144,8 +150,11 @@ def register_component(name: str, params_cls: type, factory: Callable) -> None:
     _registered[name] = (params_cls, factory)
 
 
-def build_component(spec: RewardComponentConfig):
-    """A shaping component from its validated spec (``RewardComponentConfig.params()``)."""
+def build_component(spec: RewardComponentConfig, reward_model: str | None = None, template: str = ""):
+    """A shaping component from its validated spec (``RewardComponentConfig.params()``); the learned
+    reward model's over the checkpoint folder ``reward_model``, reading prompts put in ``template``."""
+    if spec.name == REWARD_MODEL:
+        return RewardModelComponent(spec.params(), reward_model, template or "{problem}")
     if spec.name in SHAPING:
         cls, _ = SHAPING[spec.name]
         return cls(spec.params())

@@ -85,3 +85,61 @@ class RewardModelScorer:
         if self.clip is not None:
             z = [max(-self.clip, min(self.clip, x)) for x in z]
         return z
+
+
+STATS_FILE = "reward_stats.json"
+"""Beside the reward model's weights: ``{"mean": m, "std": s}`` of its raw scores on the held-out
+comparisons' responses (the reward_model stage writes it): the fixed statistics of ``normalize=fixed``."""
+
+
+def rm_text(template: str, problem: str, response: str) -> str:
+    """What the reward model reads: the prompt as the policy read it (``template`` with ``{problem}``
+    replaced), then the response."""
+    return template.replace("{problem}", problem) + response
+
+
+class RewardModelUnavailable(RuntimeError):
+    """A ``reward_model`` component asked to score with no checkpoint to score with."""
+
+
+@dataclass
+class RewardModelComponent:
+    """The ``reward_model`` item of ``reward.components``: ``params`` (``conf.schema.RewardModelParams``)
+    over the checkpoint at ``path`` (the reward_model stage's artifact), loaded on the first score;
+    reads ``rm_text(template, sample.prompt, sample.text)``. With no ``path`` it only describes itself
+    (the RL cache key's reward spec) and refuses to score."""
+
+    params: object
+    path: str | None = None
+    template: str = "{problem}"
+    name: str = "reward_model"
+    correctness: bool = False
+    fallback: float = 0.0
+    _scorer: RewardModelScorer | None = None
+
+    def scorer(self) -> RewardModelScorer:
+        if self._scorer is None:
+            if self.path is None:
+                raise RewardModelUnavailable(
+                    "the reward_model component has no checkpoint: run the reward_model stage "
+                    "(laminar run reward=reward_model) or pass reward_model.path"
+                )
+            model, tok = load_sequence_classifier(self.path)
+            mean, std = 0.0, 1.0
+            stats = Path(self.path) / STATS_FILE
+            if self.params.normalize == "fixed" and stats.is_file():
+                s = json.loads(stats.read_text())
+                mean, std = float(s["mean"]), float(s["std"]) or 1.0
+            self._scorer = RewardModelScorer(model, tok, mean=mean, std=std, clip=self.params.clip)
+        return self._scorer
+
+    def raw(self, samples: Sequence[Sample]) -> list[float]:
+        """Unnormalised, unclipped scores."""
+        return self.scorer().raw([rm_text(self.template, s.prompt, s.text) for s in samples])
+
+    def score(self, samples: Sequence[Sample], correct: Sequence[bool]) -> list[float]:
+        scorer = self.scorer()
+        texts = [rm_text(self.template, s.prompt, s.text) for s in samples]
+        return scorer.score(
+            [Sample(t, s.answer, s.n_tokens, s.max_tokens) for t, s in zip(texts, samples)], correct
+        )

@@ -16,6 +16,7 @@ from tasks.records import StageContext, StageResult
 
 MODEL, DATASET, EVAL = "model", "dataset", "eval"
 PROMPTS, ATTEMPTS, RFT_DATA, SELECTION = "prompts", "attempts", "rft_data", "selection"
+COMPARISONS, REWARD_MODEL = "comparisons", "reward_model"
 
 
 def _produce(
@@ -65,6 +66,7 @@ def data_body(ctx: StageContext) -> StageResult:
                 levels=list(d.levels),
                 demo_error_rate=d.demo_error_rate,
                 demo_restate_rate=d.demo_restate_rate,
+                demo_full_stop_rate=d.demo_full_stop_rate,
             )
             specs.append(dict(ARITH_SOURCE))
         specs += snapshot_sources(d.sources, out)
@@ -293,6 +295,96 @@ def rft_body(ctx: StageContext) -> StageResult:
     return StageResult({MODEL: ref}, metrics)
 
 
+def preferences_body(ctx: StageContext) -> StageResult:
+    """Simulated annotators rate the warm-up model's sampled responses; comparisons ingested."""
+    from data_curation.annotators import sample_groups, simulated_preferences
+    from evaluation.stages import HELDOUT, load_items
+    from generation.setup import setup_torch
+
+    setup_torch(ctx.cfg.threads, ctx.cfg.seed)
+    c = ctx.cfg.reward_model
+    data = Path(ctx.inputs[DATASET].path)
+    names = [b for b in decontam_benchmarks(ctx.cfg) if b != HELDOUT or (data / "heldout.parquet").exists()]
+    files = file_benchmarks(ctx.cfg)
+    items = [it for b in names for it in load_items(b, data, files)]
+
+    def run(out: Path) -> dict:
+        groups = sample_groups(
+            Path(ctx.inputs[MODEL].path),
+            ctx.inputs[PROMPTS].file("prompts.parquet"),
+            prompts=c.prompts,
+            samples=c.samples,
+            temperature=c.temperature,
+            max_new_tokens=c.max_new_tokens,
+            template=template(ctx.cfg),
+            seed=ctx.cfg.seed,
+            device=ctx.device,
+        )
+        return simulated_preferences(
+            groups,
+            out,
+            rubric=c.rubric,
+            annotators=c.annotators,
+            flip=c.flip,
+            seed=ctx.cfg.seed,
+            benchmark_items=items,
+            ngram=ctx.cfg.curation.decontam.ngram,
+            min_coverage=ctx.cfg.curation.decontam.min_coverage,
+            paraphrase=paraphrase_params(ctx.cfg),
+        )
+
+    ref, metrics = _produce(ctx, COMPARISONS, run)
+    return StageResult({COMPARISONS: ref}, metrics)
+
+
+def reward_model_body(ctx: StageContext) -> StageResult:
+    """A Bradley-Terry reward model trained on the comparisons (or ``reward_model.path`` measured on
+    them), with the baselines and the annotators' agreement (the ceiling) in its metrics."""
+    import pyarrow.parquet as pq
+
+    from data_curation.preferences import agreement
+    from generation.setup import setup_torch
+    from training import reward_model as rm
+
+    setup_torch(ctx.cfg.threads, ctx.cfg.seed)
+    c = ctx.cfg.reward_model
+    comparisons = pq.read_table(ctx.inputs[COMPARISONS].file("comparisons.parquet")).to_pylist()
+    warmup = Path(ctx.inputs[MODEL].path)
+
+    def run(out: Path) -> dict:
+        if c.path is not None:
+            model, tok = rm.load_backbone(Path(c.path).expanduser())
+            held, metrics = comparisons, {"train_comparisons": 0.0}
+        else:
+            backbone = warmup if c.backbone == "warmup" else Path(c.backbone).expanduser()
+            model, tok = rm.load_backbone(backbone)
+            held, train = rm.split_by_prompt(comparisons, c.heldout_share, ctx.cfg.seed)
+            losses = rm.fit(
+                model,
+                tok,
+                train,
+                steps=c.steps,
+                batch_size=c.batch_size,
+                lr=c.lr,
+                max_len=c.max_len,
+                seed=ctx.cfg.seed,
+            )
+            metrics = {"train_comparisons": float(len(train))}
+            if losses:
+                metrics.update(rm_loss_first=losses[0], rm_loss_last=losses[-1])
+        measured, stats = rm.measure(model, tok, held, c.max_len)
+        rm.save(model, tok, out, stats)
+        metrics.update(measured)
+        metrics["baseline_policy_logprob_accuracy"] = rm.policy_logprob_baseline(warmup, held, c.max_len)
+        ceiling = agreement(held)
+        if "agreement" in ceiling:
+            metrics["agreement_ceiling"] = ceiling["agreement"]
+        return metrics
+
+    ref, metrics = _produce(ctx, MODEL, run)
+    return StageResult({MODEL: ref}, metrics)
+
+
 def workspace_history(catalog: Catalog | None) -> Any:
     """Every RL group reward in the workspace's catalog, in the order it was recorded."""
     import polars as pl
@@ -397,6 +489,9 @@ def rl_body(ctx: StageContext) -> StageResult:
     setup_torch(ctx.cfg.threads, ctx.cfg.seed)
     meta: dict = {}
     data = Path(ctx.inputs[DATASET].path)
+    rm_ref = ctx.inputs.get(REWARD_MODEL)
+    if ctx.cfg.reward.uses_reward_model() and rm_ref is None:
+        raise ValueError("reward.components names reward_model but no reward_model stage ran before rl")
 
     def run(out: Path) -> dict:
         with Verifier(timeout_s=ctx.cfg.eval.verifier_timeout_s) as verifier:
@@ -423,7 +518,9 @@ def rl_body(ctx: StageContext) -> StageResult:
                 seed=ctx.cfg.seed,
                 device=ctx.device,
                 out_dir=out,
-                reward=Reward.of(verifier, ctx.cfg.reward),
+                reward=Reward.of(
+                    verifier, ctx.cfg.reward, rm_ref.path if rm_ref else None, template(ctx.cfg)
+                ),
                 select=ctx.cfg.curation.select,
                 history_path=sel.file("history.parquet"),
                 evaluate=evaluate,
@@ -497,6 +594,7 @@ def eval_body(ctx: StageContext) -> StageResult:
     data = ctx.inputs.get(DATASET)  # absent for `laminar eval` when no data artifact exists
     certificates: dict = {}
     files = file_benchmarks(ctx.cfg)
+    components = reward_model_components(ctx)
 
     def run(out: Path) -> dict:
         summary = evaluate_checkpoint(
@@ -509,6 +607,7 @@ def eval_body(ctx: StageContext) -> StageResult:
             out_dir=out,
             files=files,
             env=ctx.cfg.env,
+            components=components,
         )
         query = ctx.catalog.query if ctx.catalog is not None else _no_catalog
         certificates.update(
@@ -531,6 +630,19 @@ def eval_body(ctx: StageContext) -> StageResult:
     )
 
 
+def reward_model_components(ctx: StageContext) -> list:
+    """The learned reward model as an evaluation scorer, built like RL's ``reward_model`` component
+    (its normalisation and clip), when the stage reads a reward model; else none."""
+    from rewards.compose import REWARD_MODEL as NAME
+    from rewards.compose import build_component
+
+    ref = ctx.inputs.get(REWARD_MODEL)
+    if ref is None:
+        return []
+    spec = next(c for c in ctx.cfg.reward.components if c.name == NAME)
+    return [build_component(spec, ref.path, template(ctx.cfg))]
+
+
 def _no_catalog(sql: str, params=()) -> list[dict]:
     """No catalog, no lineage: the checkpoint is of unknown origin."""
     return []
@@ -548,6 +660,7 @@ def eval_metrics(checkpoint: str, summary: dict, n_samples: int, certificates: d
     """A stage result's metrics from an evaluation summary (benchmark -> evaluation.metrics summary),
     with each benchmark's decontamination certificate status when given."""
     avg = f"avg@{n_samples}"
+    rm_keys = ("reward/reward_model", f"rm_best@{n_samples}", f"maj@{n_samples}")  # with a reward model
     certificates = certificates or {}
     return {
         "checkpoint": checkpoint,
@@ -557,6 +670,7 @@ def eval_metrics(checkpoint: str, summary: dict, n_samples: int, certificates: d
                 "mean_length": s["mean_length"],
                 "by_level": {lv: v[avg] for lv, v in s.get("by_level", {}).items()},
                 **{k: s[k] for k in ("n_problems", "problems_total", "too_long", "context") if k in s},
+                **({k: s[k] for k in rm_keys if k in s} if "reward/reward_model" in s else {}),
                 **({"certificate": certificates[b]["status"]} if b in certificates else {}),
             }
             for b, s in summary.items()

@@ -21,7 +21,7 @@ from collections.abc import Callable
 from conf.schema import Config
 from core.artifacts import ArtifactRef, hash_tree, write_json_atomic
 from core.workspace import Workspace
-from tasks.bodies import DATASET, EVAL, MODEL, eval_metrics, read_eval_certificates
+from tasks.bodies import DATASET, EVAL, MODEL, REWARD_MODEL, eval_metrics, read_eval_certificates
 from tasks.dag import EVAL_STAGE, stage_key
 from tasks.records import StageContext, StageOutcome, StageResult
 from tasks.runner import record_outcome, recorded_run
@@ -125,6 +125,19 @@ def latest_dataset(ws: Workspace) -> ArtifactRef | None:
     return None
 
 
+def latest_reward_model(ws: Workspace) -> ArtifactRef | None:
+    """The reward model the workspace's reward_model stage made last (still in the store), or None."""
+    for row in ws.catalog.query(
+        "SELECT a.sha256, a.path FROM checkpoints c JOIN artifacts a ON a.sha256 = c.checkpoint_sha "
+        "WHERE c.stage = 'reward_model' AND a.kind = ? ORDER BY c.created_at DESC",
+        [MODEL],
+    ):
+        ref = ws.artifacts.locate(ArtifactRef(MODEL, row["sha256"], row["path"]))
+        if ws.artifacts.exists(ref):
+            return ref
+    return None
+
+
 def _inputs(
     cfg: Config, ws: Workspace, spec: str, say: Callable[[str], None]
 ) -> tuple[Config, dict[str, ArtifactRef]]:
@@ -144,6 +157,15 @@ def _inputs(
                 )
             say(f"laminar: skipping {HELDOUT}: no dataset artifact in {ws.root}")
             cfg = dataclasses.replace(cfg, eval=dataclasses.replace(cfg.eval, benchmarks=rest))
+    if cfg.reward.uses_reward_model():
+        rm = latest_reward_model(ws)
+        if rm is None:
+            raise EvalInputError(
+                f"reward.components names reward_model and {ws.root} has no reward model; run "
+                "`laminar run reward=reward_model` first, or evaluate without it (reward=verifier)"
+            )
+        say(f"laminar: scoring with reward model {rm.sha256[:12]} (the workspace's latest)")
+        inputs[REWARD_MODEL] = rm
     return cfg, inputs
 
 

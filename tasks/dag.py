@@ -21,9 +21,11 @@ from core.workspace import Workspace
 from tasks import recording
 from tasks.bodies import (
     ATTEMPTS,
+    COMPARISONS,
     DATASET,
     MODEL,
     PROMPTS,
+    REWARD_MODEL,
     RFT_DATA,
     SELECTION,
     base_model_body,
@@ -36,6 +38,8 @@ from tasks.bodies import (
     eval_body,
     history_prompts,
     ingest_body,
+    preferences_body,
+    reward_model_body,
     rft_body,
     rl_body,
     select_body,
@@ -72,7 +76,11 @@ def _select_config(c: Config) -> dict:
 
 
 def data_key(c: Config) -> dict:
-    return asdict(c.data)
+    """``data`` as it is; ``demo_full_stop_rate`` only when set (the default keys stay as they were)."""
+    out = asdict(c.data)
+    if not out["demo_full_stop_rate"]:
+        del out["demo_full_stop_rate"]
+    return out
 
 
 def ingest_key(c: Config) -> dict:
@@ -98,7 +106,13 @@ def warmup_key(c: Config) -> dict:
 
 
 def eval_key(c: Config) -> dict:
-    return {**asdict(c.eval), **_numerics(c), **_env_key(c)}
+    return {**asdict(c.eval), **_numerics(c), **_env_key(c), **_reward_model_key(c)}
+
+
+def _reward_model_key(c: Config) -> dict:
+    """The reward model's scoring settings, for stages that score with it; absent without one."""
+    spec = [s for s in reward_key(c) if s["name"] == "reward_model"]
+    return {"reward_model": spec[0]["params"]} if spec else {}
 
 
 def _env_key(c: Config) -> dict:
@@ -144,6 +158,26 @@ def rft_key(c: Config) -> dict:
     return {**asdict(c.curation.rft), "template": template(c), **_numerics(c), **_lora_key(c, "rft")}
 
 
+def preferences_key(c: Config) -> dict:
+    keys = ("prompts", "samples", "temperature", "max_new_tokens", "annotators", "flip", "rubric")
+    return {
+        **{k: getattr(c.reward_model, k) for k in keys},
+        "template": template(c),
+        "decontam": asdict(c.curation.decontam),
+        "benchmarks": decontam_benchmarks(c),
+        **_numerics(c),
+    }
+
+
+def reward_model_key(c: Config) -> dict:
+    keys = ("backbone", "path", "steps", "batch_size", "lr", "heldout_share", "max_len")
+    return {**{k: getattr(c.reward_model, k) for k in keys}, **_numerics(c)}
+
+
+def uses_reward_model(c: Config) -> bool:
+    return c.reward.uses_reward_model()
+
+
 def select_key(c: Config) -> dict:
     return {**_select_config(c), "min_prompts": c.rl.prompts_per_step}
 
@@ -183,6 +217,18 @@ def model_files(cfg: Config, catalog: Catalog | None = None) -> dict[str, str]:
     from core.artifacts import hash_tree
 
     return {"model.path": hash_tree(Path(cfg.model.path).expanduser())} if cfg.model.kind == "hf" else {}
+
+
+def reward_model_files(cfg: Config, catalog: Catalog | None = None) -> dict[str, str]:
+    """The folders ``reward_model.path`` and a ``reward_model.backbone`` other than the warm-up model."""
+    from core.artifacts import hash_tree
+
+    c, out = cfg.reward_model, {}
+    if c.path is not None:
+        out["reward_model.path"] = hash_tree(Path(c.path).expanduser())
+    if c.backbone != "warmup":
+        out["reward_model.backbone"] = hash_tree(Path(c.backbone).expanduser())
+    return out
 
 
 def _benchmark_hashes(cfg: Config, names: Iterable[str]) -> dict[str, str]:
@@ -278,6 +324,7 @@ def eval_headline(m: dict) -> str:
 
     return "  ".join(
         f"{b} acc {v['accuracy']:.3f}{coverage_note(v, short=True)}"
+        + "".join(f" {k} {v[k]:.3f}" for k in v if k.startswith("rm_best@"))
         + (f" ({v['certificate']})" if v.get("certificate", "clean") != "clean" else "")
         for b, v in m.items()
         if isinstance(v, dict)
@@ -307,6 +354,24 @@ def rft_headline(m: dict) -> str:
         else "  (passed through)"
     )
     return f"{m['rft_examples']:.0f} examples" + loss
+
+
+def preferences_headline(m: dict) -> str:
+    agree = f"  agreement {m['agreement']:.3f}" if "agreement" in m else ""
+    return (
+        f"comparisons {m['comparisons']:.0f}  quarantined {m['quarantined']:.0f}  "
+        f"duplicates {m['duplicates']:.0f}  rubric share {m['rubric_share']:.2f}" + agree
+    )
+
+
+def reward_model_headline(m: dict) -> str:
+    base = (
+        f"longer {m['baseline_longer_wins_accuracy']:.3f}, "
+        f"shorter {m['baseline_shorter_wins_accuracy']:.3f}, "
+        f"policy log-prob {m['baseline_policy_logprob_accuracy']:.3f}"
+    )
+    ceiling = f", ceiling {m['agreement_ceiling']:.3f}" if "agreement_ceiling" in m else ""
+    return f"held-out accuracy {m['rm_heldout_accuracy']:.3f}  ({base}{ceiling})"
 
 
 def select_headline(m: dict) -> str:
@@ -339,7 +404,11 @@ def _eval_stage(name: str, model_stage: str) -> Stage:
     """Held-out and benchmark accuracy of ``model_stage``'s model."""
     return Stage(
         name=name,
-        inputs={MODEL: (model_stage, MODEL), DATASET: ("data", DATASET)},
+        inputs={
+            MODEL: (model_stage, MODEL),
+            DATASET: ("data", DATASET),
+            REWARD_MODEL: ("reward_model", MODEL),
+        },
         config=eval_key,
         modules=_EVAL_MODULES,
         body=eval_body,
@@ -404,6 +473,34 @@ STAGES: tuple[Stage, ...] = (
         record=recording.record_warmup,
         headline=warmup_headline,
     ),
+    # The learned reward model (reward=reward_model): annotators rate the warm-up model's responses.
+    Stage(
+        name="preferences",
+        inputs={MODEL: ("warmup", MODEL), PROMPTS: ("decontaminate", PROMPTS), DATASET: ("data", DATASET)},
+        config=preferences_key,
+        modules=("data_curation.annotators", "data_curation.preferences", *_SAMPLING_MODULES),
+        body=preferences_body,
+        record=recording.record_preferences,
+        headline=preferences_headline,
+        external=decontam_files,
+        when=uses_reward_model,
+    ),
+    Stage(
+        name="reward_model",
+        inputs={MODEL: ("warmup", MODEL), COMPARISONS: ("preferences", COMPARISONS)},
+        config=reward_model_key,
+        modules=(
+            "training.reward_model",
+            "rewards.reward_model",
+            "data_curation.preferences",
+            "generation.setup",
+        ),
+        body=reward_model_body,
+        record=recording.record_reward_model,
+        headline=reward_model_headline,
+        external=reward_model_files,
+        when=uses_reward_model,
+    ),
     _eval_stage("eval_warmup", "warmup"),
     Stage(
         name="difficulty",
@@ -460,7 +557,12 @@ STAGES: tuple[Stage, ...] = (
     ),
     Stage(
         name="rl",
-        inputs={MODEL: ("rft", MODEL), SELECTION: ("select", SELECTION), DATASET: ("data", DATASET)},
+        inputs={
+            MODEL: ("rft", MODEL),
+            SELECTION: ("select", SELECTION),
+            DATASET: ("data", DATASET),
+            REWARD_MODEL: ("reward_model", MODEL),
+        },
         config=rl_key,
         modules=(
             "training.rl.stage",
@@ -473,6 +575,7 @@ STAGES: tuple[Stage, ...] = (
             "rewards.verifier",
             "rewards.components",
             "rewards.compose",
+            "rewards.reward_model",
             "evaluation.stages",
             "training.lora",
             "generation.adapter",
@@ -507,34 +610,54 @@ class UnknownStage(ValueError):
     pass
 
 
-def check_stages(names: Iterable[str]) -> list[str]:
+DEFAULT_CONFIG = Config()
+"""The config the graph operations assume when given none: its stages are the default run's."""
+
+
+def _live(cfg: Config | None) -> Config:
+    return cfg if cfg is not None else DEFAULT_CONFIG
+
+
+def stages_of(cfg: Config | None = None) -> list[Stage]:
+    """The stages that run under ``cfg`` (None: the default config), in DAG order."""
+    return [s for s in STAGES if s.active(_live(cfg))]
+
+
+def check_stages(names: Iterable[str], cfg: Config | None = None) -> list[str]:
     names = list(names)
-    unknown = [n for n in names if n not in STAGE_BY_NAME]
+    known = [s.name for s in stages_of(cfg)]
+    unknown = [n for n in names if n not in known]
     if unknown:
-        raise UnknownStage(
-            f"unknown stage {', '.join(unknown)}; stages are {', '.join(s.name for s in STAGES)}"
+        gated = [n for n in unknown if n in STAGE_BY_NAME]
+        why = (
+            f"stage {', '.join(gated)} runs only when reward.components names reward_model "
+            "(reward=reward_model)"
+            if gated
+            else f"unknown stage {', '.join(unknown)}"
         )
+        raise UnknownStage(f"{why}; stages are {', '.join(known)}")
     return names
 
 
-def upstream_of(names: Iterable[str]) -> set[str]:
-    """``names`` and every stage they read from, transitively."""
-    todo, seen = check_stages(names), set()
+def upstream_of(names: Iterable[str], cfg: Config | None = None) -> set[str]:
+    """``names`` and every stage they read from under ``cfg`` (None: the default config), transitively."""
+    todo, seen = check_stages(names, cfg), set()
     while todo:
         name = todo.pop()
         if name not in seen:
             seen.add(name)
-            todo.extend(src for src, _ in STAGE_BY_NAME[name].inputs.values())
+            todo.extend(src for src, _ in active_inputs(STAGE_BY_NAME[name], _live(cfg)).values())
     return seen
 
 
-def downstream_of(names: Iterable[str]) -> set[str]:
-    """``names`` and every stage that reads from them, transitively (whatever the order of STAGES)."""
-    seen = set(check_stages(names))
+def downstream_of(names: Iterable[str], cfg: Config | None = None) -> set[str]:
+    """``names`` and every stage that reads from them under ``cfg`` (None: the default config),
+    transitively (whatever the order of STAGES)."""
+    seen = set(check_stages(names, cfg))
     changed = True
     while changed:
         changed = False
-        for stage in STAGES:
+        for stage in stages_of(cfg):
             if stage.name not in seen and any(src in seen for src, _ in stage.inputs.values()):
                 seen.add(stage.name)
                 changed = True
@@ -553,41 +676,59 @@ class Selection:
     stages: list[str] | None
     force: list[str]
 
-    def stages_to_run(self) -> list[Stage]:
-        return [s for s in STAGES if self.stages is None or s.name in self.stages]
+    def stages_to_run(self, cfg: Config | None = None) -> list[Stage]:
+        """The selected stages that run under ``cfg`` (None: the default config)."""
+        return [s for s in stages_of(cfg) if self.stages is None or s.name in self.stages]
 
 
-def select(until: str | None = None, force: Sequence[str] = (), rerun: str | None = None) -> Selection:
+def select(
+    until: str | None = None, force: Sequence[str] = (), rerun: str | None = None, cfg: Config | None = None
+) -> Selection:
     """``until``: only that stage and its upstream. ``rerun``: that stage and its downstream are forced,
-    their upstream comes from cache, and stages that neither feed nor follow it are left out."""
-    force = check_stages(force)
+    their upstream comes from cache, and stages that neither feed nor follow it are left out. The
+    graph is the one ``cfg`` runs (None: the default config's)."""
+    force = check_stages(force, cfg)
     stages: set[str] | None = None
     if rerun is not None:
-        forced = downstream_of([rerun])
+        forced = downstream_of([rerun], cfg)
         force = sorted(set(force) | forced)
-        stages = upstream_of(forced)
+        stages = upstream_of(forced, cfg)
     if until is not None:
-        up = upstream_of([until])
+        up = upstream_of([until], cfg)
         stages = up if stages is None else stages & up
     if stages is not None:
         force = [f for f in force if f in stages]
     return Selection(in_dag_order(stages) if stages is not None else None, in_dag_order(force))
 
 
+def active_inputs(stage: Stage, cfg: Config | None) -> dict[str, tuple[str, str]]:
+    """``stage.inputs`` less those from stages that do not run under ``cfg`` (``Stage.when``)."""
+    return {n: (src, out) for n, (src, out) in stage.inputs.items() if STAGE_BY_NAME[src].active(cfg)}
+
+
 def stage_inputs(
-    stage: Stage, produced: Mapping[str, Mapping[str, ArtifactRef]]
+    stage: Stage, produced: Mapping[str, Mapping[str, ArtifactRef]], cfg: Config | None = None
 ) -> dict[str, ArtifactRef] | None:
-    """The stage's input artifacts, from ``produced`` (upstream stage -> its artifacts by output name);
-    None when an upstream stage or one of its outputs is missing."""
+    """The stage's input artifacts under ``cfg``, from ``produced`` (upstream stage -> its artifacts by
+    output name); None when an upstream stage or one of its outputs is missing. With no ``cfg``, an
+    input from a stage that runs only under some configs is taken when it was produced."""
+    inputs = active_inputs(stage, cfg)
+    optional = {n for n, (src, _) in inputs.items() if cfg is None and STAGE_BY_NAME[src].when is not None}
     try:
-        return {name: produced[src][out] for name, (src, out) in stage.inputs.items()}
+        return {
+            name: produced[src][out]
+            for name, (src, out) in inputs.items()
+            if name not in optional or src in produced
+        }
     except KeyError:
         return None
 
 
-def missing_upstream(stage: Stage, produced: Mapping[str, Mapping[str, ArtifactRef]]) -> list[str]:
-    """The upstream stages of ``stage`` absent from ``produced``, sorted."""
-    return sorted({src for src, _ in stage.inputs.values() if src not in produced})
+def missing_upstream(
+    stage: Stage, produced: Mapping[str, Mapping[str, ArtifactRef]], cfg: Config | None = None
+) -> list[str]:
+    """The upstream stages of ``stage`` (under ``cfg``) absent from ``produced``, sorted."""
+    return sorted({src for src, _ in active_inputs(stage, cfg).values() if src not in produced})
 
 
 def stage_key(

@@ -253,6 +253,10 @@ def lineage(ws: Workspace, spec: str, prompts: bool = False) -> dict:
                 )
         for name, h in node["external"].items():
             roots.append({"stage": node["stage"], "external": name, "sha256": h})
+        for name, h in (
+            node["metrics"].get("source_sha256") or {}
+        ).items():  # files a stage made its rows from
+            roots.append({"stage": node["stage"], "source": name, "sha256": h})
 
     ckpt = _q(
         ws,
@@ -490,6 +494,8 @@ def format_lineage(lin: dict) -> str:
     for s in lin["sources"]:
         if "external" in s:
             lines.append(f"  {s['stage']}: external {s['external']} sha256 {s['sha256']}")
+        elif "source" in s:
+            lines.append(f"  {s['stage']}: source {s['source']} sha256 {s['sha256']}")
         else:
             lines.append(f"  {s['stage']}: {s['artifact']} sha256 {s['sha256']} (made from {s['made_from']})")
     if lin["curation"]:

@@ -37,9 +37,11 @@ def plan(cfg: Config, ws: Workspace) -> list[StagePlan]:
     produced: dict[str, dict[str, ArtifactRef]] = {}
     out: list[StagePlan] = []
     for stage in STAGES:
-        inputs = stage_inputs(stage, produced)
+        if not stage.active(cfg):
+            continue
+        inputs = stage_inputs(stage, produced, cfg)
         if inputs is None:
-            missing = ", ".join(missing_upstream(stage, produced))
+            missing = ", ".join(missing_upstream(stage, produced, cfg))
             out.append(StagePlan(stage.name, "stale", f"upstream {missing} must run first", None))
             continue
         key = stage_key(stage, cfg, inputs, ws)

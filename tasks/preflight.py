@@ -85,6 +85,7 @@ def preflight(cfg: Config) -> None:
             f"{cfg.rl.max_new_tokens}) when overlong shaping is on ({cfg.rl.algorithm})"
         )
     _check_critic(cfg, params)
+    _check_reward_model(cfg)
     if cfg.trainer.backend == "deepspeed":
         from conf.loader import deepspeed_config
 
@@ -143,6 +144,36 @@ def _check_critic(cfg: Config, params) -> None:
             f"rl.critic_path={folder} does not fit the policy's tokenizer: {why}; use a critic trained "
             "with the policy's tokenizer or drop rl.critic_path (a copy of the policy)"
         )
+
+
+def _policy_tokenizer(cfg: Config):
+    from generation.model import build_char_tokenizer, load_tokenizer
+
+    return (
+        load_tokenizer(Path(cfg.model.path).expanduser())
+        if cfg.model.kind == "hf"
+        else build_char_tokenizer()
+    )
+
+
+def _check_reward_model(cfg: Config) -> None:
+    """With a ``reward_model`` component: ``reward_model.path`` must be a one-label
+    sequence-classification checkpoint (safetensors) and ``reward_model.backbone`` a save_pretrained
+    folder, each with the policy's tokenizer (the reward model reads the policy's prompts and
+    responses as tokens of its own vocabulary)."""
+    if not cfg.reward.uses_reward_model():
+        return
+    from training.reward_model import check_reward_model_path, check_backbone_path
+
+    c = cfg.reward_model
+    checks = [("reward_model.path", c.path, check_reward_model_path)] if c.path is not None else []
+    if c.backbone != "warmup":
+        checks.append(("reward_model.backbone", c.backbone, check_backbone_path))
+    for key, path, check in checks:
+        try:
+            check(Path(path).expanduser(), _policy_tokenizer(cfg))
+        except ValueError as err:
+            raise ConfigError(f"{key}={path}: {err}") from None
 
 
 def resolved_yaml(cfg: Config) -> str:

@@ -20,6 +20,7 @@ from core.catalog import dumps, insert_many
 from core.workspace import Workspace
 from tasks.bodies import (
     ATTEMPTS,
+    COMPARISONS,
     DATASET,
     EVAL,
     MODEL,
@@ -294,6 +295,22 @@ def record_select(con: Connection, ctx: StageContext, res: StageResult, key: str
         res.artifacts[SELECTION],
         "selection.parquet",
     )
+
+
+def record_preferences(con: Connection, ctx: StageContext, res: StageResult, key: str) -> None:
+    ref = res.artifacts[COMPARISONS]
+    _insert_parquet(
+        con,
+        "comparisons",
+        "comparison_id, prompt, chosen, rejected, margin, annotator, source",
+        ref,
+        "comparisons.parquet",
+    )
+    _insert_parquet(con, "preference_quarantine", 'source, "row", reason', ref, "quarantine.parquet")
+
+
+def record_reward_model(con: Connection, ctx: StageContext, res: StageResult, key: str) -> None:
+    _record_checkpoint(con, ctx, res, key, "reward_model", ctx.cfg.reward_model.steps)
 
 
 def _record_checkpoint(

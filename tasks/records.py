@@ -66,7 +66,9 @@ class Stage:
     ``body`` makes the artifacts; ``record`` writes the stage's own catalog rows (inside the runner's
     transaction); ``headline`` is its one-line metric summary; ``external`` hashes its inputs from
     outside the store (a local model folder, vendored benchmark files, the workspace's reward
-    history): they enter the cache key like artifact inputs, so replacing them reruns the stage."""
+    history): they enter the cache key like artifact inputs, so replacing them reruns the stage.
+    ``when``: the configs the stage runs under (None: all); a stage's input from a stage that does
+    not run under the config is left out of its inputs (and of its key)."""
 
     name: str
     inputs: Mapping[str, tuple[str, str]]
@@ -76,6 +78,11 @@ class Stage:
     record: Callable[[Connection, StageContext, StageResult, str], None] | None = None
     headline: Callable[[dict], str] = no_headline
     external: Callable[[Config, Catalog | None], dict[str, str]] | None = None
+    when: Callable[[Config], bool] | None = None
+
+    def active(self, cfg: Config | None) -> bool:
+        """Whether the stage runs under ``cfg`` (None: the config is unknown, so it may)."""
+        return self.when is None or cfg is None or self.when(cfg)
 
     def external_hashes(self, cfg: Config, catalog: Catalog | None) -> dict[str, str]:
         return self.external(cfg, catalog) if self.external is not None else {}

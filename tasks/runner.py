@@ -31,7 +31,7 @@ from conf.schema import Config
 from core.artifacts import ArtifactRef
 from core.workspace import Workspace
 from tasks import recording
-from tasks.dag import STAGE_BY_NAME, STAGES, Selection, stage_inputs, stage_key
+from tasks.dag import STAGE_BY_NAME, Selection, stage_inputs, stage_key
 from tasks.plan import finished_result
 from tasks.records import INTERRUPTED, RunResult, Stage, StageContext, StageOutcome, StageResult
 
@@ -214,8 +214,8 @@ def run_stages(
     progress = _Progress()
     token = _PROGRESS.set(progress)
     try:
-        for stage in selection.stages_to_run():
-            inputs = stage_inputs(stage, {n: o.result.artifacts for n, o in outcomes.items()})
+        for stage in selection.stages_to_run(cfg):
+            inputs = stage_inputs(stage, {n: o.result.artifacts for n, o in outcomes.items()}, cfg)
             if inputs is None:
                 raise ValueError(f"stage {stage.name} needs its upstream stages in the selection")
             outcomes[stage.name] = run_stage(
@@ -248,9 +248,9 @@ def replay_cached(
 
     device = resolve_device(cfg.device)
     found: dict[str, tuple[StageOutcome, dict[str, ArtifactRef]]] = {}
-    for stage in Selection(stages, []).stages_to_run():
+    for stage in Selection(stages, []).stages_to_run(cfg):
         t0 = time.perf_counter()
-        inputs = stage_inputs(stage, {n: o.result.artifacts for n, (o, _) in found.items()})
+        inputs = stage_inputs(stage, {n: o.result.artifacts for n, (o, _) in found.items()}, cfg)
         if inputs is None:
             return None
         key = stage_key(stage, cfg, inputs, ws)
@@ -381,7 +381,7 @@ def run_pipeline(
         save_run_files(ws, run_id, cfg, command)
         handler = _run_logging(ws, run_id)
         t0 = time.perf_counter()
-        n = len(selection.stages) if selection.stages is not None else len(STAGES)
+        n = len(selection.stages_to_run(cfg))
         try:
             with recorded_run(ws, run_id, command, to_dict(cfg), flow_run_id) as status:
                 say(

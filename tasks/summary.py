@@ -53,6 +53,8 @@ def build_summary(
         metrics[label] = m.get("arith_heldout", {}).get("accuracy")
     if metrics["heldout_accuracy_warmup"] is not None and metrics["heldout_accuracy_rl"] is not None:
         metrics["heldout_accuracy_gain"] = metrics["heldout_accuracy_rl"] - metrics["heldout_accuracy_warmup"]
+    if "reward_model" in by:
+        metrics.update(reward_model_metrics(by["reward_model"].result.metrics))
     return RunSummary(
         run_id=run_id,
         seconds=seconds,
@@ -73,6 +75,22 @@ def build_summary(
         certificates=certificates(outcomes),
         metrics_from_catalog=sorted(s for s in from_catalog if s not in by),
     )
+
+
+REWARD_MODEL_METRICS = (
+    ("reward_model_heldout_accuracy", "rm_heldout_accuracy"),
+    ("reward_model_baseline_random_accuracy", "baseline_random_accuracy"),
+    ("reward_model_baseline_longer_wins_accuracy", "baseline_longer_wins_accuracy"),
+    ("reward_model_baseline_shorter_wins_accuracy", "baseline_shorter_wins_accuracy"),
+    ("reward_model_baseline_policy_logprob_accuracy", "baseline_policy_logprob_accuracy"),
+    ("reward_model_agreement_ceiling", "agreement_ceiling"),
+)
+"""summary.json's reward-model keys -> the reward_model stage's metric of the same meaning."""
+
+
+def reward_model_metrics(m: dict) -> dict[str, float | None]:
+    """The reward model's held-out pairwise accuracy, its baselines and the annotators' ceiling."""
+    return {label: m.get(key) for label, key in REWARD_MODEL_METRICS}
 
 
 WARMUP_FLOOR = 0.05

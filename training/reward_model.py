@@ -60,16 +60,32 @@ def check_reward_model_path(path: str | Path, policy_tokenizer=None) -> None:
         )
     if not list(path.glob("*.safetensors")):
         raise ValueError(f"reward model {path} has no safetensors weights; pickled weights are never loaded")
-    if policy_tokenizer is not None:
-        from transformers import AutoTokenizer
+    _check_tokenizer(path, policy_tokenizer)
 
-        tok = AutoTokenizer.from_pretrained(str(path))
-        if tok.get_vocab() != policy_tokenizer.get_vocab():
-            raise ValueError(
-                f"reward model {path} has a tokenizer that differs from the policy's "
-                f"({len(tok)} vs {len(policy_tokenizer)} tokens); pass a reward model trained from the "
-                "policy's own backbone (the warm-up model), or a model.path with the same tokenizer"
-            )
+
+def check_backbone_path(path: str | Path, policy_tokenizer=None) -> None:
+    """Refuse a reward-model backbone that is not a save_pretrained folder with safetensors weights, or
+    whose tokenizer differs from the policy's."""
+    path = Path(path)
+    if not (path / "config.json").is_file():
+        raise ValueError(f"backbone {path} has no config.json; pass a save_pretrained folder or 'warmup'")
+    if not list(path.glob("*.safetensors")):
+        raise ValueError(f"backbone {path} has no safetensors weights; pickled weights are never loaded")
+    _check_tokenizer(path, policy_tokenizer)
+
+
+def _check_tokenizer(path: Path, policy_tokenizer) -> None:
+    if policy_tokenizer is None:
+        return
+    from transformers import AutoTokenizer
+
+    tok = AutoTokenizer.from_pretrained(str(path))
+    if tok.get_vocab() != policy_tokenizer.get_vocab():
+        raise ValueError(
+            f"{path} has a tokenizer that differs from the policy's "
+            f"({len(tok)} vs {len(policy_tokenizer)} tokens); pass a reward model trained from the "
+            "policy's own backbone (the warm-up model), or a model.path with the same tokenizer"
+        )
 
 
 def _encode(tokenizer, prompt: str, response: str, max_len: int) -> list[int]:
@@ -98,25 +114,24 @@ def _forward(model, tokenizer, seqs: list[list[int]]) -> torch.Tensor:
     return model(input_ids=ids, attention_mask=mask).logits[:, 0]
 
 
-def train_reward_model(
-    backbone: str | Path,
-    comparisons: Sequence[dict],
-    out_dir: str | Path,
-    *,
-    steps: int = 200,
-    batch_size: int = 16,
-    lr: float = 1e-3,
-    heldout_share: float = 0.2,
-    max_len: int = 160,
-    seed: int = 0,
-) -> dict[str, float]:
-    """Train on all but a held-out share of ``comparisons``; save to ``out_dir``; metrics: the loss,
-    held-out pairwise accuracy (``rm_heldout_accuracy``) and the baselines on the same split."""
+def split_by_prompt(comparisons: Sequence[dict], heldout_share: float, seed: int) -> tuple[list, list]:
+    """(held-out, train): a seeded ``heldout_share`` of the prompts and all their comparisons held out,
+    so no response pair is judged on both sides of the split (several annotators judge one pair)."""
+    prompts = sorted({c["prompt"] for c in comparisons})
+    random.Random(seed).shuffle(prompts)
+    n_held = int(round(len(prompts) * heldout_share)) if len(prompts) > 1 else 0
+    n_held = min(max(n_held, 1 if heldout_share > 0 and len(prompts) > 1 else 0), len(prompts) - 1)
+    held_prompts = set(prompts[:n_held])
+    held = [c for c in comparisons if c["prompt"] in held_prompts]
+    train = [c for c in comparisons if c["prompt"] not in held_prompts]
+    return held, train or list(comparisons)
+
+
+def load_backbone(backbone: str | Path):
+    """(model, tokenizer): ``backbone`` as a one-label sequence classifier (from a causal-LM folder the
+    score head starts random; from a sequence-classification folder it is kept)."""
     from transformers import AutoModelForSequenceClassification, AutoTokenizer
 
-    if not comparisons:
-        raise ValueError("no comparisons to train a reward model on; ingest preference data first")
-    torch.manual_seed(seed)
     tokenizer = AutoTokenizer.from_pretrained(str(backbone))
     if tokenizer.pad_token_id is None:
         tokenizer.pad_token = tokenizer.eos_token
@@ -124,10 +139,21 @@ def train_reward_model(
         str(backbone), num_labels=1, use_safetensors=True, dtype=torch.float32
     )
     model.config.pad_token_id = tokenizer.pad_token_id
-    rows = list(comparisons)
-    random.Random(seed).shuffle(rows)
-    n_held = max(1, int(len(rows) * heldout_share)) if len(rows) > 1 else 0
-    held, train = rows[:n_held], rows[n_held:] or rows
+    return model, tokenizer
+
+
+def fit(
+    model,
+    tokenizer,
+    train: Sequence[dict],
+    *,
+    steps: int,
+    batch_size: int,
+    lr: float,
+    max_len: int,
+    seed: int,
+):
+    """``steps`` AdamW steps of the Bradley-Terry loss on random batches of ``train``; the losses."""
     opt = torch.optim.AdamW(model.parameters(), lr=lr)
     rng = random.Random(seed + 1)
     losses = []
@@ -143,16 +169,91 @@ def train_reward_model(
         loss.backward()
         opt.step()
         losses.append(loss.item())
+    model.eval()
+    return losses
+
+
+def measure(model, tokenizer, held: Sequence[dict], max_len: int = 160) -> tuple[dict[str, float], dict]:
+    """(metrics, stats) on the held-out comparisons: the model's pairwise accuracy
+    (``rm_heldout_accuracy``) beside the length baselines, and the mean and standard deviation of its
+    raw scores over their responses (the fixed statistics of ``normalize=fixed``)."""
+    prompts = [c["prompt"] for c in held]
+    sc = score_texts(model, tokenizer, prompts, [c["chosen"] for c in held], max_len)
+    sr = score_texts(model, tokenizer, prompts, [c["rejected"] for c in held], max_len)
+    metrics = {"rm_heldout_accuracy": pairwise_accuracy(sc, sr), "heldout_comparisons": float(len(held))}
+    metrics.update({f"baseline_{k}_accuracy": v for k, v in length_baselines(held).items()})
+    xs = sc + sr
+    mean = sum(xs) / len(xs)
+    std = (sum((x - mean) ** 2 for x in xs) / len(xs)) ** 0.5
+    return metrics, {"mean": mean, "std": std if std > 1e-8 else 1.0}
+
+
+def policy_logprob_baseline(policy_dir: str | Path, held: Sequence[dict], max_len: int = 160) -> float:
+    """Pairwise accuracy of the policy's own mean token log-prob of each response given its prompt
+    (the baseline of "the policy already prefers it")."""
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    tok = AutoTokenizer.from_pretrained(str(policy_dir))
+    model = AutoModelForCausalLM.from_pretrained(str(policy_dir), use_safetensors=True, dtype=torch.float32)
+    model.eval()
+
+    def mean_logprob(prompt: str, response: str) -> float:
+        p = tok(prompt, add_special_tokens=False)["input_ids"]
+        r = tok(response, add_special_tokens=False)["input_ids"]
+        ids = ([tok.bos_token_id] if tok.bos_token_id is not None else []) + p + r
+        ids = ids[-max_len:]
+        n = min(len(r), len(ids) - 1)
+        with torch.no_grad():
+            logits = model(input_ids=torch.tensor([ids])).logits[0, :-1]
+        lp = torch.log_softmax(logits.float(), -1).gather(1, torch.tensor(ids[1:])[:, None])[:, 0]
+        return lp[-n:].mean().item() if n > 0 else 0.0
+
+    chosen = [mean_logprob(c["prompt"], c["chosen"]) for c in held]
+    rejected = [mean_logprob(c["prompt"], c["rejected"]) for c in held]
+    return pairwise_accuracy(chosen, rejected)
+
+
+def train_reward_model(
+    backbone: str | Path,
+    comparisons: Sequence[dict],
+    out_dir: str | Path,
+    *,
+    steps: int = 200,
+    batch_size: int = 16,
+    lr: float = 1e-3,
+    heldout_share: float = 0.2,
+    max_len: int = 160,
+    seed: int = 0,
+) -> dict[str, float]:
+    """Train on all but a held-out share of the prompts' ``comparisons`` (``split_by_prompt``); save
+    to ``out_dir`` with ``STATS_FILE`` beside it; metrics: the loss, held-out pairwise accuracy
+    (``rm_heldout_accuracy``) and the baselines on the same split."""
+    if not comparisons:
+        raise ValueError("no comparisons to train a reward model on; ingest preference data first")
+    torch.manual_seed(seed)
+    model, tokenizer = load_backbone(backbone)
+    held, train = split_by_prompt(list(comparisons), heldout_share, seed)
+    losses = fit(
+        model, tokenizer, train, steps=steps, batch_size=batch_size, lr=lr, max_len=max_len, seed=seed
+    )
+    metrics = {
+        "rm_loss_first": losses[0] if losses else float("nan"),
+        "rm_loss_last": losses[-1] if losses else float("nan"),
+        "train_comparisons": float(len(train)),
+    }
+    stats = {"mean": 0.0, "std": 1.0}
+    if held:
+        m, stats = measure(model, tokenizer, held, max_len)
+        metrics.update(m)
+    save(model, tokenizer, out_dir, stats)
+    return metrics
+
+
+def save(model, tokenizer, out_dir: str | Path, stats: dict) -> None:
+    """``save_pretrained`` (safetensors) and the fixed normalisation statistics beside it."""
+    from rewards.reward_model import STATS_FILE
+
     out_dir = Path(out_dir)
     model.save_pretrained(out_dir, safe_serialization=True)
     tokenizer.save_pretrained(out_dir)
-    metrics = {"rm_loss_first": losses[0] if losses else float("nan"), "rm_loss_last": losses[-1]}
-    if held:
-        sc = score_texts(model, tokenizer, [c["prompt"] for c in held], [c["chosen"] for c in held], max_len)
-        sr = score_texts(
-            model, tokenizer, [c["prompt"] for c in held], [c["rejected"] for c in held], max_len
-        )
-        metrics["rm_heldout_accuracy"] = pairwise_accuracy(sc, sr)
-        metrics.update({f"baseline_{k}_accuracy": v for k, v in length_baselines(held).items()})
-        metrics["heldout_comparisons"] = float(len(held))
-    return metrics
+    (out_dir / STATS_FILE).write_text(json.dumps(stats, indent=1, sort_keys=True))

@@ -118,9 +118,8 @@ def test_the_vendored_hh_rlhf_file_ingests_with_its_counts_reconciled(tmp_path):
     import json
     from pathlib import Path
 
-    path = (
-        Path(__file__).resolve().parents[2] / "data_curation" / "data" / "hh_rlhf_harmless_base_test.jsonl.gz"
-    )
+    data = Path(__file__).resolve().parents[2] / "data_curation" / "data"
+    path = data / "hh_rlhf_harmless_base_test.jsonl.gz"
     readme = (path.parent / "README.md").read_text()
     assert f"{hashlib.sha256(path.read_bytes()).hexdigest()}  {path.name}" in readme
     with gzip.open(path, "rt", encoding="utf-8") as f:

@@ -54,3 +54,66 @@ def test_a_component_that_fails_on_a_row_gives_its_fallback_and_is_counted():
         for s in range(2)
     ]
     assert summarize_rows(rows, 2)["mine"]["reward_errors/cosine_length"] == 2
+
+
+class _LengthScorer:
+    """A stand-in reward model: scores the longer response higher (one built component)."""
+
+    name = "reward_model"
+    fallback = 0.0
+
+    def score(self, samples, correct):
+        return [float(len(s.text)) + (0.5 if s.prompt == "1+1" else 0.0) for s in samples]
+
+
+def test_a_reward_model_scores_every_benchmark_and_reranks_best_of_n():
+    items = [BenchmarkItem("mine", "a", "1+1", "2"), BenchmarkItem("other", "b", "2+2", "4")]
+    texts = ["\\boxed{3}", "so \\boxed{2}", "the answer \\boxed{5}", "\\boxed{4}"]
+    trajs = [_traj(t, items[i // 2].answer, 8) for i, t in enumerate(texts)]
+    verdicts = [SimpleNamespace(correct=c) for c in (False, True, False, True)]
+    terms = _terms(items, 2, trajs, verdicts, {}, 16, [_LengthScorer()])
+    assert [t[0][1] for t in terms] == [9.5, 12.5, 20.0, 9.0]  # each reads its own problem
+    rows = [
+        EvalRow(
+            it.benchmark,
+            it.problem_id,
+            s,
+            texts[2 * k + s],
+            None,
+            verdicts[2 * k + s].correct,
+            None,
+            8,
+            False,
+            None,
+            terms=terms[2 * k + s],
+        )  # fmt: skip
+        for k, it in enumerate(items)
+        for s in range(2)
+    ]
+    summary = summarize_rows(rows, 2)
+    assert summary["mine"]["rm_best@2"] == 1.0  # the longer response is the right one
+    assert summary["other"]["rm_best@2"] == 0.0  # here the longer one is wrong
+    assert summary["mine"]["avg@2"] == summary["other"]["avg@2"] == 0.5
+    assert summary["other"]["reward/reward_model"] == 14.5
+
+
+def test_reranked_accuracy_breaks_ties_by_the_first_sample():
+    from evaluation.metrics import reranked_accuracy
+
+    rows = [
+        {"problem_id": "a", "sample_idx": 1, "correct": True, "terms": (("rm", 1.0, False),)},
+        {"problem_id": "a", "sample_idx": 0, "correct": False, "terms": (("rm", 1.0, False),)},
+        {"problem_id": "b", "sample_idx": 0, "correct": True, "terms": (("rm", -2.0, False),)},
+        {"problem_id": "b", "sample_idx": 1, "correct": False, "terms": ()},
+    ]
+    assert reranked_accuracy(rows, "rm") == 0.5
+
+
+def test_eval_metrics_carry_the_reward_model_columns_only_with_a_reward_model():
+    from tasks.bodies import eval_metrics
+
+    base = {"accuracy": 0.5, "mean_length": 3.0, "maj@2": 0.5, "n_problems": 2}
+    plain = eval_metrics("sha", {"mine": base}, 2)["mine"]
+    assert "maj@2" not in plain and "rm_best@2" not in plain
+    scored = eval_metrics("sha", {"mine": {**base, "reward/reward_model": 0.1, "rm_best@2": 1.0}}, 2)["mine"]
+    assert (scored["reward/reward_model"], scored["rm_best@2"], scored["maj@2"]) == (0.1, 1.0, 0.5)

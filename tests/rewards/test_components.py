@@ -217,3 +217,12 @@ def test_a_length_term_without_a_limit_falls_back_and_counts_the_error():
     r = _reward({"name": "math_verify"}, {"name": "cosine_length"})
     scores = r.score([S(limit=0)])
     assert scores.terms["cosine_length"] == (0.0,) and scores.errors["cosine_length"] == 1
+
+
+def test_ends_with_scores_the_style_the_verifier_strips():
+    from conf.schema import EndsWithParams
+    from rewards.components import EndsWith, Sample
+
+    samples = [Sample("#### 7.\n", "7", 3, 8), Sample("#### 7", "7", 2, 8), Sample("#### 7!", "7", 3, 8)]
+    assert EndsWith(EndsWithParams()).score(samples, [True] * 3) == [1.0, 0.0, 0.0]
+    assert EndsWith(EndsWithParams(suffix="!")).score(samples, [True] * 3) == [0.0, 0.0, 1.0]

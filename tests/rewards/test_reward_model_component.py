@@ -43,3 +43,40 @@ def test_the_reward_model_mixes_with_the_verifier_normalised_and_clipped(rm_dir)
 def test_a_causal_lm_folder_is_refused_by_the_component(rm_dir):
     with pytest.raises(ValueError, match="not a sequence-classification checkpoint"):
         load_sequence_classifier(rm_dir / "lm")
+
+
+def test_the_config_component_scores_prompt_and_response_with_the_stages_statistics(rm_dir):
+    import json
+
+    from conf.schema import RewardComponentConfig, RewardConfig
+    from rewards.reward_model import STATS_FILE
+
+    stats = json.loads((rm_dir / "rm" / STATS_FILE).read_text())
+    cfg = RewardConfig(
+        [RewardComponentConfig(), RewardComponentConfig(name="reward_model", weight=0.5, clip=0.5)]
+    )
+    reward = Reward.of(_Verifier(), cfg, str(rm_dir / "rm"), "{problem}=")
+    (comp,) = reward.shaping
+    samples = [Sample("4.", "4", 2, 8, prompt="3+1"), Sample("4", "4", 1, 8, prompt="3+1")]
+    raw = comp.raw(samples)
+    model, tok = load_sequence_classifier(rm_dir / "rm")
+    assert raw == pytest.approx(
+        RewardModelScorer(model, tok).raw(["3+1=4.", "3+1=4"])
+    )  # the template's prompt
+    s = reward.score(samples)
+    expected = [max(-0.5, min(0.5, (x - stats["mean"]) / stats["std"])) for x in raw]
+    assert s.terms["reward_model"] == pytest.approx(expected)
+    assert s.errors["reward_model"] == 0
+
+
+def test_a_component_without_a_checkpoint_describes_itself_and_refuses_to_score():
+    from conf.schema import RewardComponentConfig, RewardConfig
+    from rewards.reward_model import RewardModelUnavailable
+
+    cfg = RewardConfig(
+        [RewardComponentConfig(), RewardComponentConfig(name="reward_model", normalize="none")]
+    )
+    reward = Reward.of(_Verifier(), cfg)
+    assert reward.spec()[1]["params"] == {"normalize": "none", "clip": None}
+    with pytest.raises(RewardModelUnavailable, match="laminar run reward=reward_model"):
+        reward.shaping[0].score([Sample("4", "4", 1, 8, prompt="3+1")], [True])

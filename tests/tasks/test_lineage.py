@@ -21,7 +21,7 @@ from core.workspace import Workspace
 from tests.configs import TINY_CURATED
 from tasks import cache
 from tasks.lineage import LineageError, format_lineage, lineage, openlineage_events
-from tasks.dag import STAGE_BY_NAME, STAGES, downstream_of, upstream_of
+from tasks.dag import STAGE_BY_NAME, STAGES, active_inputs, downstream_of, stages_of, upstream_of
 from tasks.operate import list_runs
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -72,7 +72,7 @@ def test_lineage_names_every_stage_back_to_the_source_hashes(run):
     cfg = load_config(TINY)
     for name, node in nodes.items():
         assert order.index(name) > max(
-            (order.index(src) for src, _ in STAGE_BY_NAME[name].inputs.values()), default=-1
+            (order.index(src) for src, _ in active_inputs(STAGE_BY_NAME[name], cfg).values()), default=-1
         )
         s = summary["stages"][name]
         assert node["cache_key"] == s["cache_key"] and node["outputs"] == s["artifacts"]
@@ -206,11 +206,13 @@ def test_an_edited_source_file_makes_exactly_the_downstream_stages_stale(run, tm
     try:
         (path,) = [p for m, p in cache.module_closure((module,)) if m == module]
         direct = {
-            s.name for s in STAGES if module in {m for m, _ in cache.module_closure(tuple(sorted(s.modules)))}
+            s.name
+            for s in stages_of()
+            if module in {m for m, _ in cache.module_closure(tuple(sorted(s.modules)))}
         }
-        before = {s.name: cache.source_fingerprint(s.modules) for s in STAGES}
+        before = {s.name: cache.source_fingerprint(s.modules) for s in stages_of()}
         path.write_text(path.read_text() + "\n# edited\n")
-        after = {s.name: cache.source_fingerprint(s.modules) for s in STAGES}
+        after = {s.name: cache.source_fingerprint(s.modules) for s in stages_of()}
         assert {n for n in before if before[n] != after[n]} == direct
         plans = {p.stage: p for p in plan(cfg, ws)}
         stale = {n for n, p in plans.items() if p.status == "stale"}
@@ -254,7 +256,7 @@ def test_a_fully_cached_rerun_is_recorded_without_starting_prefect(run, tmp_path
     rows = _catalog(
         cws, "SELECT status, prefect_task_run_id FROM stage_runs WHERE run_id = ?", [again["run_id"]]
     )
-    assert len(rows) == len(STAGES) and all(r == ("cached", None) for r in rows)
+    assert len(rows) == len(stages_of()) and all(r == ("cached", None) for r in rows)
     assert "Prefect" not in proc.stderr  # no server, no flow-run log lines
     forced = subprocess.run(
         [sys.executable, "-m", "flows.cli", "run", *TINY, "--force", "eval_rl", "--workspace", str(copy)],

@@ -198,7 +198,10 @@ def score_phase(trajectories: Sequence[Trajectory], reward, max_new_tokens: int 
     """Group trajectories by prompt (in first-seen order) and score the batch through the reward layer
     (``reward``: a ``rewards.Reward``, or a bare verifier: the math verifier alone): ``correct`` is
     the correctness verdict, ``rewards`` the weighted total, ``terms`` each component's score."""
-    samples = [Sample(t.text, t.prompt.answer, len(t.response_tokens), max_new_tokens) for t in trajectories]
+    samples = [
+        Sample(t.text, t.prompt.answer, len(t.response_tokens), max_new_tokens, t.prompt.text)
+        for t in trajectories
+    ]
     scores = as_reward(reward).score(samples)
     by_prompt: dict[str, list[int]] = {}
     for i, t in enumerate(trajectories):

@@ -41,7 +41,9 @@ from generation.records import PromptItem
 from training.objectives import ObjectiveParams
 from training.rl.control import RelayChain
 from training.rl.checkpoint import resume_run, save_run
+from rewards.compose import as_reward
 from training.rl.loop import PromptCursor, RLResult, group_scorer, keep_filter, policy_copy
+from training.rl.reward_actor import with_reward_actor
 from training.rl.manager import ManagerSettings, RolloutManager
 from training.rl.records import ExtractOrder, ExtractReply, StepMetrics, StepReply, TrainReply
 
@@ -412,7 +414,7 @@ class LaminarRuntime:
         self.manager = RolloutManager(
             self.settings,
             self.source,
-            group_scorer(self.reward, self.params, self.rl.max_new_tokens),
+            group_scorer(with_reward_actor(ray, as_reward(self.reward)), self.params, self.rl.max_new_tokens),
             self,
             [
                 (a.name, self._rollout_node(i), self.chain.relay_for(self._rollout_node(i)))
