@@ -661,6 +661,11 @@ def eval_metrics(checkpoint: str, summary: dict, n_samples: int, certificates: d
     with each benchmark's decontamination certificate status when given."""
     avg = f"avg@{n_samples}"
     rm_keys = ("reward/reward_model", f"rm_best@{n_samples}", f"maj@{n_samples}")  # with a reward model
+    episode_keys = (
+        "tool_calls_per_episode",
+        "tool_errors_per_episode",
+        "turns_per_episode",
+    )  # env != single_turn
     certificates = certificates or {}
     return {
         "checkpoint": checkpoint,
@@ -671,6 +676,7 @@ def eval_metrics(checkpoint: str, summary: dict, n_samples: int, certificates: d
                 "by_level": {lv: v[avg] for lv, v in s.get("by_level", {}).items()},
                 **{k: s[k] for k in ("n_problems", "problems_total", "too_long", "context") if k in s},
                 **({k: s[k] for k in rm_keys if k in s} if "reward/reward_model" in s else {}),
+                **{k: s[k] for k in episode_keys if k in s},
                 **({"certificate": certificates[b]["status"]} if b in certificates else {}),
             }
             for b, s in summary.items()

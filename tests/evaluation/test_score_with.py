@@ -117,3 +117,13 @@ def test_eval_metrics_carry_the_reward_model_columns_only_with_a_reward_model():
     assert "maj@2" not in plain and "rm_best@2" not in plain
     scored = eval_metrics("sha", {"mine": {**base, "reward/reward_model": 0.1, "rm_best@2": 1.0}}, 2)["mine"]
     assert (scored["reward/reward_model"], scored["rm_best@2"], scored["maj@2"]) == (0.1, 1.0, 0.5)
+
+
+def test_eval_metrics_carry_episode_tool_metrics_when_the_evaluation_ran_episodes():
+    from tasks.bodies import eval_metrics
+
+    base = {"accuracy": 0.5, "mean_length": 3.0, "n_problems": 2}
+    assert "tool_calls_per_episode" not in eval_metrics("sha", {"mine": base}, 2)["mine"]
+    episodes = {"tool_calls_per_episode": 0.9, "tool_errors_per_episode": 0.01, "turns_per_episode": 1.9}
+    got = eval_metrics("sha", {"mine": {**base, **episodes}}, 2)["mine"]
+    assert {k: got[k] for k in episodes} == episodes
