@@ -1,5 +1,6 @@
 """The learned reward model in its own Ray actor: it scores exactly as in process, and a killed actor
-is restarted by Ray with the batch it held scored again, once. Starts Ray: marked slow."""
+is restarted by Ray with the batch it held scored again, once, alone and in a laminar run. Starts Ray:
+marked slow."""
 
 from __future__ import annotations
 
@@ -55,3 +56,75 @@ def test_a_killed_reward_actor_restarts_and_rescores_its_batch_once(local_ray, r
     again = remote.score(SAMPLES)
     assert again.terms["reward_model"] == pytest.approx(local.terms["reward_model"], abs=1e-5)
     assert again.errors["reward_model"] == 0  # nothing fell back: every sample was scored
+
+
+def test_a_laminar_run_whose_reward_actor_is_killed_mid_run_finishes_with_every_group_scored_once(
+    local_ray, reward, tmp_path, monkeypatch
+):
+    """The Ray runtime in laminar mode with the verifier + the reward model in its actor; the actor is
+    SIGKILLed (Ray restarts it) while it holds the second batch. The run finishes, every group is
+    trained once, none of them got the reward model's fallback, and the actor that finished is a new
+    process."""
+    import math
+
+    from conf.schema import ClusterConfig, RLConfig
+    from generation.model import encode_problem
+    from generation.records import PromptItem
+    from training.rl.drivers.ray import LaminarRuntime
+    from training.rl.stage import objective_params
+
+    ray = local_ray
+    tok = build_char_tokenizer()
+    cfg = ModelConfig(hidden_size=32, intermediate_size=64, num_layers=1, num_heads=2, num_kv_heads=1)
+    save_model(build_tiny_model(cfg, tok, 0), tok, tmp_path / "policy")
+    prompts = [
+        PromptItem(f"p{i}", f"{i}+1", str(i + 1), encode_problem(tok, "{problem}=", f"{i}+1"), 1)
+        for i in range(40)
+    ]
+    calls, pids = [], []
+    score = RemoteRewardModel.score
+
+    def killing_score(self, samples, correct):
+        calls.append(len(samples))
+        if len(calls) == 2:  # the actor dies with this batch submitted; the retry scores it
+            pids.append(ray.get(self.handle.pid.remote()))
+            ref = self.handle.score.remote(list(samples), list(correct))
+            ray.kill(self.handle, no_restart=False)
+            out = ray.get(ref)
+            pids.append(ray.get(self.handle.pid.remote()))
+            return out
+        return score(self, samples, correct)
+
+    monkeypatch.setattr(RemoteRewardModel, "score", killing_score)
+    rl = RLConfig(
+        mode="laminar",
+        runtime="ray",
+        steps=3,
+        prompts_per_step=4,
+        group_size=2,
+        lr=1e-3,
+        max_new_tokens=6,
+        rollout_capacity=8,
+        chunk_steps=4,
+        max_staleness=4,
+        repack_interval_s=0.2,
+        micro_batch_tokens=0,
+    )
+    rt = LaminarRuntime(
+        tmp_path / "policy",
+        prompts,
+        reward,
+        objective_params(rl),
+        rl,
+        seed=0,
+        device="cpu",
+        cluster=ClusterConfig(rollouts=2, actor_threads=1),
+    )
+    result = rt.run()
+    uids = rt.summary["trained_uids"]
+    assert len(uids) == len(set(uids)) == 12  # every group trained once, none twice
+    assert len(calls) >= 3 and len(pids) == 2 and pids[0] != pids[1]  # killed mid-run, restarted
+    for m in result.history:
+        d = m.as_dict()
+        assert d["reward_errors/reward_model"] == 0  # no trajectory fell back to the default score
+        assert math.isfinite(d["reward/reward_model"])
