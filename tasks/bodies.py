@@ -298,7 +298,7 @@ def rft_body(ctx: StageContext) -> StageResult:
 def preferences_body(ctx: StageContext) -> StageResult:
     """Simulated annotators rate the warm-up model's sampled responses; comparisons ingested."""
     from data_curation.annotators import sample_groups, simulated_preferences
-    from evaluation.stages import HELDOUT, load_items
+    from evaluation.stages import HELDOUT, benchmark_hash, load_items
     from generation.setup import setup_torch
 
     setup_torch(ctx.cfg.threads, ctx.cfg.seed)
@@ -331,6 +331,9 @@ def preferences_body(ctx: StageContext) -> StageResult:
             ngram=ctx.cfg.curation.decontam.ngram,
             min_coverage=ctx.cfg.curation.decontam.min_coverage,
             paraphrase=paraphrase_params(ctx.cfg),
+            # the prompts' decontamination certificate (decontam/certificate.json) names each file's hash,
+            # so a score's certificate covers what the reward model learned from (tasks.certificate)
+            benchmark_hashes={b: benchmark_hash(b, data, files) for b in names},
         )
 
     ref, metrics = _produce(ctx, COMPARISONS, run)

@@ -17,6 +17,10 @@ every model at its root. Per benchmark, given the sha256 of the file the score w
   trained on nothing: a from-scratch base model).
 
 Each certificate also names the rules the pools were checked with and the pools themselves.
+
+A reward model's comparisons (stage ``preferences``) count as a pool: their prompts were
+decontaminated too (``decontam/certificate.json`` in the artifact), so a checkpoint trained against a
+learned reward is ``clean`` only when the preference prompts were checked as well.
 """
 
 from __future__ import annotations
@@ -124,6 +128,8 @@ def certify(
                 )
         elif node["stage"] == "decontaminate":
             pools.append((node["sha"], _read_pool_certificate(node["path"], root)))
+        elif node["stage"] == "preferences" and node["path"]:  # a reward model's comparisons: their prompts
+            pools.append((node["sha"], _read_pool_certificate(str(Path(node["path"]) / "decontam"), root)))
     rules = sorted({r for _, c in pools if c for r in c.get("rules", [])})
     out: dict[str, dict] = {}
     for bench, sha in benchmarks.items():

@@ -6,6 +6,8 @@ reward model. About 90 s on 2 cores: marked slow."""
 
 from __future__ import annotations
 
+import json
+
 import duckdb
 import pytest
 
@@ -38,9 +40,17 @@ def test_reward_model_run_end_to_end(tmp_path):
             "SELECT count(*) FROM comparisons WHERE artifact_sha = ?",
             [s["stages"]["preferences"]["artifacts"]["comparisons"]],
         ).fetchone()
+        certs = con.execute(
+            "SELECT DISTINCT certificate_json FROM eval_results WHERE checkpoint_sha = ?",
+            [s["checkpoints"]["rl"]],
+        ).fetchall()
     finally:
         con.close()
     assert n == s["stages"]["preferences"]["metrics"]["comparisons"] > 0
+    # the RL checkpoint's certificate covers the reward model's preference prompts too
+    comparisons_sha = s["stages"]["preferences"]["artifacts"]["comparisons"]
+    assert certs and all(comparisons_sha in json.loads(c)["pools"] for (c,) in certs)
+    assert all(json.loads(c)["status"] in ("clean", "contaminated-removed") for (c,) in certs)
     out = laminar("lineage", s["checkpoints"]["rl"][:12], ws=ws).stdout
     rm_sha = s["stages"]["reward_model"]["artifacts"]["model"]
     assert f"input reward_model: model {rm_sha[:16]} (from reward_model)" in out

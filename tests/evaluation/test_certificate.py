@@ -106,6 +106,40 @@ def test_a_trained_checkpoint_without_a_checked_pool_is_not_checked(tmp_path):
     assert cert["status"] == "not-checked" and "no decontaminated pool" in cert["detail"]
 
 
+def _with_reward_model(tmp: Path, cat: Catalog, comparisons: dict) -> None:
+    """RL (R) also learned from a reward model (M) trained on comparisons (C, stage ``preferences``,
+    their prompts' certificate in ``decontam/``), as the reward_model stages record it."""
+    (tmp / "C").mkdir()
+    _pool(tmp / "C", "decontam", comparisons)
+    with cat.transaction() as con:
+        for kind, sha, stage, path in (("comparisons", "C", "preferences", str(tmp / "C")),
+                                       ("model", "M", "reward_model", None)):  # fmt: skip
+            con.execute(
+                "INSERT INTO artifacts VALUES (?, ?, ?, now(), ?, 'k', '{}')", [kind, sha, path, stage]
+            )
+        for pk, parent, ck, child, stage in (("comparisons", "C", "model", "M", "reward_model"),
+                                             ("model", "M", "model", "R", "rl")):  # fmt: skip
+            con.execute(
+                "INSERT INTO artifact_edges VALUES (?, ?, ?, ?, ?, 'k')", [pk, parent, ck, child, stage]
+            )
+
+
+def test_a_reward_models_preference_prompts_are_a_pool_of_the_certificate(tmp_path):
+    for name, comparisons, status in (
+        ("checked", {"math500": {"sha256": H_MATH, "items": 500, "removed": 0}}, "clean"),
+        ("removed", {"math500": {"sha256": H_MATH, "items": 500, "removed": 2}}, "contaminated-removed"),
+        ("unchecked", {}, "not-checked"),
+        ("other_file", {"math500": {"sha256": "c" * 64, "items": 500, "removed": 0}}, "not-checked"),
+    ):
+        (tmp_path / name).mkdir()
+        cat = _catalog(tmp_path / name)
+        _with_reward_model(tmp_path / name, cat, comparisons)
+        cert = certify(cat.query, "R", {"math500": H_MATH})["math500"]
+        assert cert["status"] == status and "C" in cert["pools"], (name, cert)
+        assert certify(cat.query, "W", {"math500": H_MATH})["math500"]["status"] == "clean"  # no RM there
+    assert "pool C" in cert["detail"]
+
+
 @pytest.mark.parametrize("status", ["clean", "not-checked"])
 def test_report_marks_scores_that_are_not_clean(status):
     from evaluation.report import EvalGroup, markdown_benchmark_table
