@@ -132,8 +132,10 @@ def file_benchmarks(cfg: Config) -> dict:
     return load_file_benchmarks(cfg.eval.benchmark_files().values())
 
 
-def decontaminate_body(ctx: StageContext) -> StageResult:
-    from data_curation.decontaminate import decontaminate
+def decontam_args(ctx: StageContext) -> tuple[list, dict]:
+    """The benchmark items prompts are checked against (``decontam_benchmarks``; the held-out split
+    only where the data stage wrote one) and ``data_curation.decontaminate.decontaminate``'s keywords,
+    with each benchmark file's sha256 for the pool's certificate (``tasks.certificate``)."""
     from evaluation.stages import HELDOUT, benchmark_hash, load_items
 
     data = Path(ctx.inputs[DATASET].path)
@@ -141,18 +143,22 @@ def decontaminate_body(ctx: StageContext) -> StageResult:
     names = [b for b in decontam_benchmarks(ctx.cfg) if b != HELDOUT or has_heldout]
     files = file_benchmarks(ctx.cfg)
     items = [it for b in names for it in load_items(b, data, files)]
+    return items, dict(
+        ngram=ctx.cfg.curation.decontam.ngram,
+        min_coverage=ctx.cfg.curation.decontam.min_coverage,
+        paraphrase=paraphrase_params(ctx.cfg),
+        benchmark_hashes={b: benchmark_hash(b, data, files) for b in names},
+    )
+
+
+def decontaminate_body(ctx: StageContext) -> StageResult:
+    from data_curation.decontaminate import decontaminate
+
+    items, decontam = decontam_args(ctx)
     ref, metrics = _produce(
         ctx,
         PROMPTS,
-        lambda out: decontaminate(
-            Path(ctx.inputs[PROMPTS].file("prompts.parquet")),
-            items,
-            out,
-            ngram=ctx.cfg.curation.decontam.ngram,
-            min_coverage=ctx.cfg.curation.decontam.min_coverage,
-            paraphrase=paraphrase_params(ctx.cfg),
-            benchmark_hashes={b: benchmark_hash(b, data, files) for b in names},
-        ),
+        lambda out: decontaminate(Path(ctx.inputs[PROMPTS].file("prompts.parquet")), items, out, **decontam),
     )
     return StageResult({PROMPTS: ref}, metrics)
 
@@ -298,15 +304,12 @@ def rft_body(ctx: StageContext) -> StageResult:
 def preferences_body(ctx: StageContext) -> StageResult:
     """Simulated annotators rate the warm-up model's sampled responses; comparisons ingested."""
     from data_curation.annotators import sample_groups, simulated_preferences
-    from evaluation.stages import HELDOUT, benchmark_hash, load_items
     from generation.setup import setup_torch
 
     setup_torch(ctx.cfg.threads, ctx.cfg.seed)
     c = ctx.cfg.reward_model
-    data = Path(ctx.inputs[DATASET].path)
-    names = [b for b in decontam_benchmarks(ctx.cfg) if b != HELDOUT or (data / "heldout.parquet").exists()]
-    files = file_benchmarks(ctx.cfg)
-    items = [it for b in names for it in load_items(b, data, files)]
+    # the comparisons' prompts are checked like any pool, and their certificate counts downstream
+    items, decontam = decontam_args(ctx)
 
     def run(out: Path) -> dict:
         groups = sample_groups(
@@ -328,12 +331,7 @@ def preferences_body(ctx: StageContext) -> StageResult:
             flip=c.flip,
             seed=ctx.cfg.seed,
             benchmark_items=items,
-            ngram=ctx.cfg.curation.decontam.ngram,
-            min_coverage=ctx.cfg.curation.decontam.min_coverage,
-            paraphrase=paraphrase_params(ctx.cfg),
-            # the prompts' decontamination certificate (decontam/certificate.json) names each file's hash,
-            # so a score's certificate covers what the reward model learned from (tasks.certificate)
-            benchmark_hashes={b: benchmark_hash(b, data, files) for b in names},
+            **decontam,
         )
 
     ref, metrics = _produce(ctx, COMPARISONS, run)

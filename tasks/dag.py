@@ -478,7 +478,14 @@ STAGES: tuple[Stage, ...] = (
         name="preferences",
         inputs={MODEL: ("warmup", MODEL), PROMPTS: ("decontaminate", PROMPTS), DATASET: ("data", DATASET)},
         config=preferences_key,
-        modules=("data_curation.annotators", "data_curation.preferences", *_SAMPLING_MODULES),
+        # evaluation.stages: the benchmark items and file hashes the prompts are checked against, as in
+        # decontaminate (tasks.bodies.decontam_args)
+        modules=(
+            "data_curation.annotators",
+            "data_curation.preferences",
+            "evaluation.stages",
+            *_SAMPLING_MODULES,
+        ),
         body=preferences_body,
         record=recording.record_preferences,
         headline=preferences_headline,
