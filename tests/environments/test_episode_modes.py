@@ -19,7 +19,7 @@ from generation.model import (
     save_model,
 )
 from generation.records import PromptItem
-from tests.training.rl_fakes import Verdict
+from tests.training.rl_fakes import Verdict, ray_rl
 from training.rl.manager import RolloutManager
 from training.rl.stage import objective_params
 
@@ -163,20 +163,7 @@ def test_the_ray_modes_train_calculator_episodes_once_each(local_ray, caller_dir
         )
         for i in range(40)
     ]
-    rl = RLConfig(
-        mode=mode,
-        runtime="ray",
-        steps=3,
-        prompts_per_step=4,
-        group_size=2,
-        lr=1e-3,
-        max_new_tokens=12,
-        rollout_capacity=8,
-        chunk_steps=4,
-        max_staleness=4,
-        repack_interval_s=0.2,
-        micro_batch_tokens=0,
-    )
+    rl = ray_rl(mode)
     rt = LaminarRuntime(
         caller_dir,
         prompts,

@@ -28,3 +28,26 @@ def saved_model(folder, model, tokenizer):
 
     save_model(model, tokenizer, Path(folder))
     return Path(folder)
+
+
+def ray_rl(mode: str, **overrides):
+    """A short ``rl.runtime=ray`` run of ``mode`` for the runtime tests: 3 steps of 4 prompts x 2, two
+    rollouts' worth of capacity, a loose staleness bound and frequent repack checks (``overrides``:
+    any other ``RLConfig`` field)."""
+    from conf.schema import RLConfig
+
+    kw = dict(
+        mode=mode,
+        runtime="ray",
+        steps=3,
+        prompts_per_step=4,
+        group_size=2,
+        lr=1e-3,
+        max_new_tokens=12,
+        rollout_capacity=8,
+        chunk_steps=4,
+        max_staleness=4,
+        repack_interval_s=0.2,
+        micro_batch_tokens=0,
+    )
+    return RLConfig(**{**kw, **overrides})

@@ -15,6 +15,8 @@ from training.rl.reward_actor import RemoteRewardModel, with_reward_actor
 
 pytestmark = pytest.mark.slow
 
+SMALL = ModelConfig(hidden_size=32, intermediate_size=64, num_layers=1, num_heads=2, num_kv_heads=1)
+
 
 class _Verifier:
     def verify_batch(self, texts, golds):
@@ -27,8 +29,7 @@ class _Verifier:
 def reward(tmp_path_factory):
     root = tmp_path_factory.mktemp("rm_actor")
     tok = build_char_tokenizer()
-    cfg = ModelConfig(hidden_size=32, intermediate_size=64, num_layers=1, num_heads=2, num_kv_heads=1)
-    save_model(build_tiny_model(cfg, tok, 0), tok, root / "lm")
+    save_model(build_tiny_model(SMALL, tok, 0), tok, root / "lm")
     rows = [{"prompt": f"{a}+1=", "chosen": f"{a + 1}.", "rejected": f"{a + 1}"} for a in range(40)]
     train_reward_model(root / "lm", rows, root / "rm", steps=20, batch_size=8, lr=3e-3)
     spec = RewardConfig([RewardComponentConfig(), RewardComponentConfig(name="reward_model", weight=0.5)])
@@ -67,16 +68,16 @@ def test_a_laminar_run_whose_reward_actor_is_killed_mid_run_finishes_with_every_
     process."""
     import math
 
-    from conf.schema import ClusterConfig, RLConfig
+    from conf.schema import ClusterConfig
     from generation.model import encode_problem
     from generation.records import PromptItem
     from training.rl.drivers.ray import LaminarRuntime
     from training.rl.stage import objective_params
+    from tests.training.rl_fakes import ray_rl
 
     ray = local_ray
     tok = build_char_tokenizer()
-    cfg = ModelConfig(hidden_size=32, intermediate_size=64, num_layers=1, num_heads=2, num_kv_heads=1)
-    save_model(build_tiny_model(cfg, tok, 0), tok, tmp_path / "policy")
+    save_model(build_tiny_model(SMALL, tok, 0), tok, tmp_path / "policy")
     prompts = [
         PromptItem(f"p{i}", f"{i}+1", str(i + 1), encode_problem(tok, "{problem}=", f"{i}+1"), 1)
         for i in range(40)
@@ -96,20 +97,7 @@ def test_a_laminar_run_whose_reward_actor_is_killed_mid_run_finishes_with_every_
         return score(self, samples, correct)
 
     monkeypatch.setattr(RemoteRewardModel, "score", killing_score)
-    rl = RLConfig(
-        mode="laminar",
-        runtime="ray",
-        steps=3,
-        prompts_per_step=4,
-        group_size=2,
-        lr=1e-3,
-        max_new_tokens=6,
-        rollout_capacity=8,
-        chunk_steps=4,
-        max_staleness=4,
-        repack_interval_s=0.2,
-        micro_batch_tokens=0,
-    )
+    rl = ray_rl("laminar", max_new_tokens=6)
     rt = LaminarRuntime(
         tmp_path / "policy",
         prompts,
