@@ -27,11 +27,11 @@ from generation.sampler import request_key
 @dataclass(frozen=True)
 class Episode:
     """An episode's state after its completed turns. Invariant: ``tokens``, ``logprobs`` and ``mask``
-        share one length (observation tokens: log-prob 0.0, mask 0). ``request``: the episode's original
-        request (its prompt as the driver knows it); ``context``: the tokens the first turn conditioned on
-        (``Environment.reset``). ``version``: the weight version that sampled the first token (-1: none
-        yet). ``pending``: the text of a finished turn whose ``step`` had not answered when the episode
-        was handed over (the receiver runs it again); ``pending_delay_s``: the tool latency that turn had left
+    share one length (observation tokens: log-prob 0.0, mask 0). ``request``: the episode's original
+    request (its prompt as the driver knows it); ``context``: the tokens the first turn conditioned on
+    (``Environment.reset``). ``version``: the weight version that sampled the first token (-1: none
+    yet). ``pending``: the text of a finished turn whose ``step`` had not answered when the episode
+    was handed over (the receiver runs it again); ``pending_delay_s``: the tool latency that turn had left
     to wait (``environments.latency``), which the receiver waits instead of a fresh draw."""
 
     request: GenRequest
@@ -295,8 +295,7 @@ class EpisodeEngine:
         ep = dataclasses.replace(ep, pending=turn_text, pending_delay_s=None)
         if delay is None:
             lat = self.limits.latency
-            r = ep.request
-            key = f"{r.prompt.prompt_id}|{r.group_uid}|{r.sample_idx}|r{ep.retries}t{ep.turns}"
+            key = "|".join(map(str, request_key(ep.request))) + f"|r{ep.retries}t{ep.turns}"
             delay = 0.0 if lat is None else lat.sample(key)
         fut = self._pool.submit(_timed, self.env.step, turn_text)
         self._waiting.append(_Wait(fut, ep, time.monotonic(), delay))
