@@ -193,6 +193,8 @@ def policy_logprob_baseline(policy_dir: str | Path, held: Sequence[dict], max_le
     (the baseline of "the policy already prefers it")."""
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
+    from generation.adapter import sequence_logprobs
+
     tok = AutoTokenizer.from_pretrained(str(policy_dir))
     model = AutoModelForCausalLM.from_pretrained(str(policy_dir), use_safetensors=True, dtype=torch.float32)
     model.eval()
@@ -203,10 +205,7 @@ def policy_logprob_baseline(policy_dir: str | Path, held: Sequence[dict], max_le
         ids = ([tok.bos_token_id] if tok.bos_token_id is not None else []) + p + r
         ids = ids[-max_len:]
         n = min(len(r), len(ids) - 1)
-        with torch.no_grad():
-            logits = model(input_ids=torch.tensor([ids])).logits[0, :-1]
-        lp = torch.log_softmax(logits.float(), -1).gather(1, torch.tensor(ids[1:])[:, None])[:, 0]
-        return lp[-n:].mean().item() if n > 0 else 0.0
+        return torch.tensor(sequence_logprobs(model, ids)[-n:]).mean().item() if n > 0 else 0.0
 
     chosen = [mean_logprob(c["prompt"], c["chosen"]) for c in held]
     rejected = [mean_logprob(c["prompt"], c["rejected"]) for c in held]

@@ -25,6 +25,7 @@ import torch
 
 from conf.schema import ModelConfig
 from generation.model import build_char_tokenizer, build_tiny_model, encode_prompt, save_model
+from generation.adapter import sequence_logprobs
 from generation.engine import Engine
 from generation.engines import make_engine, vllm_python
 from generation.protocol import REPO_ROOT, ProtocolError, RolloutEngine, SamplingSpec, request_id
@@ -295,12 +296,8 @@ def test_abort_hands_over_prefixes_that_continue_elsewhere(engine, assets):
 
 def _recomputed_logprobs(tok, seed, t) -> np.ndarray:
     """The trainer's view: log-probs of ``t``'s response tokens under model ``seed`` (teacher-forced)."""
-    model = _model(tok, seed)
-    ids = torch.tensor([list(t.prompt.prompt_tokens) + list(t.response_tokens)])
-    with torch.no_grad():
-        logp = torch.log_softmax(model(ids).logits[0, :-1].float(), dim=-1)
-    n = len(t.prompt.prompt_tokens)
-    return logp[n - 1 :, :].gather(1, ids[0, n:, None])[:, 0].numpy()
+    tokens = list(t.prompt.prompt_tokens) + list(t.response_tokens)
+    return np.array(sequence_logprobs(_model(tok, seed), tokens)[len(t.prompt.prompt_tokens) - 1 :])
 
 
 def test_load_weights_moves_the_version_and_the_outputs(engine, assets):
