@@ -12,6 +12,7 @@ from typing import Any
 from collections.abc import Mapping, Sequence
 
 from evaluation.metrics import shaping_metrics, summarize
+from rewards.compose import REWARD_MODEL
 
 __all__ = [
     "EvalGroup",
@@ -21,6 +22,9 @@ __all__ = [
     "summarize_eval_rows",
     "write_report",
     "PLOTS",
+    "RM_SCORE",
+    "plot_reward_model",
+    "reward_model_keys",
 ]
 
 PLOTS = {
@@ -28,9 +32,23 @@ PLOTS = {
     "rl": "rl_reward_length.png",
     "levels": "accuracy_by_level.png",
     "timeline": "rl_timeline.png",
+    "reward_model": "reward_model.png",
 }
 ROLE_LABELS = {"base_model": "base", "warmup": "warm-up", "rft": "RFT", "rl": "RL", "external": "external"}
 _COLORS = {"base": "#9e9e9e", "warm-up": "#4c72b0", "RFT": "#8172b3", "RL": "#dd8452", "external": "#55a868"}
+RM_SCORE = f"reward/{REWARD_MODEL}"
+"""An evaluation summary's mean learned-reward-model score (``evaluation.evaluate.summarize_rows``)."""
+RM_ERRORS = f"reward_errors/{REWARD_MODEL}"
+RM_METRICS = ("avg", "maj", "rm_best")
+"""What the reward model's pick of the n samples is shown beside: ``<name>@n``."""
+
+
+def reward_model_keys(summary: Mapping[str, Any]) -> tuple[str, ...]:
+    """The learned reward model's metrics in an evaluation summary: its mean score, its fallback count
+    and best-of-n reranked by it (``rm_best@n``); none for an evaluation scored without one."""
+    if RM_SCORE not in summary:
+        return ()
+    return (RM_SCORE, RM_ERRORS, f"rm_best@{summary.get('n_samples')}")
 
 
 @dataclass(frozen=True)
@@ -221,8 +239,10 @@ def _md(headers: Sequence[str], rows: Sequence[Sequence[Any]]) -> str:
 
 def markdown_benchmark_table(evals: Sequence[EvalGroup]) -> str:
     """One row per (checkpoint, evaluation, benchmark); a score whose decontamination certificate is
-    not ``clean`` has it next to the benchmark's name."""
+    not ``clean`` has it next to the benchmark's name. When an evaluation scored with a learned reward
+    model, two more columns: its mean score and best-of-n reranked by it (``-`` for the others)."""
     rows = []
+    with_rm = any(RM_SCORE in e.summary for e in evals)
     for e in evals:
         s = e.summary
         pass_k = ", ".join(f"{k} {s[k]:.3f}" for k in _metric_columns(s)[1:-1])
@@ -242,6 +262,7 @@ def markdown_benchmark_table(evals: Sequence[EvalGroup]) -> str:
                 s["truncation_rate"],
                 s["verifier_errors"],
                 too_long_label(s),
+                *(_rm_cells(s) if with_rm else ()),
             ]
         )
     return _md(
@@ -259,9 +280,17 @@ def markdown_benchmark_table(evals: Sequence[EvalGroup]) -> str:
             "truncation",
             "verifier errors",
             "prompts > context",
+            *(("RM score", "rm_best@n") if with_rm else ()),
         ],
         rows,
     )
+
+
+def _rm_cells(s: Mapping[str, Any]) -> tuple[Any, Any]:
+    """The mean reward-model score and ``rm_best@n`` of one summary; ``-`` for one scored without."""
+    if RM_SCORE not in s:
+        return "-", "-"
+    return s[RM_SCORE], s.get(f"rm_best@{s['n_samples']}", "-")
 
 
 def _headline_evals(evals: Sequence[EvalGroup]) -> dict[tuple[str, str], EvalGroup]:
@@ -509,6 +538,57 @@ def plot_levels(
     return drawn
 
 
+def _rm_evals(evals: Sequence[EvalGroup]) -> dict[tuple[str, str], EvalGroup]:
+    """The headline evaluations (``_headline_evals``) that scored with a learned reward model."""
+    return {k: e for k, e in _headline_evals(evals).items() if RM_SCORE in e.summary}
+
+
+def plot_reward_model(
+    evals: Sequence[EvalGroup], path: Path, caption: str | None = None
+) -> dict[str, dict[tuple[str, str], float]]:
+    """The learned reward model as a metric, per checkpoint: its mean score per benchmark (left) and
+    best-of-n reranked by it beside avg@n and maj@n (right); only evaluations scored with a reward
+    model. Returns the bars drawn: ``score`` (benchmark, checkpoint label) -> mean score and ``best``
+    ("<benchmark> <checkpoint label>", "<metric>@n") -> accuracy."""
+    plt = _pyplot()
+    chosen = _rm_evals(evals)
+    benches = sorted({b for _, b in chosen})
+    roles = [r for r in ROLE_LABELS if any(k[0] == r for k in chosen)]
+    labels = [ROLE_LABELS.get(r, r) for r in roles]
+    pairs = [(r, b) for b in benches for r in roles if (r, b) in chosen]
+    fig, (ax1, ax2) = plt.subplots(
+        1, 2, figsize=(max(11, 1.6 * len(benches) + 1.2 * len(pairs) + 4), 4.4), squeeze=True
+    )
+    score = _grouped_bars(
+        ax1,
+        benches,
+        labels,
+        lambda j, i: (
+            chosen[(roles[i], benches[j])].summary[RM_SCORE] if (roles[i], benches[j]) in chosen else None
+        ),
+    )
+    ax1.axhline(0.0, color="#777777", linewidth=0.6)
+    ax1.set_xticks(range(len(benches)), benches)
+    ax1.set_ylabel("mean reward-model score per sample")
+    ax1.set_title("Reward-model score per checkpoint")
+    names = [f"{m}@n" for m in RM_METRICS]
+    best = _grouped_bars(
+        ax2,
+        [f"{b} {ROLE_LABELS.get(r, r)}" for r, b in pairs],
+        names,
+        lambda j, i: chosen[pairs[j]].summary.get(f"{RM_METRICS[i]}@{chosen[pairs[j]].summary['n_samples']}"),
+    )
+    ax2.set_xticks(range(len(pairs)), [f"{b}\n{ROLE_LABELS.get(r, r)}" for r, b in pairs])
+    ax2.set_ylim(0, 1.05)
+    ax2.set_ylabel("accuracy")
+    ax2.set_title("Best of n reranked by the reward model (rm_best@n)")
+    for ax in (ax1, ax2):
+        if ax.containers:
+            ax.legend(fontsize=8)
+    _finish(fig, path, caption)
+    return {"score": score, "best": best}
+
+
 # ---- the report -----------------------------------------------------------------------------------
 
 
@@ -523,6 +603,28 @@ def _rl_table(rl_metrics: Mapping[str, Sequence[tuple[int, float]]]) -> str:
     return (
         _md(["metric", "steps", "first step", "mean of last 5"], rows) if rows else "_no RL metrics recorded_"
     )
+
+
+def _rm_section(evals: Sequence[EvalGroup]) -> list[str]:
+    """The report's reward-model section; none when no evaluation scored with a reward model."""
+    chosen = _rm_evals(evals)
+    if not chosen:
+        return []
+    rows = []
+    for role, bench in sorted(chosen, key=lambda k: (list(ROLE_LABELS).index(k[0]), k[1])):
+        e = chosen[(role, bench)]
+        s, n = e.summary, e.summary["n_samples"]
+        metrics = [s.get(f"{m}@{n}", "-") for m in RM_METRICS]
+        rows.append([ROLE_LABELS[role], bench + e.tag(), n, s[RM_SCORE], *metrics, s.get(RM_ERRORS, 0)])
+    headers = ["checkpoint", "benchmark", "n", "mean RM score", "avg@n", "maj@n", "rm_best@n", "RM fallbacks"]
+    return [
+        "## Learned reward model per checkpoint",
+        "",
+        _md(headers, rows),
+        "",
+        f"![reward model per checkpoint]({PLOTS['reward_model']})",
+        "",
+    ]
 
 
 def render_markdown(data: ReportData) -> str:
@@ -548,6 +650,7 @@ def render_markdown(data: ReportData) -> str:
         "",
         f"![benchmark accuracy]({PLOTS['benchmarks']})",
         "",
+        *_rm_section(data.evals),
         "## RL reward and response length",
         "",
         _rl_table(data.rl_metrics),
@@ -630,6 +733,11 @@ def write_report(data: ReportData, out_dir: Path) -> Path:
     final = {e.benchmark: e.summary["accuracy"] for e in data.evals if e.role == "rl" and e.own}
     plot_rl(data.rl_metrics, out_dir / PLOTS["rl"], caption, final)
     plot_levels(data.evals, out_dir / PLOTS["levels"], caption)
+    rm_plot = out_dir / PLOTS["reward_model"]
+    if _rm_evals(data.evals):
+        plot_reward_model(data.evals, rm_plot, caption)
+    else:  # no reward model, no panel (nor one left from an earlier report of the run)
+        rm_plot.unlink(missing_ok=True)
     if data.runtime and data.runtime.get("timeline"):
         from evaluation.timeline import plot_timeline
 

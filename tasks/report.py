@@ -162,7 +162,11 @@ def _rl_series(ws: Workspace, rl: dict, data: Any) -> None:
 
 def _coverage(ws: Workspace, art: dict | None, benchmark: str) -> dict:
     """What the catalog's rows do not hold, from the evaluation's own ``summary.json``: the subset
-    (``problems_total``) and the prompts longer than the model's context (``too_long``, ``context``)."""
+    (``problems_total``), the prompts longer than the model's context (``too_long``, ``context``) and,
+    for an evaluation that scored with a learned reward model, its metrics (``reward/reward_model``,
+    ``reward_errors/reward_model``, ``rm_best@n``; ``evaluation.report.RM_SCORE``)."""
+    from evaluation.report import reward_model_keys
+
     if not art:
         return {}
     path = Path(ws.artifacts.locate_path(EVAL, art["sha256"], art["path"])) / "summary.json"
@@ -170,7 +174,8 @@ def _coverage(ws: Workspace, art: dict | None, benchmark: str) -> dict:
         summary = json.loads(path.read_text()).get(benchmark, {})
     except (OSError, ValueError):
         return {}
-    return {k: summary[k] for k in ("problems_total", "too_long", "context") if k in summary}
+    keys = ("problems_total", "too_long", "context", *reward_model_keys(summary))
+    return {k: summary[k] for k in keys if k in summary}
 
 
 def write(ws: Workspace, run_id: str | None = None) -> Path:
