@@ -56,6 +56,14 @@ def test_reward_model_run_end_to_end(tmp_path):
     assert f"input reward_model: model {rm_sha[:16]} (from reward_model)" in out
     source = s["stages"]["preferences"]["metrics"]["source_sha256"]["simulated_annotators"]
     assert f"preferences: source simulated_annotators sha256 {source}" in out
+    laminar("report", s["run_id"], ws=ws)  # the report plots the reward model per checkpoint
+    report = (ws / "runs" / s["run_id"] / "report" / "report.md").read_text()
+    section = report.split("## Learned reward model per checkpoint")[1].split("\n## ")[0]
+    for role, stage in (("warm-up", "eval_warmup"), ("RL", "eval_rl")):  # RFT may keep warm-up weights
+        held = s["stages"][stage]["metrics"]["arith_heldout"]
+        assert f"| {role} | arith_heldout | 2 | {held['reward/reward_model']:.3f} |" in section
+        assert f"| {held['rm_best@2']:.3f} |" in section
+    assert (ws / "runs" / s["run_id"] / "report" / "reward_model.png").exists()
     ev = laminar("eval", f"ckpt={s['checkpoints']['rl'][:12]}", *TINY_CURATED, "reward=reward_model", ws=ws)
     assert f"scoring with reward model {rm_sha[:12]}" in ev.stdout
     assert "arith_heldout best of 2 reranked by the reward model" in ev.stdout
