@@ -36,6 +36,7 @@ CodeTestsScore = Literal["pass_fraction", "all_pass"]
 RewardModelNormalize = Literal["fixed", "none"]
 Rubric = Literal["full_stop"]
 DartStrategy = Literal["prop2diff", "uniform", "vanilla"]
+DartSelect = Literal["verifier", "reward_model"]
 SelectStrategy = Literal["hive", "uniform"]
 SelectHistory = Literal["run", "workspace"]
 EntropyRule = Literal["median", "paper", "off"]
@@ -442,6 +443,12 @@ class DartConfig:
     """Accept a response only if, besides the right final answer, every integer equation it states
     holds (``data_curation.dart.arithmetic_consistent``): a lucky final answer after ``4+4=9`` is not
     kept for fine-tuning. False = the DART paper's rule (final answer only)."""
+    select: Annotated[str, DartSelect] = "verifier"
+    """Which sampled responses RFT learns from. ``verifier``: every response the verifier accepts
+    (DART's rule). ``reward_model`` (rank instead of verify; needs ``reward=reward_model``): per prompt,
+    the learned reward model's top-ranked responses, as many as the prompt's target (``vanilla``, which
+    has none: ``k_u``), verified or not. The trials per prompt are DART's either way: the planner still
+    stops a prompt once it has its target of verified responses."""
 
 
 @dataclass
@@ -1187,6 +1194,11 @@ def _validate_curation(cfg: Config) -> None:
     if c.difficulty.samples < 2:
         raise ConfigError(
             "curation.difficulty.samples must be >= 2 to tell the learning edge (0 < pass rate < 1)"
+        )
+    if c.dart.select == "reward_model" and not cfg.reward.uses_reward_model():
+        raise ConfigError(
+            "curation.dart.select=reward_model ranks DART's responses with the learned reward model, which "
+            "only reward=reward_model trains; add reward=reward_model or set curation.dart.select=verifier"
         )
     if c.difficulty.max_prompts < 0 or c.dart.budget < 0 or c.dart.max_trials < 0 or c.rft.steps < 0:
         raise ConfigError(

@@ -94,6 +94,24 @@ def arithmetic_consistent(text: str) -> bool:
     return True
 
 
+def top_ranked(trials: pl.DataFrame, stats: pl.DataFrame, default_keep: int) -> pl.DataFrame:
+    """Rank instead of verify (``curation.dart.select=reward_model``): per prompt, its ``target``
+    trials with the highest ``rm_score`` (ties to the earlier trial), ``default_keep`` where the
+    strategy sets no target (vanilla), every trial a candidate whether the verifier accepted it or not.
+    ``trials``: one row per trial (prompt_id, response, length, trial_idx, rm_score, verified);
+    ``stats``: ``DartPlanner.stats()``. Returns the kept rows ordered by prompt_id, trial_idx."""
+    import polars as pl
+
+    rank = pl.int_range(pl.len()).over("prompt_id")
+    return (
+        trials.join(stats.select("prompt_id", "target"), on="prompt_id", how="left")
+        .sort(["prompt_id", "rm_score", "trial_idx"], descending=[False, True, False])
+        .filter(rank < pl.col("target").fill_null(default_keep))
+        .drop("target")
+        .sort(["prompt_id", "trial_idx"])
+    )
+
+
 # ceil() of k_p * fail_rate must not round a product like 10 * (1 - 0.7) = 3.0000000000000004 up to 4.
 _CEIL_EPS = 1e-9
 

@@ -160,6 +160,7 @@ def dart_sample(
     batch_size: int = 256,
     progress=None,
     check_arithmetic: bool = False,
+    ranker=None,
 ) -> dict[str, float]:
     """DART: rejection-sample the difficulty stage's prompts, trials allocated by
     ``data_curation.dart.DartPlanner`` (``params``: its ``DartParams``), round after round until every
@@ -167,10 +168,12 @@ def dart_sample(
     prompt) and ``dart_stats.parquet`` (per prompt: fail rate, target, trials, corrects). With
     ``check_arithmetic`` a response counts as correct only if its integer equations hold too
     (``data_curation.dart.arithmetic_consistent``); ``rejected_arithmetic`` counts the right answers
-    that check turned down."""
+    that check turned down. With ``ranker`` (a built ``reward_model`` component) it ranks instead of
+    verifying: ``rft.parquet`` holds each prompt's top-ranked trials (``data_curation.dart.top_ranked``,
+    with their ``rm_score`` and whether the verifier accepted them, ``verified``)."""
     import torch
 
-    from data_curation.dart import DartPlanner, arithmetic_consistent
+    from data_curation.dart import DartPlanner, arithmetic_consistent, top_ranked
     from generation.records import GenRequest
 
     attempts = pl.read_parquet(attempts_path)
@@ -184,6 +187,8 @@ def dart_sample(
     planner = DartPlanner(attempts, params)
     generator = torch.Generator().manual_seed(seed)
     rounds = rejected = 0
+    ranked: list[dict] = []  # with a ranker: every trial, scored
+    trials: dict[str, int] = {}  # prompt id -> its trials so far, as the planner numbers them
     while plan := planner.next_round():
         rounds += 1
         requests = [GenRequest(prompt=items[pid], sample_idx=i) for pid, n in plan for i in range(n)]
@@ -194,20 +199,87 @@ def dart_sample(
             for t, v in zip(trajs, verdicts)
         ]
         rejected += sum(v.correct and not c for v, c in zip(verdicts, correct))
+        if ranker is not None:
+            ranked += _rank_round(ranker, trajs, correct, by_id, max_new_tokens, trials)
         planner.record(
             (t.prompt.prompt_id, c, t.text, len(t.response_tokens)) for t, c in zip(trajs, correct)
         )
         if progress is not None:
             progress.update(len(requests))
-    data = planner.correct_responses().join(
-        prompts.select("prompt_id", "problem", "answer", "level"), on="prompt_id", how="left"
+    stats = planner.stats()
+    kept = (
+        planner.correct_responses()
+        if ranker is None
+        else top_ranked(_trials_frame(ranked), stats, params.k_u)
     )
+    data = kept.join(prompts.select("prompt_id", "problem", "answer", "level"), on="prompt_id", how="left")
     data.write_parquet(Path(out_dir) / "rft.parquet")
-    stats = planner.stats().join(prompts.select("prompt_id", "level"), on="prompt_id", how="left")
+    stats = stats.join(prompts.select("prompt_id", "level"), on="prompt_id", how="left")
     stats.write_parquet(Path(out_dir) / "dart_stats.parquet")
     return {
         **{k: float(v) for k, v in planner.summary().items()},
         "rounds": float(rounds),
         "rft_examples": float(data.height),
         "rejected_arithmetic": float(rejected),
+        **(_rank_metrics(data, ranked) if ranker is not None else {}),
+    }
+
+
+def _rank_round(
+    ranker, trajs, correct, by_id: dict, max_new_tokens: int, trials: dict[str, int]
+) -> list[dict]:
+    """One round's trials scored by ``ranker`` (``rewards.compose.safe_scores``: a failed score is the
+    component's fallback, counted), numbered per prompt after its earlier ``trials`` (updated) in the
+    order ``DartPlanner.record`` numbers them."""
+    from rewards.compose import safe_scores
+    from rewards.components import Sample
+
+    samples = [
+        Sample(
+            text=t.text,
+            answer=t.prompt.answer or "",
+            n_tokens=len(t.response_tokens),
+            max_tokens=max_new_tokens,
+            prompt=by_id[t.prompt.prompt_id]["problem"],
+        )
+        for t in trajs
+    ]
+    scores, failed = safe_scores(ranker, samples, correct)
+    out = []
+    for t, c, x, f in zip(trajs, correct, scores, failed):
+        pid = t.prompt.prompt_id
+        out.append(
+            {
+                "prompt_id": pid,
+                "response": t.text,
+                "length": len(t.response_tokens),
+                "trial_idx": trials.get(pid, 0),
+                "rm_score": x,
+                "verified": bool(c),
+                "rm_failed": f,
+            }
+        )
+        trials[pid] = trials.get(pid, 0) + 1
+    return out
+
+
+def _trials_frame(ranked: list[dict]) -> pl.DataFrame:
+    schema = {
+        "prompt_id": pl.Utf8,
+        "response": pl.Utf8,
+        "length": pl.Int64,
+        "trial_idx": pl.Int64,
+        "rm_score": pl.Float64,
+        "verified": pl.Boolean,
+    }
+    return pl.DataFrame([{k: r[k] for k in schema} for r in ranked], schema=schema)
+
+
+def _rank_metrics(data: pl.DataFrame, ranked: list[dict]) -> dict[str, float]:
+    """What ranking kept: the share of the kept responses the verifier accepts, their mean score, and
+    the trials the reward model failed to score (given its fallback)."""
+    return {
+        "rm_kept_verified": float(data["verified"].mean()) if data.height else 0.0,
+        "rm_kept_mean_score": float(data["rm_score"].mean()) if data.height else 0.0,
+        "rm_fallbacks": float(sum(r["rm_failed"] for r in ranked)),
     }

@@ -257,6 +257,14 @@ def dart_body(ctx: StageContext) -> StageResult:
         budget=c.budget,
         round_size=c.round_size,
     )
+    ranker = None
+    if c.select == "reward_model":  # rank instead of verify (validate() asks for reward=reward_model)
+        ranker = next(iter(reward_model_components(ctx)), None)
+        if ranker is None:
+            raise ValueError(
+                "curation.dart.select=reward_model but the dart stage has no reward model input; run it "
+                "with reward=reward_model (the reward_model stage) or set curation.dart.select=verifier"
+            )
 
     def run(out: Path) -> dict:
         with Verifier(timeout_s=ctx.cfg.eval.verifier_timeout_s) as verifier:
@@ -273,6 +281,7 @@ def dart_body(ctx: StageContext) -> StageResult:
                 device=ctx.device,
                 verifier=verifier,
                 check_arithmetic=c.check_arithmetic,
+                ranker=ranker,
             )
 
     ref, metrics = _produce(ctx, RFT_DATA, run)

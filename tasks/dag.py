@@ -145,13 +145,24 @@ def difficulty_rft_key(c: Config) -> dict:
 
 
 def dart_key(c: Config) -> dict:
+    """``select`` only when the reward model ranks (the key of verifier selection is as it was), then
+    with the reward model's scoring settings."""
+    dart = asdict(c.curation.dart)
+    if not dart_ranks(c):
+        del dart["select"]
     return {
-        **asdict(c.curation.dart),
+        **dart,
         "max_new_tokens": c.curation.difficulty.max_new_tokens,
         "template": template(c),
         "verifier_timeout_s": c.eval.verifier_timeout_s,
         **_numerics(c),
+        **(_reward_model_key(c) if dart_ranks(c) else {}),
     }
+
+
+def dart_ranks(c: Config) -> bool:
+    """Whether DART keeps the reward model's top-ranked responses (``curation.dart.select``)."""
+    return c.curation.dart.select == "reward_model"
 
 
 def rft_key(c: Config) -> dict:
@@ -344,6 +355,11 @@ def dart_headline(m: dict) -> str:
         if m.get("rejected_arithmetic")
         else ""
     )
+    if "rm_kept_verified" in m:  # curation.dart.select=reward_model
+        return (
+            f"{m.get('trials', 0):.0f} trials  {m['rft_examples']:.0f} responses ranked top by the reward "
+            f"model ({m['rm_kept_verified']:.0%} of them verified)"
+        )
     return f"{m.get('trials', 0):.0f} trials  {m['rft_examples']:.0f} correct responses" + rejected
 
 
@@ -524,12 +540,14 @@ STAGES: tuple[Stage, ...] = (
             MODEL: ("warmup", MODEL),
             PROMPTS: ("decontaminate", PROMPTS),
             ATTEMPTS: ("difficulty", ATTEMPTS),
+            REWARD_MODEL: ("reward_model", MODEL),
         },
         config=dart_key,
         modules=(*_SAMPLING_MODULES, "data_curation.dart"),
         body=dart_body,
         record=recording.record_dart,
         headline=dart_headline,
+        reads={REWARD_MODEL: dart_ranks},
     ),
     Stage(
         name="rft",
@@ -665,7 +683,8 @@ def downstream_of(names: Iterable[str], cfg: Config | None = None) -> set[str]:
     while changed:
         changed = False
         for stage in stages_of(cfg):
-            if stage.name not in seen and any(src in seen for src, _ in stage.inputs.values()):
+            reads = active_inputs(stage, _live(cfg)).values()
+            if stage.name not in seen and any(src in seen for src, _ in reads):
                 seen.add(stage.name)
                 changed = True
     return seen
@@ -709,8 +728,17 @@ def select(
 
 
 def active_inputs(stage: Stage, cfg: Config | None) -> dict[str, tuple[str, str]]:
-    """``stage.inputs`` less those from stages that do not run under ``cfg`` (``Stage.when``)."""
-    return {n: (src, out) for n, (src, out) in stage.inputs.items() if STAGE_BY_NAME[src].active(cfg)}
+    """``stage.inputs`` less those from stages that do not run under ``cfg`` (``Stage.when``) and those
+    the stage does not read under it (``Stage.reads``; with no ``cfg``, it may)."""
+    return {
+        n: (src, out)
+        for n, (src, out) in stage.inputs.items()
+        if STAGE_BY_NAME[src].active(cfg) and (cfg is None or stage.reads.get(n, _always)(cfg))
+    }
+
+
+def _always(cfg: Config) -> bool:
+    return True
 
 
 def stage_inputs(

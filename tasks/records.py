@@ -68,7 +68,9 @@ class Stage:
     outside the store (a local model folder, vendored benchmark files, the workspace's reward
     history): they enter the cache key like artifact inputs, so replacing them reruns the stage.
     ``when``: the configs the stage runs under (None: all); a stage's input from a stage that does
-    not run under the config is left out of its inputs (and of its key)."""
+    not run under the config is left out of its inputs (and of its key). ``reads``: input name -> the
+    configs under which the stage reads that input (absent: all); under the others it is left out
+    the same way."""
 
     name: str
     inputs: Mapping[str, tuple[str, str]]
@@ -79,6 +81,7 @@ class Stage:
     headline: Callable[[dict], str] = no_headline
     external: Callable[[Config, Catalog | None], dict[str, str]] | None = None
     when: Callable[[Config], bool] | None = None
+    reads: Mapping[str, Callable[[Config], bool]] = field(default_factory=dict)
 
     def active(self, cfg: Config | None) -> bool:
         """Whether the stage runs under ``cfg`` (None: the config is unknown, so it may)."""

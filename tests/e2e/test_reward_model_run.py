@@ -12,16 +12,15 @@ import duckdb
 import pytest
 
 from tests.configs import TINY_CURATED
-from tests.e2e.test_operate import laminar, latest_summary
+from tests.e2e.test_operate import laminar, latest_summary, summaries
 
 pytestmark = [pytest.mark.e2e, pytest.mark.slow]
+RM_RUN = ("reward=reward_model", "reward_model.prompts=20", "reward_model.steps=5")
 
 
 def test_reward_model_run_end_to_end(tmp_path):
     ws = tmp_path / "ws"
-    laminar(
-        "run", *TINY_CURATED, "reward=reward_model", "reward_model.prompts=20", "reward_model.steps=5", ws=ws
-    )
+    laminar("run", *TINY_CURATED, *RM_RUN, ws=ws)
     s = latest_summary(ws)
     stages = list(s["stages"])
     assert stages.index("preferences") < stages.index("reward_model") < stages.index("rl")
@@ -67,3 +66,15 @@ def test_reward_model_run_end_to_end(tmp_path):
     ev = laminar("eval", f"ckpt={s['checkpoints']['rl'][:12]}", *TINY_CURATED, "reward=reward_model", ws=ws)
     assert f"scoring with reward model {rm_sha[:12]}" in ev.stdout
     assert "arith_heldout best of 2 reranked by the reward model" in ev.stdout
+    # rank instead of verify: DART keeps the reward model's top-ranked responses, and the RFT
+    # checkpoint's lineage reaches the reward model through them
+    before = set(summaries(ws))
+    laminar("run", *TINY_CURATED, *RM_RUN, "curation.dart.select=reward_model", ws=ws)
+    (ranked,) = (v for k, v in summaries(ws).items() if k not in before)
+    assert (
+        ranked["stages"]["reward_model"]["status"] == "cached" and ranked["stages"]["dart"]["status"] == "ran"
+    )
+    dart = ranked["stages"]["dart"]["metrics"]
+    assert dart["rft_examples"] > 0 and 0.0 <= dart["rm_kept_verified"] <= 1.0 and dart["rm_fallbacks"] == 0
+    out = laminar("lineage", ranked["checkpoints"]["rft"][:12], ws=ws).stdout
+    assert f"input reward_model: model {rm_sha[:16]} (from reward_model)" in out

@@ -136,3 +136,43 @@ def test_a_reward_model_folder_is_not_checked_when_no_component_uses_it(folders)
 def test_no_held_out_share_is_refused_at_compose_time():
     with pytest.raises(ConfigError, match="reward_model.heldout_share=0"):
         load_config(["reward=reward_model", "reward_model.heldout_share=0"])
+
+
+def test_dart_reads_the_reward_model_only_when_it_ranks():
+    from tasks.dag import dart_headline, dart_key, downstream_of
+
+    dart = STAGE_BY_NAME["dart"]
+    produced = {
+        "warmup": {"model": _ref("a")},
+        "decontaminate": {"prompts": _ref("b")},
+        "difficulty": {"attempts": _ref("c")},
+        "reward_model": {"model": _ref("d")},
+    }
+    default, rm = load_config([]), load_config(["reward=reward_model"])
+    ranks = load_config(["reward=reward_model", "curation.dart.select=reward_model"])
+    assert "select" not in dart_key(default) and "reward_model" not in dart_key(default)  # key as it was
+    assert dart_key(rm) == dart_key(default)  # verifier selection: the reward model is not read
+    assert set(stage_inputs(dart, produced, rm)) == {"model", "prompts", "attempts"}
+    assert "dart" not in downstream_of(["reward_model"], rm)
+    inputs = stage_inputs(dart, produced, ranks)
+    assert inputs["reward_model"].sha256 == "d" * 8  # the edge lineage walks from the RFT checkpoint
+    assert dart_key(ranks)["select"] == "reward_model"
+    assert dart_key(ranks)["reward_model"] == {"normalize": "fixed", "clip": 2.0}
+    assert {"dart", "rft", "rl"} <= downstream_of(["reward_model"], ranks)
+    m = {"trials": 40, "rft_examples": 10, "rm_kept_verified": 0.3}
+    assert dart_headline(m) == "40 trials  10 responses ranked top by the reward model (30% of them verified)"
+
+
+@pytest.mark.parametrize(
+    "overrides,message",
+    [
+        (
+            ["curation.dart.select=reward_model"],
+            r"curation.dart.select=reward_model .* add reward=reward_model",
+        ),
+        (["reward=reward_model", "curation.dart.select=rm"], r"curation.dart.select"),
+    ],
+)
+def test_dart_ranking_without_a_reward_model_or_a_misspelt_selector_is_refused(overrides, message):
+    with pytest.raises(ConfigError, match=message):
+        load_config(overrides)
