@@ -233,7 +233,21 @@ def publish_eval_markdown(outcomes: Sequence[StageOutcome]) -> None:
     artifact."""
     from prefect.artifacts import create_markdown_artifact
 
-    from evaluation.report import EvalGroup, markdown_benchmark_table
+    from evaluation.report import markdown_benchmark_table
+
+    evals = run_evals(outcomes)
+    if evals:
+        create_markdown_artifact(
+            markdown=markdown_benchmark_table(evals),
+            key="laminar-benchmarks",
+            description="Benchmark accuracy per checkpoint (laminar report has the plots)",
+        )
+
+
+def run_evals(outcomes: Sequence[StageOutcome]) -> list:
+    """The run's own eval stages as ``evaluation.report.EvalGroup``s, from each evaluation's
+    ``summary.json`` (with the reward model's metrics where it scored) and its certificate status."""
+    from evaluation.report import EvalGroup
 
     evals = []
     for stage, role in (("eval_warmup", "warmup"), ("eval_rft", "rft"), ("eval_rl", "rl")):
@@ -250,12 +264,8 @@ def publish_eval_markdown(outcomes: Sequence[StageOutcome]) -> None:
                         bench,
                         s,
                         True,
-                        (o.result.metrics.get(bench) or {}).get("certificate"),
+                        origin=stage,
+                        certificate=(o.result.metrics.get(bench) or {}).get("certificate"),
                     )
                 )
-    if evals:
-        create_markdown_artifact(
-            markdown=markdown_benchmark_table(evals),
-            key="laminar-benchmarks",
-            description="Benchmark accuracy per checkpoint (laminar report has the plots)",
-        )
+    return evals
