@@ -133,7 +133,7 @@ def _eval_groups(ws: Workspace, roles: dict[str, str], own: set[tuple[str, str]]
             c,
             e,
             b,
-            {**summarize_eval_rows(groups[(c, e, b)]), **_coverage(ws, arts.get(e), b)},
+            {**summarize_eval_rows(groups[(c, e, b)]), **_from_summary(ws, arts.get(e), b)},
             (c, e) in own,
             (arts.get(e) or {}).get("stage") or "eval",
             groups[(c, e, b)][0]["certificate"],
@@ -160,11 +160,11 @@ def _rl_series(ws: Workspace, rl: dict, data: Any) -> None:
         data.runtime["timeline"] = json.loads((runtime.parent / "timeline.json").read_text())
 
 
-def _coverage(ws: Workspace, art: dict | None, benchmark: str) -> dict:
+def _from_summary(ws: Workspace, art: dict | None, benchmark: str) -> dict:
     """What the catalog's rows do not hold, from the evaluation's own ``summary.json``: the subset
     (``problems_total``), the prompts longer than the model's context (``too_long``, ``context``) and,
     for an evaluation that scored with a learned reward model, its metrics (``reward/reward_model``,
-    ``reward_errors/reward_model``, ``rm_best@n``; ``evaluation.report.RM_SCORE``)."""
+    ``reward_errors/reward_model``, ``rm_best@n``: ``evaluation.report.reward_model_keys``)."""
     from evaluation.report import reward_model_keys
 
     if not art:
