@@ -61,6 +61,7 @@ SandboxBackendName = Literal["bubblewrap", "unsafe"]
 EnvName = Literal["single_turn", "calculator", "calculator_sandbox"]
 ToolFormat = Literal["auto", "text", "chat_template"]
 OnError = Literal["fail", "retry"]
+VersionRule = Literal["turn", "episode"]
 LatencyKind = Literal["off", "fixed", "lognormal", "quantiles", "codex_exec"]
 
 SOURCE_FORMATS: tuple[SourceFormat, ...] = get_args(SourceFormat)
@@ -841,7 +842,9 @@ class EnvConfig:
     ``on_error``: an environment that raises ends the episode as failed (``fail``) or restarts it
     once from its prompt (``retry``). ``tool_format``: ``text`` (the documented line format, the
     only one a tokenizer without a chat template has), ``chat_template`` (the template's ``tools=``),
-    ``auto`` (the template where there is one)."""
+    ``auto`` (the template where there is one). ``version_rule`` (laminar mode): one weight version
+    per policy ``turn`` (an episode waiting on its tool pins no weights; its next turn runs under the
+    newest) or per ``episode`` (the whole episode under the version of its first token)."""
 
     name: Annotated[str, EnvName] = "single_turn"
     max_turns: Annotated[int, Positive] = 1
@@ -855,6 +858,7 @@ class EnvConfig:
     tool (call, observation, ``#### answer``); the others are the worked solutions, so RL has both
     behaviours to choose between."""
     tool_latency: ToolLatencyConfig = field(default_factory=ToolLatencyConfig)
+    version_rule: Annotated[str, VersionRule] = "turn"
 
     def is_default(self) -> bool:
         return self.name == "single_turn"

@@ -8,6 +8,17 @@ other rows; its observation tokens are appended to the episode's tokens and the 
 an injected row whose context is the episode's exact token sequence (prompt + every turn and
 observation so far): nothing is re-rendered from text. The finished ``Trajectory`` carries every
 token with ``loss_mask`` (1 policy, 0 observation) and the behaviour log-probs of the policy's tokens.
+
+The version rule (laminar mode; docs/environments.md). ``turn`` (the default): every policy turn is
+sampled by one weight version, and an episode between turns (its tool running, or answered) is
+*parked*: it pins no weights. ``status()['parked']`` counts those episodes, so a rollout draining
+towards a newer version pulls as soon as its *decoding* turns end, and an episode answered while its
+rollout drains waits for the pull and runs its next turn under the new weights. The trajectory keeps
+each token's behaviour log-prob from the version that sampled it, ``version`` (the first turn's: the
+staleness the buffer bounds) and ``last_version``; a parked episode moves to a rollout of any version
+(its hand-over ``Partial`` has version -1). ``episode``: the whole episode under one version (parked
+is 0, so a rollout pulls only when every episode it holds has ended): a slow tool pins its rollout's
+old weights until it answers.
 """
 
 from __future__ import annotations
@@ -95,7 +106,8 @@ class EpisodeLimits:
     """``max_turns`` policy turns; ``max_tokens`` episode tokens (policy + observation, checked after
     each turn; 0: no limit beyond the turns); ``tool_timeout_s`` per ``step``; ``tool_workers``
     threads; ``on_error``: ``fail`` or ``retry`` (once, from the prompt); ``latency``: seconds added to
-    each tool call (``environments.latency.LatencySampler``; None: none)."""
+    each tool call (``environments.latency.LatencySampler``; None: none); ``version_rule``: what one
+    weight version spans in laminar mode, a ``turn`` or the whole ``episode`` (``EpisodeEngine``)."""
 
     max_turns: int = 4
     max_tokens: int = 0
@@ -103,11 +115,20 @@ class EpisodeLimits:
     tool_workers: int = 4
     on_error: str = "fail"
     latency: LatencySampler | None = None
+    version_rule: str = "turn"
 
     @classmethod
     def from_config(cls, env) -> EpisodeLimits:
         lat = None if env.tool_latency.is_off() else LatencySampler(env.tool_latency)
-        return cls(env.max_turns, env.max_tokens, env.tool_timeout_s, env.tool_workers, env.on_error, lat)
+        return cls(
+            env.max_turns,
+            env.max_tokens,
+            env.tool_timeout_s,
+            env.tool_workers,
+            env.on_error,
+            lat,
+            env.version_rule,
+        )
 
 
 @dataclass
@@ -147,6 +168,8 @@ class EpisodeEngine:
         """Engine request key -> the episode whose turn it is."""
         self._waiting: list[_Wait] = []
         """Episodes whose finished turn is with the environment."""
+        self._held: list[Episode] = []
+        """Answered episodes whose next turn waits for the rollout's pull (turn rule, while it drains)."""
         self._pool = ThreadPoolExecutor(max_workers=limits.tool_workers, thread_name_prefix="laminar-env")
         self.env_errors = 0
         """Environment crashes (exceptions out of ``step``) so far."""
@@ -190,7 +213,8 @@ class EpisodeEngine:
                 continue
             req = ep.turn_request()
             self._episodes[request_key(req)] = ep
-            rows.append(Partial(req, p.tokens, p.logprobs, p.version, p.entropy_sum))
+            version = p.version if p.version >= 0 else ep.version
+            rows.append(Partial(req, p.tokens, p.logprobs, version, p.entropy_sum))
         if rows:
             self.inner.inject(rows)
 
@@ -200,6 +224,10 @@ class EpisodeEngine:
         first answer (at most the tool timeout) instead of returning empty-handed at once."""
         out: list[Trajectory] = []
         self._collect(out)
+        if self._held and self.admitting:  # pulled (or told to admit again): their next turns start
+            held, self._held = self._held, []
+            for ep in held:
+                self._continue(ep)
         st = self.inner.status()
         if st["active"] or st["queued"]:
             for t in self.inner.step(max_steps):
@@ -225,11 +253,13 @@ class EpisodeEngine:
             for w in self._waiting:
                 if only is None or request_key(w.ep.request) in only:
                     w.fut.cancel()
-                    ep = dataclasses.replace(w.ep, pending_delay_s=w.left(now))
-                    out_p.append(Partial(self._carrier(ep), (), (), ep.version, 0.0))
+                    out_p.append(self._parked(dataclasses.replace(w.ep, pending_delay_s=w.left(now))))
                 else:
                     keep.append(w)
             self._waiting = keep
+            held = [ep for ep in self._held if only is None or request_key(ep.request) in only]
+            self._held = [ep for ep in self._held if not (only is None or request_key(ep.request) in only)]
+            out_p += [self._parked(ep) for ep in held]
         return out_p, out_r
 
     def abort(self, request_ids=None, include_queued: bool = True):
@@ -244,7 +274,9 @@ class EpisodeEngine:
 
     def status(self) -> dict:
         st = dict(self.inner.status())
-        st["active"] = int(st["active"]) + len(self._waiting)
+        between = len(self._waiting) + len(self._held)
+        st["active"] = int(st["active"]) + between
+        st["parked"] = between if self.limits.version_rule == "turn" else 0
         return st
 
     def generate(self, requests, max_new_tokens: int | None = None, **_ignored) -> list[Trajectory]:
@@ -257,7 +289,7 @@ class EpisodeEngine:
             raise ValueError("EpisodeEngine.generate needs distinct (prompt_id, group_uid, sample_idx)")
         results: list[Trajectory | None] = [None] * len(requests)
         self.submit(list(requests))
-        while self._episodes or self._waiting:
+        while self._episodes or self._waiting or self._held:
             for t in self.step(self.inner.max_new_tokens):
                 results[slots[request_key(GenRequest(t.prompt, t.sample_idx, t.group_uid))]] = t
         return results  # type: ignore[return-value]
@@ -275,6 +307,13 @@ class EpisodeEngine:
 
     def _carrier(self, ep: Episode) -> GenRequest:
         return dataclasses.replace(ep.request, episode=ep)
+
+    def _parked(self, ep: Episode) -> Partial:
+        """A parked episode's hand-over: no tokens of a turn in flight; under the turn rule bound to no
+        version (-1), else to its episode's."""
+        return Partial(
+            self._carrier(ep), (), (), -1 if self.limits.version_rule == "turn" else ep.version, 0.0
+        )
 
     def _inner_keys(self, only):
         if only is None:
@@ -351,10 +390,16 @@ class EpisodeEngine:
             out.append(self._finish(ep, "max_tokens"))
         else:
             ep = ep.with_observation(res)
-            req = ep.turn_request()
-            self._episodes[request_key(req)] = ep
-            # injected, so a rollout told to stop admitting still finishes its episodes
-            self.inner.inject([Partial(req, (), (), ep.version, 0.0)])
+            if self.limits.version_rule == "turn" and not self.admitting:
+                self._held.append(ep)  # the rollout drains towards newer weights: the next turn runs on them
+            else:
+                self._continue(ep)
+
+    def _continue(self, ep: Episode) -> None:
+        """The episode's next turn, injected (so a rollout that stopped admitting still finishes it)."""
+        req = ep.turn_request()
+        self._episodes[request_key(req)] = ep
+        self.inner.inject([Partial(req, (), (), ep.version, 0.0)])
 
     def _restart(self, ep: Episode) -> None:
         fresh = self._start(ep.request, retries=ep.retries + 1)

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import hashlib
 from collections.abc import Iterable, Mapping, Sequence
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, fields
 from pathlib import Path
 
 from conf.schema import Config
@@ -75,12 +75,20 @@ def _select_config(c: Config) -> dict:
     return {k: v for k, v in asdict(c.curation.select).items() if k != "history_prompts"}
 
 
+def _drop_defaults(section, *names: str) -> dict:
+    """``asdict(section)`` without the named fields while they hold their defaults: fields added after
+    a section's keys were first written leave those keys unchanged until they are set."""
+    out = asdict(section)
+    defaults = {f.name: f.default for f in fields(section)}
+    for name in names:
+        if out[name] == defaults[name]:
+            del out[name]
+    return out
+
+
 def data_key(c: Config) -> dict:
     """``data`` as it is; ``demo_full_stop_rate`` only when set (the default keys stay as they were)."""
-    out = asdict(c.data)
-    if not out["demo_full_stop_rate"]:
-        del out["demo_full_stop_rate"]
-    return out
+    return _drop_defaults(c.data, "demo_full_stop_rate")
 
 
 def ingest_key(c: Config) -> dict:
@@ -117,10 +125,11 @@ def _reward_model_key(c: Config) -> dict:
 
 def _env_key(c: Config) -> dict:
     """The environment, for stages that sample episodes; absent for single-turn (keys unchanged), and
-    its tool latency absent while off (keys of environments from before it unchanged)."""
+    its tool latency absent while off and its version rule while ``turn`` (keys of environments from
+    before them unchanged)."""
     if c.env.is_default():
         return {}
-    env = asdict(c.env)
+    env = _drop_defaults(c.env, "version_rule")
     if c.env.tool_latency.is_off():
         del env["tool_latency"]
     return {"env": env}

@@ -339,3 +339,51 @@ def test_a_handed_over_episode_waits_only_the_latency_it_had_left(tok, model):
     assert sorted(w.delay for w in b._waiting) == sorted(left)  # not b's own draw (0 s)
     a.close()
     b.close()
+
+
+# ------------------------------------------------------------------------ the version rule
+def _drain(runner) -> list:
+    """Step a rollout told to stop admitting (laminar draining towards newer weights) until its
+    engine decodes nothing and no tool runs."""
+    runner.admitting = False
+    out: list = []
+    for _ in range(400):
+        if not runner.inner.status()["active"] and not runner._waiting:
+            return out
+        out += runner.step(4)
+    raise AssertionError("the drain did not settle")
+
+
+@pytest.mark.parametrize("rule", ["turn", "episode"])
+def test_the_version_rule_decides_which_weights_run_the_next_turn(tok, model, rule):
+    engine = Engine(model, tok, max_new_tokens=24, capacity=6, seed=3)
+    runner = EpisodeEngine(
+        engine, AlwaysCalls(tok, delay=0.01), tok, EpisodeLimits(max_turns=2, version_rule=rule)
+    )
+    runner.version = 0
+    runner.submit(_requests())
+    done = runner.step(1)  # every first turn is admitted under version 0
+    done += _drain(runner)
+    st = runner.status()
+    if rule == "episode":
+        # every episode ran to its end under version 0: nothing is parked, nothing pins a pull
+        assert st["parked"] == 0 and st["active"] == 0 and len(done) == 6
+        assert {(t.version, t.last_version) for t in done} == {(0, 0)}
+        return
+    # turn rule: each answered episode waits for the pull, holding no engine row; it is parked
+    parked = len(runner._held)
+    assert parked > 0 and st["parked"] == st["active"] == parked and len(done) + parked == 6
+    runner.load_state({k: v.numpy() for k, v in model.state_dict().items()}, 1)
+    runner.admitting = True
+    later = []
+    while runner.status()["active"] or runner.status()["queued"]:
+        later += runner.step(24)
+    assert len(later) == parked and {(t.version, t.last_version, t.turns) for t in later} == {(0, 1, 2)}
+    assert all(t.last_version == 0 for t in done)
+    # a parked episode hands over bound to no version; one waiting on its tool does too
+    runner.submit(_requests(2))
+    runner.step(1)
+    _drain(runner)
+    partials, _ = runner.extract()
+    assert partials and all(p.version == -1 and not p.tokens for p in partials)
+    runner.close()

@@ -204,6 +204,23 @@ def test_a_dead_rollout_loses_only_its_work_and_a_repack_hands_partials_over():
     assert ("rollout-1", "repack_out", 0) in out.notes and r0 is not None
 
 
+def test_a_laminar_rollout_holding_only_parked_episodes_pulls_and_takes_any_parked_hand_over():
+    m, out = manager("laminar", capacity=4, n=2, group=2)
+    m.dispatch("rollout-0")
+    m.step_done("rollout-0", [], RolloutStatus(0, 4, 0, 4, parked=3), PullResult(True, 0))
+    m.updated(1)
+    order = m.dispatch("rollout-0")
+    assert not order.pull and not order.admitting  # one turn still decodes: drain
+    m.step_done("rollout-0", [], RolloutStatus(0, 3, 0, 4, parked=3), None)
+    assert m.dispatch("rollout-0").pull  # only parked episodes: the new weights now
+    # a parked episode (version -1) continues on a rollout of another version; a turn in flight does not
+    r1 = m.rollouts["rollout-1"]
+    r1.version = 1
+    reqs = list(m.rollouts["rollout-0"].assigned.values())[:2]
+    kept = m._same_version(r1, [Partial(reqs[0], (), (), -1), Partial(reqs[1], (5,), (-0.1,), 0)])
+    assert [p.request for p in kept] == [reqs[0]] and m.counts["repack_lost"] == 1
+
+
 def test_runtime_settings_are_the_schema_defaults():
     """No second copy of the config: the runtime keeps the schema's sections and the manager's
     settings are read from them in one place."""

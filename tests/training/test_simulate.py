@@ -187,6 +187,9 @@ def test_dispatch_plan_matches_the_modes():
         False, -1, False, False
     )
     assert control.dispatch_plan(m["laminar"], version=0, latest=1, **{**kw, "active": 0}).pull
+    # the turn rule: episodes parked between turns do not hold a laminar pull back; one decoding does
+    assert control.dispatch_plan(m["laminar"], version=0, latest=1, **{**kw, "parked": 3}).pull
+    assert not control.dispatch_plan(m["laminar"], version=0, latest=1, **{**kw, "parked": 2}).pull
     p = control.dispatch_plan(m["partial"], version=0, latest=1, **kw)
     assert p.pull and p.interrupt and p.admitting
     assert not control.dispatch_plan(m["sync"], version=0, latest=1, batch_min_version=1, **kw).pull

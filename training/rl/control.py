@@ -81,15 +81,18 @@ def dispatch_plan(
     pending: bool,
     awaiting: int,
     batch_min_version: int = 0,
+    parked: int = 0,
 ) -> DispatchPlan:
     """The mode's decision for one rollout (the real runtime's ``_dispatch`` and the simulator both
     call this). ``version``: the rollout's weights (-1: none loaded yet); ``latest``: the trainer's;
-    ``pending``: work handed to it that it has not started; ``awaiting``: repacks on their way to it.
+    ``pending``: work handed to it that it has not started; ``awaiting``: repacks on their way to it;
+    ``parked``: of ``active``, episodes between turns that pin no weights (the turn rule).
 
     - a rollout with no weights pulls;
     - batched modes pull the batch's version once the rollout is empty;
     - ``interrupt``: pull as soon as a newer version exists, active responses continue under it;
-    - ``drain``: pull only when nothing is in flight here (version-atomic); until then stop admitting."""
+    - ``drain``: pull only when nothing is in flight here but parked episodes (version-atomic per
+      response, per turn for episodes); until then stop admitting."""
     pull, min_version, interrupt = False, -1, False
     if version < 0:
         pull = True
@@ -100,7 +103,7 @@ def dispatch_plan(
         if version < latest:
             pull, interrupt = True, active > 0
     elif mode.drain:
-        if version < latest and active == 0 and not pending and not awaiting:
+        if version < latest and active == parked and not pending and not awaiting:
             pull, min_version = True, latest
     draining = mode.drain and latest - version >= mode.admit_lag and not pull
     return DispatchPlan(pull=pull, min_version=min_version, interrupt=interrupt, admitting=not draining)

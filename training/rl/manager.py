@@ -96,6 +96,8 @@ class RolloutState:
     version: int = -1
     active: int = 0
     queued: int = 0
+    parked: int = 0
+    """Of ``active``, episodes between turns that pin no weights (``RolloutStatus.parked``)."""
     prev_active: int = 0
     alive: bool = True
     busy: bool = False
@@ -251,7 +253,7 @@ class RolloutManager:
         m = self._update_metrics(groups, rounds, stats, wall, train_s) if stats is not None else None
         self.window = Window(filtered_before=self.buffer.stats.filtered)
         for r in self.rollouts.values():
-            if self.mode.interrupt or (self.mode.drain and (not r.busy or r.active == 0)):
+            if self.mode.interrupt or (self.mode.drain and (not r.busy or r.active == r.parked)):
                 self.outside.poke(r.name)
         if self.mode.repack:
             self.repack()
@@ -357,12 +359,14 @@ class RolloutManager:
             return ExtractOrder(dst=r.extract_to)
         # the mode's decision: pull first? interrupt? admit queued requests? laminar is version-atomic:
         # it pulls only when no response is in flight here (queued requests have not started, so they
-        # run under the new version) and no repack is about to hand some over
+        # run under the new version) and no repack is about to hand some over; episodes parked between
+        # turns are not in flight (the turn rule, environments.episodes)
         plan = control.dispatch_plan(
             self.mode,
             version=r.version,
             latest=self.version,
             active=r.active,
+            parked=r.parked,
             queued=r.queued,
             pending=bool(r.pending_inject),
             awaiting=r.awaiting,
@@ -398,14 +402,14 @@ class RolloutManager:
         )
 
     def _same_version(self, r: RolloutState, inject: list[Partial]) -> list[Partial]:
-        """Handed-over partials of the version the receiver runs; the others (it moved on) restart
-        from their prompts."""
-        lost = [p for p in inject if p.version != r.version]
+        """Handed-over partials of the version the receiver runs, and parked episodes (version -1: any
+        receiver continues them); the others (it moved on) restart from their prompts."""
+        lost = [p for p in inject if p.version not in (-1, r.version)]
         if lost:
             self.counts["repack_lost"] += len(lost)
             self.counts["repack_lost_tokens"] += sum(len(p.tokens) for p in lost)
             self.requeue([p.request for p in lost])
-        return [p for p in inject if p.version == r.version]
+        return [p for p in inject if p.version in (-1, r.version)]
 
     def _admission(self, r: RolloutState, new: int) -> int:
         """How many new requests rollout ``r`` may take: its free slots, within the back-pressure and
@@ -486,7 +490,7 @@ class RolloutManager:
 
     def _status(self, r: RolloutState, status: RolloutStatus) -> None:
         r.prev_active = r.active
-        r.version, r.active, r.queued = status.version, status.active, status.queued
+        r.version, r.active, r.queued, r.parked = status.version, status.active, status.queued, status.parked
         self.window.occupancy.append(status.active / max(1, status.capacity))
 
     def _record_completed(self) -> None:
@@ -551,7 +555,7 @@ class RolloutManager:
                 other.extract_to = None
         r.alive = r.busy = r.pulling = False
         self.requeue(lost)
-        r.active = r.queued = r.prev_active = 0
+        r.active = r.queued = r.prev_active = r.parked = 0
         r.version = -1
         self.counts["rollout_failures"] += 1
         self.counts["requeued_requests"] += len(lost)

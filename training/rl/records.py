@@ -44,14 +44,16 @@ class ActorInfo:
 
 @dataclass(frozen=True)
 class RolloutStatus:
-    """A rollout engine's state after a call: its weights' version, sequences decoding (``active``)
-    and waiting (``queued``) in at most ``capacity`` slots."""
+    """A rollout engine's state after a call: its weights' version, sequences in flight (``active``)
+    and waiting (``queued``) in at most ``capacity`` slots; ``parked``: of ``active``, episodes between
+    turns that pin no weights (``environments.episodes``, the turn rule)."""
 
     version: int
     active: int
     queued: int
     capacity: int
     admitting: bool = True
+    parked: int = 0
 
     @classmethod
     def of(cls, status: dict) -> RolloutStatus:
@@ -62,6 +64,7 @@ class RolloutStatus:
             queued=int(status["queued"]),
             capacity=int(status["capacity"]),
             admitting=bool(status.get("admitting", True)),
+            parked=int(status.get("parked", 0)),
         )
 
 
