@@ -18,7 +18,18 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
 # conf/ is left out: config values enter the key themselves, and the schema's code computes nothing.
-PROJECT_PACKAGES = ("core", "generation", "data_curation", "training", "evaluation")
+PROJECT_PACKAGES = (
+    "core",
+    "generation",
+    "data_curation",
+    "training",
+    "evaluation",
+    "rewards",
+    "environments",
+)
+"""The library packages whose modules enter source fingerprints (every one a stage's code can reach
+but ``conf``, whose config values enter the key themselves; ``tasks`` and ``flows`` orchestrate and
+the library layers never import them)."""
 CODE_DATA_SUFFIXES = (".c", ".h", ".cc", ".cpp", ".cu")
 """Package data that is code: a package's files with these suffixes are part of its source."""
 

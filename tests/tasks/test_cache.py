@@ -89,3 +89,19 @@ def test_editing_the_c_decode_kernel_makes_every_stage_that_runs_it_stale(tmp_pa
     assert {n for n in before if before[n] != after[n]} == runs_it
     files = cache.source_files(STAGE_BY_NAME["rl"].modules, tree)
     assert files["generation.kernels/decode.c"]["path"] == "generation/kernels/decode.c"
+
+
+def test_every_package_a_stage_reaches_enters_its_source_fingerprint():
+    """A library package left out of ``PROJECT_PACKAGES`` silently drops its files from every key (as
+    ``rewards`` and ``environments`` once were: editing the verifier reran nothing)."""
+    packages = {p.name for p in cache.ROOT.iterdir() if (p / "__init__.py").exists()}
+    reached: set[str] = set()
+    for stage in STAGES:
+        for _, path in cache.module_closure(tuple(stage.modules)):
+            if path.suffix == ".py":
+                rel = path.relative_to(cache.ROOT)
+                reached |= {
+                    n.split(".")[0] for n in cache._imports(path, ".".join(rel.with_suffix("").parts))
+                }
+    assert reached & packages - {"conf"} <= set(cache.PROJECT_PACKAGES)
+    assert {"rewards", "environments"} <= reached  # the stages do reach them
