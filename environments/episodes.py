@@ -250,16 +250,16 @@ class EpisodeEngine:
             out_r.append(self._episodes.pop(request_key(r)).request)
         if include_queued:
             keep, now = [], time.monotonic()
+            chosen = lambda ep: only is None or request_key(ep.request) in only  # noqa: E731
             for w in self._waiting:
-                if only is None or request_key(w.ep.request) in only:
+                if chosen(w.ep):
                     w.fut.cancel()
                     out_p.append(self._parked(dataclasses.replace(w.ep, pending_delay_s=w.left(now))))
                 else:
                     keep.append(w)
             self._waiting = keep
-            held = [ep for ep in self._held if only is None or request_key(ep.request) in only]
-            self._held = [ep for ep in self._held if not (only is None or request_key(ep.request) in only)]
-            out_p += [self._parked(ep) for ep in held]
+            out_p += [self._parked(ep) for ep in self._held if chosen(ep)]
+            self._held = [ep for ep in self._held if not chosen(ep)]
         return out_p, out_r
 
     def abort(self, request_ids=None, include_queued: bool = True):
@@ -276,7 +276,7 @@ class EpisodeEngine:
         st = dict(self.inner.status())
         between = len(self._waiting) + len(self._held)
         st["active"] = int(st["active"]) + between
-        st["parked"] = between if self.limits.version_rule == "turn" else 0
+        st["parked"] = between if self._turn_rule else 0
         return st
 
     def generate(self, requests, max_new_tokens: int | None = None, **_ignored) -> list[Trajectory]:
@@ -305,15 +305,17 @@ class EpisodeEngine:
         self._episodes[request_key(ep.turn_request())] = ep
         return ep
 
+    @property
+    def _turn_rule(self) -> bool:
+        return self.limits.version_rule == "turn"
+
     def _carrier(self, ep: Episode) -> GenRequest:
         return dataclasses.replace(ep.request, episode=ep)
 
     def _parked(self, ep: Episode) -> Partial:
         """A parked episode's hand-over: no tokens of a turn in flight; under the turn rule bound to no
         version (-1), else to its episode's."""
-        return Partial(
-            self._carrier(ep), (), (), -1 if self.limits.version_rule == "turn" else ep.version, 0.0
-        )
+        return Partial(self._carrier(ep), (), (), -1 if self._turn_rule else ep.version, 0.0)
 
     def _inner_keys(self, only):
         if only is None:
@@ -390,7 +392,7 @@ class EpisodeEngine:
             out.append(self._finish(ep, "max_tokens"))
         else:
             ep = ep.with_observation(res)
-            if self.limits.version_rule == "turn" and not self.admitting:
+            if self._turn_rule and not self.admitting:
                 self._held.append(ep)  # the rollout drains towards newer weights: the next turn runs on them
             else:
                 self._continue(ep)
