@@ -24,9 +24,10 @@ old weights until it answers.
 from __future__ import annotations
 
 import dataclasses
-import time
 import math
-from concurrent.futures import FIRST_COMPLETED, Future, ThreadPoolExecutor, wait
+import threading
+import time
+from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 
 from environments.base import Environment, StepResult
@@ -171,6 +172,10 @@ class EpisodeEngine:
         self._held: list[Episode] = []
         """Answered episodes whose next turn waits for the rollout's pull (turn rule, while it drains)."""
         self._pool = ThreadPoolExecutor(max_workers=limits.tool_workers, thread_name_prefix="laminar-env")
+        self._news = threading.Event()
+        """Set when an environment step returns or on a ``wake``: a step call waiting on tools looks again."""
+        self._woken = False
+        """A ``wake`` came during this step call: it does not wait on tools."""
         self.env_errors = 0
         """Environment crashes (exceptions out of ``step``) so far."""
 
@@ -218,10 +223,18 @@ class EpisodeEngine:
         if rows:
             self.inner.inject(rows)
 
+    def wake(self) -> None:
+        """Cut a step call's wait on the environment short (thread-safe; the Ray driver's ``poke``): the
+        caller has news for this rollout (a newer version to pull, work to take), so the call returns
+        with what it has instead of waiting on a slow tool."""
+        self._woken = True
+        self._news.set()
+
     def step(self, max_steps: int) -> list[Trajectory]:
         """Collect the environment's answers, decode up to ``max_steps`` steps, hand finished turns to
         the environment; returns the episodes that ended. With nothing to decode it waits for the
-        first answer (at most the tool timeout) instead of returning empty-handed at once."""
+        first answer (at most the tool timeout) or a ``wake``, instead of returning empty-handed at once."""
+        self._woken = False  # a wake before this call is in the order that started it
         out: list[Trajectory] = []
         self._collect(out)
         if self._held and self.admitting:  # pulled (or told to admit again): their next turns start
@@ -339,21 +352,19 @@ class EpisodeEngine:
             key = "|".join(map(str, request_key(ep.request))) + f"|r{ep.retries}t{ep.turns}"
             delay = 0.0 if lat is None else lat.sample(key)
         fut = self._pool.submit(_timed, self.env.step, turn_text)
+        fut.add_done_callback(lambda _: self._news.set())
         self._waiting.append(_Wait(fut, ep, time.monotonic(), delay))
 
     def _collect(self, out: list[Trajectory], block: bool = False) -> None:
-        """Act on every answered (or timed-out) environment step; ``block``: wait for the first."""
+        """Act on every answered (or timed-out) environment step; ``block``: wait for the first, a
+        step returning (its latency may still be due) or a ``wake``, whichever comes first."""
         timeout = self.limits.tool_timeout_s
-        if block and self._waiting:
-            now = time.monotonic()
+        if block and self._waiting and not self._woken:
+            self._news.clear()  # steps that returned before this are in ``ready_at`` below
             due = min(
                 min(w.t0 + timeout, w.ready_at() or math.inf) for w in self._waiting
             )  # the first answer or timeout
-            running = [w.fut for w in self._waiting if not w.fut.done()]
-            if running:
-                wait(running, timeout=max(0.0, due - now), return_when=FIRST_COMPLETED)
-            else:
-                time.sleep(max(0.0, due - now))
+            self._news.wait(max(0.0, due - time.monotonic()))
         keep, now = [], time.monotonic()
         for w in self._waiting:
             ready = w.ready_at()

@@ -220,3 +220,50 @@ def test_evaluation_samples_whole_episodes_and_reports_tool_use(caller_dir):
     single = evaluate_items(model, tok, items, **kw)  # the default: one turn, no episode metrics
     assert all(r.turns == 1 and r.tool_calls == 0 for r in single)
     assert "tool_calls_per_episode" not in summarize_rows(single, 2)["heldout"]
+
+
+def test_a_poke_cuts_a_rollout_actors_wait_on_a_slow_tool_short(local_ray, caller_dir):
+    """The Ray driver's ``poke``: a rollout actor whose ``run`` waits on 30 s tool calls (nothing to
+    decode) returns as soon as ``wake`` arrives in its own concurrency group, holding every episode
+    (so a draining laminar rollout pulls at once instead of after the slowest tool)."""
+    import time
+
+    import ray
+
+    from conf.schema import ClusterConfig, RolloutConfig, ToolLatencyConfig
+    from training.rl.actors import RelayWorker
+    from training.rl.drivers.ray import WAKE_GROUP, rollout_actor_class
+    from training.rl.records import StepOrder
+
+    tok = load_tokenizer(caller_dir)
+    prompts = [
+        PromptItem(f"p{i}", f"{i}+1", "3", encode_problem(tok, "{problem}\n", f"{i}+1"), 1) for i in range(3)
+    ]
+    env = EnvConfig(
+        name="calculator",
+        max_turns=3,
+        tool_timeout_s=120.0,
+        tool_latency=ToolLatencyConfig(kind="fixed", seconds=[30.0]),
+    )
+    relay = ray.remote(num_cpus=0)(RelayWorker).remote("relay-0")
+    state = {k: v.numpy() for k, v in taught_to_call(tok, steps=200).state_dict().items()}
+    ray.get(relay.push.remote(0, [ray.put(state)]))
+    Rollout = rollout_actor_class(ray, dataclasses.replace(ClusterConfig(), rollout_cpus=0))
+    actor = Rollout.remote(
+        "rollout-0", str(caller_dir), ray_rl("laminar"), RolloutConfig(), device="cpu", seed=0, env=env
+    )
+    from generation.records import GenRequest
+
+    reqs = tuple(GenRequest(p, sample_idx=0, group_uid=i) for i, p in enumerate(prompts))
+    reply = ray.get(actor.run.remote(StepOrder(reqs, (), True, 0, True), 64, relay))
+    while reply.status.active != reply.status.parked:  # decode until every episode waits on its tool
+        reply = ray.get(actor.run.remote(StepOrder((), (), False, -1, True), 64, None))
+    assert reply.status.parked == 3 and not reply.finished
+    call = actor.run.remote(StepOrder((), (), False, -1, True), 64, None)
+    time.sleep(0.5)
+    t0 = time.monotonic()
+    actor.wake.options(concurrency_group=WAKE_GROUP).remote()
+    reply = ray.get(call, timeout=20)
+    assert time.monotonic() - t0 < 10  # not the 30 s tool
+    assert reply.status.parked == reply.status.active == 3 and not reply.finished  # nothing lost
+    ray.kill(actor)

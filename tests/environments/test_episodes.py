@@ -341,6 +341,28 @@ def test_a_handed_over_episode_waits_only_the_latency_it_had_left(tok, model):
     b.close()
 
 
+def test_a_wake_cuts_a_wait_on_a_slow_tool_short(tok, model):
+    """A step call with nothing to decode waits on its tools; a wake from another thread (the
+    manager's news: a newer version, handed-over work) returns it at once, and a wake that came
+    before the call does not cut the next call's wait."""
+    runner = _latency_runner(tok, model, ToolLatencyConfig(kind="fixed", seconds=[30.0]))
+    runner.version = 0
+    runner.submit(_requests(2))
+    while runner.inner.status()["active"] or runner.inner.status()["queued"]:
+        runner.step(24)  # every first turn ends and waits on its 30 s tool
+    assert runner._waiting
+    runner.wake()  # before the call: the order that started the call already knew
+    timer = threading.Timer(0.3, runner.wake)
+    timer.start()
+    t0 = time.monotonic()
+    assert runner.step(24) == []
+    took = time.monotonic() - t0
+    timer.join()
+    assert 0.25 <= took < 5.0, took  # waited for the wake, not for the tool (30 s) nor not at all
+    assert runner._waiting and runner.status()["active"] == 2  # nothing lost: both still wait
+    runner.close()
+
+
 # ------------------------------------------------------------------------ the version rule
 def _drain(runner) -> list:
     """Step a rollout told to stop admitting (laminar draining towards newer weights) until its

@@ -216,6 +216,14 @@ class RolloutWorker:
             self.engine, order, chunk, (lambda v: self.pull(relay, v)) if relay is not None else None
         )
 
+    def wake(self) -> None:
+        """The manager has news for this rollout: a ``run`` in flight that waits on its episodes' tools
+        returns now (``EpisodeEngine.wake``; engines that never wait have none). The Ray driver calls it
+        in the ``wake`` concurrency group, beside the ``run`` it cuts short."""
+        wake = getattr(self.engine, "wake", None)
+        if wake is not None:
+            wake()
+
     def score(self, tokens: list[int]) -> tuple[int, list[float]]:
         """(the version this rollout holds, the log-probs its engine gives ``tokens[1:]``): what the
         rollout-equals-trainer check compares (in-process engines only)."""

@@ -49,6 +49,24 @@ from training.rl.records import ExtractOrder, ExtractReply, StepMetrics, StepRep
 
 LOG = logging.getLogger("laminar.training")
 
+WAKE_GROUP = "wake"
+"""The rollout actors' concurrency group for ``wake``: a thread of its own, so it runs while ``run`` waits."""
+
+
+
+def rollout_actor_class(ray, cluster):
+    """``RolloutWorker`` as a Ray actor class with ``cluster``'s resources and restarts: ``run`` in the
+    default group (one call at a time), ``wake`` in ``WAKE_GROUP`` beside it."""
+    from training.rl.actors import RolloutWorker
+
+    return ray.remote(
+        num_cpus=cluster.rollout_cpus,
+        num_gpus=cluster.rollout_gpus,
+        max_restarts=cluster.max_restarts,
+        concurrency_groups={WAKE_GROUP: 1},
+    )(RolloutWorker)
+
+
 # glibc malloc in the actors: keep freed blocks below 32 MiB in the heap (and up to 256 MiB of free
 # heap before trimming) instead of unmapping them. Torch on the CPU allocates and frees the same
 # activation and cache-sized tensors every decode step and update; by default each large one comes
@@ -202,8 +220,13 @@ class LaminarRuntime:
             self.local_version = got.version
 
     def poke(self, rollout: str) -> None:
-        """Nothing to do: the loop dispatches every idle rollout each turn, and a busy one is back
-        within a chunk of decode steps."""
+        """An idle rollout: nothing to do, the loop dispatches it this turn. A busy one is back within a
+        chunk of decode steps, unless its call waits on its episodes' tools: that wait is cut short
+        (``RolloutWorker.wake``, in its own concurrency group), so a new version or handed-over work
+        does not wait for a slow tool."""
+        a = self.rollouts.get(rollout)
+        if a is not None and a.future is not None and a.op == "step":
+            a.handle.wake.options(concurrency_group=WAKE_GROUP).remote()
 
     def note(self, rollout: str, kind: str, version: int) -> None:
         self.timeline["events"].append(
@@ -312,13 +335,10 @@ class LaminarRuntime:
 
     def _build_rollouts(self, ray) -> None:
         from generation.engines import rollout_engine_options
-        from training.rl.actors import RolloutWorker
 
         rollout_engine_options(self.rollout_cfg)  # an unknown engine fails here, before any actor starts
         c, rl = self.cluster, self.rl
-        Rollout = ray.remote(num_cpus=c.rollout_cpus, num_gpus=c.rollout_gpus, max_restarts=c.max_restarts)(
-            RolloutWorker
-        )
+        Rollout = rollout_actor_class(ray, c)
         for i in range(c.rollouts):
             name = f"rollout-{i}"
             handle = Rollout.options(scheduling_strategy=self._pin(self._rollout_node(i))).remote(
@@ -559,7 +579,9 @@ class LaminarRuntime:
             a.pid = out.pid
             LOG.warning("%s was restarted (pid %d): %d requests re-queued", a.name, a.pid, lost)
         if op == "extract":
-            self.manager.extract_done(a.name, out.partials, out.queued, out.status)
+            dst = self.manager.extract_done(a.name, out.partials, out.queued, out.status)
+            if dst is not None:
+                self.poke(dst)  # the handed-over work rides the receiver's next call
         else:
             self.manager.step_done(a.name, out.finished, out.status, out.pulled)
         self.timeline["samples"].append(
