@@ -53,7 +53,6 @@ WAKE_GROUP = "wake"
 """The rollout actors' concurrency group for ``wake``: a thread of its own, so it runs while ``run`` waits."""
 
 
-
 def rollout_actor_class(ray, cluster):
     """``RolloutWorker`` as a Ray actor class with ``cluster``'s resources and restarts: ``run`` in the
     default group (one call at a time), ``wake`` in ``WAKE_GROUP`` beside it."""
