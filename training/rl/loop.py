@@ -118,8 +118,11 @@ class HiveSource:
     def take(self, n: int) -> list[PromptItem]:
         from data_curation.hive import prompt_entropy_keep
 
+        # a batch takes one group per prompt: draw until the buffer holds n distinct prompts (or the
+        # whole pool, when n is larger), not n prompts that may repeat one across an epoch's end
+        want = min(n, len({p.prompt_id for p in self.cursor.prompts}))
         for _ in range(1000):  # GRESO never skips with certainty (keep prob >= 0.01): this ends
-            if len(self.buffer) >= n:
+            if len({p.prompt_id for p in self.buffer}) >= want:
                 break
             raw = self.cursor.take(max(self.min_raw_batch, 2 * n))
             self._counts["drawn_prompts"] += len(raw)

@@ -1,0 +1,322 @@
+"""The RL features of issue #43 on multi-turn episodes (``env=calculator``), each in a real short run of
+a tiny model taught to call the ``calc`` tool: DAPO's dynamic sampling, HIVE / GRESO online selection,
+LoRA, and checkpoint / resume. Every test checks that episodes really happened (multi-turn
+trajectories with masked observation tokens, tool calls) and that the feature acted on them."""
+
+from __future__ import annotations
+
+
+import pytest
+import torch
+
+from conf.schema import EnvConfig, RLConfig
+from generation.model import build_char_tokenizer, encode_problem, load_tokenizer, save_model
+from generation.records import PromptItem
+from tests.environments.test_episode_modes import taught_to_call
+from tests.training.rl_fakes import Verdict
+from training.rl.drivers.local import LocalDriver
+from training.rl.manager import RolloutManager
+from training.rl.stage import objective_params
+
+ENV = EnvConfig(name="calculator", max_turns=3)
+
+
+class ToolSaysAnswer:
+    """Right when the tool's result line ``= ANSWER`` is in the episode (so the policy called the tool
+    and the tool computed the answer) and the episode's text has even length: the caller model's
+    episodes all call ``calc: 1+2``, so a prompt whose answer is 3 gets mixed groups and one whose
+    answer is 99 all-wrong ones."""
+
+    def verify_batch(self, texts, answers):
+        return [Verdict(f"= {a}\n" in t and len(t) % 2 == 0) for t, a in zip(texts, answers)]
+
+
+def calc_prompts(tok, n: int, answer=lambda i: "3" if i % 2 == 0 else "99") -> list[PromptItem]:
+    return [
+        PromptItem(
+            f"p{i}", f"{i % 4}+{i % 3}", answer(i), encode_problem(tok, "{problem}\n", f"{i % 4}+{i % 3}"), 1
+        )
+        for i in range(n)
+    ]
+
+
+def are_episodes(trajectories, share: float = 0.5) -> None:
+    """Multi-turn episodes happened (at least ``share`` of them): tool calls, several turns,
+    observation tokens masked out."""
+    multi = [t for t in trajectories if t.turns > 1]
+    assert len(multi) >= share * len(trajectories), [t.turns for t in trajectories]
+    assert all(t.tool_calls > 0 and 0 in t.loss_mask for t in multi)
+    assert all(len(t.loss_mask) == len(t.response_tokens) for t in trajectories)
+
+
+@pytest.fixture(scope="module")
+def caller_dir(tmp_path_factory):
+    d = tmp_path_factory.mktemp("caller-model")
+    tok = build_char_tokenizer()
+    save_model(taught_to_call(tok), tok, d)
+    return d
+
+
+def spy_batches(monkeypatch) -> list:
+    """Every batch the manager hands the trainer (a list of ScoredGroups per update)."""
+    batches = []
+    original = RolloutManager.next_batch
+
+    def spy(self):
+        groups = original(self)
+        if groups:
+            batches.append([g for _, g in groups])
+        return groups
+
+    monkeypatch.setattr(RolloutManager, "next_batch", spy)
+    return batches
+
+
+def sync_rl(**overrides) -> RLConfig:
+    kw = dict(
+        mode="sync",
+        runtime="local",
+        steps=3,
+        prompts_per_step=4,
+        group_size=4,
+        lr=1e-3,
+        max_new_tokens=12,
+        rollout_capacity=16,
+        chunk_steps=4,
+        micro_batch_tokens=0,
+    )
+    return RLConfig(**{**kw, **overrides})
+
+
+# ------------------------------------------------------------------------------------- DAPO dynamic sampling
+def test_dynamic_sampling_drops_uniform_episode_groups_and_refills_the_batch(monkeypatch, caller_dir):
+    """``rl.dynamic_sampling`` on episodes: every group whose episodes are all right or all wrong (the
+    answer-99 prompts, always) is dropped and counted, further rounds refill the batch, and the trainer
+    sees only full batches of groups with mixed rewards."""
+    tok = load_tokenizer(caller_dir)
+    rl = sync_rl(dynamic_sampling=True, max_sampling_rounds=8)
+    batches = spy_batches(monkeypatch)
+    result = LocalDriver(
+        caller_dir,
+        calc_prompts(tok, 32),
+        ToolSaysAnswer(),
+        objective_params(rl),
+        rl,
+        seed=0,
+        device="cpu",
+        env=ENV,
+    ).run()
+    assert len(batches) == len(result.history) == 3
+    trained = [g for b in batches for g in b]
+    assert all(len(b) == 4 for b in batches)  # refilled: full batches despite the drops
+    assert all(len(set(g.correct)) == 2 for g in trained), [g.correct for g in trained]
+    assert all(g.trajectories[0].prompt.answer == "3" for g in trained)
+    are_episodes([t for g in trained for t in g.trajectories])
+    # the reward history holds every rolled-out group: the uniform ones are exactly the dropped ones
+    uniform = [r for r in result.rewards if r[2] in (0.0, 1.0)]
+    assert len(uniform) >= 3 * 4  # each batch's first round alone has two answer-99 groups
+    assert sum(m.dropped_groups for m in result.history) == len(uniform)
+    assert len(result.rewards) == len(uniform) + len(trained)
+    assert all(m.sampling_rounds > 1 for m in result.history)
+    assert all(m.trained_trajectories == 16 for m in result.history)
+    assert all(m.extra["episode/tool_calls"] > 0.5 for m in result.history)
+
+
+# --------------------------------------------------------------------------------- HIVE / GRESO selection
+class FirstContext:
+    """The calculator whose first context is the environment's own rendering (a ``tools: calc`` line
+    after BOS, as a chat template's tool header would be): the finished trajectories' prompts carry
+    these tokens, not the prompt's own."""
+
+    name = "calculator_header"
+
+    def __init__(self, inner, tok):
+        self.inner = inner
+        self.header = tuple(tok("\n", add_special_tokens=False)["input_ids"])
+
+    def reset(self, prompt):
+        p = tuple(prompt.prompt_tokens)
+        return p[:1] + self.header + p[1:]
+
+    def step(self, turn_text):
+        return self.inner.step(turn_text)
+
+    def close(self):
+        self.inner.close()
+
+
+def test_hive_observes_episode_rewards_and_skips_the_prompts_they_show_uniform(monkeypatch, caller_dir):
+    """HIVE's online source (GRESO's skip + the entropy prune) in front of an episode run whose
+    environment rewrites the first context: every rolled-out episode group's mean correctness goes
+    into GRESO's history, and GRESO then skips the prompts whose episode groups were all wrong (the
+    answer-99 prompts) far more than the mixed ones, and skips more as such groups keep coming."""
+    import environments.registry as registry
+    from data_curation.hive import GresoFilter
+    from training.rl.loop import HiveSource
+
+    class Recording(GresoFilter):
+        skipped: list[str] = []
+
+        def filter(self, prompt_ids, rng):
+            kept, skipped = super().filter(prompt_ids, rng)
+            self.skipped = self.skipped + skipped
+            return kept, skipped
+
+    real = registry.make_environment
+    monkeypatch.setattr(registry, "make_environment", lambda cfg, tok: FirstContext(real(cfg, tok), tok))
+    tok = load_tokenizer(caller_dir)
+    prompts = calc_prompts(tok, 16)
+    greso = Recording(None)
+    p_hard = greso.p_hard
+    rl = sync_rl(steps=8, prompts_per_step=4, group_size=4)
+    batches = spy_batches(monkeypatch)
+    result = LocalDriver(
+        caller_dir,
+        prompts,
+        ToolSaysAnswer(),
+        objective_params(rl),
+        rl,
+        seed=0,
+        device="cpu",
+        env=ENV,
+        source=lambda cursor, engine: HiveSource(cursor, engine, greso=greso, seed=0, min_raw_batch=8),
+    ).run()
+    trajs = [t for b in batches for g in b for t in g.trajectories]
+    are_episodes(trajs)
+    header = FirstContext(None, tok).header
+    assert all(t.prompt.prompt_tokens[1 : 1 + len(header)] == header for t in trajs)  # rewritten contexts
+    # GRESO's history is the episodes' reward history, group for group
+    rows = greso.history_rows()
+    assert len(rows) == len(result.rewards) == 8 * 4
+    assert [(r["prompt_id"], r["mean_reward"]) for r in rows] == [(p, m) for _, p, m, _ in result.rewards]
+    wrong = {p.prompt_id for p in prompts if p.answer == "99"}
+    assert all(m == 0.0 for _, p, m, _ in result.rewards if p in wrong)
+    # the selection reacted to those rewards: skips, mostly of the all-wrong prompts, and a skip base
+    # moved down (skip more) by the all-wrong groups' share
+    assert sum(m.extra["skipped_prompts"] for m in result.history) == len(greso.skipped) >= 8
+    skipped_wrong = sum(p in wrong for p in greso.skipped)  # the mixed prompts are uniform now and then
+    assert skipped_wrong >= 2 * (len(greso.skipped) - skipped_wrong), greso.skipped
+    assert greso.p_hard < p_hard
+    assert sum(m.extra["pruned_prompts"] for m in result.history) > 0  # the entropy prune ran too
+
+
+# ------------------------------------------------------------------------------------------------- LoRA
+def test_lora_trains_only_the_adapter_on_episodes_and_the_sampler_holds_each_version(
+    monkeypatch, tmp_path, caller_dir
+):
+    """An RL run from an adapter folder (LoRA) on episodes: the trainer changes the adapter and nothing
+    of the base, and at every weight pull the rollout engine (under the episode runner) computes, for
+    an episode's token sequence, the log-probs the trainer's model has at the version it says it
+    holds; the trained episodes' behaviour log-probs match the trainer's (the sampler ran them under
+    that adapter version)."""
+    from conf.schema import LoraConfig
+    from generation.adapter import sequence_logprobs as lp_of
+    from generation.model import load_model
+    from tests.training.lora_probe import check_rollouts_match, versions_differ
+    from training.lora import load_trainable, sampling_copy, save_trained
+
+    base = {k: v.clone() for k, v in load_model(caller_dir)[0].state_dict().items()}
+    model, tok, _ = load_trainable(caller_dir, LoraConfig(enabled=True, rank=4, alpha=8.0), "rl", seed=0)
+    adapter = tmp_path / "adapter"
+    save_trained(model, tok, adapter)
+    eos = [tok.eos_token_id]
+    seq = (
+        list(encode_problem(tok, "{problem}\n", "1+2"))
+        + tok("calc: 1+2", add_special_tokens=False)["input_ids"]
+        + eos
+        + tok("\n= 3\n#### 3", add_special_tokens=False)["input_ids"]
+        + eos
+    )
+    trainer_lp, seen = {}, []
+
+    class Probing(LocalDriver):
+        def _pull(self, min_version):
+            out = super()._pull(min_version)
+            trainer_lp[self.trainer.version] = lp_of(self.trainer.model, seq)
+            seen.append(("rollout-0", self.engine.version, lp_of(self.engine.model, seq)))
+            return out
+
+    rl = sync_rl(steps=4, lr=2e-2, dynamic_sampling=False)
+    batches = spy_batches(monkeypatch)
+    driver = Probing(
+        adapter,
+        calc_prompts(tok, 32),
+        ToolSaysAnswer(),
+        objective_params(rl),
+        rl,
+        seed=0,
+        device="cpu",
+        env=ENV,
+    )
+    result = driver.run()
+    are_episodes([t for b in batches for g in b for t in g.trajectories])
+    assert [v for _, v, _ in seen] == [0, 1, 2, 3]  # the batches of updates 1-4 sample versions 0-3
+    versions_differ(trainer_lp)
+    assert check_rollouts_match(trainer_lp, seen) == 3
+    assert all(m.extra["sampler_logprob_gap"] < 1e-4 for m in result.history)  # on-policy episodes
+    trained = driver.final_model
+    lora_b = [p for n, p in trained.named_parameters() if "lora_B" in n]
+    assert lora_b and all(float(p.detach().abs().max()) > 0 for p in lora_b)  # a fresh adapter's B is 0
+    after = sampling_copy(trained).state_dict()  # the base without the adapter
+    assert after.keys() == base.keys() and all(torch.equal(after[k], base[k]) for k in base)
+
+
+# ------------------------------------------------------------------------------------- checkpoint / resume
+class Killed(Exception):
+    pass
+
+
+def test_a_sync_episode_run_killed_after_a_checkpoint_resumes_and_ends_identical(tmp_path, caller_dir):
+    """The local driver on episodes (with dynamic sampling) checkpoints every 2 updates; a run killed
+    after update 3 resumes from its update-2 checkpoint and ends as the unkilled run: the same
+    episodes' rewards, consumed prompts and history, and the same weights."""
+    from generation.model import load_model
+    from training.rl.checkpoint import RUN_STATE, latest_checkpoint, load_json
+    from training.rl.stage import TIMING_KEYS
+
+    tok = load_tokenizer(caller_dir)
+    rl = sync_rl(steps=5, checkpoint_every=2, dynamic_sampling=True, max_sampling_rounds=8)
+
+    def run(folder, kill_at=None):
+        def on_step(m):
+            if m.step == kill_at:
+                raise Killed(kill_at)
+
+        driver = LocalDriver(
+            caller_dir,
+            calc_prompts(tok, 32),
+            ToolSaysAnswer(),
+            objective_params(rl),
+            rl,
+            seed=0,
+            device="cpu",
+            env=ENV,
+            state_dir=tmp_path / folder,
+            on_step=on_step,
+        )
+        result = driver.run()
+        return result, {k: v.clone() for k, v in driver.final_model.state_dict().items()}
+
+    whole, w_whole = run("whole")
+    with pytest.raises(Killed):
+        run("killed", kill_at=3)
+    last = latest_checkpoint(tmp_path / "killed" / "checkpoints")
+    assert last is not None and last.name == "step-000002"
+    assert load_json(last, RUN_STATE)["version"] == 2
+    resumed, w_resumed = run("killed")
+
+    def untimed(history):
+        return [{k: v for k, v in m.as_dict().items() if k not in TIMING_KEYS} for m in history]
+
+    # the same tokens and rewards; float metrics and weights to float noise: the tool pool answers in
+    # its own order, which changes the engine's batch layout and so the last bits of the behaviour
+    # log-probs (the unkilled run against itself differs as much)
+    a, b = untimed(resumed.history), untimed(whole.history)
+    assert len(a) == len(b) == 5 and [x.keys() for x in a] == [y.keys() for y in b]
+    assert all(x == pytest.approx(y, rel=1e-4, abs=1e-5) for x, y in zip(a, b))
+    assert all(m["episode/tool_calls"] > 0.5 and m["episode/turns"] > 1.5 for m in b)
+    assert sorted(resumed.rewards) == sorted(whole.rewards)  # recorded as groups complete: tool timing
+    assert resumed.consumed == whole.consumed
+    assert all(torch.allclose(w_whole[k], w_resumed[k], atol=1e-5) for k in w_whole)
+    fresh = {k: v for k, v in load_model(caller_dir)[0].state_dict().items()}
+    assert any(not torch.allclose(fresh[k], w_whole[k], atol=1e-3) for k in fresh)  # and they trained
