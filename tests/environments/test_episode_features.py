@@ -320,3 +320,93 @@ def test_a_sync_episode_run_killed_after_a_checkpoint_resumes_and_ends_identical
     assert all(torch.allclose(w_whole[k], w_resumed[k], atol=1e-5) for k in w_whole)
     fresh = {k: v for k, v in load_model(caller_dir)[0].state_dict().items()}
     assert any(not torch.allclose(fresh[k], w_whole[k], atol=1e-3) for k in fresh)  # and they trained
+
+
+@pytest.mark.slow
+def test_a_laminar_episode_run_killed_after_a_checkpoint_resumes_its_buffered_and_in_flight_episodes(
+    monkeypatch, tmp_path, local_ray, caller_dir
+):
+    """The Ray runtime (laminar: two rollouts, the trainer SIGKILLed after update 5) on episodes: the
+    update-4 checkpoint holds finished episodes of groups not yet trained, with their loss masks, and
+    the episodes then in flight; the resumed run trains the checkpoint's episodes as they were saved,
+    starts the in-flight ones again from their prompts, trains every group exactly once over both
+    runs and ends at update 8."""
+    import os
+    import signal
+
+    from conf.schema import ClusterConfig
+    from tests.training.rl_fakes import ray_rl
+    from training.rl.checkpoint import RUN_STATE, latest_checkpoint, load_json
+    from training.rl.control import trajectory_from_json
+    from training.rl.drivers.ray import LaminarRuntime
+
+    ray = local_ray
+    tok = load_tokenizer(caller_dir)
+    rl = ray_rl(
+        "laminar", steps=8, lr=1e-3, checkpoint_every=2, eval_every=0, group_size=4, rollout_capacity=16
+    )
+    batches = []
+    original = RolloutManager.next_batch
+
+    def spy(self):  # (the trainer's version when it takes the group, uid, group)
+        groups = original(self)
+        batches.extend((self.version, u, g) for u, g in groups)
+        return groups
+
+    monkeypatch.setattr(RolloutManager, "next_batch", spy)
+
+    def runtime(on_step=None):
+        return LaminarRuntime(
+            caller_dir,
+            calc_prompts(tok, 200, answer=lambda i: "3"),
+            ToolSaysAnswer(),
+            objective_params(rl),
+            rl,
+            seed=0,
+            device="cpu",
+            cluster=ClusterConfig(rollouts=2, actor_threads=1),
+            env=ENV,
+            state_dir=tmp_path / "state",
+            on_step=on_step,
+        )
+
+    def kill_trainer(m):
+        if m.step == 5:
+            os.kill(ray.get(rt.trainer.lead.ping.remote()).pid, signal.SIGKILL)
+
+    rt = runtime(kill_trainer)
+    with pytest.raises(ray.exceptions.RayActorError):
+        rt.run()
+    first = list(batches)
+    are_episodes([t for _, _, g in first for t in g.trajectories])
+    last = latest_checkpoint(tmp_path / "state" / "checkpoints")
+    assert last is not None and last.name == "step-000004"
+    saved = load_json(last, RUN_STATE)
+    held = [trajectory_from_json(t) for t in saved["buffer"]["partial"] + saved["buffer"]["ready"]]
+    assert held and any(t.turns > 1 and 0 in t.loss_mask and t.tool_calls for t in held), held
+    assert saved["in_flight"], "nothing was in flight at the checkpoint"
+    assert len(saved["trained_uids"]) == 4 * 4
+
+    batches.clear()
+    rt2 = runtime()
+    result = rt2.run()
+    assert rt2.summary.get("resumed") == 1 and rt2.summary["updates"] == len(result.history) == 8
+    uids = rt2.summary["trained_uids"]  # the checkpoint's 16 and the resumed run's 16
+    assert len(uids) == len(set(uids)) == 8 * 4
+    assert uids[:16] == saved["trained_uids"] and [u for _, u, _ in batches] == uids[16:]
+    trained = {(t.group_uid, t.sample_idx): (v, t) for v, _, g in batches for t in g.trajectories}
+    are_episodes([t for _, t in trained.values()])
+    # a buffered episode trains as saved (tokens, mask, log-probs, turns), unless its group went too
+    # stale and was rolled out again under newer weights
+    kept = []
+    for t in held:
+        _, got = trained.get((t.group_uid, t.sample_idx), (None, None))
+        if got is not None and got != t:
+            assert got.version > t.version
+        elif got is not None:
+            kept.append(t)
+    assert any(t.turns > 1 and 0 in t.loss_mask for t in kept), (len(held), len(kept))
+    fresh = [
+        trained[k][1] for k in ((q["group_uid"], q["sample_idx"]) for q in saved["in_flight"]) if k in trained
+    ]
+    assert fresh and all(t.version >= 4 for t in fresh)  # re-queued: rolled out again, after the resume
