@@ -348,9 +348,9 @@ def test_a_laminar_episode_run_killed_after_a_checkpoint_resumes_its_buffered_an
     batches = []
     original = RolloutManager.next_batch
 
-    def spy(self):  # (the trainer's version when it takes the group, uid, group)
+    def spy(self):
         groups = original(self)
-        batches.extend((self.version, u, g) for u, g in groups)
+        batches.extend(groups)
         return groups
 
     monkeypatch.setattr(RolloutManager, "next_batch", spy)
@@ -378,7 +378,7 @@ def test_a_laminar_episode_run_killed_after_a_checkpoint_resumes_its_buffered_an
     with pytest.raises(ray.exceptions.RayActorError):
         rt.run()
     first = list(batches)
-    are_episodes([t for _, _, g in first for t in g.trajectories])
+    are_episodes([t for _, g in first for t in g.trajectories])
     last = latest_checkpoint(tmp_path / "state" / "checkpoints")
     assert last is not None and last.name == "step-000004"
     saved = load_json(last, RUN_STATE)
@@ -393,20 +393,19 @@ def test_a_laminar_episode_run_killed_after_a_checkpoint_resumes_its_buffered_an
     assert rt2.summary.get("resumed") == 1 and rt2.summary["updates"] == len(result.history) == 8
     uids = rt2.summary["trained_uids"]  # the checkpoint's 16 and the resumed run's 16
     assert len(uids) == len(set(uids)) == 8 * 4
-    assert uids[:16] == saved["trained_uids"] and [u for _, u, _ in batches] == uids[16:]
-    trained = {(t.group_uid, t.sample_idx): (v, t) for v, _, g in batches for t in g.trajectories}
-    are_episodes([t for _, t in trained.values()])
+    assert uids[:16] == saved["trained_uids"] and [u for u, _ in batches] == uids[16:]
+    trained = {(t.group_uid, t.sample_idx): t for _, g in batches for t in g.trajectories}
+    are_episodes(list(trained.values()))
     # a buffered episode trains as saved (tokens, mask, log-probs, turns), unless its group went too
     # stale and was rolled out again under newer weights
     kept = []
     for t in held:
-        _, got = trained.get((t.group_uid, t.sample_idx), (None, None))
+        got = trained.get((t.group_uid, t.sample_idx))
         if got is not None and got != t:
             assert got.version > t.version
         elif got is not None:
             kept.append(t)
     assert any(t.turns > 1 and 0 in t.loss_mask for t in kept), (len(held), len(kept))
-    fresh = [
-        trained[k][1] for k in ((q["group_uid"], q["sample_idx"]) for q in saved["in_flight"]) if k in trained
-    ]
+    in_flight = [(q["group_uid"], q["sample_idx"]) for q in saved["in_flight"]]
+    fresh = [trained[k] for k in in_flight if k in trained]
     assert fresh and all(t.version >= 4 for t in fresh)  # re-queued: rolled out again, after the resume
