@@ -122,6 +122,43 @@ def test_dynamic_sampling_drops_uniform_episode_groups_and_refills_the_batch(mon
     assert all(m.extra["episode/tool_calls"] > 0.5 for m in result.history)
 
 
+def test_dapos_overlong_term_judges_an_episode_by_its_longest_turn():
+    """``rl.algorithm=dapo`` adds the overlong term, which compares a length with the generation limit
+    (``max_new_tokens``, one turn's cap). An episode is judged by its longest policy turn: two turns of
+    7 and 10 tokens under a cap of 12 (L_cache 4) ramp to -0.5, as a 10-token response would, not -1
+    for the 22 tokens the whole episode holds with its observation; a turn cut at the cap gets -1."""
+    from generation.records import Trajectory
+    from training.rl.loop import group_scorer
+
+    tok = build_char_tokenizer()
+    p = PromptItem("p0", "1+2", "3", encode_problem(tok, "{problem}\n", "1+2"), 1)
+
+    def episode(i, mask, reason):
+        n = len(mask)
+        return Trajectory(
+            "trajectory",
+            p,
+            i,
+            (5,) * n,
+            (0.0,) * n,
+            0,
+            reason == "answer",
+            "x",
+            loss_mask=tuple(mask),
+            turns=1 + mask.count(0) // 5,
+            tool_calls=mask.count(0) // 5,
+            end_reason=reason,
+        )
+
+    answered = [1] * 7 + [0] * 5 + [1] * 10
+    cut = [1] * 7 + [0] * 5 + [1] * 12
+    single = Trajectory("trajectory", p, 2, (5,) * 7, (0.0,) * 7, 0, True, "x")
+    rl = RLConfig(algorithm="dapo", max_new_tokens=12, overlong_cache_len=4)
+    score = group_scorer(ToolSaysAnswer(), objective_params(rl), rl.max_new_tokens)
+    group = score([episode(0, answered, "answer"), episode(1, cut, "length"), single])
+    assert group.terms["overlong"] == (-0.5, -1.0, 0.0)
+
+
 # --------------------------------------------------------------------------------- HIVE / GRESO selection
 class FirstContext:
     """The calculator whose first context is the environment's own rendering (a ``tools: calc`` line
