@@ -141,7 +141,7 @@ def _terms(
             Sample(
                 text=trajectories[i].text,
                 answer=trajectories[i].prompt.answer or "",
-                n_tokens=len(trajectories[i].response_tokens),
+                n_tokens=trajectories[i].longest_turn(),  # an episode: its longest turn
                 max_tokens=max_new_tokens,
                 prompt=items[i // n_samples].problem,
             )

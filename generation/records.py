@@ -91,6 +91,19 @@ class Trajectory:
         """``loss_mask``, or all ones for a single-turn response."""
         return self.loss_mask or (1,) * len(self.response_tokens)
 
+    def longest_turn(self) -> int:
+        """The tokens of the longest policy turn (the longest run of ones in ``loss_mask``; a single-turn
+        response: all its tokens): the length the generation limit, one turn's cap, bounds, which the
+        length reward terms (DAPO's overlong, cosine length) judge. An episode's whole token count
+        counts observations and every turn, and passes the limit without any turn nearing it."""
+        if not self.loss_mask:
+            return len(self.response_tokens)
+        longest = run = 0
+        for m in self.loss_mask:
+            run = run + 1 if m else 0
+            longest = max(longest, run)
+        return longest
+
 
 @dataclass(frozen=True)
 class ScoredGroup:

@@ -126,7 +126,8 @@ def test_dapos_overlong_term_judges_an_episode_by_its_longest_turn():
     """``rl.algorithm=dapo`` adds the overlong term, which compares a length with the generation limit
     (``max_new_tokens``, one turn's cap). An episode is judged by its longest policy turn: two turns of
     7 and 10 tokens under a cap of 12 (L_cache 4) ramp to -0.5, as a 10-token response would, not -1
-    for the 22 tokens the whole episode holds with its observation; a turn cut at the cap gets -1."""
+    for the 22 tokens the whole episode holds with its observation; a turn cut at the cap gets -1.
+    The same in RL's scoring and in evaluation's reward terms."""
     from generation.records import Trajectory
     from training.rl.loop import group_scorer
 
@@ -155,8 +156,17 @@ def test_dapos_overlong_term_judges_an_episode_by_its_longest_turn():
     single = Trajectory("trajectory", p, 2, (5,) * 7, (0.0,) * 7, 0, True, "x")
     rl = RLConfig(algorithm="dapo", max_new_tokens=12, overlong_cache_len=4)
     score = group_scorer(ToolSaysAnswer(), objective_params(rl), rl.max_new_tokens)
-    group = score([episode(0, answered, "answer"), episode(1, cut, "length"), single])
-    assert group.terms["overlong"] == (-0.5, -1.0, 0.0)
+    trajs = [episode(0, answered, "answer"), episode(1, cut, "length"), single]
+    assert score(trajs).terms["overlong"] == (-0.5, -1.0, 0.0)
+    # evaluation's reward terms judge the same length
+    from conf.schema import OverlongParams
+    from evaluation.benchmarks import BenchmarkItem
+    from evaluation.evaluate import _terms
+    from rewards.components import Overlong
+
+    item = BenchmarkItem("heldout", "h0", "1+2", "3")
+    terms = _terms([item], 3, trajs, [Verdict(True)] * 3, {}, 12, [Overlong(OverlongParams(cache_len=4))])
+    assert [t[0][:2] for t in terms] == [("overlong", -0.5), ("overlong", -1.0), ("overlong", 0.0)]
 
 
 # --------------------------------------------------------------------------------- HIVE / GRESO selection

@@ -8,11 +8,13 @@ from types import SimpleNamespace
 
 from evaluation.benchmarks import BenchmarkItem
 from evaluation.evaluate import EvalRow, _terms, summarize_rows
+from generation.records import PromptItem, Trajectory
 from rewards.components import repeated_ngram_rate
 
 
 def _traj(text: str, answer: str, n: int):
-    return SimpleNamespace(text=text, prompt=SimpleNamespace(answer=answer), response_tokens=[0] * n)
+    prompt = PromptItem("p", "", answer, (1,))
+    return Trajectory("trajectory", prompt, 0, (0,) * n, (0.0,) * n, 0, True, text)
 
 
 def test_score_with_components_are_scored_per_row_and_summarised_per_benchmark():

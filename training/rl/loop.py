@@ -197,28 +197,14 @@ class HiveSource:
         return out
 
 
-def scored_length(t: Trajectory) -> int:
-    """The length a trajectory's length terms judge against the generation limit (``max_new_tokens``,
-    which caps one turn): a response's tokens; a multi-turn episode's longest policy turn (the longest
-    run of ones in ``loss_mask``), not its whole token count, which counts observation tokens and every
-    turn and so passes the limit without any turn nearing it."""
-    if not t.loss_mask:
-        return len(t.response_tokens)
-    longest = run = 0
-    for m in t.loss_mask:
-        run = run + 1 if m else 0
-        longest = max(longest, run)
-    return longest
-
-
 def score_phase(trajectories: Sequence[Trajectory], reward, max_new_tokens: int = 0) -> list[ScoredGroup]:
     """Group trajectories by prompt (in first-seen order) and score the batch through the reward layer
     (``reward``: a ``rewards.Reward``, or a bare verifier: the math verifier alone): ``correct`` is
     the correctness verdict, ``rewards`` the weighted total, ``terms`` each component's score. The
-    length the length terms (DAPO's overlong, cosine length) compare with ``max_new_tokens`` is
-    ``scored_length``."""
+    length terms (DAPO's overlong, cosine length) compare ``Trajectory.longest_turn`` with
+    ``max_new_tokens``."""
     samples = [
-        Sample(t.text, t.prompt.answer, scored_length(t), max_new_tokens, t.prompt.text) for t in trajectories
+        Sample(t.text, t.prompt.answer, t.longest_turn(), max_new_tokens, t.prompt.text) for t in trajectories
     ]
     scores = as_reward(reward).score(samples)
     by_prompt: dict[str, list[int]] = {}
