@@ -5,7 +5,6 @@ trajectories with masked observation tokens, tool calls) and that the feature ac
 
 from __future__ import annotations
 
-
 import pytest
 import torch
 
@@ -90,31 +89,29 @@ def sync_rl(**overrides) -> RLConfig:
 
 # ------------------------------------------------------------------------------------- DAPO dynamic sampling
 def test_dynamic_sampling_drops_uniform_episode_groups_and_refills_the_batch(monkeypatch, caller_dir):
-    """``rl.dynamic_sampling`` on episodes: every group whose episodes are all right or all wrong (the
-    answer-99 prompts, always) is dropped and counted, further rounds refill the batch, and the trainer
-    sees only full batches of groups with mixed rewards."""
+    """DAPO (``rl.algorithm=dapo``: dynamic sampling, overlong shaping, clip-higher) on episodes: every
+    group whose episodes are all right or all wrong (the answer-99 prompts, always) is dropped and
+    counted, further rounds refill the batch, and the trainer sees only full batches of groups with
+    mixed correctness."""
     tok = load_tokenizer(caller_dir)
-    rl = sync_rl(dynamic_sampling=True, max_sampling_rounds=8)
+    rl = sync_rl(algorithm="dapo", max_sampling_rounds=8, overlong_cache_len=4)
+    assert objective_params(rl).dynamic_sampling
+    prompts = calc_prompts(tok, 32)
     batches = spy_batches(monkeypatch)
     result = LocalDriver(
-        caller_dir,
-        calc_prompts(tok, 32),
-        ToolSaysAnswer(),
-        objective_params(rl),
-        rl,
-        seed=0,
-        device="cpu",
-        env=ENV,
+        caller_dir, prompts, ToolSaysAnswer(), objective_params(rl), rl, seed=0, device="cpu", env=ENV
     ).run()
     assert len(batches) == len(result.history) == 3
     trained = [g for b in batches for g in b]
     assert all(len(b) == 4 for b in batches)  # refilled: full batches despite the drops
     assert all(len(set(g.correct)) == 2 for g in trained), [g.correct for g in trained]
-    assert all(g.trajectories[0].prompt.answer == "3" for g in trained)
+    assert all(g.trajectories[0].prompt.answer == "3" and "overlong" in g.terms for g in trained)
     are_episodes([t for g in trained for t in g.trajectories])
     # the reward history holds every rolled-out group: the uniform ones are exactly the dropped ones
+    wrong = {p.prompt_id for p in prompts if p.answer == "99"}
+    assert all(m == 0.0 for _, p, m, _ in result.rewards if p in wrong)
+    assert sum(p in wrong for _, p, _, _ in result.rewards) >= 3
     uniform = [r for r in result.rewards if r[2] in (0.0, 1.0)]
-    assert len(uniform) >= 3 * 4  # each batch's first round alone has two answer-99 groups
     assert sum(m.dropped_groups for m in result.history) == len(uniform)
     assert len(result.rewards) == len(uniform) + len(trained)
     assert all(m.sampling_rounds > 1 for m in result.history)
@@ -324,8 +321,11 @@ def test_a_sync_episode_run_killed_after_a_checkpoint_resumes_and_ends_identical
     tok = load_tokenizer(caller_dir)
     rl = sync_rl(steps=5, checkpoint_every=2, dynamic_sampling=True, max_sampling_rounds=8)
 
+    ran = []  # (folder, step) of every update a run took itself
+
     def run(folder, kill_at=None):
         def on_step(m):
+            ran.append((folder, m.step))
             if m.step == kill_at:
                 raise Killed(kill_at)
 
@@ -350,7 +350,13 @@ def test_a_sync_episode_run_killed_after_a_checkpoint_resumes_and_ends_identical
     last = latest_checkpoint(tmp_path / "killed" / "checkpoints")
     assert last is not None and last.name == "step-000002"
     assert load_json(last, RUN_STATE)["version"] == 2
+    ran.clear()
     resumed, w_resumed = run("killed")
+    assert ran == [
+        ("killed", 3),
+        ("killed", 4),
+        ("killed", 5),
+    ]  # it resumed: updates 1-2 came from the checkpoint
 
     def untimed(history):
         return [{k: v for k, v in m.as_dict().items() if k not in TIMING_KEYS} for m in history]
