@@ -168,9 +168,9 @@ def test_dapos_overlong_term_judges_an_episode_by_its_longest_turn():
 
 # --------------------------------------------------------------------------------- HIVE / GRESO selection
 class FirstContext:
-    """The calculator whose first context is the environment's own rendering (a ``tools: calc`` line
-    after BOS, as a chat template's tool header would be): the finished trajectories' prompts carry
-    these tokens, not the prompt's own."""
+    """The calculator whose first context is the environment's own rendering (a newline after BOS,
+    where a chat template would put its tool header): the finished trajectories' prompts carry these
+    tokens, not the prompt's own."""
 
     name = "calculator_header"
 
@@ -199,11 +199,15 @@ def test_hive_observes_episode_rewards_and_skips_the_prompts_they_show_uniform(m
     from training.rl.loop import HiveSource
 
     class Recording(GresoFilter):
-        skipped: list[str] = []
+        """GRESO's filter, keeping the prompt ids it skipped."""
+
+        def __init__(self, history):
+            super().__init__(history)
+            self.skipped: list[str] = []
 
         def filter(self, prompt_ids, rng):
             kept, skipped = super().filter(prompt_ids, rng)
-            self.skipped = self.skipped + skipped
+            self.skipped += skipped
             return kept, skipped
 
     real = registry.make_environment
