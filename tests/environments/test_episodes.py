@@ -351,6 +351,8 @@ def test_a_wake_cuts_a_wait_on_a_slow_tool_short(tok, model):
     while runner.inner.status()["active"] or runner.inner.status()["queued"]:
         runner.step(24)  # every first turn ends and waits on its 30 s tool
     assert runner._waiting
+    while not all(w.fut.done() for w in runner._waiting):  # a step returning also ends a wait
+        time.sleep(0.01)
     runner.wake()  # before the call: the order that started the call already knew
     timer = threading.Timer(0.3, runner.wake)
     timer.start()
