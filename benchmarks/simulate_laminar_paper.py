@@ -34,7 +34,11 @@ Assumptions (all in docs/simulator.md's model of the simulator; none tuned to th
 - **Throughput**: trained tokens/s after ``warmup_updates`` updates (pipeline fill), over ``--steps``.
 
     .venv/bin/python benchmarks/simulate_laminar_paper.py [--scales 64 128 256 512 1024] [--jobs 2]
-        [--tool-calls N --tool-latency codex_exec --tail-scale 1.0]
+        [--tool-calls N --tool-latency codex_exec --tail-scale 1.0 --version-rule turn|episode]
+
+With tools, ``--version-rule`` picks what one weight version spans in laminar mode
+(``workload.version_rule``, docs/simulator.md "Tool latency"): ``turn`` (the runtime's default: an
+episode waiting on its tool is parked out of the batch and pins no weights) or ``episode``.
 """
 
 from __future__ import annotations
@@ -57,6 +61,7 @@ PAPER = {"sync": 2.56, "one_step": 1.98, "stream": 1.93, "partial": 1.39}
 MODEL_NAMES = ["qwen2.5-7b", "qwen2.5-32b", "qwen2.5-72b"]
 MODES = ["sync", "one_step", "stream", "partial", "laminar"]
 MAX_AHEAD = 0
+VERSION_RULE = "turn"
 TOOLS: list[dict] = []
 LENGTHS = {"kind": "lognormal", "median": 1500, "p99_over_median": 10, "group_corr": 0.5}
 """``--tool-calls N``: every episode calls a tool N times, each waiting a latency of ``--tool-latency``
@@ -76,6 +81,7 @@ def base_config(model: str, gpus: int, steps: int, seed: int):
                 "prompt_len": 256,
                 "lengths": LENGTHS,
                 "tools": TOOLS,
+                "version_rule": VERSION_RULE,
             },
             "cost": {"train_gen_share": 0.83},
             "sched": {"max_staleness": None, "repack_interval_s": 5.0, "max_ahead_batches": MAX_AHEAD},
@@ -104,6 +110,7 @@ def run_one(args):
         "mean_occupancy": r.mean_occupancy,
         "staleness": r.staleness_histogram,
         "repacks": r.repacks,
+        "pulls": r.pulls,
         "interrupts": r.interrupts,
         "step_seconds": r.step_seconds,
         "generation_share": r.generation_share,
@@ -143,11 +150,18 @@ def main() -> None:
     ap.add_argument("--tool-calls", type=int, default=0, help="tool calls per episode (0: none)")
     ap.add_argument("--tool-latency", default="codex_exec", help="their latency (env.tool_latency.kind)")
     ap.add_argument("--tail-scale", type=float, default=1.0, help="the latency's tail_scale")
+    ap.add_argument(
+        "--version-rule",
+        choices=["turn", "episode"],
+        default="turn",
+        help="with tools: what one weight version spans in laminar mode (workload.version_rule)",
+    )
     ap.add_argument("--length-median", type=float, default=1500, help="response length median, tokens")
     ap.add_argument("--length-p99", type=float, default=10, help="response length p99 / median")
     args = ap.parse_args()
-    global MAX_AHEAD
+    global MAX_AHEAD, VERSION_RULE
     MAX_AHEAD = args.max_ahead_batches
+    VERSION_RULE = args.version_rule
     LENGTHS.update(median=args.length_median, p99_over_median=args.length_p99)
     if args.tool_calls:
         latency = {"kind": args.tool_latency, "tail_scale": args.tail_scale}
@@ -161,6 +175,7 @@ def main() -> None:
         "settings": {},
         "runs": {},
         "tools": TOOLS,
+        "version_rule": VERSION_RULE,
         "lengths": LENGTHS,
     }
     jobs = []
