@@ -39,6 +39,8 @@ Assumptions (all in docs/simulator.md's model of the simulator; none tuned to th
 With tools, ``--version-rule`` picks what one weight version spans in laminar mode
 (``workload.version_rule``, docs/simulator.md "Tool latency"): ``turn`` (the runtime's default: an
 episode waiting on its tool is parked out of the batch and pins no weights) or ``episode``.
+``--calibrate-rule`` sets the training cost from the sync step under that rule (default: the same),
+so that two rules can be compared at the same training cost.
 """
 
 from __future__ import annotations
@@ -92,13 +94,17 @@ def base_config(model: str, gpus: int, steps: int, seed: int):
     )
 
 
+def with_rule(cfg, rule: str):
+    return dataclasses.replace(cfg, workload=dataclasses.replace(cfg.workload, version_rule=rule))
+
+
 def run_one(args):
-    cfg, mode, share, keep_timeline = args
+    cfg, mode, share, keep_timeline, max_events = args
     if share is not None:
         cfg = dataclasses.replace(cfg, cluster=dataclasses.replace(cfg.cluster, trainer_share=share))
     t0 = time.perf_counter()
     try:
-        r = Simulator(cfg, mode).run(max_events=6_000_000)
+        r = Simulator(cfg, mode).run(max_events=max_events)
     except RuntimeError as err:
         return {"mode": mode, "share": share, "error": str(err)}
     out = {
@@ -156,12 +162,20 @@ def main() -> None:
         default="turn",
         help="with tools: what one weight version spans in laminar mode (workload.version_rule)",
     )
+    ap.add_argument(
+        "--calibrate-rule",
+        choices=["turn", "episode"],
+        default=None,
+        help="the version rule of the sync run that sets the training cost (default: --version-rule)",
+    )
+    ap.add_argument("--max-events", type=int, default=6_000_000, help="per simulated mode")
     ap.add_argument("--length-median", type=float, default=1500, help="response length median, tokens")
     ap.add_argument("--length-p99", type=float, default=10, help="response length p99 / median")
     args = ap.parse_args()
     global MAX_AHEAD, VERSION_RULE
     MAX_AHEAD = args.max_ahead_batches
     VERSION_RULE = args.version_rule
+    cal_rule = args.calibrate_rule or args.version_rule
     LENGTHS.update(median=args.length_median, p99_over_median=args.length_p99)
     if args.tool_calls:
         latency = {"kind": args.tool_latency, "tail_scale": args.tail_scale}
@@ -176,12 +190,17 @@ def main() -> None:
         "runs": {},
         "tools": TOOLS,
         "version_rule": VERSION_RULE,
+        "calibrate_rule": cal_rule,
         "lengths": LENGTHS,
     }
     jobs = []
     for model in args.models:
         for gpus in args.scales:
-            cfg, info = calibrate_train_share(base_config(model, gpus, args.steps, args.seed))
+            cfg, info = calibrate_train_share(
+                with_rule(base_config(model, gpus, args.steps, args.seed), cal_rule)
+            )
+            cfg = with_rule(cfg, VERSION_RULE)
+            info["calibrated_under_version_rule"] = cal_rule
             results["settings"][f"{model}@{gpus}"] = {
                 "calibration": info,
                 "gpus_per_engine": cfg.cluster.gpus_per_engine,
@@ -200,7 +219,7 @@ def main() -> None:
             )
             for mode in MODES:
                 for share in [None] if mode == "sync" else args.shares:
-                    jobs.append(((model, gpus), (cfg, mode, share, gpus == 1024)))
+                    jobs.append(((model, gpus), (cfg, mode, share, gpus == 1024, args.max_events)))
     with ProcessPoolExecutor(max_workers=args.jobs) as pool:
         outs = list(pool.map(run_one, [j for _, j in jobs]))
     table = {}

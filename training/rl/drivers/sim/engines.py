@@ -303,10 +303,10 @@ class EngineModel:
 
     def ready(self, r: SimRollout, key: tuple[int, int], token: int) -> None:
         """A parked episode's tool call is answered (a ``ready`` event; void if it was handed over).
-        It rejoins at the rollout's next admission: a call decoding while admitting is cut now (the
-        runtime's chunk boundary) so that the next call admits it; a call waiting only on tools
-        returns (as the runtime's wait on the environment does); a draining rollout holds it until
-        its pull."""
+        A call decoding while admitting takes it into its batch now (``_rejoin_now``); one in a
+        prefill, a pull or a hand-over admits it when that ends; a call waiting only on tools returns
+        (as the runtime's wait on the environment does) and the next call admits it; a draining
+        rollout holds it until its pull."""
         p = r.parked.get(key)
         if p is None or p.token != token:
             return
@@ -317,8 +317,33 @@ class EngineModel:
                 self.on_idle(r)
         elif r.op == "wait":
             self._end_wait(r)
-        elif r.op == "step" and r.admitting:
-            self.cut(r)
+        elif r.op == "step" and r.admitting and r.seg_steps and self.chunk_steps <= 0:
+            self._rejoin_now(r)
+
+    def _rejoin_now(self, r: SimRollout) -> None:
+        """Stop the decode segment here, admit the answered episodes (a prefill of their context so far,
+        as for handed-over rows) and go on decoding, in the same call; a row that ended meanwhile ends
+        the call instead (the next call admits them)."""
+        self.account(r)
+        done = (self.clock.now - r.seg_start) * r.seg_speed
+        frac = min(1.0, done / r.seg_work) if r.seg_work > 0 else 1.0
+        r.S += r.seg_steps * frac
+        r.seg_steps = 0
+        r.epoch += 1  # the pending seg_end is void
+        self._retire(r)
+        if r.finished or r.turn_ended:
+            self.on_return(r)
+            return
+        self._decode_or_return(r, self._rejoin(r))
+
+    def _rejoin(self, r: SimRollout) -> float:
+        """Admit answered episodes into free rows of a running call (when admitting); returns the
+        seconds of their prefill."""
+        if not (r.ready and r.admitting and len(r.rows) < r.capacity):
+            return 0.0
+        tokens = self._admit(r)
+        self._retire(r)
+        return self.cost.prefill_s(tokens)
 
     def _end_wait(self, r: SimRollout) -> None:
         self.account(r)
@@ -417,7 +442,7 @@ class EngineModel:
         if r.finished or r.turn_ended:  # the manager hears of finished responses and parked episodes
             self.on_return(r)
             return
-        self._decode_or_return(r)
+        self._decode_or_return(r, self._rejoin(r))
 
     def cut(self, r: SimRollout) -> None:
         """Event mode: end a busy decode call now (the manager needs the rollout before its next
