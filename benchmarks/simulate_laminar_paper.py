@@ -34,7 +34,13 @@ Assumptions (all in docs/simulator.md's model of the simulator; none tuned to th
 - **Throughput**: trained tokens/s after ``warmup_updates`` updates (pipeline fill), over ``--steps``.
 
     .venv/bin/python benchmarks/simulate_laminar_paper.py [--scales 64 128 256 512 1024] [--jobs 2]
-        [--tool-calls N --tool-latency codex_exec --tail-scale 1.0]
+        [--tool-calls N --tool-latency codex_exec --tail-scale 1.0 --version-rule turn|episode]
+
+With tools, ``--version-rule`` picks what one weight version spans in laminar mode
+(``workload.version_rule``, docs/simulator.md "Tool latency"): ``turn`` (the runtime's default: an
+episode waiting on its tool is parked out of the batch and pins no weights) or ``episode``.
+``--calibrate-rule`` sets the training cost from the sync step under that rule (default: the same),
+so that two rules can be compared at the same training cost.
 """
 
 from __future__ import annotations
@@ -57,6 +63,7 @@ PAPER = {"sync": 2.56, "one_step": 1.98, "stream": 1.93, "partial": 1.39}
 MODEL_NAMES = ["qwen2.5-7b", "qwen2.5-32b", "qwen2.5-72b"]
 MODES = ["sync", "one_step", "stream", "partial", "laminar"]
 MAX_AHEAD = 0
+VERSION_RULE = "turn"
 TOOLS: list[dict] = []
 LENGTHS = {"kind": "lognormal", "median": 1500, "p99_over_median": 10, "group_corr": 0.5}
 """``--tool-calls N``: every episode calls a tool N times, each waiting a latency of ``--tool-latency``
@@ -76,6 +83,7 @@ def base_config(model: str, gpus: int, steps: int, seed: int):
                 "prompt_len": 256,
                 "lengths": LENGTHS,
                 "tools": TOOLS,
+                "version_rule": VERSION_RULE,
             },
             "cost": {"train_gen_share": 0.83},
             "sched": {"max_staleness": None, "repack_interval_s": 5.0, "max_ahead_batches": MAX_AHEAD},
@@ -86,13 +94,17 @@ def base_config(model: str, gpus: int, steps: int, seed: int):
     )
 
 
+def with_rule(cfg, rule: str):
+    return dataclasses.replace(cfg, workload=dataclasses.replace(cfg.workload, version_rule=rule))
+
+
 def run_one(args):
-    cfg, mode, share, keep_timeline = args
+    cfg, mode, share, keep_timeline, max_events = args
     if share is not None:
         cfg = dataclasses.replace(cfg, cluster=dataclasses.replace(cfg.cluster, trainer_share=share))
     t0 = time.perf_counter()
     try:
-        r = Simulator(cfg, mode).run(max_events=6_000_000)
+        r = Simulator(cfg, mode).run(max_events=max_events)
     except RuntimeError as err:
         return {"mode": mode, "share": share, "error": str(err)}
     out = {
@@ -104,6 +116,7 @@ def run_one(args):
         "mean_occupancy": r.mean_occupancy,
         "staleness": r.staleness_histogram,
         "repacks": r.repacks,
+        "pulls": r.pulls,
         "interrupts": r.interrupts,
         "step_seconds": r.step_seconds,
         "generation_share": r.generation_share,
@@ -143,11 +156,26 @@ def main() -> None:
     ap.add_argument("--tool-calls", type=int, default=0, help="tool calls per episode (0: none)")
     ap.add_argument("--tool-latency", default="codex_exec", help="their latency (env.tool_latency.kind)")
     ap.add_argument("--tail-scale", type=float, default=1.0, help="the latency's tail_scale")
+    ap.add_argument(
+        "--version-rule",
+        choices=["turn", "episode"],
+        default="turn",
+        help="with tools: what one weight version spans in laminar mode (workload.version_rule)",
+    )
+    ap.add_argument(
+        "--calibrate-rule",
+        choices=["turn", "episode"],
+        default=None,
+        help="the version rule of the sync run that sets the training cost (default: --version-rule)",
+    )
+    ap.add_argument("--max-events", type=int, default=6_000_000, help="per simulated mode")
     ap.add_argument("--length-median", type=float, default=1500, help="response length median, tokens")
     ap.add_argument("--length-p99", type=float, default=10, help="response length p99 / median")
     args = ap.parse_args()
-    global MAX_AHEAD
+    global MAX_AHEAD, VERSION_RULE
     MAX_AHEAD = args.max_ahead_batches
+    VERSION_RULE = args.version_rule
+    cal_rule = args.calibrate_rule or args.version_rule
     LENGTHS.update(median=args.length_median, p99_over_median=args.length_p99)
     if args.tool_calls:
         latency = {"kind": args.tool_latency, "tail_scale": args.tail_scale}
@@ -161,12 +189,18 @@ def main() -> None:
         "settings": {},
         "runs": {},
         "tools": TOOLS,
+        "version_rule": VERSION_RULE,
+        "calibrate_rule": cal_rule,
         "lengths": LENGTHS,
     }
     jobs = []
     for model in args.models:
         for gpus in args.scales:
-            cfg, info = calibrate_train_share(base_config(model, gpus, args.steps, args.seed))
+            cfg, info = calibrate_train_share(
+                with_rule(base_config(model, gpus, args.steps, args.seed), cal_rule)
+            )
+            cfg = with_rule(cfg, VERSION_RULE)
+            info["calibrated_under_version_rule"] = cal_rule
             results["settings"][f"{model}@{gpus}"] = {
                 "calibration": info,
                 "gpus_per_engine": cfg.cluster.gpus_per_engine,
@@ -185,7 +219,7 @@ def main() -> None:
             )
             for mode in MODES:
                 for share in [None] if mode == "sync" else args.shares:
-                    jobs.append(((model, gpus), (cfg, mode, share, gpus == 1024)))
+                    jobs.append(((model, gpus), (cfg, mode, share, gpus == 1024, args.max_events)))
     with ProcessPoolExecutor(max_workers=args.jobs) as pool:
         outs = list(pool.map(run_one, [j for _, j in jobs]))
     table = {}

@@ -15,6 +15,8 @@ from conf.schema import ConfigError, ToolLatencyConfig, _validate_latency_fields
 SIM_MODE_NAMES = ("sync", "one_step", "stream", "partial", "laminar")
 """The runtime's modes plus the simulator-only ``stream``."""
 LENGTH_KINDS = ("lognormal", "mixture", "values")
+VERSION_RULES = ("turn", "episode")
+"""What one weight version spans in laminar mode with tools (``env.version_rule``, docs/simulator.md)."""
 
 MODEL_PRESETS: dict[str, dict[str, Any]] = {
     "qwen2.5-7b": dict(name="qwen2.5-7b", params_b=7.6, layers=28, hidden=3584, kv_heads=4, head_dim=128),
@@ -91,8 +93,14 @@ class SimWorkloadConfig:
     """Each prompt's chance that a response is right, drawn per prompt from this list (empty: rewards
     are not modelled). With ``sched.dynamic_sampling``, groups whose responses all agree are dropped."""
     tools: list[SimToolConfig] = field(default_factory=list)
-    """Tool calls of every episode, a latency distribution per tool (empty: single-turn responses). A
-    waiting episode keeps its slot while the batch decodes the others (docs/simulator.md)."""
+    """Tool calls of every episode, a latency distribution per tool (empty: single-turn responses);
+    what a waiting episode does follows ``version_rule`` (docs/simulator.md)."""
+    version_rule: str = "turn"
+    """With ``tools``: ``turn`` (the runtime's default, ``env.version_rule``): a tool call ends a policy
+    turn, the episode leaves the batch (parked, pinning no weights) until its latency has passed on the
+    wall clock, then its next turn re-prefills under the rollout's current weights (held through a
+    laminar drain until the pull). ``episode``: the waiting episode keeps its row and its wait counts
+    in decode steps, so it pins its rollout's version until it ends."""
 
 
 @dataclass
@@ -225,6 +233,10 @@ def validate_simulate(cfg: SimulateConfig) -> SimulateConfig:
     if any(b <= 0 or t <= 0 for b, t in points):
         raise ConfigError("cost.decode_points: batches and seconds must be > 0")
     cfg.cost.decode_points = points
+    if cfg.workload.version_rule not in VERSION_RULES:
+        raise ConfigError(
+            f"workload.version_rule={cfg.workload.version_rule!r}: choose one of {', '.join(VERSION_RULES)}"
+        )
     for i, tool in enumerate(cfg.workload.tools):
         if tool.calls < 0:
             raise ConfigError(f"workload.tools[{i}].calls must be >= 0 (got {tool.calls})")

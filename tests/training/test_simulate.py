@@ -333,9 +333,11 @@ def test_lengths_from_a_real_run(tmp_path):
         resolve(load_simulate_config(["workload.lengths.kind=values", f"workload.lengths.values_file={bad}"]))
 
 
-def test_tool_latency_slows_sync_more_than_laminar():
+@pytest.mark.parametrize("rule", ["turn", "episode"])
+def test_tool_latency_slows_sync_more_than_laminar(rule):
     tool = {"name": "python", "calls": 2, "latency": {"kind": "codex_exec"}}
-    plain, tools = tiny(workload={"steps": 4}), tiny(workload={"steps": 4, "tools": [tool]})
+    plain = tiny(workload={"steps": 4})
+    tools = tiny(workload={"steps": 4, "tools": [tool], "version_rule": rule})
     base = {m: sim.Simulator(plain, m).run() for m in ("sync", "laminar")}
     slow = {m: sim.Simulator(tools, m).run() for m in ("sync", "laminar")}
     # the waits add time, never tokens (sync trains the same groups either way)
@@ -345,3 +347,115 @@ def test_tool_latency_slows_sync_more_than_laminar():
     assert ratio(slow) > ratio(base)
     with pytest.raises(Exception, match=r"workload.tools\[0\].latency"):
         tiny(workload={"tools": [{**tool, "latency": {"kind": "fixed"}}]})
+
+
+# ---------------------------------------------------------------------------- the turn version rule
+FAST_TRAINER = {"train_s_per_token": 1e-6, "train_step_overhead_s": 0.05}
+"""A trainer much faster than generation: throughput is the rollouts' (else every continuous mode
+waits on the trainer alike)."""
+
+
+def tool_workload(rule: str, latency: dict, calls: int = 1, **workload) -> SimulateConfig:
+    """Short responses (median 30 tokens, the tool benchmark's) with ``calls`` tool calls each."""
+    tool = {"name": "python", "calls": calls, "latency": latency}
+    wl = {"tools": [tool], "version_rule": rule, "lengths": {"median": 30, "p99_over_median": 3}}
+    return tiny(workload={**wl, **workload}, cost=FAST_TRAINER)
+
+
+def watch(s: sim.Simulator) -> dict:
+    """Record, at every pull, the episodes between turns and the rows decoding on the rollout, and
+    every finished trajectory."""
+    seen: dict = {"pulls": [], "trajectories": []}
+    start_pull, collect = s.engines.start_pull, s.engines.collect
+
+    def on_pull(r, version, wait, cost):
+        seen["pulls"].append((r.eversion, len(r.parked) + len(r.ready), len(r.rows)))
+        return start_pull(r, version, wait, cost)
+
+    def on_collect(r):
+        finished, pulled = collect(r)
+        seen["trajectories"] += [t for t, _ in finished]
+        return finished, pulled
+
+    s.engines.start_pull, s.engines.collect = on_pull, on_collect
+    return seen
+
+
+def test_turn_rule_lets_laminar_pull_while_episodes_wait_on_tools():
+    """Under the turn rule a laminar rollout pulls as soon as its decoding turns end, while its
+    episodes wait on a 20 s tool call (the next turns run under the new weights); under the episode
+    rule every pull waits until no episode is in flight, so none spans two versions."""
+    fixed = {"kind": "fixed", "seconds": [20.0]}
+    turn = sim.Simulator(tool_workload("turn", fixed), "laminar")
+    seen_t = watch(turn)
+    rt = turn.run()
+    episode = sim.Simulator(tool_workload("episode", fixed), "laminar")
+    seen_e = watch(episode)
+    re = episode.run()
+    # turn: pulls with episodes parked and no row decoding; their trajectories span versions
+    parked_pulls = [p for p in seen_t["pulls"] if p[0] >= 0 and p[1] > 0]
+    assert parked_pulls and all(rows == 0 for _, _, rows in parked_pulls)
+    assert any(t.last_version > t.version for t in seen_t["trajectories"])
+    # episode: a pull only on an empty rollout; every trajectory under one version
+    assert all(between == 0 and rows == 0 for v, between, rows in seen_e["pulls"] if v >= 0)
+    assert all(t.last_version == t.version for t in seen_e["trajectories"])
+    # both still train every batch, each group once; turn's pulls do not wait out the tool calls
+    for r in (rt, re):
+        assert r.updates == 6 and len(r.trained_uids) == len(set(r.trained_uids)) == 6 * 8
+    assert rt.wall_s < re.wall_s
+
+
+def test_turn_rule_beats_the_episode_rule_for_laminar_on_a_long_tail():
+    """codex_exec latency with its tail doubled: the episode rule pins a draining rollout on its
+    slowest tool call; the turn rule pulls and admits under the new weights meanwhile."""
+    codex = {"kind": "codex_exec", "tail_scale": 2.0}
+    res = {
+        rule: sim.Simulator(tool_workload(rule, codex, steps=12), "laminar").run()
+        for rule in ("turn", "episode")
+    }
+    assert res["turn"].steady_tokens_per_s > 1.2 * res["episode"].steady_tokens_per_s
+    assert res["turn"].pulls > res["episode"].pulls
+
+
+@pytest.mark.parametrize("mode", sorted(sim.SIM_MODES))
+def test_turn_rule_deterministic_and_conserving(mode):
+    """Two tool calls per episode, a long-tailed latency: every mode trains every group exactly once,
+    and the same config gives the same run."""
+    cfg = tool_workload("turn", {"kind": "codex_exec", "tail_scale": 2.0}, calls=2, steps=5)
+    a, b = sim.Simulator(cfg, mode).run(), sim.Simulator(cfg, mode).run()
+    assert a.summary() == b.summary() and a.timeline == b.timeline
+    assert a.trained_uids == b.trained_uids
+    n = cfg.workload.steps * cfg.workload.prompts_per_step
+    assert len(a.trained_uids) == len(set(a.trained_uids)) == n and a.updates == cfg.workload.steps
+    assert sum(a.staleness_histogram.values()) == a.trained_groups
+
+
+def test_turn_rule_repack_hands_parked_episodes_over_as_any_version():
+    """A laminar repack moves episodes waiting on their tools too, as partials of version -1 with the
+    latency they still wait; the receiver (of whatever version) continues them, none is lost."""
+    cfg = tool_workload(
+        "turn",
+        {"kind": "codex_exec", "tail_scale": 2.0},
+        steps=10,
+        lengths={"median": 150, "p99_over_median": 15},
+    )
+    cfg.sched.repack_interval_s = 0.2
+    s = sim.Simulator(cfg, "laminar")
+    handed: list = []
+    extract_done = s.m.extract_done
+
+    def spy(name, partials, queued, status):
+        handed.extend(partials)
+        return extract_done(name, partials, queued, status)
+
+    s.m.extract_done = spy
+    r = s.run()
+    assert r.repacks > 0 and any(p.version == -1 for p in handed)
+    assert len(r.trained_uids) == len(set(r.trained_uids)) == 10 * 8
+
+
+def test_version_rule_is_checked():
+    from conf.schema import ConfigError
+
+    with pytest.raises(ConfigError, match="workload.version_rule='turns'"):
+        tiny(workload={"version_rule": "turns"})

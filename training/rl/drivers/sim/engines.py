@@ -1,5 +1,7 @@
 """The rollout engines as cost models: a continuous batch of at most ``capacity`` sequences whose
-calls jump from one completion (or chunk end) to the next on the simulated clock."""
+calls jump from one completion (or chunk end) to the next on the simulated clock. With tools under
+the turn rule (``workload.version_rule=turn``) an episode's tool call ends its policy turn: it leaves
+the batch, *parked* until a wall-clock ``ready`` event, and comes back as a new turn."""
 
 from __future__ import annotations
 
@@ -31,6 +33,32 @@ class Row:
     version: int
     pause: int = 0
     """Of ``target``, the decode steps its tool calls wait (``EngineModel.pause_steps``), no tokens."""
+    first: int = -1
+    """The version of the episode's first turn (the trajectory's ``version``; -1: ``version``)."""
+
+
+@dataclass
+class Episode:
+    """Turn rule: an episode's progress, kept by the engine model across turns and hand-overs."""
+
+    turn: int = 0
+    """Policy turns completed (each but the last ends in a tool call)."""
+    tokens: int = 0
+    """Response tokens generated so far."""
+    first: int = -1
+    """The weight version that sampled its first turn."""
+    wait_left: float | None = None
+    """Handed over between turns: the tool latency it still waits (0: answered); None otherwise."""
+
+
+@dataclass
+class Parked:
+    """Turn rule: an episode between turns whose tool call runs until ``ready_at``; ``token``
+    matches its ``ready`` event (a hand-over voids it)."""
+
+    req: GenRequest
+    ready_at: float
+    token: int
 
 
 @dataclass
@@ -54,6 +82,9 @@ class SimRollout:
     admitting: bool = True
     eversion: int = -1  # the engine's loaded weights
     finished: list = field(default_factory=list)  # (Trajectory, length)
+    parked: dict = field(default_factory=dict)  # turn rule: key -> Parked, waiting on a tool call
+    ready: deque = field(default_factory=deque)  # turn rule: answered episodes waiting to rejoin
+    turn_ended: bool = False  # a turn ended in a tool call during this call
     seg_start: float = 0.0
     seg_work: float = 0.0
     seg_speed: float = 1.0
@@ -67,8 +98,14 @@ class SimRollout:
     occ_s: float = 0.0
 
     def status(self) -> RolloutStatus:
+        """Episodes between turns (turn rule) hold no row but count in ``active``, as ``parked``."""
+        between = len(self.parked) + len(self.ready)
         return RolloutStatus(
-            self.eversion, len(self.rows), len(self.queue) + len(self.partials), self.capacity
+            self.eversion,
+            len(self.rows) + between,
+            len(self.queue) + len(self.partials),
+            self.capacity,
+            parked=between,
         )
 
 
@@ -88,6 +125,7 @@ class EngineModel:
         interrupt: bool,
         on_return: Callable[[SimRollout], None],
         on_extract: Callable[[SimRollout], None],
+        on_idle: Callable[[SimRollout], None] | None = None,
     ):
         self.rollouts = {name: SimRollout(name, i, capacity) for i, name in enumerate(names)}
         self.rlist = list(self.rollouts.values())
@@ -102,12 +140,23 @@ class EngineModel:
         self.interrupt = interrupt
         self.on_return = on_return
         self.on_extract = on_extract
+        self.on_idle = on_idle
+        """Turn rule: an episode became ready on a rollout with no call in flight (dispatch it)."""
         self.n_busy = 0
         self.pre: dict[tuple[int, int], int] = {}
         """Tokens generated so far of each handed-over response (its Partial carries no tokens here)."""
         self.tools = [(t, LatencySampler(t.latency)) for t in cfg.workload.tools if t.calls > 0]
-        self.pause_step_s = cost.decode_step_s(capacity, self.prompt_len) if self.tools else 0.0
+        self.calls = [(f"{t.name}|{i}", lat) for t, lat in self.tools for i in range(t.calls)]
+        """Every episode's tool calls in order: (draw key suffix, latency sampler)."""
+        self.turn_rule = bool(self.calls) and cfg.workload.version_rule == "turn"
+        """Tool waits on the wall clock, out of the batch (else the episode rule: ``pause_steps``)."""
+        self.pause_step_s = (
+            cost.decode_step_s(capacity, self.prompt_len) if self.tools and not self.turn_rule else 0.0
+        )
         """A tool wait in decode steps: the step cost of a full batch at the prompt's context."""
+        self.eps: dict[tuple[int, int], Episode] = {}
+        """Turn rule: each episode's progress."""
+        self.park_seq = 0
 
     # ---------------------------------------------------------------------------- accounting, speed
     def account(self, r: SimRollout) -> None:
@@ -126,7 +175,7 @@ class EngineModel:
     def retime(self, sp: float) -> None:
         """Shared cores: every running segment continues at speed ``sp`` from now."""
         for r in self.rlist:
-            if r.busy and r.seg_speed != sp:
+            if r.busy and r.op != "wait" and r.seg_speed != sp:
                 self._retime(r, sp)
 
     def _retime(self, r: SimRollout, sp: float) -> None:
@@ -155,6 +204,7 @@ class EngineModel:
 
     def start_step(self, r: SimRollout) -> None:
         r.op = "step"
+        r.turn_ended = False
         self._begin_step(r)
 
     def start_pull(self, r: SimRollout, version: int, wait: float, cost: float) -> None:
@@ -176,26 +226,129 @@ class EngineModel:
 
     # ---------------------------------------------------------------------------- the batch
     def _admit(self, r: SimRollout) -> int:
-        """Fill free slots (partials first, queued requests when admitting); returns prefill tokens."""
+        """Fill free slots (partials first, then, when admitting, episodes back from their tools and
+        queued requests); returns prefill tokens."""
         tokens = 0
-        while len(r.rows) < r.capacity and (r.partials or (r.admitting and r.queue)):
+        while len(r.rows) < r.capacity and (r.partials or (r.admitting and (r.ready or r.queue))):
             if r.partials:
                 p = r.partials.popleft()
                 req, version = p.request, p.version
-                pre = self.pre.pop((req.group_uid, req.sample_idx), 0)
+                key = (req.group_uid, req.sample_idx)
+                pre = self.pre.pop(key, 0)
+                if self.turn_rule:
+                    ep = self.eps[key]
+                    if ep.wait_left is not None:  # handed over between turns
+                        wait, ep.wait_left = ep.wait_left, None
+                        if wait > 0:  # its tool call goes on here
+                            self._park(r, req, wait)
+                            continue
+                        version = r.eversion  # answered: its next turn runs on this rollout's weights
+            elif r.admitting and r.ready:  # its next turn, under the current weights
+                req = r.ready.popleft()
+                version = r.eversion
+                pre = self.eps[(req.group_uid, req.sample_idx)].tokens
             else:
                 req, pre, version = r.queue.popleft(), 0, r.eversion
-            pause = self.pause_steps(req)
-            target = self.source.lengths[req.prompt.prompt_id][req.sample_idx] + pause
-            row = Row((req.group_uid, req.sample_idx), req, target, pre, r.S, version, pause)
-            if pre >= target:  # already complete
-                self._finish(r, row)
+                if self.turn_rule:  # a fresh start (also of a request re-queued after a lost hand-over)
+                    self.eps[(req.group_uid, req.sample_idx)] = Episode(first=version)
+            row = self._row(r, req, pre, version)
+            if pre >= row.target:  # already complete
+                self._row_done(r, row)
                 continue
             r.row_seq += 1
-            heapq.heappush(r.rows, (r.S + (target - pre), r.row_seq, row))
+            heapq.heappush(r.rows, (r.S + (row.target - pre), r.row_seq, row))
             r.sum_c0 += self.prompt_len + pre - r.S
             tokens += self.prompt_len + pre
         return tokens
+
+    def _row(self, r: SimRollout, req: GenRequest, pre: int, version: int) -> Row:
+        """The row of ``req``'s response (episode rule: its tool waits as decode steps) or, under the
+        turn rule, of its current turn (``target``: the episode's tokens at the turn's end)."""
+        key = (req.group_uid, req.sample_idx)
+        length = self.source.lengths[req.prompt.prompt_id][req.sample_idx]
+        if self.turn_rule:
+            ep = self.eps[key]
+            return Row(key, req, self.turn_end(length, ep.turn), pre, r.S, version, 0, ep.first)
+        pause = self.pause_steps(req)
+        return Row(key, req, length + pause, pre, r.S, version, pause)
+
+    def turn_end(self, length: int, turn: int) -> int:
+        """Turn rule: the response tokens an episode has at the end of policy turn ``turn``; its
+        ``length`` is split evenly over its ``len(self.calls) + 1`` turns."""
+        n = len(self.calls) + 1
+        return length if turn >= n - 1 else length * (turn + 1) // n
+
+    def _row_done(self, r: SimRollout, row: Row) -> None:
+        """A row reached its target: the response is finished, or (turn rule) its turn ends in a tool
+        call and the episode parks until the call is answered."""
+        if not self.turn_rule:
+            self._finish(r, row)
+            return
+        ep = self.eps[row.key]
+        if ep.turn >= len(self.calls):
+            del self.eps[row.key]
+            self._finish(r, row)
+            return
+        name, lat = self.calls[ep.turn]
+        ep.turn += 1
+        ep.tokens = row.target
+        r.turn_ended = True
+        self._park(r, row.req, lat.sample(f"{row.req.prompt.prompt_id}|{row.req.sample_idx}|{name}"))
+
+    def _park(self, r: SimRollout, req: GenRequest, wait: float) -> None:
+        self.park_seq += 1
+        ready_at = self.clock.now + wait
+        r.parked[(req.group_uid, req.sample_idx)] = Parked(req, ready_at, self.park_seq)
+        self.clock.push(ready_at, "ready", (r, (req.group_uid, req.sample_idx)), self.park_seq)
+
+    def ready(self, r: SimRollout, key: tuple[int, int], token: int) -> None:
+        """A parked episode's tool call is answered (a ``ready`` event; void if it was handed over).
+        A call decoding while admitting takes it into its batch now (``_rejoin_now``); one in a
+        prefill, a pull or a hand-over admits it when that ends; a call waiting only on tools returns
+        (as the runtime's wait on the environment does) and the next call admits it; a draining
+        rollout holds it until its pull."""
+        p = r.parked.get(key)
+        if p is None or p.token != token:
+            return
+        del r.parked[key]
+        r.ready.append(p.req)
+        if not r.busy:
+            if self.on_idle is not None:
+                self.on_idle(r)
+        elif r.op == "wait":
+            self._end_wait(r)
+        elif r.op == "step" and r.admitting and r.seg_steps and self.chunk_steps <= 0:
+            self._rejoin_now(r)
+
+    def _rejoin_now(self, r: SimRollout) -> None:
+        """Stop the decode segment here, admit the answered episodes (a prefill of their context so far,
+        as for handed-over rows) and go on decoding, in the same call; a row that ended meanwhile ends
+        the call instead (the next call admits them)."""
+        self.account(r)
+        done = (self.clock.now - r.seg_start) * r.seg_speed
+        frac = min(1.0, done / r.seg_work) if r.seg_work > 0 else 1.0
+        r.S += r.seg_steps * frac
+        r.seg_steps = 0
+        r.epoch += 1  # the pending seg_end is void
+        self._retire(r)
+        if r.finished or r.turn_ended:
+            self.on_return(r)
+            return
+        self._decode_or_return(r, self._rejoin(r))
+
+    def _rejoin(self, r: SimRollout) -> float:
+        """Admit answered episodes into free rows of a running call (when admitting); returns the
+        seconds of their prefill."""
+        if not (r.ready and r.admitting and len(r.rows) < r.capacity):
+            return 0.0
+        tokens = self._admit(r)
+        self._retire(r)
+        return self.cost.prefill_s(tokens)
+
+    def _end_wait(self, r: SimRollout) -> None:
+        self.account(r)
+        r.op = "step"
+        self.on_return(r)
 
     def _finish(self, r: SimRollout, row: Row) -> None:
         traj = Trajectory(
@@ -204,7 +357,7 @@ class EngineModel:
             row.req.sample_idx,
             (),
             (),
-            row.version,
+            row.version if row.first < 0 else row.first,
             True,
             "",
             group_uid=row.req.group_uid,
@@ -215,7 +368,7 @@ class EngineModel:
     def pause_steps(self, req: GenRequest) -> int:
         """The decode steps an episode's tool calls wait: each call's latency (drawn per prompt, sample,
         tool and call, so every mode sees the same) over ``pause_step_s``; 0 without tools."""
-        if not self.tools:
+        if not self.tools or self.turn_rule:
             return 0
         key = f"{req.prompt.prompt_id}|{req.sample_idx}"
         wait = sum(lat.sample(f"{key}|{t.name}|{i}") for t, lat in self.tools for i in range(t.calls))
@@ -225,12 +378,17 @@ class EngineModel:
         while r.rows and r.rows[0][0] <= r.S + 1e-6:
             _, _, row = heapq.heappop(r.rows)
             r.sum_c0 -= self.prompt_len + row.pre - row.s_admit
-            self._finish(r, row)
+            self._row_done(r, row)
 
     def _decode_or_return(self, r: SimRollout, extra_s: float = 0.0) -> None:
         """Continue the current call: decode to the next completion (or the chunk's end), else return.
         ``extra_s``: a prefill (and call overhead) that precedes the decode steps in the same segment."""
         chunked = self.chunk_steps > 0
+        if not r.rows and (r.parked or r.ready) and not (r.finished or r.turn_ended or r.cut_req):
+            # turn rule: nothing to decode, only episodes between turns: wait for an answer or a poke
+            r.op = "wait"
+            r.epoch += 1
+            return
         if not r.rows or (chunked and r.chunk_left <= 1e-9) or r.eversion < 0:
             if extra_s > 0:
                 self._start_segment(r, extra_s, 0)
@@ -281,14 +439,17 @@ class EngineModel:
             self._retire(r)
             self._decode_or_return(r, self.cost.prefill_s(tokens))
             return
-        if r.finished:
+        if r.finished or r.turn_ended:  # the manager hears of finished responses and parked episodes
             self.on_return(r)
             return
-        self._decode_or_return(r)
+        self._decode_or_return(r, self._rejoin(r))
 
     def cut(self, r: SimRollout) -> None:
         """Event mode: end a busy decode call now (the manager needs the rollout before its next
-        completion)."""
+        completion); a call waiting only on tools returns (the runtime's ``wake``)."""
+        if r.busy and r.op == "wait":
+            self._end_wait(r)
+            return
         if not r.busy or r.op != "step" or self.chunk_steps > 0:
             return
         if not r.seg_steps:  # a prefill: the call returns when it is done
@@ -309,17 +470,32 @@ class EngineModel:
         self.set_busy(r, False)
         pulled = PullResult(True, r.eversion) if r.pulled and r.eversion >= 0 else None
         r.pulled = False
+        r.turn_ended = False
         finished, r.finished = r.finished, []
         return finished, pulled
 
     def hand_over(self, r: SimRollout) -> tuple[list[Partial], list[GenRequest]]:
-        """A repack source gives up its in-flight rows (as partials, tokens so far in ``pre``) and queue."""
+        """A repack source gives up its in-flight rows (as partials, tokens so far in ``pre``) and queue;
+        under the turn rule also its episodes between turns, as partials of version -1 (any receiver
+        continues them) with the latency they still wait (0: answered)."""
         partials = list(r.partials)
         r.partials.clear()
         for _, _, row in r.rows:
             self.pre[row.key] = row.pre + int(r.S - row.s_admit)
             partials.append(Partial(row.req, (), (), row.version))
         r.rows, r.sum_c0 = [], 0.0
+        now = self.clock.now
+        for key, p in sorted(r.parked.items()):
+            self.eps[key].wait_left = max(0.0, p.ready_at - now)
+            self.pre[key] = self.eps[key].tokens
+            partials.append(Partial(p.req, (), (), -1))
+        for req in r.ready:
+            key = (req.group_uid, req.sample_idx)
+            self.eps[key].wait_left = 0.0
+            self.pre[key] = self.eps[key].tokens
+            partials.append(Partial(req, (), (), -1))
+        r.parked.clear()
+        r.ready.clear()
         queued = list(r.queue)
         r.queue.clear()
         self.set_busy(r, False)

@@ -58,6 +58,7 @@ class Simulator:
             interrupt=self.mode.interrupt,
             on_return=self._return,
             on_extract=self._on_extract,
+            on_idle=self._dispatch,
         )
         self.rollouts = self.engines.rollouts
         self.trainer = TrainerModel(cfg, self.cost, self.clock, self._speed)
@@ -270,6 +271,9 @@ class Simulator:
             if epoch != obj.epoch:
                 return
             self.engines.segment_end(obj)
+        elif kind == "ready":  # turn rule: a parked episode's tool call is answered
+            rollout, key = obj
+            self.engines.ready(rollout, key, epoch)
         elif kind == "train_done":
             if epoch != self.trainer.epoch or not self.trainer.busy:
                 return
