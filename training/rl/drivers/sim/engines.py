@@ -320,10 +320,9 @@ class EngineModel:
         elif r.op == "step" and r.admitting and r.seg_steps and self.chunk_steps <= 0:
             self._rejoin_now(r)
 
-    def _rejoin_now(self, r: SimRollout) -> None:
-        """Stop the decode segment here, admit the answered episodes (a prefill of their context so far,
-        as for handed-over rows) and go on decoding, in the same call; a row that ended meanwhile ends
-        the call instead (the next call admits them)."""
+    def _stop_segment(self, r: SimRollout) -> None:
+        """End a decode segment now: the steps done so far count, the pending segment end is void and
+        the rows that finished are retired."""
         self.account(r)
         done = (self.clock.now - r.seg_start) * r.seg_speed
         frac = min(1.0, done / r.seg_work) if r.seg_work > 0 else 1.0
@@ -331,6 +330,12 @@ class EngineModel:
         r.seg_steps = 0
         r.epoch += 1  # the pending seg_end is void
         self._retire(r)
+
+    def _rejoin_now(self, r: SimRollout) -> None:
+        """Stop the decode segment here, admit the answered episodes (a prefill of their context so far,
+        as for handed-over rows) and go on decoding, in the same call; a row that ended meanwhile ends
+        the call instead (the next call admits them)."""
+        self._stop_segment(r)
         if r.finished or r.turn_ended:
             self.on_return(r)
             return
@@ -455,13 +460,7 @@ class EngineModel:
         if not r.seg_steps:  # a prefill: the call returns when it is done
             r.cut_req = True
             return
-        self.account(r)
-        done = (self.clock.now - r.seg_start) * r.seg_speed
-        frac = min(1.0, done / r.seg_work) if r.seg_work > 0 else 1.0
-        r.S += r.seg_steps * frac
-        r.seg_steps = 0
-        r.epoch += 1  # the pending seg_end is void
-        self._retire(r)
+        self._stop_segment(r)
         self.on_return(r)
 
     # ---------------------------------------------------------------------------- ending a call
