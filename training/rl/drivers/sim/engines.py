@@ -145,13 +145,13 @@ class EngineModel:
         self.n_busy = 0
         self.pre: dict[tuple[int, int], int] = {}
         """Tokens generated so far of each handed-over response (its Partial carries no tokens here)."""
-        self.tools = [(t, LatencySampler(t.latency)) for t in cfg.workload.tools if t.calls > 0]
-        self.calls = [(f"{t.name}|{i}", lat) for t, lat in self.tools for i in range(t.calls)]
+        tools = [(t, LatencySampler(t.latency)) for t in cfg.workload.tools if t.calls > 0]
+        self.calls = [(f"{t.name}|{i}", lat) for t, lat in tools for i in range(t.calls)]
         """Every episode's tool calls in order: (draw key suffix, latency sampler)."""
         self.turn_rule = bool(self.calls) and cfg.workload.version_rule == "turn"
         """Tool waits on the wall clock, out of the batch (else the episode rule: ``pause_steps``)."""
         self.pause_step_s = (
-            cost.decode_step_s(capacity, self.prompt_len) if self.tools and not self.turn_rule else 0.0
+            cost.decode_step_s(capacity, self.prompt_len) if self.calls and not self.turn_rule else 0.0
         )
         """A tool wait in decode steps: the step cost of a full batch at the prompt's context."""
         self.eps: dict[tuple[int, int], Episode] = {}
@@ -289,11 +289,11 @@ class EngineModel:
             del self.eps[row.key]
             self._finish(r, row)
             return
-        name, lat = self.calls[ep.turn]
+        wait = self.call_latency(row.req, ep.turn)
         ep.turn += 1
         ep.tokens = row.target
         r.turn_ended = True
-        self._park(r, row.req, lat.sample(f"{row.req.prompt.prompt_id}|{row.req.sample_idx}|{name}"))
+        self._park(r, row.req, wait)
 
     def _park(self, r: SimRollout, req: GenRequest, wait: float) -> None:
         self.park_seq += 1
@@ -370,13 +370,18 @@ class EngineModel:
         )
         r.finished.append((traj, row.target - row.pause))
 
+    def call_latency(self, req: GenRequest, i: int) -> float:
+        """The latency of episode ``req``'s ``i``-th tool call (``self.calls``), drawn per prompt,
+        sample, tool and call, so every mode and both version rules see the same."""
+        name, lat = self.calls[i]
+        return lat.sample(f"{req.prompt.prompt_id}|{req.sample_idx}|{name}")
+
     def pause_steps(self, req: GenRequest) -> int:
         """The decode steps an episode's tool calls wait: each call's latency (drawn per prompt, sample,
         tool and call, so every mode sees the same) over ``pause_step_s``; 0 without tools."""
-        if not self.tools or self.turn_rule:
+        if not self.calls or self.turn_rule:
             return 0
-        key = f"{req.prompt.prompt_id}|{req.sample_idx}"
-        wait = sum(lat.sample(f"{key}|{t.name}|{i}") for t, lat in self.tools for i in range(t.calls))
+        wait = sum(self.call_latency(req, i) for i in range(len(self.calls)))
         return round(wait / self.pause_step_s)
 
     def _retire(self, r: SimRollout) -> None:
@@ -484,13 +489,10 @@ class EngineModel:
             partials.append(Partial(row.req, (), (), row.version))
         r.rows, r.sum_c0 = [], 0.0
         now = self.clock.now
-        for key, p in sorted(r.parked.items()):
-            self.eps[key].wait_left = max(0.0, p.ready_at - now)
-            self.pre[key] = self.eps[key].tokens
-            partials.append(Partial(p.req, (), (), -1))
-        for req in r.ready:
+        between = [(p.req, max(0.0, p.ready_at - now)) for _, p in sorted(r.parked.items())]
+        for req, wait in between + [(req, 0.0) for req in r.ready]:
             key = (req.group_uid, req.sample_idx)
-            self.eps[key].wait_left = 0.0
+            self.eps[key].wait_left = wait
             self.pre[key] = self.eps[key].tokens
             partials.append(Partial(req, (), (), -1))
         r.parked.clear()
