@@ -87,6 +87,13 @@ def sync_rl(**overrides) -> RLConfig:
     return RLConfig(**{**kw, **overrides})
 
 
+def episode_driver(model_dir, prompts, rl: RLConfig, driver=LocalDriver, **kw):
+    """A local driver on calculator episodes answered by ``ToolSaysAnswer`` (``driver``: a subclass)."""
+    return driver(
+        model_dir, prompts, ToolSaysAnswer(), objective_params(rl), rl, seed=0, device="cpu", env=ENV, **kw
+    )
+
+
 # ------------------------------------------------------------------------------------- DAPO dynamic sampling
 def test_dynamic_sampling_drops_uniform_episode_groups_and_refills_the_batch(monkeypatch, caller_dir):
     """DAPO (``rl.algorithm=dapo``: dynamic sampling, overlong shaping, clip-higher) on episodes: every
@@ -98,9 +105,7 @@ def test_dynamic_sampling_drops_uniform_episode_groups_and_refills_the_batch(mon
     assert objective_params(rl).dynamic_sampling
     prompts = calc_prompts(tok, 32)
     batches = spy_batches(monkeypatch)
-    result = LocalDriver(
-        caller_dir, prompts, ToolSaysAnswer(), objective_params(rl), rl, seed=0, device="cpu", env=ENV
-    ).run()
+    result = episode_driver(caller_dir, prompts, rl).run()
     assert len(batches) == len(result.history) == 3
     trained = [g for b in batches for g in b]
     assert all(len(b) == 4 for b in batches)  # refilled: full batches despite the drops
@@ -218,15 +223,10 @@ def test_hive_observes_episode_rewards_and_skips_the_prompts_they_show_uniform(m
     p_hard = greso.p_hard
     rl = sync_rl(steps=8, prompts_per_step=4, group_size=4)
     batches = spy_batches(monkeypatch)
-    result = LocalDriver(
+    result = episode_driver(
         caller_dir,
         prompts,
-        ToolSaysAnswer(),
-        objective_params(rl),
         rl,
-        seed=0,
-        device="cpu",
-        env=ENV,
         source=lambda cursor, engine: HiveSource(cursor, engine, greso=greso, seed=0, min_raw_batch=8),
     ).run()
     trajs = [t for b in batches for g in b for t in g.trajectories]
@@ -286,16 +286,7 @@ def test_lora_trains_only_the_adapter_on_episodes_and_the_sampler_holds_each_ver
 
     rl = sync_rl(steps=4, lr=2e-2, dynamic_sampling=False)
     batches = spy_batches(monkeypatch)
-    driver = Probing(
-        adapter,
-        calc_prompts(tok, 32),
-        ToolSaysAnswer(),
-        objective_params(rl),
-        rl,
-        seed=0,
-        device="cpu",
-        env=ENV,
-    )
+    driver = episode_driver(adapter, calc_prompts(tok, 32), rl, driver=Probing)
     result = driver.run()
     are_episodes([t for b in batches for g in b for t in g.trajectories])
     assert [v for _, v, _ in seen] == [0, 1, 2, 3]  # the batches of updates 1-4 sample versions 0-3
@@ -333,17 +324,8 @@ def test_a_sync_episode_run_killed_after_a_checkpoint_resumes_and_ends_identical
             if m.step == kill_at:
                 raise Killed(kill_at)
 
-        driver = LocalDriver(
-            caller_dir,
-            calc_prompts(tok, 32),
-            ToolSaysAnswer(),
-            objective_params(rl),
-            rl,
-            seed=0,
-            device="cpu",
-            env=ENV,
-            state_dir=tmp_path / folder,
-            on_step=on_step,
+        driver = episode_driver(
+            caller_dir, calc_prompts(tok, 32), rl, state_dir=tmp_path / folder, on_step=on_step
         )
         result = driver.run()
         return result, {k: v.clone() for k, v in driver.final_model.state_dict().items()}
