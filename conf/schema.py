@@ -19,6 +19,8 @@ from typing import Annotated, Any, Literal, get_args, get_origin, get_type_hints
 # behaviour tables by them, e.g. training.objectives.PRESETS by Algorithm). Fields stay typed ``str``
 # because OmegaConf's structured configs refuse Literal annotations; validate() checks the names.
 ModelKind = Literal["tiny", "hf"]
+PRETRAINED_MODELS = ("smollm2",)
+"""The models ``generation.pretrained.PRETRAINED`` knows how to fetch (``model.pretrained``)."""
 DataSource = Literal["arith", "files"]
 SourceFormat = Literal["auto", "jsonl", "json", "parquet", "hf", "verl", "code"]
 Verifiability = Literal["short_form", "off"]
@@ -144,6 +146,10 @@ class ModelConfig:
 
     kind: Annotated[str, ModelKind] = "tiny"
     path: str | None = None
+    pretrained: str | None = None
+    """A real model the project fetches itself (``model=smollm2``; docs/real_models.md): with
+    ``kind=hf`` and no ``path``, the CLI fetches it into the workspace on first use (``laminar model
+    fetch NAME``) and passes the stored folder on as ``model.path``."""
     hidden_size: Annotated[int, Positive] = 128
     intermediate_size: Annotated[int, Positive] = 384
     num_layers: Annotated[int, Positive] = 4
@@ -1087,9 +1093,14 @@ def _validate_runtime(cfg: Config) -> None:
 
 def _validate_model(cfg: Config) -> None:
     m = cfg.model
-    if m.kind == "hf" and not m.path:
+    if m.kind == "hf" and not m.path and not m.pretrained:
         raise ConfigError(
             "model=hf needs a local model folder: add model.path=DIR (a save_pretrained folder)"
+        )
+    if m.pretrained is not None and (m.kind != "hf" or m.pretrained not in PRETRAINED_MODELS):
+        raise ConfigError(
+            f"model.pretrained={m.pretrained!r} needs model.kind=hf and one of "
+            f"{', '.join(PRETRAINED_MODELS)} (e.g. model=smollm2)"
         )
     if m.kind == "tiny" and m.path:
         raise ConfigError("model.path is only read with model=hf; add model=hf or drop model.path")

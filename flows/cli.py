@@ -64,6 +64,13 @@ def _pipeline_commands(sub: argparse._SubParsersAction) -> None:
     _overrides_arg(sp)
     _workspace_arg(sp)
 
+    sp = sub.add_parser(
+        "model", help="fetch a real pretrained model into the workspace: model fetch smollm2"
+    )
+    sp.add_argument("action", choices=("fetch",), help="fetch: install, check and convert it once")
+    sp.add_argument("name", help="the model (smollm2); model=NAME then uses it")
+    _workspace_arg(sp)
+
 
 def _checkpoint_commands(sub: argparse._SubParsersAction) -> None:
     """eval, export, report, runs, lineage."""
@@ -160,6 +167,27 @@ def _load(overrides, preflight: bool = False):
         raise SystemExit(2) from None
 
 
+def _with_model(overrides: list[str], workspace: str) -> list[str]:
+    """``overrides`` plus ``model.path=`` of a pretrained model the config names (fetched on first use)."""
+    from core.workspace import Workspace
+    from tasks.models import with_pretrained
+
+    return with_pretrained(_load(overrides), overrides, Workspace.at(workspace), _progress)
+
+
+def _progress(line: str) -> None:
+    print(f"laminar: {line}", file=sys.stderr, flush=True)
+
+
+def cmd_model(args) -> int:
+    from core.workspace import Workspace
+    from tasks.models import fetch_model
+
+    ref = fetch_model(Workspace.at(args.workspace), args.name, _progress)
+    print(ref.path)
+    return 0
+
+
 def cmd_config(args) -> int:
     from tasks.preflight import resolved_yaml
 
@@ -171,7 +199,7 @@ def cmd_status(args) -> int:
     from core.workspace import Workspace
     from tasks.plan import plan
 
-    cfg = _load(args.overrides)
+    cfg = _load(_with_model(args.overrides, args.workspace))
     for p in plan(cfg, Workspace.at(args.workspace)):
         print(f"{p.stage:<12} {p.status:<7} {p.reason}")
     return 0
@@ -213,6 +241,7 @@ def _execute(overrides: list[str], workspace: str, **selection_kw) -> int:
     from core.workspace import Workspace, WorkspaceBusy
     from tasks.runner import command_line, run_pipeline
 
+    overrides = _with_model(overrides, workspace)
     cfg = _load(overrides, preflight=True)
     selection = _selection(cfg=cfg, **selection_kw)
     try:
@@ -257,6 +286,7 @@ def cmd_eval(args) -> int:
     from tasks.checkpoint_eval import EvalInputError, evaluate, format_eval
 
     ckpt, overrides = _split_ckpt(args.overrides)
+    overrides = _with_model(overrides, args.workspace)
     cfg = _load(overrides, preflight=True)
     ws = Workspace.at(args.workspace)
     try:
@@ -468,6 +498,7 @@ COMMANDS = {
     "rerun": cmd_rerun,
     "status": cmd_status,
     "config": cmd_config,
+    "model": cmd_model,
     "eval": cmd_eval,
     "export": cmd_export,
     "report": cmd_report,
