@@ -204,6 +204,11 @@ class DataConfig:
     a geometric number of times (each further one with this probability, at most 3). Pure length and
     repetition, no information: the task where length shaping has something to do
     (benchmarks/reward_length.py, docs/rewards.md). 0 keeps the demonstrations as they are."""
+    template: str | None = None
+    """The prompt template (with ``{problem}``) of the training pool and of the synthetic held-out set,
+    wrapped by the model's chat template when it has one; None: the bare problem for ``source=arith``,
+    the vendored benchmarks' \\boxed{} instruction for pools of files. An instruct model needs the
+    answer format said (``recipe=smollm2_arith``: "... The answer is N.")."""
     max_prompt_chars: Annotated[int, Positive] = 16384
     """Ingest quarantines a problem longer than this (after normalisation) with the reason
     "problem too long": the engines pad every batch to its longest prompt, so one huge row would

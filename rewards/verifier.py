@@ -104,10 +104,15 @@ def _last_boxed(text: str) -> str | None:
     return None
 
 
+_ANSWER_IS = re.compile(r"\b[Tt]he (?:final )?answer is:?\s*\$?([+-]?\d[\d,]*(?:\.\d+)?)")
+"""An instruct model's closing sentence ("The answer is 12."): a number only, so prose never counts."""
+
+
 def extract_answer(text: str) -> str | None:
     """The model's final answer in ``text``: the content of the last ``\\boxed{...}`` or
     ``\\fbox{...}`` (balanced braces), else the rest of the line after the last ``####``,
-    else None. Empty answers count as None."""
+    else the number of the last "The answer is N" (what an instruct model told to end that way
+    writes), else None. Empty answers count as None."""
     if not text:
         return None
     boxed = _last_boxed(text)
@@ -118,7 +123,8 @@ def extract_answer(text: str) -> str | None:
         line = text[idx + 4 :].split("\n", 1)[0].strip()
         if line:
             return line
-    return None
+    said = _ANSWER_IS.findall(text)
+    return said[-1] if said else None
 
 
 # --------------------------------------------------------------------------- normalisation

@@ -34,18 +34,23 @@ def _produce(
 
 def template(cfg: Config) -> str:
     """The prompt template of the training pool: the bare problem for the synthetic task, the
-    \\boxed{} instruction of the benchmarks for real pools (a chat template wraps either)."""
+    \\boxed{} instruction of the benchmarks for real pools (a chat template wraps either), unless
+    ``data.template`` names another."""
     from data_curation.synthetic import PROMPT_TEMPLATE
     from evaluation.benchmarks import DEFAULT_TEMPLATE
 
+    if cfg.data.template is not None:
+        return cfg.data.template
     return PROMPT_TEMPLATE if cfg.data.source == "arith" else DEFAULT_TEMPLATE
 
 
-def eval_templates() -> dict[str, str | None]:
+def eval_templates(cfg: Config | None = None) -> dict[str, str | None]:
+    """The synthetic held-out set's template: ``data.template`` when set, else the bare problem."""
     from data_curation.synthetic import PROMPT_TEMPLATE
     from evaluation.stages import HELDOUT
 
-    return {HELDOUT: PROMPT_TEMPLATE}
+    own = cfg.data.template if cfg is not None else None
+    return {HELDOUT: own if own is not None else PROMPT_TEMPLATE}
 
 
 def data_body(ctx: StageContext) -> StageResult:
@@ -512,7 +517,7 @@ def rl_body(ctx: StageContext) -> StageResult:
                     tokenizer,
                     data if (data / "heldout.parquet").exists() else None,
                     ctx.cfg.eval,
-                    templates=eval_templates(),
+                    templates=eval_templates(ctx.cfg),
                     seed=ctx.cfg.seed,
                     device=ctx.device,
                     verifier=verifier,
@@ -611,7 +616,7 @@ def eval_body(ctx: StageContext) -> StageResult:
             Path(ctx.inputs[MODEL].path),
             Path(data.path) if data else None,
             ctx.cfg.eval,
-            templates=eval_templates(),
+            templates=eval_templates(ctx.cfg),
             seed=ctx.cfg.seed,
             device=ctx.device,
             out_dir=out,

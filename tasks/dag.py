@@ -87,8 +87,9 @@ def _drop_defaults(section, *names: str) -> dict:
 
 
 def data_key(c: Config) -> dict:
-    """``data`` as it is; ``demo_full_stop_rate`` only when set (the default keys stay as they were)."""
-    return _drop_defaults(c.data, "demo_full_stop_rate")
+    """``data`` as it is; ``demo_full_stop_rate`` and ``template`` only when set (the default keys stay
+    as they were)."""
+    return _drop_defaults(c.data, "demo_full_stop_rate", "template")
 
 
 def ingest_key(c: Config) -> dict:
@@ -114,7 +115,9 @@ def warmup_key(c: Config) -> dict:
 
 
 def eval_key(c: Config) -> dict:
-    return {**asdict(c.eval), **_numerics(c), **_env_key(c), **_reward_model_key(c)}
+    """``eval`` and the held-out set's template when ``data.template`` sets one (keys stay as they were)."""
+    own = {"template": c.data.template} if c.data.template is not None else {}
+    return {**asdict(c.eval), **_numerics(c), **_env_key(c), **_reward_model_key(c), **own}
 
 
 def _reward_model_key(c: Config) -> dict:

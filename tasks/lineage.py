@@ -264,6 +264,8 @@ def lineage(ws: Workspace, spec: str, prompts: bool = False) -> dict:
         [target["sha256"]],
     )
     base = _base_model(seen, seen[made_by[target["sha256"]]], target)
+    if base is not None:
+        base["provenance"] = _provenance(ws, base["sha256"])
     result = {
         "workspace": str(ws.root),
         "artifact": {
@@ -320,6 +322,14 @@ def _base_model(seen: dict[str, dict], node: dict, target: dict) -> dict | None:
         "metrics": node["metrics"],
         "external": node["external"],
     }
+
+
+def _provenance(ws: Workspace, sha: str) -> dict | None:
+    """Where a fetched pretrained base came from (``generation.pretrained``: wheel, GGUF hash,
+    conversion), from the ``provenance.json`` the base-model stage copied; None for other bases."""
+    from generation.pretrained import read_provenance
+
+    return read_provenance(ws.artifacts.root / MODEL / sha)
 
 
 def _evaluations(ws: Workspace, sha: str) -> list[dict]:
@@ -441,6 +451,13 @@ def format_lineage(lin: dict) -> str:
     if lin["base_model"]:
         b = lin["base_model"]
         lines.append(f"  base model {b['sha256'][:16]} (stage {b['stage']}; {_short(b['config'], 80)})")
+        p = b.get("provenance")
+        if p:
+            lines.append(
+                f"    fetched: {p['model']} ({p['licence']}) from wheel {p['wheel']} sha256 {p['wheel_sha256']}"
+            )
+            lines.append(f"    gguf {p['gguf']} sha256 {p['gguf_sha256']}")
+            lines.append(f"    conversion: {p['conversion']} (with {p['converter']})")
     adapter = Path(a["path"]) / "adapter_config.json"
     if a["kind"] == "model" and adapter.is_file():  # a LoRA checkpoint: its own artifact on top of a base
         conf = json.loads(adapter.read_text())
