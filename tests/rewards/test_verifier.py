@@ -50,6 +50,10 @@ def _die_on_boom(gold: str, pred: str) -> bool:
         ("\\boxed{12", None),  # truncated: never closed
         ("\\boxed{}", None),
         ("I think it is 5", None),
+        ("The answer is 12.", "12"),  # an instruct model's closing sentence (recipe=smollm2_arith)
+        ("the answer is 3. No wait, the final answer is: $1,200.", "1,200"),
+        ("#### 7\nThe answer is 8.", "7"),  # an explicit marker wins
+        ("The answer is N.", None),  # the instruction echoed: no number
         ("", None),
     ],
 )
