@@ -67,7 +67,7 @@ REPO_PATH = re.compile(
 )
 CONFIG_REF = re.compile(r"^([a-z_][a-z0-9_]*(?:\.[a-z_][a-z0-9_]*)+)(?:=.*)?$")
 FILE_SUFFIXES = {"py", "md", "yaml", "json", "jsonl", "png", "parquet", "duckdb", "txt", "log"}
-GROUP_OPTION = re.compile(r"^(model|data|sft|rl|eval|reward)=([\w-]+)$")
+GROUP_OPTION = re.compile(r"^(model|data|sft|rl|eval|reward|recipe)=([\w-]+)$")
 
 
 # ------------------------------------------------------------------------------------------ reading docs
