@@ -68,7 +68,10 @@ def tiny_model():
 
 def prompts(tok, template: str, n: int) -> list[PromptItem]:
     texts = [f"What is {i % 10}+{i % 7}-{i % 3}?" for i in range(n)]
-    return [PromptItem(f"p{i}", t, "", encode_prompt(tok, template.replace("{problem}", t))) for i, t in enumerate(texts)]
+    return [
+        PromptItem(f"p{i}", t, "", encode_prompt(tok, template.replace("{problem}", t)))
+        for i, t in enumerate(texts)
+    ]
 
 
 def engine_tps(model, tok, items, new_tokens: int, dtype: str, repeats: int) -> float:
@@ -142,7 +145,10 @@ def roofline(model, tps: float, batch: int, limits: dict, dtype: str) -> float:
     """Measured tokens/s over the bound at this batch (weights read once per step, 2 FLOP/param/token)."""
     params = sum(p.numel() for p in model.parameters())
     peak = limits[f"gemm_{dtype}_gflops"] * 1e9
-    step = max(2 * params * batch / peak, params * (4 if dtype == "fp32" else 2) / (limits["copy_bandwidth_gbs"] * 1e9))
+    step = max(
+        2 * params * batch / peak,
+        params * (4 if dtype == "fp32" else 2) / (limits["copy_bandwidth_gbs"] * 1e9),
+    )
     return tps / (batch / step)
 
 
@@ -180,7 +186,11 @@ def main() -> None:
     torch.manual_seed(0)
     limits = machine_limits()
     print(f"limits: {limits}", flush=True)
-    result = {"machine": platform.processor() or platform.machine(), "threads": args.threads, "limits": limits}
+    result = {
+        "machine": platform.processor() or platform.machine(),
+        "threads": args.threads,
+        "limits": limits,
+    }
     result["args"] = {k: v for k, v in vars(args).items() if k != "out"}
     smol, smol_tok = load_model(args.smollm2)
     for name, (model, tok, template) in (

