@@ -74,8 +74,10 @@ def prompts(tok, template: str, n: int) -> list[PromptItem]:
     ]
 
 
-def engine_tps(model, tok, items, new_tokens: int, dtype: str, repeats: int) -> float:
-    engine = Engine(model, tok, capacity=len(items), max_new_tokens=new_tokens, dtype=dtype)
+def engine_tps(model, tok, items, new_tokens: int, dtype: str, repeats: int, **paths) -> float:
+    """``paths``: the engine's decode-path switches (``waves``, ``fused_decode``, ``native_kernels``,
+    ``static_cache``); none given = the defaults."""
+    engine = Engine(model, tok, capacity=len(items), max_new_tokens=new_tokens, dtype=dtype, **paths)
     engine.eos_id = -1  # every side decodes the full length
     reqs = [GenRequest(p, 0) for p in items]
 
@@ -173,6 +175,36 @@ def measure_model(name, model, tok, template, args, limits) -> dict:
     return res
 
 
+PATHS = {
+    "default": {},
+    "no_native": {"native_kernels": False},
+    "no_fused": {"fused_decode": False},
+    "no_waves": {"waves": False},
+    "static_cache": {"static_cache": True},
+}
+"""The engine's decode paths (``generation/engine.py``): waves with the fused decoder and the native
+kernels (the default), each switched off in turn, and the static slot cache."""
+
+
+def compare_paths(models, args) -> dict:
+    """fp32 tokens/s of each decode path at each batch, alternating paths within a batch size."""
+    out: dict = {}
+    for name, (model, tok, template) in models:
+        out[name] = {}
+        for batch in args.batches:
+            items = prompts(tok, template, batch)
+            row = {
+                p: engine_tps(model, tok, items, args.new_tokens, "float32", args.repeats, **kw)
+                for p, kw in PATHS.items()
+            }
+            out[name][batch] = row
+            print(
+                f"paths {name} batch {batch}: " + "  ".join(f"{k} {v:.1f}" for k, v in row.items()),
+                flush=True,
+            )
+    return out
+
+
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--smollm2", required=True, help="the fetched folder (`laminar model fetch smollm2`)")
@@ -181,6 +213,7 @@ def main() -> None:
     ap.add_argument("--repeats", type=int, default=1)
     ap.add_argument("--threads", type=int, default=torch.get_num_threads())
     ap.add_argument("--out", default=None)
+    ap.add_argument("--paths", action="store_true", help="compare the engine's decode paths instead (fp32)")
     args = ap.parse_args()
     torch.set_num_threads(args.threads)
     torch.manual_seed(0)
@@ -193,11 +226,12 @@ def main() -> None:
     }
     result["args"] = {k: v for k, v in vars(args).items() if k != "out"}
     smol, smol_tok = load_model(args.smollm2)
-    for name, (model, tok, template) in (
-        ("tiny", tiny_model()),
-        ("smollm2", (smol.eval(), smol_tok, SMOLLM2_TEMPLATE)),
-    ):
-        result[name] = measure_model(name, model, tok, template, args, limits)
+    models = (("tiny", tiny_model()), ("smollm2", (smol.eval(), smol_tok, SMOLLM2_TEMPLATE)))
+    if args.paths:
+        result["paths"] = compare_paths(models, args)
+    else:
+        for name, (model, tok, template) in models:
+            result[name] = measure_model(name, model, tok, template, args, limits)
     result["limits_after"] = machine_limits()
     print(f"limits after: {result['limits_after']}", flush=True)
     if args.out:

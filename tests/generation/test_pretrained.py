@@ -134,3 +134,16 @@ def test_registry_matches_the_config_names():
     from generation.pretrained import PRETRAINED
 
     assert sorted(PRETRAINED) == sorted(PRETRAINED_MODELS)
+
+
+def test_the_converter_pin_is_the_one_requirements_pin():
+    """``laminar model fetch`` installs the same gguf the test environment has (requirements.txt)."""
+    import re
+    from pathlib import Path
+
+    from generation.pretrained import PRETRAINED
+
+    text = (Path(__file__).resolve().parents[2] / "requirements.txt").read_text()
+    pins = dict(re.findall(r"^([\w-]+)==(\S+)$", text, re.M))
+    for spec in PRETRAINED.values():
+        assert pins.get(spec.converter.name) == spec.converter.version
