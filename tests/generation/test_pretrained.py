@@ -11,7 +11,7 @@ import pytest
 from conf.loader import load_config
 from conf.schema import ConfigError
 
-GGUF_MISSING = "the gguf package (pinned in generation.pretrained: gguf==0.19.0) is not installed"
+GGUF_MISSING = "the gguf package is not installed (requirements.txt pins gguf==0.19.0: reinstall the venv)"
 
 HIDDEN, FFN, LAYERS, HEADS, KV_HEADS = 64, 128, 2, 2, 1
 CHAT_TEMPLATE = (
