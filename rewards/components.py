@@ -103,8 +103,9 @@ class Overlong:
 
 @dataclass(frozen=True)
 class Format:
-    """1 when the response has a final answer (``\\boxed{...}``, ``#### ...`` or "The answer is N") that
-    normalises to a non-empty string, else 0. Says nothing of whether the answer is right: not a correctness term."""
+    """1 when the response has a final answer (``\\boxed{...}``, ``#### ...`` or "The answer is N")
+    that normalises to a non-empty string, else 0. Says nothing of whether the answer is right: not a
+    correctness term."""
 
     params: FormatParams
     name: str = "format"
