@@ -32,6 +32,8 @@ RewardName = Literal[
     "reward_model",
     "ends_with",
 ]
+"""The built-in reward components (``rewards.registry.REWARDS``). The list is not closed: a component
+may also be an entry point of group ``laminar.rewards`` or an import path ``package.module:attr``."""
 CodeTestsScore = Literal["pass_fraction", "all_pass"]
 RewardModelNormalize = Literal["fixed", "none"]
 Rubric = Literal["full_stop"]
@@ -67,6 +69,9 @@ LatencyKind = Literal["off", "fixed", "lognormal", "quantiles", "codex_exec"]
 SOURCE_FORMATS: tuple[SourceFormat, ...] = get_args(SourceFormat)
 VERIFIABILITY: tuple[Verifiability, ...] = get_args(Verifiability)
 REWARD_NAMES: tuple[RewardName, ...] = get_args(RewardName)
+DEFAULT_VERDICTS: dict[str, RewardName] = {"code": "code_tests"}
+"""A pool's source format -> the reward component that judges it by default (any other format:
+``math_verify``)."""
 DART_STRATEGIES: tuple[DartStrategy, ...] = get_args(DartStrategy)
 RL_ALGORITHMS: tuple[Algorithm, ...] = get_args(Algorithm)
 RL_MODES: tuple[Mode, ...] = get_args(Mode)
@@ -289,6 +294,13 @@ class RLConfig:
     (ProRL); 0: the reference stays the RL-start weights."""
     entropy_adapt_rate: Annotated[float, NonNegative] = 0.01
     """Step of the adaptive entropy coefficient per nat of entropy below ``entropy_target``."""
+    loss: str | None = None
+    """A policy loss of your own by import path (``package.module:attr``, docs/plugins.md): called as
+    ``loss(batch, params)`` (``training.objectives.PolicyBatch``, ``ObjectiveParams``), it returns the
+    per-token loss ``(B, T)`` in place of the clipped PPO term (KL, entropy, NLL and ``loss_agg`` apply
+    as usual); None: the algorithm's own."""
+    loss_params: dict[str, Any] | None = None
+    """The custom loss's parameters, validated by its ``Params`` model and passed as a third argument."""
     critic_lr: Annotated[float | None, Positive] = None
     """The critic's learning rate (critic presets); null: ``rl.lr``."""
     critic_path: str | None = None
@@ -346,7 +358,17 @@ class BenchmarkFileConfig:
     split: str = "test"
     template: str | None = None
     """The prompt template (with ``{problem}``); None: the vendored benchmarks' \\boxed{} instruction."""
-    score_with: Annotated[list[str], RewardName] = field(default_factory=lambda: ["math_verify"])
+    score_with: list[str] = field(default_factory=lambda: ["math_verify"])
+    """Reward components (short names or ``module:attr``) whose scores are reported beside the verdict."""
+    verdict: str | None = None
+    """What judges correctness (avg@n, pass@k, maj@k): a reward component's short name or an import
+    path ``package.module:attr`` (a plug-in verdict, docs/plugins.md); None: ``code_tests`` for
+    ``format=code``, else ``math_verify``."""
+    verdict_params: dict[str, Any] | None = None
+    """The verdict's parameters, validated by its own ``Params`` model."""
+
+    def verdict_name(self) -> str:
+        return self.verdict or DEFAULT_VERDICTS.get(self.format, "math_verify")
 
 
 @dataclass
@@ -731,11 +753,23 @@ REWARD_PARAMS: dict[str, type] = {
 
 @dataclass
 class RewardComponentConfig:
-    """One item of ``reward.components``: a component's name, its weight in the total and its
-    parameters (the fields of its ``REWARD_PARAMS`` schema; a field left None keeps its default)."""
+    """One item of ``reward.components``: a component, its weight in the total and its parameters.
 
-    name: Annotated[str, RewardName] = "math_verify"
+    ``name`` is a built-in short name (``cosine_length``; ``rewards.registry.REWARDS``), an entry
+    point of group ``laminar.rewards``, or an import path; ``target`` (``package.module:attr``) names a
+    plug-in, ``name`` then defaults to its attribute. A built-in's parameters may be spelled flat (the
+    fields of its ``REWARD_PARAMS`` schema, a field left None keeps its default) or in ``params``; a
+    plug-in's go in ``params``, validated by its own ``Params`` model (docs/plugins.md). ``verdict``:
+    this component judges correctness (one per run; left unset everywhere, the pool's default is:
+    ``math_verify``, or ``code_tests`` for a code pool); a verdict whose score is a number counts a
+    response correct when it scores at least ``threshold``."""
+
+    name: str | None = None
     weight: Annotated[float, Finite] = 1.0
+    target: str | None = None
+    params: dict[str, Any] = field(default_factory=dict)
+    verdict: bool | None = None
+    threshold: Annotated[float, Finite] = 1.0
     r0_correct: Annotated[float | None, Finite] = None
     rl_correct: Annotated[float | None, Finite] = None
     r0_wrong: Annotated[float | None, Finite] = None
@@ -751,27 +785,47 @@ class RewardComponentConfig:
     clip: Annotated[float | None, Positive] = None
     suffix: str | None = None
 
-    def given(self) -> dict[str, Any]:
-        """The parameters this spec sets (its non-None fields besides name and weight)."""
-        return {
-            f.name: getattr(self, f.name)
-            for f in fields(self)
-            if f.name not in ("name", "weight") and getattr(self, f.name) is not None
-        }
+    def __post_init__(self) -> None:
+        if self.name is not None and ":" in self.name and self.target is None:
+            self.target, self.name = self.name, None  # name: package.module:attr
+        if self.name is None:
+            self.name = self.target.split(":")[-1].split(".")[-1] if self.target else "math_verify"
 
-    def params(self) -> Any:
-        """The component's typed parameters: its schema's defaults updated with what the spec sets."""
+    def given(self) -> dict[str, Any]:
+        """The parameters this spec sets: its non-None flat fields, then ``params``."""
+        skip = ("name", "weight", "target", "params", "verdict", "threshold")
+        flat = {f.name: getattr(self, f.name) for f in fields(self) if f.name not in skip}
+        return {**{k: v for k, v in flat.items() if v is not None}, **dict(self.params or {})}
+
+    def is_builtin(self) -> bool:
+        """A built-in named by its short name (its parameters' schema is ``REWARD_PARAMS[name]``)."""
+        return self.target is None and self.name in REWARD_PARAMS
+
+    def params_of(self) -> Any:
+        """A built-in's typed parameters: its schema's defaults updated with what the spec sets."""
         return REWARD_PARAMS[self.name](**self.given())
 
 
 @dataclass
 class RewardConfig:
-    """The reward every stage scores with: ``components``, each ``{name, weight, ...parameters}``; the
-    total is their weighted sum. ``math_verify`` gives the correctness verdict (``correct``, the pass
-    rates of curation, avg@n) and must be listed (weight 0 keeps it out of the total). Options:
-    ``reward=verifier`` (the default: the verifier alone), ``reward=long_cot``."""
+    """The reward every stage scores with: ``components``, each ``{name | target, weight, params}``;
+    the total is their weighted sum. One component is the verdict (``verdict: true``, or the pool's
+    default: ``math_verify``, ``code_tests`` for a code pool): its ``correct`` is what every stage
+    reads (the pass rates of curation, DAPO's filter, HIVE, avg@n); weight 0 keeps it out of the
+    total. Options: ``reward=verifier`` (the default: the verifier alone), ``reward=long_cot``,
+    ``reward=code`` (a code pool's tests)."""
 
     components: list[RewardComponentConfig] = field(default_factory=lambda: [RewardComponentConfig()])
+
+    def verdict(self, default: str = "math_verify") -> RewardComponentConfig:
+        """The component that judges correctness: the one marked ``verdict: true``, else the one
+        named ``default`` (``validate`` marks the pool's default; see ``verdict_default``)."""
+        marked = [c for c in self.components if c.verdict]
+        named = [c for c in self.components if c.name == default]
+        if not (marked or named):
+            names = [c.name for c in self.components]
+            raise ValueError(f"reward.components={names} has no verdict: mark one verdict: true")
+        return (marked or named)[0]
 
     def uses_reward_model(self) -> bool:
         """Whether a component is the learned reward model (the preferences and reward_model stages run)."""
@@ -1241,18 +1295,59 @@ def _validate_tracking(cfg: Config) -> None:
             )
 
 
-def _validate_reward(cfg: Config) -> None:
-    """Each component named once, ``math_verify`` among them, and only its own parameters set."""
+def verdict_default(cfg: Config) -> str:
+    """The component that judges the pool when none is marked ``verdict: true``: ``code_tests`` for a
+    pool of code sources (``data.sources[*].format=code``), else ``math_verify``."""
+    kinds = {DEFAULT_VERDICTS.get(s.format, "math_verify") for s in cfg.data.sources}
+    if len(kinds) > 1:
+        raise ConfigError(
+            f"data.sources mixes formats judged by {sorted(kinds)}: one verdict judges a run; mark the "
+            "reward component that judges every source with verdict: true"
+        )
+    return kinds.pop() if kinds else "math_verify"
+
+
+def _validate_verdict(cfg: Config) -> None:
+    """Exactly one verdict: the component marked ``verdict: true``, else the pool's default (which
+    must then be listed); it is marked here so every stage reads the same one."""
     specs = cfg.reward.components
     names = [s.name for s in specs]
-    if "math_verify" not in names:
+    marked = [s.name for s in specs if s.verdict]
+    if len(marked) > 1:
         raise ConfigError(
-            f"reward.components={names} lacks math_verify: it gives the correctness verdict; add "
-            "{name: math_verify, weight: 0} to keep it out of the total"
+            f"reward.components marks {marked} as verdict: one component judges correctness; keep "
+            "verdict: true on one of them"
         )
+    if not marked:
+        default = verdict_default(cfg)
+        if default not in names:
+            raise ConfigError(
+                f"reward.components={names} lacks {default}: it gives the correctness verdict of this "
+                f"pool; add {{name: {default}, weight: 0}} to keep it out of the total, or mark your own "
+                "verdict with verdict: true"
+            )
+        specs[names.index(default)].verdict = True
+
+
+def _validate_reward(cfg: Config) -> None:
+    """Each component named once, one verdict among them, and a built-in's own parameters only (a
+    plug-in's ``params`` are validated against its own model in ``tasks.preflight``)."""
+    specs = cfg.reward.components
+    names = [s.name for s in specs]
     if len(set(names)) != len(names):
         raise ConfigError(f"reward.components={names} names a component twice; list each once")
     for i, spec in enumerate(specs):
+        _check_component_name(f"reward.components[{i}]", spec)
+    _validate_verdict(cfg)
+    for i, spec in enumerate(specs):
+        if not spec.is_builtin():
+            flat = sorted(set(spec.given()) - set(spec.params or {}))
+            if flat:
+                raise ConfigError(
+                    f"reward.components[{i}] ({spec.target or spec.name}) sets {flat} beside params: a "
+                    "plug-in's parameters go in params: {...}"
+                )
+            continue
         allowed = [f.name for f in fields(REWARD_PARAMS[spec.name])]
         for key in spec.given():
             if key not in allowed:
@@ -1260,8 +1355,9 @@ def _validate_reward(cfg: Config) -> None:
                     f"reward.components[{i}].{key} is not a parameter of {spec.name}; its parameters: "
                     f"{', '.join(allowed) or 'none besides weight'}"
                 )
+        _check_declared(_params_checked(i, spec), f"reward.components[{i}].")
         if spec.name == "overlong":
-            p = spec.params()
+            p = spec.params_of()
             limit = p.max_len if p.max_len is not None else cfg.rl.max_new_tokens
             if p.cache_len >= limit:
                 raise ConfigError(
@@ -1278,6 +1374,28 @@ def _validate_reward(cfg: Config) -> None:
             "rl.overlong_shaping and an overlong item in reward.components both set DAPO's soft overlong "
             "punishment: drop rl.overlong_shaping and set cache_len on reward.components' overlong item"
         )
+
+
+def _check_component_name(key: str, spec: RewardComponentConfig) -> None:
+    """A short name is a built-in or an entry point of ``laminar.rewards``; a target is spelled
+    ``package.module:attr`` (whether it imports is checked in ``tasks.preflight``)."""
+    from core.plugins import PluginError, check_target, resolve_name
+
+    try:
+        if spec.target is not None:
+            check_target(spec.target)
+        else:
+            resolve_name("rewards", spec.name, {n: n for n in REWARD_PARAMS})
+    except PluginError as err:
+        shown = f"target={spec.target!r}" if spec.target is not None else f"name={spec.name!r}"
+        raise ConfigError(f"{key}.{shown} is not supported: {err}") from None
+
+
+def _params_checked(i: int, spec: RewardComponentConfig) -> Any:
+    try:
+        return spec.params_of()
+    except TypeError as err:
+        raise ConfigError(f"reward.components[{i}] ({spec.name}): {err}") from None
 
 
 def _validate_sandbox(cfg: Config) -> None:

@@ -65,6 +65,7 @@ def evaluate_items(
     env=None,
     score_with: Mapping[str, Sequence[str]] | None = None,
     components: Sequence = (),
+    judges: Mapping[str, object] | None = None,
 ) -> list[EvalRow]:
     """One row per (item, sample). ``templates`` maps a benchmark to its prompt template
     (None = the registry default). Prompts longer than the model's context are still sampled (a
@@ -73,7 +74,9 @@ def evaluate_items(
     one response per request, as always). ``score_with``: benchmark -> the reward components that
     score it (a file benchmark's ``score_with``); the correctness verdict is always the verifier's
     (or a code benchmark's tests), each other component's score is kept per row (``EvalRow.terms``).
-    ``components``: built reward components that score every benchmark (the learned reward model)."""
+    ``components``: built reward components that score every benchmark (the learned reward model).
+    ``judges``: benchmark -> its verdict (``rewards.verdicts``: the run's for the pool's held-out set,
+    a file benchmark's own); the others: ``verifier``, or a code benchmark's tests."""
     engine = Engine(model, tokenizer, device=device, batch_size=batch_size)
     prompts = [
         PromptItem(
@@ -95,7 +98,9 @@ def evaluate_items(
         )
     else:
         trajectories = engine.generate(requests, max_new_tokens, temperature, generator, progress=progress)
-    verdicts = _verdicts([items[i // n_samples] for i in range(len(trajectories))], trajectories, verifier)
+    verdicts = _verdicts(
+        [items[i // n_samples] for i in range(len(trajectories))], trajectories, verifier, judges or {}
+    )
     terms = _terms(items, n_samples, trajectories, verdicts, score_with or {}, max_new_tokens, components)
     rows = []
     for i, (req, traj, v) in enumerate(zip(requests, trajectories, verdicts)):
@@ -155,17 +160,28 @@ def _terms(
     return out
 
 
-def _verdicts(items: Sequence[BenchmarkItem], trajectories, verifier) -> list:
-    """One verdict per trajectory: the math verifier's, or for a code benchmark's item, whether its
-    program passes every test in the sandbox (``code_tests``, ``all_pass``)."""
-    is_code = [it.benchmark in CODE_TEMPLATES for it in items]
-    math = [t for t, c in zip(trajectories, is_code) if not c]
-    code = [t for t, c in zip(trajectories, is_code) if c]
-    math_v = iter(
-        verifier.verify_batch([t.text for t in math], [t.prompt.answer for t in math]) if math else []
-    )
-    code_v = iter(code_verdicts([t.text for t in code], [t.prompt.answer for t in code]) if code else [])
-    return [next(code_v) if c else next(math_v) for c in is_code]
+def _verdicts(
+    items: Sequence[BenchmarkItem], trajectories, verifier, judges: Mapping[str, object] | None = None
+) -> list:
+    """One verdict per trajectory, by its benchmark's judge: ``judges[benchmark]`` where given, a code
+    benchmark's tests in the sandbox (``code_tests``, ``all_pass``), else the math ``verifier``; each
+    judge sees its benchmark's trajectories as one batch."""
+    out: list = [None] * len(trajectories)
+    groups: dict[str, list[int]] = {}
+    for i, it in enumerate(items):
+        groups.setdefault(it.benchmark, []).append(i)
+    for bench, idx in groups.items():
+        texts = [trajectories[i].text for i in idx]
+        golds = [trajectories[i].prompt.answer for i in idx]
+        if bench in (judges or {}):
+            got = judges[bench].verify_batch(texts, golds)
+        elif bench in CODE_TEMPLATES:
+            got = code_verdicts(texts, golds)
+        else:
+            got = verifier.verify_batch(texts, golds)
+        for i, v in zip(idx, got):
+            out[i] = v
+    return out
 
 
 def _episodes(model, tokenizer, requests, env, max_new_tokens, temperature, generator, device, batch_size):

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 from collections.abc import Callable
+from contextlib import ExitStack
 from pathlib import Path
 from typing import Any
 
@@ -215,14 +216,14 @@ def difficulty_rft_body(ctx: StageContext) -> StageResult:
 
 def _difficulty(ctx: StageContext, max_prompts: int) -> StageResult:
     from data_curation.sampling import estimate_difficulty
-    from rewards.verifier import Verifier
+    from rewards.verdicts import open_verdict
     from generation.setup import setup_torch
 
     setup_torch(ctx.cfg.threads, ctx.cfg.seed)
     c = ctx.cfg.curation.difficulty
 
     def run(out: Path) -> dict:
-        with Verifier(timeout_s=ctx.cfg.eval.verifier_timeout_s) as verifier:
+        with open_verdict(ctx.cfg.reward, ctx.cfg.eval.verifier_timeout_s) as verifier:
             return estimate_difficulty(
                 Path(ctx.inputs[MODEL].path),
                 ctx.inputs[PROMPTS].file("prompts.parquet"),
@@ -244,7 +245,7 @@ def _difficulty(ctx: StageContext, max_prompts: int) -> StageResult:
 def dart_body(ctx: StageContext) -> StageResult:
     from data_curation.dart import DartParams
     from data_curation.sampling import dart_sample
-    from rewards.verifier import Verifier
+    from rewards.verdicts import open_verdict
     from generation.setup import setup_torch
 
     setup_torch(ctx.cfg.threads, ctx.cfg.seed)
@@ -267,7 +268,7 @@ def dart_body(ctx: StageContext) -> StageResult:
             )
 
     def run(out: Path) -> dict:
-        with Verifier(timeout_s=ctx.cfg.eval.verifier_timeout_s) as verifier:
+        with open_verdict(ctx.cfg.reward, ctx.cfg.eval.verifier_timeout_s) as verifier:
             return dart_sample(
                 Path(ctx.inputs[MODEL].path),
                 ctx.inputs[PROMPTS].file("prompts.parquet"),
@@ -490,7 +491,7 @@ def top_up(decisions, prompts, minimum: int):
 def rl_body(ctx: StageContext) -> StageResult:
     from evaluation.stages import in_run_evaluator
     from rewards.compose import Reward
-    from rewards.verifier import Verifier
+    from rewards.verdicts import open_verdict
     from generation.model import load_tokenizer
     from training.rl.stage import TIMING_KEYS, rl
     from generation.setup import setup_torch
@@ -504,7 +505,7 @@ def rl_body(ctx: StageContext) -> StageResult:
         raise ValueError("reward.components names reward_model but no reward_model stage ran before rl")
 
     def run(out: Path) -> dict:
-        with Verifier(timeout_s=ctx.cfg.eval.verifier_timeout_s) as verifier:
+        with open_verdict(ctx.cfg.reward, ctx.cfg.eval.verifier_timeout_s) as verifier, ExitStack() as stack:
             evaluate = None
             if ctx.cfg.rl.eval_every > 0:
                 tokenizer = load_tokenizer(ctx.inputs[MODEL].path)
@@ -518,6 +519,7 @@ def rl_body(ctx: StageContext) -> StageResult:
                     verifier=verifier,
                     files=file_benchmarks(ctx.cfg),
                     env=ctx.cfg.env,
+                    judges=open_judges(ctx.cfg, stack, verifier),
                 )
             sel = ctx.inputs[SELECTION]
             result = rl(
@@ -607,18 +609,20 @@ def eval_body(ctx: StageContext) -> StageResult:
     components = reward_model_components(ctx)
 
     def run(out: Path) -> dict:
-        summary = evaluate_checkpoint(
-            Path(ctx.inputs[MODEL].path),
-            Path(data.path) if data else None,
-            ctx.cfg.eval,
-            templates=eval_templates(),
-            seed=ctx.cfg.seed,
-            device=ctx.device,
-            out_dir=out,
-            files=files,
-            env=ctx.cfg.env,
-            components=components,
-        )
+        with ExitStack() as stack:
+            summary = evaluate_checkpoint(
+                Path(ctx.inputs[MODEL].path),
+                Path(data.path) if data else None,
+                ctx.cfg.eval,
+                templates=eval_templates(),
+                seed=ctx.cfg.seed,
+                device=ctx.device,
+                out_dir=out,
+                files=files,
+                env=ctx.cfg.env,
+                components=components,
+                judges=open_judges(ctx.cfg, stack),
+            )
         query = ctx.catalog.query if ctx.catalog is not None else _no_catalog
         certificates.update(
             eval_certificates(
@@ -638,6 +642,26 @@ def eval_body(ctx: StageContext) -> StageResult:
     return StageResult(
         {EVAL: ref}, eval_metrics(ctx.inputs[MODEL].sha256, summary, ctx.cfg.eval.n_samples, certificates)
     )
+
+
+def open_judges(cfg: Config, stack: ExitStack, run_verdict=None) -> dict:
+    """Benchmark -> its verdict where it is not the math verifier: the run's verdict judges the pool's
+    held-out set (``run_verdict``, else opened here), a file benchmark its own ``verdict``; each is
+    closed with ``stack``. Vendored benchmarks keep theirs (math, or a code benchmark's tests)."""
+    from evaluation.stages import HELDOUT
+    from rewards.verdicts import MATH_VERIFY, benchmark_verdict, open_verdict
+
+    timeout = cfg.eval.verifier_timeout_s
+    out: dict = {}
+    spec = cfg.reward.verdict()
+    if HELDOUT in cfg.eval.benchmark_names() and not (spec.is_builtin() and spec.name == MATH_VERIFY):
+        out[HELDOUT] = (
+            run_verdict if run_verdict is not None else stack.enter_context(open_verdict(cfg.reward, timeout))
+        )
+    for name, b in cfg.eval.benchmark_files().items():
+        if b.verdict_name() != MATH_VERIFY:
+            out[name] = stack.enter_context(benchmark_verdict(b.verdict_name(), b.verdict_params, timeout))
+    return out
 
 
 def reward_model_components(ctx: StageContext) -> list:
