@@ -82,7 +82,8 @@ def judge(verdict, samples: Sequence[Sample]) -> tuple[tuple[Verdict, ...], list
     if hasattr(verdict, "judge"):
         return verdict.judge(samples)
     verdicts = tuple(verdict.verify_batch([s.text for s in samples], [s.answer for s in samples]))
-    return verdicts, [1.0 if v.correct else 0.0 for v in verdicts], [bool(getattr(v, "error", None)) for v in verdicts]
+    failed = [bool(getattr(v, "error", None)) for v in verdicts]
+    return verdicts, [1.0 if v.correct else 0.0 for v in verdicts], failed
 
 
 class Reward:

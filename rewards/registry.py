@@ -30,7 +30,7 @@ KIND = "rewards"
 
 REWARDS: Mapping[str, str] = MappingProxyType(
     {
-        "math_verify": "rewards.verifier:Verifier",
+        "math_verify": "rewards.verdicts:MathVerify",
         "cosine_length": "rewards.components:CosineLength",
         "repetition": "rewards.components:Repetition",
         "overlong": "rewards.components:Overlong",
@@ -41,7 +41,8 @@ REWARDS: Mapping[str, str] = MappingProxyType(
     }
 )
 """Built-in short name -> its target. Each built-in takes its ``conf.schema.REWARD_PARAMS`` record;
-``math_verify`` is the math verifier itself (a worker pool, opened by ``rewards.verdicts``)."""
+As the run's verdict, ``math_verify`` is the math verifier itself (a worker pool, opened by
+``rewards.verdicts.open_verdict``)."""
 
 
 def target_of(spec: RewardComponentConfig) -> str:
@@ -160,7 +161,10 @@ def build_component(spec: RewardComponentConfig, reward_model: str | None = None
 def component_spec(spec: RewardComponentConfig, component: Any, correctness: bool) -> dict:
     """One line of ``Reward.spec``: name, weight, whether it is the verdict and its parameters; a
     plug-in's target too (a built-in's line is what it always was)."""
-    params = params_dict(getattr(component, "params", None)) if component is not None else {}
+    if component is not None:
+        params = params_dict(getattr(component, "params", None))
+    else:  # the verdict, described without opening it
+        params = params_dict(spec.params_of() if spec.is_builtin() else load_plugin(spec)[2])
     out = {"name": spec.name, "weight": float(spec.weight), "correctness": correctness, "params": params}
     if is_plugin(spec):
         out["target"] = target_of(spec)

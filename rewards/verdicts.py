@@ -11,7 +11,9 @@ plug-in) is wrapped in ``ComponentVerdict``: correct when it scores at least ``t
 
 from __future__ import annotations
 
+import atexit
 from collections.abc import Sequence
+from dataclasses import dataclass
 from typing import Any
 
 from conf.schema import RewardComponentConfig, RewardConfig
@@ -106,6 +108,34 @@ class ComponentVerdict:
 
     def __exit__(self, *exc) -> None:
         self.close()
+
+
+@dataclass(frozen=True)
+class MathVerify:
+    """``math_verify`` as a component beside another verdict (a shaping term, or a benchmark's
+    ``score_with``): 1 when the math verifier accepts the response, else 0. As the run's verdict it is
+    the ``Verifier`` itself (``verdict_of``)."""
+
+    params: Any = None
+    name: str = MATH_VERIFY
+    correctness: bool = False
+    fallback: float = 0.0
+
+    def score(self, samples: Sequence[Sample], correct: Sequence[bool | None]) -> list[float]:
+        verifier = shared_verifier()
+        verdicts = verifier.verify_batch([s.text for s in samples], [s.answer for s in samples])
+        return [1.0 if v.correct else 0.0 for v in verdicts]
+
+
+def shared_verifier() -> Verifier:
+    """One math verifier per process for ``MathVerify`` terms (closed at exit)."""
+    from rewards import verifier as module
+
+    with module._shared_lock:
+        if module._shared is None:
+            module._shared = Verifier()
+            atexit.register(module._shared.close)
+        return module._shared
 
 
 def verdict_of(spec: RewardComponentConfig, timeout_s: float) -> Verifier | ComponentVerdict:

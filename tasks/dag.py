@@ -114,7 +114,17 @@ def warmup_key(c: Config) -> dict:
 
 
 def eval_key(c: Config) -> dict:
-    return {**asdict(c.eval), **_numerics(c), **_env_key(c), **_reward_model_key(c)}
+    return {**asdict(c.eval), **_numerics(c), **_env_key(c), **_reward_model_key(c), **_verdict_key(c)}
+
+
+def _verdict_key(c: Config) -> dict:
+    """The run's verdict, for stages that judge with it (difficulty, DART, the pool's held-out set);
+    absent while it is the built-in ``math_verify`` (the keys from before verdicts unchanged). A
+    plug-in's source enters through ``Stage.plugins``."""
+    v = c.reward.verdict()
+    if v.is_builtin() and v.name == "math_verify":
+        return {}
+    return {"verdict": {"name": v.name, "target": v.target, "params": v.given(), "threshold": v.threshold}}
 
 
 def _reward_model_key(c: Config) -> dict:
@@ -142,6 +152,7 @@ def _difficulty_key(c: Config, max_prompts: int) -> dict:
         "template": template(c),
         "verifier_timeout_s": c.eval.verifier_timeout_s,
         **_numerics(c),
+        **_verdict_key(c),
     }
 
 
@@ -166,6 +177,7 @@ def dart_key(c: Config) -> dict:
         "verifier_timeout_s": c.eval.verifier_timeout_s,
         **_numerics(c),
         **(_reward_model_key(c) if dart_ranks(c) else {}),
+        **_verdict_key(c),
     }
 
 
@@ -204,7 +216,7 @@ def select_key(c: Config) -> dict:
 
 def rl_key(c: Config) -> dict:
     return {
-        **asdict(c.rl),
+        **_drop_defaults(c.rl, "loss", "loss_params"),
         "verifier_timeout_s": c.eval.verifier_timeout_s,
         "template": template(c),
         **_numerics(c),
@@ -291,6 +303,48 @@ def history_fingerprint(cfg: Config, catalog: Catalog | None = None) -> dict[str
         "GROUP BY source_sha ORDER BY source_sha"
     )
     return {"history:workspace": hashlib.sha256(dumps(rows).encode()).hexdigest()}
+
+
+# ---- plug-ins by import path (``Stage.plugins``) -------------------------------------------------------
+
+
+def _reward_targets(specs) -> list[str]:
+    from rewards.registry import is_plugin, target_of
+
+    return [target_of(s) for s in specs if is_plugin(s)]
+
+
+def verdict_plugins(cfg: Config) -> list[str]:
+    """The run's verdict, when it is a plug-in (difficulty and DART judge with it)."""
+    return _reward_targets([cfg.reward.verdict()])
+
+
+def env_plugins(cfg: Config) -> list[str]:
+    """The environment, when ``env.target`` names one by import path (stages that sample episodes)."""
+    from core.plugins import is_target
+
+    target = getattr(cfg.env, "target", None)
+    return [target] if target and is_target(target) and not cfg.env.is_default() else []
+
+
+def rl_plugins(cfg: Config) -> list[str]:
+    """Every reward component that is a plug-in (the verdict among them), a custom loss, the
+    environment, and the held-out set's evaluation plug-ins with in-run evaluation."""
+    loss = [cfg.rl.loss] if cfg.rl.loss else []
+    evals = eval_plugins(cfg) if cfg.rl.eval_every else []
+    return [*_reward_targets(cfg.reward.components), *loss, *env_plugins(cfg), *evals]
+
+
+def eval_plugins(cfg: Config) -> list[str]:
+    """The verdicts and ``score_with`` components of the benchmarks (the run's verdict judges the
+    pool's held-out set), and the environment."""
+    from conf.schema import RewardComponentConfig
+    from evaluation.stages import HELDOUT
+
+    specs = [cfg.reward.verdict()] if HELDOUT in cfg.eval.benchmark_names() else []
+    for b in cfg.eval.benchmark_files().values():
+        specs += [RewardComponentConfig(name=n) for n in (b.verdict_name(), *b.score_with)]
+    return [*_reward_targets(specs), *env_plugins(cfg)]
 
 
 # ---- headlines (``Stage.headline``) -------------------------------------------------------------------
@@ -440,6 +494,7 @@ def _eval_stage(name: str, model_stage: str) -> Stage:
         record=recording.record_eval,
         headline=eval_headline,
         external=benchmark_files,
+        plugins=eval_plugins,
     )
 
 
@@ -497,6 +552,7 @@ STAGES: tuple[Stage, ...] = (
         body=warmup_body,
         record=recording.record_warmup,
         headline=warmup_headline,
+        plugins=env_plugins,
     ),
     # The learned reward model (reward=reward_model): annotators rate the warm-up model's responses.
     Stage(
@@ -542,6 +598,7 @@ STAGES: tuple[Stage, ...] = (
         body=difficulty_body,
         record=recording.record_difficulty,
         headline=difficulty_headline,
+        plugins=verdict_plugins,
     ),
     Stage(
         name="dart",
@@ -557,6 +614,7 @@ STAGES: tuple[Stage, ...] = (
         record=recording.record_dart,
         headline=dart_headline,
         reads={REWARD_MODEL: dart_ranks},
+        plugins=verdict_plugins,
     ),
     Stage(
         name="rft",
@@ -578,6 +636,7 @@ STAGES: tuple[Stage, ...] = (
         body=difficulty_rft_body,
         record=recording.record_difficulty,
         headline=difficulty_headline,
+        plugins=verdict_plugins,
     ),
     Stage(
         name="select",
@@ -617,6 +676,7 @@ STAGES: tuple[Stage, ...] = (
         body=rl_body,
         record=recording.record_rl,
         headline=rl_headline,
+        plugins=rl_plugins,
     ),
     _eval_stage("eval_rl", "rl"),
 )
@@ -631,6 +691,7 @@ EVAL_STAGE = Stage(
     record=recording.record_adhoc_eval,
     headline=eval_headline,
     external=benchmark_files,
+    plugins=eval_plugins,
 )
 """``laminar eval`` on any checkpoint: not part of the DAG (its inputs come from the command line:
 a checkpoint and the latest data artifact, which may be absent), same body and key scheme as the

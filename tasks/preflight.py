@@ -86,6 +86,7 @@ def preflight(cfg: Config) -> None:
         )
     _check_critic(cfg, params)
     _check_reward_model(cfg)
+    _check_plugins(cfg)
     if cfg.trainer.backend == "deepspeed":
         from conf.loader import deepspeed_config
 
@@ -97,6 +98,35 @@ def preflight(cfg: Config) -> None:
                 "trainer.backend=deepspeed: the deepspeed package is not installed "
                 "(it is in requirements.txt: run `make test` or `pip install -r requirements.txt`)"
             )
+
+
+def _check_plugins(cfg: Config) -> None:
+    """Every plug-in the run names imports, has the shape its role calls and accepts its ``params``
+    (reward components and the verdict, benchmark verdicts and ``score_with``, ``rl.loss``): one
+    line naming it, before any write."""
+    from conf.schema import RewardComponentConfig
+    from core.plugins import PluginError
+    from rewards.registry import check
+
+    checks = [(f"reward.components[{i}]", s) for i, s in enumerate(cfg.reward.components)]
+    for i, b in enumerate(cfg.eval.benchmarks):
+        if isinstance(b, str):
+            continue
+        verdict = RewardComponentConfig(name=b.verdict_name(), params=dict(b.verdict_params or {}))
+        checks.append((f"eval.benchmarks[{i}].verdict", verdict))
+        checks += [(f"eval.benchmarks[{i}].score_with", RewardComponentConfig(name=n)) for n in b.score_with]
+    for key, spec in checks:
+        try:
+            check(spec)
+        except PluginError as err:
+            raise ConfigError(f"{key}: {err}") from None
+    if cfg.rl.loss is not None:
+        from training.objectives import custom_loss
+
+        try:
+            custom_loss(cfg.rl.loss, tuple(sorted((cfg.rl.loss_params or {}).items())))
+        except PluginError as err:
+            raise ConfigError(f"rl.loss: {err}") from None
 
 
 def _check_vllm_shape(cfg: Config, path: Path) -> None:

@@ -82,6 +82,8 @@ OVERRIDABLE = (
 def objective_params(cfg: RLConfig) -> ObjectiveParams:
     """The algorithm's preset with the config's explicit overrides (None keeps the preset)."""
     overrides = {k: getattr(cfg, k) for k in OVERRIDABLE if getattr(cfg, k) is not None}
+    if cfg.loss is not None:  # a custom loss by import path (training.objectives.custom_loss)
+        overrides.update(loss=cfg.loss, loss_params=tuple(sorted((cfg.loss_params or {}).items())))
     return dataclasses.replace(PRESETS[cfg.algorithm], overlong_cache_len=cfg.overlong_cache_len, **overrides)
 
 
