@@ -492,6 +492,7 @@ def rl_body(ctx: StageContext) -> StageResult:
     from evaluation.stages import in_run_evaluator
     from rewards.compose import Reward
     from rewards.verdicts import open_verdict
+    from rewards.verifier import Verifier
     from generation.model import load_tokenizer
     from training.rl.stage import TIMING_KEYS, rl
     from generation.setup import setup_torch
@@ -516,7 +517,11 @@ def rl_body(ctx: StageContext) -> StageResult:
                     templates=eval_templates(),
                     seed=ctx.cfg.seed,
                     device=ctx.device,
-                    verifier=verifier,
+                    verifier=verifier
+                    if isinstance(verifier, Verifier)
+                    else stack.enter_context(
+                        Verifier(timeout_s=ctx.cfg.eval.verifier_timeout_s)  # vendored math benchmarks
+                    ),
                     files=file_benchmarks(ctx.cfg),
                     env=ctx.cfg.env,
                     judges=open_judges(ctx.cfg, stack, verifier),
