@@ -299,8 +299,9 @@ class RLConfig:
     ``loss(batch, params)`` (``training.objectives.PolicyBatch``, ``ObjectiveParams``), it returns the
     per-token loss ``(B, T)`` in place of the clipped PPO term (KL, entropy, NLL and ``loss_agg`` apply
     as usual); None: the algorithm's own."""
-    loss_params: dict[str, Any] | None = None
-    """The custom loss's parameters, validated by its ``Params`` model and passed as a third argument."""
+    loss_params: Any = None
+    """The custom loss's parameters (a mapping, ``rl.loss_params={scale: 2}``), validated by its
+    ``Params`` model and passed as a third argument."""
     critic_lr: Annotated[float | None, Positive] = None
     """The critic's learning rate (critic presets); null: ``rl.lr``."""
     critic_path: str | None = None
@@ -364,7 +365,7 @@ class BenchmarkFileConfig:
     """What judges correctness (avg@n, pass@k, maj@k): a reward component's short name or an import
     path ``package.module:attr`` (a plug-in verdict, docs/plugins.md); None: ``code_tests`` for
     ``format=code``, else ``math_verify``."""
-    verdict_params: dict[str, Any] | None = None
+    verdict_params: dict[str, Any] = field(default_factory=dict)
     """The verdict's parameters, validated by its own ``Params`` model."""
 
     def verdict_name(self) -> str:

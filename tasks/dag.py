@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import hashlib
 from collections.abc import Iterable, Mapping, Sequence
-from dataclasses import asdict, dataclass, fields
+from dataclasses import MISSING, asdict, dataclass, fields
 from pathlib import Path
 
 from conf.schema import Config
@@ -79,7 +79,9 @@ def _drop_defaults(section, *names: str) -> dict:
     """``asdict(section)`` without the named fields while they hold their defaults: fields added after
     a section's keys were first written leave those keys unchanged until they are set."""
     out = asdict(section)
-    defaults = {f.name: f.default for f in fields(section)}
+    defaults = {
+        f.name: f.default if f.default is not MISSING else f.default_factory() for f in fields(section)
+    }
     for name in names:
         if out[name] == defaults[name]:
             del out[name]

@@ -120,6 +120,10 @@ def _check_plugins(cfg: Config) -> None:
             check(spec)
         except PluginError as err:
             raise ConfigError(f"{key}: {err}") from None
+    if cfg.rl.loss_params is not None and not isinstance(cfg.rl.loss_params, dict):
+        raise ConfigError(f"rl.loss_params={cfg.rl.loss_params!r} must be a mapping, e.g. {{scale: 2.0}}")
+    if cfg.rl.loss_params and cfg.rl.loss is None:
+        raise ConfigError("rl.loss_params is set but rl.loss names no loss; set rl.loss=package.module:attr")
     if cfg.rl.loss is not None:
         from training.objectives import custom_loss
 
