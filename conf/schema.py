@@ -1380,16 +1380,24 @@ def _validate_reward(cfg: Config) -> None:
 def _check_component_name(key: str, spec: RewardComponentConfig) -> None:
     """A short name is a built-in or an entry point of ``laminar.rewards``; a target is spelled
     ``package.module:attr`` (whether it imports is checked in ``tasks.preflight``)."""
-    from core.plugins import PluginError, check_target, resolve_name
+    import difflib
 
-    try:
-        if spec.target is not None:
+    from core.plugins import PluginError, check_target, entry_points
+
+    if spec.target is not None:
+        try:
             check_target(spec.target)
-        else:
-            resolve_name("rewards", spec.name, {n: n for n in REWARD_PARAMS})
-    except PluginError as err:
-        shown = f"target={spec.target!r}" if spec.target is not None else f"name={spec.name!r}"
-        raise ConfigError(f"{key}.{shown} is not supported: {err}") from None
+        except PluginError as err:
+            raise ConfigError(f"{key}.target={spec.target!r} is not supported: {err}") from None
+        return
+    known = [*REWARD_PARAMS, *sorted(set(entry_points("rewards")) - set(REWARD_PARAMS))]
+    if spec.name not in known:
+        close = difflib.get_close_matches(spec.name, known, n=1)
+        hint = f" (did you mean {close[0]!r}?)" if close else ""
+        raise ConfigError(
+            f"{key}.name={spec.name!r} is not a reward component{hint}; choose one of {', '.join(known)}, "
+            "or name your own as target: package.module:attr"
+        )
 
 
 def _params_checked(i: int, spec: RewardComponentConfig) -> Any:
