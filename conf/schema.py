@@ -1085,6 +1085,9 @@ def _validate_eval(cfg: Config) -> None:
                 )
             if not b.score_with:
                 raise ConfigError(f"eval.benchmarks[{i}].score_with is empty; e.g. score_with=[math_verify]")
+            for n in (*b.score_with, b.verdict_name()):
+                key = f"eval.benchmarks[{i}]." + ("verdict" if n == b.verdict else "score_with")
+                _check_component_name(key, RewardComponentConfig(name=n), shown=f"{key}={n!r}")
             if b.template is not None and "{problem}" not in b.template:
                 raise ConfigError(
                     f"eval.benchmarks[{i}].template must contain {{problem}}, got {b.template!r}"
@@ -1377,7 +1380,7 @@ def _validate_reward(cfg: Config) -> None:
         )
 
 
-def _check_component_name(key: str, spec: RewardComponentConfig) -> None:
+def _check_component_name(key: str, spec: RewardComponentConfig, shown: str = "") -> None:
     """A short name is a built-in or an entry point of ``laminar.rewards``; a target is spelled
     ``package.module:attr`` (whether it imports is checked in ``tasks.preflight``)."""
     import difflib
@@ -1388,14 +1391,15 @@ def _check_component_name(key: str, spec: RewardComponentConfig) -> None:
         try:
             check_target(spec.target)
         except PluginError as err:
-            raise ConfigError(f"{key}.target={spec.target!r} is not supported: {err}") from None
+            raise ConfigError(f"{shown or f'{key}.target={spec.target!r}'} is not supported: {err}") from None
         return
     known = [*REWARD_PARAMS, *sorted(set(entry_points("rewards")) - set(REWARD_PARAMS))]
     if spec.name not in known:
         close = difflib.get_close_matches(spec.name, known, n=1)
         hint = f" (did you mean {close[0]!r}?)" if close else ""
         raise ConfigError(
-            f"{key}.name={spec.name!r} is not a reward component{hint}; choose one of {', '.join(known)}, "
+            f"{shown or f'{key}.name={spec.name!r}'} is not a reward component{hint}; choose one of "
+            f"{', '.join(known)}, "
             "or name your own as target: package.module:attr"
         )
 
