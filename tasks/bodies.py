@@ -42,6 +42,13 @@ def template(cfg: Config) -> str:
     return PROMPT_TEMPLATE if cfg.data.source == "arith" else DEFAULT_TEMPLATE
 
 
+def verifiability(cfg: Config) -> str:
+    """``data.verifiability``: ingest's check that the math verifier can read a row's answer back, so
+    ``off`` when another component is the run's verdict (it judges answers its own way)."""
+    v = cfg.reward.verdict()
+    return cfg.data.verifiability if v.is_builtin() and v.name == "math_verify" else "off"
+
+
 def eval_templates() -> dict[str, str | None]:
     from data_curation.synthetic import PROMPT_TEMPLATE
     from evaluation.stages import HELDOUT
@@ -96,7 +103,7 @@ def ingest_body(ctx: StageContext) -> StageResult:
             near_dup_same_answer=ctx.cfg.curation.dedup.same_answer,
             seed=ctx.cfg.seed,
             max_prompt_chars=ctx.cfg.data.max_prompt_chars,
-            verifiability=ctx.cfg.data.verifiability,
+            verifiability=verifiability(ctx.cfg),
             template_share=ctx.cfg.curation.templates.min_share if ctx.cfg.curation.templates.strip else None,
         ),
     )

@@ -44,6 +44,7 @@ from tasks.bodies import (
     rl_body,
     select_body,
     template,
+    verifiability,
     warmup_body,
 )
 from tasks.cache import CacheKey
@@ -97,7 +98,7 @@ def ingest_key(c: Config) -> dict:
     return {
         **asdict(c.curation.dedup),
         "max_prompt_chars": c.data.max_prompt_chars,
-        "verifiability": c.data.verifiability,
+        "verifiability": verifiability(c),
         "templates": asdict(c.curation.templates),
     }
 
