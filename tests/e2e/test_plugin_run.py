@@ -149,3 +149,4 @@ def test_editing_the_plugin_reruns_exactly_the_stages_that_use_it(plugin_run):
     out = laminar("lineage", rl[:12], ws=ws, env=env).stdout
     assert f"plugin:mypkg.rewards:judge: {digest}" in out, out
     assert f"plugin:mypkg.rewards:brevity: {digest}" in out, out
+    assert "judge (mypkg.rewards:judge) [verdict] x1" in out and "brevity (mypkg.rewards:brevity) x0.1" in out
