@@ -150,3 +150,21 @@ def test_editing_the_plugin_reruns_exactly_the_stages_that_use_it(plugin_run):
     assert f"plugin:mypkg.rewards:judge: {digest}" in out, out
     assert f"plugin:mypkg.rewards:brevity: {digest}" in out, out
     assert "judge (mypkg.rewards:judge) [verdict] x1" in out and "brevity (mypkg.rewards:brevity) x0.1" in out
+
+
+def test_a_plugin_that_does_not_import_fails_before_any_write(tmp_path):
+    ws = tmp_path / "ws"
+    proc = subprocess.run(
+        [sys.executable, "-m", "flows.cli", "run", "reward.components=[{target: 'nope.x:y', verdict: true}]"]
+        + ["--workspace", str(ws)],
+        cwd=ROOT,
+        env={**os.environ, "PYTHONPATH": str(ROOT)},
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert proc.returncode == 2 and not ws.exists()
+    assert proc.stderr.strip() == (
+        "laminar: config error: reward.components[0]: plug-in 'nope.x:y' cannot be imported: "
+        "ModuleNotFoundError: No module named 'nope'"
+    )
