@@ -712,13 +712,15 @@ def _with_params(fn: Callable, validated, batch: PolicyBatch, params: ObjectiveP
     return fn(batch, params, validated)
 
 
-def _custom_token_loss(batch: PolicyBatch, params: ObjectiveParams) -> tuple[Tensor, dict[str, float]]:
+def _custom_token_loss(batch: PolicyBatch, params: ObjectiveParams, metrics: dict[str, float]) -> Tensor:
+    """``rl.loss``'s per-token loss of ``batch``; its own metrics added to ``metrics`` as ``loss/<name>``."""
     out = custom_loss(params.loss, params.loss_params)(batch, params)
     loss, extra = out if isinstance(out, tuple) else (out, {})
     if not isinstance(loss, Tensor) or tuple(loss.shape) != tuple(batch.mask.shape):
         shape = tuple(loss.shape) if isinstance(loss, Tensor) else type(loss).__name__
         raise ValueError(f"rl.loss={params.loss!r} returned {shape}; it must return the token loss (B, T)")
-    return loss, {f"loss/{k}": float(v) for k, v in extra.items()}
+    metrics.update({f"loss/{k}": float(v) for k, v in extra.items()})
+    return loss
 
 
 def _masked_mean(x: Tensor, mask: Tensor) -> float:
@@ -761,9 +763,8 @@ def policy_loss(
         ratio_level=params.ratio_level,
     )
     metrics: dict[str, float] = {}
-    if params.loss is not None:
-        token_loss, extra = _custom_token_loss(batch, params)
-        metrics.update(extra)
+    if params.loss is not None:  # a custom loss by import path replaces the PPO term
+        token_loss = _custom_token_loss(batch, params, metrics)
     if batch.ref_logprobs is not None:
         kl = kl_k3(batch.logprobs, batch.ref_logprobs)
         metrics["kl"] = _masked_mean(kl, mask)
