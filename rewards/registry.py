@@ -108,6 +108,10 @@ class ClassComponent:
     def fallback(self) -> float:
         return float(getattr(self.impl, "fallback", 0.0))
 
+    def results(self, samples: Sequence[Sample]) -> list[Any]:
+        """The instance's own results as a verdict sees them (``correct`` all None)."""
+        return list(self.impl.score(samples, [None] * len(samples)))
+
     def score(self, samples: Sequence[Sample], correct: Sequence[bool | None]) -> list[float]:
         return [_as_score(x) for x in self.impl.score(samples, correct)]
 

@@ -18,7 +18,7 @@ from typing import Any
 
 from conf.schema import RewardComponentConfig, RewardConfig
 from rewards.components import Sample
-from rewards.registry import FunctionComponent, build_component
+from rewards.registry import ClassComponent, FunctionComponent, build_component
 from rewards.verifier import Verdict, Verifier
 
 MATH_VERIFY = "math_verify"
@@ -43,8 +43,8 @@ class ComponentVerdict:
         """Per sample, (the component's result, None) or (None, the error it raised)."""
 
         def batch(chunk: Sequence[Sample]) -> list[Any]:
-            if isinstance(self.component, FunctionComponent):
-                return self.component.results(chunk)
+            if isinstance(self.component, FunctionComponent | ClassComponent):
+                return self.component.results(chunk)  # bools and Verdicts as the plug-in gave them
             return list(self.component.score(chunk, [None] * len(chunk)))
 
         try:

@@ -42,6 +42,21 @@ def two_args(sample, extra):
     return 1.0
 
 
+class Suffix:
+    """A class plug-in with a pydantic ``Params``: scores a batch, returns bools."""
+
+    from pydantic import BaseModel
+
+    class Params(BaseModel):
+        suffix: str = "!"
+
+    def __init__(self, params):
+        self.suffix = params.suffix
+
+    def score(self, samples, correct):
+        return [s.text.endswith(self.suffix) for s in samples]
+
+
 def bwrap():
     reason = BubblewrapBackend().unavailable()
     if reason is not None:
@@ -115,6 +130,15 @@ def test_a_verdict_may_return_its_own_verdict():
     verdict = open_verdict(RewardConfig([RewardComponentConfig(name=f"{__name__}:says", verdict=True)]), 5.0)
     got = verdict.verify_batch(["yes!", "no"], ["", ""])
     assert [(v.correct, v.pred) for v in got] == [(True, "said"), (False, "said")]
+
+
+def test_a_class_plugin_with_pydantic_params_judges_and_scores():
+    spec = RewardComponentConfig(target=f"{__name__}:Suffix", verdict=True, params={"suffix": "?"})
+    other = RewardComponentConfig(name="exclaims", target=f"{__name__}:Suffix", weight=0.5)
+    cfg = RewardConfig([spec, other])
+    scores = Reward.of(open_verdict(cfg, 5.0), cfg).score([Sample("why?", "", 1, 8), Sample("no!", "", 1, 8)])
+    assert scores.correct == (True, False) and scores.terms["exclaims"] == (0.0, 1.0)
+    assert scores.total == (1.0, 0.5)
 
 
 @pytest.mark.parametrize(
