@@ -76,12 +76,16 @@ def plain_state(env_name: str, state: State) -> State:
 
 def _plain(env_name: str, value: Any, where: str, depth: int) -> Any:
     if depth > MAX_STATE_DEPTH:
-        raise StateError(f"environment {env_name!r}: its state nests deeper than {MAX_STATE_DEPTH} at {where}")
+        raise StateError(
+            f"environment {env_name!r}: its state nests deeper than {MAX_STATE_DEPTH} at {where}"
+        )
     if value is None or isinstance(value, (bool, int, str)):
         return value
     if isinstance(value, float):
         if not math.isfinite(value):
-            raise StateError(f"environment {env_name!r}: {where} is {value}, not a finite number (JSON has none)")
+            raise StateError(
+                f"environment {env_name!r}: {where} is {value}, not a finite number (JSON has none)"
+            )
         return value
     if isinstance(value, (list, tuple)):
         return [_plain(env_name, v, f"{where}[{i}]", depth + 1) for i, v in enumerate(value)]
@@ -118,7 +122,8 @@ def step_result(env_name: str, result: Any) -> StepResult:
     """``step``'s answer checked: a :class:`StepResult`, its state replaced by a plain-data copy."""
     if not isinstance(result, StepResult):
         raise InterfaceError(
-            f"environment {env_name!r}: step(state, turn) must return a StepResult, got {type(result).__name__}"
+            f"environment {env_name!r}: step(state, turn) must return a StepResult, "
+            f"got {type(result).__name__}"
         )
     if result.state is None:
         return result

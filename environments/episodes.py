@@ -368,7 +368,9 @@ class EpisodeEngine:
             lat = self.limits.latency
             key = "|".join(map(str, request_key(ep.request))) + f"|r{ep.retries}t{ep.turns}"
             delay = 0.0 if lat is None else lat.sample(key)
-        fut = self._pool.submit(_timed, self.env_name, self.env.step, plain_state(self.env_name, ep.state), turn)
+        fut = self._pool.submit(
+            _timed, self.env_name, self.env.step, plain_state(self.env_name, ep.state), turn
+        )
         fut.add_done_callback(lambda _: self._news.set())
         self._waiting.append(_Wait(fut, ep, time.monotonic(), delay))
 

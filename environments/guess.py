@@ -52,7 +52,9 @@ def guess_of(text: str) -> int | None:
     return int(found[-1]) if found else None
 
 
-def window(secret: int, guesses: list[int], low: int | None, high: int | None) -> tuple[int | None, int | None]:
+def window(
+    secret: int, guesses: list[int], low: int | None, high: int | None
+) -> tuple[int | None, int | None]:
     """What the guesses so far have shown: the secret is above the first value and below the second
     (None: no bound yet). ``low``/``high`` bound it inclusively, so they start the window one out."""
     below = [g for g in guesses if g < secret] + ([low - 1] if low is not None else [])

@@ -82,12 +82,18 @@ def _check_methods(target: str, obj: Any, bound: bool) -> None:
                 "step(state, turn) and close() (docs/environments.md)"
             )
         try:
-            inspect.signature(fn).bind(*([None] * (arity + extra)))
+            sig = inspect.signature(fn)
+            sig.bind(*([None] * (arity + extra)))
         except TypeError:
-            old = " (the old step(turn_text): see docs/environments.md, 'Migrating')" if method == "step" else ""
+            old = (
+                " (the old step(turn_text): see docs/environments.md, 'Migrating')"
+                if method == "step"
+                else ""
+            )
             want = {"reset": "reset(prompt)", "step": "step(state, turn)", "close": "close()"}[method]
+            has = ", ".join(list(sig.parameters)[extra:])
             raise plugins.PluginError(
-                f"environment {target!r}: {method}{inspect.signature(fn)} does not take {want}{old}"
+                f"environment {target!r}: {method}({has}) does not take {want}{old}"
             ) from None
         except ValueError:  # no signature to read: the call decides
             pass
@@ -101,7 +107,9 @@ def make_environment(env_cfg, tokenizer) -> Environment:
     except plugins.PluginError:
         raise
     except Exception as e:  # noqa: BLE001 - a user's factory failing is reported in one line
-        raise plugins.PluginError(f"environment {target!r} failed to build: {type(e).__name__}: {e}") from None
+        raise plugins.PluginError(
+            f"environment {target!r} failed to build: {type(e).__name__}: {e}"
+        ) from None
     _check_methods(target, env, bound=True)
     if not isinstance(getattr(env, "name", None), str):
         try:

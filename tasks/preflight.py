@@ -111,7 +111,7 @@ def _check_environment(cfg: Config) -> None:
     try:
         check_environment(cfg.env)
     except PluginError as err:
-        raise ConfigError(f"env.target={cfg.env.target}: {err}") from None
+        raise ConfigError(f"env.target: {err}") from None
 
 
 def _check_vllm_shape(cfg: Config, path: Path) -> None:
