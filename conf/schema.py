@@ -831,9 +831,10 @@ class ToolLatencyConfig:
 
 @dataclass
 class EnvConfig:
-    """The environment an episode runs in (``environments.registry``; docs/environments.md).
-    ``single_turn`` (the default): one policy turn, today's path unchanged; ``calculator``: the
-    arithmetic task with a calculator tool. An episode ends when the policy answers without a tool
+    """The environment an episode runs in (``environments.registry``; docs/environments.md), named by
+    ``target`` with its own ``params``. ``single_turn`` (the default): one policy turn, today's path
+    unchanged; ``calculator``: the arithmetic task with a calculator tool; ``guess``: a guessing
+    game whose episodes carry state. An episode ends when the policy answers without a tool
     call, or at ``max_turns`` policy turns, or ``max_tokens`` episode tokens (policy + observation;
     0: ``max_turns`` x ``rl.max_new_tokens``). Tool calls run in a pool of ``tool_workers`` threads,
     each with a ``tool_timeout_s`` limit (a hung tool ends the episode, reason ``tool_timeout``).

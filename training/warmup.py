@@ -25,7 +25,8 @@ def target(row: dict) -> str:
 
 def tool_demonstrations(examples, rows, env: EnvConfig, tokenizer) -> list[SFTExample]:
     """``examples`` with ``env.demo_tool_share`` of them (by a hash of the prompt id) replaced by a
-    two-turn tool demonstration (``ToolEnvironment.demonstration``: the observation masked out)."""
+    two-turn tool demonstration (``ToolEnvironment.demonstration``: the observation masked out); an
+    environment without the calculator tool (a game, a user's environment) leaves them as they are."""
     from environments.calculator import arith_call
     from environments.registry import make_environment
     from generation.records import PromptItem
