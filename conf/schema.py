@@ -834,20 +834,21 @@ class EnvConfig:
     """The environment an episode runs in (``environments.registry``; docs/environments.md), named by
     ``target`` with its own ``params``. ``single_turn`` (the default): one policy turn, today's path
     unchanged; ``calculator``: the arithmetic task with a calculator tool; ``guess``: a guessing
-    game whose episodes carry state. An episode ends when the policy answers without a tool
-    call, or at ``max_turns`` policy turns, or ``max_tokens`` episode tokens (policy + observation;
-    0: ``max_turns`` x ``rl.max_new_tokens``). Tool calls run in a pool of ``tool_workers`` threads,
-    each with a ``tool_timeout_s`` limit (a hung tool ends the episode, reason ``tool_timeout``).
-    ``on_error``: an environment that raises ends the episode as failed (``fail``) or restarts it
-    once from its prompt (``retry``). ``tool_format``: ``text`` (the documented line format, the
-    only one a tokenizer without a chat template has), ``chat_template`` (the template's ``tools=``),
-    ``auto`` (the template where there is one). ``version_rule`` (laminar mode): one weight version
-    per policy ``turn`` (an episode waiting on its tool pins no weights; its next turn runs under the
-    newest) or per ``episode`` (the whole episode under the version of its first token)."""
+    game whose episodes carry state; ``python_session``: a sandboxed Python session. An episode
+    ends when the policy answers without a tool call, or at ``max_turns`` policy turns, or
+    ``max_tokens`` episode tokens (policy + observation; 0: ``max_turns`` x ``rl.max_new_tokens``).
+    Tool calls run in a pool of ``tool_workers`` threads, each with a ``tool_timeout_s`` limit (a
+    hung tool ends the episode, reason ``tool_timeout``). ``on_error``: an environment that raises
+    ends the episode as failed (``fail``) or restarts it once from its prompt (``retry``).
+    ``tool_format``: ``text`` (the documented line format, the only one a tokenizer without a chat
+    template has), ``chat_template`` (the template's ``tools=``), ``auto`` (the template where there
+    is one). ``version_rule`` (laminar mode): one weight version per policy ``turn`` (an episode
+    waiting on its tool pins no weights; its next turn runs under the newest) or per ``episode``
+    (the whole episode under the version of its first token)."""
 
     target: str = "single_turn"
     """The environment: a short name (``single_turn``, ``calculator``, ``calculator_sandbox``,
-    ``guess``, or one an installed package adds through the entry-point group
+    ``guess``, ``python_session``, or one an installed package adds through the entry-point group
     ``laminar.environments``) or an import path ``package.module:attr`` naming a user's environment
     (checked by ``tasks.preflight`` before any write; ``environments.registry``)."""
     params: dict[str, Any] = field(default_factory=dict)

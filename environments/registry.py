@@ -34,6 +34,7 @@ BUILTINS: Mapping[str, str] = MappingProxyType(
         "calculator": "environments.registry:calculator",
         "calculator_sandbox": "environments.registry:calculator_sandbox",
         "guess": "environments.guess:Guess",
+        "python_session": "environments.python_session:PythonSession",
     }
 )
 """Built-in short names -> their targets (``env.target=calculator``)."""
