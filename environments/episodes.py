@@ -6,8 +6,11 @@ through ``training.rl.rollout.run_order`` unchanged. A policy turn ends at the e
 (EOS); the environment's ``step`` runs in a bounded thread pool while the engine keeps decoding the
 other rows; its observation tokens are appended to the episode's tokens and the episode continues as
 an injected row whose context is the episode's exact token sequence (prompt + every turn and
-observation so far): nothing is re-rendered from text. The finished ``Trajectory`` carries every
-token with ``loss_mask`` (1 policy, 0 observation) and the behaviour log-probs of the policy's tokens.
+observation so far): nothing is re-rendered from text. The environment's per-episode state
+(``reset``'s, then each ``step``'s; plain data, checked) rides in the ``Episode`` beside its tokens,
+so extract, inject and every hand-over move it too; each ``step`` gets a copy of it. The finished
+``Trajectory`` carries every token with ``loss_mask`` (1 policy, 0 observation), the behaviour
+log-probs of the policy's tokens and the final state (``env_state``).
 
 The version rule (laminar mode; docs/environments.md). ``turn`` (the default): every policy turn is
 sampled by one weight version, and an episode between turns (its tool running, or answered) is

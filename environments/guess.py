@@ -38,12 +38,11 @@ class Params:
             raise ValueError(f"low={self.low} is above high={self.high}")
 
 
-def secret_of(prompt: PromptItem) -> int:
-    """The prompt's answer as the secret (its last integer: ``#### 42`` and ``42`` give 42)."""
+def secret_of(prompt: PromptItem) -> int | None:
+    """The prompt's answer as the secret (its last integer: ``#### 42`` and ``42`` give 42); None when
+    the answer has no integer (the episode then ends at its first turn, judged as a single turn)."""
     found = NUMBER.findall(str(prompt.answer))
-    if not found:
-        raise ValueError(f"guess: prompt {prompt.prompt_id!r} has no integer answer to use as the secret")
-    return int(found[-1])
+    return int(found[-1]) if found else None
 
 
 def guess_of(text: str) -> int | None:
@@ -94,7 +93,7 @@ class Guess:
 
     def step(self, state: State, turn: Turn) -> StepResult:
         guess = guess_of(turn.text)
-        if guess is None:
+        if guess is None or state["secret"] is None:
             return StepResult(done=True, reason="answer", state=state)  # no number: it stopped guessing
         guesses = state["guesses"] + [guess]
         new = {"secret": state["secret"], "guesses": guesses}

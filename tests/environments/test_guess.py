@@ -37,8 +37,9 @@ def test_reset_takes_the_secret_from_the_prompt_and_starts_with_no_guesses(tok):
     tokens, state = Guess(tok).reset(prompt("#### 42"))
     assert tokens == (1, 5, 6) and state == {"secret": 42, "guesses": []}
     assert plain_state("guess", state) == json.loads(json.dumps(state))  # plain data
-    with pytest.raises(ValueError, match="no integer answer"):
-        Guess(tok).reset(prompt("forty-two"))
+    _, none = Guess(tok).reset(prompt("forty-two"))  # no integer: the first turn ends the episode
+    assert none == {"secret": None, "guesses": []}
+    assert Guess(tok).step(none, Turn("#### 42", ())).done
 
 
 def test_the_feedback_depends_on_the_earlier_guesses(tok):
