@@ -520,14 +520,12 @@ class AlwaysRight:
 
 
 @pytest.mark.slow
-def test_a_laminar_guess_run_hands_over_and_resumes_with_its_episodes_states(
-    monkeypatch, tmp_path, local_ray, caller_dir
-):
-    """The Ray runtime in laminar mode (two rollouts: repack and the turn rule hand episodes between
-    them) on ``guess`` episodes, the trainer SIGKILLed after update 5: the update-4 checkpoint holds
-    finished episodes with their states; the resumed run trains them as saved (state included) and
-    every episode trained by either run carries exactly the state the game's steps give over its
-    turns."""
+def test_a_laminar_guess_run_resumes_with_its_episodes_states(monkeypatch, tmp_path, local_ray, caller_dir):
+    """The Ray runtime in laminar mode (two rollouts) on ``guess`` episodes, the trainer SIGKILLed
+    after update 5: the update-4 checkpoint holds finished episodes with their states; the resumed run
+    trains them as saved (state included) and every episode trained by either run carries exactly the
+    state the game's steps give over its turns. (This short run rarely repacks: the manager's repack
+    path is the in-process test above.)"""
     import os
     import signal
 
@@ -543,13 +541,12 @@ def test_a_laminar_guess_run_hands_over_and_resumes_with_its_episodes_states(
         "laminar", steps=8, lr=1e-3, checkpoint_every=2, eval_every=0, group_size=4, rollout_capacity=16,
         max_new_tokens=16,
     )  # fmt: skip
-    batches, counts = [], []
+    batches = []
     original = RolloutManager.next_batch
 
     def spy(self):
         groups = original(self)
         batches.extend(groups)
-        counts.append(dict(self.counts))
         return groups
 
     monkeypatch.setattr(RolloutManager, "next_batch", spy)
@@ -587,5 +584,3 @@ def test_a_laminar_guess_run_hands_over_and_resumes_with_its_episodes_states(
     trained = {(t.group_uid, t.sample_idx): t for t in second}
     kept = [t for t in held if trained.get((t.group_uid, t.sample_idx)) == t]  # trained as saved
     assert kept, (len(held), len(trained))
-    moved = max(c.get("repacks", 0) + c.get("interrupts", 0) for c in counts)
-    print("hand-overs (repacks + interrupts):", moved, "held:", len(held), "kept:", len(kept))
