@@ -86,6 +86,7 @@ def preflight(cfg: Config) -> None:
         )
     _check_critic(cfg, params)
     _check_reward_model(cfg)
+    _check_environment(cfg)
     if cfg.trainer.backend == "deepspeed":
         from conf.loader import deepspeed_config
 
@@ -97,6 +98,20 @@ def preflight(cfg: Config) -> None:
                 "trainer.backend=deepspeed: the deepspeed package is not installed "
                 "(it is in requirements.txt: run `make test` or `pip install -r requirements.txt`)"
             )
+
+
+def _check_environment(cfg: Config) -> None:
+    """``env.target``: a built-in or entry-point name, or an import path that imports, takes
+    ``env.params`` (its ``Params`` model) and has ``reset``/``step(state, turn)``/``close``."""
+    if cfg.env.is_default():
+        return
+    from core.plugins import PluginError
+    from environments.registry import check_environment
+
+    try:
+        check_environment(cfg.env)
+    except PluginError as err:
+        raise ConfigError(f"env.target: {err}") from None
 
 
 def _check_vllm_shape(cfg: Config, path: Path) -> None:
