@@ -4,6 +4,7 @@ kills the process group, and the classification of how the run ended."""
 
 from __future__ import annotations
 
+import logging
 import os
 import selectors
 import signal
@@ -16,6 +17,8 @@ from functools import cache
 from pathlib import Path
 
 from environments.sandbox.result import MAIN, Job, KilledBy, SandboxResult
+
+log = logging.getLogger(__name__)
 
 BOOTSTRAP = f"""\
 import os, resource, signal, sys, types
@@ -179,6 +182,14 @@ def reap_orphans(parents: dict[str, Path] | None = None) -> list[str]:
     return removed
 
 
+@cache
+def _warn_uncontained() -> None:
+    log.warning(
+        "sandbox: running as root without a pids cgroup: RLIMIT_NPROC does not bind uid 0, so nothing "
+        "caps a run's processes and a fork bomb reaches the host's process table (docs/sandbox.md)"
+    )
+
+
 @dataclass
 class Cgroup:
     """The cgroups of one run: ``pids`` caps its processes (RLIMIT_NPROC does not bind uid 0),
@@ -190,6 +201,8 @@ class Cgroup:
     @classmethod
     def create(cls, job: Job) -> Cgroup | None:
         parents = cgroup_parents()
+        if "pids" not in parents and os.geteuid() == 0:
+            _warn_uncontained()
         if not parents:
             return None
         reap_orphans(parents)
