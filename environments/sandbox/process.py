@@ -21,7 +21,7 @@ from environments.sandbox.result import MAIN, Job, KilledBy, SandboxResult
 log = logging.getLogger(__name__)
 
 BOOTSTRAP = f"""\
-import os, resource, signal, sys, types
+import _signal, os, resource, sys, types
 _fd, _limits, _paths = int(sys.argv[1]), sys.argv[2], sys.argv[3]
 if _fd >= 0:
     import _ctypes
@@ -32,7 +32,7 @@ if _fd >= 0:
         _restype_ = _Int
     _prctl = _Fn(_ctypes.dlsym(_ctypes.dlopen(None), 'prctl'))
     _prctl(4, 0, 0, 0, 0)
-    signal.signal(signal.SIGINT, signal.SIG_DFL)
+    _signal.signal(_signal.SIGINT, _signal.SIG_DFL)
     _child = os.fork()
     if _child:
         for _std in (0, 1, 2):
@@ -45,7 +45,7 @@ if _fd >= 0:
         os._exit(0)
     os.close(_fd)
     _prctl(4, 1, 0, 0, 0)
-    signal.signal(signal.SIGINT, signal.default_int_handler)
+    _signal.signal(_signal.SIGINT, _signal.default_int_handler)
 for _item in _limits.split():
     _k, _s, _h = _item.split(':')
     resource.setrlimit(getattr(resource, _k), (int(_s), int(_h)))
@@ -78,7 +78,8 @@ for the program), forks the program, reaps every process that ends up its child 
 program ends, writes the program's wait status and CPU seconds (``wait4``: the kernel's word) to
 the fd, which the program never holds (the child closes it before its first line). A pid 1 gets no
 signal from inside its namespace that it has no handler for, so the program can neither kill nor
-stop it. Without a report fd (the unsafe backend) the interpreter is the program itself.
+stop it. Without a report fd (the unsafe backend) the interpreter is the program itself. (``_signal``
+and ``_ctypes``, not ``signal`` and ``ctypes``: their imports pull in enum and struct, 10-20 ms.)
 
 Then the rlimits, then the program as ``__main__``, compiled and run in place (json and runpy
 would add 50 ms of imports to every run's start-up); a traceback shows the program's frames only.
