@@ -7,6 +7,7 @@ packages; no host path in ``/proc``."""
 from __future__ import annotations
 
 import json
+import logging
 import os
 import signal
 import sys
@@ -17,6 +18,7 @@ import pytest
 from conf.schema import SandboxLimits
 from environments import sandbox
 from environments.sandbox import BubblewrapBackend, UnsafeSubprocessBackend
+from environments.sandbox import process
 from environments.sandbox.process import NO_CGROUPS_ENV, cgroup_parents
 
 LIMITS = SandboxLimits(cpu_s=2, memory_mb=256, processes=16, output_bytes=64 * 1024)
@@ -256,3 +258,14 @@ def test_no_host_path_shows_in_proc(cgroups):
     host = {str(REPO), os.getcwd(), sys.prefix, "/work"}
     leaks = [(path, h) for path, text in seen for h in host if h in text]
     assert leaks == [], leaks
+
+
+# ------------------------------------------------------------------ the fallback says what it lacks
+@pytest.mark.skipif(os.geteuid() != 0, reason="RLIMIT_NPROC binds every uid but 0")
+def test_root_without_a_pids_cgroup_is_warned_that_processes_are_uncapped(monkeypatch, caplog):
+    monkeypatch.setenv(NO_CGROUPS_ENV, "0")
+    process._warn_uncontained.cache_clear()
+    with caplog.at_level(logging.WARNING, logger="environments.sandbox.process"):
+        assert run("print(1)").stdout == "1\n" and run("print(2)").stdout == "2\n"
+    warnings = [r.message for r in caplog.records if "fork bomb" in r.message]
+    assert len(warnings) == 1 and "without a pids cgroup" in warnings[0]
