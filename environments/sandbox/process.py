@@ -422,6 +422,35 @@ Command = Callable[[dict[str, tuple[int, int]], int], list[str]]
 """Builds a run's command line from the rlimits to set and the report fd (-1: no report)."""
 
 
+def _spawn(
+    argv: Callable[[], list[str]],
+    stdin: bytes,
+    env: dict[str, str],
+    cwd: str | None,
+    fds: Sequence[int],
+    cgroup: Cgroup | None,
+) -> subprocess.Popen:
+    """Start ``argv()`` in a new session, inside ``cgroup`` (a ``sh`` prefix joins it first), with
+    ``stdin`` on its standard input and ``fds`` passed; this process's copies of ``fds`` are closed,
+    whether it started or not."""
+    prefix = ["/bin/sh", "-c", JOIN_CGROUPS, "sh", *cgroup.procs_files(), "--"] if cgroup else []
+    stdin_fd = memfd("stdin", stdin)
+    try:
+        return subprocess.Popen(
+            [*prefix, *argv()],
+            stdin=stdin_fd,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            env=env,
+            cwd=cwd,
+            pass_fds=fds,
+            start_new_session=True,
+        )
+    finally:
+        for fd in (stdin_fd, *fds):
+            os.close(fd)
+
+
 def execute(
     job: Job,
     command: Command,
@@ -441,29 +470,16 @@ def execute(
     cgroup = Cgroup.create(job)
     rlimits = job.rlimits(nproc=nproc, memory=not (cgroup and cgroup.has_memory))
     read_fd, write_fd = os.pipe() if report else (-1, -1)
-    argv = command(rlimits, write_fd)
     fds = (*pass_fds, write_fd) if report else tuple(pass_fds)
-    stdin_fd = memfd("stdin", job.stdin)
-    prefix = ["/bin/sh", "-c", JOIN_CGROUPS, "sh", *cgroup.procs_files(), "--"] if cgroup else []
     start = time.monotonic()
     try:
-        proc = subprocess.Popen(
-            [*prefix, *argv],
-            stdin=stdin_fd,
-            stdout=subprocess.PIPE,
-            stderr=subprocess.PIPE,
-            env=env,
-            cwd=cwd,
-            pass_fds=fds,
-            start_new_session=True,
-        )
+        proc = _spawn(lambda: command(rlimits, write_fd), job.stdin, env, cwd, fds, cgroup)
     except BaseException:
         if report:
             os.close(read_fd)
+        if cgroup:
+            cgroup.remove()
         raise
-    finally:
-        for fd in (stdin_fd, *fds):
-            os.close(fd)
     try:
         out, err, reason = _collect(proc, start + job.timeout_s, job.limits.output_bytes)
         _kill_group(proc.pid)
