@@ -10,11 +10,12 @@ import posixpath
 import shutil
 import sys
 import tempfile
-from functools import cached_property
+from functools import cache, cached_property
 from pathlib import Path
 from typing import Protocol, runtime_checkable
 
 from conf.schema import SandboxLimits
+from environments.sandbox import seccomp
 from environments.sandbox.imports import PACKAGES_DIR, package_masks, package_sources
 from environments.sandbox.process import SAFE_ENV, bootstrap_args, execute, memfd
 from environments.sandbox.result import MAIN, Job, SandboxResult
@@ -46,6 +47,11 @@ def interpreter() -> tuple[str, str]:
     """The real Python binary (not the venv's symlink: the venv may sit in the workspace) and the
     prefix it needs."""
     return os.path.realpath(sys.executable), os.path.realpath(sys.base_prefix)
+
+
+@cache
+def _seccomp_program() -> bytes | None:
+    return seccomp.program()
 
 
 MASK_BYTES = 4096
@@ -106,14 +112,21 @@ class BubblewrapBackend:
         return a
 
     def argv(
-        self, job: Job, fds: dict[str, int], rlimits: dict[str, tuple[int, int]], report_fd: int
+        self,
+        job: Job,
+        fds: dict[str, int],
+        rlimits: dict[str, tuple[int, int]],
+        report_fd: int,
+        seccomp_fd: int = -1,
     ) -> list[str]:
         """The bwrap command line for ``job``; ``fds``: working-folder path -> the memfd holding it;
-        ``rlimits`` and ``report_fd``: what the sandbox's init (``process.BOOTSTRAP``) gets."""
+        ``rlimits`` and ``report_fd``: what the sandbox's init (``process.BOOTSTRAP``) gets;
+        ``seccomp_fd``: a memfd holding ``seccomp.program()`` (-1: none)."""
         tmpfs = str(job.tmpfs_bytes)
         a = [self.bwrap, "--unshare-all", "--unshare-user", "--disable-userns", "--die-with-parent"]
         a += ["--new-session", "--cap-drop", "ALL", "--uid", str(SANDBOX_UID), "--gid", str(SANDBOX_UID)]
         a += ["--hostname", "sandbox", "--clearenv", "--as-pid-1"]
+        a += ["--seccomp", str(seccomp_fd)] if seccomp_fd >= 0 else []
         for k, v in {**SAFE_ENV, "HOME": WORKDIR, "TMPDIR": "/tmp"}.items():
             a += ["--setenv", k, v]
         a += self._root()
@@ -125,12 +138,12 @@ class BubblewrapBackend:
             "/proc",
             "--dev",
             "/dev",
+            "--remount-ro",
+            "/dev",
             "--size",
             tmpfs,
             "--tmpfs",
             "/dev/shm",
-            "--remount-ro",
-            "/dev",
         ]
         a += ["--size", tmpfs, "--tmpfs", "/tmp", "--size", tmpfs, "--tmpfs", WORKDIR]
         for path in sorted({posixpath.dirname(p) for p in fds if posixpath.dirname(p)}):
@@ -145,12 +158,14 @@ class BubblewrapBackend:
             package_sources(name)  # an unknown package fails here, before anything runs
         fds = {MAIN: memfd(MAIN, job.code.encode())}
         fds.update({name: memfd(name, data) for name, data in job.files})
+        filt = _seccomp_program()
+        seccomp_fd = memfd("seccomp", filt) if filt else -1
         return execute(
             job,
-            lambda rlimits, report_fd: self.argv(job, fds, rlimits, report_fd),
+            lambda rlimits, report_fd: self.argv(job, fds, rlimits, report_fd, seccomp_fd),
             backend=self.name,
             env=dict(SAFE_ENV),
-            pass_fds=list(fds.values()),
+            pass_fds=[*fds.values(), *([seccomp_fd] if filt else [])],
             report=True,
         )
 

@@ -90,6 +90,41 @@ def test_the_working_folder_keeps_its_size_where_memory_allows(cgroups):
     assert json.loads(result.stdout)["sizes"] == {"/sandbox": 48, "/tmp": 48, "/dev/shm": 48}
 
 
+SYSV_SHM = (
+    "import ctypes, json\n"
+    "from multiprocessing import shared_memory\n"
+    "libc = ctypes.CDLL(None, use_errno=True)\n"
+    "libc.shmat.restype = ctypes.c_void_p\n"
+    "held = 0\n"
+    "for _ in range(4):\n"  # 4 x 100 MB, each detached (out of RLIMIT_AS) but kept in the kernel
+    "    sid = libc.shmget(0, 100 * 2**20, 0o1600)\n"
+    "    if sid < 0:\n"
+    "        break\n"
+    "    addr = libc.shmat(sid, None, 0)\n"
+    "    ctypes.memset(addr, 1, 100 * 2**20)\n"
+    "    libc.shmdt(ctypes.c_void_p(addr))\n"
+    "    held += 100\n"
+    "posix = shared_memory.SharedMemory(create=True, size=2**20)\n"  # what multiprocessing uses
+    "posix.close(); posix.unlink()\n"
+    "print(json.dumps([held, ctypes.get_errno()]))\n"
+)
+
+
+def test_system_v_shared_memory_is_refused_and_posix_shared_memory_works(cgroups):
+    """A fresh IPC namespace puts no limit on System V segments (the kernel's own tmpfs), and a
+    detached segment is outside every rlimit: the seccomp filter refuses ``shmget``."""
+    result = run(SYSV_SHM, limits=SandboxLimits(cpu_s=5, memory_mb=256))
+    assert result.ok and json.loads(result.stdout) == [0, 1], result  # EPERM, nothing held
+
+
+def test_a_system_call_through_the_x32_abi_kills_the_process(cgroups):
+    if os.uname().machine != "x86_64":
+        pytest.skip("x32 is an x86-64 ABI")
+    code = "import ctypes\nprint(ctypes.CDLL(None).syscall(0x40000000 | 39))"  # x32 getpid
+    result = run(code)
+    assert result.exit_code == -signal.SIGSYS and result.killed_by == "signal", result
+
+
 # ------------------------------------------------------------------ killed_by from the kernel's word
 @pytest.mark.parametrize(
     "code, exit_code, killed_by",
