@@ -69,7 +69,7 @@ def run(
     files: Mapping[str, str | bytes] | None = None,
     config: SandboxConfig | None = None,
     backend: SandboxBackend | None = None,
-    packages: Sequence[str] = (),
+    packages: Sequence[str] | None = (),
 ) -> SandboxResult:
     """Run the Python program ``code`` as ``main.py`` in a private working folder, with ``files``
     (relative path -> content) beside it and ``stdin`` on its standard input, under ``limits`` and a

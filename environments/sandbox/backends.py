@@ -133,19 +133,9 @@ class BubblewrapBackend:
         for name in job.packages:
             for src, dest in package_sources(name):
                 a += ["--ro-bind", src, posixpath.join(PACKAGES_DIR, dest)]
-        a += [
-            "--proc",
-            "/proc",
-            "--dev",
-            "/dev",
-            "--remount-ro",
-            "/dev",
-            "--size",
-            tmpfs,
-            "--tmpfs",
-            "/dev/shm",
-        ]
-        a += ["--size", tmpfs, "--tmpfs", "/tmp", "--size", tmpfs, "--tmpfs", WORKDIR]
+        a += ["--proc", "/proc", "--dev", "/dev", "--remount-ro", "/dev"]
+        for tmp in ("/dev/shm", "/tmp", WORKDIR):
+            a += ["--size", tmpfs, "--tmpfs", tmp]
         for path in sorted({posixpath.dirname(p) for p in fds if posixpath.dirname(p)}):
             a += ["--dir", posixpath.join(WORKDIR, path)]
         for path, fd in fds.items():

@@ -83,7 +83,7 @@ class Job:
         files: Mapping[str, str | bytes] | None,
         timeout_s: float,
         limits: SandboxLimits,
-        packages: Sequence[str] = (),
+        packages: Sequence[str] | None = (),
     ) -> Job:
         if not timeout_s > 0:
             raise ValueError(f"sandbox timeout_s={timeout_s} must be > 0")
@@ -93,7 +93,7 @@ class Job:
         )
         if isinstance(packages, str):
             raise ValueError(f"sandbox packages={packages!r} must be a list of import names, not a string")
-        wanted = tuple(dict.fromkeys(_check_package(p) for p in packages))
+        wanted = tuple(dict.fromkeys(_check_package(p) for p in packages or ()))
         return cls(
             code=code, stdin=raw, files=named, timeout_s=float(timeout_s), limits=limits, packages=wanted
         )
