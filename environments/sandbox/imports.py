@@ -51,7 +51,7 @@ def _masks_under(base: str) -> list[str]:
             out += [
                 p
                 for p in (os.path.join(child, n) for n in ("site-packages", "dist-packages"))
-                if os.path.isdir(p)
+                if os.path.isdir(p) and not os.path.islink(p)  # a link's target is masked where it lies
             ]
         elif _is_library_dir(child):
             out += [d for d in _subdirs(child) if _holds_python(d)]
