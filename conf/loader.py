@@ -64,6 +64,21 @@ def _unknown_keys(node: Any, schema: Any, prefix: str = "") -> list[str]:
     return found
 
 
+OPEN_KEYS = ("env.params",)
+"""Mappings whose keys the schema cannot know (a plug-in's own parameters, validated by its ``Params``
+model in ``tasks.preflight``): ``env.params.max_value=50`` adds a key there without Hydra's ``+``."""
+
+
+def _schema_node():
+    """The schema as Hydra's base node, with the mappings of ``OPEN_KEYS`` open to new keys."""
+    from omegaconf import OmegaConf
+
+    node = OmegaConf.structured(Config)
+    for key in OPEN_KEYS:
+        OmegaConf.set_struct(OmegaConf.select(node, key), False)
+    return node
+
+
 def load_config(overrides: Sequence[str] = ()) -> Config:
     """Hydra overrides (``key=value``, ``group=option``) -> a validated :class:`Config`.
 
@@ -77,7 +92,7 @@ def load_config(overrides: Sequence[str] = ()) -> Config:
     from hydra.core.config_store import ConfigStore
 
     # The schema is the base of config.yaml's defaults list: every key exists and is typed at compose time.
-    ConfigStore.instance().store(name="laminar_schema", node=Config)
+    ConfigStore.instance().store(name="laminar_schema", node=_schema_node())
     try:
         with initialize_config_dir(config_dir=str(CONF_DIR), version_base=None):
             raw = compose(config_name="config", overrides=list(overrides))

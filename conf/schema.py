@@ -60,7 +60,6 @@ TrackingBackend = Literal["tensorboard", "mlflow", "wandb"]
 WandbMode = Literal["auto", "offline", "online"]
 LoraStage = Literal["warmup", "rft", "rl"]
 SandboxBackendName = Literal["bubblewrap", "unsafe"]
-EnvName = Literal["single_turn", "calculator", "calculator_sandbox"]
 ToolFormat = Literal["auto", "text", "chat_template"]
 OnError = Literal["fail", "retry"]
 VersionRule = Literal["turn", "episode"]
@@ -84,7 +83,6 @@ TRACKING_BACKENDS: dict[TrackingBackend, tuple[str, str]] = {
     "wandb": ("wandb", "pip install wandb==0.31.0"),
 }
 LORA_STAGES: tuple[LoraStage, ...] = get_args(LoraStage)
-ENV_NAMES: tuple[EnvName, ...] = get_args(EnvName)
 LATENCY_KINDS: tuple[LatencyKind, ...] = get_args(LatencyKind)
 CODEX_EXEC_LATENCY = ((0.0, 0.5, 0.9, 0.99, 1.0), (0.02, 0.16, 0.27, 8.6, 30.0))
 """``env.tool_latency.kind=codex_exec``: (probabilities, seconds) of a tool call's latency outside its own
@@ -888,20 +886,28 @@ class ToolLatencyConfig:
 
 @dataclass
 class EnvConfig:
-    """The environment an episode runs in (``environments.registry``; docs/environments.md).
-    ``single_turn`` (the default): one policy turn, today's path unchanged; ``calculator``: the
-    arithmetic task with a calculator tool. An episode ends when the policy answers without a tool
-    call, or at ``max_turns`` policy turns, or ``max_tokens`` episode tokens (policy + observation;
-    0: ``max_turns`` x ``rl.max_new_tokens``). Tool calls run in a pool of ``tool_workers`` threads,
-    each with a ``tool_timeout_s`` limit (a hung tool ends the episode, reason ``tool_timeout``).
-    ``on_error``: an environment that raises ends the episode as failed (``fail``) or restarts it
-    once from its prompt (``retry``). ``tool_format``: ``text`` (the documented line format, the
-    only one a tokenizer without a chat template has), ``chat_template`` (the template's ``tools=``),
-    ``auto`` (the template where there is one). ``version_rule`` (laminar mode): one weight version
-    per policy ``turn`` (an episode waiting on its tool pins no weights; its next turn runs under the
-    newest) or per ``episode`` (the whole episode under the version of its first token)."""
+    """The environment an episode runs in (``environments.registry``; docs/environments.md), named by
+    ``target`` with its own ``params``. ``single_turn`` (the default): one policy turn, today's path
+    unchanged; ``calculator``: the arithmetic task with a calculator tool; ``guess``: a guessing
+    game whose episodes carry state; ``python_session``: a sandboxed Python session. An episode
+    ends when the policy answers without a tool call, or at ``max_turns`` policy turns, or
+    ``max_tokens`` episode tokens (policy + observation; 0: ``max_turns`` x ``rl.max_new_tokens``).
+    Tool calls run in a pool of ``tool_workers`` threads, each with a ``tool_timeout_s`` limit (a
+    hung tool ends the episode, reason ``tool_timeout``). ``on_error``: an environment that raises
+    ends the episode as failed (``fail``) or restarts it once from its prompt (``retry``).
+    ``tool_format``: ``text`` (the documented line format, the only one a tokenizer without a chat
+    template has), ``chat_template`` (the template's ``tools=``), ``auto`` (the template where there
+    is one). ``version_rule`` (laminar mode): one weight version per policy ``turn`` (an episode
+    waiting on its tool pins no weights; its next turn runs under the newest) or per ``episode``
+    (the whole episode under the version of its first token)."""
 
-    name: Annotated[str, EnvName] = "single_turn"
+    target: str = "single_turn"
+    """The environment: a short name (``single_turn``, ``calculator``, ``calculator_sandbox``,
+    ``guess``, ``python_session``, or one an installed package adds through the entry-point group
+    ``laminar.environments``) or an import path ``package.module:attr`` naming a user's environment
+    (checked by ``tasks.preflight`` before any write; ``environments.registry``)."""
+    params: dict[str, Any] = field(default_factory=dict)
+    """The environment's own parameters, validated by its ``Params`` model (``core.plugins``)."""
     max_turns: Annotated[int, Positive] = 1
     max_tokens: Annotated[int, NonNegative] = 0
     tool_timeout_s: Annotated[float, Positive] = 10.0
@@ -916,7 +922,7 @@ class EnvConfig:
     version_rule: Annotated[str, VersionRule] = "turn"
 
     def is_default(self) -> bool:
-        return self.name == "single_turn"
+        return self.target == "single_turn"
 
 
 @dataclass
@@ -1027,15 +1033,25 @@ def validate(cfg: Config) -> Config:
 
 def _validate_env(cfg: Config) -> None:
     env = cfg.env
-    if env.name == "single_turn" and env.max_turns != 1:
+    if not isinstance(env.target, str) or not env.target.strip():
+        raise ConfigError(
+            "env.target is empty: name an environment (single_turn, calculator, guess, ...) or your own "
+            "as env.target=package.module:attr"
+        )
+    if env.is_default() and env.params:
+        raise ConfigError(
+            f"env.params={dict(env.params)} with env=single_turn: the single-turn environment takes no "
+            "params; drop them or choose an environment that declares them"
+        )
+    if env.is_default() and env.max_turns != 1:
         raise ConfigError(
             f"env.max_turns={env.max_turns} with env=single_turn: a single-turn episode has one turn; "
             "set env.max_turns=1 or choose a multi-turn environment (env=calculator)"
         )
-    if env.name != "single_turn" and env.max_turns < 2:
+    if not env.is_default() and env.max_turns < 2:
         raise ConfigError(
-            f"env.max_turns={env.max_turns} with env={env.name}: a tool call and its answer need two "
-            "turns; set env.max_turns to 2 or more"
+            f"env.max_turns={env.max_turns} with env.target={env.target}: a multi-turn episode (a tool "
+            "call and its answer) needs two turns; set env.max_turns to 2 or more"
         )
     _validate_latency(env)
 
@@ -1044,7 +1060,7 @@ def _validate_latency(env: EnvConfig) -> None:
     lat, key = env.tool_latency, "env.tool_latency"
     if lat.is_off():
         return
-    if env.name == "single_turn":
+    if env.is_default():
         raise ConfigError(
             f"{key}.kind={lat.kind} with env=single_turn: a single-turn episode calls no tool; "
             f"set {key}.kind=off or choose a tool environment (env=calculator)"

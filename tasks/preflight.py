@@ -87,6 +87,7 @@ def preflight(cfg: Config) -> None:
     _check_critic(cfg, params)
     _check_reward_model(cfg)
     _check_plugins(cfg)
+    _check_environment(cfg)
     if cfg.trainer.backend == "deepspeed":
         from conf.loader import deepspeed_config
 
@@ -131,6 +132,20 @@ def _check_plugins(cfg: Config) -> None:
             custom_loss(cfg.rl.loss, tuple(sorted((cfg.rl.loss_params or {}).items())))
         except PluginError as err:
             raise ConfigError(f"rl.loss: {err}") from None
+
+
+def _check_environment(cfg: Config) -> None:
+    """``env.target``: a built-in or entry-point name, or an import path that imports, takes
+    ``env.params`` (its ``Params`` model) and has ``reset``/``step(state, turn)``/``close``."""
+    if cfg.env.is_default():
+        return
+    from core.plugins import PluginError
+    from environments.registry import check_environment
+
+    try:
+        check_environment(cfg.env)
+    except PluginError as err:
+        raise ConfigError(f"env.target: {err}") from None
 
 
 def _check_vllm_shape(cfg: Config, path: Path) -> None:

@@ -25,12 +25,15 @@ def target(row: dict) -> str:
 
 def tool_demonstrations(examples, rows, env: EnvConfig, tokenizer) -> list[SFTExample]:
     """``examples`` with ``env.demo_tool_share`` of them (by a hash of the prompt id) replaced by a
-    two-turn tool demonstration (``ToolEnvironment.demonstration``: the observation masked out)."""
+    two-turn tool demonstration (``ToolEnvironment.demonstration``: the observation masked out); an
+    environment without the calculator tool (a game, a user's environment) leaves them as they are."""
     from environments.calculator import arith_call
     from environments.registry import make_environment
     from generation.records import PromptItem
 
     environment = make_environment(env, tokenizer)
+    if "calc" not in getattr(environment, "tools", {}):  # no calculator to demonstrate (a game, a user's)
+        return list(examples)
     out = []
     for ex, r in zip(examples, rows):
         share = int(hashlib.sha256(f"tool:{r['prompt_id']}".encode()).hexdigest()[:8], 16) / 16**8
@@ -39,7 +42,7 @@ def tool_demonstrations(examples, rows, env: EnvConfig, tokenizer) -> list[SFTEx
             out.append(ex)
             continue
         tokens, mask = environment.demonstration(call, f"#### {r['answer']}")
-        prompt = environment.reset(PromptItem(r["prompt_id"], r["problem"], r["answer"], ex.prompt_tokens))
+        prompt, _ = environment.reset(PromptItem(r["prompt_id"], r["problem"], r["answer"], ex.prompt_tokens))
         out.append(SFTExample(prompt, tokens, mask))
     return out
 

@@ -17,7 +17,7 @@ from training.rl.drivers.local import LocalDriver
 from training.rl.manager import RolloutManager
 from training.rl.stage import objective_params
 
-ENV = EnvConfig(name="calculator", max_turns=3)
+ENV = EnvConfig(target="calculator", max_turns=3)
 
 
 class ToolSaysAnswer:
@@ -185,10 +185,10 @@ class FirstContext:
 
     def reset(self, prompt):
         p = tuple(prompt.prompt_tokens)
-        return p[:1] + self.header + p[1:]
+        return p[:1] + self.header + p[1:], None
 
-    def step(self, turn_text):
-        return self.inner.step(turn_text)
+    def step(self, state, turn):
+        return self.inner.step(state, turn)
 
     def close(self):
         self.inner.close()

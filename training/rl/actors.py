@@ -172,7 +172,7 @@ class RolloutWorker:
             seed=seed,
             **opts,
         )
-        if env is not None and env.name != "single_turn":  # episodes: the engine in an episode runner
+        if env is not None and not env.is_default():  # episodes: the engine in an episode runner
             from environments.registry import wrap_engine
             from generation.model import load_tokenizer
 
