@@ -1,5 +1,6 @@
 """Plug-ins by import path through the real CLI: a package written outside the repository (a reward
-used as the run's verdict, a shaping reward, a file benchmark scored by the plug-in's verdict) runs
+used as the run's verdict, a shaping reward, a file benchmark scored by the plug-in's verdict, a
+stateful environment) runs
 the tiny DAG; every stage that judges asks the plug-in; editing the plug-in's file reruns exactly the
 stages that use it (the rest come from cache); ``laminar lineage`` names it with its file's hash."""
 
@@ -50,12 +51,45 @@ def brevity(sample):
     return -len(sample.text) / 100.0
 '''
 
-# HOOK(stateful): the stateful environment goes here once the `stateful` branch is merged: write
-# mypkg/envs.py (reset(prompt) -> (tokens, state), step(state, turn)), add "env.target=mypkg.envs:..."
-# to OVERRIDES, and expect "warmup" (and every stage that samples episodes) in USES_PLUGIN.
+ENVS = """\
+\"\"\"A user's stateful environment (docs/environments.md's Countdown): the tries so far are its state.\"\"\"
+import os
+
+from pydantic import BaseModel, Field
+
+from environments.base import StepResult
+
+
+class Countdown:
+    name = "countdown"
+
+    class Params(BaseModel):
+        tries: int = Field(2, ge=1)
+
+    def __init__(self, tokenizer, params, env):
+        self.tokenizer, self.tries = tokenizer, params.tries
+
+    def reset(self, prompt):
+        with open(os.environ["PLUGIN_LOG"], "a") as f:
+            f.write("reset\\n")
+        return prompt.prompt_tokens, {"answer": str(prompt.answer).strip(), "tries": []}
+
+    def step(self, state, turn):
+        said = turn.text.rsplit("####", 1)[-1].strip()
+        new = {"answer": state["answer"], "tries": state["tries"] + [said]}
+        if said == state["answer"] or len(new["tries"]) >= self.tries:
+            return StepResult(done=True, reason="answer", state=new)
+        ids = self.tokenizer("\\n= no\\n", add_special_tokens=False)["input_ids"]
+        return StepResult(tuple(ids), tool_call=True, state=new)
+
+    def close(self):
+        pass
+"""
 
 USES_PLUGIN = {"difficulty", "dart", "difficulty_rft", "rl", "eval_warmup", "eval_rft", "eval_rl"}
-"""The stages that judge with the run's verdict or score with the shaping reward."""
+"""The stages that judge with the run's verdict or score with the shaping reward (``mypkg/rewards.py``);
+the environment (``mypkg/envs.py``, another file) is used by warm-up, RL and the evaluations."""
+USES_ENV = {"warmup", "rl", "eval_warmup", "eval_rft", "eval_rl"}
 
 
 def overrides(bench: Path) -> list[str]:
@@ -65,6 +99,9 @@ def overrides(bench: Path) -> list[str]:
         "reward.components=[{target: 'mypkg.rewards:judge', verdict: true, params: {tag: run}},"
         "{target: 'mypkg.rewards:brevity', weight: 0.1}]",
         f"eval.benchmarks=[arith_heldout,{spec}]",
+        "env.target=mypkg.envs:Countdown",
+        "env.params.tries=2",
+        "env.max_turns=2",
     ]
 
 
@@ -106,6 +143,7 @@ def plugin_run(tmp_path_factory):
     pkg.mkdir(parents=True)
     (pkg / "__init__.py").write_text("")
     (pkg / "rewards.py").write_text(REWARDS)
+    (pkg / "envs.py").write_text(ENVS)
     assert not pkg.resolve().is_relative_to(ROOT)
     bench = tmp / "bench.jsonl"
     bench.write_text(
@@ -130,7 +168,7 @@ def test_the_plugins_judge_and_score_every_stage(plugin_run):
     first = summary(ws)
     assert {s["status"] for s in first["stages"].values()} == {"ran"}
     calls = log.read_text().split()
-    assert calls.count("judge") > 0 and calls.count("brevity") > 0
+    assert calls.count("judge") > 0 and calls.count("brevity") > 0 and calls.count("reset") > 0
     rl_spec = query(ws, "SELECT value FROM metrics WHERE stage = 'rl' AND name = 'reward/brevity'")
     assert rl_spec, "the shaping plug-in's term is recorded per RL step"
     # the file benchmark is judged by the plug-in with its own params, the held-out set by the run's
@@ -149,7 +187,18 @@ def test_editing_the_plugin_reruns_exactly_the_stages_that_use_it(plugin_run):
     out = laminar("lineage", rl[:12], ws=ws, env=env).stdout
     assert f"plugin:mypkg.rewards:judge: {digest}" in out, out
     assert f"plugin:mypkg.rewards:brevity: {digest}" in out, out
+    env_digest = hashlib.sha256((source.parent / "envs.py").read_bytes()).hexdigest()
+    assert f"plugin:mypkg.envs:Countdown: {env_digest}" in out, out
     assert "judge (mypkg.rewards:judge) [verdict] x1" in out and "brevity (mypkg.rewards:brevity) x0.1" in out
+
+
+def test_editing_the_environment_reruns_exactly_the_stages_that_run_episodes(plugin_run):
+    ws, env, source, bench, _ = plugin_run
+    envs = source.parent / "envs.py"
+    envs.write_text(envs.read_text() + "\n# edited\n")
+    laminar("run", *overrides(bench), ws=ws, env=env)
+    ran = {k for k, v in summary(ws)["stages"].items() if v["status"] == "ran"}
+    assert ran == USES_ENV, ran
 
 
 def test_a_plugin_that_does_not_import_fails_before_any_write(tmp_path):
