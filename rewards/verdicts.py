@@ -13,13 +13,13 @@ from __future__ import annotations
 
 import atexit
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any
 
 from conf.schema import RewardComponentConfig, RewardConfig
 from rewards.components import Sample
 from rewards.registry import ClassComponent, FunctionComponent, build_component
-from rewards.verifier import Verdict, Verifier
+from rewards.verifier import Verdict, Verifier, extract_answer
 
 MATH_VERIFY = "math_verify"
 
@@ -61,24 +61,27 @@ class ComponentVerdict:
                 raw.append((None, _one_line(e)))
         return raw
 
-    def _verdict(self, x: Any) -> tuple[Verdict, float]:
+    def _verdict(self, x: Any, sample: Sample) -> tuple[Verdict, float]:
+        """The verdict of one result; a verdict without its own ``pred`` gets the response's final
+        answer as math extracts it (None when it has none): what maj@k votes on."""
         if isinstance(x, Verdict):
-            return x, 1.0 if x.correct else 0.0
+            own = x if x.pred is not None else replace(x, pred=extract_answer(sample.text))
+            return own, float(x.correct)
         if isinstance(x, bool):
-            return Verdict(x, None), 1.0 if x else 0.0
+            return Verdict(x, extract_answer(sample.text)), 1.0 if x else 0.0
         score = float(x)
         if score != score or score in (float("inf"), float("-inf")):
             raise ValueError(f"{self.name} scored {score}")
-        return Verdict(score >= self.threshold, None), score
+        return Verdict(score >= self.threshold, extract_answer(sample.text)), score
 
     def judge(self, samples: Sequence[Sample]) -> tuple[tuple[Verdict, ...], list[float], list[bool]]:
         """(a ``Verdict`` per sample, the component's score, whether it got the fallback)."""
         self.calls += len(samples)
         verdicts, scores, failed = [], [], []
-        for x, error in self._raw(samples):
+        for sample, (x, error) in zip(samples, self._raw(samples)):
             if error is None:
                 try:
-                    v, score = self._verdict(x)
+                    v, score = self._verdict(x, sample)
                 except (TypeError, ValueError) as e:
                     error = _one_line(e)
             if error is not None:
