@@ -1,0 +1,58 @@
+"""Stage 1, the only process the program runs in: ``main.py`` of an untrusted sandbox run. Standard
+library only (shipped into the sandbox with ``plain.py`` as ``_judge_plain.py``).
+
+It reads the calls (``calls.json``: ``[[name, args, kwargs], ...]`` in ``plain`` encoding) before
+the program loads, moves the program's stdout onto stderr, loads ``solution.py`` (the prefix and the
+program) as module ``solution``, then calls each named function on fresh copies of its arguments and
+writes one JSON line per call on the saved stdout: ``{"i": k, "v": value}``, ``{"i": k, "raised":
+type name}`` or ``{"i": k, "not_plain": type name}``.
+
+Nothing here is trusted: the program shares this process and may patch anything in it, write its
+own lines, or exit. It never sees an expected output, so whatever it writes is at most its own
+answer, which the checker outside decodes as plain data and compares."""
+
+from __future__ import annotations
+
+
+def main() -> None:
+    import json
+    import os
+    import sys
+
+    import _judge_plain as plain
+
+    out = os.fdopen(os.dup(1), "w", encoding="utf-8")
+    os.dup2(2, 1)  # the program's prints go to stderr; the results' channel is the saved stdout
+    with open("calls.json", encoding="utf-8") as f:
+        calls = json.load(f)
+    ns = {"__name__": "solution"}
+    try:
+        with open("solution.py", encoding="utf-8") as f:
+            exec(compile(f.read(), "solution.py", "exec"), ns)
+    except BaseException as e:  # noqa: BLE001 - a crash while loading leaves what it defined
+        print(f"the program failed to load: {type(e).__name__}", file=sys.stderr)
+    for i, (name, args, kwargs) in enumerate(calls):
+        try:
+            fn = ns[name] if name in ns else _undefined
+            record = {"i": i, "v": plain.encode(fn(*plain.decode(args), **plain.decode(kwargs)))}
+        except plain.NotPlain as e:
+            record = {"i": i, "not_plain": e.reason}
+        except BaseException as e:  # noqa: BLE001 - SystemExit too: the call failed, the run goes on
+            record = {"i": i, "raised": _name(e)}
+        out.write(json.dumps(record) + "\n")
+        out.flush()
+
+
+def _undefined(*args, **kwargs):
+    raise NameError("the program does not define the function the test calls")
+
+
+def _name(e: BaseException) -> str:
+    try:
+        return str(type(e).__name__)[:40]
+    except BaseException:  # noqa: BLE001 - a hostile metaclass
+        return "Exception"
+
+
+if __name__ == "__main__":
+    main()
