@@ -95,7 +95,9 @@ class CodeTests:
             return (1.0 if got.passed == got.total else 0.0), None
         return got.passed / got.total, None
 
-    def score_reasons(self, samples: Sequence[Sample], correct: Sequence[bool]) -> list[tuple[float, str | None]]:
+    def score_reasons(
+        self, samples: Sequence[Sample], correct: Sequence[bool]
+    ) -> list[tuple[float, str | None]]:
         """Per sample, its score and why judging failed (None: it did not)."""
         with ThreadPoolExecutor(max(1, min(MAX_PARALLEL, len(samples)))) as pool:
             return list(pool.map(self.one, samples))

@@ -93,7 +93,16 @@ def evaluate_items(
     generator = torch.Generator().manual_seed(seed)
     if env is not None and not env.is_default():
         trajectories = _episodes(
-            model, tokenizer, requests, env, max_new_tokens, temperature, generator, device, batch_size, sandbox
+            model,
+            tokenizer,
+            requests,
+            env,
+            max_new_tokens,
+            temperature,
+            generator,
+            device,
+            batch_size,
+            sandbox,
         )
     else:
         trajectories = engine.generate(requests, max_new_tokens, temperature, generator, progress=progress)
@@ -172,7 +181,9 @@ def _verdicts(items: Sequence[BenchmarkItem], trajectories, verifier, sandbox=No
         verifier.verify_batch([t.text for t in math], [t.prompt.answer for t in math]) if math else []
     )
     code_v = iter(
-        code_verdicts([t.text for t in code], [t.prompt.answer for t in code], sandbox=sandbox) if code else []
+        code_verdicts([t.text for t in code], [t.prompt.answer for t in code], sandbox=sandbox)
+        if code
+        else []
     )
     return [next(code_v) if c else next(math_v) for c in is_code]
 

@@ -111,7 +111,9 @@ class Reward:
         (the run's ``sandbox`` settings)."""
         specs = cfg.components if cfg is not None else [RewardComponentConfig(name=MATH_VERIFY)]
         weights = {s.name: float(s.weight) for s in specs}
-        shaping = [build_component(s, reward_model, template, sandbox) for s in specs if s.name != MATH_VERIFY]
+        shaping = [
+            build_component(s, reward_model, template, sandbox) for s in specs if s.name != MATH_VERIFY
+        ]
         return cls(verifier, weights, shaping)
 
     @property

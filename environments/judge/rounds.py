@@ -119,7 +119,6 @@ class Rounds:
         for line in lines[:-1]:
             if line["test"] in status:
                 status[line["test"]] = line["status"]
-        queue = []
         return [
             ((i, key, n), (name, plain.decode(args), plain.decode(kwargs)))
             for i, key, n, name, args, kwargs in lines[-1]["pending"]

@@ -151,7 +151,8 @@ class LocalDriver:
             seed=self.seed,
             **opts,
         )
-        self.engine = wrap_engine(self.engine, self.env_cfg, tokenizer, self.sandbox)  # single_turn: the engine itself
+        # single_turn: the engine itself
+        self.engine = wrap_engine(self.engine, self.env_cfg, tokenizer, self.sandbox)
         self.engine.version = -1  # no published version yet: the first order pulls
         cursor = PromptCursor(self.prompts, self.seed)
         if self.source_factory is not None:
