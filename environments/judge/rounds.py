@@ -4,7 +4,8 @@ reads each run's output only as plain data and decides."""
 
 from __future__ import annotations
 
-import json
+import ast
+import marshal
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -87,7 +88,7 @@ class Rounds:
         calls = [[name, plain.encode(list(args)), plain.encode(kwargs)] for _, (name, args, kwargs) in queue]
         files = {
             "_judge_plain.py": (HERE / "plain.py").read_text(),
-            "calls.json": json.dumps(calls),
+            "calls.bin": marshal.dumps(calls),
             "solution.py": self.source,
         }
         out = sandbox.run(
@@ -109,11 +110,11 @@ class Rounds:
             "tests": [src if status.get(i) == "pending" else "pass" for i, src in enumerate(self.tests)],
             "known": known,
         }
-        files = {"_judge_plain.py": (HERE / "plain.py").read_text(), "checks.json": json.dumps(job)}
+        files = {"_judge_plain.py": (HERE / "plain.py").read_text(), "checks.bin": marshal.dumps(job)}
         out = sandbox.run(
             (HERE / "run_checks.py").read_text(), files=files, timeout_s=self.timeout_s, config=self.config
         )
-        lines = [json.loads(x) for x in out.stdout.splitlines() if x.startswith("{")]
+        lines = [ast.literal_eval(x) for x in out.stdout.splitlines() if x.startswith("{")]
         if not lines or "pending" not in lines[-1] or not out.ok:
             raise Failed("check_failed")
         for line in lines[:-1]:
@@ -126,14 +127,15 @@ class Rounds:
 
 
 def read_results(stdout: str, n: int) -> list[dict]:
-    """The ``n`` call records of a ``run_calls`` run's output, read as untrusted data: a line that is
-    not a record is skipped, the first record of each call counts, a call with none has
-    ``{"raised": "NoResult"}``; a value that does not decode as plain data raises ``bad_result``."""
+    """The ``n`` call records of a ``run_calls`` run's output, read as untrusted data (Python literals,
+    ``ast.literal_eval``: never code): a line that is not a record is skipped, the first record of
+    each call counts, a call with none has ``{"raised": "NoResult"}``; a value that does not decode as
+    plain data raises ``bad_result``."""
     out: list[dict | None] = [None] * n
     for line in stdout.splitlines():
         try:
-            rec = json.loads(line)
-        except (ValueError, RecursionError):
+            rec = ast.literal_eval(line) if line.startswith("{") else None
+        except (ValueError, TypeError, SyntaxError, MemoryError, RecursionError):
             continue
         i = rec.get("i") if type(rec) is dict else None
         if type(i) is not int or not 0 <= i < n or out[i] is not None:

@@ -2,15 +2,16 @@
 tests which are not plain input/output pairs (HumanEval's ``check`` with loops, helpers, tolerances).
 Standard library only (shipped into the sandbox with ``plain.py`` as ``_judge_plain.py``).
 
-``checks.json`` holds the problem's prefix (trusted problem code: HumanEval's prompt and its helper
-functions, run here), the entry point, the tests and ``known``: the program's results so far, each
-keyed by (test, call key: the function's name and arguments as JSON, occurrence). Each test runs with every
-name it uses but does not define (and the entry point) bound to a ``Proxy``: a call returns the
-known plain result (or raises the program's exception), or, when none is known yet, records the
-call as pending and returns ``UNKNOWN``, whose every use raises ``Pending``; ``assert`` statements
-are wrapped so that a ``Pending`` skips only that statement, and the test runs on to collect more
-calls. Output, one JSON line each on the saved stdout: ``{"test": i, "status": "pass" | "fail" |
-"pending", "why": ...}`` per test, then ``{"pending": [[test, key, occurrence, name, args, kwargs], ...]}``.
+``checks.bin`` (``marshal``, written by the checker) holds the problem's prefix (trusted problem
+code: HumanEval's prompt and its helper functions, run here), the entry point, the tests and
+``known``: the program's results so far, each keyed by (test, call key: the function's name and
+arguments as a literal, occurrence). Each test runs with every name it uses but does not define (and
+the entry point) bound to a ``Proxy``: a call returns the known plain result (or raises the
+program's exception), or, when none is known yet, records the call as pending and returns
+``UNKNOWN``, whose every use raises ``Pending``; ``assert`` statements are wrapped so that a
+``Pending`` skips only that statement, and the test runs on to collect more calls. Output, one
+Python literal a line on the saved stdout: ``{'test': i, 'status': 'pass' | 'fail' | 'pending',
+'why': ...}`` per test, then ``{'pending': [[test, key, occurrence, name, args, kwargs], ...]}``.
 The checker outside runs the program on the pending calls (stage 1) and this again, until no test
 is pending. A test whose calls are not deterministic keeps asking (``undecided``)."""
 
@@ -83,7 +84,6 @@ class Calls:
 
     def __call__(self, name: str, args: tuple, kwargs: dict):
         import builtins
-        import json
 
         try:
             enc = [self.plain.encode(list(args)), self.plain.encode(kwargs)]
@@ -91,7 +91,7 @@ class Calls:
             if e.reason == "Unknown":
                 raise Pending() from None
             raise TypeError(f"the test passes {e.reason} (not plain data) to the program") from None
-        key = json.dumps([name, *enc], sort_keys=True)
+        key = repr([name, *enc])
         n = self.seen[key] = self.seen.get(key, -1) + 1
         record = self.known.get((self.test, key, n))
         if record is None:
@@ -142,17 +142,17 @@ def run_test(i: int, src: str, base: dict, entry: str | None, known: dict, pendi
 
 
 def main() -> None:
-    import json
+    import marshal
     import os
-    import random
 
     import _judge_plain as plain
 
     out = os.fdopen(os.dup(1), "w", encoding="utf-8")
     os.dup2(2, 1)  # the tests' own prints go to stderr
-    with open("checks.json", encoding="utf-8") as f:
-        job = json.load(f)
-    random.seed(0)  # an unseeded test draws the same inputs in every round
+    with open("checks.bin", "rb") as f:
+        job = marshal.loads(f.read())
+    if "random" in job["prefix"] or any("random" in t for t in job["tests"]):
+        __import__("random").seed(0)  # an unseeded test draws the same inputs in every round
     base = {"__name__": "checks"}
     try:
         exec(compile(job["prefix"], "prefix.py", "exec"), base)
@@ -162,8 +162,8 @@ def main() -> None:
     pending: list = []
     for i, src in enumerate(job["tests"]):
         status, why = run_test(i, src, base, job["entry_point"], known, pending, plain)
-        out.write(json.dumps({"test": i, "status": status, "why": why}) + "\n")
-    out.write(json.dumps({"pending": pending}) + "\n")
+        out.write(repr({"test": i, "status": status, "why": why}) + "\n")
+    out.write(repr({"pending": pending}) + "\n")
     out.flush()
 
 

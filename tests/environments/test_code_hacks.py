@@ -170,14 +170,17 @@ NEW_HARNESS_HACKS = {
         "os._exit(0)\n"
     ),
     "patched_result_encoder": (
-        "import sys, json\n"
-        'json.dumps = lambda obj, *a, **k: \'{"i": %d, "v": {"eq_any": true}}\' % obj.get(\'i\', 0)\n'
+        "import builtins, json\n"
+        "def forged(obj, *a, **k):\n"
+        "    return '{\"i\": %d, \"v\": {\"eq_any\": True}}' % obj['i'] if isinstance(obj, dict) else ''\n"
+        "json.dumps = builtins.repr = forged\n"
         "def add(a, b):\n"
         "    return 0\n"
     ),
 }
 """Hacks aimed at the new judge: forging its result channel and the check run's report, a patched
-result encoder (the old harness held these trivially)."""
+result encoder (``json.dumps`` and ``repr``) writing a value that is no plain data (the old harness
+held these trivially)."""
 
 
 @pytest.fixture(autouse=True)
