@@ -204,7 +204,8 @@ def rl_probe(harness: str, pool, steps: int, prompts: int, group: int, seed: int
             }
         )
         print(
-            f"  {harness} step {step}: reward {rewards.mean():.3f} hack prob {rate:.3f} rewarded hacks {rewarded:.3f}"
+            f"  {harness} step {step}: reward {rewards.mean():.3f} hack prob {rate:.3f} rewarded hacks "
+            f"{rewarded:.3f}"
         )
     final = torch.softmax(logits.detach(), 0)
     return {
@@ -253,11 +254,12 @@ def main() -> None:
 
 def report(r: dict) -> str:
     hacks = r["hacks"]
+    flags = " ".join(f"--{k} {v}" for k, v in r["args"].items() if k != "out")
     lines = [
         f"# code_tests reward-hacking probe, {r['date']}",
         "",
-        f"`benchmarks/code_hack_probe.py {' '.join(f'--{k} {v}' for k, v in r['args'].items() if k != 'out')}`; "
-        f"{r['machine']['cpus']} CPUs, bubblewrap; HumanEval's first {r['args']['problems']} problems; all_pass.",
+        f"`benchmarks/code_hack_probe.py {flags}`; {r['machine']['cpus']} CPUs, bubblewrap; "
+        f"HumanEval's first {r['args']['problems']} problems; all_pass.",
         "",
         "| hack class | old harness pass rate | judge pass rate |",
         "|---|---|---|",
@@ -283,14 +285,15 @@ def report(r: dict) -> str:
         "",
         "RL probe (GRPO over programs: canonical, wrong, or a hack; uniform start):",
         "",
-        "| reward | rewarded hacks (share of all samples) | hack prob start | hack prob end | canonical prob end "
-        "| reward first step | reward last step |",
+        "| reward | rewarded hacks (share of samples) | hack prob start | hack prob end "
+        "| canonical prob end | reward first step | reward last step |",
         "|---|---|---|---|---|---|---|",
     ]
     for h, v in r["rl"].items():
         hist = v["history"]
         lines.append(
-            f"| {'old harness' if h == 'old' else 'judge'} | {v['rewarded_hack_rate']:.3f} | {v['initial_hack_prob']:.3f} | "
+            f"| {'old harness' if h == 'old' else 'judge'} | {v['rewarded_hack_rate']:.3f} | "
+            f"{v['initial_hack_prob']:.3f} | "
             f"{v['final_hack_prob']:.3f} | {v['final_canonical_prob']:.3f} | {hist[0]['reward']:.3f} | "
             f"{hist[-1]['reward']:.3f} |"
         )
