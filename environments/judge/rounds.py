@@ -7,6 +7,7 @@ from __future__ import annotations
 import ast
 import marshal
 from dataclasses import dataclass
+from functools import cache
 from pathlib import Path
 
 from conf.schema import SandboxConfig
@@ -87,13 +88,11 @@ class Rounds:
         """Stage 1: the program on ``queue``'s calls ((test, k), (name, args, kwargs)), in one run."""
         calls = [[name, plain.encode(list(args)), plain.encode(kwargs)] for _, (name, args, kwargs) in queue]
         files = {
-            "_judge_plain.py": (HERE / "plain.py").read_text(),
+            "_judge_plain.py": script("plain.py"),
             "calls.bin": marshal.dumps(calls),
             "solution.py": self.source,
         }
-        out = sandbox.run(
-            (HERE / "run_calls.py").read_text(), files=files, timeout_s=self.timeout_s, config=self.config
-        )
+        out = sandbox.run(script("run_calls.py"), files=files, timeout_s=self.timeout_s, config=self.config)
         got = read_results(out.stdout, len(queue))
         for (key, _), record in zip(queue, got):
             if "not_plain" in record:
@@ -110,10 +109,8 @@ class Rounds:
             "tests": [src if status.get(i) == "pending" else "pass" for i, src in enumerate(self.tests)],
             "known": known,
         }
-        files = {"_judge_plain.py": (HERE / "plain.py").read_text(), "checks.bin": marshal.dumps(job)}
-        out = sandbox.run(
-            (HERE / "run_checks.py").read_text(), files=files, timeout_s=self.timeout_s, config=self.config
-        )
+        files = {"_judge_plain.py": script("plain.py"), "checks.bin": marshal.dumps(job)}
+        out = sandbox.run(script("run_checks.py"), files=files, timeout_s=self.timeout_s, config=self.config)
         lines = [ast.literal_eval(x) for x in out.stdout.splitlines() if x.startswith("{")]
         if not lines or "pending" not in lines[-1] or not out.ok:
             raise Failed("check_failed")
@@ -124,6 +121,12 @@ class Rounds:
             ((i, key, n), (name, plain.decode(args), plain.decode(kwargs)))
             for i, key, n, name, args, kwargs in lines[-1]["pending"]
         ]
+
+
+@cache
+def script(name: str) -> str:
+    """The source of one of this package's files shipped into the sandbox."""
+    return (HERE / name).read_text()
 
 
 def read_results(stdout: str, n: int) -> list[dict]:
