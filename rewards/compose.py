@@ -56,31 +56,34 @@ def safe_scores(
     non-finite number) on a sample, that sample gets the component's ``fallback``. A component with
     ``score_reasons`` (per sample: score and why it failed, None if it did not) says itself which
     failed; ``why`` (if given) gets each sample's reason."""
+    why = why if why is not None else []
     try:
-        if hasattr(component, "score_reasons"):
-            pairs = list(component.score_reasons(samples, correct))
-            reasons = [r for _, r in pairs]
-            scores = [float(component.fallback) if r else float(x) for x, r in pairs]
-        else:
-            scores, reasons = [float(x) for x in component.score(samples, correct)], [None] * len(samples)
+        scores, reasons = _scored(component, samples, correct)
         if len(scores) == len(samples) and all(math.isfinite(x) for x in scores):
-            (why if why is not None else []).extend(reasons)
+            why.extend(reasons)
             return scores, [r is not None for r in reasons]
     except Exception:  # noqa: BLE001 - any failure of a component falls back per sample below
         pass
     out, failed = [], []
     for s, c in zip(samples, correct):
         try:
-            (x,) = component.score([s], [c])
-            x = float(x)
+            (x,), (r,) = _scored(component, [s], [c])
             if not math.isfinite(x):
                 raise ValueError(f"{component.name} scored {x}")
         except Exception:  # noqa: BLE001 - a bad sample gets the documented fallback, never a crash
-            x = None
-        failed.append(x is None)
+            x, r = None, None
+        failed.append(x is None or r is not None)
         out.append(float(component.fallback) if x is None else x)
-    (why if why is not None else []).extend(None for _ in samples)
+        why.append(r)
     return out, failed
+
+
+def _scored(component, samples, correct) -> tuple[list[float], list[str | None]]:
+    """Scores and failure reasons (None: none) of a batch; a reason's sample scores the fallback."""
+    if hasattr(component, "score_reasons"):
+        pairs = list(component.score_reasons(samples, correct))
+        return [float(component.fallback) if r else float(x) for x, r in pairs], [r for _, r in pairs]
+    return [float(x) for x in component.score(samples, correct)], [None] * len(samples)
 
 
 class Reward:

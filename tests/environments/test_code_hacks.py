@@ -268,3 +268,12 @@ def test_the_configured_sandbox_reaches_tools_and_evaluations_code_verdicts():
     traj = SimpleNamespace(text=f"```python\n{HOG}```", prompt=SimpleNamespace(answer=PAIRS.to_answer()))
     assert _verdicts([item], [traj], None)[0].correct
     assert not _verdicts([item], [traj], None, tight)[0].correct
+
+
+def test_reasons_are_counted_when_a_bad_answer_sends_the_batch_to_per_sample_scoring():
+    cfg = load_config(["reward.components=[{name: math_verify, weight: 0}, {name: code_tests}]"])
+    texts = [f"```python\n{HACKS['always_equal']}```", f"```python\n{RIGHT}```", "x"]
+    samples = [Sample(t, a, 10, 64) for t, a in zip(texts, [PAIRS.to_answer(), PAIRS.to_answer(), "42"])]
+    got = Reward.of(Nothing(), cfg.reward).score(samples)
+    assert got.terms["code_tests"] == (0.0, 1.0, 0.0) and got.failed["code_tests"] == (True, False, True)
+    assert got.errors["code_tests/not_plain"] == 1
