@@ -20,7 +20,7 @@ def main() -> None:
     import os
     import sys
 
-    import _judge_plain as plain
+    plain = load_plain()
 
     out = os.fdopen(os.dup(1), "w", encoding="utf-8")
     os.dup2(2, 1)  # the program's prints go to stderr; the results' channel is the saved stdout
@@ -53,6 +53,17 @@ def _name(e: BaseException) -> str:
         return str(type(e).__name__)[:40]
     except BaseException:  # noqa: BLE001 - a hostile metaclass
         return "Exception"
+
+
+def load_plain():
+    """``plain.py``, shipped beside this script as ``_judge_plain.py``, as a module (read from the
+    working folder, whatever the import path)."""
+    import types
+
+    mod = types.ModuleType("_judge_plain")
+    with open("_judge_plain.py", encoding="utf-8") as f:
+        exec(compile(f.read(), "_judge_plain.py", "exec"), mod.__dict__)
+    return mod
 
 
 if __name__ == "__main__":
