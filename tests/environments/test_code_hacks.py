@@ -277,3 +277,37 @@ def test_reasons_are_counted_when_a_bad_answer_sends_the_batch_to_per_sample_sco
     got = Reward.of(Nothing(), cfg.reward).score(samples)
     assert got.terms["code_tests"] == (0.0, 1.0, 0.0) and got.failed["code_tests"] == (True, False, True)
     assert got.errors["code_tests/not_plain"] == 1
+
+
+def test_the_programs_run_never_holds_an_expected_output_and_the_check_run_never_holds_the_program(
+    monkeypatch,
+):
+    from environments import sandbox
+
+    seen: list[tuple[str, dict]] = []
+    real = sandbox.run
+
+    def recording(code, **kw):
+        seen.append((code, dict(kw.get("files") or {})))
+        return real(code, **kw)
+
+    monkeypatch.setattr(sandbox, "run", recording)
+    spec = CodeSpec(
+        (
+            "assert add('a', 'b') == 'EXPECTED-ONE'",
+            "def check(c):\n    for x, y in [('c', 'EXPECTED-TWO')]:\n"
+            "        assert c(x, 'd') == y\ncheck(add)\n",
+        ),
+        "add",
+    )
+    program = "# PROGRAM-MARKER\ndef add(a, b):\n    return a + b\n"
+    assert scores(program, spec, "pass_fraction") == 0.0
+    runs = [
+        (code.encode() + b"".join(v if isinstance(v, bytes) else v.encode() for v in files.values()), files)
+        for code, files in seen
+    ]
+    program_runs = [blob for blob, files in runs if "solution.py" in files]
+    check_runs = [blob for blob, files in runs if "solution.py" not in files]
+    assert program_runs and check_runs
+    assert all(b"EXPECTED" not in blob for blob in program_runs)
+    assert all(b"PROGRAM-MARKER" not in blob for blob in check_runs)
