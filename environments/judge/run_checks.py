@@ -116,8 +116,11 @@ class Proxy:
 
 
 def run_test(i: int, src: str, base: dict, entry: str | None, known: dict, pending: list, plain):
-    """(status, why) of test ``i``: ``pass``, ``fail`` or ``pending`` (it made calls not known yet)."""
+    """(status, why) of test ``i``: ``pass``, ``fail`` or ``pending`` (it made calls not known yet).
+    A name the test uses but does not define is the prefix's, a builtin, a standard-library module
+    (a test may lean on the program's ``import math``), else the program's (a ``Proxy``)."""
     import builtins
+    import sys
 
     try:
         tree = ast.fix_missing_locations(WrapAsserts().visit(ast.parse(src)))
@@ -127,7 +130,11 @@ def run_test(i: int, src: str, base: dict, entry: str | None, known: dict, pendi
     ns = dict(base)
     calls = Calls(i, known, pending, plain)
     for name in free_names(tree) | ({entry} if entry else set()):
-        if name == entry or (name not in ns and not hasattr(builtins, name)):
+        if name != entry and (name in ns or hasattr(builtins, name)):
+            continue
+        if name != entry and name in sys.stdlib_module_names:  # ``math.isclose`` the program imported
+            ns[name] = __import__(name)
+        else:
             ns[name] = Proxy(name, calls)
     ns["_judge_Pending"] = Pending
     before = len(pending)

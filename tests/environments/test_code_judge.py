@@ -174,3 +174,8 @@ def test_pass_fraction_counts_tests_and_an_unseeded_random_test_still_decides(bw
     rnd += "        assert c(x) == x + 1\ncheck(f)\n"
     got = judge("    return x + 1\n", spec("assert f(1) == 2", "assert f(2) == 4", rnd), 10)
     assert got == Judgement(2, 3)
+
+
+def test_a_test_leaning_on_the_programs_import_of_a_standard_module_still_runs(bwrap):
+    test = "assert math.isclose(f(2), 2.5, rel_tol=1e-9)"
+    assert judge("import math\ndef f(x):\n    return x + 0.5\n", spec(test, prefix=""), 10) == Judgement(1, 1)
