@@ -227,7 +227,26 @@ def main() -> None:
     ap.add_argument("--repeats", type=int, default=2)
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--out", type=Path, default=ROOT / "benchmarks" / "results" / "rewards")
+    ap.add_argument(
+        "--throughput-only", action="store_true", help="part 3 alone: <date>_code_judge_throughput.json"
+    )
     args = ap.parse_args()
+    if args.throughput_only:
+        got = {
+            "date": date.today().isoformat(),
+            "repeats": args.repeats,
+            "uptime": _load(),
+            **throughput(args.repeats),
+        }
+        got["uptime_after"] = _load()
+        args.out.mkdir(parents=True, exist_ok=True)
+        path = args.out / f"{got['date']}_code_judge_throughput.json"
+        path.write_text(json.dumps(got, indent=1, sort_keys=True))
+        print(
+            json.dumps({h: got[h]["responses_per_s"] for h in ("old", "new")}),
+            f"ratio {got['new_over_old']:.2f}",
+        )
+        return
     pool = problems(args.problems)
     t0 = time.time()
     print("hack pass rate (all_pass), old vs new:", flush=True)
@@ -250,6 +269,11 @@ def main() -> None:
     stem.with_suffix(".json").write_text(json.dumps(result, indent=1, sort_keys=True))
     stem.with_suffix(".md").write_text(report(result))
     print(f"wrote {stem}.json and .md ({result['seconds']:.0f} s)")
+
+
+def _load() -> str:
+    """The machine's load averages (1, 5, 15 min), for the record."""
+    return " ".join(f"{x:.1f}" for x in __import__("os").getloadavg())
 
 
 def report(r: dict) -> str:
