@@ -9,22 +9,40 @@ from __future__ import annotations
 import ast
 import builtins
 import math
+import operator
 from dataclasses import dataclass
 
 OPS = {ast.Eq: "eq", ast.NotEq: "ne", ast.Is: "is", ast.IsNot: "is_not", ast.Lt: "lt", ast.LtE: "le"}
 MIRROR = {ast.Lt: ast.Gt, ast.Gt: ast.Lt, ast.LtE: ast.GtE, ast.GtE: ast.LtE}
 FILLER = (ast.Import, ast.ImportFrom, ast.Pass)
+FOLD = {
+    ast.Add: operator.add,
+    ast.Sub: operator.sub,
+    ast.Mult: operator.mul,
+    ast.Div: operator.truediv,
+    ast.FloorDiv: operator.floordiv,
+    ast.Mod: operator.mod,
+    ast.Pow: operator.pow,
+}
+"""Arithmetic folded in a test's literals (``3 * 19``, ``'ab' + 'c'``, ``2.0 / 3.0``)."""
+MAX_FOLD = 10_000
+"""Largest sequence (items) or int (bits, /0.4) a fold may build: a test's constant, not a bomb."""
+WRAPS = {"tuple": tuple, "list": list, "set": set, "frozenset": frozenset, "sorted": sorted, "len": len}
+"""Builtins a test may wrap the program's result in (``tuple(candidate(x)) == (1, 2)``), applied
+here to the plain result."""
 
 
 @dataclass(frozen=True)
 class Expect:
     """One assert: the result of call ``call`` (an index into the test's calls) against ``value``.
     ``op``: eq, ne, is, is_not, truthy, falsy, close_lt / close_le (``abs(result - value[0]) <
-    value[1]``), or fail (``assert False``)."""
+    value[1]``), or fail (``assert False``); ``wrap``: a ``WRAPS`` builtin applied to the result
+    first."""
 
     call: int
     op: str
     value: object = None
+    wrap: str | None = None
 
 
 @dataclass(frozen=True)
@@ -45,6 +63,8 @@ def _holds(e: Expect, v) -> bool:
     if isinstance(v, BaseException):
         return False
     try:
+        if e.wrap is not None:
+            v = WRAPS[e.wrap](v)
         if e.op in ("close_lt", "close_le"):
             if type(v) not in (int, float, complex, bool):
                 return False
@@ -140,9 +160,45 @@ _NO = object()
 
 def _literal(node: ast.expr):
     try:
-        return ast.literal_eval(node)
-    except (ValueError, TypeError, SyntaxError, MemoryError, RecursionError):
+        return _fold(node)
+    except (ValueError, TypeError, SyntaxError, MemoryError, RecursionError, ArithmeticError):
         return _NO
+
+
+def _fold(node: ast.expr):
+    """A literal, with arithmetic on literals folded (``FOLD``; results bounded by ``MAX_FOLD``) and
+    ``WRAPS`` builtins applied to literals."""
+    if isinstance(node, ast.BinOp) and type(node.op) in FOLD:
+        a, b = _fold(node.left), _fold(node.right)
+        if isinstance(node.op, ast.Pow) and not (type(b) is int and abs(b) <= 64):
+            raise ValueError("a big power")
+        if isinstance(node.op, ast.Mult) and isinstance(a, (str, bytes, list, tuple)) != isinstance(
+            b, (str, bytes, list, tuple)
+        ):
+            seq, n = (a, b) if isinstance(a, (str, bytes, list, tuple)) else (b, a)
+            if type(n) is int and len(seq) * abs(n) > MAX_FOLD:
+                raise ValueError("a big repeat")
+        return _small(FOLD[type(node.op)](a, b))
+    if isinstance(node, ast.UnaryOp) and isinstance(node.op, (ast.USub, ast.UAdd)):
+        v = _fold(node.operand)
+        return -v if isinstance(node.op, ast.USub) else +v
+    if isinstance(node, (ast.Tuple, ast.List, ast.Set)):
+        items = [_fold(e) for e in node.elts]
+        return {ast.Tuple: tuple, ast.List: list, ast.Set: set}[type(node)](items)
+    if isinstance(node, ast.Call) and isinstance(node.func, ast.Name) and node.func.id in WRAPS:
+        if len(node.args) == 1 and not node.keywords:  # tuple([1, 2]) on the expected side
+            return WRAPS[node.func.id](_fold(node.args[0]))
+    if isinstance(node, ast.Dict) and None not in node.keys:
+        return {_fold(k): _fold(v) for k, v in zip(node.keys, node.values)}
+    return ast.literal_eval(node)
+
+
+def _small(v):
+    if (isinstance(v, (str, bytes, list, tuple)) and len(v) > MAX_FOLD) or (
+        type(v) is int and v.bit_length() > 4 * MAX_FOLD
+    ):
+        raise ValueError("a big constant")
+    return v
 
 
 def _expect(test: ast.expr, alias, program, prefix_names, calls) -> list[Expect] | None:
@@ -193,9 +249,17 @@ def _close(left, name, eps, alias, program, prefix_names, calls) -> list[Expect]
 
 
 def _one(node, op, value, alias, program, prefix_names, calls) -> list[Expect] | None:
-    """One call of the program with literal arguments, as an expectation (None: not such a call)."""
+    """One call of the program with literal arguments (maybe in a ``WRAPS`` builtin), as an
+    expectation (None: not such a call)."""
     if not (isinstance(node, ast.Call) and isinstance(node.func, ast.Name)):
         return None
+    wrap = node.func.id
+    if wrap in WRAPS and wrap not in prefix_names and wrap not in program and len(node.args) == 1:
+        if not node.keywords and isinstance(node.args[0], ast.Call):
+            got = _one(node.args[0], op, value, alias, program, prefix_names, calls)
+            if got and all(e.wrap is None for e in got):
+                return [Expect(e.call, e.op, e.value, wrap) for e in got]
+            return None
     name = alias.get(node.func.id, node.func.id)
     if name not in program and (name in prefix_names or hasattr(builtins, name)):
         return None

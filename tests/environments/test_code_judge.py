@@ -96,6 +96,10 @@ PREFIX = 'def helper(x):\n    return x + 1\n\ndef f(x):\n    """doc"""\n'
         ("assert f('a')\nassert not f('')", [Expect(0, "truthy"), Expect(1, "falsy")]),
         ("assert f(0) is None", [Expect(0, "is", None)]),
         ("assert abs(f(2.0) - 3.5) < 1e-6", [Expect(0, "close_lt", (3.5, 1e-6))]),
+        ("assert f(3 * 19) == [3, 19 - 0]", [Expect(0, "eq", [3, 19])]),
+        ("assert abs(f(1) - 2.0 / 4.0) <= 1e-6", [Expect(0, "close_le", (0.5, 1e-6))]),
+        ("assert tuple(f([1])) == tuple([1, 2])", [Expect(0, "eq", (1, 2), "tuple")]),
+        ("assert f('ab' + 'c', k=-(2 ** 3)) == {'n': 1 ** 0}", [Expect(0, "eq", {"n": 1})]),
         (
             "METADATA = {}\ndef check(c):\n    import math\n    assert True\n    assert c(-1) == 0\ncheck(f)",
             None,
@@ -122,6 +126,10 @@ def test_asserts_on_one_call_with_literal_arguments_are_pairs(src, expects):
         "assert f(1) < 3",
         "assert f(1) is 3",
         "assert f(*[1]) == 2",
+        "assert f('a' * 100000) == 1",
+        "assert f(2 ** 1000) == 1",
+        "assert tuple(sorted(f(1))) == ()",
+        "assert sorted(helper(1)) == [2]",
         "def check(c):\n    assert c(1) == 2\ncheck(f)\ncheck(f)",
     ],
 )
@@ -129,10 +137,10 @@ def test_other_shapes_are_not_pairs(src):
     assert pair_test(src, "f", defined_names(PREFIX)) is None
 
 
-def test_humaneval_has_147_tests_as_pairs():
+def test_humaneval_has_156_tests_as_pairs():
     specs = [CodeSpec.from_answer(it.answer) for it in load_humaneval()]
     pairs = [pair_test(s.tests[0], s.entry_point, defined_names(s.prefix)) for s in specs]
-    assert len(specs) == 164 and sum(p is not None for p in pairs) == 147
+    assert len(specs) == 164 and sum(p is not None for p in pairs) == 156
 
 
 @pytest.fixture
@@ -174,6 +182,13 @@ def test_pass_fraction_counts_tests_and_an_unseeded_random_test_still_decides(bw
     rnd += "        assert c(x) == x + 1\ncheck(f)\n"
     got = judge("    return x + 1\n", spec("assert f(1) == 2", "assert f(2) == 4", rnd), 10)
     assert got == Judgement(2, 3)
+
+
+def test_a_wrapped_result_is_compared_after_the_wrap_on_plain_data(bwrap):
+    test = "assert tuple(f(3)) == (0, 1, 2)"
+    assert judge("def f(n):\n    return list(range(n))\n", spec(test, prefix=""), 10) == Judgement(1, 1)
+    loud = "class L(list):\n    def __eq__(s, o):\n        return True\ndef f(n):\n    return L([9])\n"
+    assert judge(loud, spec(test, prefix=""), 10) == Judgement(0, 1)
 
 
 def test_a_test_leaning_on_the_programs_import_of_a_standard_module_still_runs(bwrap):
