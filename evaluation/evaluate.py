@@ -14,7 +14,7 @@ import torch
 from evaluation.benchmarks import BenchmarkItem, build_prompt
 from evaluation.code_benchmarks import CODE_TEMPLATES, code_verdicts
 from evaluation.metrics import reranked_accuracy, shaping_metrics, summarize
-from conf.schema import RewardComponentConfig
+from conf.schema import RewardComponentConfig, SandboxConfig
 from rewards.components import Sample
 from rewards.compose import MATH_VERIFY, REWARD_MODEL, build_component, safe_scores
 from rewards.verifier import Verifier
@@ -65,6 +65,7 @@ def evaluate_items(
     env=None,
     score_with: Mapping[str, Sequence[str]] | None = None,
     components: Sequence = (),
+    sandbox: SandboxConfig | None = None,
 ) -> list[EvalRow]:
     """One row per (item, sample). ``templates`` maps a benchmark to its prompt template
     (None = the registry default). Prompts longer than the model's context are still sampled (a
@@ -73,7 +74,8 @@ def evaluate_items(
     one response per request, as always). ``score_with``: benchmark -> the reward components that
     score it (a file benchmark's ``score_with``); the correctness verdict is always the verifier's
     (or a code benchmark's tests), each other component's score is kept per row (``EvalRow.terms``).
-    ``components``: built reward components that score every benchmark (the learned reward model)."""
+    ``components``: built reward components that score every benchmark (the learned reward model).
+    ``sandbox``: the run's sandbox settings, for code benchmarks' tests, code components and tools."""
     engine = Engine(model, tokenizer, device=device, batch_size=batch_size)
     prompts = [
         PromptItem(
@@ -91,12 +93,25 @@ def evaluate_items(
     generator = torch.Generator().manual_seed(seed)
     if env is not None and not env.is_default():
         trajectories = _episodes(
-            model, tokenizer, requests, env, max_new_tokens, temperature, generator, device, batch_size
+            model,
+            tokenizer,
+            requests,
+            env,
+            max_new_tokens,
+            temperature,
+            generator,
+            device,
+            batch_size,
+            sandbox,
         )
     else:
         trajectories = engine.generate(requests, max_new_tokens, temperature, generator, progress=progress)
-    verdicts = _verdicts([items[i // n_samples] for i in range(len(trajectories))], trajectories, verifier)
-    terms = _terms(items, n_samples, trajectories, verdicts, score_with or {}, max_new_tokens, components)
+    verdicts = _verdicts(
+        [items[i // n_samples] for i in range(len(trajectories))], trajectories, verifier, sandbox
+    )
+    terms = _terms(
+        items, n_samples, trajectories, verdicts, score_with or {}, max_new_tokens, components, sandbox
+    )
     rows = []
     for i, (req, traj, v) in enumerate(zip(requests, trajectories, verdicts)):
         item = items[i // n_samples]  # requests are item-major; ids may repeat across benchmarks
@@ -124,7 +139,7 @@ def evaluate_items(
 
 
 def _terms(
-    items, n_samples, trajectories, verdicts, score_with, max_new_tokens, components=()
+    items, n_samples, trajectories, verdicts, score_with, max_new_tokens, components=(), sandbox=None
 ) -> list[tuple]:
     """Per trajectory, (name, score, failed) for each component of its benchmark's ``score_with``
     other than ``math_verify``, then each of ``components`` (built, scoring every benchmark), scored a
@@ -133,7 +148,8 @@ def _terms(
     out: list[tuple] = [() for _ in trajectories]
     for bench in dict.fromkeys([*score_with, *(it.benchmark for it in items)]):
         named = [n for n in score_with.get(bench, ()) if n != MATH_VERIFY]
-        shaping = [build_component(RewardComponentConfig(name=n)) for n in named] + list(components)
+        built = [build_component(RewardComponentConfig(name=n), sandbox=sandbox) for n in named]
+        shaping = built + list(components)
         idx = [i for i in range(len(trajectories)) if items[i // n_samples].benchmark == bench]
         if not shaping or not idx:
             continue
@@ -155,7 +171,7 @@ def _terms(
     return out
 
 
-def _verdicts(items: Sequence[BenchmarkItem], trajectories, verifier) -> list:
+def _verdicts(items: Sequence[BenchmarkItem], trajectories, verifier, sandbox=None) -> list:
     """One verdict per trajectory: the math verifier's, or for a code benchmark's item, whether its
     program passes every test in the sandbox (``code_tests``, ``all_pass``)."""
     is_code = [it.benchmark in CODE_TEMPLATES for it in items]
@@ -164,11 +180,17 @@ def _verdicts(items: Sequence[BenchmarkItem], trajectories, verifier) -> list:
     math_v = iter(
         verifier.verify_batch([t.text for t in math], [t.prompt.answer for t in math]) if math else []
     )
-    code_v = iter(code_verdicts([t.text for t in code], [t.prompt.answer for t in code]) if code else [])
+    code_v = iter(
+        code_verdicts([t.text for t in code], [t.prompt.answer for t in code], sandbox=sandbox)
+        if code
+        else []
+    )
     return [next(code_v) if c else next(math_v) for c in is_code]
 
 
-def _episodes(model, tokenizer, requests, env, max_new_tokens, temperature, generator, device, batch_size):
+def _episodes(
+    model, tokenizer, requests, env, max_new_tokens, temperature, generator, device, batch_size, sandbox=None
+):
     """Whole episodes of ``env`` for ``requests``: the engine's noise seed drawn from ``generator`` as
     ``Engine.generate`` draws it, ``max_new_tokens`` per turn."""
     from environments.registry import wrap_engine
@@ -183,7 +205,7 @@ def _episodes(model, tokenizer, requests, env, max_new_tokens, temperature, gene
         temperature=temperature,
         seed=seed_from(generator, None),
     )
-    runner = wrap_engine(engine, env, tokenizer)
+    runner = wrap_engine(engine, env, tokenizer, sandbox)
     try:
         return runner.generate(requests)
     finally:

@@ -98,11 +98,13 @@ def evaluate_checkpoint(
     files: Mapping[str, FileBenchmark] = NO_FILES,
     env=None,
     components=(),
+    sandbox=None,
 ) -> dict:
     """Writes ``rows.parquet`` (one row per problem and sample) and ``summary.json``; returns the
     summary. ``files``: the file benchmarks of ``cfg``, read (each with its own template);
     ``components``: built reward components that score every benchmark (the learned reward model:
-    its mean as ``reward/reward_model`` and best-of-n reranked by it as ``rm_best@n``)."""
+    its mean as ``reward/reward_model`` and best-of-n reranked by it as ``rm_best@n``); ``sandbox``:
+    the run's ``conf.schema.SandboxConfig``, wherever code runs."""
     import polars as pl
 
     from generation.model import load_model
@@ -132,6 +134,7 @@ def evaluate_checkpoint(
             env=env,
             score_with={name: f.score_with for name, f in files.items()},
             components=components,
+            sandbox=sandbox,
         )
     summary = summarize_rows(rows, cfg.n_samples, model_context(model), totals)
     pl.DataFrame(
@@ -167,6 +170,7 @@ def in_run_evaluator(
     verifier,
     files: Mapping[str, FileBenchmark] = NO_FILES,
     env=None,
+    sandbox=None,
 ):
     """A callback for evaluation every N RL steps:
     ``model -> {"eval_<benchmark>": avg@n, "eval_seconds": s}``. Same items, sampling and verifier as
@@ -194,6 +198,7 @@ def in_run_evaluator(
             verifier=verifier,
             env=env,
             score_with={name: f.score_with for name, f in files.items()},
+            sandbox=sandbox,
         )
         model.train(was_training)
         out = {f"eval_{b}": s["accuracy"] for b, s in summarize_rows(rows, cfg.n_samples).items()}

@@ -9,7 +9,7 @@ import math
 from collections.abc import Callable, Sequence
 from dataclasses import asdict, dataclass, field
 
-from conf.schema import RewardComponentConfig, RewardConfig
+from conf.schema import RewardComponentConfig, RewardConfig, SandboxConfig
 from rewards.components import SHAPING, Sample
 from rewards.reward_model import RewardModelComponent
 from rewards.verifier import Verdict, Verifier
@@ -23,7 +23,8 @@ class Scores:
     """One batch's scores. Invariant: every tuple, and each ``terms`` entry, has one item per sample.
     ``terms``: component name -> its unweighted score per sample; ``total``: the weighted sum;
     ``failed``: component name -> per sample, whether it got the component's fallback score (for
-    ``math_verify``: a verdict with an ``error``, scored as wrong)."""
+    ``math_verify``: a verdict with an ``error``, scored as wrong); also ``<name>/<reason>`` for
+    each reason a component gave (``safe_scores``), so ``errors`` counts them per reason."""
 
     verdicts: tuple[Verdict, ...]
     terms: dict[str, tuple[float, ...]]
@@ -49,28 +50,40 @@ class Scores:
 
 
 def safe_scores(
-    component, samples: Sequence[Sample], correct: Sequence[bool]
+    component, samples: Sequence[Sample], correct: Sequence[bool], why: list | None = None
 ) -> tuple[list[float], list[bool]]:
     """The component's scores of the batch and which samples failed: where it raises (or returns a
-    non-finite number) on a sample, that sample gets the component's ``fallback``."""
+    non-finite number) on a sample, that sample gets the component's ``fallback``. A component with
+    ``score_reasons`` (per sample: score and why it failed, None if it did not) says itself which
+    failed; ``why`` (if given) gets each sample's reason."""
+    why = why if why is not None else []
     try:
-        scores = [float(x) for x in component.score(samples, correct)]
+        scores, reasons = _scored(component, samples, correct)
         if len(scores) == len(samples) and all(math.isfinite(x) for x in scores):
-            return scores, [False] * len(samples)
+            why.extend(reasons)
+            return scores, [r is not None for r in reasons]
     except Exception:  # noqa: BLE001 - any failure of a component falls back per sample below
         pass
     out, failed = [], []
     for s, c in zip(samples, correct):
         try:
-            (x,) = component.score([s], [c])
-            x = float(x)
+            (x,), (r,) = _scored(component, [s], [c])
             if not math.isfinite(x):
                 raise ValueError(f"{component.name} scored {x}")
         except Exception:  # noqa: BLE001 - a bad sample gets the documented fallback, never a crash
-            x = None
-        failed.append(x is None)
+            x, r = None, None
+        failed.append(x is None or r is not None)
         out.append(float(component.fallback) if x is None else x)
+        why.append(r)
     return out, failed
+
+
+def _scored(component, samples, correct) -> tuple[list[float], list[str | None]]:
+    """Scores and failure reasons (None: none) of a batch; a reason's sample scores the fallback."""
+    if hasattr(component, "score_reasons"):
+        pairs = list(component.score_reasons(samples, correct))
+        return [float(component.fallback) if r else float(x) for x, r in pairs], [r for _, r in pairs]
+    return [float(x) for x in component.score(samples, correct)], [None] * len(samples)
 
 
 class Reward:
@@ -88,14 +101,22 @@ class Reward:
 
     @classmethod
     def of(
-        cls, verifier, cfg: RewardConfig | None = None, reward_model: str | None = None, template: str = ""
+        cls,
+        verifier,
+        cfg: RewardConfig | None = None,
+        reward_model: str | None = None,
+        template: str = "",
+        sandbox: SandboxConfig | None = None,
     ) -> Reward:
         """The reward ``cfg`` composes (None: the verifier alone) over ``verifier``; a ``reward_model``
         component scores with the checkpoint folder ``reward_model`` (None: it describes itself only)
-        and reads prompts put in ``template``."""
+        and reads prompts put in ``template``; a component that runs code runs it under ``sandbox``
+        (the run's ``sandbox`` settings)."""
         specs = cfg.components if cfg is not None else [RewardComponentConfig(name=MATH_VERIFY)]
         weights = {s.name: float(s.weight) for s in specs}
-        shaping = [build_component(s, reward_model, template) for s in specs if s.name != MATH_VERIFY]
+        shaping = [
+            build_component(s, reward_model, template, sandbox) for s in specs if s.name != MATH_VERIFY
+        ]
         return cls(verifier, weights, shaping)
 
     @property
@@ -125,8 +146,11 @@ class Reward:
         terms = {MATH_VERIFY: tuple(1.0 if c else 0.0 for c in correct)}
         failed = {MATH_VERIFY: tuple(bool(getattr(v, "error", None)) for v in verdicts)}
         for comp in self.shaping:
-            scores, flags = safe_scores(comp, samples, correct)
+            why: list = []
+            scores, flags = safe_scores(comp, samples, correct, why)
             terms[comp.name], failed[comp.name] = tuple(scores), tuple(flags)
+            for reason in sorted({r for r in why if r}):
+                failed[f"{comp.name}/{reason}"] = tuple(r == reason for r in why)
         total = tuple(
             sum(self.weights[name] * terms[name][i] for name in self.weights) for i in range(len(samples))
         )
@@ -142,17 +166,24 @@ _registered: dict[str, tuple[type, Callable]] = {}
 
 
 def register_component(name: str, params_cls: type, factory: Callable) -> None:
-    """Make ``name`` buildable: ``factory(params)`` returns the component (``params``: a
-    ``params_cls``, the schema ``conf.schema.REWARD_PARAMS[name]`` declares). Called once, at import,
-    by the module ``PROVIDERS[name]`` names."""
+    """Make ``name`` buildable: ``factory(params, sandbox)`` returns the component (``params``: a
+    ``params_cls``, the schema ``conf.schema.REWARD_PARAMS[name]`` declares; ``sandbox``: the run's
+    ``SandboxConfig``, None for the defaults). Called once, at import, by the module
+    ``PROVIDERS[name]`` names."""
     if name in SHAPING:
         raise ValueError(f"reward component {name!r} is built in; register another name")
     _registered[name] = (params_cls, factory)
 
 
-def build_component(spec: RewardComponentConfig, reward_model: str | None = None, template: str = ""):
+def build_component(
+    spec: RewardComponentConfig,
+    reward_model: str | None = None,
+    template: str = "",
+    sandbox: SandboxConfig | None = None,
+):
     """A shaping component from its validated spec (``RewardComponentConfig.params()``); the learned
-    reward model's over the checkpoint folder ``reward_model``, reading prompts put in ``template``."""
+    reward model's over the checkpoint folder ``reward_model``, reading prompts put in ``template``;
+    a registered one (code_tests) with the run's ``sandbox`` settings."""
     if spec.name == REWARD_MODEL:
         return RewardModelComponent(spec.params(), reward_model, template or "{problem}")
     if spec.name in SHAPING:
@@ -163,7 +194,7 @@ def build_component(spec: RewardComponentConfig, reward_model: str | None = None
     if spec.name not in _registered:
         raise ValueError(f"reward component {spec.name!r} is not registered (no module provides it)")
     _, factory = _registered[spec.name]
-    return factory(spec.params())
+    return factory(spec.params(), sandbox)
 
 
 def as_reward(scorer) -> Reward:

@@ -190,6 +190,7 @@ def warmup_body(ctx: StageContext) -> StageResult:
             out_dir=out,
             lora=ctx.cfg.model.lora,
             env=ctx.cfg.env,
+            sandbox=ctx.cfg.sandbox,
         ),
     )
     return StageResult({MODEL: ref}, metrics)
@@ -518,6 +519,7 @@ def rl_body(ctx: StageContext) -> StageResult:
                     verifier=verifier,
                     files=file_benchmarks(ctx.cfg),
                     env=ctx.cfg.env,
+                    sandbox=ctx.cfg.sandbox,
                 )
             sel = ctx.inputs[SELECTION]
             result = rl(
@@ -529,7 +531,11 @@ def rl_body(ctx: StageContext) -> StageResult:
                 device=ctx.device,
                 out_dir=out,
                 reward=Reward.of(
-                    verifier, ctx.cfg.reward, rm_ref.path if rm_ref else None, template(ctx.cfg)
+                    verifier,
+                    ctx.cfg.reward,
+                    rm_ref.path if rm_ref else None,
+                    template(ctx.cfg),
+                    sandbox=ctx.cfg.sandbox,
                 ),
                 select=ctx.cfg.curation.select,
                 history_path=sel.file("history.parquet"),
@@ -539,6 +545,7 @@ def rl_body(ctx: StageContext) -> StageResult:
                 trainer=ctx.cfg.trainer,
                 rollout=ctx.cfg.rollout,
                 env=ctx.cfg.env,
+                sandbox=ctx.cfg.sandbox,
                 on_metrics=active().step_logger("rl"),
                 lora=ctx.cfg.model.lora,
             )
@@ -618,6 +625,7 @@ def eval_body(ctx: StageContext) -> StageResult:
             files=files,
             env=ctx.cfg.env,
             components=components,
+            sandbox=ctx.cfg.sandbox,
         )
         query = ctx.catalog.query if ctx.catalog is not None else _no_catalog
         certificates.update(

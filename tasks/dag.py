@@ -14,7 +14,7 @@ from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import asdict, dataclass, fields
 from pathlib import Path
 
-from conf.schema import Config
+from conf.schema import Config, SandboxConfig
 from core.artifacts import ArtifactRef
 from core.catalog import Catalog, dumps
 from core.workspace import Workspace
@@ -110,11 +110,18 @@ def base_model_key(c: Config) -> dict:
 
 
 def warmup_key(c: Config) -> dict:
-    return {**asdict(c.sft), "template": template(c), **_numerics(c), **_lora_key(c, "warmup"), **_env_key(c)}
+    return {
+        **asdict(c.sft),
+        "template": template(c),
+        **_numerics(c),
+        **_lora_key(c, "warmup"),
+        **_env_key(c),
+        **_sandbox_key(c),
+    }
 
 
 def eval_key(c: Config) -> dict:
-    return {**asdict(c.eval), **_numerics(c), **_env_key(c), **_reward_model_key(c)}
+    return {**asdict(c.eval), **_numerics(c), **_env_key(c), **_reward_model_key(c), **_sandbox_key(c)}
 
 
 def _reward_model_key(c: Config) -> dict:
@@ -133,6 +140,12 @@ def _env_key(c: Config) -> dict:
     if c.env.tool_latency.is_off():
         del env["tool_latency"]
     return {"env": env}
+
+
+def _sandbox_key(c: Config) -> dict:
+    """The sandbox settings, for the stages where code may run (code tests, tools, code benchmarks);
+    absent at their defaults (keys from before them unchanged)."""
+    return {} if c.sandbox == SandboxConfig() else {"sandbox": asdict(c.sandbox)}
 
 
 def _difficulty_key(c: Config, max_prompts: int) -> dict:
@@ -216,6 +229,7 @@ def rl_key(c: Config) -> dict:
         **({"eval": asdict(c.eval)} if c.rl.eval_every else {}),
         "reward": reward_key(c),
         **_env_key(c),
+        **_sandbox_key(c),
     }
 
 
