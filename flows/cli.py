@@ -395,6 +395,11 @@ def cmd_serve(args) -> int:
     selection = _selection(cfg=cfg, until=args.until, force=args.force)
     ws = Workspace.at(args.workspace)
     name = args.name or f"laminar-{ws.root.name}"
+    # what every run of the deployment is held to, in the environment before the server starts (its
+    # guard answers 403 to a run's parameters that the spec does not allow) and before serve() runs
+    parameters = served_parameters(
+        ws, args.overrides, selection.force, args.until, command_line() + "  # scheduled run"
+    )
     try:
         with prefect_api(ws, args.port, args.cron) as api_url:
             from flows.serve import serve
@@ -415,9 +420,7 @@ def cmd_serve(args) -> int:
             serve(
                 name,
                 args.cron,
-                served_parameters(
-                    ws, args.overrides, selection.force, args.until, command_line() + "  # scheduled run"
-                ),
+                parameters,
                 description=f"laminar pipeline on {ws.root}: {' '.join(args.overrides) or 'default config'}",
             )
     except ServeError as err:
