@@ -235,17 +235,18 @@ class RolloutManager:
         if self.s.max_staleness is None:
             groups, stale = self.buffer.take(self.s.prompts_per_step, self.version, full=True)
         else:
-            stale, groups = self.buffer.drop_stale(self.version), []
-            uids = control.staleness_gate(
-                [(u, ExperienceBuffer.group_version(g)) for u, g in self.buffer.ready.items()],
-                self._unfinished_versions(),
-                latest=self.version,
-                max_staleness=self.s.max_staleness,
-                batch_groups=self.s.prompts_per_step,
-            )
-            if uids is None:
-                self.counts["staleness_waits"] += 1
-            else:
+            stale, groups, uids = self.buffer.drop_stale(self.version), [], None
+            if self.buffer.n_ready() >= self.s.prompts_per_step:
+                uids = control.staleness_gate(
+                    [(u, ExperienceBuffer.group_version(g)) for u, g in self.buffer.ready.items()],
+                    self._unfinished_versions(),
+                    latest=self.version,
+                    max_staleness=self.s.max_staleness,
+                    batch_groups=self.s.prompts_per_step,
+                )
+                if uids is None:  # older work must finish first
+                    self.counts["staleness_waits"] += 1
+            if uids is not None:
                 groups = self.buffer.take_uids(uids, self.s.prompts_per_step, self.version)
         for uid, g in stale:  # too stale: regenerate the prompt under newer weights
             self.buffer.forget(uid)
@@ -257,7 +258,7 @@ class RolloutManager:
     def _unfinished_versions(self) -> list[int]:
         """For each admitted group neither ready nor trained, the lowest version it can end with: the
         oldest of its finished responses and of its unfinished ones' bounds (``self.bound``; a request
-        waiting to be handed out runs under a version a rollout still admits at)."""
+        handed back and waiting goes to a rollout at the latest version, ``_admission``)."""
         waiting = self.version  # a handed-back request goes to a rollout at the latest version
         low: dict[int, int] = {}
 
