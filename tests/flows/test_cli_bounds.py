@@ -91,3 +91,9 @@ def test_allow_empty_lets_an_empty_pool_through_preflight(tmp_path):
     source = tmp_path / "pool.json"
     source.write_text(json.dumps([]))
     preflight(load_config([*SOURCE, _sources(source), "data.allow_empty=true"]))
+
+
+def test_simulate_checks_override_sizes_before_hydra_too(tmp_path, capsys):
+    assert main(["simulate", "x" * 100_000 + "=1", "--workspace", str(tmp_path / "ws")]) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and "is 100,000 characters long" in err and not (tmp_path / "ws").exists()
