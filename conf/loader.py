@@ -73,9 +73,25 @@ MAX_OVERRIDE_ITEMS = 512
 the schema's own limits (``conf.schema.MaxLen``) are lower still."""
 
 
+MAX_OVERRIDE_DEPTH = 16
+"""Nesting of lists and mappings in one override (Hydra's parser recurses per level)."""
+
+
+def _depth(text: str) -> int:
+    depth = most = 0
+    for ch in text:
+        if ch in "[{":
+            depth += 1
+            most = max(most, depth)
+        elif ch in "]}":
+            depth -= 1
+    return most
+
+
 def check_override_sizes(overrides: Sequence[str]) -> None:
-    """Each override within ``MAX_KEY_CHARS``, ``MAX_OVERRIDE_CHARS`` and ``MAX_OVERRIDE_ITEMS``, checked
-    before Hydra parses anything; the error shows at most the key's first 40 characters."""
+    """Each override within ``MAX_KEY_CHARS``, ``MAX_OVERRIDE_CHARS``, ``MAX_OVERRIDE_DEPTH`` and
+    ``MAX_OVERRIDE_ITEMS``, checked before Hydra parses anything; the error shows at most the key's
+    first 40 characters."""
     for o in overrides:
         if not isinstance(o, str):
             raise ConfigError(f"override {o!r} is not a string; give key=value")
@@ -90,6 +106,11 @@ def check_override_sizes(overrides: Sequence[str]) -> None:
             raise ConfigError(
                 f"override {shown}=... is {len(o):,} characters long; an override takes at most "
                 f"{MAX_OVERRIDE_CHARS:,}"
+            )
+        if _depth(o) > MAX_OVERRIDE_DEPTH:
+            raise ConfigError(
+                f"override {shown}=... nests lists or mappings {_depth(o):,} deep; an override takes at "
+                f"most {MAX_OVERRIDE_DEPTH}"
             )
         if o.count(",") >= MAX_OVERRIDE_ITEMS:
             raise ConfigError(

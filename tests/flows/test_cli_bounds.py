@@ -37,7 +37,10 @@ CASES = {
     "seed": (["seed=-1"], "seed=-1 must be >= 0"),
     "hidden": (["model.hidden_size=10000000"], "model.hidden_size=10000000 is above the limit of 65,536"),
     "steps": (["rl.steps=1000000000000"], "rl.steps=1000000000000 is above the limit of 1,000,000"),
-    "nesting": (["rl.lr=" + "[" * 3000 + "]" * 3000], "cannot compose config from the overrides"),
+    "nesting": (
+        ["rl.lr=" + "[" * 3000 + "]" * 3000],
+        "override rl.lr=... nests lists or mappings 3,000 deep",
+    ),
     "long-path": ([_sources("p" * 5000)], "data.sources[0].path is 5,000 characters long"),
 }
 
