@@ -97,6 +97,7 @@ def ingest_body(ctx: StageContext) -> StageResult:
             max_prompt_chars=ctx.cfg.data.max_prompt_chars,
             verifiability=ctx.cfg.data.verifiability,
             template_share=ctx.cfg.curation.templates.min_share if ctx.cfg.curation.templates.strip else None,
+            allow_empty=ctx.cfg.data.allow_empty,
         ),
     )
     return StageResult({PROMPTS: ref}, metrics)

@@ -87,16 +87,21 @@ def _drop_defaults(section, *names: str) -> dict:
 
 
 def data_key(c: Config) -> dict:
-    """``data`` as it is; ``demo_full_stop_rate`` only when set (the default keys stay as they were)."""
-    return _drop_defaults(c.data, "demo_full_stop_rate")
+    """``data`` as it is; ``demo_full_stop_rate`` only when set (the default keys stay as they were);
+    never ``allow_empty`` (it changes no byte of the dataset: ingest reads it)."""
+    out = _drop_defaults(c.data, "demo_full_stop_rate")
+    del out["allow_empty"]
+    return out
 
 
 def ingest_key(c: Config) -> dict:
+    """``allow_empty`` only when set: an empty pool kept by one run is no cache hit for another."""
     return {
         **asdict(c.curation.dedup),
         "max_prompt_chars": c.data.max_prompt_chars,
         "verifiability": c.data.verifiability,
         "templates": asdict(c.curation.templates),
+        **({"allow_empty": True} if c.data.allow_empty else {}),
     }
 
 
