@@ -419,8 +419,8 @@ def _read_prompts(prompts_path: Path) -> pa.Table:
     return prompts
 
 
-def _string_column(table: pa.Table, name: str) -> pa.ChunkedArray | pa.Array:
-    """Column ``name`` of ``table``, or nulls (string) where the table has none."""
+def _column_or_nulls(table: pa.Table, name: str) -> pa.ChunkedArray | pa.Array:
+    """Column ``name`` of ``table``, or string nulls where the table has none."""
     return table[name] if name in table.column_names else pa.nulls(table.num_rows, pa.string())
 
 
@@ -431,7 +431,7 @@ def _ngram_hits(con, prompts: pa.Table, items: pa.Table, ngram: int, min_coverag
         {
             "id": pa.array(range(prompts.num_rows), pa.int64()),
             "prompt_id": prompts["prompt_id"],
-            "source": _string_column(prompts, "source"),
+            "source": _column_or_nulls(prompts, "source"),
             "text": pa.array([normalize_text(p or "") for p in prompts["problem"].to_pylist()], pa.string()),
         }
     )
@@ -456,9 +456,9 @@ def _paraphrase_contamination(
         {
             "rid": pa.array(range(len(rest)), pa.int64()),
             "prompt_id": prompts["prompt_id"].take(rest),
-            "source": _string_column(prompts, "source").take(rest),
+            "source": _column_or_nulls(prompts, "source").take(rest),
             "text": prompts["problem"].take(rest),
-            "answer": _string_column(prompts, "answer").take(rest).cast(pa.string()),
+            "answer": _column_or_nulls(prompts, "answer").take(rest).cast(pa.string()),
         }
     )
     hits = paraphrase_hits(con, sub, items, params)
