@@ -104,6 +104,35 @@ class Bound:
     ok: Callable[[Any], bool]
     message: str
     """The error, formatted with the field's ``key`` and ``value``."""
+    limit: float | None = None
+    """The largest value it allows (``AtMost``); None: no upper limit of its own."""
+
+
+def AtMost(limit: float) -> Bound:
+    """An upper limit of a number field (``Annotated[int, Positive, AtMost(65_536)]``): sizes, counts,
+    steps and seconds far past any real use are refused before anything runs."""
+    return Bound(
+        lambda v: v <= limit,
+        f"{{key}}={{value}} is above the limit of {limit:,}; set {{key}} to at most {limit:,}",
+        limit=limit,
+    )
+
+
+@dataclass(frozen=True)
+class MaxLen:
+    """The most items of a list field, or characters of a string field (``Annotated[list[int],
+    MaxLen(64)]``), checked on the whole value before its items. A field without one is held to
+    ``MAX_ITEMS`` items or ``MAX_CHARS`` characters."""
+
+    most: int
+
+
+MAX_ITEMS = 256
+"""Items of a list field that declares no ``MaxLen``."""
+MAX_CHARS = 4096
+"""Characters of a string (and of each string in a list) that declares no ``MaxLen`` (PATH_MAX)."""
+MAX_INT = 2**31 - 1
+"""The magnitude of an integer field that declares no ``AtMost``."""
 
 
 Positive = Bound(lambda v: v > 0, "{key}={value} must be > 0; set {key} to a positive value")
@@ -115,6 +144,24 @@ NonPositive = Bound(
     lambda v: v <= 0, "{key}={value} must be <= 0 (a penalty); set {key} to zero or a negative value"
 )
 Unit = Bound(lambda v: 0 <= v <= 1, "{key}={value} must be in [0, 1]; set {key} to a value between 0 and 1")
+# Upper limits shared by many fields: far past any real use, low enough that a typo cannot ask for
+# an allocation, a loop or a wait without end.
+Steps = AtMost(1_000_000)
+"""Optimizer steps, warm-up steps, step intervals."""
+Tokens = AtMost(131_072)
+"""Token lengths (generation limits, sequence lengths)."""
+Batch = AtMost(65_536)
+"""Batch sizes, prompts per step, concurrent sequences."""
+Samples = AtMost(1_024)
+"""Samples per prompt, group sizes, workers, turns, layers and heads."""
+Prompts = AtMost(10_000_000)
+"""Counts of prompts, problems or trials."""
+Threads = AtMost(1_024)
+Seed = AtMost(2**31 - 1)
+Seconds = AtMost(86_400)
+"""Time limits: one day."""
+Megabytes = AtMost(1_048_576)
+"""Sizes in MB: one TiB."""
 
 
 @dataclass
@@ -126,11 +173,13 @@ class LoraConfig:
     the lineage, and RL publishes only the adapter tensors to the rollouts. Off by default."""
 
     enabled: bool = False
-    rank: Annotated[int, Positive] = 16
+    rank: Annotated[int, Positive, Batch] = 16
     alpha: Annotated[float, Positive] = 32.0
     """The adapter's output is scaled by alpha / rank."""
     dropout: Annotated[float, Fraction] = 0.0
-    target_modules: list[str] = field(default_factory=lambda: list(LLAMA_LINEAR_MODULES))
+    target_modules: Annotated[list[str], MaxLen(64)] = field(
+        default_factory=lambda: list(LLAMA_LINEAR_MODULES)
+    )
     stages: Annotated[list[str], LoraStage] = field(default_factory=lambda: list(LORA_STAGES))
     """Which training stages train adapters (the others train every weight of what they start from:
     an adapter they start from is merged first). The tiny default model starts from random weights,
@@ -147,15 +196,15 @@ class ModelConfig:
 
     kind: Annotated[str, ModelKind] = "tiny"
     path: str | None = None
-    hidden_size: Annotated[int, Positive] = 128
-    intermediate_size: Annotated[int, Positive] = 384
-    num_layers: Annotated[int, Positive] = 4
-    num_heads: Annotated[int, Positive] = 8
+    hidden_size: Annotated[int, Positive, Batch] = 128
+    intermediate_size: Annotated[int, Positive, AtMost(262_144)] = 384
+    num_layers: Annotated[int, Positive, Samples] = 4
+    num_heads: Annotated[int, Positive, Samples] = 8
     """Eight heads of 16 dimensions: with four of 32 the warm-up learned to copy operands from the
     prompt on some seeds only (seed 1: loss 0.231 and held-out 0.190 after 800 steps; with eight,
     loss 0.099 and 0.442; benchmarks/results/default_run/)."""
-    num_kv_heads: Annotated[int, Positive] = 4
-    max_seq_len: Annotated[int, Positive] = 160
+    num_kv_heads: Annotated[int, Positive, Samples] = 4
+    max_seq_len: Annotated[int, Positive, Tokens] = 160
     rope_theta: Annotated[float, Positive] = 10000.0
     lora: LoraConfig = field(default_factory=LoraConfig)
 
@@ -174,7 +223,7 @@ class SourceConfig:
     id_field: str | None = None
     level_field: str | None = None
     subject_field: str | None = None
-    extra_fields: list[str] = field(default_factory=list)
+    extra_fields: Annotated[list[str], MaxLen(64)] = field(default_factory=list)
     split: str = "train"
 
 
@@ -184,10 +233,10 @@ class DataConfig:
     and adds ``sources``; ``source=files`` takes only ``sources`` (``data=math`` is one such preset)."""
 
     source: Annotated[str, DataSource] = "arith"
-    sources: list[SourceConfig] = field(default_factory=list)
-    pool_size: Annotated[int, Positive] = 6000
-    heldout_size: Annotated[int, Positive] = 300
-    levels: list[int] = field(default_factory=lambda: [1, 2, 3, 4, 5])
+    sources: Annotated[list[SourceConfig], MaxLen(64)] = field(default_factory=list)
+    pool_size: Annotated[int, Positive, Prompts] = 6000
+    heldout_size: Annotated[int, Positive, AtMost(100_000)] = 300
+    levels: Annotated[list[int], MaxLen(64)] = field(default_factory=lambda: [1, 2, 3, 4, 5])
     demo_error_rate: Annotated[float, Fraction] = 0.15
     """Per-step chance that a warm-up demonstration's result is off by 1-2 (an imperfect teacher);
     gold solutions and answers stay exact. RL with the verifier is what corrects the slips."""
@@ -201,7 +250,7 @@ class DataConfig:
     a geometric number of times (each further one with this probability, at most 3). Pure length and
     repetition, no information: the task where length shaping has something to do
     (benchmarks/reward_length.py, docs/rewards.md). 0 keeps the demonstrations as they are."""
-    max_prompt_chars: Annotated[int, Positive] = 16384
+    max_prompt_chars: Annotated[int, Positive, AtMost(1_048_576)] = 16384
     """Ingest quarantines a problem longer than this (after normalisation) with the reason
     "problem too long": the engines pad every batch to its longest prompt, so one huge row would
     ask for a huge allocation. The longest vendored prompt has 4,308 characters (MATH train; the
@@ -209,19 +258,22 @@ class DataConfig:
     verifiability: Annotated[str, Verifiability] = "short_form"
     """Ingest quarantines a row whose reference answer the verifier cannot check (a proof, a
     multi-part answer, a free-text sentence: "unverifiable answer: <kind> (...)"); ``off`` keeps it."""
+    allow_empty: bool = False
+    """A pool with no rows, or none ingest keeps (every row quarantined or a duplicate), stops the run
+    with the quarantine reasons (``laminar run --allow-empty`` sets this to go on with it)."""
 
 
 @dataclass
 class SFTConfig:
     """Warm-up supervised fine-tuning on the prompt pool's demonstrations (of ``levels``)."""
 
-    steps: int = 800
-    batch_size: Annotated[int, Positive] = 32
+    steps: Annotated[int, Steps] = 800
+    batch_size: Annotated[int, Positive, Batch] = 32
     lr: Annotated[float, Positive] = 3e-3
-    warmup_steps: Annotated[int, NonNegative] = 20
+    warmup_steps: Annotated[int, NonNegative, Steps] = 20
     weight_decay: Annotated[float, NonNegative] = 0.0
     max_grad_norm: Annotated[float, Positive] = 1.0
-    levels: list[int] = field(default_factory=lambda: [1, 2, 3, 4, 5])
+    levels: Annotated[list[int], MaxLen(64)] = field(default_factory=lambda: [1, 2, 3, 4, 5])
 
 
 @dataclass
@@ -231,21 +283,21 @@ class RLConfig:
 
     algorithm: Annotated[str, Algorithm] = "grpo"
     mode: Annotated[str, Mode] = "sync"
-    steps: int = 60
+    steps: Annotated[int, Steps] = 60
     """Optimizer updates. The default task's RL adds most of its accuracy in the first 60
     (benchmarks/results/default_run/); more steps cost about 1.5 s each on 2 cores."""
-    prompts_per_step: Annotated[int, Positive] = 16
-    group_size: int = 8
+    prompts_per_step: Annotated[int, Positive, Batch] = 16
+    group_size: Annotated[int, Samples] = 8
     lr: Annotated[float, Positive] = 1e-4
-    max_new_tokens: Annotated[int, Positive] = 64
+    max_new_tokens: Annotated[int, Positive, Tokens] = 64
     temperature: Annotated[float, Positive] = 1.0
     max_grad_norm: Annotated[float, Positive] = 1.0
     weight_decay: Annotated[float, NonNegative] = 0.0
-    minibatches: Annotated[int, Positive] = 1
+    minibatches: Annotated[int, Positive, Samples] = 1
     """Optimizer steps per collected batch (verl's ppo_mini_batch split). With 1 the update is
     on-policy and the clip bounds never bind; with more, later steps are clipped against the
     proximal log-probs taken before the first."""
-    micro_batch_tokens: int = 8192
+    micro_batch_tokens: Annotated[int, AtMost(16_777_216)] = 8192
     """The trainer splits each optimizer step's sequences into length-sorted micro-batches of at most
     this many padded tokens and accumulates their gradients (the loss weights keep it equal to one
     big batch): a few long responses no longer pad every short one. 0 = one batch."""
@@ -258,7 +310,7 @@ class RLConfig:
     clip_high: Annotated[float | None, NonNegative] = None
     dual_clip: Annotated[float | None, NonNegative] = None
     dynamic_sampling: bool | None = None
-    max_sampling_rounds: int | None = None
+    max_sampling_rounds: Annotated[int | None, Samples] = None
     overlong_shaping: bool | None = None
     overlong_filter: bool | None = None
     kl_coef: Annotated[float | None, NonNegative] = None
@@ -278,7 +330,7 @@ class RLConfig:
     """Weight of the critic's clipped value loss."""
     value_clip: Annotated[float | None, NonNegative] = None
     """Clip range of the value loss around the values before the update (verl: 0.5)."""
-    value_warmup_steps: Annotated[int | None, NonNegative] = None
+    value_warmup_steps: Annotated[int | None, NonNegative, Steps] = None
     """The first N updates train the critic only; the policy stays fixed (VC-PPO's value pre-training)."""
     nll_coef: Annotated[float | None, NonNegative] = None
     """Weight of an NLL loss on positive-reward responses (VAPO: 0.1)."""
@@ -287,7 +339,7 @@ class RLConfig:
     entropy_target: Annotated[float | None, NonNegative] = None
     """With a target, the coefficient adapts each update: ``c += entropy_adapt_rate * (target - H)``,
     kept >= 0 (null: a fixed coefficient)."""
-    ref_reset_every: Annotated[int | None, NonNegative] = None
+    ref_reset_every: Annotated[int | None, NonNegative, Steps] = None
     """Reset the KL reference (and the optimizer's moments) to the current policy every N updates
     (ProRL); 0: the reference stays the RL-start weights."""
     entropy_adapt_rate: Annotated[float, NonNegative] = 0.01
@@ -305,34 +357,34 @@ class RLConfig:
     critic_path: str | None = None
     """A local Hugging Face model folder the critic starts from (its tokenizer must be the policy's);
     null: a copy of the RL-start policy."""
-    overlong_cache_len: int = 16
+    overlong_cache_len: Annotated[int, Tokens] = 16
     """DAPO's soft-punishment buffer L_cache, in tokens before ``max_new_tokens`` (the DAPO paper uses
     4,096 of 20,480; here 16 of 64, the same order of share)."""
-    eval_every: int = 20
+    eval_every: Annotated[int, Steps] = 20
     """Evaluate ``eval.benchmarks`` inside the run every N steps (the eval stages cover the start and
     the end); 0 = off."""
     runtime: Annotated[str, Runtime] = "auto"
     """``local``: the local driver, in process (sync only; deterministic metrics on the CPU);
     ``ray``: the Laminar runtime (trainer, relays, rollouts as Ray actors; every mode);
     ``auto``: local for ``mode=sync``, ray otherwise."""
-    max_staleness: int | None = 1
+    max_staleness: Annotated[int | None, Samples] = 1
     """Asynchronous modes: a group generated more than this many versions behind the trainer is
     regenerated instead of trained on (null: no bound, as in the Laminar paper). On the default task
     a bound of 4 cost 0.05 held-out accuracy over 3 seeds; 1 matches sync (benchmarks/modes_accuracy.py)."""
-    admit_lag: int = 1
+    admit_lag: Annotated[int, Samples] = 1
     """``laminar``: a rollout keeps admitting prompts under its weights until the trainer is this many
     versions ahead, then drains (finishes what it has, pulls the latest). 1 = stop at the first newer
     version; larger values keep rollouts full through updates (the Laminar paper's rollouts pull when their
     batch is done) at the price of staleness. At most ``max_staleness`` (checked); below it, or what
     is admitted late tends to be regenerated as too stale."""
-    rollout_capacity: Annotated[int, Positive] = 64
+    rollout_capacity: Annotated[int, Positive, Batch] = 64
     """Concurrent sequences per rollout (continuous batching)."""
-    chunk_steps: Annotated[int, Positive] = 8
+    chunk_steps: Annotated[int, Positive, Tokens] = 8
     """Decode steps per rollout call between the manager's looks (occupancy, pulls, repacks)."""
-    repack_interval_s: Annotated[float, Positive] = 0.5
-    repack_b: int = 0
+    repack_interval_s: Annotated[float, Positive, Seconds] = 0.5
+    repack_b: Annotated[int, Batch] = 0
     """Repack's B: the batch below which decoding is memory-bound; 0 = ``rollout_capacity``."""
-    checkpoint_every: int = 10
+    checkpoint_every: Annotated[int, Steps] = 10
     """An atomic checkpoint every N updates (0 = off), by either driver; a rerun resumes from the last."""
 
     def uses_ray(self) -> bool:
@@ -355,7 +407,7 @@ class BenchmarkFileConfig:
     level_field: str | None = None
     subject_field: str | None = None
     split: str = "test"
-    template: str | None = None
+    template: Annotated[str | None, MaxLen(65_536)] = None
     """The prompt template (with ``{problem}``); None: the vendored benchmarks' \\boxed{} instruction."""
     score_with: list[str] = field(default_factory=lambda: ["math_verify"])
     """Reward components (short names or ``module:attr``) whose scores are reported beside the verdict."""
@@ -374,15 +426,15 @@ class BenchmarkFileConfig:
 class EvalConfig:
     """Held-out evaluation of checkpoints: ``n_samples`` sampled responses per problem (avg@n)."""
 
-    benchmarks: list[Any] = field(default_factory=lambda: ["arith_heldout"])
+    benchmarks: Annotated[list[Any], MaxLen(64)] = field(default_factory=lambda: ["arith_heldout"])
     """Each a vendored benchmark's name or a :class:`BenchmarkFileConfig` (``{name, path, ...}``)."""
-    n_samples: Annotated[int, Positive] = 4
+    n_samples: Annotated[int, Positive, Samples] = 4
     temperature: Annotated[float, Positive] = 1.0
-    max_new_tokens: Annotated[int, Positive] = 64
-    batch_size: Annotated[int, Positive] = 256
-    verifier_timeout_s: Annotated[float, Positive] = 5.0
+    max_new_tokens: Annotated[int, Positive, Tokens] = 64
+    batch_size: Annotated[int, Positive, Batch] = 256
+    verifier_timeout_s: Annotated[float, Positive, Seconds] = 5.0
     """Per-answer limit of the math-verify worker (the RL reward uses the same verifier and limit)."""
-    max_problems: int = 0
+    max_problems: Annotated[int, Prompts] = 0
     """Evaluate a seeded subset of at most this many problems per benchmark (drawn with ``seed`` and
     the benchmark's name, the same for every checkpoint); 0 = every problem. Part of the cache key,
     and printed with every score ("100 of 1319 problems")."""
@@ -416,13 +468,13 @@ class TemplateConfig:
 
 @dataclass
 class DecontamConfig:
-    ngram: Annotated[int, Positive] = 13
+    ngram: Annotated[int, Positive, Samples] = 13
     """Token n-gram length (words, numbers and punctuation are tokens); a text shorter than this is
     one gram."""
     min_coverage: Annotated[float, Share] = 0.7
     """A prompt is contaminated when the n-grams it shares with a benchmark item cover at least this
     share of the item's tokens (one shared 13-gram alone flags LaTeX boilerplate: 1,299 of MATH train)."""
-    benchmarks: list[str] = field(default_factory=list)
+    benchmarks: Annotated[list[str], MaxLen(64)] = field(default_factory=list)
     """Benchmarks to check the pool against besides ``eval.benchmarks`` (ones you will score later
     with ``laminar eval``: a score on a benchmark the pool was not checked against is certified
     ``not-checked``)."""
@@ -434,20 +486,20 @@ class DecontamConfig:
     prompt is flagged whatever its answer."""
     paraphrase_moderate: float = 0.6
     """Paraphrase score at which a prompt is flagged when its canonical answer equals the item's."""
-    paraphrase_ngram: Annotated[int, Positive] = 3
+    paraphrase_ngram: Annotated[int, Positive, AtMost(64)] = 3
     """Skeleton n-gram length of the paraphrase shingles (numbers, symbols and LaTeX in order)."""
-    paraphrase_num_perm: int = 128
-    paraphrase_bands: int = 64
+    paraphrase_num_perm: Annotated[int, AtMost(4_096)] = 128
+    paraphrase_bands: Annotated[int, AtMost(4_096)] = 64
     """LSH bands (num_perm / bands rows each): 64 x 2 finds pairs down to Jaccard ~0.3."""
 
 
 @dataclass
 class DifficultyConfig:
-    samples: Annotated[int, Positive] = 4
-    max_prompts: int = 1500
+    samples: Annotated[int, Positive, Samples] = 4
+    max_prompts: Annotated[int, Prompts] = 1500
     """Prompts sampled (a seeded subset of the pool when larger); 0 = all."""
     temperature: Annotated[float, Positive] = 1.0
-    max_new_tokens: Annotated[int, Positive] = 64
+    max_new_tokens: Annotated[int, Positive, Tokens] = 64
 
 
 @dataclass
@@ -455,11 +507,11 @@ class DartConfig:
     """Difficulty-aware rejection sampling (DART) for the RFT dataset."""
 
     strategy: Annotated[str, DartStrategy] = "prop2diff"
-    k_u: Annotated[int, Positive] = 4
-    k_p: Annotated[int, Positive] = 8
-    max_trials: int = 32
-    budget: int = 4000
-    round_size: Annotated[int, Positive] = 2048
+    k_u: Annotated[int, Positive, Samples] = 4
+    k_p: Annotated[int, Positive, Samples] = 8
+    max_trials: Annotated[int, AtMost(4_096)] = 32
+    budget: Annotated[int, Prompts] = 4000
+    round_size: Annotated[int, Positive, AtMost(1_000_000)] = 2048
     temperature: Annotated[float, Positive] = 1.0
     check_arithmetic: bool = True
     """Accept a response only if, besides the right final answer, every integer equation it states
@@ -477,14 +529,14 @@ class DartConfig:
 class RFTConfig:
     """Rejection fine-tuning on DART's correct responses; ``steps=0`` passes the model through."""
 
-    steps: int = 30
+    steps: Annotated[int, Steps] = 30
     """About one pass over DART's accepted responses at the default budget. Longer RFT on the default
     task (200 steps, several passes) solved the held-out set's easy levels outright and left the policy
     nearly deterministic (entropy 0.006), and RL from there lost accuracy on every seed
     (benchmarks/results/default_run/)."""
-    batch_size: Annotated[int, Positive] = 32
+    batch_size: Annotated[int, Positive, Batch] = 32
     lr: Annotated[float, Positive] = 1e-3
-    warmup_steps: Annotated[int, NonNegative] = 10
+    warmup_steps: Annotated[int, NonNegative, Steps] = 10
 
 
 @dataclass
@@ -492,8 +544,8 @@ class SelectConfig:
     """HIVE: coarse learning-edge selection before RL, online pruning during RL."""
 
     strategy: Annotated[str, SelectStrategy] = "hive"  # uniform: every curated prompt, no online pruning
-    max_prompts: int | None = None
-    history_prompts: int | None = 750
+    max_prompts: Annotated[int | None, Prompts] = None
+    history_prompts: Annotated[int | None, Prompts] = 750
     """Pool prompts sampled with the model RL starts from (stage ``difficulty_rft``, k =
     ``curation.difficulty.samples`` each) for the learning edge, at most
     ``curation.difficulty.max_prompts`` when that is set (so a small test config scales both down):
@@ -538,16 +590,16 @@ class ClusterConfig:
     CPUs per role are Ray logical resources (fractions allowed)."""
 
     address: str | None = None
-    num_cpus: int | None = None
-    rollouts: Annotated[int, Positive] = 2
+    num_cpus: Annotated[int | None, Positive, AtMost(1_048_576)] = None
+    rollouts: Annotated[int, Positive, AtMost(4_096)] = 2
     trainer_cpus: Annotated[float, NonNegative] = 0.5
     rollout_cpus: Annotated[float, NonNegative] = 0.5
     relay_cpus: Annotated[float, NonNegative] = 0.05
-    actor_threads: Annotated[int, Positive] = 1
+    actor_threads: Annotated[int, Positive, Threads] = 1
     """torch threads per rollout (and per trainer, unless ``trainer_threads`` is set)."""
-    trainer_threads: int = 0
+    trainer_threads: Annotated[int, NonNegative, Threads] = 0
     """torch threads of the trainer; 0 = ``actor_threads``."""
-    driver_threads: int = 1
+    driver_threads: Annotated[int, Threads] = 1
     """torch threads of the driver process while the Ray roles run (HIVE's prompt entropy and the
     in-run evaluation run there, beside the actors); 0 = keep the process's (``threads``). On the
     2-core default task a driver on both threads cost 46 CPU-s of spinning against 33 on one."""
@@ -556,18 +608,18 @@ class ClusterConfig:
     (Linux SCHED_IDLE: rollouts run on every cycle the trainer and the driver leave, and never slow
     the trainer, the critical path of the asynchronous modes), ``low`` (10 more niceness than Ray's
     workers) or ``normal`` (Ray's worker niceness, like the trainer). Lowering is unprivileged."""
-    trainer_node: int = 0
+    trainer_node: Annotated[int, NonNegative, AtMost(65_535)] = 0
     """Node index (0 = head) of a single-rank trainer."""
     trainer_strategy: Annotated[str, PlacementStrategy] = "PACK"
     """Placement of several trainer ranks (``trainer.ranks`` > 1): a Ray placement group with this
     strategy (PACK, SPREAD, STRICT_PACK, STRICT_SPREAD)."""
-    rollout_nodes: list[int] = field(default_factory=list)
+    rollout_nodes: Annotated[list[int], MaxLen(4_096), AtMost(65_535)] = field(default_factory=list)
     """Node indices the rollouts go to, round-robin (empty: every node, head first)."""
     rollout_gpus: Annotated[float, NonNegative] = 0.0
     """GPUs per rollout actor (Ray resource; a vLLM rollout needs 1), and ``trainer_gpus`` per trainer
     rank."""
     trainer_gpus: Annotated[float, NonNegative] = 0.0
-    max_restarts: int = 3
+    max_restarts: Annotated[int, Samples] = 3
 
 
 @dataclass
@@ -581,7 +633,7 @@ class RolloutConfig:
     engine: Annotated[str, EngineKind] = "torch"
     dtype: Annotated[str, Dtype] = "auto"
     """auto = bf16 on CUDA, the checkpoint's dtype on the CPU; float32 | bfloat16 | float16."""
-    sync_every: int = 0
+    sync_every: Annotated[int, Tokens] = 0
     """Decode steps between host syncs (finished rows leave then); 0 = 8 on CUDA, 1 on the CPU."""
     static_cache: bool = False
     """Fixed-shape decode over a static slot KV cache (``generation/rows.py``: ``SlotRows``)."""
@@ -603,7 +655,7 @@ class TrainerConfig:
 
     backend: Annotated[str, TrainerBackend] = "torch"
     deepspeed: str = "zero2"
-    ranks: Annotated[int, Positive] = 1
+    ranks: Annotated[int, Positive, AtMost(4_096)] = 1
     dist_backend: Annotated[str, DistBackend] = "auto"
     """torch.distributed backend of the trainer group: auto = nccl on CUDA, gloo on the CPU."""
 
@@ -635,19 +687,19 @@ class TrackingConfig:
 class SandboxLimits:
     """Per-run limits of ``environments.sandbox.run`` (docs/sandbox.md)."""
 
-    cpu_s: Annotated[float, Positive] = 5.0
+    cpu_s: Annotated[float, Positive, Seconds] = 5.0
     """RLIMIT_CPU: CPU seconds of each process (SIGXCPU at the limit, SIGKILL one second later)."""
-    memory_mb: Annotated[int, Positive] = 512
+    memory_mb: Annotated[int, Positive, Megabytes] = 512
     """RLIMIT_AS of each process, and the memory cgroup's limit for the whole run where it can be set."""
-    processes: Annotated[int, Positive] = 32
+    processes: Annotated[int, Positive, Batch] = 32
     """Processes and threads of the run: the pids cgroup's limit where it can be set, and RLIMIT_NPROC."""
-    file_size_mb: Annotated[int, Positive] = 16
+    file_size_mb: Annotated[int, Positive, Megabytes] = 16
     """RLIMIT_FSIZE: the largest file a process may write."""
-    open_files: Annotated[int, Positive] = 64
+    open_files: Annotated[int, Positive, Batch] = 64
     """RLIMIT_NOFILE."""
-    output_bytes: Annotated[int, Positive] = 1_000_000
+    output_bytes: Annotated[int, Positive, AtMost(1_073_741_824)] = 1_000_000
     """Bytes kept of stdout and of stderr each; a run that writes more is killed (``killed_by='output'``)."""
-    tmpfs_mb: Annotated[int, Positive] = 64
+    tmpfs_mb: Annotated[int, Positive, Megabytes] = 64
     """Size of the private working folder and of ``/tmp`` (bubblewrap backend)."""
 
 
@@ -659,7 +711,7 @@ class SandboxConfig:
 
     backend: Annotated[str, SandboxBackendName] = "bubblewrap"
     allow_unsafe: bool = False
-    timeout_s: Annotated[float, Positive] = 10.0
+    timeout_s: Annotated[float, Positive, Seconds] = 10.0
     """Wall-clock limit of one run; past it the whole sandbox is killed (``killed_by='wall'``)."""
     limits: SandboxLimits = field(default_factory=SandboxLimits)
 
@@ -774,12 +826,12 @@ class RewardComponentConfig:
     r0_wrong: Annotated[float | None, Finite] = None
     rl_wrong: Annotated[float | None, Finite] = None
     r_exceed: Annotated[float | None, Finite] = None
-    max_len: Annotated[int | None, Positive] = None
-    ngram: Annotated[int | None, Positive] = None
+    max_len: Annotated[int | None, Positive, Tokens] = None
+    ngram: Annotated[int | None, Positive, Samples] = None
     max_penalty: Annotated[float | None, NonPositive] = None
-    cache_len: Annotated[int | None, Positive] = None
+    cache_len: Annotated[int | None, Positive, Tokens] = None
     score: Annotated[str | None, CodeTestsScore] = None
-    timeout_s: Annotated[float | None, Positive] = None
+    timeout_s: Annotated[float | None, Positive, Seconds] = None
     normalize: Annotated[str | None, RewardModelNormalize] = None
     clip: Annotated[float | None, Positive] = None
     suffix: str | None = None
@@ -814,7 +866,9 @@ class RewardConfig:
     total. Options: ``reward=verifier`` (the default: the verifier alone), ``reward=long_cot``,
     ``reward=code`` (a code pool's tests)."""
 
-    components: list[RewardComponentConfig] = field(default_factory=lambda: [RewardComponentConfig()])
+    components: Annotated[list[RewardComponentConfig], MaxLen(32)] = field(
+        default_factory=lambda: [RewardComponentConfig()]
+    )
 
     def verdict(self, default: str = "math_verify") -> RewardComponentConfig:
         """The component that judges correctness: the one marked ``verdict: true``, else the one
@@ -844,20 +898,20 @@ class RewardModelConfig:
     out; ``path``: a sequence-classification checkpoint to use instead of training one (it is
     measured on the comparisons all the same)."""
 
-    prompts: Annotated[int, Positive] = 200
-    samples: Annotated[int, Positive] = 4
+    prompts: Annotated[int, Positive, AtMost(1_000_000)] = 200
+    samples: Annotated[int, Positive, Samples] = 4
     temperature: Annotated[float, Positive] = 1.0
-    max_new_tokens: Annotated[int, Positive] = 64
-    annotators: Annotated[int, Positive] = 3
+    max_new_tokens: Annotated[int, Positive, Tokens] = 64
+    annotators: Annotated[int, Positive, Samples] = 3
     flip: Annotated[float, Fraction] = 0.15
     rubric: Annotated[str, Rubric] = "full_stop"
     backbone: str = "warmup"
     path: str | None = None
-    steps: Annotated[int, NonNegative] = 200
-    batch_size: Annotated[int, Positive] = 16
+    steps: Annotated[int, NonNegative, Steps] = 200
+    batch_size: Annotated[int, Positive, Batch] = 16
     lr: Annotated[float, Positive] = 1e-3
     heldout_share: Annotated[float, Fraction] = 0.2
-    max_len: Annotated[int, Positive] = 160
+    max_len: Annotated[int, Positive, Tokens] = 160
 
 
 @dataclass
@@ -873,12 +927,12 @@ class ToolLatencyConfig:
     (0.5 halves the tail, 2 doubles it). The latency counts against ``env.tool_timeout_s``."""
 
     kind: Annotated[str, LatencyKind] = "off"
-    seconds: Annotated[list[float], NonNegative] = field(default_factory=list)
-    probs: Annotated[list[float], Unit] = field(default_factory=list)
-    median_s: Annotated[float, Positive] = 1.0
+    seconds: Annotated[list[float], NonNegative, MaxLen(64), Seconds] = field(default_factory=list)
+    probs: Annotated[list[float], Unit, MaxLen(64)] = field(default_factory=list)
+    median_s: Annotated[float, Positive, Seconds] = 1.0
     sigma: Annotated[float, NonNegative] = 1.0
     tail_scale: Annotated[float, NonNegative] = 1.0
-    seed: int = 0
+    seed: Annotated[int, NonNegative, Seed] = 0
 
     def is_off(self) -> bool:
         return self.kind == "off"
@@ -908,10 +962,10 @@ class EnvConfig:
     (checked by ``tasks.preflight`` before any write; ``environments.registry``)."""
     params: dict[str, Any] = field(default_factory=dict)
     """The environment's own parameters, validated by its ``Params`` model (``core.plugins``)."""
-    max_turns: Annotated[int, Positive] = 1
-    max_tokens: Annotated[int, NonNegative] = 0
-    tool_timeout_s: Annotated[float, Positive] = 10.0
-    tool_workers: Annotated[int, Positive] = 4
+    max_turns: Annotated[int, Positive, Samples] = 1
+    max_tokens: Annotated[int, NonNegative, AtMost(1_048_576)] = 0
+    tool_timeout_s: Annotated[float, Positive, Seconds] = 10.0
+    tool_workers: Annotated[int, Positive, Samples] = 4
     on_error: Annotated[str, OnError] = "fail"
     tool_format: Annotated[str, ToolFormat] = "auto"
     demo_tool_share: Annotated[float, Unit] = 0.5
@@ -927,9 +981,9 @@ class EnvConfig:
 
 @dataclass
 class Config:
-    seed: int = 0
+    seed: Annotated[int, NonNegative, Seed] = 0
     device: Annotated[str, Device] = "cpu"
-    threads: int = 0
+    threads: Annotated[int, NonNegative, Threads] = 0
     """torch threads of the stages that train or sample (0 = torch's default: OMP_NUM_THREADS, else one
     per core). Float results depend on it, so the resolved count is part of those stages' cache keys:
     ``threads=1`` and ``threads=2`` compute (and cache) their own results
@@ -989,16 +1043,40 @@ def _declared(cls: type) -> dict[str, tuple[Any, ...]]:
 
 def _check_declared(node: Any, prefix: str = "") -> None:
     """The declared names and bounds of every field under ``node``, in field order; a list field's
-    rules apply to each item, and sections (lists of sections too) are walked."""
+    rules apply to each item, and sections (lists of sections too) are walked. Every value is bounded
+    first: a list's items and a string's characters (``MaxLen``, else ``MAX_ITEMS`` / ``MAX_CHARS``),
+    an integer's magnitude (``MAX_INT``) and a float's finiteness."""
     for f in fields(node):
         key, value = prefix + f.name, getattr(node, f.name)
+        rules = _declared(type(node))[f.name]
+        capped = any(isinstance(r, Bound) and r.limit is not None for r in rules)
+        _check_size(key, value, next((r.most for r in rules if isinstance(r, MaxLen)), None), capped)
         items = value if isinstance(value, list) else [value]
-        for rule in _declared(type(node))[f.name]:
-            for item in items:
+        for rule in rules:
+            for item in items if not isinstance(rule, MaxLen) else ():
                 _check_rule(key, item, rule)
         for i, item in enumerate(items):
             if is_dataclass(item):
                 _check_declared(item, f"{key}[{i}]." if isinstance(value, list) else f"{key}.")
+
+
+def _check_size(key: str, value: object, most: int | None, capped: bool = False) -> None:
+    """The bounds every value has, declared or not (the value itself is never echoed: it may be huge);
+    ``capped``: the field declares its own ``AtMost``, checked after this."""
+    if isinstance(value, list):
+        limit = most or MAX_ITEMS
+        if len(value) > limit:
+            raise ConfigError(f"{key} lists {len(value):,} items; it takes at most {limit:,}")
+        for item in value:
+            _check_size(key, item, None, capped)
+    elif isinstance(value, str):
+        limit = most or MAX_CHARS
+        if len(value) > limit:
+            raise ConfigError(f"{key} is {len(value):,} characters long; it takes at most {limit:,}")
+    elif isinstance(value, int) and not isinstance(value, bool) and abs(value) > MAX_INT and not capped:
+        raise ConfigError(f"{key}={value} is out of range; an integer key takes at most {MAX_INT:,}")
+    elif isinstance(value, float):
+        _finite(key, value)
 
 
 def _check_rule(key: str, value: object, rule: object) -> None:

@@ -78,8 +78,9 @@ class PythonSession:
     name = "python_session"
     Params = Params
 
-    def __init__(self, tokenizer, params: Params | None = None, env=None):
+    def __init__(self, tokenizer, params: Params | None = None, env=None, sandbox=None):
         self.params = params if params is not None else Params()
+        self.sandbox = sandbox
         self.tool = SessionTool()
         self.format = call_format(tokenizer, [self.tool], getattr(env, "tool_format", "auto"))
 
@@ -89,7 +90,7 @@ class PythonSession:
     def run(self, cells: list[str]) -> sandbox.SandboxResult:
         """The session's ``cells`` replayed in one fresh sandbox run; the last one's output is the result."""
         files = {"cells.json": json.dumps(cells)}
-        return sandbox.run(SESSION_MAIN, files=files, timeout_s=self.params.timeout_s)
+        return sandbox.run(SESSION_MAIN, files=files, timeout_s=self.params.timeout_s, config=self.sandbox)
 
     def step(self, state: State, turn: Turn) -> StepResult:
         call = self.format.parse(turn.text)

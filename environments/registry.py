@@ -19,6 +19,7 @@ from collections.abc import Mapping
 from types import MappingProxyType
 from typing import Any
 
+from conf.schema import SandboxConfig
 from core import plugins
 from environments.base import Environment
 from environments.calculator import Calculator
@@ -45,11 +46,13 @@ def calculator(tokenizer, params, env) -> Environment:
     return ToolEnvironment("calculator", [Calculator()], tokenizer, env.tool_format)
 
 
-def calculator_sandbox(tokenizer, params, env) -> Environment:
-    """``calculator`` with each call evaluated in the sandbox (``environments.tools.SandboxCalculator``)."""
+def calculator_sandbox(tokenizer, params, env, sandbox: SandboxConfig | None = None) -> Environment:
+    """``calculator`` with each call evaluated in the sandbox (``environments.tools.SandboxCalculator``)
+    under the run's ``sandbox`` settings (None: the defaults)."""
     from environments.tools import SandboxCalculator
 
-    return ToolEnvironment("calculator_sandbox", [SandboxCalculator()], tokenizer, env.tool_format)
+    tool = SandboxCalculator(sandbox or SandboxConfig())
+    return ToolEnvironment("calculator_sandbox", [tool], tokenizer, env.tool_format)
 
 
 def resolve(env_cfg) -> tuple[str, Any, Any]:
@@ -100,11 +103,15 @@ def _check_methods(target: str, obj: Any, bound: bool) -> None:
             pass
 
 
-def make_environment(env_cfg, tokenizer) -> Environment:
-    """The environment ``env_cfg`` names, built for ``tokenizer`` and checked for the interface."""
+def make_environment(env_cfg, tokenizer, sandbox: SandboxConfig | None = None) -> Environment:
+    """The environment ``env_cfg`` names, built for ``tokenizer`` and checked for the interface; a
+    factory that takes a ``sandbox`` keyword gets the run's sandbox settings (for tools that run code)."""
     target, factory, params = resolve(env_cfg)
     try:
-        env = factory(tokenizer, params, env_cfg)
+        if _takes_sandbox(factory):
+            env = factory(tokenizer, params, env_cfg, sandbox=sandbox)
+        else:
+            env = factory(tokenizer, params, env_cfg)
     except plugins.PluginError:
         raise
     except Exception as e:  # noqa: BLE001 - a user's factory failing is reported in one line
@@ -120,12 +127,20 @@ def make_environment(env_cfg, tokenizer) -> Environment:
     return env
 
 
-def wrap_engine(engine, env_cfg, tokenizer=None):
+def _takes_sandbox(factory) -> bool:
+    try:
+        return "sandbox" in inspect.signature(factory).parameters
+    except (TypeError, ValueError):
+        return False
+
+
+def wrap_engine(engine, env_cfg, tokenizer=None, sandbox: SandboxConfig | None = None):
     """``engine`` as it is for ``single_turn`` (or no ``env_cfg``); else an ``EpisodeEngine`` running
-    the configured environment's episodes on it (``tokenizer``: the engine's, by default)."""
+    the configured environment's episodes on it (``tokenizer``: the engine's, by default; ``sandbox``:
+    the run's sandbox settings, for its tools)."""
     if env_cfg is None or env_cfg.is_default():
         return engine
     tokenizer = tokenizer if tokenizer is not None else engine.tokenizer
     return EpisodeEngine(
-        engine, make_environment(env_cfg, tokenizer), tokenizer, EpisodeLimits.from_config(env_cfg)
+        engine, make_environment(env_cfg, tokenizer, sandbox), tokenizer, EpisodeLimits.from_config(env_cfg)
     )

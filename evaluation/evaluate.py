@@ -14,7 +14,7 @@ import torch
 from evaluation.benchmarks import BenchmarkItem, build_prompt
 from evaluation.code_benchmarks import CODE_TEMPLATES, code_verdicts
 from evaluation.metrics import reranked_accuracy, shaping_metrics, summarize
-from conf.schema import RewardComponentConfig
+from conf.schema import RewardComponentConfig, SandboxConfig
 from rewards.components import Sample
 from rewards.compose import MATH_VERIFY, REWARD_MODEL, build_component, safe_scores
 from rewards.verifier import Verifier
@@ -66,6 +66,7 @@ def evaluate_items(
     score_with: Mapping[str, Sequence[str]] | None = None,
     components: Sequence = (),
     judges: Mapping[str, object] | None = None,
+    sandbox: SandboxConfig | None = None,
 ) -> list[EvalRow]:
     """One row per (item, sample). ``templates`` maps a benchmark to its prompt template
     (None = the registry default). Prompts longer than the model's context are still sampled (a
@@ -76,7 +77,8 @@ def evaluate_items(
     (or a code benchmark's tests), each other component's score is kept per row (``EvalRow.terms``).
     ``components``: built reward components that score every benchmark (the learned reward model).
     ``judges``: benchmark -> its verdict (``rewards.verdicts``: the run's for the pool's held-out set,
-    a file benchmark's own); the others: ``verifier``, or a code benchmark's tests."""
+    a file benchmark's own); the others: ``verifier``, or a code benchmark's tests. ``sandbox``: the
+    run's sandbox settings, for code benchmarks' tests, code components and tools."""
     engine = Engine(model, tokenizer, device=device, batch_size=batch_size)
     prompts = [
         PromptItem(
@@ -94,14 +96,25 @@ def evaluate_items(
     generator = torch.Generator().manual_seed(seed)
     if env is not None and not env.is_default():
         trajectories = _episodes(
-            model, tokenizer, requests, env, max_new_tokens, temperature, generator, device, batch_size
+            model,
+            tokenizer,
+            requests,
+            env,
+            max_new_tokens,
+            temperature,
+            generator,
+            device,
+            batch_size,
+            sandbox,
         )
     else:
         trajectories = engine.generate(requests, max_new_tokens, temperature, generator, progress=progress)
     verdicts = _verdicts(
-        [items[i // n_samples] for i in range(len(trajectories))], trajectories, verifier, judges or {}
+        [items[i // n_samples] for i in range(len(trajectories))], trajectories, verifier, judges, sandbox
     )
-    terms = _terms(items, n_samples, trajectories, verdicts, score_with or {}, max_new_tokens, components)
+    terms = _terms(
+        items, n_samples, trajectories, verdicts, score_with or {}, max_new_tokens, components, sandbox
+    )
     rows = []
     for i, (req, traj, v) in enumerate(zip(requests, trajectories, verdicts)):
         item = items[i // n_samples]  # requests are item-major; ids may repeat across benchmarks
@@ -129,7 +142,7 @@ def evaluate_items(
 
 
 def _terms(
-    items, n_samples, trajectories, verdicts, score_with, max_new_tokens, components=()
+    items, n_samples, trajectories, verdicts, score_with, max_new_tokens, components=(), sandbox=None
 ) -> list[tuple]:
     """Per trajectory, (name, score, failed) for each component of its benchmark's ``score_with``
     other than ``math_verify``, then each of ``components`` (built, scoring every benchmark), scored a
@@ -138,7 +151,8 @@ def _terms(
     out: list[tuple] = [() for _ in trajectories]
     for bench in dict.fromkeys([*score_with, *(it.benchmark for it in items)]):
         named = [n for n in score_with.get(bench, ()) if n != MATH_VERIFY]
-        shaping = [build_component(RewardComponentConfig(name=n)) for n in named] + list(components)
+        built = [build_component(RewardComponentConfig(name=n), sandbox=sandbox) for n in named]
+        shaping = built + list(components)
         idx = [i for i in range(len(trajectories)) if items[i // n_samples].benchmark == bench]
         if not shaping or not idx:
             continue
@@ -161,11 +175,15 @@ def _terms(
 
 
 def _verdicts(
-    items: Sequence[BenchmarkItem], trajectories, verifier, judges: Mapping[str, object] | None = None
+    items: Sequence[BenchmarkItem],
+    trajectories,
+    verifier,
+    judges: Mapping[str, object] | None = None,
+    sandbox=None,
 ) -> list:
     """One verdict per trajectory, by its benchmark's judge: ``judges[benchmark]`` where given, a code
-    benchmark's tests in the sandbox (``code_tests``, ``all_pass``), else the math ``verifier``; each
-    judge sees its benchmark's trajectories as one batch."""
+    benchmark's tests in the sandbox (``code_tests``, ``all_pass``, under ``sandbox``), else the math
+    ``verifier``; each judge sees its benchmark's trajectories as one batch."""
     out: list = [None] * len(trajectories)
     groups: dict[str, list[int]] = {}
     for i, it in enumerate(items):
@@ -176,7 +194,7 @@ def _verdicts(
         if bench in (judges or {}):
             got = judges[bench].verify_batch(texts, golds)
         elif bench in CODE_TEMPLATES:
-            got = code_verdicts(texts, golds)
+            got = code_verdicts(texts, golds, sandbox=sandbox)
         else:
             got = verifier.verify_batch(texts, golds)
         for i, v in zip(idx, got):
@@ -184,7 +202,9 @@ def _verdicts(
     return out
 
 
-def _episodes(model, tokenizer, requests, env, max_new_tokens, temperature, generator, device, batch_size):
+def _episodes(
+    model, tokenizer, requests, env, max_new_tokens, temperature, generator, device, batch_size, sandbox=None
+):
     """Whole episodes of ``env`` for ``requests``: the engine's noise seed drawn from ``generator`` as
     ``Engine.generate`` draws it, ``max_new_tokens`` per turn."""
     from environments.registry import wrap_engine
@@ -199,7 +219,7 @@ def _episodes(model, tokenizer, requests, env, max_new_tokens, temperature, gene
         temperature=temperature,
         seed=seed_from(generator, None),
     )
-    runner = wrap_engine(engine, env, tokenizer)
+    runner = wrap_engine(engine, env, tokenizer, sandbox)
     try:
         return runner.generate(requests)
     finally:

@@ -99,12 +99,14 @@ def evaluate_checkpoint(
     env=None,
     components=(),
     judges: Mapping[str, object] | None = None,
+    sandbox=None,
 ) -> dict:
     """Writes ``rows.parquet`` (one row per problem and sample) and ``summary.json``; returns the
     summary. ``files``: the file benchmarks of ``cfg``, read (each with its own template);
     ``components``: built reward components that score every benchmark (the learned reward model:
     its mean as ``reward/reward_model`` and best-of-n reranked by it as ``rm_best@n``); ``judges``:
-    benchmark -> its verdict (``evaluation.evaluate.evaluate_items``)."""
+    benchmark -> its verdict (``evaluation.evaluate.evaluate_items``); ``sandbox``: the run's
+    ``conf.schema.SandboxConfig``, wherever code runs."""
     import polars as pl
 
     from generation.model import load_model
@@ -135,6 +137,7 @@ def evaluate_checkpoint(
             score_with={name: f.score_with for name, f in files.items()},
             components=components,
             judges=judges,
+            sandbox=sandbox,
         )
     summary = summarize_rows(rows, cfg.n_samples, model_context(model), totals)
     pl.DataFrame(
@@ -171,6 +174,7 @@ def in_run_evaluator(
     files: Mapping[str, FileBenchmark] = NO_FILES,
     env=None,
     judges: Mapping[str, object] | None = None,
+    sandbox=None,
 ):
     """A callback for evaluation every N RL steps:
     ``model -> {"eval_<benchmark>": avg@n, "eval_seconds": s}``. Same items, sampling and verifier as
@@ -199,6 +203,7 @@ def in_run_evaluator(
             env=env,
             score_with={name: f.score_with for name, f in files.items()},
             judges=judges,
+            sandbox=sandbox,
         )
         model.train(was_training)
         out = {f"eval_{b}": s["accuracy"] for b, s in summarize_rows(rows, cfg.n_samples).items()}

@@ -10,7 +10,7 @@ import math
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
-from conf.schema import RewardComponentConfig, RewardConfig
+from conf.schema import RewardComponentConfig, RewardConfig, SandboxConfig
 from rewards.components import Sample
 from rewards.registry import build_component, component_spec
 from rewards.verifier import Verdict, Verifier
@@ -24,7 +24,8 @@ class Scores:
     """One batch's scores. Invariant: every tuple, and each ``terms`` entry, has one item per sample.
     ``terms``: component name -> its unweighted score per sample; ``total``: the weighted sum;
     ``failed``: component name -> per sample, whether it got the component's fallback score (for
-    ``math_verify``: a verdict with an ``error``, scored as wrong)."""
+    ``math_verify``: a verdict with an ``error``, scored as wrong); also ``<name>/<reason>`` for
+    each reason a component gave (``safe_scores``), so ``errors`` counts them per reason."""
 
     verdicts: tuple[Verdict, ...]
     terms: dict[str, tuple[float, ...]]
@@ -50,28 +51,40 @@ class Scores:
 
 
 def safe_scores(
-    component, samples: Sequence[Sample], correct: Sequence[bool]
+    component, samples: Sequence[Sample], correct: Sequence[bool], why: list | None = None
 ) -> tuple[list[float], list[bool]]:
     """The component's scores of the batch and which samples failed: where it raises (or returns a
-    non-finite number) on a sample, that sample gets the component's ``fallback``."""
+    non-finite number) on a sample, that sample gets the component's ``fallback``. A component with
+    ``score_reasons`` (per sample: score and why it failed, None if it did not) says itself which
+    failed; ``why`` (if given) gets each sample's reason."""
+    why = why if why is not None else []
     try:
-        scores = [float(x) for x in component.score(samples, correct)]
+        scores, reasons = _scored(component, samples, correct)
         if len(scores) == len(samples) and all(math.isfinite(x) for x in scores):
-            return scores, [False] * len(samples)
+            why.extend(reasons)
+            return scores, [r is not None for r in reasons]
     except Exception:  # noqa: BLE001 - any failure of a component falls back per sample below
         pass
     out, failed = [], []
     for s, c in zip(samples, correct):
         try:
-            (x,) = component.score([s], [c])
-            x = float(x)
+            (x,), (r,) = _scored(component, [s], [c])
             if not math.isfinite(x):
                 raise ValueError(f"{component.name} scored {x}")
         except Exception:  # noqa: BLE001 - a bad sample gets the documented fallback, never a crash
-            x = None
-        failed.append(x is None)
+            x, r = None, None
+        failed.append(x is None or r is not None)
         out.append(float(component.fallback) if x is None else x)
+        why.append(r)
     return out, failed
+
+
+def _scored(component, samples, correct) -> tuple[list[float], list[str | None]]:
+    """Scores and failure reasons (None: none) of a batch; a reason's sample scores the fallback."""
+    if hasattr(component, "score_reasons"):
+        pairs = list(component.score_reasons(samples, correct))
+        return [float(component.fallback) if r else float(x) for x, r in pairs], [r for _, r in pairs]
+    return [float(x) for x in component.score(samples, correct)], [None] * len(samples)
 
 
 def judge(verdict, samples: Sequence[Sample]) -> tuple[tuple[Verdict, ...], list[float], list[bool]]:
@@ -111,12 +124,17 @@ class Reward:
 
     @classmethod
     def of(
-        cls, verifier, cfg: RewardConfig | None = None, reward_model: str | None = None, template: str = ""
+        cls,
+        verifier,
+        cfg: RewardConfig | None = None,
+        reward_model: str | None = None,
+        template: str = "",
+        sandbox: SandboxConfig | None = None,
     ) -> Reward:
         """The reward ``cfg`` composes (None: the verifier alone) over ``verifier`` (the run's verdict,
         opened by ``rewards.verdicts.open_verdict``); a ``reward_model`` component scores with the
         checkpoint folder ``reward_model`` (None: it describes itself only) and reads prompts put in
-        ``template``."""
+        ``template``; a component that runs code runs it under ``sandbox`` (the run's settings)."""
         cfg = cfg if cfg is not None else RewardConfig([RewardComponentConfig(name=MATH_VERIFY)])
         judge_spec = cfg.verdict()
         weights = {s.name: float(s.weight) for s in cfg.components}
@@ -126,7 +144,7 @@ class Reward:
                 component = getattr(verifier, "component", None)
                 specs[s.name] = component_spec(s, component, True)
                 continue
-            component = build_component(s, reward_model, template)
+            component = build_component(s, reward_model, template, sandbox)
             shaping.append(component)
             specs[s.name] = component_spec(s, component, False)
         return cls(verifier, weights, shaping, judge_spec.name, specs)
@@ -167,8 +185,11 @@ class Reward:
         terms = {self.verdict: tuple(verdict_scores)}
         failed = {self.verdict: tuple(verdict_failed)}
         for comp in self.shaping:
-            scores, flags = safe_scores(comp, samples, correct)
+            why: list = []
+            scores, flags = safe_scores(comp, samples, correct, why)
             terms[comp.name], failed[comp.name] = tuple(scores), tuple(flags)
+            for reason in sorted({r for r in why if r}):
+                failed[f"{comp.name}/{reason}"] = tuple(r == reason for r in why)
         total = tuple(
             sum(self.weights[name] * terms[name][i] for name in self.weights) for i in range(len(samples))
         )
@@ -179,8 +200,9 @@ _registered: dict[str, tuple[type, Callable]] = {}
 
 
 def register_component(name: str, params_cls: type, factory: Callable) -> None:
-    """Kept for modules that announce a built-in at import (``environments.code``): built-ins are
-    listed in ``rewards.registry.REWARDS``, which builds them; this only records the announcement."""
+    """Kept for modules that announce a built-in at import (``environments.code``: ``factory(params,
+    sandbox)``): built-ins are listed in ``rewards.registry.REWARDS``, which builds them; this only
+    records the announcement."""
     _registered[name] = (params_cls, factory)
 
 

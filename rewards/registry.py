@@ -20,7 +20,7 @@ from collections.abc import Callable, Mapping, Sequence
 from types import MappingProxyType
 from typing import Any
 
-from conf.schema import RewardComponentConfig
+from conf.schema import RewardComponentConfig, SandboxConfig
 from core import plugins
 from rewards.components import Sample
 from rewards.verifier import Verdict
@@ -146,19 +146,32 @@ def build_plugin(spec: RewardComponentConfig) -> FunctionComponent | ClassCompon
     return FunctionComponent(obj, spec.name, params, target)
 
 
-def build_builtin(spec: RewardComponentConfig, reward_model: str | None = None, template: str = ""):
+def build_builtin(
+    spec: RewardComponentConfig,
+    reward_model: str | None = None,
+    template: str = "",
+    sandbox: SandboxConfig | None = None,
+):
     """A built-in component from its validated spec (``RewardComponentConfig.params_of``); the learned
-    reward model's over the checkpoint folder ``reward_model``, reading prompts put in ``template``."""
+    reward model's over the checkpoint folder ``reward_model``, reading prompts put in ``template``;
+    ``code_tests`` under the run's ``sandbox`` settings."""
     cls = plugins.load(REWARDS[spec.name])
     if spec.name == "reward_model":
         return cls(spec.params_of(), reward_model, template or "{problem}")
+    if spec.name == "code_tests":
+        return cls(spec.params_of(), sandbox)
     return cls(spec.params_of())
 
 
-def build_component(spec: RewardComponentConfig, reward_model: str | None = None, template: str = ""):
+def build_component(
+    spec: RewardComponentConfig,
+    reward_model: str | None = None,
+    template: str = "",
+    sandbox: SandboxConfig | None = None,
+):
     """The component ``spec`` names: a built-in or a plug-in, through one path."""
     if spec.is_builtin():
-        return build_builtin(spec, reward_model, template)
+        return build_builtin(spec, reward_model, template, sandbox)
     return build_plugin(spec)
 
 

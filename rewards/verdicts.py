@@ -16,7 +16,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass, replace
 from typing import Any
 
-from conf.schema import RewardComponentConfig, RewardConfig
+from conf.schema import RewardComponentConfig, RewardConfig, SandboxConfig
 from rewards.components import Sample
 from rewards.registry import ClassComponent, FunctionComponent, build_component
 from rewards.verifier import Verdict, Verifier, extract_answer
@@ -26,6 +26,13 @@ MATH_VERIFY = "math_verify"
 
 def _one_line(e: BaseException) -> str:
     return " ".join(f"{type(e).__name__}: {e}".split())[:200]
+
+
+@dataclass(frozen=True)
+class _Failed:
+    """A sample the component could not judge, and why."""
+
+    reason: str
 
 
 class ComponentVerdict:
@@ -45,18 +52,22 @@ class ComponentVerdict:
         def batch(chunk: Sequence[Sample]) -> list[Any]:
             if isinstance(self.component, FunctionComponent | ClassComponent):
                 return self.component.results(chunk)  # bools and Verdicts as the plug-in gave them
+            if hasattr(self.component, "score_reasons"):  # code_tests: a failed judging says why
+                pairs = self.component.score_reasons(chunk, [None] * len(chunk))
+                return [_Failed(r) if r else x for x, r in pairs]
             return list(self.component.score(chunk, [None] * len(chunk)))
 
         try:
             out = batch(samples)
             if len(out) == len(samples):
-                return [(x, None) for x in out]
+                return [(None, x.reason) if isinstance(x, _Failed) else (x, None) for x in out]
         except Exception:  # noqa: BLE001 - judged again one sample at a time below
             pass
         raw = []
         for s in samples:
             try:
-                raw.append((batch([s])[0], None))
+                (x,) = batch([s])
+                raw.append((None, x.reason) if isinstance(x, _Failed) else (x, None))
             except Exception as e:  # noqa: BLE001 - a sample that breaks the verdict is judged wrong
                 raw.append((None, _one_line(e)))
         return raw
@@ -141,21 +152,29 @@ def shared_verifier() -> Verifier:
         return module._shared
 
 
-def verdict_of(spec: RewardComponentConfig, timeout_s: float) -> Verifier | ComponentVerdict:
+def verdict_of(
+    spec: RewardComponentConfig, timeout_s: float, sandbox: SandboxConfig | None = None
+) -> Verifier | ComponentVerdict:
     """The verdict ``spec`` names, ready to judge (close it, or use it as a context manager): the math
     verifier for the built-in ``math_verify``, else the component wrapped."""
     if spec.is_builtin() and spec.name == MATH_VERIFY:
         return Verifier(timeout_s=timeout_s)
-    return ComponentVerdict(build_component(spec), spec.threshold)
+    return ComponentVerdict(build_component(spec, sandbox=sandbox), spec.threshold)
 
 
-def open_verdict(cfg: RewardConfig | None, timeout_s: float) -> Verifier | ComponentVerdict:
-    """The run's verdict (``RewardConfig.verdict``; None: the math verifier)."""
+def open_verdict(
+    cfg: RewardConfig | None, timeout_s: float, sandbox: SandboxConfig | None = None
+) -> Verifier | ComponentVerdict:
+    """The run's verdict (``RewardConfig.verdict``; None: the math verifier); code it runs runs under
+    ``sandbox`` (the run's settings)."""
     if cfg is None:
         return Verifier(timeout_s=timeout_s)
-    return verdict_of(cfg.verdict(), timeout_s)
+    return verdict_of(cfg.verdict(), timeout_s, sandbox)
 
 
-def benchmark_verdict(name: str, params: dict | None, timeout_s: float) -> Verifier | ComponentVerdict:
+def benchmark_verdict(
+    name: str, params: dict | None, timeout_s: float, sandbox: SandboxConfig | None = None
+) -> Verifier | ComponentVerdict:
     """A file benchmark's verdict (``BenchmarkFileConfig.verdict``): a short name or an import path."""
-    return verdict_of(RewardComponentConfig(name=name, params=dict(params or {}), verdict=True), timeout_s)
+    spec = RewardComponentConfig(name=name, params=dict(params or {}), verdict=True)
+    return verdict_of(spec, timeout_s, sandbox)

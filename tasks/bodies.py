@@ -105,6 +105,7 @@ def ingest_body(ctx: StageContext) -> StageResult:
             max_prompt_chars=ctx.cfg.data.max_prompt_chars,
             verifiability=verifiability(ctx.cfg),
             template_share=ctx.cfg.curation.templates.min_share if ctx.cfg.curation.templates.strip else None,
+            allow_empty=ctx.cfg.data.allow_empty,
         ),
     )
     return StageResult({PROMPTS: ref}, metrics)
@@ -198,6 +199,7 @@ def warmup_body(ctx: StageContext) -> StageResult:
             out_dir=out,
             lora=ctx.cfg.model.lora,
             env=ctx.cfg.env,
+            sandbox=ctx.cfg.sandbox,
         ),
     )
     return StageResult({MODEL: ref}, metrics)
@@ -230,7 +232,7 @@ def _difficulty(ctx: StageContext, max_prompts: int) -> StageResult:
     c = ctx.cfg.curation.difficulty
 
     def run(out: Path) -> dict:
-        with open_verdict(ctx.cfg.reward, ctx.cfg.eval.verifier_timeout_s) as verifier:
+        with open_verdict(ctx.cfg.reward, ctx.cfg.eval.verifier_timeout_s, ctx.cfg.sandbox) as verifier:
             return estimate_difficulty(
                 Path(ctx.inputs[MODEL].path),
                 ctx.inputs[PROMPTS].file("prompts.parquet"),
@@ -275,7 +277,7 @@ def dart_body(ctx: StageContext) -> StageResult:
             )
 
     def run(out: Path) -> dict:
-        with open_verdict(ctx.cfg.reward, ctx.cfg.eval.verifier_timeout_s) as verifier:
+        with open_verdict(ctx.cfg.reward, ctx.cfg.eval.verifier_timeout_s, ctx.cfg.sandbox) as verifier:
             return dart_sample(
                 Path(ctx.inputs[MODEL].path),
                 ctx.inputs[PROMPTS].file("prompts.parquet"),
@@ -513,7 +515,10 @@ def rl_body(ctx: StageContext) -> StageResult:
         raise ValueError("reward.components names reward_model but no reward_model stage ran before rl")
 
     def run(out: Path) -> dict:
-        with open_verdict(ctx.cfg.reward, ctx.cfg.eval.verifier_timeout_s) as verifier, ExitStack() as stack:
+        with (
+            open_verdict(ctx.cfg.reward, ctx.cfg.eval.verifier_timeout_s, ctx.cfg.sandbox) as verifier,
+            ExitStack() as stack,
+        ):
             evaluate = None
             if ctx.cfg.rl.eval_every > 0:
                 tokenizer = load_tokenizer(ctx.inputs[MODEL].path)
@@ -532,6 +537,7 @@ def rl_body(ctx: StageContext) -> StageResult:
                     files=file_benchmarks(ctx.cfg),
                     env=ctx.cfg.env,
                     judges=open_judges(ctx.cfg, stack, verifier),
+                    sandbox=ctx.cfg.sandbox,
                 )
             sel = ctx.inputs[SELECTION]
             result = rl(
@@ -543,7 +549,11 @@ def rl_body(ctx: StageContext) -> StageResult:
                 device=ctx.device,
                 out_dir=out,
                 reward=Reward.of(
-                    verifier, ctx.cfg.reward, rm_ref.path if rm_ref else None, template(ctx.cfg)
+                    verifier,
+                    ctx.cfg.reward,
+                    rm_ref.path if rm_ref else None,
+                    template(ctx.cfg),
+                    sandbox=ctx.cfg.sandbox,
                 ),
                 select=ctx.cfg.curation.select,
                 history_path=sel.file("history.parquet"),
@@ -553,6 +563,7 @@ def rl_body(ctx: StageContext) -> StageResult:
                 trainer=ctx.cfg.trainer,
                 rollout=ctx.cfg.rollout,
                 env=ctx.cfg.env,
+                sandbox=ctx.cfg.sandbox,
                 on_metrics=active().step_logger("rl"),
                 lora=ctx.cfg.model.lora,
             )
@@ -634,6 +645,7 @@ def eval_body(ctx: StageContext) -> StageResult:
                 env=ctx.cfg.env,
                 components=components,
                 judges=open_judges(ctx.cfg, stack),
+                sandbox=ctx.cfg.sandbox,
             )
         query = ctx.catalog.query if ctx.catalog is not None else _no_catalog
         certificates.update(
@@ -668,11 +680,15 @@ def open_judges(cfg: Config, stack: ExitStack, run_verdict=None) -> dict:
     spec = cfg.reward.verdict()
     if HELDOUT in cfg.eval.benchmark_names() and not (spec.is_builtin() and spec.name == MATH_VERIFY):
         out[HELDOUT] = (
-            run_verdict if run_verdict is not None else stack.enter_context(open_verdict(cfg.reward, timeout))
+            run_verdict
+            if run_verdict is not None
+            else stack.enter_context(open_verdict(cfg.reward, timeout, cfg.sandbox))
         )
     for name, b in cfg.eval.benchmark_files().items():
         if b.verdict_name() != MATH_VERIFY:
-            out[name] = stack.enter_context(benchmark_verdict(b.verdict_name(), b.verdict_params, timeout))
+            out[name] = stack.enter_context(
+                benchmark_verdict(b.verdict_name(), b.verdict_params, timeout, cfg.sandbox)
+            )
     return out
 
 

@@ -14,7 +14,7 @@ from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import MISSING, asdict, dataclass, fields
 from pathlib import Path
 
-from conf.schema import Config
+from conf.schema import Config, SandboxConfig
 from core.artifacts import ArtifactRef
 from core.catalog import Catalog, dumps
 from core.workspace import Workspace
@@ -90,16 +90,21 @@ def _drop_defaults(section, *names: str) -> dict:
 
 
 def data_key(c: Config) -> dict:
-    """``data`` as it is; ``demo_full_stop_rate`` only when set (the default keys stay as they were)."""
-    return _drop_defaults(c.data, "demo_full_stop_rate")
+    """``data`` as it is; ``demo_full_stop_rate`` only when set (the default keys stay as they were);
+    never ``allow_empty`` (it changes no byte of the dataset: ingest reads it)."""
+    out = _drop_defaults(c.data, "demo_full_stop_rate")
+    del out["allow_empty"]
+    return out
 
 
 def ingest_key(c: Config) -> dict:
+    """``allow_empty`` only when set: an empty pool kept by one run is no cache hit for another."""
     return {
         **asdict(c.curation.dedup),
         "max_prompt_chars": c.data.max_prompt_chars,
         "verifiability": verifiability(c),
         "templates": asdict(c.curation.templates),
+        **({"allow_empty": True} if c.data.allow_empty else {}),
     }
 
 
@@ -113,11 +118,25 @@ def base_model_key(c: Config) -> dict:
 
 
 def warmup_key(c: Config) -> dict:
-    return {**asdict(c.sft), "template": template(c), **_numerics(c), **_lora_key(c, "warmup"), **_env_key(c)}
+    return {
+        **asdict(c.sft),
+        "template": template(c),
+        **_numerics(c),
+        **_lora_key(c, "warmup"),
+        **_env_key(c),
+        **_sandbox_key(c),
+    }
 
 
 def eval_key(c: Config) -> dict:
-    return {**asdict(c.eval), **_numerics(c), **_env_key(c), **_reward_model_key(c), **_verdict_key(c)}
+    return {
+        **asdict(c.eval),
+        **_numerics(c),
+        **_env_key(c),
+        **_reward_model_key(c),
+        **_sandbox_key(c),
+        **_verdict_key(c),
+    }
 
 
 def _verdict_key(c: Config) -> dict:
@@ -127,7 +146,8 @@ def _verdict_key(c: Config) -> dict:
     v = c.reward.verdict()
     if v.is_builtin() and v.name == "math_verify":
         return {}
-    return {"verdict": {"name": v.name, "target": v.target, "params": v.given(), "threshold": v.threshold}}
+    verdict = {"name": v.name, "target": v.target, "params": v.given(), "threshold": v.threshold}
+    return {"verdict": verdict, **_sandbox_key(c)}
 
 
 def _reward_model_key(c: Config) -> dict:
@@ -146,6 +166,12 @@ def _env_key(c: Config) -> dict:
     if c.env.tool_latency.is_off():
         del env["tool_latency"]
     return {"env": env}
+
+
+def _sandbox_key(c: Config) -> dict:
+    """The sandbox settings, for the stages where code may run (code tests, tools, code benchmarks);
+    absent at their defaults (keys from before them unchanged)."""
+    return {} if c.sandbox == SandboxConfig() else {"sandbox": asdict(c.sandbox)}
 
 
 def _difficulty_key(c: Config, max_prompts: int) -> dict:
@@ -231,6 +257,7 @@ def rl_key(c: Config) -> dict:
         **({"eval": asdict(c.eval)} if c.rl.eval_every else {}),
         "reward": reward_key(c),
         **_env_key(c),
+        **_sandbox_key(c),
     }
 
 

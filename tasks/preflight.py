@@ -65,14 +65,7 @@ def preflight(cfg: Config) -> None:
                 "convert them to safetensors first"
             )
         _check_vllm_shape(cfg, path)
-    from data_curation.sources import resolve_source_path
-
-    for i, src in enumerate(cfg.data.sources):
-        if resolve_source_path(src.path) is None and src.format != "hf":
-            raise ConfigError(
-                f"data.sources[{i}].path={src.path!r}: no such file or folder "
-                "(only format=hf may name a hub dataset)"
-            )
+    _check_sources(cfg)
     from training.rl.stage import objective_params
 
     try:
@@ -146,6 +139,37 @@ def _check_environment(cfg: Config) -> None:
         check_environment(cfg.env)
     except PluginError as err:
         raise ConfigError(f"env.target: {err}") from None
+
+
+def _check_sources(cfg: Config) -> None:
+    """Each ``data.sources`` entry exists and parses as its format (``ingest.check_readable``), and a
+    ``data.source=files`` pool holds some rows (unless ``data.allow_empty``): a malformed or fake file
+    fails here, before the dataset artifact or a run record is written."""
+    from dataclasses import asdict
+
+    from data_curation.ingest import SourceSpec, check_readable
+    from data_curation.sources import resolve_source_path
+
+    rows: list[int | None] = []
+    for i, src in enumerate(cfg.data.sources):
+        local = resolve_source_path(src.path)
+        if local is None and src.format != "hf":
+            raise ConfigError(
+                f"data.sources[{i}].path={src.path!r}: no such file or folder "
+                "(only format=hf may name a hub dataset)"
+            )
+        if local is None:
+            rows.append(None)
+            continue
+        try:
+            spec = SourceSpec(**{**asdict(src), "path": str(local), "extra_fields": tuple(src.extra_fields)})
+            rows.append(check_readable(spec))
+        except (OSError, ValueError) as err:  # SourceError is a ValueError; its message is one line
+            raise ConfigError(f"data.sources[{i}]: {' '.join(str(err).split())}") from None
+    if cfg.data.source == "files" and rows and all(n == 0 for n in rows) and not cfg.data.allow_empty:
+        from data_curation.ingest import empty_pool_error
+
+        raise ConfigError(f"data.sources: {empty_pool_error(0, [])}")
 
 
 def _check_vllm_shape(cfg: Config, path: Path) -> None:

@@ -216,7 +216,11 @@ def test_hive_observes_episode_rewards_and_skips_the_prompts_they_show_uniform(m
             return kept, skipped
 
     real = registry.make_environment
-    monkeypatch.setattr(registry, "make_environment", lambda cfg, tok: FirstContext(real(cfg, tok), tok))
+    monkeypatch.setattr(
+        registry,
+        "make_environment",
+        lambda cfg, tok, sandbox=None: FirstContext(real(cfg, tok, sandbox), tok),
+    )
     tok = load_tokenizer(caller_dir)
     prompts = calc_prompts(tok, 16)
     greso = Recording(None)

@@ -70,7 +70,9 @@ def test_a_sync_local_run_trains_on_masked_multi_turn_episodes(monkeypatch, mode
     from training.rl.drivers.local import LocalDriver
 
     tok = load_tokenizer(model_dir)
-    monkeypatch.setattr(registry, "make_environment", lambda cfg, tokenizer: CallsTwice(tokenizer))
+    monkeypatch.setattr(
+        registry, "make_environment", lambda cfg, tokenizer, sandbox=None: CallsTwice(tokenizer)
+    )
     prompts = [
         PromptItem(
             f"p{i}", f"{i % 4}+{i % 3}", "7", encode_problem(tok, "{problem}\n", f"{i % 4}+{i % 3}"), 1
