@@ -110,7 +110,7 @@ def evaluate_items(
     else:
         trajectories = engine.generate(requests, max_new_tokens, temperature, generator, progress=progress)
     verdicts = _verdicts(
-        [items[i // n_samples] for i in range(len(trajectories))], trajectories, verifier, judges, sandbox
+        [items[i // n_samples] for i in range(len(trajectories))], trajectories, verifier, sandbox, judges
     )
     terms = _terms(
         items, n_samples, trajectories, verdicts, score_with or {}, max_new_tokens, components, sandbox
@@ -178,8 +178,8 @@ def _verdicts(
     items: Sequence[BenchmarkItem],
     trajectories,
     verifier,
-    judges: Mapping[str, object] | None = None,
     sandbox=None,
+    judges: Mapping[str, object] | None = None,
 ) -> list:
     """One verdict per trajectory, by its benchmark's judge: ``judges[benchmark]`` where given, a code
     benchmark's tests in the sandbox (``code_tests``, ``all_pass``, under ``sandbox``), else the math
