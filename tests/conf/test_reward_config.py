@@ -32,7 +32,7 @@ def test_components_come_from_the_cli_with_parameters():
     [
         (
             "[{name: math_verify}, {name: cosine}]",
-            r"reward.components\[1\].name='cosine' is not a reward component \(did you mean 'cosine_length'\?\)",
+            r"reward.components\[1\].name='cosine' is not a reward component \(did you mean 'cosine_length",
         ),
         (
             "[{name: math_verify}, {name: cosine_length, max_len: -4}]",
