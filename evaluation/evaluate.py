@@ -73,25 +73,12 @@ def evaluate_items(
     model with rotary positions runs past them); ``summarize_rows`` counts them. ``env``
     (``conf.schema.EnvConfig``): a multi-turn environment samples whole episodes (None or single_turn:
     one response per request, as always). ``score_with``: benchmark -> the reward components that
-    score it (a file benchmark's ``score_with``); the correctness verdict is always the verifier's
-    (or a code benchmark's tests), each other component's score is kept per row (``EvalRow.terms``).
-    ``components``: built reward components that score every benchmark (the learned reward model).
+    score it (a file benchmark's ``score_with``), each kept per row (``EvalRow.terms``). ``components``: built reward components that score every benchmark (the learned reward model).
     ``judges``: benchmark -> its verdict (``rewards.verdicts``: the run's for the pool's held-out set,
     a file benchmark's own); the others: ``verifier``, or a code benchmark's tests. ``sandbox``: the
     run's sandbox settings, for code benchmarks' tests, code components and tools."""
     engine = Engine(model, tokenizer, device=device, batch_size=batch_size)
-    prompts = [
-        PromptItem(
-            prompt_id=it.problem_id,
-            text=it.problem,
-            answer=it.answer,
-            prompt_tokens=encode_prompt(
-                tokenizer, build_prompt(it, templates.get(it.benchmark) or CODE_TEMPLATES.get(it.benchmark))
-            ),
-            level=None,
-        )
-        for it in items
-    ]
+    prompts = _prompt_items(tokenizer, items, templates)
     requests = [GenRequest(prompt=p, sample_idx=s) for p in prompts for s in range(n_samples)]
     generator = torch.Generator().manual_seed(seed)
     if env is not None and not env.is_default():
@@ -115,30 +102,49 @@ def evaluate_items(
     terms = _terms(
         items, n_samples, trajectories, verdicts, score_with or {}, max_new_tokens, components, sandbox
     )
-    rows = []
-    for i, (req, traj, v) in enumerate(zip(requests, trajectories, verdicts)):
-        item = items[i // n_samples]  # requests are item-major; ids may repeat across benchmarks
-        rows.append(
-            EvalRow(
-                benchmark=item.benchmark,
-                problem_id=item.problem_id,
-                sample_idx=req.sample_idx,
-                response=traj.text,
-                pred=v.pred,
-                correct=v.correct,
-                error=v.error,
-                length=len(traj.response_tokens),
-                truncated=not traj.finished,
-                level=item.level,
-                subject=item.subject,
-                prompt_length=len(traj.prompt.prompt_tokens),
-                turns=traj.turns,
-                tool_calls=traj.tool_calls,
-                tool_errors=traj.tool_errors,
-                terms=terms[i],
-            )
+    # requests are item-major; ids may repeat across benchmarks
+    return [
+        _eval_row(items[i // n_samples], req, traj, v, terms[i])
+        for i, (req, traj, v) in enumerate(zip(requests, trajectories, verdicts))
+    ]
+
+
+def _prompt_items(tokenizer, items: Sequence[BenchmarkItem], templates: dict[str, str | None]) -> list:
+    """Each item as a prompt, put in its benchmark's template (or a code benchmark's)."""
+    return [
+        PromptItem(
+            prompt_id=it.problem_id,
+            text=it.problem,
+            answer=it.answer,
+            prompt_tokens=encode_prompt(
+                tokenizer, build_prompt(it, templates.get(it.benchmark) or CODE_TEMPLATES.get(it.benchmark))
+            ),
+            level=None,
         )
-    return rows
+        for it in items
+    ]
+
+
+def _eval_row(item: BenchmarkItem, req, traj, v, terms) -> EvalRow:
+    """One sample's row: the trajectory, its verdict and its reward terms."""
+    return EvalRow(
+        benchmark=item.benchmark,
+        problem_id=item.problem_id,
+        sample_idx=req.sample_idx,
+        response=traj.text,
+        pred=v.pred,
+        correct=v.correct,
+        error=v.error,
+        length=len(traj.response_tokens),
+        truncated=not traj.finished,
+        level=item.level,
+        subject=item.subject,
+        prompt_length=len(traj.prompt.prompt_tokens),
+        turns=traj.turns,
+        tool_calls=traj.tool_calls,
+        tool_errors=traj.tool_errors,
+        terms=terms,
+    )
 
 
 def _terms(

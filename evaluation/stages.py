@@ -107,7 +107,6 @@ def evaluate_checkpoint(
     its mean as ``reward/reward_model`` and best-of-n reranked by it as ``rm_best@n``); ``judges``:
     benchmark -> its verdict (``evaluation.evaluate.evaluate_items``); ``sandbox``: the run's
     ``conf.schema.SandboxConfig``, wherever code runs."""
-    import polars as pl
 
     from generation.model import load_model
 
@@ -140,23 +139,7 @@ def evaluate_checkpoint(
             sandbox=sandbox,
         )
     summary = summarize_rows(rows, cfg.n_samples, model_context(model), totals)
-    pl.DataFrame(
-        [r.__dict__ for r in rows],
-        schema={
-            "benchmark": pl.Utf8,
-            "problem_id": pl.Utf8,
-            "sample_idx": pl.Int32,
-            "response": pl.Utf8,
-            "pred": pl.Utf8,
-            "correct": pl.Boolean,
-            "error": pl.Utf8,
-            "length": pl.Int32,
-            "truncated": pl.Boolean,
-            "level": pl.Utf8,
-            "subject": pl.Utf8,
-            "prompt_length": pl.Int32,
-        },
-    ).write_parquet(Path(out_dir) / "rows.parquet")
+    write_rows(rows, Path(out_dir) / "rows.parquet")
     with open(Path(out_dir) / "summary.json", "w") as f:
         json.dump(summary, f, indent=2, sort_keys=True)
     return summary
@@ -222,3 +205,28 @@ __all__ = [
     "subset",
     "HELDOUT",
 ]
+
+
+ROW_SCHEMA = {
+    "benchmark": "Utf8",
+    "problem_id": "Utf8",
+    "sample_idx": "Int32",
+    "response": "Utf8",
+    "pred": "Utf8",
+    "correct": "Boolean",
+    "error": "Utf8",
+    "length": "Int32",
+    "truncated": "Boolean",
+    "level": "Utf8",
+    "subject": "Utf8",
+    "prompt_length": "Int32",
+}
+"""The columns of ``rows.parquet`` and their polars types."""
+
+
+def write_rows(rows, path: Path) -> None:
+    """``rows`` (``EvalRow``s) as ``rows.parquet``, with the columns of ``ROW_SCHEMA``."""
+    import polars as pl
+
+    schema = {name: getattr(pl, dtype) for name, dtype in ROW_SCHEMA.items()}
+    pl.DataFrame([r.__dict__ for r in rows], schema=schema).write_parquet(path)
