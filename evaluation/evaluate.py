@@ -68,12 +68,11 @@ def evaluate_items(
     judges: Mapping[str, object] | None = None,
     sandbox: SandboxConfig | None = None,
 ) -> list[EvalRow]:
-    """One row per (item, sample). ``templates`` maps a benchmark to its prompt template
-    (None = the registry default). Prompts longer than the model's context are still sampled (a
-    model with rotary positions runs past them); ``summarize_rows`` counts them. ``env``
-    (``conf.schema.EnvConfig``): a multi-turn environment samples whole episodes (None or single_turn:
-    one response per request, as always). ``score_with``: benchmark -> the reward components that
-    score it (a file benchmark's ``score_with``), each kept per row (``EvalRow.terms``). ``components``: built reward components that score every benchmark (the learned reward model).
+    """One row per (item, sample). ``templates``: benchmark -> prompt template (None: the registry's).
+    Prompts longer than the model's context are still sampled; ``summarize_rows`` counts them.
+    ``env`` (``conf.schema.EnvConfig``): a multi-turn environment samples whole episodes. ``score_with``:
+    benchmark -> the reward components that score it, each kept per row (``EvalRow.terms``).
+    ``components``: built components that score every benchmark (the learned reward model).
     ``judges``: benchmark -> its verdict (``rewards.verdicts``: the run's for the pool's held-out set,
     a file benchmark's own); the others: ``verifier``, or a code benchmark's tests. ``sandbox``: the
     run's sandbox settings, for code benchmarks' tests, code components and tools."""
