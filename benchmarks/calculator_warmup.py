@@ -32,7 +32,7 @@ def arm(tool: bool, pool, held, args, tok) -> dict:
         SFTExample(encode_problem(tok, PROMPT_TEMPLATE, p.problem), encode_response(tok, p.demonstration))
         for p in pool
     ]
-    env = EnvConfig(name="calculator", max_turns=3, demo_tool_share=args.share)
+    env = EnvConfig(target="calculator", max_turns=3, demo_tool_share=args.share)
     if tool:
         examples = tool_demonstrations(examples, rows, env, tok)
     t0 = time.perf_counter()

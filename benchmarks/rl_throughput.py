@@ -96,7 +96,7 @@ def warm_start(ws: Path, args) -> tuple[Path, list]:
     key = hashlib.sha256(
         json.dumps(
             [dc.asdict(cfg.data), dc.asdict(cfg.model), dc.asdict(cfg.sft), cfg.seed]
-            + ([] if cfg.env.is_default() else [cfg.env.name, cfg.env.demo_tool_share]),
+            + ([] if cfg.env.is_default() else [cfg.env.target, cfg.env.demo_tool_share]),
             sort_keys=True,
             default=str,
         ).encode()

@@ -64,11 +64,82 @@ def _unknown_keys(node: Any, schema: Any, prefix: str = "") -> list[str]:
     return found
 
 
+OPEN_KEYS = ("env.params",)
+"""Mappings whose keys the schema cannot know (a plug-in's own parameters, validated by its ``Params``
+model in ``tasks.preflight``): ``env.params.max_value=50`` adds a key there without Hydra's ``+``."""
+
+
+def _schema_node():
+    """The schema as Hydra's base node, with the mappings of ``OPEN_KEYS`` open to new keys."""
+    from omegaconf import OmegaConf
+
+    node = OmegaConf.structured(Config)
+    for key in OPEN_KEYS:
+        OmegaConf.set_struct(OmegaConf.select(node, key), False)
+    return node
+
+
+MAX_KEY_CHARS = 256
+"""Characters of an override's key (the longest real key has under 60)."""
+MAX_OVERRIDE_CHARS = 8192
+"""Characters of one override (a long text or list belongs in a config group's YAML file)."""
+MAX_OVERRIDE_ITEMS = 512
+"""Commas in one override: Hydra's parser takes time quadratic in a list's items (50,000 took minutes);
+the schema's own limits (``conf.schema.MaxLen``) are lower still."""
+
+
+MAX_OVERRIDE_DEPTH = 16
+"""Nesting of lists and mappings in one override (Hydra's parser recurses per level)."""
+
+
+def _depth(text: str) -> int:
+    depth = most = 0
+    for ch in text:
+        if ch in "[{":
+            depth += 1
+            most = max(most, depth)
+        elif ch in "]}":
+            depth -= 1
+    return most
+
+
+def check_override_sizes(overrides: Sequence[str]) -> None:
+    """Each override within ``MAX_KEY_CHARS``, ``MAX_OVERRIDE_CHARS``, ``MAX_OVERRIDE_DEPTH`` and
+    ``MAX_OVERRIDE_ITEMS``, checked before Hydra parses anything; the error shows at most the key's
+    first 40 characters."""
+    for o in overrides:
+        if not isinstance(o, str):
+            raise ConfigError(f"override {o!r} is not a string; give key=value")
+        key = o.split("=", 1)[0]
+        shown = key if len(key) <= 40 else key[:40] + "..."
+        if len(key) > MAX_KEY_CHARS:
+            raise ConfigError(
+                f"override key '{shown}' is {len(key):,} characters long; a config key has at most "
+                f"{MAX_KEY_CHARS} (`laminar config` prints every key)"
+            )
+        if len(o) > MAX_OVERRIDE_CHARS:
+            raise ConfigError(
+                f"override {shown}=... is {len(o):,} characters long; an override takes at most "
+                f"{MAX_OVERRIDE_CHARS:,}"
+            )
+        if _depth(o) > MAX_OVERRIDE_DEPTH:
+            raise ConfigError(
+                f"override {shown}=... nests lists or mappings {_depth(o):,} deep; an override takes at "
+                f"most {MAX_OVERRIDE_DEPTH}"
+            )
+        if o.count(",") >= MAX_OVERRIDE_ITEMS:
+            raise ConfigError(
+                f"override {shown}=... lists {o.count(',') + 1:,} items; an override takes at most "
+                f"{MAX_OVERRIDE_ITEMS}"
+            )
+
+
 def load_config(overrides: Sequence[str] = ()) -> Config:
     """Hydra overrides (``key=value``, ``group=option``) -> a validated :class:`Config`.
 
     Raises :class:`ConfigError` naming the offending key and what to change.
     """
+    check_override_sizes(overrides)
     from hydra import compose, initialize_config_dir
     from hydra.errors import HydraException
     from omegaconf import OmegaConf
@@ -77,12 +148,15 @@ def load_config(overrides: Sequence[str] = ()) -> Config:
     from hydra.core.config_store import ConfigStore
 
     # The schema is the base of config.yaml's defaults list: every key exists and is typed at compose time.
-    ConfigStore.instance().store(name="laminar_schema", node=Config)
+    ConfigStore.instance().store(name="laminar_schema", node=_schema_node())
     try:
         with initialize_config_dir(config_dir=str(CONF_DIR), version_base=None):
             raw = compose(config_name="config", overrides=list(overrides))
     except HydraException as err:
         raise ConfigError(_explain_composition(err, overrides)) from None
+    except (OSError, RecursionError) as err:  # a group option no file name can be, nesting past the stack
+        why = str(err).splitlines()[0][:200] if str(err) else type(err).__name__
+        raise ConfigError(f"cannot compose config from the overrides: {why}") from None
     unknown = _unknown_keys(raw, Config)
     if unknown:
         raise ConfigError(

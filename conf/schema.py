@@ -34,6 +34,8 @@ RewardName = Literal[
     "reward_model",
     "ends_with",
 ]
+"""The built-in reward components (``rewards.registry.REWARDS``). The list is not closed: a component
+may also be an entry point of group ``laminar.rewards`` or an import path ``package.module:attr``."""
 CodeTestsScore = Literal["pass_fraction", "all_pass"]
 RewardModelNormalize = Literal["fixed", "none"]
 Rubric = Literal["full_stop"]
@@ -60,7 +62,6 @@ TrackingBackend = Literal["tensorboard", "mlflow", "wandb"]
 WandbMode = Literal["auto", "offline", "online"]
 LoraStage = Literal["warmup", "rft", "rl"]
 SandboxBackendName = Literal["bubblewrap", "unsafe"]
-EnvName = Literal["single_turn", "calculator", "calculator_sandbox"]
 ToolFormat = Literal["auto", "text", "chat_template"]
 OnError = Literal["fail", "retry"]
 VersionRule = Literal["turn", "episode"]
@@ -69,6 +70,9 @@ LatencyKind = Literal["off", "fixed", "lognormal", "quantiles", "codex_exec"]
 SOURCE_FORMATS: tuple[SourceFormat, ...] = get_args(SourceFormat)
 VERIFIABILITY: tuple[Verifiability, ...] = get_args(Verifiability)
 REWARD_NAMES: tuple[RewardName, ...] = get_args(RewardName)
+DEFAULT_VERDICTS: dict[str, RewardName] = {"code": "code_tests"}
+"""A pool's source format -> the reward component that judges it by default (any other format:
+``math_verify``)."""
 DART_STRATEGIES: tuple[DartStrategy, ...] = get_args(DartStrategy)
 RL_ALGORITHMS: tuple[Algorithm, ...] = get_args(Algorithm)
 RL_MODES: tuple[Mode, ...] = get_args(Mode)
@@ -81,7 +85,6 @@ TRACKING_BACKENDS: dict[TrackingBackend, tuple[str, str]] = {
     "wandb": ("wandb", "pip install wandb==0.31.0"),
 }
 LORA_STAGES: tuple[LoraStage, ...] = get_args(LoraStage)
-ENV_NAMES: tuple[EnvName, ...] = get_args(EnvName)
 LATENCY_KINDS: tuple[LatencyKind, ...] = get_args(LatencyKind)
 CODEX_EXEC_LATENCY = ((0.0, 0.5, 0.9, 0.99, 1.0), (0.02, 0.16, 0.27, 8.6, 30.0))
 """``env.tool_latency.kind=codex_exec``: (probabilities, seconds) of a tool call's latency outside its own
@@ -103,6 +106,35 @@ class Bound:
     ok: Callable[[Any], bool]
     message: str
     """The error, formatted with the field's ``key`` and ``value``."""
+    limit: float | None = None
+    """The largest value it allows (``AtMost``); None: no upper limit of its own."""
+
+
+def AtMost(limit: float) -> Bound:
+    """An upper limit of a number field (``Annotated[int, Positive, AtMost(65_536)]``): sizes, counts,
+    steps and seconds far past any real use are refused before anything runs."""
+    return Bound(
+        lambda v: v <= limit,
+        f"{{key}}={{value}} is above the limit of {limit:,}; set {{key}} to at most {limit:,}",
+        limit=limit,
+    )
+
+
+@dataclass(frozen=True)
+class MaxLen:
+    """The most items of a list field, or characters of a string field (``Annotated[list[int],
+    MaxLen(64)]``), checked on the whole value before its items. A field without one is held to
+    ``MAX_ITEMS`` items or ``MAX_CHARS`` characters."""
+
+    most: int
+
+
+MAX_ITEMS = 256
+"""Items of a list field that declares no ``MaxLen``."""
+MAX_CHARS = 4096
+"""Characters of a string (and of each string in a list) that declares no ``MaxLen`` (PATH_MAX)."""
+MAX_INT = 2**31 - 1
+"""The magnitude of an integer field that declares no ``AtMost``."""
 
 
 Positive = Bound(lambda v: v > 0, "{key}={value} must be > 0; set {key} to a positive value")
@@ -114,6 +146,24 @@ NonPositive = Bound(
     lambda v: v <= 0, "{key}={value} must be <= 0 (a penalty); set {key} to zero or a negative value"
 )
 Unit = Bound(lambda v: 0 <= v <= 1, "{key}={value} must be in [0, 1]; set {key} to a value between 0 and 1")
+# Upper limits shared by many fields: far past any real use, low enough that a typo cannot ask for
+# an allocation, a loop or a wait without end.
+Steps = AtMost(1_000_000)
+"""Optimizer steps, warm-up steps, step intervals."""
+Tokens = AtMost(131_072)
+"""Token lengths (generation limits, sequence lengths)."""
+Batch = AtMost(65_536)
+"""Batch sizes, prompts per step, concurrent sequences."""
+Samples = AtMost(1_024)
+"""Samples per prompt, group sizes, workers, turns, layers and heads."""
+Prompts = AtMost(10_000_000)
+"""Counts of prompts, problems or trials."""
+Threads = AtMost(1_024)
+Seed = AtMost(2**31 - 1)
+Seconds = AtMost(86_400)
+"""Time limits: one day."""
+Megabytes = AtMost(1_048_576)
+"""Sizes in MB: one TiB."""
 
 
 @dataclass
@@ -125,11 +175,13 @@ class LoraConfig:
     the lineage, and RL publishes only the adapter tensors to the rollouts. Off by default."""
 
     enabled: bool = False
-    rank: Annotated[int, Positive] = 16
+    rank: Annotated[int, Positive, Batch] = 16
     alpha: Annotated[float, Positive] = 32.0
     """The adapter's output is scaled by alpha / rank."""
     dropout: Annotated[float, Fraction] = 0.0
-    target_modules: list[str] = field(default_factory=lambda: list(LLAMA_LINEAR_MODULES))
+    target_modules: Annotated[list[str], MaxLen(64)] = field(
+        default_factory=lambda: list(LLAMA_LINEAR_MODULES)
+    )
     stages: Annotated[list[str], LoraStage] = field(default_factory=lambda: list(LORA_STAGES))
     """Which training stages train adapters (the others train every weight of what they start from:
     an adapter they start from is merged first). The tiny default model starts from random weights,
@@ -150,15 +202,15 @@ class ModelConfig:
     """A real model the project fetches itself (``model=smollm2``; docs/real_models.md): with
     ``kind=hf`` and no ``path``, the CLI fetches it into the workspace on first use (``laminar model
     fetch NAME``) and passes the stored folder on as ``model.path``."""
-    hidden_size: Annotated[int, Positive] = 128
-    intermediate_size: Annotated[int, Positive] = 384
-    num_layers: Annotated[int, Positive] = 4
-    num_heads: Annotated[int, Positive] = 8
+    hidden_size: Annotated[int, Positive, Batch] = 128
+    intermediate_size: Annotated[int, Positive, AtMost(262_144)] = 384
+    num_layers: Annotated[int, Positive, Samples] = 4
+    num_heads: Annotated[int, Positive, Samples] = 8
     """Eight heads of 16 dimensions: with four of 32 the warm-up learned to copy operands from the
     prompt on some seeds only (seed 1: loss 0.231 and held-out 0.190 after 800 steps; with eight,
     loss 0.099 and 0.442; benchmarks/results/default_run/)."""
-    num_kv_heads: Annotated[int, Positive] = 4
-    max_seq_len: Annotated[int, Positive] = 160
+    num_kv_heads: Annotated[int, Positive, Samples] = 4
+    max_seq_len: Annotated[int, Positive, Tokens] = 160
     rope_theta: Annotated[float, Positive] = 10000.0
     lora: LoraConfig = field(default_factory=LoraConfig)
 
@@ -177,7 +229,7 @@ class SourceConfig:
     id_field: str | None = None
     level_field: str | None = None
     subject_field: str | None = None
-    extra_fields: list[str] = field(default_factory=list)
+    extra_fields: Annotated[list[str], MaxLen(64)] = field(default_factory=list)
     split: str = "train"
 
 
@@ -187,10 +239,10 @@ class DataConfig:
     and adds ``sources``; ``source=files`` takes only ``sources`` (``data=math`` is one such preset)."""
 
     source: Annotated[str, DataSource] = "arith"
-    sources: list[SourceConfig] = field(default_factory=list)
-    pool_size: Annotated[int, Positive] = 6000
-    heldout_size: Annotated[int, Positive] = 300
-    levels: list[int] = field(default_factory=lambda: [1, 2, 3, 4, 5])
+    sources: Annotated[list[SourceConfig], MaxLen(64)] = field(default_factory=list)
+    pool_size: Annotated[int, Positive, Prompts] = 6000
+    heldout_size: Annotated[int, Positive, AtMost(100_000)] = 300
+    levels: Annotated[list[int], MaxLen(64)] = field(default_factory=lambda: [1, 2, 3, 4, 5])
     demo_error_rate: Annotated[float, Fraction] = 0.15
     """Per-step chance that a warm-up demonstration's result is off by 1-2 (an imperfect teacher);
     gold solutions and answers stay exact. RL with the verifier is what corrects the slips."""
@@ -209,7 +261,7 @@ class DataConfig:
     wrapped by the model's chat template when it has one; None: the bare problem for ``source=arith``,
     the vendored benchmarks' \\boxed{} instruction for pools of files. An instruct model needs the
     answer format said (``recipe=smollm2_arith``: "... The answer is N.")."""
-    max_prompt_chars: Annotated[int, Positive] = 16384
+    max_prompt_chars: Annotated[int, Positive, AtMost(1_048_576)] = 16384
     """Ingest quarantines a problem longer than this (after normalisation) with the reason
     "problem too long": the engines pad every batch to its longest prompt, so one huge row would
     ask for a huge allocation. The longest vendored prompt has 4,308 characters (MATH train; the
@@ -217,19 +269,22 @@ class DataConfig:
     verifiability: Annotated[str, Verifiability] = "short_form"
     """Ingest quarantines a row whose reference answer the verifier cannot check (a proof, a
     multi-part answer, a free-text sentence: "unverifiable answer: <kind> (...)"); ``off`` keeps it."""
+    allow_empty: bool = False
+    """A pool with no rows, or none ingest keeps (every row quarantined or a duplicate), stops the run
+    with the quarantine reasons (``laminar run --allow-empty`` sets this to go on with it)."""
 
 
 @dataclass
 class SFTConfig:
     """Warm-up supervised fine-tuning on the prompt pool's demonstrations (of ``levels``)."""
 
-    steps: int = 800
-    batch_size: Annotated[int, Positive] = 32
+    steps: Annotated[int, Steps] = 800
+    batch_size: Annotated[int, Positive, Batch] = 32
     lr: Annotated[float, Positive] = 3e-3
-    warmup_steps: Annotated[int, NonNegative] = 20
+    warmup_steps: Annotated[int, NonNegative, Steps] = 20
     weight_decay: Annotated[float, NonNegative] = 0.0
     max_grad_norm: Annotated[float, Positive] = 1.0
-    levels: list[int] = field(default_factory=lambda: [1, 2, 3, 4, 5])
+    levels: Annotated[list[int], MaxLen(64)] = field(default_factory=lambda: [1, 2, 3, 4, 5])
 
 
 @dataclass
@@ -239,21 +294,21 @@ class RLConfig:
 
     algorithm: Annotated[str, Algorithm] = "grpo"
     mode: Annotated[str, Mode] = "sync"
-    steps: int = 60
+    steps: Annotated[int, Steps] = 60
     """Optimizer updates. The default task's RL adds most of its accuracy in the first 60
     (benchmarks/results/default_run/); more steps cost about 1.5 s each on 2 cores."""
-    prompts_per_step: Annotated[int, Positive] = 16
-    group_size: int = 8
+    prompts_per_step: Annotated[int, Positive, Batch] = 16
+    group_size: Annotated[int, Samples] = 8
     lr: Annotated[float, Positive] = 1e-4
-    max_new_tokens: Annotated[int, Positive] = 64
+    max_new_tokens: Annotated[int, Positive, Tokens] = 64
     temperature: Annotated[float, Positive] = 1.0
     max_grad_norm: Annotated[float, Positive] = 1.0
     weight_decay: Annotated[float, NonNegative] = 0.0
-    minibatches: Annotated[int, Positive] = 1
+    minibatches: Annotated[int, Positive, Samples] = 1
     """Optimizer steps per collected batch (verl's ppo_mini_batch split). With 1 the update is
     on-policy and the clip bounds never bind; with more, later steps are clipped against the
     proximal log-probs taken before the first."""
-    micro_batch_tokens: int = 8192
+    micro_batch_tokens: Annotated[int, AtMost(16_777_216)] = 8192
     """The trainer splits each optimizer step's sequences into length-sorted micro-batches of at most
     this many padded tokens and accumulates their gradients (the loss weights keep it equal to one
     big batch): a few long responses no longer pad every short one. 0 = one batch."""
@@ -266,7 +321,7 @@ class RLConfig:
     clip_high: Annotated[float | None, NonNegative] = None
     dual_clip: Annotated[float | None, NonNegative] = None
     dynamic_sampling: bool | None = None
-    max_sampling_rounds: int | None = None
+    max_sampling_rounds: Annotated[int | None, Samples] = None
     overlong_shaping: bool | None = None
     overlong_filter: bool | None = None
     kl_coef: Annotated[float | None, NonNegative] = None
@@ -286,7 +341,7 @@ class RLConfig:
     """Weight of the critic's clipped value loss."""
     value_clip: Annotated[float | None, NonNegative] = None
     """Clip range of the value loss around the values before the update (verl: 0.5)."""
-    value_warmup_steps: Annotated[int | None, NonNegative] = None
+    value_warmup_steps: Annotated[int | None, NonNegative, Steps] = None
     """The first N updates train the critic only; the policy stays fixed (VC-PPO's value pre-training)."""
     nll_coef: Annotated[float | None, NonNegative] = None
     """Weight of an NLL loss on positive-reward responses (VAPO: 0.1)."""
@@ -295,44 +350,52 @@ class RLConfig:
     entropy_target: Annotated[float | None, NonNegative] = None
     """With a target, the coefficient adapts each update: ``c += entropy_adapt_rate * (target - H)``,
     kept >= 0 (null: a fixed coefficient)."""
-    ref_reset_every: Annotated[int | None, NonNegative] = None
+    ref_reset_every: Annotated[int | None, NonNegative, Steps] = None
     """Reset the KL reference (and the optimizer's moments) to the current policy every N updates
     (ProRL); 0: the reference stays the RL-start weights."""
     entropy_adapt_rate: Annotated[float, NonNegative] = 0.01
     """Step of the adaptive entropy coefficient per nat of entropy below ``entropy_target``."""
+    loss: str | None = None
+    """A policy loss of your own by import path (``package.module:attr``, docs/plugins.md): called as
+    ``loss(batch, params)`` (``training.objectives.PolicyBatch``, ``ObjectiveParams``), it returns the
+    per-token loss ``(B, T)`` in place of the clipped PPO term (KL, entropy, NLL and ``loss_agg`` apply
+    as usual); None: the algorithm's own."""
+    loss_params: Any = None
+    """The custom loss's parameters (a mapping, ``rl.loss_params={scale: 2}``), validated by its
+    ``Params`` model and passed as a third argument."""
     critic_lr: Annotated[float | None, Positive] = None
     """The critic's learning rate (critic presets); null: ``rl.lr``."""
     critic_path: str | None = None
     """A local Hugging Face model folder the critic starts from (its tokenizer must be the policy's);
     null: a copy of the RL-start policy."""
-    overlong_cache_len: int = 16
+    overlong_cache_len: Annotated[int, Tokens] = 16
     """DAPO's soft-punishment buffer L_cache, in tokens before ``max_new_tokens`` (the DAPO paper uses
     4,096 of 20,480; here 16 of 64, the same order of share)."""
-    eval_every: int = 20
+    eval_every: Annotated[int, Steps] = 20
     """Evaluate ``eval.benchmarks`` inside the run every N steps (the eval stages cover the start and
     the end); 0 = off."""
     runtime: Annotated[str, Runtime] = "auto"
     """``local``: the local driver, in process (sync only; deterministic metrics on the CPU);
     ``ray``: the Laminar runtime (trainer, relays, rollouts as Ray actors; every mode);
     ``auto``: local for ``mode=sync``, ray otherwise."""
-    max_staleness: int | None = 1
+    max_staleness: Annotated[int | None, Samples] = 1
     """Asynchronous modes: a group generated more than this many versions behind the trainer is
     regenerated instead of trained on (null: no bound, as in the Laminar paper). On the default task
     a bound of 4 cost 0.05 held-out accuracy over 3 seeds; 1 matches sync (benchmarks/modes_accuracy.py)."""
-    admit_lag: int = 1
+    admit_lag: Annotated[int, Samples] = 1
     """``laminar``: a rollout keeps admitting prompts under its weights until the trainer is this many
     versions ahead, then drains (finishes what it has, pulls the latest). 1 = stop at the first newer
     version; larger values keep rollouts full through updates (the Laminar paper's rollouts pull when their
     batch is done) at the price of staleness. At most ``max_staleness`` (checked); below it, or what
     is admitted late tends to be regenerated as too stale."""
-    rollout_capacity: Annotated[int, Positive] = 64
+    rollout_capacity: Annotated[int, Positive, Batch] = 64
     """Concurrent sequences per rollout (continuous batching)."""
-    chunk_steps: Annotated[int, Positive] = 8
+    chunk_steps: Annotated[int, Positive, Tokens] = 8
     """Decode steps per rollout call between the manager's looks (occupancy, pulls, repacks)."""
-    repack_interval_s: Annotated[float, Positive] = 0.5
-    repack_b: int = 0
+    repack_interval_s: Annotated[float, Positive, Seconds] = 0.5
+    repack_b: Annotated[int, Batch] = 0
     """Repack's B: the batch below which decoding is memory-bound; 0 = ``rollout_capacity``."""
-    checkpoint_every: int = 10
+    checkpoint_every: Annotated[int, Steps] = 10
     """An atomic checkpoint every N updates (0 = off), by either driver; a rerun resumes from the last."""
 
     def uses_ray(self) -> bool:
@@ -355,24 +418,34 @@ class BenchmarkFileConfig:
     level_field: str | None = None
     subject_field: str | None = None
     split: str = "test"
-    template: str | None = None
+    template: Annotated[str | None, MaxLen(65_536)] = None
     """The prompt template (with ``{problem}``); None: the vendored benchmarks' \\boxed{} instruction."""
-    score_with: Annotated[list[str], RewardName] = field(default_factory=lambda: ["math_verify"])
+    score_with: list[str] = field(default_factory=lambda: ["math_verify"])
+    """Reward components (short names or ``module:attr``) whose scores are reported beside the verdict."""
+    verdict: str | None = None
+    """What judges correctness (avg@n, pass@k, maj@k): a reward component's short name or an import
+    path ``package.module:attr`` (a plug-in verdict, docs/plugins.md); None: ``code_tests`` for
+    ``format=code``, else ``math_verify``."""
+    verdict_params: dict[str, Any] = field(default_factory=dict)
+    """The verdict's parameters, validated by its own ``Params`` model."""
+
+    def verdict_name(self) -> str:
+        return self.verdict or DEFAULT_VERDICTS.get(self.format, "math_verify")
 
 
 @dataclass
 class EvalConfig:
     """Held-out evaluation of checkpoints: ``n_samples`` sampled responses per problem (avg@n)."""
 
-    benchmarks: list[Any] = field(default_factory=lambda: ["arith_heldout"])
+    benchmarks: Annotated[list[Any], MaxLen(64)] = field(default_factory=lambda: ["arith_heldout"])
     """Each a vendored benchmark's name or a :class:`BenchmarkFileConfig` (``{name, path, ...}``)."""
-    n_samples: Annotated[int, Positive] = 4
+    n_samples: Annotated[int, Positive, Samples] = 4
     temperature: Annotated[float, Positive] = 1.0
-    max_new_tokens: Annotated[int, Positive] = 64
-    batch_size: Annotated[int, Positive] = 256
-    verifier_timeout_s: Annotated[float, Positive] = 5.0
+    max_new_tokens: Annotated[int, Positive, Tokens] = 64
+    batch_size: Annotated[int, Positive, Batch] = 256
+    verifier_timeout_s: Annotated[float, Positive, Seconds] = 5.0
     """Per-answer limit of the math-verify worker (the RL reward uses the same verifier and limit)."""
-    max_problems: int = 0
+    max_problems: Annotated[int, Prompts] = 0
     """Evaluate a seeded subset of at most this many problems per benchmark (drawn with ``seed`` and
     the benchmark's name, the same for every checkpoint); 0 = every problem. Part of the cache key,
     and printed with every score ("100 of 1319 problems")."""
@@ -406,13 +479,13 @@ class TemplateConfig:
 
 @dataclass
 class DecontamConfig:
-    ngram: Annotated[int, Positive] = 13
+    ngram: Annotated[int, Positive, Samples] = 13
     """Token n-gram length (words, numbers and punctuation are tokens); a text shorter than this is
     one gram."""
     min_coverage: Annotated[float, Share] = 0.7
     """A prompt is contaminated when the n-grams it shares with a benchmark item cover at least this
     share of the item's tokens (one shared 13-gram alone flags LaTeX boilerplate: 1,299 of MATH train)."""
-    benchmarks: list[str] = field(default_factory=list)
+    benchmarks: Annotated[list[str], MaxLen(64)] = field(default_factory=list)
     """Benchmarks to check the pool against besides ``eval.benchmarks`` (ones you will score later
     with ``laminar eval``: a score on a benchmark the pool was not checked against is certified
     ``not-checked``)."""
@@ -424,20 +497,20 @@ class DecontamConfig:
     prompt is flagged whatever its answer."""
     paraphrase_moderate: float = 0.6
     """Paraphrase score at which a prompt is flagged when its canonical answer equals the item's."""
-    paraphrase_ngram: Annotated[int, Positive] = 3
+    paraphrase_ngram: Annotated[int, Positive, AtMost(64)] = 3
     """Skeleton n-gram length of the paraphrase shingles (numbers, symbols and LaTeX in order)."""
-    paraphrase_num_perm: int = 128
-    paraphrase_bands: int = 64
+    paraphrase_num_perm: Annotated[int, AtMost(4_096)] = 128
+    paraphrase_bands: Annotated[int, AtMost(4_096)] = 64
     """LSH bands (num_perm / bands rows each): 64 x 2 finds pairs down to Jaccard ~0.3."""
 
 
 @dataclass
 class DifficultyConfig:
-    samples: Annotated[int, Positive] = 4
-    max_prompts: int = 1500
+    samples: Annotated[int, Positive, Samples] = 4
+    max_prompts: Annotated[int, Prompts] = 1500
     """Prompts sampled (a seeded subset of the pool when larger); 0 = all."""
     temperature: Annotated[float, Positive] = 1.0
-    max_new_tokens: Annotated[int, Positive] = 64
+    max_new_tokens: Annotated[int, Positive, Tokens] = 64
 
 
 @dataclass
@@ -445,11 +518,11 @@ class DartConfig:
     """Difficulty-aware rejection sampling (DART) for the RFT dataset."""
 
     strategy: Annotated[str, DartStrategy] = "prop2diff"
-    k_u: Annotated[int, Positive] = 4
-    k_p: Annotated[int, Positive] = 8
-    max_trials: int = 32
-    budget: int = 4000
-    round_size: Annotated[int, Positive] = 2048
+    k_u: Annotated[int, Positive, Samples] = 4
+    k_p: Annotated[int, Positive, Samples] = 8
+    max_trials: Annotated[int, AtMost(4_096)] = 32
+    budget: Annotated[int, Prompts] = 4000
+    round_size: Annotated[int, Positive, AtMost(1_000_000)] = 2048
     temperature: Annotated[float, Positive] = 1.0
     check_arithmetic: bool = True
     """Accept a response only if, besides the right final answer, every integer equation it states
@@ -467,14 +540,14 @@ class DartConfig:
 class RFTConfig:
     """Rejection fine-tuning on DART's correct responses; ``steps=0`` passes the model through."""
 
-    steps: int = 30
+    steps: Annotated[int, Steps] = 30
     """About one pass over DART's accepted responses at the default budget. Longer RFT on the default
     task (200 steps, several passes) solved the held-out set's easy levels outright and left the policy
     nearly deterministic (entropy 0.006), and RL from there lost accuracy on every seed
     (benchmarks/results/default_run/)."""
-    batch_size: Annotated[int, Positive] = 32
+    batch_size: Annotated[int, Positive, Batch] = 32
     lr: Annotated[float, Positive] = 1e-3
-    warmup_steps: Annotated[int, NonNegative] = 10
+    warmup_steps: Annotated[int, NonNegative, Steps] = 10
 
 
 @dataclass
@@ -482,8 +555,8 @@ class SelectConfig:
     """HIVE: coarse learning-edge selection before RL, online pruning during RL."""
 
     strategy: Annotated[str, SelectStrategy] = "hive"  # uniform: every curated prompt, no online pruning
-    max_prompts: int | None = None
-    history_prompts: int | None = 750
+    max_prompts: Annotated[int | None, Prompts] = None
+    history_prompts: Annotated[int | None, Prompts] = 750
     """Pool prompts sampled with the model RL starts from (stage ``difficulty_rft``, k =
     ``curation.difficulty.samples`` each) for the learning edge, at most
     ``curation.difficulty.max_prompts`` when that is set (so a small test config scales both down):
@@ -528,16 +601,16 @@ class ClusterConfig:
     CPUs per role are Ray logical resources (fractions allowed)."""
 
     address: str | None = None
-    num_cpus: int | None = None
-    rollouts: Annotated[int, Positive] = 2
+    num_cpus: Annotated[int | None, Positive, AtMost(1_048_576)] = None
+    rollouts: Annotated[int, Positive, AtMost(4_096)] = 2
     trainer_cpus: Annotated[float, NonNegative] = 0.5
     rollout_cpus: Annotated[float, NonNegative] = 0.5
     relay_cpus: Annotated[float, NonNegative] = 0.05
-    actor_threads: Annotated[int, Positive] = 1
+    actor_threads: Annotated[int, Positive, Threads] = 1
     """torch threads per rollout (and per trainer, unless ``trainer_threads`` is set)."""
-    trainer_threads: int = 0
+    trainer_threads: Annotated[int, NonNegative, Threads] = 0
     """torch threads of the trainer; 0 = ``actor_threads``."""
-    driver_threads: int = 1
+    driver_threads: Annotated[int, Threads] = 1
     """torch threads of the driver process while the Ray roles run (HIVE's prompt entropy and the
     in-run evaluation run there, beside the actors); 0 = keep the process's (``threads``). On the
     2-core default task a driver on both threads cost 46 CPU-s of spinning against 33 on one."""
@@ -546,18 +619,18 @@ class ClusterConfig:
     (Linux SCHED_IDLE: rollouts run on every cycle the trainer and the driver leave, and never slow
     the trainer, the critical path of the asynchronous modes), ``low`` (10 more niceness than Ray's
     workers) or ``normal`` (Ray's worker niceness, like the trainer). Lowering is unprivileged."""
-    trainer_node: int = 0
+    trainer_node: Annotated[int, NonNegative, AtMost(65_535)] = 0
     """Node index (0 = head) of a single-rank trainer."""
     trainer_strategy: Annotated[str, PlacementStrategy] = "PACK"
     """Placement of several trainer ranks (``trainer.ranks`` > 1): a Ray placement group with this
     strategy (PACK, SPREAD, STRICT_PACK, STRICT_SPREAD)."""
-    rollout_nodes: list[int] = field(default_factory=list)
+    rollout_nodes: Annotated[list[int], MaxLen(4_096), AtMost(65_535)] = field(default_factory=list)
     """Node indices the rollouts go to, round-robin (empty: every node, head first)."""
     rollout_gpus: Annotated[float, NonNegative] = 0.0
     """GPUs per rollout actor (Ray resource; a vLLM rollout needs 1), and ``trainer_gpus`` per trainer
     rank."""
     trainer_gpus: Annotated[float, NonNegative] = 0.0
-    max_restarts: int = 3
+    max_restarts: Annotated[int, Samples] = 3
 
 
 @dataclass
@@ -571,7 +644,7 @@ class RolloutConfig:
     engine: Annotated[str, EngineKind] = "torch"
     dtype: Annotated[str, Dtype] = "auto"
     """auto = bf16 on CUDA, the checkpoint's dtype on the CPU; float32 | bfloat16 | float16."""
-    sync_every: int = 0
+    sync_every: Annotated[int, Tokens] = 0
     """Decode steps between host syncs (finished rows leave then); 0 = 8 on CUDA, 1 on the CPU."""
     static_cache: bool = False
     """Fixed-shape decode over a static slot KV cache (``generation/rows.py``: ``SlotRows``)."""
@@ -593,7 +666,7 @@ class TrainerConfig:
 
     backend: Annotated[str, TrainerBackend] = "torch"
     deepspeed: str = "zero2"
-    ranks: Annotated[int, Positive] = 1
+    ranks: Annotated[int, Positive, AtMost(4_096)] = 1
     dist_backend: Annotated[str, DistBackend] = "auto"
     """torch.distributed backend of the trainer group: auto = nccl on CUDA, gloo on the CPU."""
 
@@ -625,19 +698,19 @@ class TrackingConfig:
 class SandboxLimits:
     """Per-run limits of ``environments.sandbox.run`` (docs/sandbox.md)."""
 
-    cpu_s: Annotated[float, Positive] = 5.0
+    cpu_s: Annotated[float, Positive, Seconds] = 5.0
     """RLIMIT_CPU: CPU seconds of each process (SIGXCPU at the limit, SIGKILL one second later)."""
-    memory_mb: Annotated[int, Positive] = 512
+    memory_mb: Annotated[int, Positive, Megabytes] = 512
     """RLIMIT_AS of each process, and the memory cgroup's limit for the whole run where it can be set."""
-    processes: Annotated[int, Positive] = 32
+    processes: Annotated[int, Positive, Batch] = 32
     """Processes and threads of the run: the pids cgroup's limit where it can be set, and RLIMIT_NPROC."""
-    file_size_mb: Annotated[int, Positive] = 16
+    file_size_mb: Annotated[int, Positive, Megabytes] = 16
     """RLIMIT_FSIZE: the largest file a process may write."""
-    open_files: Annotated[int, Positive] = 64
+    open_files: Annotated[int, Positive, Batch] = 64
     """RLIMIT_NOFILE."""
-    output_bytes: Annotated[int, Positive] = 1_000_000
+    output_bytes: Annotated[int, Positive, AtMost(1_073_741_824)] = 1_000_000
     """Bytes kept of stdout and of stderr each; a run that writes more is killed (``killed_by='output'``)."""
-    tmpfs_mb: Annotated[int, Positive] = 64
+    tmpfs_mb: Annotated[int, Positive, Megabytes] = 64
     """Size of the private working folder and of ``/tmp`` (bubblewrap backend)."""
 
 
@@ -649,7 +722,7 @@ class SandboxConfig:
 
     backend: Annotated[str, SandboxBackendName] = "bubblewrap"
     allow_unsafe: bool = False
-    timeout_s: Annotated[float, Positive] = 10.0
+    timeout_s: Annotated[float, Positive, Seconds] = 10.0
     """Wall-clock limit of one run; past it the whole sandbox is killed (``killed_by='wall'``)."""
     limits: SandboxLimits = field(default_factory=SandboxLimits)
 
@@ -742,47 +815,81 @@ REWARD_PARAMS: dict[str, type] = {
 
 @dataclass
 class RewardComponentConfig:
-    """One item of ``reward.components``: a component's name, its weight in the total and its
-    parameters (the fields of its ``REWARD_PARAMS`` schema; a field left None keeps its default)."""
+    """One item of ``reward.components``: a component, its weight in the total and its parameters.
 
-    name: Annotated[str, RewardName] = "math_verify"
+    ``name`` is a built-in short name (``cosine_length``; ``rewards.registry.REWARDS``), an entry
+    point of group ``laminar.rewards``, or an import path; ``target`` (``package.module:attr``) names a
+    plug-in, ``name`` then defaults to its attribute. A built-in's parameters may be spelled flat (the
+    fields of its ``REWARD_PARAMS`` schema, a field left None keeps its default) or in ``params``; a
+    plug-in's go in ``params``, validated by its own ``Params`` model (docs/plugins.md). ``verdict``:
+    this component judges correctness (one per run; left unset everywhere, the pool's default is:
+    ``math_verify``, or ``code_tests`` for a code pool); a verdict whose score is a number counts a
+    response correct when it scores at least ``threshold``."""
+
+    name: str | None = None
     weight: Annotated[float, Finite] = 1.0
+    target: str | None = None
+    params: dict[str, Any] = field(default_factory=dict)
+    verdict: bool | None = None
+    threshold: Annotated[float, Finite] = 1.0
     r0_correct: Annotated[float | None, Finite] = None
     rl_correct: Annotated[float | None, Finite] = None
     r0_wrong: Annotated[float | None, Finite] = None
     rl_wrong: Annotated[float | None, Finite] = None
     r_exceed: Annotated[float | None, Finite] = None
-    max_len: Annotated[int | None, Positive] = None
-    ngram: Annotated[int | None, Positive] = None
+    max_len: Annotated[int | None, Positive, Tokens] = None
+    ngram: Annotated[int | None, Positive, Samples] = None
     max_penalty: Annotated[float | None, NonPositive] = None
-    cache_len: Annotated[int | None, Positive] = None
+    cache_len: Annotated[int | None, Positive, Tokens] = None
     score: Annotated[str | None, CodeTestsScore] = None
-    timeout_s: Annotated[float | None, Positive] = None
+    timeout_s: Annotated[float | None, Positive, Seconds] = None
     normalize: Annotated[str | None, RewardModelNormalize] = None
     clip: Annotated[float | None, Positive] = None
     suffix: str | None = None
 
-    def given(self) -> dict[str, Any]:
-        """The parameters this spec sets (its non-None fields besides name and weight)."""
-        return {
-            f.name: getattr(self, f.name)
-            for f in fields(self)
-            if f.name not in ("name", "weight") and getattr(self, f.name) is not None
-        }
+    def __post_init__(self) -> None:
+        if self.name is not None and ":" in self.name and self.target is None:
+            self.target, self.name = self.name, None  # name: package.module:attr
+        if self.name is None:
+            self.name = self.target.split(":")[-1].split(".")[-1] if self.target else "math_verify"
 
-    def params(self) -> Any:
-        """The component's typed parameters: its schema's defaults updated with what the spec sets."""
+    def given(self) -> dict[str, Any]:
+        """The parameters this spec sets: its non-None flat fields, then ``params``."""
+        skip = ("name", "weight", "target", "params", "verdict", "threshold")
+        flat = {f.name: getattr(self, f.name) for f in fields(self) if f.name not in skip}
+        return {**{k: v for k, v in flat.items() if v is not None}, **dict(self.params or {})}
+
+    def is_builtin(self) -> bool:
+        """A built-in named by its short name (its parameters' schema is ``REWARD_PARAMS[name]``)."""
+        return self.target is None and self.name in REWARD_PARAMS
+
+    def params_of(self) -> Any:
+        """A built-in's typed parameters: its schema's defaults updated with what the spec sets."""
         return REWARD_PARAMS[self.name](**self.given())
 
 
 @dataclass
 class RewardConfig:
-    """The reward every stage scores with: ``components``, each ``{name, weight, ...parameters}``; the
-    total is their weighted sum. ``math_verify`` gives the correctness verdict (``correct``, the pass
-    rates of curation, avg@n) and must be listed (weight 0 keeps it out of the total). Options:
-    ``reward=verifier`` (the default: the verifier alone), ``reward=long_cot``."""
+    """The reward every stage scores with: ``components``, each ``{name | target, weight, params}``;
+    the total is their weighted sum. One component is the verdict (``verdict: true``, or the pool's
+    default: ``math_verify``, ``code_tests`` for a code pool): its ``correct`` is what every stage
+    reads (the pass rates of curation, DAPO's filter, HIVE, avg@n); weight 0 keeps it out of the
+    total. Options: ``reward=verifier`` (the default: the verifier alone), ``reward=long_cot``,
+    ``reward=code`` (a code pool's tests)."""
 
-    components: list[RewardComponentConfig] = field(default_factory=lambda: [RewardComponentConfig()])
+    components: Annotated[list[RewardComponentConfig], MaxLen(32)] = field(
+        default_factory=lambda: [RewardComponentConfig()]
+    )
+
+    def verdict(self, default: str = "math_verify") -> RewardComponentConfig:
+        """The component that judges correctness: the one marked ``verdict: true``, else the one
+        named ``default`` (``validate`` marks the pool's default; see ``verdict_default``)."""
+        marked = [c for c in self.components if c.verdict]
+        named = [c for c in self.components if c.name == default]
+        if not (marked or named):
+            names = [c.name for c in self.components]
+            raise ValueError(f"reward.components={names} has no verdict: mark one verdict: true")
+        return (marked or named)[0]
 
     def uses_reward_model(self) -> bool:
         """Whether a component is the learned reward model (the preferences and reward_model stages run)."""
@@ -802,20 +909,20 @@ class RewardModelConfig:
     out; ``path``: a sequence-classification checkpoint to use instead of training one (it is
     measured on the comparisons all the same)."""
 
-    prompts: Annotated[int, Positive] = 200
-    samples: Annotated[int, Positive] = 4
+    prompts: Annotated[int, Positive, AtMost(1_000_000)] = 200
+    samples: Annotated[int, Positive, Samples] = 4
     temperature: Annotated[float, Positive] = 1.0
-    max_new_tokens: Annotated[int, Positive] = 64
-    annotators: Annotated[int, Positive] = 3
+    max_new_tokens: Annotated[int, Positive, Tokens] = 64
+    annotators: Annotated[int, Positive, Samples] = 3
     flip: Annotated[float, Fraction] = 0.15
     rubric: Annotated[str, Rubric] = "full_stop"
     backbone: str = "warmup"
     path: str | None = None
-    steps: Annotated[int, NonNegative] = 200
-    batch_size: Annotated[int, Positive] = 16
+    steps: Annotated[int, NonNegative, Steps] = 200
+    batch_size: Annotated[int, Positive, Batch] = 16
     lr: Annotated[float, Positive] = 1e-3
     heldout_share: Annotated[float, Fraction] = 0.2
-    max_len: Annotated[int, Positive] = 160
+    max_len: Annotated[int, Positive, Tokens] = 160
 
 
 @dataclass
@@ -831,12 +938,12 @@ class ToolLatencyConfig:
     (0.5 halves the tail, 2 doubles it). The latency counts against ``env.tool_timeout_s``."""
 
     kind: Annotated[str, LatencyKind] = "off"
-    seconds: Annotated[list[float], NonNegative] = field(default_factory=list)
-    probs: Annotated[list[float], Unit] = field(default_factory=list)
-    median_s: Annotated[float, Positive] = 1.0
+    seconds: Annotated[list[float], NonNegative, MaxLen(64), Seconds] = field(default_factory=list)
+    probs: Annotated[list[float], Unit, MaxLen(64)] = field(default_factory=list)
+    median_s: Annotated[float, Positive, Seconds] = 1.0
     sigma: Annotated[float, NonNegative] = 1.0
     tail_scale: Annotated[float, NonNegative] = 1.0
-    seed: int = 0
+    seed: Annotated[int, NonNegative, Seed] = 0
 
     def is_off(self) -> bool:
         return self.kind == "off"
@@ -844,24 +951,32 @@ class ToolLatencyConfig:
 
 @dataclass
 class EnvConfig:
-    """The environment an episode runs in (``environments.registry``; docs/environments.md).
-    ``single_turn`` (the default): one policy turn, today's path unchanged; ``calculator``: the
-    arithmetic task with a calculator tool. An episode ends when the policy answers without a tool
-    call, or at ``max_turns`` policy turns, or ``max_tokens`` episode tokens (policy + observation;
-    0: ``max_turns`` x ``rl.max_new_tokens``). Tool calls run in a pool of ``tool_workers`` threads,
-    each with a ``tool_timeout_s`` limit (a hung tool ends the episode, reason ``tool_timeout``).
-    ``on_error``: an environment that raises ends the episode as failed (``fail``) or restarts it
-    once from its prompt (``retry``). ``tool_format``: ``text`` (the documented line format, the
-    only one a tokenizer without a chat template has), ``chat_template`` (the template's ``tools=``),
-    ``auto`` (the template where there is one). ``version_rule`` (laminar mode): one weight version
-    per policy ``turn`` (an episode waiting on its tool pins no weights; its next turn runs under the
-    newest) or per ``episode`` (the whole episode under the version of its first token)."""
+    """The environment an episode runs in (``environments.registry``; docs/environments.md), named by
+    ``target`` with its own ``params``. ``single_turn`` (the default): one policy turn, today's path
+    unchanged; ``calculator``: the arithmetic task with a calculator tool; ``guess``: a guessing
+    game whose episodes carry state; ``python_session``: a sandboxed Python session. An episode
+    ends when the policy answers without a tool call, or at ``max_turns`` policy turns, or
+    ``max_tokens`` episode tokens (policy + observation; 0: ``max_turns`` x ``rl.max_new_tokens``).
+    Tool calls run in a pool of ``tool_workers`` threads, each with a ``tool_timeout_s`` limit (a
+    hung tool ends the episode, reason ``tool_timeout``). ``on_error``: an environment that raises
+    ends the episode as failed (``fail``) or restarts it once from its prompt (``retry``).
+    ``tool_format``: ``text`` (the documented line format, the only one a tokenizer without a chat
+    template has), ``chat_template`` (the template's ``tools=``), ``auto`` (the template where there
+    is one). ``version_rule`` (laminar mode): one weight version per policy ``turn`` (an episode
+    waiting on its tool pins no weights; its next turn runs under the newest) or per ``episode``
+    (the whole episode under the version of its first token)."""
 
-    name: Annotated[str, EnvName] = "single_turn"
-    max_turns: Annotated[int, Positive] = 1
-    max_tokens: Annotated[int, NonNegative] = 0
-    tool_timeout_s: Annotated[float, Positive] = 10.0
-    tool_workers: Annotated[int, Positive] = 4
+    target: str = "single_turn"
+    """The environment: a short name (``single_turn``, ``calculator``, ``calculator_sandbox``,
+    ``guess``, ``python_session``, or one an installed package adds through the entry-point group
+    ``laminar.environments``) or an import path ``package.module:attr`` naming a user's environment
+    (checked by ``tasks.preflight`` before any write; ``environments.registry``)."""
+    params: dict[str, Any] = field(default_factory=dict)
+    """The environment's own parameters, validated by its ``Params`` model (``core.plugins``)."""
+    max_turns: Annotated[int, Positive, Samples] = 1
+    max_tokens: Annotated[int, NonNegative, AtMost(1_048_576)] = 0
+    tool_timeout_s: Annotated[float, Positive, Seconds] = 10.0
+    tool_workers: Annotated[int, Positive, Samples] = 4
     on_error: Annotated[str, OnError] = "fail"
     tool_format: Annotated[str, ToolFormat] = "auto"
     demo_tool_share: Annotated[float, Unit] = 0.5
@@ -872,14 +987,14 @@ class EnvConfig:
     version_rule: Annotated[str, VersionRule] = "turn"
 
     def is_default(self) -> bool:
-        return self.name == "single_turn"
+        return self.target == "single_turn"
 
 
 @dataclass
 class Config:
-    seed: int = 0
+    seed: Annotated[int, NonNegative, Seed] = 0
     device: Annotated[str, Device] = "cpu"
-    threads: int = 0
+    threads: Annotated[int, NonNegative, Threads] = 0
     """torch threads of the stages that train or sample (0 = torch's default: OMP_NUM_THREADS, else one
     per core). Float results depend on it, so the resolved count is part of those stages' cache keys:
     ``threads=1`` and ``threads=2`` compute (and cache) their own results
@@ -939,16 +1054,40 @@ def _declared(cls: type) -> dict[str, tuple[Any, ...]]:
 
 def _check_declared(node: Any, prefix: str = "") -> None:
     """The declared names and bounds of every field under ``node``, in field order; a list field's
-    rules apply to each item, and sections (lists of sections too) are walked."""
+    rules apply to each item, and sections (lists of sections too) are walked. Every value is bounded
+    first: a list's items and a string's characters (``MaxLen``, else ``MAX_ITEMS`` / ``MAX_CHARS``),
+    an integer's magnitude (``MAX_INT``) and a float's finiteness."""
     for f in fields(node):
         key, value = prefix + f.name, getattr(node, f.name)
+        rules = _declared(type(node))[f.name]
+        capped = any(isinstance(r, Bound) and r.limit is not None for r in rules)
+        _check_size(key, value, next((r.most for r in rules if isinstance(r, MaxLen)), None), capped)
         items = value if isinstance(value, list) else [value]
-        for rule in _declared(type(node))[f.name]:
-            for item in items:
+        for rule in rules:
+            for item in items if not isinstance(rule, MaxLen) else ():
                 _check_rule(key, item, rule)
         for i, item in enumerate(items):
             if is_dataclass(item):
                 _check_declared(item, f"{key}[{i}]." if isinstance(value, list) else f"{key}.")
+
+
+def _check_size(key: str, value: object, most: int | None, capped: bool = False) -> None:
+    """The bounds every value has, declared or not (the value itself is never echoed: it may be huge);
+    ``capped``: the field declares its own ``AtMost``, checked after this."""
+    if isinstance(value, list):
+        limit = most or MAX_ITEMS
+        if len(value) > limit:
+            raise ConfigError(f"{key} lists {len(value):,} items; it takes at most {limit:,}")
+        for item in value:
+            _check_size(key, item, None, capped)
+    elif isinstance(value, str):
+        limit = most or MAX_CHARS
+        if len(value) > limit:
+            raise ConfigError(f"{key} is {len(value):,} characters long; it takes at most {limit:,}")
+    elif isinstance(value, int) and not isinstance(value, bool) and abs(value) > MAX_INT and not capped:
+        raise ConfigError(f"{key}={value} is out of range; an integer key takes at most {MAX_INT:,}")
+    elif isinstance(value, float):
+        _finite(key, value)
 
 
 def _check_rule(key: str, value: object, rule: object) -> None:
@@ -983,15 +1122,25 @@ def validate(cfg: Config) -> Config:
 
 def _validate_env(cfg: Config) -> None:
     env = cfg.env
-    if env.name == "single_turn" and env.max_turns != 1:
+    if not isinstance(env.target, str) or not env.target.strip():
+        raise ConfigError(
+            "env.target is empty: name an environment (single_turn, calculator, guess, ...) or your own "
+            "as env.target=package.module:attr"
+        )
+    if env.is_default() and env.params:
+        raise ConfigError(
+            f"env.params={dict(env.params)} with env=single_turn: the single-turn environment takes no "
+            "params; drop them or choose an environment that declares them"
+        )
+    if env.is_default() and env.max_turns != 1:
         raise ConfigError(
             f"env.max_turns={env.max_turns} with env=single_turn: a single-turn episode has one turn; "
             "set env.max_turns=1 or choose a multi-turn environment (env=calculator)"
         )
-    if env.name != "single_turn" and env.max_turns < 2:
+    if not env.is_default() and env.max_turns < 2:
         raise ConfigError(
-            f"env.max_turns={env.max_turns} with env={env.name}: a tool call and its answer need two "
-            "turns; set env.max_turns to 2 or more"
+            f"env.max_turns={env.max_turns} with env.target={env.target}: a multi-turn episode (a tool "
+            "call and its answer) needs two turns; set env.max_turns to 2 or more"
         )
     _validate_latency(env)
 
@@ -1000,7 +1149,7 @@ def _validate_latency(env: EnvConfig) -> None:
     lat, key = env.tool_latency, "env.tool_latency"
     if lat.is_off():
         return
-    if env.name == "single_turn":
+    if env.is_default():
         raise ConfigError(
             f"{key}.kind={lat.kind} with env=single_turn: a single-turn episode calls no tool; "
             f"set {key}.kind=off or choose a tool environment (env=calculator)"
@@ -1041,6 +1190,9 @@ def _validate_eval(cfg: Config) -> None:
                 )
             if not b.score_with:
                 raise ConfigError(f"eval.benchmarks[{i}].score_with is empty; e.g. score_with=[math_verify]")
+            for n in (*b.score_with, b.verdict_name()):
+                key = f"eval.benchmarks[{i}]." + ("verdict" if n == b.verdict else "score_with")
+                _check_component_name(key, RewardComponentConfig(name=n), shown=f"{key}={n!r}")
             if b.template is not None and "{problem}" not in b.template:
                 raise ConfigError(
                     f"eval.benchmarks[{i}].template must contain {{problem}}, got {b.template!r}"
@@ -1257,18 +1409,59 @@ def _validate_tracking(cfg: Config) -> None:
             )
 
 
-def _validate_reward(cfg: Config) -> None:
-    """Each component named once, ``math_verify`` among them, and only its own parameters set."""
+def verdict_default(cfg: Config) -> str:
+    """The component that judges the pool when none is marked ``verdict: true``: ``code_tests`` for a
+    pool of code sources (``data.sources[*].format=code``), else ``math_verify``."""
+    kinds = {DEFAULT_VERDICTS.get(s.format, "math_verify") for s in cfg.data.sources}
+    if len(kinds) > 1:
+        raise ConfigError(
+            f"data.sources mixes formats judged by {sorted(kinds)}: one verdict judges a run; mark the "
+            "reward component that judges every source with verdict: true"
+        )
+    return kinds.pop() if kinds else "math_verify"
+
+
+def _validate_verdict(cfg: Config) -> None:
+    """Exactly one verdict: the component marked ``verdict: true``, else the pool's default (which
+    must then be listed); it is marked here so every stage reads the same one."""
     specs = cfg.reward.components
     names = [s.name for s in specs]
-    if "math_verify" not in names:
+    marked = [s.name for s in specs if s.verdict]
+    if len(marked) > 1:
         raise ConfigError(
-            f"reward.components={names} lacks math_verify: it gives the correctness verdict; add "
-            "{name: math_verify, weight: 0} to keep it out of the total"
+            f"reward.components marks {marked} as verdict: one component judges correctness; keep "
+            "verdict: true on one of them"
         )
+    if not marked:
+        default = verdict_default(cfg)
+        if default not in names:
+            raise ConfigError(
+                f"reward.components={names} lacks {default}: it gives the correctness verdict of this "
+                f"pool; add {{name: {default}, weight: 0}} to keep it out of the total, or mark your own "
+                "verdict with verdict: true"
+            )
+        specs[names.index(default)].verdict = True
+
+
+def _validate_reward(cfg: Config) -> None:
+    """Each component named once, one verdict among them, and a built-in's own parameters only (a
+    plug-in's ``params`` are validated against its own model in ``tasks.preflight``)."""
+    specs = cfg.reward.components
+    names = [s.name for s in specs]
     if len(set(names)) != len(names):
         raise ConfigError(f"reward.components={names} names a component twice; list each once")
     for i, spec in enumerate(specs):
+        _check_component_name(f"reward.components[{i}]", spec)
+    _validate_verdict(cfg)
+    for i, spec in enumerate(specs):
+        if not spec.is_builtin():
+            flat = sorted(set(spec.given()) - set(spec.params or {}))
+            if flat:
+                raise ConfigError(
+                    f"reward.components[{i}] ({spec.target or spec.name}) sets {flat} beside params: a "
+                    "plug-in's parameters go in params: {...}"
+                )
+            continue
         allowed = [f.name for f in fields(REWARD_PARAMS[spec.name])]
         for key in spec.given():
             if key not in allowed:
@@ -1276,8 +1469,9 @@ def _validate_reward(cfg: Config) -> None:
                     f"reward.components[{i}].{key} is not a parameter of {spec.name}; its parameters: "
                     f"{', '.join(allowed) or 'none besides weight'}"
                 )
+        _check_declared(_params_checked(i, spec), f"reward.components[{i}].")
         if spec.name == "overlong":
-            p = spec.params()
+            p = spec.params_of()
             limit = p.max_len if p.max_len is not None else cfg.rl.max_new_tokens
             if p.cache_len >= limit:
                 raise ConfigError(
@@ -1294,6 +1488,37 @@ def _validate_reward(cfg: Config) -> None:
             "rl.overlong_shaping and an overlong item in reward.components both set DAPO's soft overlong "
             "punishment: drop rl.overlong_shaping and set cache_len on reward.components' overlong item"
         )
+
+
+def _check_component_name(key: str, spec: RewardComponentConfig, shown: str = "") -> None:
+    """A short name is a built-in or an entry point of ``laminar.rewards``; a target is spelled
+    ``package.module:attr`` (whether it imports is checked in ``tasks.preflight``)."""
+    import difflib
+
+    from core.plugins import PluginError, check_target, entry_points
+
+    if spec.target is not None:
+        try:
+            check_target(spec.target)
+        except PluginError as err:
+            raise ConfigError(f"{shown or f'{key}.target={spec.target!r}'} is not supported: {err}") from None
+        return
+    known = [*REWARD_PARAMS, *sorted(set(entry_points("rewards")) - set(REWARD_PARAMS))]
+    if spec.name not in known:
+        close = difflib.get_close_matches(spec.name, known, n=1)
+        hint = f" (did you mean {close[0]!r}?)" if close else ""
+        raise ConfigError(
+            f"{shown or f'{key}.name={spec.name!r}'} is not a reward component{hint}; choose one of "
+            f"{', '.join(known)}, "
+            "or name your own as target: package.module:attr"
+        )
+
+
+def _params_checked(i: int, spec: RewardComponentConfig) -> Any:
+    try:
+        return spec.params_of()
+    except TypeError as err:
+        raise ConfigError(f"reward.components[{i}] ({spec.name}): {err}") from None
 
 
 def _validate_sandbox(cfg: Config) -> None:

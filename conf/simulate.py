@@ -251,8 +251,9 @@ def load_simulate_config(overrides=()) -> SimulateConfig:
     from hydra.core.config_store import ConfigStore
     from hydra.errors import HydraException
 
-    from conf.loader import CONF_DIR, _explain_composition
+    from conf.loader import CONF_DIR, _explain_composition, check_override_sizes
 
+    check_override_sizes(overrides)  # before Hydra's parser, as for the pipeline's config
     ConfigStore.instance().store(name="simulate_schema", node=SimulateConfig)
     try:
         with initialize_config_dir(config_dir=str(CONF_DIR), version_base=None):

@@ -298,19 +298,10 @@ _PARA_SQL = """
 """
 
 
-def paraphrase_hits(con, prompts: pa.Table, items: pa.Table, params: ParaphraseParams) -> pa.Table:
-    """(prompt, benchmark item) pairs the paraphrase rule flags. ``prompts``: rid (0..n-1), prompt_id,
-    source, text (raw problem), answer; ``items``: benchmark, problem_id, text, answer.
-
-    Both sides go through :func:`paraphrase_text`, then ``dedup.shingle_table`` (a bag of words plus
-    ordered skeleton ``ngram``-grams). MinHash signatures and LSH bands (``dedup``) give candidate
-    pairs, one prompt and one item sharing a band, joined in DuckDB; every candidate is verified on
-    the exact shingle sets: score = max(Jaccard, containment of the item's shingles in the prompt's)
-    (containment only when the prompt has at most twice the item's shingles, so an added instruction
-    wrapper does not hide a copy while a long problem cannot swallow a short one)."""
-    from data_curation.dedup import lsh_band_keys, minhash_signatures, shingle_table
-
-    params.validate()
+def _create_paraphrase_sides(con, prompts: pa.Table, items: pa.Table, normalised: list[str]) -> None:
+    """Create temp tables ``_para_prompts`` (rid, prompt_id, source, answer) and ``_para_items`` (rid
+    after the prompts', benchmark, problem_id, answer, words: distinct content words of the item's
+    ``normalised`` text), and register ``_para_texts`` (rid, normalised text) for both sides."""
     n = prompts.num_rows
     con.register(
         "_para_prompts_arrow",
@@ -324,7 +315,6 @@ def paraphrase_hits(con, prompts: pa.Table, items: pa.Table, params: ParaphraseP
         ),
     )
     con.execute("CREATE OR REPLACE TEMP TABLE _para_prompts AS SELECT * FROM _para_prompts_arrow")
-    normalised = [paraphrase_text(t or "") for t in prompts["text"].to_pylist() + items["text"].to_pylist()]
     con.register(
         "_para_items_arrow",
         pa.table(
@@ -342,28 +332,39 @@ def paraphrase_hits(con, prompts: pa.Table, items: pa.Table, params: ParaphraseP
         {"rid": pa.array(range(n + items.num_rows), pa.int64()), "text": pa.array(normalised, pa.string())}
     )
     con.register("_para_texts", texts)
+
+
+def _create_paraphrase_candidates(con, n_prompts: int, params: ParaphraseParams) -> None:
+    """Create temp table ``_para_cand(a, b)``: the (prompt, item) rid pairs of ``_para_texts`` that
+    share an LSH band, and leave the shingles in ``_psh``."""
+    from data_curation.dedup import lsh_band_keys, lsh_band_table, shingle_signatures, shingle_table
+
     shingle_table(con, "_para_texts", params.ngram, name="_psh")
-    sh = con.execute("SELECT rid, h FROM _psh ORDER BY rid").fetchnumpy()
-    rows, sig = minhash_signatures(
-        np.asarray(sh["rid"], np.int64), np.asarray(sh["h"], np.uint64), params.num_perm, params.seed
-    )
+    rows, sig = shingle_signatures(con, "_psh", params.num_perm, params.seed)
     keys = lsh_band_keys(sig, params.bands, max_bucket=1 << 62)  # cross pairs only: no crowding refinement
-    con.register(
-        "_para_bands_arrow",
-        pa.table(
-            {
-                "rid": np.repeat(rows, params.bands),
-                "band": np.tile(np.arange(params.bands, dtype=np.int16), len(rows)),
-                "bh": keys.reshape(-1),
-            }
-        ),
-    )
+    con.register("_para_bands_arrow", lsh_band_table(rows, keys))
     con.execute(f"""
         CREATE OR REPLACE TEMP TABLE _para_cand AS
         WITH b AS (SELECT * FROM _para_bands_arrow)
         SELECT DISTINCT x.rid AS a, y.rid AS b FROM b x JOIN b y ON x.band = y.band AND x.bh = y.bh
-        WHERE x.rid < {n} AND y.rid >= {n}
+        WHERE x.rid < {n_prompts} AND y.rid >= {n_prompts}
     """)
+
+
+def paraphrase_hits(con, prompts: pa.Table, items: pa.Table, params: ParaphraseParams) -> pa.Table:
+    """(prompt, benchmark item) pairs the paraphrase rule flags. ``prompts``: rid (0..n-1), prompt_id,
+    source, text (raw problem), answer; ``items``: benchmark, problem_id, text, answer.
+
+    Both sides go through :func:`paraphrase_text`, then ``dedup.shingle_table`` (a bag of words plus
+    ordered skeleton ``ngram``-grams). MinHash signatures and LSH bands (``dedup``) give candidate
+    pairs, one prompt and one item sharing a band, joined in DuckDB; every candidate is verified on
+    the exact shingle sets: score = max(Jaccard, containment of the item's shingles in the prompt's)
+    (containment only when the prompt has at most twice the item's shingles, so an added instruction
+    wrapper does not hide a copy while a long problem cannot swallow a short one)."""
+    params.validate()
+    normalised = [paraphrase_text(t or "") for t in prompts["text"].to_pylist() + items["text"].to_pylist()]
+    _create_paraphrase_sides(con, prompts, items, normalised)
+    _create_paraphrase_candidates(con, prompts.num_rows, params)
     for name in ("_para_prompts_arrow", "_para_items_arrow", "_para_texts", "_para_bands_arrow"):
         con.unregister(name)
     return con.sql(
@@ -399,6 +400,178 @@ def _items_table(benchmark_items: Iterable) -> pa.Table:
     return pa.table({k: pa.array(v, types[k]) for k, v in rows.items()})
 
 
+def _check_rules(ngram: int, min_coverage: float, paraphrase: ParaphraseParams | None) -> None:
+    if ngram < 1:
+        raise ValueError(f"ngram must be >= 1, got {ngram}")
+    if not 0 < min_coverage <= 1:
+        raise ValueError(f"min_coverage must be in (0, 1], got {min_coverage}")
+    if paraphrase is not None:
+        paraphrase.validate()
+
+
+def _read_prompts(prompts_path: Path) -> pa.Table:
+    prompts = pq.read_table(prompts_path)
+    missing = {"prompt_id", "problem"} - set(prompts.column_names)
+    if missing:
+        raise ValueError(
+            f"{prompts_path} lacks column(s) {sorted(missing)}; expected ingest's prompts.parquet"
+        )
+    return prompts
+
+
+def _column_or_nulls(table: pa.Table, name: str) -> pa.ChunkedArray | pa.Array:
+    """Column ``name`` of ``table``, or string nulls where the table has none."""
+    return table[name] if name in table.column_names else pa.nulls(table.num_rows, pa.string())
+
+
+def _ngram_hits(con, prompts: pa.Table, items: pa.Table, ngram: int, min_coverage: float) -> pa.Table:
+    """The (prompt, item) pairs the n-gram rule flags, as contamination rows with ``pid`` (the
+    prompt's row number), ordered by pid, then item."""
+    texts = pa.table(
+        {
+            "id": pa.array(range(prompts.num_rows), pa.int64()),
+            "prompt_id": prompts["prompt_id"],
+            "source": _column_or_nulls(prompts, "source"),
+            "text": pa.array([normalize_text(p or "") for p in prompts["problem"].to_pylist()], pa.string()),
+        }
+    )
+    con.register("_prompts", texts)
+    con.register("_items", items)
+    gram_table(con, "_items", "_bgrams", ngram)
+    gram_table(con, "_prompts", "_pgrams", ngram)
+    hits = con.sql(_HITS_SQL.format(n=ngram, min_coverage=float(min_coverage))).to_arrow_table()
+    return hits.append_column("rule", pa.array(["ngram"] * hits.num_rows, pa.string())).append_column(
+        "score", hits["coverage"]
+    )
+
+
+def _paraphrase_contamination(
+    con, prompts: pa.Table, items: pa.Table, ngram_hits: pa.Table, params: ParaphraseParams
+) -> pa.Table:
+    """The pairs the paraphrase rule flags among the prompts ``ngram_hits`` leaves, as contamination
+    rows of ``ngram_hits``' schema."""
+    flagged = set(ngram_hits["pid"].to_pylist())
+    rest = pa.array([i for i in range(prompts.num_rows) if i not in flagged], pa.int64())
+    sub = pa.table(
+        {
+            "rid": pa.array(range(len(rest)), pa.int64()),
+            "prompt_id": prompts["prompt_id"].take(rest),
+            "source": _column_or_nulls(prompts, "source").take(rest),
+            "text": prompts["problem"].take(rest),
+            "answer": _column_or_nulls(prompts, "answer").take(rest).cast(pa.string()),
+        }
+    )
+    hits = paraphrase_hits(con, sub, items, params)
+    pid = pa.array(rest.to_numpy()[hits["pid"].to_numpy()] if hits.num_rows else [], pa.int64())
+    rule = ["paraphrase" if not s else "paraphrase+answer" for s in _answer_needed(hits, params)]
+    return (
+        pa.table(
+            {
+                "prompt_id": hits["prompt_id"],
+                "source": hits["source"],
+                "benchmark": hits["benchmark"],
+                "benchmark_problem_id": hits["benchmark_problem_id"],
+                "matched": pa.nulls(hits.num_rows, pa.string()),
+                "overlap": hits["overlap"],
+                "coverage": pa.nulls(hits.num_rows, pa.float64()),
+                "pid": pid,
+                "rule": pa.array(rule, pa.string()),
+                "score": hits["score"],
+            }
+        )
+        .select(ngram_hits.column_names)
+        .cast(ngram_hits.schema)
+    )
+
+
+def _contamination(
+    prompts: pa.Table, items: pa.Table, ngram: int, min_coverage: float, paraphrase: ParaphraseParams | None
+) -> pa.Table:
+    """Every (prompt, item) pair either rule flags, with ``pid`` (the prompt's row number), ordered by
+    pid, benchmark and item id."""
+    from data_curation.db import memory_db
+
+    con = memory_db()
+    try:
+        ngram_hits = _ngram_hits(con, prompts, items, ngram, min_coverage)
+        parts = [ngram_hits]
+        if paraphrase is not None and items.num_rows:
+            parts.append(_paraphrase_contamination(con, prompts, items, ngram_hits, paraphrase))
+        return pa.concat_tables(parts).sort_by(
+            [("pid", "ascending"), ("benchmark", "ascending"), ("benchmark_problem_id", "ascending")]
+        )
+    finally:
+        con.close()
+
+
+def _write_tables(prompts: pa.Table, contamination: pa.Table, dirty: np.ndarray, out_dir: Path) -> None:
+    """``prompts.parquet`` without the ``dirty`` rows and ``contamination.parquet`` in ``out_dir``."""
+    keep = np.ones(prompts.num_rows, dtype=bool)
+    keep[dirty] = False
+    out_dir.mkdir(parents=True, exist_ok=True)
+    pq.write_table(prompts.filter(pa.array(keep)), out_dir / "prompts.parquet", compression="zstd")
+    pq.write_table(
+        contamination.drop_columns(["pid"]).cast(CONTAMINATION_SCHEMA),
+        out_dir / "contamination.parquet",
+        compression="zstd",
+    )
+
+
+def _counts(prompts_in: int, dirty: np.ndarray, contamination: pa.Table) -> dict[str, float]:
+    """Prompts in, clean and contaminated, and contaminated by the n-gram rule or by the paraphrase rule
+    alone."""
+    rules_by_pid: dict[int, set] = {}
+    for p, r in zip(contamination["pid"].to_pylist(), contamination["rule"].to_pylist()):
+        rules_by_pid.setdefault(p, set()).add(r)
+    return {
+        "prompts_in": float(prompts_in),
+        "clean": float(prompts_in - len(dirty)),
+        "contaminated": float(len(dirty)),
+        "contaminated_ngram": float(sum(1 for r in rules_by_pid.values() if "ngram" in r)),
+        "contaminated_paraphrase": float(sum(1 for r in rules_by_pid.values() if "ngram" not in r)),
+    }
+
+
+def _removed_by_benchmark(contamination: pa.Table, items: pa.Table) -> dict[str, int]:
+    """Per benchmark among ``items``, in name order: the prompts it contaminates."""
+    pairs = set(zip(contamination["pid"].to_pylist(), contamination["benchmark"].to_pylist()))
+    return {
+        bench: sum(1 for _, b in pairs if b == bench) for bench in sorted(set(items["benchmark"].to_pylist()))
+    }
+
+
+def _certificate(
+    prompts_in: int,
+    items: pa.Table,
+    removed: dict[str, int],
+    ngram: int,
+    min_coverage: float,
+    paraphrase: ParaphraseParams | None,
+    benchmark_hashes: dict[str, str] | None,
+) -> dict:
+    """``certificate.json``'s content (see the module docstring)."""
+    rules = [f"ngram(n={ngram}, min_coverage={min_coverage})"] + (
+        [paraphrase.describe()] if paraphrase else []
+    )
+    return {
+        "rules": rules,
+        "params": {
+            "ngram": ngram,
+            "min_coverage": min_coverage,
+            "paraphrase": asdict(paraphrase) if paraphrase else None,
+        },
+        "prompts_in": prompts_in,
+        "benchmarks": {
+            bench: {
+                "sha256": (benchmark_hashes or {}).get(bench),
+                "items": items["benchmark"].to_pylist().count(bench),
+                "removed": n,
+            }
+            for bench, n in removed.items()
+        },
+    }
+
+
 def decontaminate(
     prompts_path: Path,
     benchmark_items: Iterable,
@@ -420,136 +593,19 @@ def decontaminate(
     contaminated_<benchmark> (prompts hit by that benchmark) for every benchmark among the items."""
     import json
 
-    from data_curation.db import memory_db
-
-    if ngram < 1:
-        raise ValueError(f"ngram must be >= 1, got {ngram}")
-    if not 0 < min_coverage <= 1:
-        raise ValueError(f"min_coverage must be in (0, 1], got {min_coverage}")
-    if paraphrase is not None:
-        paraphrase.validate()
-    prompts = pq.read_table(prompts_path)
-    missing = {"prompt_id", "problem"} - set(prompts.column_names)
-    if missing:
-        raise ValueError(
-            f"{prompts_path} lacks column(s) {sorted(missing)}; expected ingest's prompts.parquet"
-        )
+    _check_rules(ngram, min_coverage, paraphrase)
+    prompts = _read_prompts(prompts_path)
     items = _items_table(benchmark_items)
-    source = (
-        prompts["source"] if "source" in prompts.column_names else pa.nulls(prompts.num_rows, pa.string())
-    )
-    texts = pa.table(
-        {
-            "id": pa.array(range(prompts.num_rows), pa.int64()),
-            "prompt_id": prompts["prompt_id"],
-            "source": source,
-            "text": pa.array([normalize_text(p or "") for p in prompts["problem"].to_pylist()], pa.string()),
-        }
-    )
-    con = memory_db()
-    try:
-        con.register("_prompts", texts)
-        con.register("_items", items)
-        gram_table(con, "_items", "_bgrams", ngram)
-        gram_table(con, "_prompts", "_pgrams", ngram)
-        ngram_hits = con.sql(_HITS_SQL.format(n=ngram, min_coverage=float(min_coverage))).to_arrow_table()
-        ngram_hits = ngram_hits.append_column(
-            "rule", pa.array(["ngram"] * ngram_hits.num_rows, pa.string())
-        ).append_column("score", ngram_hits["coverage"])
-        parts = [ngram_hits]
-        if paraphrase is not None and items.num_rows:
-            flagged = set(ngram_hits["pid"].to_pylist())
-            rest = pa.array([i for i in range(prompts.num_rows) if i not in flagged], pa.int64())
-            answers = (
-                prompts["answer"]
-                if "answer" in prompts.column_names
-                else pa.nulls(prompts.num_rows, pa.string())
-            )
-            sub = pa.table(
-                {
-                    "rid": pa.array(range(len(rest)), pa.int64()),
-                    "prompt_id": prompts["prompt_id"].take(rest),
-                    "source": source.take(rest),
-                    "text": prompts["problem"].take(rest),
-                    "answer": answers.take(rest).cast(pa.string()),
-                }
-            )
-            hits = paraphrase_hits(con, sub, items, paraphrase)
-            pid = pa.array(rest.to_numpy()[hits["pid"].to_numpy()] if hits.num_rows else [], pa.int64())
-            parts.append(
-                pa.table(
-                    {
-                        "prompt_id": hits["prompt_id"],
-                        "source": hits["source"],
-                        "benchmark": hits["benchmark"],
-                        "benchmark_problem_id": hits["benchmark_problem_id"],
-                        "matched": pa.nulls(hits.num_rows, pa.string()),
-                        "overlap": hits["overlap"],
-                        "coverage": pa.nulls(hits.num_rows, pa.float64()),
-                        "pid": pid,
-                        "rule": pa.array(
-                            [
-                                "paraphrase" if not s else "paraphrase+answer"
-                                for s in _answer_needed(hits, paraphrase)
-                            ],
-                            pa.string(),
-                        ),
-                        "score": hits["score"],
-                    }
-                )
-                .select(ngram_hits.column_names)
-                .cast(ngram_hits.schema)
-            )
-        contamination = pa.concat_tables(parts).sort_by(
-            [("pid", "ascending"), ("benchmark", "ascending"), ("benchmark_problem_id", "ascending")]
-        )
-    finally:
-        con.close()
-
+    contamination = _contamination(prompts, items, ngram, min_coverage, paraphrase)
     dirty = np.unique(contamination["pid"].to_numpy())
-    keep = np.ones(prompts.num_rows, dtype=bool)
-    keep[dirty] = False
     out_dir = Path(out_dir)
-    out_dir.mkdir(parents=True, exist_ok=True)
-    pq.write_table(prompts.filter(pa.array(keep)), out_dir / "prompts.parquet", compression="zstd")
-    pq.write_table(
-        contamination.drop_columns(["pid"]).cast(CONTAMINATION_SCHEMA),
-        out_dir / "contamination.parquet",
-        compression="zstd",
+    _write_tables(prompts, contamination, dirty, out_dir)
+    removed = _removed_by_benchmark(contamination, items)
+    counts = _counts(prompts.num_rows, dirty, contamination)
+    counts.update({f"contaminated_{bench}": float(n) for bench, n in removed.items()})
+    certificate = _certificate(
+        prompts.num_rows, items, removed, ngram, min_coverage, paraphrase, benchmark_hashes
     )
-
-    rules_by_pid: dict[int, set] = {}
-    for p, r in zip(contamination["pid"].to_pylist(), contamination["rule"].to_pylist()):
-        rules_by_pid.setdefault(p, set()).add(r)
-    counts = {
-        "prompts_in": float(prompts.num_rows),
-        "clean": float(prompts.num_rows - len(dirty)),
-        "contaminated": float(len(dirty)),
-        "contaminated_ngram": float(sum(1 for r in rules_by_pid.values() if "ngram" in r)),
-        "contaminated_paraphrase": float(sum(1 for r in rules_by_pid.values() if "ngram" not in r)),
-    }
-    pairs = set(zip(contamination["pid"].to_pylist(), contamination["benchmark"].to_pylist()))
-    rules = [f"ngram(n={ngram}, min_coverage={min_coverage})"] + (
-        [paraphrase.describe()] if paraphrase else []
-    )
-    certificate = {
-        "rules": rules,
-        "params": {
-            "ngram": ngram,
-            "min_coverage": min_coverage,
-            "paraphrase": asdict(paraphrase) if paraphrase else None,
-        },
-        "prompts_in": prompts.num_rows,
-        "benchmarks": {},
-    }
-    for bench in sorted(set(items["benchmark"].to_pylist())):
-        removed = sum(1 for _, b in pairs if b == bench)
-        counts[f"contaminated_{bench}"] = float(removed)
-        certificate["benchmarks"][bench] = {
-            "sha256": (benchmark_hashes or {}).get(bench),
-            "items": items["benchmark"].to_pylist().count(bench),
-            "removed": removed,
-        }
     with open(out_dir / CERTIFICATE_FILE, "w") as f:
         json.dump(certificate, f, indent=1, sort_keys=True)
     return counts

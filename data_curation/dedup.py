@@ -44,8 +44,10 @@ __all__ = [
     "exact_duplicates",
     "jaccard",
     "lsh_band_keys",
+    "lsh_band_table",
     "minhash_signatures",
     "near_duplicates",
+    "shingle_signatures",
     "shingle_table",
 ]
 
@@ -235,41 +237,38 @@ def connected_components(n: int, a: np.ndarray, b: np.ndarray) -> np.ndarray:
             return label
 
 
-def near_duplicates(
-    con, relation: str, params: NearDupParams = NearDupParams(), *, match: str | None = None
-) -> pa.Table:
-    """Near duplicates among the rows of ``relation(rid, text)``: one row per dropped row, columns
-    rid, canonical_rid (the earliest row of its component) and similarity (exact Jaccard between
-    the two), ordered by rid. Rows not listed are kept. With ``match`` (a column of ``relation``),
-    only rows with equal values there can be near duplicates."""
-    params.validate()
-    empty = pa.table(
+def shingle_signatures(con, shingles: str, num_perm: int, seed: int) -> tuple[np.ndarray, np.ndarray]:
+    """:func:`minhash_signatures` of the rows of the shingle table ``shingles`` (``rid``, ``h``)."""
+    sh = con.execute(f"SELECT rid, h FROM {shingles} ORDER BY rid").fetchnumpy()
+    return minhash_signatures(np.asarray(sh["rid"], np.int64), np.asarray(sh["h"], np.uint64), num_perm, seed)
+
+
+def lsh_band_table(rows: np.ndarray, keys: np.ndarray) -> pa.Table:
+    """One row per row id of ``rows`` and band: ``rid``, ``band`` (int16) and ``bh``, the band's key
+    from :func:`lsh_band_keys` (``keys`` of shape (rows, bands))."""
+    bands = keys.shape[1]
+    return pa.table(
+        {
+            "rid": np.repeat(rows, bands),
+            "band": np.tile(np.arange(bands, dtype=np.int16), len(rows)),
+            "bh": keys.reshape(-1),
+        }
+    )
+
+
+def _no_near_duplicates() -> pa.Table:
+    return pa.table(
         {
             "rid": pa.array([], pa.int64()),
             "canonical_rid": pa.array([], pa.int64()),
             "similarity": pa.array([], pa.float64()),
         }
     )
-    key = f', "{match}" AS match_key' if match else ""
-    con.execute(f"CREATE OR REPLACE TEMP TABLE _nd_rows AS SELECT rid, text{key} FROM {relation}")
-    shingle_table(con, "_nd_rows", params.ngram)
-    sh = con.execute("SELECT rid, h FROM _shingles ORDER BY rid").fetchnumpy()
-    rows, sig = minhash_signatures(
-        np.asarray(sh["rid"], np.int64), np.asarray(sh["h"], np.uint64), params.num_perm, params.seed
-    )
-    if len(rows) < 2:
-        return empty
-    keys = lsh_band_keys(sig, params.bands, params.max_bucket)
-    bands = pa.table(
-        {
-            "rid": np.repeat(rows, params.bands),
-            "band": np.tile(np.arange(params.bands, dtype=np.int16), len(rows)),
-            "bh": keys.reshape(-1),
-        }
-    )
-    con.register("_bands_arrow", bands)
-    con.execute("CREATE OR REPLACE TEMP TABLE _bands AS SELECT * FROM _bands_arrow")
-    con.unregister("_bands_arrow")
+
+
+def _create_candidates(con, threshold: float, match: str | None) -> None:
+    """Create temp table ``_candidates(a, b)``: the row pairs of ``_bands`` sharing a band whose
+    shingle counts allow ``threshold``, with equal ``match_key`` when ``match`` is given."""
     same = (
         (
             "JOIN _nd_rows ma ON ma.rid = x.rid JOIN _nd_rows mb ON mb.rid = y.rid "
@@ -284,16 +283,24 @@ def near_duplicates(
         FROM _bands x JOIN _bands y ON x.band = y.band AND x.bh = y.bh AND x.rid < y.rid
         JOIN _shingles_size sa ON sa.rid = x.rid JOIN _shingles_size sb ON sb.rid = y.rid
         {same}
-        WHERE least(sa.n, sb.n) >= {params.threshold!r} * greatest(sa.n, sb.n) - 1e-9
+        WHERE least(sa.n, sb.n) >= {threshold!r} * greatest(sa.n, sb.n) - 1e-9
     """)
+
+
+def _verified_pairs(con, threshold: float) -> dict[str, np.ndarray]:
+    """The ``_candidates`` pairs (a, b) whose exact Jaccard reaches ``threshold``, ordered by (a, b)."""
     edges = jaccard(con, "_candidates")
     con.register("_scored", edges)
     kept = con.execute(
-        f"SELECT a, b FROM _scored WHERE similarity >= {params.threshold!r} - 1e-12 ORDER BY a, b"
+        f"SELECT a, b FROM _scored WHERE similarity >= {threshold!r} - 1e-12 ORDER BY a, b"
     ).fetchnumpy()
     con.unregister("_scored")
-    if len(kept["a"]) == 0:
-        return empty
+    return kept
+
+
+def _all_but_earliest(con, rows: np.ndarray, kept: dict[str, np.ndarray]) -> pa.Table:
+    """Every row of a connected component of the ``kept`` pairs but its earliest, with its Jaccard to
+    that row (``near_duplicates``' table)."""
     # Components over positions in `rows` (sorted rids), so the smallest label is the earliest row.
     pos_a = np.searchsorted(rows, np.asarray(kept["a"], np.int64))
     pos_b = np.searchsorted(rows, np.asarray(kept["b"], np.int64))
@@ -305,3 +312,28 @@ def near_duplicates(
     con.unregister("_dup_pairs")
     out = pa.table({"rid": sims["b"], "canonical_rid": sims["a"], "similarity": sims["similarity"]})
     return out.sort_by("rid")
+
+
+def near_duplicates(
+    con, relation: str, params: NearDupParams = NearDupParams(), *, match: str | None = None
+) -> pa.Table:
+    """Near duplicates among the rows of ``relation(rid, text)``: one row per dropped row, columns
+    rid, canonical_rid (the earliest row of its component) and similarity (exact Jaccard between
+    the two), ordered by rid. Rows not listed are kept. With ``match`` (a column of ``relation``),
+    only rows with equal values there can be near duplicates."""
+    params.validate()
+    key = f', "{match}" AS match_key' if match else ""
+    con.execute(f"CREATE OR REPLACE TEMP TABLE _nd_rows AS SELECT rid, text{key} FROM {relation}")
+    shingle_table(con, "_nd_rows", params.ngram)
+    rows, sig = shingle_signatures(con, "_shingles", params.num_perm, params.seed)
+    if len(rows) < 2:
+        return _no_near_duplicates()
+    bands = lsh_band_table(rows, lsh_band_keys(sig, params.bands, params.max_bucket))
+    con.register("_bands_arrow", bands)
+    con.execute("CREATE OR REPLACE TEMP TABLE _bands AS SELECT * FROM _bands_arrow")
+    con.unregister("_bands_arrow")
+    _create_candidates(con, params.threshold, match)
+    kept = _verified_pairs(con, params.threshold)
+    if len(kept["a"]) == 0:
+        return _no_near_duplicates()
+    return _all_but_earliest(con, rows, kept)

@@ -438,6 +438,50 @@ def resolve_format(spec: SourceSpec) -> str:
     return "verl" if fmt == "parquet" and _is_verl(spec, first) else fmt
 
 
+def check_readable(spec: SourceSpec) -> int | None:
+    """What can fail before anything is written (``tasks.preflight``): the format resolves and each
+    file parses as it (a JSON document whole, a parquet file's footer; JSON lines are read line by
+    line, a bad line is only quarantined). Returns the rows the source holds (for JSON lines: its
+    non-blank lines), None for a ``hf`` source (loading it is the stage's work). Raises
+    :class:`SourceError`, ``FileNotFoundError`` or ``ValueError`` with a one-line message."""
+    fmt = resolve_format(spec)
+    path = Path(spec.path)
+    if fmt == "hf":
+        return None
+    if fmt == "code":
+        files = [path] if path.is_file() else sorted(p for p in path.rglob("*") if p.suffix in SUFFIX_FORMATS)
+        fmt = SUFFIX_FORMATS.get(files[0].suffix, "jsonl") if files else "jsonl"
+    rows = 0
+    for file in _files(path, "parquet" if fmt == "verl" else fmt):
+        if fmt == "json":
+            rows += sum(1 for _ in _read_json(spec, file))
+        elif fmt in ("parquet", "verl"):
+            with _reading(spec, file, "parquet"):
+                rows += pq.read_metadata(file).num_rows
+        else:
+            with _reading(spec, file, "JSON lines"), file.open("rb") as f:
+                rows += sum(1 for line in f if line.strip())
+    return rows
+
+
+def empty_pool_error(rows_in: int, reasons: Iterable[str]) -> str:
+    """The one line an empty pool stops with: how many rows came in and why none was kept."""
+    counts: dict[str, int] = {}
+    for reason in reasons:
+        kind = reason.split(":", 1)[0]
+        counts[kind] = counts.get(kind, 0) + 1
+    why = ", ".join(f"{k} {n}" for k, n in sorted(counts.items(), key=lambda kv: -kv[1])[:6])
+    what = (
+        f"none of its {int(rows_in)} rows was ingested (quarantined: {why}); fix the sources"
+        if rows_in
+        else "its sources hold no rows; fix the sources"
+    )
+    return (
+        f"the prompt pool is empty: {what} or pass --allow-empty (data.allow_empty=true) to go on "
+        "with an empty pool"
+    )
+
+
 def read_source(spec: SourceSpec) -> tuple[list[dict], list[dict]]:
     """Parse one source. Returns (rows, quarantined): rows are ``{"source_row", "record"}`` with the
     parsed record (for verl, with ``problem`` and ``answer`` added); quarantined rows are
@@ -642,6 +686,7 @@ def ingest(
     max_prompt_chars: int = MAX_PROMPT_CHARS,
     template_share: float | None = TEMPLATE_SHARE,
     verifiability: Verifiability = "short_form",
+    allow_empty: bool = False,
 ) -> dict[str, float]:
     """Read, normalise, quarantine and deduplicate ``sources`` into ``out_dir`` (see the module
     docstring for the three tables). ``near_dup_threshold``, ``ngram``, ``num_perm``, ``bands`` and
@@ -656,6 +701,8 @@ def ingest(
     With ``verifiability="short_form"`` (``data.verifiability``) a reference answer the verifier
     cannot check (a proof, a multi-part answer, free text; ``data_curation.verifiability``) is
     quarantined as "unverifiable answer: <kind> (...)"; ``"off"`` keeps it.
+    A pool of which no row is kept raises :class:`SourceError` naming the quarantine reasons, before
+    any table is written, unless ``allow_empty`` (``data.allow_empty``).
     Returns counts: rows_in, ingested, quarantined, duplicates_exact, duplicates_near, and
     rows_in_<source> / ingested_<source> per source; templated_sources and template_stripped (rows
     that lost the wrapper) when some source had one; unverifiable and unverifiable_<kind> (spaces
@@ -715,6 +762,9 @@ def ingest(
             )
         )
     quarantine.sort(key=lambda q: (q[0], q[1]["source_row"]))
+    if prompts.num_rows == 0 and not allow_empty:
+        reasons = [q["reason"] for _, q in quarantine] + ["duplicate"] * duplicates.num_rows
+        raise SourceError(empty_pool_error(sum(per_source.values()), reasons))
     _write(prompts, out_dir / "prompts.parquet")
     _write(
         pa.Table.from_pylist([q for _, q in quarantine], schema=QUARANTINE_SCHEMA),

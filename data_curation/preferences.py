@@ -220,6 +220,66 @@ def agreement(comparisons: Sequence[dict]) -> dict[str, float]:
     return {"agreement": sum(share) / len(share), "agreement_pairs": float(len(shared))}
 
 
+_CANDIDATE_TYPES = {
+    "comparison_id": pa.string(),
+    "prompt": pa.string(),
+    "chosen": pa.string(),
+    "rejected": pa.string(),
+    "margin": pa.float64(),
+    "annotator": pa.string(),
+    "source": pa.string(),
+    "row": pa.int64(),
+}
+_QUARANTINE_TYPES = {"source": pa.string(), "row": pa.int64(), "reason": pa.string()}
+
+
+def _normalise_sources(
+    sources: Sequence[tuple[str, str, Iterable[dict]]], opt: PreferenceOptions
+) -> tuple[list[dict], list[dict], int]:
+    """(comparisons with their ``comparison_id``, quarantined rows, rows read) over all ``sources``."""
+    good, bad, rows_in = [], [], 0
+    for name, shape, rows in sources:
+        rows = list(rows)
+        rows_in += len(rows)
+        g, b = normalise(rows, shape, name, opt)
+        good += g
+        bad += b
+    for c in good:
+        c["comparison_id"] = comparison_id(c["prompt"], c["chosen"], c["rejected"], c["annotator"])
+    return good, bad, rows_in
+
+
+def _unique_comparisons(cands: pa.Table) -> pa.Table:
+    """``cands`` with one row per comparison_id, the first by (source, row), in that order."""
+    from data_curation.db import memory_db
+
+    con = memory_db()
+    try:
+        con.register("_cands", cands)
+        return con.sql(_DEDUP_SQL).to_arrow_table()
+    finally:
+        con.close()
+
+
+def _clean_prompts(
+    prompts: Sequence[str], out_dir: Path, benchmark_items: Iterable, decontam: dict
+) -> tuple[set[str], dict[str, float]]:
+    """The ``prompts`` that decontamination keeps (writing its outputs under ``out_dir``), and its
+    counts."""
+    from data_curation.decontaminate import decontaminate
+
+    pid = {p: f"pref{hashlib.sha256(p.encode()).hexdigest()[:12]}" for p in prompts}
+    scratch = out_dir / "_prompts"
+    scratch.mkdir(exist_ok=True)
+    pq.write_table(
+        pa.table({"prompt_id": [pid[p] for p in prompts], "problem": prompts}),
+        scratch / "prompts.parquet",
+    )
+    dc = decontaminate(scratch / "prompts.parquet", benchmark_items, out_dir / "decontam", **decontam)
+    clean = set(pq.read_table(out_dir / "decontam" / "prompts.parquet")["prompt_id"].to_pylist())
+    return {p for p in prompts if pid[p] in clean}, dc
+
+
 def ingest_preferences(
     sources: Sequence[tuple[str, str, Iterable[dict]]],
     out_dir: Path,
@@ -231,53 +291,17 @@ def ingest_preferences(
     against ``benchmark_items`` (``decontam``: ``data_curation.decontaminate.decontaminate``'s
     keywords). Writes ``comparisons.parquet`` and ``quarantine.parquet`` to ``out_dir``; returns the
     counts (they reconcile: candidates = comparisons + quarantined + duplicates + contaminated)."""
-    from data_curation.db import memory_db
-    from data_curation.decontaminate import decontaminate
-
     out_dir = Path(out_dir)
     out_dir.mkdir(parents=True, exist_ok=True)
-    good, bad, rows_in = [], [], 0
-    for name, shape, rows in sources:
-        rows = list(rows)
-        rows_in += len(rows)
-        g, b = normalise(rows, shape, name, opt)
-        good += g
-        bad += b
-    for c in good:
-        c["comparison_id"] = comparison_id(c["prompt"], c["chosen"], c["rejected"], c["annotator"])
-    types = {
-        "comparison_id": pa.string(),
-        "prompt": pa.string(),
-        "chosen": pa.string(),
-        "rejected": pa.string(),
-        "margin": pa.float64(),
-        "annotator": pa.string(),
-        "source": pa.string(),
-        "row": pa.int64(),
-    }
-    cands = pa.table({k: pa.array([c[k] for c in good], t) for k, t in types.items()})
-    con = memory_db()
-    try:
-        con.register("_cands", cands)
-        unique = con.sql(_DEDUP_SQL).to_arrow_table()
-    finally:
-        con.close()
-    prompts = sorted(set(unique["prompt"].to_pylist()))
-    pid = {p: f"pref{hashlib.sha256(p.encode()).hexdigest()[:12]}" for p in prompts}
-    scratch = out_dir / "_prompts"
-    scratch.mkdir(exist_ok=True)
-    pq.write_table(
-        pa.table({"prompt_id": [pid[p] for p in prompts], "problem": prompts}),
-        scratch / "prompts.parquet",
-    )
-    dc = decontaminate(scratch / "prompts.parquet", benchmark_items, out_dir / "decontam", **decontam)
-    clean = set(pq.read_table(out_dir / "decontam" / "prompts.parquet")["prompt_id"].to_pylist())
-    keep = pa.array([pid[p] in clean for p in unique["prompt"].to_pylist()])
-    comparisons = unique.filter(keep).drop_columns(["row"])
+    good, bad, rows_in = _normalise_sources(sources, opt)
+    cands = pa.table({k: pa.array([c[k] for c in good], t) for k, t in _CANDIDATE_TYPES.items()})
+    unique = _unique_comparisons(cands)
+    clean, dc = _clean_prompts(sorted(set(unique["prompt"].to_pylist())), out_dir, benchmark_items, decontam)
+    comparisons = unique.filter(pa.array([p in clean for p in unique["prompt"].to_pylist()]))
+    comparisons = comparisons.drop_columns(["row"])
     pq.write_table(comparisons, out_dir / "comparisons.parquet")
-    qtypes = {"source": pa.string(), "row": pa.int64(), "reason": pa.string()}
     pq.write_table(
-        pa.table({k: pa.array([b[k] for b in bad], t) for k, t in qtypes.items()}),
+        pa.table({k: pa.array([b[k] for b in bad], t) for k, t in _QUARANTINE_TYPES.items()}),
         out_dir / "quarantine.parquet",
     )
     counts = {

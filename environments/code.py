@@ -1,18 +1,18 @@
 """The code domain: a code problem's gold answer (its unit tests, as JSON), the program extracted from
-a response, and the ``code_tests`` reward component that runs one against the other in the sandbox.
+a response, and the ``code_tests`` reward component that judges one against the other
+(``environments.judge``: the program computes in the sandbox, a checker outside it compares).
 Importing this module registers ``code_tests`` with ``rewards.compose``."""
 
 from __future__ import annotations
 
 import json
 import re
-import secrets
 from collections.abc import Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 
 from conf.schema import CodeTestsParams, SandboxConfig
-from environments import sandbox
+from environments.judge import Judgement, judge
 from rewards.components import Sample
 from rewards.compose import register_component
 
@@ -61,50 +61,22 @@ def extract_program(text: str, completion: bool = False) -> str:
     return blocks[-1] if blocks else text
 
 
-def harness(program: str, spec: CodeSpec, nonce: str) -> tuple[str, dict[str, str]]:
-    """``main.py`` and its files: the program loads as module ``solution`` (its ``__main__`` block does
-    not run; a crash or ``sys.exit`` while loading leaves what it defined), then each test runs in its
-    namespace, then one line ``<nonce> <passed> <total>`` is printed. A program that ends the process
-    early prints no such line and scores 0."""
-    main = (
-        "import sys\n"
-        "g = {'__name__': 'solution', '__builtins__': __builtins__}\n"
-        "try:\n"
-        "    exec(compile(open('solution.py').read(), 'solution.py', 'exec'), g)\n"
-        "except BaseException as e:\n"
-        "    print(f'the program failed to load: {e!r}', file=sys.stderr)\n"
-        f"tests = {list(spec.tests)!r}\n"
-        "passed = 0\n"
-        "for i, t in enumerate(tests):\n"
-        "    try:\n"
-        "        exec(compile(t, f'test_{i}', 'exec'), g)\n"
-        "        passed += 1\n"
-        "    except BaseException as e:\n"
-        "        print(f'test {i} failed: {e!r}'[:300], file=sys.stderr)\n"
-        f"print({nonce!r}, passed, len(tests))\n"
-    )
-    return main, {"solution.py": spec.prefix + ("\n" if spec.prefix else "") + program}
-
-
 def run_tests(
     program: str, spec: CodeSpec, timeout_s: float, config: SandboxConfig | None = None
-) -> tuple[int, int]:
-    """(tests passed, tests) of ``program`` in one sandbox run; 0 passed when it never reports."""
-    nonce = secrets.token_hex(16)
-    main, files = harness(program, spec, nonce)
-    result = sandbox.run(main, files=files, timeout_s=timeout_s, config=config)
-    for line in reversed(result.stdout.splitlines()):
-        parts = line.split()
-        if len(parts) == 3 and parts[0] == nonce:
-            return int(parts[1]), int(parts[2])
-    return 0, len(spec.tests)
+) -> Judgement:
+    """``program`` judged against ``spec`` (``environments.judge``): the program computes in the
+    sandbox, a trusted checker outside it compares; the tests passed, or why judging failed."""
+    return judge(program, spec, timeout_s, config)
 
 
 @dataclass(frozen=True)
 class CodeTests:
     """The response's program (``extract_program``) against the unit tests of its gold answer
-    (``CodeSpec``), in the sandbox: the share of tests passed (``score=pass_fraction``) or 1 when all
-    pass (``score=all_pass``). A gold answer that is no code spec raises (the sample falls back to 0)."""
+    (``CodeSpec``), judged outside the program (``environments.judge``): the share of tests passed
+    (``score=pass_fraction``) or 1 when all pass (``score=all_pass``). A gold answer that is no code
+    spec raises (the sample falls back to 0); a judging that fails (a result that is not plain data,
+    ...: ``environments.judge.ERRORS``) gives the fallback with its reason (``score_reasons``).
+    ``sandbox_config``: the run's ``sandbox`` settings, for every sandbox run of the judging."""
 
     params: CodeTestsParams
     sandbox_config: SandboxConfig | None = field(default=None, compare=False)
@@ -112,17 +84,30 @@ class CodeTests:
     correctness: bool = False
     fallback: float = 0.0
 
-    def one(self, sample: Sample) -> float:
+    def one(self, sample: Sample) -> tuple[float, str | None]:
+        """(score, None), or (the fallback, the reason) when judging failed."""
         spec = CodeSpec.from_answer(sample.answer)
         program = extract_program(sample.text, completion=bool(spec.prefix))
-        passed, total = run_tests(program, spec, self.params.timeout_s, self.sandbox_config)
+        got = run_tests(program, spec, self.params.timeout_s, self.sandbox_config)
+        if got.reason is not None:
+            return self.fallback, got.reason
         if self.params.score == "all_pass":
-            return 1.0 if passed == total else 0.0
-        return passed / total
+            return (1.0 if got.passed == got.total else 0.0), None
+        return got.passed / got.total, None
 
-    def score(self, samples: Sequence[Sample], correct: Sequence[bool]) -> list[float]:
+    def score_reasons(
+        self, samples: Sequence[Sample], correct: Sequence[bool]
+    ) -> list[tuple[float, str | None]]:
+        """Per sample, its score and why judging failed (None: it did not)."""
         with ThreadPoolExecutor(max(1, min(MAX_PARALLEL, len(samples)))) as pool:
             return list(pool.map(self.one, samples))
 
+    def score(self, samples: Sequence[Sample], correct: Sequence[bool]) -> list[float]:
+        return [x for x, _ in self.score_reasons(samples, correct)]
 
-register_component("code_tests", CodeTestsParams, CodeTests)
+
+def _build(params: CodeTestsParams, sandbox: SandboxConfig | None = None) -> CodeTests:
+    return CodeTests(params, sandbox)
+
+
+register_component("code_tests", CodeTestsParams, _build)

@@ -6,8 +6,11 @@ through ``training.rl.rollout.run_order`` unchanged. A policy turn ends at the e
 (EOS); the environment's ``step`` runs in a bounded thread pool while the engine keeps decoding the
 other rows; its observation tokens are appended to the episode's tokens and the episode continues as
 an injected row whose context is the episode's exact token sequence (prompt + every turn and
-observation so far): nothing is re-rendered from text. The finished ``Trajectory`` carries every
-token with ``loss_mask`` (1 policy, 0 observation) and the behaviour log-probs of the policy's tokens.
+observation so far): nothing is re-rendered from text. The environment's per-episode state
+(``reset``'s, then each ``step``'s; plain data, checked) rides in the ``Episode`` beside its tokens,
+so extract, inject and every hand-over move it too; each ``step`` gets a copy of it. The finished
+``Trajectory`` carries every token with ``loss_mask`` (1 policy, 0 observation), the behaviour
+log-probs of the policy's tokens and the final state (``env_state``).
 
 The version rule (laminar mode; docs/environments.md). ``turn`` (the default): every policy turn is
 sampled by one weight version, and an episode between turns (its tool running, or answered) is
@@ -29,8 +32,18 @@ import threading
 import time
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
+from typing import Any
 
-from environments.base import Environment, StepResult
+from environments.base import (
+    Environment,
+    InterfaceError,
+    StateError,
+    StepResult,
+    Turn,
+    plain_state,
+    reset_result,
+    step_result,
+)
 from environments.latency import LatencySampler
 from generation.records import GenRequest, Partial, PromptItem, Trajectory
 from generation.sampler import request_key
@@ -41,10 +54,12 @@ class Episode:
     """An episode's state after its completed turns. Invariant: ``tokens``, ``logprobs`` and ``mask``
     share one length (observation tokens: log-prob 0.0, mask 0). ``request``: the episode's original
     request (its prompt as the driver knows it); ``context``: the tokens the first turn conditioned on
-    (``Environment.reset``). ``version``: the weight version that sampled the first token (-1: none
-    yet). ``pending``: the text of a finished turn whose ``step`` had not answered when the episode
-    was handed over (the receiver runs it again); ``pending_delay_s``: the tool latency that turn had left
-    to wait (``environments.latency``), which the receiver waits instead of a fresh draw."""
+    (``Environment.reset``). ``state``: the environment's state after the completed turns (plain data:
+    ``reset``'s, then each ``step``'s), which moves with the episode as its tokens do. ``version``:
+    the weight version that sampled the first token (-1: none yet). ``pending``: a finished turn whose
+    ``step`` had not answered when the episode was handed over (the receiver steps it again from
+    ``state``); ``pending_delay_s``: the tool latency that turn had left to wait
+    (``environments.latency``), which the receiver waits instead of a fresh draw."""
 
     request: GenRequest
     context: tuple[int, ...]
@@ -58,8 +73,9 @@ class Episode:
     last_version: int = -1
     entropy_sum: float = 0.0
     retries: int = 0
-    pending: str | None = None
+    pending: Turn | None = None
     pending_delay_s: float | None = None
+    state: Any = None
 
     def turn_request(self) -> GenRequest:
         """The engine request of the next turn: the episode's tokens so far as its prompt (turn 0:
@@ -94,6 +110,7 @@ class Episode:
         obs = tuple(int(i) for i in result.observation)
         return dataclasses.replace(
             self,
+            state=result.state,
             tokens=self.tokens + obs,
             logprobs=self.logprobs + (0.0,) * len(obs),
             mask=self.mask + (0,) * len(obs),
@@ -165,6 +182,7 @@ class EpisodeEngine:
 
     def __init__(self, engine, env: Environment, tokenizer, limits: EpisodeLimits):
         self.inner, self.env, self.tokenizer, self.limits = engine, env, tokenizer, limits
+        self.env_name = str(getattr(env, "name", type(env).__name__))
         self._episodes: dict[tuple, Episode] = {}
         """Engine request key -> the episode whose turn it is."""
         self._waiting: list[_Wait] = []
@@ -314,7 +332,8 @@ class EpisodeEngine:
     # ---------------------------------------------------------------------------------- episodes
     def _start(self, request: GenRequest, retries: int = 0) -> Episode:
         plain = dataclasses.replace(request, episode=None)
-        ep = Episode(plain, tuple(self.env.reset(plain.prompt)), retries=retries)
+        context, state = reset_result(self.env_name, self.env.reset(plain.prompt))
+        ep = Episode(plain, context, retries=retries, state=state)
         self._episodes[request_key(ep.turn_request())] = ep
         return ep
 
@@ -341,17 +360,20 @@ class EpisodeEngine:
         if not t.finished:
             out.append(self._finish(ep, "length"))
         else:
-            self._ask(ep, t.text)
+            self._ask(ep, Turn(t.text, tuple(t.response_tokens)))
 
-    def _ask(self, ep: Episode, turn_text: str, delay: float | None = None) -> None:
-        """Hand a finished turn to the environment; a tool call's answer waits ``delay`` seconds more
-        (None: this call's draw from ``limits.latency``)."""
-        ep = dataclasses.replace(ep, pending=turn_text, pending_delay_s=None)
+    def _ask(self, ep: Episode, turn: Turn, delay: float | None = None) -> None:
+        """Hand a finished turn to the environment, with a copy of the episode's state (a step that
+        changes the copy it got never changes the episode's); a tool call's answer waits ``delay``
+        seconds more (None: this call's draw from ``limits.latency``)."""
+        ep = dataclasses.replace(ep, pending=turn, pending_delay_s=None)
         if delay is None:
             lat = self.limits.latency
             key = "|".join(map(str, request_key(ep.request))) + f"|r{ep.retries}t{ep.turns}"
             delay = 0.0 if lat is None else lat.sample(key)
-        fut = self._pool.submit(_timed, self.env.step, turn_text)
+        fut = self._pool.submit(
+            _timed, self.env_name, self.env.step, plain_state(self.env_name, ep.state), turn
+        )
         fut.add_done_callback(lambda _: self._news.set())
         self._waiting.append(_Wait(fut, ep, time.monotonic(), delay))
 
@@ -381,6 +403,8 @@ class EpisodeEngine:
     def _answered(self, ep: Episode, fut: Future, out: list[Trajectory]) -> None:
         try:
             res: StepResult = fut.result()[0]
+        except (StateError, InterfaceError):
+            raise  # a broken environment (a state that is no plain data): every episode would fail
         except Exception:  # noqa: BLE001 - any environment crash ends (or restarts) the episode
             self.env_errors += 1
             if self.limits.on_error == "retry" and ep.retries == 0:
@@ -391,6 +415,7 @@ class EpisodeEngine:
         ep = dataclasses.replace(
             ep,
             pending=None,
+            state=res.state,
             tool_calls=ep.tool_calls + int(res.tool_call),
             tool_errors=ep.tool_errors + int(res.tool_error),
         )
@@ -441,10 +466,13 @@ class EpisodeEngine:
             tool_calls=ep.tool_calls,
             tool_errors=ep.tool_errors,
             end_reason=reason,
+            env_state=ep.state,
         )
 
 
-def _timed(step, turn_text: str) -> tuple[StepResult, float]:
-    """``step(turn_text)`` and the monotonic time it returned (the tool latency counts from there)."""
-    res = step(turn_text)
+def _timed(env_name: str, step, state, turn: Turn) -> tuple[StepResult, float]:
+    """``step(state, turn)``, its result checked (``environments.base.step_result``: the new state as
+    plain data, copied here in the pool), and the monotonic time it returned (the tool latency counts
+    from there)."""
+    res = step_result(env_name, step(state, turn))
     return res, time.monotonic()

@@ -16,7 +16,7 @@ import re
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-from environments.base import StepResult, Tool, ToolError
+from environments.base import StepResult, Tool, ToolError, Turn
 from generation.records import PromptItem
 
 
@@ -141,18 +141,19 @@ def call_format(tokenizer, tools: Sequence[Tool], choice: str):
 
 
 class ToolEnvironment:
-    """An environment whose policy may call ``tools`` (``environments.base.Environment``)."""
+    """An environment whose policy may call ``tools`` (``environments.base.Environment``). Stateless:
+    a call's answer depends on its turn alone, so every episode's state is None."""
 
     def __init__(self, name: str, tools: Sequence[Tool], tokenizer, tool_format: str = "auto"):
         self.name = name
         self.tools = {t.name: t for t in tools}
         self.format = call_format(tokenizer, tools, tool_format)
 
-    def reset(self, prompt: PromptItem) -> tuple[int, ...]:
-        return self.format.reset(prompt)
+    def reset(self, prompt: PromptItem) -> tuple[tuple[int, ...], None]:
+        return self.format.reset(prompt), None  # a tool call depends on its turn alone: no state
 
-    def step(self, turn_text: str) -> StepResult:
-        call = self.format.parse(turn_text)
+    def step(self, state: None, turn: Turn) -> StepResult:
+        call = self.format.parse(turn.text)
         if call is None:
             return StepResult(done=True, reason="answer")
         tool = self.tools.get(call.name)

@@ -31,11 +31,13 @@ def code_verdicts(
     sandbox: SandboxConfig | None = None,
 ) -> list[Verdict]:
     """Per response, a ``Verdict`` whose ``correct`` is whether its program passes every test of its
-    ``CodeSpec`` answer in the sandbox (``code_tests`` with ``score=all_pass``): what ``laminar eval``
-    scores a code benchmark with."""
+    ``CodeSpec`` answer in the sandbox (``code_tests`` with ``score=all_pass``; ``error``: why its
+    judging failed, e.g. ``not_plain``): what ``laminar eval`` scores a code benchmark with.
+    ``sandbox``: the run's sandbox settings."""
     component = CodeTests(CodeTestsParams(score="all_pass", timeout_s=timeout_s), sandbox)
-    scores = component.score([Sample(t, a, 0, 0) for t, a in zip(texts, answers)], [False] * len(texts))
-    return [Verdict(correct=s == 1.0, pred=None) for s in scores]
+    samples = [Sample(t, a, 0, 0) for t, a in zip(texts, answers)]
+    scored = component.score_reasons(samples, [False] * len(texts))
+    return [Verdict(correct=s == 1.0 and why is None, pred=None, error=why) for s, why in scored]
 
 
 def humaneval_rows(path: str | Path | None = None) -> list[dict]:

@@ -14,7 +14,7 @@ import torch
 from evaluation.benchmarks import BenchmarkItem, build_prompt
 from evaluation.code_benchmarks import CODE_TEMPLATES, code_verdicts
 from evaluation.metrics import reranked_accuracy, shaping_metrics, summarize
-from conf.schema import RewardComponentConfig
+from conf.schema import RewardComponentConfig, SandboxConfig
 from rewards.components import Sample
 from rewards.compose import MATH_VERIFY, REWARD_MODEL, build_component, safe_scores
 from rewards.verifier import Verifier
@@ -65,17 +65,52 @@ def evaluate_items(
     env=None,
     score_with: Mapping[str, Sequence[str]] | None = None,
     components: Sequence = (),
+    judges: Mapping[str, object] | None = None,
+    sandbox: SandboxConfig | None = None,
 ) -> list[EvalRow]:
-    """One row per (item, sample). ``templates`` maps a benchmark to its prompt template
-    (None = the registry default). Prompts longer than the model's context are still sampled (a
-    model with rotary positions runs past them); ``summarize_rows`` counts them. ``env``
-    (``conf.schema.EnvConfig``): a multi-turn environment samples whole episodes (None or single_turn:
-    one response per request, as always). ``score_with``: benchmark -> the reward components that
-    score it (a file benchmark's ``score_with``); the correctness verdict is always the verifier's
-    (or a code benchmark's tests), each other component's score is kept per row (``EvalRow.terms``).
-    ``components``: built reward components that score every benchmark (the learned reward model)."""
+    """One row per (item, sample). ``templates``: benchmark -> prompt template (None: the registry's).
+    Prompts longer than the model's context are still sampled; ``summarize_rows`` counts them.
+    ``env`` (``conf.schema.EnvConfig``): a multi-turn environment samples whole episodes. ``score_with``:
+    benchmark -> the reward components that score it, each kept per row (``EvalRow.terms``).
+    ``components``: built components that score every benchmark (the learned reward model).
+    ``judges``: benchmark -> its verdict (``rewards.verdicts``: the run's for the pool's held-out set,
+    a file benchmark's own); the others: ``verifier``, or a code benchmark's tests. ``sandbox``: the
+    run's sandbox settings, for code benchmarks' tests, code components and tools."""
     engine = Engine(model, tokenizer, device=device, batch_size=batch_size)
-    prompts = [
+    prompts = _prompt_items(tokenizer, items, templates)
+    requests = [GenRequest(prompt=p, sample_idx=s) for p in prompts for s in range(n_samples)]
+    generator = torch.Generator().manual_seed(seed)
+    if env is not None and not env.is_default():
+        trajectories = _episodes(
+            model,
+            tokenizer,
+            requests,
+            env,
+            max_new_tokens,
+            temperature,
+            generator,
+            device,
+            batch_size,
+            sandbox,
+        )
+    else:
+        trajectories = engine.generate(requests, max_new_tokens, temperature, generator, progress=progress)
+    verdicts = _verdicts(
+        [items[i // n_samples] for i in range(len(trajectories))], trajectories, verifier, sandbox, judges
+    )
+    terms = _terms(
+        items, n_samples, trajectories, verdicts, score_with or {}, max_new_tokens, components, sandbox
+    )
+    # requests are item-major; ids may repeat across benchmarks
+    return [
+        _eval_row(items[i // n_samples], req, traj, v, terms[i])
+        for i, (req, traj, v) in enumerate(zip(requests, trajectories, verdicts))
+    ]
+
+
+def _prompt_items(tokenizer, items: Sequence[BenchmarkItem], templates: dict[str, str | None]) -> list:
+    """Each item as a prompt, put in its benchmark's template (or a code benchmark's)."""
+    return [
         PromptItem(
             prompt_id=it.problem_id,
             text=it.problem,
@@ -87,44 +122,32 @@ def evaluate_items(
         )
         for it in items
     ]
-    requests = [GenRequest(prompt=p, sample_idx=s) for p in prompts for s in range(n_samples)]
-    generator = torch.Generator().manual_seed(seed)
-    if env is not None and not env.is_default():
-        trajectories = _episodes(
-            model, tokenizer, requests, env, max_new_tokens, temperature, generator, device, batch_size
-        )
-    else:
-        trajectories = engine.generate(requests, max_new_tokens, temperature, generator, progress=progress)
-    verdicts = _verdicts([items[i // n_samples] for i in range(len(trajectories))], trajectories, verifier)
-    terms = _terms(items, n_samples, trajectories, verdicts, score_with or {}, max_new_tokens, components)
-    rows = []
-    for i, (req, traj, v) in enumerate(zip(requests, trajectories, verdicts)):
-        item = items[i // n_samples]  # requests are item-major; ids may repeat across benchmarks
-        rows.append(
-            EvalRow(
-                benchmark=item.benchmark,
-                problem_id=item.problem_id,
-                sample_idx=req.sample_idx,
-                response=traj.text,
-                pred=v.pred,
-                correct=v.correct,
-                error=v.error,
-                length=len(traj.response_tokens),
-                truncated=not traj.finished,
-                level=item.level,
-                subject=item.subject,
-                prompt_length=len(traj.prompt.prompt_tokens),
-                turns=traj.turns,
-                tool_calls=traj.tool_calls,
-                tool_errors=traj.tool_errors,
-                terms=terms[i],
-            )
-        )
-    return rows
+
+
+def _eval_row(item: BenchmarkItem, req, traj, v, terms) -> EvalRow:
+    """One sample's row: the trajectory, its verdict and its reward terms."""
+    return EvalRow(
+        benchmark=item.benchmark,
+        problem_id=item.problem_id,
+        sample_idx=req.sample_idx,
+        response=traj.text,
+        pred=v.pred,
+        correct=v.correct,
+        error=v.error,
+        length=len(traj.response_tokens),
+        truncated=not traj.finished,
+        level=item.level,
+        subject=item.subject,
+        prompt_length=len(traj.prompt.prompt_tokens),
+        turns=traj.turns,
+        tool_calls=traj.tool_calls,
+        tool_errors=traj.tool_errors,
+        terms=terms,
+    )
 
 
 def _terms(
-    items, n_samples, trajectories, verdicts, score_with, max_new_tokens, components=()
+    items, n_samples, trajectories, verdicts, score_with, max_new_tokens, components=(), sandbox=None
 ) -> list[tuple]:
     """Per trajectory, (name, score, failed) for each component of its benchmark's ``score_with``
     other than ``math_verify``, then each of ``components`` (built, scoring every benchmark), scored a
@@ -133,7 +156,8 @@ def _terms(
     out: list[tuple] = [() for _ in trajectories]
     for bench in dict.fromkeys([*score_with, *(it.benchmark for it in items)]):
         named = [n for n in score_with.get(bench, ()) if n != MATH_VERIFY]
-        shaping = [build_component(RewardComponentConfig(name=n)) for n in named] + list(components)
+        built = [build_component(RewardComponentConfig(name=n), sandbox=sandbox) for n in named]
+        shaping = built + list(components)
         idx = [i for i in range(len(trajectories)) if items[i // n_samples].benchmark == bench]
         if not shaping or not idx:
             continue
@@ -155,20 +179,37 @@ def _terms(
     return out
 
 
-def _verdicts(items: Sequence[BenchmarkItem], trajectories, verifier) -> list:
-    """One verdict per trajectory: the math verifier's, or for a code benchmark's item, whether its
-    program passes every test in the sandbox (``code_tests``, ``all_pass``)."""
-    is_code = [it.benchmark in CODE_TEMPLATES for it in items]
-    math = [t for t, c in zip(trajectories, is_code) if not c]
-    code = [t for t, c in zip(trajectories, is_code) if c]
-    math_v = iter(
-        verifier.verify_batch([t.text for t in math], [t.prompt.answer for t in math]) if math else []
-    )
-    code_v = iter(code_verdicts([t.text for t in code], [t.prompt.answer for t in code]) if code else [])
-    return [next(code_v) if c else next(math_v) for c in is_code]
+def _verdicts(
+    items: Sequence[BenchmarkItem],
+    trajectories,
+    verifier,
+    sandbox=None,
+    judges: Mapping[str, object] | None = None,
+) -> list:
+    """One verdict per trajectory, by its benchmark's judge: ``judges[benchmark]`` where given, a code
+    benchmark's tests in the sandbox (``code_tests``, ``all_pass``, under ``sandbox``), else the math
+    ``verifier``; each judge sees its benchmark's trajectories as one batch."""
+    out: list = [None] * len(trajectories)
+    groups: dict[str, list[int]] = {}
+    for i, it in enumerate(items):
+        groups.setdefault(it.benchmark, []).append(i)
+    for bench, idx in groups.items():
+        texts = [trajectories[i].text for i in idx]
+        golds = [trajectories[i].prompt.answer for i in idx]
+        if bench in (judges or {}):
+            got = judges[bench].verify_batch(texts, golds)
+        elif bench in CODE_TEMPLATES:
+            got = code_verdicts(texts, golds, sandbox=sandbox)
+        else:
+            got = verifier.verify_batch(texts, golds)
+        for i, v in zip(idx, got):
+            out[i] = v
+    return out
 
 
-def _episodes(model, tokenizer, requests, env, max_new_tokens, temperature, generator, device, batch_size):
+def _episodes(
+    model, tokenizer, requests, env, max_new_tokens, temperature, generator, device, batch_size, sandbox=None
+):
     """Whole episodes of ``env`` for ``requests``: the engine's noise seed drawn from ``generator`` as
     ``Engine.generate`` draws it, ``max_new_tokens`` per turn."""
     from environments.registry import wrap_engine
@@ -183,7 +224,7 @@ def _episodes(model, tokenizer, requests, env, max_new_tokens, temperature, gene
         temperature=temperature,
         seed=seed_from(generator, None),
     )
-    runner = wrap_engine(engine, env, tokenizer)
+    runner = wrap_engine(engine, env, tokenizer, sandbox)
     try:
         return runner.generate(requests)
     finally:

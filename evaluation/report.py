@@ -435,6 +435,52 @@ def _same_series(a: Sequence[tuple[int, float]], b: Sequence[tuple[int, float]])
     return len(a) == len(b) and all(sa == sb and abs(va - vb) < 1e-9 for (sa, va), (sb, vb) in zip(a, b))
 
 
+def _rl_lines(rl_metrics: Mapping[str, Sequence[tuple[int, float]]]) -> list[tuple[str, str, dict]]:
+    """(metric, label, line style) of each line ``plot_rl`` may draw on its left axes, in order."""
+    in_run = sorted(n for n in rl_metrics if n.startswith("eval_") and n != "eval_seconds")
+    reward, accuracy = rl_metrics.get("reward", []), rl_metrics.get("accuracy", [])
+    lines = []
+    if reward and _same_series(reward, accuracy):
+        lines.append(("reward", "reward = training accuracy (no shaping)", {}))
+    else:
+        lines += [("reward", "reward", {}), ("accuracy", "training accuracy", {"linestyle": "--"})]
+    return lines + [
+        (n, n.replace("eval_", "held-out eval (in run): "), {"marker": "o", "linestyle": ":"}) for n in in_run
+    ]
+
+
+def _plot_final_eval(ax, step: int, final_eval: Mapping[str, float] | None) -> None:
+    for bench, acc in (final_eval or {}).items():
+        if acc is not None:
+            ax.plot(
+                [step],
+                [acc],
+                marker="*",
+                markersize=13,
+                linestyle="none",
+                label=f"final held-out eval (eval_rl): {bench} {acc:.3f}",
+            )
+
+
+def _label_rl_axes(ax1, ax2, empty: bool) -> None:
+    """Titles, axis labels, integer steps and legends under the axes (a note on both when ``empty``)."""
+    from matplotlib.ticker import MaxNLocator
+
+    ax1.set_title("RL reward and held-out accuracy over steps")
+    ax1.set_xlabel("step")
+    ax1.set_ylabel("mean per trajectory / accuracy")
+    ax2.set_title("RL response length over steps")
+    ax2.set_xlabel("step")
+    ax2.set_ylabel("tokens")
+    for ax in (ax1, ax2):
+        ax.xaxis.set_major_locator(MaxNLocator(integer=True))
+        if ax.lines:
+            ax.legend(loc="upper center", bbox_to_anchor=(0.5, -0.16), fontsize=7, ncol=2, frameon=False)
+    if empty:
+        for ax in (ax1, ax2):
+            ax.text(0.5, 0.5, "no RL metrics", ha="center", va="center", transform=ax.transAxes)
+
+
 def plot_rl(
     rl_metrics: Mapping[str, Sequence[tuple[int, float]]],
     path: Path,
@@ -448,32 +494,12 @@ def plot_rl(
     of the lines drawn on the left axes."""
     plt = _pyplot()
     fig, (ax1, ax2) = plt.subplots(1, 2, figsize=(11, 4.4))
-    in_run = sorted(n for n in rl_metrics if n.startswith("eval_") and n != "eval_seconds")
-    reward, accuracy = rl_metrics.get("reward", []), rl_metrics.get("accuracy", [])
-    lines = []
-    if reward and _same_series(reward, accuracy):
-        lines.append(("reward", "reward = training accuracy (no shaping)", {}))
-    else:
-        lines += [("reward", "reward", {}), ("accuracy", "training accuracy", {"linestyle": "--"})]
-    lines += [
-        (n, n.replace("eval_", "held-out eval (in run): "), {"marker": "o", "linestyle": ":"}) for n in in_run
-    ]
-    for name, label, style in lines:
+    for name, label, style in _rl_lines(rl_metrics):
         points = rl_metrics.get(name, [])
         if points:
             style = {"marker": "." if len(points) < 40 else None, **style}
             ax1.plot([s for s, _ in points], [v for _, v in points], label=label, **style)
-    last = max((s for pts in rl_metrics.values() for s, _ in pts), default=0)
-    for bench, acc in (final_eval or {}).items():
-        if acc is not None:
-            ax1.plot(
-                [last],
-                [acc],
-                marker="*",
-                markersize=13,
-                linestyle="none",
-                label=f"final held-out eval (eval_rl): {bench} {acc:.3f}",
-            )
+    _plot_final_eval(ax1, max((s for pts in rl_metrics.values() for s, _ in pts), default=0), final_eval)
     length = rl_metrics.get("response_length", [])
     if length:
         ax2.plot(
@@ -482,21 +508,7 @@ def plot_rl(
             marker="." if len(length) < 40 else None,
             label="mean response length",
         )
-    ax1.set_title("RL reward and held-out accuracy over steps")
-    ax1.set_xlabel("step")
-    ax1.set_ylabel("mean per trajectory / accuracy")
-    ax2.set_title("RL response length over steps")
-    ax2.set_xlabel("step")
-    ax2.set_ylabel("tokens")
-    from matplotlib.ticker import MaxNLocator
-
-    for ax in (ax1, ax2):
-        ax.xaxis.set_major_locator(MaxNLocator(integer=True))
-        if ax.lines:
-            ax.legend(loc="upper center", bbox_to_anchor=(0.5, -0.16), fontsize=7, ncol=2, frameon=False)
-    if not rl_metrics:
-        for ax in (ax1, ax2):
-            ax.text(0.5, 0.5, "no RL metrics", ha="center", va="center", transform=ax.transAxes)
+    _label_rl_axes(ax1, ax2, empty=not rl_metrics)
     labels = [line.get_label() for line in ax1.lines]
     _finish(fig, path, caption)
     return labels
@@ -627,13 +639,74 @@ def _rm_section(evals: Sequence[EvalGroup]) -> list[str]:
     ]
 
 
-def render_markdown(data: ReportData) -> str:
-    stage_rows = [
-        [s["stage"], s["status"], f"{float(s['seconds'] or 0):.1f}", s.get("headline", "")]
-        for s in data.stages
+def _stages_table(stages: Sequence[Mapping[str, Any]]) -> str:
+    rows = [
+        [s["stage"], s["status"], f"{float(s['seconds'] or 0):.1f}", s.get("headline", "")] for s in stages
     ]
+    return _md(["stage", "status", "seconds", "metrics"], rows)
+
+
+def _subject_section(evals: Sequence[EvalGroup]) -> list[str]:
+    """The report's per-subject section; none when no evaluation has subjects."""
+    _, labels, rows = _level_rows(evals, "by_subject")
+    if not rows:
+        return []
+    return ["## Accuracy per subject", "", _md(["benchmark", "subject", *labels], rows), ""]
+
+
+_RUNTIME_HEADERS = [
+    "mode",
+    "updates",
+    "trained tokens/s",
+    "staleness histogram",
+    "repacks",
+    "pulls",
+    "rollout failures",
+    "relay failures",
+    "mean occupancy",
+]
+
+
+def _runtime_table(rt: Mapping[str, Any]) -> str:
+    occ = {
+        name: r["mean_occupancy"] for name, r in rt.get("timeline_summary", {}).get("rollouts", {}).items()
+    }
+    row = [
+        rt.get("mode"),
+        rt.get("updates"),
+        f"{rt.get('tokens_per_s', 0):.0f}",
+        rt.get("staleness_histogram"),
+        rt.get("repacks", 0),
+        rt.get("pulls", 0),
+        rt.get("rollout_failures", 0),
+        rt.get("relay_failures", 0),
+        ", ".join(f"{k} {v:.2f}" for k, v in occ.items()),
+    ]
+    return _md(_RUNTIME_HEADERS, [row])
+
+
+def _cpu_line(rt: Mapping[str, Any]) -> str:
+    """Where the loop's CPU went, per role: a CPU-bound loop shows a busy machine."""
+    busy = f", machine {100 * rt['machine_busy']:.0f}% busy" if rt.get("machine_busy") is not None else ""
+    return (
+        "CPU seconds per role over the loop "
+        f"({rt['loop_seconds']:.1f} s on {rt['cores']} cores{busy}): "
+        + ", ".join(f"{k} {v:.1f}" for k, v in rt["cpu_seconds"].items())
+    )
+
+
+def _runtime_section(rt: Mapping[str, Any]) -> list[str]:
+    """The report's RL runtime section: the loop's counters, its CPU per role, the rollout timeline."""
+    parts = ["## RL runtime", "", _runtime_table(rt), ""]
+    if rt.get("cpu_seconds"):
+        parts += [_cpu_line(rt), ""]
+    return parts + [f"![rollout timeline]({PLOTS['timeline']})", ""]
+
+
+def render_markdown(data: ReportData) -> str:
+    """``report.md``: the run's stages, accuracy per checkpoint, reward model, RL metrics, accuracy
+    per level and subject, and the RL runtime when the run recorded one."""
     _, labels, level_rows = _level_rows(data.evals)
-    _, subject_labels, subject_rows = _level_rows(data.evals, "by_subject")
     parts = [
         f"# Laminar run {data.run_id}",
         "",
@@ -642,7 +715,7 @@ def render_markdown(data: ReportData) -> str:
         "",
         "## Stages",
         "",
-        _md(["stage", "status", "seconds", "metrics"], stage_rows),
+        _stages_table(data.stages),
         "",
         "## Benchmark accuracy per checkpoint",
         "",
@@ -663,64 +736,10 @@ def render_markdown(data: ReportData) -> str:
         "",
         f"![accuracy per level]({PLOTS['levels']})",
         "",
+        *_subject_section(data.evals),
     ]
-    if subject_rows:
-        parts += [
-            "## Accuracy per subject",
-            "",
-            _md(["benchmark", "subject", *subject_labels], subject_rows),
-            "",
-        ]
     if data.runtime:
-        rt = data.runtime
-        occ = {
-            name: r["mean_occupancy"]
-            for name, r in rt.get("timeline_summary", {}).get("rollouts", {}).items()
-        }
-        parts += [
-            "## RL runtime",
-            "",
-            _md(
-                [
-                    "mode",
-                    "updates",
-                    "trained tokens/s",
-                    "staleness histogram",
-                    "repacks",
-                    "pulls",
-                    "rollout failures",
-                    "relay failures",
-                    "mean occupancy",
-                ],
-                [
-                    [
-                        rt.get("mode"),
-                        rt.get("updates"),
-                        f"{rt.get('tokens_per_s', 0):.0f}",
-                        rt.get("staleness_histogram"),
-                        rt.get("repacks", 0),
-                        rt.get("pulls", 0),
-                        rt.get("rollout_failures", 0),
-                        rt.get("relay_failures", 0),
-                        ", ".join(f"{k} {v:.2f}" for k, v in occ.items()),
-                    ]
-                ],
-            ),
-            "",
-        ]
-        if rt.get("cpu_seconds"):  # where the loop's CPU went: a CPU-bound loop shows a busy machine
-            busy = (
-                f", machine {100 * rt['machine_busy']:.0f}% busy"
-                if rt.get("machine_busy") is not None
-                else ""
-            )
-            parts += [
-                "CPU seconds per role over the loop "
-                f"({rt['loop_seconds']:.1f} s on {rt['cores']} cores{busy}): "
-                + ", ".join(f"{k} {v:.1f}" for k, v in rt["cpu_seconds"].items()),
-                "",
-            ]
-        parts += [f"![rollout timeline]({PLOTS['timeline']})", ""]
+        parts += _runtime_section(data.runtime)
     return "\n".join(parts)
 
 

@@ -98,12 +98,15 @@ def evaluate_checkpoint(
     files: Mapping[str, FileBenchmark] = NO_FILES,
     env=None,
     components=(),
+    judges: Mapping[str, object] | None = None,
+    sandbox=None,
 ) -> dict:
     """Writes ``rows.parquet`` (one row per problem and sample) and ``summary.json``; returns the
     summary. ``files``: the file benchmarks of ``cfg``, read (each with its own template);
     ``components``: built reward components that score every benchmark (the learned reward model:
-    its mean as ``reward/reward_model`` and best-of-n reranked by it as ``rm_best@n``)."""
-    import polars as pl
+    its mean as ``reward/reward_model`` and best-of-n reranked by it as ``rm_best@n``); ``judges``:
+    benchmark -> its verdict (``evaluation.evaluate.evaluate_items``); ``sandbox``: the run's
+    ``conf.schema.SandboxConfig``, wherever code runs."""
 
     from generation.model import load_model
 
@@ -132,25 +135,11 @@ def evaluate_checkpoint(
             env=env,
             score_with={name: f.score_with for name, f in files.items()},
             components=components,
+            judges=judges,
+            sandbox=sandbox,
         )
     summary = summarize_rows(rows, cfg.n_samples, model_context(model), totals)
-    pl.DataFrame(
-        [r.__dict__ for r in rows],
-        schema={
-            "benchmark": pl.Utf8,
-            "problem_id": pl.Utf8,
-            "sample_idx": pl.Int32,
-            "response": pl.Utf8,
-            "pred": pl.Utf8,
-            "correct": pl.Boolean,
-            "error": pl.Utf8,
-            "length": pl.Int32,
-            "truncated": pl.Boolean,
-            "level": pl.Utf8,
-            "subject": pl.Utf8,
-            "prompt_length": pl.Int32,
-        },
-    ).write_parquet(Path(out_dir) / "rows.parquet")
+    write_rows(rows, Path(out_dir) / "rows.parquet")
     with open(Path(out_dir) / "summary.json", "w") as f:
         json.dump(summary, f, indent=2, sort_keys=True)
     return summary
@@ -167,6 +156,8 @@ def in_run_evaluator(
     verifier,
     files: Mapping[str, FileBenchmark] = NO_FILES,
     env=None,
+    judges: Mapping[str, object] | None = None,
+    sandbox=None,
 ):
     """A callback for evaluation every N RL steps:
     ``model -> {"eval_<benchmark>": avg@n, "eval_seconds": s}``. Same items, sampling and verifier as
@@ -194,6 +185,8 @@ def in_run_evaluator(
             verifier=verifier,
             env=env,
             score_with={name: f.score_with for name, f in files.items()},
+            judges=judges,
+            sandbox=sandbox,
         )
         model.train(was_training)
         out = {f"eval_{b}": s["accuracy"] for b, s in summarize_rows(rows, cfg.n_samples).items()}
@@ -212,3 +205,28 @@ __all__ = [
     "subset",
     "HELDOUT",
 ]
+
+
+ROW_SCHEMA = {
+    "benchmark": "Utf8",
+    "problem_id": "Utf8",
+    "sample_idx": "Int32",
+    "response": "Utf8",
+    "pred": "Utf8",
+    "correct": "Boolean",
+    "error": "Utf8",
+    "length": "Int32",
+    "truncated": "Boolean",
+    "level": "Utf8",
+    "subject": "Utf8",
+    "prompt_length": "Int32",
+}
+"""The columns of ``rows.parquet`` and their polars types."""
+
+
+def write_rows(rows, path: Path) -> None:
+    """``rows`` (``EvalRow``s) as ``rows.parquet``, with the columns of ``ROW_SCHEMA``."""
+    import polars as pl
+
+    schema = {name: getattr(pl, dtype) for name, dtype in ROW_SCHEMA.items()}
+    pl.DataFrame([r.__dict__ for r in rows], schema=schema).write_parquet(path)

@@ -134,77 +134,64 @@ def _pyplot():
     return plt
 
 
-def plot_timeline(timeline: Mapping[str, Any], path: Path, title: str = "") -> Path:
-    """Draw ``timeline`` to the PNG ``path`` and return it: one horizontal band per rollout (first
-    rollout on top) with its occupancy as a filled step plot scaled into the band, weight pulls as
-    ``^`` labelled with their version, repack out/in as ``<``/``>``, interrupts as diamonds,
-    restarts as red ``x``, and trainer updates as thin vertical lines across all rows."""
+def _draw_occupancy(ax, y0: float, samples: list[dict], t_end: float) -> None:
+    """A rollout's grey band at ``y0`` and its occupancy as a filled step plot scaled into it."""
+    ax.axhspan(y0, y0 + _BAND, color="#f0f0f0", zorder=0, lw=0)
+    if not samples:
+        return
+    ts = [float(s["t"]) for s in samples]
+    occ = [_clip01(s.get("occupancy", 0.0)) for s in samples]
+    if t_end > ts[-1]:  # the last sample holds until the end
+        ts.append(t_end)
+        occ.append(occ[-1])
+    ys = [y0 + _BAND * o for o in occ]
+    ax.fill_between(ts, y0, ys, step="post", color="#4c72b0", alpha=0.55, lw=0, zorder=1)
+    ax.step(ts, ys, where="post", color="#2b4f80", lw=0.8, zorder=2)
+
+
+def _label_versions(ax, pulls: list[dict], y: float, color: str) -> None:
+    for e in pulls:
+        if e.get("version") is not None:
+            ax.annotate(
+                f"v{e['version']}",
+                (float(e["t"]), y),
+                xytext=(0, 3),
+                textcoords="offset points",
+                ha="center",
+                va="bottom",
+                fontsize=6.5,
+                color=color,
+                zorder=5,
+            )
+
+
+def _draw_events(ax, y0: float, events: list[dict], label_versions: bool) -> None:
+    """A rollout's events as markers in its band at ``y0``, pulls above it (labelled with their
+    version when ``label_versions``)."""
+    for kind in EVENT_KINDS:
+        evs = [e for e in events if e["kind"] == kind]
+        if not evs:
+            continue
+        marker, color, _ = _EVENT_STYLE[kind]
+        y = y0 + (_BAND + 0.07 if kind == "pull" else _BAND / 2)
+        ax.scatter(
+            [float(e["t"]) for e in evs],
+            [y] * len(evs),
+            marker=marker,
+            color=color,
+            zorder=4,
+            s=46 if kind == "restart" else 30,
+            linewidths=1.6 if kind == "restart" else 0.8,
+            edgecolors=None if kind == "restart" else "black",
+        )
+        if kind == "pull" and label_versions:
+            _label_versions(ax, evs, y, color)
+
+
+def _legend(ax) -> None:
     from matplotlib.lines import Line2D
     from matplotlib.patches import Patch
 
-    plt = _pyplot()
-    rollouts, by_sample, by_event, updates, t_start, t_end = _normalize(timeline)
-    n = max(1, len(rollouts))
-    span = max(t_end - t_start, 1e-9)
-    fig, ax = plt.subplots(figsize=(11, 1.3 + 0.8 * n))
-    base = {r: float(n - 1 - i) for i, r in enumerate(rollouts)}
-
-    for r in rollouts:
-        y0 = base[r]
-        ax.axhspan(y0, y0 + _BAND, color="#f0f0f0", zorder=0, lw=0)
-        samples = by_sample[r]
-        if samples:
-            ts = [float(s["t"]) for s in samples]
-            occ = [_clip01(s.get("occupancy", 0.0)) for s in samples]
-            if t_end > ts[-1]:  # the last sample holds until the end
-                ts.append(t_end)
-                occ.append(occ[-1])
-            ys = [y0 + _BAND * o for o in occ]
-            ax.fill_between(ts, y0, ys, step="post", color="#4c72b0", alpha=0.55, lw=0, zorder=1)
-            ax.step(ts, ys, where="post", color="#2b4f80", lw=0.8, zorder=2)
-
-    for u in updates:
-        ax.axvline(float(u["t"]), color="#555555", lw=0.6, alpha=0.5, zorder=1.5)
-
-    n_pulls = sum(1 for r in rollouts for e in by_event[r] if e["kind"] == "pull")
-    for r in rollouts:
-        y0 = base[r]
-        for kind in EVENT_KINDS:
-            evs = [e for e in by_event[r] if e["kind"] == kind]
-            if not evs:
-                continue
-            marker, color, _ = _EVENT_STYLE[kind]
-            y = y0 + (_BAND + 0.07 if kind == "pull" else _BAND / 2)
-            ax.scatter(
-                [float(e["t"]) for e in evs],
-                [y] * len(evs),
-                marker=marker,
-                color=color,
-                zorder=4,
-                s=46 if kind == "restart" else 30,
-                linewidths=1.6 if kind == "restart" else 0.8,
-                edgecolors=None if kind == "restart" else "black",
-            )
-            if kind == "pull" and n_pulls <= _MAX_VERSION_LABELS:
-                for e in evs:
-                    if e.get("version") is not None:
-                        ax.annotate(
-                            f"v{e['version']}",
-                            (float(e["t"]), y),
-                            xytext=(0, 3),
-                            textcoords="offset points",
-                            ha="center",
-                            va="bottom",
-                            fontsize=6.5,
-                            color=color,
-                            zorder=5,
-                        )
-
-    ax.set_yticks([base[r] + _BAND / 2 for r in rollouts], rollouts)
-    ax.set_ylim(-0.15, n - 1 + _BAND + 0.45)
-    ax.set_xlim(t_start - 0.01 * span, t_end + 0.01 * span)
-    ax.set_xlabel("seconds")
-    ax.set_title(title or "Rollout timeline (band height = occupancy)")
     handles = [Patch(color="#4c72b0", alpha=0.55, label="occupancy")]
     handles += [
         Line2D(
@@ -214,6 +201,32 @@ def plot_timeline(timeline: Mapping[str, Any], path: Path, title: str = "") -> P
     ]
     handles.append(Line2D([], [], color="#555555", lw=0.6, alpha=0.7, label="trainer update"))
     ax.legend(handles=handles, loc="upper left", bbox_to_anchor=(1.005, 1.0), fontsize=8, frameon=False)
+
+
+def plot_timeline(timeline: Mapping[str, Any], path: Path, title: str = "") -> Path:
+    """Draw ``timeline`` to the PNG ``path`` and return it: one horizontal band per rollout (first
+    rollout on top) with its occupancy as a filled step plot scaled into the band, weight pulls as
+    ``^`` labelled with their version, repack out/in as ``<``/``>``, interrupts as diamonds,
+    restarts as red ``x``, and trainer updates as thin vertical lines across all rows."""
+    plt = _pyplot()
+    rollouts, by_sample, by_event, updates, t_start, t_end = _normalize(timeline)
+    n = max(1, len(rollouts))
+    span = max(t_end - t_start, 1e-9)
+    fig, ax = plt.subplots(figsize=(11, 1.3 + 0.8 * n))
+    base = {r: float(n - 1 - i) for i, r in enumerate(rollouts)}
+    for r in rollouts:
+        _draw_occupancy(ax, base[r], by_sample[r], t_end)
+    for u in updates:
+        ax.axvline(float(u["t"]), color="#555555", lw=0.6, alpha=0.5, zorder=1.5)
+    n_pulls = sum(1 for r in rollouts for e in by_event[r] if e["kind"] == "pull")
+    for r in rollouts:
+        _draw_events(ax, base[r], by_event[r], label_versions=n_pulls <= _MAX_VERSION_LABELS)
+    ax.set_yticks([base[r] + _BAND / 2 for r in rollouts], rollouts)
+    ax.set_ylim(-0.15, n - 1 + _BAND + 0.45)
+    ax.set_xlim(t_start - 0.01 * span, t_end + 0.01 * span)
+    ax.set_xlabel("seconds")
+    ax.set_title(title or "Rollout timeline (band height = occupancy)")
+    _legend(ax)
     if not rollouts:
         ax.text(0.5, 0.5, "empty timeline", ha="center", va="center", transform=ax.transAxes)
     fig.tight_layout()

@@ -20,6 +20,19 @@ def _overrides_arg(sp, extra: str = "") -> None:
     sp.add_argument("overrides", nargs="*", help="Hydra overrides: key=value, group=option" + extra)
 
 
+def _allow_empty_arg(sp) -> None:
+    sp.add_argument(
+        "--allow-empty",
+        action="store_true",
+        help="go on when the prompt pool is empty or ingest keeps none of its rows (data.allow_empty=true)",
+    )
+
+
+def _with_flags(args) -> list[str]:
+    """The overrides, plus what the command's flags set in the config."""
+    return list(args.overrides) + (["data.allow_empty=true"] if getattr(args, "allow_empty", False) else [])
+
+
 def _parser() -> tuple[argparse.ArgumentParser, dict[str, argparse.ArgumentParser]]:
     p = argparse.ArgumentParser(
         prog="laminar",
@@ -47,6 +60,7 @@ def _pipeline_commands(sub: argparse._SubParsersAction) -> None:
         help="rerun STAGE even if cached (repeatable)",
     )
     sp.add_argument("--until", metavar="STAGE", help="run only STAGE and the stages it needs")
+    _allow_empty_arg(sp)
     _workspace_arg(sp)
 
     sp = sub.add_parser(
@@ -54,6 +68,7 @@ def _pipeline_commands(sub: argparse._SubParsersAction) -> None:
     )
     sp.add_argument("stage", help="the stage to rerun")
     _overrides_arg(sp)
+    _allow_empty_arg(sp)
     _workspace_arg(sp)
 
     sp = sub.add_parser("status", help="each stage cached or stale for the current config, and why")
@@ -258,11 +273,11 @@ def _execute(overrides: list[str], workspace: str, **selection_kw) -> int:
 
 
 def cmd_run(args) -> int:
-    return _execute(args.overrides, args.workspace, until=args.until, force=args.force)
+    return _execute(_with_flags(args), args.workspace, until=args.until, force=args.force)
 
 
 def cmd_rerun(args) -> int:
-    return _execute(args.overrides, args.workspace, rerun=args.stage)
+    return _execute(_with_flags(args), args.workspace, rerun=args.stage)
 
 
 def _split_ckpt(overrides: list[str]) -> tuple[str, list[str]]:
@@ -408,6 +423,11 @@ def cmd_serve(args) -> int:
     selection = _selection(cfg=cfg, until=args.until, force=args.force)
     ws = Workspace.at(args.workspace)
     name = args.name or f"laminar-{ws.root.name}"
+    # what every run of the deployment is held to, in the environment before the server starts (its
+    # guard answers 403 to a run's parameters that the spec does not allow) and before serve() runs
+    parameters = served_parameters(
+        ws, args.overrides, selection.force, args.until, command_line() + "  # scheduled run"
+    )
     try:
         with prefect_api(ws, args.port, args.cron) as api_url:
             from flows.serve import serve
@@ -428,9 +448,7 @@ def cmd_serve(args) -> int:
             serve(
                 name,
                 args.cron,
-                served_parameters(
-                    ws, args.overrides, selection.force, args.until, command_line() + "  # scheduled run"
-                ),
+                parameters,
                 description=f"laminar pipeline on {ws.root}: {' '.join(args.overrides) or 'default config'}",
             )
     except ServeError as err:

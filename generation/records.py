@@ -33,8 +33,9 @@ class GenRequest:
     """Which issue of ``prompt`` this request belongs to (the prompt queue's position when it was
     drawn): the experience buffer assembles groups by it, so a prompt seen in two epochs forms two groups."""
     episode: object = field(default=None, compare=False)
-    """A multi-turn episode's state so far (``environments.episodes.Episode``), carried when an
-    in-flight episode moves between rollouts; None for a fresh request. Opaque to generation."""
+    """A multi-turn episode so far (``environments.episodes.Episode``: its tokens, counts and the
+    environment's state), carried when an in-flight episode moves between rollouts; None for a fresh
+    request. Opaque to generation."""
 
 
 @dataclass(frozen=True)
@@ -86,6 +87,10 @@ class Trajectory:
     """Why a multi-turn episode ended: ``answer`` (a turn without a tool call), ``max_turns``,
     ``max_tokens``, ``length`` (a turn hit the length cap), ``tool_timeout``, ``env_error``; empty for
     a single-turn response."""
+    env_state: object = field(default=None, hash=False)
+    """A multi-turn episode's environment state at its end (``environments.base.State``: plain data,
+    what its last ``step`` returned, or ``reset``'s); None for a single-turn response or an environment
+    without state. It travels with the trajectory (Ray, checkpoints as JSON)."""
 
     def policy_mask(self) -> tuple[int, ...]:
         """``loss_mask``, or all ones for a single-turn response."""

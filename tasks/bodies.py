@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 from collections.abc import Callable
+from contextlib import ExitStack
 from pathlib import Path
 from typing import Any
 
@@ -42,6 +43,13 @@ def template(cfg: Config) -> str:
     if cfg.data.template is not None:
         return cfg.data.template
     return PROMPT_TEMPLATE if cfg.data.source == "arith" else DEFAULT_TEMPLATE
+
+
+def verifiability(cfg: Config) -> str:
+    """``data.verifiability``: ingest's check that the math verifier can read a row's answer back, so
+    ``off`` when another component is the run's verdict (it judges answers its own way)."""
+    v = cfg.reward.verdict()
+    return cfg.data.verifiability if v.is_builtin() and v.name == "math_verify" else "off"
 
 
 def eval_templates(cfg: Config | None = None) -> dict[str, str | None]:
@@ -100,8 +108,9 @@ def ingest_body(ctx: StageContext) -> StageResult:
             near_dup_same_answer=ctx.cfg.curation.dedup.same_answer,
             seed=ctx.cfg.seed,
             max_prompt_chars=ctx.cfg.data.max_prompt_chars,
-            verifiability=ctx.cfg.data.verifiability,
+            verifiability=verifiability(ctx.cfg),
             template_share=ctx.cfg.curation.templates.min_share if ctx.cfg.curation.templates.strip else None,
+            allow_empty=ctx.cfg.data.allow_empty,
         ),
     )
     return StageResult({PROMPTS: ref}, metrics)
@@ -195,6 +204,7 @@ def warmup_body(ctx: StageContext) -> StageResult:
             out_dir=out,
             lora=ctx.cfg.model.lora,
             env=ctx.cfg.env,
+            sandbox=ctx.cfg.sandbox,
         ),
     )
     return StageResult({MODEL: ref}, metrics)
@@ -220,14 +230,14 @@ def difficulty_rft_body(ctx: StageContext) -> StageResult:
 
 def _difficulty(ctx: StageContext, max_prompts: int) -> StageResult:
     from data_curation.sampling import estimate_difficulty
-    from rewards.verifier import Verifier
+    from rewards.verdicts import open_verdict
     from generation.setup import setup_torch
 
     setup_torch(ctx.cfg.threads, ctx.cfg.seed)
     c = ctx.cfg.curation.difficulty
 
     def run(out: Path) -> dict:
-        with Verifier(timeout_s=ctx.cfg.eval.verifier_timeout_s) as verifier:
+        with open_verdict(ctx.cfg.reward, ctx.cfg.eval.verifier_timeout_s, ctx.cfg.sandbox) as verifier:
             return estimate_difficulty(
                 Path(ctx.inputs[MODEL].path),
                 ctx.inputs[PROMPTS].file("prompts.parquet"),
@@ -249,7 +259,7 @@ def _difficulty(ctx: StageContext, max_prompts: int) -> StageResult:
 def dart_body(ctx: StageContext) -> StageResult:
     from data_curation.dart import DartParams
     from data_curation.sampling import dart_sample
-    from rewards.verifier import Verifier
+    from rewards.verdicts import open_verdict
     from generation.setup import setup_torch
 
     setup_torch(ctx.cfg.threads, ctx.cfg.seed)
@@ -272,7 +282,7 @@ def dart_body(ctx: StageContext) -> StageResult:
             )
 
     def run(out: Path) -> dict:
-        with Verifier(timeout_s=ctx.cfg.eval.verifier_timeout_s) as verifier:
+        with open_verdict(ctx.cfg.reward, ctx.cfg.eval.verifier_timeout_s, ctx.cfg.sandbox) as verifier:
             return dart_sample(
                 Path(ctx.inputs[MODEL].path),
                 ctx.inputs[PROMPTS].file("prompts.parquet"),
@@ -495,6 +505,7 @@ def top_up(decisions, prompts, minimum: int):
 def rl_body(ctx: StageContext) -> StageResult:
     from evaluation.stages import in_run_evaluator
     from rewards.compose import Reward
+    from rewards.verdicts import open_verdict
     from rewards.verifier import Verifier
     from generation.model import load_tokenizer
     from training.rl.stage import TIMING_KEYS, rl
@@ -509,7 +520,10 @@ def rl_body(ctx: StageContext) -> StageResult:
         raise ValueError("reward.components names reward_model but no reward_model stage ran before rl")
 
     def run(out: Path) -> dict:
-        with Verifier(timeout_s=ctx.cfg.eval.verifier_timeout_s) as verifier:
+        with (
+            open_verdict(ctx.cfg.reward, ctx.cfg.eval.verifier_timeout_s, ctx.cfg.sandbox) as verifier,
+            ExitStack() as stack,
+        ):
             evaluate = None
             if ctx.cfg.rl.eval_every > 0:
                 tokenizer = load_tokenizer(ctx.inputs[MODEL].path)
@@ -520,9 +534,15 @@ def rl_body(ctx: StageContext) -> StageResult:
                     templates=eval_templates(ctx.cfg),
                     seed=ctx.cfg.seed,
                     device=ctx.device,
-                    verifier=verifier,
+                    verifier=verifier
+                    if isinstance(verifier, Verifier)
+                    else stack.enter_context(
+                        Verifier(timeout_s=ctx.cfg.eval.verifier_timeout_s)  # vendored math benchmarks
+                    ),
                     files=file_benchmarks(ctx.cfg),
                     env=ctx.cfg.env,
+                    judges=open_judges(ctx.cfg, stack, verifier),
+                    sandbox=ctx.cfg.sandbox,
                 )
             sel = ctx.inputs[SELECTION]
             result = rl(
@@ -534,7 +554,11 @@ def rl_body(ctx: StageContext) -> StageResult:
                 device=ctx.device,
                 out_dir=out,
                 reward=Reward.of(
-                    verifier, ctx.cfg.reward, rm_ref.path if rm_ref else None, template(ctx.cfg)
+                    verifier,
+                    ctx.cfg.reward,
+                    rm_ref.path if rm_ref else None,
+                    template(ctx.cfg),
+                    sandbox=ctx.cfg.sandbox,
                 ),
                 select=ctx.cfg.curation.select,
                 history_path=sel.file("history.parquet"),
@@ -544,6 +568,7 @@ def rl_body(ctx: StageContext) -> StageResult:
                 trainer=ctx.cfg.trainer,
                 rollout=ctx.cfg.rollout,
                 env=ctx.cfg.env,
+                sandbox=ctx.cfg.sandbox,
                 on_metrics=active().step_logger("rl"),
                 lora=ctx.cfg.model.lora,
             )
@@ -612,18 +637,21 @@ def eval_body(ctx: StageContext) -> StageResult:
     components = reward_model_components(ctx)
 
     def run(out: Path) -> dict:
-        summary = evaluate_checkpoint(
-            Path(ctx.inputs[MODEL].path),
-            Path(data.path) if data else None,
-            ctx.cfg.eval,
-            templates=eval_templates(ctx.cfg),
-            seed=ctx.cfg.seed,
-            device=ctx.device,
-            out_dir=out,
-            files=files,
-            env=ctx.cfg.env,
-            components=components,
-        )
+        with ExitStack() as stack:
+            summary = evaluate_checkpoint(
+                Path(ctx.inputs[MODEL].path),
+                Path(data.path) if data else None,
+                ctx.cfg.eval,
+                templates=eval_templates(ctx.cfg),
+                seed=ctx.cfg.seed,
+                device=ctx.device,
+                out_dir=out,
+                files=files,
+                env=ctx.cfg.env,
+                components=components,
+                judges=open_judges(ctx.cfg, stack),
+                sandbox=ctx.cfg.sandbox,
+            )
         query = ctx.catalog.query if ctx.catalog is not None else _no_catalog
         certificates.update(
             eval_certificates(
@@ -643,6 +671,30 @@ def eval_body(ctx: StageContext) -> StageResult:
     return StageResult(
         {EVAL: ref}, eval_metrics(ctx.inputs[MODEL].sha256, summary, ctx.cfg.eval.n_samples, certificates)
     )
+
+
+def open_judges(cfg: Config, stack: ExitStack, run_verdict=None) -> dict:
+    """Benchmark -> its verdict where it is not the math verifier: the run's verdict judges the pool's
+    held-out set (``run_verdict``, else opened here), a file benchmark its own ``verdict``; each is
+    closed with ``stack``. Vendored benchmarks keep theirs (math, or a code benchmark's tests)."""
+    from evaluation.stages import HELDOUT
+    from rewards.verdicts import MATH_VERIFY, benchmark_verdict, open_verdict
+
+    timeout = cfg.eval.verifier_timeout_s
+    out: dict = {}
+    spec = cfg.reward.verdict()
+    if HELDOUT in cfg.eval.benchmark_names() and not (spec.is_builtin() and spec.name == MATH_VERIFY):
+        out[HELDOUT] = (
+            run_verdict
+            if run_verdict is not None
+            else stack.enter_context(open_verdict(cfg.reward, timeout, cfg.sandbox))
+        )
+    for name, b in cfg.eval.benchmark_files().items():
+        if b.verdict_name() != MATH_VERIFY:
+            out[name] = stack.enter_context(
+                benchmark_verdict(b.verdict_name(), b.verdict_params, timeout, cfg.sandbox)
+            )
+    return out
 
 
 def reward_model_components(ctx: StageContext) -> list:

@@ -11,10 +11,10 @@ from __future__ import annotations
 
 import hashlib
 from collections.abc import Iterable, Mapping, Sequence
-from dataclasses import asdict, dataclass, fields
+from dataclasses import MISSING, asdict, dataclass, fields
 from pathlib import Path
 
-from conf.schema import Config
+from conf.schema import Config, SandboxConfig
 from core.artifacts import ArtifactRef
 from core.catalog import Catalog, dumps
 from core.workspace import Workspace
@@ -44,6 +44,7 @@ from tasks.bodies import (
     rl_body,
     select_body,
     template,
+    verifiability,
     warmup_body,
 )
 from tasks.cache import CacheKey
@@ -79,7 +80,9 @@ def _drop_defaults(section, *names: str) -> dict:
     """``asdict(section)`` without the named fields while they hold their defaults: fields added after
     a section's keys were first written leave those keys unchanged until they are set."""
     out = asdict(section)
-    defaults = {f.name: f.default for f in fields(section)}
+    defaults = {
+        f.name: f.default if f.default is not MISSING else f.default_factory() for f in fields(section)
+    }
     for name in names:
         if out[name] == defaults[name]:
             del out[name]
@@ -88,16 +91,20 @@ def _drop_defaults(section, *names: str) -> dict:
 
 def data_key(c: Config) -> dict:
     """``data`` as it is; ``demo_full_stop_rate`` and ``template`` only when set (the default keys stay
-    as they were)."""
-    return _drop_defaults(c.data, "demo_full_stop_rate", "template")
+    as they were); never ``allow_empty`` (it changes no byte of the dataset: ingest reads it)."""
+    out = _drop_defaults(c.data, "demo_full_stop_rate", "template")
+    del out["allow_empty"]
+    return out
 
 
 def ingest_key(c: Config) -> dict:
+    """``allow_empty`` only when set: an empty pool kept by one run is no cache hit for another."""
     return {
         **asdict(c.curation.dedup),
         "max_prompt_chars": c.data.max_prompt_chars,
-        "verifiability": c.data.verifiability,
+        "verifiability": verifiability(c),
         "templates": asdict(c.curation.templates),
+        **({"allow_empty": True} if c.data.allow_empty else {}),
     }
 
 
@@ -111,13 +118,38 @@ def base_model_key(c: Config) -> dict:
 
 
 def warmup_key(c: Config) -> dict:
-    return {**asdict(c.sft), "template": template(c), **_numerics(c), **_lora_key(c, "warmup"), **_env_key(c)}
+    return {
+        **asdict(c.sft),
+        "template": template(c),
+        **_numerics(c),
+        **_lora_key(c, "warmup"),
+        **_env_key(c),
+        **_sandbox_key(c),
+    }
 
 
 def eval_key(c: Config) -> dict:
-    """``eval`` and the held-out set's template when ``data.template`` sets one (keys stay as they were)."""
     own = {"template": c.data.template} if c.data.template is not None else {}
-    return {**asdict(c.eval), **_numerics(c), **_env_key(c), **_reward_model_key(c), **own}
+    return {
+        **asdict(c.eval),
+        **_numerics(c),
+        **_env_key(c),
+        **_reward_model_key(c),
+        **_sandbox_key(c),
+        **_verdict_key(c),
+        **own,
+    }
+
+
+def _verdict_key(c: Config) -> dict:
+    """The run's verdict, for stages that judge with it (difficulty, DART, the pool's held-out set);
+    absent while it is the built-in ``math_verify`` (the keys from before verdicts unchanged). A
+    plug-in's source enters through ``Stage.plugins``."""
+    v = c.reward.verdict()
+    if v.is_builtin() and v.name == "math_verify":
+        return {}
+    verdict = {"name": v.name, "target": v.target, "params": v.given(), "threshold": v.threshold}
+    return {"verdict": verdict, **_sandbox_key(c)}
 
 
 def _reward_model_key(c: Config) -> dict:
@@ -138,6 +170,12 @@ def _env_key(c: Config) -> dict:
     return {"env": env}
 
 
+def _sandbox_key(c: Config) -> dict:
+    """The sandbox settings, for the stages where code may run (code tests, tools, code benchmarks);
+    absent at their defaults (keys from before them unchanged)."""
+    return {} if c.sandbox == SandboxConfig() else {"sandbox": asdict(c.sandbox)}
+
+
 def _difficulty_key(c: Config, max_prompts: int) -> dict:
     return {
         **asdict(c.curation.difficulty),
@@ -145,6 +183,7 @@ def _difficulty_key(c: Config, max_prompts: int) -> dict:
         "template": template(c),
         "verifier_timeout_s": c.eval.verifier_timeout_s,
         **_numerics(c),
+        **_verdict_key(c),
     }
 
 
@@ -169,6 +208,7 @@ def dart_key(c: Config) -> dict:
         "verifier_timeout_s": c.eval.verifier_timeout_s,
         **_numerics(c),
         **(_reward_model_key(c) if dart_ranks(c) else {}),
+        **_verdict_key(c),
     }
 
 
@@ -207,7 +247,7 @@ def select_key(c: Config) -> dict:
 
 def rl_key(c: Config) -> dict:
     return {
-        **asdict(c.rl),
+        **_drop_defaults(c.rl, "loss", "loss_params"),
         "verifier_timeout_s": c.eval.verifier_timeout_s,
         "template": template(c),
         **_numerics(c),
@@ -219,6 +259,7 @@ def rl_key(c: Config) -> dict:
         **({"eval": asdict(c.eval)} if c.rl.eval_every else {}),
         "reward": reward_key(c),
         **_env_key(c),
+        **_sandbox_key(c),
     }
 
 
@@ -294,6 +335,48 @@ def history_fingerprint(cfg: Config, catalog: Catalog | None = None) -> dict[str
         "GROUP BY source_sha ORDER BY source_sha"
     )
     return {"history:workspace": hashlib.sha256(dumps(rows).encode()).hexdigest()}
+
+
+# ---- plug-ins by import path (``Stage.plugins``) -------------------------------------------------------
+
+
+def _reward_targets(specs) -> list[str]:
+    from rewards.registry import is_plugin, target_of
+
+    return [target_of(s) for s in specs if is_plugin(s)]
+
+
+def verdict_plugins(cfg: Config) -> list[str]:
+    """The run's verdict, when it is a plug-in (difficulty and DART judge with it)."""
+    return _reward_targets([cfg.reward.verdict()])
+
+
+def env_plugins(cfg: Config) -> list[str]:
+    """The environment, when ``env.target`` names one by import path (stages that sample episodes)."""
+    from core.plugins import is_target
+
+    target = getattr(cfg.env, "target", None)
+    return [target] if target and is_target(target) and not cfg.env.is_default() else []
+
+
+def rl_plugins(cfg: Config) -> list[str]:
+    """Every reward component that is a plug-in (the verdict among them), a custom loss, the
+    environment, and the held-out set's evaluation plug-ins with in-run evaluation."""
+    loss = [cfg.rl.loss] if cfg.rl.loss else []
+    evals = eval_plugins(cfg) if cfg.rl.eval_every else []
+    return [*_reward_targets(cfg.reward.components), *loss, *env_plugins(cfg), *evals]
+
+
+def eval_plugins(cfg: Config) -> list[str]:
+    """The verdicts and ``score_with`` components of the benchmarks (the run's verdict judges the
+    pool's held-out set), and the environment."""
+    from conf.schema import RewardComponentConfig
+    from evaluation.stages import HELDOUT
+
+    specs = [cfg.reward.verdict()] if HELDOUT in cfg.eval.benchmark_names() else []
+    for b in cfg.eval.benchmark_files().values():
+        specs += [RewardComponentConfig(name=n) for n in (b.verdict_name(), *b.score_with)]
+    return [*_reward_targets(specs), *env_plugins(cfg)]
 
 
 # ---- headlines (``Stage.headline``) -------------------------------------------------------------------
@@ -443,6 +526,7 @@ def _eval_stage(name: str, model_stage: str) -> Stage:
         record=recording.record_eval,
         headline=eval_headline,
         external=benchmark_files,
+        plugins=eval_plugins,
     )
 
 
@@ -500,6 +584,7 @@ STAGES: tuple[Stage, ...] = (
         body=warmup_body,
         record=recording.record_warmup,
         headline=warmup_headline,
+        plugins=env_plugins,
     ),
     # The learned reward model (reward=reward_model): annotators rate the warm-up model's responses.
     Stage(
@@ -545,6 +630,7 @@ STAGES: tuple[Stage, ...] = (
         body=difficulty_body,
         record=recording.record_difficulty,
         headline=difficulty_headline,
+        plugins=verdict_plugins,
     ),
     Stage(
         name="dart",
@@ -560,6 +646,7 @@ STAGES: tuple[Stage, ...] = (
         record=recording.record_dart,
         headline=dart_headline,
         reads={REWARD_MODEL: dart_ranks},
+        plugins=verdict_plugins,
     ),
     Stage(
         name="rft",
@@ -581,6 +668,7 @@ STAGES: tuple[Stage, ...] = (
         body=difficulty_rft_body,
         record=recording.record_difficulty,
         headline=difficulty_headline,
+        plugins=verdict_plugins,
     ),
     Stage(
         name="select",
@@ -620,6 +708,7 @@ STAGES: tuple[Stage, ...] = (
         body=rl_body,
         record=recording.record_rl,
         headline=rl_headline,
+        plugins=rl_plugins,
     ),
     _eval_stage("eval_rl", "rl"),
 )
@@ -634,6 +723,7 @@ EVAL_STAGE = Stage(
     record=recording.record_adhoc_eval,
     headline=eval_headline,
     external=benchmark_files,
+    plugins=eval_plugins,
 )
 """``laminar eval`` on any checkpoint: not part of the DAG (its inputs come from the command line:
 a checkpoint and the latest data artifact, which may be absent), same body and key scheme as the

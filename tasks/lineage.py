@@ -432,13 +432,15 @@ def _short(obj: Any, width: int = 100) -> str:
 
 def reward_line(spec: list[dict]) -> str:
     """The reward components a stage scored with (``rewards.compose.Reward.spec``), on one line:
-    ``math_verify x1 + cosine_length x0.5 {"max_len": null, ...}``."""
+    ``math_verify x1 + cosine_length x0.5 {"max_len": null, ...}``; a plug-in with its target
+    (``judge (my_pkg.rewards:judge) [verdict] x1``), a verdict other than ``math_verify`` marked."""
     parts = []
     for c in spec:
         params = {k: v for k, v in (c.get("params") or {}).items() if v is not None}
-        parts.append(
-            f"{c['name']} x{c['weight']:g}" + (f" {json.dumps(params, sort_keys=True)}" if params else "")
-        )
+        name = c["name"] + (f" ({c['target']})" if c.get("target") else "")
+        name += " [verdict]" if c.get("correctness") and c["name"] != "math_verify" else ""
+        shown = f" {json.dumps(params, sort_keys=True)}" if params else ""
+        parts.append(f"{name} x{c['weight']:g}{shown}")
     return " + ".join(parts)
 
 

@@ -65,14 +65,7 @@ def preflight(cfg: Config) -> None:
                 "convert them to safetensors first"
             )
         _check_vllm_shape(cfg, path)
-    from data_curation.sources import resolve_source_path
-
-    for i, src in enumerate(cfg.data.sources):
-        if resolve_source_path(src.path) is None and src.format != "hf":
-            raise ConfigError(
-                f"data.sources[{i}].path={src.path!r}: no such file or folder "
-                "(only format=hf may name a hub dataset)"
-            )
+    _check_sources(cfg)
     from training.rl.stage import objective_params
 
     try:
@@ -86,6 +79,8 @@ def preflight(cfg: Config) -> None:
         )
     _check_critic(cfg, params)
     _check_reward_model(cfg)
+    _check_plugins(cfg)
+    _check_environment(cfg)
     if cfg.trainer.backend == "deepspeed":
         from conf.loader import deepspeed_config
 
@@ -97,6 +92,84 @@ def preflight(cfg: Config) -> None:
                 "trainer.backend=deepspeed: the deepspeed package is not installed "
                 "(it is in requirements.txt: run `make test` or `pip install -r requirements.txt`)"
             )
+
+
+def _check_plugins(cfg: Config) -> None:
+    """Every plug-in the run names imports, has the shape its role calls and accepts its ``params``
+    (reward components and the verdict, benchmark verdicts and ``score_with``, ``rl.loss``): one
+    line naming it, before any write."""
+    from conf.schema import RewardComponentConfig
+    from core.plugins import PluginError
+    from rewards.registry import check
+
+    checks = [(f"reward.components[{i}]", s) for i, s in enumerate(cfg.reward.components)]
+    for i, b in enumerate(cfg.eval.benchmarks):
+        if isinstance(b, str):
+            continue
+        verdict = RewardComponentConfig(name=b.verdict_name(), params=dict(b.verdict_params or {}))
+        checks.append((f"eval.benchmarks[{i}].verdict", verdict))
+        checks += [(f"eval.benchmarks[{i}].score_with", RewardComponentConfig(name=n)) for n in b.score_with]
+    for key, spec in checks:
+        try:
+            check(spec)
+        except PluginError as err:
+            raise ConfigError(f"{key}: {err}") from None
+    if cfg.rl.loss_params is not None and not isinstance(cfg.rl.loss_params, dict):
+        raise ConfigError(f"rl.loss_params={cfg.rl.loss_params!r} must be a mapping, e.g. {{scale: 2.0}}")
+    if cfg.rl.loss_params and cfg.rl.loss is None:
+        raise ConfigError("rl.loss_params is set but rl.loss names no loss; set rl.loss=package.module:attr")
+    if cfg.rl.loss is not None:
+        from training.objectives import custom_loss
+
+        try:
+            custom_loss(cfg.rl.loss, tuple(sorted((cfg.rl.loss_params or {}).items())))
+        except PluginError as err:
+            raise ConfigError(f"rl.loss: {err}") from None
+
+
+def _check_environment(cfg: Config) -> None:
+    """``env.target``: a built-in or entry-point name, or an import path that imports, takes
+    ``env.params`` (its ``Params`` model) and has ``reset``/``step(state, turn)``/``close``."""
+    if cfg.env.is_default():
+        return
+    from core.plugins import PluginError
+    from environments.registry import check_environment
+
+    try:
+        check_environment(cfg.env)
+    except PluginError as err:
+        raise ConfigError(f"env.target: {err}") from None
+
+
+def _check_sources(cfg: Config) -> None:
+    """Each ``data.sources`` entry exists and parses as its format (``ingest.check_readable``), and a
+    ``data.source=files`` pool holds some rows (unless ``data.allow_empty``): a malformed or fake file
+    fails here, before the dataset artifact or a run record is written."""
+    from dataclasses import asdict
+
+    from data_curation.ingest import SourceSpec, check_readable
+    from data_curation.sources import resolve_source_path
+
+    rows: list[int | None] = []
+    for i, src in enumerate(cfg.data.sources):
+        local = resolve_source_path(src.path)
+        if local is None and src.format != "hf":
+            raise ConfigError(
+                f"data.sources[{i}].path={src.path!r}: no such file or folder "
+                "(only format=hf may name a hub dataset)"
+            )
+        if local is None:
+            rows.append(None)
+            continue
+        try:
+            spec = SourceSpec(**{**asdict(src), "path": str(local), "extra_fields": tuple(src.extra_fields)})
+            rows.append(check_readable(spec))
+        except (OSError, ValueError) as err:  # SourceError is a ValueError; its message is one line
+            raise ConfigError(f"data.sources[{i}]: {' '.join(str(err).split())}") from None
+    if cfg.data.source == "files" and rows and all(n == 0 for n in rows) and not cfg.data.allow_empty:
+        from data_curation.ingest import empty_pool_error
+
+        raise ConfigError(f"data.sources: {empty_pool_error(0, [])}")
 
 
 def _check_vllm_shape(cfg: Config, path: Path) -> None:

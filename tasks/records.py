@@ -5,7 +5,7 @@ body reads (``StageContext``) and returns (``StageResult``), what one stage of a
 
 from __future__ import annotations
 
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Iterable, Mapping
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Literal
@@ -59,6 +59,13 @@ def no_headline(metrics: dict) -> str:
     return ""
 
 
+def plugin_hashes(targets: Iterable[str]) -> dict[str, str]:
+    """``plugin:<target>`` -> sha256 of the file each target lives in (``core.plugins.source_record``)."""
+    from core.plugins import source_record
+
+    return {f"plugin:{t}": source_record(t)["sha256"] for t in sorted(set(targets))}
+
+
 @dataclass(frozen=True, kw_only=True)
 class Stage:
     """One stage of the DAG. ``inputs``: input name -> (upstream stage, its output name). ``config``:
@@ -82,13 +89,17 @@ class Stage:
     external: Callable[[Config, Catalog | None], dict[str, str]] | None = None
     when: Callable[[Config], bool] | None = None
     reads: Mapping[str, Callable[[Config], bool]] = field(default_factory=dict)
+    plugins: Callable[[Config], Iterable[str]] | None = None
+    """The plug-ins (``module:attr`` targets) the stage runs under ``cfg``: each one's source file
+    enters the key as ``plugin:<target>`` -> its sha256, like ``external`` inputs (so lineage names it)."""
 
     def active(self, cfg: Config | None) -> bool:
         """Whether the stage runs under ``cfg`` (None: the config is unknown, so it may)."""
         return self.when is None or cfg is None or self.when(cfg)
 
     def external_hashes(self, cfg: Config, catalog: Catalog | None) -> dict[str, str]:
-        return self.external(cfg, catalog) if self.external is not None else {}
+        out = self.external(cfg, catalog) if self.external is not None else {}
+        return out | (plugin_hashes(self.plugins(cfg)) if self.plugins is not None else {})
 
     def key(self, cfg: Config, inputs: Mapping[str, ArtifactRef], catalog: Catalog | None = None) -> CacheKey:
         """The cache key for ``cfg`` and these input artifacts (``catalog``: the workspace's, for

@@ -1,22 +1,27 @@
 """A Prefect server for ``laminar serve``: schedules need one (Prefect's temporary per-process server
 runs no scheduler), and its UI shows the runs.
 
-``laminar serve`` uses the server ``PREFECT_API_URL`` names, or starts ``prefect server start`` on
-localhost with the workspace's Prefect home (so the UI also shows the workspace's earlier runs) and
-writes its address to ``<workspace>/prefect/server.json``; ``laminar run`` on that workspace then
-reports to the same server (``attach_served_api``). Nothing here imports Prefect: its settings are
-read once, at import, so ``PREFECT_API_URL`` must be in the environment before.
+``laminar serve`` uses the server ``PREFECT_API_URL`` names, or starts Prefect's server
+(``tasks.served_server``) on localhost with the workspace's Prefect home (so the UI also shows the
+workspace's earlier runs) and writes its address to ``<workspace>/prefect/server.json``;
+``laminar run`` on that workspace then reports to the same server (``attach_served_api``). Nothing
+here imports Prefect: its settings are read once, at import, so ``PREFECT_API_URL`` must be in the
+environment before.
 
 The server is locked down: Prefect's API authentication on (a fresh random ``user:password`` per
 ``laminar serve``, in ``<workspace>/prefect/api-auth``, mode 0600, which the serve process, its flow
 runs and ``laminar run`` on the workspace send), CSRF protection on, and CORS limited to the server's
-own origin. A run of the deployment may choose only config overrides (``check_served_run``): the
-workspace, the stage selection and every override naming a file, folder, executable or cluster are
-fixed by the ``laminar serve`` command line, and the config is validated before anything is written.
+own origin. A run of the deployment may choose only config overrides on the allow-list
+(``caller_keys``: numbers, switches and names, never a key that can name a host path or a URL); the
+workspace, the stage selection and every other override are fixed by the ``laminar serve`` command
+line. The served API answers 403 with the reason to parameters off the list (``refused_parameters``),
+and the flow run checks them again and validates the config before anything is written
+(``check_served_run``).
 """
 
 from __future__ import annotations
 
+import functools
 import json
 import os
 import re
@@ -25,10 +30,12 @@ import socket
 import subprocess
 import sys
 import time
+import types
 import urllib.request
 from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 from collections.abc import Iterator, Sequence
 
 from core.workspace import Workspace
@@ -139,9 +146,10 @@ def read_api_auth(ws: Workspace) -> str | None:
 
 
 def server_env(ws: Workspace, port: int, auth: str, ui: bool = True) -> dict[str, str]:
-    """The environment of ``prefect server start``: the workspace's Prefect home, API authentication
-    with ``auth`` (the server's own services send it too), CSRF protection on, and CORS for the
-    server's own origin only (its UI; no other web page may call the API)."""
+    """The environment of the served Prefect server: the workspace's Prefect home, API authentication
+    with ``auth`` (the server's own services send it too), CSRF protection on, CORS for the server's
+    own origin only (its UI; no other web page may call the API), and the API address the UI is
+    told (``/ui-settings``) on the server's own port (Prefect's default is 4200 whatever the port)."""
     env = {
         **os.environ,
         "PREFECT_HOME": str(ws.prefect_home),
@@ -152,8 +160,12 @@ def server_env(ws: Workspace, port: int, auth: str, ui: bool = True) -> dict[str
         "PREFECT_API_AUTH_STRING": auth,
         "PREFECT_SERVER_API_CSRF_PROTECTION_ENABLED": "true",
         "PREFECT_SERVER_API_CORS_ALLOWED_ORIGINS": f"http://127.0.0.1:{port}",
+        "PREFECT_SERVER_UI_API_URL": f"http://127.0.0.1:{port}/api",
+        "PREFECT_SERVER_API_HOST": "127.0.0.1",
+        "PREFECT_SERVER_API_PORT": str(port),
     }
     for alias in (
+        "PREFECT_UI_API_URL",
         "PREFECT_API_URL",
         "PREFECT_SERVER_CSRF_PROTECTION_ENABLED",
         "PREFECT_SERVER_CORS_ALLOWED_ORIGINS",
@@ -166,7 +178,8 @@ def server_env(ws: Workspace, port: int, auth: str, ui: bool = True) -> dict[str
 def local_server(
     ws: Workspace, port: int, startup_s: float = 180.0, ui: bool = True, auth: str | None = None
 ) -> Iterator[str]:
-    """``prefect server start`` on ``127.0.0.1:port`` with the workspace's Prefect home, locked down
+    """Prefect's server (``tasks.served_server``: what ``prefect server start`` runs, behind the guard
+    of a run's parameters) on ``127.0.0.1:port`` with the workspace's Prefect home, locked down
     (``server_env``; ``auth``: its ``user:password``, default a fresh one in ``auth_file(ws)``); yields
     its API URL once healthy; stops it on exit. Its log is ``<workspace>/logs/prefect-server.log``."""
     ws.create()
@@ -174,7 +187,7 @@ def local_server(
     env = server_env(ws, port, auth or new_api_auth(ws), ui)
     log = open(ws.logs / "prefect-server.log", "ab")
     proc = subprocess.Popen(
-        [sys.executable, "-m", "prefect", "server", "start", "--host", "127.0.0.1", "--port", str(port)],
+        [sys.executable, "-m", "tasks.served_server", "--host", "127.0.0.1", "--port", str(port)],
         env=env,
         stdout=log,
         stderr=subprocess.STDOUT,
@@ -262,19 +275,78 @@ def attach_served_api(ws: Workspace) -> str | None:
 
 # ---- what a run of the served deployment may choose ---------------------------------------------------
 
-OPERATOR_ONLY = (
-    "data.sources",
-    "trainer.deepspeed",
-    "model.path",
-    "rollout.vllm_python",
-    "cluster.address",
-    "hydra",
-)
-"""Keys a caller of the deployment may not set: files, folders, executables, a cluster to join (and
-any other key whose last part reads ``path``, ``python``, ``dir``, ``file`` or ``address``)."""
-_PATH_LIKE = re.compile(r"(^|_)(path|python|dir|file|address)$")
+OPERATOR_ONLY = ("sandbox",)
+"""Sections a caller may not set even where their keys are numbers or names: how untrusted code is
+isolated (``sandbox.backend=unsafe``, its limits) is the operator's."""
+NAME_LISTS = ("eval.benchmarks", "curation.decontam.benchmarks")
+"""Keys whose value is a list of registered names (a file spec, a dict, is the operator's)."""
 _OVERRIDE = re.compile(r"([A-Za-z_][A-Za-z0-9_]*(?:\.[A-Za-z_][A-Za-z0-9_]*|\[[0-9]+\])*)=(.*)", re.S)
 _PLAIN = re.compile(r"[A-Za-z0-9_+-][A-Za-z0-9_.+-]*")
+_PLAIN_LIST = re.compile(
+    r"\[\s*(?:[A-Za-z0-9_+-][A-Za-z0-9_.+-]*\s*(?:,\s*[A-Za-z0-9_+-][A-Za-z0-9_.+-]*\s*)*)?\]"
+)
+
+
+def _leaf_kind(hint: Any) -> str | None:
+    """What a schema field holds, if a caller may set it: ``plain`` (a number, a switch or one of a
+    closed set of names), ``plains`` (a list of them), ``section`` (walk it); None: anything else (a
+    free string: a path, a URL, an executable, a template; a list of sections)."""
+    import dataclasses
+    import typing
+
+    base, meta = hint, ()
+    if typing.get_origin(hint) is typing.Annotated:
+        base, *meta = typing.get_args(hint)
+    if isinstance(base, type) and dataclasses.is_dataclass(base):
+        return "section"
+    args = [a for a in typing.get_args(base) if a is not type(None)]
+    if typing.get_origin(base) in (typing.Union, types.UnionType) and len(args) == 1:
+        base = args[0]  # Optional[X]
+    named = any(typing.get_origin(m) is typing.Literal for m in meta)
+    if base in (bool, int, float) or (base is str and named):
+        return "plain"
+    if typing.get_origin(base) is list:
+        (item,) = typing.get_args(base)
+        if item in (int, float) or (item is str and named):
+            return "plains"
+    return None
+
+
+@functools.cache
+def caller_keys() -> dict[str, str]:
+    """The allow-list: every config key a caller of the deployment may set (key -> ``plain`` or
+    ``plains``), derived from the schema's types: numbers, switches and closed name sets (a
+    ``Literal``), and the lists of registered names ``NAME_LISTS``; never a free string (a path, a
+    URL, an executable), a list of sections or a section of ``OPERATOR_ONLY``. A field added to the
+    schema is classified by its type the same way."""
+    import dataclasses
+    import typing
+
+    from conf.schema import Config
+
+    out: dict[str, str] = {}
+
+    def walk(cls: type, prefix: str) -> None:
+        hints = typing.get_type_hints(cls, include_extras=True)
+        for f in dataclasses.fields(cls):
+            key = prefix + f.name
+            if key in OPERATOR_ONLY:
+                continue
+            kind = "plains" if key in NAME_LISTS else _leaf_kind(hints[f.name])
+            if kind == "section":
+                walk(_dataclass_in(hints[f.name]), key + ".")
+            elif kind is not None:
+                out[key] = kind
+
+    walk(Config, "")
+    return out
+
+
+def config_groups() -> tuple[str, ...]:
+    """The config groups (``conf/<group>/*.yaml``): ``group=option`` picks a shipped file."""
+    from conf.loader import CONF_DIR
+
+    return tuple(sorted(p.name for p in CONF_DIR.iterdir() if p.is_dir() and list(p.glob("*.yaml"))))
 
 
 def served_parameters(
@@ -298,8 +370,10 @@ def served_parameters(
 
 def check_caller_override(override: str) -> None:
     """One override a caller of the deployment passed (not on the ``laminar serve`` command line):
-    ``key=value`` or ``group=option`` only, never a key that names a file, folder, executable or
-    cluster, a ``${...}`` interpolation, or a whole section as a dict. Raises ServeError."""
+    ``key=value`` with a key of the allow-list (``caller_keys``) and a plain value (a number, a
+    switch, a name, or a list of them: no ``/``, ``:``, quote, brace or ``${...}``), or
+    ``group=option`` of a shipped config group. Any key that could name a host path or a URL is the
+    operator's. Raises ServeError with the reason."""
     m = _OVERRIDE.fullmatch(override) if isinstance(override, str) else None
     if m is None:
         raise ServeError(
@@ -307,20 +381,85 @@ def check_caller_override(override: str) -> None:
             "(no +, ~ or @ forms)"
         )
     key, value = re.sub(r"\[[0-9]+\]", "", m.group(1)), m.group(2)
-    if any(key == k or key.startswith(k + ".") for k in OPERATOR_ONLY) or _PATH_LIKE.search(
-        key.rsplit(".", 1)[-1]
-    ):
-        raise ServeError(
-            f"override {override!r} is refused: {key} names a file, folder, executable or cluster; "
-            "only the `laminar serve` command line may set it"
-        )
     if "${" in value:
         raise ServeError(f"override {override!r} is refused: no ${{...}} interpolation in a run's overrides")
-    if "." not in key and not _PLAIN.fullmatch(value):
+    if "." not in key and key not in caller_keys() and (key in config_groups() or _schema_has(key)):
+        if key in config_groups() and _PLAIN.fullmatch(value):
+            return
         raise ServeError(
             f"override {override!r} is refused: a top-level key takes a plain value or a config "
             "group's option (set a section's keys one by one: section.key=value)"
         )
+    kind = caller_keys().get(key)
+    if kind is None:
+        if not _schema_has(key):
+            raise ServeError(
+                f"config error: unknown config key '{key}': check the spelling (`laminar config` prints "
+                "every key)"
+            )
+        raise ServeError(
+            f"override {override!r} is refused: {key} is not among the keys a run's caller may set "
+            "(numbers, switches and names: docs/operations.md); it may name a file, folder, executable, "
+            "URL or cluster, or loosen the sandbox: only the `laminar serve` command line may set it"
+        )
+    if not (_PLAIN.fullmatch(value) or (kind == "plains" and _PLAIN_LIST.fullmatch(value))):
+        raise ServeError(
+            f"override {override!r} is refused: {key} takes a plain value here ("
+            + ("a number, a switch or a name" if kind == "plain" else "a list of names or numbers, [a,b]")
+            + "; no path, URL, quote or mapping)"
+        )
+
+
+def _dataclass_in(hint: Any) -> type | None:
+    """The section a type hint holds (itself, or inside Annotated, Optional or a list), else None."""
+    import dataclasses
+    import typing
+
+    if isinstance(hint, type) and dataclasses.is_dataclass(hint):
+        return hint
+    return next((d for d in map(_dataclass_in, typing.get_args(hint)) if d is not None), None)
+
+
+def _schema_has(key: str) -> bool:
+    """Whether ``key`` names a field or section of the schema (a list's items are walked)."""
+    import typing
+
+    from conf.schema import Config
+
+    node: type | None = Config
+    for part in key.split("."):
+        hints = typing.get_type_hints(node, include_extras=True) if node is not None else {}
+        if part not in hints:
+            return False
+        node = _dataclass_in(hints[part])
+    return True
+
+
+def refused_parameters(parameters: object, spec: dict) -> str | None:
+    """Why the served API refuses a request that sets a flow run's (or the deployment's) parameters
+    (``tasks.served_server`` answers 403 with it), or None: ``workspace`` other than the served one,
+    or an override not on the ``laminar serve`` command line that ``check_caller_override`` refuses."""
+    if not isinstance(parameters, dict):
+        return None
+    workspace = parameters.get("workspace")
+    if workspace is not None and workspace != spec["workspace"]:
+        return (
+            f"this deployment runs on workspace {spec['workspace']} only; a run may not choose another "
+            f"(workspace={workspace!r} refused)"
+        )
+    overrides = parameters.get("overrides")
+    if overrides is None:
+        return None
+    if not isinstance(overrides, list) or not all(isinstance(o, str) for o in overrides):
+        return f"overrides must be a list of 'key=value' strings, got {overrides!r}"
+    trusted = set(spec["overrides"])
+    for o in overrides:
+        if o not in trusted:
+            try:
+                check_caller_override(o)
+            except ServeError as err:
+                return str(err)
+    return None
 
 
 @dataclass(frozen=True)
@@ -356,10 +495,9 @@ def check_served_run(overrides: object, workspace: object) -> ServedRun:
     overrides = list(spec["overrides"]) if overrides is None else overrides
     if not isinstance(overrides, list) or not all(isinstance(o, str) for o in overrides):
         raise ServeError(f"overrides must be a list of 'key=value' strings, got {overrides!r}")
-    trusted = set(spec["overrides"])
-    for o in overrides:
-        if o not in trusted:
-            check_caller_override(o)
+    reason = refused_parameters({"overrides": overrides}, spec)
+    if reason:
+        raise ServeError(reason)
     try:
         cfg = load_checked(overrides)
     except ConfigError as err:

@@ -411,6 +411,15 @@ def test_every_doc_is_in_the_readme_index():
     assert not missing, f"docs/ files missing from README's docs index: {missing}"
 
 
+README_WORDS = 1200
+"""README.md is the five-minute tour; depth lives in docs/ (docs/architecture.md is the map)."""
+
+
+def test_the_readme_stays_a_five_minute_tour():
+    words = len((ROOT / "README.md").read_text().split())
+    assert words < README_WORDS, f"README.md has {words} words (< {README_WORDS}): move depth to docs/"
+
+
 @pytest.mark.parametrize("cmd", [c for c in LAMINAR if c.marker != "config-error"], ids=lambda c: c.id)
 def test_laminar_command_parses_and_names_real_config(cmd):
     check_laminar(cmd.words)

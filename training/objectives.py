@@ -14,6 +14,7 @@ token-level ones (``TOKEN_ADVANTAGES``: GAE over a critic's values, REINFORCE++ 
 from __future__ import annotations
 
 import dataclasses
+import functools
 import math
 from dataclasses import dataclass
 from types import MappingProxyType
@@ -551,6 +552,11 @@ class ObjectiveParams:
     ref_reset_every: int = 0
     """ProRL: every N updates the KL reference becomes the current policy and the optimizer's moments
     are cleared; 0 = never (the reference stays the RL-start weights)."""
+    loss: str | None = None
+    """A custom per-token policy loss by import path (``rl.loss``; see ``custom_loss``); None: the
+    decoupled PPO term."""
+    loss_params: tuple[tuple[str, object], ...] = ()
+    """The custom loss's parameters (``rl.loss_params``) as sorted (key, value) pairs."""
 
     @property
     def critic_lambda(self) -> float:
@@ -686,6 +692,37 @@ class PolicyBatch:
             raise ValueError("PolicyBatch: pass versions and trainer_version together (both or neither)")
 
 
+@functools.cache
+def custom_loss(target: str, params: tuple[tuple[str, object], ...] = ()) -> Callable:
+    """The loss ``target`` names (``package.module:attr``), as ``fn(batch, objective) -> Tensor (B, T)``
+    (or ``(Tensor, {name: float})``): the per-token policy loss in place of the decoupled PPO term,
+    before KL, entropy, NLL and aggregation. A loss that declares ``Params`` gets ``params`` validated
+    into it as a third argument. A ``core.plugins.PluginError`` naming it when it does not fit."""
+    from core import plugins
+
+    fn = plugins.load(target)
+    validated = plugins.validate_params(target, fn, dict(params))
+    plugins.check_callable(target, fn, arity=2 if validated is None else 3)
+    if validated is None:
+        return fn
+    return functools.partial(_with_params, fn, validated)
+
+
+def _with_params(fn: Callable, validated, batch: PolicyBatch, params: ObjectiveParams):
+    return fn(batch, params, validated)
+
+
+def _custom_token_loss(batch: PolicyBatch, params: ObjectiveParams, metrics: dict[str, float]) -> Tensor:
+    """``rl.loss``'s per-token loss of ``batch``; its own metrics added to ``metrics`` as ``loss/<name>``."""
+    out = custom_loss(params.loss, params.loss_params)(batch, params)
+    loss, extra = out if isinstance(out, tuple) else (out, {})
+    if not isinstance(loss, Tensor) or tuple(loss.shape) != tuple(batch.mask.shape):
+        shape = tuple(loss.shape) if isinstance(loss, Tensor) else type(loss).__name__
+        raise ValueError(f"rl.loss={params.loss!r} returned {shape}; it must return the token loss (B, T)")
+    metrics.update({f"loss/{k}": float(v) for k, v in extra.items()})
+    return loss
+
+
 def _masked_mean(x: Tensor, mask: Tensor) -> float:
     return float(_masked_sum(x.detach(), mask) / mask.sum().clamp_min(1))
 
@@ -726,6 +763,8 @@ def policy_loss(
         ratio_level=params.ratio_level,
     )
     metrics: dict[str, float] = {}
+    if params.loss is not None:  # a custom loss by import path replaces the PPO term
+        token_loss = _custom_token_loss(batch, params, metrics)
     if batch.ref_logprobs is not None:
         kl = kl_k3(batch.logprobs, batch.ref_logprobs)
         metrics["kl"] = _masked_mean(kl, mask)

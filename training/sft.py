@@ -8,7 +8,7 @@ from __future__ import annotations
 import math
 import random
 from dataclasses import dataclass
-from collections.abc import Mapping, Sequence
+from collections.abc import Iterator, Mapping, Sequence
 
 import torch
 
@@ -112,6 +112,85 @@ def lr_lambda(warmup: int, total: int, floor: float = 0.1):
     return f
 
 
+def _batches(n: int, batch_size: int, rng: random.Random) -> Iterator[list[int]]:
+    """Example indices, ``batch_size`` at a time, drawn in order from successive shuffles of all ``n``."""
+    order: list[int] = []
+    while True:
+        if len(order) < batch_size:
+            fresh = list(range(n))
+            rng.shuffle(fresh)
+            order.extend(fresh)
+        idx, order = order[:batch_size], order[batch_size:]
+        yield idx
+
+
+def _model_inputs(batch: Sequence[SFTExample], pad_id: int, device: str, packed: bool) -> dict:
+    """The model's keyword arguments for ``batch``: packed rows (``pack``) or padded ones (``collate``)."""
+    if packed:
+        ids, pos, labels = (t.to(device) for t in pack(batch, pad_id))
+        return {"input_ids": ids, "position_ids": pos, "labels": labels, "use_cache": False}
+    ids, attn, labels = (t.to(device) for t in collate(batch, pad_id))
+    return {"input_ids": ids, "attention_mask": attn, "labels": labels}
+
+
+def _adamw(model, lr: float, weight_decay: float, warmup_steps: int, steps: int):
+    """AdamW over the trainable parameters (a PEFT model's frozen base has requires_grad False: the
+    optimizer and its state hold only the adapters) and its warm-up then cosine schedule."""
+    opt = torch.optim.AdamW(
+        [p for p in model.parameters() if p.requires_grad],
+        lr=lr,
+        weight_decay=weight_decay,
+        betas=(0.9, 0.95),
+    )
+    return opt, torch.optim.lr_scheduler.LambdaLR(opt, lr_lambda(warmup_steps, steps))
+
+
+@dataclass
+class _LossTrace:
+    """The first and last step losses and their exponential moving average (weight 0.1 on the new)."""
+
+    first: float = float("nan")
+    last: float = float("nan")
+    ema: float | None = None
+
+    def add(self, value: float) -> None:
+        self.first = value if self.ema is None else self.first
+        self.ema = value if self.ema is None else 0.9 * self.ema + 0.1 * value
+        self.last = value
+
+    def metrics(self) -> dict[str, float]:
+        return {
+            "sft_loss_first": self.first,
+            "sft_loss_last": self.last,
+            "sft_loss_ema": self.ema if self.ema is not None else float("nan"),
+        }
+
+
+def _optimizer_step(model, opt, sched, inputs: dict, max_grad_norm: float, where: str, keys) -> float:
+    """One forward, backward and optimizer step on ``inputs``, the loss and the gradient norm checked
+    finite first; returns the loss."""
+    loss = model(**inputs).loss
+    value = float(loss.detach())
+    check_finite(where, keys, loss=value)
+    opt.zero_grad(set_to_none=True)
+    loss.backward()
+    norm = torch.nn.utils.clip_grad_norm_(model.parameters(), max_grad_norm)
+    check_finite(where, keys, gradient_norm=float(norm))
+    opt.step()
+    sched.step()
+    return value
+
+
+def _check_trained(model, opt, inputs: dict, where: str, keys) -> None:
+    """Check the loss and gradient norm of the trained weights on ``inputs``; changes no weight."""
+    loss = model(**inputs).loss
+    opt.zero_grad(set_to_none=True)
+    loss.backward()
+    norm = torch.nn.utils.clip_grad_norm_(model.parameters(), math.inf)  # measures, changes nothing
+    opt.zero_grad(set_to_none=True)
+    check_finite(where, keys, loss=float(loss.detach()), gradient_norm=float(norm))
+
+
 def train_sft(
     model,
     examples: Sequence[SFTExample],
@@ -149,68 +228,22 @@ def train_sft(
     rng = random.Random(f"sft:{seed}")
     torch.manual_seed(seed)
     model.to(device).train()
-    # a PEFT model's frozen base has requires_grad False: the optimizer (and its state) holds only the
-    # adapters
-    opt = torch.optim.AdamW(
-        [p for p in model.parameters() if p.requires_grad],
-        lr=lr,
-        weight_decay=weight_decay,
-        betas=(0.9, 0.95),
-    )
-    sched = torch.optim.lr_scheduler.LambdaLR(opt, lr_lambda(warmup_steps, steps))
-    order: list[int] = []
-    first = last = float("nan")
-    ema = None
+    opt, sched = _adamw(model, lr, weight_decay, warmup_steps, steps)
+    trace = _LossTrace()
     packed = None
-    for step in range(steps):
-        if len(order) < batch_size:
-            fresh = list(range(len(examples)))
-            rng.shuffle(fresh)
-            order.extend(fresh)
-        idx, order = order[:batch_size], order[batch_size:]
+    for step, idx in zip(range(steps), _batches(len(examples), batch_size, rng)):
         batch = [examples[i] for i in idx]
         if packed is None:
             packed = packing and packing_matches(model, batch, pad_id, device)
-        if packed:
-            ids, pos, labels = (t.to(device) for t in pack(batch, pad_id))
-            inputs = {"input_ids": ids, "position_ids": pos, "labels": labels, "use_cache": False}
-        else:
-            ids, attn, labels = (t.to(device) for t in collate(batch, pad_id))
-            inputs = {"input_ids": ids, "attention_mask": attn, "labels": labels}
-        loss = model(**inputs).loss
-        value = float(loss.detach())
+        inputs = _model_inputs(batch, pad_id, device, packed)
         where = f"stage {stage}, SFT step {step + 1}/{steps}"
-        check_finite(where, keys, loss=value)
-        opt.zero_grad(set_to_none=True)
-        loss.backward()
-        norm = torch.nn.utils.clip_grad_norm_(model.parameters(), max_grad_norm)
-        check_finite(where, keys, gradient_norm=float(norm))
-        opt.step()
-        sched.step()
-        first = value if step == 0 else first
-        ema = value if ema is None else 0.9 * ema + 0.1 * value
-        last = value
+        trace.add(_optimizer_step(model, opt, sched, inputs, max_grad_norm, where, keys))
         if progress is not None:
             progress.update(1)
-            progress.set_postfix(loss=f"{ema:.3f}")
+            progress.set_postfix(loss=f"{trace.ema:.3f}")
     if steps > 0:  # the weights the last step left, which the caller saves: one more forward and backward
-        loss = model(**inputs).loss
-        opt.zero_grad(set_to_none=True)
-        loss.backward()
-        norm = torch.nn.utils.clip_grad_norm_(model.parameters(), math.inf)  # measures, changes nothing
-        opt.zero_grad(set_to_none=True)
-        check_finite(
-            f"stage {stage}, after SFT step {steps}/{steps} (the trained model on the last batch)",
-            keys,
-            loss=float(loss.detach()),
-            gradient_norm=float(norm),
-        )
+        where = f"stage {stage}, after SFT step {steps}/{steps} (the trained model on the last batch)"
+        _check_trained(model, opt, inputs, where, keys)
     model.eval()
-    return {
-        "sft_loss_first": first,
-        "sft_loss_last": last,
-        "sft_loss_ema": ema if ema is not None else float("nan"),
-        "sft_steps": float(steps),
-        "sft_examples": float(len(examples)),
-        "sft_packed": float(bool(packed)),
-    }
+    sizes = {"sft_steps": float(steps), "sft_examples": float(len(examples))}
+    return {**trace.metrics(), **sizes, "sft_packed": float(bool(packed))}

@@ -23,14 +23,17 @@ def target(row: dict) -> str:
     return f"#### {row['answer']}"
 
 
-def tool_demonstrations(examples, rows, env: EnvConfig, tokenizer) -> list[SFTExample]:
+def tool_demonstrations(examples, rows, env: EnvConfig, tokenizer, sandbox=None) -> list[SFTExample]:
     """``examples`` with ``env.demo_tool_share`` of them (by a hash of the prompt id) replaced by a
-    two-turn tool demonstration (``ToolEnvironment.demonstration``: the observation masked out)."""
+    two-turn tool demonstration (``ToolEnvironment.demonstration``: the observation masked out); an
+    environment without the calculator tool (a game, a user's environment) leaves them as they are."""
     from environments.calculator import arith_call
     from environments.registry import make_environment
     from generation.records import PromptItem
 
-    environment = make_environment(env, tokenizer)
+    environment = make_environment(env, tokenizer, sandbox)
+    if "calc" not in getattr(environment, "tools", {}):  # no calculator to demonstrate (a game, a user's)
+        return list(examples)
     out = []
     for ex, r in zip(examples, rows):
         share = int(hashlib.sha256(f"tool:{r['prompt_id']}".encode()).hexdigest()[:8], 16) / 16**8
@@ -39,7 +42,7 @@ def tool_demonstrations(examples, rows, env: EnvConfig, tokenizer) -> list[SFTEx
             out.append(ex)
             continue
         tokens, mask = environment.demonstration(call, f"#### {r['answer']}")
-        prompt = environment.reset(PromptItem(r["prompt_id"], r["problem"], r["answer"], ex.prompt_tokens))
+        prompt, _ = environment.reset(PromptItem(r["prompt_id"], r["problem"], r["answer"], ex.prompt_tokens))
         out.append(SFTExample(prompt, tokens, mask))
     return out
 
@@ -55,10 +58,12 @@ def warmup(
     out_dir: Path,
     lora: LoraConfig | None = None,
     env: EnvConfig | None = None,
+    sandbox=None,
 ) -> dict[str, float]:
     """Warm-up SFT on the curated pool's demonstrations (for the synthetic task ``data.demo_error_rate``
     of their steps slip); prompts without a level are always used, the others when in ``cfg.levels``.
-    With a tool environment (``env``), ``env.demo_tool_share`` of them solve the problem with the tool."""
+    With a tool environment (``env``), ``env.demo_tool_share`` of them solve the problem with the tool
+    (run under ``sandbox``, the run's ``conf.schema.SandboxConfig``, where the tool runs code)."""
     model, tokenizer, _ = load_trainable(model_dir, lora, "warmup", device=device, seed=seed)
     rows = [
         r
@@ -70,7 +75,7 @@ def warmup(
         for r in rows
     ]
     if env is not None and not env.is_default():
-        examples = tool_demonstrations(examples, rows, env, tokenizer)
+        examples = tool_demonstrations(examples, rows, env, tokenizer, sandbox)
     with tqdm(total=cfg.steps, desc="warmup sft", unit="step", leave=False, disable=None) as bar:
         metrics = train_sft(
             model,

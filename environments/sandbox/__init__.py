@@ -4,7 +4,7 @@ and rewards call. Threat model, flags and limits: docs/sandbox.md."""
 from __future__ import annotations
 
 import threading
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 
 from conf.schema import SandboxConfig, SandboxLimits
 from environments.sandbox.backends import BubblewrapBackend, SandboxBackend, UnsafeSubprocessBackend
@@ -69,13 +69,16 @@ def run(
     files: Mapping[str, str | bytes] | None = None,
     config: SandboxConfig | None = None,
     backend: SandboxBackend | None = None,
+    packages: Sequence[str] | None = (),
 ) -> SandboxResult:
     """Run the Python program ``code`` as ``main.py`` in a private working folder, with ``files``
     (relative path -> content) beside it and ``stdin`` on its standard input, under ``limits`` and a
     wall timeout of ``timeout_s`` (defaults: ``config``'s, else ``SandboxConfig()``'s). ``backend``
-    overrides the configured one. Thread-safe; whatever the program does, the result is typed."""
+    overrides the configured one. The program imports the standard library only, plus ``packages``
+    (top-level import names, as this host's Python finds them), mounted read-only. Thread-safe;
+    whatever the program does, the result is typed."""
     cfg = config or SandboxConfig()
     job = Job.make(
-        code, stdin, files, cfg.timeout_s if timeout_s is None else timeout_s, limits or cfg.limits
+        code, stdin, files, cfg.timeout_s if timeout_s is None else timeout_s, limits or cfg.limits, packages
     )
     return (backend or select_backend(cfg)).execute(job)

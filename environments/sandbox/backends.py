@@ -10,11 +10,13 @@ import posixpath
 import shutil
 import sys
 import tempfile
-from functools import cached_property
+from functools import cache, cached_property
 from pathlib import Path
 from typing import Protocol, runtime_checkable
 
 from conf.schema import SandboxLimits
+from environments.sandbox import seccomp
+from environments.sandbox.imports import PACKAGES_DIR, package_masks, package_sources
 from environments.sandbox.process import SAFE_ENV, bootstrap_args, execute, memfd
 from environments.sandbox.result import MAIN, Job, SandboxResult
 
@@ -47,9 +49,13 @@ def interpreter() -> tuple[str, str]:
     return os.path.realpath(sys.executable), os.path.realpath(sys.base_prefix)
 
 
-def _bwrap_exit(code: int) -> int:
-    """bubblewrap reports a program killed by signal N as exit status 128 + N."""
-    return -(code - 128) if 128 < code <= 128 + 64 else code
+@cache
+def _seccomp_program() -> bytes | None:
+    return seccomp.program()
+
+
+MASK_BYTES = 4096
+"""Size of the empty read-only tmpfs that hides a folder of third-party Python code."""
 
 
 class BubblewrapBackend:
@@ -88,40 +94,69 @@ class BubblewrapBackend:
     def unavailable(self) -> str | None:
         return self._probe
 
-    def argv(self, job: Job, fds: dict[str, int]) -> list[str]:
-        """The bwrap command line for ``job``; ``fds``: working-folder path -> the memfd holding it."""
-        tmpfs = str(job.limits.tmpfs_mb * 1024 * 1024)
-        a = [self.bwrap, "--unshare-all", "--unshare-user", "--disable-userns", "--die-with-parent"]
-        a += ["--new-session", "--cap-drop", "ALL", "--uid", str(SANDBOX_UID), "--gid", str(SANDBOX_UID)]
-        a += ["--hostname", "sandbox", "--clearenv"]
-        for k, v in {**SAFE_ENV, "HOME": WORKDIR, "TMPDIR": "/tmp"}.items():
-            a += ["--setenv", k, v]
+    def _root(self) -> list[str]:
+        """The read-only root: the system folders and the interpreter's prefix, with every folder of
+        third-party Python code in them hidden (``imports.package_masks``)."""
+        a, roots = [], []
         for d in SYSTEM_DIRS:
             if os.path.islink(d):
                 a += ["--symlink", os.readlink(d), d]
             elif os.path.isdir(d):
                 a += ["--ro-bind", d, d]
+                roots.append(d)
         if not any(self.prefix == d or self.prefix.startswith(d + "/") for d in SYSTEM_DIRS):
             a += ["--ro-bind", self.prefix, self.prefix]
-        a += ["--proc", "/proc", "--dev", "/dev"]
-        a += ["--size", tmpfs, "--tmpfs", "/tmp", "--size", tmpfs, "--tmpfs", WORKDIR]
+            roots.append(self.prefix)
+        for mask in package_masks(tuple(roots)):
+            a += ["--size", str(MASK_BYTES), "--tmpfs", mask, "--remount-ro", mask]
+        return a
+
+    def argv(
+        self,
+        job: Job,
+        fds: dict[str, int],
+        rlimits: dict[str, tuple[int, int]],
+        report_fd: int,
+        seccomp_fd: int = -1,
+    ) -> list[str]:
+        """The bwrap command line for ``job``; ``fds``: working-folder path -> the memfd holding it;
+        ``rlimits`` and ``report_fd``: what the sandbox's init (``process.BOOTSTRAP``) gets;
+        ``seccomp_fd``: a memfd holding ``seccomp.program()`` (-1: none)."""
+        tmpfs = str(job.tmpfs_bytes)
+        a = [self.bwrap, "--unshare-all", "--unshare-user", "--disable-userns", "--die-with-parent"]
+        a += ["--new-session", "--cap-drop", "ALL", "--uid", str(SANDBOX_UID), "--gid", str(SANDBOX_UID)]
+        a += ["--hostname", "sandbox", "--clearenv", "--as-pid-1"]
+        a += ["--seccomp", str(seccomp_fd)] if seccomp_fd >= 0 else []
+        for k, v in {**SAFE_ENV, "HOME": WORKDIR, "TMPDIR": "/tmp"}.items():
+            a += ["--setenv", k, v]
+        a += self._root()
+        for name in job.packages:
+            for src, dest in package_sources(name):
+                a += ["--ro-bind", src, posixpath.join(PACKAGES_DIR, dest)]
+        a += ["--proc", "/proc", "--dev", "/dev", "--remount-ro", "/dev"]
+        for tmp in ("/dev/shm", "/tmp", WORKDIR):
+            a += ["--size", tmpfs, "--tmpfs", tmp]
         for path in sorted({posixpath.dirname(p) for p in fds if posixpath.dirname(p)}):
             a += ["--dir", posixpath.join(WORKDIR, path)]
         for path, fd in fds.items():
             a += ["--perms", "0644", "--file", str(fd), posixpath.join(WORKDIR, path)]
         a += ["--remount-ro", "/", "--chdir", WORKDIR, "--"]
-        return a + bootstrap_args(self.python, job)
+        return a + bootstrap_args(self.python, rlimits, report_fd, [PACKAGES_DIR] if job.packages else [])
 
     def execute(self, job: Job) -> SandboxResult:
+        for name in job.packages:
+            package_sources(name)  # an unknown package fails here, before anything runs
         fds = {MAIN: memfd(MAIN, job.code.encode())}
         fds.update({name: memfd(name, data) for name, data in job.files})
+        filt = _seccomp_program()
+        seccomp_fd = memfd("seccomp", filt) if filt else -1
         return execute(
-            self.argv(job, fds),
             job,
+            lambda rlimits, report_fd: self.argv(job, fds, rlimits, report_fd, seccomp_fd),
             backend=self.name,
             env=dict(SAFE_ENV),
-            pass_fds=list(fds.values()),
-            decode_exit=_bwrap_exit,
+            pass_fds=[*fds.values(), *([seccomp_fd] if filt else [])],
+            report=True,
         )
 
 
@@ -152,8 +187,14 @@ class UnsafeSubprocessBackend:
                 Path(work, name).parent.mkdir(parents=True, exist_ok=True)
                 Path(work, name).write_bytes(data)
             env = {**SAFE_ENV, "HOME": work, "TMPDIR": work}
+            paths = [os.path.dirname(src) for name in job.packages for src, _ in package_sources(name)[:1]]
             return execute(
-                bootstrap_args(self.python, job, nproc=False), job, backend=self.name, env=env, cwd=work
+                job,
+                lambda rlimits, _: bootstrap_args(self.python, rlimits, -1, paths),
+                backend=self.name,
+                env=env,
+                cwd=work,
+                nproc=False,
             )
         finally:
             shutil.rmtree(work, ignore_errors=True)

@@ -4,47 +4,86 @@ kills the process group, and the classification of how the run ended."""
 
 from __future__ import annotations
 
+import logging
 import os
 import selectors
 import signal
 import subprocess
 import time
 import uuid
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from functools import cache
 from pathlib import Path
 
 from environments.sandbox.result import MAIN, Job, KilledBy, SandboxResult
 
-BOOTSTRAP = (
-    "import os, resource, sys, types\n"
-    "for _item in sys.argv[1].split():\n"
-    "    _k, _s, _h = _item.split(':')\n"
-    "    resource.setrlimit(getattr(resource, _k), (int(_s), int(_h)))\n"
-    f"sys.argv = [{MAIN!r}]\n"
-    "sys.path[0] = os.getcwd()\n"
-    "_main = types.ModuleType('__main__')\n"
-    f"_main.__file__ = {MAIN!r}\n"
-    "sys.modules['__main__'] = _main\n"
-    "try:\n"
-    f"    with open({MAIN!r}, 'rb') as _f:\n"
-    f"        _code = compile(_f.read(), {MAIN!r}, 'exec')\n"
-    "    exec(_code, _main.__dict__)\n"
-    "except SystemExit:\n"
-    "    raise\n"
-    "except BaseException as _e:\n"
-    "    import traceback\n"
-    "    _tb = _e.__traceback__\n"
-    f"    while _tb is not None and _tb.tb_frame.f_code.co_filename != {MAIN!r}:\n"
-    "        _tb = _tb.tb_next\n"
-    "    traceback.print_exception(type(_e), _e, _tb)\n"
-    "    sys.exit(1)\n"
-)
-"""What the sandboxed interpreter runs first: the job's rlimits (``sys.argv[1]``: ``NAME:soft:hard``
-items), then the program as ``__main__``, compiled and run in place (json and runpy would add 50 ms
-of imports to every run's start-up); a traceback shows the program's frames only. The limits bind
-before any line of the program runs."""
+log = logging.getLogger(__name__)
+
+BOOTSTRAP = f"""\
+import _signal, os, resource, sys, types
+_fd, _limits, _paths = int(sys.argv[1]), sys.argv[2], sys.argv[3]
+if _fd >= 0:
+    import _ctypes
+    class _Int(_ctypes._SimpleCData):
+        _type_ = 'i'
+    class _Fn(_ctypes.CFuncPtr):
+        _flags_ = _ctypes.FUNCFLAG_CDECL
+        _restype_ = _Int
+    _prctl = _Fn(_ctypes.dlsym(_ctypes.dlopen(None), 'prctl'))
+    _prctl(4, 0, 0, 0, 0)
+    _signal.signal(_signal.SIGINT, _signal.SIG_DFL)
+    _child = os.fork()
+    if _child:
+        for _std in (0, 1, 2):
+            os.close(_std)
+        while True:
+            _pid, _status, _ru = os.wait4(-1, 0)
+            if _pid == _child:
+                break
+        os.write(_fd, b'%d %.6f' % (_status, _ru.ru_utime + _ru.ru_stime))
+        os._exit(0)
+    os.close(_fd)
+    _prctl(4, 1, 0, 0, 0)
+    _signal.signal(_signal.SIGINT, _signal.default_int_handler)
+for _item in _limits.split():
+    _k, _s, _h = _item.split(':')
+    resource.setrlimit(getattr(resource, _k), (int(_s), int(_h)))
+sys.argv = [{MAIN!r}]
+sys.path[0] = os.getcwd()
+sys.path += [_p for _p in _paths.split(os.pathsep) if _p]
+_main = types.ModuleType('__main__')
+_main.__file__ = {MAIN!r}
+sys.modules['__main__'] = _main
+try:
+    with open({MAIN!r}, 'rb') as _f:
+        _code = compile(_f.read(), {MAIN!r}, 'exec')
+    exec(_code, _main.__dict__)
+except SystemExit:
+    raise
+except BaseException as _e:
+    import traceback
+    _tb = _e.__traceback__
+    while _tb is not None and _tb.tb_frame.f_code.co_filename != {MAIN!r}:
+        _tb = _tb.tb_next
+    traceback.print_exception(type(_e), _e, _tb)
+    sys.exit(1)
+"""
+"""What the sandboxed interpreter runs first. Arguments: the report fd, the job's rlimits
+(``NAME:soft:hard`` items) and extra ``sys.path`` entries (the opted-in packages).
+
+With a report fd (bubblewrap), this interpreter is the sandbox's pid 1 (``bwrap --as-pid-1``): it
+makes itself non-dumpable (``PR_SET_DUMPABLE`` 0: no ptrace, ``/proc/1/mem`` or ``/proc/1/fd`` of it
+for the program), forks the program, reaps every process that ends up its child and, when the
+program ends, writes the program's wait status and CPU seconds (``wait4``: the kernel's word) to
+the fd, which the program never holds (the child closes it before its first line). A pid 1 gets no
+signal from inside its namespace that it has no handler for, so the program can neither kill nor
+stop it. Without a report fd (the unsafe backend) the interpreter is the program itself. (``_signal``
+and ``_ctypes``, not ``signal`` and ``ctypes``: their imports pull in enum and struct, 10-20 ms.)
+
+Then the rlimits, then the program as ``__main__``, compiled and run in place (json and runpy
+would add 50 ms of imports to every run's start-up); a traceback shows the program's frames only.
+The limits bind before any line of the program runs."""
 
 SAFE_ENV = {
     "PATH": "/usr/local/bin:/usr/bin:/bin",
@@ -62,14 +101,16 @@ JOIN_CGROUPS = 'while [ "$1" != -- ]; do echo $$ > "$1" || exit 125; shift; done
 the run is inside its cgroup before its first instruction (no pre-exec hook in a threaded parent)."""
 
 MIB = 1024 * 1024
-CONTROLLERS = ("pids", "memory", "cpuacct")
+CONTROLLERS = ("pids", "memory")
+NO_CGROUPS_ENV = "LAMINAR_SANDBOX_CGROUPS"
+"""Set to ``0`` to run without per-run cgroups where the host gives them (the fallback of hosts that
+do not: non-root, cgroup v2 only), e.g. to test that path."""
 EXIT_GRACE_S = 0.2
 """After the program exits, how long to keep reading pipes that a leftover process still holds."""
 
 
 def _v1_dirs() -> dict[str, Path]:
-    """controller -> this process's cgroup folder, for the v1 ``pids``, ``memory`` and ``cpuacct``
-    hierarchies."""
+    """controller -> this process's cgroup folder, for the v1 ``pids`` and ``memory`` hierarchies."""
     out = {}
     for line in Path("/proc/self/cgroup").read_text().splitlines():
         _, controllers, path = line.split(":", 2)
@@ -80,10 +121,15 @@ def _v1_dirs() -> dict[str, Path]:
     return out
 
 
-@cache
 def cgroup_parents() -> dict[str, Path]:
-    """The v1 ``pids``/``memory``/``cpuacct`` folders this process may create child cgroups in (probed once by
-    creating and removing one); empty where the host does not allow it (not root, cgroup v2 only)."""
+    """The v1 ``pids``/``memory`` folders this process may create child cgroups in (probed once by
+    creating and removing one); empty where the host does not allow it (not root, cgroup v2 only) or
+    where ``LAMINAR_SANDBOX_CGROUPS=0``."""
+    return {} if os.environ.get(NO_CGROUPS_ENV) == "0" else _probe_cgroups()
+
+
+@cache
+def _probe_cgroups() -> dict[str, Path]:
     out = {}
     try:
         dirs = _v1_dirs()
@@ -137,17 +183,27 @@ def reap_orphans(parents: dict[str, Path] | None = None) -> list[str]:
     return removed
 
 
+@cache
+def _warn_uncontained() -> None:
+    log.warning(
+        "sandbox: running as root without a pids cgroup: RLIMIT_NPROC does not bind uid 0, so nothing "
+        "caps a run's processes and a fork bomb reaches the host's process table (docs/sandbox.md)"
+    )
+
+
 @dataclass
 class Cgroup:
     """The cgroups of one run: ``pids`` caps its processes (RLIMIT_NPROC does not bind uid 0),
-    ``memory`` caps its total memory, ``cpuacct`` counts its CPU time; every process of the run is in
-    them, daemons included."""
+    ``memory`` caps its total memory (tmpfs pages included); every process of the run is in them,
+    daemons included. Their event counters are the kernel's word on which limit was hit."""
 
     dirs: dict[str, Path]
 
     @classmethod
     def create(cls, job: Job) -> Cgroup | None:
         parents = cgroup_parents()
+        if "pids" not in parents and os.geteuid() == 0:
+            _warn_uncontained()
         if not parents:
             return None
         reap_orphans(parents)
@@ -190,12 +246,9 @@ class Cgroup:
     def fork_refusals(self) -> int:
         return self._counter("pids", "pids.events", "max")
 
-    def cpu_s(self) -> float:
-        """CPU seconds of every process of the run (0 without ``cpuacct``)."""
-        try:
-            return int((self.dirs["cpuacct"] / "cpuacct.usage").read_text()) / 1e9
-        except (KeyError, OSError, ValueError):
-            return 0.0
+    @property
+    def has_memory(self) -> bool:
+        return "memory" in self.dirs
 
     def pids(self) -> set[int]:
         out: set[int] = set()
@@ -307,62 +360,126 @@ def _kill_group(pid: int) -> None:
         pass
 
 
+CPU_MARGIN = 0.75
+"""A signal counts as RLIMIT_CPU's (SIGXCPU at the soft limit, SIGKILL at the hard one) when the
+program's CPU seconds (``wait4``) reach this share of that limit: the kernel checks the limit against
+tick-sampled time, which ran up to 13% ahead of ``wait4``'s precise time here."""
+
+
+@dataclass(frozen=True)
+class Ending:
+    """How the program ended, in the kernel's words: its ``wait4`` status and CPU seconds."""
+
+    status: int
+    cpu_s: float
+
+    @property
+    def exit_code(self) -> int:
+        return os.waitstatus_to_exitcode(self.status)
+
+
 def _classify(
-    reason: KilledBy | None, code: int, cpu_s: float, stderr: str, job: Job, cgroup: Cgroup | None
+    reason: KilledBy | None, ending: Ending | None, job: Job, cgroup: Cgroup | None
 ) -> KilledBy | None:
-    """Which limit ended the run, from what the parent saw (its own kill), the exit status, the CPU
-    time used (a SIGKILL past ``cpu_s`` is RLIMIT_CPU's hard limit), the last line of stderr and the
-    cgroups' counters."""
+    """Which limit ended the run, from the kernel's word only: the parent's own kill (``reason``), the
+    program's wait status (a signal, not an exit code that looks like one), its CPU seconds against
+    RLIMIT_CPU (SIGXCPU at the soft limit, SIGKILL at the hard one) and the cgroups' event counters
+    (an OOM kill, a refused fork). Never from the exit code's value or the program's output."""
     if reason is not None:
         return reason
-    sig = -code if code < 0 else 0
-    if sig == signal.SIGXCPU or (sig == signal.SIGKILL and cpu_s >= job.limits.cpu_s):
-        return "cpu"
-    if sig == signal.SIGXFSZ:
-        return "file_size"
-    lines = stderr.rstrip().splitlines()
-    if (cgroup and cgroup.oom_kills()) or (code != 0 and lines and lines[-1].startswith("MemoryError")):
+    if ending is None:  # the sandbox's init said nothing: only the cgroup can speak
+        return "memory" if cgroup and cgroup.oom_kills() else None
+    if os.WIFEXITED(ending.status) and os.WEXITSTATUS(ending.status) == 0:
+        return None
+    if cgroup and cgroup.oom_kills():
         return "memory"
-    if code != 0 and cgroup and cgroup.fork_refusals():
+    if os.WIFSIGNALED(ending.status):
+        sig = os.WTERMSIG(ending.status)
+        soft, hard = job.rlimits()["RLIMIT_CPU"]
+        if (sig == signal.SIGXCPU and ending.cpu_s >= soft * CPU_MARGIN) or (
+            sig == signal.SIGKILL and ending.cpu_s >= hard * CPU_MARGIN
+        ):
+            return "cpu"
+        return "file_size" if sig == signal.SIGXFSZ else "signal"
+    if cgroup and cgroup.fork_refusals():
         return "processes"
-    if sig:
-        return "signal"
     return None
 
 
-def execute(
-    argv: Sequence[str],
-    job: Job,
-    *,
-    backend: str,
-    env: dict[str, str],
-    cwd: str | None = None,
-    pass_fds: Sequence[int] = (),
-    decode_exit=lambda code: code,
-) -> SandboxResult:
-    """Run ``argv`` (which runs ``BOOTSTRAP``) as one sandboxed job in its own process group and
-    cgroup, feed it ``job.stdin``, collect its capped output and kill everything of it at the end.
-    ``decode_exit``: the backend's exit status -> the program's (a wrapper may report signals as
-    128 + N)."""
-    cgroup = Cgroup.create(job)
-    stdin_fd = memfd("stdin", job.stdin)
-    prefix = ["/bin/sh", "-c", JOIN_CGROUPS, "sh", *cgroup.procs_files(), "--"] if cgroup else []
-    start = time.monotonic()
+def _read_report(fd: int) -> Ending | None:
+    """The sandbox init's report (``BOOTSTRAP``), or None where it wrote none (killed first)."""
+    os.set_blocking(fd, False)
     try:
-        proc = subprocess.Popen(
-            [*prefix, *argv],
+        status, cpu = os.read(fd, 256).split()
+        return Ending(int(status), float(cpu))
+    except (BlockingIOError, ValueError):
+        return None
+    finally:
+        os.close(fd)
+
+
+Command = Callable[[dict[str, tuple[int, int]], int], list[str]]
+"""Builds a run's command line from the rlimits to set and the report fd (-1: no report)."""
+
+
+def _spawn(
+    argv: Callable[[], list[str]],
+    stdin: bytes,
+    env: dict[str, str],
+    cwd: str | None,
+    fds: Sequence[int],
+    cgroup: Cgroup | None,
+) -> subprocess.Popen:
+    """Start ``argv()`` in a new session, inside ``cgroup`` (a ``sh`` prefix joins it first), with
+    ``stdin`` on its standard input and ``fds`` passed; this process's copies of ``fds`` are closed,
+    whether it started or not."""
+    prefix = ["/bin/sh", "-c", JOIN_CGROUPS, "sh", *cgroup.procs_files(), "--"] if cgroup else []
+    stdin_fd = memfd("stdin", stdin)
+    try:
+        return subprocess.Popen(
+            [*prefix, *argv()],
             stdin=stdin_fd,
             stdout=subprocess.PIPE,
             stderr=subprocess.PIPE,
             env=env,
             cwd=cwd,
-            pass_fds=tuple(pass_fds),
+            pass_fds=fds,
             start_new_session=True,
         )
     finally:
-        os.close(stdin_fd)
-        for fd in pass_fds:
+        for fd in (stdin_fd, *fds):
             os.close(fd)
+
+
+def execute(
+    job: Job,
+    command: Command,
+    *,
+    backend: str,
+    env: dict[str, str],
+    cwd: str | None = None,
+    pass_fds: Sequence[int] = (),
+    nproc: bool = True,
+    report: bool = False,
+) -> SandboxResult:
+    """Run ``command`` (which runs ``BOOTSTRAP``) as one sandboxed job in its own process group and
+    cgroup, feed it ``job.stdin``, collect its capped output and kill everything of it at the end.
+    ``report``: the command's init writes the program's ending to a pipe (else the command is the
+    program, and its own wait status is the ending). RLIMIT_AS is left out where the run's memory
+    cgroup bounds memory, so that an overrun is the cgroup's OOM kill, which the kernel counts."""
+    cgroup = Cgroup.create(job)
+    rlimits = job.rlimits(nproc=nproc, memory=not (cgroup and cgroup.has_memory))
+    read_fd, write_fd = os.pipe() if report else (-1, -1)
+    fds = (*pass_fds, write_fd) if report else tuple(pass_fds)
+    start = time.monotonic()
+    try:
+        proc = _spawn(lambda: command(rlimits, write_fd), job.stdin, env, cwd, fds, cgroup)
+    except BaseException:
+        if report:
+            os.close(read_fd)
+        if cgroup:
+            cgroup.remove()
+        raise
     try:
         out, err, reason = _collect(proc, start + job.timeout_s, job.limits.output_bytes)
         _kill_group(proc.pid)
@@ -373,16 +490,13 @@ def execute(
         wall = time.monotonic() - start
         proc.stdout.close()
         proc.stderr.close()
-        code = decode_exit(proc.returncode) if reason is None else proc.returncode
-        stderr = err.data.decode("utf-8", "replace")
-        cpu_s = max(usage.ru_utime + usage.ru_stime, cgroup.cpu_s() if cgroup else 0.0)
-        killed = _classify(reason, code, cpu_s, stderr, job, cgroup)
+        ending = _read_report(read_fd) if report else Ending(status, usage.ru_utime + usage.ru_stime)
         return SandboxResult(
             stdout=out.data.decode("utf-8", "replace"),
-            stderr=stderr,
-            exit_code=code,
+            stderr=err.data.decode("utf-8", "replace"),
+            exit_code=ending.exit_code if ending else proc.returncode,
             timed_out=reason == "wall",
-            killed_by=killed,
+            killed_by=_classify(reason, ending, job, cgroup),
             wall_s=wall,
             truncated=out.cut or err.cut,
             backend=backend,
@@ -396,7 +510,11 @@ def execute(
             cgroup.remove()
 
 
-def bootstrap_args(python: str, job: Job, nproc: bool = True) -> list[str]:
-    """The interpreter command that sets ``job``'s rlimits and runs ``main.py`` of the working folder."""
-    limits = " ".join(f"{k}:{s}:{h}" for k, (s, h) in job.rlimits(nproc).items())
-    return [python, "-S", "-s", "-B", "-c", BOOTSTRAP, limits]
+def bootstrap_args(
+    python: str, rlimits: dict[str, tuple[int, int]], report_fd: int = -1, paths: Sequence[str] = ()
+) -> list[str]:
+    """The interpreter command that runs ``BOOTSTRAP``: the sandbox's init when ``report_fd`` >= 0,
+    then the program (``main.py`` of the working folder) under ``rlimits``, with ``paths`` appended
+    to its ``sys.path``."""
+    limits = " ".join(f"{k}:{s}:{h}" for k, (s, h) in rlimits.items())
+    return [python, "-S", "-s", "-B", "-c", BOOTSTRAP, str(report_fd), limits, os.pathsep.join(paths)]

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import posixpath
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Literal
 
@@ -41,6 +41,14 @@ class SandboxResult:
 
 MAIN = "main.py"
 """The program's file name in the working folder."""
+WRITABLE_TMPFS = 3
+"""The sandbox's writable mounts, each a sized tmpfs: the working folder, ``/tmp`` and ``/dev/shm``."""
+
+
+def _check_package(name: str) -> str:
+    if not name.isidentifier():
+        raise ValueError(f"sandbox package {name!r} must be a top-level import name (like 'yaml')")
+    return name
 
 
 def _check_name(name: str) -> str:
@@ -56,14 +64,16 @@ def _check_name(name: str) -> str:
 @dataclass(frozen=True)
 class Job:
     """One run: the program (``main.py``), its stdin, extra files of the working folder (relative
-    path -> bytes), the wall timeout and the limits. Invariant: file names are normalised relative
-    paths inside the working folder."""
+    path -> bytes), the wall timeout, the limits and the packages beyond the standard library the
+    program may import (top-level import names, mounted read-only). Invariant: file names are
+    normalised relative paths inside the working folder."""
 
     code: str
     stdin: bytes
     files: tuple[tuple[str, bytes], ...]
     timeout_s: float
     limits: SandboxLimits
+    packages: tuple[str, ...] = ()
 
     @classmethod
     def make(
@@ -73,6 +83,7 @@ class Job:
         files: Mapping[str, str | bytes] | None,
         timeout_s: float,
         limits: SandboxLimits,
+        packages: Sequence[str] | None = (),
     ) -> Job:
         if not timeout_s > 0:
             raise ValueError(f"sandbox timeout_s={timeout_s} must be > 0")
@@ -80,11 +91,23 @@ class Job:
         named = tuple(
             (_check_name(k), v.encode() if isinstance(v, str) else bytes(v)) for k, v in (files or {}).items()
         )
-        return cls(code=code, stdin=raw, files=named, timeout_s=float(timeout_s), limits=limits)
+        if isinstance(packages, str):
+            raise ValueError(f"sandbox packages={packages!r} must be a list of import names, not a string")
+        wanted = tuple(dict.fromkeys(_check_package(p) for p in packages or ()))
+        return cls(
+            code=code, stdin=raw, files=named, timeout_s=float(timeout_s), limits=limits, packages=wanted
+        )
 
-    def rlimits(self, nproc: bool = True) -> dict[str, tuple[int, int]]:
+    @property
+    def tmpfs_bytes(self) -> int:
+        """The size of each writable tmpfs: ``tmpfs_mb``, but never more than a ``WRITABLE_TMPFS``-th of
+        ``memory_mb``, so that files in memory stay within the memory limit, with or without cgroups."""
+        return min(self.limits.tmpfs_mb * 1024 * 1024, self.limits.memory_mb * 1024 * 1024 // WRITABLE_TMPFS)
+
+    def rlimits(self, nproc: bool = True, memory: bool = True) -> dict[str, tuple[int, int]]:
         """The ``resource`` limits the bootstrap sets before the program runs: (soft, hard).
-        ``nproc=False`` leaves RLIMIT_NPROC out (it counts every process of the uid, not the run's)."""
+        ``nproc=False`` leaves RLIMIT_NPROC out (it counts every process of the uid, not the run's);
+        ``memory=False`` leaves RLIMIT_AS out (where a memory cgroup bounds the whole run)."""
         lim, mib = self.limits, 1024 * 1024
         cpu = max(1, int(round(lim.cpu_s)))
         out = {
@@ -97,4 +120,6 @@ class Job:
         }
         if not nproc:
             del out["RLIMIT_NPROC"]
+        if not memory:
+            del out["RLIMIT_AS"]
         return out

@@ -122,14 +122,22 @@ def _declared_fields(node=None, prefix=""):
             yield from _declared_fields(value, f"{prefix}{f.name}.")
 
 
-def _with(key, value):
+def _with(key, value, whole=False):
+    """A default config with ``key`` set to ``value`` (a list key to ``[value]``, unless ``whole``)."""
     cfg = Config()
     *parents, name = key.split(".")
     node = cfg
     for part in parents:
         node = getattr(node, part)
-    setattr(node, name, [value] if isinstance(getattr(node, name), list) else value)
+    setattr(node, name, [value] if isinstance(getattr(node, name), list) and not whole else value)
     return cfg
+
+
+def _field_default(key):
+    node = Config()
+    for part in key.split("."):
+        node = getattr(node, part)
+    return node
 
 
 DECLARED = list(_declared_fields())
@@ -138,6 +146,10 @@ DECLARED = list(_declared_fields())
 def _rule_id(rule):
     import conf.schema as schema
 
+    if isinstance(rule, schema.MaxLen):
+        return f"maxlen{rule.most}"
+    if isinstance(rule, schema.Bound) and rule.limit is not None:
+        return f"atmost{rule.limit}"
     return next(
         (n for n in ("Positive", "NonNegative", "Fraction", "Share", "Unit") if getattr(schema, n) is rule),
         "names",
@@ -157,17 +169,27 @@ def test_the_schema_declares_names_and_bounds_for_the_keys_it_checks():
 def test_every_declared_rule_refuses_a_bad_value_naming_the_key(key, rule):
     import typing
 
-    from conf.schema import Bound, Fraction, NonNegative, Positive, Share, Unit, validate
+    from conf.schema import Bound, Fraction, MaxLen, NonNegative, Positive, Share, Unit, validate
 
+    whole = False
     if typing.get_origin(rule) is typing.Literal:
         names = ", ".join(typing.get_args(rule))
         bad, message = "nope", f"{key}='nope' is not supported; set {key} to one of: {names}"
+    elif isinstance(rule, MaxLen):  # one item or character too many
+        default = _field_default(key)
+        if isinstance(default, list):
+            bad, whole = [default[0] if default else 1] * (rule.most + 1), True
+            message = f"{key} lists {rule.most + 1:,} items; it takes at most {rule.most:,}"
+        else:
+            bad = "x" * (rule.most + 1)
+            message = f"{key} is {rule.most + 1:,} characters long; it takes at most {rule.most:,}"
     else:
         assert isinstance(rule, Bound)
-        bad = {Positive: 0, NonNegative: -1, Fraction: 1, Share: 0, Unit: 1.5}[rule]
+        fixed = {Positive: 0, NonNegative: -1, Fraction: 1, Share: 0, Unit: 1.5}
+        bad = fixed[rule] if rule in fixed else int(rule.limit) + 1
         message = rule.message.format(key=key, value=bad)
     with pytest.raises(ConfigError) as err:
-        validate(_with(key, bad))
+        validate(_with(key, bad, whole))
     assert str(err.value) == message
     if isinstance(rule, Bound):  # inf and nan fail before the bound
         with pytest.raises(

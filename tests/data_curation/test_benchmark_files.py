@@ -94,8 +94,8 @@ def test_a_verl_parquet_benchmark_and_row_ids(tmp_path):
         ),
         (
             "eval.benchmarks=[{name: mine, path: PATH, score_with: [cosine]}]",
-            "eval.benchmarks[0].score_with='cosine' is not supported; set eval.benchmarks[0].score_with "
-            "to one of: math_verify, cosine_length, repetition, overlong, format",
+            "eval.benchmarks[0].score_with='cosine' is not a reward component (did you mean "
+            "'cosine_length'?); choose one of math_verify, cosine_length,",
         ),
         ("eval.benchmarks=[{name: 'a b', path: PATH}]", "eval.benchmarks[0].name='a b' is not an identifier"),
         ("eval.benchmarks=[{name: mine, path: PATH, template: 'no slot'}]", "must contain {problem}"),

@@ -1,6 +1,7 @@
 """A failed `laminar run` through the real CLI says its one `laminar: ...` line and nothing else: no
 Prefect ERROR repeats of the same failure, no traceback, no DuckDB (nanobind) leak report at exit.
-The cheapest failure inside the Prefect flow: an unreadable source file stops the ingest stage."""
+The cheapest failure inside the Prefect flow: a source none of whose rows ingest keeps (a file that
+does not parse fails before the run, in preflight: tests/flows/test_cli_bounds.py)."""
 
 from __future__ import annotations
 
@@ -13,7 +14,7 @@ pytestmark = pytest.mark.e2e
 
 def test_a_failed_stage_ends_the_run_with_its_one_line(tmp_path):
     source = tmp_path / "pool.json"
-    source.write_text("{not json\n")
+    source.write_text('[1, "two", {"problem": "1+1"}]\n')
     ws = tmp_path / "ws"
     proc = laminar(
         "run",
@@ -34,6 +35,7 @@ def test_a_failed_stage_ends_the_run_with_its_one_line(tmp_path):
         "cache (when any must run, Prefect's local server starts first: ~15 s)"
     )
     assert lines[1].startswith("laminar: stage data ") and " ran " in lines[1]
-    assert lines[2].startswith("laminar: source 'pool': ") and "is not a UTF-8 JSON document" in lines[2]
-    assert "format='jsonl'" in lines[2]  # it says what to change
+    assert lines[2].startswith("laminar: the prompt pool is empty: none of its 3 rows was ingested")
+    assert "(quarantined: not an object (int) 1, not an object (str) 1, missing answer 1)" in lines[2]
+    assert "or pass --allow-empty" in lines[2]  # it says what to change
     assert proc.stderr.splitlines() == lines[2:]  # the failure on stderr, progress on stdout

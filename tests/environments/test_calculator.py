@@ -5,7 +5,7 @@ import pytest
 
 from conf.loader import load_config
 from conf.schema import ConfigError
-from environments.base import ToolError
+from environments.base import ToolError, Turn
 from environments.calculator import Calculator, evaluate
 from environments.registry import make_environment
 from generation.model import build_char_tokenizer
@@ -32,19 +32,19 @@ def test_the_text_format_calls_the_tool_and_appends_its_result_as_tokens():
     cfg = load_config(["env=calculator"]).env
     env = make_environment(cfg, tok)
     assert env.format.name == "text"  # no chat template: the documented line format
-    res = env.step("3+4+5+6+7\ncalc: 3+4+5+6+7")
+    res = env.step(None, Turn("3+4+5+6+7\ncalc: 3+4+5+6+7", ()))
     assert res.tool_call and not res.done and not res.tool_error
     assert tok.decode(list(res.observation)) == "\n= 25\n"
-    bad = env.step("calc: 3+x")
+    bad = env.step(None, Turn("calc: 3+x", ()))
     assert bad.tool_error and tok.decode(list(bad.observation)).startswith("\n= error: ")
-    answer = env.step("calc: 1+2 gives 3\n#### 3")
+    answer = env.step(None, Turn("calc: 1+2 gives 3\n#### 3", ()))
     assert answer.done and answer.reason == "answer"
 
 
 def test_env_config_composes_and_typos_fail_before_any_write():
-    assert load_config([]).env.name == "single_turn"
+    assert load_config([]).env.target == "single_turn"
     cfg = load_config(["env=calculator"]).env
-    assert cfg.name == "calculator" and cfg.max_turns >= 2
+    assert cfg.target == "calculator" and cfg.max_turns >= 2
     with pytest.raises(ConfigError, match="env.max_turn"):
         load_config(["env.max_turn=3"])
     with pytest.raises(ConfigError, match="env.on_error"):

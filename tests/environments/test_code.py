@@ -81,7 +81,7 @@ class Nothing:
 def test_the_reward_layer_builds_code_tests_from_config_and_falls_back_on_a_bad_answer():
     items = "{name: math_verify, weight: 0}, {name: code_tests, score: all_pass, timeout_s: 5}"
     cfg = load_config([f"reward.components=[{items}]"])
-    assert cfg.reward.components[1].params() == CodeTestsParams(score="all_pass", timeout_s=5.0)
+    assert cfg.reward.components[1].params_of() == CodeTestsParams(score="all_pass", timeout_s=5.0)
     reward = Reward.of(Nothing(), cfg.reward)
     scores = reward.score([sample(RIGHT, CodeSpec(SPEC.tests[:2], "add")), Sample(RIGHT, "42", 10, 64)])
     assert scores.terms["code_tests"] == (1.0, 0.0) and scores.failed["code_tests"] == (False, True)

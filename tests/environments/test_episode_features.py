@@ -17,7 +17,7 @@ from training.rl.drivers.local import LocalDriver
 from training.rl.manager import RolloutManager
 from training.rl.stage import objective_params
 
-ENV = EnvConfig(name="calculator", max_turns=3)
+ENV = EnvConfig(target="calculator", max_turns=3)
 
 
 class ToolSaysAnswer:
@@ -185,10 +185,10 @@ class FirstContext:
 
     def reset(self, prompt):
         p = tuple(prompt.prompt_tokens)
-        return p[:1] + self.header + p[1:]
+        return p[:1] + self.header + p[1:], None
 
-    def step(self, turn_text):
-        return self.inner.step(turn_text)
+    def step(self, state, turn):
+        return self.inner.step(state, turn)
 
     def close(self):
         self.inner.close()
@@ -216,7 +216,11 @@ def test_hive_observes_episode_rewards_and_skips_the_prompts_they_show_uniform(m
             return kept, skipped
 
     real = registry.make_environment
-    monkeypatch.setattr(registry, "make_environment", lambda cfg, tok: FirstContext(real(cfg, tok), tok))
+    monkeypatch.setattr(
+        registry,
+        "make_environment",
+        lambda cfg, tok, sandbox=None: FirstContext(real(cfg, tok, sandbox), tok),
+    )
     tok = load_tokenizer(caller_dir)
     prompts = calc_prompts(tok, 16)
     greso = Recording(None)

@@ -43,10 +43,10 @@ class CallsTwice:
         self.turns = {}
 
     def reset(self, prompt):
-        return prompt.prompt_tokens
+        return prompt.prompt_tokens, None
 
-    def step(self, turn_text):
-        if turn_text.endswith("#"):  # a few turns answer: the episode ends with the policy's turn
+    def step(self, state, turn):
+        if turn.text.endswith("#"):  # a few turns answer: the episode ends with the policy's turn
             return StepResult(done=True, reason="answer")
         return StepResult(self.obs, tool_call=True)
 
@@ -70,7 +70,9 @@ def test_a_sync_local_run_trains_on_masked_multi_turn_episodes(monkeypatch, mode
     from training.rl.drivers.local import LocalDriver
 
     tok = load_tokenizer(model_dir)
-    monkeypatch.setattr(registry, "make_environment", lambda cfg, tokenizer: CallsTwice(tokenizer))
+    monkeypatch.setattr(
+        registry, "make_environment", lambda cfg, tokenizer, sandbox=None: CallsTwice(tokenizer)
+    )
     prompts = [
         PromptItem(
             f"p{i}", f"{i % 4}+{i % 3}", "7", encode_problem(tok, "{problem}\n", f"{i % 4}+{i % 3}"), 1
@@ -98,7 +100,7 @@ def test_a_sync_local_run_trains_on_masked_multi_turn_episodes(monkeypatch, mode
         return groups
 
     monkeypatch.setattr(RolloutManager, "next_batch", spy)
-    env = EnvConfig(name="calculator", max_turns=3)
+    env = EnvConfig(target="calculator", max_turns=3)
     driver = LocalDriver(
         model_dir, prompts, EndsWithAnswer(), objective_params(rl), rl, seed=0, device="cpu", env=env
     )
@@ -173,7 +175,7 @@ def test_the_ray_modes_train_calculator_episodes_once_each(local_ray, caller_dir
         seed=0,
         device="cpu",
         cluster=ClusterConfig(rollouts=2, actor_threads=1),
-        env=EnvConfig(name="calculator", max_turns=3),
+        env=EnvConfig(target="calculator", max_turns=3),
     )
     result = rt.run()
     uids = rt.summary["trained_uids"]
@@ -213,7 +215,7 @@ def test_evaluation_samples_whole_episodes_and_reports_tool_use(caller_dir):
         device="cpu",
         verifier=Ends(),
     )
-    rows = evaluate_items(model, tok, items, env=EnvConfig(name="calculator", max_turns=3), **kw)
+    rows = evaluate_items(model, tok, items, env=EnvConfig(target="calculator", max_turns=3), **kw)
     assert len(rows) == 12 and any(r.tool_calls for r in rows) and max(r.turns for r in rows) > 1
     summary = summarize_rows(rows, 2)["heldout"]
     assert summary["tool_calls_per_episode"] > 0 and summary["turns_per_episode"] > 1
@@ -240,7 +242,7 @@ def test_a_poke_cuts_a_rollout_actors_wait_on_a_slow_tool_short(local_ray, calle
         PromptItem(f"p{i}", f"{i}+1", "3", encode_problem(tok, "{problem}\n", f"{i}+1"), 1) for i in range(3)
     ]
     env = EnvConfig(
-        name="calculator",
+        target="calculator",
         max_turns=3,
         tool_timeout_s=120.0,
         tool_latency=ToolLatencyConfig(kind="fixed", seconds=[30.0]),

@@ -46,9 +46,9 @@ class AlwaysCalls:
         self.delay = delay
 
     def reset(self, prompt):
-        return self.fmt.reset(prompt)
+        return self.fmt.reset(prompt), None
 
-    def step(self, turn_text):
+    def step(self, state, turn):
         time.sleep(self.delay)
         return StepResult(self.fmt.observation(RESULT, False), tool_call=True)
 
@@ -148,7 +148,7 @@ def test_three_turn_episode_trains_on_exactly_the_tokens_the_engine_consumed(tok
     obs = env.fmt.observation(RESULT, False)
     for t in three:
         assert len(t.response_tokens) == len(t.behaviour_logprobs) == len(t.loss_mask)
-        assert t.tool_calls == 3 and t.prompt.prompt_tokens == env.reset(t.prompt)
+        assert t.tool_calls == 3 and t.prompt.prompt_tokens == env.reset(t.prompt)[0]
         observations = [t.response_tokens[s:e] for v, s, e in _runs(t.loss_mask) if v == 0]
         assert observations == [obs, obs]
         row = _training_row(t, tok)
@@ -210,12 +210,12 @@ def test_a_hung_tool_ends_only_its_episode_with_a_recorded_reason(tok, model):
             super().__init__(tok)
             self.lock, self.first = threading.Lock(), True
 
-        def step(self, turn_text):
+        def step(self, state, turn):
             with self.lock:
                 hang, self.first = self.first, False
             if hang:
                 time.sleep(1.5)
-            return super().step(turn_text)
+            return super().step(state, turn)
 
     _, trajs = _episodes(tok, model, HangsOnce(tok), tool_timeout_s=0.3)
     reasons = [t.end_reason for t in trajs]
@@ -231,12 +231,12 @@ def test_an_environment_crash_fails_or_retries_the_episode_once(tok, model, on_e
             super().__init__(tok)
             self.lock, self.first = threading.Lock(), True
 
-        def step(self, turn_text):
+        def step(self, state, turn):
             with self.lock:
                 crash, self.first = self.first, False
             if crash:
                 raise RuntimeError("environment bug")
-            return super().step(turn_text)
+            return super().step(state, turn)
 
     runner, trajs = _episodes(tok, model, CrashesOnce(tok), on_error=on_error)
     assert len(trajs) == 6 and all(t is not None for t in trajs)
@@ -277,7 +277,7 @@ def test_an_in_flight_episode_moves_to_another_engine_with_its_state(tok, model)
 def test_single_turn_leaves_the_engine_as_it_is(tok, model):
     engine = Engine(model, tok, max_new_tokens=8)
     assert wrap_engine(engine, EnvConfig()) is engine
-    assert isinstance(wrap_engine(engine, EnvConfig(name="calculator", max_turns=3), tok), EpisodeEngine)
+    assert isinstance(wrap_engine(engine, EnvConfig(target="calculator", max_turns=3), tok), EpisodeEngine)
 
 
 def test_an_episode_survives_the_checkpoint_codec(tok, model):

@@ -92,11 +92,11 @@ def _config(overrides: list[str]) -> Config:
         key, value = o.split("=", 1)
         parsed = yaml.safe_load(value)
         if key == "env":
-            env["name"] = value
+            env["target"] = value
         else:
             lat[key.removeprefix("env.tool_latency.")] = parsed
     return Config(
         env=EnvConfig(
-            **({"max_turns": 1} if "name" not in env else env), tool_latency=ToolLatencyConfig(**lat)
+            **({"max_turns": 1} if "target" not in env else env), tool_latency=ToolLatencyConfig(**lat)
         )
     )

@@ -178,13 +178,21 @@ def test_a_served_run_on_another_workspace_is_refused_before_any_write(served):
     [
         ("no_such.key=1", "config error: unknown config key 'no_such.key'"),
         ("rl.no_such_key=1", "config error: unknown config key 'rl.no_such_key'"),
+        ("hydra.run.dir=/tmp/x", "config error: unknown config key 'hydra.run.dir'"),
         ("rl.lr=-1", "config error: rl.lr="),
-        ("rollout.vllm_python=/bin/sh", "rollout.vllm_python names a file, folder, executable or cluster"),
-        ("data.sources=[{name: x, path: /etc/passwd, format: jsonl}]", "data.sources names a file, folder"),
-        ("data.sources[0].path=/etc/passwd", "data.sources.path names a file, folder"),
-        ("model.path=/tmp/m", "model.path names a file, folder"),
-        ("trainer.deepspeed=/tmp/ds.json", "trainer.deepspeed names a file, folder"),
-        ("cluster.address=10.0.0.1:6379", "cluster.address names a file, folder"),
+        ("rollout.vllm_python=/bin/sh", "rollout.vllm_python is not among the keys a run's caller may set"),
+        ("data.sources=[{name: x, path: /etc/passwd, format: jsonl}]", "data.sources is not among the keys"),
+        ("data.sources[0].path=/etc/passwd", "data.sources.path is not among the keys"),
+        ("model.path=/tmp/m", "model.path is not among the keys"),
+        ("trainer.deepspeed=/tmp/ds.json", "trainer.deepspeed is not among the keys"),
+        ("cluster.address=10.0.0.1:6379", "cluster.address is not among the keys"),
+        ("tracking.mlflow_uri=sqlite:////tmp/any/path.db", "tracking.mlflow_uri is not among the keys"),
+        ("eval.benchmarks=[{name: x, path: /etc/passwd}]", "eval.benchmarks takes a plain value here"),
+        ("eval.benchmarks=[gsm8k,/etc/passwd]", "eval.benchmarks takes a plain value here"),
+        ("reward_model.backbone=/tmp/m", "reward_model.backbone is not among the keys"),
+        ("rl.critic_path=/tmp/m", "rl.critic_path is not among the keys"),
+        ("sandbox.backend=unsafe", "sandbox.backend is not among the keys"),
+        ("rl.lr=http://evil.example/x", "rl.lr takes a plain value here"),
         (
             "cluster={address: '10.0.0.1:6379'}",
             "a top-level key takes a plain value or a config group's option",
@@ -205,11 +213,13 @@ def test_a_served_run_with_a_refused_override_fails_before_any_write(served, ove
 
 
 def test_a_served_run_may_pass_checked_overrides_and_the_operators_own(served):
-    """Overrides within the schema pass; so does the command line's own ``rollout.vllm_python``."""
+    """Overrides on the allow-list pass (numbers, switches, names, lists of names, a config group's
+    option); so does the command line's own ``rollout.vllm_python``."""
+    allowed = ["rl.steps=1", "seed=3", "rl.mode=sync", "eval.benchmarks=[arith_heldout]", "data.levels=[1,2]"]
     with pytest.raises(served["Ran"]):
-        served["run"](overrides=[*served["operator"], "rl.steps=1"], workspace=None)
+        served["run"](overrides=[*served["operator"], *allowed], workspace=None)
     (run,) = served["started"]
-    assert run["workspace"] == str(served["ws"].root) and run["overrides"][-1] == "rl.steps=1"
+    assert run["workspace"] == str(served["ws"].root) and run["overrides"][-len(allowed) :] == allowed
     assert run["command"].endswith("# scheduled run")
 
 
@@ -233,6 +243,8 @@ def test_the_served_api_secret_is_fresh_and_private_and_the_server_is_locked_dow
     assert env["PREFECT_SERVER_API_AUTH_STRING"] == second == env["PREFECT_API_AUTH_STRING"]
     assert env["PREFECT_SERVER_API_CSRF_PROTECTION_ENABLED"] == "true"
     assert env["PREFECT_SERVER_API_CORS_ALLOWED_ORIGINS"] == "http://127.0.0.1:4321"
+    # the UI is told the API on the server's own port, never Prefect's default 4200
+    assert env["PREFECT_SERVER_UI_API_URL"] == "http://127.0.0.1:4321/api" and "PREFECT_UI_API_URL" not in env
 
 
 # ---- the real `laminar serve` ------------------------------------------------------------------------------
@@ -340,36 +352,49 @@ def test_laminar_serve_refuses_anonymous_calls_and_runs_that_choose_the_workspac
         assert probe.returncode == 0 and "deployments 1 flow " in probe.stdout, probe.stderr[-3000:]
         before = _files(ws)
 
+        # the UI is told the API of this server (its own port), not Prefect's default 4200
+        ui = httpx.get(url.removesuffix("/api") + "/ui-settings", timeout=30).json()
+        assert ui["api_url"] == url, ui
+        # a run's parameters off the allow-list: 403 with the reason, no flow run created
         refused = {
-            "workspace": client.call(
-                f"/deployments/{dep['id']}/create_flow_run", {"parameters": {"workspace": str(other)}}
-            ),
-            "unknown": client.call(
-                f"/deployments/{dep['id']}/create_flow_run",
-                {"parameters": {"overrides": [*TINY_CURATED, "no_such.key=1"]}},
-            ),
-            "executable": client.call(
-                f"/deployments/{dep['id']}/create_flow_run",
-                {"parameters": {"overrides": ["rollout.vllm_python=/bin/sh"]}},
-            ),
+            "workspace": {"workspace": str(other)},
+            "unknown": {"overrides": [*TINY_CURATED, "no_such.key=1"]},
+            "executable": {"overrides": ["rollout.vllm_python=/bin/sh"]},
+            "mlflow": {"overrides": ["tracking.mlflow_uri=sqlite:////" + str(other / "x.db")]},
+            "benchmark": {"overrides": [f"eval.benchmarks=[{{name: x, path: {other / 'b.jsonl'}}}]"]},
         }
-        states = {}
-        deadline = time.monotonic() + 300
-        while len(states) < len(refused):
-            assert proc.poll() is None and time.monotonic() < deadline, log()
-            for why, run in refused.items():
-                state = client.call(f"/flow_runs/{run['id']}", method="GET")["state"]
-                if state["type"] in ("COMPLETED", "FAILED", "CRASHED", "CANCELLED"):
-                    states[why] = state
-            time.sleep(1)
-        for why, state in states.items():
-            assert state["type"] == "FAILED", (why, state)
-        assert f"this deployment runs on workspace {ws} only" in states["workspace"]["message"]
-        assert "unknown config key 'no_such.key'" in states["unknown"]["message"]
-        assert (
-            "rollout.vllm_python names a file, folder, executable or cluster"
-            in states["executable"]["message"]
+        runs_before = client.call("/flow_runs/filter", {})
+        reasons = {}
+        for why, parameters in refused.items():
+            r = httpx.post(
+                f"{url}/deployments/{dep['id']}/create_flow_run",
+                json={"parameters": parameters},
+                headers={**client.auth, **client.csrf()},
+                timeout=30,
+            )
+            assert r.status_code == 403, (why, r.status_code, r.text)
+            reasons[why] = r.json()["detail"]
+        # and a flow run created directly with such parameters, or a deployment's defaults changed
+        r = httpx.post(
+            f"{url}/flow_runs/",
+            json={"flow_id": dep["flow_id"], "deployment_id": dep["id"], "parameters": refused["mlflow"]},
+            headers={**client.auth, **client.csrf()},
+            timeout=30,
         )
+        assert r.status_code == 403, r.text
+        r = httpx.patch(
+            f"{url}/deployments/{dep['id']}",
+            json={"parameters": refused["executable"]},
+            headers={**client.auth, **client.csrf()},
+            timeout=30,
+        )
+        assert r.status_code == 403, r.text
+        assert len(client.call("/flow_runs/filter", {})) == len(runs_before)
+        assert f"this deployment runs on workspace {ws} only" in reasons["workspace"]
+        assert "unknown config key 'no_such.key'" in reasons["unknown"]
+        assert "rollout.vllm_python is not among the keys a run's caller may set" in reasons["executable"]
+        assert "tracking.mlflow_uri is not among the keys" in reasons["mlflow"]
+        assert "eval.benchmarks takes a plain value here" in reasons["benchmark"]
         assert not other.exists()  # the other folder was never touched
         after = _files(ws)
         assert not any(p.startswith(("runs/", "artifacts/")) for p in after - before), after - before

@@ -31,7 +31,7 @@ def test_the_option_composes_the_verifier_and_the_reward_model():
         ("math_verify", 1.0),
         ("reward_model", 0.5),
     ]
-    assert (rm.params().normalize, rm.params().clip) == ("fixed", 2.0)
+    assert (rm.params_of().normalize, rm.params_of().clip) == ("fixed", 2.0)
     assert cfg.data.demo_full_stop_rate == 0.5
     assert reward_key(cfg)[1] == {
         "name": "reward_model",

@@ -82,10 +82,10 @@ def test_simulator_drives_the_runtimes_manager_and_control_plane(monkeypatch):
         "plan_repack": 0,
         "dispatch_plan": 0,
         "add": 0,
-        "take": 0,
         "take_uids": 0,
         "may_open_batch": 0,
         "admission_room": 0,
+        "staleness_gate": 0,
     }
 
     def spy(name, fn):
@@ -99,7 +99,8 @@ def test_simulator_drives_the_runtimes_manager_and_control_plane(monkeypatch):
     monkeypatch.setattr(control, "dispatch_plan", spy("dispatch_plan", control.dispatch_plan))
     monkeypatch.setattr(control, "may_open_batch", spy("may_open_batch", control.may_open_batch))
     monkeypatch.setattr(control, "admission_room", spy("admission_room", control.admission_room))
-    for name in ("add", "take", "take_uids"):
+    monkeypatch.setattr(control, "staleness_gate", spy("staleness_gate", control.staleness_gate))
+    for name in ("add", "take_uids"):
         monkeypatch.setattr(
             control.ExperienceBuffer, name, spy(name, getattr(control.ExperienceBuffer, name))
         )

@@ -150,6 +150,7 @@ class RolloutWorker:
         threads: int = 1,
         priority: str = "normal",
         env=None,
+        sandbox=None,
     ):
         _setup(threads, seed)
         lower_priority(priority)
@@ -172,11 +173,11 @@ class RolloutWorker:
             seed=seed,
             **opts,
         )
-        if env is not None and env.name != "single_turn":  # episodes: the engine in an episode runner
+        if env is not None and not env.is_default():  # episodes: the engine in an episode runner
             from environments.registry import wrap_engine
             from generation.model import load_tokenizer
 
-            self.engine = wrap_engine(self.engine, env, load_tokenizer(model_dir))
+            self.engine = wrap_engine(self.engine, env, load_tokenizer(model_dir), sandbox)
         self.engine.version = -1  # no published version loaded yet: the first step pulls
 
     def ping(self) -> ActorInfo:

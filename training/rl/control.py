@@ -134,12 +134,51 @@ def admission_room(
     versions v .. v + max_staleness, one batch (``batch_groups`` x ``group_size``) each; admitting more
     only makes groups that go stale in the buffer and are generated again. The ``retry`` requests
     handed back (lost, stale) always go: they complete groups the buffer already holds. None: no bound.
-    The trainer takes groups as they complete, so on a long tail a slow response can still finish
-    after newer, shorter ones have filled the batches its bound allows (a few groups, not thousands)."""
+    The count alone does not order the work: the trainer's ``staleness_gate`` keeps a slow old response
+    from finishing after newer ones have filled the updates its bound allows."""
     if max_staleness is None:
         return None
     updates_left = max_staleness + 1 - max(0, latest - version)
     return max(retry, updates_left * batch_groups * group_size - outstanding)
+
+
+def staleness_gate(
+    ready: Sequence[tuple[int, int]],
+    unfinished: Sequence[int],
+    *,
+    latest: int,
+    max_staleness: int,
+    batch_groups: int,
+) -> list[int] | None:
+    """The trainer's side of bounded staleness (unbatched modes): which ready groups the update at
+    ``latest`` trains, or None: wait. ``ready``: (group_uid, version) of each ready group; ``unfinished``:
+    for each other admitted group not yet trained, the lowest version it can end with (its finished
+    responses' versions and its unfinished ones' lower bounds).
+
+    The batch is the ``batch_groups`` ready groups of the oldest versions. A group of version v is
+    trainable by the updates at versions v .. v + max_staleness, one batch each, so the update may go
+    ahead only if, for every version k, the groups left of version <= k fit in the ``k + max_staleness
+    - latest`` updates after it: in particular every group due now (k = latest - max_staleness) is in
+    this batch. Otherwise the trainer waits for the older work to finish, whatever the rollouts' and
+    the trainer's speeds (admission keeps the total within the same bound, so it always fits once
+    everything has finished). Where even that would not fit (work a failure handed back late), waiting
+    cannot help: the batch goes ahead and what goes stale is regenerated, as without the gate."""
+    order = sorted(ready, key=lambda x: (x[1], x[0]))
+    if len(order) < batch_groups:
+        return None
+    batch = [uid for uid, _ in order[:batch_groups]]
+    left = [v for _, v in order[batch_groups:]] + list(unfinished)
+    if _fits(left, latest, max_staleness, batch_groups):
+        return batch
+    everything = sorted([v for _, v in order] + list(unfinished))
+    if not _fits(everything[batch_groups:], latest, max_staleness, batch_groups):
+        return batch
+    return None
+
+
+def _fits(versions: Iterable[int], latest: int, max_staleness: int, batch_groups: int) -> bool:
+    """Whether groups of these versions, left after the update at ``latest``, can all be trained in time."""
+    return all(i + 1 <= (v + max_staleness - latest) * batch_groups for i, v in enumerate(sorted(versions)))
 
 
 def may_open_batch(mode: ModeSpec, *, version: int, batch_idx: int, steps: int, closed_waiting: int) -> bool:
@@ -202,6 +241,10 @@ class PromptQueue:
         if missing > 0:
             out.extend(self.take_groups(-(-missing // self.group_size)))
         return out
+
+    def take_retries(self, n_requests: int) -> list[GenRequest]:
+        """Up to ``n_requests`` of the requests handed back, first in line first."""
+        return [self.retry.popleft() for _ in range(min(n_requests, len(self.retry)))]
 
     def requeue(self, requests: Iterable[GenRequest]) -> None:
         for r in sorted(requests, key=lambda r: (r.group_uid, r.sample_idx), reverse=True):
@@ -301,15 +344,7 @@ class ExperienceBuffer:
         """Up to ``n`` ready groups (oldest issued first) within the staleness bound, marked trained
         (with ``full``, none unless ``n`` are ready); and the groups dropped as too stale (the caller
         requeues their prompts)."""
-        stale = []
-        if self.max_staleness is not None:
-            for uid in [
-                u
-                for u, g in self.ready.items()
-                if trainer_version - self.group_version(g) > self.max_staleness
-            ]:
-                stale.append((uid, self.ready.pop(uid)))
-                self.stats.stale_dropped += 1
+        stale = self.drop_stale(trainer_version)
         if full and len(self.ready) < n:
             return [], stale
         out = []
@@ -319,6 +354,20 @@ class ExperienceBuffer:
             self.done.add(uid)
             out.append((uid, group))
         return out, stale
+
+    def drop_stale(self, trainer_version: int) -> list[tuple[int, ScoredGroup]]:
+        """The ready groups too stale to train at ``trainer_version``, taken out (the caller requeues
+        their prompts)."""
+        stale = []
+        if self.max_staleness is not None:
+            for uid in [
+                u
+                for u, g in self.ready.items()
+                if trainer_version - self.group_version(g) > self.max_staleness
+            ]:
+                stale.append((uid, self.ready.pop(uid)))
+                self.stats.stale_dropped += 1
+        return stale
 
     def take_uids(self, uids: Iterable[int], n: int, trainer_version: int) -> list[tuple[int, ScoredGroup]]:
         """Batched modes: the first ``n`` ready groups among ``uids`` (in uid order), marked trained;

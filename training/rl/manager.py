@@ -184,6 +184,10 @@ class RolloutManager:
         self.trained_prompts: list[tuple[int, str]] = []
         self.response_lengths: list[int] = []
         self.consumed: Counter = Counter()
+        self.bound: dict[tuple[int, int], int] = {}
+        """(group_uid, sample_idx) -> the lowest version the response handed out under that key can
+        end with (its rollout's version when handed out; -1: unknown until that rollout's first
+        weights): what the trainer's staleness gate (``control.staleness_gate``) reckons with."""
         self.rewards: list[tuple[int, str, float, int]] = []
         self.terms: list[tuple[int, str, int, str, float]] = []
         """(step, prompt_id, sample_idx, component, score) of every rolled-out response; component
@@ -228,13 +232,48 @@ class RolloutManager:
             return groups
         if self.buffer.n_ready() < self.s.prompts_per_step:
             return []
-        groups, stale = self.buffer.take(self.s.prompts_per_step, self.version, full=True)
+        if self.s.max_staleness is None:
+            groups, stale = self.buffer.take(self.s.prompts_per_step, self.version, full=True)
+        else:
+            stale, groups, uids = self.buffer.drop_stale(self.version), [], None
+            if self.buffer.n_ready() >= self.s.prompts_per_step:
+                uids = control.staleness_gate(
+                    [(u, ExperienceBuffer.group_version(g)) for u, g in self.buffer.ready.items()],
+                    self._unfinished_versions(),
+                    latest=self.version,
+                    max_staleness=self.s.max_staleness,
+                    batch_groups=self.s.prompts_per_step,
+                )
+                if uids is None:  # older work must finish first
+                    self.counts["staleness_waits"] += 1
+            if uids is not None:
+                groups = self.buffer.take_uids(uids, self.s.prompts_per_step, self.version)
         for uid, g in stale:  # too stale: regenerate the prompt under newer weights
             self.buffer.forget(uid)
             self.queue.requeue(
                 GenRequest(prompt=t.prompt, sample_idx=t.sample_idx, group_uid=uid) for t in g.trajectories
             )
         return groups
+
+    def _unfinished_versions(self) -> list[int]:
+        """For each admitted group neither ready nor trained, the lowest version it can end with: the
+        oldest of its finished responses and of its unfinished ones' bounds (``self.bound``; a request
+        handed back and waiting goes to a rollout at the latest version, ``_admission``)."""
+        waiting = self.version  # a handed-back request goes to a rollout at the latest version
+        low: dict[int, int] = {}
+
+        def see(uid: int, version: int) -> None:
+            low[uid] = min(version, low.get(uid, version))
+
+        for uid, slot in self.buffer.partial.items():
+            for t in slot.values():
+                see(uid, t.version)
+        for r in self.rollouts.values():
+            for key in list(r.assigned) + [_key(_request(p)) for p in r.pending_inject]:
+                see(key[0], max(0, self.bound.get(key, waiting)))
+        for q in self.queue.retry:
+            see(q.group_uid, waiting)
+        return [v for uid, v in low.items() if uid not in self.buffer.ready]
 
     def updated(
         self, version: int, stats=None, wall: float = 0.0, train_s: float = 0.0
@@ -381,14 +420,16 @@ class RolloutManager:
         if inject and self.mode.drain:
             inject = self._same_version(r, inject)
         if not self.mode.batched and plan.admitting:
-            free = self._admission(r, len(inject) + len(submit))
-            if free > 0:
+            retries, groups = self._admission(r, len(inject) + len(submit))
+            if retries or groups:
                 self.outside.refresh()
-                submit.extend(self.queue.take(free))
+                submit.extend(self.queue.take_retries(retries) + self.queue.take_groups(groups))
         for q in submit:
             r.assigned[_key(q)] = q
+            self.bound[_key(q)] = r.version
         for p in inject:
             r.assigned[_key(p.request)] = p.request
+            self.bound.setdefault(_key(p.request), p.version if p.version >= 0 else r.version)
         r.last_sent = [_key(q) for q in submit] + [_key(p.request) for p in inject]
         if not plan.pull and not submit and not inject and r.active == 0 and r.queued == 0:
             return None
@@ -411,33 +452,41 @@ class RolloutManager:
             self.requeue([p.request for p in lost])
         return [p for p in inject if p.version in (-1, r.version)]
 
-    def _admission(self, r: RolloutState, new: int) -> int:
-        """How many new requests rollout ``r`` may take: its free slots, within the back-pressure and
-        the staleness bound's flow control (``control.admission_room``)."""
+    def _admission(self, r: RolloutState, new: int) -> tuple[int, int]:
+        """How many handed-back requests and new groups rollout ``r`` may take: its free slots (new
+        prompts come in whole groups, the last may overshoot them), within the back-pressure and the
+        staleness bound's flow control (``control.admission_room``)."""
         free = self.s.capacity - (r.active + r.queued + new)
         cap = self.s.max_ahead_batches
         if cap > 0 and not self.queue.retry:
             ahead = self.queue.issued_groups - len(self.trained_uids)
             free = min(free, (cap * self.s.prompts_per_step - ahead) * self.s.group_size)
-        if self.s.max_staleness is not None:  # unbounded: no flow control, nothing to count
-            # the batch in the trainer's hands fills the update at the latest version (the first update
-            # the room counts): without it, every other update's rollouts overshoot by a batch
-            outstanding = control.outstanding_responses(
-                self.rollouts.values(), self.buffer, training=self.training_responses, new=new
-            )
-            room = control.admission_room(
-                self.s.max_staleness,
-                latest=self.version,
-                version=r.version,
-                batch_groups=self.s.prompts_per_step,
-                group_size=self.s.group_size,
-                outstanding=outstanding,
-                retry=len(self.queue.retry),
-            )
-            if room < free:
-                free = room
-                self.counts["admission_limited"] += 1
-        return free
+        g = self.s.group_size
+        if self.s.max_staleness is None or free <= 0:  # unbounded: no flow control, nothing to count
+            retries = min(len(self.queue.retry), max(0, free))
+            return retries, -(-(free - retries) // g) if free > retries else 0
+        # the batch in the trainer's hands fills the update at the latest version (the first update
+        # the room counts): without it, every other update's rollouts overshoot by a batch. The
+        # requests handed back (retry) are counted and go to a rollout at the latest version only
+        # (their groups are admitted already, and they must not end older than the gate reckons);
+        # new prompts come in whole groups within the room (never a group's overshoot past it)
+        retry = len(self.queue.retry)
+        outstanding = control.outstanding_responses(
+            self.rollouts.values(), self.buffer, training=self.training_responses, new=new
+        )
+        room = control.admission_room(
+            self.s.max_staleness,
+            latest=self.version,
+            version=r.version,
+            batch_groups=self.s.prompts_per_step,
+            group_size=g,
+            outstanding=outstanding + retry,
+        )
+        retries = min(retry, free) if r.version >= self.version else 0
+        groups = min(-(-(free - retries) // g), max(0, room) // g) if free > retries else 0
+        if retries + groups * g < free:
+            self.counts["admission_limited"] += 1
+        return retries, groups
 
     def step_done(
         self, name: str, finished: Iterable[Trajectory], status: RolloutStatus, pulled: PullResult | None
@@ -453,8 +502,12 @@ class RolloutManager:
                 self.outside.note(name, "pull", pulled.version)
                 self.counts["pulls"] += 1
         completed = []
+        for key, v in self.bound.items() if pulled is not None and pulled.ok else ():
+            if v < 0 and key in r.assigned:  # handed out before its first weights: it runs under these
+                self.bound[key] = status.version
         for t in finished:
             r.assigned.pop((t.group_uid, t.sample_idx), None)
+            self.bound.pop((t.group_uid, t.sample_idx), None)
             group = self.buffer.add(t)
             if group is not None:
                 completed.append((t.group_uid, group))
@@ -513,6 +566,8 @@ class RolloutManager:
         requests = list(requests)
         if not requests:
             return
+        for q in requests:
+            self.bound.pop(_key(q), None)
         if not self.mode.batched:
             self.queue.requeue(requests)
             return

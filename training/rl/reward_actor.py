@@ -64,4 +64,4 @@ def with_reward_actor(ray, reward, num_cpus: float = 0.0):
                 actor.remote(c.params, str(c.path), c.template), c.params, c.name, c.correctness, c.fallback
             )
         shaping.append(c)
-    return Reward(reward.verifier, reward.weights, shaping)
+    return Reward(reward.verifier, reward.weights, shaping, reward.verdict, reward.specs)

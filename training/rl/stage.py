@@ -23,6 +23,7 @@ from conf.schema import (
     LoraConfig,
     RLConfig,
     RolloutConfig,
+    SandboxConfig,
     SelectConfig,
     TrainerConfig,
 )
@@ -82,6 +83,8 @@ OVERRIDABLE = (
 def objective_params(cfg: RLConfig) -> ObjectiveParams:
     """The algorithm's preset with the config's explicit overrides (None keeps the preset)."""
     overrides = {k: getattr(cfg, k) for k in OVERRIDABLE if getattr(cfg, k) is not None}
+    if cfg.loss is not None:  # a custom loss by import path (training.objectives.custom_loss)
+        overrides.update(loss=cfg.loss, loss_params=tuple(sorted((cfg.loss_params or {}).items())))
     return dataclasses.replace(PRESETS[cfg.algorithm], overlong_cache_len=cfg.overlong_cache_len, **overrides)
 
 
@@ -136,6 +139,7 @@ def rl(
     on_metrics: Callable[[dict[str, float]], None] | None = None,
     lora: LoraConfig | None = None,
     env: EnvConfig | None = None,
+    sandbox: SandboxConfig | None = None,
 ) -> RLResult:
     """RL from ``model_dir`` on the prompts of ``prompts_path`` (see the module docstring for what
     it writes). ``select`` turns on HIVE's online pruning; ``evaluate`` runs every ``cfg.eval_every`` steps.
@@ -149,7 +153,8 @@ def rl(
     it), only adapters are published, and ``out_dir`` becomes a PEFT adapter folder.
     ``reward``: the ``rewards.compose.Reward`` every response is scored with (a bare verifier: the
     math verifier alone); DAPO's preset adds its overlong component (``training.rl.loop.rl_reward``).
-    ``env`` (``conf.schema.EnvConfig``): the episodes' environment (None: single-turn)."""
+    ``env`` (``conf.schema.EnvConfig``): the episodes' environment (None: single-turn); ``sandbox``:
+    the run's sandbox settings, for its tools (the reward's code components carry their own)."""
     with tempfile.TemporaryDirectory(prefix="laminar-rl-start-") as scratch:
         model_dir = rl_start(Path(model_dir), lora, Path(scratch), seed)
         return _rl(
@@ -170,6 +175,7 @@ def rl(
             rollout=rollout,
             on_metrics=on_metrics,
             env=env,
+            sandbox=sandbox,
         )
 
 
@@ -206,6 +212,7 @@ def _rl(
     rollout,
     on_metrics,
     env=None,
+    sandbox=None,
 ) -> RLResult:
     from generation.model import load_tokenizer
     from training.lora import adapter_from_state, save_trained
@@ -250,6 +257,7 @@ def _rl(
             rollout=rollout,
             state_dir=state_dir,
             env=env,
+            sandbox=sandbox,
         )
         if cfg.uses_ray():
             from training.rl.drivers.ray import LaminarRuntime

@@ -18,7 +18,7 @@ from pathlib import Path
 
 import torch
 
-from conf.schema import EnvConfig, RLConfig, RolloutConfig
+from conf.schema import EnvConfig, RLConfig, RolloutConfig, SandboxConfig
 from environments.registry import wrap_engine
 from generation.adapter import adapter_rank, load_published, model_dir_for_sampling
 from generation.engines import make_engine, rollout_engine_options
@@ -67,6 +67,7 @@ class LocalDriver:
         on_step: Callable[[StepMetrics], None] | None = None,
         evaluate: Callable[[object], dict[str, float]] | None = None,
         env: EnvConfig | None = None,
+        sandbox: SandboxConfig | None = None,
     ):
         self.settings = ManagerSettings.from_config(rl, params)
         if self.settings.mode.name != "sync":
@@ -79,6 +80,7 @@ class LocalDriver:
             rl,
         )
         self.seed, self.device, self.rollout_cfg, self.env_cfg = seed, device, rollout, env
+        self.sandbox = sandbox
         self.checkpoint_dir = Path(state_dir) / "checkpoints" if state_dir is not None else None
         self.source_factory, self.on_step, self.evaluate = source, on_step, evaluate
         self.result = RLResult()
@@ -149,7 +151,8 @@ class LocalDriver:
             seed=self.seed,
             **opts,
         )
-        self.engine = wrap_engine(self.engine, self.env_cfg, tokenizer)  # single_turn: the engine itself
+        # single_turn: the engine itself
+        self.engine = wrap_engine(self.engine, self.env_cfg, tokenizer, self.sandbox)
         self.engine.version = -1  # no published version yet: the first order pulls
         cursor = PromptCursor(self.prompts, self.seed)
         if self.source_factory is not None:

@@ -35,7 +35,7 @@ from collections.abc import Callable, Sequence
 import psutil
 import torch
 
-from conf.schema import ClusterConfig, EnvConfig, RLConfig, RolloutConfig, TrainerConfig
+from conf.schema import ClusterConfig, EnvConfig, RLConfig, RolloutConfig, SandboxConfig, TrainerConfig
 from generation.adapter import load_published
 from generation.records import PromptItem
 from training.objectives import ObjectiveParams
@@ -152,10 +152,11 @@ class LaminarRuntime:
         on_step: Callable[[StepMetrics], None] | None = None,
         evaluate: Callable[[object], dict[str, float]] | None = None,
         env: EnvConfig | None = None,
+        sandbox: SandboxConfig | None = None,
     ):
         self.settings = ManagerSettings.from_config(rl, params)
         self.mode = self.settings.mode
-        self.env_cfg = env
+        self.env_cfg, self.sandbox = env, sandbox
         self.model_dir = Path(model_dir)
         self.prompts = list(prompts)
         self.reward = reward
@@ -350,6 +351,7 @@ class LaminarRuntime:
                 threads=c.actor_threads,
                 priority=c.rollout_priority,
                 env=self.env_cfg,
+                sandbox=self.sandbox,
             )
             self.rollouts[name] = _RolloutActor(name, handle)
         self.timeline["rollouts"] = list(self.rollouts)
