@@ -27,8 +27,9 @@ run: venv
 # --durations list the second prints (2026-12-03, a slow day on a 2-core Xeon: 880 s and 898 s, 15 min
 # 7 s in all, with test_lineage.py in the first; the DeepSpeed pipeline run, 164 s, then moved to
 # test-slow and test_lineage.py, ~80 s, back to the second). The first's log is printed after both
-# finish. One torch thread per process (tests/conftest.py): oversubscribed threads spin against each other.
-FIRST_HALF := tests/e2e/test_cli.py tests/e2e/test_operate.py tests/e2e/test_curation.py
+# finish. 2026-12-06 (Intel Xeon, 2 cores): 530 s and 879 s, 14 min 50 s with the venv's update;
+# test_plugin_run.py (85 s) and test_eval_cli.py (109 s) then moved to the first. One torch thread per process (tests/conftest.py): oversubscribed threads spin against each other.
+FIRST_HALF := tests/e2e/test_cli.py tests/e2e/test_operate.py tests/e2e/test_curation.py tests/e2e/test_plugin_run.py tests/evaluation/test_eval_cli.py
 lint: venv
 	$(BIN)/ruff check .
 	$(BIN)/ruff format --check .
