@@ -207,26 +207,22 @@ __all__ = [
 ]
 
 
-ROW_SCHEMA = {
-    "benchmark": "Utf8",
-    "problem_id": "Utf8",
-    "sample_idx": "Int32",
-    "response": "Utf8",
-    "pred": "Utf8",
-    "correct": "Boolean",
-    "error": "Utf8",
-    "length": "Int32",
-    "truncated": "Boolean",
-    "level": "Utf8",
-    "subject": "Utf8",
-    "prompt_length": "Int32",
-}
-"""The columns of ``rows.parquet`` and their polars types."""
-
-
 def write_rows(rows, path: Path) -> None:
-    """``rows`` (``EvalRow``s) as ``rows.parquet``, with the columns of ``ROW_SCHEMA``."""
+    """``rows`` (``EvalRow``s) as ``rows.parquet``: one row per problem and sample."""
     import polars as pl
 
-    schema = {name: getattr(pl, dtype) for name, dtype in ROW_SCHEMA.items()}
+    schema = {
+        "benchmark": pl.Utf8,
+        "problem_id": pl.Utf8,
+        "sample_idx": pl.Int32,
+        "response": pl.Utf8,
+        "pred": pl.Utf8,
+        "correct": pl.Boolean,
+        "error": pl.Utf8,
+        "length": pl.Int32,
+        "truncated": pl.Boolean,
+        "level": pl.Utf8,
+        "subject": pl.Utf8,
+        "prompt_length": pl.Int32,
+    }
     pl.DataFrame([r.__dict__ for r in rows], schema=schema).write_parquet(path)
