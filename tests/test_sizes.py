@@ -25,7 +25,6 @@ ALLOWED = {
     "generation/engines.py:make_engine": 70,
     "generation/kernels/__init__.py:NativeKernels.sample_step": 69,
     "generation/kernels/__init__.py:NativeModel.step": 64,
-    "training/rl/drivers/ray.py:LaminarRuntime": 653,
     "training/rl/drivers/ray.py:LaminarRuntime.__init__": 67,
     "training/rl/drivers/sim/engines.py:EngineModel": 392,
     "training/rl/manager.py:RolloutManager": 550,
