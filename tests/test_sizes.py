@@ -20,7 +20,6 @@ ALLOWED = {
     "data_curation/ingest.py:ingest": 137,
     "data_curation/sampling.py:dart_sample": 79,
     "data_curation/sampling.py:estimate_difficulty": 90,
-    "generation/engine.py:Engine": 461,
     "generation/engine.py:Engine.__init__": 71,
     "generation/engines.py:make_engine": 70,
     "generation/kernels/__init__.py:NativeKernels.sample_step": 69,
