@@ -25,7 +25,6 @@ ALLOWED = {
     "generation/kernels/__init__.py:NativeKernels.sample_step": 69,
     "generation/kernels/__init__.py:NativeModel.step": 64,
     "training/rl/drivers/ray.py:LaminarRuntime.__init__": 67,
-    "training/rl/drivers/sim/engines.py:EngineModel": 392,
     "training/rl/stage.py:_rl": 86,
     "training/rl/trainer.py:PolicyTrainer.__init__": 61,
 }
