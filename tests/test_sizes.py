@@ -15,7 +15,6 @@ PACKAGES = ("core", "generation", "rewards", "environments", "evaluation", "data
 LIMITS = {"function": 60, "class": 350}
 
 ALLOWED = {
-    "data_curation/hive.py:select_learning_edge": 94,
     "data_curation/sampling.py:dart_sample": 79,
     "data_curation/sampling.py:estimate_difficulty": 90,
     "generation/engine.py:Engine.__init__": 71,
