@@ -19,8 +19,6 @@ ALLOWED = {
     "data_curation/sampling.py:estimate_difficulty": 90,
     "generation/engine.py:Engine.__init__": 71,
     "generation/engines.py:make_engine": 70,
-    "generation/kernels/__init__.py:NativeKernels.sample_step": 69,
-    "generation/kernels/__init__.py:NativeModel.step": 64,
     "training/rl/drivers/ray.py:LaminarRuntime.__init__": 67,
     "training/rl/stage.py:_rl": 86,
     "training/rl/trainer.py:PolicyTrainer.__init__": 61,
