@@ -11,7 +11,11 @@ the Ray driver turns ``ray.wait`` results into manager calls, the simulator its 
 behaviour added here is in all three, and in the unit tests that drive the manager directly.
 
 The stateless rules it applies (mode decisions, admission room, repack planning) are in
-``training.rl.control``.
+``training.rl.control``. Three components it owns hold the state of one concern each, sharing its
+queue, buffer and rollout records: ``BatchGate`` (``training.rl.batch_gate``: the batched modes'
+batches), ``Admission`` (``training.rl.admission``: what a rollout may admit, the trainer's staleness
+gate and the bounds it reckons with) and ``Repacker`` (``training.rl.repack``: repack planning and
+the hand-over).
 """
 
 from __future__ import annotations
