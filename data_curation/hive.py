@@ -115,22 +115,13 @@ def select_learning_edge(
     """
     from data_curation.db import memory_db
 
-    if not 0.0 <= min_pass < max_pass <= 1.0:
-        raise ValueError(
-            f"hive: need 0 <= min_pass < max_pass <= 1, got min_pass={min_pass}, max_pass={max_pass}"
-        )
-    if max_prompts is not None and max_prompts < 0:
-        raise ValueError(f"hive: max_prompts = {max_prompts} must be >= 0 (or None for no cut)")
-    if recent_k < 1:
-        raise ValueError(f"hive: recent_k = {recent_k} must be >= 1")
+    _check_edge_args(min_pass, max_pass, max_prompts, recent_k)
     own = con is None
     con = memory_db() if own else con
     a = _register(con, attempts, "hive_attempts")
     h = _register(con, history, "hive_history") if history is not None else None
     try:
         acols = _columns(con, a, {"prompt_id", "pass_rate"}, "attempts")
-        n = "CAST(n AS BIGINT)" if "n" in acols else "CAST(NULL AS BIGINT)"
-        nc = "CAST(n_correct AS DOUBLE)" if "n_correct" in acols else "CAST(NULL AS DOUBLE)"
         if h is not None:
             hcols = _columns(con, h, {"prompt_id", "seq", "mean_reward"}, "history")
             hist = _history_estimate_sql(h, hcols, recent_k, history_origins)
@@ -139,8 +130,35 @@ def select_learning_edge(
                 "SELECT CAST(NULL AS VARCHAR) AS prompt_id, CAST(NULL AS DOUBLE) AS p, "
                 "CAST(NULL AS DOUBLE) AS n_obs WHERE false"
             )
-        cut = "NULL" if max_prompts is None else str(int(max_prompts))
-        sql = f"""
+        return con.sql(_learning_edge_sql(a, acols, hist, min_pass, max_pass, max_prompts)).pl()
+    finally:
+        _unregister(con, a, attempts)
+        if h is not None:
+            _unregister(con, h, history)
+        if own:
+            con.close()
+
+
+def _check_edge_args(min_pass: float, max_pass: float, max_prompts: int | None, recent_k: int) -> None:
+    if not 0.0 <= min_pass < max_pass <= 1.0:
+        raise ValueError(
+            f"hive: need 0 <= min_pass < max_pass <= 1, got min_pass={min_pass}, max_pass={max_pass}"
+        )
+    if max_prompts is not None and max_prompts < 0:
+        raise ValueError(f"hive: max_prompts = {max_prompts} must be >= 0 (or None for no cut)")
+    if recent_k < 1:
+        raise ValueError(f"hive: recent_k = {recent_k} must be >= 1")
+
+
+def _learning_edge_sql(
+    a: str, acols: set[str], hist: str, min_pass: float, max_pass: float, max_prompts: int | None
+) -> str:
+    """The query of ``select_learning_edge`` over the attempts view ``a`` (columns ``acols``) and the
+    history estimates ``hist`` (``_history_estimate_sql``): estimate, zone, edge rank, cut."""
+    n = "CAST(n AS BIGINT)" if "n" in acols else "CAST(NULL AS BIGINT)"
+    nc = "CAST(n_correct AS DOUBLE)" if "n_correct" in acols else "CAST(NULL AS DOUBLE)"
+    cut = "NULL" if max_prompts is None else str(int(max_prompts))
+    return f"""
             WITH a AS (
                 SELECT CAST(prompt_id AS VARCHAR) AS prompt_id, {n} AS n,
                        COALESCE(CAST(pass_rate AS DOUBLE), {nc} / NULLIF({n}, 0)) AS p
@@ -172,13 +190,6 @@ def select_learning_edge(
                    edge_rank, source
             FROM ranked
             ORDER BY edge_rank NULLS LAST, score DESC NULLS LAST, prompt_id"""
-        return con.sql(sql).pl()
-    finally:
-        _unregister(con, a, attempts)
-        if h is not None:
-            _unregister(con, h, history)
-        if own:
-            con.close()
 
 
 # ---- stage 1, online: GRESO ----------------------------------------------------------------------

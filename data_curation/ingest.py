@@ -599,21 +599,18 @@ def _collect(
     ``template_share`` is not None; see ``data_curation.templates``). Returns (columns of the
     accepted rows, their records, quarantine rows with their source index, per-source counts,
     templates by source)."""
-    cols: dict[str, list] = {
-        k: []
-        for k in (
-            "rid",
-            "source",
-            "source_row",
-            "prompt_id",
-            "id_explicit",
-            "problem",
-            "answer",
-            "level",
-            "subject",
-            *extra_fields,
-        )
-    }
+    names = (
+        "rid",
+        "source",
+        "source_row",
+        "prompt_id",
+        "id_explicit",
+        "problem",
+        "answer",
+        "level",
+        "subject",
+    )
+    cols: dict[str, list] = {k: [] for k in (*names, *extra_fields)}
     records: list[Mapping[str, Any]] = []
     quarantine: list[tuple[int, dict]] = []
     per_source: dict[str, float] = {}
@@ -622,36 +619,11 @@ def _collect(
         rows, bad = read_source(spec)
         per_source[f"rows_in_{spec.name}"] = float(len(rows) + len(bad))
         quarantine += [(si, q) for q in bad]
-        accepted = []
-        for row in rows:
-            fields = _fields(spec, row["record"], max_prompt_chars, verifiability)
-            if isinstance(fields, str):
-                quarantine.append(
-                    (
-                        si,
-                        {
-                            "source": spec.name,
-                            "source_row": row["source_row"],
-                            "raw": _raw(row["record"]),
-                            "reason": fields,
-                        },
-                    )
-                )
-                continue
-            accepted.append((row, fields))
-        found = (
-            detect_template([f["problem"] for _, f in accepted], min_share=template_share)
-            if template_share is not None
-            else None
-        )
+        accepted, refused = _validated(spec, rows, max_prompt_chars, verifiability)
+        quarantine += [(si, q) for q in refused]
+        found = _strip_template(spec, [f for _, f in accepted], template_share)
         if found is not None:
             templates[spec.name] = found
-            for _, fields in accepted:
-                bare = strip_template(fields["problem"], found)
-                if bare != fields["problem"]:
-                    fields["problem"] = bare
-                    if not fields["id_explicit"]:
-                        fields["prompt_id"] = f"{spec.name}-{hashlib.sha256(bare.encode()).hexdigest()[:16]}"
         for row, fields in accepted:
             cols["rid"].append(len(records))
             cols["source"].append(spec.name)
@@ -662,6 +634,47 @@ def _collect(
                 cols[f].append(fields.get(f))
             records.append(row["record"])
     return cols, records, quarantine, per_source, templates
+
+
+def _validated(
+    spec: SourceSpec, rows: list[dict], max_prompt_chars: int, verifiability: Verifiability
+) -> tuple[list[tuple[dict, dict]], list[dict]]:
+    """(accepted (row, fields) pairs, quarantine rows) of one source's parsed ``rows`` (``_fields``)."""
+    accepted, refused = [], []
+    for row in rows:
+        fields = _fields(spec, row["record"], max_prompt_chars, verifiability)
+        if isinstance(fields, str):
+            refused.append(
+                {
+                    "source": spec.name,
+                    "source_row": row["source_row"],
+                    "raw": _raw(row["record"]),
+                    "reason": fields,
+                }
+            )
+        else:
+            accepted.append((row, fields))
+    return accepted, refused
+
+
+def _strip_template(spec: SourceSpec, fields: list[dict], template_share: float | None) -> Template | None:
+    """The instruction wrapper shared by at least ``template_share`` of a source's accepted rows
+    (``fields``), taken out of their problems in place (a derived id follows the bare problem); None
+    when there is none or ``template_share`` is None."""
+    found = (
+        detect_template([f["problem"] for f in fields], min_share=template_share)
+        if template_share is not None
+        else None
+    )
+    if found is None:
+        return None
+    for f in fields:
+        bare = strip_template(f["problem"], found)
+        if bare != f["problem"]:
+            f["problem"] = bare
+            if not f["id_explicit"]:
+                f["prompt_id"] = f"{spec.name}-{hashlib.sha256(bare.encode()).hexdigest()[:16]}"
+    return found
 
 
 def _rows_table(cols: dict[str, list], extra_fields: list[str]) -> pa.Table:
@@ -707,8 +720,44 @@ def ingest(
     rows_in_<source> / ingested_<source> per source; templated_sources and template_stripped (rows
     that lost the wrapper) when some source had one; unverifiable and unverifiable_<kind> (spaces
     and dashes as ``_``) when some answer was."""
-    from data_curation.db import memory_db
+    params = _checked(
+        sources, near_dup_threshold, ngram, num_perm, bands, seed, max_prompt_chars, verifiability
+    )
+    names = [s.name for s in sources]
+    extra_fields = list(dict.fromkeys(f for s in sources for f in s.extra_fields))
+    out_dir = Path(out_dir)
+    out_dir.mkdir(parents=True, exist_ok=True)
+    cols, records, quarantine, per_source, templates = _collect(
+        sources, extra_fields, max_prompt_chars, template_share, verifiability
+    )
+    prompts, duplicates, dup_ids = _dedup(cols, extra_fields, params, near_dup_same_answer)
+    for rid in dup_ids:
+        row = {
+            "source": cols["source"][rid],
+            "source_row": cols["source_row"][rid],
+            "raw": _raw(records[rid]),
+        }
+        quarantine.append((names.index(cols["source"][rid]), {**row, "reason": "duplicate id"}))
+    quarantine.sort(key=lambda q: (q[0], q[1]["source_row"]))
+    quarantined = [q for _, q in quarantine]
+    if prompts.num_rows == 0 and not allow_empty:
+        reasons = [q["reason"] for q in quarantined] + ["duplicate"] * duplicates.num_rows
+        raise SourceError(empty_pool_error(sum(per_source.values()), reasons))
+    _write_tables(out_dir, prompts, quarantined, duplicates, templates)
+    return _counts(prompts, duplicates, quarantined, templates, per_source, names)
 
+
+def _checked(
+    sources: Sequence[SourceSpec],
+    near_dup_threshold: float,
+    ngram: int,
+    num_perm: int,
+    bands: int,
+    seed: int,
+    max_prompt_chars: int,
+    verifiability: Verifiability,
+) -> NearDupParams:
+    """The near-dedup parameters, once every argument of ``ingest`` is checked."""
     params = NearDupParams(
         threshold=near_dup_threshold, ngram=ngram, num_perm=num_perm, bands=bands, seed=seed
     )
@@ -720,13 +769,17 @@ def ingest(
     names = [s.name for s in sources]
     if len(set(names)) != len(names):
         raise ValueError(f"source names must be unique, got {names}")
-    extra_fields = list(dict.fromkeys(f for s in sources for f in s.extra_fields))
-    out_dir = Path(out_dir)
-    out_dir.mkdir(parents=True, exist_ok=True)
+    return params
 
-    cols, records, quarantine, per_source, templates = _collect(
-        sources, extra_fields, max_prompt_chars, template_share, verifiability
-    )
+
+def _dedup(
+    cols: dict[str, list], extra_fields: list[str], params: NearDupParams, near_dup_same_answer: bool
+) -> tuple[pa.Table, pa.Table, list[int]]:
+    """Deduplicate the accepted rows in DuckDB: (prompts kept, duplicates found, rows whose id an
+    earlier row holds). Exact duplicates first (ignoring answers), then near duplicates among the
+    unique rows (of the same answer with ``near_dup_same_answer``)."""
+    from data_curation.db import memory_db
+
     con = memory_db()
     try:
         con.register("_rows", _rows_table(cols, extra_fields))
@@ -743,64 +796,53 @@ def ingest(
         con.register(
             "_near", near_duplicates(con, "_unique", params, match="answer" if near_dup_same_answer else None)
         )
-        prompts = _select_prompts(con, extra_fields)
-        duplicates = _select_duplicates(con)
+        return _select_prompts(con, extra_fields), _select_duplicates(con), dup_ids
     finally:
         con.close()
 
-    for rid in dup_ids:
-        si = names.index(cols["source"][rid])
-        quarantine.append(
-            (
-                si,
-                {
-                    "source": cols["source"][rid],
-                    "source_row": cols["source_row"][rid],
-                    "raw": _raw(records[rid]),
-                    "reason": "duplicate id",
-                },
-            )
-        )
-    quarantine.sort(key=lambda q: (q[0], q[1]["source_row"]))
-    if prompts.num_rows == 0 and not allow_empty:
-        reasons = [q["reason"] for _, q in quarantine] + ["duplicate"] * duplicates.num_rows
-        raise SourceError(empty_pool_error(sum(per_source.values()), reasons))
-    _write(prompts, out_dir / "prompts.parquet")
-    _write(
-        pa.Table.from_pylist([q for _, q in quarantine], schema=QUARANTINE_SCHEMA),
-        out_dir / "quarantine.parquet",
-    )
-    _write(duplicates, out_dir / "duplicates.parquet")
-    _write(
-        pa.Table.from_pylist(
-            [
-                {
-                    "source": name,
-                    "template": t.text,
-                    "prefix": t.prefix,
-                    "suffix": t.suffix,
-                    "rows": t.rows,
-                    "matched": t.matched,
-                }
-                for name, t in templates.items()
-            ],
-            schema=TEMPLATES_SCHEMA,
-        ),
-        out_dir / "templates.parquet",
-    )
 
+def _write_tables(
+    out_dir: Path, prompts: pa.Table, quarantined: list[dict], duplicates: pa.Table, templates: dict
+) -> None:
+    """The four tables of the module docstring, in ``out_dir``."""
+    _write(prompts, out_dir / "prompts.parquet")
+    _write(pa.Table.from_pylist(quarantined, schema=QUARANTINE_SCHEMA), out_dir / "quarantine.parquet")
+    _write(duplicates, out_dir / "duplicates.parquet")
+    rows = [
+        {
+            "source": n,
+            "template": t.text,
+            "prefix": t.prefix,
+            "suffix": t.suffix,
+            "rows": t.rows,
+            "matched": t.matched,
+        }
+        for n, t in templates.items()
+    ]
+    _write(pa.Table.from_pylist(rows, schema=TEMPLATES_SCHEMA), out_dir / "templates.parquet")
+
+
+def _counts(
+    prompts: pa.Table,
+    duplicates: pa.Table,
+    quarantined: list[dict],
+    templates: dict,
+    per_source: dict[str, float],
+    names: list[str],
+) -> dict[str, float]:
+    """``ingest``'s counts (its docstring), checked to add up."""
     kinds = duplicates.column("kind").to_pylist()
     counts = {
         "rows_in": sum(per_source.values()),
         "ingested": float(prompts.num_rows),
-        "quarantined": float(len(quarantine)),
+        "quarantined": float(len(quarantined)),
         "duplicates_exact": float(kinds.count("exact")),
         "duplicates_near": float(kinds.count("near")),
     }
     if templates:  # only then, so that the counts of a pool without wrappers stay as they were
         counts["templated_sources"] = float(len(templates))
         counts["template_stripped"] = float(sum(t.matched for t in templates.values()))
-    counts.update(unverifiable_counts(q["reason"] for _, q in quarantine))
+    counts.update(unverifiable_counts(q["reason"] for q in quarantined))
     assert counts["rows_in"] == (
         counts["ingested"] + counts["quarantined"] + counts["duplicates_exact"] + counts["duplicates_near"]
     ), counts

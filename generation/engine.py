@@ -20,10 +20,12 @@ from __future__ import annotations
 
 from collections import deque
 from collections.abc import Iterable, Mapping, Sequence
+from contextlib import contextmanager
 
 import numpy as np
 import torch
 
+from generation import model_calls
 from generation.protocol import EngineBase, ProtocolError, SamplingSpec, load_safetensors
 from generation.records import GenRequest, Partial, PromptItem, Trajectory, WeightsUpdate
 from generation.rows import DynamicRows, Row, SlotRows
@@ -214,29 +216,11 @@ class Engine(EngineBase):
         token) under the new weights, so later tokens are sampled exactly as a fresh engine with the new
         weights would continue them. Tokens already sampled keep their old behaviour log-probs and the
         trajectory's ``last_version`` records the newest version that sampled a token."""
-        from generation.adapter import is_adapter_state, merge_adapter
-
         state = dict(state)
         if not self._batch.joins:  # a wave's rows continue by re-prefill under the new weights
             with torch.inference_mode():
                 self._dissolve_wave()
-        if is_adapter_state(state):
-            merge_adapter(self.model, state)
-        else:
-            current = self.model.state_dict()
-            missing, unexpected = set(current) - set(state), set(state) - set(current)
-            if missing or unexpected:
-                raise KeyError(
-                    f"load_state: missing {sorted(missing)[:5]}, unexpected {sorted(unexpected)[:5]}"
-                )
-            for k, v in state.items():
-                if tuple(v.shape) != tuple(current[k].shape):
-                    raise ValueError(
-                        f"load_state: {k} has shape {tuple(v.shape)}, model has {tuple(current[k].shape)}"
-                    )
-            tensors = {k: torch.from_numpy(v if v.flags.writeable else np.array(v)) for k, v in state.items()}
-            with torch.no_grad():
-                self.model.load_state_dict(tensors, strict=True)
+        model_calls.replace_weights(self.model, state)
         self._fused_decoder = None  # rebuilt from the new weights (a merge moves no version counter)
         self.version = int(version)
         if self._batch.active():
@@ -268,28 +252,16 @@ class Engine(EngineBase):
         engine's. The engine must be idle."""
         if self._queue or self._partials or self._batch.active():
             raise RuntimeError("generate() needs an idle engine: drain it (step) or extract() first")
-        saved = (
-            self.max_new_tokens,
-            self.temperature,
-            self.seed,
-            self.sampling,
-            self.admitting,
-            self.wave_refill,
-        )
         m = self.max_new_tokens if max_new_tokens is None else int(max_new_tokens)
         temp = self.temperature if temperature is None else float(temperature)
         if m < 1 or not temp > 0:
             raise ValueError(f"generate: max_new_tokens must be >= 1 and temperature > 0, got {m}, {temp}")
-        self.max_new_tokens, self.temperature = m, temp
-        self.seed = seed_from(generator, seed) if (seed is not None or generator is not None) else self.seed
-        self.sampling = SamplingSpec(temp, m, self.seed)
-        self.admitting, self.wave_refill = True, 0.0
+        seed = seed_from(generator, seed) if (seed is not None or generator is not None) else self.seed
         slots: dict[tuple, deque[int]] = {}  # by prompt object: ids may repeat across benchmarks
         for i, r in enumerate(requests):
             slots.setdefault((id(r.prompt), r.group_uid, r.sample_idx), deque()).append(i)
         results: list[Trajectory | None] = [None] * len(requests)
-        try:
-            self._batch = self._joinable()
+        with _one_call(self, m, temp, seed):
             self.submit(requests)
             while self._queue or self._partials or self._batch.active():
                 done = self.step(m)
@@ -297,42 +269,12 @@ class Engine(EngineBase):
                     results[slots[(id(t.prompt), t.group_uid, t.sample_idx)].popleft()] = t
                 if progress is not None and done:
                     progress.update(len(done))
-        finally:
-            self._queue.clear()
-            self._partials.clear()
-            (
-                self.max_new_tokens,
-                self.temperature,
-                self.seed,
-                self.sampling,
-                self.admitting,
-                self.wave_refill,
-            ) = saved
-            self._batch = self._joinable()
         return results
 
-    @torch.inference_mode()
     def prompt_entropy(self, prompts: Sequence[PromptItem]) -> list[float]:
-        """HIVE's prompt entropy V(x): the mean, over prompt positions 2..L, of the full-vocabulary
-        entropy of the current policy's next-token distribution (temperature 1). One forward pass,
-        no generation."""
-        out: list[float] = []
-        for start in range(0, len(prompts), self.capacity):
-            chunk = prompts[start : start + self.capacity]
-            width = max(len(p.prompt_tokens) for p in chunk)
-            ids = torch.full((len(chunk), width), self.pad_id, dtype=torch.long)
-            attn = torch.zeros_like(ids)
-            for i, p in enumerate(chunk):  # right padding: positions need no shift
-                ids[i, : len(p.prompt_tokens)] = torch.tensor(p.prompt_tokens)
-                attn[i, : len(p.prompt_tokens)] = 1
-            logits = self.model(input_ids=ids.to(self.device), attention_mask=attn.to(self.device)).logits[
-                :, :-1
-            ]
-            logp = torch.log_softmax(logits.float(), dim=-1)
-            ent = -(logp.exp() * logp).nan_to_num().sum(-1).cpu()  # [B, width-1]: predicting tokens 2..width
-            mask = attn[:, 1:].float()
-            out.extend((ent * mask).sum(1).div(mask.sum(1).clamp(min=1)).tolist())
-        return out
+        """HIVE's prompt entropy V(x) of each prompt under the current policy
+        (``model_calls.prompt_entropy``, ``capacity`` prompts a forward)."""
+        return model_calls.prompt_entropy(self.model, prompts, self.pad_id, self.device, self.capacity)
 
     # ------------------------------------------------------------------------------ scheduling
 
@@ -415,62 +357,23 @@ class Engine(EngineBase):
         return sample(logits, self.temperature, keys, t)
 
     def _prefill(self, seqs: list[list[int]]):
-        """One left-padded forward over ``seqs``: (fresh DynamicCache, attention mask [B, W], logits at
-        each row's last position [B, V]). Padded columns' keys/values are zeroed."""
-        from transformers import DynamicCache
-
-        ids, attn, positions = self._left_padded(seqs)
-        cache = DynamicCache()
-        # on CUDA only the last position's logits are computed (a 150k vocabulary makes the full
-        # [B, T, V] tensor gigabytes); the CPU path keeps the full forward
-        extra = {"logits_to_keep": 1} if self._cuda else {}
-        logits = self.model(
-            input_ids=ids,
-            attention_mask=attn,
-            position_ids=positions,
-            past_key_values=cache,
-            use_cache=True,
-            **extra,
-        ).logits[:, -1, :]
-        if not bool(attn.all()):
-            pad = (attn == 0)[:, None, :, None]
-            for layer in cache.layers:
-                layer.keys = layer.keys.masked_fill(pad, 0.0)
-                layer.values = layer.values.masked_fill(pad, 0.0)
-        return cache, attn, logits
+        """``model_calls.prefill`` of ``seqs`` (only the last position's logits on CUDA)."""
+        return model_calls.prefill(self.model, seqs, self.pad_id, self.device, last_only=self._cuda)
 
     def _left_padded(self, seqs) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        """(input_ids, attention_mask, position_ids) on the device, left-padded: every sequence's next
-        token is at the end."""
-        bsz, width = len(seqs), max(len(s) for s in seqs)
-        ids = torch.full((bsz, width), self.pad_id, dtype=torch.long)
-        attn = torch.zeros((bsz, width), dtype=torch.long)
-        for i, s in enumerate(seqs):
-            ids[i, width - len(s) :] = torch.tensor(list(s), dtype=torch.long)
-            attn[i, width - len(s) :] = 1
-        ids, attn = ids.to(self.device), attn.to(self.device)
-        return ids, attn, (attn.cumsum(-1) - 1).clamp(min=0)
+        return model_calls.left_padded(seqs, self.pad_id, self.device)
 
     def _fused(self, positions: int):
         """The model's ``FusedDecoder`` (built once, its weights refreshed when they changed) with
-        rotary tables for ``positions``; None when the model is not one it reproduces or
-        ``fused_decode`` is off."""
-        from generation.fused_decode import fused_decoder
+        rotary tables for ``positions`` (``fused_decode.prepared``); None when the model is not one it
+        reproduces or ``fused_decode`` is off."""
+        from generation.fused_decode import fused_decoder, prepared
 
         if not self.fused_decode:
             return None
         if self._fused_decoder is None or self._fused_decoder[0] is not self.model:
             self._fused_decoder = (self.model, fused_decoder(self.model))
-        dec = self._fused_decoder[1]
-        if dec is None or (dec.max_width is not None and positions > dec.max_width):
-            return None
-        dec.refresh()
-        dec.rotary_tables(positions)
-        # the native kernels: float32, head_dim a multiple of 16 (one AVX-512 vector)
-        dec.native = self._native() if dec.embed.dtype == torch.float32 and dec.head_dim % 16 == 0 else None
-        if dec.native is not None:
-            dec.native_model()  # built here, before decode shards share it
-        return dec
+        return prepared(self._fused_decoder[1], positions, self._native)
 
     def _native(self):
         """The native kernels where this engine may use them (CPU, ``native_kernels``), else None."""
@@ -480,27 +383,27 @@ class Engine(EngineBase):
 
         return kernels.load()
 
-    def _trajectory(
-        self,
-        req: GenRequest,
-        ids: list[int],
-        logps: list[float],
-        version: int,
-        last_version: int,
-        ent_sum: float,
-    ) -> Trajectory:
-        finished = bool(ids) and ids[-1] == self.eos_id
-        body = ids[:-1] if finished else ids
-        return Trajectory(
-            kind="trajectory",
-            prompt=req.prompt,
-            sample_idx=req.sample_idx,
-            response_tokens=tuple(int(i) for i in ids),
-            behaviour_logprobs=tuple(np.asarray(logps, dtype=np.float64).tolist()),
-            version=version,
-            finished=finished,
-            text=self.tokenizer.decode(body, skip_special_tokens=True),
-            mean_entropy=ent_sum / max(1, len(ids)),
-            group_uid=req.group_uid,
-            last_version=last_version,
+    def _trajectory(self, req: GenRequest, ids, logps, version: int, last_version: int, ent_sum: float):
+        return model_calls.trajectory(
+            self.tokenizer, self.eos_id, req, ids, logps, version, last_version, ent_sum
         )
+
+
+@contextmanager
+def _one_call(engine: Engine, max_new_tokens: int, temperature: float, seed: int):
+    """``engine`` set for one ``generate`` call (its sampling settings, admitting, waves that run to
+    the end, a fresh joinable layout); settings restored and queues emptied after it."""
+    names = ("max_new_tokens", "temperature", "seed", "sampling", "admitting", "wave_refill")
+    saved = [getattr(engine, n) for n in names]
+    engine.max_new_tokens, engine.temperature, engine.seed = max_new_tokens, temperature, seed
+    engine.sampling = SamplingSpec(temperature, max_new_tokens, seed)
+    engine.admitting, engine.wave_refill = True, 0.0
+    try:
+        engine._batch = engine._joinable()
+        yield
+    finally:
+        engine._queue.clear()
+        engine._partials.clear()
+        for name, value in zip(names, saved):
+            setattr(engine, name, value)
+        engine._batch = engine._joinable()

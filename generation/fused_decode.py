@@ -69,6 +69,21 @@ def fused_decoder(model) -> FusedDecoder | None:
     return FusedDecoder(model)
 
 
+def prepared(dec: FusedDecoder | None, positions: int, native) -> FusedDecoder | None:
+    """``dec`` ready to decode up to ``positions``: weights refreshed, rotary tables built, and the
+    native kernels (``native()``: the loaded kernels or None) attached where they apply (float32,
+    head_dim a multiple of 16: one AVX-512 vector). None when there is no decoder or ``positions``
+    exceeds its window."""
+    if dec is None or (dec.max_width is not None and positions > dec.max_width):
+        return None
+    dec.refresh()
+    dec.rotary_tables(positions)
+    dec.native = native() if dec.embed.dtype == torch.float32 and dec.head_dim % 16 == 0 else None
+    if dec.native is not None:
+        dec.native_model()  # built here, before decode shards share it
+    return dec
+
+
 class FusedDecoder:
     """``step`` = ``model(input_ids=ids[:, None], position_ids=pos[:, None], past_key_values=<static
     cache>)`` for one new token per row, as plain tensor ops. The fused weights are rebuilt when

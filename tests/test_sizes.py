@@ -15,24 +15,13 @@ PACKAGES = ("core", "generation", "rewards", "environments", "evaluation", "data
 LIMITS = {"function": 60, "class": 350}
 
 ALLOWED = {
-    "data_curation/hive.py:select_learning_edge": 94,
-    "data_curation/ingest.py:_collect": 74,
-    "data_curation/ingest.py:ingest": 137,
     "data_curation/sampling.py:dart_sample": 79,
     "data_curation/sampling.py:estimate_difficulty": 90,
-    "generation/engine.py:Engine": 461,
     "generation/engine.py:Engine.__init__": 71,
     "generation/engines.py:make_engine": 70,
-    "generation/kernels/__init__.py:NativeKernels.sample_step": 69,
-    "generation/kernels/__init__.py:NativeModel.step": 64,
-    "training/rl/drivers/ray.py:LaminarRuntime": 653,
     "training/rl/drivers/ray.py:LaminarRuntime.__init__": 67,
-    "training/rl/drivers/sim/engines.py:EngineModel": 392,
-    "training/rl/manager.py:RolloutManager": 550,
     "training/rl/stage.py:_rl": 86,
-    "training/rl/trainer.py:PolicyTrainer": 447,
     "training/rl/trainer.py:PolicyTrainer.__init__": 61,
-    "training/rl/trainer.py:packed_layout": 75,
 }
 """``path:qualified name`` -> its length in lines today (``def``/``class`` line to last line). Stop 51
 raised five entries its merges grew (ingest +6 for the empty-pool error, RolloutManager +55 for the

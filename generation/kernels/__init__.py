@@ -263,29 +263,8 @@ class NativeKernels:
         ``decode.c``): writes ``next_ids``/``keep`` [n] and the not-yet-done rows' entries
         of the batch outputs; returns how many rows are kept."""
         n, vocab = logits.shape
-        _f32(logits, logps, ent_sum)
-        m = tokens.shape[1]
-        if (
-            keys.dtype != torch.int64
-            or not keys.is_contiguous()
-            or rows.dtype != torch.int64
-            or rows.shape != (n,)
-            or rows.stride(0) != 1
-            or not all(x.is_contiguous() for x in (tokens, logps, ent_sum, lengths, done, next_ids, keep))
-            or tokens.dtype != torch.int64
-            or lengths.dtype != torch.int64
-            or next_ids.dtype != torch.int64
-            or done.dtype != torch.bool
-            or keep.dtype != torch.bool
-            or logps.shape != tokens.shape
-            or not 0 <= t < m
-            or next_ids.shape != (n,)
-            or keep.shape != (n,)
-        ):
-            raise ValueError("sample_step: shapes")
-        bsz = tokens.shape[0]
-        if keys.shape != (bsz,) or any(x.shape != (bsz,) for x in (ent_sum, lengths, done)):
-            raise ValueError("sample_step: batch shapes")
+        _check_sample_step(logits, keys, rows, t, tokens, logps, ent_sum, lengths, done, next_ids, keep)
+        m, bsz = tokens.shape[1], tokens.shape[0]
         scratch = torch.empty(vocab)
         kept = self.lib.lm_sample_step(
             logits.data_ptr(),
@@ -311,6 +290,57 @@ class NativeKernels:
         if kept < 0:
             raise ValueError("sample_step: rows out of range")
         return kept
+
+
+def _check_sample_step(logits, keys, rows, t, tokens, logps, ent_sum, lengths, done, next_ids, keep) -> None:
+    """``NativeKernels.sample_step``'s inputs as ``decode.c`` reads them: float32 and int64 tensors of
+    the right shapes, contiguous, ``t`` within the output width."""
+    n = logits.shape[0]
+    _f32(logits, logps, ent_sum)
+    m = tokens.shape[1]
+    if (
+        keys.dtype != torch.int64
+        or not keys.is_contiguous()
+        or rows.dtype != torch.int64
+        or rows.shape != (n,)
+        or rows.stride(0) != 1
+        or not all(x.is_contiguous() for x in (tokens, logps, ent_sum, lengths, done, next_ids, keep))
+        or tokens.dtype != torch.int64
+        or lengths.dtype != torch.int64
+        or next_ids.dtype != torch.int64
+        or done.dtype != torch.bool
+        or keep.dtype != torch.bool
+        or logps.shape != tokens.shape
+        or not 0 <= t < m
+        or next_ids.shape != (n,)
+        or keep.shape != (n,)
+    ):
+        raise ValueError("sample_step: shapes")
+    bsz = tokens.shape[0]
+    if keys.shape != (bsz,) or any(x.shape != (bsz,) for x in (ent_sum, lengths, done)):
+        raise ValueError("sample_step: batch shapes")
+
+
+def _check_step_inputs(ids, pos, cos, sin, prompt_of, ccol: int, width: int, head_dim: int) -> None:
+    """``NativeModel.step``'s inputs as ``decode.c`` reads them: ids and positions [n] (int64,
+    contiguous) within the caches' rows, completion column ``ccol`` within ``width``, float32 rotary
+    tables [positions, head_dim]."""
+    n = ids.shape[0]
+    if (
+        ids.dtype != torch.int64
+        or pos.dtype != torch.int64
+        or ids.shape != (n,)
+        or pos.shape != (n,)
+        or ids.stride(0) != 1
+        or pos.stride(0) != 1
+        or n > prompt_of.shape[0]
+        or not 0 <= ccol < width
+        or not (cos.is_contiguous() and sin.is_contiguous())
+        or cos.shape != sin.shape
+        or cos.shape[1] != head_dim
+    ):
+        raise ValueError("native step: inputs")
+    _f32(cos, sin)
 
 
 class NativeModel:
@@ -422,21 +452,7 @@ class NativeModel:
         step's keys/values go to completion column ``ccol``. ``caches``: ``cache_pointers``' tuple."""
         n = ids.shape[0]
         (pk, pks, pv, pvs, pmask, pms, p, u, ck, cks, cv, cvs, width, prompt_of) = caches
-        if (
-            ids.dtype != torch.int64
-            or pos.dtype != torch.int64
-            or ids.shape != (n,)
-            or pos.shape != (n,)
-            or ids.stride(0) != 1
-            or pos.stride(0) != 1
-            or n > prompt_of.shape[0]
-            or not 0 <= ccol < width
-            or not (cos.is_contiguous() and sin.is_contiguous())
-            or cos.shape != sin.shape
-            or cos.shape[1] != self.head_dim
-        ):
-            raise ValueError("native step: inputs")
-        _f32(cos, sin)
+        _check_step_inputs(ids, pos, cos, sin, prompt_of, ccol, width, self.head_dim)
         need = self.k.lib.lm_step_workspace(self.dims, n, p, ccol)
         work = getattr(self._local, "work", None)
         if work is None or work.numel() < need:

@@ -101,15 +101,15 @@ def run_batch(m: RolloutManager) -> None:
         if order is not None:
             m.step_done(
                 name,
-                finish(order, m.batch_min_version),
-                RolloutStatus(m.batch_min_version, 0, 0, 8),
-                PullResult(True, m.batch_min_version) if order.pull else None,
+                finish(order, m.batches.min_version),
+                RolloutStatus(m.batches.min_version, 0, 0, 8),
+                PullResult(True, m.batches.min_version) if order.pull else None,
             )
 
 
 def test_sync_batch_is_dealt_by_group_trained_once_and_version_gated():
     m, out = manager("sync")
-    assert m.maybe_open_batch() == "issued" and m.batch_idx == 1
+    assert m.maybe_open_batch() == "issued" and m.batches.idx == 1
     assert out.refreshed == 1 and sorted(out.poked) == ["rollout-0", "rollout-1"]  # both got whole groups
     assert m.maybe_open_batch() == ""  # nothing finished yet
     first = m.dispatch("rollout-0")
@@ -122,7 +122,7 @@ def test_sync_batch_is_dealt_by_group_trained_once_and_version_gated():
     assert [u for u, _ in groups] == [0, 1, 2, 3] and m.training_responses == 8 and m.next_batch() == []
     m.updated(1)
     assert m.trained_uids == [0, 1, 2, 3] and sum(m.consumed.values()) == 8 and len(m.rewards) == 4
-    assert m.maybe_open_batch() == "issued" and m.batch_min_version == 1
+    assert m.maybe_open_batch() == "issued" and m.batches.min_version == 1
 
 
 def test_dynamic_sampling_rounds_fill_the_batch_and_an_empty_batch_repeats():
@@ -141,7 +141,7 @@ def test_dynamic_sampling_rounds_fill_the_batch_and_an_empty_batch_repeats():
     m2.maybe_open_batch()
     run_batch(m2)
     assert m2.maybe_open_batch() == "closed" and m2.next_batch() == [] and m2.counts["empty_batches"] == 1
-    assert m2.batch_idx == 0 and m2.maybe_open_batch() == "issued"
+    assert m2.batches.idx == 0 and m2.maybe_open_batch() == "issued"
 
 
 def test_relays_keep_the_latest_versions_and_every_version_a_rollout_still_decodes_with():
@@ -217,7 +217,7 @@ def test_a_laminar_rollout_holding_only_parked_episodes_pulls_and_takes_any_park
     r1 = m.rollouts["rollout-1"]
     r1.version = 1
     reqs = list(m.rollouts["rollout-0"].assigned.values())[:2]
-    kept = m._same_version(r1, [Partial(reqs[0], (), (), -1), Partial(reqs[1], (5,), (-0.1,), 0)])
+    kept = m.repacks.same_version(r1, [Partial(reqs[0], (), (), -1), Partial(reqs[1], (5,), (-0.1,), 0)])
     assert [p.request for p in kept] == [reqs[0]] and m.counts["repack_lost"] == 1
 
 

@@ -13,6 +13,8 @@ from types import SimpleNamespace
 import torch
 
 from training.lora import is_peft
+from training.objectives import ObjectiveParams, aggregate, clipped_value_loss, explained_variance
+from training.rl.update_parallel import micro_batches, micro_share
 
 
 class ValueModel(torch.nn.Module):
@@ -77,3 +79,46 @@ def build_critic(policy, critic_path: str | Path | None, device: str) -> ValueMo
     critic = ValueModel(lm).to(device).train()
     critic.requires_grad_(True)
     return critic
+
+
+def critic_steps(
+    critic,
+    opt,
+    inp,
+    chunks: list[torch.Tensor],
+    p: ObjectiveParams,
+    *,
+    token_budget: int,
+    max_grad_norm: float,
+    values_of,
+    check_finite,
+) -> dict[str, float]:
+    """One step of ``critic`` (optimizer ``opt``) per minibatch of rows ``chunks`` on the clipped value
+    loss (``value_coef`` x its token mean), micro-batched within ``token_budget``, gradients clipped
+    at ``max_grad_norm``. ``inp`` is the update's inputs (``PolicyTrainer._update_inputs``: batch,
+    mask, lengths, pre-update ``values``, ``returns``); ``values_of(sub)``: the critic's (B, T) values
+    of a micro-batch; ``check_finite(loss=, gradient_norm=)`` raises before a non-finite step. Every
+    rank runs it on the whole minibatch (the batch is on every rank), so the replicated critics stay
+    equal without communication. Metrics: ``value_loss``, ``value_clipfrac``,
+    ``explained_variance`` (of the pre-update values)."""
+    total, clipped = 0.0, 0.0
+    for idx in chunks:
+        opt.zero_grad(set_to_none=True)
+        for mb in micro_batches(inp.lengths, idx, token_budget):
+            sub = inp.batch.rows(mb).trimmed()
+            t = sub.mask.shape[1]
+            m = inp.mask[mb, :t]
+            values = values_of(sub)
+            loss, frac = clipped_value_loss(values, inp.values[mb, :t], inp.returns[mb, :t], p.value_clip)
+            share = micro_share(m, inp.mask[idx], "token_mean")
+            (p.value_coef * aggregate(loss, m, "token_mean") * share).backward()
+            total += float(aggregate(loss.detach(), m, "token_mean")) * share / len(chunks)
+            clipped += float(aggregate(frac, m, "token_mean")) * share / len(chunks)
+        norm = float(torch.nn.utils.clip_grad_norm_(critic.parameters(), max_grad_norm))
+        check_finite(loss=total, gradient_norm=norm)
+        opt.step()
+    return {
+        "value_loss": total,
+        "value_clipfrac": clipped,
+        "explained_variance": explained_variance(inp.values, inp.returns, inp.mask),
+    }

@@ -24,16 +24,25 @@ from training.objectives import (
     PolicyBatch,
     TokenInputs,
     advantages_of,
-    aggregate,
-    clipped_value_loss,
     entropy_from_logits,
-    explained_variance,
     policy_loss,
     value_targets,
 )
 from generation.records import ScoredGroup, WeightsUpdate
 from generation.setup import HostThreads
+from training.rl.critic import critic_steps
 from training.rl.records import UpdateStats
+from training.rl.update_parallel import (
+    accumulate,
+    all_reduce_gradients,
+    backward_in_threads,
+    group_shards,
+    has_dropout,
+    micro_batches,
+    micro_share,
+    rank_micro_batches,
+    reduce_metrics,
+)
 
 
 @dataclass(frozen=True)
@@ -81,64 +90,6 @@ class TrainBatch:
                 for f in dataclasses.fields(self)
             )
         )
-
-
-def micro_batches(lengths: torch.Tensor, idx: torch.Tensor, token_budget: int) -> list[torch.Tensor]:
-    """Split rows ``idx`` into micro-batches of similar length whose padded size (rows x longest
-    row) stays within ``token_budget`` (verl's dynamic batch size): longest first, so a batch of
-    mostly short responses and a few long ones is not padded to the longest. 0 = one micro-batch."""
-    if token_budget <= 0 or len(idx) <= 1:
-        return [idx]
-    order = idx[torch.argsort(lengths[idx], descending=True, stable=True)].tolist()
-    out, cur, cur_max = [], [], 0
-    for i in order:
-        n = int(lengths[i])
-        if cur and max(cur_max, n) * (len(cur) + 1) > token_budget:
-            out.append(torch.tensor(cur))
-            cur, cur_max = [], 0
-        cur.append(i)
-        cur_max = max(cur_max, n)
-    out.append(torch.tensor(cur))
-    return out
-
-
-def micro_share(mask_mb: torch.Tensor, mask_all: torch.Tensor, loss_agg: str) -> float:
-    """The weight of a micro-batch's loss so that the weighted sum equals the loss of the whole
-    batch under ``loss_agg`` (token_mean: share of tokens; seq_mean: share of sequences with a
-    token; seq_sum_const: share of sequences)."""
-    if loss_agg == "token_mean":
-        return float(mask_mb.sum() / mask_all.sum().clamp(min=1))
-    if loss_agg == "seq_mean":
-        return float((mask_mb.sum(1) > 0).sum() / (mask_all.sum(1) > 0).sum().clamp(min=1))
-    return mask_mb.shape[0] / mask_all.shape[0]
-
-
-def _accumulate(metrics: dict[str, float], more: dict[str, float], share: float = 1.0) -> None:
-    """Add ``share`` x ``more`` to ``metrics`` (``staleness_max``: the maximum)."""
-    for k, v in more.items():
-        if k == "staleness_max":
-            metrics[k] = max(metrics.get(k, v), v)
-        else:
-            metrics[k] = metrics.get(k, 0.0) + share * v
-
-
-def group_shards(
-    idx: torch.Tensor, lengths: torch.Tensor, group_index: torch.Tensor, k: int
-) -> list[torch.Tensor]:
-    """Rows ``idx`` in ``k`` shards of whole groups (a group's samples share their prompt, which the
-    packed forward then computes once), the groups' tokens balanced (largest first onto the
-    lightest shard); rows keep their order within a shard. Fewer shards when there are fewer groups."""
-    rows_of: dict[int, list[int]] = {}
-    for i in idx.tolist():
-        rows_of.setdefault(int(group_index[i]), []).append(i)
-    k = max(1, min(k, len(rows_of)))
-    tokens = {g: sum(int(lengths[i]) for i in rows) for g, rows in rows_of.items()}
-    load, shards = [0] * k, [[] for _ in range(k)]
-    for g in sorted(rows_of, key=lambda g: (-tokens[g], g)):
-        j = min(range(k), key=lambda j: (load[j], j))
-        shards[j].extend(rows_of[g])
-        load[j] += tokens[g]
-    return [torch.tensor(sorted(rows)) for rows in shards if rows]
 
 
 def build_batch(groups: Sequence[ScoredGroup], pad_id: int) -> TrainBatch:
@@ -214,6 +165,21 @@ def packed_layout(batch: TrainBatch, row_tokens: int = PACK_ROW_TOKENS):
     ids_all = batch.input_ids.tolist()
     total = batch.attention_mask.sum(1).tolist()
     resp = batch.mask.sum(1).long().tolist()
+    width, bundles = _prompt_bundles(ids_all, total, resp, row_tokens)
+    sizes = [len(k) + sum(max(resp[i] - 1, 0) for i in rows) for k, rows in bundles]
+    bins = _first_fit_decreasing(sizes, width)
+    ids, pos, bundle_of, seg, gather = _fill_rows(bins, bundles, ids_all, resp, width, batch.mask.shape[1])
+    causal = torch.ones((width, width), dtype=torch.bool).tril()
+    same_bundle = (bundle_of[:, :, None] == bundle_of[:, None, :]) & (bundle_of[:, None, :] >= 0)
+    visible = (seg[:, None, :] == -1) | (seg[:, None, :] == seg[:, :, None])
+    mask = causal & same_bundle & visible
+    mask |= torch.eye(width, dtype=torch.bool)  # padding attends to itself (no empty softmax row)
+    return ids, pos, mask[:, None], gather
+
+
+def _prompt_bundles(ids_all: list, total: list, resp: list, row_tokens: int):
+    """(row width, bundles): each bundle a (prompt tokens, rows) pair of rows sharing that prompt
+    whose responses (less their last token) fit one row after it."""
     by_prompt: dict[tuple[int, ...], list[int]] = {}
     for i, (n, r) in enumerate(zip(total, resp)):
         by_prompt.setdefault(tuple(ids_all[i][: n - r]), []).append(i)
@@ -231,10 +197,14 @@ def packed_layout(batch: TrainBatch, row_tokens: int = PACK_ROW_TOKENS):
             cur.append(i)
             size += n
         bundles.append((key, cur))
-    sizes = [len(k) + sum(max(resp[i] - 1, 0) for i in rows) for k, rows in bundles]
+    return width, bundles
+
+
+def _first_fit_decreasing(sizes: list[int], width: int) -> list[list[int]]:
+    """Items of ``sizes`` (each at most ``width``) packed into bins of ``width``: each bin's item indices."""
     bins: list[list[int]] = []
     room: list[int] = []
-    for j in sorted(range(len(bundles)), key=lambda j: -sizes[j]):
+    for j in sorted(range(len(sizes)), key=lambda j: -sizes[j]):
         for b, free in enumerate(room):
             if sizes[j] <= free:
                 bins[b].append(j)
@@ -243,12 +213,19 @@ def packed_layout(batch: TrainBatch, row_tokens: int = PACK_ROW_TOKENS):
         else:
             bins.append([j])
             room.append(width - sizes[j])
-    n_rows, tmax = len(bins), batch.mask.shape[1]
+    return bins
+
+
+def _fill_rows(bins, bundles, ids_all, resp, width: int, tmax: int):
+    """The packed rows' tensors: input ids and positions [R, width], each token's bundle (-1: padding)
+    and its sequence (-1: a shared prompt token), and the gather index [B, tmax] of the position that
+    predicts each response token."""
+    n_rows = len(bins)
     ids = torch.zeros((n_rows, width), dtype=torch.long)
     pos = torch.zeros((n_rows, width), dtype=torch.long)
-    bundle_of = torch.full((n_rows, width), -1, dtype=torch.long)  # -1: padding
-    seg = torch.full((n_rows, width), -1, dtype=torch.long)  # -1: a prompt token (shared)
-    gather = torch.zeros((len(total), tmax), dtype=torch.long)
+    bundle_of = torch.full((n_rows, width), -1, dtype=torch.long)
+    seg = torch.full((n_rows, width), -1, dtype=torch.long)
+    gather = torch.zeros((len(resp), tmax), dtype=torch.long)
     b_id = 0
     for row, keys in enumerate(bins):
         at = 0
@@ -272,12 +249,7 @@ def packed_layout(batch: TrainBatch, row_tokens: int = PACK_ROW_TOKENS):
                     gather[i, 1:r] = row * width + at + torch.arange(r - 1)
                 at += len(body)
             b_id += 1
-    causal = torch.ones((width, width), dtype=torch.bool).tril()
-    same_bundle = (bundle_of[:, :, None] == bundle_of[:, None, :]) & (bundle_of[:, None, :] >= 0)
-    visible = (seg[:, None, :] == -1) | (seg[:, None, :] == seg[:, :, None])
-    mask = causal & same_bundle & visible
-    mask |= torch.eye(width, dtype=torch.bool)  # padding attends to itself (no empty softmax row)
-    return ids, pos, mask[:, None], gather
+    return ids, pos, bundle_of, seg, gather
 
 
 def packed_response_logits(model, batch: TrainBatch, device: str) -> torch.Tensor:
@@ -319,6 +291,62 @@ class _UpdateInputs:
     @property
     def n(self) -> int:
         return self.mask.shape[0]
+
+    def score(self, p: ObjectiveParams, kl_in_reward: bool, critic: bool, device: str) -> None:
+        """Set ``advantages`` (over the whole batch: ``training.objectives.advantages_of``) and, with a
+        ``critic``, the value ``returns``; ``kl_in_reward``: the k1 KL to the reference folds into the
+        reward, as REINFORCE++ does (needs ``ref`` and ``proximal``)."""
+        rewards = self.batch.rewards.to(device)
+        token = TokenInputs(
+            rewards=rewards,
+            mask=self.mask,
+            values=self.values,
+            kl=(self.proximal - self.ref) if kl_in_reward else None,
+        )
+        self.advantages = advantages_of(p, rewards, self.batch.group_index.to(device), token)
+        if critic:
+            self.returns = value_targets(token, p)
+
+    def policy_batch(self, mb, sub: TrainBatch, logits, logprobs, trainer: PolicyTrainer) -> PolicyBatch:
+        """The objective's inputs for rows ``mb`` (``sub``: those rows, trimmed) with their ``logits``
+        and ``logprobs`` under the policy in training, ``trainer``'s version, length cap and entropy
+        bonus (the token entropies only when its coefficient is on)."""
+        t = sub.mask.shape[1]
+        return PolicyBatch(
+            logprobs=logprobs,
+            old_logprobs=self.proximal[mb, :t] if self.proximal is not None else logprobs.detach(),
+            behaviour_logprobs=sub.behaviour.to(trainer.device),
+            advantages=self.advantages[mb] if self.advantages.dim() == 1 else self.advantages[mb, :t],
+            mask=self.mask[mb, :t],
+            max_len=trainer.max_new_tokens,
+            versions=sub.versions,
+            trainer_version=trainer.version,
+            ref_logprobs=self.ref[mb, :t] if self.ref is not None else None,
+            entropy=entropy_from_logits(logits / trainer.temperature) if trainer.entropy_coef > 0 else None,
+            positive=(sub.rewards > 0).to(trainer.device),
+        )
+
+
+def _minibatch_mean(per_chunk: list[dict[str, float]]) -> dict[str, float]:
+    """The minibatches' metrics averaged (``staleness_max``: the maximum)."""
+    merged = {k: sum(c[k] for c in per_chunk) / len(per_chunk) for k in per_chunk[0]}
+    if "staleness_max" in merged:
+        merged["staleness_max"] = max(c["staleness_max"] for c in per_chunk)
+    return merged
+
+
+def _diagnostics(pbatch: PolicyBatch, logits: torch.Tensor, temperature: float) -> dict[str, float]:
+    """A micro-batch's mean token entropy and mean |proximal - behaviour| log-prob gap."""
+    with torch.no_grad():
+        m = pbatch.mask
+        denom = m.sum().clamp_min(1)
+        ent = (
+            pbatch.entropy
+            if pbatch.entropy is not None
+            else entropy_from_logits(logits.detach() / temperature)
+        )
+        gap = ((pbatch.old_logprobs - pbatch.behaviour_logprobs).abs() * m).sum() / denom
+        return {"entropy": float((ent.detach() * m).sum() / denom), "sampler_logprob_gap": float(gap)}
 
 
 class PolicyTrainer:
@@ -435,12 +463,7 @@ class PolicyTrainer:
 
     def _step(self) -> float:
         if self.world_size > 1:  # sum the ranks' partial gradients (their loss weights sum to 1)
-            import torch.distributed as dist
-
-            for p in trainable_parameters(self.model):
-                if p.grad is None:
-                    p.grad = torch.zeros_like(p)
-                dist.all_reduce(p.grad, op=dist.ReduceOp.SUM)
+            all_reduce_gradients(trainable_parameters(self.model))
         norm = float(torch.nn.utils.clip_grad_norm_(trainable_parameters(self.model), self.max_grad_norm))
         self._check_finite(gradient_norm=norm)  # the same summed norm on every rank: all raise together
         self.opt.step()
@@ -476,25 +499,6 @@ class PolicyTrainer:
             return packed_response_logits(model, sub, self.device)
         return response_logits(model, sub, self.device)
 
-    def _my_micro_batches(self, idx: torch.Tensor, lengths: torch.Tensor) -> list[tuple[torch.Tensor, bool]]:
-        """This rank's micro-batches of rows ``idx`` as (rows, counts) pairs. Rank r takes every
-        ``world_size``-th row by length (similar token counts per rank). Every rank plans every
-        rank's split (they all hold the whole batch), so all run the same number of forward and
-        backward passes, which ZeRO's collectives need: a rank with fewer micro-batches (or no
-        row at all) repeats one with loss weight 0 (``counts`` False)."""
-        if self.world_size == 1:
-            return [(mb, True) for mb in micro_batches(lengths, idx, self.micro_batch_tokens)]
-        order = idx[torch.argsort(lengths[idx], descending=True, stable=True)]
-        plans = [
-            micro_batches(lengths, order[r :: self.world_size], self.micro_batch_tokens)
-            if len(order[r :: self.world_size])
-            else []
-            for r in range(self.world_size)
-        ]
-        mine = [(mb, True) for mb in plans[self.rank]]
-        filler = mine[0][0] if mine else order[:1]
-        return mine + [(filler, False)] * (max(len(p) for p in plans) - len(mine))
-
     def _thread_shards(
         self, idx: torch.Tensor, lengths: torch.Tensor, group_index: torch.Tensor
     ) -> list[torch.Tensor]:
@@ -514,61 +518,12 @@ class PolicyTrainer:
 
     def _has_dropout(self) -> bool:
         if self._dropout is None:
-            self._dropout = any(
-                isinstance(m, torch.nn.Dropout) and m.p > 0 for m in self.model.modules()
-            ) or any(
-                float(getattr(getattr(self.model, "config", None), a, 0.0) or 0.0) > 0
-                for a in ("attention_dropout", "hidden_dropout", "resid_pdrop", "attn_pdrop", "embd_pdrop")
-            )
+            self._dropout = has_dropout(self.model)
         return self._dropout
 
-    def _replica(self, j: int):
-        """Replica ``j`` >= 1 of the trained model for thread ``j``: its own modules and gradients, the
-        same parameter storage (re-tied here whenever the model's parameters were replaced)."""
-        while len(self._replicas) < j:
-            self._replicas.append(copy.deepcopy(self.model))
-        rep = self._replicas[j - 1]
-        for p, q in zip(self.model.parameters(), rep.parameters()):
-            if q.data_ptr() != p.data_ptr() or q.shape != p.shape:
-                q.data = p.data
-            q.requires_grad_(p.requires_grad)
-        rep.train(self.model.training)
-        return rep
-
     def _backward_in_threads(self, backward_rows, parts: list[list[tuple[torch.Tensor, bool]]]):
-        """``backward_rows(model, parts[j])`` for every ``j`` at once, one host thread each with its
-        share of the torch threads (``HostThreads``): thread 0 on the trained model, thread j on
-        ``_replica(j)``. The replicas' gradients are then added to the model's in thread order (so the
-        sum is the same on every run) and the metrics and losses summed; (metrics, loss) as one thread
-        returns them."""
-        models = [self.model] + [self._replica(j) for j in range(1, len(parts))]
-        results = self._threads.run(lambda j: backward_rows(models[j], parts[j]), len(parts))
-        for rep in models[1:]:
-            for p, q in zip(self.model.parameters(), rep.parameters()):
-                if q.grad is not None:
-                    p.grad = q.grad if p.grad is None else p.grad.add_(q.grad)
-                q.grad = None
-        metrics: dict[str, float] = {}
-        for part_metrics, _ in results:
-            _accumulate(metrics, part_metrics)
-        return metrics, sum(loss for _, loss in results)
-
-    def _reduce_metrics(self, metrics: dict[str, float], loss: float) -> tuple[dict[str, float], float]:
-        if self.world_size == 1:
-            return metrics, loss
-        import torch.distributed as dist
-
-        keys = sorted(metrics)
-        summed = torch.tensor(
-            [metrics[k] for k in keys if k != "staleness_max"] + [loss], dtype=torch.float64
-        )
-        dist.all_reduce(summed, op=dist.ReduceOp.SUM)
-        out = dict(zip([k for k in keys if k != "staleness_max"], summed[:-1].tolist()))
-        if "staleness_max" in metrics:
-            top = torch.tensor([metrics["staleness_max"]], dtype=torch.float64)
-            dist.all_reduce(top, op=dist.ReduceOp.MAX)
-            out["staleness_max"] = float(top[0])
-        return out, float(summed[-1])
+        """``update_parallel.backward_in_threads`` on the trained model and its replicas."""
+        return backward_in_threads(self._threads, self.model, self._replicas, backward_rows, parts)
 
     def update(self, groups: Sequence[ScoredGroup]) -> UpdateStats:
         """One publishable update from ``groups``: advantages over the whole batch, then
@@ -589,10 +544,7 @@ class PolicyTrainer:
             steps = [self._minibatch_step(inp, idx, i, len(chunks)) for i, idx in enumerate(chunks)]
         critic_metrics = self._critic_steps(inp, chunks) if self.critic is not None else {}
         self.version += 1
-        per_chunk = [m for m, _, _ in steps]
-        merged = {k: sum(c[k] for c in per_chunk) / len(per_chunk) for k in per_chunk[0]}
-        if "staleness_max" in merged:
-            merged["staleness_max"] = max(c["staleness_max"] for c in per_chunk)
+        merged = _minibatch_mean([m for m, _, _ in steps])
         merged.update(critic_metrics)
         self._after_update(merged)
         return UpdateStats(
@@ -627,16 +579,7 @@ class PolicyTrainer:
             inp.proximal = self._logprobs_of(self.forward_model, inp) if need_proximal else None
             if self.critic is not None:
                 inp.values = self._logprobs_of(self.critic, inp, values=True)
-        rewards = batch.rewards.to(self.device)
-        token = TokenInputs(
-            rewards=rewards,
-            mask=mask,
-            values=inp.values,
-            kl=(inp.proximal - inp.ref) if kl_in_reward else None,  # k1, as REINFORCE++ folds it in
-        )
-        inp.advantages = advantages_of(p, rewards, batch.group_index.to(self.device), token)
-        if self.critic is not None:
-            inp.returns = value_targets(token, p)
+        inp.score(p, kl_in_reward, critic=self.critic is not None, device=self.device)
         return inp
 
     def _logprobs_of(self, model, inp: _UpdateInputs, values: bool = False) -> torch.Tensor:
@@ -653,31 +596,18 @@ class PolicyTrainer:
         return out
 
     def _critic_steps(self, inp: _UpdateInputs, chunks: list[torch.Tensor]) -> dict[str, float]:
-        """One critic step per minibatch on the clipped value loss (``value_coef`` x its token mean),
-        gradients clipped at ``rl.max_grad_norm``. Every rank runs it on the whole minibatch (the
-        batch is on every rank), so the replicated critics stay equal without communication. Metrics:
-        ``value_loss``, ``value_clipfrac``, ``explained_variance`` (of the pre-update values)."""
-        p, total, clipped = self.params, 0.0, 0.0
-        for idx in chunks:
-            self.critic_opt.zero_grad(set_to_none=True)
-            for mb in micro_batches(inp.lengths, idx, self.micro_batch_tokens):
-                sub = inp.batch.rows(mb).trimmed()
-                t = sub.mask.shape[1]
-                m = inp.mask[mb, :t]
-                values = self._response_logits(self.critic, sub)[..., 0]
-                loss, frac = clipped_value_loss(values, inp.values[mb, :t], inp.returns[mb, :t], p.value_clip)
-                share = micro_share(m, inp.mask[idx], "token_mean")
-                (p.value_coef * aggregate(loss, m, "token_mean") * share).backward()
-                total += float(aggregate(loss.detach(), m, "token_mean")) * share / len(chunks)
-                clipped += float(aggregate(frac, m, "token_mean")) * share / len(chunks)
-            norm = float(torch.nn.utils.clip_grad_norm_(self.critic.parameters(), self.max_grad_norm))
-            self._check_finite(loss=total, gradient_norm=norm)
-            self.critic_opt.step()
-        return {
-            "value_loss": total,
-            "value_clipfrac": clipped,
-            "explained_variance": explained_variance(inp.values, inp.returns, inp.mask),
-        }
+        """``critic.critic_steps``: one critic step per minibatch ``chunks``, checked finite."""
+        return critic_steps(
+            self.critic,
+            self.critic_opt,
+            inp,
+            chunks,
+            self.params,
+            token_budget=self.micro_batch_tokens,
+            max_grad_norm=self.max_grad_norm,
+            values_of=lambda sub: self._response_logits(self.critic, sub)[..., 0],
+            check_finite=self._check_finite,
+        )
 
     def _after_update(self, metrics: dict[str, float]) -> None:
         """The exploration controls after update ``version``: the adaptive entropy coefficient moves
@@ -712,7 +642,8 @@ class PolicyTrainer:
         rows = functools.partial(self._backward_rows, inp, idx=idx)
         shards = self._thread_shards(idx, inp.lengths, inp.batch.group_index)
         if len(shards) == 1:
-            metrics, loss = rows(self.forward_model, self._my_micro_batches(idx, inp.lengths))
+            mbs = rank_micro_batches(inp.lengths, idx, self.micro_batch_tokens, self.rank, self.world_size)
+            metrics, loss = rows(self.forward_model, mbs)
         else:
             parts = [
                 [(mb, True) for mb in micro_batches(inp.lengths, r, self.micro_batch_tokens)] for r in shards
@@ -721,7 +652,8 @@ class PolicyTrainer:
         if self.world_size == 1:  # several ranks hold partial losses: checked once summed, below
             self._check_finite(loss=loss)
         norm = self._step()  # checks the gradient norm
-        metrics, loss = self._reduce_metrics(metrics, loss)
+        if self.world_size > 1:
+            metrics, loss = reduce_metrics(metrics, loss)
         self._check_finite(loss=loss)
         return metrics, loss, norm
 
@@ -737,33 +669,13 @@ class PolicyTrainer:
             t = sub.mask.shape[1]
             logits = self._response_logits(model, sub)
             logprobs = token_logprobs(logits, inp.targets[mb, :t], self.temperature)
-            m = inp.mask[mb, :t]
-            bonus = self.entropy_coef > 0
-            pbatch = PolicyBatch(
-                logprobs=logprobs,
-                old_logprobs=inp.proximal[mb, :t] if inp.proximal is not None else logprobs.detach(),
-                behaviour_logprobs=sub.behaviour.to(self.device),
-                advantages=inp.advantages[mb] if inp.advantages.dim() == 1 else inp.advantages[mb, :t],
-                mask=m,
-                max_len=self.max_new_tokens,
-                versions=sub.versions,
-                trainer_version=self.version,
-                ref_logprobs=inp.ref[mb, :t] if inp.ref is not None else None,
-                entropy=entropy_from_logits(logits / self.temperature) if bonus else None,
-                positive=(sub.rewards > 0).to(self.device),
-            )
+            pbatch = inp.policy_batch(mb, sub, logits, logprobs, self)
             loss, mb_metrics = policy_loss(pbatch, self.params, entropy_coef=self.entropy_coef)
-            share = micro_share(m, inp.mask[idx], self.params.loss_agg) if counts else 0.0
+            share = micro_share(pbatch.mask, inp.mask[idx], self.params.loss_agg) if counts else 0.0
             self._backward(loss * share, boundary=j == len(mbs) - 1)
             part_loss += float(loss.detach()) * share
-            with torch.no_grad():
-                denom = m.sum().clamp_min(1)
-                ent = pbatch.entropy if bonus else entropy_from_logits(logits.detach() / self.temperature)
-                mb_metrics["entropy"] = float((ent.detach() * m).sum() / denom)
-                mb_metrics["sampler_logprob_gap"] = float(
-                    ((pbatch.old_logprobs - pbatch.behaviour_logprobs).abs() * m).sum() / denom
-                )
-            _accumulate(metrics, mb_metrics, share)
+            mb_metrics.update(_diagnostics(pbatch, logits, self.temperature))
+            accumulate(metrics, mb_metrics, share)
         return metrics, part_loss
 
     def publish(self) -> WeightsUpdate:

@@ -12,11 +12,12 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from conf.simulate import SimulateConfig
-from environments.latency import LatencySampler
 from generation.records import GenRequest, Partial, Trajectory
 from training.rl.drivers.sim.clock import Clock
 from training.rl.drivers.sim.costs import CostModel
 from training.rl.drivers.sim.lengths import PromptSource
+from training.rl.drivers.sim.segments import Segments
+from training.rl.drivers.sim.tools import ToolCalls
 from training.rl.records import PullResult, RolloutStatus
 
 
@@ -32,7 +33,7 @@ class Row:
     s_admit: float
     version: int
     pause: int = 0
-    """Of ``target``, the decode steps its tool calls wait (``EngineModel.pause_steps``), no tokens."""
+    """Of ``target``, the decode steps its tool calls wait (``ToolCalls.pause_steps``), no tokens."""
     first: int = -1
     """The version of the episode's first turn (the trajectory's ``version``; -1: ``version``)."""
 
@@ -145,27 +146,18 @@ class EngineModel:
         self.n_busy = 0
         self.pre: dict[tuple[int, int], int] = {}
         """Tokens generated so far of each handed-over response (its Partial carries no tokens here)."""
-        tools = [(t, LatencySampler(t.latency)) for t in cfg.workload.tools if t.calls > 0]
-        self.calls = [(f"{t.name}|{i}", lat) for t, lat in tools for i in range(t.calls)]
-        """Every episode's tool calls in order: (draw key suffix, latency sampler)."""
-        self.turn_rule = bool(self.calls) and cfg.workload.version_rule == "turn"
-        """Tool waits on the wall clock, out of the batch (else the episode rule: ``pause_steps``)."""
-        self.pause_step_s = (
-            cost.decode_step_s(capacity, self.prompt_len) if self.calls and not self.turn_rule else 0.0
-        )
-        """A tool wait in decode steps: the step cost of a full batch at the prompt's context."""
+        self.tools = ToolCalls(cfg, cost, capacity)
+        self.turn_rule = self.tools.turn_rule
+        """Tool waits on the wall clock, out of the batch (else the episode rule: tool waits as decode
+        steps, ``ToolCalls.pause_steps``)."""
+        self.segments = Segments(clock, speed)
         self.eps: dict[tuple[int, int], Episode] = {}
         """Turn rule: each episode's progress."""
         self.park_seq = 0
 
     # ---------------------------------------------------------------------------- accounting, speed
     def account(self, r: SimRollout) -> None:
-        dt = self.clock.now - r.last_t
-        if dt > 0:
-            if r.rows:
-                r.busy_active_s += dt
-                r.occ_s += dt * len(r.rows) / r.capacity
-            r.last_t = self.clock.now
+        self.segments.account(r)
 
     def set_busy(self, r: SimRollout, busy: bool) -> None:
         if r.busy != busy:
@@ -174,33 +166,12 @@ class EngineModel:
 
     def retime(self, sp: float) -> None:
         """Shared cores: every running segment continues at speed ``sp`` from now."""
-        for r in self.rlist:
-            if r.busy and r.op != "wait" and r.seg_speed != sp:
-                self._retime(r, sp)
-
-    def _retime(self, r: SimRollout, sp: float) -> None:
-        now = self.clock.now
-        done = (now - r.seg_start) * r.seg_speed
-        frac = min(1.0, done / r.seg_work) if r.seg_work > 0 else 1.0
-        if r.seg_steps:
-            r.S += r.seg_steps * frac
-            r.chunk_left -= r.seg_steps * frac
-            r.seg_steps *= 1 - frac
-        r.seg_work = max(0.0, r.seg_work - done)
-        r.seg_start, r.seg_speed = now, sp
-        r.epoch += 1
-        self.clock.push(now + r.seg_work / sp, "seg_end", r, r.epoch)
-
-    def _start_segment(self, r: SimRollout, work: float, steps: float) -> None:
-        sp = self.speed()
-        r.seg_start, r.seg_work, r.seg_speed, r.seg_steps = self.clock.now, work, sp, steps
-        r.epoch += 1
-        self.clock.push(self.clock.now + work / sp, "seg_end", r, r.epoch)
+        self.segments.retime(self.rlist, sp)
 
     # ---------------------------------------------------------------------------- starting a call
     def start_extract(self, r: SimRollout) -> None:
         r.op = "extract"
-        self._start_segment(r, self.extract_s, 0)
+        self.segments.start(r, self.extract_s, 0)
 
     def start_step(self, r: SimRollout) -> None:
         r.op = "step"
@@ -212,10 +183,7 @@ class EngineModel:
         then ``cost`` seconds of copy."""
         r.op, r.pulled = "pull", True
         r.pull_version = version
-        sp = self.speed()
-        r.seg_start, r.seg_work, r.seg_speed, r.seg_steps = self.clock.now, cost + wait * sp, sp, 0
-        r.epoch += 1
-        self.clock.push(self.clock.now + wait + cost / sp, "seg_end", r, r.epoch)
+        self.segments.start_after_wait(r, wait, cost)
 
     def _begin_step(self, r: SimRollout) -> None:
         """After an optional pull: admit (prefill) then decode."""
@@ -268,15 +236,9 @@ class EngineModel:
         length = self.source.lengths[req.prompt.prompt_id][req.sample_idx]
         if self.turn_rule:
             ep = self.eps[key]
-            return Row(key, req, self.turn_end(length, ep.turn), pre, r.S, version, 0, ep.first)
-        pause = self.pause_steps(req)
+            return Row(key, req, self.tools.turn_end(length, ep.turn), pre, r.S, version, 0, ep.first)
+        pause = self.tools.pause_steps(req)
         return Row(key, req, length + pause, pre, r.S, version, pause)
-
-    def turn_end(self, length: int, turn: int) -> int:
-        """Turn rule: the response tokens an episode has at the end of policy turn ``turn``; its
-        ``length`` is split evenly over its ``len(self.calls) + 1`` turns."""
-        n = len(self.calls) + 1
-        return length if turn >= n - 1 else length * (turn + 1) // n
 
     def _row_done(self, r: SimRollout, row: Row) -> None:
         """A row reached its target: the response is finished, or (turn rule) its turn ends in a tool
@@ -285,11 +247,11 @@ class EngineModel:
             self._finish(r, row)
             return
         ep = self.eps[row.key]
-        if ep.turn >= len(self.calls):
+        if ep.turn >= len(self.tools):
             del self.eps[row.key]
             self._finish(r, row)
             return
-        wait = self.call_latency(row.req, ep.turn)
+        wait = self.tools.latency(row.req, ep.turn)
         ep.turn += 1
         ep.tokens = row.target
         r.turn_ended = True
@@ -321,14 +283,8 @@ class EngineModel:
             self._rejoin_now(r)
 
     def _stop_segment(self, r: SimRollout) -> None:
-        """End a decode segment now: the steps done so far count, the pending segment end is void and
-        the rows that finished are retired."""
-        self.account(r)
-        done = (self.clock.now - r.seg_start) * r.seg_speed
-        frac = min(1.0, done / r.seg_work) if r.seg_work > 0 else 1.0
-        r.S += r.seg_steps * frac
-        r.seg_steps = 0
-        r.epoch += 1  # the pending seg_end is void
+        """End a decode segment now (``Segments.stop``) and retire the rows that finished."""
+        self.segments.stop(r)
         self._retire(r)
 
     def _rejoin_now(self, r: SimRollout) -> None:
@@ -370,20 +326,6 @@ class EngineModel:
         )
         r.finished.append((traj, row.target - row.pause))
 
-    def call_latency(self, req: GenRequest, i: int) -> float:
-        """The latency of episode ``req``'s ``i``-th tool call (``self.calls``), drawn per prompt,
-        sample, tool and call, so every mode and both version rules see the same."""
-        name, lat = self.calls[i]
-        return lat.sample(f"{req.prompt.prompt_id}|{req.sample_idx}|{name}")
-
-    def pause_steps(self, req: GenRequest) -> int:
-        """The decode steps an episode's tool calls wait: each call's latency (drawn per prompt, sample,
-        tool and call, so every mode sees the same) over ``pause_step_s``; 0 without tools."""
-        if not self.calls or self.turn_rule:
-            return 0
-        wait = sum(self.call_latency(req, i) for i in range(len(self.calls)))
-        return round(wait / self.pause_step_s)
-
     def _retire(self, r: SimRollout) -> None:
         while r.rows and r.rows[0][0] <= r.S + 1e-6:
             _, _, row = heapq.heappop(r.rows)
@@ -401,7 +343,7 @@ class EngineModel:
             return
         if not r.rows or (chunked and r.chunk_left <= 1e-9) or r.eversion < 0:
             if extra_s > 0:
-                self._start_segment(r, extra_s, 0)
+                self.segments.start(r, extra_s, 0)
                 r.cut_req = True  # return once the prefill is done
                 return
             self.on_return(r)
@@ -411,7 +353,7 @@ class EngineModel:
         k = max(k, 1e-9)
         n = len(r.rows)
         ctx = r.sum_c0 / n + r.S + k / 2
-        self._start_segment(r, extra_s + k * self.cost.decode_step_s(n, ctx), k)
+        self.segments.start(r, extra_s + k * self.cost.decode_step_s(n, ctx), k)
 
     def segment_end(self, r: SimRollout) -> None:
         """``r``'s current segment is done: go on with its call (or end it)."""
@@ -425,7 +367,7 @@ class EngineModel:
             if self.interrupt and r.rows:  # continue under the new weights: re-prefill every row
                 tokens = sum(self.prompt_len + row.pre + int(r.S - row.s_admit) for _, _, row in r.rows)
                 r.op = "reprefill"
-                self._start_segment(r, self.cost.prefill_s(tokens), 0)
+                self.segments.start(r, self.cost.prefill_s(tokens), 0)
                 return
             self.start_step(r)
             return

@@ -202,13 +202,13 @@ class Simulator:
         self.trainer.schedule()
 
     def _stream_arrival(self, uid: int, group: ScoredGroup) -> None:
-        b = self.m.batch_of.get(uid)
+        b = self.m.batches.of.get(uid)
         if b is not None:
             self.trainer.stream_arrival(b, uid, group)
 
     def _stream_schedule(self) -> None:
         b = self.version  # the batch of the next update: the first closed one
-        if self.trainer.busy or not self.m.closed_batches or self.version >= self.steps:
+        if self.trainer.busy or not self.m.batches.closed or self.version >= self.steps:
             return
         finish_at = self.trainer.stream_finish_at(b)
         if not self.m.next_batch():
