@@ -21,6 +21,7 @@ from rewards.verifier import Verifier
 from generation.model import encode_prompt
 from generation.engine import Engine
 from generation.records import GenRequest, PromptItem
+from conf.schema import EngineOptions
 
 
 @dataclass(frozen=True)
@@ -76,7 +77,7 @@ def evaluate_items(
     ``judges``: benchmark -> its verdict (``rewards.verdicts``: the run's for the pool's held-out set,
     a file benchmark's own); the others: ``verifier``, or a code benchmark's tests. ``sandbox``: the
     run's sandbox settings, for code benchmarks' tests, code components and tools."""
-    engine = Engine(model, tokenizer, device=device, batch_size=batch_size)
+    engine = Engine(model, tokenizer, EngineOptions(capacity=batch_size), device=device)
     prompts = _prompt_items(tokenizer, items, templates)
     requests = [GenRequest(prompt=p, sample_idx=s) for p in prompts for s in range(n_samples)]
     generator = torch.Generator().manual_seed(seed)
@@ -218,11 +219,13 @@ def _episodes(
     engine = Engine(
         model,
         tokenizer,
+        EngineOptions(
+            capacity=batch_size,
+            max_new_tokens=max_new_tokens,
+            temperature=temperature,
+            seed=seed_from(generator, None),
+        ),
         device=device,
-        batch_size=batch_size,
-        max_new_tokens=max_new_tokens,
-        temperature=temperature,
-        seed=seed_from(generator, None),
     )
     runner = wrap_engine(engine, env, tokenizer, sandbox)
     try:

@@ -13,6 +13,7 @@ from generation.engine import Engine
 from generation.records import GenRequest, PromptItem
 from training.rl.trainer import build_batch, response_logits, token_logprobs
 from generation.records import ScoredGroup
+from conf.schema import EngineOptions
 
 SMALL = ModelConfig(
     hidden_size=32, intermediate_size=64, num_layers=2, num_heads=4, num_kv_heads=2, max_seq_len=96
@@ -47,7 +48,7 @@ def _requests(tok, n=6):
 
 def test_engine_logprobs_match_trainer_recomputation(tmp_path):
     model, tok = _tiny(tmp_path)
-    engine = Engine(model, tok, batch_size=5)  # several batches, ragged prompts (left padding)
+    engine = Engine(model, tok, EngineOptions(capacity=5))  # several batches, ragged prompts (left padding)
     reqs = _requests(tok)
     trajs = engine.generate(reqs, 12, 1.0, seed=0)
     assert [t.sample_idx for t in trajs] == [r.sample_idx for r in reqs]

@@ -35,7 +35,6 @@ from collections.abc import Callable, Sequence
 import psutil
 import torch
 
-from conf.schema import ClusterConfig, EnvConfig, RLConfig, RolloutConfig, SandboxConfig, TrainerConfig
 from generation.adapter import load_published
 from generation.records import PromptItem
 from training.objectives import ObjectiveParams
@@ -46,6 +45,7 @@ from training.rl.loop import PromptCursor, RLResult, group_scorer, keep_filter, 
 from training.rl.reward_actor import with_reward_actor
 from training.rl.manager import ManagerSettings, RolloutManager
 from training.rl.records import ExtractOrder, ExtractReply, StepMetrics, StepReply, TrainReply
+from training.rl.sections import RLSections
 
 LOG = logging.getLogger("laminar.training")
 
@@ -127,10 +127,10 @@ class _RolloutActor:
 
 
 class LaminarRuntime:
-    """One RL run on Ray in any of ``control.MODES``, configured by the schema's sections: ``rl``
-    (``RLConfig``: steps, batch, mode, staleness, repack, checkpoints), ``cluster`` (``ClusterConfig``:
-    where the roles run), ``trainer`` (``TrainerConfig``) and ``rollout`` (``RolloutConfig``: the
-    engine). ``run()`` returns an ``RLResult`` whose history has one ``StepMetrics`` per update, plus
+    """One RL run on Ray in any of ``control.MODES``, configured by the schema's sections in ``run``
+    (``training.rl.sections.RLSections``): ``rl`` (steps, batch, mode, staleness, repack,
+    checkpoints), ``cluster`` (where the roles run), ``trainer``, ``rollout`` (the engine), ``env``
+    and ``sandbox``. ``run()`` returns an ``RLResult`` whose history has one ``StepMetrics`` per update, plus
     ``self.timeline`` and ``self.summary``. With ``state_dir`` it checkpoints every
     ``rl.checkpoint_every`` updates into ``state_dir/checkpoints`` and resumes from the last one."""
 
@@ -140,32 +140,25 @@ class LaminarRuntime:
         prompts: Sequence[PromptItem],
         reward,
         params: ObjectiveParams,
-        rl: RLConfig,
+        run: RLSections,
         *,
-        seed: int,
         device: str,
-        cluster: ClusterConfig | None = None,
-        trainer: TrainerConfig | None = None,
-        rollout: RolloutConfig | None = None,
         state_dir: Path | None = None,
         source: Callable | None = None,
         on_step: Callable[[StepMetrics], None] | None = None,
         evaluate: Callable[[object], dict[str, float]] | None = None,
-        env: EnvConfig | None = None,
-        sandbox: SandboxConfig | None = None,
     ):
-        self.settings = ManagerSettings.from_config(rl, params)
+        self.sections = run
+        self.settings = ManagerSettings.from_config(run.rl, params)
         self.mode = self.settings.mode
-        self.env_cfg, self.sandbox = env, sandbox
+        self.env_cfg, self.sandbox = run.env, run.sandbox
         self.model_dir = Path(model_dir)
         self.prompts = list(prompts)
         self.reward = reward
         self.params = params
-        self.rl = rl
-        self.cluster = cluster or ClusterConfig()
-        self.trainer_cfg = trainer or TrainerConfig()
-        self.rollout_cfg = rollout or RolloutConfig()
-        self.seed = seed
+        self.rl = run.rl
+        self.cluster, self.trainer_cfg, self.rollout_cfg = run.cluster, run.trainer, run.rollout
+        self.seed = run.seed
         self.device = device
         self.checkpoint_dir = Path(state_dir) / "checkpoints" if state_dir is not None else None
         self.extensions_dir = (
@@ -334,24 +327,15 @@ class LaminarRuntime:
         )
 
     def _build_rollouts(self, ray) -> None:
-        from generation.engines import rollout_engine_options
+        from generation.engines import engine_kind
 
-        rollout_engine_options(self.rollout_cfg)  # an unknown engine fails here, before any actor starts
-        c, rl = self.cluster, self.rl
+        engine_kind(self.rollout_cfg)  # an unknown engine fails here, before any actor starts
+        c = self.cluster
         Rollout = rollout_actor_class(ray, c)
         for i in range(c.rollouts):
             name = f"rollout-{i}"
             handle = Rollout.options(scheduling_strategy=self._pin(self._rollout_node(i))).remote(
-                name,
-                str(self.model_dir),
-                rl,
-                self.rollout_cfg,
-                device=self.device,
-                seed=self.seed,
-                threads=c.actor_threads,
-                priority=c.rollout_priority,
-                env=self.env_cfg,
-                sandbox=self.sandbox,
+                name, str(self.model_dir), self.sections, device=self.device
             )
             self.rollouts[name] = _RolloutActor(name, handle)
         self.timeline["rollouts"] = list(self.rollouts)
