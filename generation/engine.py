@@ -44,6 +44,17 @@ def _resolve_dtype(dtype: str, cuda: bool):
     return table[dtype]
 
 
+def _checked(o: EngineOptions) -> EngineOptions:
+    """``o``, or one clear error for a value the engine cannot run with."""
+    if o.capacity < 1 or o.max_new_tokens < 1:
+        raise ValueError("capacity and max_new_tokens must be >= 1")
+    if not o.temperature > 0:
+        raise ValueError(f"temperature must be > 0, got {o.temperature}")
+    if o.rollout.sync_every < 0:
+        raise ValueError(f"sync_every must be >= 0 (0: automatic), got {o.rollout.sync_every}")
+    return o
+
+
 class Engine(EngineBase):
     """The generation engine (see the module docstring); it speaks ``generation.protocol``'s
     ``RolloutEngine`` in process. ``admitting=False`` stops ``step`` from admitting queued requests
@@ -73,14 +84,8 @@ class Engine(EngineBase):
         fused_decode: bool = True,
         native_kernels: bool = True,
     ):
-        o = options if options is not None else EngineOptions()
+        o = _checked(options if options is not None else EngineOptions())
         r = o.rollout
-        if o.capacity < 1 or o.max_new_tokens < 1:
-            raise ValueError("capacity and max_new_tokens must be >= 1")
-        if not o.temperature > 0:
-            raise ValueError(f"temperature must be > 0, got {o.temperature}")
-        if r.sync_every < 0:
-            raise ValueError(f"sync_every must be >= 0 (0: automatic), got {r.sync_every}")
         cuda = torch.device(device).type == "cuda"
         self._cuda = cuda
         model_dtype = _resolve_dtype(r.dtype, cuda)

@@ -91,7 +91,13 @@ def sync_rl(**overrides) -> RLConfig:
 def episode_driver(model_dir, prompts, rl: RLConfig, driver=LocalDriver, **kw):
     """A local driver on calculator episodes answered by ``ToolSaysAnswer`` (``driver``: a subclass)."""
     return driver(
-        model_dir, prompts, ToolSaysAnswer(), objective_params(rl), rl, seed=0, device="cpu", env=ENV, **kw
+        model_dir,
+        prompts,
+        ToolSaysAnswer(),
+        objective_params(rl),
+        RLSections(rl, seed=0, env=ENV),
+        device="cpu",
+        **kw,
     )
 
 

@@ -91,7 +91,7 @@ def _requests(n=6):
 
 
 def _episodes(tok, model, env, engine_cls=Engine, turns=3, **limits):
-    engine = engine_cls(model, tok, max_new_tokens=24, capacity=4, seed=3)
+    engine = engine_cls(model, tok, EngineOptions(max_new_tokens=24, capacity=4, seed=3))
     runner = EpisodeEngine(engine, env, tok, EpisodeLimits(max_turns=turns, **limits))
     return runner, runner.generate(_requests())
 

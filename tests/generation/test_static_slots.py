@@ -109,7 +109,7 @@ def test_static_slots_hand_over_and_load_weights_like_the_dynamic_engine(tok):
     state = {k: v.detach().numpy().copy() for k, v in new.state_dict().items()}
     runs = []
     for cls, kw in ((Engine, {}), (Engine, {"static_width": 24})):
-        e = cls(_model(tok), tok, capacity=4, max_new_tokens=MAX_NEW, **kw)
+        e = cls(_model(tok), tok, EngineOptions(capacity=4, max_new_tokens=MAX_NEW), **kw)
         e.submit(reqs[:6])
         out = e.step(3)
         e.load_state(state, 1)

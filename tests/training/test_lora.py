@@ -149,7 +149,9 @@ def _sync_probe(adapter_dir, steps=3):
     rl = RLConfig(
         steps=steps, prompts_per_step=4, group_size=4, lr=2e-2, max_new_tokens=6, micro_batch_tokens=0
     )
-    Probing(adapter_dir, prompts, EvenLengthVerifier(), PRESETS["grpo"], rl, seed=0, device="cpu").run()
+    Probing(
+        adapter_dir, prompts, EvenLengthVerifier(), PRESETS["grpo"], RLSections(rl, seed=0), device="cpu"
+    ).run()
     return trainer_lp, seen
 
 

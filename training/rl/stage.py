@@ -134,9 +134,9 @@ def rl(
     ``timeline.json``/``.png`` and ``runtime.json`` (throughput, staleness histogram, repacks, failures);
     else the local driver runs in this process. ``on_metrics``: called with every step's metrics
     (``StepMetrics.as_dict``) as the step ends (an experiment tracker's logger; with Ray on the driver,
-    with what the actors report).
-    ``run.lora`` on for rl: only adapters train (continuing the adapter ``model_dir`` holds, or a fresh
-    one on it), only adapters are published, and ``out_dir`` becomes a PEFT adapter folder.
+    with what the actors report). ``run.lora`` on for rl: only adapters train (continuing the adapter
+    ``model_dir`` holds, or a fresh one on it), only adapters are published, and ``out_dir`` becomes a
+    PEFT adapter folder.
     ``reward``: the ``rewards.compose.Reward`` every response is scored with (a bare verifier: the
     math verifier alone); DAPO's preset adds its overlong component (``training.rl.loop.rl_reward``).
     ``run.env``: the episodes' environment (None: single-turn); ``run.sandbox``: the run's sandbox
