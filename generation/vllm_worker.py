@@ -177,8 +177,8 @@ def _seed_for(seed: int, rid: tuple, offset: int) -> int:
     return int.from_bytes(h, "little") & 0x7FFFFFFF
 
 
-ROLLOUT = RolloutConfig()
-"""The rollout section's defaults (vLLM's knobs among them)."""
+DEFAULTS = EngineOptions()
+"""The engine options' defaults (``conf.schema.EngineOptions``: vLLM's knobs in its ``rollout``)."""
 
 
 class VllmEngine(EngineBase):
@@ -194,11 +194,11 @@ class VllmEngine(EngineBase):
         max_new_tokens: int,
         temperature: float,
         seed: int,
-        dtype: str = ROLLOUT.dtype,
-        gpu_memory_utilization: float = ROLLOUT.vllm_gpu_memory_utilization,
-        enforce_eager: bool = ROLLOUT.vllm_enforce_eager,
+        dtype: str = DEFAULTS.rollout.dtype,
+        gpu_memory_utilization: float = DEFAULTS.rollout.vllm_gpu_memory_utilization,
+        enforce_eager: bool = DEFAULTS.rollout.vllm_enforce_eager,
         max_model_len: int | None = None,
-        lora_rank: int = 0,
+        lora_rank: int = DEFAULTS.lora_rank,
     ):
         from vllm import LLM
 
@@ -571,7 +571,7 @@ def main(argv: Sequence[str] | None = None) -> None:
         action="store_true",
         help="start vLLM once on a random tiny_vllm-shaped model, sample, load weights, print the version",
     )
-    d = EngineOptions()  # the defaults: what make_engine passes when the options are the defaults
+    d = DEFAULTS
     ap.add_argument("--device", default="cpu")
     ap.add_argument("--capacity", type=int, default=d.capacity)
     ap.add_argument("--max-new-tokens", type=int, default=d.max_new_tokens)
@@ -589,7 +589,7 @@ def main(argv: Sequence[str] | None = None) -> None:
     ap.add_argument(
         "--lora-rank",
         type=int,
-        default=0,
+        default=d.lora_rank,
         help="vllm engine: take published LoRA adapters up to this rank (0: full weights only); the "
         "torch engine merges adapters and ignores it",
     )

@@ -80,10 +80,14 @@ def objective_params(cfg: RLConfig) -> ObjectiveParams:
     return dataclasses.replace(PRESETS[cfg.algorithm], overlong_cache_len=cfg.overlong_cache_len, **overrides)
 
 
-def hive_source(select: SelectConfig, history_path: Path | None, seed: int):
-    """The RL loop's prompt source for ``curation.select``: None (uniform: the seeded cursor) or a
-    factory of HIVE's online source, its GRESO history seeded from ``history_path``."""
-    if select.strategy != "hive" or (not select.online_greso and select.online_entropy == "off"):
+def hive_source(select: SelectConfig | None, history_path: Path | None, seed: int):
+    """The RL loop's prompt source for ``curation.select`` (None: off): None (uniform: the seeded
+    cursor) or a factory of HIVE's online source, its GRESO history seeded from ``history_path``."""
+    if (
+        select is None
+        or select.strategy != "hive"
+        or (not select.online_greso and select.online_entropy == "off")
+    ):
         return None
     from data_curation.hive import GresoFilter
     from training.rl.loop import HiveSource
@@ -150,7 +154,6 @@ def rl(
         prompts = rl_prompts(Path(prompts_path), tokenizer, template, cfg.steps)
         params = objective_params(cfg)
         reward = rl_reward(reward, params)
-        source = hive_source(run.select, history_path, run.seed) if run.select is not None else None
         with tqdm(
             total=cfg.steps, desc=f"rl {cfg.algorithm}/{cfg.mode}", unit="step", leave=False, disable=None
         ) as bar:
@@ -162,7 +165,7 @@ def rl(
                 run,
                 device=device,
                 state_dir=state_dir,
-                source=source,
+                source=hive_source(run.select, history_path, run.seed),
                 on_step=_progress(bar, cfg.steps, on_metrics),
                 evaluate=evaluate,
             )
