@@ -28,11 +28,10 @@ import torch
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
-from conf.schema import ModelConfig  # noqa: E402
+from conf.schema import EngineOptions, ModelConfig, RolloutConfig  # noqa: E402
 from generation.engine import Engine  # noqa: E402
 from generation.model import build_char_tokenizer, build_tiny_model, encode_prompt, load_model  # noqa: E402
 from generation.records import GenRequest, PromptItem  # noqa: E402
-from conf.schema import EngineOptions, RolloutConfig  # noqa: E402
 
 SMOLLM2_TEMPLATE = "Answer with 'The answer is N.' Example: What is 2+3? The answer is 5.\n\n{problem}"
 

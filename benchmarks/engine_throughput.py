@@ -25,11 +25,10 @@ import torch
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
-from conf.schema import ModelConfig  # noqa: E402
+from conf.schema import EngineOptions, ModelConfig  # noqa: E402
 from generation.engine import Engine  # noqa: E402
 from generation.model import build_char_tokenizer, build_tiny_model, encode_prompt  # noqa: E402
 from generation.records import GenRequest, PromptItem  # noqa: E402
-from conf.schema import EngineOptions  # noqa: E402
 
 # the other checkout's engine, one batch per line read from stdin, seconds per batch written back
 _BEFORE_WORKER = """

@@ -14,14 +14,13 @@ import torch
 from evaluation.benchmarks import BenchmarkItem, build_prompt
 from evaluation.code_benchmarks import CODE_TEMPLATES, code_verdicts
 from evaluation.metrics import reranked_accuracy, shaping_metrics, summarize
-from conf.schema import RewardComponentConfig, SandboxConfig
+from conf.schema import EngineOptions, RewardComponentConfig, SandboxConfig
 from rewards.components import Sample
 from rewards.compose import MATH_VERIFY, REWARD_MODEL, build_component, safe_scores
 from rewards.verifier import Verifier
 from generation.model import encode_prompt
 from generation.engine import Engine
 from generation.records import GenRequest, PromptItem
-from conf.schema import EngineOptions
 
 
 @dataclass(frozen=True)

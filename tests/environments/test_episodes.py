@@ -9,7 +9,7 @@ import time
 import pytest
 import torch
 
-from conf.schema import EnvConfig, ToolLatencyConfig
+from conf.schema import EngineOptions, EnvConfig, ToolLatencyConfig
 from environments.base import StepResult
 from environments.calculator import Calculator
 from environments.episodes import EpisodeEngine, EpisodeLimits
@@ -22,7 +22,6 @@ from generation.sampler import request_key
 from tests.environments.bpe import bpe_tokenizer, random_qwen2
 from training.objectives import ObjectiveParams
 from training.rl.trainer import PolicyTrainer, build_batch, response_logits, token_logprobs
-from conf.schema import EngineOptions
 
 RESULT = "16"
 

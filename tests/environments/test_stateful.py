@@ -15,7 +15,7 @@ from pathlib import Path
 
 import pytest
 
-from conf.schema import EnvConfig, RLConfig
+from conf.schema import EngineOptions, EnvConfig, RLConfig
 from core.plugins import PluginError
 from environments.base import InterfaceError, StateError, StepResult, Turn, plain_state
 from environments.episodes import EpisodeEngine, EpisodeLimits
@@ -30,7 +30,6 @@ from training.rl.checkpoint import latest_checkpoint
 from training.rl.control import ExperienceBuffer, trajectory_from_json, trajectory_to_json
 from training.rl.drivers.local import LocalDriver
 from training.rl.stage import objective_params
-from conf.schema import EngineOptions
 from training.rl.sections import RLSections
 
 GUESS = EnvConfig(target="guess", max_turns=4)

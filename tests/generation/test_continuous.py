@@ -6,13 +6,12 @@ import numpy as np
 import pytest
 import torch
 
-from conf.schema import ModelConfig
+from conf.schema import EngineOptions, ModelConfig, RolloutConfig
 from generation.model import build_char_tokenizer, build_tiny_model, encode_prompt
 from generation.engine import Engine
 from generation.sampler import _mix, _mix_py, _signed, gumbel_uniforms
 from generation.records import GenRequest, Partial, PromptItem, ScoredGroup
 from training.rl.trainer import build_batch, response_logits, token_logprobs
-from conf.schema import EngineOptions, RolloutConfig
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 

@@ -6,12 +6,11 @@ import torch
 
 import generation.wave as wave_mod
 
-from conf.schema import ModelConfig
+from conf.schema import EngineOptions, ModelConfig
 from generation.engine import Engine
 from generation.model import build_char_tokenizer, build_tiny_model, encode_prompt
 from tests.generation.oracle import reference_generate
 from generation.records import GenRequest, PromptItem
-from conf.schema import EngineOptions
 
 SMALL = ModelConfig(
     hidden_size=32, intermediate_size=64, num_layers=2, num_heads=4, num_kv_heads=2, max_seq_len=128

@@ -10,14 +10,13 @@ import pytest
 import torch
 from transformers import Qwen2Config, Qwen2ForCausalLM
 
-from conf.schema import ModelConfig
+from conf.schema import EngineOptions, ModelConfig
 from generation.engine import Engine
 from generation.fused_decode import fused_decoder
 from generation.model import build_char_tokenizer, build_tiny_model, encode_prompt
 from tests.generation.oracle import reference_generate
 from generation.records import GenRequest, PromptItem, WeightsUpdate
 from test_engine_static import _assert_same
-from conf.schema import EngineOptions
 
 SMALL = ModelConfig(
     hidden_size=32, intermediate_size=64, num_layers=2, num_heads=4, num_kv_heads=2, max_seq_len=128

@@ -1,6 +1,6 @@
 import torch
 
-from conf.schema import ModelConfig
+from conf.schema import EngineOptions, ModelConfig
 from generation.model import (
     build_char_tokenizer,
     build_tiny_model,
@@ -13,7 +13,6 @@ from generation.engine import Engine
 from generation.records import GenRequest, PromptItem
 from training.rl.trainer import build_batch, response_logits, token_logprobs
 from generation.records import ScoredGroup
-from conf.schema import EngineOptions
 
 SMALL = ModelConfig(
     hidden_size=32, intermediate_size=64, num_layers=2, num_heads=4, num_kv_heads=2, max_seq_len=96

@@ -9,7 +9,7 @@ import pytest
 import torch
 
 import generation.wave as wave_mod
-from conf.schema import ModelConfig
+from conf.schema import EngineOptions, ModelConfig
 from generation import kernels
 from generation.engine import Engine
 from generation.model import build_char_tokenizer, build_tiny_model, encode_prompt
@@ -17,7 +17,6 @@ from tests.generation.oracle import reference_generate
 from generation.records import GenRequest, PromptItem
 from tests.generation.test_engine_static import _assert_same, _frequent_token
 from tests.generation.test_fused_decode import _qwen2
-from conf.schema import EngineOptions
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 
