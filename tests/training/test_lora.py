@@ -4,7 +4,6 @@ synchronous loop (with its negative control: an adapter that never reaches the s
 
 from __future__ import annotations
 
-import dataclasses
 import json
 
 import numpy as np
@@ -312,9 +311,11 @@ def test_every_built_in_engine_kind_samples_the_same_tokens_under_an_adapter_ver
     opts = EngineOptions(capacity=8, max_new_tokens=12, seed=3)
     local = sample(Engine(load_model(base)[0], tok, opts), state)
     assert local != sample(Engine(load_model(base)[0], tok, opts), None)
-    static = dataclasses.replace(opts, rollout=RolloutConfig(static_cache=True))
+    static = EngineOptions(capacity=8, max_new_tokens=12, seed=3, rollout=RolloutConfig(static_cache=True))
     assert sample(Engine(load_model(base)[0], tok, static, static_width=24), state) == local
-    process = dataclasses.replace(opts, rollout=RolloutConfig(engine="torch-process"))
+    process = EngineOptions(
+        capacity=8, max_new_tokens=12, seed=3, rollout=RolloutConfig(engine="torch-process")
+    )
     proc = make_engine(str(base), process, env={"OMP_NUM_THREADS": "1"})
     try:
         assert sample(proc, state) == local

@@ -73,9 +73,9 @@ def test_engine_options_have_one_default_each(tmp_path):
     assert Engine(engine.model, tok).capacity == d.capacity
     cmd = worker_command(tmp_path, d, python="py", device="cpu")
     assert cmd[cmd.index("--capacity") + 1] == str(d.capacity) and d.rollout == RolloutConfig()
-    names = {f.name for f in dataclasses.fields(EngineOptions)} | {
-        f.name for f in dataclasses.fields(RolloutConfig)
-    }
+    names = set(inspect.signature(EngineOptions).parameters) | set(
+        inspect.signature(RolloutConfig).parameters
+    )
     literal = []
     for path in ("generation/engine.py", "generation/engines.py", "generation/vllm_worker.py"):
         for fn in ast.walk(ast.parse((ROOT / path).read_text())):
