@@ -36,7 +36,7 @@ import polars as pl  # noqa: E402 - after the path setup above
 import torch  # noqa: E402 - same
 
 from benchmarks.code_hack_probe import legacy_all_pass  # noqa: E402 - same
-from conf.schema import CodeTestsParams, ModelConfig, RLConfig  # noqa: E402 - same
+from conf.schema import CodeTestsParams, EngineOptions, ModelConfig, RLConfig  # noqa: E402 - same
 from environments.code import CodeSpec, CodeTests  # noqa: E402 - same
 from generation.engine import Engine  # noqa: E402 - same
 from generation.model import (  # noqa: E402 - same
@@ -52,6 +52,7 @@ from generation.records import GenRequest, PromptItem  # noqa: E402 - same
 from rewards.components import Sample  # noqa: E402 - same
 from rewards.compose import Reward  # noqa: E402 - same
 from rewards.verifier import Verdict  # noqa: E402 - same
+from training.rl.sections import RLSections  # noqa: E402 - same
 from training.rl.stage import rl  # noqa: E402 - same
 from training.sft import SFTExample, train_sft  # noqa: E402 - same
 
@@ -132,7 +133,7 @@ def draw(model_dir: Path, rows: list[dict], samples: int, seed: int) -> dict:
     """``samples`` responses per problem at temperature 1: shares of hacks, of hacks the old harness
     rewards, and of honest programs that pass."""
     model, tok = load_model(model_dir)
-    engine = Engine(model, tok, device="cpu", batch_size=64)
+    engine = Engine(model, tok, EngineOptions(capacity=64), device="cpu")
     prompts = [
         PromptItem(r["prompt_id"], r["problem"], r["answer"], encode_problem(tok, TEMPLATE, r["problem"]), 1)
         for r in rows
@@ -176,9 +177,8 @@ def train(harness: str, start: Path, rows_path: Path, out: Path, args) -> list[d
     result = rl(
         start,
         rows_path,
-        cfg,
+        RLSections(cfg, seed=args.seed),
         template=TEMPLATE,
-        seed=args.seed,
         device="cpu",
         out_dir=out,
         reward=reward(harness),

@@ -28,7 +28,7 @@ import torch
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
-from conf.schema import ModelConfig  # noqa: E402
+from conf.schema import EngineOptions, ModelConfig, RolloutConfig  # noqa: E402
 from generation.engine import Engine  # noqa: E402
 from generation.model import build_char_tokenizer, build_tiny_model, encode_prompt, load_model  # noqa: E402
 from generation.records import GenRequest, PromptItem  # noqa: E402
@@ -74,10 +74,13 @@ def prompts(tok, template: str, n: int) -> list[PromptItem]:
     ]
 
 
-def engine_tps(model, tok, items, new_tokens: int, dtype: str, repeats: int, **paths) -> float:
+def engine_tps(model, tok, items, new_tokens: int, dtype: str, repeats: int, **paths: bool) -> float:
     """``paths``: the engine's decode-path switches (``waves``, ``fused_decode``, ``native_kernels``,
     ``static_cache``); none given = the defaults."""
-    engine = Engine(model, tok, capacity=len(items), max_new_tokens=new_tokens, dtype=dtype, **paths)
+    rollout = RolloutConfig(dtype=dtype, static_cache=paths.pop("static_cache", False))
+    engine = Engine(
+        model, tok, EngineOptions(capacity=len(items), max_new_tokens=new_tokens, rollout=rollout), **paths
+    )
     engine.eos_id = -1  # every side decodes the full length
     reqs = [GenRequest(p, 0) for p in items]
 
@@ -120,7 +123,11 @@ def hf_tps(model, tok, items, new_tokens: int, repeats: int) -> float:
 def logprob_mismatch(model, tok, items, new_tokens: int) -> dict:
     """bf16 against fp32 token log-probs of the same sequences (sampled by the fp32 engine), teacher-forced:
     mean and max |delta log p| and the mean |ratio - 1| an off-policy correction would see."""
-    engine = Engine(model, tok, capacity=len(items), max_new_tokens=new_tokens, dtype="float32")
+    engine = Engine(
+        model,
+        tok,
+        EngineOptions(capacity=len(items), max_new_tokens=new_tokens, rollout=RolloutConfig(dtype="float32")),
+    )
     seqs = engine.generate([GenRequest(p, 0) for p in items], new_tokens, 1.0, seed=0)
     deltas = []
     bf16 = type(model)(model.config).to(torch.bfloat16).eval()

@@ -25,7 +25,7 @@ import torch
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
-from conf.schema import ModelConfig  # noqa: E402
+from conf.schema import EngineOptions, ModelConfig  # noqa: E402
 from generation.engine import Engine  # noqa: E402
 from generation.model import build_char_tokenizer, build_tiny_model, encode_prompt  # noqa: E402
 from generation.records import GenRequest, PromptItem  # noqa: E402
@@ -68,7 +68,7 @@ def ab(args) -> None:
         for i, p in enumerate(_prompts(tok, args.prompts))
         for s in range(args.samples)
     ]
-    engine = Engine(model, tok, capacity=len(reqs), max_new_tokens=args.new_tokens, seed=0)
+    engine = Engine(model, tok, EngineOptions(capacity=len(reqs), max_new_tokens=args.new_tokens, seed=0))
     engine.eos_id = -1  # never stops early: equal work on every side
     want = len(reqs) * args.new_tokens
 
@@ -135,7 +135,7 @@ def versus_hf(args) -> None:
     model = build_tiny_model(ModelConfig(), tok, seed=0).eval()
     model.generation_config.eos_token_id = None  # both sides decode the full length
     prompts = _prompts(tok, args.batch)
-    engine = Engine(model, tok, capacity=args.batch)
+    engine = Engine(model, tok, EngineOptions(capacity=args.batch))
     engine.eos_id = -1  # never stops early: equal work on both sides
     reqs = [GenRequest(p, 0) for p in prompts]
 

@@ -39,7 +39,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from conf.schema import ModelConfig
+from conf.schema import EngineOptions, ModelConfig, RolloutConfig
 from generation.model import build_char_tokenizer, build_tiny_model
 from generation.engine import Engine
 from generation.records import GenRequest, PromptItem
@@ -132,11 +132,12 @@ def time_engine(
     model, tok, device, batch: int, prompt: torch.Tensor, new_tokens: int, variant: str = "dynamic"
 ) -> dict:
     """The built-in engine: ``batch`` requests, capacity ``batch``, every row ``new_tokens`` long."""
-    kw = dict(device=str(device), capacity=batch, max_new_tokens=new_tokens, temperature=1.0, seed=0)
+    opts = dict(capacity=batch, max_new_tokens=new_tokens, temperature=1.0, seed=0)
     if variant in ("wave", "dynamic"):
-        engine = Engine(model, tok, waves=variant == "wave", **kw)
+        engine = Engine(model, tok, EngineOptions(**opts), device=str(device), waves=variant == "wave")
     else:
-        engine = Engine(model, tok, static_cache=True, cuda_graphs=variant == "graphs", **kw)
+        rollout = RolloutConfig(static_cache=True, cuda_graphs=variant == "graphs")
+        engine = Engine(model, tok, EngineOptions(**opts, rollout=rollout), device=str(device))
     reqs = [
         GenRequest(PromptItem(f"p{i}", "", "", tuple(prompt[i].tolist())), 0, group_uid=i)
         for i in range(batch)

@@ -29,7 +29,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from conf.schema import LoraConfig, ModelConfig
+from conf.schema import EngineOptions, LoraConfig, ModelConfig
 from generation.adapter import merge_adapter
 from generation.engine import Engine
 from generation.model import build_char_tokenizer, build_tiny_model
@@ -117,7 +117,7 @@ def decode_tok_s(model, vocab: int, batch: int, new_tokens: int, repeats: int) -
     ]
 
     def run():
-        eng = Engine(model, _Tok(), capacity=batch, max_new_tokens=new_tokens, seed=0)
+        eng = Engine(model, _Tok(), EngineOptions(capacity=batch, max_new_tokens=new_tokens, seed=0))
         eng.submit([GenRequest(p, 0) for p in prompts])
         done = 0
         while done < batch:
@@ -145,7 +145,7 @@ def measure(name: str, args, ray) -> dict:
     rollout = copy.deepcopy(model)
     row["full"] = publish_costs(_trainer(model), args.repeats, ray)
     full_state = _trainer(model).publish().state
-    eng = Engine(rollout, _Tok(), capacity=1, max_new_tokens=1)
+    eng = Engine(rollout, _Tok(), EngineOptions(capacity=1, max_new_tokens=1))
     row["full"]["apply_ms"] = 1000 * _median_s(functools.partial(eng.load_state, full_state, 1), args.repeats)
     del full_state
     # LoRA: the trainer publishes the adapter tensors; a rollout merges them into its copy of the base

@@ -14,6 +14,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 from conf.loader import load_config
+from training.rl.sections import RLSections
 from training.rl.stage import rl
 from rewards.verifier import Verifier
 from evaluation.stages import evaluate_checkpoint
@@ -42,13 +43,11 @@ def main():
         rl(
             rft,
             sel / "prompts.parquet",
-            cfg.rl,
+            RLSections(cfg.rl, seed=cfg.seed, select=cfg.curation.select),
             template=template(cfg),
-            seed=cfg.seed,
             device="cpu",
             out_dir=out,
             reward=ver,
-            select=cfg.curation.select,
             history_path=sel / "history.parquet",
         )
     t1 = time.time()

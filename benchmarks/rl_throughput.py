@@ -34,6 +34,7 @@ import statistics
 import sys
 import time
 from pathlib import Path
+from training.rl.sections import RLSections
 
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
@@ -204,13 +205,10 @@ def run_mode(spec: str, model_dir: Path, prompts, args, out: Path, tag: str = ""
             prompts,
             verifier,
             objective_params(rl),
-            rl,
-            seed=args.seed,
+            RLSections(
+                rl, seed=args.seed, rollout=cfg.rollout, trainer=cfg.trainer, cluster=cluster, env=cfg.env
+            ),
             device=args.device,
-            cluster=cluster,
-            trainer=cfg.trainer,
-            rollout=cfg.rollout,
-            env=cfg.env,
         )
         t0 = time.perf_counter()
         rt.run()

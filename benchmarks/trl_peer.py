@@ -35,6 +35,7 @@ import sys
 import tempfile
 import time
 from pathlib import Path
+from training.rl.sections import RLSections
 
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
@@ -138,10 +139,8 @@ def run_laminar(args, reference: bool) -> dict:
             prompts,
             verifier,
             objective_params(cfg.rl),
-            cfg.rl,
-            seed=args.seed,
+            RLSections(cfg.rl, seed=args.seed, rollout=cfg.rollout),
             device="cpu",
-            rollout=cfg.rollout,
             on_step=on_step,
         ).run()
     return {

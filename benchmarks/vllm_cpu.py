@@ -45,7 +45,7 @@ import yaml
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from conf.schema import ModelConfig  # noqa: E402 - after the repository is on sys.path
+from conf.schema import EngineOptions, ModelConfig, RolloutConfig  # noqa: E402 - after the repository is on sys.path
 from generation.adapter import SCALING_KEY, sequence_logprobs  # noqa: E402
 from generation.engines import make_engine  # noqa: E402
 from generation.model import build_char_tokenizer, build_tiny_model, encode_prompt, load_model, save_model  # noqa: E402
@@ -89,19 +89,15 @@ def requests(tok, n: int, round_: int = 0) -> list[GenRequest]:
 
 def start(kind: str, model_dir: Path, args, dtype: str, lora_rank: int = 0):
     t0 = time.perf_counter()
-    eng = make_engine(
-        kind,
-        str(model_dir),
-        device="cpu",
+    opts = EngineOptions(
         capacity=args.completions,
         max_new_tokens=args.new_tokens,
         temperature=args.temperature,
         seed=0,
-        dtype=dtype,
-        vllm_args=["--vllm-enforce-eager"],
         lora_rank=lora_rank,
-        env={"OMP_NUM_THREADS": "1"},
+        rollout=RolloutConfig(engine=kind, dtype=dtype, vllm_enforce_eager=True),
     )
+    eng = make_engine(str(model_dir), opts, device="cpu", env={"OMP_NUM_THREADS": "1"})
     return eng, time.perf_counter() - t0
 
 

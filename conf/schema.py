@@ -656,6 +656,22 @@ class RolloutConfig:
     vllm_enforce_eager: bool = False
 
 
+@dataclass(frozen=True)
+class EngineOptions:
+    """One generation engine's options (``generation.engines.make_engine``, ``generation.engine
+    .Engine``), not a config section: what its caller picks (``capacity``: rows decoded at once; the
+    sampling; the seed; ``lora_rank``: the LoRA adapters' rank a vLLM worker is started for, 0: none)
+    and the engine's knobs, a ``rollout`` section (kind, dtype, sync_every, static_cache, cuda_graphs,
+    vLLM's). The one default of each."""
+
+    capacity: int = 64
+    max_new_tokens: int = 64
+    temperature: float = 1.0
+    seed: int = 0
+    lora_rank: int = 0
+    rollout: RolloutConfig = field(default_factory=RolloutConfig)
+
+
 @dataclass
 class TrainerConfig:
     """The RL trainer. ``backend=torch``: torch AdamW; ``deepspeed``: DeepSpeed ZeRO from the JSON

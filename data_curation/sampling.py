@@ -12,6 +12,7 @@ from pathlib import Path
 from collections.abc import Sequence
 
 import polars as pl
+from conf.schema import EngineOptions
 
 
 def prompt_items(rows: Sequence[dict], tokenizer, template: str) -> list:
@@ -49,7 +50,7 @@ def _engine(model_dir: Path, device: str, batch_size: int):
     from generation.engine import Engine
 
     model, tokenizer = load_model(model_dir, device)
-    return Engine(model, tokenizer, device=device, batch_size=batch_size), tokenizer
+    return Engine(model, tokenizer, EngineOptions(capacity=batch_size), device=device), tokenizer
 
 
 def estimate_difficulty(

@@ -14,7 +14,7 @@ import torch
 from evaluation.benchmarks import BenchmarkItem, build_prompt
 from evaluation.code_benchmarks import CODE_TEMPLATES, code_verdicts
 from evaluation.metrics import reranked_accuracy, shaping_metrics, summarize
-from conf.schema import RewardComponentConfig, SandboxConfig
+from conf.schema import EngineOptions, RewardComponentConfig, SandboxConfig
 from rewards.components import Sample
 from rewards.compose import MATH_VERIFY, REWARD_MODEL, build_component, safe_scores
 from rewards.verifier import Verifier
@@ -76,7 +76,7 @@ def evaluate_items(
     ``judges``: benchmark -> its verdict (``rewards.verdicts``: the run's for the pool's held-out set,
     a file benchmark's own); the others: ``verifier``, or a code benchmark's tests. ``sandbox``: the
     run's sandbox settings, for code benchmarks' tests, code components and tools."""
-    engine = Engine(model, tokenizer, device=device, batch_size=batch_size)
+    engine = Engine(model, tokenizer, EngineOptions(capacity=batch_size), device=device)
     prompts = _prompt_items(tokenizer, items, templates)
     requests = [GenRequest(prompt=p, sample_idx=s) for p in prompts for s in range(n_samples)]
     generator = torch.Generator().manual_seed(seed)
@@ -218,11 +218,13 @@ def _episodes(
     engine = Engine(
         model,
         tokenizer,
+        EngineOptions(
+            capacity=batch_size,
+            max_new_tokens=max_new_tokens,
+            temperature=temperature,
+            seed=seed_from(generator, None),
+        ),
         device=device,
-        batch_size=batch_size,
-        max_new_tokens=max_new_tokens,
-        temperature=temperature,
-        seed=seed_from(generator, None),
     )
     runner = wrap_engine(engine, env, tokenizer, sandbox)
     try:

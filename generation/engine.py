@@ -25,6 +25,7 @@ from contextlib import contextmanager
 import numpy as np
 import torch
 
+from conf.schema import EngineOptions
 from generation import model_calls
 from generation.protocol import EngineBase, ProtocolError, SamplingSpec, load_safetensors
 from generation.records import GenRequest, Partial, PromptItem, Trajectory, WeightsUpdate
@@ -45,14 +46,28 @@ def _resolve_dtype(dtype: str, cuda: bool):
     return table[dtype]
 
 
+def _checked(o: EngineOptions) -> EngineOptions:
+    """``o``, or one clear error for a value the engine cannot run with."""
+    if o.capacity < 1 or o.max_new_tokens < 1:
+        raise ValueError("capacity and max_new_tokens must be >= 1")
+    if not o.temperature > 0:
+        raise ValueError(f"temperature must be > 0, got {o.temperature}")
+    if o.rollout.sync_every < 0:
+        raise ValueError(f"sync_every must be >= 0 (0: automatic), got {o.rollout.sync_every}")
+    return o
+
+
 class Engine(EngineBase):
     """The generation engine (see the module docstring); it speaks ``generation.protocol``'s
     ``RolloutEngine`` in process. ``admitting=False`` stops ``step`` from admitting queued requests
     (the runtime drains a rollout before pulling new weights); injected partials are admitted
     regardless. Not thread-safe: one caller drives it.
 
-    ``capacity`` (alias ``batch_size``): rows decoded at once. ``static_cache``: static KV slots
-    (fixed shapes), with ``cuda_graphs`` the decode step captured once and replayed on CUDA.
+    ``options`` (``conf.schema.EngineOptions``; None: its defaults): ``capacity``, rows decoded at once;
+    the sampling (``max_new_tokens``, ``temperature``, ``seed``); its ``rollout`` section's ``dtype``,
+    ``sync_every``, ``static_cache`` (static KV slots, fixed shapes) and ``cuda_graphs`` (the decode
+    step captured once and replayed on CUDA). The keywords are the implementation's switches, not
+    config: ``static_width`` (the static slots' width; 0: ``max_new_tokens`` + 128);
     ``waves``: take the wave path when rows start together; ``fused_decode`` / ``native_kernels``:
     the wave's fused torch step and native C step where they reproduce the model (False: the
     model's own forward)."""
@@ -63,43 +78,30 @@ class Engine(EngineBase):
         self,
         model,
         tokenizer,
+        options: EngineOptions | None = None,
         *,
         device: str = "cpu",
-        capacity: int = 256,
-        max_new_tokens: int = 64,
-        temperature: float = 1.0,
-        seed: int = 0,
-        dtype: str = "auto",
-        sync_every: int = 0,
-        static_cache: bool = False,
         static_width: int = 0,
-        cuda_graphs: bool = False,
         waves: bool = True,
         fused_decode: bool = True,
         native_kernels: bool = True,
-        batch_size: int | None = None,
     ):
-        capacity = batch_size if batch_size is not None else capacity
-        if capacity < 1 or max_new_tokens < 1:
-            raise ValueError("capacity and max_new_tokens must be >= 1")
-        if not temperature > 0:
-            raise ValueError(f"temperature must be > 0, got {temperature}")
-        if sync_every < 0:
-            raise ValueError(f"sync_every must be >= 0 (0: automatic), got {sync_every}")
+        o = _checked(options if options is not None else EngineOptions())
+        r = o.rollout
         cuda = torch.device(device).type == "cuda"
         self._cuda = cuda
-        model_dtype = _resolve_dtype(dtype, cuda)
+        model_dtype = _resolve_dtype(r.dtype, cuda)
         self.model = (
             model.to(device) if model_dtype is None else model.to(device=device, dtype=model_dtype)
         ).eval()
-        self.sync_every = int(sync_every) if sync_every else (8 if cuda else 1)
+        self.sync_every = int(r.sync_every) if r.sync_every else (8 if cuda else 1)
         """Decode steps between host synchronisations (finished rows leave, queued ones join)."""
         self.tokenizer = tokenizer
         self.device = device
-        self.capacity = capacity
-        self.max_new_tokens = max_new_tokens
-        self.temperature = float(temperature)
-        self.seed = int(seed)
+        self.capacity = o.capacity
+        self.max_new_tokens = o.max_new_tokens
+        self.temperature = float(o.temperature)
+        self.seed = int(o.seed)
         self.sampling = SamplingSpec(self.temperature, self.max_new_tokens, self.seed)
         self.version = 0
         self.admitting = True
@@ -108,9 +110,9 @@ class Engine(EngineBase):
         pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else eos
         self.pad_id = 0 if pad is None else int(pad)
         self.static_cache, self.static_width, self.cuda_graphs = (
-            static_cache or cuda_graphs,
+            r.static_cache or r.cuda_graphs,
             static_width,
-            cuda_graphs,
+            r.cuda_graphs,
         )
         self.waves = waves
         self.wave_refill = 0.5

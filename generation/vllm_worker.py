@@ -60,7 +60,7 @@ from collections.abc import Iterable, Mapping, MutableMapping, Sequence
 
 import numpy as np
 
-from conf.schema import VLLM_LORA_RANKS
+from conf.schema import VLLM_LORA_RANKS, EngineOptions, RolloutConfig
 from generation.adapter import ADAPTER_CONFIG, SCALING_KEY, adapter_pairs
 from generation.protocol import (
     EngineBase,
@@ -177,6 +177,10 @@ def _seed_for(seed: int, rid: tuple, offset: int) -> int:
     return int.from_bytes(h, "little") & 0x7FFFFFFF
 
 
+DEFAULTS = EngineOptions()
+"""The engine options' defaults (``conf.schema.EngineOptions``: vLLM's knobs in its ``rollout``)."""
+
+
 class VllmEngine(EngineBase):
     """``RolloutEngine`` over vLLM's ``LLMEngine`` (see the module docstring)."""
 
@@ -190,11 +194,11 @@ class VllmEngine(EngineBase):
         max_new_tokens: int,
         temperature: float,
         seed: int,
-        dtype: str = "auto",
-        gpu_memory_utilization: float = 0.85,
-        enforce_eager: bool = False,
+        dtype: str = DEFAULTS.rollout.dtype,
+        gpu_memory_utilization: float = DEFAULTS.rollout.vllm_gpu_memory_utilization,
+        enforce_eager: bool = DEFAULTS.rollout.vllm_enforce_eager,
         max_model_len: int | None = None,
-        lora_rank: int = 0,
+        lora_rank: int = DEFAULTS.lora_rank,
     ):
         from vllm import LLM
 
@@ -541,18 +545,20 @@ def build_engine(args):
         from generation.setup import setup_torch
 
         setup_torch(int(os.environ.get("OMP_NUM_THREADS", "1")), args.seed)
-        return load_torch_engine(
-            args.model_dir,
-            device=args.device,
-            capacity=args.capacity,
-            max_new_tokens=args.max_new_tokens,
-            temperature=args.temperature,
-            seed=args.seed,
+        rollout = RolloutConfig(
             dtype=args.dtype,
             sync_every=args.sync_every,
             static_cache=args.static_cache,
             cuda_graphs=args.cuda_graphs,
         )
+        opts = EngineOptions(
+            capacity=args.capacity,
+            max_new_tokens=args.max_new_tokens,
+            temperature=args.temperature,
+            seed=args.seed,
+            rollout=rollout,
+        )
+        return load_torch_engine(args.model_dir, opts, device=args.device)
     raise SystemExit(f"unknown engine {args.engine!r}")
 
 
@@ -565,22 +571,25 @@ def main(argv: Sequence[str] | None = None) -> None:
         action="store_true",
         help="start vLLM once on a random tiny_vllm-shaped model, sample, load weights, print the version",
     )
+    d = DEFAULTS
     ap.add_argument("--device", default="cpu")
-    ap.add_argument("--capacity", type=int, default=64)
-    ap.add_argument("--max-new-tokens", type=int, default=64)
-    ap.add_argument("--temperature", type=float, default=1.0)
-    ap.add_argument("--seed", type=int, default=0)
-    ap.add_argument("--dtype", default="auto")
-    ap.add_argument("--sync-every", type=int, default=0)
+    ap.add_argument("--capacity", type=int, default=d.capacity)
+    ap.add_argument("--max-new-tokens", type=int, default=d.max_new_tokens)
+    ap.add_argument("--temperature", type=float, default=d.temperature)
+    ap.add_argument("--seed", type=int, default=d.seed)
+    ap.add_argument("--dtype", default=d.rollout.dtype)
+    ap.add_argument("--sync-every", type=int, default=d.rollout.sync_every)
     ap.add_argument("--static-cache", action="store_true", help="torch engine: static slot cache")
     ap.add_argument("--cuda-graphs", action="store_true", help="torch engine: CUDA-graph decode (CUDA only)")
-    ap.add_argument("--vllm-gpu-memory-utilization", type=float, default=0.85)
+    ap.add_argument(
+        "--vllm-gpu-memory-utilization", type=float, default=d.rollout.vllm_gpu_memory_utilization
+    )
     ap.add_argument("--vllm-enforce-eager", action="store_true")
     ap.add_argument("--vllm-max-model-len", type=int, default=0)
     ap.add_argument(
         "--lora-rank",
         type=int,
-        default=0,
+        default=d.lora_rank,
         help="vllm engine: take published LoRA adapters up to this rank (0: full weights only); the "
         "torch engine merges adapters and ignores it",
     )

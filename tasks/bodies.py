@@ -508,6 +508,7 @@ def rl_body(ctx: StageContext) -> StageResult:
     from rewards.verdicts import open_verdict
     from rewards.verifier import Verifier
     from generation.model import load_tokenizer
+    from training.rl.sections import RLSections
     from training.rl.stage import TIMING_KEYS, rl
     from generation.setup import setup_torch
     from tasks.tracking import active
@@ -548,9 +549,8 @@ def rl_body(ctx: StageContext) -> StageResult:
             result = rl(
                 Path(ctx.inputs[MODEL].path),
                 sel.file("prompts.parquet"),
-                ctx.cfg.rl,
+                RLSections.of(ctx.cfg),
                 template=template(ctx.cfg),
-                seed=ctx.cfg.seed,
                 device=ctx.device,
                 out_dir=out,
                 reward=Reward.of(
@@ -560,17 +560,10 @@ def rl_body(ctx: StageContext) -> StageResult:
                     template(ctx.cfg),
                     sandbox=ctx.cfg.sandbox,
                 ),
-                select=ctx.cfg.curation.select,
                 history_path=sel.file("history.parquet"),
                 evaluate=evaluate,
-                cluster=ctx.cfg.cluster,
                 state_dir=ctx.state_dir,
-                trainer=ctx.cfg.trainer,
-                rollout=ctx.cfg.rollout,
-                env=ctx.cfg.env,
-                sandbox=ctx.cfg.sandbox,
                 on_metrics=active().step_logger("rl"),
-                lora=ctx.cfg.model.lora,
             )
         rows = [m.as_dict() for m in result.history]
         meta["timings"] = [{k: m[k] for k in ("step", *TIMING_KEYS) if k in m} for m in rows]

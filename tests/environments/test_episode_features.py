@@ -16,6 +16,7 @@ from tests.training.rl_fakes import Verdict
 from training.rl.drivers.local import LocalDriver
 from training.rl.manager import RolloutManager
 from training.rl.stage import objective_params
+from training.rl.sections import RLSections
 
 ENV = EnvConfig(target="calculator", max_turns=3)
 
@@ -90,7 +91,13 @@ def sync_rl(**overrides) -> RLConfig:
 def episode_driver(model_dir, prompts, rl: RLConfig, driver=LocalDriver, **kw):
     """A local driver on calculator episodes answered by ``ToolSaysAnswer`` (``driver``: a subclass)."""
     return driver(
-        model_dir, prompts, ToolSaysAnswer(), objective_params(rl), rl, seed=0, device="cpu", env=ENV, **kw
+        model_dir,
+        prompts,
+        ToolSaysAnswer(),
+        objective_params(rl),
+        RLSections(rl, seed=0, env=ENV),
+        device="cpu",
+        **kw,
     )
 
 
@@ -404,11 +411,8 @@ def test_a_laminar_episode_run_killed_after_a_checkpoint_resumes_its_buffered_an
             calc_prompts(tok, 200, answer=lambda i: "3"),
             ToolSaysAnswer(),
             objective_params(rl),
-            rl,
-            seed=0,
+            RLSections(rl, seed=0, cluster=ClusterConfig(rollouts=2, actor_threads=1), env=ENV),
             device="cpu",
-            cluster=ClusterConfig(rollouts=2, actor_threads=1),
-            env=ENV,
             state_dir=tmp_path / "state",
             on_step=on_step,
         )

@@ -22,6 +22,7 @@ from generation.records import PromptItem
 from tests.training.rl_fakes import Verdict, ray_rl
 from training.rl.manager import RolloutManager
 from training.rl.stage import objective_params
+from training.rl.sections import RLSections
 
 TINY = ModelConfig(
     hidden_size=32, intermediate_size=64, num_layers=1, num_heads=2, num_kv_heads=1, max_seq_len=128
@@ -102,7 +103,12 @@ def test_a_sync_local_run_trains_on_masked_multi_turn_episodes(monkeypatch, mode
     monkeypatch.setattr(RolloutManager, "next_batch", spy)
     env = EnvConfig(target="calculator", max_turns=3)
     driver = LocalDriver(
-        model_dir, prompts, EndsWithAnswer(), objective_params(rl), rl, seed=0, device="cpu", env=env
+        model_dir,
+        prompts,
+        EndsWithAnswer(),
+        objective_params(rl),
+        RLSections(rl, seed=0, env=env),
+        device="cpu",
     )
     result = driver.run()
     assert len(seen) == 2 * 4 * 2
@@ -171,11 +177,13 @@ def test_the_ray_modes_train_calculator_episodes_once_each(local_ray, caller_dir
         prompts,
         EndsWithAnswer(),
         objective_params(rl),
-        rl,
-        seed=0,
+        RLSections(
+            rl,
+            seed=0,
+            cluster=ClusterConfig(rollouts=2, actor_threads=1),
+            env=EnvConfig(target="calculator", max_turns=3),
+        ),
         device="cpu",
-        cluster=ClusterConfig(rollouts=2, actor_threads=1),
-        env=EnvConfig(target="calculator", max_turns=3),
     )
     result = rt.run()
     uids = rt.summary["trained_uids"]
@@ -232,7 +240,7 @@ def test_a_poke_cuts_a_rollout_actors_wait_on_a_slow_tool_short(local_ray, calle
 
     import ray
 
-    from conf.schema import ClusterConfig, RolloutConfig, ToolLatencyConfig
+    from conf.schema import ClusterConfig, ToolLatencyConfig
     from training.rl.actors import RelayWorker
     from training.rl.drivers.ray import WAKE_GROUP, rollout_actor_class
     from training.rl.records import StepOrder
@@ -252,7 +260,10 @@ def test_a_poke_cuts_a_rollout_actors_wait_on_a_slow_tool_short(local_ray, calle
     ray.get(relay.push.remote(0, [ray.put(state)]))
     Rollout = rollout_actor_class(ray, dataclasses.replace(ClusterConfig(), rollout_cpus=0))
     actor = Rollout.remote(
-        "rollout-0", str(caller_dir), ray_rl("laminar"), RolloutConfig(), device="cpu", seed=0, env=env
+        "rollout-0",
+        str(caller_dir),
+        RLSections(ray_rl("laminar"), seed=0, cluster=ClusterConfig(rollout_priority="normal"), env=env),
+        device="cpu",
     )
     from generation.records import GenRequest
 

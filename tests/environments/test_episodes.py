@@ -9,7 +9,7 @@ import time
 import pytest
 import torch
 
-from conf.schema import EnvConfig, ToolLatencyConfig
+from conf.schema import EngineOptions, EnvConfig, ToolLatencyConfig
 from environments.base import StepResult
 from environments.calculator import Calculator
 from environments.episodes import EpisodeEngine, EpisodeLimits
@@ -90,7 +90,7 @@ def _requests(n=6):
 
 
 def _episodes(tok, model, env, engine_cls=Engine, turns=3, **limits):
-    engine = engine_cls(model, tok, max_new_tokens=24, capacity=4, seed=3)
+    engine = engine_cls(model, tok, EngineOptions(max_new_tokens=24, capacity=4, seed=3))
     runner = EpisodeEngine(engine, env, tok, EpisodeLimits(max_turns=turns, **limits))
     return runner, runner.generate(_requests())
 
@@ -252,7 +252,10 @@ def test_an_in_flight_episode_moves_to_another_engine_with_its_state(tok, model)
 
     def runner():
         return EpisodeEngine(
-            Engine(model, tok, max_new_tokens=24, capacity=4, seed=3), env, tok, EpisodeLimits(max_turns=3)
+            Engine(model, tok, EngineOptions(max_new_tokens=24, capacity=4, seed=3)),
+            env,
+            tok,
+            EpisodeLimits(max_turns=3),
         )
 
     a, b = runner(), runner()
@@ -275,7 +278,7 @@ def test_an_in_flight_episode_moves_to_another_engine_with_its_state(tok, model)
 
 
 def test_single_turn_leaves_the_engine_as_it_is(tok, model):
-    engine = Engine(model, tok, max_new_tokens=8)
+    engine = Engine(model, tok, EngineOptions(max_new_tokens=8))
     assert wrap_engine(engine, EnvConfig()) is engine
     assert isinstance(wrap_engine(engine, EnvConfig(target="calculator", max_turns=3), tok), EpisodeEngine)
 
@@ -293,7 +296,7 @@ def test_an_episode_survives_the_checkpoint_codec(tok, model):
 
 # ------------------------------------------------------------------------ tool latency
 def _latency_runner(tok, model, latency, **limits):
-    engine = Engine(model, tok, max_new_tokens=24, capacity=6, seed=3)
+    engine = Engine(model, tok, EngineOptions(max_new_tokens=24, capacity=6, seed=3))
     lim = EpisodeLimits(max_turns=2, latency=LatencySampler(latency), **limits)
     return EpisodeEngine(engine, AlwaysCalls(tok), tok, lim)
 
@@ -380,7 +383,7 @@ def _drain(runner) -> list:
 
 @pytest.mark.parametrize("rule", ["turn", "episode"])
 def test_the_version_rule_decides_which_weights_run_the_next_turn(tok, model, rule):
-    engine = Engine(model, tok, max_new_tokens=24, capacity=6, seed=3)
+    engine = Engine(model, tok, EngineOptions(max_new_tokens=24, capacity=6, seed=3))
     runner = EpisodeEngine(
         engine, AlwaysCalls(tok, delay=0.01), tok, EpisodeLimits(max_turns=2, version_rule=rule)
     )

@@ -15,7 +15,7 @@ from pathlib import Path
 
 import pytest
 
-from conf.schema import EnvConfig, RLConfig
+from conf.schema import EngineOptions, EnvConfig, RLConfig
 from core.plugins import PluginError
 from environments.base import InterfaceError, StateError, StepResult, Turn, plain_state
 from environments.episodes import EpisodeEngine, EpisodeLimits
@@ -30,6 +30,7 @@ from training.rl.checkpoint import latest_checkpoint
 from training.rl.control import ExperienceBuffer, trajectory_from_json, trajectory_to_json
 from training.rl.drivers.local import LocalDriver
 from training.rl.stage import objective_params
+from training.rl.sections import RLSections
 
 GUESS = EnvConfig(target="guess", max_turns=4)
 ROOT = Path(__file__).resolve().parents[2]
@@ -156,7 +157,7 @@ def _requests(tok, n=4):
 
 
 def _runner(model, tok, env, turns=3, capacity=4):
-    engine = Engine(model, tok, max_new_tokens=24, capacity=capacity, seed=3)
+    engine = Engine(model, tok, EngineOptions(max_new_tokens=24, capacity=capacity, seed=3))
     return EpisodeEngine(engine, env, tok, EpisodeLimits(max_turns=turns))
 
 
@@ -479,8 +480,8 @@ def test_a_guess_run_through_the_manager_resumes_with_its_episodes_states(tmp_pa
                 raise Killed(kill_at)
 
         driver = LocalDriver(
-            caller_dir, calc_prompts(tok, 8), AlwaysRight(), objective_params(rl), rl, seed=0, device="cpu",
-            env=GUESS, state_dir=tmp_path / folder, on_step=on_step,
+            caller_dir, calc_prompts(tok, 8), AlwaysRight(), objective_params(rl),
+            RLSections(rl, seed=0, env=GUESS), device="cpu", state_dir=tmp_path / folder, on_step=on_step,
         )  # fmt: skip
         monkeypatch_batches(folder)
         return driver.run()
@@ -552,10 +553,10 @@ def test_a_laminar_guess_run_resumes_with_its_episodes_states(monkeypatch, tmp_p
     monkeypatch.setattr(RolloutManager, "next_batch", spy)
 
     def runtime(on_step=None):
+        run = RLSections(rl, seed=0, cluster=ClusterConfig(rollouts=2, actor_threads=1), env=GUESS)
         return LaminarRuntime(
-            caller_dir, calc_prompts(tok, 200), AlwaysRight(), objective_params(rl), rl, seed=0, device="cpu",
-            cluster=ClusterConfig(rollouts=2, actor_threads=1), env=GUESS, state_dir=tmp_path / "state",
-            on_step=on_step,
+            caller_dir, calc_prompts(tok, 200), AlwaysRight(), objective_params(rl), run, device="cpu",
+            state_dir=tmp_path / "state", on_step=on_step,
         )  # fmt: skip
 
     def kill_trainer(m):

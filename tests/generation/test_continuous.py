@@ -6,7 +6,7 @@ import numpy as np
 import pytest
 import torch
 
-from conf.schema import ModelConfig
+from conf.schema import EngineOptions, ModelConfig, RolloutConfig
 from generation.model import build_char_tokenizer, build_tiny_model, encode_prompt
 from generation.engine import Engine
 from generation.sampler import _mix, _mix_py, _signed, gumbel_uniforms
@@ -109,7 +109,7 @@ def test_counter_hash_matches_reference_and_ignores_batch_composition():
 
 
 def test_every_request_finishes_once_and_slots_are_refilled(tok):
-    engine = Engine(_model(tok), tok, capacity=4, max_new_tokens=MAX_NEW)
+    engine = Engine(_model(tok), tok, EngineOptions(capacity=4, max_new_tokens=MAX_NEW))
     reqs = _requests(tok, 7, 2)
     engine.submit(reqs)
     st = engine.status()
@@ -136,10 +136,10 @@ def test_every_request_finishes_once_and_slots_are_refilled(tok):
 def test_tokens_do_not_depend_on_batching(tok):
     model = _model(tok)
     reqs = _requests(tok, 10, 2)
-    alone = Engine(model, tok, capacity=1, max_new_tokens=MAX_NEW, seed=3)
+    alone = Engine(model, tok, EngineOptions(capacity=1, max_new_tokens=MAX_NEW, seed=3))
     alone.submit(reqs)
     a = {_key(t): t for t in _drain(alone)}
-    full = Engine(model, tok, capacity=8, max_new_tokens=MAX_NEW, seed=3)
+    full = Engine(model, tok, EngineOptions(capacity=8, max_new_tokens=MAX_NEW, seed=3))
     b = {_key(t): t for t in _staggered(full, [reqs[:3], reqs[3:9], reqs[9:]])}
     assert a.keys() == b.keys() and len(a) == len(reqs)
     for k in a:
@@ -154,7 +154,7 @@ def test_tokens_do_not_depend_on_batching(tok):
         )
         >= 8
     )
-    other = Engine(model, tok, capacity=8, max_new_tokens=MAX_NEW, seed=4)
+    other = Engine(model, tok, EngineOptions(capacity=8, max_new_tokens=MAX_NEW, seed=4))
     other.submit(reqs)
     c = {_key(t): t for t in _drain(other)}
     assert sum(c[k].response_tokens != a[k].response_tokens for k in a) >= len(a) - 2
@@ -162,7 +162,9 @@ def test_tokens_do_not_depend_on_batching(tok):
 
 def test_logprobs_match_full_recomputation_after_joins(tok):
     model = _model(tok)
-    engine = Engine(model, tok, capacity=5, max_new_tokens=MAX_NEW, temperature=0.8, waves=False)
+    engine = Engine(
+        model, tok, EngineOptions(capacity=5, max_new_tokens=MAX_NEW, temperature=0.8), waves=False
+    )
     calls = []
     prefill = engine._prefill
 
@@ -187,11 +189,11 @@ def test_logprobs_match_full_recomputation_after_joins(tok):
 def test_extract_and_inject_continue_the_same_trajectory(tok):
     model = _model(tok)
     reqs = _requests(tok, 6, 2)
-    ref = Engine(model, tok, capacity=4, max_new_tokens=MAX_NEW)
+    ref = Engine(model, tok, EngineOptions(capacity=4, max_new_tokens=MAX_NEW))
     ref.submit(reqs)
     expected = {_key(t): t for t in _drain(ref)}
 
-    a = Engine(model, tok, capacity=4, max_new_tokens=MAX_NEW)
+    a = Engine(model, tok, EngineOptions(capacity=4, max_new_tokens=MAX_NEW))
     a.submit(reqs)
     done = a.step(4)
     partials, queued = a.extract()
@@ -200,7 +202,7 @@ def test_extract_and_inject_continue_the_same_trajectory(tok):
     assert len(done) + len(partials) + len(queued) == len(reqs)
     assert all(len(p.tokens) == len(p.logprobs) >= 1 and p.version == 0 for p in partials)
 
-    b = Engine(model, tok, capacity=3, max_new_tokens=MAX_NEW)
+    b = Engine(model, tok, EngineOptions(capacity=3, max_new_tokens=MAX_NEW))
     b.submit(_requests(tok, 2, 1, offset=50))  # B is busy with other work when the partials arrive
     b.step(2)
     b.inject(partials)
@@ -217,12 +219,12 @@ def test_extract_and_inject_continue_the_same_trajectory(tok):
 
 def test_admission_switch_and_injected_partials(tok):
     model = _model(tok)
-    engine = Engine(model, tok, capacity=4, max_new_tokens=MAX_NEW)
+    engine = Engine(model, tok, EngineOptions(capacity=4, max_new_tokens=MAX_NEW))
     engine.admitting = False
     engine.submit(_requests(tok, 3, 1))
     assert engine.step(5) == [] and engine.status()["active"] == 0 and engine.status()["queued"] == 3
 
-    donor = Engine(model, tok, capacity=2, max_new_tokens=MAX_NEW)
+    donor = Engine(model, tok, EngineOptions(capacity=2, max_new_tokens=MAX_NEW))
     donor.submit(_requests(tok, 2, 1, offset=20))
     donor.step(2)
     partials, _ = donor.extract()
@@ -255,7 +257,7 @@ def test_load_state_with_active_sequences_continues_them_under_new_weights(tok):
     for v in state.values():
         v.setflags(write=False)  # arrays from an object store are read-only
     reqs = _requests(tok, 4, 1)
-    engine = Engine(_model(tok), tok, capacity=4, max_new_tokens=MAX_NEW, waves=False)
+    engine = Engine(_model(tok), tok, EngineOptions(capacity=4, max_new_tokens=MAX_NEW), waves=False)
     engine.submit(reqs)
     before = engine.step(3)
     n_before = {
@@ -263,7 +265,9 @@ def test_load_state_with_active_sequences_continues_them_under_new_weights(tok):
         for r, n in zip(engine._batch._rows, engine._batch._ngen.tolist())
     }
     assert n_before, "some sequences should still be active"
-    twin = Engine(_model(tok), tok, capacity=4, max_new_tokens=MAX_NEW)  # the same run, handed over
+    twin = Engine(
+        _model(tok), tok, EngineOptions(capacity=4, max_new_tokens=MAX_NEW)
+    )  # the same run, handed over
     twin.submit(reqs)
     twin.step(3)
     handed, _ = twin.extract()
@@ -294,7 +298,7 @@ def test_load_state_with_active_sequences_continues_them_under_new_weights(tok):
         assert torch.allclose(lp_old[i, :n], batch.behaviour[i, :n], atol=1e-4)
         assert torch.allclose(lp_new[i, n:r], batch.behaviour[i, n:r], atol=1e-4)
     # continuing in place equals handing the partials to a fresh engine holding the new weights
-    fresh = Engine(new, tok, capacity=2, max_new_tokens=MAX_NEW)
+    fresh = Engine(new, tok, EngineOptions(capacity=2, max_new_tokens=MAX_NEW))
     fresh.version = 1
     fresh.inject(handed)
     cont = {_key(t): t for t in _drain(fresh)}
@@ -307,10 +311,12 @@ def test_lazy_retirement_gives_the_same_trajectories(tok):
     steps) samples exactly what the step-by-step loop samples."""
     model = _model(tok)
     reqs = _requests(tok, 8, 2)
-    eager = Engine(model, tok, capacity=4, max_new_tokens=MAX_NEW)
+    eager = Engine(model, tok, EngineOptions(capacity=4, max_new_tokens=MAX_NEW))
     assert eager.sync_every == 1  # the CPU default
     a = {_key(t): t for t in _staggered(eager, [reqs[:5], reqs[5:]])}
-    lazy = Engine(model, tok, capacity=4, max_new_tokens=MAX_NEW, sync_every=5)
+    lazy = Engine(
+        model, tok, EngineOptions(capacity=4, max_new_tokens=MAX_NEW, rollout=RolloutConfig(sync_every=5))
+    )
     b = {_key(t): t for t in _staggered(lazy, [reqs[:5], reqs[5:]])}
     assert a.keys() == b.keys() and len(a) == len(reqs)
     for k in a:
@@ -328,10 +334,10 @@ def test_extract_only_some_requests_keeps_the_others_running(tok, waves):
 
     model = _model(tok)
     reqs = _requests(tok, 4, 1)
-    ref = Engine(model, tok, capacity=4, max_new_tokens=MAX_NEW)
+    ref = Engine(model, tok, EngineOptions(capacity=4, max_new_tokens=MAX_NEW))
     ref.submit(reqs)
     expected = {_key(t): t for t in _drain(ref)}
-    engine = Engine(model, tok, capacity=3, max_new_tokens=MAX_NEW, waves=waves)
+    engine = Engine(model, tok, EngineOptions(capacity=3, max_new_tokens=MAX_NEW), waves=waves)
     engine.submit(reqs)
     done = engine.step(2)
     running = [r.request for r in engine._batch._rows if r is not None]
@@ -342,7 +348,7 @@ def test_extract_only_some_requests_keeps_the_others_running(tok, waves):
     assert [request_key(r) for r in queued] == [request_key(reqs[3])]
     assert engine.status()["active"] == len(running) - 1 and engine.status()["queued"] == 0
     rest = _drain(engine)
-    other = Engine(model, tok, capacity=3, max_new_tokens=MAX_NEW)
+    other = Engine(model, tok, EngineOptions(capacity=3, max_new_tokens=MAX_NEW))
     other.inject(partials)
     other.submit(queued)
     got = {_key(t): t for t in done + rest + _drain(other)}

@@ -10,6 +10,7 @@ from generation.engine import Engine
 from generation.model import build_char_tokenizer, build_tiny_model
 from tests.generation.oracle import reference_generate
 from tests.generation.test_engine_static import SMALL, _assert_same, _frequent_token, _requests
+from conf.schema import EngineOptions
 
 
 @pytest.fixture
@@ -20,7 +21,7 @@ def small_shards(monkeypatch):
 @pytest.mark.parametrize("fused", [True, False])
 def test_shards_sample_what_one_shard_samples(small_shards, fused):
     tok = build_char_tokenizer()
-    engine = Engine(build_tiny_model(SMALL, tok, seed=0), tok, batch_size=20, fused_decode=fused)
+    engine = Engine(build_tiny_model(SMALL, tok, seed=0), tok, EngineOptions(capacity=20), fused_decode=fused)
     reqs = _requests(tok)  # 36 rows: batches of 20 and 16
     engine.eos_id = _frequent_token(engine, reqs)
     threads = torch.get_num_threads()
@@ -46,7 +47,7 @@ def test_shards_sample_what_one_shard_samples(small_shards, fused):
 
 def test_a_failing_shard_raises_and_the_engine_stays_usable(small_shards, monkeypatch):
     tok = build_char_tokenizer()
-    engine = Engine(build_tiny_model(SMALL, tok, seed=0), tok, batch_size=36)
+    engine = Engine(build_tiny_model(SMALL, tok, seed=0), tok, EngineOptions(capacity=36))
     engine.decode_threads = 2
     reqs = _requests(tok)
     original = wave_mod.Wave._decode

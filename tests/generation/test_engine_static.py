@@ -6,7 +6,7 @@ import torch
 
 import generation.wave as wave_mod
 
-from conf.schema import ModelConfig
+from conf.schema import EngineOptions, ModelConfig
 from generation.engine import Engine
 from generation.model import build_char_tokenizer, build_tiny_model, encode_prompt
 from tests.generation.oracle import reference_generate
@@ -44,7 +44,7 @@ def _assert_same(a, b, tol=1e-5):
 
 def test_static_decode_matches_reference_with_early_stops():
     tok = build_char_tokenizer()
-    engine = Engine(build_tiny_model(SMALL, tok, seed=0), tok, batch_size=16)
+    engine = Engine(build_tiny_model(SMALL, tok, seed=0), tok, EngineOptions(capacity=16))
     reqs = _requests(tok)
     engine.eos_id = _frequent_token(engine, reqs)
     for seed in (0, 1, 2):

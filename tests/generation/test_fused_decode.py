@@ -10,7 +10,7 @@ import pytest
 import torch
 from transformers import Qwen2Config, Qwen2ForCausalLM
 
-from conf.schema import ModelConfig
+from conf.schema import EngineOptions, ModelConfig
 from generation.engine import Engine
 from generation.fused_decode import fused_decoder
 from generation.model import build_char_tokenizer, build_tiny_model, encode_prompt
@@ -71,14 +71,16 @@ def _qwen2(tok, seed=0, hidden_size=48, max_positions=128):
 def test_fused_decode_samples_what_the_model_samples(arch):
     tok = build_char_tokenizer()
     model = build_tiny_model(HEAD16, tok, seed=0) if arch == "llama" else _qwen2(tok)
-    engine = Engine(model, tok, batch_size=8)  # several batches: the kept buffers are reused and regrown
+    engine = Engine(
+        model, tok, EngineOptions(capacity=8)
+    )  # several batches: the kept buffers are reused and regrown
     dec = engine._fused(64)
     assert dec is not None and dec.scale_folded == (arch == "llama")  # head_dim 16 (scale 1/4) vs 24
     reqs = _requests(tok)
     out = engine.generate(reqs, 30, 0.8, seed=5)
     _assert_same(_reference(engine, reqs, 30, 0.8, 5), out)
     # and the model's own forward over the same static cache (fused off) agrees too
-    off = Engine(model, tok, batch_size=8, fused_decode=False)
+    off = Engine(model, tok, EngineOptions(capacity=8), fused_decode=False)
     _assert_same(off.generate(reqs, 30, 0.8, seed=5), out)
 
 

@@ -1,6 +1,6 @@
 import torch
 
-from conf.schema import ModelConfig
+from conf.schema import EngineOptions, ModelConfig
 from generation.model import (
     build_char_tokenizer,
     build_tiny_model,
@@ -47,7 +47,7 @@ def _requests(tok, n=6):
 
 def test_engine_logprobs_match_trainer_recomputation(tmp_path):
     model, tok = _tiny(tmp_path)
-    engine = Engine(model, tok, batch_size=5)  # several batches, ragged prompts (left padding)
+    engine = Engine(model, tok, EngineOptions(capacity=5))  # several batches, ragged prompts (left padding)
     reqs = _requests(tok)
     trajs = engine.generate(reqs, 12, 1.0, seed=0)
     assert [t.sample_idx for t in trajs] == [r.sample_idx for r in reqs]

@@ -9,7 +9,7 @@ import pytest
 import torch
 
 import generation.wave as wave_mod
-from conf.schema import ModelConfig
+from conf.schema import EngineOptions, ModelConfig
 from generation import kernels
 from generation.engine import Engine
 from generation.model import build_char_tokenizer, build_tiny_model, encode_prompt
@@ -69,8 +69,10 @@ def _count_native_steps(monkeypatch) -> list:
 def test_native_step_samples_what_the_torch_ops_sample(name, monkeypatch):
     tok = build_char_tokenizer()
     model = MODELS[name](tok)
-    native = Engine(model, tok, batch_size=20)  # batches of 20, 20, 4: buffers reused and regrown
-    torch_ops = Engine(model, tok, batch_size=20)
+    native = Engine(
+        model, tok, EngineOptions(capacity=20)
+    )  # batches of 20, 20, 4: buffers reused and regrown
+    torch_ops = Engine(model, tok, EngineOptions(capacity=20))
     torch_ops.native_kernels = False
     reqs = _requests(tok)
     native.eos_id = torch_ops.eos_id = _frequent_token(native, reqs)  # rows finish at many steps: compaction
@@ -93,7 +95,7 @@ def test_native_step_samples_what_the_torch_ops_sample(name, monkeypatch):
 def test_native_shards_sample_what_one_shard_samples(monkeypatch):
     monkeypatch.setattr(wave_mod, "MIN_SHARD_ROWS", 4)
     tok = build_char_tokenizer()
-    engine = Engine(_llama(tok, 64, 4, 2), tok, batch_size=44)
+    engine = Engine(_llama(tok, 64, 4, 2), tok, EngineOptions(capacity=44))
     reqs = _requests(tok)
     engine.eos_id = _frequent_token(engine, reqs)
     calls = _count_native_steps(monkeypatch)

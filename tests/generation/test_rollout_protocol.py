@@ -23,7 +23,7 @@ import numpy as np
 import pytest
 import torch
 
-from conf.schema import ModelConfig
+from conf.schema import EngineOptions, ModelConfig, RolloutConfig
 from generation.model import build_char_tokenizer, build_tiny_model, encode_prompt, save_model
 from generation.adapter import sequence_logprobs
 from generation.engine import Engine
@@ -74,7 +74,7 @@ def _drain(engine, max_steps=3):
 
 
 def _local(assets, state=None):
-    eng = Engine(_model(assets["tok"], 0), assets["tok"], capacity=CAP, max_new_tokens=MAX_NEW)
+    eng = Engine(_model(assets["tok"], 0), assets["tok"], EngineOptions(capacity=CAP, max_new_tokens=MAX_NEW))
     if state is not None:
         eng.load_weights(0, state=state)
     return eng
@@ -92,24 +92,25 @@ def assets(tmp_path_factory, one_thread):
     workers = {
         "torch-process": pool.submit(
             make_engine,
-            "torch-process",
             str(model_dir),
-            capacity=CAP,
-            max_new_tokens=MAX_NEW,
+            EngineOptions(
+                capacity=CAP, max_new_tokens=MAX_NEW, rollout=RolloutConfig(engine="torch-process")
+            ),
             env={"OMP_NUM_THREADS": "1"},
         ),
         "vllm-fake": pool.submit(
             make_engine,
-            "vllm",
             str(model_dir),
-            capacity=CAP,
-            max_new_tokens=MAX_NEW,
-            python=sys.executable,
+            EngineOptions(
+                capacity=CAP,
+                max_new_tokens=MAX_NEW,
+                rollout=RolloutConfig(engine="vllm", vllm_python=sys.executable),
+            ),
             env={"PYTHONPATH": os.pathsep.join([fake, str(REPO_ROOT)]), "OMP_NUM_THREADS": "1"},
         ),
     }
     reqs = _requests(tok)
-    ref = Engine(_model(tok, 0), tok, capacity=CAP, max_new_tokens=MAX_NEW)
+    ref = Engine(_model(tok, 0), tok, EngineOptions(capacity=CAP, max_new_tokens=MAX_NEW))
     ref.submit(reqs)
     expected = {request_id(GenRequest(t.prompt, t.sample_idx, t.group_uid)): t for t in _drain(ref)}
     yield {
@@ -144,9 +145,7 @@ def shared_engine(request, assets):
         eng = Engine(
             _model(assets["tok"], 0),
             assets["tok"],
-            static_cache=True,
-            capacity=CAP,
-            max_new_tokens=MAX_NEW,
+            EngineOptions(capacity=CAP, max_new_tokens=MAX_NEW, rollout=RolloutConfig(static_cache=True)),
             static_width=24,
         )
     elif kind in ("vllm-fake", "torch-process"):
@@ -160,15 +159,17 @@ def shared_engine(request, assets):
                 "import vllm, and this interpreter has no vllm module (run `make vllm-env` to test it)"
             )
         cuda = torch.cuda.is_available()
-        eng = make_engine(
-            "vllm",
-            assets["dir"],
-            device="cuda" if cuda else "cpu",
-            capacity=CAP,
-            max_new_tokens=MAX_NEW,
-            python=py,
+        rollout = RolloutConfig(
+            engine="vllm",
+            vllm_python=py,
             dtype="float32",  # the trainer's precision: its recompute must agree (bf16 differs by ~5e-3)
-            vllm_args=["--vllm-gpu-memory-utilization", "0.3"] + ([] if cuda else ["--vllm-enforce-eager"]),
+            vllm_gpu_memory_utilization=0.3,
+            vllm_enforce_eager=not cuda,
+        )
+        eng = make_engine(
+            assets["dir"],
+            EngineOptions(capacity=CAP, max_new_tokens=MAX_NEW, rollout=rollout),
+            device="cuda" if cuda else "cpu",
         )
     yield kind, eng
     eng.close()
@@ -379,28 +380,32 @@ def test_protocol_and_worker_modules_import_without_torch_ray_or_prefect():
     assert proc.returncode == 0, proc.stderr[-2000:]
 
 
-def test_rollout_engine_options_map_the_config_section():
-    from types import SimpleNamespace
+def test_engine_options_map_the_rollout_section_to_the_worker_flags():
+    from generation.engines import engine_kind, worker_command
 
-    from generation.engines import rollout_engine_options
+    def flags(**rollout) -> list[str]:
+        opts = EngineOptions(
+            capacity=3, max_new_tokens=5, temperature=0.5, seed=7, rollout=RolloutConfig(**rollout)
+        )
+        return worker_command("/m", opts, python="py", device="cpu")
 
-    assert rollout_engine_options() == {
-        "kind": "torch",
-        "dtype": "auto",
-        "sync_every": 0,
-        "static_cache": False,
-        "cuda_graphs": False,
-    }
-    opts = rollout_engine_options(
-        SimpleNamespace(engine="vllm", vllm_gpu_memory_utilization=0.5, vllm_enforce_eager=True)
-    )
-    assert opts["kind"] == "vllm" and opts["vllm_args"] == [
+    torch_process = flags(engine="torch-process")
+    assert torch_process[:5] == ["py", "-m", "generation.vllm_worker", "--engine", "torch"]
+    assert torch_process[7:] == [
+        "--device", "cpu", "--capacity", "3", "--max-new-tokens", "5", "--temperature", "0.5", "--seed", "7",
+        "--dtype", "auto", "--sync-every", "0",
+    ]  # fmt: skip
+    assert flags(engine="vllm", vllm_gpu_memory_utilization=0.5, vllm_enforce_eager=True)[-3:] == [
         "--vllm-gpu-memory-utilization",
         "0.5",
         "--vllm-enforce-eager",
     ]
+    assert flags(engine="torch-process", static_cache=True, vllm_enforce_eager=True)[-1] == "--static-cache"
     with pytest.raises(ValueError, match="rollout.engine='tpu'"):
-        rollout_engine_options(SimpleNamespace(engine="tpu"))
+        engine_kind(RolloutConfig(engine="tpu"))
     if vllm_python() is None:  # no vLLM environment: a clear message, not a failed subprocess
         with pytest.raises(RuntimeError, match="make vllm-env"):
-            make_engine("vllm", "/nonexistent", python="/nonexistent/python")
+            make_engine(
+                "/nonexistent",
+                EngineOptions(rollout=RolloutConfig(engine="vllm", vllm_python="/nonexistent/python")),
+            )

@@ -14,6 +14,7 @@ from generation.model import build_char_tokenizer, build_tiny_model, encode_prom
 from generation.records import GenRequest, PromptItem
 from generation.sampler import row_keys, sample
 from tests.generation.test_engine_static import SMALL, _assert_same, _frequent_token
+from conf.schema import EngineOptions
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 
@@ -39,22 +40,24 @@ def setup():
     return tok, model, reqs, eos
 
 
-def _engine(model, tok, eos, **kw):
-    engine = Engine(model, tok, **kw)
+def _engine(model, tok, eos, capacity: int | None = None, **kw):
+    engine = Engine(
+        model, tok, EngineOptions() if capacity is None else EngineOptions(capacity=capacity), **kw
+    )
     engine.eos_id = eos
     return engine
 
 
 def test_batch_composition_order_and_batch_size_do_not_change_the_tokens(setup):
     tok, model, reqs, eos = setup
-    want = _engine(model, tok, eos, batch_size=64).generate(reqs, 32, 1.0, seed=7)
+    want = _engine(model, tok, eos, capacity=64).generate(reqs, 32, 1.0, seed=7)
     lengths = sorted(len(t.response_tokens) for t in want)
     assert lengths[0] < lengths[-1]  # early stops: rows leave the batch at different steps
     mixed = reqs[::3] + _requests(tok, 5, 3, tag="other")  # other prompts, longer padding, fewer rows
     shuffled = list(reqs)
     random.Random(0).shuffle(shuffled)
     for batch, size in ((mixed, 64), (shuffled, 64), (reqs, 5), (list(reversed(reqs)), 11)):
-        got = _by_key(_engine(model, tok, eos, batch_size=size).generate(batch, 32, 1.0, seed=7))
+        got = _by_key(_engine(model, tok, eos, capacity=size).generate(batch, 32, 1.0, seed=7))
         mine = [t for t in want if (t.prompt.prompt_id, t.sample_idx) in got]
         _assert_same(mine, [got[(t.prompt.prompt_id, t.sample_idx)] for t in mine])
     other = _engine(model, tok, eos).generate(reqs, 32, 1.0, seed=8)
@@ -79,7 +82,7 @@ def test_the_batch_call_and_the_continuous_step_loop_sample_the_same(setup):
     tok, model, reqs, eos = setup
     want = _by_key(_engine(model, tok, eos).generate(reqs, 24, 1.0, seed=11))
     for capacity, steps in ((5, 3), (32, 24)):
-        cont = Engine(model, tok, capacity=capacity, max_new_tokens=24, seed=11)
+        cont = Engine(model, tok, EngineOptions(capacity=capacity, max_new_tokens=24, seed=11))
         cont.eos_id = eos
         cont.submit(list(reversed(reqs)))
         out = []
@@ -128,8 +131,8 @@ def test_a_wave_handed_over_dissolved_or_reloaded_midway_samples_the_same(setup,
         assert sorted(got) == keys
         _assert_same([want[k] for k in keys], [got[k] for k in keys])
 
-    def engine(**kw):
-        e = Engine(model, tok, max_new_tokens=24, seed=2, **kw)
+    def engine(capacity: int):
+        e = Engine(model, tok, EngineOptions(capacity=capacity, max_new_tokens=24, seed=2))
         e.eos_id = eos
         return e
 

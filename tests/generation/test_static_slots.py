@@ -11,6 +11,7 @@ from generation.engine import Engine
 from generation.sampler import request_key
 
 from test_continuous import MAX_NEW, _drain, _key, _model, _requests, _staggered
+from conf.schema import EngineOptions, RolloutConfig
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 
@@ -33,7 +34,7 @@ def _same(a: dict, b: dict) -> None:
 
 def _reference(model, tok, reqs, capacity: int) -> dict:
     """What the dynamic engine samples for ``reqs``, by request key."""
-    ref = Engine(model, tok, capacity=capacity, max_new_tokens=MAX_NEW)
+    ref = Engine(model, tok, EngineOptions(capacity=capacity, max_new_tokens=MAX_NEW))
     ref.submit(reqs)
     return {_key(t): t for t in _drain(ref)}
 
@@ -43,15 +44,19 @@ def test_static_slots_match_the_dynamic_engine_through_compaction_and_growth(tok
     model = _model(tok)
     reqs = _requests(tok, 12, 2)
     waves = [reqs[:3], reqs[3:9], reqs[9:]]
-    ref = {_key(t): t for t in _staggered(Engine(model, tok, capacity=3, max_new_tokens=MAX_NEW), waves)}
+    ref = {
+        _key(t): t
+        for t in _staggered(Engine(model, tok, EngineOptions(capacity=3, max_new_tokens=MAX_NEW)), waves)
+    }
     eng = Engine(
         model,
         tok,
-        static_cache=True,
-        capacity=3,
-        max_new_tokens=MAX_NEW,
+        EngineOptions(
+            capacity=3,
+            max_new_tokens=MAX_NEW,
+            rollout=RolloutConfig(static_cache=True, sync_every=sync_every),
+        ),
         static_width=20,
-        sync_every=sync_every,
     )
     got = {_key(t): t for t in _staggered(eng, waves)}
     _same(ref, got)
@@ -72,7 +77,12 @@ def test_static_slots_hand_over_and_load_weights_like_the_dynamic_engine(tok):
     reqs = _requests(tok, 6, 2)
     expected = _reference(model, tok, reqs, capacity=4)
 
-    eng = Engine(model, tok, static_cache=True, capacity=4, max_new_tokens=MAX_NEW, static_width=24)
+    eng = Engine(
+        model,
+        tok,
+        EngineOptions(capacity=4, max_new_tokens=MAX_NEW, rollout=RolloutConfig(static_cache=True)),
+        static_width=24,
+    )
     eng.submit(reqs)
     done = eng.step(3)
     running = [r.request for r in eng._batch._rows]
@@ -80,7 +90,12 @@ def test_static_slots_hand_over_and_load_weights_like_the_dynamic_engine(tok):
     assert len(one) == 1 and eng.status()["active"] == len(running) - 1
     partials, queued = eng.extract()
     assert eng.status()["active"] == 0 and eng.status()["kv_tokens"] == 0
-    other = Engine(model, tok, static_cache=True, capacity=3, max_new_tokens=MAX_NEW, static_width=24)
+    other = Engine(
+        model,
+        tok,
+        EngineOptions(capacity=3, max_new_tokens=MAX_NEW, rollout=RolloutConfig(static_cache=True)),
+        static_width=24,
+    )
     other.submit(_requests(tok, 2, 1, offset=40))  # busy with other work when the partials arrive
     other.step(2)
     other.inject(one + partials)
@@ -94,7 +109,7 @@ def test_static_slots_hand_over_and_load_weights_like_the_dynamic_engine(tok):
     state = {k: v.detach().numpy().copy() for k, v in new.state_dict().items()}
     runs = []
     for cls, kw in ((Engine, {}), (Engine, {"static_width": 24})):
-        e = cls(_model(tok), tok, capacity=4, max_new_tokens=MAX_NEW, **kw)
+        e = cls(_model(tok), tok, EngineOptions(capacity=4, max_new_tokens=MAX_NEW), **kw)
         e.submit(reqs[:6])
         out = e.step(3)
         e.load_state(state, 1)
@@ -118,7 +133,13 @@ def test_static_decode_step_reads_no_tensor_value_on_the_host(tok):
         tok,
         seed=0,
     ).to("meta")
-    eng = Engine(model, tok, static_cache=True, device="meta", capacity=4, max_new_tokens=8, static_width=16)
+    eng = Engine(
+        model,
+        tok,
+        EngineOptions(capacity=4, max_new_tokens=8, rollout=RolloutConfig(static_cache=True)),
+        device="meta",
+        static_width=16,
+    )
 
     class _Layer:
         keys = torch.empty((1, 2, 1, 8), device="meta")
@@ -138,7 +159,12 @@ def test_narrowed_cpu_step_moves_stragglers_down_and_samples_the_same(tok):
     model = _model(tok)
     reqs = _requests(tok, 8, 2)
     expected = _reference(model, tok, reqs, capacity=8)
-    eng = Engine(model, tok, static_cache=True, capacity=8, max_new_tokens=MAX_NEW, static_width=24)
+    eng = Engine(
+        model,
+        tok,
+        EngineOptions(capacity=8, max_new_tokens=MAX_NEW, rollout=RolloutConfig(static_cache=True)),
+        static_width=24,
+    )
     assert eng._batch.narrow
     eng.submit(reqs)
     _same(expected, {_key(t): t for t in _drain(eng)})

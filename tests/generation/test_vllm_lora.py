@@ -11,15 +11,21 @@ from __future__ import annotations
 import os
 import sys
 from pathlib import Path
-from types import SimpleNamespace
 
 import numpy as np
 import pytest
 import torch
 
-from conf.schema import LLAMA_LINEAR_MODULES, ConfigError, LoraConfig, ModelConfig
+from conf.schema import (
+    LLAMA_LINEAR_MODULES,
+    ConfigError,
+    EngineOptions,
+    LoraConfig,
+    ModelConfig,
+    RolloutConfig,
+)
 from generation.adapter import SCALING_KEY, adapter_rank, sequence_logprobs
-from generation.engines import make_engine, rollout_engine_options, worker_command
+from generation.engines import make_engine, worker_command
 from generation.model import build_char_tokenizer, build_tiny_model, encode_prompt, load_model, save_model
 from generation.protocol import REPO_ROOT, ProtocolError, weights_dir, write_weights
 from generation.records import GenRequest, PromptItem
@@ -111,15 +117,12 @@ def _lora_folders(pid: int) -> list[Path]:
 
 @pytest.fixture(scope="module")
 def worker(assets):
+    rollout = RolloutConfig(engine="vllm", vllm_python=sys.executable)
     eng = make_engine(
-        "vllm",
         assets["dir"],
-        capacity=4,
-        max_new_tokens=MAX_NEW,
-        temperature=TEMP,
-        seed=0,
-        python=sys.executable,
-        lora_rank=RANK,
+        EngineOptions(
+            capacity=4, max_new_tokens=MAX_NEW, temperature=TEMP, seed=0, lora_rank=RANK, rollout=rollout
+        ),
         env={"PYTHONPATH": os.pathsep.join([FAKE, str(REPO_ROOT)]), "OMP_NUM_THREADS": "1"},
     )
     yield eng
@@ -273,13 +276,10 @@ def test_the_lora_rank_travels_from_the_adapter_folder_to_the_worker_flags(tmp_p
 
     assets["versions"][1].save_pretrained(tmp_path / "adapter")
     assert adapter_rank(tmp_path / "adapter") == RANK and adapter_rank(assets["dir"]) == 0
-    opts = rollout_engine_options(SimpleNamespace(engine="vllm"), lora_rank=RANK)
-    assert opts["lora_rank"] == RANK and "lora_rank" not in rollout_engine_options(None, lora_rank=RANK)
-    kw = dict(
-        python="py", device="cuda", capacity=4, max_new_tokens=8, temperature=1.0, seed=0, lora_rank=RANK
-    )
-    assert worker_command("vllm", "/m", **kw)[-2:] == ["--lora-rank", str(RANK)]
-    assert "--lora-rank" not in worker_command("torch-process", "/m", **kw)
+    opts = EngineOptions(lora_rank=adapter_rank(tmp_path / "adapter"), rollout=RolloutConfig(engine="vllm"))
+    assert worker_command("/m", opts, python="py", device="cuda")[-2:] == ["--lora-rank", str(RANK)]
+    process = EngineOptions(lora_rank=RANK, rollout=RolloutConfig(engine="torch-process"))
+    assert "--lora-rank" not in worker_command("/m", process, python="py", device="cuda")
     lora_vllm = [
         "device=cuda",
         "rollout.engine=vllm",

@@ -33,6 +33,7 @@ from training.rft import rft
 from training.rl.trainer import PolicyTrainer
 from training.sft import SFTExample, train_sft
 from training.warmup import warmup
+from training.rl.sections import RLSections
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -225,7 +226,9 @@ def test_rl_with_lr_1e30_stops_the_sync_loop(tmp_path):
     )
     model_dir = saved_model(tmp_path, model, tok)
     with pytest.raises(NonFiniteError) as err:
-        LocalDriver(model_dir, items, HalfRight(), PRESETS["grpo"], rl, seed=0, device="cpu").run()
+        LocalDriver(
+            model_dir, items, HalfRight(), PRESETS["grpo"], RLSections(rl, seed=0), device="cpu"
+        ).run()
     assert_one_clear_line(err.value, "stage rl, update", "rl.lr=1e+30")
 
 

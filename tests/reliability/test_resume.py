@@ -20,6 +20,7 @@ from training.rl.checkpoint import RUN_STATE, latest_checkpoint, list_checkpoint
 from training.rl.drivers.local import LocalDriver
 from training.rl.loop import HiveSource, PromptCursor
 from training.rl.stage import TIMING_KEYS
+from training.rl.sections import RLSections
 
 
 class HalfRight:
@@ -72,8 +73,7 @@ def run(tmp_path, *, kill_at=None, hive=True, ckpt="ckpt", steps=7, params=PRESE
         prompts(tok),
         HalfRight(),
         params,
-        rl,
-        seed=0,
+        RLSections(rl, seed=0),
         device="cpu",
         source=source,
         evaluate=evaluate,
@@ -192,10 +192,8 @@ def test_a_hive_laminar_run_killed_after_a_checkpoint_draws_the_prompts_it_recor
             items,
             HalfRight(),
             PRESETS["grpo"],
-            rl,
-            seed=0,
+            RLSections(rl, seed=0, cluster=ClusterConfig(rollouts=2)),
             device="cpu",
-            cluster=ClusterConfig(rollouts=2),
             state_dir=tmp_path / "state",
             on_step=on_step,
             source=lambda cursor, engine: HiveSource(cursor, engine, greso=GresoFilter(None), seed=0),
@@ -282,11 +280,8 @@ def test_a_ppo_laminar_run_killed_after_a_checkpoint_resumes_its_critic(tmp_path
             prompts(tok, 200),
             HalfRight(),
             PRESETS["ppo"],
-            rl,
-            seed=0,
+            RLSections(rl, seed=0, trainer=TrainerConfig(backend=backend), cluster=ClusterConfig(rollouts=1)),
             device="cpu",
-            cluster=ClusterConfig(rollouts=1),
-            trainer=TrainerConfig(backend=backend),
             state_dir=tmp_path / "state",
             on_step=on_step,
         )

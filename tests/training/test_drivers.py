@@ -15,6 +15,7 @@ from generation.records import PromptItem
 from tests.training.rl_fakes import Verdict
 from training.rl.manager import RolloutManager
 from training.rl.stage import TIMING_KEYS, objective_params
+from training.rl.sections import RLSections
 
 ray = pytest.importorskip("ray")
 
@@ -111,21 +112,12 @@ def test_local_and_ray_sync_runs_sample_the_same_tokens_and_write_the_same_histo
     runs = {}
     for runtime in ("local", "ray"):
         seen = trained(monkeypatch)
-        kw = dict(seed=0, device="cpu")
+        run = RLSections(dataclasses.replace(rl, runtime=runtime), seed=0)
         if runtime == "local":
-            driver = LocalDriver(
-                model_dir, prompts, EndsWithAnswer(), params, dataclasses.replace(rl, runtime="local"), **kw
-            )
+            driver = LocalDriver(model_dir, prompts, EndsWithAnswer(), params, run, device="cpu")
         else:
-            driver = LaminarRuntime(
-                model_dir,
-                prompts,
-                EndsWithAnswer(),
-                params,
-                dataclasses.replace(rl, runtime="ray"),
-                cluster=ClusterConfig(rollouts=1, actor_threads=1),
-                **kw,
-            )
+            run = dataclasses.replace(run, cluster=ClusterConfig(rollouts=1, actor_threads=1))
+            driver = LaminarRuntime(model_dir, prompts, EndsWithAnswer(), params, run, device="cpu")
         result = driver.run()
         runs[runtime] = (list(seen), untimed(result.history), dict(result.consumed), list(result.rewards))
         monkeypatch.undo()

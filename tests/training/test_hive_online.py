@@ -16,6 +16,7 @@ from generation.engine import Engine
 from training.rl.drivers.local import LocalDriver
 from training.rl.loop import HiveSource, PromptCursor
 from generation.records import PromptItem
+from training.rl.sections import RLSections
 
 
 class StartsWithDigit:
@@ -102,8 +103,7 @@ def test_the_local_driver_with_hive_source_records_history_and_in_run_evals(tmp_
         _prompts(tok, 32),
         StartsWithDigit(),
         PRESETS["grpo"],
-        rl,
-        seed=0,
+        RLSections(rl, seed=0),
         device="cpu",
         source=lambda cursor, engine: HiveSource(cursor, engine, greso=greso, seed=0),
         evaluate=evaluate,

@@ -10,7 +10,7 @@ import numpy as np
 import pytest
 import torch
 
-from conf.schema import ConfigError, LoraConfig, RLConfig
+from conf.schema import ConfigError, EngineOptions, LoraConfig, RLConfig, RolloutConfig
 from generation.adapter import SCALING_KEY, base_dir, is_adapter_dir, merge_adapter, sequence_logprobs
 from generation.model import encode_prompt, load_model
 from generation.records import PromptItem
@@ -22,6 +22,7 @@ from tests.training.lora_probe import (
     write_base_and_adapter,
 )
 from training.objectives import PRESETS
+from training.rl.sections import RLSections
 
 
 @pytest.fixture(scope="module")
@@ -147,7 +148,9 @@ def _sync_probe(adapter_dir, steps=3):
     rl = RLConfig(
         steps=steps, prompts_per_step=4, group_size=4, lr=2e-2, max_new_tokens=6, micro_batch_tokens=0
     )
-    Probing(adapter_dir, prompts, EvenLengthVerifier(), PRESETS["grpo"], rl, seed=0, device="cpu").run()
+    Probing(
+        adapter_dir, prompts, EvenLengthVerifier(), PRESETS["grpo"], RLSections(rl, seed=0), device="cpu"
+    ).run()
     return trainer_lp, seen
 
 
@@ -199,21 +202,23 @@ def test_rl_stage_writes_an_adapter_with_the_base_from_the_lineage(dirs, tmp_pat
     rl(
         base,
         tmp_path / "p.parquet",
-        RLConfig(
-            steps=2,
-            prompts_per_step=4,
-            group_size=4,
-            lr=2e-2,
-            max_new_tokens=6,
-            eval_every=0,
-            micro_batch_tokens=0,
+        RLSections(
+            RLConfig(
+                steps=2,
+                prompts_per_step=4,
+                group_size=4,
+                lr=2e-2,
+                max_new_tokens=6,
+                eval_every=0,
+                micro_batch_tokens=0,
+            ),
+            seed=0,
+            lora=LoraConfig(enabled=True, rank=4, stages=["rl"]),
         ),
         template="{problem}=",
-        seed=0,
         device="cpu",
         out_dir=out,
         reward=EvenLengthVerifier(),
-        lora=LoraConfig(enabled=True, rank=4, stages=["rl"]),
     )
     assert is_adapter_dir(out) and base_dir(out) == base.resolve()
     cfg = json.loads((out / "adapter_config.json").read_text())
@@ -252,7 +257,13 @@ def test_sync_resume_restores_adapter_optimizer_and_rng(dirs, tmp_path):
             checkpoint_every=1,
         )
         driver = LocalDriver(
-            dirs[1], prompts, EvenLengthVerifier(), PRESETS["grpo"], rl, seed=0, device="cpu", state_dir=ckpt
+            dirs[1],
+            prompts,
+            EvenLengthVerifier(),
+            PRESETS["grpo"],
+            RLSections(rl, seed=0),
+            device="cpu",
+            state_dir=ckpt,
         )
         driver.run()
         return adapter_state(driver.final_model)
@@ -297,11 +308,15 @@ def test_every_built_in_engine_kind_samples_the_same_tokens_under_an_adapter_ver
             out += engine.step(8)
         return {t.prompt.prompt_id: t.response_tokens for t in out}
 
-    kw = dict(capacity=8, max_new_tokens=12, seed=3)
-    local = sample(Engine(load_model(base)[0], tok, **kw), state)
-    assert local != sample(Engine(load_model(base)[0], tok, **kw), None)
-    assert sample(Engine(load_model(base)[0], tok, static_cache=True, static_width=24, **kw), state) == local
-    proc = make_engine("torch-process", str(base), env={"OMP_NUM_THREADS": "1"}, **kw)
+    opts = EngineOptions(capacity=8, max_new_tokens=12, seed=3)
+    local = sample(Engine(load_model(base)[0], tok, opts), state)
+    assert local != sample(Engine(load_model(base)[0], tok, opts), None)
+    static = EngineOptions(capacity=8, max_new_tokens=12, seed=3, rollout=RolloutConfig(static_cache=True))
+    assert sample(Engine(load_model(base)[0], tok, static, static_width=24), state) == local
+    process = EngineOptions(
+        capacity=8, max_new_tokens=12, seed=3, rollout=RolloutConfig(engine="torch-process")
+    )
+    proc = make_engine(str(base), process, env={"OMP_NUM_THREADS": "1"})
     try:
         assert sample(proc, state) == local
     finally:

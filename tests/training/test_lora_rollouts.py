@@ -21,6 +21,7 @@ from tests.training.lora_probe import (
     write_base_and_adapter,
 )
 from training.objectives import PRESETS
+from training.rl.sections import RLSections
 
 ray = pytest.importorskip("ray")
 
@@ -81,10 +82,8 @@ def probe_run(adapter_dir, mode: str, *, steps: int = 3, rollouts: int = 1):
         prompts,
         EvenLengthVerifier(),
         PRESETS["grpo"],
-        rl,
-        seed=0,
+        RLSections(rl, seed=0, cluster=ClusterConfig(rollouts=rollouts, rollout_priority="normal")),
         device="cpu",
-        cluster=ClusterConfig(rollouts=rollouts, rollout_priority="normal"),
         on_step=on_step,
     )
     rt.run()

@@ -15,6 +15,7 @@ from training.rl.control import MODES
 from training.rl.loop import PromptCursor
 from training.rl.manager import ManagerSettings, RolloutManager
 from training.rl.records import ExtractOrder, PullResult, RolloutStatus, StepOrder
+from training.rl.sections import RLSections
 
 DRIVEN = (
     "dispatch",
@@ -229,7 +230,7 @@ def test_runtime_settings_are_the_schema_defaults():
     assert not hasattr(runtime, "RuntimeConfig")
     cfg = Config()
     rl = dataclasses.replace(cfg.rl, mode="laminar")
-    rt = runtime.LaminarRuntime("unused", [], None, PRESETS["grpo"], rl, seed=0, device="cpu")
+    rt = runtime.LaminarRuntime("unused", [], None, PRESETS["grpo"], RLSections(rl, seed=0), device="cpu")
     assert rt.rl is rl and rt.cluster == ClusterConfig() == cfg.cluster
     assert rt.trainer_cfg == TrainerConfig() and rt.rollout_cfg == RolloutConfig()
     s = rt.settings
@@ -394,10 +395,8 @@ def test_the_simulator_and_both_drivers_drive_the_same_manager(monkeypatch, tmp_
                 items,
                 Verifier(),
                 PRESETS["grpo"],
-                rl,
-                seed=0,
+                RLSections(rl, seed=0, cluster=ClusterConfig(rollouts=2)),
                 device="cpu",
-                cluster=ClusterConfig(rollouts=2),
             )
             assert len(rt.run().history) == 3
             if mode == "sync":
@@ -406,7 +405,9 @@ def test_the_simulator_and_both_drivers_drive_the_same_manager(monkeypatch, tmp_
         ray.shutdown()
     by_runtime = {k for k, v in calls.items() if v}
     calls.clear()
-    local = LocalDriver(tmp_path, items, Verifier(), PRESETS["grpo"], rl_for("sync"), seed=0, device="cpu")
+    local = LocalDriver(
+        tmp_path, items, Verifier(), PRESETS["grpo"], RLSections(rl_for("sync"), seed=0), device="cpu"
+    )
     assert len(local.run().history) == 3
     by_local = {k for k, v in calls.items() if v}
     core = {"dispatch", "step_done", "next_batch", "updated", "maybe_open_batch"}

@@ -12,6 +12,7 @@ from rewards.compose import Reward
 from rewards.components import Sample
 from training.reward_model import train_reward_model
 from training.rl.reward_actor import RemoteRewardModel, with_reward_actor
+from training.rl.sections import RLSections
 
 pytestmark = pytest.mark.slow
 
@@ -103,10 +104,8 @@ def test_a_laminar_run_whose_reward_actor_is_killed_mid_run_finishes_with_every_
         prompts,
         reward,
         objective_params(rl),
-        rl,
-        seed=0,
+        RLSections(rl, seed=0, cluster=ClusterConfig(rollouts=2, actor_threads=1)),
         device="cpu",
-        cluster=ClusterConfig(rollouts=2, actor_threads=1),
     )
     result = rt.run()
     uids = rt.summary["trained_uids"]

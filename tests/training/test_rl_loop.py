@@ -10,6 +10,7 @@ from training.objectives import PRESETS
 from training.rl.drivers.local import LocalDriver
 from training.rl.loop import PromptCursor, score_phase
 from generation.records import PromptItem, Trajectory
+from training.rl.sections import RLSections
 
 
 class StartsWithDigit:
@@ -53,8 +54,7 @@ def test_grpo_really_learns_a_simple_preference(tmp_path):
         _prompts(tok),
         StartsWithDigit(),
         PRESETS["grpo"],
-        rl,
-        seed=0,
+        RLSections(rl, seed=0),
         device="cpu",
     )
     result = driver.run()

@@ -14,6 +14,7 @@ from training.rl.loop import score_phase
 from generation.records import GenRequest, PromptItem, ScoredGroup, Trajectory
 from training.rl.trainer import PolicyTrainer
 from training.rl.stage import objective_params
+from training.rl.sections import RLSections
 
 
 class ByPrompt:
@@ -61,7 +62,7 @@ def _local(tmp_path, model, tok, prompts, params, **rl_kw):
 
     rl = RLConfig(lr=1e-3, micro_batch_tokens=0, rollout_capacity=64, **rl_kw)
     return LocalDriver(
-        saved_model(tmp_path, model, tok), prompts, ByPrompt(), params, rl, seed=0, device="cpu"
+        saved_model(tmp_path, model, tok), prompts, ByPrompt(), params, RLSections(rl, seed=0), device="cpu"
     )
 
 

@@ -17,6 +17,7 @@ from training.objectives import PRESETS
 from training.rl.drivers.local import LocalDriver
 from training.rl.loop import rl_reward
 from training.rl.stage import write_rl_records
+from training.rl.sections import RLSections
 
 COMPONENTS = ("math_verify", "cosine_length", "repetition")
 
@@ -41,7 +42,12 @@ def _run(tmp_path):
     reward = rl_reward(Reward.of(StartsWithDigit(), cfg), PRESETS["grpo"])
     rl = RLConfig(steps=3, prompts_per_step=4, group_size=4, lr=1e-2, max_new_tokens=6, micro_batch_tokens=0)
     driver = LocalDriver(
-        saved_model(tmp_path, model, tok), prompts, reward, PRESETS["grpo"], rl, seed=0, device="cpu"
+        saved_model(tmp_path, model, tok),
+        prompts,
+        reward,
+        PRESETS["grpo"],
+        RLSections(rl, seed=0),
+        device="cpu",
     )
     return driver.run(), reward
 

@@ -21,6 +21,7 @@ from training.objectives import PRESETS
 from generation.records import PromptItem
 
 from tests.training.rl_fakes import Verdict
+from training.rl.sections import RLSections
 
 ray = pytest.importorskip("ray")
 
@@ -99,12 +100,14 @@ def make_runtime(
         prompts,
         ExactVerifier(),
         PRESETS["grpo"],
-        rl,
-        seed=0,
+        RLSections(
+            rl,
+            seed=0,
+            rollout=rollout,
+            trainer=trainer,
+            cluster=ClusterConfig(**{"rollouts": 2, **cluster_kw}),
+        ),
         device="cpu",
-        cluster=ClusterConfig(**{"rollouts": 2, **cluster_kw}),
-        trainer=trainer,
-        rollout=rollout,
         state_dir=state_dir,
         on_step=on_step,
         evaluate=evaluate,

@@ -135,44 +135,24 @@ class RolloutWorker:
     """A rollout: the continuous-batching engine behind one Ray actor. ``run`` is the only busy
     call: the manager's order as the local driver runs it in process (``training.rl.rollout``), its
     pulls from the node's relay.
-    ``rl`` (``conf.schema.RLConfig``) gives its capacity and sampling, ``rollout``
-    (``conf.schema.RolloutConfig``) its engine."""
+    ``run`` (``training.rl.sections.RLSections``): ``run.rl`` gives its capacity and sampling,
+    ``run.rollout`` its engine, ``run.env`` its episodes, ``run.cluster`` its threads and priority."""
 
-    def __init__(
-        self,
-        name: str,
-        model_dir: str,
-        rl,
-        rollout,
-        *,
-        device: str,
-        seed: int,
-        threads: int = 1,
-        priority: str = "normal",
-        env=None,
-        sandbox=None,
-    ):
-        _setup(threads, seed)
-        lower_priority(priority)
+    def __init__(self, name: str, model_dir: str, run, *, device: str):
+        _setup(run.cluster.actor_threads, run.seed)
+        lower_priority(run.cluster.rollout_priority)
         from generation.adapter import adapter_rank, model_dir_for_sampling
-        from generation.engines import make_engine, rollout_engine_options
+        from generation.engines import make_engine
 
         self.name = name
-        opts = rollout_engine_options(
-            rollout, lora_rank=adapter_rank(model_dir)
-        )  # vLLM: started for its adapters
-        kind = opts.pop("kind")  # torch | torch-process | vllm: all speak the rollout protocol
-        # a LoRA run's rollouts load the bare base: every adapter version (0 first) is merged into it on pull
+        # a LoRA run's rollouts load the bare base: every adapter version (0 first) is merged into it on
+        # pull; a vLLM worker is started for the adapters' rank
         self.engine = make_engine(
-            kind,
             model_dir_for_sampling(model_dir),
+            run.engine_options(run.rl.rollout_capacity, lora_rank=adapter_rank(model_dir)),
             device=device,
-            capacity=rl.rollout_capacity,
-            max_new_tokens=rl.max_new_tokens,
-            temperature=rl.temperature,
-            seed=seed,
-            **opts,
-        )
+        )  # torch | torch-process | vllm: all speak the rollout protocol
+        env, sandbox = run.env, run.sandbox
         if env is not None and not env.is_default():  # episodes: the engine in an episode runner
             from environments.registry import wrap_engine
             from generation.model import load_tokenizer

@@ -16,7 +16,7 @@ from collections.abc import Callable, Sequence
 from typing import TYPE_CHECKING
 
 from training.objectives import ObjectiveParams
-from conf.schema import OverlongParams
+from conf.schema import EngineOptions, OverlongParams
 from generation.records import PromptItem, ScoredGroup, Trajectory
 from rewards.components import Overlong, Sample
 from rewards.compose import Reward, as_reward
@@ -256,6 +256,8 @@ def policy_copy(model_dir: Path) -> Engine:
     from generation.model import load_model
 
     model, tokenizer = load_model(model_dir_for_sampling(model_dir), "cpu")
-    engine = Engine(model, tokenizer, device="cpu")
+    engine = Engine(
+        model, tokenizer, EngineOptions(capacity=256), device="cpu"
+    )  # prompt entropy: 256 at a time
     engine.version = -1 if is_adapter_dir(model_dir) else 0
     return engine

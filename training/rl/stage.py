@@ -17,22 +17,14 @@ from collections.abc import Callable
 
 from tqdm.auto import tqdm
 
-from conf.schema import (
-    ClusterConfig,
-    EnvConfig,
-    LoraConfig,
-    RLConfig,
-    RolloutConfig,
-    SandboxConfig,
-    SelectConfig,
-    TrainerConfig,
-)
+from conf.schema import LoraConfig, RLConfig, SelectConfig
 from generation.adapter import is_adapter_dir
 from generation.model import encode_problem
 from training.objectives import PRESETS, ObjectiveParams
 from rewards.compose import Reward
 from training.rl.loop import RLResult, rl_reward
 from training.rl.records import StepMetrics
+from training.rl.sections import RLSections
 from generation.records import PromptItem
 from generation.setup import read_table
 
@@ -88,10 +80,14 @@ def objective_params(cfg: RLConfig) -> ObjectiveParams:
     return dataclasses.replace(PRESETS[cfg.algorithm], overlong_cache_len=cfg.overlong_cache_len, **overrides)
 
 
-def hive_source(select: SelectConfig, history_path: Path | None, seed: int):
-    """The RL loop's prompt source for ``curation.select``: None (uniform: the seeded cursor) or a
-    factory of HIVE's online source, its GRESO history seeded from ``history_path``."""
-    if select.strategy != "hive" or (not select.online_greso and select.online_entropy == "off"):
+def hive_source(select: SelectConfig | None, history_path: Path | None, seed: int):
+    """The RL loop's prompt source for ``curation.select`` (None: off): None (uniform: the seeded
+    cursor) or a factory of HIVE's online source, its GRESO history seeded from ``history_path``."""
+    if (
+        select is None
+        or select.strategy != "hive"
+        or (not select.online_greso and select.online_entropy == "off")
+    ):
         return None
     from data_curation.hive import GresoFilter
     from training.rl.loop import HiveSource
@@ -122,61 +118,120 @@ def hive_source(select: SelectConfig, history_path: Path | None, seed: int):
 def rl(
     model_dir: Path,
     prompts_path: Path,
-    cfg: RLConfig,
+    run: RLSections,
     *,
     template: str,
-    seed: int,
     device: str,
     out_dir: Path,
     reward,
-    select: SelectConfig | None = None,
     history_path: Path | None = None,
     evaluate: Callable[[object], dict[str, float]] | None = None,
-    cluster: ClusterConfig | None = None,
     state_dir: Path | None = None,
-    trainer: TrainerConfig | None = None,
-    rollout: RolloutConfig | None = None,
     on_metrics: Callable[[dict[str, float]], None] | None = None,
-    lora: LoraConfig | None = None,
-    env: EnvConfig | None = None,
-    sandbox: SandboxConfig | None = None,
 ) -> RLResult:
-    """RL from ``model_dir`` on the prompts of ``prompts_path`` (see the module docstring for what
-    it writes). ``select`` turns on HIVE's online pruning; ``evaluate`` runs every ``cfg.eval_every`` steps.
-    Either loop checkpoints into ``state_dir`` every ``cfg.checkpoint_every`` steps and resumes from
-    it after a crash. ``cfg.uses_ray()`` picks the driver: the Ray driver runs the roles on Ray
-    (``cluster``) and also writes ``timeline.json``/``.png`` and ``runtime.json`` (throughput, staleness
-    histogram, repacks, failures); else the local driver runs in this process. ``on_metrics``: called
-    with every step's metrics (``StepMetrics.as_dict``) as the step ends (an experiment tracker's
-    logger; with Ray on the driver, with what the actors report).
-    ``lora`` on for rl: only adapters train (continuing the adapter ``model_dir`` holds, or a fresh one on
-    it), only adapters are published, and ``out_dir`` becomes a PEFT adapter folder.
+    """RL from ``model_dir`` on the prompts of ``prompts_path`` with the config sections ``run``
+    (``RLSections``; see the module docstring for what it writes). ``run.select`` turns on HIVE's
+    online pruning (its GRESO history from ``history_path``); ``evaluate`` runs every
+    ``run.rl.eval_every`` steps. Either loop checkpoints into ``state_dir`` every
+    ``run.rl.checkpoint_every`` steps and resumes from it after a crash. ``run.rl.uses_ray()`` picks the
+    driver: the Ray driver runs the roles on Ray (``run.cluster``) and also writes
+    ``timeline.json``/``.png`` and ``runtime.json`` (throughput, staleness histogram, repacks, failures);
+    else the local driver runs in this process. ``on_metrics``: called with every step's metrics
+    (``StepMetrics.as_dict``) as the step ends (an experiment tracker's logger; with Ray on the driver,
+    with what the actors report). ``run.lora`` on for rl: only adapters train (continuing the adapter
+    ``model_dir`` holds, or a fresh one on it), only adapters are published, and ``out_dir`` becomes a
+    PEFT adapter folder.
     ``reward``: the ``rewards.compose.Reward`` every response is scored with (a bare verifier: the
     math verifier alone); DAPO's preset adds its overlong component (``training.rl.loop.rl_reward``).
-    ``env`` (``conf.schema.EnvConfig``): the episodes' environment (None: single-turn); ``sandbox``:
-    the run's sandbox settings, for its tools (the reward's code components carry their own)."""
+    ``run.env``: the episodes' environment (None: single-turn); ``run.sandbox``: the run's sandbox
+    settings, for its tools (the reward's code components carry their own)."""
+    from generation.model import load_tokenizer
+
+    cfg = run.rl
     with tempfile.TemporaryDirectory(prefix="laminar-rl-start-") as scratch:
-        model_dir = rl_start(Path(model_dir), lora, Path(scratch), seed)
-        return _rl(
-            model_dir,
-            prompts_path,
-            cfg,
-            template=template,
-            seed=seed,
-            device=device,
-            out_dir=out_dir,
-            reward=reward,
-            select=select,
-            history_path=history_path,
-            evaluate=evaluate,
-            cluster=cluster,
-            state_dir=state_dir,
-            trainer=trainer,
-            rollout=rollout,
-            on_metrics=on_metrics,
-            env=env,
-            sandbox=sandbox,
+        model_dir = rl_start(Path(model_dir), run.lora, Path(scratch), run.seed)
+        tokenizer = load_tokenizer(model_dir)
+        prompts = rl_prompts(Path(prompts_path), tokenizer, template, cfg.steps)
+        params = objective_params(cfg)
+        reward = rl_reward(reward, params)
+        with tqdm(
+            total=cfg.steps, desc=f"rl {cfg.algorithm}/{cfg.mode}", unit="step", leave=False, disable=None
+        ) as bar:
+            driver = make_driver(
+                model_dir,
+                prompts,
+                reward,
+                params,
+                run,
+                device=device,
+                state_dir=state_dir,
+                source=hive_source(run.select, history_path, run.seed),
+                on_step=_progress(bar, cfg.steps, on_metrics),
+                evaluate=evaluate,
+            )
+            result = driver.run()
+            if cfg.uses_ray():
+                write_runtime_report(driver, Path(out_dir))
+        save_rl_model(driver, model_dir, tokenizer, Path(out_dir))
+        write_rl_records(result, Path(out_dir), reward)
+        return result
+
+
+def rl_prompts(prompts_path: Path, tokenizer, template: str, steps: int) -> list[PromptItem]:
+    """The prompts of ``prompts_path`` encoded with ``template``; none to train ``steps`` > 0 on fails."""
+    rows = read_table(prompts_path)
+    if not rows and steps > 0:
+        raise ValueError(
+            f"RL has no prompts to train on ({prompts_path} is empty): check the curation counts "
+            "(quarantined, contaminated, selected) in the run table"
         )
+    return [
+        PromptItem(
+            prompt_id=r["prompt_id"],
+            text=r["problem"],
+            answer=r["answer"],
+            prompt_tokens=encode_problem(tokenizer, template, r["problem"]),
+            level=r.get("level"),
+        )
+        for r in rows
+    ]
+
+
+def _progress(bar, steps: int, on_metrics: Callable[[dict[str, float]], None] | None):
+    """The drivers' ``on_step``: one progress bar tick and log line, then ``on_metrics``."""
+
+    def on_step(m: StepMetrics) -> None:
+        line = m.line(steps)
+        bar.update(1)
+        bar.write(line)
+        LOG.info(line)
+        if on_metrics is not None:
+            on_metrics(m.as_dict())
+
+    return on_step
+
+
+def make_driver(model_dir: Path, prompts, reward, params: ObjectiveParams, run: RLSections, **hooks):
+    """The driver ``run.rl.uses_ray()`` picks (``LaminarRuntime`` or ``LocalDriver``); ``hooks``: its
+    keyword arguments besides the config (device, state_dir, source, on_step, evaluate)."""
+    if run.rl.uses_ray():
+        from training.rl.drivers.ray import LaminarRuntime
+
+        return LaminarRuntime(Path(model_dir), prompts, reward, params, run, **hooks)
+    from training.rl.drivers.local import LocalDriver
+
+    return LocalDriver(Path(model_dir), prompts, reward, params, run, **hooks)
+
+
+def save_rl_model(driver, model_dir: Path, tokenizer, out_dir: Path) -> None:
+    """The trained policy into ``out_dir``: the adapter for a LoRA run on Ray (not the merged model),
+    else the driver's final model."""
+    from training.lora import adapter_from_state, save_trained
+
+    if driver.rl.uses_ray() and is_adapter_dir(model_dir):
+        adapter_from_state(model_dir, driver.final_state, out_dir)
+    else:
+        save_trained(driver.final_model.to("cpu"), tokenizer, out_dir)
 
 
 def rl_start(model_dir: Path, lora: LoraConfig | None, scratch: Path, seed: int) -> Path:
@@ -191,94 +246,6 @@ def rl_start(model_dir: Path, lora: LoraConfig | None, scratch: Path, seed: int)
     if not on and is_adapter_dir(model_dir):
         return full_model(model_dir, scratch / "merged")
     return model_dir
-
-
-def _rl(
-    model_dir: Path,
-    prompts_path: Path,
-    cfg: RLConfig,
-    *,
-    template: str,
-    seed: int,
-    device: str,
-    out_dir: Path,
-    reward,
-    select,
-    history_path,
-    evaluate,
-    cluster,
-    state_dir,
-    trainer,
-    rollout,
-    on_metrics,
-    env=None,
-    sandbox=None,
-) -> RLResult:
-    from generation.model import load_tokenizer
-    from training.lora import adapter_from_state, save_trained
-
-    tokenizer = load_tokenizer(model_dir)
-    rows = read_table(Path(prompts_path))
-    if not rows and cfg.steps > 0:
-        raise ValueError(
-            f"RL has no prompts to train on ({prompts_path} is empty): check the curation counts "
-            "(quarantined, contaminated, selected) in the run table"
-        )
-    prompts = [
-        PromptItem(
-            prompt_id=r["prompt_id"],
-            text=r["problem"],
-            answer=r["answer"],
-            prompt_tokens=encode_problem(tokenizer, template, r["problem"]),
-            level=r.get("level"),
-        )
-        for r in rows
-    ]
-    params = objective_params(cfg)
-    reward = rl_reward(reward, params)
-    with tqdm(
-        total=cfg.steps, desc=f"rl {cfg.algorithm}/{cfg.mode}", unit="step", leave=False, disable=None
-    ) as bar:
-
-        def on_step(m: StepMetrics) -> None:
-            line = m.line(cfg.steps)
-            bar.update(1)
-            bar.write(line)
-            LOG.info(line)
-            if on_metrics is not None:
-                on_metrics(m.as_dict())
-
-        common = dict(
-            seed=seed,
-            device=device,
-            on_step=on_step,
-            evaluate=evaluate,
-            source=hive_source(select, history_path, seed) if select is not None else None,
-            rollout=rollout,
-            state_dir=state_dir,
-            env=env,
-            sandbox=sandbox,
-        )
-        if cfg.uses_ray():
-            from training.rl.drivers.ray import LaminarRuntime
-
-            driver = LaminarRuntime(
-                Path(model_dir), prompts, reward, params, cfg, cluster=cluster, trainer=trainer, **common
-            )
-        else:
-            from training.rl.drivers.local import LocalDriver
-
-            driver = LocalDriver(Path(model_dir), prompts, reward, params, cfg, **common)
-        result = driver.run()
-        model = driver.final_model
-        if cfg.uses_ray():
-            write_runtime_report(driver, Path(out_dir))
-    if cfg.uses_ray() and is_adapter_dir(model_dir):
-        adapter_from_state(model_dir, driver.final_state, out_dir)  # the adapter, not the merged model
-    else:
-        save_trained(model.to("cpu"), tokenizer, out_dir)
-    write_rl_records(result, Path(out_dir), reward)
-    return result
 
 
 def write_rl_records(result: RLResult, out_dir: Path, reward: Reward) -> None:

@@ -18,10 +18,9 @@ from pathlib import Path
 
 import torch
 
-from conf.schema import EnvConfig, RLConfig, RolloutConfig, SandboxConfig
 from environments.registry import wrap_engine
 from generation.adapter import adapter_rank, load_published, model_dir_for_sampling
-from generation.engines import make_engine, rollout_engine_options
+from generation.engines import make_engine
 from generation.records import PromptItem
 from training.objectives import ObjectiveParams
 from training.rl.checkpoint import (
@@ -36,6 +35,7 @@ from training.rl.loop import PromptCursor, RLResult, group_scorer, keep_filter, 
 from training.rl.manager import ManagerSettings, RolloutManager
 from training.rl.records import ExtractReply, PullResult, StepMetrics
 from training.rl.rollout import run_order
+from training.rl.sections import RLSections
 from training.rl.trainer import PolicyTrainer
 
 LOG = logging.getLogger("laminar.training")
@@ -44,11 +44,11 @@ ROLLOUT = "rollout-0"
 
 class LocalDriver:
     """Synchronous RL in process from the checkpoint in ``model_dir`` (a full model, or an adapter
-    folder: LoRA). ``rl`` (``conf.schema.RLConfig``): steps, batch, lengths, optimizer, ``eval_every``,
-    ``checkpoint_every``; ``rollout`` (``conf.schema.RolloutConfig``): the engine; ``env``
-    (``conf.schema.EnvConfig``): the episodes' environment (None or single_turn: one turn, the
-    engine as it is). With ``state_dir`` it checkpoints into ``state_dir/checkpoints`` and resumes
-    from the last checkpoint there.
+    folder: LoRA), configured by ``run`` (``training.rl.sections.RLSections``): ``run.rl`` (steps,
+    batch, lengths, optimizer, ``eval_every``, ``checkpoint_every``), ``run.rollout`` (the engine),
+    ``run.env`` (the episodes' environment; None or single_turn: one turn, the engine as it is) and
+    ``run.sandbox`` (its tools'). With ``state_dir`` it checkpoints into ``state_dir/checkpoints``
+    and resumes from the last checkpoint there.
     ``run()`` returns the ``RLResult``; ``final_model`` is the trained model."""
 
     def __init__(
@@ -57,30 +57,26 @@ class LocalDriver:
         prompts: Sequence[PromptItem],
         reward,
         params: ObjectiveParams,
-        rl: RLConfig,
+        run: RLSections,
         *,
-        seed: int,
         device: str,
-        rollout: RolloutConfig | None = None,
         state_dir: Path | None = None,
         source: Callable | None = None,
         on_step: Callable[[StepMetrics], None] | None = None,
         evaluate: Callable[[object], dict[str, float]] | None = None,
-        env: EnvConfig | None = None,
-        sandbox: SandboxConfig | None = None,
     ):
+        rl = run.rl
         self.settings = ManagerSettings.from_config(rl, params)
         if self.settings.mode.name != "sync":
             raise ValueError(f"rl.mode={rl.mode} needs the Ray driver: set rl.runtime=ray (or auto)")
-        self.model_dir, self.prompts, self.reward, self.params, self.rl = (
+        self.sections, self.rl = run, rl
+        self.model_dir, self.prompts, self.reward, self.params = (
             Path(model_dir),
             list(prompts),
             reward,
             params,
-            rl,
         )
-        self.seed, self.device, self.rollout_cfg, self.env_cfg = seed, device, rollout, env
-        self.sandbox = sandbox
+        self.seed, self.device = run.seed, device
         self.checkpoint_dir = Path(state_dir) / "checkpoints" if state_dir is not None else None
         self.source_factory, self.on_step, self.evaluate = source, on_step, evaluate
         self.result = RLResult()
@@ -138,21 +134,16 @@ class LocalDriver:
         self.trainer = PolicyTrainer.from_config(
             model, self.params, self.rl, pad_id=tokenizer.pad_token_id, device=self.device
         )
-        opts = rollout_engine_options(self.rollout_cfg, lora_rank=adapter_rank(self.model_dir))
+        # the only rollout holds the whole sync batch: half of it at a time decodes the second half as
+        # rows joining late, ~3x the generation seconds on the default run
+        capacity = max(self.rl.rollout_capacity, self.rl.prompts_per_step * self.rl.group_size)
         self.engine = make_engine(
-            opts.pop("kind"),
             model_dir_for_sampling(self.model_dir),  # LoRA: the bare base; each adapter version merges in
+            self.sections.engine_options(capacity, lora_rank=adapter_rank(self.model_dir)),
             device=self.device,
-            # the only rollout holds the whole sync batch: half of it at a time decodes the second
-            # half as rows joining late, ~3x the generation seconds on the default run
-            capacity=max(self.rl.rollout_capacity, self.rl.prompts_per_step * self.rl.group_size),
-            max_new_tokens=self.rl.max_new_tokens,
-            temperature=self.rl.temperature,
-            seed=self.seed,
-            **opts,
         )
         # single_turn: the engine itself
-        self.engine = wrap_engine(self.engine, self.env_cfg, tokenizer, self.sandbox)
+        self.engine = wrap_engine(self.engine, self.sections.env, tokenizer, self.sections.sandbox)
         self.engine.version = -1  # no published version yet: the first order pulls
         cursor = PromptCursor(self.prompts, self.seed)
         if self.source_factory is not None:

@@ -37,7 +37,6 @@ from collections.abc import Callable, Sequence
 
 import torch
 
-from conf.schema import ClusterConfig, EnvConfig, RLConfig, RolloutConfig, SandboxConfig, TrainerConfig
 from generation.adapter import load_published
 from generation.records import PromptItem
 from training.objectives import ObjectiveParams
@@ -54,6 +53,7 @@ from training.rl.loop import PromptCursor, RLResult, group_scorer, keep_filter, 
 from training.rl.reward_actor import with_reward_actor
 from training.rl.manager import ManagerSettings, RolloutManager
 from training.rl.records import StepMetrics, TrainReply
+from training.rl.sections import RLSections
 
 # re-exported: the driver's public names before its collaborators moved to modules of their own
 from training.rl.drivers.ray_rollouts import WAKE_GROUP, rollout_actor_class  # noqa: F401
@@ -68,10 +68,10 @@ LOG = logging.getLogger("laminar.training")
 
 
 class LaminarRuntime:
-    """One RL run on Ray in any of ``control.MODES``, configured by the schema's sections: ``rl``
-    (``RLConfig``: steps, batch, mode, staleness, repack, checkpoints), ``cluster`` (``ClusterConfig``:
-    where the roles run), ``trainer`` (``TrainerConfig``) and ``rollout`` (``RolloutConfig``: the
-    engine). ``run()`` returns an ``RLResult`` whose history has one ``StepMetrics`` per update, plus
+    """One RL run on Ray in any of ``control.MODES``, configured by the schema's sections in ``run``
+    (``training.rl.sections.RLSections``): ``rl`` (steps, batch, mode, staleness, repack,
+    checkpoints), ``cluster`` (where the roles run), ``trainer``, ``rollout`` (the engine), ``env``
+    and ``sandbox``. ``run()`` returns an ``RLResult`` whose history has one ``StepMetrics`` per update, plus
     ``self.timeline`` and ``self.summary``. With ``state_dir`` it checkpoints every
     ``rl.checkpoint_every`` updates into ``state_dir/checkpoints`` and resumes from the last one."""
 
@@ -81,32 +81,25 @@ class LaminarRuntime:
         prompts: Sequence[PromptItem],
         reward,
         params: ObjectiveParams,
-        rl: RLConfig,
+        run: RLSections,
         *,
-        seed: int,
         device: str,
-        cluster: ClusterConfig | None = None,
-        trainer: TrainerConfig | None = None,
-        rollout: RolloutConfig | None = None,
         state_dir: Path | None = None,
         source: Callable | None = None,
         on_step: Callable[[StepMetrics], None] | None = None,
         evaluate: Callable[[object], dict[str, float]] | None = None,
-        env: EnvConfig | None = None,
-        sandbox: SandboxConfig | None = None,
     ):
-        self.settings = ManagerSettings.from_config(rl, params)
+        self.sections = run
+        self.settings = ManagerSettings.from_config(run.rl, params)
         self.mode = self.settings.mode
-        self.env_cfg, self.sandbox = env, sandbox
+        self.env_cfg, self.sandbox = run.env, run.sandbox
         self.model_dir = Path(model_dir)
         self.prompts = list(prompts)
         self.reward = reward
         self.params = params
-        self.rl = rl
-        self.cluster = cluster or ClusterConfig()
-        self.trainer_cfg = trainer or TrainerConfig()
-        self.rollout_cfg = rollout or RolloutConfig()
-        self.seed = seed
+        self.rl = run.rl
+        self.cluster, self.trainer_cfg, self.rollout_cfg = run.cluster, run.trainer, run.rollout
+        self.seed = run.seed
         self.device = device
         self.checkpoint_dir = Path(state_dir) / "checkpoints" if state_dir is not None else None
         self.extensions_dir = (
@@ -129,7 +122,6 @@ class LaminarRuntime:
         self.source = None
         self.local_engine = None
         self.local_version = 0
-        self.eval_model = None
         self.result = RLResult()
         self.cpu: _CpuLedger | None = None
         self.final_model = None
@@ -137,11 +129,7 @@ class LaminarRuntime:
         self.resumed_from: int | None = None
         self.t0 = time.perf_counter()
         self._own_ray = False
-        self._relay_seq = 0
-        self._Relay = None
         self._checkpoint_due = False
-        self._eval_thread = None
-        self._eval_error: BaseException | None = None
 
     @property
     def version(self) -> int:
@@ -197,9 +185,9 @@ class LaminarRuntime:
         ray.get(self.trainer.lead.set_master.remote(self.relay_fleet.master))
 
     def _build_rollouts(self, ray) -> None:
-        from generation.engines import rollout_engine_options
+        from generation.engines import engine_kind
 
-        rollout_engine_options(self.rollout_cfg)  # an unknown engine fails here, before any actor starts
+        engine_kind(self.rollout_cfg)  # an unknown engine fails here, before any actor starts
         c = self.cluster
         self.rollout_fleet = RolloutFleet()
         self.rollouts = self.rollout_fleet.actors
@@ -207,15 +195,8 @@ class LaminarRuntime:
             ray,
             c,
             [rollout_node(c, self.nodes, i) for i in range(c.rollouts)],
-            (str(self.model_dir), self.rl, self.rollout_cfg),
-            dict(
-                device=self.device,
-                seed=self.seed,
-                threads=c.actor_threads,
-                priority=c.rollout_priority,
-                env=self.env_cfg,
-                sandbox=self.sandbox,
-            ),
+            (str(self.model_dir), self.sections),
+            dict(device=self.device),
         )
         self.timeline["rollouts"] = list(self.rollouts)
 
