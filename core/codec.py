@@ -23,11 +23,14 @@ Standard library, numpy, msgpack and pydantic only: the vLLM worker's environmen
 
 from __future__ import annotations
 
+import dataclasses
+import json
 from typing import Any, Generic, TypeVar
 
 import msgpack
 import numpy as np
 from pydantic import BaseModel, ConfigDict, TypeAdapter, ValidationError
+from pydantic_core import PydanticSerializationError
 from pydantic_core import core_schema as cs
 
 T = TypeVar("T")
@@ -78,7 +81,7 @@ class Array:
         try:
             return np.asarray(value, dtype=self.dtype).tobytes()
         except (OverflowError, ValueError, TypeError) as e:
-            raise CodecError(f"cannot store {type(value).__name__} as {self.dtype.str} array: {e}") from None
+            raise ValueError(f"cannot store {type(value).__name__} as {self.dtype.str} array: {e}") from None
 
 
 _TYPE_NAMES = {
@@ -116,18 +119,23 @@ def explain(err: ValidationError, what: str, *, tagged: bool = False) -> str:
     elif kind == "union_tag_not_found":
         text = f"needs a field {ctx['discriminator']}"
     elif kind == "missing":
-        text = f"missing field {loc.pop()!r}"
+        text = f"missing {_label(loc.pop())}"
     elif kind in _TYPE_NAMES:
-        text = f"{f'field {loc.pop()!r} ' if loc else ''}must be {_TYPE_NAMES[kind]}, got {got}"
+        text = f"{f'{_label(loc.pop())} ' if loc else ''}must be {_TYPE_NAMES[kind]}, got {got}"
     elif kind == "value_error":  # a model's invariant
         text = str(ctx.get("error", e["msg"]))
     elif loc:
-        text = f"field {loc.pop()!r}: {e['msg'][0].lower()}{e['msg'][1:]}"
+        m = e["msg"]
+        text = f"{_label(loc.pop())}{' ' if m.startswith('must ') else ': '}{m[0].lower()}{m[1:]}"
     else:
         text = e["msg"]
     where = f"{'.'.join(loc)}: " if loc else ""
     more = f" (and {len(errors) - 1} more)" if len(errors) > 1 else ""
     return f"{what}: {where}{text}{more}"
+
+
+def _label(name: str) -> str:
+    return f"item {name}" if name.isdigit() else f"field {name!r}"
 
 
 class Codec(Generic[T]):
@@ -139,6 +147,7 @@ class Codec(Generic[T]):
         self.name = name or getattr(tp, "__name__", str(tp))
         self.exclude = exclude
         self.tagged = tagged
+        self.dataclass = dataclasses.is_dataclass(tp)
 
     # -- plain data (JSON-ready)
     def to_plain(self, obj: T) -> Any:
@@ -146,14 +155,23 @@ class Codec(Generic[T]):
 
     def from_plain(self, data: Any) -> T:
         try:
-            return self.adapter.validate_python(data)
+            if not self.dataclass:
+                return self.adapter.validate_python(data)
+            try:  # pydantic is strict with a dataclass's fields only when it reads JSON text
+                text = json.dumps(data)
+            except (TypeError, ValueError) as e:
+                raise CodecError(f"{self.name}: not JSON-ready data ({e})") from None
+            return self.adapter.validate_json(text, strict=True)
         except ValidationError as e:
             raise CodecError(explain(e, self.name, tagged=self.tagged)) from None
 
     # -- msgpack
     def dump(self, obj: T) -> Any:
         """``obj`` as msgpack-ready data (arrays as bytes)."""
-        return self.adapter.dump_python(obj, exclude=self.exclude)
+        try:
+            return self.adapter.dump_python(obj, exclude=self.exclude)
+        except PydanticSerializationError as e:
+            raise CodecError(f"cannot encode {self.name}: {str(e).split(': ', 1)[-1]}") from None
 
     def encode(self, obj: T) -> bytes:
         return pack(self.dump(obj))
