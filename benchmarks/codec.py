@@ -7,8 +7,8 @@ Cases (each: the worker or writer side encodes, the other side decodes back to r
   prompts of 48 tokens, through ``protocol.handle`` and the client's decoding;
 - ``submit``: 64 requests, decoded by the worker;
 - ``abort``: 32 partials of 128 tokens back to the client;
-- ``checkpoint``: 64 multi-turn trajectories (loss mask, environment state) to JSON text and back
-  (``rl_state.json``).
+- ``checkpoint_write`` / ``checkpoint_read``: 64 multi-turn trajectories (loss mask, environment
+  state) to JSON text (each checkpoint) and back (a resume), as in ``rl_state.json``.
 
     PYTHONPATH=. python benchmarks/codec.py [--base 81ce12b] [--repeats 7] [--out FILE]
 
@@ -145,18 +145,20 @@ def cases(base_protocol, base_control, reqs, trajs, parts, episodes):
         res = msgpack.unpackb(data, raw=False, strict_map_key=False)["result"]
         return [base_protocol.partial_from_wire(p, known) for p in res["partials"]]
 
-    def checkpoint(control):
-        def run():
-            text = json.dumps([control.trajectory_to_json(t) for t in episodes])
-            return [control.trajectory_from_json(d) for d in json.loads(text)]
+    def checkpoint_write(control):
+        return lambda: json.dumps([control.trajectory_to_json(t) for t in episodes])
 
-        return run
+    saved = json.dumps([base_control.trajectory_to_json(t) for t in episodes])
+
+    def checkpoint_read(control):
+        return lambda: [control.trajectory_from_json(d) for d in json.loads(saved)]
 
     return {
         "step": (len(trajs), new_step, base_step),
         "submit": (len(reqs), new_submit, base_submit),
         "abort": (len(parts), new_abort, base_abort),
-        "checkpoint": (len(episodes), checkpoint(new_control), checkpoint(base_control)),
+        "checkpoint_write": (len(episodes), checkpoint_write(new_control), checkpoint_write(base_control)),
+        "checkpoint_read": (len(episodes), checkpoint_read(new_control), checkpoint_read(base_control)),
     }
 
 
@@ -182,7 +184,7 @@ def main() -> None:
     out = {"date": datetime.date.today().isoformat(), "base": args.base, "cases": {}}
     for name, (n, new, base) in table.items():
         a, b = new(), base()
-        assert a == b, f"{name}: the codecs disagree"
+        assert repr(a) == repr(b), f"{name}: the codecs disagree"  # repr: NaN equals NaN
         rates = {"new": [], "base": []}
         for _ in range(args.repeats):  # interleaved, so drift hits both alike
             rates["new"].append(timed(new) * n)
@@ -195,7 +197,7 @@ def main() -> None:
             "ratio_new_over_base": round(med["new"] / med["base"], 3),
         }
         print(
-            f"{name:11s} new {med['new']:10.0f} rec/s  base {med['base']:10.0f} rec/s  "
+            f"{name:16s} new {med['new']:10.0f} rec/s  base {med['base']:10.0f} rec/s  "
             f"ratio {med['new'] / med['base']:.2f}"
         )
     if args.out:

@@ -24,13 +24,12 @@ Standard library, numpy, msgpack and pydantic only: the vLLM worker's environmen
 from __future__ import annotations
 
 import dataclasses
-import json
 from typing import Any, Generic, TypeVar
 
 import msgpack
 import numpy as np
 from pydantic import BaseModel, ConfigDict, TypeAdapter, ValidationError
-from pydantic_core import PydanticSerializationError
+from pydantic_core import PydanticSerializationError, to_json
 from pydantic_core import core_schema as cs
 
 T = TypeVar("T")
@@ -158,8 +157,8 @@ class Codec(Generic[T]):
             if not self.dataclass:
                 return self.adapter.validate_python(data)
             try:  # pydantic is strict with a dataclass's fields only when it reads JSON text
-                text = json.dumps(data)
-            except (TypeError, ValueError) as e:
+                text = to_json(data, inf_nan_mode="constants")
+            except PydanticSerializationError as e:
                 raise CodecError(f"{self.name}: not JSON-ready data ({e})") from None
             return self.adapter.validate_json(text, strict=True)
         except ValidationError as e:
