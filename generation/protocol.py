@@ -24,13 +24,14 @@ big-endian length then one msgpack map. A call is ``{"id": n, "op": name, ...fie
 Every call, reply and result is a typed model of ``generation.messages`` encoded by the one codec
 (``core.codec``: token ids and log-probs as raw bytes); each side validates what it decodes. A bad
 message (undecodable, not a map, unknown op, missing or mistyped field) gets an error reply naming
-the field, and the worker keeps serving. Weights never travel inline: the client writes one safetensors file (in
-``/dev/shm`` when it exists) and sends its path; nothing is pickled. Ops: ``hello``, ``submit``,
-``inject``, ``step``, ``abort``, ``load_weights``, ``configure`` (``admitting``, ``version``),
-``status``, ``shutdown``.
+the field, and the worker keeps serving. Weights never travel inline: the client writes one
+safetensors file (in ``/dev/shm`` when it exists) and sends its path; nothing is pickled. Ops:
+``hello``, ``submit``, ``inject``, ``step``, ``abort``, ``load_weights``, ``configure``
+(``admitting``, ``version``), ``status``, ``shutdown``.
 
 This module imports neither torch nor Ray nor Prefect (only the standard library, numpy, msgpack,
-pydantic and the plain records), so vLLM's environment can import it; safetensors is imported when weights move.
+pydantic and the plain records), so vLLM's environment can import it; safetensors is imported when
+weights move.
 """
 
 from __future__ import annotations
