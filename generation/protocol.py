@@ -55,7 +55,7 @@ from core.codec import Codec, CodecError, pack, unpack
 from generation import messages as msg
 from generation.records import GenRequest, Partial, Trajectory
 
-PROTOCOL_VERSION = 1
+PROTOCOL_VERSION = 2  # 2: token ids and log-probs as raw bytes (generation.messages)
 MAX_FRAME = 1 << 30
 REPO_ROOT = Path(__file__).resolve().parents[1]
 
