@@ -21,19 +21,22 @@ drive any engine through one surface.
 **Wire format** (``EngineProcess`` <-> ``serve``): frames on the worker's stdin/stdout, each a 4-byte
 big-endian length then one msgpack map. A call is ``{"id": n, "op": name, ...fields}``; the reply is
 ``{"id": n, "ok": true, "result": ...}`` or ``{"id": n, "ok": false, "error": {"type", "message"}}``.
-A bad message (undecodable, not a map, unknown op, missing or mistyped field) gets an error reply and
-the worker keeps serving. Weights never travel inline: the client writes one safetensors file (in
-``/dev/shm`` when it exists) and sends its path; nothing is pickled. Ops: ``hello``, ``submit``,
-``inject``, ``step``, ``abort``, ``load_weights``, ``configure`` (``admitting``, ``version``),
-``status``, ``shutdown``.
+Every call, reply and result is a typed model of ``generation.messages`` encoded by the one codec
+(``core.codec``: token ids and log-probs as raw bytes); each side validates what it decodes. A bad
+message (undecodable, not a map, unknown op, missing or mistyped field) gets an error reply naming
+the field, and the worker keeps serving. Weights never travel inline: the client writes one
+safetensors file (in ``/dev/shm`` when it exists) and sends its path; nothing is pickled. Ops:
+``hello``, ``submit``, ``inject``, ``step``, ``abort``, ``load_weights``, ``configure``
+(``admitting``, ``version``), ``status``, ``shutdown``.
 
-This module imports neither torch nor Ray nor Prefect (only the standard library, numpy, msgpack and
-the plain records), so vLLM's environment can import it; safetensors is imported when weights move.
+This module imports neither torch nor Ray nor Prefect (only the standard library, numpy, msgpack,
+pydantic and the plain records), so vLLM's environment can import it; safetensors is imported when
+weights move.
 """
 
 from __future__ import annotations
 
-import math
+import dataclasses
 import os
 import struct
 import subprocess
@@ -46,12 +49,13 @@ from pathlib import Path
 from typing import IO, Any, Protocol, runtime_checkable
 from collections.abc import Iterable, Mapping, Sequence
 
-import msgpack
 import numpy as np
 
-from generation.records import GenRequest, Partial, PromptItem, Trajectory
+from core.codec import Codec, CodecError, pack, unpack
+from generation import messages as msg
+from generation.records import GenRequest, Partial, Trajectory
 
-PROTOCOL_VERSION = 1
+PROTOCOL_VERSION = 2  # 2: token ids and log-probs as raw bytes (generation.messages)
 MAX_FRAME = 1 << 30
 REPO_ROOT = Path(__file__).resolve().parents[1]
 
@@ -165,142 +169,12 @@ def write_weights(state: Mapping[str, np.ndarray], directory: str | None = None)
     return path
 
 
-# --------------------------------------------------------------------------------------- encoding
-
-
-def _req_to_wire(r: GenRequest) -> dict:
-    return {
-        "prompt_id": r.prompt.prompt_id,
-        "prompt_tokens": list(r.prompt.prompt_tokens),
-        "sample_idx": int(r.sample_idx),
-        "group_uid": int(r.group_uid),
-    }
-
-
-def _field(d: Mapping, name: str, kinds, what: str):
-    if not isinstance(d, Mapping):
-        raise ProtocolError(f"{what}: expected a map, got {type(d).__name__}")
-    if name not in d:
-        raise ProtocolError(f"{what}: missing field {name!r}")
-    v = d[name]
-    allowed = kinds if isinstance(kinds, tuple) else (kinds,)
-    if not isinstance(v, allowed) or (isinstance(v, bool) and bool not in allowed):
-        raise ProtocolError(f"{what}: field {name!r} must be {_kind_name(kinds)}, got {type(v).__name__}")
-    return v
-
-
-def _kind_name(kinds) -> str:
-    kinds = kinds if isinstance(kinds, tuple) else (kinds,)
-    return " or ".join(k.__name__ for k in kinds)
-
-
-def _int_list(v, what: str) -> list[int]:
-    if not isinstance(v, (list, tuple)) or not all(isinstance(x, int) and not isinstance(x, bool) for x in v):
-        raise ProtocolError(f"{what}: expected a list of token ids")
-    return [int(x) for x in v]
-
-
-def _float_list(v, what: str) -> list[float]:
-    if not isinstance(v, (list, tuple)) or not all(
-        isinstance(x, (int, float)) and not isinstance(x, bool) for x in v
-    ):
-        raise ProtocolError(f"{what}: expected a list of numbers")
-    return [float(x) for x in v]
-
-
-def req_from_wire(d: Mapping, known: Mapping[RequestId, GenRequest] | None = None) -> GenRequest:
-    what = "request"
-    pid = _field(d, "prompt_id", str, what)
-    toks = _int_list(_field(d, "prompt_tokens", (list, tuple), what), what + ".prompt_tokens")
-    if not toks:
-        raise ProtocolError(f"request {pid!r}: empty prompt_tokens")
-    sidx = _field(d, "sample_idx", int, what)
-    guid = _field(d, "group_uid", int, what)
-    if known is not None and (pid, guid, sidx) in known:
-        return known[(pid, guid, sidx)]
-    return GenRequest(PromptItem(pid, "", "", tuple(toks)), int(sidx), group_uid=int(guid))
-
-
-def partial_to_wire(p: Partial) -> dict:
-    return {
-        "request": _req_to_wire(p.request),
-        "tokens": list(p.tokens),
-        "logprobs": list(p.logprobs),
-        "version": int(p.version),
-        "entropy_sum": float(p.entropy_sum),
-    }
-
-
-def partial_from_wire(d: Mapping, known=None) -> Partial:
-    what = "partial"
-    req = req_from_wire(_field(d, "request", Mapping, what), known)
-    toks = _int_list(_field(d, "tokens", (list, tuple), what), what + ".tokens")
-    lps = _float_list(_field(d, "logprobs", (list, tuple), what), what + ".logprobs")
-    if len(toks) != len(lps):
-        raise ProtocolError(f"partial {request_id(req)}: {len(toks)} tokens but {len(lps)} logprobs")
-    return Partial(
-        req, tuple(toks), tuple(lps), int(_field(d, "version", int, what)), float(d.get("entropy_sum", 0.0))
-    )
-
-
-def traj_to_wire(t: Trajectory) -> dict:
-    req = GenRequest(t.prompt, t.sample_idx, t.group_uid)
-    return {
-        "request": _req_to_wire(req),
-        "tokens": list(t.response_tokens),
-        "logprobs": list(t.behaviour_logprobs),
-        "version": int(t.version),
-        "last_version": int(t.last_version),
-        "finished": bool(t.finished),
-        "text": t.text,
-        "mean_entropy": float(t.mean_entropy),
-    }
-
-
-def traj_from_wire(d: Mapping, known=None) -> Trajectory:
-    what = "trajectory"
-    req = req_from_wire(_field(d, "request", Mapping, what), known)
-    toks = _int_list(_field(d, "tokens", (list, tuple), what), what + ".tokens")
-    lps = _float_list(_field(d, "logprobs", (list, tuple), what), what + ".logprobs")
-    if len(toks) != len(lps):
-        raise ProtocolError(f"trajectory {request_id(req)}: {len(toks)} tokens but {len(lps)} logprobs")
-    return Trajectory(
-        kind="trajectory",
-        prompt=req.prompt,
-        sample_idx=req.sample_idx,
-        response_tokens=tuple(toks),
-        behaviour_logprobs=tuple(lps),
-        version=int(_field(d, "version", int, what)),
-        finished=bool(_field(d, "finished", bool, what)),
-        text=str(d.get("text", "")),
-        mean_entropy=float(d.get("mean_entropy", math.nan)),
-        group_uid=req.group_uid,
-        last_version=int(d.get("last_version", -1)),
-    )
-
-
-def sampling_to_wire(s: SamplingSpec | None):
-    return (
-        None
-        if s is None
-        else {"temperature": s.temperature, "max_new_tokens": s.max_new_tokens, "seed": s.seed}
-    )
-
-
-def sampling_from_wire(d) -> SamplingSpec | None:
-    if d is None:
-        return None
-    return SamplingSpec(
-        float(_field(d, "temperature", (int, float), "sampling")),
-        int(_field(d, "max_new_tokens", int, "sampling")),
-        int(_field(d, "seed", int, "sampling")),
-    )
+# --------------------------------------------------------------------------------------- framing
 
 
 def write_frame(stream: IO[bytes], obj: Any) -> None:
-    data = msgpack.packb(obj, use_bin_type=True)
-    stream.write(struct.pack(">I", len(data)) + data)
-    stream.flush()
+    """One frame holding ``obj`` (msgpack-ready data: a model's ``Codec.dump``)."""
+    write_raw_frame(stream, pack(obj))
 
 
 def write_raw_frame(stream: IO[bytes], data: bytes) -> None:
@@ -339,66 +213,91 @@ def _status_clean(st: Mapping) -> dict:
     return {k: (v if isinstance(v, (bool, int, float, str)) or v is None else str(v)) for k, v in st.items()}
 
 
-def handle(engine, msg: Any, info: Mapping) -> tuple[Any, bool]:
-    """Run one decoded call against ``engine``: (result, keep_serving). Raises ProtocolError (or the
-    engine's own error) for a bad call; ``serve`` turns it into an error reply."""
-    if not isinstance(msg, Mapping):
-        raise ProtocolError(f"a call must be a map, got {type(msg).__name__}")
-    op = msg.get("op")
-    if not isinstance(op, str):
-        raise ProtocolError("a call needs a string field 'op'")
-    if op == "hello":
-        return {"protocol": PROTOCOL_VERSION, **info, "status": _status_clean(engine.status())}, True
-    if op == "submit":
-        reqs = [req_from_wire(r) for r in _field(msg, "requests", (list, tuple), "submit")]
-        engine.submit(reqs, sampling_from_wire(msg.get("sampling")))
-        return {"queued": engine.status()["queued"]}, True
-    if op == "inject":
-        parts = [partial_from_wire(p) for p in _field(msg, "partials", (list, tuple), "inject")]
-        engine.inject(parts)
-        return {"queued": engine.status()["queued"]}, True
-    if op == "step":
-        n = _field(msg, "max_steps", int, "step")
-        if n < 0:
-            raise ProtocolError(f"step: max_steps must be >= 0, got {n}")
-        done = engine.step(n)
-        return {"finished": [traj_to_wire(t) for t in done], "status": _status_clean(engine.status())}, True
-    if op == "abort":
-        ids = msg.get("request_ids")
-        if ids is not None:
-            if not isinstance(ids, (list, tuple)) or not all(
-                isinstance(i, (list, tuple)) and len(i) == 3 for i in ids
-            ):
-                raise ProtocolError(
-                    "abort: request_ids must be null or a list of [prompt_id, group_uid, sample_idx]"
-                )
-            ids = [(str(a), int(b), int(c)) for a, b, c in ids]
-        parts, reqs = engine.abort(ids, bool(msg.get("include_queued", True)))
-        return {
-            "partials": [partial_to_wire(p) for p in parts],
-            "requests": [_req_to_wire(r) for r in reqs],
-        }, True
-    if op == "load_weights":
-        version = _field(msg, "version", int, "load_weights")
-        path = _field(msg, "path", str, "load_weights")
-        if not os.path.isfile(path):
-            raise ProtocolError(f"load_weights: no weights file at {path}")
-        engine.load_weights(version, path=path)
-        return {"version": engine.version}, True
-    if op == "configure":
-        if "admitting" in msg:
-            engine.admitting = bool(_field(msg, "admitting", bool, "configure"))
-        if "version" in msg:
-            engine.version = int(_field(msg, "version", int, "configure"))
-        return _status_clean(engine.status()), True
-    if op == "status":
-        return _status_clean(engine.status()), True
-    if op == "shutdown":
-        return {}, False
-    raise ProtocolError(
-        f"unknown op {op!r}; known: hello, submit, inject, step, abort, load_weights, configure, "
-        "status, shutdown"
+def handle(engine, call: Any, info: Mapping) -> tuple[Any, bool]:
+    """Run one call (a ``generation.messages`` call model, or its plain data, validated here) against
+    ``engine``: (result as msgpack-ready data, keep_serving). Raises ProtocolError (or the engine's
+    own error) for a bad call; ``serve`` turns it into an error reply."""
+    if not isinstance(call, msg.Call):
+        try:
+            call = msg.CALL.from_plain(call)
+        except CodecError as e:
+            raise ProtocolError(str(e)) from None
+    run = _OPS.get(type(call))
+    if run is None:
+        raise ProtocolError(f"unknown call {type(call).__name__}")
+    return run(engine, call, info), not isinstance(call, msg.Shutdown)
+
+
+def _hello(engine, call: msg.Hello, info: Mapping) -> dict:
+    return {"protocol": PROTOCOL_VERSION, **info, "status": _status_clean(engine.status())}
+
+
+def _submit(engine, call: msg.Submit, info: Mapping) -> dict:
+    s = call.sampling
+    spec = None if s is None else SamplingSpec(s.temperature, s.max_new_tokens, s.seed)
+    engine.submit([msg.to_request(r) for r in call.requests], spec)
+    return {"queued": engine.status()["queued"]}
+
+
+def _inject(engine, call: msg.Inject, info: Mapping) -> dict:
+    engine.inject([msg.to_partial(p) for p in call.partials])
+    return {"queued": engine.status()["queued"]}
+
+
+def _step(engine, call: msg.Step, info: Mapping) -> dict:
+    done = engine.step(call.max_steps)
+    return msg.STEP_RESULT.dump(
+        msg.StepResult.model_construct(
+            finished=tuple(msg.wire_trajectory(t) for t in done), status=_status_clean(engine.status())
+        )
     )
+
+
+def _abort(engine, call: msg.Abort, info: Mapping) -> dict:
+    ids = None if call.request_ids is None else list(call.request_ids)
+    parts, reqs = engine.abort(ids, call.include_queued)
+    return msg.ABORT_RESULT.dump(
+        msg.AbortResult.model_construct(
+            partials=tuple(msg.wire_partial(p) for p in parts),
+            requests=tuple(msg.wire_request(r) for r in reqs),
+        )
+    )
+
+
+def _load_weights(engine, call: msg.LoadWeights, info: Mapping) -> dict:
+    if not os.path.isfile(call.path):
+        raise ProtocolError(f"load_weights: no weights file at {call.path}")
+    engine.load_weights(call.version, path=call.path)
+    return {"version": engine.version}
+
+
+def _configure(engine, call: msg.Configure, info: Mapping) -> dict:
+    if call.admitting is not None:
+        engine.admitting = call.admitting
+    if call.version is not None:
+        engine.version = call.version
+    return _status_clean(engine.status())
+
+
+def _status(engine, call: msg.Call, info: Mapping) -> dict:
+    return _status_clean(engine.status())
+
+
+_OPS = {
+    msg.Hello: _hello,
+    msg.Submit: _submit,
+    msg.Inject: _inject,
+    msg.Step: _step,
+    msg.Abort: _abort,
+    msg.LoadWeights: _load_weights,
+    msg.Configure: _configure,
+    msg.Status: _status,
+    msg.Shutdown: lambda engine, call, info: {},
+}
+
+
+def _error(call_id: Any, e: BaseException) -> dict:
+    return {"id": call_id, "ok": False, "error": {"type": type(e).__name__, "message": str(e)}}
 
 
 def serve(engine, rfile: IO[bytes], wfile: IO[bytes], info: Mapping | None = None) -> None:
@@ -408,26 +307,21 @@ def serve(engine, rfile: IO[bytes], wfile: IO[bytes], info: Mapping | None = Non
         try:
             data = read_frame_bytes(rfile)
         except ProtocolError as e:  # a broken frame boundary: nothing after it can be trusted
-            write_frame(
-                wfile, {"id": None, "ok": False, "error": {"type": "ProtocolError", "message": str(e)}}
-            )
+            write_frame(wfile, _error(None, e))
             return
         if data is None:
             return
         call_id = None
         try:
             try:
-                msg = msgpack.unpackb(data, raw=False, strict_map_key=False)
-            except Exception as e:  # noqa: BLE001 - any undecodable payload
-                raise ProtocolError(f"undecodable frame ({type(e).__name__}: {e})") from None
-            call_id = msg.get("id") if isinstance(msg, Mapping) else None
-            result, keep = handle(engine, msg, info)
+                plain = unpack(data, "frame")
+            except CodecError as e:
+                raise ProtocolError(str(e)) from None
+            call_id = plain.get("id") if isinstance(plain, Mapping) else None
+            result, keep = handle(engine, plain, info)
             reply = {"id": call_id, "ok": True, "result": result}
         except Exception as e:  # noqa: BLE001 - reported to the caller, the worker keeps serving
-            reply, keep = (
-                {"id": call_id, "ok": False, "error": {"type": type(e).__name__, "message": str(e)}},
-                True,
-            )
+            reply, keep = _error(call_id, e), True
         write_frame(wfile, reply)
         if not keep:
             return
@@ -486,7 +380,7 @@ class EngineProcess(EngineBase):
         self._timer = threading.Timer(start_timeout, self._kill_slow_start)
         self._timer.start()
         try:
-            self.info = self.call("hello")
+            self.info = self.send(msg.Hello())
         finally:
             self._timer.cancel()
         if self.info.get("protocol") != PROTOCOL_VERSION:
@@ -521,33 +415,45 @@ class EngineProcess(EngineBase):
             "EngineDied",
         )
 
-    def _roundtrip(self, payload: bytes | None, obj: Mapping | None) -> Any:
+    def _roundtrip(self, payload: bytes) -> Any:
         with self._lock:
             if self.proc.poll() is not None:
                 raise self._died("is not running")
             try:
-                if payload is not None:
-                    write_raw_frame(self.proc.stdin, payload)
-                else:
-                    write_frame(self.proc.stdin, obj)
+                write_raw_frame(self.proc.stdin, payload)
                 data = read_frame_bytes(self.proc.stdout)
             except (BrokenPipeError, OSError) as e:
                 raise self._died(f"pipe failed ({type(e).__name__})") from None
             if data is None:
                 raise self._died("closed its output")
-        reply = msgpack.unpackb(data, raw=False, strict_map_key=False)
-        if not reply.get("ok"):
-            err = reply.get("error") or {}
-            raise ProtocolError(f"engine error {err.get('type')}: {err.get('message')}", err.get("type", "?"))
-        return reply.get("result")
+        try:
+            reply = msg.REPLY.decode(data)
+        except CodecError as e:
+            raise ProtocolError(str(e)) from None
+        if not reply.ok:
+            err = reply.error or msg.ErrorInfo(type="?", message="no error given")
+            raise ProtocolError(f"engine error {err.type}: {err.message}", err.type)
+        return reply.result
 
     def call(self, op: str, **fields) -> Any:
+        """Send a call as plain fields (what the worker validates); the plain result."""
         self._next_id += 1
-        return self._roundtrip(None, {"id": self._next_id, "op": op, **fields})
+        return self._roundtrip(pack({"id": self._next_id, "op": op, **fields}))
+
+    def send(self, call: msg.Call, result: Codec | None = None) -> Any:
+        """Send a call model; its result decoded by ``result`` (plain data without one)."""
+        self._next_id += 1
+        plain = self._roundtrip(pack({**msg.CALL.dump(call), "id": self._next_id}))
+        if result is None:
+            return plain
+        try:
+            return result.from_plain(plain)
+        except CodecError as e:
+            raise ProtocolError(str(e)) from None
 
     def call_raw(self, payload: bytes) -> Any:
         """Send an arbitrary frame payload (tests of malformed messages)."""
-        return self._roundtrip(payload, None)
+        return self._roundtrip(payload)
 
     # -- RolloutEngine
     @property
@@ -556,7 +462,7 @@ class EngineProcess(EngineBase):
 
     @version.setter
     def version(self, v: int) -> None:
-        self.call("configure", version=int(v))
+        self.send(msg.Configure(version=int(v)))
         self._version = int(v)
 
     @property
@@ -566,14 +472,15 @@ class EngineProcess(EngineBase):
     @admitting.setter
     def admitting(self, v: bool) -> None:
         if bool(v) != self._admitting:
-            self.call("configure", admitting=bool(v))
+            self.send(msg.Configure(admitting=bool(v)))
             self._admitting = bool(v)
 
     def submit(self, requests: Sequence[GenRequest], sampling: SamplingSpec | None = None) -> None:
         requests = list(requests)
         if not requests:
             return
-        self.call("submit", requests=[_req_to_wire(r) for r in requests], sampling=sampling_to_wire(sampling))
+        spec = None if sampling is None else msg.Sampling.model_construct(**dataclasses.asdict(sampling))
+        self.send(msg.Submit.model_construct(requests=tuple(map(msg.wire_request, requests)), sampling=spec))
         for r in requests:
             self._known[request_id(r)] = r
 
@@ -581,23 +488,23 @@ class EngineProcess(EngineBase):
         partials = list(partials)
         if not partials:
             return
-        self.call("inject", partials=[partial_to_wire(p) for p in partials])
+        self.send(msg.Inject.model_construct(partials=tuple(map(msg.wire_partial, partials))))
         for p in partials:
             self._known[request_id(p.request)] = p.request
 
     def step(self, max_steps: int) -> list[Trajectory]:
-        res = self.call("step", max_steps=int(max_steps))
-        out = [traj_from_wire(t, self._known) for t in res["finished"]]
+        res = self.send(msg.Step(max_steps=int(max_steps)), msg.STEP_RESULT)
+        out = [msg.to_trajectory(t, self._known) for t in res.finished]
         for t in out:
             self._known.pop((t.prompt.prompt_id, t.group_uid, t.sample_idx), None)
-        self._last_status = res["status"]
+        self._last_status = res.status
         return out
 
     def abort(self, request_ids=None, include_queued: bool = True) -> tuple[list[Partial], list[GenRequest]]:
-        ids = None if request_ids is None else [list(i) for i in request_ids]
-        res = self.call("abort", request_ids=ids, include_queued=bool(include_queued))
-        parts = [partial_from_wire(p, self._known) for p in res["partials"]]
-        reqs = [req_from_wire(r, self._known) for r in res["requests"]]
+        ids = None if request_ids is None else tuple((str(a), int(b), int(c)) for a, b, c in request_ids)
+        res = self.send(msg.Abort(request_ids=ids, include_queued=bool(include_queued)), msg.ABORT_RESULT)
+        parts = [msg.to_partial(p, self._known) for p in res.partials]
+        reqs = [msg.to_request(r, self._known) for r in res.requests]
         for r in [p.request for p in parts] + reqs:
             self._known.pop(request_id(r), None)
         return parts, reqs
@@ -611,14 +518,14 @@ class EngineProcess(EngineBase):
         if state is not None:
             tmp = path = write_weights(state, self._weights_dir)
         try:
-            res = self.call("load_weights", version=int(version), path=str(path))
+            res = self.send(msg.LoadWeights(version=int(version), path=str(path)), msg.LOADED)
         finally:
             if tmp is not None:
                 os.unlink(tmp)
-        self._version = int(res["version"])
+        self._version = res.version
 
     def status(self) -> dict:
-        st = self.call("status")
+        st = self.send(msg.Status())
         self._version, self._admitting = int(st["version"]), bool(st["admitting"])
         return st
 
@@ -627,7 +534,7 @@ class EngineProcess(EngineBase):
             return
         if self.proc.poll() is None:
             try:
-                self.call("shutdown")
+                self.send(msg.Shutdown())
             except ProtocolError:
                 pass
             try:

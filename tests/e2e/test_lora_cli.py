@@ -5,31 +5,13 @@ folders on the base model (the lineage's root), `laminar eval ckpt=` takes the a
 from __future__ import annotations
 
 import json
-import os
-import subprocess
-import sys
-from pathlib import Path
 
 import pytest
 
 from tests.configs import TINY_CURATED
+from tests.e2e.cli import laminar, latest_summary
 
-ROOT = Path(__file__).resolve().parents[2]
 pytestmark = [pytest.mark.e2e, pytest.mark.slow]  # two minutes on the loaded 2-core machine: make test-slow
-
-
-def laminar(*args: str, ws: Path) -> subprocess.CompletedProcess:
-    env = {**os.environ, "PYTHONPATH": str(ROOT)}
-    proc = subprocess.run(
-        [sys.executable, "-m", "flows.cli", *args, "--workspace", str(ws)],
-        cwd=ROOT,
-        env=env,
-        capture_output=True,
-        text=True,
-        timeout=900,
-    )
-    assert proc.returncode == 0, f"laminar {args} failed:\n{proc.stdout[-3000:]}\n{proc.stderr[-3000:]}"
-    return proc
 
 
 @pytest.fixture(scope="module")
@@ -38,8 +20,7 @@ def lora_run(tmp_path_factory):
     laminar(
         "run", *TINY_CURATED, "model.lora.enabled=true", "model.lora.rank=4", "tracking.backends=[]", ws=ws
     )
-    run = sorted((ws / "runs").iterdir(), key=lambda p: p.stat().st_mtime)[-1]
-    return ws, json.loads((run / "summary.json").read_text())
+    return ws, latest_summary(ws)
 
 
 def test_adapter_stages_write_peft_folders_on_the_base(lora_run):

@@ -9,16 +9,14 @@ from __future__ import annotations
 import hashlib
 import json
 import os
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 
 from tests.configs import TINY_CURATED
+from tests.e2e.cli import ROOT, laminar, latest_summary
 
 pytestmark = pytest.mark.e2e
-ROOT = Path(__file__).resolve().parents[2]
 
 REWARDS = '''\
 """A user's rewards: a verdict of its own and a shaping term (docs/plugins.md)."""
@@ -105,27 +103,6 @@ def overrides(bench: Path) -> list[str]:
     ]
 
 
-def laminar(*args: str, ws: Path, env: dict) -> subprocess.CompletedProcess:
-    proc = subprocess.run(
-        [sys.executable, "-m", "flows.cli", *args, "--workspace", str(ws)],
-        cwd=ROOT,
-        env=env,
-        capture_output=True,
-        text=True,
-        timeout=900,
-    )
-    if proc.returncode != 0:
-        raise AssertionError(
-            f"laminar {args} failed ({proc.returncode}):\n{proc.stdout[-3000:]}\n{proc.stderr[-3000:]}"
-        )
-    return proc
-
-
-def summary(ws: Path) -> dict:
-    runs = sorted((ws / "runs").glob("2*/summary.json"), key=lambda p: p.stat().st_mtime)
-    return json.loads(runs[-1].read_text())
-
-
 def query(ws: Path, sql: str) -> list[tuple]:
     import duckdb
 
@@ -165,7 +142,7 @@ def plugin_run(tmp_path_factory):
 
 def test_the_plugins_judge_and_score_every_stage(plugin_run):
     ws, _, _, _, log = plugin_run
-    first = summary(ws)
+    first = latest_summary(ws)
     assert {s["status"] for s in first["stages"].values()} == {"ran"}
     calls = log.read_text().split()
     assert calls.count("judge") > 0 and calls.count("brevity") > 0 and calls.count("reset") > 0
@@ -180,10 +157,10 @@ def test_editing_the_plugin_reruns_exactly_the_stages_that_use_it(plugin_run):
     ws, env, source, bench, _ = plugin_run
     source.write_text(source.read_text() + "\n# edited: same behaviour, new bytes\n")
     laminar("run", *overrides(bench), ws=ws, env=env)
-    ran = {k for k, v in summary(ws)["stages"].items() if v["status"] == "ran"}
+    ran = {k for k, v in latest_summary(ws)["stages"].items() if v["status"] == "ran"}
     assert ran == USES_PLUGIN, ran
     digest = hashlib.sha256(source.read_bytes()).hexdigest()
-    rl = summary(ws)["checkpoints"]["rl"]
+    rl = latest_summary(ws)["checkpoints"]["rl"]
     out = laminar("lineage", rl[:12], ws=ws, env=env).stdout
     assert f"plugin:mypkg.rewards:judge: {digest}" in out, out
     assert f"plugin:mypkg.rewards:brevity: {digest}" in out, out
@@ -197,21 +174,13 @@ def test_editing_the_environment_reruns_exactly_the_stages_that_run_episodes(plu
     envs = source.parent / "envs.py"
     envs.write_text(envs.read_text() + "\n# edited\n")
     laminar("run", *overrides(bench), ws=ws, env=env)
-    ran = {k for k, v in summary(ws)["stages"].items() if v["status"] == "ran"}
+    ran = {k for k, v in latest_summary(ws)["stages"].items() if v["status"] == "ran"}
     assert ran == USES_ENV, ran
 
 
 def test_a_plugin_that_does_not_import_fails_before_any_write(tmp_path):
     ws = tmp_path / "ws"
-    proc = subprocess.run(
-        [sys.executable, "-m", "flows.cli", "run", "reward.components=[{target: 'nope.x:y', verdict: true}]"]
-        + ["--workspace", str(ws)],
-        cwd=ROOT,
-        env={**os.environ, "PYTHONPATH": str(ROOT)},
-        capture_output=True,
-        text=True,
-        timeout=300,
-    )
+    proc = laminar("run", "reward.components=[{target: 'nope.x:y', verdict: true}]", ws=ws, check=False)
     assert proc.returncode == 2 and not ws.exists()
     assert proc.stderr.strip() == (
         "laminar: config error: reward.components[0]: plug-in 'nope.x:y' cannot be imported: "

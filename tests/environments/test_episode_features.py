@@ -9,67 +9,24 @@ import pytest
 import torch
 
 from conf.schema import EnvConfig, RLConfig
-from generation.model import build_char_tokenizer, encode_problem, load_tokenizer, save_model
+from generation.model import build_char_tokenizer, encode_problem, load_tokenizer
 from generation.records import PromptItem
-from tests.environments.test_episode_modes import taught_to_call
+from tests.environments.episode_helpers import (
+    Killed,
+    ToolSaysAnswer,
+    are_episodes,
+    calc_prompts,
+    killer,
+    sigkill_trainer_at,
+    spy_batches,
+    spy_groups,
+)
 from tests.training.rl_fakes import Verdict
 from training.rl.drivers.local import LocalDriver
-from training.rl.manager import RolloutManager
 from training.rl.stage import objective_params
 from training.rl.sections import RLSections
 
 ENV = EnvConfig(target="calculator", max_turns=3)
-
-
-class ToolSaysAnswer:
-    """Right when the tool's result line ``= ANSWER`` is in the episode (so the policy called the tool
-    and the tool computed the answer) and the episode's text has even length: the caller model's
-    episodes all call ``calc: 1+2``, so a prompt whose answer is 3 gets mixed groups and one whose
-    answer is 99 all-wrong ones."""
-
-    def verify_batch(self, texts, answers):
-        return [Verdict(f"= {a}\n" in t and len(t) % 2 == 0) for t, a in zip(texts, answers)]
-
-
-def calc_prompts(tok, n: int, answer=lambda i: "3" if i % 2 == 0 else "99") -> list[PromptItem]:
-    return [
-        PromptItem(
-            f"p{i}", f"{i % 4}+{i % 3}", answer(i), encode_problem(tok, "{problem}\n", f"{i % 4}+{i % 3}"), 1
-        )
-        for i in range(n)
-    ]
-
-
-def are_episodes(trajectories, share: float = 0.5) -> None:
-    """Multi-turn episodes happened (at least ``share`` of them): tool calls, several turns,
-    observation tokens masked out."""
-    multi = [t for t in trajectories if t.turns > 1]
-    assert len(multi) >= share * len(trajectories), [t.turns for t in trajectories]
-    assert all(t.tool_calls > 0 and 0 in t.loss_mask for t in multi)
-    assert all(len(t.loss_mask) == len(t.response_tokens) for t in trajectories)
-
-
-@pytest.fixture(scope="module")
-def caller_dir(tmp_path_factory):
-    d = tmp_path_factory.mktemp("caller-model")
-    tok = build_char_tokenizer()
-    save_model(taught_to_call(tok), tok, d)
-    return d
-
-
-def spy_batches(monkeypatch) -> list:
-    """Every batch the manager hands the trainer (a list of ScoredGroups per update)."""
-    batches = []
-    original = RolloutManager.next_batch
-
-    def spy(self):
-        groups = original(self)
-        if groups:
-            batches.append([g for _, g in groups])
-        return groups
-
-    monkeypatch.setattr(RolloutManager, "next_batch", spy)
-    return batches
 
 
 def sync_rl(**overrides) -> RLConfig:
@@ -312,10 +269,6 @@ def test_lora_trains_only_the_adapter_on_episodes_and_the_sampler_holds_each_ver
 
 
 # ------------------------------------------------------------------------------------- checkpoint / resume
-class Killed(Exception):
-    pass
-
-
 def test_a_sync_episode_run_killed_after_a_checkpoint_resumes_and_ends_identical(tmp_path, caller_dir):
     """The local driver on episodes (with dynamic sampling) checkpoints every 2 updates; a run killed
     after update 3 resumes from its update-2 checkpoint and ends as the unkilled run: the same
@@ -330,13 +283,12 @@ def test_a_sync_episode_run_killed_after_a_checkpoint_resumes_and_ends_identical
     ran = []  # (folder, step) of every update a run took itself
 
     def run(folder, kill_at=None):
-        def on_step(m):
-            ran.append((folder, m.step))
-            if m.step == kill_at:
-                raise Killed(kill_at)
-
         driver = episode_driver(
-            caller_dir, calc_prompts(tok, 32), rl, state_dir=tmp_path / folder, on_step=on_step
+            caller_dir,
+            calc_prompts(tok, 32),
+            rl,
+            state_dir=tmp_path / folder,
+            on_step=killer(ran, folder, kill_at),
         )
         result = driver.run()
         return result, {k: v.clone() for k, v in driver.final_model.state_dict().items()}
@@ -381,9 +333,6 @@ def test_a_laminar_episode_run_killed_after_a_checkpoint_resumes_its_buffered_an
     the episodes then in flight; the resumed run trains the checkpoint's episodes as they were saved,
     starts the in-flight ones again from their prompts, trains every group exactly once over both
     runs and ends at update 8."""
-    import os
-    import signal
-
     from conf.schema import ClusterConfig
     from tests.training.rl_fakes import ray_rl
     from training.rl.checkpoint import RUN_STATE, latest_checkpoint, load_json
@@ -395,15 +344,7 @@ def test_a_laminar_episode_run_killed_after_a_checkpoint_resumes_its_buffered_an
     rl = ray_rl(
         "laminar", steps=8, lr=1e-3, checkpoint_every=2, eval_every=0, group_size=4, rollout_capacity=16
     )
-    batches = []
-    original = RolloutManager.next_batch
-
-    def spy(self):
-        groups = original(self)
-        batches.extend(groups)
-        return groups
-
-    monkeypatch.setattr(RolloutManager, "next_batch", spy)
+    batches = spy_groups(monkeypatch)
 
     def runtime(on_step=None):
         return LaminarRuntime(
@@ -417,11 +358,7 @@ def test_a_laminar_episode_run_killed_after_a_checkpoint_resumes_its_buffered_an
             on_step=on_step,
         )
 
-    def kill_trainer(m):
-        if m.step == 5:
-            os.kill(ray.get(rt.trainer.lead.ping.remote()).pid, signal.SIGKILL)
-
-    rt = runtime(kill_trainer)
+    rt = runtime(sigkill_trainer_at(5, ray, lambda: rt))
     with pytest.raises(ray.exceptions.RayActorError):
         rt.run()
     first = list(batches)

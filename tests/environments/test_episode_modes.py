@@ -9,24 +9,21 @@ import dataclasses
 import pytest
 import torch
 
-from conf.schema import EnvConfig, ModelConfig, RLConfig
+from conf.schema import EnvConfig, RLConfig
 from environments.base import StepResult
 from generation.model import (
     build_char_tokenizer,
     build_tiny_model,
     encode_problem,
+    load_model,
     load_tokenizer,
     save_model,
 )
 from generation.records import PromptItem
+from tests.environments.episode_helpers import TINY, spy_groups
 from tests.training.rl_fakes import Verdict, ray_rl
-from training.rl.manager import RolloutManager
 from training.rl.stage import objective_params
 from training.rl.sections import RLSections
-
-TINY = ModelConfig(
-    hidden_size=32, intermediate_size=64, num_layers=1, num_heads=2, num_kv_heads=1, max_seq_len=128
-)
 
 
 class EndsWithAnswer:
@@ -92,15 +89,7 @@ def test_a_sync_local_run_trains_on_masked_multi_turn_episodes(monkeypatch, mode
         chunk_steps=4,
         micro_batch_tokens=0,
     )
-    seen = []
-    original = RolloutManager.next_batch
-
-    def spy(self):
-        groups = original(self)
-        seen.extend(t for _, g in groups for t in g.trajectories)
-        return groups
-
-    monkeypatch.setattr(RolloutManager, "next_batch", spy)
+    trained = spy_groups(monkeypatch)
     env = EnvConfig(target="calculator", max_turns=3)
     driver = LocalDriver(
         model_dir,
@@ -111,6 +100,7 @@ def test_a_sync_local_run_trains_on_masked_multi_turn_episodes(monkeypatch, mode
         device="cpu",
     )
     result = driver.run()
+    seen = [t for _, g in trained for t in g.trajectories]
     assert len(seen) == 2 * 4 * 2
     multi = [t for t in seen if t.turns > 1]
     assert multi and all(0 in t.loss_mask and len(t.loss_mask) == len(t.response_tokens) for t in multi)
@@ -120,36 +110,6 @@ def test_a_sync_local_run_trains_on_masked_multi_turn_episodes(monkeypatch, mode
     assert last["episode/tool_calls"] > 0 and last["episode/turns"] > 1
     assert 0 < last["episode/policy_token_share"] < 1
     assert dataclasses.is_dataclass(result.history[-1])
-
-
-def taught_to_call(tok, steps: int = 200):
-    """A tiny model taught (a few hundred SFT steps) to answer every prompt with ``calc: 1+2``."""
-    model = build_tiny_model(TINY, tok, seed=0)
-    opt = torch.optim.AdamW(model.parameters(), lr=3e-3)
-    rows = [
-        list(encode_problem(tok, "{problem}\n", f"{i % 4}+{i % 3}"))
-        + tok("calc: 1+2", add_special_tokens=False)["input_ids"]
-        + [tok.eos_token_id]
-        for i in range(12)
-    ]
-    width = max(map(len, rows))
-    ids = torch.tensor([r + [tok.pad_token_id] * (width - len(r)) for r in rows])
-    labels = ids.masked_fill(ids == tok.pad_token_id, -100)
-    model.train()
-    for _ in range(steps):
-        loss = model(input_ids=ids, labels=labels).loss
-        opt.zero_grad()
-        loss.backward()
-        opt.step()
-    return model.eval()
-
-
-@pytest.fixture(scope="module")
-def caller_dir(tmp_path_factory):
-    d = tmp_path_factory.mktemp("caller-model")
-    tok = build_char_tokenizer()
-    save_model(taught_to_call(tok), tok, d)
-    return d
 
 
 @pytest.mark.parametrize(
@@ -199,7 +159,6 @@ def test_evaluation_samples_whole_episodes_and_reports_tool_use(caller_dir):
 
     from evaluation.benchmarks import BenchmarkItem
     from evaluation.evaluate import evaluate_items, summarize_rows
-    from generation.model import load_model
 
     @dataclass(frozen=True)
     class Graded:
@@ -256,7 +215,7 @@ def test_a_poke_cuts_a_rollout_actors_wait_on_a_slow_tool_short(local_ray, calle
         tool_latency=ToolLatencyConfig(kind="fixed", seconds=[30.0]),
     )
     relay = ray.remote(num_cpus=0)(RelayWorker).remote("relay-0")
-    state = {k: v.numpy() for k, v in taught_to_call(tok, steps=200).state_dict().items()}
+    state = {k: v.numpy() for k, v in load_model(caller_dir)[0].state_dict().items()}  # the same weights
     ray.get(relay.push.remote(0, [ray.put(state)]))
     Rollout = rollout_actor_class(ray, dataclasses.replace(ClusterConfig(), rollout_cpus=0))
     actor = Rollout.remote(

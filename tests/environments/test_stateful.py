@@ -22,10 +22,16 @@ from environments.episodes import EpisodeEngine, EpisodeLimits
 from environments.guess import Guess
 from environments.registry import make_environment
 from generation.engine import Engine
-from generation.model import build_char_tokenizer, load_model, load_tokenizer, save_model
+from generation.model import build_char_tokenizer, load_model, load_tokenizer
 from generation.records import GenRequest
-from tests.environments.test_episode_features import Killed, calc_prompts
-from tests.training.rl_fakes import Verdict
+from tests.environments.episode_helpers import (
+    EvenLength,
+    Killed,
+    calc_prompts,
+    killer,
+    sigkill_trainer_at,
+    spy_groups,
+)
 from training.rl.checkpoint import latest_checkpoint
 from training.rl.control import ExperienceBuffer, trajectory_from_json, trajectory_to_json
 from training.rl.drivers.local import LocalDriver
@@ -67,45 +73,6 @@ def assert_replays(env, tok, trajectories):
         state, seen, observations = replay(env, tok, t)
         assert t.env_state == state, (t.env_state, state)
         assert seen[: len(observations)] == [tuple(o) for o in observations]
-
-
-def taught_to_guess(tok, steps: int = 80):
-    """A tiny model taught (a few hundred SFT steps) to answer every turn with ``calc: 1+2`` (a guess
-    of 2), also after the game's feedback, so its episodes run several turns."""
-    import torch
-
-    from generation.model import build_tiny_model, encode_problem
-    from tests.environments.test_episode_modes import TINY
-
-    model = build_tiny_model(TINY, tok, seed=0)
-    opt = torch.optim.AdamW(model.parameters(), lr=6e-3)
-    call = tok("calc: 1+2", add_special_tokens=False)["input_ids"] + [tok.eos_token_id]
-    feedback = ["\n= higher, above 2\n", "\n= again 2, higher, above 2\n"]
-    rows = []
-    for i in range(6):
-        row = list(encode_problem(tok, "{problem}\n", f"{i % 4}+{i % 3}")) + call
-        for text in feedback[: i % 2 + 1]:
-            row += tok(text, add_special_tokens=False)["input_ids"] + call
-        rows.append(row)
-    width = max(map(len, rows))
-    ids = torch.tensor([r + [tok.pad_token_id] * (width - len(r)) for r in rows])
-    labels = ids.masked_fill(ids == tok.pad_token_id, -100)
-    model.train()
-    for _ in range(steps):
-        loss = model(input_ids=ids, labels=labels).loss
-        opt.zero_grad()
-        loss.backward()
-        opt.step()
-    return model.eval()
-
-
-@pytest.fixture(scope="module")
-def caller_dir(tmp_path_factory):
-    """A tiny model that answers every turn with ``calc: 1+2`` (a guess of 2)."""
-    d = tmp_path_factory.mktemp("guesser-model")
-    tok = build_char_tokenizer()
-    save_model(taught_to_guess(tok), tok, d)
-    return d
 
 
 # --------------------------------------------------------------------------------- the contract
@@ -161,14 +128,14 @@ def _runner(model, tok, env, turns=3, capacity=4):
     return EpisodeEngine(engine, env, tok, EpisodeLimits(max_turns=turns))
 
 
-def test_a_state_that_is_not_plain_data_stops_the_run_with_one_line(caller_dir):
-    model, tok = load_model(caller_dir)[0], load_tokenizer(caller_dir)
+def test_a_state_that_is_not_plain_data_stops_the_run_with_one_line(guesser_dir):
+    model, tok = load_model(guesser_dir)[0], load_tokenizer(guesser_dir)
     with pytest.raises(StateError, match=r"environment 'counter': state\['seen'\] is a set"):
         _runner(model, tok, Counter_(tok, bad=True)).generate(_requests(tok))
 
 
-def test_each_step_gets_a_copy_of_the_state_and_the_turn_with_its_tokens(caller_dir):
-    model, tok = load_model(caller_dir)[0], load_tokenizer(caller_dir)
+def test_each_step_gets_a_copy_of_the_state_and_the_turn_with_its_tokens(guesser_dir):
+    model, tok = load_model(guesser_dir)[0], load_tokenizer(guesser_dir)
     trajs = _runner(model, tok, Counter_(tok, mutate=True)).generate(_requests(tok))
     full = [t for t in trajs if t.end_reason == "max_turns"]
     assert full
@@ -180,8 +147,8 @@ def test_each_step_gets_a_copy_of_the_state_and_the_turn_with_its_tokens(caller_
     assert all(t.env_state["n"] == t.turns - 1 for t in trajs if t.end_reason == "length")
 
 
-def test_an_old_style_environment_is_refused_with_the_migration_named(caller_dir):
-    model, tok = load_model(caller_dir)[0], load_tokenizer(caller_dir)
+def test_an_old_style_environment_is_refused_with_the_migration_named(guesser_dir):
+    model, tok = load_model(guesser_dir)[0], load_tokenizer(guesser_dir)
 
     class Old:
         name = "old"
@@ -261,8 +228,8 @@ def plugin_pkg(tmp_path, monkeypatch):
         del sys.modules[name]
 
 
-def test_an_environment_by_import_path_runs_with_its_params_and_state(plugin_pkg, caller_dir):
-    model, tok = load_model(caller_dir)[0], load_tokenizer(caller_dir)
+def test_an_environment_by_import_path_runs_with_its_params_and_state(plugin_pkg, guesser_dir):
+    model, tok = load_model(guesser_dir)[0], load_tokenizer(guesser_dir)
     cfg = EnvConfig(target=f"{plugin_pkg}:Tally", params={"limit": 2}, max_turns=4)
     env = make_environment(cfg, tok)
     assert env.limit == 2
@@ -324,7 +291,7 @@ def _doc_example() -> str:
     return block
 
 
-def test_the_docs_example_environment_runs_by_import_path_with_its_state(tmp_path, monkeypatch, caller_dir):
+def test_the_docs_example_environment_runs_by_import_path_with_its_state(tmp_path, monkeypatch, guesser_dir):
     """The docs' example, written into a package outside the repository, passes the preflight with the
     docs' own command line and runs episodes whose state is what its steps give."""
     from tasks.preflight import load_checked
@@ -339,7 +306,7 @@ def test_the_docs_example_environment_runs_by_import_path_with_its_state(tmp_pat
         line = next(x for x in docs.splitlines() if x.startswith("laminar run env.target=my_envs.countdown"))
         cfg = load_checked(line.split()[2:]).env
         assert cfg.target == "my_envs.countdown:Countdown" and cfg.params == {"tries": 4}
-        model, tok = load_model(caller_dir)[0], load_tokenizer(caller_dir)
+        model, tok = load_model(guesser_dir)[0], load_tokenizer(guesser_dir)
         env = make_environment(EnvConfig(target=cfg.target, params={"tries": 3}, max_turns=5), tok)
         trajs = _runner(model, tok, env, turns=5).generate(_requests(tok))
         assert all(t.env_state["answer"] == t.prompt.answer for t in trajs)
@@ -357,11 +324,11 @@ def test_an_unknown_short_name_suggests_the_closest():
 
 
 # ------------------------------------------------------------------------ the state travels
-def test_a_guess_episode_handed_over_mid_episode_keeps_its_state(caller_dir):
+def test_a_guess_episode_handed_over_mid_episode_keeps_its_state(guesser_dir):
     """Repack's mechanism: episodes extracted from one engine mid-episode (some decoding a turn, some
     waiting on their step with the unanswered turn) and injected into another finish with the state
     the game's steps give over their turns, the same episodes as a run without the hand-over."""
-    model, tok = load_model(caller_dir)[0], load_tokenizer(caller_dir)
+    model, tok = load_model(guesser_dir)[0], load_tokenizer(guesser_dir)
     env = Guess(tok)
     reqs = _requests(tok, 6)
     whole = _runner(model, tok, env, turns=4, capacity=6).generate(reqs)
@@ -389,7 +356,7 @@ def test_a_guess_episode_handed_over_mid_episode_keeps_its_state(caller_dir):
     ]
 
 
-def test_a_repack_through_the_rollout_manager_moves_guess_episodes_with_their_state(caller_dir):
+def test_a_repack_through_the_rollout_manager_moves_guess_episodes_with_their_state(guesser_dir):
     """The manager's repack path (laminar mode: plan, extract order, hand-over, inject order) with real
     episode engines: the episodes rollout-1 holds mid-game (several turns in, their guesses in their
     state) reach rollout-0 through ``extract_done`` and ``dispatch`` and finish there with exactly
@@ -400,7 +367,7 @@ def test_a_repack_through_the_rollout_manager_moves_guess_episodes_with_their_st
     from training.rl.manager import ManagerSettings, RolloutManager
     from training.rl.records import ExtractOrder, PullResult, RolloutStatus
 
-    model, tok = load_model(caller_dir)[0], load_tokenizer(caller_dir)
+    model, tok = load_model(guesser_dir)[0], load_tokenizer(guesser_dir)
     env = Guess(tok)
     settings = ManagerSettings(
         mode=MODES["laminar"], steps=3, prompts_per_step=2, group_size=2, capacity=4, max_staleness=None
@@ -444,8 +411,8 @@ def test_a_repack_through_the_rollout_manager_moves_guess_episodes_with_their_st
         assert t.env_state["guesses"][: len(before)] == before
 
 
-def test_a_finished_episodes_state_survives_the_checkpoint_codec_and_buffer(caller_dir):
-    model, tok = load_model(caller_dir)[0], load_tokenizer(caller_dir)
+def test_a_finished_episodes_state_survives_the_checkpoint_codec_and_buffer(guesser_dir):
+    model, tok = load_model(guesser_dir)[0], load_tokenizer(guesser_dir)
     trajs = _runner(model, tok, Guess(tok), turns=4).generate(_requests(tok, 4))
     t = trajs[0]
     assert t.env_state["guesses"]
@@ -458,112 +425,75 @@ def test_a_finished_episodes_state_survives_the_checkpoint_codec_and_buffer(call
     assert other.partial[t.group_uid][t.sample_idx] == t
 
 
-def test_a_guess_run_through_the_manager_resumes_with_its_episodes_states(tmp_path, caller_dir):
+def test_a_guess_run_through_the_manager_resumes_with_its_episodes_states(monkeypatch, tmp_path, guesser_dir):
     """The local driver (the real rollout manager, sync) on ``guess`` episodes, checkpointing every
     other update, killed after update 3 and resumed from update 2: every trained episode, before and
     after the resume, carries exactly the state the game's steps give over its turns, and the resumed
     run ends as the unkilled one with the same episodes' states."""
-    tok = load_tokenizer(caller_dir)
+    tok = load_tokenizer(guesser_dir)
     rl = RLConfig(
         mode="sync", runtime="local", steps=4, prompts_per_step=2, group_size=2, lr=1e-3,
         max_new_tokens=12, rollout_capacity=8, chunk_steps=4, micro_batch_tokens=0, checkpoint_every=2,
     )  # fmt: skip
-    trained: dict[str, list] = {}
-    original = __import__("training.rl.manager", fromlist=["RolloutManager"]).RolloutManager.next_batch
-
+    trained = spy_groups(monkeypatch)
     ran = []
 
-    def run(folder, monkeypatch_batches, kill_at=None):
-        def on_step(m):
-            ran.append((folder, m.step))
-            if m.step == kill_at:
-                raise Killed(kill_at)
-
+    def run(folder, kill_at=None):
+        trained.clear()
         driver = LocalDriver(
-            caller_dir, calc_prompts(tok, 8), AlwaysRight(), objective_params(rl),
-            RLSections(rl, seed=0, env=GUESS), device="cpu", state_dir=tmp_path / folder, on_step=on_step,
+            guesser_dir, calc_prompts(tok, 8), EvenLength(), objective_params(rl),
+            RLSections(rl, seed=0, env=GUESS), device="cpu", state_dir=tmp_path / folder,
+            on_step=killer(ran, folder, kill_at),
         )  # fmt: skip
-        monkeypatch_batches(folder)
-        return driver.run()
+        result = driver.run()
+        return result, [t for _, g in trained for t in g.trajectories]
 
-    from training.rl.manager import RolloutManager
-
-    def spying(folder):
-        def spy(self):
-            groups = original(self)
-            trained.setdefault(folder, []).extend(t for _, g in groups or [] for t in g.trajectories)
-            return groups
-
-        RolloutManager.next_batch = spy
-
-    try:
-        whole = run("whole", spying)
-        with pytest.raises(Killed):
-            run("killed", spying, kill_at=3)
-        assert latest_checkpoint(tmp_path / "killed" / "checkpoints").name == "step-000002"
-        ran.clear()
-        resumed = run("killed", spying)
-    finally:
-        RolloutManager.next_batch = original
+    whole, whole_trained = run("whole")
+    with pytest.raises(Killed):
+        run("killed", kill_at=3)
+    killed_trained = [t for _, g in trained for t in g.trajectories]
+    assert latest_checkpoint(tmp_path / "killed" / "checkpoints").name == "step-000002"
+    ran.clear()
+    resumed, resumed_trained = run("killed")
     assert ran == [("killed", 3), ("killed", 4)]  # it resumed: updates 1-2 came from the checkpoint
     assert len(whole.history) == len(resumed.history) == 4
     env = Guess(tok)
-    for folder in ("whole", "killed"):
-        assert_replays(env, tok, trained[folder])
-        assert all(t.env_state is not None and t.turns > 1 for t in trained[folder])
+    killed = killed_trained + resumed_trained
+    for got in (whole_trained, killed):
+        assert_replays(env, tok, got)
+        assert all(t.env_state is not None and t.turns > 1 for t in got)
     key = lambda t: (t.group_uid, t.sample_idx)  # noqa: E731 - a sort key
-    assert {key(t): t.env_state for t in trained["killed"]} == {key(t): t.env_state for t in trained["whole"]}
-
-
-class AlwaysRight:
-    def verify_batch(self, texts, answers):
-        return [Verdict(len(t) % 2 == 0) for t, a in zip(texts, answers)]
+    assert {key(t): t.env_state for t in killed} == {key(t): t.env_state for t in whole_trained}
 
 
 @pytest.mark.slow
-def test_a_laminar_guess_run_resumes_with_its_episodes_states(monkeypatch, tmp_path, local_ray, caller_dir):
+def test_a_laminar_guess_run_resumes_with_its_episodes_states(monkeypatch, tmp_path, local_ray, guesser_dir):
     """The Ray runtime in laminar mode (two rollouts) on ``guess`` episodes, the trainer SIGKILLed
     after update 5: the update-4 checkpoint holds finished episodes with their states; the resumed run
     trains them as saved (state included) and every episode trained by either run carries exactly the
     state the game's steps give over its turns. (This short run rarely repacks: the manager's repack
     path is the in-process test above.)"""
-    import os
-    import signal
-
     from conf.schema import ClusterConfig
     from tests.training.rl_fakes import ray_rl
     from training.rl.checkpoint import RUN_STATE, load_json
     from training.rl.drivers.ray import LaminarRuntime
-    from training.rl.manager import RolloutManager
 
     ray = local_ray
-    tok = load_tokenizer(caller_dir)
+    tok = load_tokenizer(guesser_dir)
     rl = ray_rl(
         "laminar", steps=8, lr=1e-3, checkpoint_every=2, eval_every=0, group_size=4, rollout_capacity=16,
         max_new_tokens=16,
     )  # fmt: skip
-    batches = []
-    original = RolloutManager.next_batch
-
-    def spy(self):
-        groups = original(self)
-        batches.extend(groups)
-        return groups
-
-    monkeypatch.setattr(RolloutManager, "next_batch", spy)
+    batches = spy_groups(monkeypatch)
 
     def runtime(on_step=None):
         run = RLSections(rl, seed=0, cluster=ClusterConfig(rollouts=2, actor_threads=1), env=GUESS)
         return LaminarRuntime(
-            caller_dir, calc_prompts(tok, 200), AlwaysRight(), objective_params(rl), run, device="cpu",
+            guesser_dir, calc_prompts(tok, 200), EvenLength(), objective_params(rl), run, device="cpu",
             state_dir=tmp_path / "state", on_step=on_step,
         )  # fmt: skip
 
-    def kill_trainer(m):
-        if m.step == 5:
-            os.kill(ray.get(rt.trainer.lead.ping.remote()).pid, signal.SIGKILL)
-
-    rt = runtime(kill_trainer)
+    rt = runtime(sigkill_trainer_at(5, ray, lambda: rt))
     with pytest.raises(ray.exceptions.RayActorError):
         rt.run()
     first = [t for _, g in batches for t in g.trajectories]

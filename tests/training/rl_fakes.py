@@ -51,3 +51,26 @@ def ray_rl(mode: str, **overrides):
         micro_batch_tokens=0,
     )
     return RLConfig(**{**kw, **overrides})
+
+
+def micro_setup(kinds=()):
+    """The char tokenizer, the ``MICRO`` model (seed 0) and one prompt per entry of ``kinds`` (id
+    ``{kind}{i}``, answer ``kind``)."""
+    from generation.model import build_char_tokenizer, build_tiny_model, encode_prompt
+    from generation.records import PromptItem
+
+    tok = build_char_tokenizer()
+    model = build_tiny_model(MICRO, tok, seed=0)
+    prompts = [PromptItem(f"{k}{i}", k, k, encode_prompt(tok, f"{k}{i}\n")) for i, k in enumerate(kinds)]
+    return tok, model, prompts
+
+
+def cpu_trainer(model, params, tok, *, max_new_tokens: int, lr=1e-3, max_grad_norm=1.0, **kw):
+    """A ``PolicyTrainer`` on the CPU as the unit tests build it: no weight decay, temperature 1, the
+    tokenizer's pad id (``kw``: any other constructor argument)."""
+    from training.rl.trainer import PolicyTrainer
+
+    return PolicyTrainer(
+        model, params, lr=lr, weight_decay=0.0, max_grad_norm=max_grad_norm, temperature=1.0,
+        max_new_tokens=max_new_tokens, pad_id=tok.pad_token_id, device="cpu", **kw,
+    )  # fmt: skip

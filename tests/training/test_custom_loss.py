@@ -7,16 +7,15 @@ from dataclasses import dataclass, replace
 
 import pytest
 import torch
-from rl_fakes import MICRO
+from rl_fakes import cpu_trainer, micro_setup
 
 from conf.loader import load_config
 from conf.schema import ConfigError
-from generation.model import build_char_tokenizer, build_tiny_model, encode_prompt
+from generation.model import encode_prompt
 from generation.records import PromptItem, ScoredGroup, Trajectory
 from tasks.preflight import load_checked
 from training.objectives import PRESETS, PolicyBatch, policy_loss
 from training.rl.stage import objective_params
-from training.rl.trainer import PolicyTrainer
 
 CALLS = {"n": 0}
 
@@ -67,24 +66,13 @@ def test_the_custom_loss_replaces_the_ppo_term_and_its_params_reach_it():
 
 
 def test_the_trainer_updates_with_the_custom_loss():
-    tok = build_char_tokenizer()
-    model = build_tiny_model(MICRO, tok, seed=0)
+    tok, model, _ = micro_setup()
     p = PromptItem("p0", "1+1", "2", encode_prompt(tok, "1+1\n"))
     a = Trajectory("trajectory", p, 0, (5, tok.eos_token_id), (-1.0, -1.0), 0, True, "5")
     b = Trajectory("trajectory", p, 1, (6, tok.eos_token_id), (-1.0, -1.0), 0, True, "6")
     group = ScoredGroup("scored_group", "p0", (a, b), (1.0, 0.0), (True, False))
     params = replace(PRESETS["grpo"], loss=f"{__name__}:reinforce", loss_params=(("scale", 1.0),))
-    trainer = PolicyTrainer(
-        model,
-        params,
-        lr=1e-3,
-        weight_decay=0.0,
-        max_grad_norm=1.0,
-        temperature=1.0,
-        max_new_tokens=2,
-        pad_id=tok.pad_token_id,
-        device="cpu",
-    )
+    trainer = cpu_trainer(model, params, tok, max_new_tokens=2)
     before = CALLS["n"]
     stats = trainer.update([group])
     assert CALLS["n"] > before and stats.metrics["loss/scale"] == 1.0

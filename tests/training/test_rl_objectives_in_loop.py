@@ -4,15 +4,14 @@ from dataclasses import replace
 
 import pytest
 import torch
-from rl_fakes import MICRO, Verdict, saved_model
+from rl_fakes import Verdict, cpu_trainer, micro_setup, saved_model
 
 from conf.loader import load_config
-from generation.model import build_char_tokenizer, build_tiny_model, encode_problem, encode_prompt
+from generation.model import encode_problem
 from training.objectives import PRESETS
 from generation.engine import Engine
 from training.rl.loop import score_phase
 from generation.records import GenRequest, PromptItem, ScoredGroup, Trajectory
-from training.rl.trainer import PolicyTrainer
 from training.rl.stage import objective_params
 from training.rl.sections import RLSections
 
@@ -23,13 +22,6 @@ class ByPrompt:
 
     def verify_batch(self, responses, golds):
         return [Verdict(g == "easy" or (g == "mixed" and r[:1].isdigit())) for r, g in zip(responses, golds)]
-
-
-def _setup(kinds):
-    tok = build_char_tokenizer()
-    model = build_tiny_model(MICRO, tok, seed=0)
-    prompts = [PromptItem(f"{k}{i}", k, k, encode_prompt(tok, f"{k}{i}\n")) for i, k in enumerate(kinds)]
-    return tok, model, prompts
 
 
 def test_config_overrides_reach_the_objective():
@@ -67,7 +59,7 @@ def _local(tmp_path, model, tok, prompts, params, **rl_kw):
 
 
 def test_dynamic_sampling_drops_constant_groups_and_refills(tmp_path):
-    tok, model, prompts = _setup(["easy", "hard", "mixed", "mixed"] * 4)
+    tok, model, prompts = micro_setup(["easy", "hard", "mixed", "mixed"] * 4)
     params = replace(PRESETS["dapo"], max_sampling_rounds=10, overlong_cache_len=1)
     kw = dict(steps=1, prompts_per_step=4, group_size=8, max_new_tokens=2)
     driver = _local(tmp_path / "dapo", model, tok, prompts, params, **kw)
@@ -84,7 +76,7 @@ def test_dynamic_sampling_drops_constant_groups_and_refills(tmp_path):
 def test_dynamic_sampling_stops_at_the_round_cap_and_a_pool_without_signal_fails(tmp_path):
     from training.rl.manager import EMPTY_BATCH_LIMIT
 
-    tok, model, prompts = _setup(["easy", "hard"] * 4)
+    tok, model, prompts = micro_setup(["easy", "hard"] * 4)
     params = replace(PRESETS["dapo"], max_sampling_rounds=3, overlong_cache_len=1)
     driver = _local(
         tmp_path, model, tok, prompts, params, steps=1, prompts_per_step=4, group_size=4, max_new_tokens=2
@@ -101,7 +93,7 @@ def test_dynamic_sampling_stops_at_the_round_cap_and_a_pool_without_signal_fails
 
 
 def test_overlong_shaping_changes_reward_not_correctness():
-    tok, _, (p,) = _setup(["easy"])
+    tok, _, (p,) = micro_setup(["easy"])
     mk = lambda n: Trajectory("trajectory", p, 0, tuple([5] * n), tuple([0.0] * n), 0, n < 64, "7")  # noqa: E731
     params = PRESETS["dapo"]  # max 64, cache 16 below: 0 up to 48, linear to -1 at 64, -1 beyond
     from training.rl.loop import rl_reward
@@ -115,22 +107,12 @@ def test_overlong_shaping_changes_reward_not_correctness():
 
 
 def test_overlong_filter_and_kl_in_the_trainer():
-    tok, model, (p,) = _setup(["mixed"])
+    tok, model, (p,) = micro_setup(["mixed"])
     long_t = Trajectory("trajectory", p, 0, (5, 6, 7), (-1.0, -1.0, -1.0), 0, False, "567")
     short_t = Trajectory("trajectory", p, 1, (5, tok.eos_token_id), (-1.0, -1.0), 0, True, "5")
     group = ScoredGroup("scored_group", p.prompt_id, (long_t, short_t), (0.0, 1.0), (False, True))
     params = replace(PRESETS["grpo"], overlong_filter=True, kl_coef=0.1)
-    trainer = PolicyTrainer(
-        model,
-        params,
-        lr=1e-3,
-        weight_decay=0.0,
-        max_grad_norm=1.0,
-        temperature=1.0,
-        max_new_tokens=3,
-        pad_id=tok.pad_token_id,
-        device="cpu",
-    )
+    trainer = cpu_trainer(model, params, tok, max_new_tokens=3)
     stats = trainer.update([group])
     assert stats.metrics["kl"] == 0.0  # first step: policy == reference
     assert stats.n_tokens == 2  # the truncated response is masked out
@@ -139,34 +121,15 @@ def test_overlong_filter_and_kl_in_the_trainer():
 
 
 def test_minibatches_make_the_clip_bind():
-    tok, model, prompts = _setup(["mixed"] * 4)
+    tok, model, prompts = micro_setup(["mixed"] * 4)
     requests = [GenRequest(prompt=p, sample_idx=i) for p in prompts for i in range(8)]
     trajectories = Engine(model, tok).generate(requests, 3, 1.0, torch.Generator().manual_seed(0))
     groups = score_phase(trajectories, ByPrompt())
-    one = PolicyTrainer(
-        model,
-        PRESETS["grpo"],
-        lr=5e-2,
-        weight_decay=0.0,
-        max_grad_norm=10.0,
-        temperature=1.0,
-        max_new_tokens=3,
-        pad_id=tok.pad_token_id,
-        device="cpu",
-    )
+    one = cpu_trainer(model, PRESETS["grpo"], tok, max_new_tokens=3, lr=5e-2, max_grad_norm=10.0)
     stats = one.update(groups)
     assert stats.metrics["clipfrac"] == 0.0 and stats.metrics["ratio"] == 1.0 and stats.version == 1
-    four = PolicyTrainer(
-        model,
-        PRESETS["grpo"],
-        lr=5e-2,
-        weight_decay=0.0,
-        max_grad_norm=10.0,
-        temperature=1.0,
-        max_new_tokens=3,
-        pad_id=tok.pad_token_id,
-        device="cpu",
-        minibatches=4,
+    four = cpu_trainer(
+        model, PRESETS["grpo"], tok, max_new_tokens=3, lr=5e-2, max_grad_norm=10.0, minibatches=4
     )
     stats = four.update(groups)
     assert stats.version == 1 and stats.n_sequences == 32
@@ -180,8 +143,7 @@ def test_micro_batches_give_the_gradient_of_one_batch(algorithm):
 
     from training.rl.trainer import micro_batches
 
-    tok = build_char_tokenizer()
-    model = build_tiny_model(MICRO, tok, seed=0)
+    tok, model, _ = micro_setup()
     p = PromptItem("p", "1+2", "3", encode_problem(tok, "{problem}\n", "1+2"), 1)
     gen = torch.Generator().manual_seed(0)
     groups = []
@@ -212,17 +174,9 @@ def test_micro_batches_give_the_gradient_of_one_batch(algorithm):
             )
         )
     params = PRESETS[algorithm]
-    kw = dict(
-        lr=1e-2,
-        weight_decay=0.0,
-        max_grad_norm=100.0,
-        temperature=1.0,
-        max_new_tokens=20,
-        pad_id=tok.pad_token_id,
-        device="cpu",
-    )
-    whole = PolicyTrainer(copy.deepcopy(model), params, **kw)
-    split = PolicyTrainer(copy.deepcopy(model), params, micro_batch_tokens=40, **kw)
+    kw = dict(max_new_tokens=20, lr=1e-2, max_grad_norm=100.0)
+    whole = cpu_trainer(copy.deepcopy(model), params, tok, **kw)
+    split = cpu_trainer(copy.deepcopy(model), params, tok, micro_batch_tokens=40, **kw)
     lengths = torch.tensor(
         [len(t.prompt.prompt_tokens) + len(t.response_tokens) for g in groups for t in g.trajectories]
     )

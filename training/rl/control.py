@@ -17,12 +17,12 @@ simulator all drive these same classes:
 
 from __future__ import annotations
 
-import dataclasses
 from collections import Counter, OrderedDict, deque
 from dataclasses import dataclass, field
 from collections.abc import Callable, Iterable, Sequence
 
 from conf.schema import Mode
+from core.codec import Codec
 from generation.records import GenRequest, PromptItem, ScoredGroup, Trajectory
 
 
@@ -523,41 +523,16 @@ def retained_versions(latest: int, in_flight: Iterable[int], keep_recent: int = 
 
 
 # ----------------------------------------------------------------------------------------------- JSON
-def prompt_to_json(p: PromptItem) -> dict:
-    d = dataclasses.asdict(p)
-    d["prompt_tokens"] = list(p.prompt_tokens)
-    return d
+# A checkpoint's prompts, requests and trajectories (``rl_state.json``): the records as JSON-ready data
+# through the one codec (``core.codec``), validated when read back. ``GenRequest.episode`` never goes
+# to disk (a checkpoint requeues in-flight requests; their episodes start again).
+PROMPT_CODEC: Codec[PromptItem] = Codec(PromptItem, name="prompt")
+REQUEST_CODEC: Codec[GenRequest] = Codec(GenRequest, name="request", exclude={"episode"})
+TRAJECTORY_CODEC: Codec[Trajectory] = Codec(Trajectory, name="trajectory")
 
-
-def prompt_from_json(d: dict) -> PromptItem:
-    return PromptItem(**{**d, "prompt_tokens": tuple(d["prompt_tokens"])})
-
-
-def request_to_json(r: GenRequest) -> dict:
-    return {"prompt": prompt_to_json(r.prompt), "sample_idx": r.sample_idx, "group_uid": r.group_uid}
-
-
-def request_from_json(d: dict) -> GenRequest:
-    return GenRequest(
-        prompt=prompt_from_json(d["prompt"]), sample_idx=d["sample_idx"], group_uid=d["group_uid"]
-    )
-
-
-def trajectory_to_json(t: Trajectory) -> dict:
-    d = {f.name: getattr(t, f.name) for f in dataclasses.fields(t)}
-    d["prompt"] = prompt_to_json(t.prompt)
-    d["response_tokens"] = list(t.response_tokens)
-    d["behaviour_logprobs"] = list(t.behaviour_logprobs)
-    return d
-
-
-def trajectory_from_json(d: dict) -> Trajectory:
-    return Trajectory(
-        **{
-            **d,
-            "prompt": prompt_from_json(d["prompt"]),
-            "response_tokens": tuple(d["response_tokens"]),
-            "behaviour_logprobs": tuple(d["behaviour_logprobs"]),
-            "loss_mask": tuple(d.get("loss_mask", ())),
-        }
-    )
+prompt_to_json = PROMPT_CODEC.to_plain
+prompt_from_json = PROMPT_CODEC.from_plain
+request_to_json = REQUEST_CODEC.to_plain
+request_from_json = REQUEST_CODEC.from_plain
+trajectory_to_json = TRAJECTORY_CODEC.to_plain
+trajectory_from_json = TRAJECTORY_CODEC.from_plain
