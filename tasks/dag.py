@@ -184,7 +184,14 @@ def _difficulty_key(c: Config, max_prompts: int) -> dict:
         "verifier_timeout_s": c.eval.verifier_timeout_s,
         **_numerics(c),
         **_verdict_key(c),
+        **_episodes_key(c),
     }
+
+
+def _episodes_key(c: Config) -> dict:
+    """The environment curation samples episodes in, with the sandbox its tools run under; absent for
+    single-turn (keys unchanged)."""
+    return {} if c.env.is_default() else {**_env_key(c), **_sandbox_key(c)}
 
 
 def difficulty_key(c: Config) -> dict:
@@ -209,6 +216,7 @@ def dart_key(c: Config) -> dict:
         **_numerics(c),
         **(_reward_model_key(c) if dart_ranks(c) else {}),
         **_verdict_key(c),
+        **_episodes_key(c),
     }
 
 

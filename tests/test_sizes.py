@@ -18,8 +18,6 @@ ALLOWED = {
     "data_curation/hive.py:select_learning_edge": 94,
     "data_curation/ingest.py:_collect": 74,
     "data_curation/ingest.py:ingest": 137,
-    "data_curation/sampling.py:dart_sample": 79,
-    "data_curation/sampling.py:estimate_difficulty": 90,
     "generation/engine.py:Engine": 461,
     "generation/engine.py:Engine.__init__": 71,
     "generation/engines.py:make_engine": 70,
