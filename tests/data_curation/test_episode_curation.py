@@ -31,7 +31,9 @@ def tool_model(tmp_path_factory):
     then answer: ``calc: EXPR``, the observation ``= VALUE``, ``#### VALUE``."""
     tmp = tmp_path_factory.mktemp("episodes")
     tok = build_char_tokenizer()
-    cfg = ModelConfig(hidden_size=32, intermediate_size=64, num_layers=1, num_heads=2, num_kv_heads=1, max_seq_len=64)
+    cfg = ModelConfig(
+        hidden_size=32, intermediate_size=64, num_layers=1, num_heads=2, num_kv_heads=1, max_seq_len=64
+    )
     model = build_tiny_model(cfg, tok, 0)
     env = load_config(["env=calculator", "env.demo_tool_share=1.0"]).env
     plain = [SFTExample(encode_problem(tok, TEMPLATE, r["problem"]), (tok.eos_token_id,)) for r in ROWS]
