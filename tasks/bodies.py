@@ -573,6 +573,7 @@ def rl_body(ctx: StageContext) -> StageResult:
                 rollout=ctx.cfg.rollout,
                 env=ctx.cfg.env,
                 sandbox=ctx.cfg.sandbox,
+                envs=ctx.cfg.envs,
                 on_metrics=active().step_logger("rl"),
                 lora=ctx.cfg.model.lora,
             )

@@ -268,6 +268,7 @@ def rl_key(c: Config) -> dict:
         "reward": reward_key(c),
         **_env_key(c),
         **_sandbox_key(c),
+        **({"envs": [asdict(e) for e in c.envs]} if c.envs else {}),  # several environments, weighted
     }
 
 

@@ -140,6 +140,7 @@ def rl(
     lora: LoraConfig | None = None,
     env: EnvConfig | None = None,
     sandbox: SandboxConfig | None = None,
+    envs=(),
 ) -> RLResult:
     """RL from ``model_dir`` on the prompts of ``prompts_path`` (see the module docstring for what
     it writes). ``select`` turns on HIVE's online pruning; ``evaluate`` runs every ``cfg.eval_every`` steps.
@@ -176,6 +177,7 @@ def rl(
             on_metrics=on_metrics,
             env=env,
             sandbox=sandbox,
+            envs=envs,
         )
 
 
@@ -213,6 +215,7 @@ def _rl(
     on_metrics,
     env=None,
     sandbox=None,
+    envs=(),
 ) -> RLResult:
     from generation.model import load_tokenizer
     from training.lora import adapter_from_state, save_trained
@@ -248,12 +251,18 @@ def _rl(
             if on_metrics is not None:
                 on_metrics(m.as_dict())
 
+        source = hive_source(select, history_path, seed) if select is not None else None
+        if envs:  # several environments, weighted (training.rl.mix): the source and env that mix them
+            from training.rl.mix import mixed_run
+
+            base = lambda: hive_source(select, history_path, seed) if select is not None else None  # noqa: E731
+            source, env = mixed_run(envs, base, tokenizer, template, seed)
         common = dict(
             seed=seed,
             device=device,
             on_step=on_step,
             evaluate=evaluate,
-            source=hive_source(select, history_path, seed) if select is not None else None,
+            source=source,
             rollout=rollout,
             state_dir=state_dir,
             env=env,
