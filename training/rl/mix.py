@@ -88,6 +88,20 @@ def read_pool(path: str, tokenizer, template: str) -> list[PromptItem]:
     ]
 
 
+def rl_sources(select, history_path, seed: int, env, envs, tokenizer, template: str) -> dict:
+    """The RL drivers' ``source`` (a factory, or None: the cursor) and ``env``: ``curation.select``'s
+    source (``training.rl.stage.hive_source``) and ``env`` alone, or with ``envs`` the weighted mix."""
+    from training.rl.stage import hive_source
+
+    def base():
+        return hive_source(select, history_path, seed) if select is not None else None
+
+    if not envs:
+        return {"source": base(), "env": env}
+    source, mixed = mixed_run(envs, base, tokenizer, template, seed)
+    return {"source": source, "env": mixed}
+
+
 def mixed_run(
     envs: Sequence[EnvMixConfig],
     base_source: Callable[[], Callable | None],

@@ -32,6 +32,7 @@ from generation.model import encode_problem
 from training.objectives import PRESETS, ObjectiveParams
 from rewards.compose import Reward
 from training.rl.loop import RLResult, rl_reward
+from training.rl.mix import rl_sources
 from training.rl.records import StepMetrics
 from generation.records import PromptItem
 from generation.setup import read_table
@@ -251,21 +252,14 @@ def _rl(
             if on_metrics is not None:
                 on_metrics(m.as_dict())
 
-        source = hive_source(select, history_path, seed) if select is not None else None
-        if envs:  # several environments, weighted (training.rl.mix): the source and env that mix them
-            from training.rl.mix import mixed_run
-
-            base = lambda: hive_source(select, history_path, seed) if select is not None else None  # noqa: E731
-            source, env = mixed_run(envs, base, tokenizer, template, seed)
         common = dict(
             seed=seed,
             device=device,
             on_step=on_step,
             evaluate=evaluate,
-            source=source,
             rollout=rollout,
             state_dir=state_dir,
-            env=env,
+            **rl_sources(select, history_path, seed, env, envs, tokenizer, template),
             sandbox=sandbox,
         )
         if cfg.uses_ray():
