@@ -254,6 +254,8 @@ def select_key(c: Config) -> dict:
 
 
 def rl_key(c: Config) -> dict:
+    from training.rl.mix import mix_key
+
     return {
         **_drop_defaults(c.rl, "loss", "loss_params"),
         "verifier_timeout_s": c.eval.verifier_timeout_s,
@@ -268,7 +270,7 @@ def rl_key(c: Config) -> dict:
         "reward": reward_key(c),
         **_env_key(c),
         **_sandbox_key(c),
-        **({"envs": [asdict(e) for e in c.envs]} if c.envs else {}),  # several environments, weighted
+        **mix_key(c.envs),  # several environments, weighted (absent when none)
     }
 
 

@@ -63,6 +63,22 @@ def mixed_env(envs: Sequence[EnvMixConfig]) -> EnvConfig:
     )
 
 
+def mix_key(envs: Sequence[EnvMixConfig]) -> dict:
+    """The RL stage's cache key part for ``envs``: every item, a pool with its file's sha256; absent
+    when ``envs`` is empty (keys unchanged)."""
+    import hashlib
+
+    if not envs:
+        return {}
+    items = []
+    for e in envs:
+        item = dataclasses.asdict(e)
+        if e.pool and Path(e.pool).is_file():
+            item["pool_sha256"] = hashlib.sha256(Path(e.pool).read_bytes()).hexdigest()
+        items.append(item)
+    return {"envs": items}
+
+
 def read_pool(path: str, tokenizer, template: str) -> list[PromptItem]:
     """An item's own prompt pool: a parquet file of prompt rows (prompt_id, problem, answer, level)."""
     from generation.model import encode_problem
