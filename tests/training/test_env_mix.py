@@ -11,7 +11,7 @@ import pytest
 import torch
 
 from conf.loader import load_config
-from conf.schema import EnvMixConfig, RLConfig
+from conf.schema import ConfigError, EnvMixConfig, RLConfig
 from environments.base import StepResult, Turn
 from environments.mixed import MixedEnvironment, Params, split_tag, tag
 from generation.model import build_char_tokenizer, build_tiny_model, encode_prompt
@@ -111,6 +111,8 @@ def test_envs_compose_from_the_command_line_and_default_to_none():
         ("calculator", 0.7, 3),
         ("single_turn", 0.3, 1),
     ]
+    with pytest.raises(ConfigError, match=r"envs\[0\]\.weight=0.0 must be > 0"):
+        load_config(["envs=[{target: calculator, weight: 0}]"])
 
 
 class DigitFirst:
