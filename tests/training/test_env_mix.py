@@ -167,3 +167,36 @@ def test_a_run_mixed_0_7_0_3_trains_each_environment_its_share_with_metrics_per_
         assert d["env/tool/tool_calls"] > 0.8 and d["env/tool/turns"] > 1.8  # routed to CallsOnce
         assert d["env/single_turn/tool_calls"] == 0.0 and d["env/single_turn/turns"] == 1.0
         assert 0.0 <= d["env/tool/accuracy"] <= 1.0
+
+
+@pytest.mark.slow
+def test_the_mix_runs_on_the_ray_runtime_in_laminar_mode(tmp_path, local_ray):
+    """The same mix on two Ray rollouts in laminar mode: the mixed environment travels to the rollout
+    actors with its config, and the trained groups keep the weights."""
+    from conf.schema import ClusterConfig
+    from training.rl.drivers.ray import LaminarRuntime
+
+    tok = build_char_tokenizer()
+    items = _items(tok, 8)
+    envs = [
+        EnvMixConfig(target="tests.training.test_env_mix:CallsOnce", max_turns=2, name="tool", weight=0.7),
+        EnvMixConfig(target="single_turn", weight=0.3),
+    ]
+    source, env = mixed_run(envs, lambda: None, tok, "{problem}\n", seed=0)
+    rl = RLConfig(
+        mode="laminar", steps=3, prompts_per_step=10, group_size=2, lr=1e-4, max_new_tokens=4,
+        micro_batch_tokens=0, rollout_capacity=16, chunk_steps=4,
+    )  # fmt: skip
+    rt = LaminarRuntime(
+        saved_model(tmp_path, ends_at_once(tok, items), tok), items, DigitFirst(), PRESETS["grpo"], rl,
+        seed=0, device="cpu", cluster=ClusterConfig(rollouts=2), source=source, env=env,
+    )  # fmt: skip
+    result = rt.run()
+    assert trained_shares(dict(result.consumed)) == pytest.approx({"tool": 0.7, "single_turn": 0.3})
+    rows = [m.as_dict() for m in result.history]
+    assert (
+        sum(d["env/tool/groups"] for d in rows) >= 21 and sum(d["env/single_turn/groups"] for d in rows) >= 9
+    )
+    assert all(
+        d["env/tool/tool_calls"] in (0.0, 1.0) and d["env/single_turn/tool_calls"] == 0.0 for d in rows
+    )
