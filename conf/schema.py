@@ -1007,6 +1007,19 @@ class EnvConfig:
 
 
 @dataclass
+class EnvMixConfig(EnvConfig):
+    """One item of ``envs``: an environment (every ``env`` key) with its ``weight`` (its share of the
+    prompts RL draws: weight / the sum of weights) and its prompt ``pool`` (a parquet file of prompt
+    rows: prompt_id, problem, answer, level; empty: the run's selected prompts). ``name`` tells
+    items apart (metrics ``env/NAME/...``, prompt ids ``NAME/ID``); empty: the target
+    (``training.rl.mix``)."""
+
+    weight: Annotated[float, Positive] = 1.0
+    pool: str = ""
+    name: str = ""
+
+
+@dataclass
 class Config:
     seed: Annotated[int, NonNegative, Seed] = 0
     device: Annotated[str, Device] = "cpu"
@@ -1029,6 +1042,9 @@ class Config:
     reward_model: RewardModelConfig = field(default_factory=RewardModelConfig)
     sandbox: SandboxConfig = field(default_factory=SandboxConfig)
     env: EnvConfig = field(default_factory=EnvConfig)
+    envs: Annotated[list[EnvMixConfig], MaxLen(16)] = field(default_factory=list)
+    """Several environments in one RL run, each with a weight and a prompt pool (``EnvMixConfig``;
+    ``training.rl.mix``); empty (the default): ``env`` alone."""
 
 
 VLLM_CPU_HEAD_SIZES = (32, 64, 80, 96, 112, 128, 160, 192, 224, 256, 512)

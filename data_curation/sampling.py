@@ -53,6 +53,69 @@ def _engine(model_dir: Path, device: str, batch_size: int):
     return Engine(model, tokenizer, EngineOptions(capacity=batch_size), device=device), tokenizer
 
 
+class Sampler:
+    """How curation samples a batch of requests: the rollout engine's single-turn ``generate`` (the
+    default ``env``: today's path, the same tokens for the same seed), or, under a multi-turn ``env``,
+    whole episodes through the RL rollout's episode runner (``environments.registry.wrap_engine``: an
+    ``EpisodeEngine`` on the same engine), ``max_new_tokens`` per policy turn. A trajectory of an
+    episode holds every turn and observation with its ``loss_mask`` (1 policy, 0 observation), so the
+    verifier judges the episode's text and RFT learns only the policy's turns."""
+
+    def __init__(self, model_dir: Path, device: str, batch_size: int, env=None, sandbox=None):
+        self.engine, self.tokenizer = _engine(model_dir, device, batch_size)
+        self.env, self.sandbox, self.device, self.batch_size = env, sandbox, device, batch_size
+        self.episodic = env is not None and not env.is_default()
+
+    def sample(self, requests, max_new_tokens: int, temperature: float, generator, progress=None) -> list:
+        """One trajectory per request, in request order; the noise seed is one draw from ``generator``."""
+        if not self.episodic:
+            return self.engine.generate(requests, max_new_tokens, temperature, generator, progress=progress)
+        from environments.registry import wrap_engine
+        from generation.engine import Engine
+        from generation.sampler import seed_from
+
+        engine = Engine(
+            self.engine.model,
+            self.tokenizer,
+            device=self.device,
+            batch_size=self.batch_size,
+            max_new_tokens=max_new_tokens,
+            temperature=temperature,
+            seed=seed_from(generator, None),
+        )
+        runner = wrap_engine(engine, self.env, self.tokenizer, self.sandbox)
+        try:
+            out = runner.generate(list(requests))
+        finally:
+            runner.close()
+        if progress is not None:
+            progress.update(len(out))
+        return out
+
+
+def episode_metrics(trajs) -> dict[str, float]:
+    """Tool calls, tool errors and policy turns per episode (curation under a multi-turn ``env``)."""
+    n = max(1, len(trajs))
+    return {
+        "tool_calls_per_episode": sum(t.tool_calls for t in trajs) / n,
+        "tool_errors_per_episode": sum(t.tool_errors for t in trajs) / n,
+        "turns_per_episode": sum(t.turns for t in trajs) / n,
+    }
+
+
+RESPONSES_SCHEMA = {
+    "prompt_id": pl.Utf8,
+    "sample_idx": pl.Int32,
+    "response": pl.Utf8,
+    "correct": pl.Boolean,
+    "length": pl.Int32,
+    "entropy": pl.Float64,
+    "truncated": pl.Boolean,
+}
+EPISODE_SCHEMA = {"turns": pl.Int32, "tool_calls": pl.Int32, "tool_errors": pl.Int32}
+"""The extra columns of ``responses.parquet`` under a multi-turn ``env``."""
+
+
 def estimate_difficulty(
     model_dir: Path,
     prompts_path: Path,
@@ -68,49 +131,83 @@ def estimate_difficulty(
     verifier,
     batch_size: int = 256,
     progress=None,
+    env=None,
+    sandbox=None,
 ) -> dict[str, float]:
-    """Sample ``samples`` responses per prompt (a seeded subset of ``max_prompts``) and verify them.
+    """Sample ``samples`` responses per prompt (a seeded subset of ``max_prompts``) and verify them;
+    under a multi-turn ``env`` (``conf.schema.EnvConfig``; tools under ``sandbox``) each sample is a
+    whole episode (``Sampler``).
 
     Writes ``attempts.parquet`` (per prompt: n, n_correct, pass_rate, mean_length, mean_entropy,
-    level), ``responses.parquet`` (every sample) and ``history.parquet`` (one reward-history row per
-    prompt: the group's mean reward, origin ``difficulty``)."""
+    level), ``responses.parquet`` (every sample; with turns and tool calls under an ``env``) and
+    ``history.parquet`` (one reward-history row per prompt: the group's mean reward, origin
+    ``difficulty``)."""
     import torch
 
     from generation.records import GenRequest
 
     rows = seeded_subset(pl.read_parquet(prompts_path).to_dicts(), max_prompts, seed)
-    engine, tokenizer = _engine(model_dir, device, batch_size)
-    items = prompt_items(rows, tokenizer, template)
+    sampler = Sampler(model_dir, device, batch_size, env, sandbox)
+    items = prompt_items(rows, sampler.tokenizer, template)
     requests = [GenRequest(prompt=p, sample_idx=i) for p in items for i in range(samples)]
-    trajs = engine.generate(
-        requests, max_new_tokens, temperature, torch.Generator().manual_seed(seed), progress=progress
+    trajs = sampler.sample(
+        requests, max_new_tokens, temperature, torch.Generator().manual_seed(seed), progress
     )
     verdicts = verifier.verify_batch([t.text for t in trajs], [t.prompt.answer for t in trajs])
-    responses = pl.DataFrame(
-        {
-            "prompt_id": [t.prompt.prompt_id for t in trajs],
-            "sample_idx": [t.sample_idx for t in trajs],
-            "response": [t.text for t in trajs],
-            "correct": [v.correct for v in verdicts],
-            "length": [len(t.response_tokens) for t in trajs],
-            "entropy": [t.mean_entropy for t in trajs],
-            "truncated": [not t.finished for t in trajs],
-        },
-        schema={
-            "prompt_id": pl.Utf8,
-            "sample_idx": pl.Int32,
-            "response": pl.Utf8,
-            "correct": pl.Boolean,
-            "length": pl.Int32,
-            "entropy": pl.Float64,
-            "truncated": pl.Boolean,
-        },
+    responses = _responses(trajs, verdicts, sampler.episodic)
+    attempts = _attempts(responses, rows)
+    out = Path(out_dir)
+    attempts.write_parquet(out / "attempts.parquet")
+    responses.write_parquet(out / "responses.parquet")
+    _history(attempts).write_parquet(out / "history.parquet")
+    pr = attempts["pass_rate"]
+    return {
+        "prompts_sampled": float(attempts.height),
+        "samples": float(responses.height),
+        "mean_pass_rate": float(pr.mean() or 0.0),
+        "all_correct": float((pr == 1.0).sum()),
+        "all_wrong": float((pr == 0.0).sum()),
+        "learning_edge": float(((pr > 0) & (pr < 1)).sum()),
+        **(episode_metrics(trajs) if sampler.episodic else {}),
+    }
+
+
+def _responses(trajs, verdicts, episodic: bool) -> pl.DataFrame:
+    """Every sample's row of ``responses.parquet``."""
+    cols = {
+        "prompt_id": [t.prompt.prompt_id for t in trajs],
+        "sample_idx": [t.sample_idx for t in trajs],
+        "response": [t.text for t in trajs],
+        "correct": [v.correct for v in verdicts],
+        "length": [len(t.response_tokens) for t in trajs],
+        "entropy": [t.mean_entropy for t in trajs],
+        "truncated": [not t.finished for t in trajs],
+    }
+    if not episodic:
+        return pl.DataFrame(cols, schema=RESPONSES_SCHEMA)
+    cols.update({k: [getattr(t, k) for t in trajs] for k in EPISODE_SCHEMA})
+    return pl.DataFrame(cols, schema={**RESPONSES_SCHEMA, **EPISODE_SCHEMA})
+
+
+def _history(attempts: pl.DataFrame) -> pl.DataFrame:
+    """One reward-history row per prompt (step 0, origin ``difficulty``): its pass rate."""
+    return attempts.select(
+        pl.lit(0, pl.Int64).alias("step"),
+        pl.int_range(pl.len(), dtype=pl.Int64).alias("idx"),
+        "prompt_id",
+        pl.col("pass_rate").alias("mean_reward"),
+        "n",
+        pl.lit("difficulty").alias("origin"),
     )
+
+
+def _attempts(responses: pl.DataFrame, rows: list[dict]) -> pl.DataFrame:
+    """Per prompt: n, n_correct, pass_rate, mean_length, mean_entropy and its level."""
     levels = pl.DataFrame(
         {"prompt_id": [r["prompt_id"] for r in rows], "level": [r.get("level") for r in rows]},
         schema={"prompt_id": pl.Utf8, "level": pl.Int32},
     )
-    attempts = (
+    return (
         responses.group_by("prompt_id", maintain_order=True)
         .agg(
             n=pl.len().cast(pl.Int64),
@@ -122,27 +219,6 @@ def estimate_difficulty(
         .join(levels, on="prompt_id", how="left", maintain_order="left")
         .select("prompt_id", "n", "n_correct", "pass_rate", "mean_length", "mean_entropy", "level")
     )
-    history = attempts.select(
-        pl.lit(0, pl.Int64).alias("step"),
-        pl.int_range(pl.len(), dtype=pl.Int64).alias("idx"),
-        "prompt_id",
-        pl.col("pass_rate").alias("mean_reward"),
-        "n",
-        pl.lit("difficulty").alias("origin"),
-    )
-    out = Path(out_dir)
-    attempts.write_parquet(out / "attempts.parquet")
-    responses.write_parquet(out / "responses.parquet")
-    history.write_parquet(out / "history.parquet")
-    pr = attempts["pass_rate"]
-    return {
-        "prompts_sampled": float(attempts.height),
-        "samples": float(responses.height),
-        "mean_pass_rate": float(pr.mean() or 0.0),
-        "all_correct": float((pr == 1.0).sum()),
-        "all_wrong": float((pr == 0.0).sum()),
-        "learning_edge": float(((pr > 0) & (pr < 1)).sum()),
-    }
 
 
 def dart_sample(
@@ -162,6 +238,8 @@ def dart_sample(
     progress=None,
     check_arithmetic: bool = False,
     ranker=None,
+    env=None,
+    sandbox=None,
 ) -> dict[str, float]:
     """DART: rejection-sample the difficulty stage's prompts, trials allocated by
     ``data_curation.dart.DartPlanner`` (``params``: its ``DartParams``), round after round until every
@@ -171,59 +249,118 @@ def dart_sample(
     (``data_curation.dart.arithmetic_consistent``); ``rejected_arithmetic`` counts the right answers
     that check turned down. With ``ranker`` (a built ``reward_model`` component) it ranks instead of
     verifying: ``rft.parquet`` holds each prompt's top-ranked trials (``data_curation.dart.top_ranked``,
-    with their ``rm_score`` and whether the verifier accepted them, ``verified``)."""
+    with their ``rm_score`` and whether the verifier accepted them, ``verified``). Under a multi-turn
+    ``env`` every trial is a whole episode (``Sampler``) and ``rft.parquet`` also holds each kept
+    episode's ``prompt_tokens``, ``response_tokens`` and ``loss_mask`` (what RFT trains on)."""
     import torch
 
-    from data_curation.dart import DartPlanner, arithmetic_consistent, top_ranked
-    from generation.records import GenRequest
+    from data_curation.dart import DartPlanner, top_ranked
 
+    attempts, prompts, by_id = _dart_inputs(Path(prompts_path), Path(attempts_path))
+    sampler = Sampler(model_dir, device, batch_size, env, sandbox)
+    items = {p.prompt_id: p for p in prompt_items(list(by_id.values()), sampler.tokenizer, template)}
+    state = _DartRun(sampler, items, torch.Generator().manual_seed(seed))
+    planner = DartPlanner(attempts, params)
+    while plan := planner.next_round():
+        state.round(plan, planner, verifier, max_new_tokens, temperature, check_arithmetic, ranker, by_id)
+        if progress is not None:
+            progress.update(sum(n for _, n in plan))
+    stats = planner.stats()
+    kept = (
+        planner.correct_responses()
+        if ranker is None
+        else top_ranked(_trials_frame(state.ranked), stats, params.k_u)
+    )
+    data = _write_dart(state.with_episodes(kept), stats, prompts, Path(out_dir))
+    return {
+        **{k: float(v) for k, v in planner.summary().items()},
+        "rounds": float(state.rounds),
+        "rft_examples": float(data.height),
+        "rejected_arithmetic": float(state.rejected),
+        **(_rank_metrics(data, state.ranked) if ranker is not None else {}),
+        **(episode_metrics(state.trajs) | _kept_tool_metrics(data) if sampler.episodic else {}),
+    }
+
+
+def _dart_inputs(prompts_path: Path, attempts_path: Path) -> tuple[pl.DataFrame, pl.DataFrame, dict]:
+    """The difficulty stage's attempts, the prompt pool, and the attempted prompts' rows by id."""
     attempts = pl.read_parquet(attempts_path)
     prompts = pl.read_parquet(prompts_path)
     by_id = {
         r["prompt_id"]: r
         for r in prompts.filter(pl.col("prompt_id").is_in(attempts["prompt_id"].implode())).to_dicts()
     }
-    engine, tokenizer = _engine(model_dir, device, batch_size)
-    items = {p.prompt_id: p for p in prompt_items(list(by_id.values()), tokenizer, template)}
-    planner = DartPlanner(attempts, params)
-    generator = torch.Generator().manual_seed(seed)
-    rounds = rejected = 0
-    ranked: list[dict] = []  # with a ranker: every trial, scored
-    trials: dict[str, int] = {}  # prompt id -> its trials so far, as the planner numbers them
-    while plan := planner.next_round():
-        rounds += 1
-        requests = [GenRequest(prompt=items[pid], sample_idx=i) for pid, n in plan for i in range(n)]
-        trajs = engine.generate(requests, max_new_tokens, temperature, generator)
+    return attempts, prompts, by_id
+
+
+def _write_dart(kept: pl.DataFrame, stats: pl.DataFrame, prompts: pl.DataFrame, out: Path) -> pl.DataFrame:
+    """``rft.parquet`` (the kept responses with their prompts) and ``dart_stats.parquet`` (with levels)."""
+    data = kept.join(prompts.select("prompt_id", "problem", "answer", "level"), on="prompt_id", how="left")
+    data.write_parquet(out / "rft.parquet")
+    stats = stats.join(prompts.select("prompt_id", "level"), on="prompt_id", how="left")
+    stats.write_parquet(out / "dart_stats.parquet")
+    return data
+
+
+class _DartRun:
+    """DART's sampling rounds: what they sampled and counted, and under a multi-turn ``env`` each
+    trial's episode tokens by (prompt id, trial index), numbered as ``DartPlanner.record`` numbers them."""
+
+    def __init__(self, sampler: Sampler, items: dict, generator):
+        self.sampler, self.items, self.generator = sampler, items, generator
+        self.rounds = self.rejected = 0
+        self.ranked: list[dict] = []  # with a ranker: every trial, scored
+        self.trials: dict[str, int] = {}  # prompt id -> its trials so far (the ranker's numbering)
+        self.numbered: dict[str, int] = {}  # the same numbering, for the episodes kept below
+        self.episodes: dict[tuple[str, int], tuple] = {}
+        self.trajs: list = []  # under an env: every trial (for its tool metrics)
+
+    def round(self, plan, planner, verifier, max_new_tokens, temperature, check_arithmetic, ranker, by_id):
+        from data_curation.dart import arithmetic_consistent
+        from generation.records import GenRequest
+
+        self.rounds += 1
+        requests = [GenRequest(prompt=self.items[pid], sample_idx=i) for pid, n in plan for i in range(n)]
+        trajs = self.sampler.sample(requests, max_new_tokens, temperature, self.generator)
         verdicts = verifier.verify_batch([t.text for t in trajs], [t.prompt.answer for t in trajs])
         correct = [
             v.correct and (not check_arithmetic or arithmetic_consistent(t.text))
             for t, v in zip(trajs, verdicts)
         ]
-        rejected += sum(v.correct and not c for v, c in zip(verdicts, correct))
+        self.rejected += sum(v.correct and not c for v, c in zip(verdicts, correct))
+        if self.sampler.episodic:
+            self._keep_episodes(trajs, correct, keep_all=ranker is not None)
         if ranker is not None:
-            ranked += _rank_round(ranker, trajs, correct, by_id, max_new_tokens, trials)
+            self.ranked += _rank_round(ranker, trajs, correct, by_id, max_new_tokens, self.trials)
         planner.record(
             (t.prompt.prompt_id, c, t.text, len(t.response_tokens)) for t, c in zip(trajs, correct)
         )
-        if progress is not None:
-            progress.update(len(requests))
-    stats = planner.stats()
-    kept = (
-        planner.correct_responses()
-        if ranker is None
-        else top_ranked(_trials_frame(ranked), stats, params.k_u)
-    )
-    data = kept.join(prompts.select("prompt_id", "problem", "answer", "level"), on="prompt_id", how="left")
-    data.write_parquet(Path(out_dir) / "rft.parquet")
-    stats = stats.join(prompts.select("prompt_id", "level"), on="prompt_id", how="left")
-    stats.write_parquet(Path(out_dir) / "dart_stats.parquet")
-    return {
-        **{k: float(v) for k, v in planner.summary().items()},
-        "rounds": float(rounds),
-        "rft_examples": float(data.height),
-        "rejected_arithmetic": float(rejected),
-        **(_rank_metrics(data, ranked) if ranker is not None else {}),
-    }
+
+    def _keep_episodes(self, trajs, correct, keep_all: bool) -> None:
+        self.trajs += trajs
+        for t, c in zip(trajs, correct):
+            pid = t.prompt.prompt_id
+            idx = self.numbered[pid] = self.numbered.get(pid, -1) + 1
+            if c or keep_all:
+                self.episodes[(pid, idx)] = (t.prompt.prompt_tokens, t.response_tokens, t.policy_mask())
+
+    def with_episodes(self, kept: pl.DataFrame) -> pl.DataFrame:
+        """``kept`` with each episode's tokens and loss mask (unchanged for single-turn sampling)."""
+        if not self.sampler.episodic:
+            return kept
+        toks = [self.episodes[(p, i)] for p, i in zip(kept["prompt_id"], kept["trial_idx"])]
+        lists = pl.List(pl.Int64)
+        return kept.with_columns(
+            pl.Series("prompt_tokens", [list(x[0]) for x in toks], dtype=lists),
+            pl.Series("response_tokens", [list(x[1]) for x in toks], dtype=lists),
+            pl.Series("loss_mask", [list(x[2]) for x in toks], dtype=lists),
+        )
+
+
+def _kept_tool_metrics(data: pl.DataFrame) -> dict[str, float]:
+    """The kept episodes that called a tool (their loss mask has an observation: a 0)."""
+    with_obs = sum(1 for m in data["loss_mask"] if 0 in m) if data.height else 0
+    return {"rft_tool_episodes": float(with_obs)}
 
 
 def _rank_round(

@@ -250,6 +250,8 @@ def _difficulty(ctx: StageContext, max_prompts: int) -> StageResult:
                 seed=ctx.cfg.seed,
                 device=ctx.device,
                 verifier=verifier,
+                env=ctx.cfg.env,
+                sandbox=ctx.cfg.sandbox,
             )
 
     ref, metrics = _produce(ctx, ATTEMPTS, run, {"model": ctx.inputs[MODEL].sha256})
@@ -297,6 +299,8 @@ def dart_body(ctx: StageContext) -> StageResult:
                 verifier=verifier,
                 check_arithmetic=c.check_arithmetic,
                 ranker=ranker,
+                env=ctx.cfg.env,
+                sandbox=ctx.cfg.sandbox,
             )
 
     ref, metrics = _produce(ctx, RFT_DATA, run)

@@ -184,7 +184,14 @@ def _difficulty_key(c: Config, max_prompts: int) -> dict:
         "verifier_timeout_s": c.eval.verifier_timeout_s,
         **_numerics(c),
         **_verdict_key(c),
+        **_episodes_key(c),
     }
+
+
+def _episodes_key(c: Config) -> dict:
+    """The environment curation samples episodes in, with the sandbox its tools run under; absent for
+    single-turn (keys unchanged)."""
+    return {} if c.env.is_default() else {**_env_key(c), **_sandbox_key(c)}
 
 
 def difficulty_key(c: Config) -> dict:
@@ -209,6 +216,7 @@ def dart_key(c: Config) -> dict:
         **_numerics(c),
         **(_reward_model_key(c) if dart_ranks(c) else {}),
         **_verdict_key(c),
+        **_episodes_key(c),
     }
 
 
@@ -246,6 +254,8 @@ def select_key(c: Config) -> dict:
 
 
 def rl_key(c: Config) -> dict:
+    from training.rl.mix import mix_key
+
     return {
         **_drop_defaults(c.rl, "loss", "loss_params"),
         "verifier_timeout_s": c.eval.verifier_timeout_s,
@@ -260,6 +270,7 @@ def rl_key(c: Config) -> dict:
         "reward": reward_key(c),
         **_env_key(c),
         **_sandbox_key(c),
+        **mix_key(c.envs),  # several environments, weighted (absent when none)
     }
 
 

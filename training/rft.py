@@ -13,6 +13,27 @@ from generation.setup import read_table
 from training.sft import SFTExample, train_sft
 
 
+def rft_examples(rows: list[dict], tokenizer, template: str) -> list[SFTExample]:
+    """RFT's training examples: a single-turn response encoded after its prompt; a whole episode (DART
+    under a multi-turn ``env``: a row with ``response_tokens``) exactly as it ran, the tokens the engine
+    consumed, with its ``loss_mask`` (1 on the policy's turns, 0 on the tool results and other
+    observations), so RFT learns the model's turns, tool calls included, and never the observations."""
+    out = []
+    for r in rows:
+        if r.get("response_tokens") is not None:
+            out.append(
+                SFTExample(tuple(r["prompt_tokens"]), tuple(r["response_tokens"]), tuple(r["loss_mask"]))
+            )
+        else:
+            out.append(
+                SFTExample(
+                    encode_problem(tokenizer, template, r["problem"]),
+                    encode_response(tokenizer, r["response"]),
+                )
+            )
+    return out
+
+
 def rft(
     model_dir: Path,
     rft_path: Path,
@@ -24,16 +45,11 @@ def rft(
     out_dir: Path,
     lora: LoraConfig | None = None,
 ) -> dict[str, float]:
-    """Fine-tune the model on ``rft.parquet`` (problem, response). With ``cfg.steps == 0`` or no
+    """Fine-tune the model on ``rft.parquet`` (problem, response; or whole episodes with their loss
+    masks: ``rft_examples``). With ``cfg.steps == 0`` or no
     correct response to learn from, the model passes through unchanged (and says so)."""
     model, tokenizer, _ = load_trainable(model_dir, lora, "rft", device=device, seed=seed)
-    rows = read_table(Path(rft_path))
-    examples = [
-        SFTExample(
-            encode_problem(tokenizer, template, r["problem"]), encode_response(tokenizer, r["response"])
-        )
-        for r in rows
-    ]
+    examples = rft_examples(read_table(Path(rft_path)), tokenizer, template)
     metrics: dict[str, float] = {"rft_examples": float(len(examples)), "rft_steps": 0.0}
     if cfg.steps > 0 and examples:
         with tqdm(total=cfg.steps, desc="rft", unit="step", leave=False, disable=None) as bar:

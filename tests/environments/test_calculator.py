@@ -53,15 +53,14 @@ def test_env_config_composes_and_typos_fail_before_any_write():
         load_config(["env.max_turns=2"])
 
 
-def test_calculator_recipe_skips_rft_and_hive_but_not_the_default_run():
-    """conf/env/calculator.yaml: curation samples single-turn, so RFT on DART's worked solutions
-    trains the tool away; the recipe passes RFT through and selects uniformly. The default run keeps
-    both, and a user's override still wins."""
-    tool = load_config(["env=calculator"])
-    assert (tool.curation.rft.steps, tool.curation.select.strategy) == (0, "uniform")
-    default = load_config([])
-    assert (default.curation.rft.steps, default.curation.select.strategy) == (30, "hive")
-    assert load_config(["env=calculator", "curation.rft.steps=30"]).curation.rft.steps == 30
+def test_calculator_recipe_keeps_rft_and_hive_now_that_curation_samples_episodes():
+    """conf/env/calculator.yaml: curation samples whole episodes under ``env`` and RFT trains on them
+    with their loss masks (tests/data_curation/test_episode_curation.py), so the tool recipe keeps
+    the default RFT and HIVE instead of passing RFT through and selecting uniformly."""
+    tool, default = load_config(["env=calculator"]), load_config([])
+    assert (tool.curation.rft.steps, tool.curation.select.strategy) == (30, "hive")
+    assert tool.curation == default.curation
+    assert load_config(["env=calculator", "curation.rft.steps=0"]).curation.rft.steps == 0
 
 
 def test_warm_up_demonstrations_use_the_tool_with_the_observation_masked():

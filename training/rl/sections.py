@@ -10,6 +10,7 @@ from conf.schema import (
     ClusterConfig,
     Config,
     EngineOptions,
+    EnvMixConfig,
     EnvConfig,
     LoraConfig,
     RLConfig,
@@ -36,6 +37,8 @@ class RLSections:
     sandbox: SandboxConfig | None = None
     select: SelectConfig | None = None
     lora: LoraConfig | None = None
+    envs: tuple[EnvMixConfig, ...] = ()
+    """Several environments in one run, weighted (``envs``; empty: ``env`` alone)."""
 
     @classmethod
     def of(cls, cfg: Config) -> RLSections:
@@ -50,6 +53,7 @@ class RLSections:
             sandbox=cfg.sandbox,
             select=cfg.curation.select,
             lora=cfg.model.lora,
+            envs=tuple(cfg.envs),
         )
 
     def engine_options(self, capacity: int, lora_rank: int = 0) -> EngineOptions:

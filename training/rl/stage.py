@@ -23,6 +23,7 @@ from generation.model import encode_problem
 from training.objectives import PRESETS, ObjectiveParams
 from rewards.compose import Reward
 from training.rl.loop import RLResult, rl_reward
+from training.rl.mix import rl_sources
 from training.rl.records import StepMetrics
 from training.rl.sections import RLSections
 from generation.records import PromptItem
@@ -143,8 +144,7 @@ def rl(
     PEFT adapter folder.
     ``reward``: the ``rewards.compose.Reward`` every response is scored with (a bare verifier: the
     math verifier alone); DAPO's preset adds its overlong component (``training.rl.loop.rl_reward``).
-    ``run.env``: the episodes' environment (None: single-turn); ``run.sandbox``: the run's sandbox
-    settings, for its tools (the reward's code components carry their own)."""
+    ``run.env``, ``run.envs``, ``run.sandbox``: the episodes' environments and their tools' sandbox."""
     from generation.model import load_tokenizer
 
     cfg = run.rl
@@ -157,6 +157,7 @@ def rl(
         with tqdm(
             total=cfg.steps, desc=f"rl {cfg.algorithm}/{cfg.mode}", unit="step", leave=False, disable=None
         ) as bar:
+            run, source = with_sources(run, history_path, tokenizer, template)
             driver = make_driver(
                 model_dir,
                 prompts,
@@ -165,7 +166,7 @@ def rl(
                 run,
                 device=device,
                 state_dir=state_dir,
-                source=hive_source(run.select, history_path, run.seed),
+                source=source,
                 on_step=_progress(bar, cfg.steps, on_metrics),
                 evaluate=evaluate,
             )
@@ -175,6 +176,13 @@ def rl(
         save_rl_model(driver, model_dir, tokenizer, Path(out_dir))
         write_rl_records(result, Path(out_dir), reward)
         return result
+
+
+def with_sources(run: RLSections, history_path: Path | None, tokenizer, template: str):
+    """``(run, source)``: ``run`` with the env its episodes run (the weighted mix of ``run.envs``, or
+    ``run.env``) and the drivers' prompt source (HIVE's, the mix's, or None: the cursor)."""
+    s = rl_sources(run.select, history_path, run.seed, run.env, run.envs, tokenizer, template)
+    return dataclasses.replace(run, env=s["env"]), s["source"]
 
 
 def rl_prompts(prompts_path: Path, tokenizer, template: str, steps: int) -> list[PromptItem]:
