@@ -234,7 +234,8 @@ def _unknown(key: str, holder: type[BaseModel] | None, hint: str) -> str:
     name = key.rsplit(".", 1)[-1]
     known = list(holder.model_fields) if holder is not None else []
     close = difflib.get_close_matches(name, known, n=1)
-    guess = f" (did you mean {close[0]!r}?)" if close else ""
+    full = key[: len(key) - len(name)] + close[0] if close else ""
+    guess = f" (did you mean {full!r}?)" if close else ""
     what = getattr(holder, "unknown_key_hint", None)
     if what:  # a component's parameters
         own = ", ".join(holder.param_names()) or "none besides weight"
@@ -274,7 +275,9 @@ def message_of(err: dict, root: type[BaseModel], hint: str = "`laminar config`")
         return f"{key}={_shown(value)}: {err['msg']}"
     why = err["msg"][0].lower() + err["msg"][1:]
     if TYPE_ERRORS.search(kind):
-        return f"config key '{key}': {why} (got {_shown(value)}); give {key} a value of the type its default has"
+        return (
+            f"config key '{key}': {why} (got {_shown(value)}); give {key} a value of the type its default has"
+        )
     return f"config key '{key}': {why}"
 
 
@@ -291,4 +294,3 @@ def validated(model: Any, data: Any, hint: str = "`laminar config`") -> Any:
         return check(data)
     except ValidationError as err:
         raise config_error(err, model, hint) from None
-

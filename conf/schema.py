@@ -19,6 +19,7 @@ from conf.base import (
     MAX_CHARS,
     MAX_INT,
     MAX_ITEMS,
+    TAGGED,
     AtMost,
     Batch,
     ConfigError,
@@ -38,13 +39,12 @@ from conf.base import (
     Section,
     Seed,
     Share,
-    TAGGED,
     Steps,
     Threads,
     Tokens,
     Unit,
-    rule,
     Why,
+    rule,
     validated,
 )
 
@@ -130,8 +130,6 @@ LLAMA_LINEAR_MODULES = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up
 VLLM_LORA_RANKS = (8, 16, 32, 64, 128, 256, 320, 512)
 """The ``max_lora_rank`` values vLLM accepts (its ``LoRAConfig`` refuses others); adapters of any rank
 up to it load, so ``model.lora.rank`` above the last cannot sample with ``rollout.engine=vllm``."""
-
-
 
 
 class LoraConfig(Section):
@@ -241,8 +239,6 @@ class SourceConfig(Section):
                 f"@name={self.name!r} is not an identifier: use letters, digits, _ and - (starting with "
                 "a letter or _, at most 64 characters), e.g. name: my_pool"
             )
-        if not self.path:
-            raise rule("@path is empty; name a file, folder or dataset")
         return self
 
 
@@ -295,6 +291,9 @@ class DataConfig(Section):
             )
         if self.source == "files" and not self.sources:
             raise rule("data.source=files needs @sources (a list of files); or use data=math")
+        for i, src in enumerate(self.sources):
+            if not src.path:
+                raise rule(f"@sources[{i}].path is empty; name a file, folder or dataset")
         names = [s.name for s in self.sources]
         if len(set(names)) != len(names) or "arith" in names and self.source == "arith":
             raise rule(f"@sources names must be unique (and not 'arith' with data.source=arith): {names}")
@@ -323,7 +322,9 @@ class RLConfig(Section):
     """Optimizer updates. The default task's RL adds most of its accuracy in the first 60
     (benchmarks/results/default_run/); more steps cost about 1.5 s each on 2 cores."""
     prompts_per_step: Annotated[int, Positive, Batch] = 16
-    group_size: Annotated[int, Ge(2), Samples, Why("group advantages need at least 2 responses per prompt")] = 8
+    group_size: Annotated[
+        int, Ge(2), Samples, Why("group advantages need at least 2 responses per prompt")
+    ] = 8
     lr: Annotated[float, Positive] = 1e-4
     max_new_tokens: Annotated[int, Positive, Tokens] = 64
     temperature: Annotated[float, Positive] = 1.0
@@ -1319,7 +1320,9 @@ class Config(Section):
                         f"@model.num_heads={m.num_heads}: {why}"
                     )
             if rl.runtime == "local":
-                raise rule(f"@rollout.engine={engine} runs in the Ray runtime's rollouts: drop @rl.runtime=local")
+                raise rule(
+                    f"@rollout.engine={engine} runs in the Ray runtime's rollouts: drop @rl.runtime=local"
+                )
             rl.runtime = "ray"
         lo = self.model.lora
         if lo.on("rl") and engine == "vllm" and lo.rank > VLLM_LORA_RANKS[-1]:
@@ -1368,7 +1371,11 @@ class Config(Section):
                         f"@reward.components[{i}].cache_len={spec.cache_len} must be below the length "
                         f"limit {limit} (max_len, else @rl.max_new_tokens)"
                     )
-        if "reward_model" in names and self.reward_model.path is None and self.reward_model.heldout_share <= 0:
+        if (
+            "reward_model" in names
+            and self.reward_model.path is None
+            and self.reward_model.heldout_share <= 0
+        ):
             raise rule(
                 "@reward_model.heldout_share=0 leaves no held-out comparisons to measure the reward model "
                 "and its normalisation on; set @reward_model.heldout_share to a share such as 0.2"

@@ -35,6 +35,9 @@ def test_overrides_apply_with_types():
     [
         (["no_such_key=1"], "unknown config key 'no_such_key'"),
         (["rl.no_such=1"], "unknown config key 'rl.no_such'"),
+        (["rl.stepz=1"], "unknown config key 'rl.stepz' (did you mean 'rl.steps'?)"),
+        (["+rl.stepz=1"], "unknown config key 'rl.stepz' (did you mean 'rl.steps'?)"),
+        (["data=math", "data.sources.0.pathh=x"], "data.sources[0].pathh' (did you mean 'data.sources[0].path'?)"),
         (["+foo=1"], "unknown config key 'foo'"),
         (["rl.lr=fast"], "rl.lr"),
         (["seed=abc"], "seed"),
@@ -176,10 +179,12 @@ def test_every_declared_rule_refuses_a_bad_value_naming_the_key(key, rule):
     from conf.schema import validate
 
     whole = False
+    shown_key = key if whole or not isinstance(_field_default(key), list) else f"{key}[0]"
     if isinstance(rule, tuple):
         names = ", ".join(rule[1])
-        bad, message = "nope", f"{key}='nope' is not supported; set {key} to one of: {names}"
+        bad, message = "nope", f"{shown_key}='nope' is not supported; set {shown_key} to one of: {names}"
     elif isinstance(rule, MaxLen):  # one item or character too many
+        shown_key = key
         most = rule.max_length
         default = _field_default(key)
         if isinstance(default, list):
@@ -193,21 +198,25 @@ def test_every_declared_rule_refuses_a_bad_value_naming_the_key(key, rule):
         if isinstance(rule, Interval):
             lo = "[" if rule.ge is not None else "("
             hi = "]" if rule.le is not None else ")"
-            low, high = (rule.ge if rule.ge is not None else rule.gt), (rule.le if rule.le is not None else rule.lt)
+            low, high = (
+                (rule.ge if rule.ge is not None else rule.gt),
+                (rule.le if rule.le is not None else rule.lt),
+            )
             bad = high if rule.lt is not None else high + 0.5
-            message = f"{key}={shown(bad)} must be in {lo}{low:g}, {high:g}{hi}"
+            message = f"{shown_key}={shown(bad)} must be in {lo}{low:g}, {high:g}{hi}"
         elif isinstance(rule, Le):
             bad = int(rule.le) + 1
-            message = f"{key}={shown(bad)} is above the limit of {rule.le:,}; set {key} to at most {rule.le:,}"
+            limit = f"{rule.le:,}"
+            message = f"{shown_key}={shown(bad)} is above the limit of {limit}; set {shown_key} to at most {limit}"
         elif isinstance(rule, Gt):
             bad = rule.gt
-            hint = f"; set {key} to a positive value" if rule.gt == 0 else ""
-            message = f"{key}={shown(bad)} must be > {rule.gt}{hint}"
+            hint = f"; set {shown_key} to a positive value" if rule.gt == 0 else ""
+            message = f"{shown_key}={shown(bad)} must be > {rule.gt}{hint}"
         else:
             assert isinstance(rule, Ge)
             bad = rule.ge - 1
-            hint = f"; set {key} to zero or a positive value" if rule.ge == 0 else ""
-            message = f"{key}={shown(bad)} must be >= {rule.ge}{hint}"
+            hint = f"; set {shown_key} to zero or a positive value" if rule.ge == 0 else ""
+            message = f"{shown_key}={shown(bad)} must be >= {rule.ge}{hint}"
     with pytest.raises(ConfigError) as err:
         validate(_with(key, bad, whole))
     assert str(err.value).startswith(message), (str(err.value), message)

@@ -250,7 +250,7 @@ def test_a_poke_cuts_a_rollout_actors_wait_on_a_slow_tool_short(local_ray, calle
     relay = ray.remote(num_cpus=0)(RelayWorker).remote("relay-0")
     state = {k: v.numpy() for k, v in taught_to_call(tok, steps=200).state_dict().items()}
     ray.get(relay.push.remote(0, [ray.put(state)]))
-    Rollout = rollout_actor_class(ray, dataclasses.replace(ClusterConfig(), rollout_cpus=0))
+    Rollout = rollout_actor_class(ray, ClusterConfig(rollout_cpus=0))
     actor = Rollout.remote(
         "rollout-0", str(caller_dir), ray_rl("laminar"), RolloutConfig(), device="cpu", seed=0, env=env
     )

@@ -114,7 +114,7 @@ def test_local_and_ray_sync_runs_sample_the_same_tokens_and_write_the_same_histo
         kw = dict(seed=0, device="cpu")
         if runtime == "local":
             driver = LocalDriver(
-                model_dir, prompts, EndsWithAnswer(), params, dataclasses.replace(rl, runtime="local"), **kw
+                model_dir, prompts, EndsWithAnswer(), params, rl.model_copy(update={"runtime": "local"}), **kw
             )
         else:
             driver = LaminarRuntime(
@@ -122,7 +122,7 @@ def test_local_and_ray_sync_runs_sample_the_same_tokens_and_write_the_same_histo
                 prompts,
                 EndsWithAnswer(),
                 params,
-                dataclasses.replace(rl, runtime="ray"),
+                rl.model_copy(update={"runtime": "ray"}),
                 cluster=ClusterConfig(rollouts=1, actor_threads=1),
                 **kw,
             )
