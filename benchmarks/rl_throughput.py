@@ -94,7 +94,7 @@ def warm_start(ws: Path, args) -> tuple[Path, list]:
     cfg = load_config([f"seed={args.seed}", *WORKLOAD, *args.overrides])
     key = hashlib.sha256(
         json.dumps(
-            [dc.asdict(cfg.data), dc.asdict(cfg.model), dc.asdict(cfg.sft), cfg.seed]
+            [cfg.data.model_dump(), cfg.model.model_dump(), cfg.sft.model_dump(), cfg.seed]
             + ([] if cfg.env.is_default() else [cfg.env.target, cfg.env.demo_tool_share]),
             sort_keys=True,
             default=str,

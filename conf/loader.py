@@ -58,7 +58,8 @@ def _explain_composition(
     missing = re.search(r"override '([^']+)'", text) or re.search(r"Key '([^']+)' is not in struct", text)
     if missing:
         key = missing.group(1)
-        return f"unknown config key '{key}'{_did_you_mean(key, root)}: check the spelling ({hint} prints every key)"
+        guess = _did_you_mean(key, root)
+        return f"unknown config key '{key}'{guess}: check the spelling ({hint} prints every key)"
     group = re.search(r"Could not find '([^'/]+)/([^']+)'", text)
     if group:
         name, option = group.groups()

@@ -507,7 +507,7 @@ def _benchmark_kind(value: Any) -> str | None:
 
 
 Benchmark = Annotated[
-    Union[Annotated[str, Tag("kind:name")], Annotated[BenchmarkFileConfig, Tag("kind:file")]],
+    Annotated[str, Tag("kind:name")] | Annotated[BenchmarkFileConfig, Tag("kind:file")],
     Discriminator(
         _benchmark_kind,
         custom_error_type="benchmark",

@@ -37,7 +37,7 @@ def test_overrides_apply_with_types():
         (["rl.no_such=1"], "unknown config key 'rl.no_such'"),
         (["rl.stepz=1"], "unknown config key 'rl.stepz' (did you mean 'rl.steps'?)"),
         (["+rl.stepz=1"], "unknown config key 'rl.stepz' (did you mean 'rl.steps'?)"),
-        (["data=math", "data.sources.0.pathh=x"], "data.sources[0].pathh' (did you mean 'data.sources[0].path'?)"),
+        (["data=math", "data.sources.0.pathh=x"], "sources[0].pathh' (did you mean 'data.sources[0].path'?)"),
         (["+foo=1"], "unknown config key 'foo'"),
         (["rl.lr=fast"], "rl.lr"),
         (["seed=abc"], "seed"),
@@ -207,7 +207,8 @@ def test_every_declared_rule_refuses_a_bad_value_naming_the_key(key, rule):
         elif isinstance(rule, Le):
             bad = int(rule.le) + 1
             limit = f"{rule.le:,}"
-            message = f"{shown_key}={shown(bad)} is above the limit of {limit}; set {shown_key} to at most {limit}"
+            message = f"{shown_key}={shown(bad)} is above the limit of {limit}; set {shown_key} to at most "
+            message += limit
         elif isinstance(rule, Gt):
             bad = rule.gt
             hint = f"; set {shown_key} to a positive value" if rule.gt == 0 else ""

@@ -53,7 +53,8 @@ def test_components_come_from_the_cli_with_parameters():
         ("[{name: repetition}]", r"lacks math_verify"),
         (
             "[{name: math_verify}, {name: repetition, ngrams: 2}]",
-            r"reward.components\[1\].ngrams is not a parameter of repetition \(did you mean 'reward.components\[1\].ngram'\?\)",
+            r"reward.components\[1\].ngrams is not a parameter of repetition "
+            r"\(did you mean 'reward.components\[1\].ngram'\?\)",
         ),
         ("[{name: math_verify}, {name: format}, {name: format}]", r"names a component twice"),
         (
