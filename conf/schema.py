@@ -1033,13 +1033,13 @@ class PluginComponent(RewardComponentConfig):
 
     @model_validator(mode="after")
     def _known(self) -> PluginComponent:
-        why = component_name_error(self.target or self.name)
+        why = component_name_error(self.target or self.name, is_target=self.target is not None)
         if why:
             raise rule(f"@{'target' if self.target else 'name'}={self.target or self.name!r} {why}")
         return self
 
 
-def component_name_error(name: str) -> str | None:
+def component_name_error(name: str, is_target: bool = False) -> str | None:
     """Why ``name`` names no reward component (None: it does). A short name is a built-in or an
     entry point of ``laminar.rewards``; a target is spelled ``package.module:attr`` (whether it
     imports is checked in ``tasks.preflight``)."""
@@ -1047,7 +1047,7 @@ def component_name_error(name: str) -> str | None:
 
     from core.plugins import PluginError, check_target, entry_points
 
-    if ":" in name:
+    if is_target or ":" in name:
         try:
             check_target(name)
         except PluginError as err:
