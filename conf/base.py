@@ -108,7 +108,10 @@ def rule(message: str) -> PydanticCustomError:
 
 
 class Section(BaseModel):
-    """A config section: unknown keys refused, floats finite, every value bounded in size."""
+    """A config section: unknown keys refused, floats finite, every value bounded in size. A section
+    holds its sub-sections' defaults as ``Field(default_factory=Sub.model_construct)``: defaults are
+    trusted as written (a rule that reads the machine, such as a tracking backend being installed,
+    runs on what a config sets, which the loader always passes in full)."""
 
     model_config = ConfigDict(
         extra="forbid",

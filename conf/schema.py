@@ -187,7 +187,7 @@ class ModelConfig(Section):
     num_kv_heads: Annotated[int, Positive, Samples] = 4
     max_seq_len: Annotated[int, Positive, Tokens] = 160
     rope_theta: Annotated[float, Positive] = 10000.0
-    lora: LoraConfig = Field(default_factory=LoraConfig)
+    lora: LoraConfig = Field(default_factory=LoraConfig.model_construct)
 
     @model_validator(mode="after")
     def _consistent(self) -> ModelConfig:
@@ -691,13 +691,13 @@ class SelectConfig(Section):
 
 
 class CurationConfig(Section):
-    dedup: DedupConfig = Field(default_factory=DedupConfig)
-    decontam: DecontamConfig = Field(default_factory=DecontamConfig)
-    templates: TemplateConfig = Field(default_factory=TemplateConfig)
-    difficulty: DifficultyConfig = Field(default_factory=DifficultyConfig)
-    dart: DartConfig = Field(default_factory=DartConfig)
-    rft: RFTConfig = Field(default_factory=RFTConfig)
-    select: SelectConfig = Field(default_factory=SelectConfig)
+    dedup: DedupConfig = Field(default_factory=DedupConfig.model_construct)
+    decontam: DecontamConfig = Field(default_factory=DecontamConfig.model_construct)
+    templates: TemplateConfig = Field(default_factory=TemplateConfig.model_construct)
+    difficulty: DifficultyConfig = Field(default_factory=DifficultyConfig.model_construct)
+    dart: DartConfig = Field(default_factory=DartConfig.model_construct)
+    rft: RFTConfig = Field(default_factory=RFTConfig.model_construct)
+    select: SelectConfig = Field(default_factory=SelectConfig.model_construct)
 
 
 class ClusterConfig(Section):
@@ -844,7 +844,7 @@ class SandboxConfig(Section):
     allow_unsafe: bool = False
     timeout_s: Annotated[float, Positive, Seconds] = 10.0
     """Wall-clock limit of one run; past it the whole sandbox is killed (``killed_by='wall'``)."""
-    limits: SandboxLimits = Field(default_factory=SandboxLimits)
+    limits: SandboxLimits = Field(default_factory=SandboxLimits.model_construct)
 
     @model_validator(mode="after")
     def _unsafe_accepted(self) -> SandboxConfig:
@@ -1236,7 +1236,7 @@ class EnvConfig(Section):
     """Warm-up: the share of demonstrations (chosen by prompt id) that solve the problem with the
     tool (call, observation, ``#### answer``); the others are the worked solutions, so RL has both
     behaviours to choose between."""
-    tool_latency: ToolLatencyConfig = Field(default_factory=ToolLatencyConfig)
+    tool_latency: ToolLatencyConfig = Field(default_factory=ToolLatencyConfig.model_construct)
     version_rule: VersionRule = "turn"
 
     def is_default(self) -> bool:
@@ -1281,20 +1281,20 @@ class Config(Section):
     per core). Float results depend on it, so the resolved count is part of those stages' cache keys:
     ``threads=1`` and ``threads=2`` compute (and cache) their own results
     (``benchmarks/default_run.py --threads 1 2`` measures the spread)."""
-    model: ModelConfig = Field(default_factory=ModelConfig)
-    data: DataConfig = Field(default_factory=DataConfig)
-    sft: SFTConfig = Field(default_factory=SFTConfig)
-    rl: RLConfig = Field(default_factory=RLConfig)
-    eval: EvalConfig = Field(default_factory=EvalConfig)
-    curation: CurationConfig = Field(default_factory=CurationConfig)
-    cluster: ClusterConfig = Field(default_factory=ClusterConfig)
-    trainer: TrainerConfig = Field(default_factory=TrainerConfig)
-    rollout: RolloutConfig = Field(default_factory=RolloutConfig)
-    tracking: TrackingConfig = Field(default_factory=TrackingConfig)
-    reward: RewardConfig = Field(default_factory=RewardConfig)
-    reward_model: RewardModelConfig = Field(default_factory=RewardModelConfig)
-    sandbox: SandboxConfig = Field(default_factory=SandboxConfig)
-    env: EnvConfig = Field(default_factory=EnvConfig)
+    model: ModelConfig = Field(default_factory=ModelConfig.model_construct)
+    data: DataConfig = Field(default_factory=DataConfig.model_construct)
+    sft: SFTConfig = Field(default_factory=SFTConfig.model_construct)
+    rl: RLConfig = Field(default_factory=RLConfig.model_construct)
+    eval: EvalConfig = Field(default_factory=EvalConfig.model_construct)
+    curation: CurationConfig = Field(default_factory=CurationConfig.model_construct)
+    cluster: ClusterConfig = Field(default_factory=ClusterConfig.model_construct)
+    trainer: TrainerConfig = Field(default_factory=TrainerConfig.model_construct)
+    rollout: RolloutConfig = Field(default_factory=RolloutConfig.model_construct)
+    tracking: TrackingConfig = Field(default_factory=TrackingConfig.model_construct)
+    reward: RewardConfig = Field(default_factory=RewardConfig.model_construct)
+    reward_model: RewardModelConfig = Field(default_factory=RewardModelConfig.model_construct)
+    sandbox: SandboxConfig = Field(default_factory=SandboxConfig.model_construct)
+    env: EnvConfig = Field(default_factory=EnvConfig.model_construct)
 
     @model_validator(mode="after")
     def _runtime(self) -> Config:

@@ -75,7 +75,7 @@ class SimToolConfig(Section):
 
     name: str = "tool"
     calls: Annotated[int, NonNegative] = 1
-    latency: ToolLatencyConfig = Field(default_factory=ToolLatencyConfig)
+    latency: ToolLatencyConfig = Field(default_factory=ToolLatencyConfig.model_construct)
 
 
 class SimWorkloadConfig(Section):
@@ -84,7 +84,7 @@ class SimWorkloadConfig(Section):
     steps: Annotated[int, Positive] = 8
     max_output: Annotated[int, Positive] = 16384
     prompt_len: int = 256
-    lengths: SimLengthConfig = Field(default_factory=SimLengthConfig)
+    lengths: SimLengthConfig = Field(default_factory=SimLengthConfig.model_construct)
     pass_rates: list[float] = Field(default_factory=list)
     """Each prompt's chance that a response is right, drawn per prompt from this list (empty: rewards
     are not modelled). With ``sched.dynamic_sampling``, groups whose responses all agree are dropped."""
@@ -148,11 +148,11 @@ class SimSchedConfig(Section):
 
 
 class SimulateConfig(Section):
-    cluster: SimClusterConfig = Field(default_factory=SimClusterConfig)
-    model: SimModelConfig = Field(default_factory=SimModelConfig)
-    workload: SimWorkloadConfig = Field(default_factory=SimWorkloadConfig)
-    cost: SimCostConfig = Field(default_factory=SimCostConfig)
-    sched: SimSchedConfig = Field(default_factory=SimSchedConfig)
+    cluster: SimClusterConfig = Field(default_factory=SimClusterConfig.model_construct)
+    model: SimModelConfig = Field(default_factory=SimModelConfig.model_construct)
+    workload: SimWorkloadConfig = Field(default_factory=SimWorkloadConfig.model_construct)
+    cost: SimCostConfig = Field(default_factory=SimCostConfig.model_construct)
+    sched: SimSchedConfig = Field(default_factory=SimSchedConfig.model_construct)
     modes: Annotated[list[SimMode], MaxLen(len(SIM_MODE_NAMES))] = Field(
         default_factory=lambda: list(SIM_MODE_NAMES)
     )
