@@ -117,8 +117,8 @@ class Section(BaseModel):
         extra="forbid",
         allow_inf_nan=False,
         coerce_numbers_to_str=True,
-        use_attribute_docstrings=True,
         protected_namespaces=(),
+        defer_build=True,
     )
 
     @field_validator("*", mode="before")

@@ -11,6 +11,7 @@ sets only what a config group changes.
 from __future__ import annotations
 
 import re
+from functools import cache
 from typing import Annotated, Any, ClassVar, Literal, Union, get_args
 
 from pydantic import Discriminator, Field, Tag, TypeAdapter, create_model, model_validator
@@ -960,7 +961,7 @@ class RewardComponentConfig(Section):
     @classmethod
     def of(cls, **spec: Any) -> RewardComponentConfig:
         """The component model ``spec`` selects (a built-in's own, else a plug-in), validated."""
-        return validated(_COMPONENT, spec)
+        return validated(_component_adapter(), spec)
 
     @classmethod
     def param_names(cls) -> list[str]:
@@ -1092,7 +1093,12 @@ RewardComponent = Annotated[
         custom_error_message="a reward component is a mapping {name | target, weight, params}",
     ),
 ]
-_COMPONENT: TypeAdapter = TypeAdapter(RewardComponent)
+
+
+@cache
+def _component_adapter() -> TypeAdapter:
+    """The validator of one ``RewardComponent`` (built on first use: importing the schema stays cheap)."""
+    return TypeAdapter(RewardComponent)
 
 
 class RewardConfig(Section):
