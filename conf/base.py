@@ -92,14 +92,18 @@ def _check_size(value: Any, most: int | None, capped: bool) -> None:
         limit = most or MAX_ITEMS
         if len(value) > limit:
             raise PydanticCustomError("too_many", "too many items", {"n": len(value), "most": limit})
-        for item in value:
-            _check_size(item, None, capped)
+        for i, item in enumerate(value):
+            try:
+                _check_size(item, None, capped)
+            except PydanticCustomError as err:  # name the item: data.levels[3]
+                at = [i, *(err.context or {}).get("at", [])]
+                raise PydanticCustomError(err.type, err.message_template, {**(err.context or {}), "at": at})
     elif isinstance(value, str):
         limit = most or MAX_CHARS
         if len(value) > limit:
             raise PydanticCustomError("too_many_chars", "too long", {"n": len(value), "most": limit})
     elif isinstance(value, int) and not isinstance(value, bool) and abs(value) > MAX_INT and not capped:
-        raise PydanticCustomError("int_range", "out of range", {"most": MAX_INT})
+        raise PydanticCustomError("int_range", "out of range", {"most": MAX_INT, "value": value})
 
 
 def rule(message: str) -> PydanticCustomError:
@@ -249,7 +253,7 @@ def _unknown(key: str, holder: type[BaseModel] | None, hint: str) -> str:
 def message_of(err: dict, root: type[BaseModel], hint: str = "`laminar config`") -> str:
     """One line for one pydantic error of a model rooted at ``root``."""
     loc, kind, ctx, value = tuple(err.get("loc", ())), err["type"], err.get("ctx") or {}, err.get("input")
-    key = _key(loc)
+    key = _key(loc) + "".join(f"[{i}]" for i in ctx.get("at", ()))
     holder, info = _fields_at(root, loc)
     if kind == "rule":
         prefix = f"{key}." if key else ""
@@ -261,7 +265,7 @@ def message_of(err: dict, root: type[BaseModel], hint: str = "`laminar config`")
     if kind == "too_many_chars":
         return f"{key} is {ctx['n']:,} characters long; it takes at most {ctx['most']:,}"
     if kind == "int_range":
-        return f"{key}={_shown(value)} is out of range; an integer key takes at most {ctx['most']:,}"
+        return f"{key}={ctx['value']} is out of range; an integer key takes at most {ctx['most']:,}"
     if kind == "finite_number":
         return f"{key}={value} is not a finite number; set {key} to a finite value"
     if kind == "literal_error":
@@ -274,7 +278,7 @@ def message_of(err: dict, root: type[BaseModel], hint: str = "`laminar config`")
         return f"{text}; {why}" if why else text
     if kind == "missing":
         return f"{key} is required; set it (`laminar config` shows every key)"
-    if kind.startswith("union_tag"):
+    if kind.startswith("union_tag") or kind in ("benchmark", "component"):  # a tagged union's item
         return f"{key}={_shown(value)}: {err['msg']}"
     why = err["msg"][0].lower() + err["msg"][1:]
     if TYPE_ERRORS.search(kind):

@@ -1072,6 +1072,7 @@ def _builtin_component(name: str, params: type[Params]) -> type[RewardComponentC
         __base__=_BuiltinComponent,
         __doc__=params.__doc__,
         name=(Literal[name], name),  # type: ignore[valid-type]
+        params=(dict[str, Any], Field(default_factory=dict, exclude=True)),  # spelled out flat
         **fields,
     )
     model.unknown_key_hint = f"a parameter of {name}"

@@ -327,3 +327,38 @@ def test_a_hugging_face_model_vllm_cpu_refuses_fails_before_any_write(tmp_path):
         preflight(load_config([*hf, f"model.path={tmp_path / 'd16'}"]))
     preflight(load_config([*hf, f"model.path={tmp_path / 'd32'}"]))  # 32 is a size it runs
     preflight(load_config(["model=hf", f"model.path={tmp_path / 'd16'}"]))  # the torch engine runs any
+
+
+@pytest.mark.parametrize(
+    "overrides,message",
+    [
+        (
+            ["eval.benchmarks=[{name: mine, path: x.jsonl, anwser_field: a}]"],
+            "unknown config key 'eval.benchmarks[0].anwser_field' (did you mean "
+            "'eval.benchmarks[0].answer_field'?)",
+        ),
+        (["eval.benchmarks=[arith_heldout,5]"], "eval.benchmarks[1]=5: give a benchmark name or a file spec"),
+        (
+            ["reward.components=[{target: 'pkg.mod:fn', ngram: 3}]"],
+            "reward.components[0] (pkg.mod:fn) sets ['ngram'] beside params",
+        ),
+        (["rl.loss_params={scale: 2}"], "rl.loss_params is set but rl.loss names no loss"),
+        (["rl.dual_clip=1"], "rl.dual_clip=1.0 must be > 1; verl uses 3.0; null turns it off"),
+        (["data.levels=[99999999999]"], "data.levels[0]=99999999999 is out of range"),
+    ],
+)
+def test_errors_name_the_full_key_the_value_and_what_is_allowed(overrides, message):
+    with pytest.raises(ConfigError) as err:
+        load_config(overrides)
+    assert message in str(err.value) and "\n" not in str(err.value), str(err.value)
+
+
+def test_simulate_errors_name_the_key_with_a_guess():
+    from conf.simulate import load_simulate_config, simulate_config
+
+    with pytest.raises(ConfigError, match=r"'workload.stepz' \(did you mean 'workload.steps'\?\)"):
+        load_simulate_config(["workload.stepz=3"])
+    with pytest.raises(ConfigError, match=r"workload.tools\[0\].latency.kind=fixed needs one value"):
+        simulate_config({"workload": {"tools": [{"latency": {"kind": "fixed"}}]}})
+    with pytest.raises(ConfigError, match=r"sched.admit_lag=0 must be >= 1"):
+        simulate_config({"sched": {"admit_lag": 0}})
