@@ -96,8 +96,9 @@ def _check_size(value: Any, most: int | None, capped: bool) -> None:
             try:
                 _check_size(item, None, capped)
             except PydanticCustomError as err:  # name the item: data.levels[3]
-                at = [i, *(err.context or {}).get("at", [])]
-                raise PydanticCustomError(err.type, err.message_template, {**(err.context or {}), "at": at})
+                ctx = dict(err.context or {})
+                ctx["at"] = [i, *ctx.get("at", [])]
+                raise PydanticCustomError(err.type, err.message_template, ctx) from None
     elif isinstance(value, str):
         limit = most or MAX_CHARS
         if len(value) > limit:
