@@ -18,14 +18,13 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 import torch
-
 from conf.schema import ModelConfig
-from data_curation.synthetic import PROMPT_TEMPLATE, generate
+from data_curation.synthetic import generate, PROMPT_TEMPLATE
+from generation.model import build_char_tokenizer, build_tiny_model, encode_problem, encode_response
+from training.sft import SFTExample, collate, lr_lambda
 from evaluation.benchmarks import items_from_records
 from evaluation.evaluate import evaluate_items, summarize_rows
-from generation.model import build_char_tokenizer, build_tiny_model, encode_problem, encode_response
 from rewards.verifier import Verifier
-from training.sft import SFTExample, collate, lr_lambda
 
 
 def main():

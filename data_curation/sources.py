@@ -10,9 +10,9 @@ from __future__ import annotations
 
 import json
 import shutil
-from collections.abc import Iterable
 from pathlib import Path
 from typing import Any
+from collections.abc import Iterable
 
 PROJECT_ROOT = Path(__file__).resolve().parent.parent
 SOURCES_FILE = "sources.json"

@@ -13,10 +13,10 @@ import dataclasses
 import json
 import re
 import time
-from collections.abc import Callable
 from dataclasses import dataclass
-from datetime import UTC, datetime
+from datetime import datetime, UTC
 from pathlib import Path
+from collections.abc import Callable
 
 from conf.schema import Config
 from core.artifacts import ArtifactRef, hash_tree, write_json_atomic

@@ -232,7 +232,7 @@ def _check_reward_model(cfg: Config) -> None:
     responses as tokens of its own vocabulary)."""
     if not cfg.reward.uses_reward_model():
         return
-    from training.reward_model import check_backbone_path, check_reward_model_path
+    from training.reward_model import check_reward_model_path, check_backbone_path
 
     c = cfg.reward_model
     checks = [("reward_model.path", c.path, check_reward_model_path)] if c.path is not None else []

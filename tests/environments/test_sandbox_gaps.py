@@ -17,7 +17,8 @@ import pytest
 
 from conf.schema import SandboxLimits
 from environments import sandbox
-from environments.sandbox import BubblewrapBackend, UnsafeSubprocessBackend, process
+from environments.sandbox import BubblewrapBackend, UnsafeSubprocessBackend
+from environments.sandbox import process
 from environments.sandbox.process import NO_CGROUPS_ENV, cgroup_parents
 
 LIMITS = SandboxLimits(cpu_s=2, memory_mb=256, processes=16, output_bytes=64 * 1024)

@@ -57,10 +57,10 @@ TRAIN_KW = dict(
 
 def lora_micro_model(tok):
     """The micro model with rank-4 LoRA adapters (peft) on a frozen base, lora_B seeded non-zero."""
-    from peft import get_peft_model
-    from rl_fakes import MICRO
-
     from conf.schema import LoraConfig
+    from peft import get_peft_model
+
+    from rl_fakes import MICRO
     from generation.model import build_tiny_model
     from training.lora import peft_config
 
@@ -92,9 +92,9 @@ def run_rank(
     published weights (safetensors + JSON) to ``out_dir``."""
     import json
 
-    from rl_fakes import MICRO
     from safetensors.numpy import save_file
 
+    from rl_fakes import MICRO
     from generation.model import build_char_tokenizer, build_tiny_model
     from training.objectives import PRESETS
     from training.rl.trainer import DeepSpeedPolicyTrainer, PolicyTrainer, init_distributed

@@ -5,10 +5,10 @@ from __future__ import annotations
 import pytest
 
 from conf.schema import RL_MODES
-from generation.records import PromptItem, ScoredGroup, Trajectory
 from training.rl import control
 from training.rl.control import ExperienceBuffer, PromptQueue, RelayChain, RolloutView, plan_repack
 from training.rl.loop import PromptCursor
+from generation.records import PromptItem, ScoredGroup, Trajectory
 
 
 def _prompts(n=10):

@@ -7,15 +7,15 @@ import polars as pl
 import torch
 from rl_fakes import MICRO, Verdict, saved_model
 
-from conf.schema import RLConfig
 from data_curation.hive import GresoFilter
 from data_curation.sampling import estimate_difficulty, seeded_subset
-from generation.engine import Engine
 from generation.model import build_char_tokenizer, build_tiny_model, encode_prompt, save_model
-from generation.records import PromptItem
+from conf.schema import RLConfig
 from training.objectives import PRESETS
+from generation.engine import Engine
 from training.rl.drivers.local import LocalDriver
 from training.rl.loop import HiveSource, PromptCursor
+from generation.records import PromptItem
 
 
 class StartsWithDigit:

@@ -4,12 +4,12 @@ local driver."""
 import torch
 from rl_fakes import MICRO, Verdict, saved_model
 
-from conf.schema import RLConfig
 from generation.model import build_char_tokenizer, build_tiny_model, encode_prompt
-from generation.records import PromptItem, Trajectory
+from conf.schema import RLConfig
 from training.objectives import PRESETS
 from training.rl.drivers.local import LocalDriver
 from training.rl.loop import PromptCursor, score_phase
+from generation.records import PromptItem, Trajectory
 
 
 class StartsWithDigit:

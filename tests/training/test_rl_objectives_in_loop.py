@@ -7,13 +7,13 @@ import torch
 from rl_fakes import MICRO, Verdict, saved_model
 
 from conf.loader import load_config
-from generation.engine import Engine
 from generation.model import build_char_tokenizer, build_tiny_model, encode_problem, encode_prompt
-from generation.records import GenRequest, PromptItem, ScoredGroup, Trajectory
 from training.objectives import PRESETS
+from generation.engine import Engine
 from training.rl.loop import score_phase
-from training.rl.stage import objective_params
+from generation.records import GenRequest, PromptItem, ScoredGroup, Trajectory
 from training.rl.trainer import PolicyTrainer
+from training.rl.stage import objective_params
 
 
 class ByPrompt:

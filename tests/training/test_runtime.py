@@ -7,8 +7,8 @@ Fault tests use real processes and real signals (SIGKILL of a rollout, a relay, 
 from __future__ import annotations
 
 import os
-import signal
 import sys
+import signal
 import time
 from collections import Counter
 from pathlib import Path
@@ -17,9 +17,10 @@ import pytest
 
 from conf.schema import ModelConfig, RolloutConfig, TrainerConfig
 from generation.model import build_char_tokenizer, build_tiny_model, encode_problem, save_model
-from generation.records import PromptItem
-from tests.training.rl_fakes import Verdict
 from training.objectives import PRESETS
+from generation.records import PromptItem
+
+from tests.training.rl_fakes import Verdict
 
 ray = pytest.importorskip("ray")
 
@@ -228,8 +229,9 @@ def test_a_killed_relay_is_bypassed_and_rebuilt(local_ray, model_dir, prompts):
 def test_sigkill_the_trainer_then_resume_from_the_last_checkpoint(
     local_ray, model_dir, prompts, tmp_path, backend
 ):
-    from conf.schema import TrainerConfig
     from training.rl.checkpoint import RUN_STATE, latest_checkpoint, load_json
+
+    from conf.schema import TrainerConfig
 
     state_dir = tmp_path / "state"
     ckpt = state_dir / "checkpoints"
