@@ -17,13 +17,10 @@ from typing import Annotated, Any, ClassVar, Literal, Union, get_args
 from pydantic import Discriminator, Field, Tag, TypeAdapter, create_model, model_validator
 
 from conf.base import (
-    MAX_CHARS,
-    MAX_INT,
-    MAX_ITEMS,
     TAGGED,
     AtMost,
     Batch,
-    ConfigError,
+    ConfigError as ConfigError,  # every layer imports the error from here
     Fraction,
     Ge,
     Gt,
@@ -49,7 +46,6 @@ from conf.base import (
     validated,
 )
 
-__all__ = ["MAX_CHARS", "MAX_INT", "MAX_ITEMS", "ConfigError", "validated"]
 
 # The names the config selects among. conf owns them: the layers above import these (and key their
 # behaviour tables by them, e.g. training.objectives.PRESETS by Algorithm); the fields are typed by them.
