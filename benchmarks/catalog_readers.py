@@ -37,7 +37,7 @@ import tempfile
 import textwrap
 import time
 import traceback
-from datetime import datetime, UTC
+from datetime import UTC, datetime
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent

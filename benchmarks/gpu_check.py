@@ -40,8 +40,8 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from conf.schema import EngineOptions, ModelConfig, RolloutConfig
-from generation.model import build_char_tokenizer, build_tiny_model
 from generation.engine import Engine
+from generation.model import build_char_tokenizer, build_tiny_model
 from generation.records import GenRequest, PromptItem
 
 QWEN05_SHAPE = dict(

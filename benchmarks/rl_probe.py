@@ -14,12 +14,13 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 from conf.loader import load_config
-from training.rl.sections import RLSections
-from training.rl.stage import rl
-from rewards.verifier import Verifier
 from evaluation.stages import evaluate_checkpoint
 from generation.setup import setup_torch
-from tasks.bodies import eval_templates as _eval_templates, template
+from rewards.verifier import Verifier
+from tasks.bodies import eval_templates as _eval_templates
+from tasks.bodies import template
+from training.rl.sections import RLSections
+from training.rl.stage import rl
 
 
 def main():

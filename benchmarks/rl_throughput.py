@@ -28,7 +28,6 @@ is rewritten after every run, so a stopped benchmark still leaves its finished r
 from __future__ import annotations
 
 import argparse
-import dataclasses
 import json
 import statistics
 import sys
@@ -96,7 +95,7 @@ def warm_start(ws: Path, args) -> tuple[Path, list]:
     cfg = load_config([f"seed={args.seed}", *WORKLOAD, *args.overrides])
     key = hashlib.sha256(
         json.dumps(
-            [dc.asdict(cfg.data), dc.asdict(cfg.model), dc.asdict(cfg.sft), cfg.seed]
+            [cfg.data.model_dump(), cfg.model.model_dump(), cfg.sft.model_dump(), cfg.seed]
             + ([] if cfg.env.is_default() else [cfg.env.target, cfg.env.demo_tool_share]),
             sort_keys=True,
             default=str,
@@ -186,19 +185,20 @@ def run_mode(spec: str, model_dir: Path, prompts, args, out: Path, tag: str = ""
     mode, _, lag = head.partition("@")
     rollouts, capacity = (int(x) for x in shape.split("x")) if shape else (args.rollouts, args.capacity)
     # the pipeline's config sections (cluster, trainer, rollout engine, priority), then this run's shape
-    rl = dataclasses.replace(
-        cfg.rl,
-        mode=mode,
-        steps=args.updates,
-        prompts_per_step=args.prompts_per_step,
-        group_size=args.group_size,
-        rollout_capacity=capacity,
-        chunk_steps=args.chunk_steps,
-        max_staleness=None if mode != "sync" and args.unbounded else cfg.rl.max_staleness,
-        admit_lag=int(lag) if lag else cfg.rl.admit_lag,
-        repack_interval_s=args.repack_interval or cfg.rl.repack_interval_s,
+    rl = cfg.rl.model_copy(
+        update=dict(
+            mode=mode,
+            steps=args.updates,
+            prompts_per_step=args.prompts_per_step,
+            group_size=args.group_size,
+            rollout_capacity=capacity,
+            chunk_steps=args.chunk_steps,
+            max_staleness=None if mode != "sync" and args.unbounded else cfg.rl.max_staleness,
+            admit_lag=int(lag) if lag else cfg.rl.admit_lag,
+            repack_interval_s=args.repack_interval or cfg.rl.repack_interval_s,
+        )
     )
-    cluster = dataclasses.replace(cfg.cluster, rollouts=rollouts, num_cpus=args.cpus)
+    cluster = cfg.cluster.model_copy(update=dict(rollouts=rollouts, num_cpus=args.cpus))
     with Verifier(timeout_s=cfg.eval.verifier_timeout_s) as verifier:
         rt = LaminarRuntime(
             model_dir,

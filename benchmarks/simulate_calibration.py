@@ -28,7 +28,6 @@ What comes from where (the result JSONs record neither per-response lengths nor 
 from __future__ import annotations
 
 import argparse
-import dataclasses
 import functools
 import json
 import sys
@@ -92,8 +91,8 @@ MODES = ["sync", "one_step", "partial", "laminar"]
 def config(points_ms, capacity: int, updates: int, train_s_per_token: float, seed: int = 0):
     """The run's config with this training cost and seed (the rest built and checked once per run)."""
     base = _base_config(json.dumps(points_ms), capacity, updates)
-    return dataclasses.replace(
-        base, cost=dataclasses.replace(base.cost, train_s_per_token=train_s_per_token), seed=seed
+    return base.model_copy(
+        update={"cost": base.cost.model_copy(update={"train_s_per_token": train_s_per_token}), "seed": seed}
     )
 
 

@@ -46,7 +46,6 @@ so that two rules can be compared at the same training cost.
 from __future__ import annotations
 
 import argparse
-import dataclasses
 import json
 import sys
 import time
@@ -95,13 +94,13 @@ def base_config(model: str, gpus: int, steps: int, seed: int):
 
 
 def with_rule(cfg, rule: str):
-    return dataclasses.replace(cfg, workload=dataclasses.replace(cfg.workload, version_rule=rule))
+    return cfg.model_copy(update={"workload": cfg.workload.model_copy(update={"version_rule": rule})})
 
 
 def run_one(args):
     cfg, mode, share, keep_timeline, max_events = args
     if share is not None:
-        cfg = dataclasses.replace(cfg, cluster=dataclasses.replace(cfg.cluster, trainer_share=share))
+        cfg = cfg.model_copy(update={"cluster": cfg.cluster.model_copy(update={"trainer_share": share})})
     t0 = time.perf_counter()
     try:
         r = Simulator(cfg, mode).run(max_events=max_events)

@@ -1,32 +1,49 @@
-"""Compose the Hydra config tree, merge it into the typed schema and validate it.
+"""Compose the Hydra config tree and validate it into the typed schema (``conf.schema``).
 
 Everything here runs before the workspace is touched: a typo fails with a message naming the key.
+Hydra composes (groups, recipes, overrides) over a base node made from the schema's defaults, so an
+override of a key the schema lacks fails in Hydra with a "did you mean"; the composed tree is then
+validated once by the pydantic models, whose first error becomes one line (``conf.base``).
 """
 
 from __future__ import annotations
 
-import dataclasses
+import difflib
 import re
-from dataclasses import asdict
+from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
-from collections.abc import Mapping, Sequence
 
-from conf.schema import BenchmarkFileConfig, Config, ConfigError, validate
+from pydantic import BaseModel
+
+from conf.base import validated
+from conf.schema import Config, ConfigError
 
 CONF_DIR = Path(__file__).resolve().parent
 
 
-def _explain_composition(err: Exception, overrides: Sequence[str]) -> str:
+def _did_you_mean(key: str, root: type[BaseModel]) -> str:
+    """`` (did you mean 'rl.steps'?)`` for a near miss of a key of ``root``'s models, else ``""``."""
+    *parents, name = key.split(".")
+    model: Any = root
+    for part in parents:
+        field = model.model_fields.get(part) if isinstance(model, type) else None
+        model = getattr(field, "annotation", None)
+        if not (isinstance(model, type) and issubclass(model, BaseModel)):
+            return ""
+    close = difflib.get_close_matches(name, list(model.model_fields), n=1)
+    return f" (did you mean {'.'.join([*parents, close[0]])!r}?)" if close else ""
+
+
+def _explain_composition(
+    err: Exception, overrides: Sequence[str], root: type[BaseModel] = Config, hint: str = "`laminar config`"
+) -> str:
     text = f"{err} {err.__cause__ or ''}"
     typed = re.search(r"Error merging override ([^=\s]+)=", text)
     if typed:
         key = typed.group(1).lstrip("+~")
         why = str(err.__cause__ or err).strip().splitlines()[0]
-        return (
-            f"config key '{key}': {why}; give {key} a value of the type its default has "
-            "(`laminar config` shows it)"
-        )
+        return f"config key '{key}': {why}; give {key} a value of the type its default has ({hint} shows it)"
     inner = re.search(r"Key '([^']+)' not in '(\w+)'", str(err.__cause__ or ""))
     over = re.search(r"Could not override '([^']+)'", text)
     listed = over and any(
@@ -36,12 +53,13 @@ def _explain_composition(err: Exception, overrides: Sequence[str]) -> str:
     if inner and listed:  # a key inside a list item (reward.components, data.sources)
         return (
             f"config key '{over.group(1)}': an item has the key {inner.group(1)!r}, which {inner.group(2)} "
-            "does not have; check the spelling (`laminar config` prints every key)"
+            f"does not have; check the spelling ({hint} prints every key)"
         )
     missing = re.search(r"override '([^']+)'", text) or re.search(r"Key '([^']+)' is not in struct", text)
     if missing:
         key = missing.group(1)
-        return f"unknown config key '{key}': check the spelling (`laminar config` prints every key)"
+        guess = _did_you_mean(key, root)
+        return f"unknown config key '{key}'{guess}: check the spelling ({hint} prints every key)"
     group = re.search(r"Could not find '([^'/]+)/([^']+)'", text)
     if group:
         name, option = group.groups()
@@ -50,33 +68,60 @@ def _explain_composition(err: Exception, overrides: Sequence[str]) -> str:
     return f"cannot compose config from overrides {list(overrides)}: {err}"
 
 
-def _unknown_keys(node: Any, schema: Any, prefix: str = "") -> list[str]:
-    """Keys in the composed config that the schema does not have (``+key=...`` appends them)."""
-    from dataclasses import fields, is_dataclass
-
-    known = {f.name: f for f in fields(schema)}
-    found = []
-    for key in node.keys():
-        if key not in known:
-            found.append(prefix + str(key))
-        elif is_dataclass(known[key].default_factory() if callable(known[key].default_factory) else None):
-            found += _unknown_keys(node[key], type(known[key].default_factory()), f"{prefix}{key}.")
-    return found
-
-
 OPEN_KEYS = ("env.params",)
 """Mappings whose keys the schema cannot know (a plug-in's own parameters, validated by its ``Params``
 model in ``tasks.preflight``): ``env.params.max_value=50`` adds a key there without Hydra's ``+``."""
 
 
-def _schema_node():
-    """The schema as Hydra's base node, with the mappings of ``OPEN_KEYS`` open to new keys."""
-    from omegaconf import OmegaConf
+def schema_node(root: type[BaseModel], open_keys: Sequence[str] = ()) -> Any:
+    """``root``'s defaults as Hydra's base node. Lists of sections (``reward.components``,
+    ``data.sources``) and the mappings of ``open_keys`` stay open to keys Hydra cannot know (an
+    item's own, a plug-in's): the models check those."""
+    from omegaconf import ListConfig, OmegaConf
 
-    node = OmegaConf.structured(Config)
-    for key in OPEN_KEYS:
+    node = OmegaConf.create(root.model_construct().model_dump())
+
+    def open_lists(n: Any) -> None:
+        for key in n:
+            child = n._get_node(key)
+            if isinstance(child, ListConfig):
+                OmegaConf.set_struct(child, False)
+            elif OmegaConf.is_dict(child):
+                open_lists(child)
+
+    open_lists(node)
+    for key in open_keys:
         OmegaConf.set_struct(OmegaConf.select(node, key), False)
     return node
+
+
+def compose_validated(
+    config_name: str,
+    root: type[BaseModel],
+    overrides: Sequence[str],
+    open_keys: Sequence[str] = (),
+    hint: str = "`laminar config`",
+) -> Any:
+    """Hydra's composition of ``conf/<config_name>.yaml`` with ``overrides`` over ``root``'s defaults
+    (stored as ``<config_name>_schema``), validated into ``root``; a :class:`ConfigError` of one line
+    naming the key otherwise."""
+    check_override_sizes(overrides)
+    from hydra import compose, initialize_config_dir
+    from hydra.core.config_store import ConfigStore
+    from hydra.errors import HydraException
+    from omegaconf import OmegaConf
+
+    name = "laminar_schema" if config_name == "config" else f"{config_name}_schema"
+    ConfigStore.instance().store(name=name, node=schema_node(root, open_keys))
+    try:
+        with initialize_config_dir(config_dir=str(CONF_DIR), version_base=None):
+            raw = compose(config_name=config_name, overrides=list(overrides))
+    except HydraException as err:
+        raise ConfigError(_explain_composition(err, overrides, root, hint)) from None
+    except (OSError, RecursionError) as err:  # a group option no file name can be, nesting past the stack
+        why = str(err).splitlines()[0][:200] if str(err) else type(err).__name__
+        raise ConfigError(f"cannot compose config from the overrides: {why}") from None
+    return validated(root, OmegaConf.to_container(raw, resolve=True), hint)
 
 
 MAX_KEY_CHARS = 256
@@ -85,7 +130,7 @@ MAX_OVERRIDE_CHARS = 8192
 """Characters of one override (a long text or list belongs in a config group's YAML file)."""
 MAX_OVERRIDE_ITEMS = 512
 """Commas in one override: Hydra's parser takes time quadratic in a list's items (50,000 took minutes);
-the schema's own limits (``conf.schema.MaxLen``) are lower still."""
+the schema's own limits (``MaxLen`` on a field) are lower still."""
 
 
 MAX_OVERRIDE_DEPTH = 16
@@ -139,94 +184,18 @@ def load_config(overrides: Sequence[str] = ()) -> Config:
 
     Raises :class:`ConfigError` naming the offending key and what to change.
     """
-    check_override_sizes(overrides)
-    from hydra import compose, initialize_config_dir
-    from hydra.errors import HydraException
-    from omegaconf import OmegaConf
-    from omegaconf.errors import OmegaConfBaseException
-
-    from hydra.core.config_store import ConfigStore
-
-    # The schema is the base of config.yaml's defaults list: every key exists and is typed at compose time.
-    ConfigStore.instance().store(name="laminar_schema", node=_schema_node())
-    try:
-        with initialize_config_dir(config_dir=str(CONF_DIR), version_base=None):
-            raw = compose(config_name="config", overrides=list(overrides))
-    except HydraException as err:
-        raise ConfigError(_explain_composition(err, overrides)) from None
-    except (OSError, RecursionError) as err:  # a group option no file name can be, nesting past the stack
-        why = str(err).splitlines()[0][:200] if str(err) else type(err).__name__
-        raise ConfigError(f"cannot compose config from the overrides: {why}") from None
-    unknown = _unknown_keys(raw, Config)
-    if unknown:
-        raise ConfigError(
-            f"unknown config key '{unknown[0]}': check the spelling (`laminar config` prints every key)"
-        )
-    try:
-        merged = OmegaConf.merge(OmegaConf.structured(Config), raw)
-        cfg = OmegaConf.to_object(merged)
-    except OmegaConfBaseException as err:
-        key = getattr(err, "full_key", None) or "?"
-        msg = str(err).splitlines()[0]
-        if "not in struct" in str(err) or type(err).__name__ == "ConfigKeyError":
-            raise ConfigError(
-                f"unknown config key '{key}': check the spelling (`laminar config` prints every key)"
-            ) from None
-        raise ConfigError(
-            f"config key '{key}': {msg}; give {key} a value of the type its default has"
-        ) from None
-    assert isinstance(cfg, Config)
-    cfg.eval.benchmarks = [_benchmark_spec(i, b) for i, b in enumerate(cfg.eval.benchmarks)]
-    return check_source_names(validate(cfg))
+    return compose_validated("config", Config, overrides, OPEN_KEYS)
 
 
-def _benchmark_spec(i: int, item: Any) -> Any:
-    """An ``eval.benchmarks`` mapping as a typed :class:`BenchmarkFileConfig` (a name stays as it is)."""
-    from omegaconf import OmegaConf
-    from omegaconf.errors import OmegaConfBaseException
-
-    if not isinstance(item, Mapping):
-        return item
-    try:
-        spec = OmegaConf.to_object(OmegaConf.merge(OmegaConf.structured(BenchmarkFileConfig), dict(item)))
-    except OmegaConfBaseException as err:
-        key = f"eval.benchmarks[{i}].{getattr(err, 'full_key', None) or '?'}"
-        if "not in struct" in str(err) or type(err).__name__ == "ConfigKeyError":
-            fields = ", ".join(f.name for f in dataclasses.fields(BenchmarkFileConfig))
-            raise ConfigError(f"unknown config key '{key}': a benchmark file spec takes {fields}") from None
-        raise ConfigError(f"config key '{key}': {str(err).splitlines()[0]}") from None
-    if spec.name and not SOURCE_NAME.fullmatch(spec.name):
-        raise ConfigError(
-            f"eval.benchmarks[{i}].name={spec.name!r} is not an identifier: use letters, digits, _ and - "
-            "(it names the benchmark's scores and catalog rows)"
-        )
-    return spec
+def to_dict(cfg: BaseModel) -> dict:
+    """A config model (or section) as plain JSON-ready data."""
+    return cfg.model_dump(mode="json")
 
 
-SOURCE_NAME = re.compile(r"[A-Za-z_][A-Za-z0-9_-]{0,63}")
-
-
-def check_source_names(cfg: Config) -> Config:
-    """Each ``data.sources[].name`` is an identifier: it names a folder inside the dataset artifact
-    (``sources/<name>/``), so a name such as ``../..`` never reaches outside it."""
-    for i, src in enumerate(cfg.data.sources):
-        if not isinstance(src.name, str) or not SOURCE_NAME.fullmatch(src.name):
-            raise ConfigError(
-                f"data.sources[{i}].name={src.name!r} is not an identifier: use letters, digits, _ and - "
-                "(starting with a letter or _, at most 64 characters), e.g. name: my_pool"
-            )
-    return cfg
-
-
-def to_dict(cfg: Any) -> dict:
-    """A config dataclass (or subtree) as plain JSON-ready data."""
-    return asdict(cfg)
-
-
-def to_yaml(cfg: Config) -> str:
+def to_yaml(cfg: BaseModel) -> str:
     from omegaconf import OmegaConf
 
-    return OmegaConf.to_yaml(OmegaConf.structured(cfg))
+    return OmegaConf.to_yaml(OmegaConf.create(cfg.model_dump(mode="json")))
 
 
 def deepspeed_config(name: str) -> dict:

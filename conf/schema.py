@@ -1,23 +1,54 @@
 """Typed schema of the pipeline configuration, and the names it selects among.
 
-Hydra composes the YAML tree in ``conf/``; :func:`conf.load_config` merges the result into these
-dataclasses, so an unknown key or a wrong type fails at start, before anything is written. A field
-declares its allowed names or bounds as ``Annotated`` metadata (``Annotated[str, Mode]``,
-``Annotated[float, Positive]``), which :func:`validate` checks before its cross-field rules. Every
-default lives here; the YAML tree sets only what a config group changes.
+Hydra composes the YAML tree in ``conf/``; :func:`conf.loader.load_config` validates the result
+into these pydantic models, so an unknown key, a wrong type or a value out of bounds fails at start,
+before anything is written, with one line naming the key (``conf.base``). A field declares its
+allowed names (``Literal``) and bounds (``Annotated[float, Positive]``) on itself; each cross-field
+rule is one ``model_validator`` of the model that owns it. Every default lives here; the YAML tree
+sets only what a config group changes.
 """
 
 from __future__ import annotations
 
-import math
-from collections.abc import Callable
-from dataclasses import dataclass, field, fields, is_dataclass
+import re
 from functools import cache
-from typing import Annotated, Any, Literal, get_args, get_origin, get_type_hints
+from typing import Annotated, Any, ClassVar, Literal, Union, get_args
+
+from pydantic import ConfigDict, Discriminator, Field, Tag, TypeAdapter, create_model, model_validator
+
+from conf.base import (
+    TAGGED,
+    AtMost,
+    Batch,
+    ConfigError as ConfigError,  # every layer imports the error from here
+    Fraction,
+    Ge,
+    Gt,
+    Interval,
+    MaxLen,
+    Megabytes,
+    NonNegative,
+    NonPositive,
+    Params,
+    Positive,
+    Prompts,
+    Samples,
+    Seconds,
+    Section,
+    Seed,
+    Share,
+    Steps,
+    Threads,
+    Tokens,
+    Unit,
+    Why,
+    rule,
+    validated,
+)
+
 
 # The names the config selects among. conf owns them: the layers above import these (and key their
-# behaviour tables by them, e.g. training.objectives.PRESETS by Algorithm). Fields stay typed ``str``
-# because OmegaConf's structured configs refuse Literal annotations; validate() checks the names.
+# behaviour tables by them, e.g. training.objectives.PRESETS by Algorithm); the fields are typed by them.
 ModelKind = Literal["tiny", "hf"]
 PRETRAINED_MODELS = ("smollm2",)
 """The models ``generation.pretrained.PRETRAINED`` knows how to fetch (``model.pretrained``)."""
@@ -98,76 +129,7 @@ VLLM_LORA_RANKS = (8, 16, 32, 64, 128, 256, 320, 512)
 up to it load, so ``model.lora.rank`` above the last cannot sample with ``rollout.engine=vllm``."""
 
 
-@dataclass(frozen=True)
-class Bound:
-    """A declared constraint of a number field (``Annotated[float, Positive]``), checked by
-    :func:`validate`: ``inf`` and ``nan`` fail first; None (an optional key left unset) passes."""
-
-    ok: Callable[[Any], bool]
-    message: str
-    """The error, formatted with the field's ``key`` and ``value``."""
-    limit: float | None = None
-    """The largest value it allows (``AtMost``); None: no upper limit of its own."""
-
-
-def AtMost(limit: float) -> Bound:
-    """An upper limit of a number field (``Annotated[int, Positive, AtMost(65_536)]``): sizes, counts,
-    steps and seconds far past any real use are refused before anything runs."""
-    return Bound(
-        lambda v: v <= limit,
-        f"{{key}}={{value}} is above the limit of {limit:,}; set {{key}} to at most {limit:,}",
-        limit=limit,
-    )
-
-
-@dataclass(frozen=True)
-class MaxLen:
-    """The most items of a list field, or characters of a string field (``Annotated[list[int],
-    MaxLen(64)]``), checked on the whole value before its items. A field without one is held to
-    ``MAX_ITEMS`` items or ``MAX_CHARS`` characters."""
-
-    most: int
-
-
-MAX_ITEMS = 256
-"""Items of a list field that declares no ``MaxLen``."""
-MAX_CHARS = 4096
-"""Characters of a string (and of each string in a list) that declares no ``MaxLen`` (PATH_MAX)."""
-MAX_INT = 2**31 - 1
-"""The magnitude of an integer field that declares no ``AtMost``."""
-
-
-Positive = Bound(lambda v: v > 0, "{key}={value} must be > 0; set {key} to a positive value")
-NonNegative = Bound(lambda v: v >= 0, "{key}={value} must be >= 0; set {key} to zero or a positive value")
-Fraction = Bound(lambda v: 0 <= v < 1, "{key}={value} must be in [0, 1)")
-Share = Bound(lambda v: 0 < v <= 1, "{key}={value} must be in (0, 1]")
-Finite = Bound(lambda v: True, "")
-NonPositive = Bound(
-    lambda v: v <= 0, "{key}={value} must be <= 0 (a penalty); set {key} to zero or a negative value"
-)
-Unit = Bound(lambda v: 0 <= v <= 1, "{key}={value} must be in [0, 1]; set {key} to a value between 0 and 1")
-# Upper limits shared by many fields: far past any real use, low enough that a typo cannot ask for
-# an allocation, a loop or a wait without end.
-Steps = AtMost(1_000_000)
-"""Optimizer steps, warm-up steps, step intervals."""
-Tokens = AtMost(131_072)
-"""Token lengths (generation limits, sequence lengths)."""
-Batch = AtMost(65_536)
-"""Batch sizes, prompts per step, concurrent sequences."""
-Samples = AtMost(1_024)
-"""Samples per prompt, group sizes, workers, turns, layers and heads."""
-Prompts = AtMost(10_000_000)
-"""Counts of prompts, problems or trials."""
-Threads = AtMost(1_024)
-Seed = AtMost(2**31 - 1)
-Seconds = AtMost(86_400)
-"""Time limits: one day."""
-Megabytes = AtMost(1_048_576)
-"""Sizes in MB: one TiB."""
-
-
-@dataclass
-class LoraConfig:
+class LoraConfig(Section):
     """LoRA adapters (Hu et al., arXiv 2106.09685) through the ``peft`` library: the listed ``stages``
     train only rank-``rank`` adapters on the linear layers named in ``target_modules`` while the
     base model stays frozen (optimizer state only for the adapters); their checkpoints are PEFT
@@ -179,10 +141,10 @@ class LoraConfig:
     alpha: Annotated[float, Positive] = 32.0
     """The adapter's output is scaled by alpha / rank."""
     dropout: Annotated[float, Fraction] = 0.0
-    target_modules: Annotated[list[str], MaxLen(64)] = field(
+    target_modules: Annotated[list[str], MaxLen(64)] = Field(
         default_factory=lambda: list(LLAMA_LINEAR_MODULES)
     )
-    stages: Annotated[list[str], LoraStage] = field(default_factory=lambda: list(LORA_STAGES))
+    stages: list[LoraStage] = Field(default_factory=lambda: list(LORA_STAGES))
     """Which training stages train adapters (the others train every weight of what they start from:
     an adapter they start from is merged first). The tiny default model starts from random weights,
     which a low-rank adapter cannot teach the task: there use ``stages=[rft,rl]`` (docs/lora.md)."""
@@ -190,13 +152,23 @@ class LoraConfig:
     def on(self, stage: str) -> bool:
         return self.enabled and stage in self.stages
 
+    @model_validator(mode="after")
+    def _named_once(self) -> LoraConfig:
+        if not self.stages:
+            raise rule(f"@stages is empty; name some of: {', '.join(LORA_STAGES)}")
+        if not self.target_modules or len(set(self.target_modules)) != len(self.target_modules):
+            raise rule(
+                f"@target_modules={list(self.target_modules)}: name each module once, e.g. "
+                f"[{','.join(LLAMA_LINEAR_MODULES[:4])}]"
+            )
+        return self
 
-@dataclass
-class ModelConfig:
+
+class ModelConfig(Section):
     """Which model to train. ``kind=tiny`` builds a Llama-architecture model and a character-level
     tokenizer from the fields below; ``kind=hf`` loads any local Hugging Face causal LM from ``path``."""
 
-    kind: Annotated[str, ModelKind] = "tiny"
+    kind: ModelKind = "tiny"
     path: str | None = None
     pretrained: str | None = None
     """A real model the project fetches itself (``model=smollm2``; docs/real_models.md): with
@@ -212,50 +184,83 @@ class ModelConfig:
     num_kv_heads: Annotated[int, Positive, Samples] = 4
     max_seq_len: Annotated[int, Positive, Tokens] = 160
     rope_theta: Annotated[float, Positive] = 10000.0
-    lora: LoraConfig = field(default_factory=LoraConfig)
+    lora: LoraConfig = Field(default_factory=LoraConfig.model_construct)
+
+    @model_validator(mode="after")
+    def _consistent(self) -> ModelConfig:
+        if self.kind == "hf" and not self.path and not self.pretrained:
+            raise rule("model=hf needs a local model folder: add model.path=DIR (a save_pretrained folder)")
+        if self.pretrained is not None and (self.kind != "hf" or self.pretrained not in PRETRAINED_MODELS):
+            raise rule(
+                f"@pretrained={self.pretrained!r} needs model.kind=hf and one of "
+                f"{', '.join(PRETRAINED_MODELS)} (e.g. model=smollm2)"
+            )
+        if self.kind == "tiny" and self.path:
+            raise rule("@path is only read with model=hf; add model=hf or drop model.path")
+        if self.kind == "tiny":  # the tiny model's linear layers are known: a typo fails here
+            for name in self.lora.target_modules:
+                if name not in LLAMA_LINEAR_MODULES:
+                    raise rule(
+                        f"@lora.target_modules={name!r} is not supported; set @lora.target_modules to "
+                        f"one of: {', '.join(LLAMA_LINEAR_MODULES)}"
+                    )
+        if self.hidden_size % self.num_heads:
+            raise rule(f"@hidden_size={self.hidden_size} must be divisible by @num_heads={self.num_heads}")
+        if self.num_heads % self.num_kv_heads:
+            raise rule(f"@num_heads={self.num_heads} must be a multiple of @num_kv_heads={self.num_kv_heads}")
+        return self
 
 
-@dataclass
-class SourceConfig:
+class SourceConfig(Section):
     """One prompt pool file (or folder, or Hugging Face dataset) and how its fields map."""
 
     name: str = "pool"
     path: str = ""
     """A jsonl/json/parquet file, a folder, or (format=hf) a local dataset folder or a hub name.
     A relative path that does not exist from the working directory is read from the project root."""
-    format: Annotated[str, SourceFormat] = "auto"
+    format: SourceFormat = "auto"
     problem_field: str = "problem"
     answer_field: str = "answer"
     id_field: str | None = None
     level_field: str | None = None
     subject_field: str | None = None
-    extra_fields: Annotated[list[str], MaxLen(64)] = field(default_factory=list)
+    extra_fields: Annotated[list[str], MaxLen(64)] = Field(default_factory=list)
     split: str = "train"
 
+    @model_validator(mode="after")
+    def _named(self) -> SourceConfig:
+        """The name is an identifier: it names a folder inside the dataset artifact
+        (``sources/<name>/``), so a name such as ``../..`` never reaches outside it."""
+        if not SOURCE_NAME.fullmatch(self.name):
+            raise rule(
+                f"@name={self.name!r} is not an identifier: use letters, digits, _ and - (starting with "
+                "a letter or _, at most 64 characters), e.g. name: my_pool"
+            )
+        return self
 
-@dataclass
-class DataConfig:
+
+class DataConfig(Section):
     """The prompt pool: ``source=arith`` draws the synthetic arithmetic task (pool and held-out set)
     and adds ``sources``; ``source=files`` takes only ``sources`` (``data=math`` is one such preset)."""
 
-    source: Annotated[str, DataSource] = "arith"
-    sources: Annotated[list[SourceConfig], MaxLen(64)] = field(default_factory=list)
+    source: DataSource = "arith"
+    sources: Annotated[list[SourceConfig], MaxLen(64)] = Field(default_factory=list)
     pool_size: Annotated[int, Positive, Prompts] = 6000
     heldout_size: Annotated[int, Positive, AtMost(100_000)] = 300
-    levels: Annotated[list[int], MaxLen(64)] = field(default_factory=lambda: [1, 2, 3, 4, 5])
+    levels: Annotated[list[int], MaxLen(64)] = Field(default_factory=lambda: [1, 2, 3, 4, 5])
     demo_error_rate: Annotated[float, Fraction] = 0.15
     """Per-step chance that a warm-up demonstration's result is off by 1-2 (an imperfect teacher);
     gold solutions and answers stay exact. RL with the verifier is what corrects the slips."""
     demo_restate_rate: Annotated[float, Fraction] = 0.0
+    """Rambling demonstrations: after each step the running total is restated ("so the total is 12")
+    a geometric number of times (each further one with this probability, at most 3). Pure length and
+    repetition, no information: the task where length shaping has something to do
+    (benchmarks/reward_length.py, docs/rewards.md). 0 keeps the demonstrations as they are."""
     demo_full_stop_rate: Annotated[float, Fraction] = 0.0
     """Style, not content: this share of the warm-up demonstrations (drawn by their own generator)
     end their final line with a full stop (``#### 7.``), which the verifier strips. ``reward=reward_model``
     sets 0.5 so the warm-up model writes both styles, and the simulated annotators' rubric (a full
     stop; docs/reward_models.md) has something to prefer. 0 keeps the demonstrations as they are."""
-    """Rambling demonstrations: after each step the running total is restated ("so the total is 12")
-    a geometric number of times (each further one with this probability, at most 3). Pure length and
-    repetition, no information: the task where length shaping has something to do
-    (benchmarks/reward_length.py, docs/rewards.md). 0 keeps the demonstrations as they are."""
     template: str | None = None
     """The prompt template (with ``{problem}``) of the training pool and of the synthetic held-out set,
     wrapped by the model's chat template when it has one; None: the bare problem for ``source=arith``,
@@ -266,39 +271,57 @@ class DataConfig:
     "problem too long": the engines pad every batch to its longest prompt, so one huge row would
     ask for a huge allocation. The longest vendored prompt has 4,308 characters (MATH train; the
     benchmarks' longest, AIME 2025 and MATH-500, about 1,730; the synthetic task's at most 70)."""
-    verifiability: Annotated[str, Verifiability] = "short_form"
+    verifiability: Verifiability = "short_form"
     """Ingest quarantines a row whose reference answer the verifier cannot check (a proof, a
     multi-part answer, a free-text sentence: "unverifiable answer: <kind> (...)"); ``off`` keeps it."""
     allow_empty: bool = False
     """A pool with no rows, or none ingest keeps (every row quarantined or a duplicate), stops the run
     with the quarantine reasons (``laminar run --allow-empty`` sets this to go on with it)."""
 
+    @model_validator(mode="after")
+    def _pool(self) -> DataConfig:
+        bad = [lv for lv in self.levels if lv not in range(1, 9)]
+        if bad or not self.levels:
+            raise rule(
+                f"@levels={self.levels}: levels are 1..8 (6-8: long chains of 10, 20, 30 operations); "
+                "pick a non-empty list (a level listed twice is drawn twice as often)"
+            )
+        if self.source == "files" and not self.sources:
+            raise rule("data.source=files needs @sources (a list of files); or use data=math")
+        for i, src in enumerate(self.sources):
+            if not src.path:
+                raise rule(f"@sources[{i}].path is empty; name a file, folder or dataset")
+        names = [s.name for s in self.sources]
+        if len(set(names)) != len(names) or "arith" in names and self.source == "arith":
+            raise rule(f"@sources names must be unique (and not 'arith' with data.source=arith): {names}")
+        return self
 
-@dataclass
-class SFTConfig:
+
+class SFTConfig(Section):
     """Warm-up supervised fine-tuning on the prompt pool's demonstrations (of ``levels``)."""
 
-    steps: Annotated[int, Steps] = 800
+    steps: Annotated[int, NonNegative, Steps] = 800
     batch_size: Annotated[int, Positive, Batch] = 32
     lr: Annotated[float, Positive] = 3e-3
     warmup_steps: Annotated[int, NonNegative, Steps] = 20
     weight_decay: Annotated[float, NonNegative] = 0.0
     max_grad_norm: Annotated[float, Positive] = 1.0
-    levels: Annotated[list[int], MaxLen(64)] = field(default_factory=lambda: [1, 2, 3, 4, 5])
+    levels: Annotated[list[int], MaxLen(64)] = Field(default_factory=lambda: [1, 2, 3, 4, 5])
 
 
-@dataclass
-class RLConfig:
+class RLConfig(Section):
     """Reinforcement learning on the prompt pool. ``mode=sync`` generates a batch of groups with
     the current weights, scores it, takes one update and refreshes the sampler's weights."""
 
-    algorithm: Annotated[str, Algorithm] = "grpo"
-    mode: Annotated[str, Mode] = "sync"
-    steps: Annotated[int, Steps] = 60
+    algorithm: Algorithm = "grpo"
+    mode: Mode = "sync"
+    steps: Annotated[int, NonNegative, Steps] = 60
     """Optimizer updates. The default task's RL adds most of its accuracy in the first 60
     (benchmarks/results/default_run/); more steps cost about 1.5 s each on 2 cores."""
     prompts_per_step: Annotated[int, Positive, Batch] = 16
-    group_size: Annotated[int, Samples] = 8
+    group_size: Annotated[
+        int, Ge(2), Samples, Why("group advantages need at least 2 responses per prompt")
+    ] = 8
     lr: Annotated[float, Positive] = 1e-4
     max_new_tokens: Annotated[int, Positive, Tokens] = 64
     temperature: Annotated[float, Positive] = 1.0
@@ -308,24 +331,24 @@ class RLConfig:
     """Optimizer steps per collected batch (verl's ppo_mini_batch split). With 1 the update is
     on-policy and the clip bounds never bind; with more, later steps are clipped against the
     proximal log-probs taken before the first."""
-    micro_batch_tokens: Annotated[int, AtMost(16_777_216)] = 8192
+    micro_batch_tokens: Annotated[int, NonNegative, AtMost(16_777_216)] = 8192
     """The trainer splits each optimizer step's sequences into length-sorted micro-batches of at most
     this many padded tokens and accumulates their gradients (the loss weights keep it equal to one
     big batch): a few long responses no longer pad every short one. 0 = one batch."""
     # Overrides of the algorithm's preset (training.objectives.PRESETS); None keeps the preset's value.
-    advantage: Annotated[str | None, Advantage] = None
-    loss_agg: Annotated[str | None, LossAgg] = None
-    behaviour_weight: Annotated[str | None, BehaviourWeight] = None  # the off-policy correction
-    is_cap: Annotated[float | None, NonNegative] = None
+    advantage: Advantage | None = None
+    loss_agg: LossAgg | None = None
+    behaviour_weight: BehaviourWeight | None = None  # the off-policy correction
+    is_cap: Annotated[float | None, Positive, Why("TRL uses 3.0; null keeps the preset's")] = None
     clip_low: Annotated[float | None, Fraction] = None
     clip_high: Annotated[float | None, NonNegative] = None
-    dual_clip: Annotated[float | None, NonNegative] = None
+    dual_clip: Annotated[float | None, Gt(1), Why("verl uses 3.0; null turns it off")] = None
     dynamic_sampling: bool | None = None
-    max_sampling_rounds: Annotated[int | None, Samples] = None
+    max_sampling_rounds: Annotated[int | None, Ge(1), Samples] = None
     overlong_shaping: bool | None = None
     overlong_filter: bool | None = None
     kl_coef: Annotated[float | None, NonNegative] = None
-    ratio_level: Annotated[str | None, RatioLevel] = None
+    ratio_level: RatioLevel | None = None
     """The policy ratio: per token (PPO, GRPO) or per sequence, exp of the mean token log-ratio (GSPO)."""
     kl_in_reward: bool | None = None
     """Fold ``kl_coef`` x the token KL into the returns instead of the loss (REINFORCE++)."""
@@ -360,7 +383,7 @@ class RLConfig:
     ``loss(batch, params)`` (``training.objectives.PolicyBatch``, ``ObjectiveParams``), it returns the
     per-token loss ``(B, T)`` in place of the clipped PPO term (KL, entropy, NLL and ``loss_agg`` apply
     as usual); None: the algorithm's own."""
-    loss_params: Any = None
+    loss_params: dict[str, Any] | None = None
     """The custom loss's parameters (a mapping, ``rl.loss_params={scale: 2}``), validated by its
     ``Params`` model and passed as a third argument."""
     critic_lr: Annotated[float | None, Positive] = None
@@ -368,21 +391,21 @@ class RLConfig:
     critic_path: str | None = None
     """A local Hugging Face model folder the critic starts from (its tokenizer must be the policy's);
     null: a copy of the RL-start policy."""
-    overlong_cache_len: Annotated[int, Tokens] = 16
+    overlong_cache_len: Annotated[int, Positive, Tokens] = 16
     """DAPO's soft-punishment buffer L_cache, in tokens before ``max_new_tokens`` (the DAPO paper uses
     4,096 of 20,480; here 16 of 64, the same order of share)."""
-    eval_every: Annotated[int, Steps] = 20
+    eval_every: Annotated[int, NonNegative, Steps] = 20
     """Evaluate ``eval.benchmarks`` inside the run every N steps (the eval stages cover the start and
     the end); 0 = off."""
-    runtime: Annotated[str, Runtime] = "auto"
+    runtime: Runtime = "auto"
     """``local``: the local driver, in process (sync only; deterministic metrics on the CPU);
     ``ray``: the Laminar runtime (trainer, relays, rollouts as Ray actors; every mode);
     ``auto``: local for ``mode=sync``, ray otherwise."""
-    max_staleness: Annotated[int | None, Samples] = 1
+    max_staleness: Annotated[int | None, NonNegative, Samples] = 1
     """Asynchronous modes: a group generated more than this many versions behind the trainer is
     regenerated instead of trained on (null: no bound, as in the Laminar paper). On the default task
     a bound of 4 cost 0.05 held-out accuracy over 3 seeds; 1 matches sync (benchmarks/modes_accuracy.py)."""
-    admit_lag: Annotated[int, Samples] = 1
+    admit_lag: Annotated[int, Ge(1), Samples, Why("1 = drain at the first newer version")] = 1
     """``laminar``: a rollout keeps admitting prompts under its weights until the trainer is this many
     versions ahead, then drains (finishes what it has, pulls the latest). 1 = stop at the first newer
     version; larger values keep rollouts full through updates (the Laminar paper's rollouts pull when their
@@ -393,24 +416,43 @@ class RLConfig:
     chunk_steps: Annotated[int, Positive, Tokens] = 8
     """Decode steps per rollout call between the manager's looks (occupancy, pulls, repacks)."""
     repack_interval_s: Annotated[float, Positive, Seconds] = 0.5
-    repack_b: Annotated[int, Batch] = 0
+    repack_b: Annotated[int, NonNegative, Batch] = 0
     """Repack's B: the batch below which decoding is memory-bound; 0 = ``rollout_capacity``."""
-    checkpoint_every: Annotated[int, Steps] = 10
+    checkpoint_every: Annotated[int, NonNegative, Steps] = 10
     """An atomic checkpoint every N updates (0 = off), by either driver; a rerun resumes from the last."""
 
     def uses_ray(self) -> bool:
         return self.runtime == "ray" or (self.runtime == "auto" and self.mode != "sync")
 
+    @model_validator(mode="after")
+    def _schedule(self) -> RLConfig:
+        if self.runtime == "local" and self.mode != "sync":
+            raise rule(f"@mode={self.mode} needs the Ray runtime: drop @runtime=local (or set @runtime=ray)")
+        if self.max_staleness is not None and self.admit_lag > max(1, self.max_staleness):
+            raise rule(
+                f"@admit_lag={self.admit_lag} > @max_staleness={self.max_staleness}: responses started "
+                "that far behind would be regenerated as too stale; raise @max_staleness (or null) or "
+                "lower @admit_lag"
+            )
+        warm = self.value_warmup_steps
+        if warm is not None and self.steps > 0 and warm >= self.steps:
+            raise rule(
+                f"@value_warmup_steps={warm} >= @steps={self.steps}: the policy would never move; lower "
+                "@value_warmup_steps or raise @steps"
+            )
+        if self.loss_params and self.loss is None:
+            raise rule("@loss_params is set but @loss names no loss; set @loss=package.module:attr")
+        return self
 
-@dataclass
-class BenchmarkFileConfig:
+
+class BenchmarkFileConfig(Section):
     """A benchmark of your own, read like a ``data.sources`` entry (same formats and field paths)
     and decontaminated against like a vendored one; ``score_with`` names the reward components
     that score it."""
 
     name: str = ""
     path: str = ""
-    format: Annotated[str, SourceFormat] = "auto"
+    format: SourceFormat = "auto"
     problem_field: str = "problem"
     answer_field: str = "answer"
     id_field: str | None = None
@@ -420,24 +462,62 @@ class BenchmarkFileConfig:
     split: str = "test"
     template: Annotated[str | None, MaxLen(65_536)] = None
     """The prompt template (with ``{problem}``); None: the vendored benchmarks' \\boxed{} instruction."""
-    score_with: list[str] = field(default_factory=lambda: ["math_verify"])
+    score_with: list[str] = Field(default_factory=lambda: ["math_verify"])
     """Reward components (short names or ``module:attr``) whose scores are reported beside the verdict."""
     verdict: str | None = None
     """What judges correctness (avg@n, pass@k, maj@k): a reward component's short name or an import
     path ``package.module:attr`` (a plug-in verdict, docs/plugins.md); None: ``code_tests`` for
     ``format=code``, else ``math_verify``."""
-    verdict_params: dict[str, Any] = field(default_factory=dict)
+    verdict_params: dict[str, Any] = Field(default_factory=dict)
     """The verdict's parameters, validated by its own ``Params`` model."""
 
     def verdict_name(self) -> str:
         return self.verdict or DEFAULT_VERDICTS.get(self.format, "math_verify")
 
+    @model_validator(mode="after")
+    def _spec(self) -> BenchmarkFileConfig:
+        if not self.name or not self.path:
+            raise rule(
+                "@ needs a name and a path, e.g. {name: mine, path: /data/test.jsonl, answer_field: answer}"
+            )
+        if not SOURCE_NAME.fullmatch(self.name):
+            raise rule(
+                f"@name={self.name!r} is not an identifier: use letters, digits, _ and - (it names the "
+                "benchmark's scores and catalog rows)"
+            )
+        if not self.score_with:
+            raise rule("@score_with is empty; e.g. score_with=[math_verify]")
+        for n in (*self.score_with, self.verdict_name()):
+            key = "@verdict" if n == self.verdict else "@score_with"
+            why = component_name_error(n)
+            if why:
+                raise rule(f"{key}={n!r} {why}")
+        if self.template is not None and "{problem}" not in self.template:
+            raise rule(f"@template must contain {{problem}}, got {self.template!r}")
+        return self
 
-@dataclass
-class EvalConfig:
+
+def _benchmark_kind(value: Any) -> str | None:
+    if isinstance(value, str):
+        return "kind:name"
+    return "kind:file" if isinstance(value, (dict, BenchmarkFileConfig)) else None
+
+
+Benchmark = Annotated[
+    Annotated[str, Tag("kind:name")] | Annotated[BenchmarkFileConfig, Tag("kind:file")],
+    Discriminator(
+        _benchmark_kind,
+        custom_error_type="benchmark",
+        custom_error_message="give a benchmark name or a file spec {name, path, ...}",
+    ),
+]
+"""An ``eval.benchmarks`` item: a vendored benchmark's name or a file of your own."""
+
+
+class EvalConfig(Section):
     """Held-out evaluation of checkpoints: ``n_samples`` sampled responses per problem (avg@n)."""
 
-    benchmarks: Annotated[list[Any], MaxLen(64)] = field(default_factory=lambda: ["arith_heldout"])
+    benchmarks: Annotated[list[Benchmark], MaxLen(64)] = Field(default_factory=lambda: ["arith_heldout"])
     """Each a vendored benchmark's name or a :class:`BenchmarkFileConfig` (``{name, path, ...}``)."""
     n_samples: Annotated[int, Positive, Samples] = 4
     temperature: Annotated[float, Positive] = 1.0
@@ -456,9 +536,17 @@ class EvalConfig:
     def benchmark_files(self) -> dict[str, BenchmarkFileConfig]:
         return {b.name: b for b in self.benchmarks if isinstance(b, BenchmarkFileConfig)}
 
+    @model_validator(mode="after")
+    def _named_once(self) -> EvalConfig:
+        if not self.benchmarks:
+            raise rule("@benchmarks is empty; name at least one, e.g. @benchmarks=[arith_heldout]")
+        names = self.benchmark_names()
+        if len(set(names)) != len(names):
+            raise rule(f"@benchmarks names a benchmark twice: {names}")
+        return self
 
-@dataclass
-class DedupConfig:
+
+class DedupConfig(Section):
     near_threshold: Annotated[float, Share] = 0.85
     """Jaccard similarity (MinHash/LSH candidates, exact Jaccard check) of the prompts' shingles (a bag
     of words plus ordered 5-grams of numbers, operators and symbols) at or above which two prompts
@@ -468,8 +556,7 @@ class DedupConfig:
     the roots) that differ in one word and are different problems."""
 
 
-@dataclass
-class TemplateConfig:
+class TemplateConfig(Section):
     strip: bool = True
     """Ingest takes out an instruction wrapper (a common prefix and/or suffix) shared by most of a
     source's rows and keeps it as the source's template (catalog table ``source_templates``)."""
@@ -477,15 +564,14 @@ class TemplateConfig:
     """Share of a source's rows that must carry the wrapper (and at least 8 rows)."""
 
 
-@dataclass
-class DecontamConfig:
+class DecontamConfig(Section):
     ngram: Annotated[int, Positive, Samples] = 13
     """Token n-gram length (words, numbers and punctuation are tokens); a text shorter than this is
     one gram."""
     min_coverage: Annotated[float, Share] = 0.7
     """A prompt is contaminated when the n-grams it shares with a benchmark item cover at least this
     share of the item's tokens (one shared 13-gram alone flags LaTeX boilerplate: 1,299 of MATH train)."""
-    benchmarks: Annotated[list[str], MaxLen(64)] = field(default_factory=list)
+    benchmarks: Annotated[list[str], MaxLen(64)] = Field(default_factory=list)
     """Benchmarks to check the pool against besides ``eval.benchmarks`` (ones you will score later
     with ``laminar eval``: a score on a benchmark the pool was not checked against is certified
     ``not-checked``)."""
@@ -499,36 +585,48 @@ class DecontamConfig:
     """Paraphrase score at which a prompt is flagged when its canonical answer equals the item's."""
     paraphrase_ngram: Annotated[int, Positive, AtMost(64)] = 3
     """Skeleton n-gram length of the paraphrase shingles (numbers, symbols and LaTeX in order)."""
-    paraphrase_num_perm: Annotated[int, AtMost(4_096)] = 128
-    paraphrase_bands: Annotated[int, AtMost(4_096)] = 64
+    paraphrase_num_perm: Annotated[int, Positive, AtMost(4_096)] = 128
+    paraphrase_bands: Annotated[int, Positive, AtMost(4_096)] = 64
     """LSH bands (num_perm / bands rows each): 64 x 2 finds pairs down to Jaccard ~0.3."""
 
+    @model_validator(mode="after")
+    def _paraphrase(self) -> DecontamConfig:
+        if not 0 < self.paraphrase_moderate <= self.paraphrase_high <= 1:
+            raise rule(
+                f"@paraphrase_moderate={self.paraphrase_moderate} and paraphrase_high="
+                f"{self.paraphrase_high} need 0 < moderate <= high <= 1"
+            )
+        if self.paraphrase_num_perm % self.paraphrase_bands:
+            raise rule(
+                f"@paraphrase_num_perm={self.paraphrase_num_perm} must be a positive multiple of "
+                f"paraphrase_bands={self.paraphrase_bands}"
+            )
+        return self
 
-@dataclass
-class DifficultyConfig:
-    samples: Annotated[int, Positive, Samples] = 4
-    max_prompts: Annotated[int, Prompts] = 1500
+
+class DifficultyConfig(Section):
+    samples: Annotated[int, Ge(2), Samples, Why("to tell the learning edge (0 < pass rate < 1)")] = 4
+    max_prompts: Annotated[int, NonNegative, Prompts] = 1500
     """Prompts sampled (a seeded subset of the pool when larger); 0 = all."""
     temperature: Annotated[float, Positive] = 1.0
     max_new_tokens: Annotated[int, Positive, Tokens] = 64
 
 
-@dataclass
-class DartConfig:
+class DartConfig(Section):
     """Difficulty-aware rejection sampling (DART) for the RFT dataset."""
 
-    strategy: Annotated[str, DartStrategy] = "prop2diff"
+    strategy: DartStrategy = "prop2diff"
     k_u: Annotated[int, Positive, Samples] = 4
     k_p: Annotated[int, Positive, Samples] = 8
-    max_trials: Annotated[int, AtMost(4_096)] = 32
-    budget: Annotated[int, Prompts] = 4000
+    max_trials: Annotated[int, NonNegative, AtMost(4_096)] = 32
+    budget: Annotated[int, NonNegative, Prompts] = 4000
     round_size: Annotated[int, Positive, AtMost(1_000_000)] = 2048
     temperature: Annotated[float, Positive] = 1.0
     check_arithmetic: bool = True
     """Accept a response only if, besides the right final answer, every integer equation it states
     holds (``data_curation.dart.arithmetic_consistent``): a lucky final answer after ``4+4=9`` is not
     kept for fine-tuning. False = the DART paper's rule (final answer only)."""
-    select: Annotated[str, DartSelect] = "verifier"
+    select: DartSelect = "verifier"
     """Which sampled responses RFT learns from. ``verifier``: every response the verifier accepts
     (DART's rule). ``reward_model`` (rank instead of verify; needs ``reward=reward_model``): per prompt,
     the learned reward model's top-ranked responses, as many as the prompt's target (``vanilla``, which
@@ -536,11 +634,10 @@ class DartConfig:
     stops a prompt once it has its target of verified responses."""
 
 
-@dataclass
-class RFTConfig:
+class RFTConfig(Section):
     """Rejection fine-tuning on DART's correct responses; ``steps=0`` passes the model through."""
 
-    steps: Annotated[int, Steps] = 30
+    steps: Annotated[int, NonNegative, Steps] = 30
     """About one pass over DART's accepted responses at the default budget. Longer RFT on the default
     task (200 steps, several passes) solved the held-out set's easy levels outright and left the policy
     nearly deterministic (entropy 0.006), and RL from there lost accuracy on every seed
@@ -550,13 +647,12 @@ class RFTConfig:
     warmup_steps: Annotated[int, NonNegative, Steps] = 10
 
 
-@dataclass
-class SelectConfig:
+class SelectConfig(Section):
     """HIVE: coarse learning-edge selection before RL, online pruning during RL."""
 
-    strategy: Annotated[str, SelectStrategy] = "hive"  # uniform: every curated prompt, no online pruning
-    max_prompts: Annotated[int | None, Prompts] = None
-    history_prompts: Annotated[int | None, Prompts] = 750
+    strategy: SelectStrategy = "hive"  # uniform: every curated prompt, no online pruning
+    max_prompts: Annotated[int | None, Ge(1), Prompts] = None
+    history_prompts: Annotated[int | None, NonNegative, Prompts] = 750
     """Pool prompts sampled with the model RL starts from (stage ``difficulty_rft``, k =
     ``curation.difficulty.samples`` each) for the learning edge, at most
     ``curation.difficulty.max_prompts`` when that is set (so a small test config scales both down):
@@ -565,15 +661,15 @@ class SelectConfig:
     (benchmarks/results/default_run/) and ``difficulty_rft`` takes half the time. More prompts mean
     fewer revisits, but on the default task the whole pool saved no rollouts (README, HIVE): the
     policy outgrows pre-RL pass rates either way."""
-    history: Annotated[str, SelectHistory] = "run"
+    history: SelectHistory = "run"
     """run: the history of this run's upstream stages only (cached like any stage); workspace: also
     every earlier RL run's group rewards in the catalog (the key then covers that history)."""
     online_greso: bool = True
-    online_entropy: Annotated[str, EntropyRule] = "median"
-    round_headroom: Annotated[float, NonNegative] = 1.0
+    online_entropy: EntropyRule = "median"
+    round_headroom: Annotated[float, Ge(1)] = 1.0
     """Dynamic sampling's further rounds: prompts = headroom x the groups still missing / (1 - the
     zero-variance ratio so far). GRESO's code: 1.25 (with ``min_round`` 0.25) for batches of 256."""
-    min_round: Annotated[float, NonNegative] = 0.0
+    min_round: Annotated[float, Interval(ge=0, le=1.5)] = 0.0
     """Smallest further round, as a share of the batch (GRESO: 0.25)."""
     greso_easy_threshold: float = 0.98
     """GRESO: a group whose mean correctness is at least this extends the prompt's easy run (skipped
@@ -581,20 +677,27 @@ class SelectConfig:
     greso_hard_threshold: float = 0.11
     """GRESO: a group whose mean correctness is at most this extends the prompt's hard run."""
 
-
-@dataclass
-class CurationConfig:
-    dedup: DedupConfig = field(default_factory=DedupConfig)
-    decontam: DecontamConfig = field(default_factory=DecontamConfig)
-    templates: TemplateConfig = field(default_factory=TemplateConfig)
-    difficulty: DifficultyConfig = field(default_factory=DifficultyConfig)
-    dart: DartConfig = field(default_factory=DartConfig)
-    rft: RFTConfig = field(default_factory=RFTConfig)
-    select: SelectConfig = field(default_factory=SelectConfig)
+    @model_validator(mode="after")
+    def _greso(self) -> SelectConfig:
+        if not 0.0 <= self.greso_hard_threshold < self.greso_easy_threshold <= 1.0:
+            raise rule(
+                "@ needs 0 <= greso_hard_threshold < greso_easy_threshold <= 1, got "
+                f"{self.greso_hard_threshold} and {self.greso_easy_threshold}"
+            )
+        return self
 
 
-@dataclass
-class ClusterConfig:
+class CurationConfig(Section):
+    dedup: DedupConfig = Field(default_factory=DedupConfig.model_construct)
+    decontam: DecontamConfig = Field(default_factory=DecontamConfig.model_construct)
+    templates: TemplateConfig = Field(default_factory=TemplateConfig.model_construct)
+    difficulty: DifficultyConfig = Field(default_factory=DifficultyConfig.model_construct)
+    dart: DartConfig = Field(default_factory=DartConfig.model_construct)
+    rft: RFTConfig = Field(default_factory=RFTConfig.model_construct)
+    select: SelectConfig = Field(default_factory=SelectConfig.model_construct)
+
+
+class ClusterConfig(Section):
     """Where the Ray roles run. ``address=null`` starts Ray locally; ``address=auto`` or
     ``HOST:PORT`` joins a running cluster (``ray start --head``). One relay runs on every node;
     rollouts go round-robin over the nodes (head first), the trainer on node ``trainer_node``.
@@ -610,21 +713,23 @@ class ClusterConfig:
     """torch threads per rollout (and per trainer, unless ``trainer_threads`` is set)."""
     trainer_threads: Annotated[int, NonNegative, Threads] = 0
     """torch threads of the trainer; 0 = ``actor_threads``."""
-    driver_threads: Annotated[int, Threads] = 1
+    driver_threads: Annotated[int, NonNegative, Threads, Why("0 = keep `threads`")] = 1
     """torch threads of the driver process while the Ray roles run (HIVE's prompt entropy and the
     in-run evaluation run there, beside the actors); 0 = keep the process's (``threads``). On the
     2-core default task a driver on both threads cost 46 CPU-s of spinning against 33 on one."""
-    rollout_priority: Annotated[str, RolloutPriority] = "idle"
+    rollout_priority: RolloutPriority = "idle"
     """CPU scheduling of the rollout processes against the trainer where they share cores: ``idle``
     (Linux SCHED_IDLE: rollouts run on every cycle the trainer and the driver leave, and never slow
     the trainer, the critical path of the asynchronous modes), ``low`` (10 more niceness than Ray's
     workers) or ``normal`` (Ray's worker niceness, like the trainer). Lowering is unprivileged."""
     trainer_node: Annotated[int, NonNegative, AtMost(65_535)] = 0
     """Node index (0 = head) of a single-rank trainer."""
-    trainer_strategy: Annotated[str, PlacementStrategy] = "PACK"
+    trainer_strategy: PlacementStrategy = "PACK"
     """Placement of several trainer ranks (``trainer.ranks`` > 1): a Ray placement group with this
     strategy (PACK, SPREAD, STRICT_PACK, STRICT_SPREAD)."""
-    rollout_nodes: Annotated[list[int], MaxLen(4_096), AtMost(65_535)] = field(default_factory=list)
+    rollout_nodes: Annotated[list[Annotated[int, NonNegative, AtMost(65_535)]], MaxLen(4_096)] = Field(
+        default_factory=list
+    )
     """Node indices the rollouts go to, round-robin (empty: every node, head first)."""
     rollout_gpus: Annotated[float, NonNegative] = 0.0
     """GPUs per rollout actor (Ray resource; a vLLM rollout needs 1), and ``trainer_gpus`` per trainer
@@ -633,18 +738,17 @@ class ClusterConfig:
     max_restarts: Annotated[int, Samples] = 3
 
 
-@dataclass
-class RolloutConfig:
+class RolloutConfig(Section):
     """The rollouts' generation engine. ``torch``: the built-in continuous-batching engine in the
     rollout actor; ``vllm``: a vLLM worker process in its own environment (``make vllm-env``: the
     CUDA build, or the CPU build on a machine without CUDA) speaking the rollout protocol
     (``generation/protocol.py``); ``torch-process``: the built-in engine behind that same protocol in
     a worker process (what the conformance test exercises)."""
 
-    engine: Annotated[str, EngineKind] = "torch"
-    dtype: Annotated[str, Dtype] = "auto"
+    engine: EngineKind = "torch"
+    dtype: Dtype = "auto"
     """auto = bf16 on CUDA, the checkpoint's dtype on the CPU; float32 | bfloat16 | float16."""
-    sync_every: Annotated[int, Tokens] = 0
+    sync_every: Annotated[int, NonNegative, Tokens] = 0
     """Decode steps between host syncs (finished rows leave then); 0 = 8 on CUDA, 1 on the CPU."""
     static_cache: bool = False
     """Fixed-shape decode over a static slot KV cache (``generation/rows.py``: ``SlotRows``)."""
@@ -652,66 +756,81 @@ class RolloutConfig:
     """Capture the decode forward in CUDA graphs (implies static_cache; ignored off CUDA)."""
     vllm_python: str | None = None
     """vLLM's interpreter; default $LAMINAR_VLLM_PYTHON, else .venv-vllm/bin/python."""
-    vllm_gpu_memory_utilization: float = 0.85
+    vllm_gpu_memory_utilization: Annotated[float, Share] = 0.85
     vllm_enforce_eager: bool = False
 
 
-@dataclass(frozen=True)
-class EngineOptions:
+class EngineOptions(Section):
     """One generation engine's options (``generation.engines.make_engine``, ``generation.engine
     .Engine``), not a config section: what its caller picks (``capacity``: rows decoded at once; the
     sampling; the seed; ``lora_rank``: the LoRA adapters' rank a vLLM worker is started for, 0: none)
     and the engine's knobs, a ``rollout`` section (kind, dtype, sync_every, static_cache, cuda_graphs,
     vLLM's). The one default of each."""
 
-    capacity: int = 64
-    max_new_tokens: int = 64
-    temperature: float = 1.0
-    seed: int = 0
-    lora_rank: int = 0
-    rollout: RolloutConfig = field(default_factory=RolloutConfig)
+    model_config = ConfigDict(frozen=True)
+
+    capacity: Annotated[int, Positive, Batch] = 64
+    max_new_tokens: Annotated[int, Positive, Tokens] = 64
+    temperature: Annotated[float, NonNegative] = 1.0
+    seed: Annotated[int, NonNegative, Seed] = 0
+    lora_rank: Annotated[int, NonNegative] = 0
+    rollout: RolloutConfig = Field(default_factory=RolloutConfig.model_construct)
 
 
-@dataclass
-class TrainerConfig:
+class TrainerConfig(Section):
     """The RL trainer. ``backend=torch``: torch AdamW; ``deepspeed``: DeepSpeed ZeRO from the JSON
     file ``deepspeed`` names (``conf/deepspeed/<name>.json``: zero2, zero3; or a path), bf16 where the
     device has it, on the CPU with gloo. ``ranks`` > 1: data-parallel trainer ranks as Ray actors in a
     placement group (``cluster.trainer_strategy``), rank 0 publishes. Anything but one torch rank
     runs RL on the Ray runtime (``rl.runtime=auto`` picks it)."""
 
-    backend: Annotated[str, TrainerBackend] = "torch"
+    backend: TrainerBackend = "torch"
     deepspeed: str = "zero2"
     ranks: Annotated[int, Positive, AtMost(4_096)] = 1
-    dist_backend: Annotated[str, DistBackend] = "auto"
+    dist_backend: DistBackend = "auto"
     """torch.distributed backend of the trainer group: auto = nccl on CUDA, gloo on the CPU."""
 
     def is_default(self) -> bool:
         return self.backend == "torch" and self.ranks == 1
 
 
-@dataclass
-class TrackingConfig:
+class TrackingConfig(Section):
     """Experiment trackers every run writes its curves to (``tasks.tracking``): one tracker run per
     pipeline run, named by the run id. ``backends``: any of tensorboard (event files under
     ``<workspace>/tracking/tensorboard``), mlflow (a SQLite store under ``<workspace>/tracking/mlflow``
     unless ``mlflow_uri``), wandb (offline files under ``<workspace>/tracking`` unless logged in); []
     logs nothing. Not part of any stage's cache key: changing it reruns nothing."""
 
-    backends: Annotated[list[str], TrackingBackend] = field(default_factory=lambda: ["tensorboard"])
+    backends: list[TrackingBackend] = Field(default_factory=lambda: ["tensorboard"])
     mlflow_uri: str | None = None
     """An MLflow tracking URI (``http://127.0.0.1:5000``, ``sqlite:///path.db``); None: the
     workspace's store."""
     mlflow_experiment: str = "laminar"
     wandb_project: str = "laminar"
-    wandb_mode: Annotated[str, WandbMode] = "auto"
+    wandb_mode: WandbMode = "auto"
     """auto: online when W&B credentials are set (``wandb login`` or WANDB_API_KEY), else offline;
     offline; online."""
 
+    @model_validator(mode="after")
+    def _installed(self) -> TrackingConfig:
+        """Each backend named once and installed: a run never finds out at its first metric that it
+        cannot log."""
+        import importlib.util
+
+        if len(set(self.backends)) != len(self.backends):
+            raise rule(f"@backends={list(self.backends)} names a backend twice")
+        for name in self.backends:
+            module, install = TRACKING_BACKENDS[name]
+            if importlib.util.find_spec(module) is None:
+                raise rule(
+                    f"@backends: {name} is not installed; install it with `{install}` (or drop {name} "
+                    "from @backends)"
+                )
+        return self
+
 
 # ------------------------------------------------------------------------------- sandbox
-@dataclass
-class SandboxLimits:
+class SandboxLimits(Section):
     """Per-run limits of ``environments.sandbox.run`` (docs/sandbox.md)."""
 
     cpu_s: Annotated[float, Positive, Seconds] = 5.0
@@ -730,22 +849,30 @@ class SandboxLimits:
     """Size of the private working folder and of ``/tmp`` (bubblewrap backend)."""
 
 
-@dataclass
-class SandboxConfig:
+class SandboxConfig(Section):
     """Where and how untrusted code runs: ``backend`` (bubblewrap: namespaces, a read-only root, no
     network); ``allow_unsafe=true`` lets a run fall back to a plain subprocess where bubblewrap cannot
     run, with a warning every run."""
 
-    backend: Annotated[str, SandboxBackendName] = "bubblewrap"
+    backend: SandboxBackendName = "bubblewrap"
     allow_unsafe: bool = False
     timeout_s: Annotated[float, Positive, Seconds] = 10.0
     """Wall-clock limit of one run; past it the whole sandbox is killed (``killed_by='wall'``)."""
-    limits: SandboxLimits = field(default_factory=SandboxLimits)
+    limits: SandboxLimits = Field(default_factory=SandboxLimits.model_construct)
+
+    @model_validator(mode="after")
+    def _unsafe_accepted(self) -> SandboxConfig:
+        if self.backend == "unsafe" and not self.allow_unsafe:
+            raise rule(
+                "@backend=unsafe runs untrusted code as a plain subprocess of this process, with the "
+                "host's files and network in reach; set @allow_unsafe=true to accept that, or use "
+                "@backend=bubblewrap"
+            )
+        return self
 
 
 # ------------------------------------------------------------------------------- rewards
-@dataclass(frozen=True)
-class CosineLengthParams:
+class CosineLengthParams(Params):
     """Yeo et al. 2025's cosine length-scaling reward (docs/rewards.md); the paper's symbols and values."""
 
     r0_correct: float = 2.0
@@ -758,65 +885,59 @@ class CosineLengthParams:
     """r_L^w: a wrong answer of length L."""
     r_exceed: float = -10.0
     """r_e: any answer of length >= L."""
-    max_len: int | None = None
+    max_len: Annotated[int | None, Positive, Tokens] = None
     """L, in response tokens; None: the generation limit (``rl.max_new_tokens`` / ``eval.max_new_tokens``)."""
 
 
-@dataclass(frozen=True)
-class RepetitionParams:
+class RepetitionParams(Params):
     """N-gram repetition penalty (docs/rewards.md): ``max_penalty * (1 - unique / all)`` word n-grams."""
 
-    ngram: int = 3
+    ngram: Annotated[int, Positive, Samples] = 3
     """n of the n-grams, in whitespace-separated words."""
-    max_penalty: float = -1.0
+    max_penalty: Annotated[float, NonPositive] = -1.0
     """The penalty of a response made only of repeated n-grams (<= 0)."""
 
 
-@dataclass(frozen=True)
-class OverlongParams:
+class OverlongParams(Params):
     """DAPO's soft overlong punishment (docs/rewards.md)."""
 
-    cache_len: int = 16
+    cache_len: Annotated[int, Positive, Tokens] = 16
     """L_cache: the ramp's length in tokens before L_max (DAPO: 4,096 of 20,480; here 16 of 64)."""
-    max_len: int | None = None
+    max_len: Annotated[int | None, Positive, Tokens] = None
     """L_max, in response tokens; None: the generation limit."""
 
 
-@dataclass(frozen=True)
-class FormatParams:
+class FormatParams(Params):
     """The format term has no parameters besides its weight."""
 
 
-@dataclass(frozen=True)
-class CodeTestsParams:
+class CodeTestsParams(Params):
     """The response's program against the problem's unit tests in the sandbox (docs/rewards.md)."""
 
-    score: Annotated[str, CodeTestsScore] = "pass_fraction"
+    score: CodeTestsScore = "pass_fraction"
     """pass_fraction: the share of the tests that pass (0 to 1); all_pass: 1 when every test passes."""
-    timeout_s: Annotated[float, Positive] = 10.0
+    timeout_s: Annotated[float, Positive, Seconds] = 10.0
     """Wall-clock limit of one response's run (its program and all its tests)."""
 
 
-@dataclass(frozen=True)
-class EndsWithParams:
+class EndsWithParams(Params):
     """1 when the response (trailing whitespace stripped) ends with ``suffix``, else 0: a style check,
     e.g. at weight 0 beside a learned reward model, to watch a rubric it was trained on."""
 
     suffix: str = "."
 
 
-@dataclass(frozen=True)
-class RewardModelParams:
+class RewardModelParams(Params):
     """The learned reward model (docs/reward_models.md): the reward_model stage's checkpoint scores
     prompt and response; ``normalize=fixed`` standardises its raw score with the mean and standard
     deviation it had on the held-out comparisons' responses (``none``: the raw score); ``clip``
     bounds the result to ``[-clip, clip]`` (null: no bound)."""
 
-    normalize: Annotated[str, RewardModelNormalize] = "fixed"
+    normalize: RewardModelNormalize = "fixed"
     clip: Annotated[float | None, Positive] = None
 
 
-REWARD_PARAMS: dict[str, type] = {
+REWARD_PARAMS: dict[str, type[Params]] = {
     "math_verify": FormatParams,  # no parameters: the timeout is eval.verifier_timeout_s
     "cosine_length": CosineLengthParams,
     "repetition": RepetitionParams,
@@ -826,66 +947,175 @@ REWARD_PARAMS: dict[str, type] = {
     "reward_model": RewardModelParams,
     "ends_with": EndsWithParams,
 }
-"""Component name -> its parameters' schema (every field of it may appear in the component's spec)."""
+"""Component name -> its parameters' model (every field of it may appear in the component's spec)."""
 
 
-@dataclass
-class RewardComponentConfig:
+class RewardComponentConfig(Section):
     """One item of ``reward.components``: a component, its weight in the total and its parameters.
 
     ``name`` is a built-in short name (``cosine_length``; ``rewards.registry.REWARDS``), an entry
     point of group ``laminar.rewards``, or an import path; ``target`` (``package.module:attr``) names a
-    plug-in, ``name`` then defaults to its attribute. A built-in's parameters may be spelled flat (the
-    fields of its ``REWARD_PARAMS`` schema, a field left None keeps its default) or in ``params``; a
-    plug-in's go in ``params``, validated by its own ``Params`` model (docs/plugins.md). ``verdict``:
-    this component judges correctness (one per run; left unset everywhere, the pool's default is:
-    ``math_verify``, or ``code_tests`` for a code pool); a verdict whose score is a number counts a
-    response correct when it scores at least ``threshold``."""
+    plug-in, ``name`` then defaults to its attribute. Each built-in is its own model (the common
+    fields plus its ``REWARD_PARAMS`` fields, selected by ``name``): its parameters may be spelled flat
+    or in ``params``. A plug-in's go in ``params``, validated by its own ``Params`` model
+    (docs/plugins.md). ``verdict``: this component judges correctness (one per run; left unset
+    everywhere, the pool's default is: ``math_verify``, or ``code_tests`` for a code pool); a verdict
+    whose score is a number counts a response correct when it scores at least ``threshold``. Build
+    one in code with :meth:`of`."""
 
+    COMMON: ClassVar[tuple[str, ...]] = ("name", "weight", "target", "params", "verdict", "threshold")
     name: str | None = None
-    weight: Annotated[float, Finite] = 1.0
+    weight: float = 1.0
     target: str | None = None
-    params: dict[str, Any] = field(default_factory=dict)
+    params: dict[str, Any] = Field(default_factory=dict)
     verdict: bool | None = None
-    threshold: Annotated[float, Finite] = 1.0
-    r0_correct: Annotated[float | None, Finite] = None
-    rl_correct: Annotated[float | None, Finite] = None
-    r0_wrong: Annotated[float | None, Finite] = None
-    rl_wrong: Annotated[float | None, Finite] = None
-    r_exceed: Annotated[float | None, Finite] = None
-    max_len: Annotated[int | None, Positive, Tokens] = None
-    ngram: Annotated[int | None, Positive, Samples] = None
-    max_penalty: Annotated[float | None, NonPositive] = None
-    cache_len: Annotated[int | None, Positive, Tokens] = None
-    score: Annotated[str | None, CodeTestsScore] = None
-    timeout_s: Annotated[float | None, Positive, Seconds] = None
-    normalize: Annotated[str | None, RewardModelNormalize] = None
-    clip: Annotated[float | None, Positive] = None
-    suffix: str | None = None
+    threshold: float = 1.0
 
-    def __post_init__(self) -> None:
-        if self.name is not None and ":" in self.name and self.target is None:
-            self.target, self.name = self.name, None  # name: package.module:attr
-        if self.name is None:
-            self.name = self.target.split(":")[-1].split(".")[-1] if self.target else "math_verify"
+    @classmethod
+    def of(cls, **spec: Any) -> RewardComponentConfig:
+        """The component model ``spec`` selects (a built-in's own, else a plug-in), validated."""
+        return validated(_component_adapter(), spec)
+
+    @classmethod
+    def param_names(cls) -> list[str]:
+        return [n for n in cls.model_fields if n not in cls.COMMON]
 
     def given(self) -> dict[str, Any]:
-        """The parameters this spec sets: its non-None flat fields, then ``params``."""
-        skip = ("name", "weight", "target", "params", "verdict", "threshold")
-        flat = {f.name: getattr(self, f.name) for f in fields(self) if f.name not in skip}
-        return {**{k: v for k, v in flat.items() if v is not None}, **dict(self.params or {})}
+        """The parameters this spec sets: a built-in's set fields (not None), a plug-in's ``params``."""
+        own = {n: getattr(self, n) for n in self.param_names() if n in self.model_fields_set}
+        return {**{k: v for k, v in own.items() if v is not None}, **dict(self.params or {})}
 
     def is_builtin(self) -> bool:
-        """A built-in named by its short name (its parameters' schema is ``REWARD_PARAMS[name]``)."""
+        """A built-in named by its short name (its parameters' model is ``REWARD_PARAMS[name]``)."""
         return self.target is None and self.name in REWARD_PARAMS
 
     def params_of(self) -> Any:
-        """A built-in's typed parameters: its schema's defaults updated with what the spec sets."""
-        return REWARD_PARAMS[self.name](**self.given())
+        """A built-in's typed parameters (its ``REWARD_PARAMS`` model)."""
+        return REWARD_PARAMS[self.name](**{n: getattr(self, n) for n in self.param_names()})
 
 
-@dataclass
-class RewardConfig:
+def _component_spec(value: Any) -> dict[str, Any]:
+    """A component's mapping with ``name``/``target`` resolved: ``name: package.module:attr`` is a
+    target; a target's name defaults to its attribute, a spec with neither is ``math_verify``."""
+    spec = dict(value)
+    if isinstance(spec.get("name"), str) and ":" in spec["name"] and spec.get("target") is None:
+        spec["target"], spec["name"] = spec["name"], None
+    if spec.get("name") is None:
+        target = spec.get("target")
+        spec["name"] = str(target).split(":")[-1].split(".")[-1] if target else "math_verify"
+    return spec
+
+
+def _component_kind(value: Any) -> str | None:
+    if isinstance(value, RewardComponentConfig):
+        return f"kind:{value.name}" if value.is_builtin() else "kind:plugin"
+    if not isinstance(value, dict):
+        return None
+    spec = _component_spec(value)
+    builtin = spec.get("target") is None and spec["name"] in REWARD_PARAMS
+    return f"kind:{spec['name']}" if builtin else "kind:plugin"
+
+
+class _BuiltinComponent(RewardComponentConfig):
+    @model_validator(mode="before")
+    @classmethod
+    def _flat(cls, value: Any) -> Any:
+        """``params`` spelled out flat, as the component's own fields."""
+        if isinstance(value, dict):
+            spec = _component_spec(value)
+            return {**{k: v for k, v in spec.items() if k != "params"}, **dict(spec.get("params") or {})}
+        return value
+
+
+class PluginComponent(RewardComponentConfig):
+    """A component of user code (an import path, or an entry point of ``laminar.rewards``); its
+    ``params`` are validated by its own ``Params`` model in ``tasks.preflight``."""
+
+    @model_validator(mode="before")
+    @classmethod
+    def _resolved(cls, value: Any) -> Any:
+        if not isinstance(value, dict):
+            return value
+        spec = _component_spec(value)
+        flat = sorted(set(spec) - set(cls.COMMON))
+        if flat:
+            raise rule(
+                f"@ ({spec.get('target') or spec['name']}) sets {flat} beside params: a plug-in's "
+                "parameters go in params: {...}"
+            )
+        return spec
+
+    @model_validator(mode="after")
+    def _known(self) -> PluginComponent:
+        why = component_name_error(self.target or self.name, is_target=self.target is not None)
+        if why:
+            raise rule(f"@{'target' if self.target else 'name'}={self.target or self.name!r} {why}")
+        return self
+
+
+def component_name_error(name: str, is_target: bool = False) -> str | None:
+    """Why ``name`` names no reward component (None: it does). A short name is a built-in or an
+    entry point of ``laminar.rewards``; a target is spelled ``package.module:attr`` (whether it
+    imports is checked in ``tasks.preflight``)."""
+    import difflib
+
+    from core.plugins import PluginError, check_target, entry_points
+
+    if is_target or ":" in name:
+        try:
+            check_target(name)
+        except PluginError as err:
+            return f"is not supported: {err}"
+        return None
+    known = [*REWARD_PARAMS, *sorted(set(entry_points("rewards")) - set(REWARD_PARAMS))]
+    if name in known:
+        return None
+    close = difflib.get_close_matches(name, known, n=1)
+    hint = f" (did you mean {close[0]!r}?)" if close else ""
+    return (
+        f"is not a reward component{hint}; choose one of {', '.join(known)}, or name your own as "
+        "target: package.module:attr"
+    )
+
+
+def _builtin_component(name: str, params: type[Params]) -> type[RewardComponentConfig]:
+    fields: dict[str, Any] = {n: (f.annotation, f) for n, f in params.model_fields.items()}
+    model = create_model(
+        "".join(p.title() for p in name.split("_")) + "Component",
+        __base__=_BuiltinComponent,
+        __doc__=params.__doc__,
+        name=(Literal[name], name),  # type: ignore[valid-type]
+        params=(dict[str, Any], Field(default_factory=dict, exclude=True)),  # spelled out flat
+        **fields,
+    )
+    model.unknown_key_hint = f"a parameter of {name}"
+    return model
+
+
+BUILTIN_COMPONENTS: dict[str, type[RewardComponentConfig]] = {
+    name: _builtin_component(name, params) for name, params in REWARD_PARAMS.items()
+}
+"""Each built-in's own component model: the common fields and its parameters, flat."""
+RewardComponent = Annotated[
+    Union[  # noqa: UP007 - a tagged union of the built-ins' models and the plug-in's
+        tuple(Annotated[m, Tag(f"kind:{n}")] for n, m in BUILTIN_COMPONENTS.items())
+        + (Annotated[PluginComponent, Tag("kind:plugin")],)
+    ],
+    Discriminator(
+        _component_kind,
+        custom_error_type="component",
+        custom_error_message="a reward component is a mapping {name | target, weight, params}",
+    ),
+]
+
+
+@cache
+def _component_adapter() -> TypeAdapter:
+    """The validator of one ``RewardComponent`` (built on first use: importing the schema stays cheap)."""
+    return TypeAdapter(RewardComponent)
+
+
+class RewardConfig(Section):
     """The reward every stage scores with: ``components``, each ``{name | target, weight, params}``;
     the total is their weighted sum. One component is the verdict (``verdict: true``, or the pool's
     default: ``math_verify``, ``code_tests`` for a code pool): its ``correct`` is what every stage
@@ -893,13 +1123,13 @@ class RewardConfig:
     total. Options: ``reward=verifier`` (the default: the verifier alone), ``reward=long_cot``,
     ``reward=code`` (a code pool's tests)."""
 
-    components: Annotated[list[RewardComponentConfig], MaxLen(32)] = field(
-        default_factory=lambda: [RewardComponentConfig()]
+    components: Annotated[list[RewardComponent], MaxLen(32)] = Field(
+        default_factory=lambda: [RewardComponentConfig.of()]
     )
 
     def verdict(self, default: str = "math_verify") -> RewardComponentConfig:
         """The component that judges correctness: the one marked ``verdict: true``, else the one
-        named ``default`` (``validate`` marks the pool's default; see ``verdict_default``)."""
+        named ``default`` (``Config`` marks the pool's default; see ``verdict_default``)."""
         marked = [c for c in self.components if c.verdict]
         named = [c for c in self.components if c.name == default]
         if not (marked or named):
@@ -911,9 +1141,21 @@ class RewardConfig:
         """Whether a component is the learned reward model (the preferences and reward_model stages run)."""
         return any(c.name == "reward_model" for c in self.components)
 
+    @model_validator(mode="after")
+    def _once(self) -> RewardConfig:
+        names = [s.name for s in self.components]
+        if len(set(names)) != len(names):
+            raise rule(f"@components={names} names a component twice; list each once")
+        marked = [s.name for s in self.components if s.verdict]
+        if len(marked) > 1:
+            raise rule(
+                f"@components marks {marked} as verdict: one component judges correctness; keep "
+                "verdict: true on one of them"
+            )
+        return self
 
-@dataclass
-class RewardModelConfig:
+
+class RewardModelConfig(Section):
     """The ``preferences`` and ``reward_model`` stages, which run when ``reward.components`` names
     ``reward_model`` (``reward=reward_model``; docs/reward_models.md). ``preferences``: the warm-up
     model samples ``samples`` responses to each of ``prompts`` pool prompts; ``annotators`` simulated
@@ -931,7 +1173,7 @@ class RewardModelConfig:
     max_new_tokens: Annotated[int, Positive, Tokens] = 64
     annotators: Annotated[int, Positive, Samples] = 3
     flip: Annotated[float, Fraction] = 0.15
-    rubric: Annotated[str, Rubric] = "full_stop"
+    rubric: Rubric = "full_stop"
     backbone: str = "warmup"
     path: str | None = None
     steps: Annotated[int, NonNegative, Steps] = 200
@@ -941,8 +1183,7 @@ class RewardModelConfig:
     max_len: Annotated[int, Positive, Tokens] = 160
 
 
-@dataclass
-class ToolLatencyConfig:
+class ToolLatencyConfig(Section):
     """Latency added to each tool call on top of the call's own time (a remote sandbox's launch and
     transport, an API's queue): the environment's answer to a turn that called a tool reaches the
     episode that many seconds after the tool returned, while the engine decodes the other rows.
@@ -953,9 +1194,9 @@ class ToolLatencyConfig:
     of ``CODEX_EXEC_LATENCY``). ``tail_scale`` stretches everything above the median by that factor
     (0.5 halves the tail, 2 doubles it). The latency counts against ``env.tool_timeout_s``."""
 
-    kind: Annotated[str, LatencyKind] = "off"
-    seconds: Annotated[list[float], NonNegative, MaxLen(64), Seconds] = field(default_factory=list)
-    probs: Annotated[list[float], Unit, MaxLen(64)] = field(default_factory=list)
+    kind: LatencyKind = "off"
+    seconds: Annotated[list[Annotated[float, NonNegative, Seconds]], MaxLen(64)] = Field(default_factory=list)
+    probs: Annotated[list[Annotated[float, Unit]], MaxLen(64)] = Field(default_factory=list)
     median_s: Annotated[float, Positive, Seconds] = 1.0
     sigma: Annotated[float, NonNegative] = 1.0
     tail_scale: Annotated[float, NonNegative] = 1.0
@@ -964,9 +1205,25 @@ class ToolLatencyConfig:
     def is_off(self) -> bool:
         return self.kind == "off"
 
+    @model_validator(mode="after")
+    def _distribution(self) -> ToolLatencyConfig:
+        if self.kind == "fixed" and len(self.seconds) != 1:
+            raise rule("@kind=fixed needs one value in @seconds, e.g. @seconds=[0.5]")
+        if self.kind == "quantiles":
+            p, s = list(self.probs), list(self.seconds)
+            if len(p) < 2 or len(p) != len(s):
+                raise rule(
+                    f"@kind=quantiles needs @probs and @seconds of one length (at least 2), got "
+                    f"{len(p)} and {len(s)}; e.g. probs=[0,0.5,1] seconds=[0.01,0.2,5]"
+                )
+            if p[0] != 0 or p[-1] != 1 or any(b <= a for a, b in zip(p, p[1:])):
+                raise rule(f"@probs={p} must rise strictly from 0 to 1")
+            if s[0] <= 0 or any(b < a for a, b in zip(s, s[1:])):
+                raise rule(f"@seconds={s} must be positive and non-decreasing (a latency per quantile)")
+        return self
 
-@dataclass
-class EnvConfig:
+
+class EnvConfig(Section):
     """The environment an episode runs in (``environments.registry``; docs/environments.md), named by
     ``target`` with its own ``params``. ``single_turn`` (the default): one policy turn, today's path
     unchanged; ``calculator``: the arithmetic task with a calculator tool; ``guess``: a guessing
@@ -987,26 +1244,55 @@ class EnvConfig:
     ``guess``, ``python_session``, or one an installed package adds through the entry-point group
     ``laminar.environments``) or an import path ``package.module:attr`` naming a user's environment
     (checked by ``tasks.preflight`` before any write; ``environments.registry``)."""
-    params: dict[str, Any] = field(default_factory=dict)
+    params: dict[str, Any] = Field(default_factory=dict)
     """The environment's own parameters, validated by its ``Params`` model (``core.plugins``)."""
     max_turns: Annotated[int, Positive, Samples] = 1
     max_tokens: Annotated[int, NonNegative, AtMost(1_048_576)] = 0
     tool_timeout_s: Annotated[float, Positive, Seconds] = 10.0
     tool_workers: Annotated[int, Positive, Samples] = 4
-    on_error: Annotated[str, OnError] = "fail"
-    tool_format: Annotated[str, ToolFormat] = "auto"
+    on_error: OnError = "fail"
+    tool_format: ToolFormat = "auto"
     demo_tool_share: Annotated[float, Unit] = 0.5
     """Warm-up: the share of demonstrations (chosen by prompt id) that solve the problem with the
     tool (call, observation, ``#### answer``); the others are the worked solutions, so RL has both
     behaviours to choose between."""
-    tool_latency: ToolLatencyConfig = field(default_factory=ToolLatencyConfig)
-    version_rule: Annotated[str, VersionRule] = "turn"
+    tool_latency: ToolLatencyConfig = Field(default_factory=ToolLatencyConfig.model_construct)
+    version_rule: VersionRule = "turn"
 
     def is_default(self) -> bool:
         return self.target == "single_turn"
 
+    @model_validator(mode="after")
+    def _turns(self) -> EnvConfig:
+        if not self.target.strip():
+            raise rule(
+                "@target is empty: name an environment (single_turn, calculator, guess, ...) or your "
+                "own as @target=package.module:attr"
+            )
+        if self.is_default() and self.params:
+            raise rule(
+                f"@params={dict(self.params)} with env=single_turn: the single-turn environment takes "
+                "no params; drop them or choose an environment that declares them"
+            )
+        if self.is_default() and self.max_turns != 1:
+            raise rule(
+                f"@max_turns={self.max_turns} with env=single_turn: a single-turn episode has one turn; "
+                "set @max_turns=1 or choose a multi-turn environment (env=calculator)"
+            )
+        if not self.is_default() and self.max_turns < 2:
+            raise rule(
+                f"@max_turns={self.max_turns} with @target={self.target}: a multi-turn episode (a tool "
+                "call and its answer) needs two turns; set @max_turns to 2 or more"
+            )
+        if self.is_default() and not self.tool_latency.is_off():
+            raise rule(
+                f"@tool_latency.kind={self.tool_latency.kind} with env=single_turn: a single-turn "
+                "episode calls no tool; set @tool_latency.kind=off or choose a tool environment "
+                "(env=calculator)"
+            )
+        return self
 
-@dataclass
+
 class EnvMixConfig(EnvConfig):
     """One item of ``envs``: an environment (every ``env`` key) with its ``weight`` (its share of the
     prompts RL draws: weight / the sum of weights) and its prompt ``pool`` (a parquet file of prompt
@@ -1019,32 +1305,123 @@ class EnvMixConfig(EnvConfig):
     name: str = ""
 
 
-@dataclass
-class Config:
+class Config(Section):
     seed: Annotated[int, NonNegative, Seed] = 0
-    device: Annotated[str, Device] = "cpu"
+    device: Device = "cpu"
     threads: Annotated[int, NonNegative, Threads] = 0
     """torch threads of the stages that train or sample (0 = torch's default: OMP_NUM_THREADS, else one
     per core). Float results depend on it, so the resolved count is part of those stages' cache keys:
     ``threads=1`` and ``threads=2`` compute (and cache) their own results
     (``benchmarks/default_run.py --threads 1 2`` measures the spread)."""
-    model: ModelConfig = field(default_factory=ModelConfig)
-    data: DataConfig = field(default_factory=DataConfig)
-    sft: SFTConfig = field(default_factory=SFTConfig)
-    rl: RLConfig = field(default_factory=RLConfig)
-    eval: EvalConfig = field(default_factory=EvalConfig)
-    curation: CurationConfig = field(default_factory=CurationConfig)
-    cluster: ClusterConfig = field(default_factory=ClusterConfig)
-    trainer: TrainerConfig = field(default_factory=TrainerConfig)
-    rollout: RolloutConfig = field(default_factory=RolloutConfig)
-    tracking: TrackingConfig = field(default_factory=TrackingConfig)
-    reward: RewardConfig = field(default_factory=RewardConfig)
-    reward_model: RewardModelConfig = field(default_factory=RewardModelConfig)
-    sandbox: SandboxConfig = field(default_factory=SandboxConfig)
-    env: EnvConfig = field(default_factory=EnvConfig)
-    envs: Annotated[list[EnvMixConfig], MaxLen(16)] = field(default_factory=list)
+    model: ModelConfig = Field(default_factory=ModelConfig.model_construct)
+    data: DataConfig = Field(default_factory=DataConfig.model_construct)
+    sft: SFTConfig = Field(default_factory=SFTConfig.model_construct)
+    rl: RLConfig = Field(default_factory=RLConfig.model_construct)
+    eval: EvalConfig = Field(default_factory=EvalConfig.model_construct)
+    curation: CurationConfig = Field(default_factory=CurationConfig.model_construct)
+    cluster: ClusterConfig = Field(default_factory=ClusterConfig.model_construct)
+    trainer: TrainerConfig = Field(default_factory=TrainerConfig.model_construct)
+    rollout: RolloutConfig = Field(default_factory=RolloutConfig.model_construct)
+    tracking: TrackingConfig = Field(default_factory=TrackingConfig.model_construct)
+    reward: RewardConfig = Field(default_factory=RewardConfig.model_construct)
+    reward_model: RewardModelConfig = Field(default_factory=RewardModelConfig.model_construct)
+    sandbox: SandboxConfig = Field(default_factory=SandboxConfig.model_construct)
+    env: EnvConfig = Field(default_factory=EnvConfig.model_construct)
+    envs: Annotated[list[EnvMixConfig], MaxLen(16)] = Field(default_factory=list)
     """Several environments in one RL run, each with a weight and a prompt pool (``EnvMixConfig``;
     ``training.rl.mix``); empty (the default): ``env`` alone."""
+
+    @model_validator(mode="after")
+    def _runtime(self) -> Config:
+        """Where RL runs: the trainer, the rollouts' engine and the cluster; ``rl.runtime=auto``
+        resolves to ``ray`` when the trainer or the engine needs it."""
+        rl, engine = self.rl, self.rollout.engine
+        if not self.trainer.is_default():
+            if rl.runtime == "local":
+                raise rule(
+                    f"@trainer.backend={self.trainer.backend} @trainer.ranks={self.trainer.ranks} needs "
+                    "the Ray runtime: drop @rl.runtime=local (or set @rl.runtime=ray)"
+                )
+            rl.runtime = "ray"  # auto: the trainer's backend and ranks live on the Ray runtime
+        if self.trainer.dist_backend == "nccl" and self.device == "cpu":
+            raise rule("@trainer.dist_backend=nccl needs @device=cuda; use gloo (or auto) on the CPU")
+        if engine != "torch":
+            m = self.model
+            if engine == "vllm" and self.device == "cpu" and m.kind == "tiny":
+                why = vllm_cpu_refusal(m.hidden_size // max(1, m.num_heads))
+                if why:
+                    raise rule(
+                        f"@rollout.engine=vllm with @model.hidden_size={m.hidden_size} "
+                        f"@model.num_heads={m.num_heads}: {why}"
+                    )
+            if rl.runtime == "local":
+                raise rule(
+                    f"@rollout.engine={engine} runs in the Ray runtime's rollouts: drop @rl.runtime=local"
+                )
+            rl.runtime = "ray"
+        lo = self.model.lora
+        if lo.on("rl") and engine == "vllm" and lo.rank > VLLM_LORA_RANKS[-1]:
+            raise rule(
+                f"@model.lora.rank={lo.rank} with @rollout.engine=vllm: vLLM takes adapters up to rank "
+                f"{VLLM_LORA_RANKS[-1]}; lower @model.lora.rank or use @rollout.engine=torch"
+            )
+        return self
+
+    @model_validator(mode="after")
+    def _stages_agree(self) -> Config:
+        """What one stage needs of another's section: warm-up levels, DART's ranking."""
+        if not set(self.sft.levels) & set(self.data.levels):
+            raise rule(
+                f"@sft.levels={self.sft.levels} shares no level with @data.levels={self.data.levels}; "
+                "warm-up would have no examples"
+            )
+        if self.curation.dart.select == "reward_model" and not self.reward.uses_reward_model():
+            raise rule(
+                "@curation.dart.select=reward_model ranks DART's responses with the learned reward model, "
+                "which only reward=reward_model trains; add reward=reward_model or set "
+                "@curation.dart.select=verifier"
+            )
+        return self
+
+    @model_validator(mode="after")
+    def _reward(self) -> Config:
+        """One verdict (marked here, so every stage reads the same one) and the components' settings
+        that depend on other sections."""
+        specs = self.reward.components
+        names = [s.name for s in specs]
+        if not any(s.verdict for s in specs):
+            default = verdict_default(self)
+            if default not in names:
+                raise rule(
+                    f"@reward.components={names} lacks {default}: it gives the correctness verdict of "
+                    f"this pool; add {{name: {default}, weight: 0}} to keep it out of the total, or mark "
+                    "your own verdict with verdict: true"
+                )
+            specs[names.index(default)].verdict = True
+        for i, spec in enumerate(specs):
+            if spec.is_builtin() and spec.name == "overlong":
+                limit = spec.max_len if spec.max_len is not None else self.rl.max_new_tokens
+                if spec.cache_len >= limit:
+                    raise rule(
+                        f"@reward.components[{i}].cache_len={spec.cache_len} must be below the length "
+                        f"limit {limit} (max_len, else @rl.max_new_tokens)"
+                    )
+        if (
+            "reward_model" in names
+            and self.reward_model.path is None
+            and self.reward_model.heldout_share <= 0
+        ):
+            raise rule(
+                "@reward_model.heldout_share=0 leaves no held-out comparisons to measure the reward model "
+                "and its normalisation on; set @reward_model.heldout_share to a share such as 0.2"
+            )
+        if self.rl.overlong_shaping is not None and "overlong" in names:
+            raise rule(
+                "@rl.overlong_shaping and an overlong item in reward.components both set DAPO's soft "
+                "overlong punishment: drop @rl.overlong_shaping and set cache_len on reward.components' "
+                "overlong item"
+            )
+        return self
 
 
 VLLM_CPU_HEAD_SIZES = (32, 64, 80, 96, 112, 128, 160, 192, 224, 256, 512)
@@ -1064,499 +1441,29 @@ def vllm_cpu_refusal(head_dim: int) -> str | None:
     )
 
 
-class ConfigError(ValueError):
-    """A configuration that cannot run; the message names the key and what to change."""
-
-
-def _one_of(key: str, value: str, allowed: tuple[str, ...]) -> None:
-    if value not in allowed:
-        raise ConfigError(f"{key}={value!r} is not supported; set {key} to one of: {', '.join(allowed)}")
-
-
-def _finite(key: str, value: object) -> None:
-    if isinstance(value, float) and not math.isfinite(value):
-        raise ConfigError(f"{key}={value} is not a finite number; set {key} to a finite value")
-
-
-@cache
-def _declared(cls: type) -> dict[str, tuple[Any, ...]]:
-    """Each field of ``cls`` -> its ``Annotated`` metadata (names and bounds; () for none)."""
-    return {n: getattr(t, "__metadata__", ()) for n, t in get_type_hints(cls, include_extras=True).items()}
-
-
-def _check_declared(node: Any, prefix: str = "") -> None:
-    """The declared names and bounds of every field under ``node``, in field order; a list field's
-    rules apply to each item, and sections (lists of sections too) are walked. Every value is bounded
-    first: a list's items and a string's characters (``MaxLen``, else ``MAX_ITEMS`` / ``MAX_CHARS``),
-    an integer's magnitude (``MAX_INT``) and a float's finiteness."""
-    for f in fields(node):
-        key, value = prefix + f.name, getattr(node, f.name)
-        rules = _declared(type(node))[f.name]
-        capped = any(isinstance(r, Bound) and r.limit is not None for r in rules)
-        _check_size(key, value, next((r.most for r in rules if isinstance(r, MaxLen)), None), capped)
-        items = value if isinstance(value, list) else [value]
-        for rule in rules:
-            for item in items if not isinstance(rule, MaxLen) else ():
-                _check_rule(key, item, rule)
-        for i, item in enumerate(items):
-            if is_dataclass(item):
-                _check_declared(item, f"{key}[{i}]." if isinstance(value, list) else f"{key}.")
-
-
-def _check_size(key: str, value: object, most: int | None, capped: bool = False) -> None:
-    """The bounds every value has, declared or not (the value itself is never echoed: it may be huge);
-    ``capped``: the field declares its own ``AtMost``, checked after this."""
-    if isinstance(value, list):
-        limit = most or MAX_ITEMS
-        if len(value) > limit:
-            raise ConfigError(f"{key} lists {len(value):,} items; it takes at most {limit:,}")
-        for item in value:
-            _check_size(key, item, None, capped)
-    elif isinstance(value, str):
-        limit = most or MAX_CHARS
-        if len(value) > limit:
-            raise ConfigError(f"{key} is {len(value):,} characters long; it takes at most {limit:,}")
-    elif isinstance(value, int) and not isinstance(value, bool) and abs(value) > MAX_INT and not capped:
-        raise ConfigError(f"{key}={value} is out of range; an integer key takes at most {MAX_INT:,}")
-    elif isinstance(value, float):
-        _finite(key, value)
-
-
-def _check_rule(key: str, value: object, rule: object) -> None:
-    if value is None:
-        return
-    if get_origin(rule) is Literal:
-        _one_of(key, value, get_args(rule))  # type: ignore[arg-type]
-    elif isinstance(rule, Bound):
-        _finite(key, value)
-        if not rule.ok(value):
-            raise ConfigError(rule.message.format(key=key, value=value))
-    else:
-        raise TypeError(f"{key}: Annotated metadata {rule!r} is neither a Literal of names nor a Bound")
-
-
-def validate(cfg: Config) -> Config:
-    """The fields' declared names and bounds, then the cross-field checks: impossible combinations
-    fail here, before any write. Checks that need the libraries or the file system (benchmark names,
-    model folders) are in ``tasks.preflight``."""
-    _check_declared(cfg)
-    _validate_runtime(cfg)
-    _validate_model(cfg)
-    _validate_rl(cfg)
-    _validate_curation(cfg)
-    _validate_tracking(cfg)
-    _validate_reward(cfg)
-    _validate_eval(cfg)
-    _validate_sandbox(cfg)
-    _validate_env(cfg)
-    return cfg
-
-
-def _validate_env(cfg: Config) -> None:
-    env = cfg.env
-    if not isinstance(env.target, str) or not env.target.strip():
-        raise ConfigError(
-            "env.target is empty: name an environment (single_turn, calculator, guess, ...) or your own "
-            "as env.target=package.module:attr"
-        )
-    if env.is_default() and env.params:
-        raise ConfigError(
-            f"env.params={dict(env.params)} with env=single_turn: the single-turn environment takes no "
-            "params; drop them or choose an environment that declares them"
-        )
-    if env.is_default() and env.max_turns != 1:
-        raise ConfigError(
-            f"env.max_turns={env.max_turns} with env=single_turn: a single-turn episode has one turn; "
-            "set env.max_turns=1 or choose a multi-turn environment (env=calculator)"
-        )
-    if not env.is_default() and env.max_turns < 2:
-        raise ConfigError(
-            f"env.max_turns={env.max_turns} with env.target={env.target}: a multi-turn episode (a tool "
-            "call and its answer) needs two turns; set env.max_turns to 2 or more"
-        )
-    _validate_latency(env)
-
-
-def _validate_latency(env: EnvConfig) -> None:
-    lat, key = env.tool_latency, "env.tool_latency"
-    if lat.is_off():
-        return
-    if env.is_default():
-        raise ConfigError(
-            f"{key}.kind={lat.kind} with env=single_turn: a single-turn episode calls no tool; "
-            f"set {key}.kind=off or choose a tool environment (env=calculator)"
-        )
-    _validate_latency_fields(lat, key)
-
-
-def _validate_latency_fields(lat: ToolLatencyConfig, key: str) -> None:
-    """A latency distribution's parameters (``env.tool_latency``, the simulator's tools)."""
-    _check_declared(lat, key + ".")
-    if lat.kind == "fixed" and len(lat.seconds) != 1:
-        raise ConfigError(f"{key}.kind=fixed needs one value in {key}.seconds, e.g. {key}.seconds=[0.5]")
-    if lat.kind == "quantiles":
-        p, s = list(lat.probs), list(lat.seconds)
-        if len(p) < 2 or len(p) != len(s):
-            raise ConfigError(
-                f"{key}.kind=quantiles needs {key}.probs and {key}.seconds of one length (at least 2), "
-                f"got {len(p)} and {len(s)}; e.g. probs=[0,0.5,1] seconds=[0.01,0.2,5]"
-            )
-        if p[0] != 0 or p[-1] != 1 or any(b <= a for a, b in zip(p, p[1:])):
-            raise ConfigError(f"{key}.probs={p} must rise strictly from 0 to 1")
-        if s[0] <= 0 or any(b < a for a, b in zip(s, s[1:])):
-            raise ConfigError(
-                f"{key}.seconds={s} must be positive and non-decreasing (a latency per quantile)"
-            )
-
-
-def _validate_eval(cfg: Config) -> None:
-    """Names and file specs of ``eval.benchmarks``; the files themselves are read in ``tasks.preflight``."""
-    if not cfg.eval.benchmarks:
-        raise ConfigError("eval.benchmarks is empty; name at least one, e.g. eval.benchmarks=[arith_heldout]")
-    for i, b in enumerate(cfg.eval.benchmarks):
-        if isinstance(b, BenchmarkFileConfig):
-            if not b.name or not b.path:
-                raise ConfigError(
-                    f"eval.benchmarks[{i}] needs a name and a path, e.g. "
-                    "{name: mine, path: /data/test.jsonl, answer_field: answer}"
-                )
-            if not b.score_with:
-                raise ConfigError(f"eval.benchmarks[{i}].score_with is empty; e.g. score_with=[math_verify]")
-            for n in (*b.score_with, b.verdict_name()):
-                key = f"eval.benchmarks[{i}]." + ("verdict" if n == b.verdict else "score_with")
-                _check_component_name(key, RewardComponentConfig(name=n), shown=f"{key}={n!r}")
-            if b.template is not None and "{problem}" not in b.template:
-                raise ConfigError(
-                    f"eval.benchmarks[{i}].template must contain {{problem}}, got {b.template!r}"
-                )
-        elif not isinstance(b, str):
-            raise ConfigError(
-                f"eval.benchmarks[{i}]={b!r}: give a benchmark name or a file spec {{name, path, ...}}"
-            )
-    names = cfg.eval.benchmark_names()
-    if len(set(names)) != len(names):
-        raise ConfigError(f"eval.benchmarks names a benchmark twice: {names}")
-
-
-def _validate_runtime(cfg: Config) -> None:
-    """Where RL runs: the trainer, the rollouts' engine and the cluster; ``rl.runtime=auto`` resolves
-    to ``ray`` when the trainer or the engine needs it."""
-    if cfg.rl.runtime == "local" and cfg.rl.mode != "sync":
-        raise ConfigError(
-            f"rl.mode={cfg.rl.mode} needs the Ray runtime: drop rl.runtime=local (or set rl.runtime=ray)"
-        )
-    if not cfg.trainer.is_default():
-        if cfg.rl.runtime == "local":
-            raise ConfigError(
-                f"trainer.backend={cfg.trainer.backend} trainer.ranks={cfg.trainer.ranks} needs the Ray "
-                "runtime: drop rl.runtime=local (or set rl.runtime=ray)"
-            )
-        cfg.rl.runtime = "ray"  # auto: the trainer's backend and ranks live on the Ray runtime
-    if cfg.trainer.dist_backend == "nccl" and cfg.device == "cpu":
-        raise ConfigError("trainer.dist_backend=nccl needs device=cuda; use gloo (or auto) on the CPU")
-    if cfg.rollout.sync_every < 0 or not 0 < cfg.rollout.vllm_gpu_memory_utilization <= 1:
-        raise ConfigError("rollout.sync_every must be >= 0 and rollout.vllm_gpu_memory_utilization in (0, 1]")
-    if cfg.rollout.engine != "torch":
-        if cfg.rollout.engine == "vllm" and cfg.device == "cpu" and cfg.model.kind == "tiny":
-            why = vllm_cpu_refusal(cfg.model.hidden_size // max(1, cfg.model.num_heads))
-            if why:
-                raise ConfigError(
-                    f"rollout.engine=vllm with model.hidden_size={cfg.model.hidden_size} "
-                    f"model.num_heads={cfg.model.num_heads}: {why}"
-                )
-        if cfg.rl.runtime == "local":
-            raise ConfigError(
-                f"rollout.engine={cfg.rollout.engine} runs in the Ray runtime's rollouts: drop "
-                "rl.runtime=local"
-            )
-        cfg.rl.runtime = "ray"
-    if any(n < 0 for n in cfg.cluster.rollout_nodes):
-        raise ConfigError(
-            f"cluster.rollout_nodes={cfg.cluster.rollout_nodes}: node indices are >= 0 (0 = head)"
-        )
-    if cfg.cluster.driver_threads < 0:
-        raise ConfigError(
-            f"cluster.driver_threads={cfg.cluster.driver_threads}: must be >= 0 (0 = keep `threads`)"
-        )
-
-
-def _validate_model(cfg: Config) -> None:
-    m = cfg.model
-    if m.kind == "hf" and not m.path and not m.pretrained:
-        raise ConfigError(
-            "model=hf needs a local model folder: add model.path=DIR (a save_pretrained folder)"
-        )
-    if m.pretrained is not None and (m.kind != "hf" or m.pretrained not in PRETRAINED_MODELS):
-        raise ConfigError(
-            f"model.pretrained={m.pretrained!r} needs model.kind=hf and one of "
-            f"{', '.join(PRETRAINED_MODELS)} (e.g. model=smollm2)"
-        )
-    if m.kind == "tiny" and m.path:
-        raise ConfigError("model.path is only read with model=hf; add model=hf or drop model.path")
-    _validate_lora(cfg)
-    if m.hidden_size % m.num_heads:
-        raise ConfigError(
-            f"model.hidden_size={m.hidden_size} must be divisible by model.num_heads={m.num_heads}"
-        )
-    if m.num_heads % m.num_kv_heads:
-        raise ConfigError(
-            f"model.num_heads={m.num_heads} must be a multiple of model.num_kv_heads={m.num_kv_heads}"
-        )
-
-
-def _validate_rl(cfg: Config) -> None:
-    """RL's scheduling and objective, the data levels and the step counts."""
-    rl = cfg.rl
-    if rl.max_staleness is not None and rl.max_staleness < 0:
-        raise ConfigError("rl.max_staleness must be >= 0 or null")
-    if rl.admit_lag < 1:
-        raise ConfigError(f"rl.admit_lag={rl.admit_lag}: must be >= 1 (1 = drain at the first newer version)")
-    if rl.max_staleness is not None and rl.admit_lag > max(1, rl.max_staleness):
-        raise ConfigError(
-            f"rl.admit_lag={rl.admit_lag} > rl.max_staleness={rl.max_staleness}: responses "
-            "started that far behind would be regenerated as too stale; raise rl.max_staleness "
-            "(or null) or lower rl.admit_lag"
-        )
-    if rl.checkpoint_every < 0 or rl.repack_b < 0 or rl.micro_batch_tokens < 0:
-        raise ConfigError("rl.checkpoint_every, rl.repack_b and rl.micro_batch_tokens must be >= 0")
-    if rl.is_cap is not None and rl.is_cap <= 0:
-        raise ConfigError(f"rl.is_cap={rl.is_cap} must be > 0 (TRL uses 3.0) or null")
-    if cfg.eval.max_problems < 0:
-        raise ConfigError(f"eval.max_problems={cfg.eval.max_problems} must be >= 0 (0 = every problem)")
-    if cfg.sft.steps < 0 or rl.steps < 0 or rl.eval_every < 0:
-        raise ConfigError("sft.steps, rl.steps and rl.eval_every must be >= 0")
-    if rl.group_size < 2:
-        raise ConfigError(
-            f"rl.group_size={rl.group_size}: group advantages need at least 2 responses per prompt; "
-            "set rl.group_size>=2"
-        )
-    bad_levels = [lv for lv in cfg.data.levels if lv not in range(1, 9)]
-    if bad_levels or not cfg.data.levels:
-        raise ConfigError(
-            f"data.levels={cfg.data.levels}: levels are 1..8 (6-8: long chains of 10, 20, 30 "
-            "operations); pick a non-empty list (a level listed twice is drawn twice as often)"
-        )
-    if not set(cfg.sft.levels) & set(cfg.data.levels):
-        raise ConfigError(
-            f"sft.levels={cfg.sft.levels} shares no level with data.levels={cfg.data.levels}; "
-            "warm-up would have no examples"
-        )
-    if rl.dual_clip is not None and rl.dual_clip <= 1:
-        raise ConfigError(f"rl.dual_clip={rl.dual_clip} must be > 1 (verl uses 3.0) or null")
-    if rl.max_sampling_rounds is not None and rl.max_sampling_rounds < 1:
-        raise ConfigError("rl.max_sampling_rounds must be >= 1")
-    if rl.value_warmup_steps is not None and rl.value_warmup_steps >= max(1, rl.steps) and rl.steps > 0:
-        raise ConfigError(
-            f"rl.value_warmup_steps={rl.value_warmup_steps} >= rl.steps={rl.steps}: the policy would never "
-            "move; lower rl.value_warmup_steps or raise rl.steps"
-        )
-
-
-def _validate_lora(cfg: Config) -> None:
-    lo = cfg.model.lora
-    if not lo.stages:
-        raise ConfigError(f"model.lora.stages is empty; name some of: {', '.join(LORA_STAGES)}")
-    if not lo.target_modules or len(set(lo.target_modules)) != len(lo.target_modules):
-        raise ConfigError(
-            f"model.lora.target_modules={list(lo.target_modules)}: name each module once, e.g. "
-            f"[{','.join(LLAMA_LINEAR_MODULES[:4])}]"
-        )
-    if lo.on("rl") and cfg.rollout.engine == "vllm" and lo.rank > VLLM_LORA_RANKS[-1]:
-        raise ConfigError(
-            f"model.lora.rank={lo.rank} with rollout.engine=vllm: vLLM takes adapters up to rank "
-            f"{VLLM_LORA_RANKS[-1]}; lower model.lora.rank or use rollout.engine=torch"
-        )
-    if (
-        cfg.model.kind == "tiny"
-    ):  # the tiny model's linear layers are known: a typo fails here, before any write
-        for name in lo.target_modules:
-            _one_of("model.lora.target_modules", name, LLAMA_LINEAR_MODULES)
-
-
-def _validate_curation(cfg: Config) -> None:
-    if cfg.data.source == "files" and not cfg.data.sources:
-        raise ConfigError("data.source=files needs data.sources (a list of files); or use data=math")
-    names = [s.name for s in cfg.data.sources]
-    if len(set(names)) != len(names) or "arith" in names and cfg.data.source == "arith":
-        raise ConfigError(
-            f"data.sources names must be unique (and not 'arith' with data.source=arith): {names}"
-        )
-    for i, src in enumerate(cfg.data.sources):
-        if not src.path:
-            raise ConfigError(f"data.sources[{i}].path is empty; name a file, folder or dataset")
-    c = cfg.curation
-    if not 0 < c.decontam.paraphrase_moderate <= c.decontam.paraphrase_high <= 1:
-        raise ConfigError(
-            f"curation.decontam.paraphrase_moderate={c.decontam.paraphrase_moderate} and paraphrase_high="
-            f"{c.decontam.paraphrase_high} need 0 < moderate <= high <= 1"
-        )
-    if c.decontam.paraphrase_bands < 1 or c.decontam.paraphrase_num_perm % c.decontam.paraphrase_bands:
-        raise ConfigError(
-            f"curation.decontam.paraphrase_num_perm={c.decontam.paraphrase_num_perm} must be a positive "
-            f"multiple of paraphrase_bands={c.decontam.paraphrase_bands}"
-        )
-    if c.difficulty.samples < 2:
-        raise ConfigError(
-            "curation.difficulty.samples must be >= 2 to tell the learning edge (0 < pass rate < 1)"
-        )
-    if c.dart.select == "reward_model" and not cfg.reward.uses_reward_model():
-        raise ConfigError(
-            "curation.dart.select=reward_model ranks DART's responses with the learned reward model, which "
-            "only reward=reward_model trains; add reward=reward_model or set curation.dart.select=verifier"
-        )
-    if c.difficulty.max_prompts < 0 or c.dart.budget < 0 or c.dart.max_trials < 0 or c.rft.steps < 0:
-        raise ConfigError(
-            "curation.difficulty.max_prompts, curation.dart.budget, curation.dart.max_trials and "
-            "curation.rft.steps must be >= 0"
-        )
-    if c.select.round_headroom < 1.0 or not 0.0 <= c.select.min_round <= 1.5:
-        raise ConfigError(
-            "curation.select.round_headroom must be >= 1 and curation.select.min_round in [0, 1.5]"
-        )
-    if not 0.0 <= c.select.greso_hard_threshold < c.select.greso_easy_threshold <= 1.0:
-        raise ConfigError(
-            "curation.select needs 0 <= greso_hard_threshold < greso_easy_threshold <= 1, got "
-            f"{c.select.greso_hard_threshold} and {c.select.greso_easy_threshold}"
-        )
-    if c.select.max_prompts is not None and c.select.max_prompts < 1:
-        raise ConfigError("curation.select.max_prompts must be >= 1 or null")
-    if c.select.history_prompts is not None and c.select.history_prompts < 0:
-        raise ConfigError("curation.select.history_prompts must be >= 0 (0 = the whole pool) or null")
-
-
-def _validate_tracking(cfg: Config) -> None:
-    """Each backend named once and installed: a run never finds out at its first metric that it
-    cannot log."""
-    import importlib.util
-
-    t = cfg.tracking
-    if len(set(t.backends)) != len(t.backends):
-        raise ConfigError(f"tracking.backends={list(t.backends)} names a backend twice")
-    for name in t.backends:
-        module, install = TRACKING_BACKENDS[name]
-        if importlib.util.find_spec(module) is None:
-            raise ConfigError(
-                f"tracking.backends: {name} is not installed; install it with `{install}` "
-                f"(or drop {name} from tracking.backends)"
-            )
-
-
 def verdict_default(cfg: Config) -> str:
     """The component that judges the pool when none is marked ``verdict: true``: ``code_tests`` for a
     pool of code sources (``data.sources[*].format=code``), else ``math_verify``."""
     kinds = {DEFAULT_VERDICTS.get(s.format, "math_verify") for s in cfg.data.sources}
     if len(kinds) > 1:
-        raise ConfigError(
-            f"data.sources mixes formats judged by {sorted(kinds)}: one verdict judges a run; mark the "
+        raise rule(
+            f"@data.sources mixes formats judged by {sorted(kinds)}: one verdict judges a run; mark the "
             "reward component that judges every source with verdict: true"
         )
     return kinds.pop() if kinds else "math_verify"
 
 
-def _validate_verdict(cfg: Config) -> None:
-    """Exactly one verdict: the component marked ``verdict: true``, else the pool's default (which
-    must then be listed); it is marked here so every stage reads the same one."""
-    specs = cfg.reward.components
-    names = [s.name for s in specs]
-    marked = [s.name for s in specs if s.verdict]
-    if len(marked) > 1:
-        raise ConfigError(
-            f"reward.components marks {marked} as verdict: one component judges correctness; keep "
-            "verdict: true on one of them"
-        )
-    if not marked:
-        default = verdict_default(cfg)
-        if default not in names:
-            raise ConfigError(
-                f"reward.components={names} lacks {default}: it gives the correctness verdict of this "
-                f"pool; add {{name: {default}, weight: 0}} to keep it out of the total, or mark your own "
-                "verdict with verdict: true"
-            )
-        specs[names.index(default)].verdict = True
+SOURCE_NAME = re.compile(r"[A-Za-z_][A-Za-z0-9_-]{0,63}")
+"""A ``data.sources[].name`` or a file benchmark's name: it names folders and catalog rows."""
 
 
-def _validate_reward(cfg: Config) -> None:
-    """Each component named once, one verdict among them, and a built-in's own parameters only (a
-    plug-in's ``params`` are validated against its own model in ``tasks.preflight``)."""
-    specs = cfg.reward.components
-    names = [s.name for s in specs]
-    if len(set(names)) != len(names):
-        raise ConfigError(f"reward.components={names} names a component twice; list each once")
-    for i, spec in enumerate(specs):
-        _check_component_name(f"reward.components[{i}]", spec)
-    _validate_verdict(cfg)
-    for i, spec in enumerate(specs):
-        if not spec.is_builtin():
-            flat = sorted(set(spec.given()) - set(spec.params or {}))
-            if flat:
-                raise ConfigError(
-                    f"reward.components[{i}] ({spec.target or spec.name}) sets {flat} beside params: a "
-                    "plug-in's parameters go in params: {...}"
-                )
-            continue
-        allowed = [f.name for f in fields(REWARD_PARAMS[spec.name])]
-        for key in spec.given():
-            if key not in allowed:
-                raise ConfigError(
-                    f"reward.components[{i}].{key} is not a parameter of {spec.name}; its parameters: "
-                    f"{', '.join(allowed) or 'none besides weight'}"
-                )
-        _check_declared(_params_checked(i, spec), f"reward.components[{i}].")
-        if spec.name == "overlong":
-            p = spec.params_of()
-            limit = p.max_len if p.max_len is not None else cfg.rl.max_new_tokens
-            if p.cache_len >= limit:
-                raise ConfigError(
-                    f"reward.components[{i}].cache_len={p.cache_len} must be below the length limit "
-                    f"{limit} (max_len, else rl.max_new_tokens)"
-                )
-    if "reward_model" in names and cfg.reward_model.path is None and cfg.reward_model.heldout_share <= 0:
-        raise ConfigError(
-            "reward_model.heldout_share=0 leaves no held-out comparisons to measure the reward model and "
-            "its normalisation on; set reward_model.heldout_share to a share such as 0.2"
-        )
-    if cfg.rl.overlong_shaping is not None and "overlong" in names:
-        raise ConfigError(
-            "rl.overlong_shaping and an overlong item in reward.components both set DAPO's soft overlong "
-            "punishment: drop rl.overlong_shaping and set cache_len on reward.components' overlong item"
-        )
+def validate(cfg: Config | dict[str, Any]) -> Config:
+    """``cfg`` (a :class:`Config` changed in code, or its mapping) validated anew, as
+    :func:`conf.loader.load_config` validates a composed one: a new :class:`Config`, or a
+    :class:`ConfigError` naming the key."""
+    data = cfg.model_dump() if isinstance(cfg, Config) else cfg
+    return validated(Config, data)
 
 
-def _check_component_name(key: str, spec: RewardComponentConfig, shown: str = "") -> None:
-    """A short name is a built-in or an entry point of ``laminar.rewards``; a target is spelled
-    ``package.module:attr`` (whether it imports is checked in ``tasks.preflight``)."""
-    import difflib
-
-    from core.plugins import PluginError, check_target, entry_points
-
-    if spec.target is not None:
-        try:
-            check_target(spec.target)
-        except PluginError as err:
-            raise ConfigError(f"{shown or f'{key}.target={spec.target!r}'} is not supported: {err}") from None
-        return
-    known = [*REWARD_PARAMS, *sorted(set(entry_points("rewards")) - set(REWARD_PARAMS))]
-    if spec.name not in known:
-        close = difflib.get_close_matches(spec.name, known, n=1)
-        hint = f" (did you mean {close[0]!r}?)" if close else ""
-        raise ConfigError(
-            f"{shown or f'{key}.name={spec.name!r}'} is not a reward component{hint}; choose one of "
-            f"{', '.join(known)}, "
-            "or name your own as target: package.module:attr"
-        )
-
-
-def _params_checked(i: int, spec: RewardComponentConfig) -> Any:
-    try:
-        return spec.params_of()
-    except TypeError as err:
-        raise ConfigError(f"reward.components[{i}] ({spec.name}): {err}") from None
-
-
-def _validate_sandbox(cfg: Config) -> None:
-    if cfg.sandbox.backend == "unsafe" and not cfg.sandbox.allow_unsafe:
-        raise ConfigError(
-            "sandbox.backend=unsafe runs untrusted code as a plain subprocess of this process, with the "
-            "host's files and network in reach; set sandbox.allow_unsafe=true to accept that, or use "
-            "sandbox.backend=bubblewrap"
-        )
+TAGGED.update({f"kind:{n}": m for n, m in BUILTIN_COMPONENTS.items()})
+TAGGED.update({"kind:plugin": PluginComponent, "kind:file": BenchmarkFileConfig})

@@ -74,7 +74,7 @@ __all__ = [
 ]
 
 RAW_MAX_CHARS = 2000
-MAX_PROMPT_CHARS = DataConfig.max_prompt_chars
+MAX_PROMPT_CHARS = DataConfig().max_prompt_chars
 """The default limit on a problem's length (``data.max_prompt_chars``; see the schema for why)."""
 LEVEL_MIN, LEVEL_MAX = -(2**31), 2**31 - 1
 """Levels are stored as int32; a level outside is quarantined ("level out of range")."""

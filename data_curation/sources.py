@@ -45,13 +45,11 @@ def source_hashes(sources: Iterable[Any]) -> dict[str, str]:
 def snapshot_sources(sources: Iterable[Any], out_dir: Path) -> list[dict]:
     """Copy each source into ``out_dir/sources/<name>/`` and write ``sources.json``: the specs with
     paths relative to ``out_dir`` (``hub: true`` for a hub name, kept as it is)."""
-    from dataclasses import asdict, is_dataclass
-
-    from conf.loader import SOURCE_NAME
+    from conf.schema import SOURCE_NAME
 
     specs = []
     for s in sources:
-        spec = asdict(s) if is_dataclass(s) else dict(s)
+        spec = s.model_dump() if hasattr(s, "model_dump") else dict(s)
         if not isinstance(spec["name"], str) or not SOURCE_NAME.fullmatch(
             spec["name"]
         ):  # the config refuses it first

@@ -156,7 +156,7 @@ def _terms(
     out: list[tuple] = [() for _ in trajectories]
     for bench in dict.fromkeys([*score_with, *(it.benchmark for it in items)]):
         named = [n for n in score_with.get(bench, ()) if n != MATH_VERIFY]
-        built = [build_component(RewardComponentConfig(name=n), sandbox=sandbox) for n in named]
+        built = [build_component(RewardComponentConfig.of(name=n), sandbox=sandbox) for n in named]
         shaping = built + list(components)
         idx = [i for i in range(len(trajectories)) if items[i // n_samples].benchmark == bench]
         if not shaping or not idx:

@@ -135,7 +135,9 @@ class Reward:
         opened by ``rewards.verdicts.open_verdict``); a ``reward_model`` component scores with the
         checkpoint folder ``reward_model`` (None: it describes itself only) and reads prompts put in
         ``template``; a component that runs code runs it under ``sandbox`` (the run's settings)."""
-        cfg = cfg if cfg is not None else RewardConfig([RewardComponentConfig(name=MATH_VERIFY)])
+        cfg = (
+            cfg if cfg is not None else RewardConfig(components=[RewardComponentConfig.of(name=MATH_VERIFY)])
+        )
         judge_spec = cfg.verdict()
         weights = {s.name: float(s.weight) for s in cfg.components}
         shaping, specs = [], {}
@@ -162,7 +164,7 @@ class Reward:
             if line is None:
                 comp = next((c for c in self.shaping if c.name == name), None)
                 line = component_spec(
-                    RewardComponentConfig(name=name, weight=self.weights[name]), comp, name == self.verdict
+                    RewardComponentConfig.of(name=name, weight=self.weights[name]), comp, name == self.verdict
                 )
             out.append({**line, "weight": self.weights[name]})
         return out

@@ -176,5 +176,5 @@ def benchmark_verdict(
     name: str, params: dict | None, timeout_s: float, sandbox: SandboxConfig | None = None
 ) -> Verifier | ComponentVerdict:
     """A file benchmark's verdict (``BenchmarkFileConfig.verdict``): a short name or an import path."""
-    spec = RewardComponentConfig(name=name, params=dict(params or {}), verdict=True)
+    spec = RewardComponentConfig.of(name=name, params=dict(params or {}), verdict=True)
     return verdict_of(spec, timeout_s, sandbox)

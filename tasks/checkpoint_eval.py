@@ -156,7 +156,7 @@ def _inputs(
                     "first), or pick other benchmarks: eval.benchmarks=[gsm8k,math500]"
                 )
             say(f"laminar: skipping {HELDOUT}: no dataset artifact in {ws.root}")
-            cfg = dataclasses.replace(cfg, eval=dataclasses.replace(cfg.eval, benchmarks=rest))
+            cfg = cfg.model_copy(update={"eval": cfg.eval.model_copy(update={"benchmarks": rest})})
     if cfg.reward.uses_reward_model():
         rm = latest_reward_model(ws)
         if rm is None:
@@ -192,7 +192,7 @@ def evaluate(
     cfg, inputs = _inputs(cfg, ws, spec, say)
     device = resolve_device(cfg.device)
     key = stage_key(EVAL_STAGE, cfg, inputs)
-    with recorded_run(ws, run_id, command, dataclasses.asdict(cfg)) as status:
+    with recorded_run(ws, run_id, command, cfg.model_dump(mode="json")) as status:
         ref = _cached(ws, key.digest)
         if ref is not None:
             with open(ref.file("summary.json")) as f:

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import hashlib
 from collections.abc import Iterable, Mapping, Sequence
-from dataclasses import MISSING, asdict, dataclass, fields
+from dataclasses import dataclass
 from pathlib import Path
 
 from conf.schema import Config, SandboxConfig
@@ -67,24 +67,22 @@ def _lora_key(c: Config, stage: str) -> dict:
     lo = c.model.lora
     if not lo.on(stage):
         return {}
-    return {"lora": {k: v for k, v in asdict(lo).items() if k not in ("enabled", "stages")}}
+    return {"lora": {k: v for k, v in lo.model_dump().items() if k not in ("enabled", "stages")}}
 
 
 def _select_config(c: Config) -> dict:
     """``curation.select`` as select and RL see it: ``history_prompts`` reaches them through the
     history's content (difficulty_rft's artifact), so it is not part of their keys."""
-    return {k: v for k, v in asdict(c.curation.select).items() if k != "history_prompts"}
+    return {k: v for k, v in c.curation.select.model_dump().items() if k != "history_prompts"}
 
 
 def _drop_defaults(section, *names: str) -> dict:
-    """``asdict(section)`` without the named fields while they hold their defaults: fields added after
-    a section's keys were first written leave those keys unchanged until they are set."""
-    out = asdict(section)
-    defaults = {
-        f.name: f.default if f.default is not MISSING else f.default_factory() for f in fields(section)
-    }
+    """``section.model_dump()`` without the named fields while they hold their defaults: fields added
+    after a section's keys were first written leave those keys unchanged until they are set."""
+    out = section.model_dump()
+    fields = type(section).model_fields
     for name in names:
-        if out[name] == defaults[name]:
+        if out[name] == fields[name].get_default(call_default_factory=True):
             del out[name]
     return out
 
@@ -100,26 +98,26 @@ def data_key(c: Config) -> dict:
 def ingest_key(c: Config) -> dict:
     """``allow_empty`` only when set: an empty pool kept by one run is no cache hit for another."""
     return {
-        **asdict(c.curation.dedup),
+        **c.curation.dedup.model_dump(),
         "max_prompt_chars": c.data.max_prompt_chars,
         "verifiability": verifiability(c),
-        "templates": asdict(c.curation.templates),
+        "templates": c.curation.templates.model_dump(),
         **({"allow_empty": True} if c.data.allow_empty else {}),
     }
 
 
 def decontaminate_key(c: Config) -> dict:
-    return {**asdict(c.curation.decontam), "benchmarks": decontam_benchmarks(c)}
+    return {**c.curation.decontam.model_dump(), "benchmarks": decontam_benchmarks(c)}
 
 
 def base_model_key(c: Config) -> dict:
     """The model fields less ``lora`` (adapters never change the base)."""
-    return {k: v for k, v in asdict(c.model).items() if k != "lora"}
+    return {k: v for k, v in c.model.model_dump().items() if k != "lora"}
 
 
 def warmup_key(c: Config) -> dict:
     return {
-        **asdict(c.sft),
+        **c.sft.model_dump(),
         "template": template(c),
         **_numerics(c),
         **_lora_key(c, "warmup"),
@@ -131,7 +129,7 @@ def warmup_key(c: Config) -> dict:
 def eval_key(c: Config) -> dict:
     own = {"template": c.data.template} if c.data.template is not None else {}
     return {
-        **asdict(c.eval),
+        **c.eval.model_dump(),
         **_numerics(c),
         **_env_key(c),
         **_reward_model_key(c),
@@ -173,12 +171,12 @@ def _env_key(c: Config) -> dict:
 def _sandbox_key(c: Config) -> dict:
     """The sandbox settings, for the stages where code may run (code tests, tools, code benchmarks);
     absent at their defaults (keys from before them unchanged)."""
-    return {} if c.sandbox == SandboxConfig() else {"sandbox": asdict(c.sandbox)}
+    return {} if c.sandbox == SandboxConfig() else {"sandbox": c.sandbox.model_dump()}
 
 
 def _difficulty_key(c: Config, max_prompts: int) -> dict:
     return {
-        **asdict(c.curation.difficulty),
+        **c.curation.difficulty.model_dump(),
         "max_prompts": max_prompts,
         "template": template(c),
         "verifier_timeout_s": c.eval.verifier_timeout_s,
@@ -205,7 +203,7 @@ def difficulty_rft_key(c: Config) -> dict:
 def dart_key(c: Config) -> dict:
     """``select`` only when the reward model ranks (the key of verifier selection is as it was), then
     with the reward model's scoring settings."""
-    dart = asdict(c.curation.dart)
+    dart = c.curation.dart.model_dump()
     if not dart_ranks(c):
         del dart["select"]
     return {
@@ -226,7 +224,7 @@ def dart_ranks(c: Config) -> bool:
 
 
 def rft_key(c: Config) -> dict:
-    return {**asdict(c.curation.rft), "template": template(c), **_numerics(c), **_lora_key(c, "rft")}
+    return {**c.curation.rft.model_dump(), "template": template(c), **_numerics(c), **_lora_key(c, "rft")}
 
 
 def preferences_key(c: Config) -> dict:
@@ -234,7 +232,7 @@ def preferences_key(c: Config) -> dict:
     return {
         **{k: getattr(c.reward_model, k) for k in keys},
         "template": template(c),
-        "decontam": asdict(c.curation.decontam),
+        "decontam": c.curation.decontam.model_dump(),
         "benchmarks": decontam_benchmarks(c),
         **_numerics(c),
     }
@@ -263,10 +261,10 @@ def rl_key(c: Config) -> dict:
         **_numerics(c),
         **_lora_key(c, "rl"),
         "select": _select_config(c),
-        **({"cluster": asdict(c.cluster)} if c.rl.uses_ray() else {}),
-        **({"trainer": asdict(c.trainer)} if not c.trainer.is_default() else {}),
-        "rollout": asdict(c.rollout),  # both drivers sample with the rollout engine
-        **({"eval": asdict(c.eval)} if c.rl.eval_every else {}),
+        **({"cluster": c.cluster.model_dump()} if c.rl.uses_ray() else {}),
+        **({"trainer": c.trainer.model_dump()} if not c.trainer.is_default() else {}),
+        "rollout": c.rollout.model_dump(),  # both drivers sample with the rollout engine
+        **({"eval": c.eval.model_dump()} if c.rl.eval_every else {}),
         "reward": reward_key(c),
         **_env_key(c),
         **_sandbox_key(c),
@@ -386,7 +384,7 @@ def eval_plugins(cfg: Config) -> list[str]:
 
     specs = [cfg.reward.verdict()] if HELDOUT in cfg.eval.benchmark_names() else []
     for b in cfg.eval.benchmark_files().values():
-        specs += [RewardComponentConfig(name=n) for n in (b.verdict_name(), *b.score_with)]
+        specs += [RewardComponentConfig.of(name=n) for n in (b.verdict_name(), *b.score_with)]
     return [*_reward_targets(specs), *env_plugins(cfg)]
 
 

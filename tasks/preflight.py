@@ -102,22 +102,18 @@ def _check_plugins(cfg: Config) -> None:
     from core.plugins import PluginError
     from rewards.registry import check
 
-    checks = [(f"reward.components[{i}]", s) for i, s in enumerate(cfg.reward.components)]
+    checks = [(f"reward.components[{i}]", dict(s=s)) for i, s in enumerate(cfg.reward.components)]
     for i, b in enumerate(cfg.eval.benchmarks):
         if isinstance(b, str):
             continue
-        verdict = RewardComponentConfig(name=b.verdict_name(), params=dict(b.verdict_params or {}))
+        verdict = dict(name=b.verdict_name(), params=dict(b.verdict_params or {}))
         checks.append((f"eval.benchmarks[{i}].verdict", verdict))
-        checks += [(f"eval.benchmarks[{i}].score_with", RewardComponentConfig(name=n)) for n in b.score_with]
+        checks += [(f"eval.benchmarks[{i}].score_with", dict(name=n)) for n in b.score_with]
     for key, spec in checks:
         try:
-            check(spec)
-        except PluginError as err:
+            check(spec["s"] if "s" in spec else RewardComponentConfig.of(**spec))
+        except (PluginError, ConfigError) as err:
             raise ConfigError(f"{key}: {err}") from None
-    if cfg.rl.loss_params is not None and not isinstance(cfg.rl.loss_params, dict):
-        raise ConfigError(f"rl.loss_params={cfg.rl.loss_params!r} must be a mapping, e.g. {{scale: 2.0}}")
-    if cfg.rl.loss_params and cfg.rl.loss is None:
-        raise ConfigError("rl.loss_params is set but rl.loss names no loss; set rl.loss=package.module:attr")
     if cfg.rl.loss is not None:
         from training.objectives import custom_loss
 
@@ -145,8 +141,6 @@ def _check_sources(cfg: Config) -> None:
     """Each ``data.sources`` entry exists and parses as its format (``ingest.check_readable``), and a
     ``data.source=files`` pool holds some rows (unless ``data.allow_empty``): a malformed or fake file
     fails here, before the dataset artifact or a run record is written."""
-    from dataclasses import asdict
-
     from data_curation.ingest import SourceSpec, check_readable
     from data_curation.sources import resolve_source_path
 
@@ -162,7 +156,9 @@ def _check_sources(cfg: Config) -> None:
             rows.append(None)
             continue
         try:
-            spec = SourceSpec(**{**asdict(src), "path": str(local), "extra_fields": tuple(src.extra_fields)})
+            spec = SourceSpec(
+                **{**src.model_dump(), "path": str(local), "extra_fields": tuple(src.extra_fields)}
+            )
             rows.append(check_readable(spec))
         except (OSError, ValueError) as err:  # SourceError is a ValueError; its message is one line
             raise ConfigError(f"data.sources[{i}]: {' '.join(str(err).split())}") from None

@@ -171,6 +171,8 @@ def record_stage_run(
 def _jsonable(obj: Any) -> Any:
     from dataclasses import asdict, is_dataclass
 
+    if hasattr(obj, "model_dump"):  # a config section
+        return obj.model_dump()
     return asdict(obj) if is_dataclass(obj) else obj
 
 

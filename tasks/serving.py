@@ -32,11 +32,11 @@ import sys
 import time
 import types
 import urllib.request
+from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
-from collections.abc import Iterator, Sequence
 
 from core.workspace import Workspace
 
@@ -291,23 +291,22 @@ def _leaf_kind(hint: Any) -> str | None:
     """What a schema field holds, if a caller may set it: ``plain`` (a number, a switch or one of a
     closed set of names), ``plains`` (a list of them), ``section`` (walk it); None: anything else (a
     free string: a path, a URL, an executable, a template; a list of sections)."""
-    import dataclasses
     import typing
 
-    base, meta = hint, ()
-    if typing.get_origin(hint) is typing.Annotated:
-        base, *meta = typing.get_args(hint)
-    if isinstance(base, type) and dataclasses.is_dataclass(base):
+    if _section_in(hint) is hint:
         return "section"
-    args = [a for a in typing.get_args(base) if a is not type(None)]
-    if typing.get_origin(base) in (typing.Union, types.UnionType) and len(args) == 1:
-        base = args[0]  # Optional[X]
-    named = any(typing.get_origin(m) is typing.Literal for m in meta)
-    if base in (bool, int, float) or (base is str and named):
+    args = [a for a in typing.get_args(hint) if a is not type(None)]
+    if typing.get_origin(hint) in (typing.Union, types.UnionType) and len(args) == 1:
+        hint = args[0]  # Optional[X]
+    if typing.get_origin(hint) is typing.Annotated:
+        hint = typing.get_args(hint)[0]
+    if hint in (bool, int, float) or typing.get_origin(hint) is typing.Literal:
         return "plain"
-    if typing.get_origin(base) is list:
-        (item,) = typing.get_args(base)
-        if item in (int, float) or (item is str and named):
+    if typing.get_origin(hint) is list:
+        (item,) = typing.get_args(hint)
+        if typing.get_origin(item) is typing.Annotated:
+            item = typing.get_args(item)[0]
+        if item in (int, float) or typing.get_origin(item) is typing.Literal:
             return "plains"
     return None
 
@@ -319,22 +318,18 @@ def caller_keys() -> dict[str, str]:
     ``Literal``), and the lists of registered names ``NAME_LISTS``; never a free string (a path, a
     URL, an executable), a list of sections or a section of ``OPERATOR_ONLY``. A field added to the
     schema is classified by its type the same way."""
-    import dataclasses
-    import typing
-
     from conf.schema import Config
 
     out: dict[str, str] = {}
 
-    def walk(cls: type, prefix: str) -> None:
-        hints = typing.get_type_hints(cls, include_extras=True)
-        for f in dataclasses.fields(cls):
-            key = prefix + f.name
+    def walk(cls: Any, prefix: str) -> None:
+        for name, info in cls.model_fields.items():
+            key = prefix + name
             if key in OPERATOR_ONLY:
                 continue
-            kind = "plains" if key in NAME_LISTS else _leaf_kind(hints[f.name])
+            kind = "plains" if key in NAME_LISTS else _leaf_kind(info.annotation)
             if kind == "section":
-                walk(_dataclass_in(hints[f.name]), key + ".")
+                walk(info.annotation, key + ".")
             elif kind is not None:
                 out[key] = kind
 
@@ -410,28 +405,27 @@ def check_caller_override(override: str) -> None:
         )
 
 
-def _dataclass_in(hint: Any) -> type | None:
+def _section_in(hint: Any) -> Any:
     """The section a type hint holds (itself, or inside Annotated, Optional or a list), else None."""
-    import dataclasses
     import typing
 
-    if isinstance(hint, type) and dataclasses.is_dataclass(hint):
+    from pydantic import BaseModel
+
+    if isinstance(hint, type) and issubclass(hint, BaseModel):
         return hint
-    return next((d for d in map(_dataclass_in, typing.get_args(hint)) if d is not None), None)
+    return next((d for d in map(_section_in, typing.get_args(hint)) if d is not None), None)
 
 
 def _schema_has(key: str) -> bool:
     """Whether ``key`` names a field or section of the schema (a list's items are walked)."""
-    import typing
-
     from conf.schema import Config
 
-    node: type | None = Config
+    node: Any = Config
     for part in key.split("."):
-        hints = typing.get_type_hints(node, include_extras=True) if node is not None else {}
-        if part not in hints:
+        fields = node.model_fields if node is not None else {}
+        if part not in fields:
             return False
-        node = _dataclass_in(hints[part])
+        node = _section_in(fields[part].annotation)
     return True
 
 

@@ -4,7 +4,6 @@ catalog: the simulator reads nothing from the workspace and writes only its outp
 
 from __future__ import annotations
 
-import dataclasses
 import json
 import time
 from pathlib import Path
@@ -20,8 +19,10 @@ def resolve(cfg):
 
     lengths = cfg.workload.lengths
     if lengths.values_file:
-        lengths = dataclasses.replace(lengths, values=read_lengths(Path(lengths.values_file)))
-    return apply_preset(dataclasses.replace(cfg, workload=dataclasses.replace(cfg.workload, lengths=lengths)))
+        lengths = lengths.model_copy(update={"values": read_lengths(Path(lengths.values_file))})
+    return apply_preset(
+        cfg.model_copy(update={"workload": cfg.workload.model_copy(update={"lengths": lengths})})
+    )
 
 
 def read_lengths(path: Path) -> list[int]:
@@ -82,8 +83,8 @@ def run_simulation(cfg, workspace: str | Path, progress=None) -> dict:
             )
         )
     summary = {
-        "config": dataclasses.asdict(cfg),
-        "resolved": dataclasses.asdict(sim_cfg),
+        "config": cfg.model_dump(),
+        "resolved": sim_cfg.model_dump(),
         "calibration": calibration,
         "modes": {
             m: {**r.summary(), "timeline_summary": _timeline_brief(summarize_timeline(r.timeline))}

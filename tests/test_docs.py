@@ -316,14 +316,14 @@ def _schemas():
 
 
 def _has_key(schema, parts: list[str]) -> bool:
+    from pydantic import BaseModel
+
     for i, part in enumerate(parts):
-        fields = {f.name: f for f in dataclasses.fields(schema)}
-        if part not in fields:
+        if part not in schema.model_fields:
             return False
-        factory = fields[part].default_factory
-        value = factory() if factory is not dataclasses.MISSING else None
-        if dataclasses.is_dataclass(value):
-            schema = type(value)
+        inner = schema.model_fields[part].annotation
+        if isinstance(inner, type) and issubclass(inner, BaseModel):
+            schema = inner
         else:
             return i == len(parts) - 1
     return True
@@ -332,7 +332,7 @@ def _has_key(schema, parts: list[str]) -> bool:
 def check_prose(doc: Path) -> list[str]:
     """Inline code spans and relative links outside fences: what they name exists."""
     parser_, subs = cli()
-    tops = {f.name for schema in _schemas() for f in dataclasses.fields(schema)}
+    tops = {name for schema in _schemas() for name in schema.model_fields}
     problems = []
     for n, text in prose(doc):
         where = f"{doc.relative_to(ROOT)}:{n}"

@@ -35,6 +35,9 @@ def test_overrides_apply_with_types():
     [
         (["no_such_key=1"], "unknown config key 'no_such_key'"),
         (["rl.no_such=1"], "unknown config key 'rl.no_such'"),
+        (["rl.stepz=1"], "unknown config key 'rl.stepz' (did you mean 'rl.steps'?)"),
+        (["+rl.stepz=1"], "unknown config key 'rl.stepz' (did you mean 'rl.steps'?)"),
+        (["data=math", "data.sources.0.pathh=x"], "sources[0].pathh' (did you mean 'data.sources[0].path'?)"),
         (["+foo=1"], "unknown config key 'foo'"),
         (["rl.lr=fast"], "rl.lr"),
         (["seed=abc"], "seed"),
@@ -60,22 +63,15 @@ def test_bad_config_fails_naming_the_key(overrides, fragment):
 
 
 def test_yaml_tree_sets_only_schema_keys():
-    import dataclasses
-
     import yaml
+    from pydantic import BaseModel
 
-    groups = {
-        f.name: f.default_factory()
-        for f in dataclasses.fields(Config)
-        if f.default_factory is not dataclasses.MISSING
-    }
-
-    def check(node, data, where):
-        known = {f.name: f for f in dataclasses.fields(node)}
+    def check(model, data, where):
+        known = model.model_fields
         assert set(data) <= set(known), (where, set(data) - set(known))
         for key, value in data.items():
-            sub = getattr(node, key)
-            if isinstance(value, dict) and dataclasses.is_dataclass(sub):
+            sub = known[key].annotation
+            if isinstance(value, dict) and isinstance(sub, type) and issubclass(sub, BaseModel):
                 check(sub, value, f"{where}.{key}")
 
     for group, option in group_options():
@@ -83,9 +79,9 @@ def test_yaml_tree_sets_only_schema_keys():
         data = yaml.safe_load(text) or {}
         data.pop("defaults", None)  # a recipe's choices of other groups (override /model: ...)
         if "@package _global_" in text:  # a preset that sets keys of several groups
-            check(Config(), data, f"{group}/{option}")
+            check(Config, data, f"{group}/{option}")
         else:
-            check(groups[group], data, f"{group}/{option}")
+            check(Config.model_fields[group].annotation, data, f"{group}/{option}")
 
 
 def test_preflight_catches_what_needs_files(tmp_path):
@@ -107,30 +103,39 @@ def test_preflight_catches_what_needs_files(tmp_path):
     preflight(load_config(["eval.benchmarks=[arith_heldout,gsm8k]"]))
 
 
-def _declared_fields(node=None, prefix=""):
-    """(key, path of attribute names, metadata item) of every name set and bound the schema declares."""
-    import dataclasses
+def _declared_fields(model=None, prefix=""):
+    """(key, rule) of every name list and bound the schema declares on a field (or its list's items):
+    a rule is ``("names", (...))`` or an ``annotated_types`` constraint."""
     import typing
 
-    node = Config() if node is None else node
-    hints = typing.get_type_hints(type(node), include_extras=True)
-    for f in dataclasses.fields(node):
-        for rule in getattr(hints[f.name], "__metadata__", ()):
-            yield prefix + f.name, rule
-        value = getattr(node, f.name)
-        if dataclasses.is_dataclass(value):
-            yield from _declared_fields(value, f"{prefix}{f.name}.")
+    from annotated_types import Ge, Gt, Interval, Le, MaxLen
+    from pydantic import BaseModel
+
+    model = Config if model is None else model
+    for name, info in model.model_fields.items():
+        annotation = info.annotation
+        args = typing.get_args(annotation)
+        inner = [a for a in args if typing.get_origin(a) is typing.Annotated]  # list[Annotated[...]]
+        for lit in [annotation, *args]:
+            if typing.get_origin(lit) is typing.Literal:
+                yield prefix + name, ("names", typing.get_args(lit))
+        for meta in [*info.metadata, *(m for a in inner for m in a.__metadata__)]:
+            if isinstance(meta, (Ge, Gt, Le, Interval, MaxLen)):
+                yield prefix + name, meta
+        if isinstance(annotation, type) and issubclass(annotation, BaseModel):
+            yield from _declared_fields(annotation, f"{prefix}{name}.")
 
 
 def _with(key, value, whole=False):
-    """A default config with ``key`` set to ``value`` (a list key to ``[value]``, unless ``whole``)."""
-    cfg = Config()
+    """The default config's mapping with ``key`` set to ``value`` (a list key to ``[value]``, unless
+    ``whole``)."""
+    data = Config.model_construct().model_dump()
     *parents, name = key.split(".")
-    node = cfg
+    node = data
     for part in parents:
-        node = getattr(node, part)
-    setattr(node, name, [value] if isinstance(getattr(node, name), list) and not whole else value)
-    return cfg
+        node = node[part]
+    node[name] = [value] if isinstance(node[name], list) and not whole else value
+    return data
 
 
 def _field_default(key):
@@ -144,54 +149,79 @@ DECLARED = list(_declared_fields())
 
 
 def _rule_id(rule):
-    import conf.schema as schema
+    return "names" if isinstance(rule, tuple) else repr(rule).replace(" ", "")
 
-    if isinstance(rule, schema.MaxLen):
-        return f"maxlen{rule.most}"
-    if isinstance(rule, schema.Bound) and rule.limit is not None:
-        return f"atmost{rule.limit}"
-    return next(
-        (n for n in ("Positive", "NonNegative", "Fraction", "Share", "Unit") if getattr(schema, n) is rule),
-        "names",
-    )
+
+def _is_float(key):
+    import typing
+
+    *parents, name = key.split(".")
+    model = Config
+    for part in parents:
+        model = model.model_fields[part].annotation
+    annotation = model.model_fields[name].annotation
+    return annotation is float or float in typing.get_args(annotation)
 
 
 def test_the_schema_declares_names_and_bounds_for_the_keys_it_checks():
-    from conf.schema import NonNegative, Positive
+    from annotated_types import Ge, Gt
 
     keys = {key for key, _ in DECLARED}
     assert {"rl.mode", "rl.algorithm", "rollout.engine", "tracking.backends", "model.lora.stages"} <= keys
-    assert sum(rule is Positive for _, rule in DECLARED) >= 40
-    assert sum(rule is NonNegative for _, rule in DECLARED) >= 14
+    assert sum(rule == Gt(0) for _, rule in DECLARED) >= 40
+    assert sum(rule == Ge(0) for _, rule in DECLARED) >= 14
 
 
 @pytest.mark.parametrize("key,rule", DECLARED, ids=[f"{k}-{_rule_id(r)}" for k, r in DECLARED])
 def test_every_declared_rule_refuses_a_bad_value_naming_the_key(key, rule):
-    import typing
+    from annotated_types import Ge, Gt, Interval, Le, MaxLen
 
-    from conf.schema import Bound, Fraction, MaxLen, NonNegative, Positive, Share, Unit, validate
+    from conf.schema import validate
 
     whole = False
-    if typing.get_origin(rule) is typing.Literal:
-        names = ", ".join(typing.get_args(rule))
-        bad, message = "nope", f"{key}='nope' is not supported; set {key} to one of: {names}"
+    shown_key = key if whole or not isinstance(_field_default(key), list) else f"{key}[0]"
+    if isinstance(rule, tuple):
+        names = ", ".join(rule[1])
+        bad, message = "nope", f"{shown_key}='nope' is not supported; set {shown_key} to one of: {names}"
     elif isinstance(rule, MaxLen):  # one item or character too many
+        shown_key = key
+        most = rule.max_length
         default = _field_default(key)
         if isinstance(default, list):
-            bad, whole = [default[0] if default else 1] * (rule.most + 1), True
-            message = f"{key} lists {rule.most + 1:,} items; it takes at most {rule.most:,}"
+            bad, whole = [default[0] if default else 1] * (most + 1), True
+            message = f"{key} lists {most + 1:,} items; it takes at most {most:,}"
         else:
-            bad = "x" * (rule.most + 1)
-            message = f"{key} is {rule.most + 1:,} characters long; it takes at most {rule.most:,}"
+            bad = "x" * (most + 1)
+            message = f"{key} is {most + 1:,} characters long; it takes at most {most:,}"
     else:
-        assert isinstance(rule, Bound)
-        fixed = {Positive: 0, NonNegative: -1, Fraction: 1, Share: 0, Unit: 1.5}
-        bad = fixed[rule] if rule in fixed else int(rule.limit) + 1
-        message = rule.message.format(key=key, value=bad)
+        shown = (lambda v: float(v)) if _is_float(key) else (lambda v: v)
+        if isinstance(rule, Interval):
+            lo = "[" if rule.ge is not None else "("
+            hi = "]" if rule.le is not None else ")"
+            low, high = (
+                (rule.ge if rule.ge is not None else rule.gt),
+                (rule.le if rule.le is not None else rule.lt),
+            )
+            bad = high if rule.lt is not None else high + 0.5
+            message = f"{shown_key}={shown(bad)} must be in {lo}{low:g}, {high:g}{hi}"
+        elif isinstance(rule, Le):
+            bad = int(rule.le) + 1
+            limit = f"{rule.le:,}"
+            message = f"{shown_key}={shown(bad)} is above the limit of {limit}; set {shown_key} to at most "
+            message += limit
+        elif isinstance(rule, Gt):
+            bad = rule.gt
+            hint = f"; set {shown_key} to a positive value" if rule.gt == 0 else ""
+            message = f"{shown_key}={shown(bad)} must be > {rule.gt}{hint}"
+        else:
+            assert isinstance(rule, Ge)
+            bad = rule.ge - 1
+            hint = f"; set {shown_key} to zero or a positive value" if rule.ge == 0 else ""
+            message = f"{shown_key}={shown(bad)} must be >= {rule.ge}{hint}"
     with pytest.raises(ConfigError) as err:
         validate(_with(key, bad, whole))
-    assert str(err.value) == message
-    if isinstance(rule, Bound):  # inf and nan fail before the bound
+    assert str(err.value).startswith(message), (str(err.value), message)
+    if not isinstance(rule, (tuple, MaxLen)) and _is_float(key):  # inf and nan fail before the bound
         with pytest.raises(
             ConfigError, match=f"{key}=inf is not a finite number; set {key} to a finite value"
         ):
@@ -297,3 +327,38 @@ def test_a_hugging_face_model_vllm_cpu_refuses_fails_before_any_write(tmp_path):
         preflight(load_config([*hf, f"model.path={tmp_path / 'd16'}"]))
     preflight(load_config([*hf, f"model.path={tmp_path / 'd32'}"]))  # 32 is a size it runs
     preflight(load_config(["model=hf", f"model.path={tmp_path / 'd16'}"]))  # the torch engine runs any
+
+
+@pytest.mark.parametrize(
+    "overrides,message",
+    [
+        (
+            ["eval.benchmarks=[{name: mine, path: x.jsonl, anwser_field: a}]"],
+            "unknown config key 'eval.benchmarks[0].anwser_field' (did you mean "
+            "'eval.benchmarks[0].answer_field'?)",
+        ),
+        (["eval.benchmarks=[arith_heldout,5]"], "eval.benchmarks[1]=5: give a benchmark name or a file spec"),
+        (
+            ["reward.components=[{target: 'pkg.mod:fn', ngram: 3}]"],
+            "reward.components[0] (pkg.mod:fn) sets ['ngram'] beside params",
+        ),
+        (["rl.loss_params={scale: 2}"], "rl.loss_params is set but rl.loss names no loss"),
+        (["rl.dual_clip=1"], "rl.dual_clip=1.0 must be > 1; verl uses 3.0; null turns it off"),
+        (["data.levels=[99999999999]"], "data.levels[0]=99999999999 is out of range"),
+    ],
+)
+def test_errors_name_the_full_key_the_value_and_what_is_allowed(overrides, message):
+    with pytest.raises(ConfigError) as err:
+        load_config(overrides)
+    assert message in str(err.value) and "\n" not in str(err.value), str(err.value)
+
+
+def test_simulate_errors_name_the_key_with_a_guess():
+    from conf.simulate import load_simulate_config, simulate_config
+
+    with pytest.raises(ConfigError, match=r"'workload.stepz' \(did you mean 'workload.steps'\?\)"):
+        load_simulate_config(["workload.stepz=3"])
+    with pytest.raises(ConfigError, match=r"workload.tools\[0\].latency.kind=fixed needs one value"):
+        simulate_config({"workload": {"tools": [{"latency": {"kind": "fixed"}}]}})
+    with pytest.raises(ConfigError, match=r"sched.admit_lag=0 must be >= 1"):
+        simulate_config({"sched": {"admit_lag": 0}})

@@ -16,7 +16,9 @@ def test_long_cot_is_one_switch_and_its_parameters_are_the_papers():
     cfg = load_config(["reward=long_cot"])
     names = [(s.name, s.weight) for s in cfg.reward.components]
     assert names == [("math_verify", 0.0), ("cosine_length", 1.0), ("repetition", 1.0)]
-    assert cfg.reward.components[1].params_of() == CosineLengthParams(2.0, 1.0, -10.0, 0.0, -10.0, None)
+    assert cfg.reward.components[1].params_of() == CosineLengthParams(
+        r0_correct=2.0, rl_correct=1.0, r0_wrong=-10.0, rl_wrong=0.0, r_exceed=-10.0, max_len=None
+    )
 
 
 def test_components_come_from_the_cli_with_parameters():
@@ -51,7 +53,8 @@ def test_components_come_from_the_cli_with_parameters():
         ("[{name: repetition}]", r"lacks math_verify"),
         (
             "[{name: math_verify}, {name: repetition, ngrams: 2}]",
-            r"reward.components': an item has the key 'ngrams'",
+            r"reward.components\[1\].ngrams is not a parameter of repetition "
+            r"\(did you mean 'reward.components\[1\].ngram'\?\)",
         ),
         ("[{name: math_verify}, {name: format}, {name: format}]", r"names a component twice"),
         (

@@ -86,7 +86,7 @@ def test_the_reward_layer_builds_code_tests_from_config_and_falls_back_on_a_bad_
     scores = reward.score([sample(RIGHT, CodeSpec(SPEC.tests[:2], "add")), Sample(RIGHT, "42", 10, 64)])
     assert scores.terms["code_tests"] == (1.0, 0.0) and scores.failed["code_tests"] == (False, True)
     assert reward.spec()[1]["params"] == {"score": "all_pass", "timeout_s": 5.0}
-    assert isinstance(build_component(RewardComponentConfig(name="code_tests")), CodeTests)
+    assert isinstance(build_component(RewardComponentConfig.of(name="code_tests")), CodeTests)
     with pytest.raises(ConfigError, match="score"):
         load_config(["reward.components=[{name: math_verify}, {name: code_tests, score: most}]"])
     with pytest.raises(ConfigError, match="not a parameter of code_tests"):

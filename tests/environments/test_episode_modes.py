@@ -217,7 +217,7 @@ def test_a_poke_cuts_a_rollout_actors_wait_on_a_slow_tool_short(local_ray, calle
     relay = ray.remote(num_cpus=0)(RelayWorker).remote("relay-0")
     state = {k: v.numpy() for k, v in load_model(caller_dir)[0].state_dict().items()}  # the same weights
     ray.get(relay.push.remote(0, [ray.put(state)]))
-    Rollout = rollout_actor_class(ray, dataclasses.replace(ClusterConfig(), rollout_cpus=0))
+    Rollout = rollout_actor_class(ray, ClusterConfig(rollout_cpus=0))
     actor = Rollout.remote(
         "rollout-0",
         str(caller_dir),

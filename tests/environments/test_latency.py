@@ -6,7 +6,7 @@ import pytest
 import yaml
 
 from conf.loader import load_config
-from conf.schema import CODEX_EXEC_LATENCY, Config, ConfigError, EnvConfig, ToolLatencyConfig, validate
+from conf.schema import CODEX_EXEC_LATENCY, Config, ConfigError, ToolLatencyConfig, validate
 from environments.latency import LatencySampler
 from tasks.dag import _env_key
 
@@ -95,8 +95,4 @@ def _config(overrides: list[str]) -> Config:
             env["target"] = value
         else:
             lat[key.removeprefix("env.tool_latency.")] = parsed
-    return Config(
-        env=EnvConfig(
-            **({"max_turns": 1} if "target" not in env else env), tool_latency=ToolLatencyConfig(**lat)
-        )
-    )
+    return validate({"env": {**({"max_turns": 1} if "target" not in env else env), "tool_latency": lat}})

@@ -21,7 +21,7 @@ from data_curation.ingest import SourceError, SourceSpec, ingest, normalize_text
 from rewards.verifier import Verifier
 
 ROOT = Path(__file__).resolve().parents[2]
-LIMIT = DataConfig.max_prompt_chars
+LIMIT = DataConfig().max_prompt_chars
 
 
 def write_jsonl(path: Path, rows: list, extra_lines: tuple[str, ...] = ()) -> Path:

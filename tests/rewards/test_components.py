@@ -133,7 +133,7 @@ def test_format_scores_a_present_parseable_answer_whatever_its_correctness():
 
 
 def _reward(*specs):
-    return Reward.of(EndsWith(), RewardConfig(components=[RewardComponentConfig(**s) for s in specs]))
+    return Reward.of(EndsWith(), RewardConfig(components=[RewardComponentConfig.of(**s) for s in specs]))
 
 
 def test_total_is_the_weighted_sum_and_correct_the_verdict():

@@ -53,7 +53,10 @@ def test_the_config_component_scores_prompt_and_response_with_the_stages_statist
 
     stats = json.loads((rm_dir / "rm" / STATS_FILE).read_text())
     cfg = RewardConfig(
-        [RewardComponentConfig(), RewardComponentConfig(name="reward_model", weight=0.5, clip=0.5)]
+        components=[
+            RewardComponentConfig.of(),
+            RewardComponentConfig.of(name="reward_model", weight=0.5, clip=0.5),
+        ]
     )
     reward = Reward.of(_Verifier(), cfg, str(rm_dir / "rm"), "{problem}=")
     (comp,) = reward.shaping
@@ -74,7 +77,10 @@ def test_a_component_without_a_checkpoint_describes_itself_and_refuses_to_score(
     from rewards.reward_model import RewardModelUnavailable
 
     cfg = RewardConfig(
-        [RewardComponentConfig(), RewardComponentConfig(name="reward_model", normalize="none")]
+        components=[
+            RewardComponentConfig.of(),
+            RewardComponentConfig.of(name="reward_model", normalize="none"),
+        ]
     )
     reward = Reward.of(_Verifier(), cfg)
     assert reward.spec()[1]["params"] == {"normalize": "none", "clip": None}

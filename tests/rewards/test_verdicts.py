@@ -105,8 +105,8 @@ def test_dapo_keeps_a_code_group_its_tests_split():
 
 def test_a_plugin_verdict_judges_by_threshold_and_a_raising_sample_falls_back_counted():
     CALLS.clear()
-    spec = RewardComponentConfig(target=f"{__name__}:counted", verdict=True, threshold=0.5)
-    reward_cfg = RewardConfig([spec, RewardComponentConfig(name="format", weight=0.5)])
+    spec = RewardComponentConfig.of(target=f"{__name__}:counted", verdict=True, threshold=0.5)
+    reward_cfg = RewardConfig(components=[spec, RewardComponentConfig.of(name="format", weight=0.5)])
     verdict = open_verdict(reward_cfg, 5.0)
     assert isinstance(verdict, ComponentVerdict)
     samples = [Sample(t, "", 1, 8) for t in ("12a", "abc", "boom", "#### 7")]
@@ -127,15 +127,17 @@ def test_a_plugin_verdict_judges_by_threshold_and_a_raising_sample_falls_back_co
 
 
 def test_a_verdict_may_return_its_own_verdict():
-    verdict = open_verdict(RewardConfig([RewardComponentConfig(name=f"{__name__}:says", verdict=True)]), 5.0)
+    verdict = open_verdict(
+        RewardConfig(components=[RewardComponentConfig.of(name=f"{__name__}:says", verdict=True)]), 5.0
+    )
     got = verdict.verify_batch(["yes!", "no"], ["", ""])
     assert [(v.correct, v.pred) for v in got] == [(True, "said"), (False, "said")]
 
 
 def test_a_class_plugin_with_pydantic_params_judges_and_scores():
-    spec = RewardComponentConfig(target=f"{__name__}:Suffix", verdict=True, params={"suffix": "?"})
-    other = RewardComponentConfig(name="exclaims", target=f"{__name__}:Suffix", weight=0.5)
-    cfg = RewardConfig([spec, other])
+    spec = RewardComponentConfig.of(target=f"{__name__}:Suffix", verdict=True, params={"suffix": "?"})
+    other = RewardComponentConfig.of(name="exclaims", target=f"{__name__}:Suffix", weight=0.5)
+    cfg = RewardConfig(components=[spec, other])
     scores = Reward.of(open_verdict(cfg, 5.0), cfg).score([Sample("why?", "", 1, 8), Sample("no!", "", 1, 8)])
     assert scores.correct == (True, False) and scores.terms["exclaims"] == (0.0, 1.0)
     assert scores.total == (1.0, 0.5)

@@ -28,7 +28,7 @@ def test_default_backend_is_tensorboard():
 
 def test_unknown_backend_fails_at_config_time():
     with pytest.raises(
-        ConfigError, match=r"tracking.backends='neptune' is not supported; .*tensorboard, mlflow, wandb"
+        ConfigError, match=r"tracking.backends\[0\]='neptune' is not supported; .*tensorboard, mlflow, wandb"
     ):
         load_config(["tracking.backends=[neptune]"])
     with pytest.raises(ConfigError, match="twice"):

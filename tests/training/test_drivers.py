@@ -112,7 +112,7 @@ def test_local_and_ray_sync_runs_sample_the_same_tokens_and_write_the_same_histo
     runs = {}
     for runtime in ("local", "ray"):
         seen = trained(monkeypatch)
-        run = RLSections(dataclasses.replace(rl, runtime=runtime), seed=0)
+        run = RLSections(rl.model_copy(update={"runtime": runtime}), seed=0)
         if runtime == "local":
             driver = LocalDriver(model_dir, prompts, EndsWithAnswer(), params, run, device="cpu")
         else:

@@ -39,7 +39,7 @@ def test_lora_is_off_by_default_and_typos_fail_at_config_time():
     for bad, words in (
         (["model.lora.rnak=4"], "unknown config key 'model.lora.rnak'"),
         (["model.lora.target_modules=[q_prj]"], "model.lora.target_modules='q_prj'"),
-        (["model.lora.stages=[sft]"], "model.lora.stages='sft'"),
+        (["model.lora.stages=[sft]"], "model.lora.stages[0]='sft'"),
         (["model.lora.rank=0"], "model.lora.rank=0 must be > 0"),
         (["model.lora.dropout=1.0"], "model.lora.dropout=1.0"),
     ):

@@ -3,7 +3,6 @@ driver and by the Ray driver, with the same methods; and the Ray driver's settin
 
 from __future__ import annotations
 
-import dataclasses
 from collections import Counter
 
 import pytest
@@ -229,20 +228,20 @@ def test_runtime_settings_are_the_schema_defaults():
 
     assert not hasattr(runtime, "RuntimeConfig")
     cfg = Config()
-    rl = dataclasses.replace(cfg.rl, mode="laminar")
+    rl = cfg.rl.model_copy(update={"mode": "laminar"})
     rt = runtime.LaminarRuntime("unused", [], None, PRESETS["grpo"], RLSections(rl, seed=0), device="cpu")
     assert rt.rl is rl and rt.cluster == ClusterConfig() == cfg.cluster
     assert rt.trainer_cfg == TrainerConfig() and rt.rollout_cfg == RolloutConfig()
     s = rt.settings
     assert (s.max_staleness, s.capacity, s.steps, s.prompts_per_step, s.group_size, s.repack_b) == (
-        RLConfig.max_staleness,
-        RLConfig.rollout_capacity,
-        RLConfig.steps,
-        RLConfig.prompts_per_step,
-        RLConfig.group_size,
-        RLConfig.repack_b,
+        RLConfig().max_staleness,
+        RLConfig().rollout_capacity,
+        RLConfig().steps,
+        RLConfig().prompts_per_step,
+        RLConfig().group_size,
+        RLConfig().repack_b,
     )
-    assert s.mode.admit_lag == RLConfig.admit_lag and s.max_sampling_rounds == 1
+    assert s.mode.admit_lag == RLConfig().admit_lag and s.max_sampling_rounds == 1
     assert rt.cluster.driver_threads == 1 and rt.cluster.trainer_threads == 0  # what users run
 
 

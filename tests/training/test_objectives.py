@@ -172,9 +172,22 @@ def test_dual_clip_bounds_negative_advantages_only():
     close(plain[0], [5.0, 2.0, 10.0])
 
 
-def test_dual_clip_must_exceed_one():
-    with pytest.raises(ValueError, match="dual_clip"):
-        clipped_policy_loss(torch.zeros(1, 1), torch.zeros(1, 1), torch.ones(1), dual_clip=0.5)
+@pytest.mark.parametrize(
+    "override, message",
+    [
+        ("rl.dual_clip=0.5", "rl.dual_clip=0.5 must be > 1; verl uses 3.0"),
+        ("rl.clip_low=1.0", r"rl.clip_low=1.0 must be in \[0, 1\)"),
+        ("rl.gamma=1.5", r"rl.gamma=1.5 must be in \[0, 1\]"),
+        ("rl.is_cap=0", "rl.is_cap=0.0 must be > 0"),
+    ],
+)
+def test_objective_ranges_are_the_configs_checked_once_at_load(override, message):
+    """One rule, one place: the ranges of what a config sets are ``RLConfig``'s field constraints."""
+    from conf.loader import load_config
+    from conf.schema import ConfigError
+
+    with pytest.raises(ConfigError, match=message):
+        load_config([override])
 
 
 def test_clipped_loss_gradient_only_through_logprobs():
@@ -398,8 +411,6 @@ def test_presets():
         ("advantage", "ppo", "grpo"),
         ("loss_agg", "sum", "token_mean"),
         ("behaviour_weight", "clip", "truncate"),
-        ("dual_clip", 1.0, "dual_clip"),
-        ("clip_low", 1.0, "clip_low"),
     ],
 )
 def test_params_validation_names_the_field(field, value, match):

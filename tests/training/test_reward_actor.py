@@ -8,8 +8,8 @@ import pytest
 
 from conf.schema import ModelConfig, RewardComponentConfig, RewardConfig
 from generation.model import build_char_tokenizer, build_tiny_model, save_model
-from rewards.compose import Reward
 from rewards.components import Sample
+from rewards.compose import Reward
 from training.reward_model import train_reward_model
 from training.rl.reward_actor import RemoteRewardModel, with_reward_actor
 from training.rl.sections import RLSections
@@ -33,7 +33,9 @@ def reward(tmp_path_factory):
     save_model(build_tiny_model(SMALL, tok, 0), tok, root / "lm")
     rows = [{"prompt": f"{a}+1=", "chosen": f"{a + 1}.", "rejected": f"{a + 1}"} for a in range(40)]
     train_reward_model(root / "lm", rows, root / "rm", steps=20, batch_size=8, lr=3e-3)
-    spec = RewardConfig([RewardComponentConfig(), RewardComponentConfig(name="reward_model", weight=0.5)])
+    spec = RewardConfig(
+        components=[RewardComponentConfig.of(), RewardComponentConfig.of(name="reward_model", weight=0.5)]
+    )
     return Reward.of(_Verifier(), spec, str(root / "rm"), "{problem}=")
 
 
@@ -72,9 +74,9 @@ def test_a_laminar_run_whose_reward_actor_is_killed_mid_run_finishes_with_every_
     from conf.schema import ClusterConfig
     from generation.model import encode_problem
     from generation.records import PromptItem
+    from tests.training.rl_fakes import ray_rl
     from training.rl.drivers.ray import LaminarRuntime
     from training.rl.stage import objective_params
-    from tests.training.rl_fakes import ray_rl
 
     ray = local_ray
     tok = build_char_tokenizer()

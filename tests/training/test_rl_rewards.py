@@ -34,9 +34,9 @@ def _run(tmp_path):
     prompts = [PromptItem(f"p{i}", f"q{i}", "7", encode_prompt(tok, f"q{i}\n"), 1) for i in range(4)]
     cfg = RewardConfig(
         components=[
-            RewardComponentConfig(name="math_verify"),
-            RewardComponentConfig(name="cosine_length", weight=0.5),
-            RewardComponentConfig(name="repetition", ngram=1),
+            RewardComponentConfig.of(name="math_verify"),
+            RewardComponentConfig.of(name="cosine_length", weight=0.5),
+            RewardComponentConfig.of(name="repetition", ngram=1),
         ]
     )
     reward = rl_reward(Reward.of(StartsWithDigit(), cfg), PRESETS["grpo"])

@@ -48,18 +48,19 @@ def mixed_env(envs: Sequence[EnvMixConfig]) -> EnvConfig:
     limits of them (each item's own ``max_turns`` still ends its episodes)."""
     names = env_names(envs)
     own = {
-        n: EnvConfig(**{f.name: getattr(e, f.name) for f in dataclasses.fields(EnvConfig)})
+        n: EnvConfig.model_validate({k: getattr(e, k) for k in EnvConfig.model_fields})
         for n, e in zip(names, envs)
     }
     cfgs = list(own.values())
-    return dataclasses.replace(
-        cfgs[0],
-        target=MIXED_TARGET,
-        params={"envs": own},
-        max_turns=max(c.max_turns for c in cfgs),
-        max_tokens=0 if any(c.max_tokens == 0 for c in cfgs) else max(c.max_tokens for c in cfgs),
-        tool_timeout_s=max(c.tool_timeout_s for c in cfgs),
-        tool_workers=max(c.tool_workers for c in cfgs),
+    return cfgs[0].model_copy(
+        update=dict(
+            target=MIXED_TARGET,
+            params={"envs": own},
+            max_turns=max(c.max_turns for c in cfgs),
+            max_tokens=0 if any(c.max_tokens == 0 for c in cfgs) else max(c.max_tokens for c in cfgs),
+            tool_timeout_s=max(c.tool_timeout_s for c in cfgs),
+            tool_workers=max(c.tool_workers for c in cfgs),
+        )
     )
 
 
@@ -72,7 +73,7 @@ def mix_key(envs: Sequence[EnvMixConfig]) -> dict:
         return {}
     items = []
     for e in envs:
-        item = dataclasses.asdict(e)
+        item = e.model_dump()
         if e.pool and Path(e.pool).is_file():
             item["pool_sha256"] = hashlib.sha256(Path(e.pool).read_bytes()).hexdigest()
         items.append(item)

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import dataclasses
 from collections.abc import Iterable
 
 from conf.simulate import SimulateConfig, apply_preset
@@ -26,13 +25,14 @@ def calibrate_train_share(cfg: SimulateConfig) -> tuple[SimulateConfig, dict]:
         return cfg, {}
     if not 0 < s < 1:
         raise ValueError("cost.train_gen_share must be in (0, 1)")
-    probe = dataclasses.replace(
-        cfg,
-        cluster=dataclasses.replace(cfg.cluster, colocate_sync=True),
-        cost=dataclasses.replace(
-            cfg.cost, train_s_per_token=1e-12, train_step_overhead_s=0.0, train_gen_share=0.0
-        ),
-        workload=dataclasses.replace(cfg.workload, steps=min(cfg.workload.steps, 3)),
+    probe = cfg.model_copy(
+        update={
+            "cluster": cfg.cluster.model_copy(update={"colocate_sync": True}),
+            "cost": cfg.cost.model_copy(
+                update={"train_s_per_token": 1e-12, "train_step_overhead_s": 0.0, "train_gen_share": 0.0}
+            ),
+            "workload": cfg.workload.model_copy(update={"steps": min(cfg.workload.steps, 3)}),
+        }
     )
     sim = Simulator(probe, "sync")
     res = sim.run()
@@ -41,9 +41,12 @@ def calibrate_train_share(cfg: SimulateConfig) -> tuple[SimulateConfig, dict]:
     tokens = res.trained_tokens / res.updates
     # the trainer's time per update on all GPUs at mfu 1, from the same FLOP model
     total = cfg.cluster.nodes * cfg.cluster.gpus_per_node
-    unit = dataclasses.replace(
-        cfg,
-        cost=dataclasses.replace(cfg.cost, mfu_train=1.0, train_step_overhead_s=0.0, train_s_per_token=0.0),
+    unit = cfg.model_copy(
+        update={
+            "cost": cfg.cost.model_copy(
+                update={"mfu_train": 1.0, "train_step_overhead_s": 0.0, "train_s_per_token": 0.0}
+            )
+        }
     )
     mean_ctx = cfg.workload.prompt_len + sim.mean_len
     at_peak = CostModel(unit, cfg.cluster.gpus_per_engine, total).train_s(int(tokens), mean_ctx)
@@ -53,7 +56,9 @@ def calibrate_train_share(cfg: SimulateConfig) -> tuple[SimulateConfig, dict]:
     if capped:
         mfu = MAX_TRAIN_MFU
         target = at_peak / mfu + cfg.cost.train_step_overhead_s
-    new = dataclasses.replace(cfg, cost=dataclasses.replace(cfg.cost, mfu_train=mfu, train_gen_share=0.0))
+    new = cfg.model_copy(
+        update={"cost": cfg.cost.model_copy(update={"mfu_train": mfu, "train_gen_share": 0.0})}
+    )
     return new, {
         "sync_generation_s": gen,
         "train_s_per_update_all_gpus": target,
