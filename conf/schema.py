@@ -772,7 +772,8 @@ class EngineOptions(Section):
     capacity: Annotated[int, Positive, Batch] = 64
     max_new_tokens: Annotated[int, Positive, Tokens] = 64
     temperature: Annotated[float, NonNegative] = 1.0
-    seed: Annotated[int, NonNegative, Seed] = 0
+    seed: Annotated[int, AtMost(2**64)] = 0
+    """The engine's noise seed (``generation.sampler.seed_from`` draws 64-bit ones)."""
     lora_rank: Annotated[int, NonNegative] = 0
     rollout: RolloutConfig = Field(default_factory=RolloutConfig.model_construct)
 

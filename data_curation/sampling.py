@@ -74,15 +74,13 @@ class Sampler:
         from generation.engine import Engine
         from generation.sampler import seed_from
 
-        engine = Engine(
-            self.engine.model,
-            self.tokenizer,
-            device=self.device,
-            batch_size=self.batch_size,
+        options = EngineOptions(
+            capacity=self.batch_size,
             max_new_tokens=max_new_tokens,
             temperature=temperature,
             seed=seed_from(generator, None),
         )
+        engine = Engine(self.engine.model, self.tokenizer, options, device=self.device)
         runner = wrap_engine(engine, self.env, self.tokenizer, self.sandbox)
         try:
             out = runner.generate(list(requests))

@@ -20,6 +20,7 @@ from tests.training.rl_fakes import MICRO, Verdict, saved_model
 from training.objectives import PRESETS
 from training.rl.drivers.local import LocalDriver
 from training.rl.loop import PromptCursor
+from training.rl.sections import RLSections
 from training.rl.mix import MixedSource, mixed_env, mixed_run, trained_shares
 
 OBSERVATION = "\n= 7\n"
@@ -81,7 +82,7 @@ def _source(items) -> MixedSource:
 def test_the_mixed_environment_routes_each_episode_and_keeps_each_turn_limit():
     tok = build_char_tokenizer()
     envs = [
-        EnvMixConfig(target="tests.training.test_env_mix:CallsOnce", max_turns=1, name="once", weight=1),
+        EnvMixConfig(target="calculator", max_turns=2, name="short", weight=1),
         EnvMixConfig(target="calculator", max_turns=3, weight=1),
         EnvMixConfig(target="single_turn", weight=1),
     ]
@@ -94,12 +95,16 @@ def test_the_mixed_environment_routes_each_episode_and_keeps_each_turn_limit():
     res = env.step(state, Turn("calc: 3+4", ()))
     assert res.tool_call and tok.decode(list(res.observation)) == "\n= 7\n" and res.state["turns"] == 1
     assert env.step(env.reset(_tagged("single_turn", item))[1], Turn("#### 7", ())).done
-    once = env.step(env.reset(_tagged("once", item))[1], Turn("x", ()))
-    assert once.done and once.reason == "max_turns" and not once.observation  # its own max_turns=1
+    first = env.step(env.reset(_tagged("short", item))[1], Turn("calc: 1+1", ()))
+    assert first.tool_call and not first.done
+    short = env.step(first.state, Turn("calc: 2+2", ()))
+    assert short.done and short.reason == "max_turns" and not short.observation  # its own max_turns=2
     with pytest.raises(ValueError, match="no environment 'nope'"):
         env.reset(_tagged("nope", item))
     with pytest.raises(ValueError, match="distinct name"):
-        mixed_env([EnvMixConfig(target="calculator"), EnvMixConfig(target="calculator")])
+        mixed_env(
+            [EnvMixConfig(target="calculator", max_turns=3), EnvMixConfig(target="calculator", max_turns=3)]
+        )
 
 
 def test_envs_compose_from_the_command_line_and_default_to_none():
@@ -153,8 +158,8 @@ def test_a_run_mixed_0_7_0_3_trains_each_environment_its_share_with_metrics_per_
     source, env = mixed_run(envs, lambda: None, tok, "{problem}\n", seed=0)
     rl = RLConfig(steps=5, prompts_per_step=10, group_size=2, lr=1e-4, max_new_tokens=4, micro_batch_tokens=0)
     driver = LocalDriver(
-        saved_model(tmp_path, model, tok), _items(tok, 8), DigitFirst(), PRESETS["grpo"], rl,
-        seed=0, device="cpu", source=source, env=env,
+        saved_model(tmp_path, model, tok), _items(tok, 8), DigitFirst(), PRESETS["grpo"],
+        RLSections(rl, seed=0, env=env), device="cpu", source=source,
     )  # fmt: skip
     result = driver.run()
     shares = trained_shares(dict(result.consumed))
@@ -188,8 +193,8 @@ def test_the_mix_runs_on_the_ray_runtime_in_laminar_mode(tmp_path, local_ray):
         micro_batch_tokens=0, rollout_capacity=16, chunk_steps=4,
     )  # fmt: skip
     rt = LaminarRuntime(
-        saved_model(tmp_path, ends_at_once(tok, items), tok), items, DigitFirst(), PRESETS["grpo"], rl,
-        seed=0, device="cpu", cluster=ClusterConfig(rollouts=2), source=source, env=env,
+        saved_model(tmp_path, ends_at_once(tok, items), tok), items, DigitFirst(), PRESETS["grpo"],
+        RLSections(rl, seed=0, cluster=ClusterConfig(rollouts=2), env=env), device="cpu", source=source,
     )  # fmt: skip
     result = rt.run()
     assert trained_shares(dict(result.consumed)) == pytest.approx({"tool": 0.7, "single_turn": 0.3})
