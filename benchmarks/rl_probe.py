@@ -18,7 +18,8 @@ from training.rl.stage import rl
 from rewards.verifier import Verifier
 from evaluation.stages import evaluate_checkpoint
 from generation.setup import setup_torch
-from tasks.bodies import eval_templates as _eval_templates, template
+from tasks.stages.common import template
+from tasks.stages.evaluate import eval_templates as _eval_templates
 
 
 def main():

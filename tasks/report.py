@@ -10,12 +10,16 @@ from pathlib import Path
 from typing import Any
 
 from core.workspace import Workspace
-from tasks.bodies import EVAL, MODEL
-from tasks.dag import stage_headline
+from tasks.dag import STAGES, stage_headline
+from tasks.stages.common import EVAL, MODEL
 
-CHECKPOINT_STAGES = ("base_model", "warmup", "rft", "rl")
+CHECKPOINT_STAGES = tuple(s.name for s in STAGES if s.policy)
+"""The stages whose model is a policy checkpoint (``Stage.policy``): each gives it its role."""
 ROLE_ORDER = (*CHECKPOINT_STAGES, "external")
-OWN_EVALS = {"eval_warmup": "warmup", "eval_rft": "rft", "eval_rl": "rl"}
+OWN_EVALS = {s.name: s.evaluates for s in STAGES if s.evaluates}
+"""Evaluation stage -> the stage whose model it scores (``Stage.evaluates``)."""
+STEP_STAGES = tuple(s.name for s in STAGES if s.step_metrics)
+"""The stages with per-step metrics (``Stage.step_metrics``): their curves are the report's."""
 
 
 class ReportError(ValueError):
@@ -23,11 +27,14 @@ class ReportError(ValueError):
 
 
 def default_run(ws: Workspace) -> str:
-    """The latest completed pipeline run (one that has an ``rl`` stage; ``laminar eval`` runs have not)."""
+    """The latest completed pipeline run (one that has a stage with per-step metrics, RL; ``laminar
+    eval`` runs have not)."""
+    marks = ", ".join("?" * len(STEP_STAGES))
     rows = ws.catalog.query(
         "SELECT r.run_id FROM runs r WHERE r.status = 'completed' AND EXISTS "
-        "(SELECT 1 FROM stage_runs s WHERE s.run_id = r.run_id AND s.stage = 'rl') "
-        "ORDER BY r.finished_at DESC LIMIT 1"
+        f"(SELECT 1 FROM stage_runs s WHERE s.run_id = r.run_id AND s.stage IN ({marks})) "
+        "ORDER BY r.finished_at DESC LIMIT 1",
+        list(STEP_STAGES),
     )
     if not rows:
         raise ReportError(f"no completed `laminar run` in {ws.root}; run the pipeline first or name a run id")
@@ -52,7 +59,7 @@ def gather(ws: Workspace, run_id: str):
     data = ReportData(run_id=run_id, status=run[0]["status"], command=run[0]["command"] or "")
     roles, own = _roles(cat, stages, data)
     data.evals = _eval_groups(ws, roles, own)
-    rl = next((s for s in stages if s["stage"] == "rl"), None)
+    rl = next((s for s in stages if s["stage"] in STEP_STAGES), None)
     if rl is not None:
         _rl_series(ws, rl, data)
     return data
@@ -147,8 +154,8 @@ def _rl_series(ws: Workspace, rl: dict, data: Any) -> None:
     cat = ws.catalog
     series: dict[str, list[tuple[int, float]]] = defaultdict(list)
     for m in cat.query(
-        "SELECT step, name, value FROM metrics WHERE cache_key = ? AND stage = 'rl' ORDER BY step",
-        [rl["cache_key"]],
+        "SELECT step, name, value FROM metrics WHERE cache_key = ? AND stage = ? ORDER BY step",
+        [rl["cache_key"], rl["stage"]],
     ):
         series[m["name"]].append((int(m["step"]), float(m["value"])))
     data.rl_metrics = dict(series)

@@ -476,9 +476,17 @@ def log_stage(ws: Workspace, stage_name: str, outcome: StageOutcome, tracker: Tr
             tags[f"checkpoint.{stage_name}"] = ref.sha256
         _log_artifact_contents(tracker, stage_name, ref, metrics)
     tracker.set_tags(tags)
-    if cached and stage_name == "rl":
-        for step, values in rl_curve(ws, outcome.key.digest).items():
-            tracker.log_metrics("rl", values, step)
+    if cached and _has_steps(stage_name):
+        for step, values in rl_curve(ws, outcome.key.digest, stage_name).items():
+            tracker.log_metrics(stage_name, values, step)
+
+
+def _has_steps(stage_name: str) -> bool:
+    """Whether the stage records per-step metrics in the catalog (``Stage.step_metrics``)."""
+    from tasks.dag import STAGE_BY_NAME
+
+    stage = STAGE_BY_NAME.get(stage_name)
+    return stage is not None and stage.step_metrics
 
 
 def _log_artifact_contents(tracker: Tracker, stage_name: str, ref: Any, metrics: dict) -> None:
@@ -529,11 +537,12 @@ def dart_by_level(path: Path) -> dict[str, dict[str, float]]:
     }
 
 
-def rl_curve(ws: Workspace, cache_key: str) -> dict[int, dict[str, float]]:
-    """The RL stage's per-step metrics recorded in the catalog for ``cache_key``: step -> name -> value."""
+def rl_curve(ws: Workspace, cache_key: str, stage: str) -> dict[int, dict[str, float]]:
+    """A stage's per-step metrics (the RL stage's) recorded in the catalog for ``cache_key``: step ->
+    name -> value."""
     rows = ws.catalog.query(
-        "SELECT step, name, value FROM metrics WHERE cache_key = ? AND stage = 'rl' ORDER BY step, name",
-        [cache_key],
+        "SELECT step, name, value FROM metrics WHERE cache_key = ? AND stage = ? ORDER BY step, name",
+        [cache_key, stage],
     )
     out: dict[int, dict[str, float]] = {}
     for r in rows:
