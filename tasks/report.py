@@ -10,7 +10,7 @@ from pathlib import Path
 from typing import Any
 
 from core.workspace import Workspace
-from tasks.dag import STAGES, stage_headline
+from tasks.dag import EVAL_STAGE, STAGES, stage_headline
 from tasks.stages.common import EVAL, MODEL
 
 CHECKPOINT_STAGES = tuple(s.name for s in STAGES if s.policy)
@@ -84,14 +84,12 @@ def _roles(cat: Any, stages: list[dict], data: Any) -> tuple[dict[str, str], set
         if s["stage"] in CHECKPOINT_STAGES and MODEL in outputs[s["stage"]]:
             # the first stage keeps a checkpoint's role: RFT with nothing to learn passes warm-up's weights on
             roles.setdefault(outputs[s["stage"]][MODEL]["sha256"], s["stage"])
-        elif (
-            s["stage"] == "eval"
-        ):  # a `laminar eval` run: its checkpoint, under the role the catalog gives it
+        elif s["stage"] == EVAL_STAGE.name:  # a `laminar eval` run: its checkpoint, under its catalog role
             sha = json.loads(s["metrics_json"] or "{}").get("checkpoint")
             found = cat.query("SELECT stage FROM checkpoints WHERE checkpoint_sha = ?", [sha]) if sha else []
             if found:
                 roles[sha] = found[0]["stage"] if found[0]["stage"] in ROLE_ORDER else "external"
-                own.add((sha, outputs["eval"][EVAL]["sha256"]))
+                own.add((sha, outputs[EVAL_STAGE.name][EVAL]["sha256"]))
     for stage, role in OWN_EVALS.items():
         if EVAL in outputs.get(stage, {}) and MODEL in outputs.get(role, {}):
             own.add((outputs[role][MODEL]["sha256"], outputs[stage][EVAL]["sha256"]))
@@ -142,7 +140,7 @@ def _eval_groups(ws: Workspace, roles: dict[str, str], own: set[tuple[str, str]]
             b,
             {**summarize_eval_rows(groups[(c, e, b)]), **_from_summary(ws, arts.get(e), b)},
             (c, e) in own,
-            (arts.get(e) or {}).get("stage") or "eval",
+            (arts.get(e) or {}).get("stage") or EVAL_STAGE.name,
             groups[(c, e, b)][0]["certificate"],
         )
         for c, e, b in order
