@@ -17,6 +17,9 @@ from functools import cache
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
+"""The tree whose library sources are fingerprinted (tests point it at an edited copy)."""
+HOME = ROOT
+"""This checkout: where the stage modules whose imports name their library modules are read."""
 # conf/ is left out: config values enter the key themselves, and the schema's code computes nothing.
 PROJECT_PACKAGES = (
     "core",
@@ -155,8 +158,8 @@ def stage_modules(module: str, root: Path | None = None) -> tuple[str, ...]:
     """The library modules (of ``PROJECT_PACKAGES``) a stage's module imports, and those of the stage
     modules it borrows from (``tasks.stages.X``, transitively; never the shared ``SHARED``): the
     stage's ``Stage.modules``, so its source fingerprint follows its code's imports instead of a list
-    kept by hand."""
-    root = ROOT if root is None else root
+    kept by hand. ``root``: the tree to read (default ``HOME``, this checkout)."""
+    root = HOME if root is None else root
     out: set[str] = set()
     seen, todo = set(), [module]
     while todo:

@@ -87,9 +87,11 @@ class Stage:
     (its ``model`` output is a policy checkpoint: the report gives it a role, and ``title`` names it
     in the held-out accuracy line), ``evaluates`` (an evaluation stage: the stage whose model it
     scores), ``step_metrics`` (it records per-step metrics in the catalog's ``metrics`` table: the
-    report plots them, a tracker replays them when the stage is cached), ``summary`` (its metrics ->
-    ``summary.json``'s metrics it adds), ``curation`` (its metrics -> the pool counts it adds to the
-    curation reconciliation) and ``warnings`` (the run's metrics by stage -> what is clearly broken)."""
+    report plots them, a tracker replays them when the stage is cached), ``curates`` (a curation
+    stage: ``laminar lineage`` lists its config and metrics among a checkpoint's curation),
+    ``summary`` (its metrics -> ``summary.json``'s metrics it adds), ``curation`` (its metrics -> the
+    pool counts it adds to the curation reconciliation) and ``warnings`` (the run's metrics by stage
+    -> what is clearly broken)."""
 
     name: str
     inputs: Mapping[str, tuple[str, str]]
@@ -108,6 +110,7 @@ class Stage:
     title: str = ""
     evaluates: str | None = None
     step_metrics: bool = False
+    curates: bool = False
     summary: Callable[[dict], dict] | None = None
     curation: Callable[[dict], dict] | None = None
     warnings: Callable[[Mapping[str, dict]], list[str]] | None = None

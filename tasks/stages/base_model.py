@@ -8,7 +8,7 @@ from typing import TYPE_CHECKING
 
 from conf.schema import Config
 from tasks.records import Stage, StageContext, StageResult
-from tasks.stages.common import MODEL, folder_hash, _produce, record_checkpoint
+from tasks.stages.common import MODEL, folder_hash, produce, record_checkpoint
 
 if TYPE_CHECKING:
     from duckdb import DuckDBPyConnection as Connection
@@ -30,7 +30,7 @@ def base_model_body(ctx: StageContext) -> StageResult:
     from generation.setup import setup_torch
 
     setup_torch(ctx.cfg.threads, ctx.cfg.seed)
-    ref, metrics = _produce(ctx, MODEL, lambda out: build_base_model(ctx.cfg.model, ctx.cfg.seed, out))
+    ref, metrics = produce(ctx, MODEL, lambda out: build_base_model(ctx.cfg.model, ctx.cfg.seed, out))
     return StageResult({MODEL: ref}, metrics)
 
 

@@ -38,7 +38,7 @@ def produce(
     return pending.ref, metrics
 
 
-_produce = produce  # the name the bodies moved here verbatim call it by
+_produce = produce  # rl_body, moved verbatim from tasks/bodies.py, calls it by its old name
 
 
 def template(cfg: Config) -> str:

@@ -15,7 +15,7 @@ from tasks.stages.common import (
     PROMPTS,
     REWARD_MODEL,
     RFT_DATA,
-    _produce,
+    produce,
     insert_parquet,
     numerics,
     reward_model_components,
@@ -94,7 +94,7 @@ def dart_body(ctx: StageContext) -> StageResult:
                 ranker=ranker,
             )
 
-    ref, metrics = _produce(ctx, RFT_DATA, run)
+    ref, metrics = produce(ctx, RFT_DATA, run)
     return StageResult({RFT_DATA: ref}, metrics)
 
 
@@ -136,4 +136,5 @@ STAGE = Stage(
     headline=dart_headline,
     reads={REWARD_MODEL: dart_ranks},
     plugins=verdict_plugins,
+    curates=True,
 )

@@ -8,7 +8,7 @@ from typing import TYPE_CHECKING
 
 from conf.schema import Config
 from tasks.records import Stage, StageContext, StageResult
-from tasks.stages.common import DATASET, _produce, drop_defaults
+from tasks.stages.common import DATASET, produce, drop_defaults
 
 if TYPE_CHECKING:
     from duckdb import DuckDBPyConnection as Connection
@@ -55,7 +55,7 @@ def data_body(ctx: StageContext) -> StageResult:
         write_sources(out, specs)
         return {**metrics, "sources": float(len(specs))}
 
-    ref, metrics = _produce(ctx, DATASET, build)
+    ref, metrics = produce(ctx, DATASET, build)
     return StageResult({DATASET: ref}, metrics)
 
 
@@ -85,4 +85,5 @@ STAGE = Stage(
     record=record_data,
     headline=data_headline,
     external=source_files,
+    curates=True,
 )

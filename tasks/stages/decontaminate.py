@@ -9,7 +9,7 @@ from typing import TYPE_CHECKING
 
 from conf.schema import Config
 from tasks.records import Stage, StageContext, StageResult
-from tasks.stages.common import DATASET, PROMPTS, _produce, benchmark_hashes, file_benchmarks, insert_parquet
+from tasks.stages.common import DATASET, PROMPTS, produce, benchmark_hashes, file_benchmarks, insert_parquet
 
 if TYPE_CHECKING:
     from duckdb import DuckDBPyConnection as Connection
@@ -71,7 +71,7 @@ def decontaminate_body(ctx: StageContext) -> StageResult:
     from data_curation.decontaminate import decontaminate
 
     items, decontam = decontam_args(ctx)
-    ref, metrics = _produce(
+    ref, metrics = produce(
         ctx,
         PROMPTS,
         lambda out: decontaminate(Path(ctx.inputs[PROMPTS].file("prompts.parquet")), items, out, **decontam),
@@ -107,4 +107,5 @@ STAGE = Stage(
     headline=decontaminate_headline,
     external=decontam_files,
     curation=lambda m: {"contaminated": m["contaminated"]},
+    curates=True,
 )

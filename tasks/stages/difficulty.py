@@ -14,7 +14,7 @@ from tasks.stages.common import (
     ATTEMPTS,
     MODEL,
     PROMPTS,
-    _produce,
+    produce,
     numerics,
     record_history,
     template,
@@ -87,7 +87,7 @@ def _difficulty(ctx: StageContext, max_prompts: int) -> StageResult:
                 verifier=verifier,
             )
 
-    ref, metrics = _produce(ctx, ATTEMPTS, run, {"model": ctx.inputs[MODEL].sha256})
+    ref, metrics = produce(ctx, ATTEMPTS, run, {"model": ctx.inputs[MODEL].sha256})
     return StageResult({ATTEMPTS: ref}, metrics)
 
 
@@ -116,6 +116,7 @@ STAGE = Stage(
     record=record_difficulty,
     headline=difficulty_headline,
     plugins=verdict_plugins,
+    curates=True,
 )
 
 # HIVE selects from the pass rates of the model RL starts from (the RFT model, often much better than
@@ -128,4 +129,5 @@ RFT_STAGE = Stage(
     record=record_difficulty,
     headline=difficulty_headline,
     plugins=verdict_plugins,
+    curates=True,
 )

@@ -18,7 +18,7 @@ from tasks.stages.common import (
     EVAL,
     MODEL,
     REWARD_MODEL,
-    _produce,
+    produce,
     benchmark_hashes,
     coverage_note,
     dumps,
@@ -141,7 +141,7 @@ def eval_body(ctx: StageContext) -> StageResult:
             json.dump(certificates, f, indent=1, sort_keys=True)
         return summary
 
-    ref, summary = _produce(ctx, EVAL, run, meta={"checkpoint": ctx.inputs[MODEL].sha256})
+    ref, summary = produce(ctx, EVAL, run, meta={"checkpoint": ctx.inputs[MODEL].sha256})
     return StageResult(
         {EVAL: ref}, eval_metrics(ctx.inputs[MODEL].sha256, summary, ctx.cfg.eval.n_samples, certificates)
     )

@@ -9,7 +9,7 @@ from typing import TYPE_CHECKING
 
 from conf.schema import Config
 from tasks.records import Stage, StageContext, StageResult
-from tasks.stages.common import DATASET, PROMPTS, _produce, insert_parquet
+from tasks.stages.common import DATASET, PROMPTS, produce, insert_parquet
 
 if TYPE_CHECKING:
     from duckdb import DuckDBPyConnection as Connection
@@ -41,7 +41,7 @@ def ingest_body(ctx: StageContext) -> StageResult:
     for spec in read_sources(Path(ctx.inputs[DATASET].path)):
         spec["extra_fields"] = tuple(spec.get("extra_fields") or ())
         specs.append(SourceSpec(**spec))
-    ref, metrics = _produce(
+    ref, metrics = produce(
         ctx,
         PROMPTS,
         lambda out: ingest(
@@ -123,4 +123,5 @@ STAGE = Stage(
     record=record_ingest,
     headline=ingest_headline,
     curation=ingest_curation,
+    curates=True,
 )

@@ -14,7 +14,7 @@ from tasks.stages.common import (
     DATASET,
     MODEL,
     PROMPTS,
-    _produce,
+    produce,
     insert_parquet,
     numerics,
     template,
@@ -70,7 +70,7 @@ def preferences_body(ctx: StageContext) -> StageResult:
             **decontam,
         )
 
-    ref, metrics = _produce(ctx, COMPARISONS, run)
+    ref, metrics = produce(ctx, COMPARISONS, run)
     return StageResult({COMPARISONS: ref}, metrics)
 
 
@@ -103,4 +103,5 @@ STAGE = Stage(
     headline=preferences_headline,
     external=decontam_files,
     when=uses_reward_model,
+    curates=True,
 )

@@ -12,7 +12,7 @@ from tasks.stages.common import (
     folder_hash,
     COMPARISONS,
     MODEL,
-    _produce,
+    produce,
     numerics,
     record_checkpoint,
     uses_reward_model,
@@ -83,7 +83,7 @@ def reward_model_body(ctx: StageContext) -> StageResult:
             metrics["agreement_ceiling"] = ceiling["agreement"]
         return metrics
 
-    ref, metrics = _produce(ctx, MODEL, run)
+    ref, metrics = produce(ctx, MODEL, run)
     return StageResult({MODEL: ref}, metrics)
 
 

@@ -8,7 +8,7 @@ from typing import TYPE_CHECKING
 
 from conf.schema import Config
 from tasks.records import Stage, StageContext, StageResult
-from tasks.stages.common import MODEL, RFT_DATA, _produce, lora_key, numerics, record_checkpoint, template
+from tasks.stages.common import MODEL, RFT_DATA, produce, lora_key, numerics, record_checkpoint, template
 
 if TYPE_CHECKING:
     from duckdb import DuckDBPyConnection as Connection
@@ -23,7 +23,7 @@ def rft_body(ctx: StageContext) -> StageResult:
     from generation.setup import setup_torch
 
     setup_torch(ctx.cfg.threads, ctx.cfg.seed)
-    ref, metrics = _produce(
+    ref, metrics = produce(
         ctx,
         MODEL,
         lambda out: rft(

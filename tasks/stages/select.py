@@ -9,7 +9,7 @@ from typing import TYPE_CHECKING, Any
 
 from conf.schema import Config
 from tasks.records import Stage, StageContext, StageResult
-from tasks.stages.common import ATTEMPTS, PROMPTS, SELECTION, _produce, dumps, insert_parquet, select_config
+from tasks.stages.common import ATTEMPTS, PROMPTS, SELECTION, produce, dumps, insert_parquet, select_config
 
 if TYPE_CHECKING:
     from duckdb import DuckDBPyConnection as Connection
@@ -92,7 +92,7 @@ def select_body(ctx: StageContext) -> StageResult:
             **{f"reason_{r['reason']}": float(r["len"]) for r in counts},
         }
 
-    ref, metrics = _produce(ctx, SELECTION, run)
+    ref, metrics = produce(ctx, SELECTION, run)
     return StageResult({SELECTION: ref}, metrics)
 
 
@@ -148,4 +148,5 @@ STAGE = Stage(
     headline=select_headline,
     external=history_fingerprint,
     curation=lambda m: {"selected": m["selected"]},
+    curates=True,
 )

@@ -12,7 +12,7 @@ from tasks.records import Stage, StageContext, StageResult
 from tasks.stages.common import (
     MODEL,
     PROMPTS,
-    _produce,
+    produce,
     env_key,
     env_plugins,
     eval_name,
@@ -46,7 +46,7 @@ def warmup_body(ctx: StageContext) -> StageResult:
     from training.warmup import warmup
 
     setup_torch(ctx.cfg.threads, ctx.cfg.seed)
-    ref, metrics = _produce(
+    ref, metrics = produce(
         ctx,
         MODEL,
         lambda out: warmup(
