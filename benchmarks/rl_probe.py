@@ -17,8 +17,8 @@ from conf.loader import load_config
 from evaluation.stages import evaluate_checkpoint
 from generation.setup import setup_torch
 from rewards.verifier import Verifier
-from tasks.bodies import eval_templates as _eval_templates
-from tasks.bodies import template
+from tasks.stages.common import template
+from tasks.stages.evaluate import eval_templates as _eval_templates
 from training.rl.sections import RLSections
 from training.rl.stage import rl
 

@@ -17,6 +17,9 @@ from functools import cache
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
+"""The tree whose library sources are fingerprinted (tests point it at an edited copy)."""
+HOME = ROOT
+"""This checkout: where the stage modules whose imports name their library modules are read."""
 # conf/ is left out: config values enter the key themselves, and the schema's code computes nothing.
 PROJECT_PACKAGES = (
     "core",
@@ -114,6 +117,63 @@ def source_files(modules: Iterable[str], root: Path | None = None) -> dict[str, 
         name: {"path": str(path.relative_to(base)), "sha256": hashlib.sha256(path.read_bytes()).hexdigest()}
         for name, path in module_closure(tuple(sorted(modules)), root)
     }
+
+
+STAGE_PACKAGE = "tasks.stages"
+SHARED = f"{STAGE_PACKAGE}.common"
+"""What every stage shares (artifact plumbing, key parts of shared config sections, catalog rows,
+presentation helpers): not followed; what a stage computes with, its own module imports."""
+
+
+def _type_checking_block(node: ast.AST) -> bool:
+    test = getattr(node, "test", None)
+    return isinstance(node, ast.If) and (
+        (isinstance(test, ast.Name) and test.id == "TYPE_CHECKING")
+        or (isinstance(test, ast.Attribute) and test.attr == "TYPE_CHECKING")
+    )
+
+
+def _named_imports(path: Path) -> set[str]:
+    """The modules ``path`` imports by absolute name, anywhere in it (inside functions too), with
+    ``from a import b`` read as ``a`` and ``a.b``; imports for type annotations only (``if
+    TYPE_CHECKING:``) run nothing and are left out."""
+    found: set[str] = set()
+    todo: list[ast.AST] = [ast.parse(path.read_text(), filename=str(path))]
+    while todo:
+        node = todo.pop()
+        if _type_checking_block(node):
+            todo.extend(getattr(node, "orelse", []))
+            continue
+        if isinstance(node, ast.Import):
+            found.update(a.name for a in node.names)
+        elif isinstance(node, ast.ImportFrom) and node.level == 0 and node.module:
+            found.add(node.module)
+            found.update(f"{node.module}.{a.name}" for a in node.names)
+        todo.extend(ast.iter_child_nodes(node))
+    return found
+
+
+@cache
+def stage_modules(module: str, root: Path | None = None) -> tuple[str, ...]:
+    """The library modules (of ``PROJECT_PACKAGES``) a stage's module imports, and those of the stage
+    modules it borrows from (``tasks.stages.X``, transitively; never the shared ``SHARED``): the
+    stage's ``Stage.modules``, so its source fingerprint follows its code's imports instead of a list
+    kept by hand. ``root``: the tree to read (default ``HOME``, this checkout)."""
+    root = HOME if root is None else root
+    out: set[str] = set()
+    seen, todo = set(), [module]
+    while todo:
+        name = todo.pop()
+        if name in seen:
+            continue
+        seen.add(name)
+        for imp in _named_imports(root.joinpath(*name.split(".")).with_suffix(".py")):
+            if _module_file(imp, root) is not None:
+                out.add(imp)
+            elif imp.startswith(STAGE_PACKAGE + ".") and imp != SHARED:
+                if root.joinpath(*imp.split(".")).with_suffix(".py").exists():
+                    todo.append(imp)
+    return tuple(sorted(out))
 
 
 def _digest(obj) -> str:

@@ -21,7 +21,8 @@ from collections.abc import Callable
 from conf.schema import Config
 from core.artifacts import ArtifactRef, hash_tree, write_json_atomic
 from core.workspace import Workspace
-from tasks.bodies import DATASET, EVAL, MODEL, REWARD_MODEL, eval_metrics, read_eval_certificates
+from tasks.stages.common import DATASET, EVAL, MODEL, REWARD_MODEL
+from tasks.stages.evaluate import eval_metrics, read_eval_certificates
 from tasks.dag import EVAL_STAGE, stage_key
 from tasks.records import StageContext, StageOutcome, StageResult
 from tasks.runner import record_outcome, recorded_run

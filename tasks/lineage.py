@@ -302,7 +302,7 @@ def lineage(ws: Workspace, spec: str, prompts: bool = False) -> dict:
 
 def _is_curation(stage_name: str | None) -> bool:
     stage = STAGE_BY_NAME.get(stage_name or "")
-    return bool(stage and stage.modules and stage.modules[0].startswith("data_curation"))
+    return bool(stage and stage.curates)
 
 
 def _base_model(seen: dict[str, dict], node: dict, target: dict) -> dict | None:

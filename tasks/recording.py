@@ -1,41 +1,24 @@
 """Every catalog write of a run, and only the runner (``tasks.runner``) calls this module: the run's
 row (opened, closed as completed, failed or interrupted), each stage's rows (``stage_runs``, its
-artifacts and their edges, what its cache key was made of) and each stage's own rows (its ``record``
-hook in ``tasks.dag.STAGES``, given the runner's transaction). Each write is one transaction with
+artifacts and their edges, what its cache key was made of) and each stage's own rows (its
+``Stage.record`` hook, declared in its module of ``tasks.stages``, given the runner's transaction,
+after its ``Stage.tables``). Each write is one transaction with
 idempotent keys, so a retried or replayed stage never double-counts.
 """
 
 from __future__ import annotations
 
-import json
 import logging
 from collections.abc import Mapping
 from datetime import datetime
-from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 from conf.schema import Config
 from core.artifacts import ArtifactRef
-from core.catalog import dumps, insert_many
+from core.catalog import dumps
 from core.workspace import Workspace
-from tasks.bodies import (
-    ATTEMPTS,
-    COMPARISONS,
-    DATASET,
-    EVAL,
-    MODEL,
-    PROMPTS,
-    RFT_DATA,
-    SELECTION,
-    eval_certificates,
-    read_eval_certificates,
-)
 from tasks.cache import _digest, source_files
-from tasks.certificate import connection_query
-from tasks.records import INTERRUPTED, Stage, StageContext, StageOutcome, StageResult
-
-if TYPE_CHECKING:
-    from duckdb import DuckDBPyConnection as Connection
+from tasks.records import INTERRUPTED, Stage, StageContext, StageOutcome
 
 LINEAGE_SCHEMA = """
 CREATE TABLE IF NOT EXISTS stage_lineage (
@@ -164,6 +147,8 @@ def record_stage_run(
                     "INSERT INTO artifact_edges VALUES (?, ?, ?, ?, ?, ?) ON CONFLICT DO NOTHING",
                     [parent.kind, parent.sha256, ref.kind, ref.sha256, stage.name, k.digest],
                 )
+        if stage.tables:
+            con.execute(stage.tables)
         if stage.record is not None:
             stage.record(con, ctx, out.result, k.digest)
 
@@ -204,231 +189,3 @@ def record_lineage(
                 verified,
             ],
         )
-
-
-# ---- each stage's own rows (``Stage.record``) --------------------------------------------------------
-
-
-def record_data(con: Connection, ctx: StageContext, res: StageResult, key: str) -> None:
-    ref = res.artifacts[DATASET]
-    for split in ("pool", "heldout"):
-        if ref.file(f"{split}.parquet").exists():
-            con.execute(
-                "INSERT INTO prompts SELECT ?, prompt_id, 'arith', split, problem, answer, level "
-                "FROM read_parquet(?) ON CONFLICT DO NOTHING",
-                [ref.sha256, str(ref.file(f"{split}.parquet"))],
-            )
-
-
-def _insert_parquet(con: Connection, table: str, columns: str, ref: ArtifactRef, file: str) -> None:
-    """Rows of one of the artifact's parquet files into ``table``, keyed by the artifact's sha."""
-    con.execute(
-        f"INSERT INTO {table} SELECT ?, {columns} FROM read_parquet(?) ON CONFLICT DO NOTHING",
-        [ref.sha256, str(ref.file(file))],
-    )
-
-
-def record_ingest(con: Connection, ctx: StageContext, res: StageResult, key: str) -> None:
-    ref = res.artifacts[PROMPTS]
-    _insert_parquet(
-        con, "prompts", "prompt_id, source, 'pool', problem, answer, level", ref, "prompts.parquet"
-    )
-    _insert_parquet(con, "quarantine", "source, source_row, raw, reason", ref, "quarantine.parquet")
-    _insert_parquet(
-        con,
-        "duplicates",
-        "source, source_row, prompt_id, canonical_id, kind, similarity",
-        ref,
-        "duplicates.parquet",
-    )
-    if ref.file("templates.parquet").exists():
-        _insert_parquet(
-            con,
-            "source_templates",
-            "source, template, prefix, suffix, rows, matched",
-            ref,
-            "templates.parquet",
-        )
-
-
-def record_decontaminate(con: Connection, ctx: StageContext, res: StageResult, key: str) -> None:
-    _insert_parquet(
-        con,
-        "contamination",
-        "prompt_id, source, benchmark, benchmark_problem_id, matched, overlap, rule, score",
-        res.artifacts[PROMPTS],
-        "contamination.parquet",
-    )
-
-
-def _record_history(con: Connection, ref: ArtifactRef, file: str) -> None:
-    con.execute(
-        "INSERT INTO reward_history SELECT ?, origin, step, idx, prompt_id, mean_reward, n, now() "
-        "FROM read_parquet(?) ON CONFLICT DO NOTHING",
-        [ref.sha256, str(ref.file(file))],
-    )
-
-
-def record_difficulty(con: Connection, ctx: StageContext, res: StageResult, key: str) -> None:
-    ref = res.artifacts[ATTEMPTS]
-    con.execute(
-        "INSERT INTO attempts SELECT ?, ?, prompt_id, n, n_correct, pass_rate, mean_length, mean_entropy, "
-        "level FROM read_parquet(?) ON CONFLICT DO NOTHING",
-        [ref.sha256, ctx.inputs[MODEL].sha256, str(ref.file("attempts.parquet"))],
-    )
-    _record_history(con, ref, "history.parquet")
-
-
-def record_dart(con: Connection, ctx: StageContext, res: StageResult, key: str) -> None:
-    _insert_parquet(
-        con,
-        "dart_stats",
-        "prompt_id, fail_rate, target, trials, corrects, stopped_reason, level",
-        res.artifacts[RFT_DATA],
-        "dart_stats.parquet",
-    )
-
-
-def record_select(con: Connection, ctx: StageContext, res: StageResult, key: str) -> None:
-    _insert_parquet(
-        con,
-        "selections",
-        "prompt_id, pass_rate_est, score, n_observations, selected, reason",
-        res.artifacts[SELECTION],
-        "selection.parquet",
-    )
-
-
-def record_preferences(con: Connection, ctx: StageContext, res: StageResult, key: str) -> None:
-    ref = res.artifacts[COMPARISONS]
-    _insert_parquet(
-        con,
-        "comparisons",
-        "comparison_id, prompt, chosen, rejected, margin, annotator, source",
-        ref,
-        "comparisons.parquet",
-    )
-    _insert_parquet(con, "preference_quarantine", 'source, "row", reason', ref, "quarantine.parquet")
-
-
-def record_reward_model(con: Connection, ctx: StageContext, res: StageResult, key: str) -> None:
-    _record_checkpoint(con, ctx, res, key, "reward_model", ctx.cfg.reward_model.steps)
-
-
-def _record_checkpoint(
-    con: Connection, ctx: StageContext, res: StageResult, key: str, stage: str, step: int | None
-) -> None:
-    ref = res.artifacts[MODEL]
-    base = ctx.inputs.get(MODEL)
-    con.execute(
-        "INSERT INTO checkpoints VALUES (?, ?, ?, ?, ?, now()) ON CONFLICT DO NOTHING",
-        [ref.sha256, stage, step, base.sha256 if base else None, key],
-    )
-
-
-def record_base_model(con: Connection, ctx: StageContext, res: StageResult, key: str) -> None:
-    _record_checkpoint(con, ctx, res, key, "base_model", 0)
-
-
-def record_warmup(con: Connection, ctx: StageContext, res: StageResult, key: str) -> None:
-    _record_checkpoint(con, ctx, res, key, "warmup", ctx.cfg.sft.steps)
-
-
-def record_rft(con: Connection, ctx: StageContext, res: StageResult, key: str) -> None:
-    _record_checkpoint(con, ctx, res, key, "rft", ctx.cfg.curation.rft.steps)
-
-
-def record_rl(con: Connection, ctx: StageContext, res: StageResult, key: str) -> None:
-    ref = res.artifacts[MODEL]
-    _record_checkpoint(con, ctx, res, key, "rl", int(res.metrics.get("steps") or 0))
-    values: dict[tuple[int, str], float] = {}  # (step, name) -> value; timings after the history
-    with open(ref.file("history.jsonl")) as f:
-        steps = [json.loads(line) for line in f]
-    timings = ctx.store.manifest(ref).get("meta", {}).get("timings", [])
-    for m in steps + timings:
-        values.update({(int(m["step"]), name): float(v) for name, v in m.items() if name != "step"})
-    insert_many(
-        con,
-        "metrics",
-        ("cache_key", "stage", "step", "name", "value"),
-        [(key, "rl", step, name, v) for (step, name), v in values.items()],
-        "DO UPDATE SET value = excluded.value",
-    )
-    with open(ref.file("consumed.json")) as f:
-        consumed = json.load(f)
-    insert_many(
-        con,
-        "consumed_prompts",
-        ("checkpoint_sha", "prompt_id", "n_trajectories"),
-        [(ref.sha256, pid, n) for pid, n in consumed.items()],
-    )
-    _record_history(con, ref, "rewards.parquet")
-    record_reward(con, ref)
-
-
-def record_reward(con: Connection, ref: ArtifactRef) -> None:
-    """``reward_components`` (the reward the checkpoint trained under) and ``reward_terms`` (every
-    response's score per component): the RL artifact's ``reward.json`` and ``reward_terms.parquet``."""
-    with open(ref.file("reward.json")) as f:
-        spec = json.load(f)
-    rows = [
-        (ref.sha256, i, c["name"], c["weight"], c["correctness"], dumps(c["params"]))
-        for i, c in enumerate(spec)
-    ]
-    insert_many(
-        con,
-        "reward_components",
-        ("checkpoint_sha", "position", "component", "weight", "correctness", "params_json"),
-        rows,
-    )
-    con.execute(
-        "INSERT INTO reward_terms SELECT ?, idx, step, prompt_id, sample_idx, component, value "
-        "FROM read_parquet(?) ON CONFLICT DO NOTHING",
-        [ref.sha256, str(ref.file("reward_terms.parquet"))],
-    )
-
-
-def record_eval(con: Connection, ctx: StageContext, res: StageResult, key: str) -> None:
-    ref = res.artifacts[EVAL]
-    con.execute(
-        "INSERT INTO eval_results BY NAME SELECT ? AS checkpoint_sha, ? AS eval_sha, benchmark, problem_id, "
-        "sample_idx, response, pred, correct, error, length, truncated, level, subject FROM read_parquet(?, "
-        "union_by_name = true) ON CONFLICT DO NOTHING",
-        [ctx.inputs[MODEL].sha256, ref.sha256, str(ref.file("rows.parquet"))],
-    )
-    certificates = read_eval_certificates(ref)
-    if not certificates:  # an evaluation artifact from before certificates: certify it now
-        benches = [
-            r[0]
-            for r in con.execute(
-                "SELECT DISTINCT benchmark FROM eval_results WHERE checkpoint_sha = ? AND eval_sha = ?",
-                [ctx.inputs[MODEL].sha256, ref.sha256],
-            ).fetchall()
-        ]
-        data = ctx.inputs.get(DATASET)
-        try:
-            certificates = eval_certificates(
-                connection_query(con),
-                ctx.inputs[MODEL].sha256,
-                benches,
-                Path(data.path) if data else None,
-                root=ctx.store.workspace_root,
-            )
-        except (OSError, ValueError):  # a benchmark file no longer there: nothing to certify against
-            certificates = {}
-    for bench, cert in certificates.items():
-        con.execute(
-            "UPDATE eval_results SET certificate = ?, certificate_json = ? WHERE checkpoint_sha = ? "
-            "AND eval_sha = ? AND benchmark = ?",
-            [cert["status"], dumps(cert), ctx.inputs[MODEL].sha256, ref.sha256, bench],
-        )
-
-
-def record_adhoc_eval(con: Connection, ctx: StageContext, res: StageResult, key: str) -> None:
-    """``laminar eval``: a checkpoint from outside the store gets a ``checkpoints`` row (stage
-    ``external``); one from the store already has its row, which is left as it is."""
-    con.execute(
-        "INSERT INTO checkpoints VALUES (?, 'external', NULL, NULL, NULL, now()) ON CONFLICT DO NOTHING",
-        [ctx.inputs[MODEL].sha256],
-    )
-    record_eval(con, ctx, res, key)

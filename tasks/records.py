@@ -1,4 +1,5 @@
-"""The stage records: what a stage is (``Stage``; the table of them is ``tasks.dag.STAGES``), what its
+"""The stage records: what a stage is (``Stage``; the table of them is ``tasks.dag.STAGES``, each
+declared in its module of ``tasks.stages``), what its
 body reads (``StageContext``) and returns (``StageResult``), what one stage of a run was
 (``StageOutcome``) or would be (``StagePlan``), and one run's summary (``RunSummary``, written as
 ``summary.json``). Typed records; nothing here runs a stage or writes the catalog."""
@@ -13,7 +14,7 @@ from typing import TYPE_CHECKING, Any, Literal
 from conf.schema import Config
 from core.artifacts import ArtifactRef, ArtifactStore
 from core.catalog import Catalog
-from tasks.cache import CacheKey, make_key
+from tasks.cache import CacheKey, make_key, stage_modules
 
 if TYPE_CHECKING:
     from duckdb import DuckDBPyConnection as Connection
@@ -68,23 +69,36 @@ def plugin_hashes(targets: Iterable[str]) -> dict[str, str]:
 
 @dataclass(frozen=True, kw_only=True)
 class Stage:
-    """One stage of the DAG. ``inputs``: input name -> (upstream stage, its output name). ``config``:
-    the config subtree that enters the cache key; ``modules``: the library code whose source does.
-    ``body`` makes the artifacts; ``record`` writes the stage's own catalog rows (inside the runner's
-    transaction); ``headline`` is its one-line metric summary; ``external`` hashes its inputs from
-    outside the store (a local model folder, vendored benchmark files, the workspace's reward
-    history): they enter the cache key like artifact inputs, so replacing them reruns the stage.
-    ``when``: the configs the stage runs under (None: all); a stage's input from a stage that does
-    not run under the config is left out of its inputs (and of its key). ``reads``: input name -> the
-    configs under which the stage reads that input (absent: all); under the others it is left out
-    the same way."""
+    """One stage of the DAG, declared in its own module of ``tasks.stages`` next to its body (the
+    table of them is ``tasks.dag.STAGES``). ``inputs``: input name -> (upstream stage, its output
+    name). ``config``: the config subtree that enters the cache key; the library code whose source
+    does is what the body's module imports (``modules``, read from its imports). ``body`` makes the
+    artifacts; ``record`` writes the stage's own catalog rows (inside the runner's transaction),
+    after ``tables`` (``CREATE TABLE IF NOT EXISTS ...``: tables of the stage's own that the shared
+    schema in ``core.catalog`` lacks); ``headline`` is its one-line metric summary; ``external``
+    hashes its inputs from outside the store (a local model folder, vendored benchmark files, the
+    workspace's reward history): they enter the cache key like artifact inputs, so replacing them
+    reruns the stage. ``when``: the configs the stage runs under (None: all); a stage's input from a
+    stage that does not run under the config is left out of its inputs (and of its key). ``reads``:
+    input name -> the configs under which the stage reads that input (absent: all); under the others
+    it is left out the same way.
+
+    What the run's summary, report and trackers read of it (none of them names a stage): ``policy``
+    (its ``model`` output is a policy checkpoint: the report gives it a role, and ``title`` names it
+    in the held-out accuracy line), ``evaluates`` (an evaluation stage: the stage whose model it
+    scores), ``step_metrics`` (it records per-step metrics in the catalog's ``metrics`` table: the
+    report plots them, a tracker replays them when the stage is cached), ``curates`` (a curation
+    stage: ``laminar lineage`` lists its config and metrics among a checkpoint's curation),
+    ``summary`` (its metrics -> ``summary.json``'s metrics it adds), ``curation`` (its metrics -> the
+    pool counts it adds to the curation reconciliation) and ``warnings`` (the run's metrics by stage
+    -> what is clearly broken)."""
 
     name: str
     inputs: Mapping[str, tuple[str, str]]
     config: Callable[[Config], dict]
-    modules: tuple[str, ...]
     body: Callable[[StageContext], StageResult]
     record: Callable[[Connection, StageContext, StageResult, str], None] | None = None
+    tables: str = ""
     headline: Callable[[dict], str] = no_headline
     external: Callable[[Config, Catalog | None], dict[str, str]] | None = None
     when: Callable[[Config], bool] | None = None
@@ -92,6 +106,20 @@ class Stage:
     plugins: Callable[[Config], Iterable[str]] | None = None
     """The plug-ins (``module:attr`` targets) the stage runs under ``cfg``: each one's source file
     enters the key as ``plugin:<target>`` -> its sha256, like ``external`` inputs (so lineage names it)."""
+    policy: bool = False
+    title: str = ""
+    evaluates: str | None = None
+    step_metrics: bool = False
+    curates: bool = False
+    summary: Callable[[dict], dict] | None = None
+    curation: Callable[[dict], dict] | None = None
+    warnings: Callable[[Mapping[str, dict]], list[str]] | None = None
+
+    @property
+    def modules(self) -> tuple[str, ...]:
+        """The library modules the stage's module imports (``tasks.cache.stage_modules``): their
+        source, and that of every project module they import, is the key's source fingerprint."""
+        return stage_modules(self.body.__module__)
 
     def active(self, cfg: Config | None) -> bool:
         """Whether the stage runs under ``cfg`` (None: the config is unknown, so it may)."""

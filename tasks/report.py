@@ -10,12 +10,16 @@ from pathlib import Path
 from typing import Any
 
 from core.workspace import Workspace
-from tasks.bodies import EVAL, MODEL
-from tasks.dag import stage_headline
+from tasks.dag import EVAL_STAGE, STAGES, stage_headline
+from tasks.stages.common import EVAL, MODEL
 
-CHECKPOINT_STAGES = ("base_model", "warmup", "rft", "rl")
+CHECKPOINT_STAGES = tuple(s.name for s in STAGES if s.policy)
+"""The stages whose model is a policy checkpoint (``Stage.policy``): each gives it its role."""
 ROLE_ORDER = (*CHECKPOINT_STAGES, "external")
-OWN_EVALS = {"eval_warmup": "warmup", "eval_rft": "rft", "eval_rl": "rl"}
+OWN_EVALS = {s.name: s.evaluates for s in STAGES if s.evaluates}
+"""Evaluation stage -> the stage whose model it scores (``Stage.evaluates``)."""
+STEP_STAGES = tuple(s.name for s in STAGES if s.step_metrics)
+"""The stages with per-step metrics (``Stage.step_metrics``): their curves are the report's."""
 
 
 class ReportError(ValueError):
@@ -23,11 +27,14 @@ class ReportError(ValueError):
 
 
 def default_run(ws: Workspace) -> str:
-    """The latest completed pipeline run (one that has an ``rl`` stage; ``laminar eval`` runs have not)."""
+    """The latest completed pipeline run (one that has a stage with per-step metrics, RL; ``laminar
+    eval`` runs have not)."""
+    marks = ", ".join("?" * len(STEP_STAGES))
     rows = ws.catalog.query(
         "SELECT r.run_id FROM runs r WHERE r.status = 'completed' AND EXISTS "
-        "(SELECT 1 FROM stage_runs s WHERE s.run_id = r.run_id AND s.stage = 'rl') "
-        "ORDER BY r.finished_at DESC LIMIT 1"
+        f"(SELECT 1 FROM stage_runs s WHERE s.run_id = r.run_id AND s.stage IN ({marks})) "
+        "ORDER BY r.finished_at DESC LIMIT 1",
+        list(STEP_STAGES),
     )
     if not rows:
         raise ReportError(f"no completed `laminar run` in {ws.root}; run the pipeline first or name a run id")
@@ -52,7 +59,7 @@ def gather(ws: Workspace, run_id: str):
     data = ReportData(run_id=run_id, status=run[0]["status"], command=run[0]["command"] or "")
     roles, own = _roles(cat, stages, data)
     data.evals = _eval_groups(ws, roles, own)
-    rl = next((s for s in stages if s["stage"] == "rl"), None)
+    rl = next((s for s in stages if s["stage"] in STEP_STAGES), None)
     if rl is not None:
         _rl_series(ws, rl, data)
     return data
@@ -77,14 +84,12 @@ def _roles(cat: Any, stages: list[dict], data: Any) -> tuple[dict[str, str], set
         if s["stage"] in CHECKPOINT_STAGES and MODEL in outputs[s["stage"]]:
             # the first stage keeps a checkpoint's role: RFT with nothing to learn passes warm-up's weights on
             roles.setdefault(outputs[s["stage"]][MODEL]["sha256"], s["stage"])
-        elif (
-            s["stage"] == "eval"
-        ):  # a `laminar eval` run: its checkpoint, under the role the catalog gives it
+        elif s["stage"] == EVAL_STAGE.name:  # a `laminar eval` run: its checkpoint, under its catalog role
             sha = json.loads(s["metrics_json"] or "{}").get("checkpoint")
             found = cat.query("SELECT stage FROM checkpoints WHERE checkpoint_sha = ?", [sha]) if sha else []
             if found:
                 roles[sha] = found[0]["stage"] if found[0]["stage"] in ROLE_ORDER else "external"
-                own.add((sha, outputs["eval"][EVAL]["sha256"]))
+                own.add((sha, outputs[EVAL_STAGE.name][EVAL]["sha256"]))
     for stage, role in OWN_EVALS.items():
         if EVAL in outputs.get(stage, {}) and MODEL in outputs.get(role, {}):
             own.add((outputs[role][MODEL]["sha256"], outputs[stage][EVAL]["sha256"]))
@@ -135,7 +140,7 @@ def _eval_groups(ws: Workspace, roles: dict[str, str], own: set[tuple[str, str]]
             b,
             {**summarize_eval_rows(groups[(c, e, b)]), **_from_summary(ws, arts.get(e), b)},
             (c, e) in own,
-            (arts.get(e) or {}).get("stage") or "eval",
+            (arts.get(e) or {}).get("stage") or EVAL_STAGE.name,
             groups[(c, e, b)][0]["certificate"],
         )
         for c, e, b in order
@@ -147,8 +152,8 @@ def _rl_series(ws: Workspace, rl: dict, data: Any) -> None:
     cat = ws.catalog
     series: dict[str, list[tuple[int, float]]] = defaultdict(list)
     for m in cat.query(
-        "SELECT step, name, value FROM metrics WHERE cache_key = ? AND stage = 'rl' ORDER BY step",
-        [rl["cache_key"]],
+        "SELECT step, name, value FROM metrics WHERE cache_key = ? AND stage = ? ORDER BY step",
+        [rl["cache_key"], rl["stage"]],
     ):
         series[m["name"]].append((int(m["step"]), float(m["value"])))
     data.rl_metrics = dict(series)

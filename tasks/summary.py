@@ -7,15 +7,16 @@ from collections.abc import Mapping, Sequence
 
 from conf.schema import Config
 from core.workspace import Workspace
-from tasks.dag import STAGE_BY_NAME, stage_headline, stage_inputs, stage_key
+from tasks.dag import STAGE_BY_NAME, STAGES, stage_headline, stage_inputs, stage_key
 from tasks.records import RunSummary, StageOutcome
+from tasks.stages.common import EVAL, MODEL
 
-
-HEADLINE_EVALS = (
-    ("heldout_accuracy_warmup", "eval_warmup"),
-    ("heldout_accuracy_rft", "eval_rft"),
-    ("heldout_accuracy_rl", "eval_rl"),
-)
+HEADLINE_EVALS = tuple((f"heldout_accuracy_{s.evaluates}", s.name) for s in STAGES if s.evaluates)
+"""summary.json's held-out accuracy labels -> the evaluation stage (``Stage.evaluates``) they come from."""
+EVALUATED = tuple(s.evaluates for s in STAGES if s.evaluates)
+"""The stages whose checkpoints the run evaluates: summary.json's ``checkpoints``."""
+HELDOUT_KEY = "arith_heldout"
+"""The benchmark whose accuracy the headline metrics are (``evaluation.stages.HELDOUT``)."""
 
 
 def catalog_metrics(cfg: Config, ws: Workspace, outcomes: Sequence[StageOutcome]) -> dict[str, dict]:
@@ -50,11 +51,13 @@ def build_summary(
     metrics: dict[str, float | None] = {}
     for label, stage in HEADLINE_EVALS:
         m = by[stage].result.metrics if stage in by else from_catalog.get(stage, {})
-        metrics[label] = m.get("arith_heldout", {}).get("accuracy")
-    if metrics["heldout_accuracy_warmup"] is not None and metrics["heldout_accuracy_rl"] is not None:
-        metrics["heldout_accuracy_gain"] = metrics["heldout_accuracy_rl"] - metrics["heldout_accuracy_warmup"]
-    if "reward_model" in by:
-        metrics.update(reward_model_metrics(by["reward_model"].result.metrics))
+        metrics[label] = m.get(HELDOUT_KEY, {}).get("accuracy")
+    first, last = metrics[HEADLINE_EVALS[0][0]], metrics[HEADLINE_EVALS[-1][0]]
+    if first is not None and last is not None:
+        metrics["heldout_accuracy_gain"] = last - first
+    for s in STAGES:
+        if s.summary is not None and s.name in by:
+            metrics.update(s.summary(by[s.name].result.metrics))
     return RunSummary(
         run_id=run_id,
         seconds=seconds,
@@ -70,70 +73,19 @@ def build_summary(
             for o in outcomes
         },
         metrics=metrics,
-        checkpoints={s: by[s].result.artifacts["model"].sha256 for s in ("warmup", "rft", "rl") if s in by},
+        checkpoints={s: by[s].result.artifacts[MODEL].sha256 for s in EVALUATED if s in by},
         curation=reconciliation(by),
         certificates=certificates(outcomes),
         metrics_from_catalog=sorted(s for s in from_catalog if s not in by),
     )
 
 
-REWARD_MODEL_METRICS = (
-    ("reward_model_heldout_accuracy", "rm_heldout_accuracy"),
-    ("reward_model_baseline_random_accuracy", "baseline_random_accuracy"),
-    ("reward_model_baseline_longer_wins_accuracy", "baseline_longer_wins_accuracy"),
-    ("reward_model_baseline_shorter_wins_accuracy", "baseline_shorter_wins_accuracy"),
-    ("reward_model_baseline_policy_logprob_accuracy", "baseline_policy_logprob_accuracy"),
-    ("reward_model_agreement_ceiling", "agreement_ceiling"),
-)
-"""summary.json's reward-model keys -> the reward_model stage's metric of the same meaning."""
-
-
-def reward_model_metrics(m: dict) -> dict[str, float | None]:
-    """The reward model's held-out pairwise accuracy, its baselines and the annotators' ceiling."""
-    return {label: m.get(key) for label, key in REWARD_MODEL_METRICS}
-
-
-WARMUP_FLOOR = 0.05
-"""A warm-up evaluation below this (avg@n) means the warm-up model solves almost nothing."""
-COLLAPSE = 0.5
-"""RL reward collapsed: the last 5 steps' mean reward below this share of its best 5-step mean."""
-RL_DROP = 0.02
-"""RL ended below where it started: held-out accuracy after RL more than this under RFT's (about
-1.5 standard errors of avg@4 on the 300 synthetic held-out problems)."""
-
-
 def run_warnings(by: Mapping[str, StageOutcome]) -> list[str]:
-    """What is clearly broken in a run's outputs, in words: a warm-up that learned nothing, an RL
-    reward that collapsed, an RL stage that made its model worse. Cached stages count like fresh ones."""
-    out: list[str] = []
-    m = lambda stage: by[stage].result.metrics if stage in by else {}  # noqa: E731
-    for bench, s in sorted(m("eval_warmup").items()):
-        if isinstance(s, dict) and s.get("accuracy") is not None and s["accuracy"] < WARMUP_FLOOR:
-            out.append(
-                f"warm-up accuracy {s['accuracy']:.3f} on {bench}: the warm-up model solves almost nothing, "
-                "so DART, RFT and RL have little to start from (more sft.steps, or another sft.lr)"
-            )
-    rl = m("rl")
-    peak, last = rl.get("reward_peak5"), rl.get("reward_last5")
-    if peak is not None and last is not None and peak > 0.1 and last < COLLAPSE * peak:
-        out.append(
-            f"RL reward collapsed: last 5 steps {last:.3f} against a best of {peak:.3f} "
-            "(lower rl.lr, or check the objective's clip and KL settings)"
-        )
-    before, after = m("eval_rft"), m("eval_rl")
-    for bench in sorted(set(before) & set(after)):
-        b, a = before[bench], after[bench]
-        if (
-            isinstance(b, dict)
-            and isinstance(a, dict)
-            and None not in (b.get("accuracy"), a.get("accuracy"))
-            and a["accuracy"] < b["accuracy"] - RL_DROP
-        ):
-            out.append(
-                f"RL ended below where it started on {bench}: {a['accuracy']:.3f} after RL against "
-                f"{b['accuracy']:.3f} after RFT"
-            )
-    return out
+    """What is clearly broken in a run's outputs, in words (each stage's ``Stage.warnings``: a warm-up
+    that learned nothing, an RL reward that collapsed, an RL stage that made its model worse). Cached
+    stages count like fresh ones."""
+    metrics = {name: o.result.metrics for name, o in by.items()}
+    return [w for s in STAGES if s.warnings is not None for w in s.warnings(metrics)]
 
 
 def certificates(outcomes: Sequence[StageOutcome]) -> dict[str, dict[str, str]]:
@@ -153,22 +105,13 @@ def certificates(outcomes: Sequence[StageOutcome]) -> dict[str, dict[str, str]]:
 def reconciliation(by: Mapping[str, StageOutcome]) -> dict[str, int]:
     """Where the pool's rows went: rows in = ingested + quarantined + duplicates; ingested =
     clean + contaminated; selected is what RL draws from."""
-    m = lambda stage: by[stage].result.metrics if stage in by else {}  # noqa: E731
-    ing, dec, sel = m("ingest"), m("decontaminate"), m("select")
-    if not ing:
+    counting = [s for s in STAGES if s.curation is not None]
+    if not counting or not (by[counting[0].name].result.metrics if counting[0].name in by else {}):
         return {}
-    out = {
-        "rows_in": ing["rows_in"],
-        "ingested": ing["ingested"],
-        "quarantined": ing["quarantined"],
-        "duplicates": ing["duplicates_exact"] + ing["duplicates_near"],
-    }
-    if ing.get("unverifiable"):  # of the quarantined; per kind in the ingest stage's metrics
-        out["unverifiable"] = ing["unverifiable"]
-    if dec:
-        out["contaminated"] = dec["contaminated"]
-    if sel:
-        out["selected"] = sel["selected"]
+    out: dict = {}
+    for s in counting:  # each stage's counts (``Stage.curation``), in DAG order
+        if s.name in by and by[s.name].result.metrics:
+            out.update(s.curation(by[s.name].result.metrics))
     return {k: int(v) for k, v in out.items()}
 
 
@@ -199,11 +142,11 @@ def format_table(summary: RunSummary) -> str:
         v = m.get(label)
         return "n/a" if v is None else f"{v:.3f}" + (" (cached, from the catalog)" if stage in known else "")
 
-    lines.append(
-        f"held-out accuracy: warm-up {fmt('heldout_accuracy_warmup', 'eval_warmup')} -> "
-        f"RFT {fmt('heldout_accuracy_rft', 'eval_rft')} -> RL {fmt('heldout_accuracy_rl', 'eval_rl')}   "
-        f"total {summary.seconds:.1f}s   run {summary.run_id}"
+    steps = " -> ".join(
+        f"{STAGE_BY_NAME[STAGE_BY_NAME[stage].evaluates].title} {fmt(label, stage)}"
+        for label, stage in HEADLINE_EVALS
     )
+    lines.append(f"held-out accuracy: {steps}   total {summary.seconds:.1f}s   run {summary.run_id}")
     lines += [f"WARNING: {w}" for w in summary.warnings]
     return "\n".join(lines)
 
@@ -250,17 +193,18 @@ def run_evals(outcomes: Sequence[StageOutcome]) -> list:
     from evaluation.report import EvalGroup
 
     evals = []
-    for stage, role in (("eval_warmup", "warmup"), ("eval_rft", "rft"), ("eval_rl", "rl")):
+    for _, stage in HEADLINE_EVALS:
+        role = STAGE_BY_NAME[stage].evaluates
         o = next((o for o in outcomes if o.stage == stage), None)
-        if o is None or "eval" not in o.result.artifacts:
+        if o is None or EVAL not in o.result.artifacts:
             continue
-        with open(o.result.artifacts["eval"].file("summary.json")) as f:
+        with open(o.result.artifacts[EVAL].file("summary.json")) as f:
             for bench, s in json.load(f).items():
                 evals.append(
                     EvalGroup(
                         role,
                         o.result.metrics.get("checkpoint", ""),
-                        o.result.artifacts["eval"].sha256,
+                        o.result.artifacts[EVAL].sha256,
                         bench,
                         s,
                         True,

@@ -33,6 +33,7 @@ from collections.abc import Callable, Iterable, Mapping
 from conf.schema import Config, TrackingBackend, TrackingConfig
 from core import nested
 from tasks.records import StageOutcome
+from tasks.stages.common import ATTEMPTS, EVAL, MODEL, RFT_DATA, SELECTION
 from core.workspace import Workspace
 
 LOG = logging.getLogger("laminar.tracking")
@@ -455,7 +456,7 @@ def finish_run(tracker: Tracker, status: str) -> None:
 
 # ---- what each stage logs --------------------------------------------------------------------------
 
-CHECKPOINT_KIND = "model"
+CHECKPOINT_KIND = MODEL
 
 
 def log_stage(ws: Workspace, stage_name: str, outcome: StageOutcome, tracker: Tracker | None = None) -> None:
@@ -476,9 +477,17 @@ def log_stage(ws: Workspace, stage_name: str, outcome: StageOutcome, tracker: Tr
             tags[f"checkpoint.{stage_name}"] = ref.sha256
         _log_artifact_contents(tracker, stage_name, ref, metrics)
     tracker.set_tags(tags)
-    if cached and stage_name == "rl":
-        for step, values in rl_curve(ws, outcome.key.digest).items():
-            tracker.log_metrics("rl", values, step)
+    if cached and _has_steps(stage_name):
+        for step, values in rl_curve(ws, outcome.key.digest, stage_name).items():
+            tracker.log_metrics(stage_name, values, step)
+
+
+def _has_steps(stage_name: str) -> bool:
+    """Whether the stage records per-step metrics in the catalog (``Stage.step_metrics``)."""
+    from tasks.dag import STAGE_BY_NAME
+
+    stage = STAGE_BY_NAME.get(stage_name)
+    return stage is not None and stage.step_metrics
 
 
 def _log_artifact_contents(tracker: Tracker, stage_name: str, ref: Any, metrics: dict) -> None:
@@ -486,22 +495,22 @@ def _log_artifact_contents(tracker: Tracker, stage_name: str, ref: Any, metrics:
     level (its ``summary.json``), a difficulty stage's pass-rate histogram."""
     try:
         summary = ref.file("summary.json")
-        if ref.kind == "eval" and summary.exists():
+        if ref.kind == EVAL and summary.exists():
             done = set(flatten(metrics, stage_name))
             values = {
                 k: v for k, v in flatten(json.loads(summary.read_text()), stage_name).items() if k not in done
             }
             tracker.log_metrics("", values)
         attempts = ref.file("attempts.parquet")
-        if ref.kind == "attempts" and attempts.exists():
+        if ref.kind == ATTEMPTS and attempts.exists():
             import polars as pl
 
             rates = pl.read_parquet(attempts, columns=["pass_rate"])["pass_rate"].drop_nulls().to_list()
             tracker.log_histogram(f"{stage_name}/pass_rate", rates)
         dart = ref.file("dart_stats.parquet")
-        if ref.kind == "rft_data" and dart.exists():
+        if ref.kind == RFT_DATA and dart.exists():
             tracker.log_metrics(f"{stage_name}/by_level", dart_by_level(dart))
-        if ref.kind == "selection" and "candidates" in metrics and "selected" in metrics:
+        if ref.kind == SELECTION and "candidates" in metrics and "selected" in metrics:
             tracker.log_metrics(stage_name, {"skipped": metrics["candidates"] - metrics["selected"]})
     except Exception as err:  # noqa: BLE001 - an unreadable artifact file is fsck's business, not the tracker's
         LOG.warning("tracking: stage %s artifact %s not read: %s", stage_name, ref.sha256[:12], err)
@@ -529,11 +538,12 @@ def dart_by_level(path: Path) -> dict[str, dict[str, float]]:
     }
 
 
-def rl_curve(ws: Workspace, cache_key: str) -> dict[int, dict[str, float]]:
-    """The RL stage's per-step metrics recorded in the catalog for ``cache_key``: step -> name -> value."""
+def rl_curve(ws: Workspace, cache_key: str, stage: str) -> dict[int, dict[str, float]]:
+    """A stage's per-step metrics (the RL stage's) recorded in the catalog for ``cache_key``: step ->
+    name -> value."""
     rows = ws.catalog.query(
-        "SELECT step, name, value FROM metrics WHERE cache_key = ? AND stage = 'rl' ORDER BY step, name",
-        [cache_key],
+        "SELECT step, name, value FROM metrics WHERE cache_key = ? AND stage = ? ORDER BY step, name",
+        [cache_key, stage],
     )
     out: dict[int, dict[str, float]] = {}
     for r in rows:

@@ -109,24 +109,24 @@ def test_layer_check_catches_an_import_against_the_order(tmp_path):
 
 
 def package_import_graph(root: Path = ROOT, package: str = "tasks") -> dict[str, set[str]]:
-    """Module -> the modules of ``package`` it imports, top-level or inside a function (``import
-    tasks.x``, ``from tasks.x import y``, ``from tasks import x``)."""
-    mods = {p.stem for p in (root / package).glob("*.py") if p.stem != "__init__"}
+    """Module -> the modules of ``package`` (dotted: ``tasks.stages``) it imports, top-level or inside
+    a function (``import tasks.x``, ``from tasks.x import y``, ``from tasks import x``)."""
+    folder = root.joinpath(*package.split("."))
+    mods = {p.stem for p in folder.glob("*.py") if p.stem != "__init__"}
+    prefix = package + "."
     graph: dict[str, set[str]] = {}
     for name in sorted(mods):
         found: set[str] = set()
-        for node in ast.walk(ast.parse((root / package / f"{name}.py").read_text())):
+        for node in ast.walk(ast.parse((folder / f"{name}.py").read_text())):
             if isinstance(node, ast.ImportFrom) and node.level == 0 and node.module == package:
                 found.update(a.name for a in node.names if a.name in mods)
             elif isinstance(node, ast.ImportFrom) and node.level == 0 and node.module:
-                parts = node.module.split(".")
-                if parts[0] == package and len(parts) > 1:
-                    found.add(parts[1])
+                if node.module.startswith(prefix):
+                    found.add(node.module[len(prefix) :].split(".")[0])
             elif isinstance(node, ast.Import):
                 for alias in node.names:
-                    parts = alias.name.split(".")
-                    if parts[0] == package and len(parts) > 1:
-                        found.add(parts[1])
+                    if alias.name.startswith(prefix):
+                        found.add(alias.name[len(prefix) :].split(".")[0])
         graph[name] = found - {name}
     return graph
 
@@ -172,18 +172,22 @@ def test_the_cycle_check_sees_an_import_inside_a_function(tmp_path):
 
 def test_only_the_runner_writes_the_catalog():
     """Every catalog transaction of a run is in ``tasks.recording``, which only the runner calls
-    (``tasks.dag`` names its per-stage hooks in the stage table; the runner gives them its
-    transaction). ``laminar fsck`` keeps its own quarantine table."""
+    (each stage's module in ``tasks.stages`` declares its ``Stage.record`` hook; the runner gives it
+    its transaction). ``laminar fsck`` keeps its own quarantine table."""
     graph = package_import_graph()
-    assert {m for m, deps in graph.items() if "recording" in deps} == {"runner", "dag"}
-    dag = ast.parse((ROOT / "tasks" / "dag.py").read_text())
-    used = {
-        n.attr
-        for n in ast.walk(dag)
-        if isinstance(n, ast.Attribute) and getattr(n.value, "id", "") == "recording"
-    }
-    assert used and all(name.startswith("record_") for name in used), used
+    assert {m for m, deps in graph.items() if "recording" in deps} == {"runner"}
+    stages = package_import_graph(package="tasks.stages")
+    assert stages and not any("recording" in deps for deps in stages.values())
     for folder in ("tasks", "flows"):
-        for path in sorted((ROOT / folder).glob("*.py")):
+        for path in sorted((ROOT / folder).rglob("*.py")):
             if path.name not in ("recording.py", "fsck.py"):
                 assert ".transaction()" not in path.read_text(), path
+
+
+def test_the_stage_modules_import_no_cycle_and_no_runner():
+    """A stage module imports the records, the shared ``tasks.stages.common`` and the stage modules it
+    borrows from: never the graph, the runner or the recording (those import the stages)."""
+    for path in sorted((ROOT / "tasks" / "stages").glob("*.py")):
+        for _, module in _project_imports(path):
+            assert module not in ("tasks.dag", "tasks.runner", "tasks.recording"), (path.name, module)
+    assert import_cycle(package_import_graph(package="tasks.stages")) == []

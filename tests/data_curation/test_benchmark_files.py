@@ -16,7 +16,8 @@ from core.artifacts import hash_file
 from data_curation.benchmark_files import BenchmarkFileError, load_file_benchmark
 from evaluation.benchmarks import DEFAULT_TEMPLATE
 from evaluation.stages import benchmark_hash, benchmark_items, load_items
-from tasks.dag import benchmark_files, decontam_files
+from tasks.stages.decontaminate import decontam_files
+from tasks.stages.evaluate import benchmark_files
 from tasks.preflight import load_checked
 
 ROWS = [

@@ -8,7 +8,7 @@ import yaml
 from conf.loader import load_config
 from conf.schema import CODEX_EXEC_LATENCY, Config, ConfigError, ToolLatencyConfig, validate
 from environments.latency import LatencySampler
-from tasks.dag import _env_key
+from tasks.stages.common import env_key as _env_key
 
 
 def test_a_draw_is_a_function_of_seed_and_call_key():

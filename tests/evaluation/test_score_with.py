@@ -112,7 +112,7 @@ def test_reranked_accuracy_breaks_ties_by_the_first_sample():
 
 
 def test_eval_metrics_carry_the_reward_model_columns_only_with_a_reward_model():
-    from tasks.bodies import eval_metrics
+    from tasks.stages.evaluate import eval_metrics
 
     base = {"accuracy": 0.5, "mean_length": 3.0, "maj@2": 0.5, "n_problems": 2}
     plain = eval_metrics("sha", {"mine": base}, 2)["mine"]
@@ -122,7 +122,7 @@ def test_eval_metrics_carry_the_reward_model_columns_only_with_a_reward_model():
 
 
 def test_eval_metrics_carry_episode_tool_metrics_when_the_evaluation_ran_episodes():
-    from tasks.bodies import eval_metrics
+    from tasks.stages.evaluate import eval_metrics
 
     base = {"accuracy": 0.5, "mean_length": 3.0, "n_problems": 2}
     assert "tool_calls_per_episode" not in eval_metrics("sha", {"mine": base}, 2)["mine"]

@@ -172,7 +172,7 @@ def test_bad_verdicts_fail_before_any_write_in_one_line(components, message):
 
 
 def test_a_file_benchmark_names_its_verdict_by_target():
-    from tasks.bodies import open_judges
+    from tasks.stages.evaluate import open_judges
     from contextlib import ExitStack
 
     bench = f"{{name: mine, path: {__file__}, verdict: '{__name__}:says'}}"

@@ -10,7 +10,9 @@ from conf.loader import load_config
 from conf.schema import ConfigError, ModelConfig
 from core.artifacts import ArtifactRef
 from generation.model import build_char_tokenizer, build_tiny_model, save_model
-from tasks.dag import STAGE_BY_NAME, STAGES, Selection, data_key, reward_key, stage_inputs
+from tasks.dag import STAGE_BY_NAME, STAGES, Selection, stage_inputs
+from tasks.stages.common import reward_key
+from tasks.stages.data import data_key
 from tasks.preflight import preflight
 from training.reward_model import train_reward_model
 
@@ -139,7 +141,8 @@ def test_no_held_out_share_is_refused_at_compose_time():
 
 
 def test_dart_reads_the_reward_model_only_when_it_ranks():
-    from tasks.dag import dart_headline, dart_key, downstream_of
+    from tasks.dag import downstream_of
+    from tasks.stages.dart import dart_headline, dart_key
 
     dart = STAGE_BY_NAME["dart"]
     produced = {

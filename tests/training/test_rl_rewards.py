@@ -12,7 +12,7 @@ from core.catalog import SCHEMA
 from generation.model import build_char_tokenizer, build_tiny_model, encode_prompt
 from generation.records import PromptItem
 from rewards.compose import Reward
-from tasks.recording import record_reward
+from tasks.stages.rl import record_reward
 from training.objectives import PRESETS
 from training.rl.drivers.local import LocalDriver
 from training.rl.loop import rl_reward
