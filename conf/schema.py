@@ -44,7 +44,7 @@ DartSelect = Literal["verifier", "reward_model"]
 SelectStrategy = Literal["hive", "uniform"]
 SelectHistory = Literal["run", "workspace"]
 EntropyRule = Literal["median", "paper", "off"]
-Algorithm = Literal["grpo", "dapo", "dr_grpo", "ppo", "vapo", "rloo", "reinforce_pp", "gspo"]
+Algorithm = Literal["grpo", "dapo", "dr_grpo", "ppo", "vapo", "rloo", "reinforce_pp", "gspo", "opd"]
 Advantage = Literal["grpo", "dr_grpo", "batch", "rloo", "reinforce_pp", "gae"]
 RatioLevel = Literal["token", "sequence"]
 LossAgg = Literal["token_mean", "seq_mean", "seq_sum_const"]
@@ -400,6 +400,28 @@ class RLConfig:
 
     def uses_ray(self) -> bool:
         return self.runtime == "ray" or (self.runtime == "auto" and self.mode != "sync")
+
+
+@dataclass
+class TeacherConfig:
+    """The teacher of on-policy distillation (``rl.algorithm=opd``, docs/distillation.md): its token
+    log-probs on the student's own samples give the student a dense per-token advantage, the negative
+    reverse KL ``log pi_teacher - log pi_student``."""
+
+    path: str | None = None
+    """A local model folder sharing the student's tokenizer (e.g. an RL checkpoint), or ``self``: the
+    privileged self-teacher, the student's own weights shown the answer (``hint``); null: no teacher."""
+    sync_every: Annotated[int, NonNegative, Steps] = 0
+    """``path=self``: the teacher's weights become the student's every N updates (0: frozen at the RL
+    start)."""
+    hint: Annotated[str, MaxLen(65_536)] = "Answer: {answer}\n"
+    """``path=self``: what the teacher sees before the problem (``{answer}``: the reference answer),
+    inside the same prompt template as the student; the student sees the plain problem."""
+    kl_weight: Annotated[float, NonNegative] = 1.0
+    """Weight of the negative per-token reverse KL to the teacher in the advantage."""
+    reward_weight: Annotated[float, NonNegative] = 0.0
+    """Weight of the verdict's reward advantage (the group-normalised GRPO one) added to it; 0: pure
+    distillation."""
 
 
 @dataclass
@@ -1003,6 +1025,7 @@ class Config:
     data: DataConfig = field(default_factory=DataConfig)
     sft: SFTConfig = field(default_factory=SFTConfig)
     rl: RLConfig = field(default_factory=RLConfig)
+    teacher: TeacherConfig = field(default_factory=TeacherConfig)
     eval: EvalConfig = field(default_factory=EvalConfig)
     curation: CurationConfig = field(default_factory=CurationConfig)
     cluster: ClusterConfig = field(default_factory=ClusterConfig)
@@ -1111,6 +1134,7 @@ def validate(cfg: Config) -> Config:
     _validate_runtime(cfg)
     _validate_model(cfg)
     _validate_rl(cfg)
+    _validate_teacher(cfg)
     _validate_curation(cfg)
     _validate_tracking(cfg)
     _validate_reward(cfg)
@@ -1318,6 +1342,28 @@ def _validate_rl(cfg: Config) -> None:
             f"rl.value_warmup_steps={rl.value_warmup_steps} >= rl.steps={rl.steps}: the policy would never "
             "move; lower rl.value_warmup_steps or raise rl.steps"
         )
+
+
+def _validate_teacher(cfg: Config) -> None:
+    """``rl.algorithm=opd`` needs ``teacher.path``; a teacher is read only by opd."""
+    t = cfg.teacher
+    if cfg.rl.algorithm == "opd" and not t.path:
+        raise ConfigError(
+            "rl.algorithm=opd needs a teacher: set teacher.path=DIR (a model folder with the student's "
+            "tokenizer) or teacher.path=self (the student shown the answer)"
+        )
+    if t.path and cfg.rl.algorithm != "opd":
+        raise ConfigError(
+            f"teacher.path is read only by rl.algorithm=opd (got rl.algorithm={cfg.rl.algorithm})"
+        )
+    if t.path != "self" and (t.sync_every or t.hint != TeacherConfig.hint):
+        raise ConfigError("teacher.sync_every and teacher.hint apply to teacher.path=self only")
+    if t.path == "self" and "{answer}" not in t.hint:
+        raise ConfigError(
+            f"teacher.hint={t.hint!r} must contain {{answer}}: the self-teacher sees the answer"
+        )
+    if t.kl_weight == 0 and t.path:
+        raise ConfigError("teacher.kl_weight=0 ignores the teacher; use another rl.algorithm instead")
 
 
 def _validate_lora(cfg: Config) -> None:

@@ -571,6 +571,7 @@ def rl_body(ctx: StageContext) -> StageResult:
                 sandbox=ctx.cfg.sandbox,
                 on_metrics=active().step_logger("rl"),
                 lora=ctx.cfg.model.lora,
+                teacher=ctx.cfg.teacher,
             )
         rows = [m.as_dict() for m in result.history]
         meta["timings"] = [{k: m[k] for k in ("step", *TIMING_KEYS) if k in m} for m in rows]

@@ -249,6 +249,7 @@ def rl_key(c: Config) -> dict:
     return {
         **_drop_defaults(c.rl, "loss", "loss_params"),
         "verifier_timeout_s": c.eval.verifier_timeout_s,
+        **({"teacher": asdict(c.teacher)} if c.teacher.path else {}),  # OPD (issue 54)
         "template": template(c),
         **_numerics(c),
         **_lora_key(c, "rl"),
@@ -281,6 +282,14 @@ def model_files(cfg: Config, catalog: Catalog | None = None) -> dict[str, str]:
     from core.artifacts import hash_tree
 
     return {"model.path": hash_tree(Path(cfg.model.path).expanduser())} if cfg.model.kind == "hf" else {}
+
+
+def teacher_files(cfg: Config, catalog: Catalog | None = None) -> dict[str, str]:
+    """The OPD teacher's folder (``teacher.path=DIR``); nothing for the self-teacher or without one."""
+    from core.artifacts import hash_tree
+
+    path = cfg.teacher.path
+    return {"teacher.path": hash_tree(Path(path).expanduser())} if path and path != "self" else {}
 
 
 def reward_model_files(cfg: Config, catalog: Catalog | None = None) -> dict[str, str]:
@@ -695,6 +704,7 @@ STAGES: tuple[Stage, ...] = (
             "training.rl.drivers.ray",
             "training.rl.actors",
             "training.rl.trainer",
+            "training.rl.teacher",
             "generation.setup",
             "data_curation.hive",
             "rewards.verifier",
@@ -709,6 +719,7 @@ STAGES: tuple[Stage, ...] = (
         record=recording.record_rl,
         headline=rl_headline,
         plugins=rl_plugins,
+        external=teacher_files,
     ),
     _eval_stage("eval_rl", "rl"),
 )

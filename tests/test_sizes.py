@@ -20,7 +20,7 @@ ALLOWED = {
     "generation/engine.py:Engine.__init__": 71,
     "generation/engines.py:make_engine": 70,
     "training/rl/drivers/ray.py:LaminarRuntime.__init__": 67,
-    "training/rl/stage.py:_rl": 86,
+    "training/rl/stage.py:_rl": 87,  # +1: the teacher argument (issue 54, OPD)
     "training/rl/trainer.py:PolicyTrainer.__init__": 61,
 }
 """``path:qualified name`` -> its length in lines today (``def``/``class`` line to last line). Stop 51

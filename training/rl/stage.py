@@ -25,6 +25,7 @@ from conf.schema import (
     RolloutConfig,
     SandboxConfig,
     SelectConfig,
+    TeacherConfig,
     TrainerConfig,
 )
 from generation.adapter import is_adapter_dir
@@ -33,6 +34,7 @@ from training.objectives import PRESETS, ObjectiveParams
 from rewards.compose import Reward
 from training.rl.loop import RLResult, rl_reward
 from training.rl.records import StepMetrics
+from training.rl.teacher import with_teacher
 from generation.records import PromptItem
 from generation.setup import read_table
 
@@ -140,6 +142,7 @@ def rl(
     lora: LoraConfig | None = None,
     env: EnvConfig | None = None,
     sandbox: SandboxConfig | None = None,
+    teacher: TeacherConfig | None = None,
 ) -> RLResult:
     """RL from ``model_dir`` on the prompts of ``prompts_path`` (see the module docstring for what
     it writes). ``select`` turns on HIVE's online pruning; ``evaluate`` runs every ``cfg.eval_every`` steps.
@@ -154,7 +157,9 @@ def rl(
     ``reward``: the ``rewards.compose.Reward`` every response is scored with (a bare verifier: the
     math verifier alone); DAPO's preset adds its overlong component (``training.rl.loop.rl_reward``).
     ``env`` (``conf.schema.EnvConfig``): the episodes' environment (None: single-turn); ``sandbox``:
-    the run's sandbox settings, for its tools (the reward's code components carry their own)."""
+    the run's sandbox settings, for its tools (the reward's code components carry their own).
+    ``teacher`` (``conf.schema.TeacherConfig``): on-policy distillation's teacher (``rl.algorithm=opd``,
+    ``training.rl.teacher``)."""
     with tempfile.TemporaryDirectory(prefix="laminar-rl-start-") as scratch:
         model_dir = rl_start(Path(model_dir), lora, Path(scratch), seed)
         return _rl(
@@ -176,6 +181,7 @@ def rl(
             on_metrics=on_metrics,
             env=env,
             sandbox=sandbox,
+            teacher=teacher,
         )
 
 
@@ -213,6 +219,7 @@ def _rl(
     on_metrics,
     env=None,
     sandbox=None,
+    teacher=None,
 ) -> RLResult:
     from generation.model import load_tokenizer
     from training.lora import adapter_from_state, save_trained
@@ -234,7 +241,7 @@ def _rl(
         )
         for r in rows
     ]
-    params = objective_params(cfg)
+    params = with_teacher(objective_params(cfg), teacher, model_dir, template)  # OPD: training.rl.teacher
     reward = rl_reward(reward, params)
     with tqdm(
         total=cfg.steps, desc=f"rl {cfg.algorithm}/{cfg.mode}", unit="step", leave=False, disable=None
