@@ -126,3 +126,72 @@ def test_a_teacher_equal_to_the_student_gives_zero_kl_and_no_gradient(tmp_path):
     other = saved_model(tmp_path / "other", build_tiny_model(MICRO, small, seed=0), small)
     with pytest.raises(ValueError, match="the teacher needs the student's tokenizer"):
         with_teacher(PRESETS["opd"], TeacherConfig(path=str(other)), folder, "{problem}=")
+
+
+class DigitFirst:
+    """Right when the response starts with a digit."""
+
+    def verify_batch(self, responses, golds):
+        from rl_fakes import Verdict
+
+        return [Verdict(r[:1].isdigit()) for r in responses]
+
+
+def _digit_mass(model, tok, prompts) -> float:
+    """The model's mean probability of a digit as the first response token (its expected accuracy
+    under ``DigitFirst`` at temperature 1), over ``prompts``."""
+    digits = torch.tensor([tok.convert_tokens_to_ids(d) for d in "0123456789"])
+    with torch.no_grad():
+        probs = [torch.softmax(model(torch.tensor([p.prompt_tokens])).logits[0, -1], -1) for p in prompts]
+    return float(torch.stack([p[digits].sum() for p in probs]).mean())
+
+
+def _teacher(tok, prompts, steps=60):
+    """A synthetic teacher: the student's initial weights taught to answer a digit (cross-entropy)."""
+    model = build_tiny_model(MICRO, tok, seed=0)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    for i in range(steps):
+        p = prompts[i % len(prompts)]
+        ids = torch.tensor([list(p.prompt_tokens) + [tok.convert_tokens_to_ids(str(i % 10))]])
+        logits = model(ids).logits[0, -2]
+        loss = torch.nn.functional.cross_entropy(logits[None], ids[0, -1:])
+        opt.zero_grad()
+        loss.backward()
+        opt.step()
+    return model.eval()
+
+
+def test_opd_updates_move_the_student_to_the_teacher(tmp_path):
+    from training.rl.drivers.local import LocalDriver
+
+    tok = build_char_tokenizer()
+    train = [PromptItem(f"a{i}", f"a{i}", "0", encode_prompt(tok, f"q{i}\n")) for i in range(16)]
+    heldout = [PromptItem(f"b{i}", f"b{i}", "0", encode_prompt(tok, f"q{i}{i}\n")) for i in range(16)]
+    teacher_dir = saved_model(tmp_path / "teacher", _teacher(tok, train), tok)
+    student = build_tiny_model(MICRO, tok, seed=0)
+    student_dir = saved_model(tmp_path / "student", student, tok)
+    params = with_teacher(PRESETS["opd"], TeacherConfig(path=str(teacher_dir)), student_dir, "{problem}")
+    rl = RLConfig(
+        algorithm="opd",
+        lr=1e-2,
+        micro_batch_tokens=0,
+        steps=16,
+        prompts_per_step=8,
+        group_size=4,
+        max_new_tokens=3,
+    )
+    driver = LocalDriver(student_dir, train, DigitFirst(), params, rl, seed=0, device="cpu")
+    history = driver.run().history
+    kl = [m.as_dict()["teacher_kl"] for m in history]
+    before, after = _digit_mass(student, tok, heldout), _digit_mass(driver.final_model, tok, heldout)
+    teacher_acc = _digit_mass(load_teacher(teacher_dir), tok, heldout)
+    print(f"teacher_kl {kl[0]:.3f} -> {kl[-1]:.3f}; held-out digit mass {before:.3f} -> {after:.3f}")
+    print(f"teacher's held-out digit mass {teacher_acc:.3f}")
+    assert sum(kl[-3:]) / 3 < 0.5 * sum(kl[:3]) / 3
+    assert after > before + 0.3 * (teacher_acc - before)
+
+
+def load_teacher(folder):
+    from generation.model import load_model
+
+    return load_model(folder, "cpu")[0].eval()
