@@ -142,7 +142,7 @@ def rl(
     lora: LoraConfig | None = None,
     env: EnvConfig | None = None,
     sandbox: SandboxConfig | None = None,
-    teacher: TeacherConfig | None = None,
+    teacher: TeacherConfig | None = None,  # rl.algorithm=opd's teacher (training.rl.teacher)
 ) -> RLResult:
     """RL from ``model_dir`` on the prompts of ``prompts_path`` (see the module docstring for what
     it writes). ``select`` turns on HIVE's online pruning; ``evaluate`` runs every ``cfg.eval_every`` steps.
@@ -157,9 +157,7 @@ def rl(
     ``reward``: the ``rewards.compose.Reward`` every response is scored with (a bare verifier: the
     math verifier alone); DAPO's preset adds its overlong component (``training.rl.loop.rl_reward``).
     ``env`` (``conf.schema.EnvConfig``): the episodes' environment (None: single-turn); ``sandbox``:
-    the run's sandbox settings, for its tools (the reward's code components carry their own).
-    ``teacher`` (``conf.schema.TeacherConfig``): on-policy distillation's teacher (``rl.algorithm=opd``,
-    ``training.rl.teacher``)."""
+    the run's sandbox settings, for its tools (the reward's code components carry their own)."""
     with tempfile.TemporaryDirectory(prefix="laminar-rl-start-") as scratch:
         model_dir = rl_start(Path(model_dir), lora, Path(scratch), seed)
         return _rl(
