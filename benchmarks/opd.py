@@ -3,7 +3,8 @@
 Reads a finished default run's workspace (read-only): its RFT checkpoint is the student, its RL
 checkpoint the teacher, its selected prompts and held-out set the data. Runs the RL stage's library
 call (``training.rl.stage.rl``, the local driver, as the ``rl`` stage does) once per algorithm,
-``grpo`` (the default objective) and ``opd`` (``teacher.path`` = that RL checkpoint), with the in-run
+``grpo`` (the default objective), ``opd`` (``teacher.path`` = that RL checkpoint) and, when asked,
+``opd_self`` (``teacher.path=self``: the privileged self-teacher), with the in-run
 held-out evaluation every ``--eval-every`` updates, and reports the updates and the wall-clock
 seconds (RL start to the end of that update, model loading and in-run evaluations included, the same
 for both) until held-out accuracy first reaches ``--share`` (0.95) of the teacher's, and the curves.
@@ -96,7 +97,7 @@ def main(argv: list[str] | None = None) -> dict:
     ap.add_argument("--share", type=float, default=0.95)
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--threads", type=int, default=1)
-    ap.add_argument("--algorithms", nargs="+", default=["opd", "grpo"])
+    ap.add_argument("--algorithms", nargs="+", default=["opd", "grpo"], help="opd, opd_self, grpo, ...")
     ap.add_argument("--json-out", type=Path)
     ap.add_argument("--plot", type=Path)
     args = ap.parse_args(argv)
@@ -134,10 +135,11 @@ def main(argv: list[str] | None = None) -> dict:
             shutil.copytree(store / kind / sha, paths[name])  # the base workspace stays untouched
         for algo in args.algorithms:
             over = [f"seed={args.seed}", f"threads={args.threads}", f"rl.steps={args.steps}"]
-            over += [f"rl.eval_every={args.eval_every}", f"rl.algorithm={algo}"]
-            over += [f"teacher.path={paths['teacher']}"] if algo == "opd" else []
+            teacher_path = {"opd": str(paths["teacher"]), "opd_self": "self"}.get(algo)
+            over += [f"rl.eval_every={args.eval_every}", f"rl.algorithm={algo.removesuffix('_self')}"]
+            over += [f"teacher.path={teacher_path}"] if teacher_path else []
             cfg = load_config(over)
-            teacher = TeacherConfig(path=str(paths["teacher"])) if algo == "opd" else None
+            teacher = TeacherConfig(path=teacher_path) if teacher_path else None
             history, clock = run_rl(cfg, paths, Path(tmp) / f"out_{algo}", teacher)
             key = next(k for k in history[args.eval_every - 1] if k.startswith("eval_") and "heldout" in k)
             updates, seconds = reach(history, clock, key, target)
@@ -172,7 +174,7 @@ def plot(out: dict, path: Path) -> None:
     ax.axhline(out["target"], color="gray", ls=":", label="95% of teacher")
     ax.set_xlabel("updates")
     ax.set_ylabel("held-out accuracy")
-    ax.set_title(f"OPD vs GRPO from the RFT checkpoint, seed {out['seed']}")
+    ax.set_title(f"{' vs '.join(out['runs'])} from the RFT checkpoint, seed {out['seed']}")
     ax.legend()
     fig.tight_layout()
     path.parent.mkdir(parents=True, exist_ok=True)

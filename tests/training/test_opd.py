@@ -195,3 +195,19 @@ def load_teacher(folder):
     from generation.model import load_model
 
     return load_model(folder, "cpu")[0].eval()
+
+
+def test_the_teacher_enters_the_rl_key_and_its_folder_hash_the_lineage(tmp_path):
+    from tasks.dag import STAGE_BY_NAME, rl_key, teacher_files
+
+    base = load_config([])
+    assert "teacher" not in rl_key(base) and teacher_files(base) == {}  # the default key is unchanged
+    assert STAGE_BY_NAME["rl"].external is teacher_files
+    tok = build_char_tokenizer()
+    folder = saved_model(tmp_path / "t", build_tiny_model(MICRO, tok, seed=0), tok)
+    cfg = load_config(["rl.algorithm=opd", f"teacher.path={folder}"])
+    assert rl_key(cfg)["teacher"]["path"] == str(folder)
+    before = teacher_files(cfg)["teacher.path"]
+    saved_model(folder, build_tiny_model(MICRO, tok, seed=1), tok)
+    assert teacher_files(cfg)["teacher.path"] != before
+    assert teacher_files(load_config(["rl.algorithm=opd", "teacher.path=self"])) == {}
