@@ -8,6 +8,8 @@ problem (``teacher.hint``) while the student reads the plain prompt. Either way 
 student's own sampled tokens: its log-probs come from the trainer's batched, micro-batched forward
 (``PolicyTrainer._logprobs_of``, the reference model's path) on the trainer's device, inside the
 trainer process (with the Ray driver: inside the trainer actor, not an actor of its own).
+A run resumed from an RL checkpoint rebuilds the self-teacher from the RL-start weights (it is not
+checkpointed): frozen, that is the same teacher; with ``sync_every`` it differs until the next sync.
 """
 
 from __future__ import annotations
