@@ -75,7 +75,7 @@ DartSelect = Literal["verifier", "reward_model"]
 SelectStrategy = Literal["hive", "uniform"]
 SelectHistory = Literal["run", "workspace"]
 EntropyRule = Literal["median", "paper", "off"]
-Algorithm = Literal["grpo", "dapo", "dr_grpo", "ppo", "vapo", "rloo", "reinforce_pp", "gspo"]
+Algorithm = Literal["grpo", "dapo", "dr_grpo", "ppo", "vapo", "rloo", "reinforce_pp", "gspo", "opd"]
 Advantage = Literal["grpo", "dr_grpo", "batch", "rloo", "reinforce_pp", "gae"]
 RatioLevel = Literal["token", "sequence"]
 LossAgg = Literal["token_mean", "seq_mean", "seq_sum_const"]
@@ -442,6 +442,37 @@ class RLConfig(Section):
             )
         if self.loss_params and self.loss is None:
             raise rule("@loss_params is set but @loss names no loss; set @loss=package.module:attr")
+        return self
+
+
+class TeacherConfig(Section):
+    """The teacher of on-policy distillation (``rl.algorithm=opd``, docs/distillation.md): its token
+    log-probs on the student's own samples give the student a dense per-token advantage, the negative
+    reverse KL ``log pi_teacher - log pi_student``."""
+
+    path: str | None = None
+    """A local model folder sharing the student's tokenizer (e.g. an RL checkpoint), or ``self``: the
+    privileged self-teacher, the student's own weights shown the answer (``hint``); null: no teacher."""
+    sync_every: Annotated[int, NonNegative, Steps] = 0
+    """``path=self``: the teacher's weights become the student's every N updates (0: frozen at the RL
+    start)."""
+    hint: Annotated[str, MaxLen(65_536)] = "Answer: {answer}\n"
+    """``path=self``: what the teacher sees before the problem (``{answer}``: the reference answer),
+    inside the same prompt template as the student; the student sees the plain problem."""
+    kl_weight: Annotated[float, NonNegative] = 1.0
+    """Weight of the negative per-token reverse KL to the teacher in the advantage."""
+    reward_weight: Annotated[float, NonNegative] = 0.0
+    """Weight of the verdict's reward advantage (the group-normalised GRPO one) added to it; 0: pure
+    distillation."""
+
+    @model_validator(mode="after")
+    def _self_only(self) -> TeacherConfig:
+        if self.path != "self" and (self.sync_every or self.hint != type(self).model_fields["hint"].default):
+            raise rule("@sync_every and @hint apply to @path=self only")
+        if self.path == "self" and "{answer}" not in self.hint:
+            raise rule(f"@hint={self.hint!r} must contain {{answer}}: the self-teacher sees the answer")
+        if self.kl_weight == 0 and self.path:
+            raise rule("@kl_weight=0 ignores the teacher; use another rl.algorithm instead")
         return self
 
 
@@ -1318,6 +1349,7 @@ class Config(Section):
     data: DataConfig = Field(default_factory=DataConfig.model_construct)
     sft: SFTConfig = Field(default_factory=SFTConfig.model_construct)
     rl: RLConfig = Field(default_factory=RLConfig.model_construct)
+    teacher: TeacherConfig = Field(default_factory=TeacherConfig.model_construct)
     eval: EvalConfig = Field(default_factory=EvalConfig.model_construct)
     curation: CurationConfig = Field(default_factory=CurationConfig.model_construct)
     cluster: ClusterConfig = Field(default_factory=ClusterConfig.model_construct)
@@ -1421,6 +1453,20 @@ class Config(Section):
                 "@rl.overlong_shaping and an overlong item in reward.components both set DAPO's soft "
                 "overlong punishment: drop @rl.overlong_shaping and set cache_len on reward.components' "
                 "overlong item"
+            )
+        return self
+
+    @model_validator(mode="after")
+    def _teacher(self) -> Config:
+        """``rl.algorithm=opd`` needs ``teacher.path``; a teacher is read only by opd."""
+        if self.rl.algorithm == "opd" and not self.teacher.path:
+            raise rule(
+                "@rl.algorithm=opd needs a teacher: set @teacher.path=DIR (a model folder with the "
+                "student's tokenizer) or @teacher.path=self (the student shown the answer)"
+            )
+        if self.teacher.path and self.rl.algorithm != "opd":
+            raise rule(
+                f"@teacher.path is read only by @rl.algorithm=opd (got @rl.algorithm={self.rl.algorithm})"
             )
         return self
 

@@ -18,13 +18,16 @@ import functools
 import math
 from dataclasses import dataclass
 from types import MappingProxyType
-from typing import TypeVar
+from typing import TYPE_CHECKING, TypeVar
 from collections.abc import Callable, Mapping
 
 import torch
 from torch import Tensor
 
 from conf.schema import Advantage, Algorithm, BehaviourWeight, LossAgg, RatioLevel
+
+if TYPE_CHECKING:
+    from training.rl.teacher import TeacherSpec
 
 _K = TypeVar("_K", bound=str)
 _V = TypeVar("_V")
@@ -176,13 +179,42 @@ def gae(
 @dataclass(frozen=True)
 class TokenInputs:
     """What the token-level estimators read: ``rewards`` (B,), ``mask`` (B, T), the critic's
-    ``values`` (B, T) (GAE) and the per-token ``kl`` (B, T) to the reference (REINFORCE++), each
-    None where the estimator does not need it."""
+    ``values`` (B, T) (GAE), the per-token ``kl`` (B, T) to the reference (REINFORCE++) and
+    ``teacher_kl`` (B, T), ``log pi - log pi_teacher`` on the sampled tokens (on-policy distillation),
+    each None where the estimator does not need it."""
 
     rewards: Tensor
     mask: Tensor
     values: Tensor | None = None
     kl: Tensor | None = None
+    teacher_kl: Tensor | None = None
+
+
+def reverse_kl_tokens(logprobs: Tensor, teacher_logprobs: Tensor) -> Tensor:
+    """Per-token reverse KL to a teacher on the student's own samples, ``(B, T)``, detached:
+    ``log pi(x_t) - log pi_teacher(x_t)``, the single-sample (k1) estimate of
+    ``KL(pi || pi_teacher)`` at each position (0 where teacher and student agree)."""
+    return (logprobs - teacher_logprobs).detach()
+
+
+def opd_advantages(teacher_kl: Tensor, mask: Tensor) -> Tensor:
+    """On-policy distillation's dense advantage, ``(B, T)``: the negative per-token reverse KL,
+    ``log pi_teacher(x_t) - log pi(x_t)``, 0 off ``mask`` (Agarwal et al. 2024; Thinking Machines'
+    OPD; prime-rl ``orchestrator/algo/opd.py``). Each token is its own return (no sum over later
+    tokens): a token the teacher finds likelier than the student is pushed up."""
+    return torch.where(mask.bool(), -teacher_kl.detach(), 0.0)
+
+
+def distill_advantages(
+    reward_advantages: Tensor, teacher_kl: Tensor, mask: Tensor, *, kl_weight: float, reward_weight: float
+) -> Tensor:
+    """``kl_weight * opd_advantages + reward_weight * reward_advantages`` per token, ``(B, T)``;
+    ``reward_advantages`` (B,) is broadcast over each response's tokens (or is already (B, T))."""
+    adv = kl_weight * opd_advantages(teacher_kl, mask)
+    if reward_weight:
+        base = reward_advantages[:, None] if reward_advantages.dim() == 1 else reward_advantages
+        adv = adv + reward_weight * torch.where(mask.bool(), base, 0.0)
+    return adv
 
 
 def _gae_policy(inp: TokenInputs, p: ObjectiveParams) -> Tensor:
@@ -218,12 +250,21 @@ def advantages_of(
     params: ObjectiveParams, rewards: Tensor, group_index: Tensor, inp: TokenInputs | None = None
 ) -> Tensor:
     """The advantages ``params.advantage`` names: ``(B,)`` from ``ADVANTAGES`` or ``(B, T)`` from
-    ``TOKEN_ADVANTAGES`` (which read ``inp``)."""
+    ``TOKEN_ADVANTAGES`` (which read ``inp``). With a teacher (``params.distill_weight > 0``) they are
+    ``distill_advantages``, ``(B, T)``, which reads ``inp.teacher_kl``."""
     if params.advantage in ADVANTAGES:
-        return ADVANTAGES[params.advantage](rewards, group_index)
-    if inp is None:
+        adv = ADVANTAGES[params.advantage](rewards, group_index)
+    elif inp is None:
         raise ValueError(f"advantage {params.advantage!r} is token-level: pass TokenInputs")
-    return _lookup(TOKEN_ADVANTAGES, params.advantage, "advantage")(inp, params)
+    else:
+        adv = _lookup(TOKEN_ADVANTAGES, params.advantage, "advantage")(inp, params)
+    if params.distill_weight <= 0.0:
+        return adv
+    if inp is None or inp.teacher_kl is None:
+        raise ValueError("distill_weight > 0 needs the teacher's per-token KL: pass TokenInputs.teacher_kl")
+    return distill_advantages(
+        adv, inp.teacher_kl, inp.mask, kl_weight=params.distill_weight, reward_weight=params.reward_weight
+    )
 
 
 def clipped_value_loss(
@@ -555,6 +596,15 @@ class ObjectiveParams:
     decoupled PPO term."""
     loss_params: tuple[tuple[str, object], ...] = ()
     """The custom loss's parameters (``rl.loss_params``) as sorted (key, value) pairs."""
+    distill_weight: float = 0.0
+    """Weight of the negative per-token reverse KL to ``teacher`` in the advantage
+    (``opd_advantages``); 0: no teacher. OPD: 1.0 (``teacher.kl_weight``)."""
+    reward_weight: float = 1.0
+    """Weight of the reward advantage when distilling (``distill_advantages``). OPD: 0.0 (pure
+    distillation, as Thinking Machines' OPD and TRL's GKD; ``teacher.reward_weight``)."""
+    teacher: TeacherSpec | None = None
+    """Which teacher the trainer loads (``training.rl.teacher.TeacherSpec``); needed when
+    ``distill_weight > 0``."""
 
     @property
     def critic_lambda(self) -> float:
@@ -575,6 +625,10 @@ class ObjectiveParams:
             (self.behaviour_weight, BEHAVIOUR_WEIGHTS, "behaviour_weight"),
         ):
             _lookup(table, value, name)
+        if self.distill_weight < 0 or self.reward_weight < 0:
+            raise ValueError(
+                f"distill_weight={self.distill_weight}, reward_weight={self.reward_weight}: must be >= 0"
+            )
         if self.value_warmup_steps and not self.needs_critic:
             raise ValueError(
                 f"value_warmup_steps={self.value_warmup_steps} pre-trains a critic, but advantage="
@@ -606,6 +660,7 @@ PRESETS: Mapping[Algorithm, ObjectiveParams] = MappingProxyType(
             value_warmup_steps=5,
             nll_coef=0.1,
         ),
+        "opd": dataclasses.replace(_GRPO, loss_agg="token_mean", distill_weight=1.0, reward_weight=0.0),
     }
 )
 """``rl.algorithm`` -> its objective. VAPO pre-trains its value model 50 steps in the paper (of

@@ -54,6 +54,7 @@ def rl_key(c: Config) -> dict:
     return {
         **drop_defaults(c.rl, "loss", "loss_params"),
         "verifier_timeout_s": c.eval.verifier_timeout_s,
+        **({"teacher": c.teacher.model_dump()} if c.teacher.path else {}),  # OPD (issue 54)
         "template": template(c),
         **numerics(c),
         **lora_key(c, "rl"),
@@ -67,6 +68,14 @@ def rl_key(c: Config) -> dict:
         **sandbox_key(c),
         **mix_key(c.envs),  # several environments, weighted (absent when none)
     }
+
+
+def teacher_files(cfg: Config, catalog=None) -> dict[str, str]:
+    """The OPD teacher's folder (``teacher.path=DIR``); nothing for the self-teacher or without one."""
+    from core.artifacts import hash_tree
+
+    path = cfg.teacher.path
+    return {"teacher.path": hash_tree(Path(path).expanduser())} if path and path != "self" else {}
 
 
 def rl_plugins(cfg: Config) -> list[str]:
@@ -274,6 +283,7 @@ STAGE = Stage(
     record=record_rl,
     headline=rl_headline,
     plugins=rl_plugins,
+    external=teacher_files,
     policy=True,
     title="RL",
     step_metrics=True,

@@ -17,6 +17,7 @@ from conf.schema import (
     RolloutConfig,
     SandboxConfig,
     SelectConfig,
+    TeacherConfig,
     TrainerConfig,
 )
 
@@ -39,6 +40,8 @@ class RLSections:
     lora: LoraConfig | None = None
     envs: tuple[EnvMixConfig, ...] = ()
     """Several environments in one run, weighted (``envs``; empty: ``env`` alone)."""
+    teacher: TeacherConfig | None = None
+    """``rl.algorithm=opd``'s teacher (``training.rl.teacher``); None: none."""
 
     @classmethod
     def of(cls, cfg: Config) -> RLSections:
@@ -54,6 +57,7 @@ class RLSections:
             select=cfg.curation.select,
             lora=cfg.model.lora,
             envs=tuple(cfg.envs),
+            teacher=cfg.teacher,
         )
 
     def engine_options(self, capacity: int, lora_rank: int = 0) -> EngineOptions:

@@ -26,6 +26,7 @@ from training.rl.loop import RLResult, rl_reward
 from training.rl.mix import rl_sources
 from training.rl.records import StepMetrics
 from training.rl.sections import RLSections
+from training.rl.teacher import with_teacher
 from generation.records import PromptItem
 from generation.setup import read_table
 
@@ -152,7 +153,7 @@ def rl(
         model_dir = rl_start(Path(model_dir), run.lora, Path(scratch), run.seed)
         tokenizer = load_tokenizer(model_dir)
         prompts = rl_prompts(Path(prompts_path), tokenizer, template, cfg.steps)
-        params = objective_params(cfg)
+        params = with_teacher(objective_params(cfg), run.teacher, model_dir, template)  # OPD
         reward = rl_reward(reward, params)
         with tqdm(
             total=cfg.steps, desc=f"rl {cfg.algorithm}/{cfg.mode}", unit="step", leave=False, disable=None

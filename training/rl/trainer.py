@@ -32,6 +32,7 @@ from generation.records import ScoredGroup, WeightsUpdate
 from generation.setup import HostThreads
 from training.rl.critic import critic_steps
 from training.rl.records import UpdateStats
+from training.rl.teacher import Teacher, teacher_metrics
 from training.rl.update_parallel import (
     accumulate,
     all_reduce_gradients,
@@ -287,6 +288,7 @@ class _UpdateInputs:
     proximal: torch.Tensor | None = None
     values: torch.Tensor | None = None
     returns: torch.Tensor | None = None
+    teacher_kl: torch.Tensor | None = None
 
     @property
     def n(self) -> int:
@@ -302,6 +304,7 @@ class _UpdateInputs:
             mask=self.mask,
             values=self.values,
             kl=(self.proximal - self.ref) if kl_in_reward else None,
+            teacher_kl=self.teacher_kl,
         )
         self.advantages = advantages_of(p, rewards, self.batch.group_index.to(device), token)
         if critic:
@@ -398,8 +401,7 @@ class PolicyTrainer:
         self.device = device
         self.minibatches = minibatches
         self.micro_batch_tokens = micro_batch_tokens
-        self.rank = rank
-        self.world_size = world_size
+        self.rank, self.world_size = rank, world_size
         self.version = 0
         self.pack = True
         """Shared-prompt packed forward (``packed_response_logits``); False: the padded one."""
@@ -425,6 +427,7 @@ class PolicyTrainer:
         self.entropy_coef = params.entropy_coef
         """The entropy bonus's coefficient now (adapted each update when ``params.entropy_target`` is set)."""
         self.entropy_adapt_rate = entropy_adapt_rate
+        self.teacher = Teacher.build(params, model, device)  # OPD (training.rl.teacher): the RL-start copy
 
     @classmethod
     def from_config(cls, model, params: ObjectiveParams, rl, **kw):
@@ -546,6 +549,7 @@ class PolicyTrainer:
         self.version += 1
         merged = _minibatch_mean([m for m, _, _ in steps])
         merged.update(critic_metrics)
+        merged.update(teacher_metrics(inp.teacher_kl, inp.mask) if self.teacher is not None else {})
         self._after_update(merged)
         return UpdateStats(
             kind="update_stats",
@@ -575,8 +579,10 @@ class PolicyTrainer:
         kl_in_reward = p.kl_in_reward and p.kl_coef > 0
         with torch.no_grad():
             inp.ref = self._logprobs_of(self.ref_model, inp) if self.ref_model is not None else None
-            need_proximal = self.minibatches > 1 or kl_in_reward
+            need_proximal = self.minibatches > 1 or kl_in_reward or self.teacher is not None
             inp.proximal = self._logprobs_of(self.forward_model, inp) if need_proximal else None
+            if self.teacher is not None:  # OPD: log pi - log pi_teacher on the sampled tokens
+                inp.teacher_kl = inp.proximal - self.teacher.logprobs(self, groups, inp)
             if self.critic is not None:
                 inp.values = self._logprobs_of(self.critic, inp, values=True)
         inp.score(p, kl_in_reward, critic=self.critic is not None, device=self.device)
@@ -623,6 +629,8 @@ class PolicyTrainer:
             self.ref_model.load_state_dict(self._policy_state_dict())
             self._reset_optimizer()
             metrics["reference_reset"] = 1.0
+        if self.teacher is not None:
+            self.teacher.after_update(self, metrics)
 
     def _policy_state_dict(self) -> dict[str, torch.Tensor]:
         return {k: v.detach().clone() for k, v in self.model.state_dict().items()}
