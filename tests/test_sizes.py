@@ -14,12 +14,9 @@ ROOT = Path(__file__).resolve().parent.parent
 PACKAGES = ("core", "generation", "rewards", "environments", "evaluation", "data_curation", "training")
 LIMITS = {"function": 60, "class": 350}
 
-ALLOWED = {
-    "training/rl/trainer.py:PolicyTrainer.__init__": 61,
-}
-"""``path:qualified name`` -> its length in lines today (``def``/``class`` line to last line). Stop 51
-raised five entries its merges grew (ingest +6 for the empty-pool error, RolloutManager +55 for the
-staleness gate, LaminarRuntime +2, its __init__ +1, stage._rl +2): splitting them is open work."""
+ALLOWED: dict[str, int] = {}
+"""``path:qualified name`` -> its length in lines, for an offender that may stay while it shrinks. Empty
+since stop 57: every function and class of the library packages is within the limits; keep it so."""
 
 
 def definitions(source: str) -> list[tuple[str, str, int]]:

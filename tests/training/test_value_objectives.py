@@ -259,9 +259,13 @@ def test_critic_presets_and_bad_values():
         0.1,
     )
     assert PRESETS["ppo"].critic_lambda == PRESETS["ppo"].gae_lambda == 0.95
-    with pytest.raises(ValueError, match="gae_lambda=1.5"):
-        ObjectiveParams(advantage="gae", gae_lambda=1.5)
-    with pytest.raises(ValueError, match="value_coef"):
-        ObjectiveParams(advantage="gae", value_coef=-1.0)
+    # the ranges are the config's (conf.schema.RLConfig's fields), checked once at load, before any write
+    from conf.loader import load_config
+    from conf.schema import ConfigError
+
+    with pytest.raises(ConfigError, match="rl.gae_lambda=1.5"):
+        load_config(["rl.algorithm=ppo", "rl.gae_lambda=1.5"])
+    with pytest.raises(ConfigError, match="rl.value_coef"):
+        load_config(["rl.algorithm=ppo", "rl.value_coef=-1.0"])
     with pytest.raises(ValueError, match="has none"):
         ObjectiveParams(value_warmup_steps=3)

@@ -352,6 +352,17 @@ def _diagnostics(pbatch: PolicyBatch, logits: torch.Tensor, temperature: float) 
         return {"entropy": float((ent.detach() * m).sum() / denom), "sampler_logprob_gap": float(gap)}
 
 
+def _critic(model, params: ObjectiveParams, path: str | None, device: str, lr: float, weight_decay: float):
+    """``(critic, its optimizer)`` when the objective needs one (a separate critic from the same
+    backbone, ``training.rl.critic``); else ``(None, None)``."""
+    if not params.needs_critic:
+        return None, None
+    from training.rl.critic import build_critic
+
+    critic = build_critic(model, path, device)
+    return critic, torch.optim.AdamW(critic.parameters(), lr=lr, weight_decay=weight_decay, betas=(0.9, 0.99))
+
+
 class PolicyTrainer:
     """Owns the trained model and its optimizer; ``version`` counts updates (one per publish).
 
@@ -415,15 +426,9 @@ class PolicyTrainer:
         # a frozen copy of the RL-start weights, only when the objective has a KL term (ProRL: reset
         # to the current policy every params.ref_reset_every updates)
         self.ref_model = copy.deepcopy(model).eval().requires_grad_(False) if params.kl_coef > 0 else None
-        self.critic = None
-        self.critic_opt = None
-        if params.needs_critic:  # a separate critic from the same backbone (training.rl.critic)
-            from training.rl.critic import build_critic
-
-            self.critic = build_critic(model, critic_path, device)
-            self.critic_opt = torch.optim.AdamW(
-                self.critic.parameters(), lr=critic_lr or lr, weight_decay=weight_decay, betas=(0.9, 0.99)
-            )
+        self.critic, self.critic_opt = _critic(
+            model, params, critic_path, device, critic_lr or lr, weight_decay
+        )
         self.entropy_coef = params.entropy_coef
         """The entropy bonus's coefficient now (adapted each update when ``params.entropy_target`` is set)."""
         self.entropy_adapt_rate = entropy_adapt_rate
