@@ -602,7 +602,7 @@ def log_report(ws: Workspace, run_id: str, plots: Mapping[str, Path]) -> None:
         return
     rows = ws.catalog.query("SELECT config_json FROM runs WHERE run_id = ?", [run_id])
     tcfg = json.loads(rows[0]["config_json"]).get("tracking", {}) if rows else {}
-    t = TrackingConfig(**{k: v for k, v in tcfg.items() if k in TrackingConfig.__dataclass_fields__})
+    t = TrackingConfig(**{k: v for k, v in tcfg.items() if k in TrackingConfig.model_fields})
     root = tracking_root(ws)
     backends: list[Any] = []
     for name in loc:

@@ -196,6 +196,12 @@ def verdict_plugins(cfg: Config) -> list[str]:
     return reward_targets([cfg.reward.verdict()])
 
 
+def curation_plugins(cfg: Config) -> list[str]:
+    """The run's verdict and, for episodes, the environment: difficulty and DART judge with the
+    verdict and sample whole episodes in ``env`` when it is not single-turn."""
+    return [*verdict_plugins(cfg), *env_plugins(cfg)]
+
+
 def env_plugins(cfg: Config) -> list[str]:
     """The environment, when ``env.target`` names one by import path (stages that sample episodes)."""
     from core.plugins import is_target

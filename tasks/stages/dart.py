@@ -9,6 +9,7 @@ from typing import TYPE_CHECKING
 from conf.schema import Config
 from tasks.records import Stage, StageContext, StageResult
 from tasks.stages.common import (
+    curation_plugins,
     episodes_key,
     ATTEMPTS,
     MODEL,
@@ -22,7 +23,6 @@ from tasks.stages.common import (
     reward_model_key,
     template,
     verdict_key,
-    verdict_plugins,
 )
 
 if TYPE_CHECKING:
@@ -138,6 +138,6 @@ STAGE = Stage(
     record=record_dart,
     headline=dart_headline,
     reads={REWARD_MODEL: dart_ranks},
-    plugins=verdict_plugins,
+    plugins=curation_plugins,
     curates=True,
 )

@@ -10,6 +10,7 @@ from typing import TYPE_CHECKING
 from conf.schema import Config
 from tasks.records import Stage, StageContext, StageResult
 from tasks.stages.common import (
+    curation_plugins,
     episodes_key,
     ATTEMPTS,
     MODEL,
@@ -19,7 +20,6 @@ from tasks.stages.common import (
     record_history,
     template,
     verdict_key,
-    verdict_plugins,
 )
 
 if TYPE_CHECKING:
@@ -118,7 +118,7 @@ STAGE = Stage(
     body=difficulty_body,
     record=record_difficulty,
     headline=difficulty_headline,
-    plugins=verdict_plugins,
+    plugins=curation_plugins,
     curates=True,
 )
 
@@ -131,6 +131,6 @@ RFT_STAGE = Stage(
     body=difficulty_rft_body,
     record=record_difficulty,
     headline=difficulty_headline,
-    plugins=verdict_plugins,
+    plugins=curation_plugins,
     curates=True,
 )
