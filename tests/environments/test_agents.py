@@ -1,0 +1,216 @@
+"""Agents through the OpenAI-compatible endpoint: the real ``openai`` client drives every request; a
+multi-turn episode with ``tools=`` trains on exactly the tokens the engine consumed (a real BPE
+tokenizer and chat template); a client that rewrites history is caught and never trained on; agents
+that raise, hang, exit or never close end only their own episodes; bad requests get a 4xx."""
+
+import asyncio
+import json
+import time
+import urllib.error
+import urllib.request
+
+import openai
+import pytest
+
+from conf.schema import EnvConfig
+from environments.agents.adapter import AgentEnvironment, AgentParams
+from environments.registry import make_environment, wrap_engine
+from generation.engine import Engine
+from generation.records import GenRequest, PromptItem
+from tests.environments import agent_fixtures as fx
+from tests.environments.bpe import bpe_tokenizer, random_qwen2
+from tests.environments.test_episodes import Recording, _consumed_matches, _training_row
+from training.rl.records import episode_metrics
+
+AGENTS = "tests.environments.agent_fixtures"
+
+
+@pytest.fixture(scope="module")
+def tok():
+    return bpe_tokenizer()
+
+
+@pytest.fixture(scope="module")
+def model(tok):
+    return random_qwen2(tok)
+
+
+def _cfg(agent: str, max_turns: int = 4, **params) -> EnvConfig:
+    return EnvConfig(target=f"{AGENTS}:{agent}", max_turns=max_turns, tool_timeout_s=20.0, params=params)
+
+
+def _requests(tok, n=4):
+    texts = ["What is 12 + 7 - 3?", "What is 4 * 5?", "Compute 9 - 2 + 1."]
+    out = []
+    for i in range(n):
+        text = texts[i % 3]
+        item = PromptItem(f"q{i}", text, "16", tuple(tok(text)["input_ids"]))
+        out.append(GenRequest(item, sample_idx=i % 2, group_uid=i))
+    return out
+
+
+def _run(engine, cfg, tok, n=4):
+    runner = wrap_engine(engine, cfg, tok)
+    try:
+        return runner, runner.generate(_requests(tok, n))
+    finally:
+        runner.close()
+
+
+def test_multi_turn_episode_with_tools_trains_on_the_tokens_the_engine_consumed(tok, model):
+    engine = Recording(model, tok, max_new_tokens=24, capacity=4, seed=3)
+    runner, trajs = _run(engine, _cfg("three_turns"), tok)
+    assert [t.end_reason for t in trajs] == ["answer"] * 4
+    for t in trajs:
+        assert t.turns == 3 and t.env_state["requests"] == 3 and t.env_state["mismatches"] == 0
+        assert t.env_state["result"] == {"answer": t.env_state["result"]["answer"], "reward": 1.0}
+        assert len(t.response_tokens) == len(t.behaviour_logprobs) == len(t.loss_mask)
+        row = _training_row(t, tok)
+        assert row == t.prompt.prompt_tokens + t.response_tokens
+        assert _consumed_matches(row, t, engine)
+        # the first context is the template's rendering of the agent's messages with its tools
+        first = tok.apply_chat_template(
+            [{"role": "system", "content": "Use calc."}, {"role": "user", "content": t.prompt.text}],
+            tools=[fx.CALC],
+            add_generation_prompt=True,
+            tokenize=True,
+        )
+        first = first["input_ids"] if hasattr(first, "input_ids") or isinstance(first, dict) else first
+        assert t.prompt.prompt_tokens == tuple(first)
+        assert sum(t.loss_mask) == sum(len(engine.sampled[k]) for k in engine.sampled if k[0].startswith(t.prompt.prompt_id) and k[1:] == (t.group_uid, t.sample_idx))  # fmt: skip
+    assert episode_metrics(trajs)["episode/policy_token_share"] < 1.0
+
+
+def test_tool_calls_are_parsed_in_the_models_format_and_answered_token_exact(tok):
+    call = '<tool_call>{"name": "calc", "arguments": {"input": "12+7-3"}}</tool_call>'
+    engine = fx.Scripted(tok, ["Let me use the tool. " + call, call, "The answer is 16."])
+    runner, trajs = _run(engine, _cfg("three_turns"), tok, n=2)
+    for t in trajs:
+        assert t.end_reason == "answer" and t.tool_calls == 2 and t.turns == 3
+        assert t.env_state["result"]["answer"] == "The answer is 16."
+        row = _training_row(t, tok)
+        assert _consumed_matches(row, t, engine)
+        # the observations are the template's tool message and the next assistant header
+        text = tok.decode(list(t.response_tokens))
+        assert text.count("<tool_response>\n16\n</tool_response>") == 2
+        # the policy's tokens are the scripted turns, untouched by the template's own rendering
+        policy = [tok_id for tok_id, m in zip(t.response_tokens, t.loss_mask) if m]
+        assert tok.decode(policy).startswith("Let me use the tool. <tool_call>")
+
+
+def test_a_client_that_rewrites_history_is_detected_counted_and_not_trained_on(tok, model):
+    engine = Recording(model, tok, max_new_tokens=16, capacity=4, seed=3)
+    _, trajs = _run(engine, _cfg("rewrites_history"), tok, n=3)
+    assert all(t.env_state["mismatches"] == 1 and t.env_state["untrained"] for t in trajs)
+    assert all(sum(t.loss_mask) == 0 and len(t.loss_mask) == len(t.response_tokens) for t in trajs)
+    assert all(t.env_state["reward"] == 0.5 and t.end_reason == "answer" for t in trajs)
+    assert episode_metrics(trajs)["episode/agent_mismatch"] == 1.0
+    # the positive control: the same run without the rewrite has none
+    _, good = _run(Recording(model, tok, max_new_tokens=16, capacity=4, seed=3), _cfg("three_turns"), tok, 3)
+    assert episode_metrics(good)["episode/agent_mismatch"] == 0.0
+
+
+def test_faults_end_only_their_own_episode_with_a_reason(tok, model):
+    for agent, reason, params in [
+        ("raises", "agent_error", {}),
+        ("hangs", "agent_timeout", {"episode_timeout_s": 1.0}),
+        ("exits", "agent_exit", {}),
+    ]:
+        engine = fx.Scripted(tok, ["a turn"])
+        t0 = time.monotonic()
+        _, trajs = _run(engine, _cfg(agent, **params), tok, n=2)
+        assert [t.end_reason for t in trajs] == [reason] * 2, agent
+        assert time.monotonic() - t0 < 15
+        if agent == "raises":
+            assert all(t.env_state["error"] == "RuntimeError: the agent broke" for t in trajs)
+
+
+def test_a_hundred_sessions_never_closed_do_not_stall_the_run(tok, model):
+    engine = fx.Scripted(tok, ["a turn"])
+    cfg = EnvConfig(target=f"{AGENTS}:hangs", max_turns=3, tool_timeout_s=30.0, tool_workers=8,
+                    params={"episode_timeout_s": 2.0})  # fmt: skip
+    runner = wrap_engine(engine, cfg, tok)
+    t0 = time.monotonic()
+    trajs = runner.generate(_requests(tok, 100))
+    took = time.monotonic() - t0
+    assert [t.end_reason for t in trajs] == ["agent_timeout"] * 100
+    assert took < 25, took
+    assert runner.env.hub.live() == 0
+    runner.close()
+
+
+def test_a_lost_session_restarts_its_episode_once_from_the_prompt(tok, model):
+    """Resume: a parked episode whose session is in no process (a fresh environment) restarts."""
+    call = '<tool_call>{"name": "calc", "arguments": {"input": "1+1"}}</tool_call>'
+    cfg = _cfg("three_turns")
+    first = wrap_engine(fx.Scripted(tok, [call, call, "done"]), cfg, tok)
+    first.submit(_requests(tok, 1))
+    first.step(1)  # the first turn is with the agent
+    partials, queued = first.extract()
+    assert len(partials) == 1 and not queued and partials[0].request.episode.pending is not None
+    first.close()
+    again = wrap_engine(fx.Scripted(tok, [call, call, "done"]), cfg, tok)
+    again.inject(partials)
+    out = []
+    while len(out) < 1:
+        out += again.step(1)
+    (t,) = out
+    assert t.end_reason == "answer" and t.turns == 3 and again.env.hub.started == 1
+    assert again.env_errors == 1  # counted once
+    again.close()
+
+
+def test_streaming_completions_models_and_refusals(tok, model):
+    env = make_environment(_cfg("streams"), tok)
+    try:
+        engine = fx.Scripted(tok, ["streamed answer"])
+        runner = wrap_engine(engine, _cfg("streams"), tok)
+        runner.env.close()
+        runner.env = env
+        (t,) = runner.generate(_requests(tok, 1))
+        assert t.end_reason == "answer" and t.env_state["result"]["answer"] == "streamed answer"
+        _refusals(env)
+    finally:
+        env.close()
+
+
+def _refusals(env: AgentEnvironment):
+    s = env.hub.open({"prompt": "x"})  # a live session the checks below address
+    url = env.endpoint.base_url(s.sid)
+
+    async def check():
+        good = openai.AsyncOpenAI(base_url=url, api_key=env.hub.token, max_retries=0)
+        models = await good.models.list()
+        assert [m.id for m in models.data] == [AgentParams().model_name]
+        msgs = [{"role": "user", "content": "hi"}]
+        bad = openai.AsyncOpenAI(base_url=url, api_key="wrong", max_retries=0)
+        with pytest.raises(openai.AuthenticationError):
+            await bad.chat.completions.create(model="m", messages=msgs)
+        for kw in [
+            {"n": 2},
+            {"tool_choice": "required", "tools": [fx.CALC]},
+            {"top_logprobs": 3, "logprobs": True},
+        ]:
+            with pytest.raises(openai.BadRequestError):
+                await good.chat.completions.create(model="m", messages=msgs, **kw)
+        with pytest.raises(openai.BadRequestError):
+            await good.chat.completions.create(
+                model="m", messages=[{"role": "user", "content": [{"type": "image_url"}]}]
+            )
+        with pytest.raises(openai.BadRequestError):
+            await good.completions.create(model="m", prompt="x", echo=True)
+        other = openai.AsyncOpenAI(
+            base_url=env.endpoint.base_url("nope"), api_key=env.hub.token, max_retries=0
+        )
+        with pytest.raises(openai.NotFoundError):
+            await other.chat.completions.create(model="m", messages=msgs)
+        await good.close(), await bad.close(), await other.close()
+
+    asyncio.run(check())
+    big = json.dumps({"messages": [{"role": "user", "content": "x" * (5 << 20)}]}).encode()
+    req = urllib.request.Request(url + "/chat/completions", data=big, method="POST")
+    req.add_header("Authorization", f"Bearer {env.hub.token}")
+    with pytest.raises(urllib.error.HTTPError) as e:
+        urllib.request.urlopen(req, timeout=10)
+    assert e.value.code == 413
+    env.hub.close(s.sid)
