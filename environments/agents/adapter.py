@@ -60,11 +60,11 @@ def _client(hub: Hub, endpoint: Endpoint, timeout: float):
     import httpx
     import openai
 
-    def make(session: Session):
+    def make(session: Session | None):
         # plain HTTP on loopback: no TLS context to build (that alone costs tens of ms per client)
         http = httpx.AsyncClient(verify=False, trust_env=False, timeout=timeout)
         return openai.AsyncOpenAI(
-            base_url=endpoint.base_url(session.sid),
+            base_url=endpoint.base_url(session.sid if session else "none"),
             api_key=hub.token,
             max_retries=0,
             timeout=timeout,
@@ -92,6 +92,7 @@ class AgentEnvironment:
         self.hub = Hub(solve, None, p.max_sessions, p.episode_timeout_s)
         self.endpoint = Endpoint(self.hub, p.model_name, p.request_timeout_s, p.max_request_bytes)
         self.hub.client_factory = _client(self.hub, self.endpoint, p.request_timeout_s + 5.0)
+        self.hub.client_factory(None)  # imports openai and httpx now, not inside the first episode
 
     # ------------------------------------------------------------------------------- interface
     def reset(self, prompt: PromptItem) -> tuple[tuple[int, ...], dict]:

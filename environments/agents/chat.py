@@ -108,7 +108,7 @@ def _template_message(m: dict) -> dict:
             )
         out["tool_calls"] = calls
     if m["role"] == "tool":
-        out["tool_call_id"] = m["tool_call_id"]
+        out["tool_call_id"] = m.get("tool_call_id", "")
     return out
 
 

@@ -214,6 +214,7 @@ class Endpoint:
 
 class _Handler(BaseHTTPRequestHandler):
     protocol_version = "HTTP/1.1"
+    disable_nagle_algorithm = True  # headers and body go out at once, not 40 ms apart (delayed ACK)
     endpoint: Endpoint
 
     def log_message(self, *args) -> None:  # no access log on stderr

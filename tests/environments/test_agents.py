@@ -214,3 +214,20 @@ def _refusals(env: AgentEnvironment):
         urllib.request.urlopen(req, timeout=10)
     assert e.value.code == 413
     env.hub.close(s.sid)
+
+
+def test_the_agents_return_is_the_reward_through_the_reward_layer(tok):
+    from conf.schema import RewardComponentConfig, RewardConfig
+    from rewards.compose import open_reward
+    from training.rl.loop import score_phase
+
+    engine = fx.Scripted(tok, ["#### 7"])
+    _, trajs = _run(engine, _cfg("rewrites_history"), tok, n=2)  # returns 0.5
+    _, answered = _run(fx.Scripted(tok, ["#### 16"]), _cfg("streams"), tok, n=2)  # returns an answer
+    cfg = RewardConfig(components=[RewardComponentConfig(target="rewards.agent:agent_return", verdict=True)])
+    verifier, reward = open_reward(cfg, 10.0)
+    with verifier:
+        (group,) = score_phase(trajs[:1], reward)
+        (right,) = score_phase(answered[:1], reward)
+    assert group.rewards == (0.5,) and group.correct == (False,)  # 0.5 is below the threshold 1.0
+    assert right.correct == (True,)  # no reward returned: its final answer matches the gold 16
