@@ -18,7 +18,6 @@ in-process runner's per-turn time. Rounds alternate the order; medians over ``--
 from __future__ import annotations
 
 import argparse
-import asyncio
 import json
 import os
 import statistics
@@ -80,7 +79,9 @@ class InProcess:
 
 def requests(tok, n):
     return [
-        GenRequest(PromptItem(f"q{i}", f"What is {i} + 7?", "16", tuple(tok(f"What is {i} + 7?")["input_ids"])), 0, i)
+        GenRequest(
+            PromptItem(f"q{i}", f"What is {i} + 7?", "16", tuple(tok(f"What is {i} + 7?")["input_ids"])), 0, i
+        )
         for i in range(n)
     ]
 
@@ -110,7 +111,12 @@ def run_once(kind, mode, tok, model, args) -> dict:
     wall = time.perf_counter() - t0
     runner.close()
     turns = sum(t.turns for t in trajs)
-    out = {"wall_s": wall, "turns": turns, "turns_per_s": turns / wall, "reasons": sorted({t.end_reason for t in trajs})}
+    out = {
+        "wall_s": wall,
+        "turns": turns,
+        "turns_per_s": turns / wall,
+        "reasons": sorted({t.end_reason for t in trajs}),
+    }
     if lat:
         q = statistics.quantiles(lat, n=10)
         out.update(request_p50_ms=1000 * statistics.median(lat), request_p90_ms=1000 * q[8])
@@ -136,7 +142,12 @@ def main() -> None:
     TURNS = _module().TURNS = args.turns
     tok = bpe_tokenizer()
     model = random_qwen2(tok)
-    result = {"episodes": args.episodes, "turns": args.turns, "load_before": os.getloadavg()[0], "engines": {}}
+    result = {
+        "episodes": args.episodes,
+        "turns": args.turns,
+        "load_before": os.getloadavg()[0],
+        "engines": {},
+    }
     for kind in args.engines:
         rounds = []
         for r in range(args.rounds):

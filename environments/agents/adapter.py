@@ -22,6 +22,7 @@ for agents).
 from __future__ import annotations
 
 import math
+import threading
 import time
 from typing import Any
 
@@ -88,16 +89,27 @@ class AgentEnvironment:
         self.params = params or AgentParams()
         self.tokenizer = tokenizer
         self.format = message_format(tokenizer, getattr(env, "tool_format", "auto"))
-        p = self.params
-        self.hub = Hub(solve, None, p.max_sessions, p.episode_timeout_s)
-        self.endpoint = Endpoint(self.hub, p.model_name, p.request_timeout_s, p.max_request_bytes)
-        self.hub.client_factory = _client(self.hub, self.endpoint, p.request_timeout_s + 5.0)
-        self.hub.client_factory(None)  # imports openai and httpx now, not inside the first episode
+        self.hub = Hub(solve, None, self.params.max_sessions, self.params.episode_timeout_s)
+        self._endpoint: Endpoint | None = None
+        self._lock = threading.Lock()
+
+    @property
+    def endpoint(self) -> Endpoint:
+        """The loopback server, started at the first episode (building the environment for a check or
+        for warm-up starts nothing)."""
+        with self._lock:
+            if self._endpoint is None:
+                p = self.params
+                self._endpoint = Endpoint(self.hub, p.model_name, p.request_timeout_s, p.max_request_bytes)
+                self.hub.client_factory = _client(self.hub, self._endpoint, p.request_timeout_s + 5.0)
+                self.hub.client_factory(None)  # imports openai and httpx now, not in the first episode
+            return self._endpoint
 
     # ------------------------------------------------------------------------------- interface
     def reset(self, prompt: PromptItem) -> tuple[tuple[int, ...], dict]:
         task = {"prompt_id": prompt.prompt_id, "prompt": prompt.text, "answer": prompt.answer,
                 "level": prompt.level, "params": dict(self.params.agent_params)}  # fmt: skip
+        self.endpoint  # noqa: B018 - started on first use
         s = self.hub.open(task)
         if s is None:
             return prompt.prompt_tokens, {"session": "", "ended": "agent_capacity"}
@@ -140,7 +152,9 @@ class AgentEnvironment:
         return StepResult(obs, tool_call=tool_msgs > 0, state=self._state(s))
 
     def close(self) -> None:
-        self.endpoint.close()
+        with self._lock:
+            if self._endpoint is not None:
+                self._endpoint.close()
         self.hub.shutdown()
 
     # -------------------------------------------------------------------------------- sessions

@@ -35,7 +35,11 @@ def calc(expression: str) -> str:
     """The tool: integer arithmetic through an AST walk (never ``eval``); errors are the tool's text."""
 
     def walk(node):
-        if isinstance(node, ast.Constant) and isinstance(node.value, int) and not isinstance(node.value, bool):
+        if (
+            isinstance(node, ast.Constant)
+            and isinstance(node.value, int)
+            and not isinstance(node.value, bool)
+        ):
             return node.value
         if isinstance(node, ast.UnaryOp) and isinstance(node.op, ast.USub):
             return -walk(node.operand)

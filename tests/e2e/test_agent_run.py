@@ -20,8 +20,8 @@ def _episode_metrics(ws) -> dict[str, list[float]]:
     con = duckdb.connect(str(ws / "catalog.duckdb"), read_only=True)
     try:
         rows = con.execute(
-            "select name, value from metrics where stage = 'rl' and (name like 'episode/%' or name = 'reward') "
-            "order by step"
+            "select name, value from metrics where stage = 'rl' "
+            "and (name like 'episode/%' or name = 'reward') order by step"
         ).fetchall()
     finally:
         con.close()

@@ -71,6 +71,29 @@ async def streams(client, task):
     return {"answer": text}
 
 
+async def completes(client, task):
+    """Two ``/v1/completions`` requests, the second extending the first's prompt and completion; the
+    log-probs the endpoint returned, per request."""
+    prompt, lps = task["prompt"], []
+    for _ in range(2):
+        r = await client.completions.create(model="m", prompt=prompt, logprobs=1)
+        lps.append(r.choices[0].logprobs.token_logprobs)
+        prompt = prompt + r.choices[0].text + " Next:"
+    return {"logprobs": lps}
+
+
+async def malformed_first(client, task):
+    """A request the endpoint refuses (400), then a good one: the episode goes on."""
+    msgs = [{"role": "user", "content": task["prompt"]}]
+    try:
+        await client.chat.completions.create(model="m", messages=msgs, n=3)
+    except Exception as e:  # noqa: BLE001
+        status = getattr(e, "status_code", None)
+    r = await client.chat.completions.create(model="m", messages=msgs, logprobs=True)
+    lps = [x.logprob for x in r.choices[0].logprobs.content]
+    return {"status": status, "logprobs": lps, "reward": 1.0}
+
+
 class Scripted:
     """A generation engine (the continuous API ``EpisodeEngine`` drives) whose turns are scripted
     texts, tokenized and ended with EOS, log-prob -0.5 each; it records every row's context (the
@@ -106,8 +129,9 @@ class Scripted:
                 self.tokenizer.eos_token_id,
             )
             self.sampled[request_key(r)] = toks
-            out.append(Trajectory("trajectory", r.prompt, r.sample_idx, toks, (-0.5,) * len(toks), self.version,
-                                  True, text, 0.1, r.group_uid))  # fmt: skip
+            lps = (-0.5,) * len(toks)
+            args = (r.prompt, r.sample_idx, toks, lps, self.version, True, text, 0.1, r.group_uid)
+            out.append(Trajectory("trajectory", *args))
         return out
 
     def extract(self, include_queued=True, only=None):

@@ -14,8 +14,8 @@ import pytest
 
 from conf.schema import EnvConfig
 from environments.agents.adapter import AgentEnvironment, AgentParams
+from environments.agents.session import Call
 from environments.registry import make_environment, wrap_engine
-from generation.engine import Engine
 from generation.records import GenRequest, PromptItem
 from tests.environments import agent_fixtures as fx
 from tests.environments.bpe import bpe_tokenizer, random_qwen2
@@ -77,7 +77,12 @@ def test_multi_turn_episode_with_tools_trains_on_the_tokens_the_engine_consumed(
         )
         first = first["input_ids"] if hasattr(first, "input_ids") or isinstance(first, dict) else first
         assert t.prompt.prompt_tokens == tuple(first)
-        assert sum(t.loss_mask) == sum(len(engine.sampled[k]) for k in engine.sampled if k[0].startswith(t.prompt.prompt_id) and k[1:] == (t.group_uid, t.sample_idx))  # fmt: skip
+        mine = [
+            k
+            for k in engine.sampled
+            if k[0].split("|")[0] == t.prompt.prompt_id and k[1:] == (t.group_uid, t.sample_idx)
+        ]
+        assert sum(t.loss_mask) == sum(len(engine.sampled[k]) for k in mine)
     assert episode_metrics(trajs)["episode/policy_token_share"] < 1.0
 
 
@@ -160,18 +165,14 @@ def test_a_lost_session_restarts_its_episode_once_from_the_prompt(tok, model):
     again.close()
 
 
-def test_streaming_completions_models_and_refusals(tok, model):
-    env = make_environment(_cfg("streams"), tok)
+def test_streaming_models_and_refusals(tok):
+    runner = wrap_engine(fx.Scripted(tok, ["streamed answer"]), _cfg("streams"), tok)
     try:
-        engine = fx.Scripted(tok, ["streamed answer"])
-        runner = wrap_engine(engine, _cfg("streams"), tok)
-        runner.env.close()
-        runner.env = env
         (t,) = runner.generate(_requests(tok, 1))
         assert t.end_reason == "answer" and t.env_state["result"]["answer"] == "streamed answer"
-        _refusals(env)
+        _refusals(runner.env)
     finally:
-        env.close()
+        runner.close()
 
 
 def _refusals(env: AgentEnvironment):
@@ -231,3 +232,43 @@ def test_the_agents_return_is_the_reward_through_the_reward_layer(tok):
         (right,) = score_phase(answered[:1], reward)
     assert group.rewards == (0.5,) and group.correct == (False,)  # 0.5 is below the threshold 1.0
     assert right.correct == (True,)  # no reward returned: its final answer matches the gold 16
+
+
+def test_completions_sessions_are_token_exact_and_return_the_behaviour_logprobs(tok):
+    engine = fx.Scripted(tok, ["first part", "second part"])
+    _, trajs = _run(engine, _cfg("completes"), tok, n=2)
+    for t in trajs:
+        assert t.end_reason == "answer" and t.turns == 2 and t.env_state["mismatches"] == 0
+        assert _consumed_matches(_training_row(t, tok), t, engine)
+        policy = [lp for lp, m in zip(t.behaviour_logprobs, t.loss_mask) if m]
+        sent = [lp for turn in t.env_state["result"]["logprobs"] for lp in turn]
+        assert sent == policy == [-0.5] * len(policy)  # every policy token's, EOS included
+        obs = [i for i, m in zip(t.response_tokens, t.loss_mask) if not m]
+        assert tok.decode(obs) == " Next:"
+
+
+def test_a_malformed_request_gets_a_400_and_the_episode_goes_on(tok):
+    _, trajs = _run(fx.Scripted(tok, ["fine"]), _cfg("malformed_first"), tok, n=2)
+    for t in trajs:
+        assert t.end_reason == "answer" and t.turns == 1
+        assert t.env_state["result"]["status"] == 400
+        assert t.env_state["result"]["logprobs"] == [-0.5] * len(t.response_tokens)
+
+
+def test_a_request_the_policy_never_answers_times_out_with_a_504(tok):
+    env = make_environment(_cfg("hangs", request_timeout_s=0.5), tok)
+    try:
+        s = env.hub.open({"prompt": "x"})
+        client = openai.OpenAI(base_url=env.endpoint.base_url(s.sid), api_key=env.hub.token, max_retries=0)
+        t0 = time.monotonic()
+        with pytest.raises(openai.InternalServerError) as e:
+            client.chat.completions.create(model="m", messages=[{"role": "user", "content": "hi"}])
+        assert e.value.status_code == 504 and time.monotonic() - t0 < 5
+        # a second request while the first waits on the policy is refused
+        waiting = Call({})
+        s.post(waiting)
+        with pytest.raises(openai.ConflictError):
+            client.chat.completions.create(model="m", messages=[{"role": "user", "content": "hi"}])
+        assert s.call is waiting
+    finally:
+        env.close()
