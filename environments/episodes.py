@@ -465,6 +465,9 @@ class EpisodeEngine:
         if ep.context != prompt.prompt_tokens:  # the environment rendered its own first context
             prompt = dataclasses.replace(prompt, prompt_tokens=ep.context)
         finished = reason == "answer"
+        ended = getattr(self.env, "episode_ended", None)
+        if ended is not None:  # an environment holding live resources per episode (an agent's session)
+            ended(ep.state, reason)
         mask = (0,) * len(ep.mask) if untrained(ep.state) else ep.mask
         return Trajectory(
             kind="trajectory",

@@ -151,6 +151,14 @@ class AgentEnvironment:
                     return self._ended(s, ev)
         return StepResult(obs, tool_call=tool_msgs > 0, state=self._state(s))
 
+    def episode_ended(self, state, reason: str) -> None:
+        """The episode ended outside ``step`` (a turn cut at the length limit, ``max_turns``, a step
+        timeout): its agent is stopped and its open request refused (409), so no session outlives its
+        episode."""
+        sid = state.get("session") if isinstance(state, dict) else None
+        if sid:
+            self.hub.close(sid, reason)
+
     def close(self) -> None:
         with self._lock:
             if self._endpoint is not None:

@@ -14,6 +14,7 @@ the tokens trained on.
 from __future__ import annotations
 
 import json
+import sys
 import threading
 import time
 import uuid
@@ -190,6 +191,15 @@ def stream_events(reply: dict, kind: str, model: str, usage: bool) -> list[dict]
     return events
 
 
+class _Server(ThreadingHTTPServer):
+    daemon_threads = True
+
+    def handle_error(self, request, client_address) -> None:
+        """A client that drops its connection (an agent cancelled or done) is no error of the server's."""
+        if not isinstance(sys.exc_info()[1], ConnectionError):
+            super().handle_error(request, client_address)
+
+
 class Endpoint:
     """The HTTP server on ``127.0.0.1`` (a free port), in front of ``hub``'s sessions."""
 
@@ -198,8 +208,7 @@ class Endpoint:
         self.request_timeout_s, self.max_request_bytes = request_timeout_s, max_request_bytes
         self.requests = self.refused = 0
         handler = type("Handler", (_Handler,), {"endpoint": self})
-        self.server = ThreadingHTTPServer(("127.0.0.1", 0), handler)
-        self.server.daemon_threads = True
+        self.server = _Server(("127.0.0.1", 0), handler)
         self.port = self.server.server_address[1]
         self.thread = threading.Thread(target=self.server.serve_forever, name="laminar-endpoint", daemon=True)
         self.thread.start()

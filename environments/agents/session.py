@@ -92,7 +92,7 @@ class Session:
                 self.end, self.ended_at = (reason, detail), time.monotonic()
             for c in (self.call, self.serving):
                 if c is not None and not c.done.is_set():
-                    c.answer(error=(409, f"the episode ended ({reason})"))
+                    c.answer(error=(409, f"the episode ended ({detail or reason})"))
             self.call = self.serving = None
             self.cond.notify_all()
 
@@ -137,12 +137,13 @@ class Hub:
         with self.lock:
             return self.sessions.get(sid)
 
-    def close(self, sid: str) -> None:
-        """Drop the session; an agent still running is cancelled."""
+    def close(self, sid: str, why: str = "") -> None:
+        """Drop the session; an agent still running is cancelled (its open request is refused, naming
+        ``why`` the episode ended)."""
         with self.lock:
             s = self.sessions.pop(sid, None)
         if s is not None and s.end is None:
-            s.finish("agent_cancelled", "")
+            s.finish("agent_cancelled", why)
             if s.loop is not None and s.agent_task is not None:
                 try:
                     s.loop.call_soon_threadsafe(s.agent_task.cancel)

@@ -272,3 +272,13 @@ def test_a_request_the_policy_never_answers_times_out_with_a_504(tok):
         assert s.call is waiting
     finally:
         env.close()
+
+
+def test_an_episode_cut_by_its_turn_limit_stops_its_agent(tok):
+    runner = wrap_engine(fx.Scripted(tok, ["a turn"]), _cfg("three_turns", max_turns=2), tok)
+    try:
+        trajs = runner.generate(_requests(tok, 3))
+        assert [t.end_reason for t in trajs] == ["max_turns"] * 3
+        assert runner.env.hub.live() == 0 and not runner.env.hub.sessions  # none outlives its episode
+    finally:
+        runner.close()
