@@ -1,5 +1,6 @@
 """The OpenAI-compatible endpoint: ``/v1/chat/completions`` (plain and streaming), ``/v1/completions``
-and ``/v1/models`` on loopback, one session per episode in the URL (``/s/<session>/v1/...``).
+and ``/v1/models`` on loopback, one session per episode in the URL (``/s/<session>/v1/...``) or in
+the ``X-Laminar-Session`` header.
 
 Every request needs the run's bearer token (401 otherwise), is at most ``max_request_bytes`` (413)
 and is checked here, in the handler thread, before it reaches a session: anything the endpoint does
@@ -22,6 +23,9 @@ from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
 from environments.agents.chat import RequestError, canonical, canonical_tools
 
+SESSION_HEADER = "X-Laminar-Session"
+"""The session of a request sent to the endpoint's root URL (``http://127.0.0.1:PORT/v1``) instead of
+the session's own base URL: for a framework that fixes the base URL but lets headers be set."""
 IGNORED = {
     "model",
     "user",
@@ -213,8 +217,9 @@ class Endpoint:
         self.thread = threading.Thread(target=self.server.serve_forever, name="laminar-endpoint", daemon=True)
         self.thread.start()
 
-    def base_url(self, sid: str) -> str:
-        return f"http://127.0.0.1:{self.port}/s/{sid}/v1"
+    def base_url(self, sid: str | None = None) -> str:
+        """The session's base URL; without one, the root URL (the session then goes in ``SESSION_HEADER``)."""
+        return f"http://127.0.0.1:{self.port}/s/{sid}/v1" if sid else f"http://127.0.0.1:{self.port}/v1"
 
     def close(self) -> None:
         self.server.shutdown()
@@ -249,7 +254,7 @@ class _Handler(BaseHTTPRequestHandler):
             self._send(401, _error(401, "missing or wrong bearer token"))
             return None
         parts = self.path.split("?")[0].strip("/").split("/")
-        sid = None
+        sid = self.headers.get(SESSION_HEADER) or None
         if len(parts) >= 2 and parts[0] == "s":
             sid, parts = parts[1], parts[2:]
         if not parts or parts[0] != "v1":

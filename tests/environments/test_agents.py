@@ -205,6 +205,17 @@ def _refusals(env: AgentEnvironment):
         )
         with pytest.raises(openai.NotFoundError):
             await other.chat.completions.create(model="m", messages=msgs)
+        # the session in a header instead of the URL: it reaches the session, whose agent has a request open
+        deadline = time.monotonic() + 10
+        while s.call is None and time.monotonic() < deadline:
+            await asyncio.sleep(0.01)
+        root = env.endpoint.base_url()
+        for sid, error in ((s.sid, openai.ConflictError), ("nope", openai.NotFoundError)):
+            hdr = openai.AsyncOpenAI(base_url=root, api_key=env.hub.token, max_retries=0,
+                                     default_headers={"X-Laminar-Session": sid})  # fmt: skip
+            with pytest.raises(error):
+                await hdr.chat.completions.create(model="m", messages=msgs)
+            await hdr.close()
         await good.close(), await bad.close(), await other.close()
 
     asyncio.run(check())
