@@ -42,6 +42,11 @@ BUILTINS: Mapping[str, str] = MappingProxyType(
 """Built-in short names -> their targets (``env.target=calculator``)."""
 
 
+AGENT_WORKERS = 64
+"""At least this many pool threads for an agent environment: each ``step`` waits (idle) on its agent's
+next request."""
+
+
 def calculator(tokenizer, params, env) -> Environment:
     """The arithmetic task's ``calc`` tool (``environments.calculator``), in ``env.tool_format``."""
     return ToolEnvironment("calculator", [Calculator()], tokenizer, env.tool_format)
@@ -150,5 +155,8 @@ def wrap_engine(engine, env_cfg, tokenizer=None, sandbox: SandboxConfig | None =
     env = make_environment(env_cfg, tokenizer, sandbox)
     limits = EpisodeLimits.from_config(env_cfg)
     if getattr(env, "restarts_lost", False):  # an agent: an episode whose session is gone restarts
-        limits = dataclasses.replace(limits, on_error="retry")
+        # and each step waits on its agent's next request: a pool thread per agent between requests
+        limits = dataclasses.replace(
+            limits, on_error="retry", tool_workers=max(limits.tool_workers, AGENT_WORKERS)
+        )
     return EpisodeEngine(engine, env, tokenizer, limits)

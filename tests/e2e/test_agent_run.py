@@ -1,7 +1,7 @@
 """`laminar run env.target=examples.agents.react_calc:solve` through the real CLI: the example agent,
 written only against `openai`, runs its episodes through the endpoint in the whole pipeline (warm-up,
-curation, RL, evaluation) in sync mode, and in RL under the laminar (Ray) runtime; every RL step's
-agent episodes finish without an agent fault and none is counted as a history mismatch."""
+curation, RL, evaluation) in sync mode, and its RL stage in one_step, partial and laminar (Ray)
+modes; every RL step's agent episodes finish without an agent fault or a history mismatch."""
 
 from __future__ import annotations
 
@@ -31,7 +31,7 @@ def _episode_metrics(ws) -> dict[str, list[float]]:
     return out
 
 
-@pytest.mark.parametrize("mode", ["sync", "laminar"])
+@pytest.mark.parametrize("mode", ["sync", "one_step", "partial", "laminar"])
 def test_the_example_agent_trains_through_the_endpoint(tmp_path, mode):
     ws = tmp_path / "ws"
     until = () if mode == "sync" else ("--until", "rl")

@@ -293,3 +293,16 @@ def test_an_episode_cut_by_its_turn_limit_stops_its_agent(tok):
         assert runner.env.hub.live() == 0 and not runner.env.hub.sessions  # none outlives its episode
     finally:
         runner.close()
+
+
+def test_an_agent_target_is_checked_before_any_write(tmp_path, monkeypatch):
+    from core.plugins import PluginError
+    from environments.registry import check_environment
+
+    assert check_environment(_cfg("raises")) == f"{AGENTS}:raises"
+    (tmp_path / "bad_agents.py").write_text("async def solve(client, task, extra):\n    return 1.0\n")
+    monkeypatch.syspath_prepend(str(tmp_path))
+    with pytest.raises(PluginError, match="wrong signature"):
+        check_environment(EnvConfig(target="bad_agents:solve", max_turns=2))
+    with pytest.raises(PluginError, match="episode_timeout: Extra inputs are not permitted"):
+        check_environment(_cfg("raises", episode_timeout=3))
