@@ -94,6 +94,13 @@ async def malformed_first(client, task):
     return {"status": status, "logprobs": lps, "reward": 1.0}
 
 
+async def mixed(client, task):
+    """By prompt: q0 raises, q1 hangs, q2 returns before asking, q3 sends a malformed request and
+    then runs ``three_turns``."""
+    behave = {"q0": raises, "q1": hangs, "q2": exits, "q3": malformed_first}
+    return await behave.get(task["prompt_id"], three_turns)(client, task)
+
+
 class Scripted:
     """A generation engine (the continuous API ``EpisodeEngine`` drives) whose turns are scripted
     texts, tokenized and ended with EOS, log-prob -0.5 each; it records every row's context (the

@@ -130,6 +130,17 @@ def test_faults_end_only_their_own_episode_with_a_reason(tok, model):
             assert all(t.env_state["error"] == "RuntimeError: the agent broke" for t in trajs)
 
 
+def test_faulty_agents_beside_good_ones_end_only_their_own_episodes(tok):
+    engine = fx.Scripted(tok, ["a turn"])
+    _, trajs = _run(engine, _cfg("mixed", episode_timeout_s=2.0), tok, n=6)
+    reasons = {t.prompt.prompt_id: t.end_reason for t in trajs}
+    assert reasons == {"q0": "agent_error", "q1": "agent_timeout", "q2": "agent_exit", "q3": "answer",
+                       "q4": "answer", "q5": "answer"}  # fmt: skip
+    good = [t for t in trajs if t.prompt.prompt_id in ("q4", "q5")]
+    assert all(t.turns == 3 and _consumed_matches(_training_row(t, tok), t, engine) for t in good)
+    assert episode_metrics(trajs)["episode/agent_failed"] == 0.5
+
+
 def test_a_hundred_sessions_never_closed_do_not_stall_the_run(tok, model):
     engine = fx.Scripted(tok, ["a turn"])
     cfg = EnvConfig(target=f"{AGENTS}:hangs", max_turns=3, tool_timeout_s=30.0, tool_workers=8,
@@ -306,3 +317,26 @@ def test_an_agent_target_is_checked_before_any_write(tmp_path, monkeypatch):
         check_environment(EnvConfig(target="bad_agents:solve", max_turns=2))
     with pytest.raises(PluginError, match="episode_timeout: Extra inputs are not permitted"):
         check_environment(_cfg("raises", episode_timeout=3))
+
+
+def test_untrained_and_empty_agent_episodes_move_no_weight_under_every_objective(tok):
+    """A history mismatch keeps its tokens with loss mask 0; an agent that failed before its first
+    request leaves an empty episode: beside a normal one, every preset's update stays finite."""
+    import torch
+
+    from generation.records import ScoredGroup, Trajectory
+    from training.objectives import PRESETS
+    from training.rl.trainer import PolicyTrainer
+
+    p = PromptItem("a", "x", "1", (1, 2, 3))
+    empty = Trajectory("trajectory", p, 0, (), (), 0, False, "", 0.0, 0, end_reason="agent_exit")
+    zero = Trajectory("trajectory", p, 1, (7, 8, 9), (-0.1,) * 3, 0, True, "", 0.0, 0, loss_mask=(0, 0, 0))
+    good = Trajectory("trajectory", p, 2, (4, 5), (-0.1, -0.2), 0, True, "", 0.0, 0, loss_mask=(1, 1))
+    group = ScoredGroup("scored_group", "a", (empty, zero, good), (0.0, 0.0, 1.0), (False, False, True))
+    for name, params in PRESETS.items():
+        model = random_qwen2(tok)
+        trainer = PolicyTrainer(model, params, lr=1e-3, weight_decay=0.0, max_grad_norm=1.0, temperature=1.0,
+                                max_new_tokens=24, pad_id=tok.pad_token_id, device="cpu")  # fmt: skip
+        stats = trainer.update([group])
+        assert stats.n_tokens == 2, name  # only the normal episode's two policy tokens
+        assert all(torch.isfinite(q).all() for q in model.parameters()), name
