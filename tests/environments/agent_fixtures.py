@@ -101,6 +101,16 @@ async def mixed(client, task):
     return await behave.get(task["prompt_id"], three_turns)(client, task)
 
 
+async def stops(client, task):
+    """One request with ``stop`` and ``tool_choice='none'``: what the endpoint returned."""
+    msgs = [{"role": "user", "content": task["prompt"]}]
+    r = await client.chat.completions.create(
+        model="m", messages=msgs, tools=[CALC], tool_choice="none", stop="16"
+    )
+    m = r.choices[0]
+    return {"content": m.message.content, "calls": len(m.message.tool_calls or []), "finish": m.finish_reason}
+
+
 class Scripted:
     """A generation engine (the continuous API ``EpisodeEngine`` drives) whose turns are scripted
     texts, tokenized and ended with EOS, log-prob -0.5 each; it records every row's context (the

@@ -340,3 +340,12 @@ def test_untrained_and_empty_agent_episodes_move_no_weight_under_every_objective
         stats = trainer.update([group])
         assert stats.n_tokens == 2, name  # only the normal episode's two policy tokens
         assert all(torch.isfinite(q).all() for q in model.parameters()), name
+
+
+def test_stop_cuts_the_text_returned_never_the_tokens_and_tool_choice_none_parses_no_call(tok):
+    call = '<tool_call>{"name": "calc", "arguments": {"input": "9+7"}}</tool_call>'
+    turn = "It is 16 " + call
+    (t,) = _run(fx.Scripted(tok, [turn]), _cfg("stops"), tok, n=1)[1]
+    assert t.env_state["result"] == {"content": "It is ", "calls": 0, "finish": "stop"}
+    policy = [i for i, m in zip(t.response_tokens, t.loss_mask) if m]
+    assert tok.decode(policy, skip_special_tokens=True) == turn  # the whole turn as sampled is trained on
