@@ -223,7 +223,9 @@ class EpisodeEngine:
 
     def submit(self, requests, sampling=None) -> None:
         """Start an episode per request (a request's own ``episode`` is ignored: it starts fresh)."""
-        started = [self._start(r) for r in requests]
+        many = getattr(self.env, "reset_many", None)  # an environment whose resets wait (an agent's)
+        first = many([r.prompt for r in requests]) if many is not None and len(requests) > 1 else None
+        started = [self._start(r, reset=None if first is None else first[i]) for i, r in enumerate(requests)]
         self.inner.submit([ep.turn_request() for ep in started if ep is not None], sampling)
 
     def inject(self, partials) -> None:
@@ -338,11 +340,14 @@ class EpisodeEngine:
         self.env.close()
 
     # ---------------------------------------------------------------------------------- episodes
-    def _start(self, request: GenRequest, retries: int = 0) -> Episode | None:
-        """The episode's start, or None when it ended at ``reset`` (an agent that failed before its
-        first request: its state names the reason as ``ended``; the next ``step`` returns it)."""
+    def _start(self, request: GenRequest, retries: int = 0, reset=None) -> Episode | None:
+        """The episode's start (``reset``: its ``env.reset`` result when already had, from the
+        environment's ``reset_many`` over a batch), or None when it ended at ``reset`` (an agent that
+        failed before its first request: its state names the reason as ``ended``; the next ``step``
+        returns it)."""
         plain = dataclasses.replace(request, episode=None)
-        context, state = reset_result(self.env_name, self.env.reset(plain.prompt))
+        reset = self.env.reset(plain.prompt) if reset is None else reset
+        context, state = reset_result(self.env_name, reset)
         ep = Episode(plain, context, retries=retries, state=state)
         if isinstance(state, dict) and isinstance(state.get("ended"), str):
             self._ended.append(self._finish(ep, state["ended"]))

@@ -24,6 +24,7 @@ from __future__ import annotations
 import math
 import threading
 import time
+from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
 from pydantic import BaseModel, ConfigDict, Field
@@ -51,6 +52,10 @@ class AgentParams(BaseModel):
     """The model id ``/v1/models`` lists."""
     agent_params: dict[str, Any] = Field(default_factory=dict)
     """Handed to the agent as ``task["params"]``."""
+
+
+RESET_THREADS = 32
+"""Agents started at once by ``reset_many``."""
 
 
 class AgentLost(RuntimeError):
@@ -127,6 +132,13 @@ class AgentEnvironment:
                 s.reply(ev, error=(400, f"cannot render the messages: {e}"))
                 continue
             return tokens, self._state(s)
+
+    def reset_many(self, prompts: list[PromptItem]) -> list[tuple[tuple[int, ...], dict]]:
+        """``reset`` of every prompt, at once: each waits for its own agent's first request, so a batch
+        costs the slowest agent's start, not their sum (``EpisodeEngine.submit`` calls it)."""
+        self.endpoint  # noqa: B018 - started once, before the threads
+        with ThreadPoolExecutor(min(len(prompts), RESET_THREADS), thread_name_prefix="agent-reset") as pool:
+            return list(pool.map(self.reset, prompts))
 
     def step(self, state: dict, turn: Turn) -> StepResult:
         if state.get("ended"):

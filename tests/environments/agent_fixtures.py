@@ -59,6 +59,10 @@ async def hangs(client, task):
     await asyncio.sleep(3600)
 
 
+async def silent(client, task):
+    await asyncio.sleep(3600)  # never asks
+
+
 async def exits(client, task):
     return None
 

@@ -155,6 +155,21 @@ def test_a_hundred_sessions_never_closed_do_not_stall_the_run(tok, model):
     runner.close()
 
 
+def test_agents_that_never_ask_are_waited_for_together_not_one_after_another(tok):
+    runner = wrap_engine(fx.Scripted(tok, ["a turn"]), _cfg("silent", request_timeout_s=1.0), tok)
+    try:
+        t0 = time.monotonic()
+        trajs = runner.generate(_requests(tok, 24))
+        assert [t.end_reason for t in trajs] == ["agent_timeout"] * 24
+        assert all(
+            t.response_tokens == () and t.env_state["error"] == "no first request in time" for t in trajs
+        )
+        assert time.monotonic() - t0 < 12  # 24 waits of 1 s, in parallel
+        assert runner.env.hub.live() == 0
+    finally:
+        runner.close()
+
+
 def test_a_lost_session_restarts_its_episode_once_from_the_prompt(tok, model):
     """Resume: a parked episode whose session is in no process (a fresh environment) restarts."""
     call = '<tool_call>{"name": "calc", "arguments": {"input": "1+1"}}</tool_call>'
