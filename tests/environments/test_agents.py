@@ -293,9 +293,10 @@ def test_a_malformed_request_gets_a_400_and_the_episode_goes_on(tok):
 
 
 def test_a_request_the_policy_never_answers_times_out_with_a_504(tok):
-    env = make_environment(_cfg("hangs", request_timeout_s=0.5), tok)
+    env = make_environment(_cfg("silent", request_timeout_s=0.5), tok)
     try:
-        s = env.hub.open({"prompt": "x"})
+        env.endpoint  # noqa: B018 - started (as the first reset starts it)
+        s = env.hub.open({"prompt": "x"})  # its agent never asks: the requests below are the only ones
         client = openai.OpenAI(base_url=env.endpoint.base_url(s.sid), api_key=env.hub.token, max_retries=0)
         t0 = time.monotonic()
         with pytest.raises(openai.InternalServerError) as e:
