@@ -128,10 +128,16 @@ class Hub:
             s = Session(uuid.uuid4().hex, task, now + self.episode_timeout_s)
             self.sessions[s.sid] = s
             self.started += 1
-        threading.Thread(
-            target=asyncio.run, args=(self._run(s),), name=f"agent-{s.sid[:8]}", daemon=True
-        ).start()
+        threading.Thread(target=self._thread, args=(s,), name=f"agent-{s.sid[:8]}", daemon=True).start()
         return s
+
+    def _thread(self, s: Session) -> None:
+        """The agent's thread: its own event loop. A cancellation that lands after the agent ended
+        (while its client closes) ends the thread quietly; the session already has its reason."""
+        try:
+            asyncio.run(self._run(s))
+        except (asyncio.CancelledError, RuntimeError):
+            s.finish("agent_cancelled", "")
 
     def get(self, sid: str) -> Session | None:
         with self.lock:
