@@ -365,3 +365,29 @@ def test_stop_cuts_the_text_returned_never_the_tokens_and_tool_choice_none_parse
     assert t.env_state["result"] == {"content": "It is ", "calls": 0, "finish": "stop"}
     policy = [i for i, m in zip(t.response_tokens, t.loss_mask) if m]
     assert tok.decode(policy, skip_special_tokens=True) == turn  # the whole turn as sampled is trained on
+
+
+def test_the_example_agent_on_the_tiny_tokenizer_gives_the_calculators_own_episode():
+    """Without a chat template (the tiny model's character tokenizer) a session speaks the calculator's
+    line format: the example ReAct agent's episode is token for token the two-turn tool episode that
+    warm-up imitates under env=calculator (``ToolEnvironment.demonstration``)."""
+    from environments.calculator import Calculator
+    from environments.tool_use import ToolCall, ToolEnvironment
+    from generation.model import build_char_tokenizer, encode_prompt
+
+    tok = build_char_tokenizer()
+    item = PromptItem("q0", "What is 3+4?", "7", encode_prompt(tok, "What is 3+4?"))
+    engine = fx.Scripted(tok, ["calc: 3+4", "#### 7"])
+    cfg = EnvConfig(target="examples.agents.react_calc:solve", max_turns=4, tool_timeout_s=20.0)
+    runner = wrap_engine(engine, cfg, tok)
+    try:
+        (t,) = runner.generate([GenRequest(item, 0, 0)])
+    finally:
+        runner.close()
+    assert t.end_reason == "answer" and t.tool_calls == 1 and t.turns == 2
+    assert t.env_state["result"] == {"answer": "#### 7", "tool_calls": 1}
+    assert t.prompt.prompt_tokens == item.prompt_tokens  # the prompt's own tokens, not a re-encoding
+    calculator = ToolEnvironment("calculator", [Calculator()], tok, "text")
+    tokens, mask = calculator.demonstration(ToolCall("calc", "3+4"), "#### 7")
+    assert (t.response_tokens, t.loss_mask) == (tokens, mask)
+    assert _consumed_matches(_training_row(t, tok), t, engine)
