@@ -197,6 +197,7 @@ def stream_events(reply: dict, kind: str, model: str, usage: bool) -> list[dict]
 
 class _Server(ThreadingHTTPServer):
     daemon_threads = True
+    request_queue_size = 1024  # the listen backlog: a batch of agents connects at once (the default is 5)
 
     def handle_error(self, request, client_address) -> None:
         """A client that drops its connection (an agent cancelled or done) is no error of the server's."""
