@@ -41,10 +41,12 @@ class InterfaceError(ValueError):
 @dataclass(frozen=True)
 class Turn:
     """A finished policy turn: its decoded ``text`` and the ``tokens`` the policy sampled (ending with
-    the end-of-turn token when the turn ended on it)."""
+    the end-of-turn token when the turn ended on it), with their behaviour ``logprobs`` (empty when
+    not known)."""
 
     text: str
     tokens: tuple[int, ...]
+    logprobs: tuple[float, ...] = ()
 
 
 @dataclass(frozen=True)

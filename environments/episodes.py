@@ -196,6 +196,8 @@ class EpisodeEngine:
         """A ``wake`` came during this step call: it does not wait on tools."""
         self.env_errors = 0
         """Environment crashes (exceptions out of ``step``) so far."""
+        self._ended: list[Trajectory] = []
+        """Episodes that ended at ``reset`` (its state ``{"ended": REASON}``), returned by the next step."""
 
     # -------------------------------------------------------------------------- the engine's API
     @property
@@ -221,7 +223,10 @@ class EpisodeEngine:
 
     def submit(self, requests, sampling=None) -> None:
         """Start an episode per request (a request's own ``episode`` is ignored: it starts fresh)."""
-        self.inner.submit([self._start(r).turn_request() for r in requests], sampling)
+        many = getattr(self.env, "reset_many", None)  # an environment whose resets wait (an agent's)
+        first = many([r.prompt for r in requests]) if many is not None and len(requests) > 1 else None
+        started = [self._start(r, reset=None if first is None else first[i]) for i, r in enumerate(requests)]
+        self.inner.submit([ep.turn_request() for ep in started if ep is not None], sampling)
 
     def inject(self, partials) -> None:
         """Continue handed-over episodes (a ``Partial`` whose request carries its ``Episode``; one
@@ -231,6 +236,8 @@ class EpisodeEngine:
             ep = p.request.episode
             if ep is None:
                 ep = self._start(p.request)
+                if ep is None:
+                    continue
             if ep.pending is not None:
                 self._ask(ep, ep.pending, ep.pending_delay_s)
                 continue
@@ -253,7 +260,7 @@ class EpisodeEngine:
         the environment; returns the episodes that ended. With nothing to decode it waits for the
         first answer (at most the tool timeout) or a ``wake``, instead of returning empty-handed at once."""
         self._woken = False  # a wake before this call is in the order that started it
-        out: list[Trajectory] = []
+        out, self._ended = self._ended, []
         self._collect(out)
         if self._held and self.admitting:  # pulled (or told to admit again): their next turns start
             held, self._held = self._held, []
@@ -281,7 +288,7 @@ class EpisodeEngine:
             out_r.append(self._episodes.pop(request_key(r)).request)
         if include_queued:
             keep, now = [], time.monotonic()
-            chosen = lambda ep: only is None or request_key(ep.request) in only  # noqa: E731
+            chosen = lambda ep: only is None or request_key(getattr(ep, "request", ep)) in only  # noqa: E731
             for w in self._waiting:
                 if chosen(w.ep):
                     w.fut.cancel()
@@ -291,6 +298,9 @@ class EpisodeEngine:
             self._waiting = keep
             out_p += [self._parked(ep) for ep in self._held if chosen(ep)]
             self._held = [ep for ep in self._held if not chosen(ep)]
+            gone = [t for t in self._ended if chosen(GenRequest(t.prompt, t.sample_idx, t.group_uid))]
+            out_r += [GenRequest(t.prompt, t.sample_idx, t.group_uid) for t in gone]  # they start again
+            self._ended = [t for t in self._ended if t not in gone]
         return out_p, out_r
 
     def abort(self, request_ids=None, include_queued: bool = True):
@@ -306,7 +316,7 @@ class EpisodeEngine:
     def status(self) -> dict:
         st = dict(self.inner.status())
         between = len(self._waiting) + len(self._held)
-        st["active"] = int(st["active"]) + between
+        st["active"] = int(st["active"]) + between + len(self._ended)
         st["parked"] = between if self._turn_rule else 0
         return st
 
@@ -320,7 +330,7 @@ class EpisodeEngine:
             raise ValueError("EpisodeEngine.generate needs distinct (prompt_id, group_uid, sample_idx)")
         results: list[Trajectory | None] = [None] * len(requests)
         self.submit(list(requests))
-        while self._episodes or self._waiting or self._held:
+        while self._episodes or self._waiting or self._held or self._ended:
             for t in self.step(self.inner.max_new_tokens):
                 results[slots[request_key(GenRequest(t.prompt, t.sample_idx, t.group_uid))]] = t
         return results  # type: ignore[return-value]
@@ -330,10 +340,19 @@ class EpisodeEngine:
         self.env.close()
 
     # ---------------------------------------------------------------------------------- episodes
-    def _start(self, request: GenRequest, retries: int = 0) -> Episode:
+    def _start(self, request: GenRequest, retries: int = 0, reset=None) -> Episode | None:
+        """The episode's start (``reset``: its ``env.reset`` result when already had, from the
+        environment's ``reset_many`` over a batch), or None when it ended at ``reset`` (an agent that
+        failed before its first request: its state names the reason as ``ended``; the next ``step``
+        returns it)."""
         plain = dataclasses.replace(request, episode=None)
-        context, state = reset_result(self.env_name, self.env.reset(plain.prompt))
+        reset = self.env.reset(plain.prompt) if reset is None else reset
+        context, state = reset_result(self.env_name, reset)
         ep = Episode(plain, context, retries=retries, state=state)
+        if isinstance(state, dict) and isinstance(state.get("ended"), str):
+            self._ended.append(self._finish(ep, state["ended"]))
+            self._news.set()
+            return None
         self._episodes[request_key(ep.turn_request())] = ep
         return ep
 
@@ -360,7 +379,7 @@ class EpisodeEngine:
         if not t.finished:
             out.append(self._finish(ep, "length"))
         else:
-            self._ask(ep, Turn(t.text, tuple(t.response_tokens)))
+            self._ask(ep, Turn(t.text, tuple(t.response_tokens), tuple(t.behaviour_logprobs)))
 
     def _ask(self, ep: Episode, turn: Turn, delay: float | None = None) -> None:
         """Hand a finished turn to the environment, with a copy of the episode's state (a step that
@@ -441,6 +460,8 @@ class EpisodeEngine:
 
     def _restart(self, ep: Episode) -> None:
         fresh = self._start(ep.request, retries=ep.retries + 1)
+        if fresh is None:
+            return
         self.inner.inject([Partial(fresh.turn_request(), (), (), -1, 0.0)])
 
     def _finish(self, ep: Episode, reason: str) -> Trajectory:
@@ -449,6 +470,10 @@ class EpisodeEngine:
         if ep.context != prompt.prompt_tokens:  # the environment rendered its own first context
             prompt = dataclasses.replace(prompt, prompt_tokens=ep.context)
         finished = reason == "answer"
+        ended = getattr(self.env, "episode_ended", None)
+        if ended is not None:  # an environment holding live resources per episode (an agent's session)
+            ended(ep.state, reason)
+        mask = (0,) * len(ep.mask) if untrained(ep.state) else ep.mask
         return Trajectory(
             kind="trajectory",
             prompt=prompt,
@@ -461,13 +486,20 @@ class EpisodeEngine:
             mean_entropy=ep.entropy_sum / max(1, policy),
             group_uid=ep.request.group_uid,
             last_version=ep.last_version,
-            loss_mask=ep.mask,
+            loss_mask=mask,
             turns=ep.turns,
             tool_calls=ep.tool_calls,
             tool_errors=ep.tool_errors,
             end_reason=reason,
             env_state=ep.state,
         )
+
+
+def untrained(state) -> bool:
+    """Whether an episode's final state marks it as not to be trained on (``{"untrained": true}``: an
+    agent session whose client rewrote its history); its trajectory keeps every token with loss mask
+    0, so it is counted and scored but moves no weight."""
+    return isinstance(state, dict) and state.get("untrained") is True
 
 
 def _timed(env_name: str, step, state, turn: Turn) -> tuple[StepResult, float]:

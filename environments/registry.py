@@ -14,6 +14,7 @@ tokens for the same seed. Any other environment wraps the engine in ``EpisodeEng
 
 from __future__ import annotations
 
+import dataclasses
 import inspect
 from collections.abc import Mapping
 from types import MappingProxyType
@@ -41,6 +42,11 @@ BUILTINS: Mapping[str, str] = MappingProxyType(
 """Built-in short names -> their targets (``env.target=calculator``)."""
 
 
+AGENT_WORKERS = 64
+"""At least this many pool threads for an agent environment: each ``step`` waits (idle) on its agent's
+next request."""
+
+
 def calculator(tokenizer, params, env) -> Environment:
     """The arithmetic task's ``calc`` tool (``environments.calculator``), in ``env.tool_format``."""
     return ToolEnvironment("calculator", [Calculator()], tokenizer, env.tool_format)
@@ -61,6 +67,11 @@ def resolve(env_cfg) -> tuple[str, Any, Any]:
     that goes wrong is a one-line ``core.plugins.PluginError`` naming the target."""
     target = plugins.resolve_name(KIND, env_cfg.target, BUILTINS)
     factory = plugins.load(target)
+    if inspect.iscoroutinefunction(factory):  # an agent program: async def solve(client, task)
+        from environments.agents.adapter import agent_factory
+
+        plugins.check_callable(target, factory, 2, is_async=True)
+        factory = agent_factory(target, factory)
     params = plugins.validate_params(target, factory, env_cfg.params)
     plugins.check_callable(target, factory, 3)
     if inspect.isclass(factory):
@@ -141,6 +152,11 @@ def wrap_engine(engine, env_cfg, tokenizer=None, sandbox: SandboxConfig | None =
     if env_cfg is None or env_cfg.is_default():
         return engine
     tokenizer = tokenizer if tokenizer is not None else engine.tokenizer
-    return EpisodeEngine(
-        engine, make_environment(env_cfg, tokenizer, sandbox), tokenizer, EpisodeLimits.from_config(env_cfg)
-    )
+    env = make_environment(env_cfg, tokenizer, sandbox)
+    limits = EpisodeLimits.from_config(env_cfg)
+    if getattr(env, "restarts_lost", False):  # an agent: an episode whose session is gone restarts
+        # and each step waits on its agent's next request: a pool thread per agent between requests
+        limits = dataclasses.replace(
+            limits, on_error="retry", tool_workers=max(limits.tool_workers, AGENT_WORKERS)
+        )
+    return EpisodeEngine(engine, env, tokenizer, limits)

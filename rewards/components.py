@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from conf.schema import CosineLengthParams, EndsWithParams, FormatParams, OverlongParams, RepetitionParams
 from rewards.verifier import extract_answer, normalize_answer
@@ -19,13 +19,16 @@ from rewards.verifier import extract_answer, normalize_answer
 class Sample:
     """One response to score: its text, the gold answer, its length in tokens and the generation limit
     it was sampled under (``max_tokens``: the default length limit of ``cosine_length`` and
-    ``overlong``); ``prompt``: the problem it answers (the learned reward model reads it; "" unknown)."""
+    ``overlong``); ``prompt``: the problem it answers (the learned reward model reads it; "" unknown);
+    ``state``: a multi-turn episode's final environment state (``Trajectory.env_state``; None unknown),
+    where an agent's return lies (``rewards.agent``)."""
 
     text: str
     answer: str
     n_tokens: int
     max_tokens: int
     prompt: str = ""
+    state: object = field(default=None, compare=False, hash=False)
 
 
 def _limit(max_len: int | None, sample: Sample) -> int:

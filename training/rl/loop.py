@@ -204,7 +204,8 @@ def score_phase(trajectories: Sequence[Trajectory], reward, max_new_tokens: int 
     length terms (DAPO's overlong, cosine length) compare ``Trajectory.longest_turn`` with
     ``max_new_tokens``."""
     samples = [
-        Sample(t.text, t.prompt.answer, t.longest_turn(), max_new_tokens, t.prompt.text) for t in trajectories
+        Sample(t.text, t.prompt.answer, t.longest_turn(), max_new_tokens, t.prompt.text, t.env_state)
+        for t in trajectories
     ]
     scores = as_reward(reward).score(samples)
     by_prompt: dict[str, list[int]] = {}

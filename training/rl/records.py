@@ -274,7 +274,7 @@ def episode_metrics(trajs) -> dict[str, float]:
     policy's share of the episode tokens."""
     eps = [t for t in trajs if t.loss_mask]
     if not eps:
-        return {}
+        return _agent_metrics(trajs)
     n = len(eps)
     return {
         "episode/tool_calls": sum(t.tool_calls for t in eps) / n,
@@ -283,6 +283,22 @@ def episode_metrics(trajs) -> dict[str, float]:
         "episode/failed": sum(t.end_reason in ("env_error", "tool_timeout") for t in eps) / n,
         "episode/policy_token_share": sum(sum(t.loss_mask) for t in eps)
         / max(1, sum(len(t.loss_mask) for t in eps)),
+        **_agent_metrics(trajs),
+    }
+
+
+def _agent_metrics(eps) -> dict[str, float]:
+    """Agent episodes (``environments.agents``; their state has a ``session``, an episode whose agent
+    failed before its first request included): the share whose client rewrote its history (kept with
+    loss mask 0 only) and the share that ended on an agent fault."""
+    agents = [t for t in eps if isinstance(t.env_state, dict) and "session" in t.env_state]
+    if not agents:
+        return {}
+    n = len(agents)
+    faults = ("agent_error", "agent_timeout", "agent_exit", "agent_capacity", "agent_cancelled")
+    return {
+        "episode/agent_mismatch": sum(bool(t.env_state.get("mismatches")) for t in agents) / n,
+        "episode/agent_failed": sum(t.end_reason in faults for t in agents) / n,
     }
 
 

@@ -1,0 +1,175 @@
+"""The agent endpoint's overhead: the same multi-turn workload through the in-process episode runner
+and through the OpenAI-compatible endpoint (an agent written against ``openai``), same engine.
+
+The workload: ``--episodes`` episodes of ``--turns`` policy turns with the chat template and a tool
+(the BPE tokenizer and template of ``tests/environments/bpe.py``). The in-process baseline is an
+environment whose ``step`` answers each turn with the tool message's tokens; the endpoint run is an
+agent that sends each tool result back as a message, so both append one tool message per turn. Two
+engines: ``scripted`` (turns cost nothing, so the numbers are the episode machinery's own) and
+``model`` (a random two-layer Qwen2 decoding ``--new-tokens`` tokens per turn). Reported per engine:
+wall time, policy turns (requests) per second for both, their ratio, the added wall time per request
+((endpoint - in-process) / requests), and the agent's own per-request latency (p50, p90) against the
+in-process runner's per-turn time. Rounds alternate the order; medians over ``--rounds``.
+
+    PYTHONPATH=$PWD .venv/bin/python benchmarks/agent_endpoint.py [--episodes 32] [--turns 4]
+        [--rounds 3] [--json-out F]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import sys
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT))
+
+from conf.schema import EnvConfig  # noqa: E402
+from environments.agents.chat import ChatFormat  # noqa: E402
+from environments.base import StepResult  # noqa: E402
+from environments.episodes import EpisodeEngine, EpisodeLimits  # noqa: E402
+from environments.registry import wrap_engine  # noqa: E402
+from generation.records import GenRequest, PromptItem  # noqa: E402
+from tests.environments import agent_fixtures as fx  # noqa: E402
+from tests.environments.bpe import bpe_tokenizer, random_qwen2  # noqa: E402
+
+TURNS = int(os.environ.get("AGENT_BENCH_TURNS", "4"))
+LATENCY: list[float] = []
+
+
+async def agent(client, task):
+    """``TURNS`` requests; each reply's tool calls (or the turn) answered with one tool message."""
+    msgs = [{"role": "user", "content": task["prompt"]}]
+    for _ in range(TURNS):
+        t0 = time.perf_counter()
+        r = await client.chat.completions.create(model="m", messages=msgs, tools=[fx.CALC])
+        LATENCY.append(time.perf_counter() - t0)
+        m = r.choices[0].message
+        msgs.append(m.model_dump(exclude_none=True))
+        ids = [c.id for c in m.tool_calls or []] or ["none"]
+        msgs += [{"role": "tool", "tool_call_id": i, "content": "16"} for i in ids]
+    return 1.0
+
+
+class InProcess:
+    """The baseline: every turn answered with the template's tool message (one per turn)."""
+
+    name = "in_process"
+
+    def __init__(self, tok):
+        self.fmt = ChatFormat(tok)
+        turn = [{"role": "user", "content": "q"}, {"role": "assistant", "content": "a"}]
+        self.obs = self.fmt.delta(turn, [{"role": "tool", "content": "16"}], [fx.CALC])
+
+    def reset(self, prompt):
+        return tuple(self.fmt.first([{"role": "user", "content": prompt.text}], [fx.CALC])), {"n": 0}
+
+    def step(self, state, turn):
+        if state["n"] + 1 >= TURNS:
+            return StepResult(done=True, reason="answer", state=state)
+        return StepResult(self.obs, tool_call=True, state={"n": state["n"] + 1})
+
+    def close(self):
+        pass
+
+
+def requests(tok, n):
+    return [
+        GenRequest(
+            PromptItem(f"q{i}", f"What is {i} + 7?", "16", tuple(tok(f"What is {i} + 7?")["input_ids"])), 0, i
+        )
+        for i in range(n)
+    ]
+
+
+def engine(kind, tok, model, new_tokens):
+    from generation.engine import Engine
+
+    call = '<tool_call>{"name": "calc", "arguments": {"input": "9+7"}}</tool_call>'
+    if kind == "scripted":
+        return fx.Scripted(tok, [call])
+    return Engine(model, tok, max_new_tokens=new_tokens, capacity=64, seed=0)
+
+
+def run_once(kind, mode, tok, model, args) -> dict:
+    eng = engine(kind, tok, model, args.new_tokens)
+    workers = max(8, args.episodes)
+    if mode == "endpoint":
+        cfg = EnvConfig(target="benchmarks.agent_endpoint:agent", max_turns=TURNS + 1, tool_workers=workers,
+                        tool_timeout_s=120.0)  # fmt: skip
+        runner = wrap_engine(eng, cfg, tok)
+    else:
+        runner = EpisodeEngine(eng, InProcess(tok), tok, EpisodeLimits(max_turns=TURNS, tool_workers=workers))
+    lat = _module().LATENCY  # the agent runs from the imported module, not __main__
+    lat.clear()
+    t0 = time.perf_counter()
+    trajs = runner.generate(requests(tok, args.episodes))
+    wall = time.perf_counter() - t0
+    runner.close()
+    turns = sum(t.turns for t in trajs)
+    out = {
+        "wall_s": wall,
+        "turns": turns,
+        "turns_per_s": turns / wall,
+        "reasons": sorted({t.end_reason for t in trajs}),
+    }
+    if lat:
+        q = statistics.quantiles(lat, n=10)
+        out.update(request_p50_ms=1000 * statistics.median(lat), request_p90_ms=1000 * q[8])
+    return out
+
+
+def _module():
+    import benchmarks.agent_endpoint as me
+
+    return me
+
+
+def main() -> None:
+    global TURNS
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--episodes", type=int, default=32)
+    p.add_argument("--turns", type=int, default=4)
+    p.add_argument("--rounds", type=int, default=3)
+    p.add_argument("--new-tokens", type=int, default=16)
+    p.add_argument("--engines", nargs="+", default=["scripted", "model"])
+    p.add_argument("--json-out", type=Path)
+    args = p.parse_args()
+    TURNS = _module().TURNS = args.turns
+    tok = bpe_tokenizer()
+    model = random_qwen2(tok)
+    result = {
+        "episodes": args.episodes,
+        "turns": args.turns,
+        "load_before": os.getloadavg()[0],
+        "engines": {},
+    }
+    for kind in args.engines:
+        rounds = []
+        for r in range(args.rounds):
+            order = ["in_process", "endpoint"] if r % 2 == 0 else ["endpoint", "in_process"]
+            rounds.append({m: run_once(kind, m, tok, model, args) for m in order})
+        base = statistics.median(x["in_process"]["wall_s"] for x in rounds)
+        ep = statistics.median(x["endpoint"]["wall_s"] for x in rounds)
+        reqs = rounds[0]["endpoint"]["turns"]
+        result["engines"][kind] = {
+            "rounds": rounds,
+            "in_process_turns_per_s": statistics.median(x["in_process"]["turns_per_s"] for x in rounds),
+            "endpoint_requests_per_s": statistics.median(x["endpoint"]["turns_per_s"] for x in rounds),
+            "endpoint_over_in_process_wall": ep / base,
+            "added_ms_per_request": 1000 * (ep - base) / max(1, reqs),
+            "request_p50_ms": statistics.median(x["endpoint"]["request_p50_ms"] for x in rounds),
+        }
+        print(kind, json.dumps({k: v for k, v in result["engines"][kind].items() if k != "rounds"}, indent=1))
+    result["load_after"] = os.getloadavg()[0]
+    if args.json_out:
+        args.json_out.parent.mkdir(parents=True, exist_ok=True)
+        args.json_out.write_text(json.dumps(result, indent=1) + "\n")
+
+
+if __name__ == "__main__":
+    main()

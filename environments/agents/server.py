@@ -1,0 +1,344 @@
+"""The OpenAI-compatible endpoint: ``/v1/chat/completions`` (plain and streaming), ``/v1/completions``
+and ``/v1/models`` on loopback, one session per episode in the URL (``/s/<session>/v1/...``) or in
+the ``X-Laminar-Session`` header.
+
+Every request needs the run's bearer token (401 otherwise), is at most ``max_request_bytes`` (413)
+and is checked here, in the handler thread, before it reaches a session: anything the endpoint does
+not support is a 400 naming the field (``n`` above 1, ``tool_choice`` that forces a call,
+``top_logprobs``, images...). A checked request waits on its session until the policy's turn answers
+it (``request_timeout_s``: 504 after that). The endpoint answers with the turn the rollout engine
+sampled: ``temperature``, ``top_p`` and ``max_tokens`` are checked and reported but the run's sampling
+settings decide (the behaviour log-probs are the trainer's); ``stop`` cuts the text returned, never
+the tokens trained on.
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+import threading
+import time
+import uuid
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+
+from environments.agents.chat import RequestError, canonical, canonical_tools
+
+SESSION_HEADER = "X-Laminar-Session"
+"""The session of a request sent to the endpoint's root URL (``http://127.0.0.1:PORT/v1``) instead of
+the session's own base URL: for a framework that fixes the base URL but lets headers be set."""
+IGNORED = {
+    "model",
+    "user",
+    "seed",
+    "metadata",
+    "store",
+    "stream_options",
+    "parallel_tool_calls",
+    "service_tier",
+}
+"""Fields accepted and not acted on (they change nothing the endpoint does)."""
+CHAT_FIELDS = {"messages", "tools", "tool_choice", "stop", "max_tokens", "max_completion_tokens",
+               "temperature", "top_p", "n", "logprobs", "top_logprobs", "stream", "frequency_penalty",
+               "presence_penalty", "response_format"}  # fmt: skip
+COMPLETION_FIELDS = {"prompt", "stop", "max_tokens", "temperature", "top_p", "n", "logprobs", "stream",
+                     "echo", "frequency_penalty", "presence_penalty"}  # fmt: skip
+
+
+def _number(body: dict, key: str, low: float, high: float) -> None:
+    v = body.get(key)
+    if v is not None and (isinstance(v, bool) or not isinstance(v, (int, float)) or not low <= v <= high):
+        raise RequestError(f"{key} must be a number in [{low:g}, {high:g}], got {v!r}")
+
+
+def _common(body: dict, fields: set[str]) -> dict:
+    unknown = sorted(set(body) - fields - IGNORED)
+    if unknown:
+        raise RequestError(f"unsupported field(s) {unknown}: this endpoint does not implement them")
+    if body.get("n") not in (None, 1):
+        raise RequestError("n must be 1: the run samples each episode's turns one at a time")
+    for k in ("frequency_penalty", "presence_penalty"):
+        if body.get(k) not in (None, 0, 0.0):
+            raise RequestError(f"{k} is not supported (the run's sampler has no penalties)")
+    _number(body, "temperature", 0.0, 2.0)
+    _number(body, "top_p", 0.0, 1.0)
+    for k in ("max_tokens", "max_completion_tokens"):
+        v = body.get(k)
+        if v is not None and (isinstance(v, bool) or not isinstance(v, int) or v < 1):
+            raise RequestError(f"{k} must be a positive integer, got {v!r}")
+    stop = body.get("stop")
+    stop = [stop] if isinstance(stop, str) else (stop or [])
+    if not isinstance(stop, list) or len(stop) > 4 or not all(isinstance(s, str) and s for s in stop):
+        raise RequestError("stop must be a string or a list of at most 4 non-empty strings")
+    if not isinstance(body.get("stream", False), bool):
+        raise RequestError("stream must be true or false")
+    opts = body.get("stream_options") or {}
+    return {"stop": stop, "stream": bool(body.get("stream")), "usage": bool(opts.get("include_usage"))}
+
+
+def parse_request(kind: str, body) -> dict:
+    """A request checked and reduced to what a session needs, or a ``RequestError`` (400)."""
+    if not isinstance(body, dict):
+        raise RequestError("the request body must be a JSON object")
+    if kind == "completion":
+        req = _common(body, COMPLETION_FIELDS)
+        prompt = body.get("prompt")
+        if isinstance(prompt, list) and len(prompt) == 1 and isinstance(prompt[0], str):
+            prompt = prompt[0]
+        if not isinstance(prompt, str) or not prompt:
+            raise RequestError(
+                "prompt must be one non-empty string (token lists and batches are not supported)"
+            )
+        if body.get("echo"):
+            raise RequestError("echo is not supported")
+        lp = body.get("logprobs")
+        if lp is not None and (isinstance(lp, bool) or not isinstance(lp, int) or not 0 <= lp <= 1):
+            raise RequestError("logprobs must be 0 or 1 (top alternatives are not supported)")
+        return {**req, "kind": kind, "prompt": prompt, "logprobs": bool(lp)}
+    req = _common(body, CHAT_FIELDS)
+    msgs = body.get("messages")
+    if not isinstance(msgs, list) or not msgs:
+        raise RequestError("messages must be a non-empty list")
+    messages = [canonical(m, f"messages[{i}]") for i, m in enumerate(msgs)]
+    choice = body.get("tool_choice", "auto")
+    if choice not in (None, "auto", "none"):
+        raise RequestError("tool_choice must be 'auto' or 'none' (forcing a call needs constrained decoding)")
+    if body.get("top_logprobs"):
+        raise RequestError("top_logprobs is not supported (the behaviour log-prob of each token is)")
+    fmt = body.get("response_format")
+    if fmt is not None and (not isinstance(fmt, dict) or fmt.get("type") != "text"):
+        raise RequestError("response_format other than {'type': 'text'} is not supported")
+    tools = canonical_tools(body.get("tools"))
+    if choice == "none":
+        tools_for_calls = []
+    else:
+        tools_for_calls = tools
+    return {**req, "kind": kind, "messages": messages, "tools": tools, "call_tools": tools_for_calls,
+            "logprobs": bool(body.get("logprobs"))}  # fmt: skip
+
+
+def _error(status: int, message: str) -> dict:
+    kinds = {400: "invalid_request_error", 401: "authentication_error", 404: "not_found_error"}
+    return {"error": {"message": message, "type": kinds.get(status, "api_error"), "code": status}}
+
+
+def _tool_calls(reply: dict, streaming: bool = False) -> list[dict]:
+    out = []
+    for i, c in enumerate(reply["tool_calls"]):
+        call = {
+            "id": c["id"],
+            "type": "function",
+            "function": {"name": c["name"], "arguments": c["arguments"]},
+        }
+        out.append({"index": i, **call} if streaming else call)
+    return out
+
+
+def _logprobs(reply: dict, kind: str):
+    if not reply.get("want_logprobs"):
+        return None
+    toks, lps = reply["token_texts"], reply["logprobs"]
+    if kind == "completion":
+        offsets, at = [], 0
+        for t in toks:
+            offsets.append(at)
+            at += len(t)
+        return {"tokens": toks, "token_logprobs": lps, "top_logprobs": None, "text_offset": offsets}
+    content = [
+        {"token": t, "logprob": lp, "bytes": list(t.encode()), "top_logprobs": []} for t, lp in zip(toks, lps)
+    ]
+    return {"content": content, "refusal": None}
+
+
+def completion_body(reply: dict, kind: str, model: str) -> dict:
+    """The non-streaming response to one request."""
+    usage = {
+        "prompt_tokens": reply["prompt_tokens"],
+        "completion_tokens": reply["completion_tokens"],
+        "total_tokens": reply["prompt_tokens"] + reply["completion_tokens"],
+    }
+    base = {"created": int(time.time()), "model": model, "usage": usage}
+    if kind == "completion":
+        choice = {"index": 0, "text": reply["content"], "finish_reason": reply["finish_reason"],
+                  "logprobs": _logprobs(reply, kind)}  # fmt: skip
+        return {"id": "cmpl-" + uuid.uuid4().hex, "object": "text_completion", "choices": [choice], **base}
+    msg = {"role": "assistant", "content": reply["content"] or None}
+    if reply["tool_calls"]:
+        msg["tool_calls"] = _tool_calls(reply)
+    choice = {
+        "index": 0,
+        "message": msg,
+        "finish_reason": reply["finish_reason"],
+        "logprobs": _logprobs(reply, kind),
+    }
+    return {"id": "chatcmpl-" + uuid.uuid4().hex, "object": "chat.completion", "choices": [choice], **base}
+
+
+def stream_events(reply: dict, kind: str, model: str, usage: bool) -> list[dict]:
+    """The server-sent events of one streamed response (before ``[DONE]``)."""
+    whole = completion_body(reply, kind, model)
+    head = {"id": whole["id"], "created": whole["created"], "model": model}
+    if kind == "completion":
+        choice = dict(whole["choices"][0])
+        events = [{**head, "object": "text_completion", "choices": [choice]}]
+    else:
+        obj = {**head, "object": "chat.completion.chunk"}
+        delta = {"role": "assistant", "content": reply["content"] or ""}
+        lp = whole["choices"][0]["logprobs"]
+        events = [{**obj, "choices": [{"index": 0, "delta": delta, "logprobs": lp, "finish_reason": None}]}]
+        if reply["tool_calls"]:
+            calls = {"tool_calls": _tool_calls(reply, streaming=True)}
+            events.append({**obj, "choices": [{"index": 0, "delta": calls, "finish_reason": None}]})
+        end = {"index": 0, "delta": {}, "finish_reason": reply["finish_reason"]}
+        events.append({**obj, "choices": [end]})
+    if usage:
+        events.append({**events[-1], "choices": [], "usage": whole["usage"]})
+    return events
+
+
+class _Server(ThreadingHTTPServer):
+    daemon_threads = True
+    request_queue_size = 1024  # the listen backlog: a batch of agents connects at once (the default is 5)
+
+    def handle_error(self, request, client_address) -> None:
+        """A client that drops its connection (an agent cancelled or done) is no error of the server's."""
+        if not isinstance(sys.exc_info()[1], ConnectionError):
+            super().handle_error(request, client_address)
+
+
+class Endpoint:
+    """The HTTP server on ``127.0.0.1`` (a free port), in front of ``hub``'s sessions."""
+
+    def __init__(self, hub, model: str, request_timeout_s: float, max_request_bytes: int):
+        self.hub, self.model = hub, model
+        self.request_timeout_s, self.max_request_bytes = request_timeout_s, max_request_bytes
+        self.requests = self.refused = 0
+        handler = type("Handler", (_Handler,), {"endpoint": self})
+        self.server = _Server(("127.0.0.1", 0), handler)
+        self.port = self.server.server_address[1]
+        self.thread = threading.Thread(target=self.server.serve_forever, name="laminar-endpoint", daemon=True)
+        self.thread.start()
+
+    def base_url(self, sid: str | None = None) -> str:
+        """The session's base URL; without one, the root URL (the session then goes in ``SESSION_HEADER``)."""
+        return f"http://127.0.0.1:{self.port}/s/{sid}/v1" if sid else f"http://127.0.0.1:{self.port}/v1"
+
+    def close(self) -> None:
+        self.server.shutdown()
+        self.server.server_close()
+
+
+class _Handler(BaseHTTPRequestHandler):
+    protocol_version = "HTTP/1.1"
+    disable_nagle_algorithm = True  # headers and body go out at once, not 40 ms apart (delayed ACK)
+    endpoint: Endpoint
+
+    def log_message(self, *args) -> None:  # no access log on stderr
+        pass
+
+    def _send(self, status: int, body: dict) -> None:
+        data = json.dumps(body).encode()
+        if status >= 400:
+            self.endpoint.refused += 1
+        try:
+            self.send_response(status)
+            self.send_header("Content-Type", "application/json")
+            self.send_header("Content-Length", str(len(data)))
+            self.end_headers()
+            self.wfile.write(data)
+        except OSError:  # the client has gone (it timed out or was cancelled)
+            self.close_connection = True
+
+    def _route(self) -> tuple[str | None, str] | None:
+        """``(session id or None, route)`` of the path, or None after answering 401/404."""
+        auth = self.headers.get("Authorization", "")
+        if auth != f"Bearer {self.endpoint.hub.token}":
+            self._send(401, _error(401, "missing or wrong bearer token"))
+            return None
+        parts = self.path.split("?")[0].strip("/").split("/")
+        sid = self.headers.get(SESSION_HEADER) or None
+        if len(parts) >= 2 and parts[0] == "s":
+            sid, parts = parts[1], parts[2:]
+        if not parts or parts[0] != "v1":
+            self._send(404, _error(404, f"no route {self.path}"))
+            return None
+        return sid, "/".join(parts[1:])
+
+    def do_GET(self) -> None:
+        got = self._route()
+        if got is None:
+            return
+        if got[1] != "models":
+            self._send(404, _error(404, f"no route GET {self.path}"))
+            return
+        model = {"id": self.endpoint.model, "object": "model", "created": 0, "owned_by": "laminar"}
+        self._send(200, {"object": "list", "data": [model]})
+
+    def do_POST(self) -> None:
+        length = int(self.headers.get("Content-Length") or -1)
+        if length < 0 or length > self.endpoint.max_request_bytes:
+            self.close_connection = True
+            if 0 < length <= 64 << 20:  # read it, so the client hears the 413 instead of a reset
+                while length > 0:
+                    length -= len(self.rfile.read(min(length, 1 << 20)) or b"x" * length)
+            self._send(413, _error(413, f"the request body must have a length of at most "
+                                        f"{self.endpoint.max_request_bytes} bytes"))  # fmt: skip
+            return
+        raw = self.rfile.read(length)
+        got = self._route()
+        if got is None:
+            return
+        sid, route = got
+        kinds = {"chat/completions": "chat", "completions": "completion"}
+        if route not in kinds or sid is None:
+            self._send(404, _error(404, f"no route POST {self.path} (use the session's base URL)"))
+            return
+        self.endpoint.requests += 1
+        try:
+            req = parse_request(kinds[route], json.loads(raw or b"null"))
+        except ValueError as e:
+            status = getattr(e, "status", 400)
+            self._send(status, _error(status, f"malformed request: {e}" if status == 400 else str(e)))
+            return
+        self._serve(sid, req)
+
+    def _serve(self, sid: str, req: dict) -> None:
+        from environments.agents.session import Call
+
+        session = self.endpoint.hub.get(sid)
+        if session is None:
+            self._send(404, _error(404, f"no session {sid!r}"))
+            return
+        call = Call(req)
+        try:
+            session.post(call)
+        except LookupError as e:
+            self._send(410, _error(410, str(e)))
+            return
+        except BlockingIOError as e:
+            self._send(409, _error(409, str(e)))
+            return
+        if not call.done.wait(self.endpoint.request_timeout_s):
+            session.abandon(call)
+            self._send(504, _error(504, f"no answer within {self.endpoint.request_timeout_s:g} s"))
+            return
+        if call.error is not None:
+            self._send(call.error[0], _error(*call.error))
+        elif req["stream"]:
+            self._stream(stream_events(call.reply, req["kind"], self.endpoint.model, req["usage"]))
+        else:
+            self._send(200, completion_body(call.reply, req["kind"], self.endpoint.model))
+
+    def _stream(self, events: list[dict]) -> None:
+        self.send_response(200)
+        self.send_header("Content-Type", "text/event-stream")
+        self.send_header("Cache-Control", "no-cache")
+        self.send_header("Connection", "close")
+        self.end_headers()
+        self.close_connection = True
+        try:
+            for e in events:
+                self.wfile.write(f"data: {json.dumps(e)}\n\n".encode())
+            self.wfile.write(b"data: [DONE]\n\n")
+            self.wfile.flush()
+        except OSError:  # the client has gone
+            pass

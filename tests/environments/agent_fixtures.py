@@ -1,0 +1,160 @@
+"""Agents (written only against ``openai``) and a scripted engine for the agent tests."""
+
+from __future__ import annotations
+
+import asyncio
+
+from generation.records import Trajectory
+from generation.sampler import request_key
+
+CALC = {
+    "type": "function",
+    "function": {
+        "name": "calc",
+        "description": "integer arithmetic",
+        "parameters": {"type": "object", "properties": {"input": {"type": "string"}}, "required": ["input"]},
+    },
+}
+
+
+def _dump(message) -> dict:
+    return message.model_dump(exclude_none=True)
+
+
+async def three_turns(client, task):
+    """Three requests with ``tools=``; a tool call is answered with ``16``, a turn without one with a
+    user message; returns the last turn's text."""
+    msgs = [{"role": "system", "content": "Use calc."}, {"role": "user", "content": task["prompt"]}]
+    text = ""
+    for _ in range(3):
+        r = await client.chat.completions.create(model="m", messages=msgs, tools=[CALC], logprobs=True)
+        m = r.choices[0].message
+        msgs.append(_dump(m))
+        for c in m.tool_calls or []:
+            msgs.append({"role": "tool", "tool_call_id": c.id, "content": "16"})
+        if not m.tool_calls:
+            msgs.append({"role": "user", "content": "Go on."})
+        text = m.content or ""
+    return {"answer": text, "reward": 1.0}
+
+
+async def rewrites_history(client, task):
+    """The negative control: its second request edits the first user message."""
+    msgs = [{"role": "user", "content": task["prompt"]}]
+    r = await client.chat.completions.create(model="m", messages=msgs, tools=[CALC])
+    msgs.append(_dump(r.choices[0].message))
+    msgs.append({"role": "user", "content": "Go on."})
+    msgs[0] = {"role": "user", "content": task["prompt"] + " (edited)"}
+    await client.chat.completions.create(model="m", messages=msgs, tools=[CALC])
+    return 0.5
+
+
+async def raises(client, task):
+    await client.chat.completions.create(model="m", messages=[{"role": "user", "content": task["prompt"]}])
+    raise RuntimeError("the agent broke")
+
+
+async def hangs(client, task):
+    await client.chat.completions.create(model="m", messages=[{"role": "user", "content": task["prompt"]}])
+    await asyncio.sleep(3600)
+
+
+async def silent(client, task):
+    await asyncio.sleep(3600)  # never asks
+
+
+async def exits(client, task):
+    return None
+
+
+async def streams(client, task):
+    """One streamed chat request and one completion: the text both return."""
+    msgs = [{"role": "user", "content": task["prompt"]}]
+    chunks = await client.chat.completions.create(model="m", messages=msgs, stream=True)
+    text = "".join([c.choices[0].delta.content or "" async for c in chunks if c.choices])
+    return {"answer": text}
+
+
+async def completes(client, task):
+    """Two ``/v1/completions`` requests, the second extending the first's prompt and completion; the
+    log-probs the endpoint returned, per request."""
+    prompt, lps = task["prompt"], []
+    for _ in range(2):
+        r = await client.completions.create(model="m", prompt=prompt, logprobs=1)
+        lps.append(r.choices[0].logprobs.token_logprobs)
+        prompt = prompt + r.choices[0].text + " Next:"
+    return {"logprobs": lps}
+
+
+async def malformed_first(client, task):
+    """A request the endpoint refuses (400), then a good one: the episode goes on."""
+    msgs = [{"role": "user", "content": task["prompt"]}]
+    try:
+        await client.chat.completions.create(model="m", messages=msgs, n=3)
+    except Exception as e:  # noqa: BLE001
+        status = getattr(e, "status_code", None)
+    r = await client.chat.completions.create(model="m", messages=msgs, logprobs=True)
+    lps = [x.logprob for x in r.choices[0].logprobs.content]
+    return {"status": status, "logprobs": lps, "reward": 1.0}
+
+
+async def mixed(client, task):
+    """By prompt: q0 raises, q1 hangs, q2 returns before asking, q3 sends a malformed request and
+    then runs ``three_turns``."""
+    behave = {"q0": raises, "q1": hangs, "q2": exits, "q3": malformed_first}
+    return await behave.get(task["prompt_id"], three_turns)(client, task)
+
+
+async def stops(client, task):
+    """One request with ``stop`` and ``tool_choice='none'``: what the endpoint returned."""
+    msgs = [{"role": "user", "content": task["prompt"]}]
+    r = await client.chat.completions.create(
+        model="m", messages=msgs, tools=[CALC], tool_choice="none", stop="16"
+    )
+    m = r.choices[0]
+    return {"content": m.message.content, "calls": len(m.message.tool_calls or []), "finish": m.finish_reason}
+
+
+class Scripted:
+    """A generation engine (the continuous API ``EpisodeEngine`` drives) whose turns are scripted
+    texts, tokenized and ended with EOS, log-prob -0.5 each; it records every row's context (the
+    prompt tokens it consumed) and what it sampled, like ``tests.environments.test_episodes.Recording``."""
+
+    def __init__(self, tokenizer, script):
+        self.tokenizer, self.script = tokenizer, script
+        self.version, self.admitting, self.max_new_tokens, self.capacity = 0, True, 64, 64
+        self.rows: list = []
+        self.contexts: dict[tuple, tuple[int, ...]] = {}
+        self.sampled: dict[tuple, tuple[int, ...]] = {}
+        self.turn_of: dict[tuple, int] = {}
+
+    def submit(self, requests, sampling=None):
+        for r in requests:
+            self.contexts[request_key(r)] = r.prompt.prompt_tokens
+            self.rows.append(r)
+
+    def inject(self, partials):
+        self.submit([p.request for p in partials])
+
+    def status(self):
+        return {"active": len(self.rows), "queued": 0}
+
+    def step(self, max_steps):
+        out, rows, self.rows = [], self.rows, []
+        for r in rows:
+            base = (r.prompt.prompt_id.split("|")[0], r.group_uid, r.sample_idx)
+            i = self.turn_of.get(base, 0)
+            self.turn_of[base] = i + 1
+            text = self.script[min(i, len(self.script) - 1)]
+            toks = tuple(self.tokenizer(text, add_special_tokens=False)["input_ids"]) + (
+                self.tokenizer.eos_token_id,
+            )
+            self.sampled[request_key(r)] = toks
+            lps = (-0.5,) * len(toks)
+            args = (r.prompt, r.sample_idx, toks, lps, self.version, True, text, 0.1, r.group_uid)
+            out.append(Trajectory("trajectory", *args))
+        return out
+
+    def extract(self, include_queued=True, only=None):
+        rows, self.rows = self.rows, []
+        return [], rows
