@@ -26,6 +26,7 @@ old weights until it answers.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import math
 import threading
@@ -175,6 +176,16 @@ class _Wait:
         return self.delay if ready is None else max(0.0, ready - now)
 
 
+def settle(waiting: list[_Wait], timeout: float) -> None:
+    """Wait until every step in ``waiting`` has answered, its tool latency included, or timed out."""
+    for w in waiting:
+        with contextlib.suppress(Exception):  # a crashed or cancelled step is answered as such
+            w.fut.result(timeout=max(0.0, w.t0 + timeout - time.monotonic()))
+    due = [min(w.ready_at() or math.inf, w.t0 + timeout) for w in waiting]
+    if due:
+        time.sleep(max(0.0, max(due) - time.monotonic()))
+
+
 class EpisodeEngine:
     """Episodes of ``env`` on ``engine`` (see the module docstring). ``status()['active']`` counts the
     episodes waiting on their environment too, so a rollout holding them is not idle. Not
@@ -189,6 +200,9 @@ class EpisodeEngine:
         """Episodes whose finished turn is with the environment."""
         self._held: list[Episode] = []
         """Answered episodes whose next turn waits for the rollout's pull (turn rule, while it drains)."""
+        self._lockstep = False
+        """``generate``: each step waits for every environment answer, so which turns decode together
+        (and so their floats) never depends on thread timing (curation and evaluation reproduce)."""
         self._pool = ThreadPoolExecutor(max_workers=limits.tool_workers, thread_name_prefix="laminar-env")
         self._news = threading.Event()
         """Set when an environment step returns or on a ``wake``: a step call waiting on tools looks again."""
@@ -261,6 +275,8 @@ class EpisodeEngine:
         first answer (at most the tool timeout) or a ``wake``, instead of returning empty-handed at once."""
         self._woken = False  # a wake before this call is in the order that started it
         out, self._ended = self._ended, []
+        if self._lockstep:
+            settle(self._waiting, self.limits.tool_timeout_s)
         self._collect(out)
         if self._held and self.admitting:  # pulled (or told to admit again): their next turns start
             held, self._held = self._held, []
@@ -272,7 +288,8 @@ class EpisodeEngine:
                 self._turn_done(t, out)
         elif self._waiting and not out:
             self._collect(out, block=True)
-        self._collect(out)
+        if not self._lockstep:
+            self._collect(out)
         return out
 
     def extract(self, include_queued: bool = True, only=None) -> tuple[list[Partial], list[GenRequest]]:
@@ -330,9 +347,13 @@ class EpisodeEngine:
             raise ValueError("EpisodeEngine.generate needs distinct (prompt_id, group_uid, sample_idx)")
         results: list[Trajectory | None] = [None] * len(requests)
         self.submit(list(requests))
-        while self._episodes or self._waiting or self._held or self._ended:
-            for t in self.step(self.inner.max_new_tokens):
-                results[slots[request_key(GenRequest(t.prompt, t.sample_idx, t.group_uid))]] = t
+        self._lockstep = True  # every answer joins before the next decode: the same rows each run
+        try:
+            while self._episodes or self._waiting or self._held or self._ended:
+                for t in self.step(self.inner.max_new_tokens):
+                    results[slots[request_key(GenRequest(t.prompt, t.sample_idx, t.group_uid))]] = t
+        finally:
+            self._lockstep = False
         return results  # type: ignore[return-value]
 
     def close(self) -> None:

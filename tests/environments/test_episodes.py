@@ -3,6 +3,7 @@ tokenizer and chat template; re-rendering from text is caught), observation toke
 hung and crashing environments end episodes with a reason, and an in-flight episode moves between
 engines with its state."""
 
+import random
 import threading
 import time
 
@@ -414,3 +415,24 @@ def test_the_version_rule_decides_which_weights_run_the_next_turn(tok, model, ru
     partials, _ = runner.extract()
     assert partials and all(p.version == -1 and not p.tokens for p in partials)
     runner.close()
+
+
+class JitterCalls(AlwaysCalls):
+    """``AlwaysCalls`` whose tool takes a random 0-20 ms (system randomness, not seeded): which turns
+    are answered by a given moment differs from run to run."""
+
+    def step(self, state, turn):
+        time.sleep(random.SystemRandom().uniform(0.0, 0.02))
+        return super().step(state, turn)
+
+
+def test_generate_gives_the_same_episodes_whatever_the_tool_timing(tok, model):
+    """Curation and evaluation sample episodes with ``generate``: every environment answer joins before
+    the next decode, so the rows decoded together (and with them the floats) never follow thread
+    timing, and two runs give the same episodes token for token."""
+    runs = []
+    for _ in range(3):
+        _, trajs = _episodes(tok, model, JitterCalls(tok), turns=3, tool_workers=4)
+        runs.append([(t.response_tokens, t.behaviour_logprobs, t.turns) for t in trajs])
+    assert runs[0] == runs[1] == runs[2]
+    assert sum(turns for _, _, turns in runs[0]) > len(runs[0])  # episodes went past their first turn
