@@ -86,8 +86,9 @@ class Countdown:
 
 USES_PLUGIN = {"difficulty", "dart", "difficulty_rft", "rl", "eval_warmup", "eval_rft", "eval_rl"}
 """The stages that judge with the run's verdict or score with the shaping reward (``mypkg/rewards.py``);
-the environment (``mypkg/envs.py``, another file) is used by warm-up, RL and the evaluations."""
-USES_ENV = {"warmup", "rl", "eval_warmup", "eval_rft", "eval_rl"}
+the environment (``mypkg/envs.py``, another file) is used by warm-up, curation (it samples episodes),
+RL and the evaluations."""
+USES_ENV = {"warmup", "difficulty", "dart", "difficulty_rft", "rl", "eval_warmup", "eval_rft", "eval_rl"}
 
 
 def overrides(bench: Path) -> list[str]:
