@@ -28,7 +28,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
-from conf.schema import EnvConfig  # noqa: E402
+from conf.schema import EngineOptions, EnvConfig  # noqa: E402
 from environments.agents.chat import ChatFormat  # noqa: E402
 from environments.base import StepResult  # noqa: E402
 from environments.episodes import EpisodeEngine, EpisodeLimits  # noqa: E402
@@ -92,7 +92,7 @@ def engine(kind, tok, model, new_tokens):
     call = '<tool_call>{"name": "calc", "arguments": {"input": "9+7"}}</tool_call>'
     if kind == "scripted":
         return fx.Scripted(tok, [call])
-    return Engine(model, tok, max_new_tokens=new_tokens, capacity=64, seed=0)
+    return Engine(model, tok, EngineOptions(max_new_tokens=new_tokens, capacity=64, seed=0))
 
 
 def run_once(kind, mode, tok, model, args) -> dict:

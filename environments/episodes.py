@@ -347,7 +347,9 @@ class EpisodeEngine:
             raise ValueError("EpisodeEngine.generate needs distinct (prompt_id, group_uid, sample_idx)")
         results: list[Trajectory | None] = [None] * len(requests)
         self.submit(list(requests))
-        self._lockstep = True  # every answer joins before the next decode: the same rows each run
+        # every answer joins before the next decode, so each run decodes the same rows together (an
+        # environment may opt out: agents, which answer on their own clocks)
+        self._lockstep = bool(getattr(self.env, "lockstep", True))
         try:
             while self._episodes or self._waiting or self._held or self._ended:
                 for t in self.step(self.inner.max_new_tokens):

@@ -88,6 +88,10 @@ class AgentEnvironment:
     restarts_lost = True
     """``environments.registry.wrap_engine`` runs its episodes with ``on_error=retry``: only a lost
     session raises (``AgentLost``), and its episode restarts once from the prompt."""
+    lockstep = False
+    """``EpisodeEngine.generate`` does not wait for every agent before the next decode: agents answer on
+    their own clocks (their timing is theirs to reproduce), and one that hangs must not hold the
+    others' turns past their request timeouts."""
 
     def __init__(self, solve, tokenizer, params: AgentParams | None, env, name: str = "agent"):
         self.name = name

@@ -94,7 +94,7 @@ def test_dapo_keeps_a_code_group_its_tests_split():
     cfg = load_config([*CODE_POOL, "reward=code"])
     prompt = SimpleNamespace(answer=SPEC.to_answer(), text="add", prompt_id="p0")
     trajs = [
-        SimpleNamespace(text=t, prompt=prompt, longest_turn=lambda: 10, sample_idx=i)
+        SimpleNamespace(text=t, prompt=prompt, longest_turn=lambda: 10, sample_idx=i, env_state=None)
         for i, t in enumerate([RIGHT, WRONG])
     ]
     with open_verdict(cfg.reward, 5.0) as verdict:
