@@ -34,14 +34,16 @@ def base_run(ws: Path) -> dict:
     return json.loads((latest / "summary.json").read_text())
 
 
-def run_rl(cfg, paths: dict[str, Path], out: Path, teacher) -> tuple[list[dict], list[float]]:
+def run_rl(cfg, paths: dict[str, Path], out: Path) -> tuple[list[dict], list[float]]:
     """One RL run; (its per-step metrics, the seconds from its start to the end of each step)."""
     from evaluation.stages import in_run_evaluator
     from generation.model import load_tokenizer
     from generation.setup import setup_torch
     from rewards.compose import Reward
     from rewards.verdicts import open_verdict
-    from tasks.bodies import eval_templates, file_benchmarks, open_judges, template
+    from tasks.stages.common import file_benchmarks, template
+    from tasks.stages.evaluate import eval_templates, open_judges
+    from training.rl.sections import RLSections
     from training.rl.stage import rl
 
     setup_torch(cfg.threads, cfg.seed)
@@ -64,17 +66,14 @@ def run_rl(cfg, paths: dict[str, Path], out: Path, teacher) -> tuple[list[dict],
         result = rl(
             paths["rft"],
             paths["selection"] / "prompts.parquet",
-            cfg.rl,
+            RLSections.of(cfg),  # the config's teacher section included
             template=template(cfg),
-            seed=cfg.seed,
             device="cpu",
             out_dir=out,
             reward=Reward.of(verifier, cfg.reward, None, template(cfg), sandbox=cfg.sandbox),
-            select=cfg.curation.select,
             history_path=paths["selection"] / "history.parquet",
             evaluate=evaluate,
             on_metrics=lambda m: clock.append(time.perf_counter() - start),
-            teacher=teacher,
         )
     return [m.as_dict() for m in result.history], clock
 
@@ -103,7 +102,6 @@ def main(argv: list[str] | None = None) -> dict:
     args = ap.parse_args(argv)
 
     from conf.loader import load_config
-    from conf.schema import TeacherConfig
 
     summary = base_run(args.base_ws)
     art = {k: v["artifacts"] for k, v in summary["stages"].items()}
@@ -139,8 +137,7 @@ def main(argv: list[str] | None = None) -> dict:
             over += [f"rl.eval_every={args.eval_every}", f"rl.algorithm={algo.removesuffix('_self')}"]
             over += [f"teacher.path={teacher_path}"] if teacher_path else []
             cfg = load_config(over)
-            teacher = TeacherConfig(path=teacher_path) if teacher_path else None
-            history, clock = run_rl(cfg, paths, Path(tmp) / f"out_{algo}", teacher)
+            history, clock = run_rl(cfg, paths, Path(tmp) / f"out_{algo}")
             key = next(k for k in history[args.eval_every - 1] if k.startswith("eval_") and "heldout" in k)
             updates, seconds = reach(history, clock, key, target)
             out["runs"][algo] = {
