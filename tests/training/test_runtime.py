@@ -77,7 +77,7 @@ def make_runtime(
     **cluster_kw,
 ):
     """A small run in the schema's own config sections (what a user's config builds)."""
-    from conf.schema import ClusterConfig, RLConfig
+    from conf.schema import ClusterConfig, RLConfig, RolloutConfig, TrainerConfig
     from training.rl.drivers.ray import LaminarRuntime
 
     rl = RLConfig(
@@ -103,8 +103,8 @@ def make_runtime(
         RLSections(
             rl,
             seed=0,
-            rollout=rollout,
-            trainer=trainer,
+            rollout=rollout or RolloutConfig(),
+            trainer=trainer or TrainerConfig(),
             cluster=ClusterConfig(**{"rollouts": 2, **cluster_kw}),
         ),
         device="cpu",
