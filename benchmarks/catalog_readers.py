@@ -295,8 +295,10 @@ def _laminar_cmd() -> list[str]:
     return [str(script)] if script.exists() else [sys.executable, "-m", "flows.cli"]
 
 
-def catalog_facts(ws: Path) -> dict:
-    """Row counts per table, the latest run's row and its stages."""
+def catalog_facts(ws: Path, overrides: list[str]) -> dict:
+    """Row counts per table, the latest run's row and the stages active under ``overrides`` that have
+    no row in it (a stage its config turns off, such as the reward model's, never writes one)."""
+    from conf.loader import load_config
     from core.catalog import Catalog
     from tasks.dag import STAGES
 
@@ -316,7 +318,9 @@ def catalog_facts(ws: Path) -> dict:
         "counts": counts,
         "run_id": run[0]["run_id"] if run else None,
         "run_row": run[0]["status"] if run else None,
-        "missing_stage_rows": [s.name for s in STAGES if s.name not in stages],
+        "missing_stage_rows": [
+            s.name for s in STAGES if s.active(load_config(overrides)) and s.name not in stages
+        ],
     }
 
 
@@ -382,7 +386,7 @@ def run_with_readers(
         for reader in procs:
             reader.wait(timeout=300)
     seconds = time.perf_counter() - t0
-    facts = catalog_facts(ws)
+    facts = catalog_facts(ws, overrides)
     res = {
         "overrides": overrides,
         "run": {
