@@ -37,9 +37,6 @@ def produce(
     return pending.ref, metrics
 
 
-_produce = produce  # rl_body, moved verbatim from tasks/bodies.py, calls it by its old name
-
-
 def template(cfg: Config) -> str:
     """The prompt template of the training pool: the bare problem for the synthetic task, the
     \\boxed{} instruction of the benchmarks for real pools (a chat template wraps either), unless

@@ -16,7 +16,7 @@ from tasks.stages.common import (
     MODEL,
     REWARD_MODEL,
     SELECTION,
-    _produce,
+    produce,
     drop_defaults,
     dumps,
     env_key,
@@ -168,7 +168,7 @@ def rl_body(ctx: StageContext) -> StageResult:
             **_term_summary(rows),
         }
 
-    ref, metrics = _produce(ctx, MODEL, run, meta)
+    ref, metrics = produce(ctx, MODEL, run, meta)
     return StageResult({MODEL: ref}, metrics)
 
 
