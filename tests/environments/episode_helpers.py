@@ -10,7 +10,7 @@ import torch
 from conf.schema import ModelConfig
 from generation.model import build_tiny_model, encode_problem
 from generation.records import PromptItem
-from tests.training.rl_fakes import Verdict
+from tests.training.rl_fakes import Verdict, fit
 from training.rl.manager import RolloutManager
 
 TINY = ModelConfig(
@@ -22,18 +22,10 @@ CALL = "calc: 1+2"
 def teach(tok, rows: list[list[int]], *, steps: int, lr: float):
     """The ``TINY`` model (seed 0) after ``steps`` full-batch AdamW steps on ``rows`` (token ids,
     right-padded, the padding masked out of the loss), in eval mode."""
-    model = build_tiny_model(TINY, tok, seed=0)
-    opt = torch.optim.AdamW(model.parameters(), lr=lr)
     width = max(map(len, rows))
     ids = torch.tensor([r + [tok.pad_token_id] * (width - len(r)) for r in rows])
     labels = ids.masked_fill(ids == tok.pad_token_id, -100)
-    model.train()
-    for _ in range(steps):
-        loss = model(input_ids=ids, labels=labels).loss
-        opt.zero_grad()
-        loss.backward()
-        opt.step()
-    return model.eval()
+    return fit(build_tiny_model(TINY, tok, seed=0), ids, labels, steps=steps, lr=lr)
 
 
 def _problem(tok, i: int) -> list[int]:

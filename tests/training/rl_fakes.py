@@ -2,6 +2,8 @@
 
 from dataclasses import dataclass
 
+import torch
+
 from conf.schema import ModelConfig
 
 MICRO = ModelConfig(
@@ -18,6 +20,19 @@ class Verdict:
     @property
     def reward(self) -> float:
         return float(self.correct)
+
+
+def fit(model, ids, labels, *, steps: int, lr: float):
+    """``model`` after ``steps`` full-batch AdamW steps on ``ids`` with ``labels`` (-100: no loss),
+    in eval mode."""
+    opt = torch.optim.AdamW(model.parameters(), lr=lr)
+    model.train()
+    for _ in range(steps):
+        loss = model(input_ids=ids, labels=labels).loss
+        opt.zero_grad()
+        loss.backward()
+        opt.step()
+    return model.eval()
 
 
 def saved_model(folder, model, tokenizer):

@@ -16,7 +16,7 @@ from environments.base import StepResult, Turn
 from environments.mixed import MixedEnvironment, Params, split_tag, tag
 from generation.model import build_char_tokenizer, build_tiny_model, encode_prompt
 from generation.records import PromptItem
-from tests.training.rl_fakes import MICRO, Verdict, saved_model
+from tests.training.rl_fakes import MICRO, Verdict, fit, saved_model
 from training.objectives import PRESETS
 from training.rl.drivers.local import LocalDriver
 from training.rl.loop import PromptCursor
@@ -128,8 +128,6 @@ class DigitFirst:
 def ends_at_once(tok, items, steps: int = 40):
     """A tiny model taught (a few SFT steps) to end every turn at once (EOS first): each turn of an
     episode is one token, so every ``CallsOnce`` episode is call, observation, answer."""
-    model = build_tiny_model(MICRO, tok, seed=0)
-    opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
     rows = [list(p.prompt_tokens) + [tok.eos_token_id] for p in items]
     rows += [
         r[:-1] + list(tok(OBSERVATION, add_special_tokens=False)["input_ids"]) + [tok.eos_token_id]
@@ -138,13 +136,7 @@ def ends_at_once(tok, items, steps: int = 40):
     width = max(map(len, rows))
     ids = torch.tensor([r + [tok.pad_token_id] * (width - len(r)) for r in rows])
     labels = ids.masked_fill(ids != tok.eos_token_id, -100)
-    model.train()
-    for _ in range(steps):
-        loss = model(input_ids=ids, labels=labels).loss
-        opt.zero_grad()
-        loss.backward()
-        opt.step()
-    return model.eval()
+    return fit(build_tiny_model(MICRO, tok, seed=0), ids, labels, steps=steps, lr=1e-2)
 
 
 def test_a_run_mixed_0_7_0_3_trains_each_environment_its_share_with_metrics_per_environment(tmp_path):
