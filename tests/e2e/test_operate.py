@@ -24,6 +24,7 @@ import pytest
 
 from core.workspace import Workspace
 from tests.configs import TINY_CURATED
+from tests.e2e import cli
 from tests.served_api import ServedAPI
 from tasks import cache
 from tasks.dag import (
@@ -52,19 +53,8 @@ def _env(**extra) -> dict:
 
 
 def laminar(*args: str, ws: Path, check: bool = True, timeout: int = 600) -> subprocess.CompletedProcess:
-    proc = subprocess.run(
-        [sys.executable, "-m", "flows.cli", *args, "--workspace", str(ws)],
-        cwd=ROOT,
-        env=_env(),
-        capture_output=True,
-        text=True,
-        timeout=timeout,
-    )
-    if check and proc.returncode != 0:
-        raise AssertionError(
-            f"laminar {args} failed ({proc.returncode}):\n{proc.stdout[-3000:]}\n{proc.stderr[-3000:]}"
-        )
-    return proc
+    """``tests.e2e.cli.laminar`` in this module's environment (its own Prefect per workspace)."""
+    return cli.laminar(*args, ws=ws, env=_env(), check=check, timeout=timeout)
 
 
 def popen(*args: str, ws: Path, **kw) -> subprocess.Popen:
