@@ -45,8 +45,10 @@ def base_run(ws: Path) -> dict:
     return json.loads((latest / "summary.json").read_text())
 
 
-def run_rl(cfg, paths: dict[str, Path], out: Path) -> tuple[list[dict], list[float]]:
-    """One RL run; (its per-step metrics, the seconds from its start to the end of each step)."""
+def run_rl(cfg, paths: dict[str, Path], out: Path) -> tuple[list[dict], list[float], list[float]]:
+    """One RL run; (its per-step metrics, the wall-clock seconds from its start to the end of each
+    step, this process's CPU seconds over the same spans: on a shared machine the load moves the
+    first, much less the second)."""
     from evaluation.stages import in_run_evaluator
     from generation.model import load_tokenizer
     from generation.setup import setup_torch
@@ -59,7 +61,8 @@ def run_rl(cfg, paths: dict[str, Path], out: Path) -> tuple[list[dict], list[flo
 
     setup_torch(cfg.threads, cfg.seed)
     clock: list[float] = []
-    start = time.perf_counter()
+    cpu: list[float] = []
+    start, cpu0 = time.perf_counter(), time.process_time()
     with open_verdict(cfg.reward, cfg.eval.verifier_timeout_s, cfg.sandbox) as verifier, ExitStack() as stack:
         evaluate = in_run_evaluator(
             load_tokenizer(paths["rft"]),
@@ -84,9 +87,12 @@ def run_rl(cfg, paths: dict[str, Path], out: Path) -> tuple[list[dict], list[flo
             reward=Reward.of(verifier, cfg.reward, None, template(cfg), sandbox=cfg.sandbox),
             history_path=paths["selection"] / "history.parquet",
             evaluate=evaluate,
-            on_metrics=lambda m: clock.append(time.perf_counter() - start),
+            on_metrics=lambda m: (
+                clock.append(time.perf_counter() - start),
+                cpu.append(time.process_time() - cpu0),
+            ),
         )
-    return [m.as_dict() for m in result.history], clock
+    return [m.as_dict() for m in result.history], clock, cpu
 
 
 def reach(
@@ -163,7 +169,7 @@ def measure(args) -> dict:
             over += [f"rl.eval_every={args.eval_every}", f"rl.algorithm={algo.removesuffix('_self')}"]
             over += [f"teacher.path={teacher_path}"] if teacher_path else []
             cfg = load_config(over + list(args.set))
-            history, clock = run_rl(cfg, paths, Path(tmp) / f"out_{algo}")
+            history, clock, cpu = run_rl(cfg, paths, Path(tmp) / f"out_{algo}")
             key = next(k for k in history[args.eval_every - 1] if k.startswith("eval_") and "heldout" in k)
             updates, seconds = reach(history, clock, key, target)
             name = f"{algo}+{args.label}" if args.label else algo
@@ -171,6 +177,8 @@ def measure(args) -> dict:
                 "updates_to_target": updates,
                 "seconds_to_target": seconds,
                 "rl_seconds": round(clock[-1], 1),
+                "cpu_seconds_to_target": reach(history, cpu, key, target)[1],
+                "rl_cpu_seconds": round(cpu[-1], 1),
                 "curve": [(i + 1, m[key]) for i, m in enumerate(history) if key in m],
                 "teacher_kl": [round(m["teacher_kl"], 4) for m in history if "teacher_kl" in m],
                 "train_accuracy": [round(m["accuracy"], 4) for m in history],
@@ -231,6 +239,12 @@ def aggregate(files: list[Path]) -> dict:
             "mean_updates_to_target": _mean(updates),
             "mean_seconds_to_target": _mean([r["seconds_to_target"] for r in have.values()]),
             "seconds_per_update": [round(r["rl_seconds"] / shared["steps"], 3) for r in have.values()],
+            # this process's CPU seconds (recorded since 2026-12-06 16:40; None in older files)
+            "cpu_seconds_to_target": [r.get("cpu_seconds_to_target") for r in have.values()],
+            "cpu_seconds_per_update": [
+                round(r["rl_cpu_seconds"] / shared["steps"], 3) if "rl_cpu_seconds" in r else None
+                for r in have.values()
+            ],
             "curve": [
                 {"updates": u, "mean": _mean(v), "min": min(v), "max": max(v), "n": len(v)}
                 for u, v in sorted(by_update.items())

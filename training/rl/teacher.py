@@ -6,8 +6,11 @@ weights, taken when the trainer is built (the RL start) and re-synchronised ever
 ``teacher.sync_every`` updates, that reads each prompt with the reference answer in front of the
 problem (``teacher.hint``) while the student reads the plain prompt. Either way the teacher scores the
 student's own sampled tokens: its log-probs come from the trainer's batched, micro-batched forward
-(``PolicyTrainer._logprobs_of``, the reference model's path) on the trainer's device, inside the
-trainer process (with the Ray driver: inside the trainer actor, not an actor of its own).
+(``PolicyTrainer._logprobs_of``, the reference model's path) on the trainer's device: inside the
+trainer process with the local driver (``Teacher``), in a Ray actor of its own with the Ray driver
+(``training.rl.teacher_actor``: the spec carries the actor's handle and the trainer holds a
+``RemoteTeacher`` that asks it for the batch's log-probs at the start of the update, while the
+trainer computes its own reference and proximal log-probs).
 A run resumed from an RL checkpoint rebuilds the self-teacher from the RL-start weights (it is not
 checkpointed): frozen, that is the same teacher; with ``sync_every`` it differs until the next sync.
 """
@@ -32,13 +35,16 @@ class TeacherSpec:
     student's model folder (its tokenizer encodes the self-teacher's prompts); ``template``: the
     student's prompt template (``{problem}``); ``hint``: put before the problem for the self-teacher
     (``{answer}``: the reference answer); ``sync_every``: the self-teacher copies the student every N
-    updates (0: frozen at the RL start)."""
+    updates (0: frozen at the RL start); ``actor``: the Ray driver's teacher actor
+    (``training.rl.teacher_actor.TeacherWorker``) that computes the log-probs, None: the trainer
+    does, in process."""
 
     path: str
     tokenizer_dir: str = ""
     template: str = "{problem}"
     hint: str = "Answer: {answer}\n"
     sync_every: int = 0
+    actor: object = None
 
     @property
     def is_self(self) -> bool:
@@ -84,12 +90,14 @@ class Teacher:
     """The teacher's frozen model on the trainer's device and, for the self-teacher, the tokenizer
     that writes its privileged prompts (cached by prompt id)."""
 
-    def __init__(self, spec: TeacherSpec, policy, device: str):
+    def __init__(self, spec: TeacherSpec, policy, device: str, *, copy_policy: bool = True):
+        """``policy``: the student (the self-teacher's weights: a copy, or ``policy`` itself when
+        ``copy_policy`` is off, for a caller that loaded it for the teacher alone)."""
         self.spec = spec
         if spec.is_self:
             from generation.model import load_tokenizer
 
-            model = copy.deepcopy(policy)
+            model = copy.deepcopy(policy) if copy_policy else policy
             self.tokenizer = load_tokenizer(Path(spec.tokenizer_dir))
         else:
             from generation.model import load_model
@@ -106,7 +114,15 @@ class Teacher:
             return None
         if params.teacher is None:
             raise ValueError("distill_weight > 0 needs a teacher: set teacher.path=DIR or teacher.path=self")
+        if params.teacher.actor is not None:  # the Ray driver's teacher actor
+            from training.rl.teacher_actor import RemoteTeacher
+
+            return RemoteTeacher(params.teacher)
         return cls(params.teacher, policy, device)
+
+    def submit(self, trainer, groups: Sequence) -> None:
+        """Called at the start of an update: the in-process teacher computes when asked
+        (``logprobs``); ``RemoteTeacher`` starts its actor here."""
 
     def prompt_tokens(self, prompt) -> tuple[int, ...]:
         """What the teacher reads before ``prompt``'s response (a ``PromptItem``): the prompt itself,

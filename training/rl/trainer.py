@@ -569,6 +569,8 @@ class PolicyTrainer:
     def _update_inputs(self, groups: Sequence[ScoredGroup]) -> _UpdateInputs:
         """The batch of ``groups`` on the device with its advantages, loss mask (DAPO's overlong filter
         applied) and, where the objective needs them, the reference and proximal log-probs."""
+        if self.teacher is not None:  # the Ray driver's teacher actor starts on them now
+            self.teacher.submit(self, groups)
         batch = build_batch(groups, self.pad_id)
         mask = (batch.mask * batch.loss_mask).to(self.device)  # observation tokens carry no loss
         if self.params.overlong_filter:  # DAPO: truncated responses carry no loss

@@ -54,6 +54,7 @@ from training.rl.reward_actor import with_reward_actor
 from training.rl.manager import ManagerSettings, RolloutManager
 from training.rl.records import StepMetrics, TrainReply
 from training.rl.sections import RLSections
+from training.rl.teacher_actor import start_teacher
 
 # re-exported: the driver's public names before its collaborators moved to modules of their own
 from training.rl.drivers.ray_rollouts import WAKE_GROUP, rollout_actor_class  # noqa: F401
@@ -116,6 +117,8 @@ class LaminarRuntime:
         self.chain = RelayChain([])
         self.rollouts: dict[str, _RolloutActor] = {}
         self.trainer: _TrainerGroup | None = None
+        self.teacher_actor = None
+        """OPD's teacher actor (``training.rl.teacher_actor``); None without a teacher."""
         self.trainer_nodes: list[str] = []
         self.manager: RolloutManager | None = None
         self.cursor: PromptCursor | None = None
@@ -168,17 +171,27 @@ class LaminarRuntime:
         self.relays, self.chain = self.relay_fleet.relays, self.relay_fleet.chain
         self.relay_fleet.start(self.nodes)
         self._build_rollouts(ray)
+        threads = c.trainer_threads or c.actor_threads
+        params, self.teacher_actor = start_teacher(  # OPD: the teacher in an actor of its own
+            ray,
+            self.params,
+            self.rl,
+            node=self.nodes[c.trainer_node % len(self.nodes)],
+            device=self.device,
+            seed=self.seed,
+            threads=threads,
+        )
         self.trainer, self.trainer_nodes = start_trainers(
             ray,
             c,
             self.trainer_cfg,
             self.nodes,
             self.device,
-            (str(self.model_dir), self.params, self.rl, self.trainer_cfg),
+            (str(self.model_dir), params, self.rl, self.trainer_cfg),
             dict(
                 device=self.device,
                 seed=self.seed,
-                threads=c.trainer_threads or c.actor_threads,
+                threads=threads,
                 extensions_dir=self.extensions_dir,
             ),
         )
@@ -242,6 +255,8 @@ class LaminarRuntime:
     def _role_handles(self, rollouts: bool) -> dict:
         handles = {f"trainer-{i}": h for i, h in enumerate(self.trainer.handles)}
         handles.update(self.relays)
+        if self.teacher_actor is not None:
+            handles["teacher"] = self.teacher_actor
         if rollouts:
             handles.update(self.rollout_fleet.alive_handles(self.manager))
         return handles
@@ -249,6 +264,7 @@ class LaminarRuntime:
     def _teardown(self, ray) -> None:
         group = self.trainer
         handles = [*(group.handles if group is not None else []), *[a.handle for a in self.rollouts.values()]]
+        handles += [self.teacher_actor] if self.teacher_actor is not None else []
         kill_actors(ray, [*handles, *self.relays.values()])
         release_placement_group(group)
         if self._own_ray:
