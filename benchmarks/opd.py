@@ -304,8 +304,8 @@ def markdown(agg: dict) -> str:
         ups = " / ".join("-" if u is None else str(u) for u in a["updates_to_target"])
         secs = " / ".join("-" if s is None else f"{s:g}" for s in a["seconds_to_target"])
         mu = a["mean_updates_to_target"]
-        mean_u = f"{'-' if mu is None else f'{mu:g}'} ({a['reached']}/{len(a['seeds'])} reached)"
-        mean_s = "-" if a["mean_seconds_to_target"] is None else f"{a['mean_seconds_to_target']:g}"
+        mean_u = f"{'-' if mu is None else f'{mu:.1f}'} ({a['reached']}/{len(a['seeds'])} reached)"
+        mean_s = "-" if a["mean_seconds_to_target"] is None else f"{a['mean_seconds_to_target']:.1f}"
         spu = " / ".join(f"{x:.2f}" for x in a["seconds_per_update"])
         lines.append(f"| `{algo}` | {ups} | {mean_u} | {secs} | {mean_s} | {spu} |")
     lines += ["", "Mean over seeds ('-': not reached in the run; means over the seeds that reached).", ""]
