@@ -22,10 +22,11 @@ from generation.adapter import is_adapter_dir
 from generation.model import encode_problem
 from training.objectives import PRESETS, ObjectiveParams
 from rewards.compose import Reward
-from training.rl.loop import RLResult, rl_reward
+from training.rl.loop import RLResult, group_scorer, rl_reward
 from training.rl.mix import rl_sources
 from training.rl.records import StepMetrics
 from training.rl.sections import RLSections
+from training.rl.relift import build_relift
 from training.rl.teacher import with_teacher
 from generation.records import PromptItem
 from generation.setup import read_table
@@ -130,6 +131,7 @@ def rl(
     evaluate: Callable[[object], dict[str, float]] | None = None,
     state_dir: Path | None = None,
     on_metrics: Callable[[dict[str, float]], None] | None = None,
+    dart_data: Path | None = None,
 ) -> RLResult:
     """RL from ``model_dir`` on the prompts of ``prompts_path`` with the config sections ``run``
     (``RLSections``; see the module docstring for what it writes). ``run.select`` turns on HIVE's
@@ -145,7 +147,9 @@ def rl(
     PEFT adapter folder.
     ``reward``: the ``rewards.compose.Reward`` every response is scored with (a bare verifier: the
     math verifier alone); DAPO's preset adds its overlong component (``training.rl.loop.rl_reward``).
-    ``run.env``, ``run.envs``, ``run.sandbox``: the episodes' environments and their tools' sandbox."""
+    ``run.env``, ``run.envs``, ``run.sandbox``: the episodes' environments and their tools' sandbox.
+    ``run.rl.relift`` on: ReLIFT (``training.rl.relift``), its solutions from the teacher
+    (``run.teacher.path``) or from DART's data ``dart_data`` (``rft.parquet``)."""
     from generation.model import load_tokenizer
 
     cfg = run.rl
@@ -153,8 +157,17 @@ def rl(
         model_dir = rl_start(Path(model_dir), run.lora, Path(scratch), run.seed)
         tokenizer = load_tokenizer(model_dir)
         prompts = rl_prompts(Path(prompts_path), tokenizer, template, cfg.steps)
-        params = with_teacher(objective_params(cfg), run.teacher, model_dir, template)  # OPD
+        opd_teacher = run.teacher if cfg.algorithm == "opd" else None  # ReLIFT's teacher only samples
+        params = with_teacher(objective_params(cfg), opd_teacher, model_dir, template)  # OPD
         reward = rl_reward(reward, params)
+        relift = build_relift(
+            run,
+            model_dir=model_dir,
+            tokenizer=tokenizer,
+            template=template,
+            score=group_scorer(reward, params, cfg.max_new_tokens),
+            dart_data=dart_data,
+        )
         with tqdm(
             total=cfg.steps, desc=f"rl {cfg.algorithm}/{cfg.mode}", unit="step", leave=False, disable=None
         ) as bar:
@@ -170,6 +183,7 @@ def rl(
                 source=source,
                 on_step=_progress(bar, cfg.steps, on_metrics),
                 evaluate=evaluate,
+                **({"relift": relift} if relift is not None else {}),
             )
             result = driver.run()
             if cfg.uses_ray():
