@@ -1516,8 +1516,9 @@ class Config(Section):
                 )
         if self.teacher.path and not readers:
             raise rule(
-                "@teacher.path is read only by @rl.algorithm=opd, @curation.dart.model=teacher and "
-                f"@rl.relift.source=teacher|dart_then_teacher (got @rl.algorithm={self.rl.algorithm})"
+                f"@teacher.path is read only by @rl.algorithm=opd (got @rl.algorithm={self.rl.algorithm}), "
+                f"@curation.dart.model=teacher (got {self.curation.dart.model}) and @rl.relift.enabled "
+                "with @rl.relift.source=teacher or dart_then_teacher"
             )
         if self.rl.relift.enabled and self.rl.uses_ray():
             raise rule(
