@@ -1520,6 +1520,8 @@ class Config(Section):
                 f"@curation.dart.model=teacher (got {self.curation.dart.model}) and @rl.relift.enabled "
                 "with @rl.relift.source=teacher or dart_then_teacher"
             )
+        if self.rl.relift.enabled and (not self.env.is_default() or self.envs):
+            raise rule("@rl.relift.enabled collects single-turn solutions: drop @env and @envs (or ReLIFT)")
         if self.rl.relift.enabled and self.rl.uses_ray():
             raise rule(
                 "@rl.relift.enabled runs in the local driver only: the trainer or engine chosen here needs "

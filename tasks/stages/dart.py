@@ -65,12 +65,23 @@ def dart_teacher_files(cfg: Config, catalog=None) -> dict[str, str]:
 def dart_model(ctx: StageContext) -> Path:
     """The model that synthesises DART's trials (``curation.dart.model``): the warm-up model, or the
     teacher checkpoint, which must share the warm-up's tokenizer (checked before anything is written)."""
-    warmup = Path(ctx.inputs[MODEL].path)
-    if ctx.cfg.curation.dart.model == "teacher":
-        from training.rl.relift import teacher_folder
+    from generation.model import load_tokenizer
 
-        return teacher_folder(ctx.cfg.teacher.path, warmup, "curation.dart.model=teacher")
-    return warmup
+    warmup = Path(ctx.inputs[MODEL].path)
+    if ctx.cfg.curation.dart.model != "teacher":
+        return warmup
+    path = ctx.cfg.teacher.path
+    folder = Path(path).expanduser()
+    if not (folder / "config.json").exists():
+        raise ValueError(
+            f"teacher.path={path}: no model folder (config.json) there (curation.dart.model=teacher)"
+        )
+    if load_tokenizer(folder).get_vocab() != load_tokenizer(warmup).get_vocab():
+        raise ValueError(
+            f"teacher.path={path}: its tokenizer differs from the warm-up model's; "
+            "curation.dart.model=teacher needs the student's tokenizer"
+        )
+    return folder
 
 
 def dart_body(ctx: StageContext) -> StageResult:

@@ -11,9 +11,8 @@ from conf.schema import ConfigError, ReliftConfig, RLConfig
 from generation.model import build_char_tokenizer, build_tiny_model, encode_prompt, encode_response
 from generation.records import PromptItem, ScoredGroup, Trajectory
 from training.objectives import PRESETS
-from training.rl.relift import Relift, TeacherSolver, failed, mean_nll
+from training.rl.relift import Relift, Solution, TeacherSolver, collate, failed, mean_nll
 from training.rl.sections import RLSections
-from training.sft import SFTExample, collate
 
 ANSWERS = {f"p{i}": str(i) for i in range(6)}
 
@@ -45,8 +44,8 @@ def _group(prompt: PromptItem, correct: list[bool]) -> ScoredGroup:
     )
 
 
-def _solution(tok, p: PromptItem) -> SFTExample:
-    return SFTExample(tuple(p.prompt_tokens), encode_response(tok, p.answer))
+def _solution(tok, p: PromptItem) -> Solution:
+    return Solution(tuple(p.prompt_tokens), encode_response(tok, p.answer))
 
 
 def _scorer(trajs) -> ScoredGroup:

@@ -27,15 +27,36 @@ import json
 import random
 from collections import OrderedDict
 from collections.abc import Callable, Iterable, Sequence
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
 
 from generation.records import GenRequest, PromptItem, ScoredGroup
-from training.sft import SFTExample, collate
 
 STATE_FILE = "relift.json"
 """The buffer's part of an RL checkpoint (token ids as JSON lists)."""
+
+
+@dataclass(frozen=True)
+class Solution:
+    """A failed prompt's solution: the prompt's tokens and a correct response's, ending with EOS (the
+    loss covers the response). Its own record, not ``training.sft``'s, so editing SFT does not rerun RL."""
+
+    prompt_tokens: tuple[int, ...]
+    response_tokens: tuple[int, ...]
+
+
+def collate(batch: Sequence[Solution], pad_id: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(input_ids, attention_mask, labels), right-padded; labels are -100 outside the responses."""
+    seqs = [ex.prompt_tokens + ex.response_tokens for ex in batch]
+    ids = torch.full((len(seqs), max(map(len, seqs))), pad_id, dtype=torch.long)
+    attn, labels = torch.zeros_like(ids), torch.full_like(ids, -100)
+    for i, (ex, seq) in enumerate(zip(batch, seqs)):
+        ids[i, : len(seq)] = torch.tensor(seq)
+        attn[i, : len(seq)] = 1
+        labels[i, len(ex.prompt_tokens) : len(seq)] = torch.tensor(ex.response_tokens)
+    return ids, attn, labels
 
 
 def failed(group: ScoredGroup, threshold: float) -> bool:
@@ -62,16 +83,18 @@ def teacher_folder(path: str | None, student_dir: Path, reader: str) -> Path:
     return folder
 
 
-def dart_solutions(rft_path: Path, tokenizer, template: str) -> dict[str, SFTExample]:
-    """The first DART-accepted response of each prompt in ``rft.parquet``, encoded as RFT encodes it
-    (``training.rft.rft_examples``), by prompt id."""
+def dart_solutions(rft_path: Path, tokenizer, template: str) -> dict[str, Solution]:
+    """The first DART-accepted response of each prompt in ``rft.parquet``, encoded as RFT encodes a
+    single-turn row (the problem through ``template``, the response and EOS), by prompt id. ReLIFT is
+    single-turn (the config refuses it with a multi-turn ``env``)."""
+    from generation.model import encode_problem, encode_response
     from generation.setup import read_table
-    from training.rft import rft_examples
 
-    rows = [r for r in read_table(Path(rft_path)) if r.get("verified", True) is not False]
-    out: dict[str, SFTExample] = {}
-    for r, ex in zip(rows, rft_examples(rows, tokenizer, template)):
-        out.setdefault(r["prompt_id"], ex)
+    out: dict[str, Solution] = {}
+    for r in read_table(Path(rft_path)):
+        if r["prompt_id"] not in out and r.get("verified", True) is not False:
+            prompt = encode_problem(tokenizer, template, r["problem"])
+            out[r["prompt_id"]] = Solution(prompt, encode_response(tokenizer, r["response"]))
     return out
 
 
@@ -93,20 +116,20 @@ class TeacherSolver:
         self.generator = torch.Generator().manual_seed(seed)
         self.sampled = 0
 
-    def solve(self, prompts: Sequence[PromptItem]) -> dict[str, SFTExample]:
+    def solve(self, prompts: Sequence[PromptItem]) -> dict[str, Solution]:
         """A verified teacher solution for each prompt of ``prompts`` it solved, by prompt id."""
         if not prompts:
             return {}
         requests = [GenRequest(prompt=p, sample_idx=i) for p in prompts for i in range(self.samples)]
         trajs = self.engine.generate(requests, self.max_new_tokens, self.temperature, self.generator)
         self.sampled += len(trajs)
-        out: dict[str, SFTExample] = {}
+        out: dict[str, Solution] = {}
         for k, p in enumerate(prompts):
             group = trajs[k * self.samples : (k + 1) * self.samples]
             scored = self.score(list(group))
             for t, ok in zip(group, scored.correct):
                 if ok and t.finished:
-                    out[p.prompt_id] = SFTExample(tuple(p.prompt_tokens), tuple(t.response_tokens))
+                    out[p.prompt_id] = Solution(tuple(p.prompt_tokens), tuple(t.response_tokens))
                     break
         return out
 
@@ -121,14 +144,14 @@ class Relift:
         self,
         cfg,
         *,
-        dart: dict[str, SFTExample] | None = None,
+        dart: dict[str, Solution] | None = None,
         teacher: TeacherSolver | None = None,
         lr: float,
         seed: int,
     ):
         self.cfg, self.dart, self.teacher, self.lr = cfg, dart or {}, teacher, lr
         self.seed = seed
-        self.buffer: OrderedDict[str, SFTExample] = OrderedDict()
+        self.buffer: OrderedDict[str, Solution] = OrderedDict()
         self.pending: OrderedDict[str, PromptItem] = OrderedDict()
         """Failed prompts waiting for a solution (solved at the next update)."""
         self.updates = 0
@@ -146,7 +169,7 @@ class Relift:
         """Solve the pending prompts (DART's answer first where the source allows, else the teacher);
         returns the solutions added to the buffer. Prompts nobody solved are dropped."""
         pending, self.pending = list(self.pending.values()), OrderedDict()
-        found: dict[str, SFTExample] = {}
+        found: dict[str, Solution] = {}
         if self.cfg.source in ("dart", "dart_then_teacher"):
             found = {p.prompt_id: self.dart[p.prompt_id] for p in pending if p.prompt_id in self.dart}
         if self.teacher is not None and self.cfg.source in ("teacher", "dart_then_teacher"):
@@ -170,14 +193,14 @@ class Relift:
             metrics["relift/steps"] = float(len(losses))
         metrics["relift/buffer"] = float(len(self.buffer))
 
-    def sample(self) -> list[SFTExample]:
+    def sample(self) -> list[Solution]:
         """A batch of up to ``batch_size`` buffered solutions, drawn without replacement by a generator
         seeded with the run's seed and the update count (the same after a resume)."""
         items = list(self.buffer.values())
         rng = random.Random(f"relift:{self.seed}:{self.updates}")
         return rng.sample(items, min(self.cfg.batch_size, len(items)))
 
-    def sft_step(self, trainer, batch: Sequence[SFTExample]) -> float:
+    def sft_step(self, trainer, batch: Sequence[Solution]) -> float:
         """One fine-tuning step of ``trainer``'s policy (a ``PolicyTrainer``) on ``batch``: the mean
         NLL of the response tokens, through the trainer's optimizer and gradient clipping at ``lr``.
         Returns the loss before the step."""
@@ -216,18 +239,18 @@ class Relift:
             return
         state = json.loads(path.read_text())
         self.updates, self.collected_total = int(state["updates"]), int(state["collected_total"])
-        self.buffer = OrderedDict((pid, SFTExample(tuple(p), tuple(r))) for pid, p, r in state["buffer"])
+        self.buffer = OrderedDict((pid, Solution(tuple(p), tuple(r))) for pid, p, r in state["buffer"])
         self.pending = OrderedDict((d["prompt_id"], PromptItem(**_prompt_args(d))) for d in state["pending"])
 
 
-def nll_loss(model, batch: Sequence[SFTExample], pad_id: int, device: str) -> Callable[[], torch.Tensor]:
+def nll_loss(model, batch: Sequence[Solution], pad_id: int, device: str) -> Callable[[], torch.Tensor]:
     """A closure computing ``model``'s mean NLL per response token over ``batch`` (padded batch)."""
     ids, attn, labels = (t.to(device) for t in collate(batch, pad_id))
     return lambda: model(input_ids=ids, attention_mask=attn, labels=labels, use_cache=False).loss
 
 
 @torch.no_grad()
-def mean_nll(model, batch: Sequence[SFTExample], pad_id: int, device: str = "cpu") -> float:
+def mean_nll(model, batch: Sequence[Solution], pad_id: int, device: str = "cpu") -> float:
     """``model``'s mean NLL per response token over ``batch``, in eval mode (no dropout)."""
     was = model.training
     model.eval()
