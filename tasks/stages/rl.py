@@ -52,8 +52,8 @@ RL_DROP = 0.02
 def rl_key(c: Config) -> dict:
     from training.rl.mix import mix_key
 
-    return {
-        **drop_defaults(c.rl, "loss", "loss_params", "relift"),
+    key = {
+        **drop_defaults(c.rl, "loss", "loss_params"),
         "verifier_timeout_s": c.eval.verifier_timeout_s,
         **({"teacher": c.teacher.model_dump()} if rl_reads_teacher(c) else {}),  # OPD, ReLIFT (issue 54)
         "template": template(c),
@@ -69,6 +69,9 @@ def rl_key(c: Config) -> dict:
         **sandbox_key(c),
         **mix_key(c.envs),  # several environments, weighted (absent when none)
     }
+    if not c.rl.relift.enabled:  # ReLIFT off: the key as it was before rl.relift
+        del key["relift"]
+    return key
 
 
 def teacher_files(cfg: Config, catalog=None) -> dict[str, str]:

@@ -139,3 +139,30 @@ def test_dart_model_config_errors_are_one_line(overrides, message):
     with pytest.raises(ConfigError, match=message) as e:
         load_config(overrides)
     assert "\n" not in str(e.value).strip()
+
+
+def test_rl_reads_dart_data_and_the_teacher_only_when_relift_asks(folders):
+    from tasks.dag import stage_inputs
+    from tasks.stages.rl import rl_key, teacher_files
+
+    rl = STAGE_BY_NAME["rl"]
+    produced = {
+        "rft": {"model": ArtifactRef(kind="model", sha256="a" * 8, path="/a")},
+        "select": {"selection": ArtifactRef(kind="selection", sha256="b" * 8, path="/b")},
+        "data": {"dataset": ArtifactRef(kind="dataset", sha256="c" * 8, path="/c")},
+        "dart": {"rft_data": ArtifactRef(kind="rft_data", sha256="d" * 8, path="/d")},
+    }
+    default = load_config([])
+    assert "rft_data" not in stage_inputs(rl, produced, default)
+    assert "relift" not in rl_key(default) and "teacher" not in rl_key(default)  # the key as it was
+    dart = load_config(["rl.relift.enabled=true", "rl.relift.source=dart"])
+    assert stage_inputs(rl, produced, dart)["rft_data"].sha256 == "d" * 8
+    assert rl_key(dart)["relift"]["source"] == "dart" and teacher_files(dart) == {}
+    teacher = [f"teacher.path={folders / 'teacher'}"]
+    relift = load_config(["rl.relift.enabled=true", *teacher])
+    assert "rft_data" not in stage_inputs(rl, produced, relift)
+    assert teacher_files(relift) == {"teacher.path": hash_tree(folders / "teacher")} and "teacher" in rl_key(
+        relift
+    )
+    dart_only = load_config(["curation.dart.model=teacher", *teacher])  # DART's teacher is DART's input
+    assert teacher_files(dart_only) == {} and "teacher" not in rl_key(dart_only)
