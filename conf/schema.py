@@ -71,6 +71,10 @@ CodeTestsScore = Literal["pass_fraction", "all_pass"]
 RewardModelNormalize = Literal["fixed", "none"]
 Rubric = Literal["full_stop"]
 DartStrategy = Literal["prop2diff", "uniform", "vanilla"]
+DartModel = Literal["warmup", "teacher", "rl"]
+"""Who synthesises DART's trials (``curation.dart.model``)."""
+ReliftSource = Literal["teacher", "dart", "dart_then_teacher"]
+"""Where ReLIFT's solutions to failed prompts come from (``rl.relift.source``)."""
 DartSelect = Literal["verifier", "reward_model"]
 SelectStrategy = Literal["hive", "uniform"]
 SelectHistory = Literal["run", "workspace"]
@@ -309,6 +313,33 @@ class SFTConfig(Section):
     levels: Annotated[list[int], MaxLen(64)] = Field(default_factory=lambda: [1, 2, 3, 4, 5])
 
 
+class ReliftConfig(Section):
+    """ReLIFT (Ma et al. 2025, arXiv 2506.07527): RL interleaved with online fine-tuning on the prompts
+    the policy fails (``training.rl.relift``, docs/distillation.md). Off by default."""
+
+    enabled: bool = False
+    source: ReliftSource = "teacher"
+    """Who supplies a failed prompt's solution: ``teacher`` (sampled from ``teacher.path``, kept when the
+    verdict accepts it), ``dart`` (DART's accepted response for that prompt, where it has one) or
+    ``dart_then_teacher`` (DART's where it exists, else the teacher's)."""
+    threshold: Annotated[float, Unit] = 0.0
+    """A group whose accuracy is at or below this failed (0: every response wrong, the paper's rule)."""
+    every: Annotated[int, Positive, Steps] = 1
+    """A fine-tuning phase after every N RL updates."""
+    sft_steps: Annotated[int, Positive, Steps] = 1
+    """Fine-tuning steps per phase."""
+    batch_size: Annotated[int, Positive, Batch] = 16
+    """Buffered solutions per fine-tuning step (fewer while the buffer holds fewer)."""
+    buffer_size: Annotated[int, Positive, Prompts] = 256
+    """Prompts the buffer keeps (the newest; one solution each)."""
+    lr: Annotated[float | None, Positive] = None
+    """The fine-tuning steps' learning rate (the RL optimizer's, its moments shared); null: ``rl.lr``."""
+    teacher_samples: Annotated[int, Positive, Samples] = 4
+    """Teacher responses sampled per failed prompt (the first one the verdict accepts is kept)."""
+    temperature: Annotated[float, Positive] = 1.0
+    """The teacher's sampling temperature."""
+
+
 class RLConfig(Section):
     """Reinforcement learning on the prompt pool. ``mode=sync`` generates a batch of groups with
     the current weights, scores it, takes one update and refreshes the sampler's weights."""
@@ -420,6 +451,8 @@ class RLConfig(Section):
     """Repack's B: the batch below which decoding is memory-bound; 0 = ``rollout_capacity``."""
     checkpoint_every: Annotated[int, NonNegative, Steps] = 10
     """An atomic checkpoint every N updates (0 = off), by either driver; a rerun resumes from the last."""
+    relift: ReliftConfig = Field(default_factory=ReliftConfig.model_construct)
+    """ReLIFT: fine-tuning steps on solutions to the failed prompts, interleaved with the RL updates."""
 
     def uses_ray(self) -> bool:
         return self.runtime == "ray" or (self.runtime == "auto" and self.mode != "sync")
@@ -442,6 +475,11 @@ class RLConfig(Section):
             )
         if self.loss_params and self.loss is None:
             raise rule("@loss_params is set but @loss names no loss; set @loss=package.module:attr")
+        if self.relift.enabled and self.uses_ray():
+            raise rule(
+                f"@relift.enabled runs in the local driver only (sync): set @runtime=local and @mode=sync "
+                f"(got @runtime={self.runtime} @mode={self.mode})"
+            )
         return self
 
 
@@ -647,6 +685,10 @@ class DartConfig(Section):
     """Difficulty-aware rejection sampling (DART) for the RFT dataset."""
 
     strategy: DartStrategy = "prop2diff"
+    model: DartModel = "warmup"
+    """Who synthesises the trials: ``warmup`` (the warm-up model), ``teacher`` (the ``teacher.path``
+    checkpoint, sharing the student's tokenizer) or ``rl`` (the previous round's RL model: only with
+    rounds, so a single-round run refuses it). Difficulty stays estimated with the trained model."""
     k_u: Annotated[int, Positive, Samples] = 4
     k_p: Annotated[int, Positive, Samples] = 8
     max_trials: Annotated[int, NonNegative, AtMost(4_096)] = 32
@@ -1458,17 +1500,49 @@ class Config(Section):
 
     @model_validator(mode="after")
     def _teacher(self) -> Config:
-        """``rl.algorithm=opd`` needs ``teacher.path``; a teacher is read only by opd."""
+        """Who reads ``teacher.path``: ``rl.algorithm=opd``, ``curation.dart.model=teacher`` and
+        ``rl.relift`` with a teacher source; each needs it, and it needs a reader."""
         if self.rl.algorithm == "opd" and not self.teacher.path:
             raise rule(
                 "@rl.algorithm=opd needs a teacher: set @teacher.path=DIR (a model folder with the "
                 "student's tokenizer) or @teacher.path=self (the student shown the answer)"
             )
-        if self.teacher.path and self.rl.algorithm != "opd":
+        readers = self.teacher_readers()
+        for reader in readers[1:] if self.rl.algorithm == "opd" else readers:
+            if not self.teacher.path or self.teacher.path == "self":
+                raise rule(
+                    f"@{reader} needs a teacher model: set @teacher.path=DIR (a model folder with the "
+                    f"student's tokenizer; got @teacher.path={self.teacher.path})"
+                )
+        if self.teacher.path and not readers:
             raise rule(
-                f"@teacher.path is read only by @rl.algorithm=opd (got @rl.algorithm={self.rl.algorithm})"
+                f"@teacher.path is read only by @rl.algorithm=opd (got @rl.algorithm={self.rl.algorithm}), "
+                f"@curation.dart.model=teacher (got {self.curation.dart.model}) and @rl.relift.enabled "
+                "with @rl.relift.source=teacher or dart_then_teacher"
+            )
+        if self.rl.relift.enabled and (not self.env.is_default() or self.envs):
+            raise rule("@rl.relift.enabled collects single-turn solutions: drop @env and @envs (or ReLIFT)")
+        if self.rl.relift.enabled and self.rl.uses_ray():
+            raise rule(
+                "@rl.relift.enabled runs in the local driver only: the trainer or engine chosen here needs "
+                "the Ray runtime"
+            )
+        if self.curation.dart.model == "rl":
+            raise rule(
+                "@curation.dart.model=rl samples with the previous round's RL model, which a single-round "
+                "run does not have: use warmup or teacher (rl needs rounds)"
             )
         return self
+
+    def teacher_readers(self) -> list[str]:
+        """The options that read ``teacher.path`` under this config (opd first)."""
+        out = ["rl.algorithm=opd"] if self.rl.algorithm == "opd" else []
+        if self.curation.dart.model == "teacher":
+            out.append("curation.dart.model=teacher")
+        r = self.rl.relift
+        if r.enabled and r.source in ("teacher", "dart_then_teacher"):
+            out.append(f"rl.relift.source={r.source}")
+        return out
 
 
 VLLM_CPU_HEAD_SIZES = (32, 64, 80, 96, 112, 128, 160, 192, 224, 256, 512)

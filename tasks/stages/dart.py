@@ -17,6 +17,7 @@ from tasks.stages.common import (
     REWARD_MODEL,
     RFT_DATA,
     produce,
+    drop_defaults,
     insert_parquet,
     numerics,
     reward_model_components,
@@ -37,7 +38,7 @@ def dart_ranks(c: Config) -> bool:
 def dart_key(c: Config) -> dict:
     """``select`` only when the reward model ranks (the key of verifier selection is as it was), then
     with the reward model's scoring settings."""
-    dart = c.curation.dart.model_dump()
+    dart = drop_defaults(c.curation.dart, "model")  # the warm-up's key is as it was
     if not dart_ranks(c):
         del dart["select"]
     return {
@@ -52,6 +53,37 @@ def dart_key(c: Config) -> dict:
     }
 
 
+def dart_teacher_files(cfg: Config, catalog=None) -> dict[str, str]:
+    """``curation.dart.model=teacher``: the teacher's folder hash (in the key and the lineage)."""
+    from core.artifacts import hash_tree
+
+    if cfg.curation.dart.model != "teacher":
+        return {}
+    return {"teacher.path": hash_tree(Path(cfg.teacher.path).expanduser())}
+
+
+def dart_model(ctx: StageContext) -> Path:
+    """The model that synthesises DART's trials (``curation.dart.model``): the warm-up model, or the
+    teacher checkpoint, which must share the warm-up's tokenizer (checked before anything is written)."""
+    from generation.model import load_tokenizer
+
+    warmup = Path(ctx.inputs[MODEL].path)
+    if ctx.cfg.curation.dart.model != "teacher":
+        return warmup
+    path = ctx.cfg.teacher.path
+    folder = Path(path).expanduser()
+    if not (folder / "config.json").exists():
+        raise ValueError(
+            f"teacher.path={path}: no model folder (config.json) there (curation.dart.model=teacher)"
+        )
+    if load_tokenizer(folder).get_vocab() != load_tokenizer(warmup).get_vocab():
+        raise ValueError(
+            f"teacher.path={path}: its tokenizer differs from the warm-up model's; "
+            "curation.dart.model=teacher needs the student's tokenizer"
+        )
+    return folder
+
+
 def dart_body(ctx: StageContext) -> StageResult:
     from data_curation.dart import DartParams
     from data_curation.sampling import dart_sample
@@ -60,6 +92,7 @@ def dart_body(ctx: StageContext) -> StageResult:
 
     setup_torch(ctx.cfg.threads, ctx.cfg.seed)
     c = ctx.cfg.curation.dart
+    synthesiser = dart_model(ctx)
     params = DartParams(
         strategy=c.strategy,
         k_u=c.k_u,
@@ -80,7 +113,7 @@ def dart_body(ctx: StageContext) -> StageResult:
     def run(out: Path) -> dict:
         with open_verdict(ctx.cfg.reward, ctx.cfg.eval.verifier_timeout_s, ctx.cfg.sandbox) as verifier:
             return dart_sample(
-                Path(ctx.inputs[MODEL].path),
+                synthesiser,
                 ctx.inputs[PROMPTS].file("prompts.parquet"),
                 ctx.inputs[ATTEMPTS].file("attempts.parquet"),
                 out,
@@ -139,5 +172,6 @@ STAGE = Stage(
     headline=dart_headline,
     reads={REWARD_MODEL: dart_ranks},
     plugins=curation_plugins,
+    external=dart_teacher_files,
     curates=True,
 )

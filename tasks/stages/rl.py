@@ -15,6 +15,7 @@ from tasks.stages.common import (
     DATASET,
     MODEL,
     REWARD_MODEL,
+    RFT_DATA,
     SELECTION,
     produce,
     drop_defaults,
@@ -51,10 +52,10 @@ RL_DROP = 0.02
 def rl_key(c: Config) -> dict:
     from training.rl.mix import mix_key
 
-    return {
+    key = {
         **drop_defaults(c.rl, "loss", "loss_params"),
         "verifier_timeout_s": c.eval.verifier_timeout_s,
-        **({"teacher": c.teacher.model_dump()} if c.teacher.path else {}),  # OPD (issue 54)
+        **({"teacher": c.teacher.model_dump()} if rl_reads_teacher(c) else {}),  # OPD, ReLIFT (issue 54)
         "template": template(c),
         **numerics(c),
         **lora_key(c, "rl"),
@@ -68,6 +69,9 @@ def rl_key(c: Config) -> dict:
         **sandbox_key(c),
         **mix_key(c.envs),  # several environments, weighted (absent when none)
     }
+    if not c.rl.relift.enabled:  # ReLIFT off: the key as it was before rl.relift
+        del key["relift"]
+    return key
 
 
 def teacher_files(cfg: Config, catalog=None) -> dict[str, str]:
@@ -75,7 +79,20 @@ def teacher_files(cfg: Config, catalog=None) -> dict[str, str]:
     from core.artifacts import hash_tree
 
     path = cfg.teacher.path
+    if not rl_reads_teacher(cfg):
+        return {}
     return {"teacher.path": hash_tree(Path(path).expanduser())} if path and path != "self" else {}
+
+
+def rl_reads_teacher(cfg: Config) -> bool:
+    """The RL stage reads ``teacher.path`` (OPD, or ReLIFT's teacher; DART's teacher is DART's)."""
+    return any(not r.startswith("curation.") for r in cfg.teacher_readers())
+
+
+def relift_reads_dart(cfg: Config) -> bool:
+    """ReLIFT takes failed prompts' solutions from DART's data (``rl.relift.source``)."""
+    r = cfg.rl.relift
+    return r.enabled and r.source in ("dart", "dart_then_teacher")
 
 
 def rl_plugins(cfg: Config) -> list[str]:
@@ -148,6 +165,7 @@ def rl_body(ctx: StageContext) -> StageResult:
                 evaluate=evaluate,
                 state_dir=ctx.state_dir,
                 on_metrics=active().step_logger("rl"),
+                dart_data=ctx.inputs[RFT_DATA].file("rft.parquet") if RFT_DATA in ctx.inputs else None,
             )
         rows = [m.as_dict() for m in result.history]
         meta["timings"] = [{k: m[k] for k in ("step", *TIMING_KEYS) if k in m} for m in rows]
@@ -277,7 +295,9 @@ STAGE = Stage(
         SELECTION: ("select", SELECTION),
         DATASET: ("data", DATASET),
         REWARD_MODEL: ("reward_model", MODEL),
+        RFT_DATA: ("dart", RFT_DATA),  # ReLIFT's solutions (read only with rl.relift.source=dart...)
     },
+    reads={RFT_DATA: relift_reads_dart},
     config=rl_key,
     body=rl_body,
     record=record_rl,

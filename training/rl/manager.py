@@ -178,6 +178,8 @@ class RolloutManager:
         """(step, prompt_id, sample_idx, component, score) of every rolled-out response; component
         ``total`` is the weighted sum the advantages used."""
         """(step, prompt_id, mean correctness, responses) of every completed group: the reward history."""
+        self.on_completed: Callable[[list[ScoredGroup]], None] | None = None
+        """Called with every completed group, kept or filtered (ReLIFT: ``training.rl.relift``)."""
 
     def start_at(self, version: int) -> None:
         """The trainer starts (or resumes) at ``version``; batch ``version`` is the next to issue."""
@@ -365,6 +367,8 @@ class RolloutManager:
         if not completed:
             return
         self.source.observe([g for _, g in completed])
+        if self.on_completed is not None:
+            self.on_completed([g for _, g in completed])
         step = self.version + 1
         self.rewards.extend(
             (step, g.prompt_id, sum(g.correct) / len(g.correct), len(g.correct)) for _, g in completed

@@ -19,13 +19,14 @@ from tqdm.auto import tqdm
 
 from conf.schema import LoraConfig, RLConfig, SelectConfig
 from generation.adapter import is_adapter_dir
-from generation.model import encode_problem
+from generation.model import encode_problem, load_tokenizer
 from training.objectives import PRESETS, ObjectiveParams
 from rewards.compose import Reward
-from training.rl.loop import RLResult, rl_reward
+from training.rl.loop import RLResult, group_scorer, rl_reward
 from training.rl.mix import rl_sources
 from training.rl.records import StepMetrics
 from training.rl.sections import RLSections
+from training.rl.relift import build_relift
 from training.rl.teacher import with_teacher
 from generation.records import PromptItem
 from generation.setup import read_table
@@ -130,6 +131,7 @@ def rl(
     evaluate: Callable[[object], dict[str, float]] | None = None,
     state_dir: Path | None = None,
     on_metrics: Callable[[dict[str, float]], None] | None = None,
+    dart_data: Path | None = None,
 ) -> RLResult:
     """RL from ``model_dir`` on the prompts of ``prompts_path`` with the config sections ``run``
     (``RLSections``; see the module docstring for what it writes). ``run.select`` turns on HIVE's
@@ -142,19 +144,16 @@ def rl(
     (``StepMetrics.as_dict``) as the step ends (an experiment tracker's logger; with Ray on the driver,
     with what the actors report). ``run.lora`` on for rl: only adapters train (continuing the adapter
     ``model_dir`` holds, or a fresh one on it), only adapters are published, and ``out_dir`` becomes a
-    PEFT adapter folder.
-    ``reward``: the ``rewards.compose.Reward`` every response is scored with (a bare verifier: the
-    math verifier alone); DAPO's preset adds its overlong component (``training.rl.loop.rl_reward``).
-    ``run.env``, ``run.envs``, ``run.sandbox``: the episodes' environments and their tools' sandbox."""
-    from generation.model import load_tokenizer
-
+    PEFT adapter folder. ``reward``: the ``rewards.compose.Reward`` every response is scored with (a
+    bare verifier: the math verifier alone); DAPO's preset adds its overlong component
+    (``training.rl.loop.rl_reward``). ``run.env``, ``run.envs``, ``run.sandbox``: the episodes'
+    environments and their tools' sandbox. ``dart_data``: DART's data, for ReLIFT (``rl_objective``)."""
     cfg = run.rl
     with tempfile.TemporaryDirectory(prefix="laminar-rl-start-") as scratch:
         model_dir = rl_start(Path(model_dir), run.lora, Path(scratch), run.seed)
         tokenizer = load_tokenizer(model_dir)
         prompts = rl_prompts(Path(prompts_path), tokenizer, template, cfg.steps)
-        params = with_teacher(objective_params(cfg), run.teacher, model_dir, template)  # OPD
-        reward = rl_reward(reward, params)
+        params, reward, hooks = rl_objective(run, model_dir, tokenizer, template, reward, dart_data)
         with tqdm(
             total=cfg.steps, desc=f"rl {cfg.algorithm}/{cfg.mode}", unit="step", leave=False, disable=None
         ) as bar:
@@ -170,6 +169,7 @@ def rl(
                 source=source,
                 on_step=_progress(bar, cfg.steps, on_metrics),
                 evaluate=evaluate,
+                **hooks,
             )
             result = driver.run()
             if cfg.uses_ray():
@@ -177,6 +177,22 @@ def rl(
         save_rl_model(driver, model_dir, tokenizer, Path(out_dir))
         write_rl_records(result, Path(out_dir), reward)
         return result
+
+
+def rl_objective(run: RLSections, model_dir: Path, tokenizer, template: str, reward, dart_data: Path | None):
+    """``(params, reward, hooks)``: the objective (OPD's teacher with ``rl.algorithm=opd``), the reward
+    it scores with, and the drivers' extra hooks: ``relift`` (``training.rl.relift.Relift``) when
+    ``run.rl.relift`` is on, its solutions from the teacher (``run.teacher.path``, which then only
+    samples) or from DART's data ``dart_data`` (``rft.parquet``)."""
+    cfg = run.rl
+    opd_teacher = run.teacher if cfg.algorithm == "opd" else None
+    params = with_teacher(objective_params(cfg), opd_teacher, model_dir, template)  # OPD
+    reward = rl_reward(reward, params)
+    score = group_scorer(reward, params, cfg.max_new_tokens)
+    relift = build_relift(
+        run, model_dir=model_dir, tokenizer=tokenizer, template=template, score=score, dart_data=dart_data
+    )
+    return params, reward, ({"relift": relift} if relift is not None else {})
 
 
 def with_sources(run: RLSections, history_path: Path | None, tokenizer, template: str):

@@ -64,6 +64,7 @@ class LocalDriver:
         source: Callable | None = None,
         on_step: Callable[[StepMetrics], None] | None = None,
         evaluate: Callable[[object], dict[str, float]] | None = None,
+        relift=None,
     ):
         rl = run.rl
         self.settings = ManagerSettings.from_config(rl, params)
@@ -79,6 +80,8 @@ class LocalDriver:
         self.seed, self.device = run.seed, device
         self.checkpoint_dir = Path(state_dir) / "checkpoints" if state_dir is not None else None
         self.source_factory, self.on_step, self.evaluate = source, on_step, evaluate
+        self.relift = relift
+        """ReLIFT (``training.rl.relift.Relift``; None: off): fine-tuning steps between the updates."""
         self.result = RLResult()
         self.trainer: PolicyTrainer | None = None
         self.engine = None
@@ -159,6 +162,8 @@ class LocalDriver:
             [(ROLLOUT, "local", "local")],
             keep=keep_filter(self.params),
         )
+        if self.relift is not None:
+            self.manager.on_completed = self.relift.observe
         resumed = resume_run(
             self.checkpoint_dir, load_trainer=self._load_trainer, manager=self.manager, source=self.source
         )
@@ -177,6 +182,8 @@ class LocalDriver:
         """One update on the batch the manager handed out; its metrics, evaluation and checkpoint."""
         t0 = time.perf_counter()
         stats = self.trainer.update([g for _, g in self.manager.training])
+        if self.relift is not None:  # before the next pull: the next batch samples the fine-tuned policy
+            self.relift.after_update(self.trainer, stats.metrics)
         metrics = self.manager.updated(
             stats.version, stats, wall + time.perf_counter() - t0, time.perf_counter() - t0
         )
@@ -219,10 +226,14 @@ class LocalDriver:
     def _save_trainer(self, folder: Path) -> None:
         save_trainer_state(folder, self.trainer.model, self.trainer.opt, version=self.trainer.version)
         save_trainer_extras(folder, self.trainer)  # the critic, the reset reference, the entropy coefficient
+        if self.relift is not None:
+            self.relift.save(folder)  # ReLIFT's buffer and the prompts awaiting a solution
 
     def _load_trainer(self, folder: Path) -> int:
         self.trainer.version = int(
             load_trainer_state(folder, self.trainer.model, self.trainer.opt)["version"]
         )
         load_trainer_extras(folder, self.trainer)
+        if self.relift is not None:
+            self.relift.load(folder)
         return self.trainer.version
