@@ -16,6 +16,8 @@ every seed, so a run cut short still leaves the seeds it finished.
 
     .venv/bin/python benchmarks/agent_pipeline.py --seeds 0 1 2 --parallel --nice 5 \\
         --out benchmarks/results/agents/agent_pipeline_3seeds_2026-12-06 [--resume] [overrides...]
+    # seeds side by side: one process per seed (each --out its own), then the tables of all of them
+    .venv/bin/python benchmarks/agent_pipeline.py --collect-only --seeds 0 1 2 --out ...
 """
 
 from __future__ import annotations
@@ -40,14 +42,19 @@ ARMS = {"agent": ["recipe=agent_calc"], "calculator": ["env=calculator"]}
 def run_seed(seed: int, args, common: list[str]) -> dict:
     """Both arms of ``seed`` (side by side with ``--parallel``); arm -> collected row."""
 
-    def one(arm: str) -> dict:
+    def one(arm: str) -> dict | None:
         ws = args.workspaces / f"{arm}-s{seed}"
-        overrides = [f"seed={seed}", f"threads={args.threads}", *ARMS[arm], *common]
-        rec = run_pipeline(ws, overrides, resume=args.resume, nice=args.nice)
+        if args.collect_only:
+            if not (ws / "bench_wall.json").exists():
+                return None
+            rec = json.loads((ws / "bench_wall.json").read_text())
+        else:
+            overrides = [f"seed={seed}", f"threads={args.threads}", *ARMS[arm], *common]
+            rec = run_pipeline(ws, overrides, resume=args.resume, nice=args.nice)
         return collect(ws, rec, args.long_levels)
 
     with ThreadPoolExecutor(len(ARMS) if args.parallel else 1) as pool:
-        return dict(zip(ARMS, pool.map(one, ARMS)))
+        return {arm: row for arm, row in zip(ARMS, pool.map(one, ARMS)) if row is not None}
 
 
 def markdown(res: dict) -> str:
@@ -157,6 +164,7 @@ def main() -> None:
     ap.add_argument("--parallel", action="store_true", help="the two arms of a seed side by side")
     ap.add_argument("--nice", type=int, default=0, help="niceness increment of the pipeline runs")
     ap.add_argument("--resume", action="store_true", help="reuse finished runs in the workspaces")
+    ap.add_argument("--collect-only", action="store_true", help="run nothing: collect finished runs")
     ap.add_argument("--out", type=Path, required=True, help="path without extension")
     ap.add_argument("overrides", nargs="*", help="laminar run overrides for both arms")
     args = ap.parse_args()
