@@ -33,8 +33,15 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
-from benchmarks.calculator_rl import EVALS, collect, common_overrides, first_last, mean_sd  # noqa: E402
-from benchmarks.pipeline_run import run_pipeline  # noqa: E402
+from benchmarks.calculator_rl import (  # noqa: E402
+    EVALS,
+    artifact_dir,
+    collect,
+    common_overrides,
+    first_last,
+    mean_sd,
+)
+from benchmarks.pipeline_run import run_pipeline, run_summary  # noqa: E402
 
 ARMS = {"agent": ["recipe=agent_calc"], "calculator": ["env=calculator"]}
 
@@ -51,10 +58,62 @@ def run_seed(seed: int, args, common: list[str]) -> dict:
         else:
             overrides = [f"seed={seed}", f"threads={args.threads}", *ARMS[arm], *common]
             rec = run_pipeline(ws, overrides, resume=args.resume, nice=args.nice)
-        return collect(ws, rec, args.long_levels)
+        row = collect(ws, rec, args.long_levels)
+        paths = eval_rows(ws, rec)
+        row["eval_rows"] = {role: str(p) for role, p in paths.items()}
+        row["no_turn"] = no_turn_episodes(paths, args.long_levels)
+        return row
 
     with ThreadPoolExecutor(len(ARMS) if args.parallel else 1) as pool:
         return {arm: row for arm, row in zip(ARMS, pool.map(one, ARMS)) if row is not None}
+
+
+def eval_rows(ws: Path, rec: dict) -> dict:
+    """Role -> the ``rows.parquet`` of that evaluation of the run ``rec``."""
+    stages = run_summary(ws, rec)["stages"]
+    return {role: artifact_dir(ws, stages[st]["artifacts"]["eval"]) / "rows.parquet" for role, st in EVALS}
+
+
+def no_turn_episodes(rows: dict, long_levels: list[str]) -> dict:
+    """Per evaluation: held-out samples whose episode ended before any turn (no response token: an
+    agent episode refused at ``reset``, e.g. ``agent_capacity`` past ``env.params.max_sessions``),
+    and the ``[problem_id, sample_idx]`` of the long levels' samples that did run."""
+    import polars as pl
+
+    out = {}
+    for role, path in rows.items():
+        df = pl.read_parquet(path).filter(pl.col("benchmark") == "arith_heldout")
+        ran = df.filter((pl.col("length") > 0) & pl.col("level").is_in(long_levels))
+        out[role] = {
+            "no_turn": int((df["length"] == 0).sum()),
+            "samples": len(df),
+            "long_ran": sorted([p, int(i)] for p, i in zip(ran["problem_id"], ran["sample_idx"])),
+        }
+    return out
+
+
+def same_samples(res: dict) -> dict:
+    """Long-level accuracy of both arms on the samples whose agent episode ran (per seed and eval):
+    the comparison without the agent's refused episodes counted as wrong."""
+    import polars as pl
+
+    out: dict = {}
+    for s, agent in res["rows"]["agent"].items():
+        calc = res["rows"]["calculator"].get(s)
+        if calc is None or "no_turn" not in agent:
+            continue
+        out[s] = {}
+        for role, _ in EVALS:
+            keep = {tuple(k) for k in agent["no_turn"][role]["long_ran"]}
+            row = {"samples": len(keep)}
+            for arm, r in (("agent", agent), ("calculator", calc)):
+                df = pl.read_parquet(r["eval_rows"][role]).filter(pl.col("level").is_in(res["long_levels"]))
+                hits = [
+                    c for p, i, c in zip(df["problem_id"], df["sample_idx"], df["correct"]) if (p, i) in keep
+                ]
+                row[arm] = sum(hits) / len(hits) if hits else float("nan")
+            out[s][role] = row
+    return out
 
 
 def markdown(res: dict) -> str:
@@ -94,6 +153,27 @@ def markdown(res: dict) -> str:
                 + " | | | | | | | "
                 + f"{mean_sd(p['first'])} | {mean_sd(p['last'])} |"
             )
+    same = same_samples(res)
+    if same:
+        lines += [
+            "",
+            f"Long levels (L{long}) on the samples whose agent episode ran (the agent's episodes refused "
+            "at reset left out of both arms), and the agent's refused episodes per evaluation:",
+            "",
+            "| seed | eval | samples kept | agent | calculator | agent episodes with no turn (all levels) |",
+            "|---|---|---|---|---|---|",
+        ]
+        for s in sorted(same, key=int):
+            for role, _ in EVALS:
+                x, nt = same[s][role], rows["agent"][s]["no_turn"][role]
+                lines.append(
+                    f"| {s} | {role} | {x['samples']} | {x['agent']:.3f} | {x['calculator']:.3f} | "
+                    f"{nt['no_turn']}/{nt['samples']} |"
+                )
+        for role, _ in EVALS:
+            a = [same[s][role]["agent"] for s in same]
+            c = [same[s][role]["calculator"] for s in same]
+            lines.append(f"| mean ± sd | {role} | | {mean_sd(a)} | {mean_sd(c)} | |")
     levels = sorted(
         {lv for arm in rows.values() for r in arm.values() for lv in r["rl"]["by_level"]}, key=int
     )
