@@ -23,15 +23,14 @@ import argparse
 import datetime as dt
 import json
 import statistics
-import subprocess
 import sys
-import time
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
 from benchmarks.calculator_rl import EVALS, artifact_dir, collect, common_overrides  # noqa: E402
+from benchmarks.pipeline_run import run_pipeline, run_summary  # noqa: E402
 
 MIX = (
     "envs=[{target: calculator, weight: 0.7, max_turns: 4, tool_timeout_s: 5.0}, "
@@ -50,7 +49,7 @@ CURATION_KEYS = (
 def arm(ws: Path, long_levels: list[str]) -> dict:
     rec = json.loads((ws / "bench_wall.json").read_text())
     row = collect(ws, rec, long_levels)
-    stages = json.loads((ws / "runs" / rec["run_id"] / "summary.json").read_text())["stages"]
+    stages = run_summary(ws, rec)["stages"]
     row["curation"] = {
         s: {k: v for k, v in stages[s]["metrics"].items() if k in CURATION_KEYS}
         for s in ("difficulty", "dart", "rft", "difficulty_rft")
@@ -61,9 +60,6 @@ def arm(ws: Path, long_levels: list[str]) -> dict:
 
 def run_mix(ws: Path, seed: int, levels: list[int], max_new_tokens: int) -> dict:
     """``laminar run`` in ``ws`` in place with the two environments mixed (``MIX``)."""
-    done = ws / "bench_mix.json"
-    if done.exists():
-        return json.loads(done.read_text())
     overrides = [
         f"seed={seed}",
         "threads=1",
@@ -71,28 +67,15 @@ def run_mix(ws: Path, seed: int, levels: list[int], max_new_tokens: int) -> dict
         *common_overrides(levels, max_new_tokens),
         MIX,
     ]
-    cmd = [sys.executable, "-m", "flows.cli", "run", "--workspace", str(ws), *overrides]
-    t0 = time.perf_counter()
-    proc = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True)
-    (ws / "bench_mix_stdout.log").write_text(proc.stdout + "\n---- stderr ----\n" + proc.stderr)
-    if proc.returncode != 0:
-        raise SystemExit(f"mix run failed (exit {proc.returncode}):\n{proc.stderr[-3000:]}")
-    latest = max((ws / "runs").iterdir(), key=lambda p: p.stat().st_mtime)
-    statuses = json.loads((latest / "summary.json").read_text())["stages"]
-    rec = {
-        "run_id": latest.name,
-        "ran_stages": sorted(k for k, v in statuses.items() if v["status"] != "cached"),
-        "wall_s": round(time.perf_counter() - t0, 1),
-        "command": " ".join(["laminar", "run", "--workspace", ws.name, *overrides]),
-    }
-    done.write_text(json.dumps(rec))
-    return rec
+    return run_pipeline(
+        ws, overrides, record="bench_mix.json", log="bench_mix_stdout.log", resume=True, fresh=False
+    )
 
 
 def mix_result(ws: Path, rec: dict, long_levels: list[str]) -> dict:
     from training.rl.mix import trained_shares
 
-    stages = json.loads((ws / "runs" / rec["run_id"] / "summary.json").read_text())["stages"]
+    stages = run_summary(ws, rec)["stages"]
     art = artifact_dir(ws, stages["rl"]["artifacts"]["model"])
     consumed = json.loads((art / "consumed.json").read_text())
     hist = [json.loads(line) for line in (art / "history.jsonl").read_text().splitlines() if line.strip()]

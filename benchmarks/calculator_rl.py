@@ -22,15 +22,17 @@ from __future__ import annotations
 import argparse
 import datetime as dt
 import json
-import os
 import shutil
 import statistics
 import subprocess
 import sys
-import time
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT))
+
+from benchmarks.pipeline_run import run_pipeline, run_summary  # noqa: E402
+
 ARMS = {"plain": [], "tool": ["env=calculator"]}
 EVALS = (("warmup", "eval_warmup"), ("rft", "eval_rft"), ("rl", "eval_rl"))
 
@@ -49,34 +51,8 @@ def common_overrides(levels: list[int], max_new_tokens: int) -> list[str]:
 
 def run_arm(ws: Path, overrides: list[str], resume: bool, in_place: bool = False) -> dict:
     """Run ``laminar run`` into ``ws`` (unless ``resume`` and it finished before); the run's record.
-    ``in_place``: keep what ``ws`` holds, so stages whose cache key is unchanged come from cache
-    (content-addressed: the same results a fresh workspace computes, without the compute)."""
-    done = ws / "bench_wall.json"
-    if resume and done.exists():
-        return json.loads(done.read_text())
-    if not in_place:
-        shutil.rmtree(ws, ignore_errors=True)
-    cmd = [sys.executable, "-m", "flows.cli", "run", "--workspace", str(ws), *overrides]
-    t0 = time.perf_counter()
-    load0 = os.getloadavg()
-    proc = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True)
-    wall = time.perf_counter() - t0
-    ws.mkdir(parents=True, exist_ok=True)
-    (ws / "bench_stdout.log").write_text(proc.stdout + "\n---- stderr ----\n" + proc.stderr)
-    if proc.returncode != 0:
-        raise SystemExit(f"{' '.join(cmd)} failed (exit {proc.returncode}):\n{proc.stderr[-3000:]}")
-    latest = max((ws / "runs").iterdir(), key=lambda p: p.stat().st_mtime)
-    statuses = json.loads((latest / "summary.json").read_text())["stages"]
-    rec = {
-        "run_id": latest.name,
-        "cached_stages": sorted(k for k, v in statuses.items() if v["status"] == "cached"),
-        "wall_s": round(wall, 1),
-        "command": " ".join(["laminar", "run", "--workspace", str(ws.relative_to(ROOT)), *overrides]),
-        "loadavg_start": [round(x, 2) for x in load0],
-        "loadavg_end": [round(x, 2) for x in os.getloadavg()],
-    }
-    done.write_text(json.dumps(rec))
-    return rec
+    ``in_place``: keep what ``ws`` holds, so stages whose cache key is unchanged come from cache."""
+    return run_pipeline(ws, overrides, resume=resume, fresh=not in_place)
 
 
 def artifact_dir(ws: Path, sha: str) -> Path:
@@ -109,7 +85,7 @@ def per_level_tool_use(rows_path: Path) -> dict[str, dict[str, float]]:
 
 
 def collect(ws: Path, rec: dict, long_levels: list[str]) -> dict:
-    summary = json.loads((ws / "runs" / rec["run_id"] / "summary.json").read_text())
+    summary = run_summary(ws, rec)
     stages = summary["stages"]
     row: dict = {"run": rec, "stage_seconds": {k: v["seconds"] for k, v in stages.items()}}
     row["warnings"] = summary.get("warnings", [])

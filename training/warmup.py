@@ -23,28 +23,55 @@ def target(row: dict) -> str:
     return f"#### {row['answer']}"
 
 
+def _tool_share(prompt_id: str) -> float:
+    return int(hashlib.sha256(f"tool:{prompt_id}".encode()).hexdigest()[:8], 16) / 16**8
+
+
 def tool_demonstrations(examples, rows, env: EnvConfig, tokenizer, sandbox=None) -> list[SFTExample]:
     """``examples`` with ``env.demo_tool_share`` of them (by a hash of the prompt id) replaced by a
-    two-turn tool demonstration (``ToolEnvironment.demonstration``: the observation masked out); an
-    environment without the calculator tool (a game, a user's environment) leaves them as they are."""
+    two-turn tool demonstration, the observation masked out: ``ToolEnvironment.demonstration`` for the
+    in-process calculator; for an agent (``env.target`` naming ``solve``) the agent's own episode with
+    scripted turns (``demonstrate``: its tool called in the format the endpoint renders and parses for
+    its conversation, the agent's tool result, the answer). An environment without the calculator tool
+    (a game, a user's environment, an agent that offers no ``calc``) leaves them as they are."""
     from environments.calculator import arith_call
     from environments.registry import make_environment
     from generation.records import PromptItem
 
     environment = make_environment(env, tokenizer, sandbox)
-    if "calc" not in getattr(environment, "tools", {}):  # no calculator to demonstrate (a game, a user's)
-        return list(examples)
-    out = []
-    for ex, r in zip(examples, rows):
-        share = int(hashlib.sha256(f"tool:{r['prompt_id']}".encode()).hexdigest()[:8], 16) / 16**8
-        call = arith_call(r["problem"]) if share < env.demo_tool_share else None
-        if call is None:
-            out.append(ex)
-            continue
-        tokens, mask = environment.demonstration(call, f"#### {r['answer']}")
-        prompt, _ = environment.reset(PromptItem(r["prompt_id"], r["problem"], r["answer"], ex.prompt_tokens))
-        out.append(SFTExample(prompt, tokens, mask))
-    return out
+    agent = callable(getattr(environment, "demonstrate", None))
+    try:
+        if not agent and "calc" not in getattr(environment, "tools", {}):
+            return list(examples)
+        jobs = {}
+        for i, (ex, r) in enumerate(zip(examples, rows)):
+            call = arith_call(r["problem"]) if _tool_share(r["prompt_id"]) < env.demo_tool_share else None
+            if call is not None:
+                item = PromptItem(r["prompt_id"], r["problem"], r["answer"], ex.prompt_tokens, r.get("level"))
+                jobs[i] = (item, call, f"#### {r['answer']}")
+        if agent:
+            done = _agent_demonstrations(environment, jobs)
+        else:
+            done = {}
+            for i, (item, call, answer) in jobs.items():
+                tokens, mask = environment.demonstration(call, answer)
+                done[i] = (environment.reset(item)[0], tokens, mask)
+        return [SFTExample(*done[i]) if done.get(i) else ex for i, ex in enumerate(examples)]
+    finally:
+        close = getattr(environment, "close", None)
+        if callable(close):
+            close()
+
+
+def _agent_demonstrations(environment, jobs: dict) -> dict:
+    """``environment.demonstrate`` of every job, agents run at once (each waits on its own agent)."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    if not jobs:
+        return {}
+    with ThreadPoolExecutor(min(len(jobs), 16), thread_name_prefix="agent-demo") as pool:
+        out = pool.map(lambda job: environment.demonstrate(*job), jobs.values())
+        return dict(zip(jobs, out))
 
 
 def warmup(

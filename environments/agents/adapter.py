@@ -167,6 +167,13 @@ class AgentEnvironment:
                     return self._ended(s, ev)
         return StepResult(obs, tool_call=tool_msgs > 0, state=self._state(s))
 
+    def demonstrate(self, prompt: PromptItem, call, answer: str):
+        """The episode in which the policy calls ``call`` then answers ``answer``, run through this
+        agent: ``(prompt_tokens, tokens, loss_mask)`` or None (``environments.agents.demos``)."""
+        from environments.agents.demos import demonstrate
+
+        return demonstrate(self, prompt, call, answer)
+
     def episode_ended(self, state, reason: str) -> None:
         """The episode ended outside ``step`` (a turn cut at the length limit, ``max_turns``, a step
         timeout): its agent is stopped and its open request refused (409), so no session outlives its

@@ -151,6 +151,19 @@ class ChatFormat:
         cut = ends[-1] + 1
         return tuple(tail[cut:]) if tail[:cut] == head[:cut] else None
 
+    def turn(self, messages: list[dict], tools: list[dict], reply: dict) -> tuple[int, ...] | None:
+        """The tokens the template renders for the assistant message ``reply`` after ``messages`` (the
+        tokens after the generation prompt, through the turn's end token): the turn a model is shown to
+        make (warm-up demonstrations). None when the template renders ``messages`` differently once
+        ``reply`` follows."""
+        head = self.render(messages, tools, True)
+        full = self.render(messages + [reply], tools, False)
+        eos = self.tokenizer.eos_token_id
+        if full[: len(head)] != head or eos not in full[len(head) :]:
+            return None
+        rest = full[len(head) :]
+        return tuple(rest[: rest.index(eos) + 1])
+
     def parse(self, text: str, tools: list[dict]) -> tuple[str, list[dict]]:
         """The turn's text without its tool calls, and the calls to declared tools (a malformed call
         or an undeclared name stays in the text)."""
@@ -224,6 +237,10 @@ class LineFormat:
 
     def delta(self, before: list[dict], new: list[dict], tools: list[dict]) -> tuple[int, ...]:
         return tuple(i for m in new for i in self._piece(m, tools))
+
+    def turn(self, messages: list[dict], tools: list[dict], reply: dict) -> tuple[int, ...]:
+        """The assistant message ``reply`` as a turn: its text and call lines, then EOS."""
+        return tuple(self._piece(reply, tools))
 
     def parse(self, text: str, tools: list[dict]) -> tuple[str, list[dict]]:
         if not tools:
