@@ -346,7 +346,18 @@ class EpisodeEngine:
         if len(slots) != len(requests):
             raise ValueError("EpisodeEngine.generate needs distinct (prompt_id, group_uid, sample_idx)")
         results: list[Trajectory | None] = [None] * len(requests)
-        self.submit(list(requests))
+        # an environment with a bound on live episodes (an agent's ``max_sessions``) gets new episodes
+        # as old ones end, in input order, never more at once than it holds
+        cap = max(1, int(getattr(self.env, "max_live", None) or len(requests) or 1))
+        started = done = 0
+
+        def admit() -> int:
+            n = min(cap - (started - done), len(requests) - started)
+            if n > 0:
+                self.submit(list(requests[started : started + n]))
+            return max(n, 0)
+
+        started += admit()
         # every answer joins before the next decode, so each run decodes the same rows together (an
         # environment may opt out: agents, which answer on their own clocks)
         self._lockstep = bool(getattr(self.env, "lockstep", True))
@@ -354,6 +365,8 @@ class EpisodeEngine:
             while self._episodes or self._waiting or self._held or self._ended:
                 for t in self.step(self.inner.max_new_tokens):
                     results[slots[request_key(GenRequest(t.prompt, t.sample_idx, t.group_uid))]] = t
+                    done += 1
+                started += admit()
         finally:
             self._lockstep = False
         return results  # type: ignore[return-value]

@@ -114,6 +114,12 @@ class AgentEnvironment:
                 self.hub.client_factory(None)  # imports openai and httpx now, not in the first episode
             return self._endpoint
 
+    @property
+    def max_live(self) -> int:
+        """Live episodes at most (``max_sessions``): ``EpisodeEngine.generate`` starts a batch larger than
+        this as earlier episodes end, so curation and evaluation never refuse one (``agent_capacity``)."""
+        return self.params.max_sessions
+
     # ------------------------------------------------------------------------------- interface
     def reset(self, prompt: PromptItem) -> tuple[tuple[int, ...], dict]:
         task = {"prompt_id": prompt.prompt_id, "prompt": prompt.text, "answer": prompt.answer,

@@ -160,6 +160,18 @@ def test_a_hundred_sessions_never_closed_do_not_stall_the_run(tok, model):
     runner.close()
 
 
+def test_a_batch_larger_than_max_sessions_is_admitted_as_sessions_end_none_refused(tok):
+    """Curation and evaluation hand ``generate`` thousands of episodes at once: past ``max_sessions``
+    they wait for a session, never end as ``agent_capacity``."""
+    call = '<tool_call>{"name": "calc", "arguments": {"input": "1+1"}}</tool_call>'
+    engine = fx.Scripted(tok, [call, call, "done"])
+    runner, trajs = _run(engine, _cfg("three_turns", max_sessions=3), tok, n=8)
+    assert [t.end_reason for t in trajs] == ["answer"] * 8, [t.env_state for t in trajs]
+    assert all(t.turns == 3 for t in trajs)
+    assert [t.prompt.prompt_id for t in trajs] == [f"q{i}" for i in range(8)]
+    assert runner.env.hub.started == 8 and runner.env.hub.live() == 0
+
+
 def test_agents_that_never_ask_are_waited_for_together_not_one_after_another(tok):
     runner = wrap_engine(fx.Scripted(tok, ["a turn"]), _cfg("silent", request_timeout_s=1.0), tok)
     try:
