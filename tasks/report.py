@@ -227,17 +227,19 @@ def write(ws: Workspace, run_id: str | None = None) -> Path:
 
 def round_accuracy(ws: Workspace, run_id: str) -> list[tuple[str, int, float]]:
     """(benchmark, round, held-out accuracy) of each round's RL model that the run evaluated (round 0:
-    the warm-up model), from the run's eval stages (``eval_warmup``, ``eval_rl``, ``eval_rl@k``)."""
+    the first policy checkpoint, the warm-up model), from the run's evaluation stages."""
     rows = ws.catalog.query(
         "SELECT stage, metrics_json FROM stage_runs WHERE run_id = ? AND metrics_json IS NOT NULL",
         [run_id],
     )
+    first = next(e for e, m in OWN_EVALS.items() if m == CHECKPOINT_STAGES[0])  # the warm-up model's
+    last = next(e for e, m in OWN_EVALS.items() if m == rounds.ROUND_MODEL)  # each round's RL model's
     out = []
     for r in rows:
         parsed = rounds.parse(r["stage"])
-        if r["stage"] == "eval_warmup":
+        if r["stage"] == first:
             k = 0
-        elif parsed is not None and parsed[0] == "eval_rl":
+        elif parsed is not None and parsed[0] == last:
             k = parsed[1]
         else:
             continue
