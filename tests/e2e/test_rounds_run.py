@@ -8,6 +8,8 @@ from __future__ import annotations
 
 import json
 
+import duckdb
+import polars as pl
 import pytest
 
 from tests.configs import TINY_CURATED
@@ -37,11 +39,22 @@ def test_two_rounds_rerun_round_setting_lineage_and_report(tmp_path):
     ck = first["checkpoints"]
     assert {k for k in ck if k.startswith("rl")} == {"rl", "rl@2"}
     assert {"heldout_accuracy_rl", "heldout_accuracy_rl@2"} <= set(first["metrics"])
-    # round 2 samples with round 1's RL model (difficulty records the model it sampled with) and its
-    # RFT starts from it
-    attempts = first["stages"]["difficulty@2"]["artifacts"]["attempts"]
-    manifest = json.loads((ws / "artifacts" / "attempts" / attempts / "manifest.json").read_text())
-    assert manifest["meta"]["model"] == ck["rl"] != ck["warmup"]
+    # round 2 samples with round 1's RL model and its RFT starts from it (what each key was made of)
+    con = duckdb.connect(str(ws / "catalog.duckdb"), read_only=True)
+    try:
+        for stage in ("difficulty@2", "dart@2", "rft@2"):
+            key = first["stages"][stage]["cache_key"]
+            (inputs,) = con.execute(
+                "SELECT inputs_json FROM stage_lineage WHERE cache_key = ?", [key]
+            ).fetchone()
+            assert json.loads(inputs)["model"]["sha256"] == ck["rl"] != ck["warmup"], stage
+    finally:
+        con.close()
+    # HIVE's history carried: select@2's history holds round 1's RL group rewards before its own rows
+    sel2 = first["stages"]["select@2"]["artifacts"]["selection"]
+    history = pl.read_parquet(ws / "artifacts" / "selection" / sel2 / "history.parquet")
+    rewards = pl.read_parquet(ws / "artifacts" / "model" / ck["rl"] / "rewards.parquet")
+    assert history.filter(pl.col("origin") == "rl").height == rewards.height > 0
     lineage = json.loads(laminar("lineage", ck["rl@2"], "--json", ws=ws).stdout)
     walked = [s["stage"] for s in lineage["stages"]]
     assert {"warmup", "rft", "rl", "difficulty@2", "dart@2", "rft@2", "select@2", "rl@2"} <= set(walked)
