@@ -232,7 +232,7 @@ def round_accuracy(ws: Workspace, run_id: str) -> list[tuple[str, int, float]]:
         "SELECT stage, metrics_json FROM stage_runs WHERE run_id = ? AND metrics_json IS NOT NULL",
         [run_id],
     )
-    first = next(e for e, m in OWN_EVALS.items() if m == CHECKPOINT_STAGES[0])  # the warm-up model's
+    first = next(iter(OWN_EVALS))  # the first evaluation in DAG order: the warm-up model's
     last = next(e for e, m in OWN_EVALS.items() if m == rounds.ROUND_MODEL)  # each round's RL model's
     out = []
     for r in rows:
