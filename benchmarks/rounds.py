@@ -20,6 +20,7 @@ import platform
 import statistics
 import subprocess
 import sys
+import textwrap
 import time
 from pathlib import Path
 
@@ -138,7 +139,8 @@ def plot(path: Path, rows: list[dict], controls: list[dict], rounds: int, meta: 
         ax.scatter([], [], marker="x", color="red", label=f"RL alone, {controls[0]['rl_steps']} steps")
     ax.set_xticks(range(len(cols)), names)
     ax.set_ylabel("held-out accuracy")
-    ax.set_title(f"rounds=3: held-out accuracy per round ({' '.join(meta['overrides'])})", fontsize=8)
+    title = f"rounds={rounds}: held-out accuracy per round ({' '.join(meta['overrides'])})"
+    ax.set_title(textwrap.fill(title, 90), fontsize=8)
     ax.legend(fontsize=7)
     fig.tight_layout()
     fig.savefig(path, dpi=110)
