@@ -68,7 +68,7 @@ def _explain_composition(
     return f"cannot compose config from overrides {list(overrides)}: {err}"
 
 
-OPEN_KEYS = ("env.params",)
+OPEN_KEYS = ("env.params", "round_overrides")
 """Mappings whose keys the schema cannot know (a plug-in's own parameters, validated by its ``Params``
 model in ``tasks.preflight``): ``env.params.max_value=50`` adds a key there without Hydra's ``+``."""
 

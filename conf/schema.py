@@ -1405,6 +1405,14 @@ class Config(Section):
     envs: Annotated[list[EnvMixConfig], MaxLen(16)] = Field(default_factory=list)
     """Several environments in one RL run, each with a weight and a prompt pool (``EnvMixConfig``;
     ``training.rl.mix``); empty (the default): ``env`` alone."""
+    rounds: Annotated[int, Positive, AtMost(16)] = 1
+    """Rounds of curate -> RFT -> RL (docs/rounds.md): round k >= 2 repeats difficulty, DART, RFT,
+    difficulty_rft, select, RL and eval_rl as stages ``NAME@k``, sampling with and starting from round
+    k-1's RL model (RLoop, expert iteration); 1 (the default): today's chain alone."""
+    round_overrides: Annotated[dict[int, dict[str, Any]], MaxLen(16)] = Field(default_factory=dict)
+    """Round K -> config settings for round K and every later round (``round_overrides.2.rl.steps=20``);
+    round 1 reads the top-level config alone. Only the round stages of those rounds read them
+    (``conf.rounds.round_config``)."""
 
     @model_validator(mode="after")
     def _runtime(self) -> Config:
@@ -1496,6 +1504,14 @@ class Config(Section):
                 "overlong punishment: drop @rl.overlong_shaping and set cache_len on reward.components' "
                 "overlong item"
             )
+        return self
+
+    @model_validator(mode="after")
+    def _rounds(self) -> Config:
+        """``round_overrides`` name rounds 2..``rounds``, and each round's config validates."""
+        from conf.rounds import check_round_overrides
+
+        check_round_overrides(self)
         return self
 
     @model_validator(mode="after")

@@ -10,12 +10,13 @@ from a list of names, and every stage's inputs are resolved by ``stage_inputs``.
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Mapping, Sequence
+from collections.abc import Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
 
 from conf.schema import Config
 from core.artifacts import ArtifactRef
 from core.workspace import Workspace
+from tasks import rounds
 from tasks.cache import CacheKey
 from tasks.records import Stage
 from tasks.stages import (
@@ -56,7 +57,35 @@ STAGES: tuple[Stage, ...] = (
     rl.STAGE,
     evaluate.stage_for("rl"),
 )
-STAGE_BY_NAME = {s.name: s for s in STAGES}
+
+
+class _StageTable(Mapping[str, Stage]):
+    """Stage name -> its ``Stage``: the chain's (``STAGES``) and every round's copy (``rl@2``:
+    ``tasks.rounds``), built on first use. Iterates over the chain's own."""
+
+    def __init__(self, stages: Sequence[Stage]) -> None:
+        self._base = {s.name: s for s in stages}
+        self._rounds: dict[str, Stage] = {}
+
+    def __getitem__(self, name: str) -> Stage:
+        if name in self._base:
+            return self._base[name]
+        if name not in self._rounds:
+            parsed = rounds.parse(name)
+            if parsed is None or parsed[1] < 2:
+                raise KeyError(name)
+            self._rounds[name] = rounds.round_stage(self._base[parsed[0]], parsed[1])
+        return self._rounds[name]
+
+    def __iter__(self) -> Iterator[str]:
+        return iter(self._base)
+
+    def __len__(self) -> int:
+        return len(self._base)
+
+
+STAGE_BY_NAME: Mapping[str, Stage] = _StageTable(STAGES)
+"""Every stage by name, round copies (``NAME@k``) included."""
 
 EVAL_STAGE = evaluate.ADHOC
 """``laminar eval`` on any checkpoint: not part of the DAG, same body and key scheme as its eval stages."""
@@ -80,8 +109,12 @@ def _live(cfg: Config | None) -> Config:
 
 
 def stages_of(cfg: Config | None = None) -> list[Stage]:
-    """The stages that run under ``cfg`` (None: the default config), in DAG order."""
-    return [s for s in STAGES if s.active(_live(cfg))]
+    """The stages that run under ``cfg`` (None: the default config), in DAG order: the chain, then
+    each round k >= 2's copies of its curate -> RFT -> RL stages (``rounds``)."""
+    live = _live(cfg)
+    chain = [s for s in STAGES if s.active(live)]
+    copies = [STAGE_BY_NAME[n] for n in rounds.round_names(live.rounds)]
+    return chain + [s for s in copies if s.active(live)]
 
 
 def check_stages(names: Iterable[str], cfg: Config | None = None) -> list[str]:
@@ -89,13 +122,19 @@ def check_stages(names: Iterable[str], cfg: Config | None = None) -> list[str]:
     known = [s.name for s in stages_of(cfg)]
     unknown = [n for n in names if n not in known]
     if unknown:
-        gated = [n for n in unknown if n in STAGE_BY_NAME]
-        why = (
-            f"stage {', '.join(gated)} runs only when reward.components names reward_model "
-            "(reward=reward_model)"
-            if gated
-            else f"unknown stage {', '.join(unknown)}"
-        )
+        later = [n for n in unknown if n in STAGE_BY_NAME and rounds.round_of(n) > _live(cfg).rounds]
+        gated = [n for n in unknown if n in STAGE_BY_NAME and n not in later]
+        if later:
+            most = max(rounds.round_of(n) for n in later)
+            now = _live(cfg).rounds
+            why = f"stage {', '.join(later)} runs only with rounds={most} or more (rounds={now})"
+        elif gated:
+            why = (
+                f"stage {', '.join(gated)} runs only when reward.components names reward_model "
+                "(reward=reward_model)"
+            )
+        else:
+            why = f"unknown stage {', '.join(unknown)}"
         raise UnknownStage(f"{why}; stages are {', '.join(known)}")
     return names
 
@@ -127,8 +166,11 @@ def downstream_of(names: Iterable[str], cfg: Config | None = None) -> set[str]:
 
 
 def in_dag_order(names: Iterable[str]) -> list[str]:
+    """``names`` in DAG order: the chain's stages, then round 2's, round 3's..."""
     wanted = set(names)
-    return [s.name for s in STAGES if s.name in wanted]
+    most = max((rounds.round_of(n) for n in wanted), default=1)
+    order = [s.name for s in STAGES] + rounds.round_names(most)
+    return [n for n in order if n in wanted]
 
 
 @dataclass(frozen=True)

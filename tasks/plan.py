@@ -10,7 +10,7 @@ from core.artifacts import ArtifactRef
 from core.nested import flatten
 from core.workspace import Workspace
 from tasks.cache import CacheKey
-from tasks.dag import STAGES, missing_upstream, stage_inputs, stage_key
+from tasks.dag import missing_upstream, stage_inputs, stage_key, stages_of
 from tasks.records import Stage, StagePlan, StageResult
 
 
@@ -36,9 +36,7 @@ def plan(cfg: Config, ws: Workspace) -> list[StagePlan]:
     """Each stage cached or stale for ``cfg``, and why."""
     produced: dict[str, dict[str, ArtifactRef]] = {}
     out: list[StagePlan] = []
-    for stage in STAGES:
-        if not stage.active(cfg):
-            continue
+    for stage in stages_of(cfg):
         inputs = stage_inputs(stage, produced, cfg)
         if inputs is None:
             missing = ", ".join(missing_upstream(stage, produced, cfg))

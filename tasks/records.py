@@ -34,6 +34,8 @@ class StageContext:
     """Read-only use in bodies (HIVE's workspace history); only the record hooks write."""
     state_dir: Path | None = None
     """Where a long stage keeps resumable state between attempts (RL checkpoints); None: no resume."""
+    stage: str = ""
+    """The stage's name when it is a round's copy (``rl@2``: ``tasks.rounds``); "" for the chain's own."""
 
 
 @dataclass

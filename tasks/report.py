@@ -10,7 +10,8 @@ from pathlib import Path
 from typing import Any
 
 from core.workspace import Workspace
-from tasks.dag import EVAL_STAGE, STAGES, stage_headline
+from tasks import rounds
+from tasks.dag import EVAL_STAGE, STAGE_BY_NAME, STAGES, stage_headline
 from tasks.stages.common import EVAL, MODEL
 
 CHECKPOINT_STAGES = tuple(s.name for s in STAGES if s.policy)
@@ -20,6 +21,28 @@ OWN_EVALS = {s.name: s.evaluates for s in STAGES if s.evaluates}
 """Evaluation stage -> the stage whose model it scores (``Stage.evaluates``)."""
 STEP_STAGES = tuple(s.name for s in STAGES if s.step_metrics)
 """The stages with per-step metrics (``Stage.step_metrics``): their curves are the report's."""
+ROUNDS_PLOT = "rounds.png"
+"""Held-out accuracy per round (runs with ``rounds`` >= 2: docs/rounds.md)."""
+
+
+def _is_policy(stage: str) -> bool:
+    """A policy checkpoint's stage: the chain's (``CHECKPOINT_STAGES``) or a round's copy (``rl@2``)."""
+    parsed = rounds.parse(stage)
+    return parsed is not None and parsed[0] in CHECKPOINT_STAGES
+
+
+def _role_rank(role: str) -> tuple[int, int]:
+    """Roles in order: the chain's, then round 2's, round 3's..., then external checkpoints."""
+    base, k = rounds.parse(role) or (role, 1)
+    return (k, ROLE_ORDER.index(base)) if role != "external" else (1 << 20, 0)
+
+
+def _own_eval(stage: str) -> str | None:
+    """The stage whose model an evaluation stage of the run scores (round copies included)."""
+    if stage in OWN_EVALS:
+        return OWN_EVALS[stage]
+    parsed = rounds.parse(stage)
+    return STAGE_BY_NAME[stage].evaluates if parsed is not None and parsed[1] > 1 else None
 
 
 class ReportError(ValueError):
@@ -81,17 +104,18 @@ def _roles(cat: Any, stages: list[dict], data: Any) -> tuple[dict[str, str], set
                 "headline": stage_headline(s["stage"], json.loads(s["metrics_json"] or "{}")),
             }
         )
-        if s["stage"] in CHECKPOINT_STAGES and MODEL in outputs[s["stage"]]:
+        if _is_policy(s["stage"]) and MODEL in outputs[s["stage"]]:
             # the first stage keeps a checkpoint's role: RFT with nothing to learn passes warm-up's weights on
             roles.setdefault(outputs[s["stage"]][MODEL]["sha256"], s["stage"])
         elif s["stage"] == EVAL_STAGE.name:  # a `laminar eval` run: its checkpoint, under its catalog role
             sha = json.loads(s["metrics_json"] or "{}").get("checkpoint")
             found = cat.query("SELECT stage FROM checkpoints WHERE checkpoint_sha = ?", [sha]) if sha else []
             if found:
-                roles[sha] = found[0]["stage"] if found[0]["stage"] in ROLE_ORDER else "external"
+                roles[sha] = found[0]["stage"] if _is_policy(found[0]["stage"]) else "external"
                 own.add((sha, outputs[EVAL_STAGE.name][EVAL]["sha256"]))
-    for stage, role in OWN_EVALS.items():
-        if EVAL in outputs.get(stage, {}) and MODEL in outputs.get(role, {}):
+    for stage in outputs:
+        role = _own_eval(stage)
+        if role is not None and EVAL in outputs[stage] and MODEL in outputs.get(role, {}):
             own.add((outputs[role][MODEL]["sha256"], outputs[stage][EVAL]["sha256"]))
     return roles, own
 
@@ -127,7 +151,7 @@ def _eval_groups(ws: Workspace, roles: dict[str, str], own: set[tuple[str, str]]
     order = sorted(
         groups,
         key=lambda g: (
-            ROLE_ORDER.index(roles[g[0]]),
+            _role_rank(roles[g[0]]),
             g[2],
             str(arts.get(g[1], {}).get("created_at", "")),
         ),
@@ -190,8 +214,74 @@ def write(ws: Workspace, run_id: str | None = None) -> Path:
 
     run_id = run_id or default_run(ws)
     path = write_report(gather(ws, run_id), ws.run_dir(run_id) / "report")
+    write_rounds(ws, run_id, path)
     from evaluation.report import PLOTS
     from tasks.tracking import log_report
 
     log_report(ws, run_id, {name: path.parent / file for name, file in PLOTS.items()})
+    return path
+
+
+# ---- rounds (``rounds`` >= 2) ---------------------------------------------------------------------------
+
+
+def round_accuracy(ws: Workspace, run_id: str) -> list[tuple[str, int, float]]:
+    """(benchmark, round, held-out accuracy) of each round's RL model that the run evaluated (round 0:
+    the first policy checkpoint, the warm-up model), from the run's evaluation stages."""
+    rows = ws.catalog.query(
+        "SELECT stage, metrics_json FROM stage_runs WHERE run_id = ? AND metrics_json IS NOT NULL",
+        [run_id],
+    )
+    first = next(iter(OWN_EVALS))  # the first evaluation in DAG order: the warm-up model's
+    last = next(e for e, m in OWN_EVALS.items() if m == rounds.ROUND_MODEL)  # each round's RL model's
+    out = []
+    for r in rows:
+        parsed = rounds.parse(r["stage"])
+        if r["stage"] == first:
+            k = 0
+        elif parsed is not None and parsed[0] == last:
+            k = parsed[1]
+        else:
+            continue
+        for bench, v in json.loads(r["metrics_json"]).items():
+            if isinstance(v, dict) and v.get("accuracy") is not None:
+                out.append((bench, k, float(v["accuracy"])))
+    return sorted(out)
+
+
+def write_rounds(ws: Workspace, run_id: str, report: Path) -> Path | None:
+    """For a run of several rounds: ``rounds.png`` (held-out accuracy per round, one line per
+    benchmark) beside ``report``, and a table of it at the end of ``report`` (report.md)."""
+    points = round_accuracy(ws, run_id)
+    if not any(k > 1 for _, k, _ in points):
+        (report.parent / ROUNDS_PLOT).unlink(missing_ok=True)
+        return None
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(6, 4))
+    benches = sorted({b for b, _, _ in points})
+    for bench in benches:
+        xs = [(k, a) for b, k, a in points if b == bench]
+        ax.plot([k for k, _ in xs], [a for _, a in xs], marker="o", label=bench)
+    ks = sorted({k for _, k, _ in points})
+    ax.set_xticks(ks, ["warm-up" if k == 0 else f"round {k}" for k in ks])
+    ax.set_ylabel("accuracy (RL model of the round)")
+    ax.set_title(f"held-out accuracy per round (run {run_id})", fontsize=9)
+    ax.legend(fontsize=8)
+    fig.tight_layout()
+    path = report.parent / ROUNDS_PLOT
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+    head = ["benchmark", *("warm-up" if k == 0 else f"round {k}" for k in ks)]
+    acc = {(b, k): a for b, k, a in points}
+    lines = ["", "## Rounds", "", "| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
+    for bench in benches:
+        cells = [f"{acc[(bench, k)]:.3f}" if (bench, k) in acc else "-" for k in ks]
+        lines.append("| " + " | ".join([bench, *cells]) + " |")
+    lines += ["", f"![held-out accuracy per round]({ROUNDS_PLOT})", ""]
+    with open(report, "a") as f:
+        f.write("\n".join(lines))
     return path

@@ -7,7 +7,8 @@ from collections.abc import Mapping, Sequence
 
 from conf.schema import Config
 from core.workspace import Workspace
-from tasks.dag import STAGE_BY_NAME, STAGES, stage_headline, stage_inputs, stage_key
+from tasks import rounds
+from tasks.dag import STAGE_BY_NAME, STAGES, stage_headline, stage_inputs, stage_key, stages_of
 from tasks.records import RunSummary, StageOutcome
 from tasks.stages.common import EVAL, MODEL
 
@@ -19,16 +20,24 @@ HELDOUT_KEY = "arith_heldout"
 """The benchmark whose accuracy the headline metrics are (``evaluation.stages.HELDOUT``)."""
 
 
+def round_evals(names: Sequence[str]) -> list[tuple[str, str]]:
+    """The headline labels of rounds 2.. (``heldout_accuracy_rl@2`` -> ``eval_rl@2``) among the stage
+    ``names``, round by round: each round's RL model, as summary.json's metrics and checkpoints."""
+    found = [(rounds.parse(n), n) for n in names]
+    evals = sorted((p[1], n) for p, n in found if p is not None and p[1] > 1 and STAGE_BY_NAME[n].evaluates)
+    return [(f"heldout_accuracy_{STAGE_BY_NAME[n].evaluates}", n) for _, n in evals]
+
+
 def catalog_metrics(cfg: Config, ws: Workspace, outcomes: Sequence[StageOutcome]) -> dict[str, dict]:
     """Metrics of the headline eval stages a run did not select (``laminar rerun rl`` leaves out
     ``eval_warmup`` and ``eval_rft``) whose cache key under this run's config and artifacts matches a
     finished stage run in the catalog: the same evaluation, known without running it."""
     produced = {o.stage: o.result.artifacts for o in outcomes}
     out: dict[str, dict] = {}
-    for _, name in HEADLINE_EVALS:
+    for _, name in [*HEADLINE_EVALS, *round_evals([s.name for s in stages_of(cfg)])]:
         stage = STAGE_BY_NAME[name]
         inputs = stage_inputs(stage, produced)
-        if name in produced or inputs is None:
+        if name in produced or inputs is None or MODEL not in inputs:
             continue
         key = stage_key(stage, cfg, inputs, ws)
         rows = ws.catalog.query(
@@ -58,6 +67,11 @@ def build_summary(
     for s in STAGES:
         if s.summary is not None and s.name in by:
             metrics.update(s.summary(by[s.name].result.metrics))
+    later = round_evals([*by, *from_catalog])  # rounds 2..: each round's RL model
+    for label, stage in later:
+        m = by[stage].result.metrics if stage in by else from_catalog.get(stage, {})
+        metrics[label] = m.get(HELDOUT_KEY, {}).get("accuracy")
+    evaluated = [*EVALUATED, *(STAGE_BY_NAME[stage].evaluates for _, stage in later)]
     return RunSummary(
         run_id=run_id,
         seconds=seconds,
@@ -73,7 +87,7 @@ def build_summary(
             for o in outcomes
         },
         metrics=metrics,
-        checkpoints={s: by[s].result.artifacts[MODEL].sha256 for s in EVALUATED if s in by},
+        checkpoints={s: by[s].result.artifacts[MODEL].sha256 for s in evaluated if s in by},
         curation=reconciliation(by),
         certificates=certificates(outcomes),
         metrics_from_catalog=sorted(s for s in from_catalog if s not in by),
@@ -144,7 +158,7 @@ def format_table(summary: RunSummary) -> str:
 
     steps = " -> ".join(
         f"{STAGE_BY_NAME[STAGE_BY_NAME[stage].evaluates].title} {fmt(label, stage)}"
-        for label, stage in HEADLINE_EVALS
+        for label, stage in [*HEADLINE_EVALS, *round_evals([*summary.stages, *summary.metrics_from_catalog])]
     )
     lines.append(f"held-out accuracy: {steps}   total {summary.seconds:.1f}s   run {summary.run_id}")
     lines += [f"WARNING: {w}" for w in summary.warnings]

@@ -37,8 +37,12 @@ import subprocess
 import sys
 from dataclasses import dataclass
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import pytest
+
+if TYPE_CHECKING:
+    from conf.schema import Config
 
 ROOT = Path(__file__).resolve().parent.parent
 DOCS = [ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md"))]
@@ -260,6 +264,21 @@ def check_overrides(command: str, overrides: list[str]) -> None:
         raise AssertionError(f"config error for {overrides}: {err}") from None
 
 
+def stage_config(args) -> Config | None:
+    """The config whose graph a line's stage names are checked against: its overrides' when it names
+    a round's stage (``rl@2`` needs ``rounds=2``), else the default's (None)."""
+    named = [
+        getattr(args, "until", None),
+        getattr(args, "stage", None),
+        *(getattr(args, "force", None) or []),
+    ]
+    if not any(n and "@" in n for n in named) or not hasattr(args, "overrides"):
+        return None
+    from conf.loader import load_config
+
+    return load_config(list(args.overrides or []))
+
+
 def check_laminar(words: tuple[str, ...]) -> None:
     """The line parses, and what it names (config keys, stages, benchmarks) exists."""
     argv = list(words[1:])
@@ -273,6 +292,7 @@ def check_laminar(words: tuple[str, ...]) -> None:
             until=getattr(args, "until", None),
             force=getattr(args, "force", []),
             rerun=getattr(args, "stage", None),
+            cfg=stage_config(args),
         )
     except UnknownStage as err:
         raise AssertionError(f"`laminar {' '.join(argv)}`: {err}") from None

@@ -40,7 +40,7 @@ def rft_body(ctx: StageContext) -> StageResult:
 
 
 def record_rft(con: Connection, ctx: StageContext, res: StageResult, key: str) -> None:
-    record_checkpoint(con, ctx, res, key, "rft", ctx.cfg.curation.rft.steps)
+    record_checkpoint(con, ctx, res, key, ctx.stage or "rft", ctx.cfg.curation.rft.steps)
 
 
 def rft_headline(m: dict) -> str:

@@ -164,7 +164,7 @@ def rl_body(ctx: StageContext) -> StageResult:
                 history_path=sel.file("history.parquet"),
                 evaluate=evaluate,
                 state_dir=ctx.state_dir,
-                on_metrics=active().step_logger("rl"),
+                on_metrics=active().step_logger(ctx.stage or "rl"),
                 dart_data=ctx.inputs[RFT_DATA].file("rft.parquet") if RFT_DATA in ctx.inputs else None,
             )
         rows = [m.as_dict() for m in result.history]
@@ -204,7 +204,8 @@ def _term_summary(rows: list[dict]) -> dict[str, float]:
 
 def record_rl(con: Connection, ctx: StageContext, res: StageResult, key: str) -> None:
     ref = res.artifacts[MODEL]
-    record_checkpoint(con, ctx, res, key, "rl", int(res.metrics.get("steps") or 0))
+    stage = ctx.stage or "rl"  # rl@2 in round 2 (tasks.rounds)
+    record_checkpoint(con, ctx, res, key, stage, int(res.metrics.get("steps") or 0))
     values: dict[tuple[int, str], float] = {}  # (step, name) -> value; timings after the history
     with open(ref.file("history.jsonl")) as f:
         steps = [json.loads(line) for line in f]
@@ -215,7 +216,7 @@ def record_rl(con: Connection, ctx: StageContext, res: StageResult, key: str) ->
         con,
         "metrics",
         ("cache_key", "stage", "step", "name", "value"),
-        [(key, "rl", step, name, v) for (step, name), v in values.items()],
+        [(key, stage, step, metric, v) for (step, metric), v in values.items()],
         "DO UPDATE SET value = excluded.value",
     )
     with open(ref.file("consumed.json")) as f:

@@ -48,6 +48,23 @@ def workspace_history(catalog: Catalog | None) -> Any:
     )
 
 
+PRIOR_HISTORY, PRIOR_REWARDS = "prior_history", "prior_rewards"
+"""A round's selection also reads the previous round's selection and RL model (``tasks.rounds``)."""
+
+
+def carried_history(ctx: StageContext) -> list:
+    """HIVE's history from the previous round (``tasks.rounds``), oldest first: that round's selection
+    history (itself carried from the rounds before) and its RL model's group rewards; none in round 1."""
+    import polars as pl
+
+    files = [(PRIOR_HISTORY, "history.parquet"), (PRIOR_REWARDS, "rewards.parquet")]
+    return [
+        pl.read_parquet(ctx.inputs[name].file(file)).select("prompt_id", "mean_reward", "n", "origin")
+        for name, file in files
+        if name in ctx.inputs
+    ]
+
+
 def select_body(ctx: StageContext) -> StageResult:
     import polars as pl
 
@@ -65,6 +82,8 @@ def select_body(ctx: StageContext) -> StageResult:
             prior = workspace_history(ctx.catalog)
             if prior is not None and prior.height:
                 history = pl.concat([history, prior])
+        elif carried := carried_history(ctx):  # round k >= 2: round k-1's history comes first
+            history = pl.concat([*carried, history], how="vertical_relaxed")
         history = history.with_columns(seq=pl.int_range(pl.len(), dtype=pl.Int64))
         history.write_parquet(out / "history.parquet")
         if c.strategy == "uniform":
