@@ -326,7 +326,7 @@ class VllmDecoder:
         if py is None:
             raise SystemExit("--decode-table needs vLLM's environment: make vllm-env, or LAMINAR_VLLM_PYTHON")
         env = {**os.environ, "OMP_NUM_THREADS": str(args.threads), "TOKENIZERS_PARALLELISM": "false"}
-        env["VLLM_CPU_KVCACHE_SPACE"] = "2"
+        env["VLLM_CPU_KVCACHE_SPACE"] = "1"  # GiB: SmolLM2's 128 x ~80 tokens need 0.5
         cpu_defaults(env)
         cmd = [py, __file__, "--decode-worker", "--model-dir", str(model_dir), "--dtype", dtype]
         cmd += ["--capacity", str(max(args.batches))] + (["--compile"] if args.compile else [])
@@ -394,6 +394,8 @@ def decode_rows(name, model, tok, template, vllm: dict, args, result, save) -> N
 
     table = result["models"][name].setdefault("batches", {})
     for i, batch in enumerate(args.batches):
+        if str(batch) in table:
+            continue  # --resume: measured already
         items = prompts(tok, template or SMOLLM2_TEMPLATE, batch)
         ids = [list(p.prompt_tokens) for p in items]
         row = {"load_before": uptime()}
@@ -427,6 +429,8 @@ def mismatch_rows(name, model, tok, template, vllm: dict, args, result, save) ->
     items = prompts(tok, template or SMOLLM2_TEMPLATE, args.mismatch_prompts)
     ids = [list(p.prompt_tokens) for p in items]
     res = result["models"][name].setdefault("mismatch_vs_trainer_fp32", {})
+    if res:
+        return  # --resume: measured already
     for d, w in vllm.items():
         samples = w.ask(op="sample", prompts=ids, new_tokens=args.new_tokens)["samples"]
         res[f"vllm_{d}"] = logprob_gap(model, samples, ids)
@@ -459,6 +463,10 @@ def decode_table(args) -> None:
         "uptime_start": uptime(),
         "models": {},
     }
+    if args.resume and out.is_file():  # a run cut short (OOM, deadline): keep its rows, measure the rest
+        old = json.loads(out.read_text())
+        result["models"] = old["models"]
+        result["resumed_from"] = {k: old.get(k) for k in ("uptime_start", "uptime_last")}
 
     def save() -> None:
         result["uptime_last"] = uptime()
@@ -469,13 +477,14 @@ def decode_table(args) -> None:
         for name, model_dir, template in table_models(args, Path(tmp)):
             model, tok = load_model(model_dir, "cpu")
             model.eval()
-            entry = result["models"][name] = {"model_dir": str(model_dir) if name == "smollm2" else None}
+            entry = result["models"].setdefault(name, {})
+            entry["model_dir"] = str(model_dir) if name == "smollm2" else None
             entry["parameters"] = sum(p.numel() for p in model.parameters())
             vllm = {}
             try:
                 for d in args.vllm_dtypes:
                     vllm[d] = VllmDecoder(model_dir, d, args)
-                    entry[f"vllm_{d}_startup"] = vllm[d].ready
+                    entry.setdefault(f"vllm_{d}_startups", []).append(vllm[d].ready)
                     print(f"{name}: vLLM {d} started {vllm[d].ready}", flush=True)
                     save()
                 mismatch_rows(name, model, tok, template, vllm, args, result, save)
@@ -499,6 +508,7 @@ def decode_table_args(argv: list[str]):
     ap.add_argument(
         "--compile", action="store_true", help="let vLLM compile the model (default: enforce_eager)"
     )
+    ap.add_argument("--resume", action="store_true", help="keep --out's rows, measure only the missing")
     ap.add_argument("--out", default=None)
     return ap.parse_args(argv)
 
