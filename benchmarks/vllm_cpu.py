@@ -361,10 +361,11 @@ def uptime() -> str:
 
 
 def table_models(args, tmp: Path):
-    """(name, model folder, template) of the table: SmolLM2 and the tiny model in vLLM's shape."""
+    """(name, model folder, template) of the table, in ``--models``' order: SmolLM2 and the tiny model
+    in vLLM's shape."""
     tiny = build_dir("tiny_vllm", tmp / "tiny_vllm")
     out = [("smollm2", Path(args.decode_table), None), ("tiny_vllm", tiny, "{problem}\n")]
-    return [m for m in out if m[0] in args.models]
+    return sorted((m for m in out if m[0] in args.models), key=lambda m: args.models.index(m[0]))
 
 
 def logprob_gap(model, samples, prompts_ids, temperature: float = 1.0) -> dict:
