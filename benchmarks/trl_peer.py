@@ -16,11 +16,23 @@ Variants: ``trl`` (TRL 1.16, HF ``generate``), ``laminar`` (the sync RL stage's 
 with the padded trainer forward the project had before issue 30), so the before/after of this
 machine and load sits in one table.
 
+``--model smollm2 DIR``: the real model instead (SmolLM2-135M-Instruct, the safetensors folder
+``laminar model fetch smollm2`` writes) on ``recipe=smollm2_arith``'s task: the pool of its arithmetic
+levels through the chat template with the recipe's answer-format prompt, its reward (the verifier plus
+the format term, ``rewards.compose.Reward``: the same object scores both sides), LoRA for RL (the same
+rank, alpha and modules: TRL gets them as its ``peft_config``), 4 prompts x 8 completions, 24 new
+tokens, lr 2e-4 (the recipe's sizes; ``--prompts-per-step`` etc. override them). TRL gets the prompt as
+a chat message and applies the same template; ``prompt_mismatches`` counts prompts whose token ids
+differ from the project's (0 expected). Also reported: update tokens/s (generated tokens over the
+time outside generation: scoring, log-probs, backward, optimizer).
+
 TRL is a benchmark-only dependency: ``pip install -e '.[bench]'`` (or ``pip install trl==1.16.0``);
 the project never imports it.
 
     .venv/bin/python benchmarks/trl_peer.py --workspace WS [--rounds 3] [--steps 8] [--warmup 2]
         [--threads 2] [--variants trl laminar laminar-reference] [--out benchmarks/results/trl_peer]
+    .venv/bin/python benchmarks/trl_peer.py --model smollm2 DIR --threads 1 --rounds 2 --steps 3 \
+        --warmup 1 --variants trl laminar --tag smollm2_2026-12-06
 """
 
 from __future__ import annotations
@@ -41,6 +53,9 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
 VARIANTS = ("trl", "laminar", "laminar-reference")
+MODELS = ("smollm2",)
+RECIPES = {"smollm2": "smollm2_arith"}
+TINY_SIZES = {"prompts_per_step": 16, "group_size": 8, "max_new_tokens": 64}
 
 
 def workspace_inputs(ws: Path) -> tuple[Path, Path]:
@@ -57,24 +72,75 @@ def workspace_inputs(ws: Path) -> tuple[Path, Path]:
     raise SystemExit(f"no finished run with rft and select stages under {ws}/runs")
 
 
-def load_prompts(model_dir: Path, prompts_path: Path):
+def load_prompts(model_dir: Path, prompts_path: Path | None, template: str | None = None, rows=None):
+    """(tokenizer, prompts): the rows of ``prompts_path`` (or ``rows``) in ``template`` (default: the
+    tiny model's)."""
     from data_curation.synthetic import PROMPT_TEMPLATE
     from generation.model import encode_problem, load_tokenizer
     from generation.records import PromptItem
     from generation.setup import read_table
 
     tok = load_tokenizer(model_dir)
-    rows = read_table(prompts_path)
+    rows = read_table(prompts_path) if rows is None else rows
     return tok, [
         PromptItem(
             prompt_id=r["prompt_id"],
             text=r["problem"],
             answer=r["answer"],
-            prompt_tokens=encode_problem(tok, PROMPT_TEMPLATE, r["problem"]),
+            prompt_tokens=encode_problem(tok, template or PROMPT_TEMPLATE, r["problem"]),
             level=r.get("level"),
         )
         for r in rows
     ]
+
+
+def bench_config(args, extra: tuple[str, ...] = ()):
+    """The project config both sides read: the default one (tiny mode), or ``--model``'s recipe, with
+    the benchmark's seed, steps, batch and lengths."""
+    from conf.loader import load_config
+
+    recipe = [f"recipe={RECIPES[args.model[0]]}", f"threads={args.threads}"] if args.model else []
+    cfg = load_config(
+        [
+            *recipe,
+            f"seed={args.seed}",
+            f"rl.steps={args.warmup + args.steps}",
+            f"rl.prompts_per_step={args.prompts_per_step}",
+            f"rl.group_size={args.group_size}",
+            f"rl.max_new_tokens={args.max_new_tokens}",
+            "rl.eval_every=0",
+            *extra,
+        ]
+    )
+    return cfg
+
+
+def recipe_pool(cfg) -> list[dict]:
+    """The recipe's training pool (its levels, pool size and seed), as the data stage draws it."""
+    from data_curation.synthetic import generate
+
+    d = cfg.data
+    pool, _ = generate(cfg.seed, d.pool_size, d.heldout_size, list(d.levels))
+    return [
+        {"prompt_id": p.prompt_id, "problem": p.problem, "answer": p.answer, "level": p.level} for p in pool
+    ]
+
+
+def bench_prompts(args, cfg):
+    """(tokenizer, prompts, template) of the run: the workspace's selected prompts (tiny mode) or the
+    recipe's pool through its template and the model's chat template (``--model``)."""
+    if args.model:
+        return (*load_prompts(args.model_dir, None, cfg.data.template, recipe_pool(cfg)), cfg.data.template)
+    from data_curation.synthetic import PROMPT_TEMPLATE
+
+    return (*load_prompts(args.model_dir, args.prompts), PROMPT_TEMPLATE)
+
+
+def bench_reward(cfg, verifier):
+    """The reward both sides score with: the recipe's components (``--model``), else the verifier."""
+    from rewards.compose import Reward
+
+    return Reward.of(verifier, cfg.reward)
 
 
 def completion_lengths(completions, eos_id: int) -> list[int]:
@@ -97,22 +163,15 @@ def run_laminar(args, reference: bool) -> dict:
     import torch
 
     import training.rl.drivers.local as local
-    from conf.loader import load_config
     from rewards.verifier import Verifier
     from training.rl import trainer as trainer_mod
-    from training.rl.stage import objective_params
+    from training.rl.loop import rl_reward
+    from training.rl.stage import objective_params, rl_start
 
-    cfg = load_config(
-        [
-            f"seed={args.seed}",
-            f"rl.steps={args.warmup + args.steps}",
-            f"rl.prompts_per_step={args.prompts_per_step}",
-            f"rl.group_size={args.group_size}",
-            f"rl.max_new_tokens={args.max_new_tokens}",
-            "rl.eval_every=0",
-        ]
-    )
-    _, prompts = load_prompts(args.model_dir, args.prompts)
+    cfg = bench_config(args)
+    _, prompts, _ = bench_prompts(args, cfg)
+    params = objective_params(cfg.rl)
+    sections = RLSections.of(cfg) if args.model else RLSections(cfg.rl, seed=args.seed, rollout=cfg.rollout)
     gen_calls: list[tuple[float, int]] = []
     pending = [0.0, 0]  # seconds and tokens of the rollout's orders since the last step
     original = local.run_order
@@ -132,17 +191,15 @@ def run_laminar(args, reference: bool) -> dict:
     local.run_order = timed_order
     if reference and hasattr(trainer_mod, "REFERENCE_FORWARD"):
         trainer_mod.REFERENCE_FORWARD = True  # the padded trainer forward (the decode has no reference path)
-    stamps = [time.perf_counter()]
-    with Verifier(timeout_s=cfg.eval.verifier_timeout_s) as verifier:
-        local.LocalDriver(
-            Path(args.model_dir),
-            prompts,
-            verifier,
-            objective_params(cfg.rl),
-            RLSections(cfg.rl, seed=args.seed, rollout=cfg.rollout),
-            device="cpu",
-            on_step=on_step,
-        ).run()
+    with (
+        Verifier(timeout_s=cfg.eval.verifier_timeout_s) as verifier,
+        tempfile.TemporaryDirectory(prefix="trl_peer-") as scratch,
+    ):
+        # LoRA on for rl (the recipe): a fresh adapter on the model, as the RL stage starts from
+        model_dir = rl_start(Path(args.model_dir), sections.lora, Path(scratch), args.seed)
+        reward = rl_reward(bench_reward(cfg, verifier), params) if args.model else verifier
+        stamps = [time.perf_counter()]
+        local.LocalDriver(model_dir, prompts, reward, params, sections, device="cpu", on_step=on_step).run()
     return {
         "step_s": [b - a for a, b in zip(stamps, stamps[1:])],
         "gen_s": [g for g, _ in gen_calls],
@@ -151,27 +208,102 @@ def run_laminar(args, reference: bool) -> dict:
     }
 
 
+def trl_dataset(args, prompts, template: str):
+    """TRL's prompts: the project's prompt text (tiny: BOS + template, no special tokens added, which
+    tokenizes to exactly the project's ids), or a chat message TRL puts through the chat template."""
+    from datasets import Dataset
+
+    if args.model:
+        rows = [
+            {
+                "prompt": [{"role": "user", "content": template.replace("{problem}", p.text)}],
+                "answer": p.answer,
+                "problem": p.text,
+            }
+            for p in prompts
+        ]
+    else:
+        bos = args.bos
+        rows = [{"prompt": bos + template.replace("{problem}", p.text), "answer": p.answer} for p in prompts]
+    return Dataset.from_list(rows)
+
+
+def trl_reward(args, cfg, verifier):
+    """TRL's reward function: the verifier's reward (tiny), or the recipe's composed reward over the
+    same ``Sample``s the project scores (``--model``)."""
+    if not args.model:
+        return lambda prompts, completions, answer, **kw: [
+            v.reward for v in verifier.verify_batch(list(completions), list(answer))
+        ]
+    from rewards.components import Sample
+
+    composed = bench_reward(cfg, verifier)
+
+    def reward(prompts, completions, answer, problem, completion_ids, **kw):
+        texts = [c[-1]["content"] if isinstance(c, list) else c for c in completions]
+        samples = [
+            Sample(t, a, len(ids), args.max_new_tokens, q)
+            for t, a, ids, q in zip(texts, answer, completion_ids, problem)
+        ]
+        return list(composed.score(samples).total)
+
+    return reward
+
+
+def trl_config(args, cfg, out_dir: str):
+    from trl import GRPOConfig
+
+    return GRPOConfig(
+        output_dir=out_dir,
+        per_device_train_batch_size=args.prompts_per_step * args.group_size,
+        num_generations=args.group_size,
+        max_completion_length=args.max_new_tokens,
+        max_steps=args.warmup + args.steps,
+        learning_rate=cfg.rl.lr,
+        adam_beta1=0.9,
+        adam_beta2=0.99,
+        weight_decay=cfg.rl.weight_decay,
+        max_grad_norm=cfg.rl.max_grad_norm,
+        lr_scheduler_type="constant",
+        warmup_steps=0,
+        optim="adamw_torch",
+        beta=0.0,
+        loss_type="grpo",
+        scale_rewards="group",
+        epsilon=0.2,
+        temperature=cfg.rl.temperature if args.model else 1.0,
+        top_p=1.0,
+        top_k=0,
+        use_cpu=True,
+        bf16=False,
+        fp16=False,
+        report_to="none",
+        logging_steps=1,
+        save_strategy="no",
+        seed=args.seed,
+        dataloader_num_workers=0,
+        log_completions=False,
+        disable_tqdm=True,
+    )
+
+
 def run_trl(args) -> dict:
     import torch
-    from datasets import Dataset
     from transformers import AutoModelForCausalLM, TrainerCallback
-    from trl import GRPOConfig, GRPOTrainer
+    from trl import GRPOTrainer
 
-    from conf.loader import load_config
-    from data_curation.synthetic import PROMPT_TEMPLATE
     from rewards.verifier import Verifier
+    from training.lora import peft_config
 
-    cfg = load_config([f"seed={args.seed}"])
-    tok, prompts = load_prompts(args.model_dir, args.prompts)
-    bos = tok.bos_token or ""
-    # the prompt text TRL tokenizes (no special tokens added) gives exactly the project's prompt ids
-    data = Dataset.from_list(
-        [{"prompt": bos + PROMPT_TEMPLATE.replace("{problem}", p.text), "answer": p.answer} for p in prompts]
-    )
+    cfg = bench_config(args)
+    tok, prompts, template = bench_prompts(args, cfg)
+    args.bos = tok.bos_token or ""
+    data = trl_dataset(args, prompts, template)
     known = {tuple(p.prompt_tokens) for p in prompts}
     model = AutoModelForCausalLM.from_pretrained(
         str(args.model_dir), use_safetensors=True, dtype=torch.float32
     )
+    lora = cfg.model.lora if cfg.model.lora.on("rl") else None
     gen_calls: list[tuple[float, int]] = []
     mismatched = [0]
     original = model.generate
@@ -199,50 +331,16 @@ def run_trl(args) -> dict:
             stamps.append(time.perf_counter())
 
     with Verifier(timeout_s=cfg.eval.verifier_timeout_s) as verifier:
-
-        def reward(prompts, completions, answer, **kw):
-            return [v.reward for v in verifier.verify_batch(list(completions), list(answer))]
-
-        out_dir = tempfile.mkdtemp(prefix="trl_peer-")
-        gcfg = GRPOConfig(
-            output_dir=out_dir,
-            per_device_train_batch_size=args.prompts_per_step * args.group_size,
-            num_generations=args.group_size,
-            max_completion_length=args.max_new_tokens,
-            max_steps=args.warmup + args.steps,
-            learning_rate=cfg.rl.lr,
-            adam_beta1=0.9,
-            adam_beta2=0.99,
-            weight_decay=cfg.rl.weight_decay,
-            max_grad_norm=cfg.rl.max_grad_norm,
-            lr_scheduler_type="constant",
-            warmup_steps=0,
-            optim="adamw_torch",
-            beta=0.0,
-            loss_type="grpo",
-            scale_rewards="group",
-            epsilon=0.2,
-            temperature=1.0,
-            top_p=1.0,
-            top_k=0,
-            use_cpu=True,
-            bf16=False,
-            fp16=False,
-            report_to="none",
-            logging_steps=1,
-            save_strategy="no",
-            seed=args.seed,
-            dataloader_num_workers=0,
-            log_completions=False,
-            disable_tqdm=True,
-        )
+        if lora is not None:
+            torch.manual_seed(args.seed)  # lora_A's initialisation, as the project seeds it
         trainer = GRPOTrainer(
             model=model,
-            reward_funcs=reward,
-            args=gcfg,
+            reward_funcs=trl_reward(args, cfg, verifier),
+            args=trl_config(args, cfg, tempfile.mkdtemp(prefix="trl_peer-")),
             train_dataset=data,
             processing_class=tok,
             callbacks=[Stamp()],
+            peft_config=peft_config(lora) if lora is not None else None,
         )
         torch.set_num_threads(args.threads)  # after the Trainer set-up (accelerate may touch it)
         trainer.train()
@@ -251,6 +349,7 @@ def run_trl(args) -> dict:
         "gen_s": [g for g, _ in gen_calls],
         "tokens": [n for _, n in gen_calls],
         "prompt_mismatches": mismatched[0],
+        "trainable_parameters": sum(p.numel() for p in trainer.model.parameters() if p.requires_grad),
         "torch_threads": torch.get_num_threads(),
     }
 
@@ -282,7 +381,9 @@ def worker(args) -> None:
         median_step_s=statistics.median(step_s),
         step_tokens_per_s=sum(toks) / sum(step_s),
         gen_tokens_per_s=sum(toks) / sum(gen_s),
+        update_tokens_per_s=sum(toks) / (sum(step_s) - sum(gen_s)),
         mean_response_tokens=sum(toks) / len(toks) / (args.prompts_per_step * args.group_size),
+        median_gen_s=statistics.median(gen_s),
         median_update_s=statistics.median(s - g for s, g in zip(step_s, gen_s)),
     )
     Path(args.result).write_text(json.dumps(res, indent=1))
@@ -298,6 +399,32 @@ def loadavg() -> float:
         return float("nan")
 
 
+def resolve_inputs(ap, args) -> None:
+    """The checkpoint and prompts (``--workspace``, ``--model-dir``/``--prompts`` or ``--model``) and
+    the sizes (``--model``: its recipe's unless given)."""
+    if args.model:
+        name, folder = args.model
+        if name not in MODELS:
+            ap.error(f"--model {name}: one of {', '.join(MODELS)}")
+        args.model_dir = Path(folder)
+        if not (args.model_dir / "model.safetensors").is_file():
+            ap.error(f"--model {name} {folder}: no model.safetensors there (laminar model fetch {name})")
+        from conf.loader import load_config
+
+        rl = load_config([f"recipe={RECIPES[name]}"]).rl
+        sizes = {"prompts_per_step": rl.prompts_per_step, "group_size": rl.group_size}
+        sizes["max_new_tokens"] = rl.max_new_tokens
+    else:
+        if args.workspace is not None:
+            args.model_dir, args.prompts = workspace_inputs(args.workspace)
+        if args.model_dir is None or args.prompts is None:
+            ap.error("give --workspace, --model-dir and --prompts, or --model NAME DIR")
+        sizes = TINY_SIZES
+    for k, v in sizes.items():
+        if getattr(args, k) is None:
+            setattr(args, k, v)
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument(
@@ -307,13 +434,19 @@ def main() -> None:
     )
     ap.add_argument("--model-dir", type=Path)
     ap.add_argument("--prompts", type=Path)
+    ap.add_argument(
+        "--model",
+        nargs=2,
+        metavar=("NAME", "DIR"),
+        help=f"a real model ({'|'.join(MODELS)}) and its safetensors folder: its recipe's task and sizes",
+    )
     ap.add_argument("--rounds", type=int, default=3)
     ap.add_argument("--steps", type=int, default=8)
     ap.add_argument("--warmup", type=int, default=2)
     ap.add_argument("--threads", type=int, default=2)
-    ap.add_argument("--prompts-per-step", type=int, default=16)
-    ap.add_argument("--group-size", type=int, default=8)
-    ap.add_argument("--max-new-tokens", type=int, default=64)
+    ap.add_argument("--prompts-per-step", type=int, help="default: the recipe's (--model), else 16")
+    ap.add_argument("--group-size", type=int, help="default: the recipe's (--model), else 8")
+    ap.add_argument("--max-new-tokens", type=int, help="default: the recipe's (--model), else 64")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--variants", nargs="+", default=list(VARIANTS), choices=VARIANTS)
     ap.add_argument("--out", type=Path, default=ROOT / "benchmarks" / "results" / "trl_peer")
@@ -321,10 +454,7 @@ def main() -> None:
     ap.add_argument("--worker", choices=VARIANTS, help=argparse.SUPPRESS)
     ap.add_argument("--result", help=argparse.SUPPRESS)
     args = ap.parse_args()
-    if args.workspace is not None:
-        args.model_dir, args.prompts = workspace_inputs(args.workspace)
-    if args.model_dir is None or args.prompts is None:
-        ap.error("give --workspace, or --model-dir and --prompts")
+    resolve_inputs(ap, args)
     if args.worker:
         return worker(args)
 
@@ -332,84 +462,102 @@ def main() -> None:
     for r in range(args.rounds):
         order = args.variants[r % len(args.variants) :] + args.variants[: r % len(args.variants)]
         for v in order:
-            with tempfile.NamedTemporaryFile(suffix=".json", delete=False) as f:
-                result = f.name
-            cmd = [
-                sys.executable,
-                __file__,
-                "--worker",
-                v,
-                "--result",
-                result,
-                "--model-dir",
-                str(args.model_dir),
-                "--prompts",
-                str(args.prompts),
-                "--steps",
-                str(args.steps),
-                "--warmup",
-                str(args.warmup),
-                "--threads",
-                str(args.threads),
-                "--prompts-per-step",
-                str(args.prompts_per_step),
-                "--group-size",
-                str(args.group_size),
-                "--max-new-tokens",
-                str(args.max_new_tokens),
-                "--seed",
-                str(args.seed),
-            ]
-            env = {
-                **os.environ,
-                "OMP_NUM_THREADS": str(args.threads),
-                "TOKENIZERS_PARALLELISM": "false",
-                "PYTHONPATH": str(ROOT) + os.pathsep + os.environ.get("PYTHONPATH", ""),
-            }
-            load0 = loadavg()
-            subprocess.run(cmd, check=True, env=env, cwd=ROOT)
-            res = json.loads(Path(result).read_text())
-            os.unlink(result)
-            res.update(round=r, load_before=load0, load_after=loadavg())
+            res = run_worker(args, v)
+            res["round"] = r
             runs.append(res)
             print(
                 f"round {r} {v:18s} {res['median_step_s']:.3f} s/step | "
                 f"step {res['step_tokens_per_s']:7.0f} tok/s | "
-                f"gen {res['gen_tokens_per_s']:7.0f} tok/s | update {res['median_update_s']:.3f} s | "
-                f"len {res['mean_response_tokens']:.1f} | load {load0:.2f}->{res['load_after']:.2f}",
+                f"gen {res['gen_tokens_per_s']:7.0f} tok/s | update {res['median_update_s']:.3f} s "
+                f"{res['update_tokens_per_s']:6.0f} tok/s | "
+                f"len {res['mean_response_tokens']:.1f} | "
+                f"load {res['load_before']:.2f}->{res['load_after']:.2f}",
                 flush=True,
             )
+            write_results(args, runs, partial=True)  # a run cut short still leaves its numbers
+    out = write_results(args, runs, partial=False)
+    print(json.dumps({k: out[k] for k in ("summary", "ratios_vs_trl")}, indent=1))
 
+
+def run_worker(args, variant: str) -> dict:
+    """One (round, variant) process: its worker's result with the load around it."""
+    with tempfile.NamedTemporaryFile(suffix=".json", delete=False) as f:
+        result = f.name
+    inputs = (
+        ["--model", args.model[0], str(args.model_dir)]
+        if args.model
+        else ["--model-dir", str(args.model_dir), "--prompts", str(args.prompts)]
+    )
+    sizes = ("steps", "warmup", "threads", "prompts_per_step", "group_size", "max_new_tokens", "seed")
+    cmd = [sys.executable, __file__, "--worker", variant, "--result", result, *inputs]
+    for k in sizes:
+        cmd += [f"--{k.replace('_', '-')}", str(getattr(args, k))]
+    env = {
+        **os.environ,
+        "OMP_NUM_THREADS": str(args.threads),
+        "TOKENIZERS_PARALLELISM": "false",
+        "PYTHONPATH": str(ROOT) + os.pathsep + os.environ.get("PYTHONPATH", ""),
+    }
+    load0 = loadavg()
+    subprocess.run(cmd, check=True, env=env, cwd=ROOT)
+    res = json.loads(Path(result).read_text())
+    os.unlink(result)
+    res.update(load_before=load0, load_after=loadavg(), uptime_after=uptime())
+    return res
+
+
+SUMMARY_KEYS = (
+    "median_step_s",
+    "step_tokens_per_s",
+    "gen_tokens_per_s",
+    "update_tokens_per_s",
+    "median_gen_s",
+    "median_update_s",
+    "mean_response_tokens",
+)
+
+
+def summarize(variants, runs: list[dict]) -> tuple[dict, dict]:
+    """(per variant the median over rounds of each key, each variant's ratios to TRL)."""
     summary = {}
-    for v in args.variants:
+    for v in variants:
         mine = [x for x in runs if x["variant"] == v]
-        summary[v] = {
-            k: statistics.median(x[k] for x in mine)
-            for k in (
-                "median_step_s",
-                "step_tokens_per_s",
-                "gen_tokens_per_s",
-                "median_update_s",
-                "mean_response_tokens",
-            )
-        }
+        if mine:
+            summary[v] = {
+                k: statistics.median(x[k] for x in mine) for k in SUMMARY_KEYS if all(k in x for x in mine)
+            }
     ratios = {}
     if "trl" in summary:
-        for v in args.variants:
+        t = summary["trl"]
+        for v in summary:
             if v != "trl":
                 ratios[v] = {
-                    "step_tokens_per_s": summary[v]["step_tokens_per_s"]
-                    / summary["trl"]["step_tokens_per_s"],
-                    "gen_tokens_per_s": summary[v]["gen_tokens_per_s"] / summary["trl"]["gen_tokens_per_s"],
-                    "seconds_per_step": summary["trl"]["median_step_s"] / summary[v]["median_step_s"],
+                    k: summary[v][k] / t[k]
+                    for k in ("step_tokens_per_s", "gen_tokens_per_s", "update_tokens_per_s")
+                    if k in summary[v] and k in t
                 }
+                ratios[v]["seconds_per_step"] = t["median_step_s"] / summary[v]["median_step_s"]
+    return summary, ratios
+
+
+def uptime() -> str:
+    try:
+        return subprocess.run(["uptime"], capture_output=True, text=True).stdout.strip()
+    except OSError:
+        return open("/proc/loadavg").read().strip()
+
+
+def write_results(args, runs: list[dict], partial: bool) -> dict:
+    summary, ratios = summarize(args.variants, runs)
     out = {
         "config": {
             k: str(v) if isinstance(v, Path) else v
             for k, v in vars(args).items()
             if k not in ("worker", "result")
         },
+        "partial": partial,
         "machine": {"cpus": os.cpu_count(), "loadavg_end": open("/proc/loadavg").read().strip()},
+        "uptime_end": uptime(),
         "summary": summary,
         "ratios_vs_trl": ratios,
         "runs": runs,
@@ -417,8 +565,9 @@ def main() -> None:
     args.out.mkdir(parents=True, exist_ok=True)
     path = args.out / f"trl_peer_{args.tag}.json"
     path.write_text(json.dumps(out, indent=1))
-    print(json.dumps({"summary": summary, "ratios_vs_trl": ratios}, indent=1))
-    print(f"wrote {path}")
+    if not partial:
+        print(f"wrote {path}")
+    return out
 
 
 if __name__ == "__main__":

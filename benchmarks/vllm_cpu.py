@@ -16,6 +16,23 @@ worker binds one core and reserves the other; the built-in engine runs one torch
     .venv/bin/python benchmarks/vllm_cpu.py --shape 0.5b --parts throughput,update --lora-rank 16
     .venv/bin/python benchmarks/vllm_cpu.py --reconcile WORKSPACE/artifacts/model/<rl checkpoint> ...
 
+``--decode-table SMOLLM2_DIR``: the decode table beside ``benchmarks/engine_smollm2.py``, on the same
+prompts (its ``prompts`` through the same templates) and new-token count (16, EOS off: every side
+decodes the full length), at batch 1, 16, 64 and 128, on SmolLM2-135M-Instruct and the tiny model in
+the shape vLLM's CPU build runs (``tiny_vllm``: head_dim 32; the default tiny's head_dim 16 is not a
+head size vLLM's CPU attention takes): vLLM's tokens/s per batch and dtype, and the project's engine
+(fp32 and bf16, its default decode paths) measured interleaved with it, per batch, in the same run
+(the ratios are the result; absolute numbers move with the machine's load, recorded per row). vLLM
+runs in its own environment (``LAMINAR_VLLM_PYTHON`` or ``.venv-vllm``) as a worker process that
+stays up for the whole table (started once per model and dtype, ``enforce_eager`` unless
+``--compile``; no prefix caching, which would skip the repeated prompts' prefill). Then the log-prob
+mismatch on the same tokens: vLLM's behaviour log-probs (fp32, and bf16 with ``--vllm-dtypes``) and
+the engine's (fp32, bf16) against the trainer's float32 recomputation of the very tokens each sampled.
+Writes ``--out`` (JSON, rewritten after every row).
+
+    .venv/bin/python benchmarks/vllm_cpu.py --decode-table WS/artifacts/pretrained/<sha> --threads 1 \
+        --out benchmarks/results/vllm_cpu/vllm_cpu_smollm2_2026-12-06.json
+
 ``--reconcile`` reads RL checkpoints' records instead (``runtime.json``, ``history.jsonl``,
 ``consumed.json``) and checks that every trained group was trained once (group ids unique; the
 prompts consumed add up to the trajectories trained) and prints the in-run sampler/trainer log-prob
@@ -224,7 +241,284 @@ def reconcile(ckpt: Path) -> dict:
     return out
 
 
+# ------------------------------------------------------------------------------ --decode-table
+
+
+def decode_worker(argv: list[str]) -> None:
+    """vLLM's side of the decode table, in vLLM's environment: starts ``vllm.LLM`` once, then answers
+    JSON lines on stdin (``decode``: best seconds of ``repeats`` timed runs after one warm-up;
+    ``sample``: tokens and behaviour log-probs) on the stdout it started with (vLLM logs to stderr)."""
+    import os
+
+    ap = argparse.ArgumentParser()
+    for k in ("--model-dir", "--dtype"):
+        ap.add_argument(k, required=True)
+    ap.add_argument("--capacity", type=int, default=128)
+    ap.add_argument("--max-model-len", type=int, default=512)
+    ap.add_argument("--compile", action="store_true")
+    a = ap.parse_args(argv)
+    proto = os.fdopen(os.dup(1), "w", buffering=1)
+    os.dup2(2, 1)  # vLLM's prints and logs go to stderr; stdout is the protocol
+    from vllm import LLM, SamplingParams
+
+    cfg = json.loads((Path(a.model_dir) / "config.json").read_text())
+    max_len = min(a.max_model_len, cfg.get("max_position_embeddings") or a.max_model_len)
+    t0 = time.perf_counter()
+    llm = LLM(
+        model=a.model_dir,
+        tokenizer=a.model_dir,
+        dtype=a.dtype,
+        seed=0,
+        max_num_seqs=a.capacity,
+        max_model_len=max_len,
+        enforce_eager=not a.compile,
+        enable_prefix_caching=False,
+        logprobs_mode="processed_logprobs",
+    )
+    import vllm
+
+    proto.write(json.dumps({"startup_s": time.perf_counter() - t0, "vllm": vllm.__version__}) + "\n")
+
+    def run(prompts, new_tokens, logprobs=None):
+        sp = SamplingParams(
+            temperature=1.0,
+            top_p=1.0,
+            max_tokens=new_tokens,
+            ignore_eos=True,  # not min_tokens: that masks EOS, which shifts every log-prob
+            logprobs=logprobs,
+            detokenize=False,
+        )
+        return llm.generate([{"prompt_token_ids": q} for q in prompts], sp, use_tqdm=False)
+
+    for line in sys.stdin:
+        req = json.loads(line)
+        if req["op"] == "quit":
+            break
+        if req["op"] == "decode":
+            run(req["prompts"], req["new_tokens"])  # warm-up
+            best, n = float("inf"), 0
+            for _ in range(req["repeats"]):
+                t = time.perf_counter()
+                outs = run(req["prompts"], req["new_tokens"])
+                best = min(best, time.perf_counter() - t)
+                n = sum(len(o.outputs[0].token_ids) for o in outs)
+            proto.write(json.dumps({"seconds": best, "tokens": n}) + "\n")
+        else:  # sample
+            outs = run(req["prompts"], req["new_tokens"], logprobs=0)
+            rows = []
+            for o in outs:
+                c = o.outputs[0]
+                rows.append([list(c.token_ids), [lp[t].logprob for t, lp in zip(c.token_ids, c.logprobs)]])
+            proto.write(json.dumps({"samples": rows}) + "\n")
+
+
+class VllmDecoder:
+    """The decode worker process (``decode_worker``) from the driver's side."""
+
+    def __init__(self, model_dir: Path, dtype: str, args):
+        import os
+        import subprocess
+
+        from generation.engines import vllm_python
+        from generation.vllm_worker import cpu_defaults
+
+        py = vllm_python(None)
+        if py is None:
+            raise SystemExit("--decode-table needs vLLM's environment: make vllm-env, or LAMINAR_VLLM_PYTHON")
+        env = {**os.environ, "OMP_NUM_THREADS": str(args.threads), "TOKENIZERS_PARALLELISM": "false"}
+        env["VLLM_CPU_KVCACHE_SPACE"] = "1"  # GiB: SmolLM2's 128 x ~80 tokens need 0.5
+        cpu_defaults(env)
+        cmd = [py, __file__, "--decode-worker", "--model-dir", str(model_dir), "--dtype", dtype]
+        cmd += ["--capacity", str(max(args.batches))] + (["--compile"] if args.compile else [])
+        t0 = time.perf_counter()
+        self.proc = subprocess.Popen(cmd, stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True, env=env)
+        self.ready = self._read()
+        self.ready["wall_startup_s"] = time.perf_counter() - t0
+
+    def _read(self) -> dict:
+        line = self.proc.stdout.readline()
+        if not line:
+            raise RuntimeError(f"vLLM decode worker exited ({self.proc.wait()}): see its stderr above")
+        return json.loads(line)
+
+    def ask(self, **req) -> dict:
+        self.proc.stdin.write(json.dumps(req) + "\n")
+        self.proc.stdin.flush()
+        return self._read()
+
+    def close(self) -> None:
+        try:
+            self.ask(op="quit")
+        except (BrokenPipeError, RuntimeError, ValueError):
+            pass
+        self.proc.wait(timeout=120)
+
+
+def uptime() -> str:
+    import subprocess
+
+    return subprocess.run(["uptime"], capture_output=True, text=True).stdout.strip()
+
+
+def table_models(args, tmp: Path):
+    """(name, model folder, template) of the table, in ``--models``' order: SmolLM2 and the tiny model
+    in vLLM's shape."""
+    tiny = build_dir("tiny_vllm", tmp / "tiny_vllm")
+    out = [("smollm2", Path(args.decode_table), None), ("tiny_vllm", tiny, "{problem}\n")]
+    return sorted((m for m in out if m[0] in args.models), key=lambda m: args.models.index(m[0]))
+
+
+def logprob_gap(model, samples, prompts_ids, temperature: float = 1.0) -> dict:
+    """``mismatch`` of (tokens, behaviour log-probs) sampled for ``prompts_ids`` against ``model``."""
+    from types import SimpleNamespace as NS
+
+    trajs = [
+        NS(prompt=NS(prompt_tokens=p), response_tokens=t, behaviour_logprobs=b)
+        for p, (t, b) in zip(prompts_ids, samples)
+    ]
+    return mismatch(trajs, model, temperature)
+
+
+def engine_samples(model, tok, items, new_tokens: int, dtype: str) -> list:
+    from generation.engine import Engine
+
+    rollout = RolloutConfig(dtype=dtype)
+    eng = Engine(model, tok, EngineOptions(capacity=len(items), max_new_tokens=new_tokens, rollout=rollout))
+    eng.eos_id = -1
+    out = eng.generate([GenRequest(p, 0) for p in items], new_tokens, 1.0, seed=0)
+    return [(list(t.response_tokens), list(t.behaviour_logprobs)) for t in out]
+
+
+def decode_rows(name, model, tok, template, vllm: dict, args, result, save) -> None:
+    """Per batch size: vLLM (each started dtype) and the engine (fp32, bf16), alternating who goes first."""
+    from benchmarks.engine_smollm2 import SMOLLM2_TEMPLATE, engine_tps, prompts
+
+    table = result["models"][name].setdefault("batches", {})
+    for i, batch in enumerate(args.batches):
+        if str(batch) in table:
+            continue  # --resume: measured already
+        items = prompts(tok, template or SMOLLM2_TEMPLATE, batch)
+        ids = [list(p.prompt_tokens) for p in items]
+        row = {"load_before": uptime()}
+        sides = [(f"vllm_{d}", d) for d in vllm] + [("engine_fp32", "float32"), ("engine_bf16", "bfloat16")]
+        for key, dtype in sides if i % 2 == 0 else sides[::-1]:
+            if key.startswith("vllm"):
+                r = vllm[dtype].ask(
+                    op="decode", prompts=ids, new_tokens=args.new_tokens, repeats=args.repeats
+                )
+                assert r["tokens"] == batch * args.new_tokens, r
+                row[key] = r["tokens"] / r["seconds"]
+            else:
+                row[key] = engine_tps(model, tok, items, args.new_tokens, dtype, args.repeats)
+            model.float()
+        for d in vllm:
+            row[f"engine_fp32_over_vllm_{d}"] = row["engine_fp32"] / row[f"vllm_{d}"]
+            row[f"engine_bf16_over_vllm_{d}"] = row["engine_bf16"] / row[f"vllm_{d}"]
+        row["load_after"] = uptime()
+        table[str(batch)] = row
+        print(
+            f"{name} batch {batch}: "
+            + "  ".join(f"{k} {v:.2f}" for k, v in row.items() if isinstance(v, float)),
+            flush=True,
+        )
+        save()
+
+
+def mismatch_rows(name, model, tok, template, vllm: dict, args, result, save) -> None:
+    from benchmarks.engine_smollm2 import SMOLLM2_TEMPLATE, prompts
+
+    items = prompts(tok, template or SMOLLM2_TEMPLATE, args.mismatch_prompts)
+    ids = [list(p.prompt_tokens) for p in items]
+    res = result["models"][name].setdefault("mismatch_vs_trainer_fp32", {})
+    if res:
+        return  # --resume: measured already
+    for d, w in vllm.items():
+        samples = w.ask(op="sample", prompts=ids, new_tokens=args.new_tokens)["samples"]
+        res[f"vllm_{d}"] = logprob_gap(model, samples, ids)
+    for d in ("float32", "bfloat16"):
+        samples = engine_samples(model, tok, items, args.new_tokens, d)
+        model.float()  # the trainer's float32 (a bf16 engine may have cast the model it was given)
+        res[f"engine_{d}"] = logprob_gap(model, samples, ids)
+    for k, m in res.items():
+        print(
+            f"{name} {k}: |diff| mean {m['abs_diff_mean']:.2e} p99 {m['abs_diff_p99']:.2e} "
+            f"TIS p1 {m['tis_weight']['p1']:.4f} p99 {m['tis_weight']['p99']:.4f}",
+            flush=True,
+        )
+    save()
+
+
+def decode_table(args) -> None:
+    torch.set_num_threads(args.threads)
+    out = Path(
+        args.out or ROOT / f"benchmarks/results/vllm_cpu/vllm_cpu_smollm2_{datetime.date.today()}.json"
+    )
+    result = {
+        "date": datetime.date.today().isoformat(),
+        "threads": args.threads,
+        "new_tokens": args.new_tokens,
+        "repeats": args.repeats,
+        "batches": args.batches,
+        "vllm_dtypes": args.vllm_dtypes,
+        "enforce_eager": not args.compile,
+        "uptime_start": uptime(),
+        "models": {},
+    }
+    if args.resume and out.is_file():  # a run cut short (OOM, deadline): keep its rows, measure the rest
+        old = json.loads(out.read_text())
+        result["models"] = old["models"]
+        result["resumed_from"] = {k: old.get(k) for k in ("uptime_start", "uptime_last")}
+
+    def save() -> None:
+        result["uptime_last"] = uptime()
+        out.parent.mkdir(parents=True, exist_ok=True)
+        out.write_text(json.dumps(result, indent=1) + "\n")
+
+    with tempfile.TemporaryDirectory(prefix="laminar-vllm-table-") as tmp:
+        for name, model_dir, template in table_models(args, Path(tmp)):
+            model, tok = load_model(model_dir, "cpu")
+            model.eval()
+            entry = result["models"].setdefault(name, {})
+            entry["model_dir"] = str(model_dir) if name == "smollm2" else None
+            entry["parameters"] = sum(p.numel() for p in model.parameters())
+            vllm = {}
+            try:
+                for d in args.vllm_dtypes:
+                    vllm[d] = VllmDecoder(model_dir, d, args)
+                    entry.setdefault(f"vllm_{d}_startups", []).append(vllm[d].ready)
+                    print(f"{name}: vLLM {d} started {vllm[d].ready}", flush=True)
+                    save()
+                mismatch_rows(name, model, tok, template, vllm, args, result, save)
+                decode_rows(name, model, tok, template, vllm, args, result, save)
+            finally:
+                for w in vllm.values():
+                    w.close()
+    print(f"wrote {out}")
+
+
+def decode_table_args(argv: list[str]):
+    ap = argparse.ArgumentParser(description="vLLM CPU decode table beside benchmarks/engine_smollm2.py")
+    ap.add_argument("--decode-table", required=True, metavar="SMOLLM2_DIR")
+    ap.add_argument("--models", nargs="+", default=["smollm2", "tiny_vllm"], choices=["smollm2", "tiny_vllm"])
+    ap.add_argument("--batches", type=int, nargs="+", default=[1, 16, 64, 128])
+    ap.add_argument("--new-tokens", type=int, default=16)
+    ap.add_argument("--repeats", type=int, default=1)
+    ap.add_argument("--threads", type=int, default=1)
+    ap.add_argument("--vllm-dtypes", nargs="+", default=["float32"], choices=["float32", "bfloat16"])
+    ap.add_argument("--mismatch-prompts", type=int, default=16)
+    ap.add_argument(
+        "--compile", action="store_true", help="let vLLM compile the model (default: enforce_eager)"
+    )
+    ap.add_argument("--resume", action="store_true", help="keep --out's rows, measure only the missing")
+    ap.add_argument("--out", default=None)
+    return ap.parse_args(argv)
+
+
 def main() -> None:
+    if sys.argv[1:2] == ["--decode-worker"]:
+        return decode_worker(sys.argv[2:])
+    if any(a == "--decode-table" or a.startswith("--decode-table=") for a in sys.argv[1:]):
+        return decode_table(decode_table_args(sys.argv[1:]))
     if sys.argv[1:2] == ["--reconcile"]:
         for d in sys.argv[2:]:
             print(json.dumps(reconcile(Path(d))))
