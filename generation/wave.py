@@ -7,8 +7,8 @@ step is one of three strategies, chosen per wave: ``NativeStep`` (the whole step
 ``generation.kernels``, the prompts' keys/values shared by their rows, not copied; float32 on the
 CPU), ``FusedStep`` (``generation.fused_decode``'s plain torch ops, Llama-family models) and
 ``ModelStep`` (the model's own forward with a grouped-query decode attention over the static
-cache). Sampling is ``generation.sampler``'s (in C with the native step), so a row samples what it
-samples on the engine's joinable layouts.
+cache). Sampling is ``generation.sampler``'s (in C wherever the native kernels are built), so a
+row samples what it samples on the engine's joinable layouts.
 """
 
 from __future__ import annotations
@@ -152,6 +152,7 @@ class Wave:
         fused = e._fused(width + 1)
         self.model_step = fused is None
         native = fused.native if fused is not None else None
+        sampler = e._native()  # the native sampling step, whatever the decode step (CPU)
         prompt_kv = PromptKV(cache, attn) if native is not None else None
         self.plen = torch.tensor([len(r.prompt.prompt_tokens) for r in requests])
         self.out = Outputs(bsz, m)
@@ -172,12 +173,13 @@ class Wave:
                 kind = ModelStep if fused is None else FusedStep
                 step = kind(e.model, fused, cache, part[1], part[2], plen, width, store, e.device)
             shard = _Shard(rows)
-            shard.loop = self._decode(shard, part[0], part[3], step, native)
+            shard.loop = self._decode(shard, part[0], part[3], step, sampler)
             self.shards.append(shard)
 
     def _decode(self, shard: _Shard, logits, step_pos, step, native):
         """The decode loop of one shard from its rows' first-token ``logits``: yields after each
-        sampled token (``shard.t`` tokens per live row), finished rows compacted away."""
+        sampled token (``shard.t`` tokens per live row), finished rows compacted away. ``native``: the
+        kernels to sample with (logits of another dtype are cast to float32 first), or None."""
         e, out = self.e, self.out
         done, rows = out.done, shard.rows
         n_all = len(rows)
@@ -189,7 +191,9 @@ class Wave:
             if t > 0:
                 logits = step(step_ids, step_pos, t)
             n = len(rows)
-            if native is not None and logits.dtype == torch.float32 and logits.stride(-1) == 1:
+            if native is not None:
+                if logits.dtype != torch.float32 or logits.stride(-1) != 1:
+                    logits = logits.float().contiguous()
                 nxt, keep = next_buf[:n], keep_buf[:n]
                 kept = native.sample_step(
                     logits, e.temperature, self.keys, rows, t, e.eos_id,
