@@ -83,12 +83,19 @@ def tiny_model():
     return build_tiny_model(ModelConfig(), tok, seed=0).eval(), tok, "{problem}\n"
 
 
-def prompts(tok, template: str, n: int) -> list[PromptItem]:
+def prompts(tok, template: str, n: int, short: bool = False) -> list[PromptItem]:
+    """``n`` arithmetic prompts through the model's prompt format (``encode_prompt``: its chat
+    template); ``short``: the bare problem after BOS (~10 tokens), so a short decode's time is the
+    decode's and not the prefill's."""
     texts = [f"What is {i % 10}+{i % 7}-{i % 3}?" for i in range(n)]
-    return [
-        PromptItem(f"p{i}", t, "", encode_prompt(tok, template.replace("{problem}", t)))
-        for i, t in enumerate(texts)
-    ]
+
+    def encode(text: str) -> tuple[int, ...]:
+        if not short:
+            return encode_prompt(tok, template.replace("{problem}", text))
+        bos = [tok.bos_token_id] if tok.bos_token_id is not None else []
+        return tuple(bos + list(tok(text, add_special_tokens=False)["input_ids"]))
+
+    return [PromptItem(f"p{i}", t, "", encode(t)) for i, t in enumerate(texts)]
 
 
 def engine_side(model, tok, items, new_tokens: int, **paths):
@@ -264,7 +271,7 @@ SIDES = ("engine_fp32", "engine_bf16", "hf_fp32", "hf_bf16")
 
 
 def measure_batch(model, bf16, tok, template, batch: int, args, limits: dict) -> dict:
-    items = prompts(tok, template, batch)
+    items = prompts(tok, template, batch, args.short_prompts)
     sides = {
         "engine_fp32": engine_side(model, tok, items, args.new_tokens),
         "engine_bf16": engine_side(bf16, tok, items, args.new_tokens),
@@ -336,7 +343,7 @@ def compare_paths(models, args, result: dict, save) -> None:
         for dtype in args.path_dtypes:
             m = model if dtype == "fp32" else copy.deepcopy(model).to(torch.bfloat16).eval()
             for batch in args.batches:
-                items = prompts(tok, template, batch)
+                items = prompts(tok, template, batch, args.short_prompts)
                 sides = {
                     p: engine_side(m, tok, items, args.new_tokens, **dict(kw)) for p, kw in PATHS.items()
                 }
@@ -361,6 +368,7 @@ def markdown(result: dict) -> str:
         f"# Engine vs Hugging Face generate ({result['tag']}, {result['date']})",
         "",
         f"threads {result['threads']}, {result['args']['new_tokens']} new tokens, "
+        f"short prompts {result['args']['short_prompts']}, "
         f"limits {json.dumps({k: round(v, 1) for k, v in result['limits'].items()})}, load at start "
         f"{result['load_start']}. Ratios are medians of per-round ratios (interleaved repeats); "
         "tokens/s are best-of and only comparable within a row.",
@@ -419,6 +427,9 @@ def main() -> None:
     ap.add_argument("--new-tokens", type=int, default=16)
     ap.add_argument("--repeats", type=int, default=3)
     ap.add_argument("--threads", type=int, default=torch.get_num_threads())
+    ap.add_argument(
+        "--short-prompts", action="store_true", help="bare problems after BOS (~10 tokens), no chat template"
+    )
     ap.add_argument("--tag", default="run", help="results file: engine_smollm2_<tag>_<date>.json/.md")
     ap.add_argument("--paths", action="store_true", help="compare the engine's decode paths instead")
     ap.add_argument("--path-dtypes", nargs="+", default=["fp32", "bf16"], choices=["fp32", "bf16"])
