@@ -56,9 +56,9 @@ def load() -> list[float]:
 def _best_seconds(fn, repeats: int) -> float:
     best = float("inf")
     for _ in range(repeats):
-        t0 = time.perf_counter()
+        t0 = CLOCK()
         fn()
-        best = min(best, time.perf_counter() - t0)
+        best = min(best, CLOCK() - t0)
     return best
 
 
@@ -147,6 +147,11 @@ def hf_side(model, tok, items, new_tokens: int):
     return run
 
 
+CLOCK = time.perf_counter
+"""Wall-clock seconds; ``--cpu-time``: this process's CPU seconds (``time.process_time``), which a
+loaded machine stretches far less (with one thread: no spinning in thread barriers)."""
+
+
 def interleaved(sides: dict, repeats: int) -> dict:
     """Seconds of each side's call per round: one warm-up each, then ``repeats`` rounds, each side once
     per round in a rotated order. Returns {side: [seconds per round]} and the load around it."""
@@ -157,9 +162,9 @@ def interleaved(sides: dict, repeats: int) -> dict:
     before = load()
     for r in range(repeats):
         for n in names[r % len(names) :] + names[: r % len(names)]:
-            t0 = time.perf_counter()
+            t0 = CLOCK()
             sides[n]()
-            times[n].append(time.perf_counter() - t0)
+            times[n].append(CLOCK() - t0)
     return {"seconds": times, "load_before": before, "load_after": load()}
 
 
@@ -240,9 +245,9 @@ def trainer_tps(model, tok, items, new_tokens: int, repeats: int) -> dict:
     trainer.update(groups)
     best = float("inf")
     for _ in range(repeats):
-        t0 = time.perf_counter()
+        t0 = CLOCK()
         trainer.update(groups)
-        best = min(best, time.perf_counter() - t0)
+        best = min(best, CLOCK() - t0)
     tokens = sum(len(t.response_tokens) for g in groups for t in g.trajectories)
     seq_tokens = sum(
         len(t.prompt.prompt_tokens) + len(t.response_tokens) for g in groups for t in g.trajectories
@@ -430,10 +435,15 @@ def main() -> None:
     ap.add_argument(
         "--short-prompts", action="store_true", help="bare problems after BOS (~10 tokens), no chat template"
     )
+    ap.add_argument(
+        "--cpu-time", action="store_true", help="time CPU seconds, not wall-clock ones (use with --threads 1)"
+    )
     ap.add_argument("--tag", default="run", help="results file: engine_smollm2_<tag>_<date>.json/.md")
     ap.add_argument("--paths", action="store_true", help="compare the engine's decode paths instead")
     ap.add_argument("--path-dtypes", nargs="+", default=["fp32", "bf16"], choices=["fp32", "bf16"])
     args = ap.parse_args()
+    global CLOCK
+    CLOCK = time.process_time if args.cpu_time else time.perf_counter
     torch.set_num_threads(args.threads)
     torch.manual_seed(0)
     result = {
