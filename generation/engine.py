@@ -68,9 +68,9 @@ class Engine(EngineBase):
     ``sync_every``, ``static_cache`` (static KV slots, fixed shapes) and ``cuda_graphs`` (the decode
     step captured once and replayed on CUDA). The keywords are the implementation's switches, not
     config: ``static_width`` (the static slots' width; 0: ``max_new_tokens`` + 128);
-    ``waves``: take the wave path when rows start together; ``fused_decode`` / ``native_kernels``:
-    the wave's fused torch step and native C step where they reproduce the model (False: the
-    model's own forward)."""
+    ``waves``: take the wave path when rows start together; ``fused_decode``: the wave's native C
+    step over the fused weights where it reproduces the model (False: the model's own forward);
+    ``native_kernels``: the native kernels at all (the C step and the C sampling step)."""
 
     engine_name = "torch"
 
@@ -120,9 +120,9 @@ class Engine(EngineBase):
         waits and at most this fraction of ``capacity`` is still live; 0: waves run to the end."""
         self.fused_decode = fused_decode
         self.native_kernels = native_kernels
-        """On the CPU in float32 (head_dim a multiple of 16), each wave decode and sampling step is one
-        call of the native kernels (``generation.kernels``, built once per machine) where a C compiler
-        is there; False (or ``LAMINAR_NATIVE_KERNELS=0``): torch ops only."""
+        """On the CPU, each wave sampling step and (float32, head_dim a multiple of 16) each wave decode
+        step is one call of the native kernels (``generation.kernels``, built once per machine) where a
+        C compiler is there; False (or ``LAMINAR_NATIVE_KERNELS=0``): torch ops only."""
         self.decode_threads: int | None = None
         """Host decode shards (threads) of a wave; None: one per torch thread."""
         self._fused_decoder = None
@@ -367,8 +367,9 @@ class Engine(EngineBase):
 
     def _fused(self, positions: int):
         """The model's ``FusedDecoder`` (built once, its weights refreshed when they changed) with
-        rotary tables for ``positions`` (``fused_decode.prepared``); None when the model is not one it
-        reproduces or ``fused_decode`` is off."""
+        rotary tables for ``positions`` and the native kernels (``fused_decode.prepared``); None when
+        the native step does not apply (the model is not one it reproduces, ``fused_decode`` is off,
+        no kernels, not float32)."""
         from generation.fused_decode import fused_decoder, prepared
 
         if not self.fused_decode:

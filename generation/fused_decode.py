@@ -1,13 +1,14 @@
-"""A one-token decode step for Llama-family models (Llama, Qwen2, Mistral) in plain torch ops.
+"""The fused weights of the native decode step (``generation.kernels``) for Llama-family models
+(Llama, Qwen2, Mistral).
 
 Hugging Face's forward is general: per layer it builds masks, looks up the attention interface,
 goes through module hooks, the cache object and separate q/k/v and gate/up projections. For the
 default model a decode step of 128 rows is a few milliseconds of arithmetic under ~20 ms of that
-overhead (issue 30). ``FusedDecoder.step`` computes the same function with a fixed sequence of
-tensor ops: the q/k/v and the gate/up weights concatenated (one matmul each), rotary tables
-precomputed per generation, the static KV cache of ``generation.wave`` written in place, grouped
-query attention without repeating K/V. Results equal the model's own forward up to float rounding
-(``tests/generation/test_fused_decode.py`` bounds the logits; the engine's tests check the samples).
+overhead (issue 30). ``FusedDecoder`` holds the weights the native step computes the same function
+with: the q/k/v and the gate/up weights concatenated (one matmul each; rotate_half folded into extra
+q/k rows), the attention scale folded into q when exact, rotary tables precomputed per generation.
+Results equal the model's own forward up to float rounding (``tests/generation/test_fused_decode.py``
+and ``tests/generation/test_native_kernels.py`` check the samples).
 
 ``fused_decoder(model)`` returns None for anything it does not reproduce exactly (other
 architectures, biased MLPs, rotary scalings that depend on the sequence length, sliding windows,
@@ -20,7 +21,6 @@ import math
 from dataclasses import dataclass
 
 import torch
-import torch.nn.functional as F
 
 SUPPORTED_MODEL_TYPES = ("llama", "qwen2", "mistral")
 _STATIC_ROPE = ("default", "linear", "llama3", "yarn")
@@ -70,25 +70,29 @@ def fused_decoder(model) -> FusedDecoder | None:
 
 
 def prepared(dec: FusedDecoder | None, positions: int, native) -> FusedDecoder | None:
-    """``dec`` ready to decode up to ``positions``: weights refreshed, rotary tables built, and the
-    native kernels (``native()``: the loaded kernels or None) attached where they apply (float32,
-    head_dim a multiple of 16: one AVX-512 vector). None when there is no decoder or ``positions``
-    exceeds its window."""
+    """``dec`` ready for the native step up to ``positions``: weights refreshed, rotary tables built,
+    the native kernels (``native()``: the loaded kernels or None) attached. None where that step does
+    not apply: no decoder, ``positions`` beyond its window, no kernels, another dtype than float32 or
+    a head_dim that is not a multiple of 16 (one AVX-512 vector)."""
     if dec is None or (dec.max_width is not None and positions > dec.max_width):
+        return None
+    if dec.model.model.embed_tokens.weight.dtype != torch.float32 or dec.head_dim % 16:
+        return None
+    kernels = native()
+    if kernels is None:
         return None
     dec.refresh()
     dec.rotary_tables(positions)
-    dec.native = native() if dec.embed.dtype == torch.float32 and dec.head_dim % 16 == 0 else None
-    if dec.native is not None:
-        dec.native_model()  # built here, before decode shards share it
+    dec.native = kernels
+    dec.native_model()  # built here, before decode shards share it
     return dec
 
 
 class FusedDecoder:
-    """``step`` = ``model(input_ids=ids[:, None], position_ids=pos[:, None], past_key_values=<static
-    cache>)`` for one new token per row, as plain tensor ops. The fused weights are rebuilt when
-    any parameter changed (its storage or its in-place version counter), so weight loads between
-    generations are picked up."""
+    """The fused weights and rotary tables of ``model`` for ``step_shared`` (the native step =
+    ``model(input_ids=ids[:, None], position_ids=pos[:, None], past_key_values=<cache>)`` for one new
+    token per row). The fused weights are rebuilt when any parameter changed (its storage or its
+    in-place version counter), so weight loads between generations are picked up."""
 
     def __init__(self, model):
         cfg = model.config
@@ -100,13 +104,10 @@ class FusedDecoder:
         self.intermediate = model.model.layers[0].mlp.gate_proj.out_features
         self.scale = model.model.layers[0].self_attn.scaling
         self._sig = None
-        self.keys_transposed = True
-        """The key buffers' layout ``step`` expects: [rows, kv_heads, head_dim, width] (True) or
-        [rows, kv_heads, width, head_dim] (False)."""
         self.scale_folded = False
         self.native = None
         """``generation.kernels.NativeKernels`` to run whole steps with (``step_shared``; float32 on
-        the CPU; set by the engine), or None: ``step``'s torch ops only."""
+        the CPU; set by ``prepared``)."""
         self._native_model = None
         self._cos = self._sin = None
         window = getattr(cfg, "sliding_window", None)
@@ -188,55 +189,6 @@ class FusedDecoder:
         self._cos = (emb.cos() * rotary.attention_scaling).to(dtype)
         self._sin = (emb.sin() * rotary.attention_scaling).to(dtype)
 
-    # ------------------------------------------------------------------ the step
-    def _rms(self, x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
-        if x.dtype == torch.float32:  # one kernel; Hugging Face's RMSNorm computes in float32 too
-            return F.rms_norm(x, w.shape, w, self.eps)
-        var = x.float().pow(2).mean(-1, keepdim=True)
-        return w * (x.float() * torch.rsqrt(var + self.eps)).to(x.dtype)
-
-    def step(
-        self,
-        ids: torch.Tensor,
-        pos: torch.Tensor,
-        keys: list[torch.Tensor],
-        values: list[torch.Tensor],
-        col: int,
-        mask: torch.Tensor,
-    ) -> torch.Tensor:
-        """Logits [n, vocab] of the next token after ``ids`` [n] at positions ``pos`` [n]. Writes each
-        layer's key/value into column ``col`` of the first n rows of ``keys[l]`` [rows, kv_heads,
-        head_dim, width] and ``values[l]`` [rows, kv_heads, width, head_dim] and attends over columns
-        [0, col] under the additive ``mask`` [n, 1, 1, col + 1]."""
-        n = ids.shape[0]
-        h_, kv, d = self.n_heads, self.n_kv, self.head_dim
-        qd, kd = h_ * d, kv * d
-        inter = self.intermediate
-        x = F.embedding(ids, self.embed)
-        cos, sin = self._cos[pos][:, None, :], self._sin[pos][:, None, :]  # [n, 1, D]
-        for li, w in enumerate(self.layers):
-            qkv = F.linear(self._rms(x, w.ln1), w.qkv, w.qkv_bias)  # [q, k, v, rot q, rot k]
-            qk = qkv[:, : qd + kd].view(n, h_ + kv, d) * cos
-            qk += qkv[:, qd + 2 * kd :].view(n, h_ + kv, d) * sin  # q, k with rotary applied
-            kb, vb = keys[li], values[li]
-            vb[:n, :, col] = qkv[:, qd + kd : qd + 2 * kd].view(n, kv, d)
-            if self.keys_transposed:
-                kb[:n, :, :, col] = qk[:, h_:]
-                keys_t = kb[:n, :, :, : col + 1]
-            else:
-                kb[:n, :, col] = qk[:, h_:]
-                keys_t = kb[:n, :, : col + 1].transpose(-1, -2)
-            scores = torch.matmul(qk[:, :h_].view(n, kv, h_ // kv, d), keys_t)  # [n, KV, G, T]
-            if not self.scale_folded:
-                scores.mul_(self.scale)
-            att = torch.matmul(
-                torch.softmax(scores.add_(mask), dim=-1), vb[:n, :, : col + 1]
-            )  # [n, KV, G, D]
-            x = torch.addmm(x, att.view(n, qd), w.o)
-            gu = F.linear(self._rms(x, w.ln2), w.gate_up)
-            x = torch.addmm(x, F.silu(gu[:, :inter]) * gu[:, inter:], w.down)
-        return F.linear(self._rms(x, self.norm), self.lm_head, self.lm_bias)
-
     def native_model(self):
         """The ``generation.kernels.NativeModel`` over the current fused weights (``native`` set), built
         once per ``refresh``."""
@@ -257,7 +209,7 @@ class FusedDecoder:
         return self._native_model[1]
 
     def step_shared(self, ids: torch.Tensor, pos: torch.Tensor, prompt, rows, ccol: int) -> torch.Tensor:
-        """``step`` as one native call (``native`` set; float32 on the CPU): logits [n, vocab] of the
+        """The decode step as one native call (``native`` set; float32 on the CPU): logits [n, vocab] of the
         next token after ``ids`` [n] at positions ``pos`` [n], where row i's cache is its prompt's
         keys/values (``prompt``: ``generation.wave.PromptKV``, shared by the rows of that prompt)
         and its own completion columns [0, ccol] (``rows``: ``_CompletionKV``; the step's key and value

@@ -3,12 +3,12 @@ batch, a synchronous RL step), decoded on the engine's fastest path until they f
 
 The prefill runs once per distinct prompt (a group's samples share theirs); the rows then decode
 over a static KV cache in host shards (one thread each), finished rows compacted away. The decode
-step is one of three strategies, chosen per wave: ``NativeStep`` (the whole step as one C call of
-``generation.kernels``, the prompts' keys/values shared by their rows, not copied; float32 on the
-CPU), ``FusedStep`` (``generation.fused_decode``'s plain torch ops, Llama-family models) and
-``ModelStep`` (the model's own forward with a grouped-query decode attention over the static
-cache). Sampling is ``generation.sampler``'s (in C with the native step), so a row samples what it
-samples on the engine's joinable layouts.
+step is one of two strategies, chosen per wave: ``NativeStep`` (the whole step as one C call of
+``generation.kernels`` over ``generation.fused_decode``'s fused weights, the prompts' keys/values
+shared by their rows, not copied; Llama-family models in float32 on the CPU) and ``ModelStep`` (the
+model's own forward with a grouped-query decode attention over the static cache: bf16, accelerators,
+other models). Sampling is ``generation.sampler``'s (in C wherever the native kernels are built), so a
+row samples what it samples on the engine's joinable layouts.
 """
 
 from __future__ import annotations
@@ -62,38 +62,19 @@ class NativeStep:
         self.slots.select(sel, t)
 
 
-class FusedStep:
-    """``generation.fused_decode``'s torch step over a static cache filled from the prefill (row i
-    from its prompt's row ``of_row[i]``), left padding masked."""
+class ModelStep:
+    """The model's own forward over a static cache filled from the prefill (row i from its prompt's
+    row ``of_row[i]``), left padding masked; its attention is switched to ``_gqa_decode_attention``
+    while the wave decodes (``decode_attention``)."""
 
-    keys_transposed = True
-
-    def __init__(self, model, fused, prefill, of_row, pad_rows, plen: int, width: int, store, device):
-        self.model, self.fused, self.plen = model, fused, plen
-        self.slots = StaticDecodeCache(
-            prefill, width, of_row, keys_transposed=self.keys_transposed, store=store
-        )
+    def __init__(self, model, prefill, of_row, pad_rows, plen: int, width: int, store, device):
+        self.model, self.plen = model, plen
+        self.slots = StaticDecodeCache(prefill, width, of_row, store=store)
         dtype = self.slots.values[0].dtype
         self.mask = torch.zeros((len(of_row), 1, 1, width), dtype=dtype, device=device)
         self.mask[:, 0, 0, :plen].masked_fill_(
             pad_rows, torch.finfo(dtype).min
         )  # left padding: never attended
-
-    def __call__(self, ids: torch.Tensor, pos: torch.Tensor, t: int) -> torch.Tensor:
-        col = self.plen + t - 1
-        mask = self.mask[: len(ids), :, :, : col + 1]
-        return self.fused.step(ids, pos, self.slots.keys, self.slots.values, col, mask)
-
-    def select(self, sel: torch.Tensor, t: int) -> None:
-        self.slots.select(sel, self.plen + t)
-        self.mask[: len(sel)] = self.mask.index_select(0, sel)
-
-
-class ModelStep(FusedStep):
-    """The model's own forward over the static cache; its attention is switched to
-    ``_gqa_decode_attention`` while the wave decodes (``decode_attention``)."""
-
-    keys_transposed = False
 
     def __call__(self, ids: torch.Tensor, pos: torch.Tensor, t: int) -> torch.Tensor:
         col = self.plen + t - 1
@@ -105,6 +86,10 @@ class ModelStep(FusedStep):
             past_key_values=self.slots,
             use_cache=True,
         ).logits[:, -1, :]
+
+    def select(self, sel: torch.Tensor, t: int) -> None:
+        self.slots.select(sel, self.plen + t)
+        self.mask[: len(sel)] = self.mask.index_select(0, sel)
 
 
 class _Shard:
@@ -149,9 +134,10 @@ class Wave:
         # the static cache: the token fed at step t (t >= 1) writes column plen + t - 1; the last
         # sampled token is never fed
         width = plen + m - 1
-        fused = e._fused(width + 1)
+        fused = e._fused(width + 1)  # None unless the native step runs this wave
         self.model_step = fused is None
         native = fused.native if fused is not None else None
+        sampler = e._native()  # the native sampling step, whatever the decode step (CPU)
         prompt_kv = PromptKV(cache, attn) if native is not None else None
         self.plen = torch.tensor([len(r.prompt.prompt_tokens) for r in requests])
         self.out = Outputs(bsz, m)
@@ -169,15 +155,15 @@ class Wave:
             if native is not None:
                 step = NativeStep(fused, prompt_kv, part[1], m - 1, store)
             else:
-                kind = ModelStep if fused is None else FusedStep
-                step = kind(e.model, fused, cache, part[1], part[2], plen, width, store, e.device)
+                step = ModelStep(e.model, cache, part[1], part[2], plen, width, store, e.device)
             shard = _Shard(rows)
-            shard.loop = self._decode(shard, part[0], part[3], step, native)
+            shard.loop = self._decode(shard, part[0], part[3], step, sampler)
             self.shards.append(shard)
 
     def _decode(self, shard: _Shard, logits, step_pos, step, native):
         """The decode loop of one shard from its rows' first-token ``logits``: yields after each
-        sampled token (``shard.t`` tokens per live row), finished rows compacted away."""
+        sampled token (``shard.t`` tokens per live row), finished rows compacted away. ``native``: the
+        kernels to sample with (logits of another dtype are cast to float32 first), or None."""
         e, out = self.e, self.out
         done, rows = out.done, shard.rows
         n_all = len(rows)
@@ -189,7 +175,9 @@ class Wave:
             if t > 0:
                 logits = step(step_ids, step_pos, t)
             n = len(rows)
-            if native is not None and logits.dtype == torch.float32 and logits.stride(-1) == 1:
+            if native is not None:
+                if logits.dtype != torch.float32 or logits.stride(-1) != 1:
+                    logits = logits.float().contiguous()
                 nxt, keep = next_buf[:n], keep_buf[:n]
                 kept = native.sample_step(
                     logits, e.temperature, self.keys, rows, t, e.eos_id,
@@ -452,9 +440,7 @@ class StaticDecodeCache:
     per layer one key and one value buffer [rows, kv_heads, width, head_dim], filled from the prefill's
     ``DynamicCache`` (its row ``rows[i]`` into row i when ``rows`` is given); ``update`` writes the step's
     key/value at column ``col`` of the first ``rows`` rows and returns views of columns ``[0, col]``
-    (nothing is concatenated or copied per step). ``keys_transposed``: the key buffers are [rows,
-    kv_heads, head_dim, width] instead (``generation.fused_decode``'s layout: its score matmul reads
-    them without a transpose); ``update`` is not used then."""
+    (nothing is concatenated or copied per step)."""
 
     is_compileable = False
 
@@ -463,11 +449,9 @@ class StaticDecodeCache:
         prefill_cache,
         width: int,
         rows: torch.Tensor | None = None,
-        keys_transposed: bool = False,
         store: list | None = None,
     ):
         self.keys, self.values = [], []
-        self.keys_transposed = keys_transposed
         self.store = store
         self.set = 0
         """Which of the store's two sets of buffers holds the cache (``select`` alternates them)."""
@@ -477,12 +461,8 @@ class StaticDecodeCache:
             keys = layer.keys if rows is None else layer.keys.index_select(0, rows)
             v = _store_buffer(self.store, 2 * i + 1, (b, h, width, layer.values.shape[-1]), layer.values)
             v[:, :, :p] = layer.values if rows is None else layer.values.index_select(0, rows)
-            if keys_transposed:
-                k = _store_buffer(self.store, 2 * i, (b, h, d, width), keys)
-                k[..., :p] = keys.transpose(-1, -2)
-            else:
-                k = _store_buffer(self.store, 2 * i, (b, h, width, d), keys)
-                k[:, :, :p] = keys
+            k = _store_buffer(self.store, 2 * i, (b, h, width, d), keys)
+            k[:, :, :p] = keys
             self.keys.append(k)
             self.values.append(v)
         self.rows = self.values[0].shape[0]
@@ -505,17 +485,14 @@ class StaticDecodeCache:
             self.set = 1 - self.set
         for i, buf in enumerate((*self.keys, *self.values)):
             is_key = i < n_keys
-            cols = (
-                (lambda b: b[..., :upto]) if self.keys_transposed and is_key else (lambda b: b[:, :, :upto])
-            )
             if self.store is None:
-                view = cols(buf)
+                view = buf[:, :, :upto]
                 view[:m] = view.index_select(0, keep)
                 continue
             layer = i if is_key else i - n_keys
             slot = 2 * n_keys * self.set + 2 * layer + (0 if is_key else 1)
             target = _store_buffer(self.store, slot, tuple(buf.shape), buf)
-            torch.index_select(cols(buf), 0, keep, out=cols(target)[:m])
+            torch.index_select(buf[:, :, :upto], 0, keep, out=target[:m, :, :upto])
             if is_key:
                 self.keys[layer] = target
             else:

@@ -224,6 +224,9 @@ class NativeKernels:
             _P,
         ]
         lib.lm_sample_step.restype = ctypes.c_int64
+        lib.lm_sampler_init.argtypes = []
+        lib.lm_sampler_init.restype = None
+        lib.lm_sampler_init()  # the noise bounds the sampling step prunes with
 
     def model(
         self,
@@ -265,7 +268,7 @@ class NativeKernels:
         n, vocab = logits.shape
         _check_sample_step(logits, keys, rows, t, tokens, logps, ent_sum, lengths, done, next_ids, keep)
         m, bsz = tokens.shape[1], tokens.shape[0]
-        scratch = torch.empty(vocab)
+        scratch = torch.empty(2 * vocab)
         kept = self.lib.lm_sample_step(
             logits.data_ptr(),
             logits.stride(0),

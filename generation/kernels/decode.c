@@ -418,6 +418,30 @@ static inline uint64_t mix64(uint64_t z) {
     return z ^ (z >> 31);
 }
 
+/* Upper bounds of the Gumbel noise g(u) = -log(-log u) per bucket of u: the noise's top GUMBEL_BITS
+ * bits k put u below (k + 1) / 2^GUMBEL_BITS, so g(u) <= gumbel_ub[k] (g rises with u; the last
+ * bucket is bounded by the largest u the hash yields). Filled once by lm_sampler_init. */
+#define GUMBEL_BITS 12
+static double gumbel_ub[1 << GUMBEL_BITS];
+
+void lm_sampler_init(void) {
+    const double umax = ((double)((1ull << 53) - 1) + 0.5) * 0x1p-53;
+    for (int k = 0; k < (1 << GUMBEL_BITS); k++) {
+        double u = (double)(k + 1) / (double)(1 << GUMBEL_BITS);
+        if (u > umax) u = umax;
+        gumbel_ub[k] = -log(-log(u)) + 1e-9; /* a margin over the rounding of the exact score */
+    }
+}
+
+static inline uint64_t noise_hash(uint64_t h0, i64 v) {
+    return mix64(h0 ^ ((uint64_t)(v + 1) * 0xD1B54A32D192ED03ull));
+}
+
+static inline double gumbel_score(float lp, uint64_t h) {
+    const double u = ((double)(h >> 11) + 0.5) * 0x1p-53;
+    return (double)lp - log(-log(u));
+}
+
 /* The sampling step of rows [0, n) (batch rows rows[i]) at response position t: log-softmax of
  * logits[i] / temp, the token argmax(logp + g) with the Gumbel noise g = -log(-log u) of
  * generation/sampler.py (u a pure function of the row's noise key keys[rows[i]], t and the
@@ -425,7 +449,12 @@ static inline uint64_t mix64(uint64_t z) {
  * their token, its log-prob and the entropy written to tokens[b, t], logps[b, t], ent_sum[b]; a row
  * that drew eos is done with lengths[b] = t + 1. next[i] = the drawn token (fed next step), keep[i]
  * = the row is not done. Returns the number of kept rows, or -1 (nothing written) when a row is
- * outside [0, B). scratch: V floats. */
+ * outside [0, B). scratch: 2 V floats.
+ *
+ * The draw is exact but skips the two logarithms wherever they cannot win: the most likely token's
+ * score is a first lower bound of the maximum, and an index whose log-prob plus its bucket's noise
+ * bound (gumbel_ub) stays below the best score so far cannot reach it; ties keep the lowest index,
+ * as a full argmax does. With a large vocabulary this is most of the step's sampling cost. */
 i64 lm_sample_step(const float *logits, i64 ls, i64 n, i64 V, float temp,
                    const i64 *keys, const i64 *rows, i64 B, i64 t, i64 eos, i64 M,
                    i64 *tokens, float *logps, float *ent_sum, i64 *lengths, uint8_t *done,
@@ -446,18 +475,25 @@ i64 lm_sample_step(const float *logits, i64 ls, i64 n, i64 V, float temp,
 #pragma omp simd reduction(+ : sum)
         for (i64 v = 0; v < V; v++) sum += exp_neg(y[v] - mx);
         const float lse = logf(sum);
-        i64 best = 0;
-        double best_score = -INFINITY;
-        float ent = 0.0f;
+        float *pr = scratch + V;
+#pragma omp simd
         for (i64 v = 0; v < V; v++) {
-            const float lp = (y[v] - mx) - lse;
-            const float p = exp_neg(lp);
-            if (p > 0.0f) ent -= p * lp;
-            const uint64_t h = mix64(h0 ^ ((uint64_t)(v + 1) * 0xD1B54A32D192ED03ull));
-            const double u = ((double)(h >> 11) + 0.5) * 0x1p-53;
-            const double sc = (double)lp - log(-log(u));
-            if (sc > best_score) { best_score = sc; best = v; }
-            y[v] = lp;
+            y[v] = (y[v] - mx) - lse;
+            pr[v] = exp_neg(y[v]);
+        }
+        float ent = 0.0f; /* summed in index order */
+        i64 top = 0;
+        for (i64 v = 0; v < V; v++) {
+            if (pr[v] > 0.0f) ent -= pr[v] * y[v];
+            if (y[v] > y[top]) top = v;
+        }
+        i64 best = top;
+        double best_score = gumbel_score(y[top], noise_hash(h0, top));
+        for (i64 v = 0; v < V; v++) {
+            const uint64_t h = noise_hash(h0, v);
+            if ((double)y[v] + gumbel_ub[h >> (64 - GUMBEL_BITS)] < best_score) continue;
+            const double sc = gumbel_score(y[v], h);
+            if (sc > best_score || (sc == best_score && v < best)) { best_score = sc; best = v; }
         }
         next[i] = best;
         const i64 b = rows[i];

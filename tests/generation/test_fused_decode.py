@@ -1,7 +1,8 @@
-"""``generation.fused_decode``: the engine's plain-ops decode step computes what the model computes.
+"""``generation.fused_decode``: the wave's decode (the native step over the fused weights where it
+applies, else the model's forward over the static cache) computes what the model computes.
 
 Against the reference loop (``Engine._generate_batch_reference``: the model's own forward over a
-growing cache) the fused engine samples the same tokens at a fixed seed, with behaviour log-probs and
+growing cache) the engine samples the same tokens at a fixed seed, with behaviour log-probs and
 entropies within 1e-5, for Llama (power-of-two attention scale, folded into q) and Qwen2 (q/k/v
 biases, a scale that is not a power of two); new weights reach it (loaded versions and in-place
 edits); models it does not reproduce fall back to the model's forward."""
@@ -11,6 +12,7 @@ import torch
 from transformers import Qwen2Config, Qwen2ForCausalLM
 
 from conf.schema import EngineOptions, ModelConfig
+from generation import kernels
 from generation.engine import Engine
 from generation.fused_decode import fused_decoder
 from generation.model import build_char_tokenizer, build_tiny_model, encode_prompt
@@ -74,8 +76,11 @@ def test_fused_decode_samples_what_the_model_samples(arch):
     engine = Engine(
         model, tok, EngineOptions(capacity=8)
     )  # several batches: the kept buffers are reused and regrown
-    dec = engine._fused(64)
-    assert dec is not None and dec.scale_folded == (arch == "llama")  # head_dim 16 (scale 1/4) vs 24
+    dec = fused_decoder(model)
+    dec.refresh()
+    assert dec.scale_folded == (arch == "llama")  # head_dim 16 (scale 1/4) vs 24
+    # the native step runs head dims that are multiples of 16; 24 decodes through the model
+    assert (engine._fused(64) is not None) == (arch == "llama" and kernels.load() is not None)
     reqs = _requests(tok)
     out = engine.generate(reqs, 30, 0.8, seed=5)
     _assert_same(_reference(engine, reqs, 30, 0.8, 5), out)
