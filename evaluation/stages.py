@@ -100,9 +100,12 @@ def evaluate_checkpoint(
     components=(),
     judges: Mapping[str, object] | None = None,
     sandbox=None,
+    envs=(),
 ) -> dict:
     """Writes ``rows.parquet`` (one row per problem and sample) and ``summary.json``; returns the
-    summary. ``files``: the file benchmarks of ``cfg``, read (each with its own template);
+    summary. ``envs``: the run's mixed environments as ``(name, conf.schema.EnvMixConfig)``, each
+    evaluated on its own held-out items (``mixed_heldout``). ``files``: the file benchmarks of
+    ``cfg``, read (each with its own template);
     ``components``: built reward components that score every benchmark (the learned reward model:
     its mean as ``reward/reward_model`` and best-of-n reranked by it as ``rm_best@n``); ``judges``:
     benchmark -> its verdict (``evaluation.evaluate.evaluate_items``); ``sandbox``: the run's
@@ -138,11 +141,97 @@ def evaluate_checkpoint(
             judges=judges,
             sandbox=sandbox,
         )
+        if envs and data_dir is not None and HELDOUT in cfg.benchmark_names():
+            mixed, env_totals = mixed_heldout(
+                model,
+                tokenizer,
+                envs,
+                data_dir,
+                cfg,
+                templates[HELDOUT],
+                seed,
+                device,
+                verifier,
+                judges,
+                sandbox,
+            )
+            rows, totals = rows + mixed, {**totals, **env_totals}
     summary = summarize_rows(rows, cfg.n_samples, model_context(model), totals)
+    if envs and any(r.benchmark.startswith(HELDOUT + "@") for r in rows):
+        summary.update(overall_by_env(rows, envs, cfg.n_samples, model_context(model)))
     write_rows(rows, Path(out_dir) / "rows.parquet")
     with open(Path(out_dir) / "summary.json", "w") as f:
         json.dump(summary, f, indent=2, sort_keys=True)
     return summary
+
+
+ALL_ENVS = "all"
+"""The overall entry of a mixed run's per-environment held-out accuracy: ``arith_heldout@all``."""
+
+
+def env_benchmark(name: str) -> str:
+    """The benchmark name of mixed environment ``name``'s held-out items: ``arith_heldout@NAME``."""
+    return f"{HELDOUT}@{name}"
+
+
+def mixed_heldout(model, tokenizer, envs, data_dir, cfg, template, seed, device, verifier, judges, sandbox):
+    """Rows of each mixed environment on its own held-out items, in that environment (episodes under
+    its own target, params and limits): the run's held-out set, or, for an item with its own
+    ``pool``, a seeded subset of that pool (``eval.max_problems``; the pool's rows are its prompts:
+    it has no held-out split). Benchmark ``arith_heldout@NAME``; totals per benchmark."""
+    from evaluation.benchmarks import items_from_records
+    from generation.setup import read_table
+
+    rows, totals = [], {}
+    for name, e in envs:
+        bench = env_benchmark(name)
+        records = read_table(Path(e.pool)) if e.pool else None
+        if records is None:
+            import polars as pl
+
+            records = pl.read_parquet(Path(data_dir) / "heldout.parquet").to_dicts()
+        full = items_from_records(bench, records, id_key="prompt_id")
+        totals[bench] = len(full)
+        judge = {bench: judges[HELDOUT]} if judges and HELDOUT in judges else None
+        rows += evaluate_items(
+            model,
+            tokenizer,
+            subset(full, cfg.max_problems, seed, bench),
+            templates={bench: template},
+            n_samples=cfg.n_samples,
+            temperature=cfg.temperature,
+            max_new_tokens=cfg.max_new_tokens,
+            batch_size=cfg.batch_size,
+            seed=seed,
+            device=device,
+            verifier=verifier,
+            env=e,
+            judges=judge,
+            sandbox=sandbox,
+        )
+    return rows, totals
+
+
+def overall_by_env(rows, envs, n_samples: int, context: int | None) -> dict[str, dict]:
+    """``arith_heldout@all``: every mixed environment's held-out rows pooled (``accuracy``), with
+    ``weighted_accuracy`` (each environment's accuracy weighted by its ``weight``) and
+    ``by_env`` (environment -> accuracy)."""
+    import dataclasses
+
+    names = [n for n, _ in envs]
+    mine = [r for r in rows if r.benchmark in {env_benchmark(n) for n in names}]
+    pooled = [  # one problem per environment and item: the same held-out item in two is two problems
+        dataclasses.replace(r, benchmark=env_benchmark(ALL_ENVS), problem_id=f"{r.benchmark}/{r.problem_id}")
+        for r in mine
+    ]
+    out = summarize_rows(pooled, n_samples, context)
+    each = summarize_rows(mine, n_samples, context)
+    by_env = {n: each[env_benchmark(n)]["accuracy"] for n in names if env_benchmark(n) in each}
+    weights = {n: e.weight for n, e in envs if n in by_env}
+    entry = out[env_benchmark(ALL_ENVS)]
+    entry["by_env"] = by_env
+    entry["weighted_accuracy"] = sum(weights[n] * a for n, a in by_env.items()) / sum(weights.values())
+    return out
 
 
 def in_run_evaluator(
