@@ -138,7 +138,20 @@ def main() -> None:
                         flush=True,
                     )
                     tag = f"_tail{tail}_r{rnd + 1}" + ("" if path == "in_process" else f"_{path}")
-                    r = rt.run_mode(mode, model_dir, prompts, targs, args.out, tag=tag)
+                    try:
+                        r = rt.run_mode(mode, model_dir, prompts, targs, args.out, tag=tag)
+                    except Exception as e:  # noqa: BLE001 - one failed run is recorded, the others go on
+                        report.setdefault("failed", []).append(
+                            {
+                                "tail": tail,
+                                "round": rnd + 1,
+                                "mode": mode,
+                                "path": path,
+                                "error": repr(e)[:2000],
+                            }
+                        )
+                        print(f"FAILED: {e!r}"[:2000], flush=True)
+                        continue
                     r.update(round=rnd + 1, path=path, load_before=load_before, load_after=os.getloadavg())
                     runs[path][mode].append(r)
                     print(
