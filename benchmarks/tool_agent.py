@@ -20,6 +20,7 @@ from __future__ import annotations
 import asyncio
 import json
 import threading
+import time
 
 from environments.tool_use import tool_schema
 
@@ -28,6 +29,8 @@ TOOL_WORKERS = 8
 """Sandboxed calls at once (the in-process workload's ``env.tool_workers``)."""
 _SLOTS = threading.BoundedSemaphore(TOOL_WORKERS)
 _TOOL = None
+LATENCY: list[float] = []
+"""Each request's wall time as the agent sees it (seconds), in this process."""
 
 
 def _calculator():
@@ -61,7 +64,9 @@ async def solve(client, task, max_steps: int = 8) -> None:
     messages = [{"role": "user", "content": task["prompt"]}]
     tools = [schema()]
     for _ in range(max_steps):
+        t0 = time.perf_counter()
         reply = await client.chat.completions.create(model="policy", messages=messages, tools=tools)
+        LATENCY.append(time.perf_counter() - t0)
         message = reply.choices[0].message
         messages.append(message.model_dump(exclude_none=True))
         if not message.tool_calls:
