@@ -438,6 +438,8 @@ def test_under_training_a_request_off_the_runs_sampling_is_refused_or_served_at_
         assert "session does not branch" in result["messages"][0]
     else:  # n=2 still refused; temperature=0.2 served at 0.8 and counted
         assert result["statuses"] == [400, 200] and t.env_state["sampling_overridden"] == 1
+    overridden = episode_metrics([t])["episode/agent_sampling_overridden"]
+    assert overridden == (1.0 if policy == "run" else 0.0)
     turn = len(t.response_tokens) if t.turns == 1 else t.loss_mask.index(0)
     sampled = t.response_tokens[:turn]
     want = _logprobs_at(model, t.prompt.prompt_tokens, sampled, 0.8)
