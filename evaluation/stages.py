@@ -103,9 +103,8 @@ def evaluate_checkpoint(
     envs=(),
 ) -> dict:
     """Writes ``rows.parquet`` (one row per problem and sample) and ``summary.json``; returns the
-    summary. ``envs``: the run's mixed environments as ``(name, conf.schema.EnvMixConfig)``, each
-    evaluated on its own held-out items (``mixed_heldout``). ``files``: the file benchmarks of
-    ``cfg``, read (each with its own template);
+    summary. ``envs``: ``(name, conf.schema.EnvMixConfig)`` of a mixed run (``with_mixed``). ``files``:
+    the file benchmarks of ``cfg``, read (each with its own template);
     ``components``: built reward components that score every benchmark (the learned reward model:
     its mean as ``reward/reward_model`` and best-of-n reranked by it as ``rm_best@n``); ``judges``:
     benchmark -> its verdict (``evaluation.evaluate.evaluate_items``); ``sandbox``: the run's
@@ -141,26 +140,18 @@ def evaluate_checkpoint(
             judges=judges,
             sandbox=sandbox,
         )
-        if envs and data_dir is not None and HELDOUT in cfg.benchmark_names():
-            mixed, env_totals = mixed_heldout(
-                model,
-                tokenizer,
-                envs,
-                data_dir,
-                cfg,
-                templates[HELDOUT],
-                seed,
-                device,
-                verifier,
-                judges,
-                sandbox,
-            )
-            rows, totals = rows + mixed, {**totals, **env_totals}
+    rows, totals = with_mixed(
+        model, tokenizer, rows, totals, envs, data_dir, cfg, templates, seed, device, judges, sandbox
+    )
     summary = summarize_rows(rows, cfg.n_samples, model_context(model), totals)
-    if envs and any(r.benchmark.startswith(HELDOUT + "@") for r in rows):
-        summary.update(overall_by_env(rows, envs, cfg.n_samples, model_context(model)))
-    write_rows(rows, Path(out_dir) / "rows.parquet")
-    with open(Path(out_dir) / "summary.json", "w") as f:
+    summary.update(overall_by_env(rows, envs, cfg.n_samples, model_context(model)))
+    return written(rows, summary, Path(out_dir))
+
+
+def written(rows, summary: dict, out_dir: Path) -> dict:
+    """``rows.parquet`` and ``summary.json`` written in ``out_dir``; returns ``summary``."""
+    write_rows(rows, out_dir / "rows.parquet")
+    with open(out_dir / "summary.json", "w") as f:
         json.dump(summary, f, indent=2, sort_keys=True)
     return summary
 
@@ -172,6 +163,18 @@ ALL_ENVS = "all"
 def env_benchmark(name: str) -> str:
     """The benchmark name of mixed environment ``name``'s held-out items: ``arith_heldout@NAME``."""
     return f"{HELDOUT}@{name}"
+
+
+def with_mixed(model, tokenizer, rows, totals, envs, data_dir, cfg, templates, seed, device, judges, sandbox):
+    """``rows`` and ``totals`` with each mixed environment's held-out rows and sizes added
+    (``mixed_heldout``), when there are ``envs``, the data artifact and the held-out benchmark."""
+    if not envs or data_dir is None or HELDOUT not in cfg.benchmark_names():
+        return rows, totals
+    with Verifier(timeout_s=cfg.verifier_timeout_s) as verifier:
+        more, sizes = mixed_heldout(
+            model, tokenizer, envs, data_dir, cfg, templates[HELDOUT], seed, device, verifier, judges, sandbox
+        )
+    return rows + more, {**totals, **sizes}
 
 
 def mixed_heldout(model, tokenizer, envs, data_dir, cfg, template, seed, device, verifier, judges, sandbox):
@@ -213,13 +216,15 @@ def mixed_heldout(model, tokenizer, envs, data_dir, cfg, template, seed, device,
 
 
 def overall_by_env(rows, envs, n_samples: int, context: int | None) -> dict[str, dict]:
-    """``arith_heldout@all``: every mixed environment's held-out rows pooled (``accuracy``), with
-    ``weighted_accuracy`` (each environment's accuracy weighted by its ``weight``) and
-    ``by_env`` (environment -> accuracy)."""
+    """``arith_heldout@all`` (none without mixed rows): every mixed environment's held-out rows
+    pooled (``accuracy``), with ``weighted_accuracy`` (each environment's accuracy weighted by its
+    ``weight``) and ``by_env`` (environment -> accuracy)."""
     import dataclasses
 
     names = [n for n, _ in envs]
     mine = [r for r in rows if r.benchmark in {env_benchmark(n) for n in names}]
+    if not mine:
+        return {}
     pooled = [  # one problem per environment and item: the same held-out item in two is two problems
         dataclasses.replace(r, benchmark=env_benchmark(ALL_ENVS), problem_id=f"{r.benchmark}/{r.problem_id}")
         for r in mine
