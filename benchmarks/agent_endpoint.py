@@ -6,13 +6,18 @@ The workload: ``--episodes`` episodes of ``--turns`` policy turns with the chat 
 environment whose ``step`` answers each turn with the tool message's tokens; the endpoint run is an
 agent that sends each tool result back as a message, so both append one tool message per turn. Two
 engines: ``scripted`` (turns cost nothing, so the numbers are the episode machinery's own) and
-``model`` (a random two-layer Qwen2 decoding ``--new-tokens`` tokens per turn). Reported per engine:
+``model`` (a random two-layer Qwen2 decoding ``--new-tokens`` tokens per turn); ``tiny``: issue 43's
+tool workload on the real tiny model (the warm start of ``benchmarks/tool_throughput.py``, its prompt
+pool and char tokenizer): ``env=calculator_sandbox`` in-process against ``benchmarks/tool_agent.py``
+(the same episodes by an agent written against ``openai``) through the endpoint, 3 turns at most,
+48 tokens per turn, no added tool latency; both runs sample the same tokens (same engine seed and
+contexts), which ``same_trajectories`` checks per round. Reported per engine:
 wall time, policy turns (requests) per second for both, their ratio, the added wall time per request
 ((endpoint - in-process) / requests), and the agent's own per-request latency (p50, p90) against the
 in-process runner's per-turn time. Rounds alternate the order; medians over ``--rounds``.
 
     PYTHONPATH=$PWD .venv/bin/python benchmarks/agent_endpoint.py [--episodes 32] [--turns 4]
-        [--rounds 3] [--json-out F]
+        [--rounds 3] [--engines scripted model tiny] [--warm-start DIR] [--json-out F]
 """
 
 from __future__ import annotations
@@ -86,6 +91,65 @@ def requests(tok, n):
     ]
 
 
+def tiny_workload(warm_dir: Path):
+    """Issue 43's tool workload on the real tiny model: the warm-started model and prompt pool of
+    ``benchmarks/tool_throughput.py`` (built once, cached in ``warm_dir``), its char tokenizer."""
+    from benchmarks import rl_throughput as rt
+    from benchmarks.tool_throughput import TOOL_WORKLOAD, WARM_ENV
+    from generation.model import load_model
+
+    if TOOL_WORKLOAD[0] not in rt.WORKLOAD:
+        rt.WORKLOAD.extend(TOOL_WORKLOAD)
+    model_dir, prompts = rt.warm_start(
+        warm_dir, argparse.Namespace(seed=0, overrides=list(WARM_ENV), warm_device="cpu")
+    )
+    model, tok = load_model(model_dir)
+    return tok, model, prompts
+
+
+def tiny_requests(prompts, n: int, group: int = 4):
+    """``n`` episodes: ``n / group`` prompts of the pool, ``group`` samples each (as an RL step's groups)."""
+    return [GenRequest(p, s, i) for i, p in enumerate(prompts[: max(1, n // group)]) for s in range(group)]
+
+
+def tiny_env(mode: str, workers: int) -> EnvConfig:
+    """The in-process ``env=calculator_sandbox`` or the same episodes by ``benchmarks.tool_agent``
+    through the endpoint (``env.max_turns=3``, as the tool workload; no added tool latency: the
+    numbers are the machinery's and the sandbox's own)."""
+    from benchmarks.tool_agent import TARGET
+
+    target = "calculator_sandbox" if mode == "in_process" else TARGET
+    return EnvConfig(target=target, max_turns=3, tool_workers=workers, tool_timeout_s=120.0)
+
+
+def run_tiny(mode, tok, model, prompts, args) -> dict:
+    """One run of the tiny model's tool workload; the trajectories' tokens kept for the comparison."""
+    from benchmarks import tool_agent
+    from generation.engine import Engine
+
+    eng = Engine(model, tok, EngineOptions(max_new_tokens=48, capacity=64, seed=0))
+    runner = wrap_engine(eng, tiny_env(mode, 8), tok)
+    tool_agent.LATENCY.clear()
+    t0 = time.perf_counter()
+    trajs = runner.generate(tiny_requests(prompts, args.episodes))
+    wall = time.perf_counter() - t0
+    runner.close()
+    turns = sum(t.turns for t in trajs)
+    out = {
+        "wall_s": wall,
+        "turns": turns,
+        "turns_per_s": turns / wall,
+        "tool_calls": sum(t.tool_calls for t in trajs),
+        "reasons": sorted({t.end_reason for t in trajs}),
+        "tokens": {f"{t.prompt.prompt_id}|{t.sample_idx}": list(t.response_tokens) for t in trajs},
+    }
+    lat = tool_agent.LATENCY
+    if lat:
+        q = statistics.quantiles(lat, n=10)
+        out.update(request_p50_ms=1000 * statistics.median(lat), request_p90_ms=1000 * q[8])
+    return out
+
+
 def engine(kind, tok, model, new_tokens):
     from generation.engine import Engine
 
@@ -136,7 +200,15 @@ def main() -> None:
     p.add_argument("--turns", type=int, default=4)
     p.add_argument("--rounds", type=int, default=3)
     p.add_argument("--new-tokens", type=int, default=16)
-    p.add_argument("--engines", nargs="+", default=["scripted", "model"])
+    p.add_argument(
+        "--engines", nargs="+", default=["scripted", "model"], choices=["scripted", "model", "tiny"]
+    )
+    p.add_argument(
+        "--warm-start",
+        type=Path,
+        default=ROOT / "workspace-bench-tools" / "warm",
+        help="tiny: the tool workload's warm-start cache (benchmarks/tool_throughput.py --warm-start)",
+    )
     p.add_argument("--json-out", type=Path)
     args = p.parse_args()
     TURNS = _module().TURNS = args.turns
@@ -150,9 +222,19 @@ def main() -> None:
     }
     for kind in args.engines:
         rounds = []
+        if kind == "tiny":
+            tiny = tiny_workload(args.warm_start)
         for r in range(args.rounds):
             order = ["in_process", "endpoint"] if r % 2 == 0 else ["endpoint", "in_process"]
-            rounds.append({m: run_once(kind, m, tok, model, args) for m in order})
+            if kind == "tiny":
+                rounds.append({m: run_tiny(m, *tiny, args) for m in order})
+                same = rounds[-1]["in_process"].pop("tokens") == rounds[-1]["endpoint"].pop("tokens")
+                rounds[-1]["same_trajectories"] = same
+            else:
+                rounds.append({m: run_once(kind, m, tok, model, args) for m in order})
+            rounds[-1]["load"] = os.getloadavg()[0]
+            if args.json_out:  # partial results after every round
+                _write(args.json_out, {**result, "engines": {**result["engines"], kind: {"rounds": rounds}}})
         base = statistics.median(x["in_process"]["wall_s"] for x in rounds)
         ep = statistics.median(x["endpoint"]["wall_s"] for x in rounds)
         reqs = rounds[0]["endpoint"]["turns"]
@@ -163,12 +245,18 @@ def main() -> None:
             "endpoint_over_in_process_wall": ep / base,
             "added_ms_per_request": 1000 * (ep - base) / max(1, reqs),
             "request_p50_ms": statistics.median(x["endpoint"]["request_p50_ms"] for x in rounds),
+            "in_process_turn_ms": 1000
+            * statistics.median(x["in_process"]["wall_s"] / x["in_process"]["turns"] for x in rounds),
         }
         print(kind, json.dumps({k: v for k, v in result["engines"][kind].items() if k != "rounds"}, indent=1))
     result["load_after"] = os.getloadavg()[0]
     if args.json_out:
-        args.json_out.parent.mkdir(parents=True, exist_ok=True)
-        args.json_out.write_text(json.dumps(result, indent=1) + "\n")
+        _write(args.json_out, result)
+
+
+def _write(path: Path, result: dict) -> None:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(json.dumps(result, indent=1) + "\n")
 
 
 if __name__ == "__main__":

@@ -222,6 +222,11 @@ def run_mode(spec: str, model_dir: Path, prompts, args, out: Path, tag: str = ""
     )
     (out / f"timeline_{name}{tag}.json").write_text(json.dumps(rt.timeline))
     stalls = s["publish_stall_s"]
+    steps = [m.as_dict() for m in rt.result.history]
+    episode = {  # an environment's per-step episode metrics (turns, tool calls, agent faults), meaned
+        k: statistics.fmean(h[k] for h in steps if k in h)
+        for k in sorted({k for h in steps for k in h if k.startswith("episode/")})
+    }
     return {
         "mode": spec,
         "rollouts": rollouts,
@@ -246,6 +251,7 @@ def run_mode(spec: str, model_dir: Path, prompts, args, out: Path, tag: str = ""
         "cpu_s": s.get("cpu_seconds", {}),
         "machine_busy": s.get("machine_busy", float("nan")),
         "device": args.device,
+        "episode": episode,
         **role_columns(s.get("cpu_seconds", {}), s["wall_seconds"]),
     }
 

@@ -8,10 +8,13 @@ The warm-up (built once without the pipeline, ``rl_throughput.warm_start``) imit
 for every problem (``env.demo_tool_share=1``), so nearly every episode calls the tool. Each tail scale
 (``--tails``: 1 = the cited distribution, 0.5 = the tail halved, 2 = doubled) runs every mode
 ``--repeats`` rounds on the Ray runtime through ``rl_throughput.run_mode``, in rotated order; ratios
-are to sync in the same round. The load average is recorded beside every run.
+are to sync in the same round. The load average is recorded beside every run. ``--through in_process
+endpoint`` runs every mode both ways: in-process, and the same episodes played by an agent written
+against ``openai`` through the agent endpoint (``benchmarks/tool_agent.py``), each path's ratio to its
+own sync in the same round.
 
     .venv/bin/python benchmarks/tool_throughput.py [--tails 1 0.5 2] [--repeats 3] [--updates 6]
-        [--json-out F] [--md-out F] [--out DIR] [overrides]
+        [--through in_process endpoint] [--json-out F] [--md-out F] [--out DIR] [overrides]
 """
 
 from __future__ import annotations
@@ -27,6 +30,7 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
 from benchmarks import rl_throughput as rt  # noqa: E402
+from benchmarks.tool_agent import endpoint_overrides  # noqa: E402
 
 TOOL_WORKLOAD = [
     "data.levels=[2,3,4,5]",
@@ -100,6 +104,14 @@ def main() -> None:
         default=None,
         help="rounds for tail scales other than 1 (default --repeats)",
     )
+    ap.add_argument(
+        "--through",
+        nargs="+",
+        choices=["in_process", "endpoint"],
+        default=["in_process"],
+        help="in_process: env=calculator_sandbox; endpoint: the same episodes by an agent written against "
+        "openai through the agent endpoint (benchmarks/tool_agent.py); ratios are to sync on the same path",
+    )
     ap.add_argument("overrides", nargs="*")
     args = ap.parse_args()
     rt.WORKLOAD.extend(TOOL_WORKLOAD)
@@ -111,43 +123,64 @@ def main() -> None:
     report = {"tails": [], "shape": {k: v for k, v in vars(args).items() if not isinstance(v, Path)}}
     report["shape"]["workload"] = list(rt.WORKLOAD)
     for tail in args.tails:
-        targs = argparse.Namespace(
-            **{
-                **vars(args),
-                "overrides": [*args.overrides, *latency_overrides(args.latency, tail, timeout_s)],
-            }
-        )
-        runs: dict[str, list[dict]] = {m: [] for m in args.modes}
+        lat = latency_overrides(args.latency, tail, timeout_s)
+        paths = {"in_process": lat, "endpoint": [*lat, *endpoint_overrides()]}
+        runs: dict[str, dict[str, list[dict]]] = {p: {m: [] for m in args.modes} for p in args.through}
         rounds = args.repeats if tail == 1.0 or args.tail_repeats is None else args.tail_repeats
         for rnd in range(rounds):
             order = args.modes[rnd % len(args.modes) :] + args.modes[: rnd % len(args.modes)]
             for mode in order:
-                load_before = os.getloadavg()
-                print(f"tail x{tail} round {rnd + 1}/{rounds}: {mode} (load {load_before})", flush=True)
-                r = rt.run_mode(mode, model_dir, prompts, targs, args.out, tag=f"_tail{tail}_r{rnd + 1}")
-                r.update(round=rnd + 1, load_before=load_before, load_after=os.getloadavg())
-                runs[mode].append(r)
-                print(
-                    json.dumps({k: r[k] for k in ("mode", "tokens_per_s", "wall_s", "repacks")}), flush=True
-                )
-                if args.json_out:
-                    write(args.json_out, report, tail, runs, args, batch)
+                for path in args.through if rnd % 2 == 0 else args.through[::-1]:
+                    targs = argparse.Namespace(**{**vars(args), "overrides": [*args.overrides, *paths[path]]})
+                    load_before = os.getloadavg()
+                    print(
+                        f"tail x{tail} round {rnd + 1}/{rounds}: {mode} {path} (load {load_before})",
+                        flush=True,
+                    )
+                    tag = f"_tail{tail}_r{rnd + 1}" + ("" if path == "in_process" else f"_{path}")
+                    try:
+                        r = rt.run_mode(mode, model_dir, prompts, targs, args.out, tag=tag)
+                    except Exception as e:  # noqa: BLE001 - one failed run is recorded, the others go on
+                        report.setdefault("failed", []).append(
+                            {
+                                "tail": tail,
+                                "round": rnd + 1,
+                                "mode": mode,
+                                "path": path,
+                                "error": repr(e)[:2000],
+                            }
+                        )
+                        print(f"FAILED: {e!r}"[:2000], flush=True)
+                        continue
+                    r.update(round=rnd + 1, path=path, load_before=load_before, load_after=os.getloadavg())
+                    runs[path][mode].append(r)
+                    print(
+                        json.dumps({k: r[k] for k in ("mode", "path", "tokens_per_s", "wall_s", "repacks")}),
+                        flush=True,
+                    )
+                    if args.json_out:
+                        write(args.json_out, report, tail, runs, args, batch)
         if args.json_out:
             write(args.json_out, report, tail, runs, args, batch, final=True)
-        print_table(tail, rt.summarize(runs))
+        for path in args.through:
+            print_table(f"{tail} ({path})", rt.summarize(runs[path]))
 
 
 def write(path: Path, report: dict, tail: float, runs, args, batch: int, final: bool = False) -> None:
-    modes = rt.summarize(runs)
-    for m in modes:
-        m["loads"] = [r["load_before"][0] for r in runs[m["mode"]]]
+    """``runs``: per path (``in_process``, ``endpoint``), per mode; the in-process tables stay under
+    ``modes``/``runs`` (the earlier reports' shape), the endpoint's under ``endpoint_modes`` and
+    ``endpoint_runs``."""
     entry = {
         "tail_scale": tail,
         "latency": {"kind": args.latency, **latency_stats(args.latency, tail, batch)},
-        "modes": modes,
-        "runs": runs,
         "complete": final,
     }
+    for p, by_mode in runs.items():
+        modes = rt.summarize(by_mode)
+        for m in modes:
+            m["loads"] = [r["load_before"][0] for r in by_mode[m["mode"]]]
+        prefix = "" if p == "in_process" else f"{p}_"
+        entry[prefix + "modes"], entry[prefix + "runs"] = modes, by_mode
     report["tails"] = [t for t in report["tails"] if t["tail_scale"] != tail] + [entry]
     report["env"] = {"cpu_count": os.cpu_count(), "loadavg_now": os.getloadavg()}
     path.parent.mkdir(parents=True, exist_ok=True)
@@ -172,7 +205,7 @@ def rows(results: list[dict]) -> list[str]:
     ]
 
 
-def print_table(tail: float, results: list[dict]) -> None:
+def print_table(tail, results: list[dict]) -> None:
     print(f"\ntail x{tail}\n{HEADER}")
     print("\n".join(rows(results)))
 
@@ -189,7 +222,9 @@ def markdown(report: dict) -> str:
             f"P99 {lat['p99_s']:.2f} s, max {lat['max_s']:.1f} s, mean {lat['mean_s']:.2f} s; expected "
             f"slowest of a step's calls {slow:.1f} s){'' if t['complete'] else ' (incomplete)'}\n"
         )
-        out += [HEADER, *rows(t["modes"]), ""]
+        for key, what in (("modes", "in-process"), ("endpoint_modes", "through the agent endpoint")):
+            if t.get(key):
+                out += [f"{what}:\n", HEADER, *rows(t[key]), ""]
     return "\n".join(out) + "\n"
 
 

@@ -159,4 +159,5 @@ def wrap_engine(engine, env_cfg, tokenizer=None, sandbox: SandboxConfig | None =
         limits = dataclasses.replace(
             limits, on_error="retry", tool_workers=max(limits.tool_workers, AGENT_WORKERS)
         )
+        env.sampler = engine  # its requests are checked against the engine's sampling settings
     return EpisodeEngine(engine, env, tokenizer, limits)

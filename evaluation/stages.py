@@ -100,9 +100,11 @@ def evaluate_checkpoint(
     components=(),
     judges: Mapping[str, object] | None = None,
     sandbox=None,
+    envs=(),
 ) -> dict:
     """Writes ``rows.parquet`` (one row per problem and sample) and ``summary.json``; returns the
-    summary. ``files``: the file benchmarks of ``cfg``, read (each with its own template);
+    summary. ``envs``: ``(name, conf.schema.EnvMixConfig)`` of a mixed run (``with_mixed``). ``files``:
+    the file benchmarks of ``cfg``, read (each with its own template);
     ``components``: built reward components that score every benchmark (the learned reward model:
     its mean as ``reward/reward_model`` and best-of-n reranked by it as ``rm_best@n``); ``judges``:
     benchmark -> its verdict (``evaluation.evaluate.evaluate_items``); ``sandbox``: the run's
@@ -138,11 +140,103 @@ def evaluate_checkpoint(
             judges=judges,
             sandbox=sandbox,
         )
+    rows, totals = with_mixed(
+        model, tokenizer, rows, totals, envs, data_dir, cfg, templates, seed, device, judges, sandbox
+    )
     summary = summarize_rows(rows, cfg.n_samples, model_context(model), totals)
-    write_rows(rows, Path(out_dir) / "rows.parquet")
-    with open(Path(out_dir) / "summary.json", "w") as f:
+    summary.update(overall_by_env(rows, envs, cfg.n_samples, model_context(model)))
+    return written(rows, summary, Path(out_dir))
+
+
+def written(rows, summary: dict, out_dir: Path) -> dict:
+    """``rows.parquet`` and ``summary.json`` written in ``out_dir``; returns ``summary``."""
+    write_rows(rows, out_dir / "rows.parquet")
+    with open(out_dir / "summary.json", "w") as f:
         json.dump(summary, f, indent=2, sort_keys=True)
     return summary
+
+
+ALL_ENVS = "all"
+"""The overall entry of a mixed run's per-environment held-out accuracy: ``arith_heldout@all``."""
+
+
+def env_benchmark(name: str) -> str:
+    """The benchmark name of mixed environment ``name``'s held-out items: ``arith_heldout@NAME``."""
+    return f"{HELDOUT}@{name}"
+
+
+def with_mixed(model, tokenizer, rows, totals, envs, data_dir, cfg, templates, seed, device, judges, sandbox):
+    """``rows`` and ``totals`` with each mixed environment's held-out rows and sizes added
+    (``mixed_heldout``), when there are ``envs``, the data artifact and the held-out benchmark."""
+    if not envs or data_dir is None or HELDOUT not in cfg.benchmark_names():
+        return rows, totals
+    with Verifier(timeout_s=cfg.verifier_timeout_s) as verifier:
+        more, sizes = mixed_heldout(
+            model, tokenizer, envs, data_dir, cfg, templates[HELDOUT], seed, device, verifier, judges, sandbox
+        )
+    return rows + more, {**totals, **sizes}
+
+
+def mixed_heldout(model, tokenizer, envs, data_dir, cfg, template, seed, device, verifier, judges, sandbox):
+    """Rows of each mixed environment on its own held-out items, in that environment (episodes under
+    its own target, params and limits): the run's held-out set, or, for an item with its own
+    ``pool``, a seeded subset of that pool (``eval.max_problems``; the pool's rows are its prompts:
+    it has no held-out split). Benchmark ``arith_heldout@NAME``; totals per benchmark."""
+    from evaluation.benchmarks import items_from_records
+    from generation.setup import read_table
+
+    rows, totals = [], {}
+    for name, e in envs:
+        bench = env_benchmark(name)
+        records = read_table(Path(e.pool)) if e.pool else None
+        if records is None:
+            import polars as pl
+
+            records = pl.read_parquet(Path(data_dir) / "heldout.parquet").to_dicts()
+        full = items_from_records(bench, records, id_key="prompt_id")
+        totals[bench] = len(full)
+        judge = {bench: judges[HELDOUT]} if judges and HELDOUT in judges else None
+        rows += evaluate_items(
+            model,
+            tokenizer,
+            subset(full, cfg.max_problems, seed, bench),
+            templates={bench: template},
+            n_samples=cfg.n_samples,
+            temperature=cfg.temperature,
+            max_new_tokens=cfg.max_new_tokens,
+            batch_size=cfg.batch_size,
+            seed=seed,
+            device=device,
+            verifier=verifier,
+            env=e,
+            judges=judge,
+            sandbox=sandbox,
+        )
+    return rows, totals
+
+
+def overall_by_env(rows, envs, n_samples: int, context: int | None) -> dict[str, dict]:
+    """``arith_heldout@all`` (none without mixed rows): every mixed environment's held-out rows
+    pooled (``accuracy``), with ``weighted_accuracy`` (each environment's accuracy weighted by its
+    ``weight``) and ``by_env`` (environment -> accuracy)."""
+    import dataclasses
+
+    names = [n for n, _ in envs]
+    mine = [r for r in rows if r.benchmark in {env_benchmark(n) for n in names}]
+    if not mine:
+        return {}
+    pooled = [  # one problem per environment and item: the same held-out item in two is two problems
+        dataclasses.replace(r, benchmark=env_benchmark(ALL_ENVS), problem_id=f"{r.benchmark}/{r.problem_id}")
+        for r in mine
+    ]
+    out = summarize_rows(pooled, n_samples, context)
+    each = summarize_rows(mine, n_samples, context)
+    by_env = {n: each[env_benchmark(n)]["accuracy"] for n in names if env_benchmark(n) in each}
+    weights = {n: e.weight for n, e in envs if n in by_env}
+    entry = out[env_benchmark(ALL_ENVS)]
+    entry["by_env"] = by_env
+    entry["weighted_accuracy"] = sum(weights[n] * a for n, a in by_env.items()) / sum(weights.values())
+    return out
 
 
 def in_run_evaluator(

@@ -44,6 +44,7 @@ def _parser() -> tuple[argparse.ArgumentParser, dict[str, argparse.ArgumentParse
 
     _pipeline_commands(sub)
     _checkpoint_commands(sub)
+    _serve_policy_command(sub)
     _workspace_commands(sub)
     return p, dict(sub.choices)
 
@@ -131,6 +132,45 @@ def _checkpoint_commands(sub: argparse._SubParsersAction) -> None:
         "--prompts", action="store_true", help="every prompt id the checkpoint trained on, and how often"
     )
     _workspace_arg(sp)
+
+
+def _serve_policy_command(sub: argparse._SubParsersAction) -> None:
+    sp = sub.add_parser(
+        "serve-policy", help="the OpenAI-compatible agent endpoint over a checkpoint, outside training"
+    )
+    sp.add_argument(
+        "checkpoint", help="a save_pretrained (or LoRA adapter) folder, or a checkpoint sha prefix"
+    )
+    sp.add_argument("--port", type=int, default=0, help="loopback port (default 0: a free one)")
+    sp.add_argument("--max-tokens", type=int, default=256, help="the longest completion (default 256)")
+    sp.add_argument("--seed", type=int, default=0, help="the sampler's seed (default 0)")
+    sp.add_argument("--seconds", type=float, default=None, help="stop after this long (default: Ctrl-C)")
+    _workspace_arg(sp)
+
+
+def cmd_serve_policy(args) -> int:
+    from core.workspace import Workspace
+    from tasks.checkpoint_eval import EvalInputError
+    from tasks.serve_policy import serve_policy
+
+    if args.max_tokens < 1 or not 0 <= args.port <= 65535:
+        print("laminar: serve-policy needs --max-tokens >= 1 and --port in [0, 65535]", file=sys.stderr)
+        return 2
+    _quiet_transformers()
+    try:
+        serve_policy(
+            Workspace.at(args.workspace),
+            args.checkpoint,
+            port=args.port,
+            max_tokens=args.max_tokens,
+            seed=args.seed,
+            seconds=args.seconds,
+            say=lambda line: print(line, flush=True),
+        )
+    except EvalInputError as err:
+        print(f"laminar: {err}", file=sys.stderr)
+        return 2
+    return 0
 
 
 def _workspace_commands(sub: argparse._SubParsersAction) -> None:
@@ -523,6 +563,7 @@ COMMANDS = {
     "serve": cmd_serve,
     "simulate": cmd_simulate,
     "fsck": cmd_fsck,
+    "serve-policy": cmd_serve_policy,
 }
 
 

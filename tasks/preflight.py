@@ -124,17 +124,19 @@ def _check_plugins(cfg: Config) -> None:
 
 
 def _check_environment(cfg: Config) -> None:
-    """``env.target``: a built-in or entry-point name, or an import path that imports, takes
-    ``env.params`` (its ``Params`` model) and has ``reset``/``step(state, turn)``/``close``."""
-    if cfg.env.is_default():
-        return
+    """``env.target`` and each ``envs[i].target``: a built-in or entry-point name, or an import path
+    that imports, takes its ``params`` (its ``Params`` model) and has ``reset``/``step(state,
+    turn)``/``close`` (or is an agent's ``async def solve(client, task)``); one line naming the key."""
     from core.plugins import PluginError
     from environments.registry import check_environment
 
-    try:
-        check_environment(cfg.env)
-    except PluginError as err:
-        raise ConfigError(f"env.target: {err}") from None
+    checks = [] if cfg.env.is_default() else [("env.target", cfg.env)]
+    checks += [(f"envs[{i}].target", e) for i, e in enumerate(cfg.envs) if not e.is_default()]
+    for key, env in checks:
+        try:
+            check_environment(env)
+        except PluginError as err:
+            raise ConfigError(f"{key}: {' '.join(str(err).split())}") from None
 
 
 def _check_sources(cfg: Config) -> None:

@@ -25,7 +25,7 @@ import math
 import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
-from typing import Any
+from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field
 
@@ -52,6 +52,11 @@ class AgentParams(BaseModel):
     """The model id ``/v1/models`` lists."""
     agent_params: dict[str, Any] = Field(default_factory=dict)
     """Handed to the agent as ``task["params"]``."""
+    sampling: Literal["refuse", "run"] = "refuse"
+    """A request whose ``temperature``, ``top_p`` or ``max_tokens`` differs from the run's sampling
+    (which decides every turn, so that the behaviour log-probs trained on are those of the distribution
+    actually sampled): ``refuse`` answers it 400 naming the run's value; ``run`` serves it at the run's
+    settings and counts it in the episode's state (``sampling_overridden``)."""
 
 
 RESET_THREADS = 32
@@ -99,6 +104,9 @@ class AgentEnvironment:
         self.tokenizer = tokenizer
         self.format = message_format(tokenizer, getattr(env, "tool_format", "auto"))
         self.hub = Hub(solve, None, self.params.max_sessions, self.params.episode_timeout_s)
+        self.sampler = None
+        """The engine that samples the turns (``environments.registry.wrap_engine`` sets it): its
+        ``sampling`` (``generation.protocol.SamplingSpec``) is what a request is checked against."""
         self._endpoint: Endpoint | None = None
         self._lock = threading.Lock()
 
@@ -138,8 +146,8 @@ class AgentEnvironment:
                 return prompt.prompt_tokens, {"session": s.sid, "ended": reason, "error": detail}
             try:
                 tokens = self._first(s, ev, prompt)
-            except (RequestError, ValueError) as e:  # the template refused it: the agent hears why
-                s.reply(ev, error=(400, f"cannot render the messages: {e}"))
+            except ValueError as e:  # refused, or the template refused it: the agent hears why
+                s.reply(ev, error=_refusal(e))
                 continue
             return tokens, self._state(s)
 
@@ -166,8 +174,8 @@ class AgentEnvironment:
             try:
                 obs, tool_msgs = self._next(s, ev)
                 break
-            except (RequestError, ValueError) as e:
-                s.reply(ev, error=(400, f"cannot render the messages: {e}"))
+            except ValueError as e:
+                s.reply(ev, error=_refusal(e))
                 ev = s.next_event(max(0.0, s.deadline - time.monotonic()))
                 if not isinstance(ev, Call):
                     return self._ended(s, ev)
@@ -195,8 +203,44 @@ class AgentEnvironment:
         self.hub.shutdown()
 
     # -------------------------------------------------------------------------------- sessions
+    def _check_sampling(self, s: Session, req: dict) -> None:
+        """Under training a turn is sampled once, from the run's distribution (the engine samples a
+        whole batch at one temperature and length cap, and the behaviour log-probs trained on are that
+        distribution's): ``n`` above 1 is refused (a session does not branch), and so is a
+        ``temperature``, ``top_p`` or ``max_tokens`` the run does not sample with, unless
+        ``params.sampling=run`` (served at the run's settings, counted). ``stop`` is applied to the
+        text returned (the tokens trained on are the whole turn, as sampled)."""
+        if req["n"] > 1:
+            raise RequestError(
+                f"n={req['n']}: under training each episode is one trajectory and a session does not "
+                "branch; send n=1 (laminar serve-policy serves n>1 outside training)"
+            )
+        spec = getattr(self.sampler, "sampling", None)
+        if spec is None:
+            return
+        off = []
+        t, p, m = req["temperature"], req["top_p"], req["max_tokens"]
+        if t is not None and not math.isclose(t, spec.temperature, rel_tol=1e-6):
+            off.append(f"temperature={t:g} (the run samples at {spec.temperature:g})")
+        if p is not None and p != 1.0:
+            off.append(f"top_p={p:g} (the run samples the whole distribution, top_p=1)")
+        if m is not None and m < spec.max_new_tokens:
+            off.append(f"max_tokens={m} (the run's turns run to {spec.max_new_tokens} tokens)")
+        if not off:
+            return
+        if self.params.sampling == "run":
+            s.overridden += 1
+            return
+        raise RequestError(
+            f"{'; '.join(off)}: under training every turn is sampled from the run's distribution, whose "
+            "behaviour log-probs are what is trained; omit them or send the run's values (or set "
+            "env.params.sampling=run to serve such requests at the run's settings, counted)"
+        )
+
     def _state(self, s: Session) -> dict:
         out = {"session": s.sid, "requests": s.requests, "mismatches": s.mismatches}
+        if s.overridden:
+            out["sampling_overridden"] = s.overridden
         if s.mismatches:
             out["untrained"] = True
         return out
@@ -213,6 +257,7 @@ class AgentEnvironment:
 
     def _first(self, s: Session, call: Call, prompt: PromptItem) -> tuple[int, ...]:
         req = call.request
+        self._check_sampling(s, req)
         s.kind = req["kind"]
         if s.kind == "chat":
             tokens = self.format.first(req["messages"], req["tools"], prompt)
@@ -228,6 +273,7 @@ class AgentEnvironment:
     def _next(self, s: Session, call: Call) -> tuple[tuple[int, ...], int]:
         """The observation tokens of the agent's next request, and how many tool messages it added."""
         req = call.request
+        self._check_sampling(s, req)
         if req["kind"] != s.kind:
             raise RequestError(f"this session is a {s.kind} session; use that endpoint for all its requests")
         if s.kind == "chat":
@@ -284,6 +330,13 @@ class AgentEnvironment:
                 [float(x) for x in lps] if len(lps) == len(turn.tokens) else [0.0] * len(turn.tokens)
             )
         return reply
+
+
+def _refusal(e: ValueError) -> tuple[int, str]:
+    """The 4xx a request gets: a ``RequestError``'s own; anything else the chat template raised."""
+    if isinstance(e, RequestError):
+        return e.status, str(e)
+    return 400, f"cannot render the messages: {e}"
 
 
 def _result(out: Any) -> dict:

@@ -3,13 +3,13 @@ and ``/v1/models`` on loopback, one session per episode in the URL (``/s/<sessio
 the ``X-Laminar-Session`` header.
 
 Every request needs the run's bearer token (401 otherwise), is at most ``max_request_bytes`` (413)
-and is checked here, in the handler thread, before it reaches a session: anything the endpoint does
-not support is a 400 naming the field (``n`` above 1, ``tool_choice`` that forces a call,
-``top_logprobs``, images...). A checked request waits on its session until the policy's turn answers
-it (``request_timeout_s``: 504 after that). The endpoint answers with the turn the rollout engine
-sampled: ``temperature``, ``top_p`` and ``max_tokens`` are checked and reported but the run's sampling
-settings decide (the behaviour log-probs are the trainer's); ``stop`` cuts the text returned, never
-the tokens trained on.
+and is checked here, in the handler thread, before it reaches whatever serves it: anything the
+endpoint does not support is a 400 naming the field (``tool_choice`` that forces a call,
+``top_logprobs``, images...). A checked request waits until it is answered (``request_timeout_s``:
+504 after that). Under training a session answers it with the turn the rollout engine sampled, and
+refuses what the run's sampling cannot honour (``n`` above 1; ``temperature``, ``top_p`` or
+``max_tokens`` off the run's: ``environments.agents.adapter``); ``laminar serve-policy`` applies every
+one of them per request (``environments.agents.serve``).
 """
 
 from __future__ import annotations
@@ -40,6 +40,8 @@ IGNORED = {
 CHAT_FIELDS = {"messages", "tools", "tool_choice", "stop", "max_tokens", "max_completion_tokens",
                "temperature", "top_p", "n", "logprobs", "top_logprobs", "stream", "frequency_penalty",
                "presence_penalty", "response_format"}  # fmt: skip
+MAX_N = 16
+"""Choices per request at most."""
 COMPLETION_FIELDS = {"prompt", "stop", "max_tokens", "temperature", "top_p", "n", "logprobs", "stream",
                      "echo", "frequency_penalty", "presence_penalty"}  # fmt: skip
 
@@ -54,8 +56,9 @@ def _common(body: dict, fields: set[str]) -> dict:
     unknown = sorted(set(body) - fields - IGNORED)
     if unknown:
         raise RequestError(f"unsupported field(s) {unknown}: this endpoint does not implement them")
-    if body.get("n") not in (None, 1):
-        raise RequestError("n must be 1: the run samples each episode's turns one at a time")
+    n = body.get("n")
+    if n is not None and (isinstance(n, bool) or not isinstance(n, int) or not 1 <= n <= MAX_N):
+        raise RequestError(f"n must be an integer in [1, {MAX_N}], got {n!r}")
     for k in ("frequency_penalty", "presence_penalty"):
         if body.get(k) not in (None, 0, 0.0):
             raise RequestError(f"{k} is not supported (the run's sampler has no penalties)")
@@ -72,7 +75,10 @@ def _common(body: dict, fields: set[str]) -> dict:
     if not isinstance(body.get("stream", False), bool):
         raise RequestError("stream must be true or false")
     opts = body.get("stream_options") or {}
-    return {"stop": stop, "stream": bool(body.get("stream")), "usage": bool(opts.get("include_usage"))}
+    cap = body.get("max_completion_tokens", body.get("max_tokens"))
+    return {"stop": stop, "stream": bool(body.get("stream")), "usage": bool(opts.get("include_usage")),
+            "n": n or 1, "temperature": body.get("temperature"), "top_p": body.get("top_p"),
+            "max_tokens": cap}  # fmt: skip
 
 
 def parse_request(kind: str, body) -> dict:
@@ -149,47 +155,56 @@ def _logprobs(reply: dict, kind: str):
     return {"content": content, "refusal": None}
 
 
+def _choices(reply: dict) -> list[dict]:
+    """A reply's choices: ``reply["choices"]`` (``n`` of them, each with its own text, calls, finish
+    reason and log-probs) or the reply itself (one)."""
+    return reply.get("choices") or [reply]
+
+
 def completion_body(reply: dict, kind: str, model: str) -> dict:
-    """The non-streaming response to one request."""
+    """The non-streaming response to one request (``n`` choices)."""
+    choices = _choices(reply)
+    done = sum(c["completion_tokens"] for c in choices)
     usage = {
         "prompt_tokens": reply["prompt_tokens"],
-        "completion_tokens": reply["completion_tokens"],
-        "total_tokens": reply["prompt_tokens"] + reply["completion_tokens"],
+        "completion_tokens": done,
+        "total_tokens": reply["prompt_tokens"] + done,
     }
     base = {"created": int(time.time()), "model": model, "usage": usage}
     if kind == "completion":
-        choice = {"index": 0, "text": reply["content"], "finish_reason": reply["finish_reason"],
-                  "logprobs": _logprobs(reply, kind)}  # fmt: skip
-        return {"id": "cmpl-" + uuid.uuid4().hex, "object": "text_completion", "choices": [choice], **base}
-    msg = {"role": "assistant", "content": reply["content"] or None}
-    if reply["tool_calls"]:
-        msg["tool_calls"] = _tool_calls(reply)
-    choice = {
-        "index": 0,
-        "message": msg,
-        "finish_reason": reply["finish_reason"],
-        "logprobs": _logprobs(reply, kind),
-    }
-    return {"id": "chatcmpl-" + uuid.uuid4().hex, "object": "chat.completion", "choices": [choice], **base}
+        out = [{"index": i, "text": c["content"], "finish_reason": c["finish_reason"],
+                "logprobs": _logprobs(c, kind)} for i, c in enumerate(choices)]  # fmt: skip
+        return {"id": "cmpl-" + uuid.uuid4().hex, "object": "text_completion", "choices": out, **base}
+    out = []
+    for i, c in enumerate(choices):
+        msg = {"role": "assistant", "content": c["content"] or None}
+        if c["tool_calls"]:
+            msg["tool_calls"] = _tool_calls(c)
+        out.append({"index": i, "message": msg, "finish_reason": c["finish_reason"],
+                    "logprobs": _logprobs(c, kind)})  # fmt: skip
+    return {"id": "chatcmpl-" + uuid.uuid4().hex, "object": "chat.completion", "choices": out, **base}
 
 
 def stream_events(reply: dict, kind: str, model: str, usage: bool) -> list[dict]:
-    """The server-sent events of one streamed response (before ``[DONE]``)."""
+    """The server-sent events of one streamed response (before ``[DONE]``): per choice, its text
+    (with its log-probs), its tool calls, then its finish reason."""
     whole = completion_body(reply, kind, model)
     head = {"id": whole["id"], "created": whole["created"], "model": model}
-    if kind == "completion":
-        choice = dict(whole["choices"][0])
-        events = [{**head, "object": "text_completion", "choices": [choice]}]
-    else:
+    events = []
+    for i, c in enumerate(_choices(reply)):
+        if kind == "completion":
+            events.append({**head, "object": "text_completion", "choices": [whole["choices"][i]]})
+            continue
         obj = {**head, "object": "chat.completion.chunk"}
-        delta = {"role": "assistant", "content": reply["content"] or ""}
-        lp = whole["choices"][0]["logprobs"]
-        events = [{**obj, "choices": [{"index": 0, "delta": delta, "logprobs": lp, "finish_reason": None}]}]
-        if reply["tool_calls"]:
-            calls = {"tool_calls": _tool_calls(reply, streaming=True)}
-            events.append({**obj, "choices": [{"index": 0, "delta": calls, "finish_reason": None}]})
-        end = {"index": 0, "delta": {}, "finish_reason": reply["finish_reason"]}
-        events.append({**obj, "choices": [end]})
+        delta = {"role": "assistant", "content": c["content"] or ""}
+        lp = whole["choices"][i]["logprobs"]
+        events.append(
+            {**obj, "choices": [{"index": i, "delta": delta, "logprobs": lp, "finish_reason": None}]}
+        )
+        if c["tool_calls"]:
+            calls = {"tool_calls": _tool_calls(c, streaming=True)}
+            events.append({**obj, "choices": [{"index": i, "delta": calls, "finish_reason": None}]})
+        events.append({**obj, "choices": [{"index": i, "delta": {}, "finish_reason": c["finish_reason"]}]})
     if usage:
         events.append({**events[-1], "choices": [], "usage": whole["usage"]})
     return events
@@ -206,14 +221,15 @@ class _Server(ThreadingHTTPServer):
 
 
 class Endpoint:
-    """The HTTP server on ``127.0.0.1`` (a free port), in front of ``hub``'s sessions."""
+    """The HTTP server on ``127.0.0.1`` (``port``; 0: a free one), in front of ``hub``'s sessions (or of
+    a ``sessionless`` hub that serves every request itself: ``environments.agents.serve``)."""
 
-    def __init__(self, hub, model: str, request_timeout_s: float, max_request_bytes: int):
+    def __init__(self, hub, model: str, request_timeout_s: float, max_request_bytes: int, port: int = 0):
         self.hub, self.model = hub, model
         self.request_timeout_s, self.max_request_bytes = request_timeout_s, max_request_bytes
         self.requests = self.refused = 0
         handler = type("Handler", (_Handler,), {"endpoint": self})
-        self.server = _Server(("127.0.0.1", 0), handler)
+        self.server = _Server(("127.0.0.1", port), handler)
         self.port = self.server.server_address[1]
         self.thread = threading.Thread(target=self.server.serve_forever, name="laminar-endpoint", daemon=True)
         self.thread.start()
@@ -289,7 +305,7 @@ class _Handler(BaseHTTPRequestHandler):
             return
         sid, route = got
         kinds = {"chat/completions": "chat", "completions": "completion"}
-        if route not in kinds or sid is None:
+        if route not in kinds or (sid is None and not getattr(self.endpoint.hub, "sessionless", False)):
             self._send(404, _error(404, f"no route POST {self.path} (use the session's base URL)"))
             return
         self.endpoint.requests += 1

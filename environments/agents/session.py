@@ -51,6 +51,8 @@ class Session:
         self.n_tokens = 0
         self.requests = 0
         self.mismatches = 0
+        self.overridden = 0
+        """Requests served at the run's sampling settings instead of their own (``sampling=run``)."""
         self.loop: asyncio.AbstractEventLoop | None = None
         self.agent_task: asyncio.Task | None = None
 

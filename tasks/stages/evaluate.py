@@ -40,6 +40,8 @@ if TYPE_CHECKING:
 
 
 def eval_key(c: Config) -> dict:
+    from training.rl.mix import mix_key
+
     own = {"template": c.data.template} if c.data.template is not None else {}
     return {
         **c.eval.model_dump(),
@@ -48,6 +50,7 @@ def eval_key(c: Config) -> dict:
         **reward_model_key(c),
         **sandbox_key(c),
         **verdict_key(c),
+        **mix_key(c.envs),  # with several environments, each one's held-out accuracy (absent when none)
         **own,
     }
 
@@ -101,6 +104,7 @@ def eval_certificates(
 def eval_body(ctx: StageContext) -> StageResult:
     from evaluation.stages import evaluate_checkpoint
     from generation.setup import setup_torch
+    from training.rl.mix import env_names
     from tasks.certificate import CERTIFICATE_FILE
 
     setup_torch(ctx.cfg.threads, ctx.cfg.seed)
@@ -124,13 +128,14 @@ def eval_body(ctx: StageContext) -> StageResult:
                 components=components,
                 judges=open_judges(ctx.cfg, stack),
                 sandbox=ctx.cfg.sandbox,
+                envs=list(zip(env_names(ctx.cfg.envs), ctx.cfg.envs)),
             )
         query = ctx.catalog.query if ctx.catalog is not None else _no_catalog
         certificates.update(
             eval_certificates(
                 query,
                 ctx.inputs[MODEL].sha256,
-                summary,
+                [b for b in summary if "@" not in b],  # a mixed environment's rows: its held-out set's
                 Path(data.path) if data else None,
                 files,
                 ctx.store.workspace_root,
@@ -204,6 +209,7 @@ def eval_metrics(checkpoint: str, summary: dict, n_samples: int, certificates: d
                 **{k: s[k] for k in ("n_problems", "problems_total", "too_long", "context") if k in s},
                 **({k: s[k] for k in rm_keys if k in s} if "reward/reward_model" in s else {}),
                 **{k: s[k] for k in episode_keys if k in s},
+                **{k: s[k] for k in ("weighted_accuracy", "by_env") if k in s},  # envs: the overall row
                 **({"certificate": certificates[b]["status"]} if b in certificates else {}),
             }
             for b, s in summary.items()

@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import asyncio
 
+import openai
+
 from generation.records import Trajectory
 from generation.sampler import request_key
 
@@ -158,3 +160,25 @@ class Scripted:
     def extract(self, include_queued=True, only=None):
         rows, self.rows = self.rows, []
         return [], rows
+
+
+async def sampling_probe(client, task):
+    """Requests off the run's sampling (``task["params"]["off"]``: keyword sets) until one is served,
+    then (if none was) one with the run's own values (``task["params"]["run"]``); returns each
+    request's status (200 or the 4xx), the refusals' messages and the served turn's log-probs."""
+    msgs = [{"role": "user", "content": task["prompt"]}]
+    statuses, messages = [], []
+    for kw in [*task["params"]["off"], task["params"]["run"]]:
+        try:
+            r = await client.chat.completions.create(model="m", messages=msgs, logprobs=True, **kw)
+        except openai.BadRequestError as e:
+            statuses.append(e.status_code)
+            messages.append(e.message)
+            continue
+        statuses.append(200)
+        return {
+            "statuses": statuses,
+            "messages": messages,
+            "lps": [x.logprob for x in r.choices[0].logprobs.content],
+        }
+    return {"statuses": statuses, "messages": messages, "lps": []}

@@ -231,7 +231,8 @@ def _refusals(env: AgentEnvironment):
         with pytest.raises(openai.AuthenticationError):
             await bad.chat.completions.create(model="m", messages=msgs)
         for kw in [
-            {"n": 2},
+            {"n": 17},  # above MAX_N (n=2 reaches the session, which refuses it under training: below)
+            {"temperature": 3.0},
             {"tool_choice": "required", "tools": [fx.CALC]},
             {"top_logprobs": 3, "logprobs": True},
         ]:
@@ -412,3 +413,48 @@ def test_the_example_agent_on_the_tiny_tokenizer_gives_the_calculators_own_episo
     tokens, mask = calculator.demonstration(ToolCall("calc", "3+4"), "#### 7")
     assert (t.response_tokens, t.loss_mask) == (tokens, mask)
     assert _consumed_matches(_training_row(t, tok), t, engine)
+
+
+def _logprobs_at(model, context, tokens, temperature):
+    """The log-probs of ``tokens`` after ``context`` under ``model`` at ``temperature``."""
+    import torch
+
+    ids = torch.tensor([list(context) + list(tokens)])
+    with torch.no_grad():
+        logits = model(ids).logits[0, len(context) - 1 : -1].float() / temperature
+    lps = torch.log_softmax(logits, -1)
+    return lps[torch.arange(len(tokens)), torch.tensor(tokens)].tolist()
+
+
+OFF_THE_RUN = [{"n": 2}, {"temperature": 0.2}, {"top_p": 0.5}, {"max_tokens": 4}]
+
+
+@pytest.mark.parametrize("policy", ["refuse", "run"])
+def test_under_training_a_request_off_the_runs_sampling_is_refused_or_served_at_the_runs(tok, model, policy):
+    """The engine samples every turn at the run's temperature and cap: a request asking for another
+    ``temperature``, ``top_p`` or a shorter ``max_tokens`` gets a 400 naming the run's value
+    (``sampling=refuse``), or is served at the run's settings and counted (``sampling=run``); ``n>1``
+    is refused either way. What is trained, and what the agent is told, is the log-probs of the
+    distribution actually sampled (temperature 0.8 here, checked against the model)."""
+    engine = Recording(model, tok, EngineOptions(max_new_tokens=12, capacity=4, seed=3, temperature=0.8))
+    params = {"off": OFF_THE_RUN, "run": {"temperature": 0.8, "top_p": 1.0, "max_tokens": 64}}
+    cfg = _cfg("sampling_probe", sampling=policy, agent_params=params)
+    _, (t,) = _run(engine, cfg, tok, n=1)
+    result = t.env_state["result"]
+    if policy == "refuse":
+        assert result["statuses"] == [400, 400, 400, 400, 200] and "sampling_overridden" not in t.env_state
+        for kw, message in zip(OFF_THE_RUN, result["messages"]):
+            ((key, value),) = kw.items()
+            assert f"{key}={value:g}" in message
+        assert "the run samples at 0.8" in result["messages"][1] and "12 tokens" in result["messages"][3]
+        assert "session does not branch" in result["messages"][0]
+    else:  # n=2 still refused; temperature=0.2 served at 0.8 and counted
+        assert result["statuses"] == [400, 200] and t.env_state["sampling_overridden"] == 1
+    overridden = episode_metrics([t])["episode/agent_sampling_overridden"]
+    assert overridden == (1.0 if policy == "run" else 0.0)
+    turn = len(t.response_tokens) if t.turns == 1 else t.loss_mask.index(0)
+    sampled = t.response_tokens[:turn]
+    want = _logprobs_at(model, t.prompt.prompt_tokens, sampled, 0.8)
+    assert result["lps"] == pytest.approx(want, abs=1e-4)
+    assert list(t.behaviour_logprobs[:turn]) == pytest.approx(want, abs=1e-4)
+    assert _logprobs_at(model, t.prompt.prompt_tokens, sampled, 0.2) != pytest.approx(want, abs=1e-3)

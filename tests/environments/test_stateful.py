@@ -259,6 +259,46 @@ def test_a_bad_environment_target_is_one_line_naming_it(plugin_pkg, target, para
         make_environment(cfg.env, build_char_tokenizer())
 
 
+@pytest.mark.parametrize(
+    ("target", "words"),
+    [
+        ("Old", "step(turn_text) does not take step(state, turn)"),
+        ("Nope", "has no attribute 'Nope'"),
+    ],
+)
+def test_each_mixed_environment_target_is_checked_in_one_line_naming_its_item(plugin_pkg, target, words):
+    """``envs[i].target`` gets the same check as ``env.target`` (imports, right signature), and the
+    line names the item; the valid items around it pass."""
+    from conf.schema import Config, ConfigError, EnvMixConfig
+    from tasks.preflight import _check_environment
+
+    good = EnvMixConfig(target=f"{plugin_pkg}:Tally", max_turns=3, name="tally")
+    _check_environment(Config(envs=[good, EnvMixConfig(target="calculator", max_turns=3)]))
+    bad = EnvMixConfig(target=f"{plugin_pkg}:{target}", max_turns=3, name="bad")
+    with pytest.raises(ConfigError) as e:
+        _check_environment(Config(envs=[good, bad]))
+    line = str(e.value)
+    assert line.startswith("envs[1].target: ") and f"'{plugin_pkg}:{target}'" in line and words in line
+    assert "\n" not in line
+
+
+def test_the_cli_refuses_an_unimportable_mixed_environment_before_any_write(tmp_path):
+    ws = tmp_path / "ws"
+    mix = "envs=[{target: calculator, max_turns: 3}, {target: 'no_such_pkg_q.envs:Game', max_turns: 3}]"
+    proc = subprocess.run(
+        [sys.executable, "-m", "flows.cli", "run", "--workspace", str(ws), mix],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=300,
+        env={**__import__("os").environ, "PYTHONPATH": str(ROOT)},
+    )
+    assert proc.returncode == 2, proc.stderr[-2000:]
+    line = proc.stderr.strip().splitlines()[-1]
+    assert line.startswith("laminar: config error: envs[1].target: plug-in 'no_such_pkg_q.envs:Game' ")
+    assert "cannot be imported: ModuleNotFoundError" in line and not ws.exists()
+
+
 def test_the_cli_refuses_an_unimportable_environment_before_any_write(tmp_path):
     ws = tmp_path / "ws"
     proc = subprocess.run(

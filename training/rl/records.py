@@ -290,7 +290,8 @@ def episode_metrics(trajs) -> dict[str, float]:
 def _agent_metrics(eps) -> dict[str, float]:
     """Agent episodes (``environments.agents``; their state has a ``session``, an episode whose agent
     failed before its first request included): the share whose client rewrote its history (kept with
-    loss mask 0 only) and the share that ended on an agent fault."""
+    loss mask 0 only), the share that ended on an agent fault and the share with a request served at
+    the run's sampling instead of its own (``sampling: run`` in ``env.params``)."""
     agents = [t for t in eps if isinstance(t.env_state, dict) and "session" in t.env_state]
     if not agents:
         return {}
@@ -299,6 +300,8 @@ def _agent_metrics(eps) -> dict[str, float]:
     return {
         "episode/agent_mismatch": sum(bool(t.env_state.get("mismatches")) for t in agents) / n,
         "episode/agent_failed": sum(t.end_reason in faults for t in agents) / n,
+        "episode/agent_sampling_overridden": sum(bool(t.env_state.get("sampling_overridden")) for t in agents)
+        / n,
     }
 
 
