@@ -687,8 +687,9 @@ class DartConfig(Section):
     strategy: DartStrategy = "prop2diff"
     model: DartModel = "warmup"
     """Who synthesises the trials: ``warmup`` (the warm-up model), ``teacher`` (the ``teacher.path``
-    checkpoint, sharing the student's tokenizer) or ``rl`` (the previous round's RL model: only with
-    rounds, so a single-round run refuses it). Difficulty stays estimated with the trained model."""
+    checkpoint, sharing the student's tokenizer); ``rl`` is refused: with ``rounds`` every round from 2
+    on samples with the previous round's RL model whatever this says, and round 1 has none. Difficulty
+    stays estimated with the trained model."""
     k_u: Annotated[int, Positive, Samples] = 4
     k_p: Annotated[int, Positive, Samples] = 8
     max_trials: Annotated[int, NonNegative, AtMost(4_096)] = 32
@@ -1546,7 +1547,8 @@ class Config(Section):
         if self.curation.dart.model == "rl":
             raise rule(
                 "@curation.dart.model=rl samples with the previous round's RL model, which a single-round "
-                "run does not have: use warmup or teacher (rl needs rounds)"
+                "run does not have: with rounds=N every round from 2 on samples with it already "
+                "(docs/rounds.md); round 1 takes warmup or teacher (a previous run's RL checkpoint)"
             )
         return self
 
