@@ -51,7 +51,7 @@ def run_seed(seed: int, args, common: list[str]) -> dict:
 
     def one(arm: str) -> dict | None:
         ws = args.workspaces / f"{arm}-s{seed}"
-        if args.collect_only:
+        if args.collect_only or arm not in args.run_arms:
             if not (ws / "bench_wall.json").exists():
                 return None
             rec = json.loads((ws / "bench_wall.json").read_text())
@@ -245,6 +245,8 @@ def main() -> None:
     ap.add_argument("--nice", type=int, default=0, help="niceness increment of the pipeline runs")
     ap.add_argument("--resume", action="store_true", help="reuse finished runs in the workspaces")
     ap.add_argument("--collect-only", action="store_true", help="run nothing: collect finished runs")
+    ap.add_argument("--run-arms", nargs="+", choices=list(ARMS), default=list(ARMS),
+                    help="the arms to run; the others are collected from their workspaces")  # fmt: skip
     ap.add_argument("--out", type=Path, required=True, help="path without extension")
     ap.add_argument("overrides", nargs="*", help="laminar run overrides for both arms")
     args = ap.parse_args()
