@@ -57,7 +57,7 @@ def run_seed(seed: int, args, common: list[str]) -> dict:
             rec = json.loads((ws / "bench_wall.json").read_text())
         else:
             overrides = [f"seed={seed}", f"threads={args.threads}", *ARMS[arm], *common]
-            rec = run_pipeline(ws, overrides, resume=args.resume, nice=args.nice)
+            rec = run_pipeline(ws, overrides, resume=args.resume, fresh=not args.keep, nice=args.nice)
         row = collect(ws, rec, args.long_levels)
         paths = eval_rows(ws, rec)
         row["eval_rows"] = {role: str(p) for role, p in paths.items()}
@@ -245,6 +245,7 @@ def main() -> None:
     ap.add_argument("--nice", type=int, default=0, help="niceness increment of the pipeline runs")
     ap.add_argument("--resume", action="store_true", help="reuse finished runs in the workspaces")
     ap.add_argument("--collect-only", action="store_true", help="run nothing: collect finished runs")
+    ap.add_argument("--keep", action="store_true", help="run in the workspaces as they are (cached stages)")
     ap.add_argument("--run-arms", nargs="+", choices=list(ARMS), default=list(ARMS),
                     help="the arms to run; the others are collected from their workspaces")  # fmt: skip
     ap.add_argument("--out", type=Path, required=True, help="path without extension")
