@@ -45,6 +45,26 @@ def base_run(ws: Path) -> dict:
     return json.loads((latest / "summary.json").read_text())
 
 
+BASE_INPUTS = {  # name -> (the base run's stage, its artifact kind)
+    "rft": ("rft", "model"),  # the student
+    "teacher": ("rl", "model"),
+    "selection": ("select", "selection"),
+    "dataset": ("data", "dataset"),
+    "rft_data": ("dart", "rft_data"),
+}
+
+
+def copy_inputs(ws: Path, summary: dict, tmp: Path, names=("rft", "teacher", "selection", "dataset")):
+    """Copies of the ``names`` artifacts of the base run (``summary``, ``base_run(ws)``) under ``tmp``,
+    by name: the base workspace stays untouched."""
+    paths = {}
+    for name in names:
+        stage, kind = BASE_INPUTS[name]
+        paths[name] = tmp / name
+        shutil.copytree(ws / "artifacts" / kind / summary["stages"][stage]["artifacts"][kind], paths[name])
+    return paths
+
+
 def run_rl(cfg, paths: dict[str, Path], out: Path) -> tuple[list[dict], list[float], list[float]]:
     """One RL run; (its per-step metrics, the wall-clock seconds from its start to the end of each
     step, this process's CPU seconds over the same spans: on a shared machine the load moves the
@@ -136,7 +156,6 @@ def measure(args) -> dict:
 
     summary = base_run(args.base_ws)
     art = {k: v["artifacts"] for k, v in summary["stages"].items()}
-    store = args.base_ws / "artifacts"
     teacher_acc = summary["metrics"]["heldout_accuracy_rl"]
     target = args.share * teacher_acc
     out: dict = {
@@ -154,15 +173,7 @@ def measure(args) -> dict:
         "runs": {},
     }
     with tempfile.TemporaryDirectory(prefix="laminar-opd-bench-") as tmp:
-        paths = {}
-        for name, kind, sha in (
-            ("rft", "model", art["rft"]["model"]),
-            ("teacher", "model", art["rl"]["model"]),
-            ("selection", "selection", art["select"]["selection"]),
-            ("dataset", "dataset", art["data"]["dataset"]),
-        ):
-            paths[name] = Path(tmp) / name
-            shutil.copytree(store / kind / sha, paths[name])  # the base workspace stays untouched
+        paths = copy_inputs(args.base_ws, summary, Path(tmp))
         for algo in args.algorithms:
             over = [f"seed={args.seed}", f"threads={args.threads}", f"rl.steps={args.steps}"]
             teacher_path = {"opd": str(paths["teacher"]), "opd_self": "self"}.get(algo)

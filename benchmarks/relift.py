@@ -19,7 +19,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import shutil
 import statistics
 import sys
 import tempfile
@@ -30,11 +29,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
-
-def base_run(ws: Path) -> dict:
-    """The base workspace's latest run summary."""
-    latest = max((ws / "runs").iterdir(), key=lambda p: p.stat().st_mtime)
-    return json.loads((latest / "summary.json").read_text())
+from benchmarks.opd import BASE_INPUTS, base_run, copy_inputs  # noqa: E402
 
 
 def level_evaluator(cfg, paths: dict[str, Path], verifier, level: str):
@@ -122,24 +117,6 @@ def run_rl(cfg, paths: dict[str, Path], out: Path, level: str) -> dict:
     }
 
 
-def copy_inputs(ws: Path, tmp: Path) -> tuple[dict, dict[str, Path]]:
-    """The base run's summary and copies of its RFT model (student), RL model (teacher), selection,
-    dataset and DART data (the base workspace stays untouched)."""
-    summary = base_run(ws)
-    art = {k: v["artifacts"] for k, v in summary["stages"].items()}
-    paths = {}
-    for name, kind, sha in (
-        ("rft", "model", art["rft"]["model"]),
-        ("teacher", "model", art["rl"]["model"]),
-        ("selection", "selection", art["select"]["selection"]),
-        ("dataset", "dataset", art["data"]["dataset"]),
-        ("rft_data", "rft_data", art["dart"]["rft_data"]),
-    ):
-        paths[name] = tmp / name
-        shutil.copytree(ws / "artifacts" / kind / sha, paths[name])
-    return summary, paths
-
-
 def aggregate(out: dict, level: str) -> None:
     """Per arm: the mean and the per-seed values of the final accuracies and seconds."""
     agg = {}
@@ -206,7 +183,8 @@ def main(argv: list[str] | None = None) -> dict:
     from conf.loader import load_config
 
     with tempfile.TemporaryDirectory(prefix="laminar-relift-bench-") as tmp:
-        summary, paths = copy_inputs(args.base_ws, Path(tmp))
+        summary = base_run(args.base_ws)
+        paths = copy_inputs(args.base_ws, summary, Path(tmp), (*BASE_INPUTS,))
         relift = ["rl.relift.enabled=true", f"rl.relift.source={args.source}", *args.set]
         relift += [f"teacher.path={paths['teacher']}"] if args.source != "dart" else []
         out: dict = {
