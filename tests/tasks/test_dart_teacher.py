@@ -7,7 +7,6 @@ from types import SimpleNamespace
 
 import polars as pl
 import pytest
-import torch
 
 from conf.loader import load_config
 from conf.schema import ConfigError, ModelConfig
@@ -24,6 +23,7 @@ from generation.model import (
 from rewards.verifier import Verifier
 from tasks.dag import STAGE_BY_NAME
 from tasks.stages.dart import dart_key, dart_model, dart_teacher_files
+from tests.training.rl_fakes import fit
 from training.sft import SFTExample, collate
 
 MICRO = ModelConfig(hidden_size=32, intermediate_size=64, num_layers=1, num_heads=2, num_kv_heads=1)
@@ -40,13 +40,7 @@ def _taught(tok, seed: int = 0):
         for p, a in PROBLEMS.values()
     ]
     ids, attn, labels = collate(batch, tok.pad_token_id)
-    opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
-    for _ in range(150):
-        loss = model(input_ids=ids, attention_mask=attn, labels=labels).loss
-        opt.zero_grad()
-        loss.backward()
-        opt.step()
-    return model.eval()
+    return fit(model, ids, labels, steps=150, lr=1e-2, attention_mask=attn)
 
 
 @pytest.fixture(scope="module")

@@ -22,13 +22,13 @@ class Verdict:
         return float(self.correct)
 
 
-def fit(model, ids, labels, *, steps: int, lr: float):
+def fit(model, ids, labels, *, steps: int, lr: float, attention_mask=None):
     """``model`` after ``steps`` full-batch AdamW steps on ``ids`` with ``labels`` (-100: no loss),
     in eval mode."""
     opt = torch.optim.AdamW(model.parameters(), lr=lr)
     model.train()
     for _ in range(steps):
-        loss = model(input_ids=ids, labels=labels).loss
+        loss = model(input_ids=ids, attention_mask=attention_mask, labels=labels).loss
         opt.zero_grad()
         loss.backward()
         opt.step()

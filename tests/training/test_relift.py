@@ -3,8 +3,7 @@
 from __future__ import annotations
 
 import pytest
-import torch
-from rl_fakes import MICRO, Verdict, cpu_trainer, saved_model
+from rl_fakes import MICRO, Verdict, cpu_trainer, fit, saved_model
 
 from conf.loader import load_config
 from conf.schema import ConfigError, ReliftConfig, RLConfig
@@ -64,13 +63,7 @@ def _teacher_model(tok, prompts):
     """A micro model fitted to answer ``prompts`` (the teacher better than the student)."""
     model = build_tiny_model(MICRO, tok, seed=1)
     ids, attn, labels = collate([_solution(tok, p) for p in prompts], tok.pad_token_id)
-    opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
-    for _ in range(150):
-        loss = model(input_ids=ids, attention_mask=attn, labels=labels).loss
-        opt.zero_grad()
-        loss.backward()
-        opt.step()
-    return model.eval()
+    return fit(model, ids, labels, steps=150, lr=1e-2, attention_mask=attn)
 
 
 def test_failed_is_all_wrong_or_at_most_the_threshold():
