@@ -282,17 +282,22 @@ def test_each_mixed_environment_target_is_checked_in_one_line_naming_its_item(pl
     assert "\n" not in line
 
 
-def test_the_cli_refuses_an_unimportable_mixed_environment_before_any_write(tmp_path):
-    ws = tmp_path / "ws"
-    mix = "envs=[{target: calculator, max_turns: 3}, {target: 'no_such_pkg_q.envs:Game', max_turns: 3}]"
-    proc = subprocess.run(
-        [sys.executable, "-m", "flows.cli", "run", "--workspace", str(ws), mix],
+def _laminar_run(ws, *overrides):
+    """``laminar run --workspace ws OVERRIDES`` in a subprocess (this checkout on its path)."""
+    return subprocess.run(
+        [sys.executable, "-m", "flows.cli", "run", "--workspace", str(ws), *overrides],
         cwd=ROOT,
         capture_output=True,
         text=True,
         timeout=300,
         env={**__import__("os").environ, "PYTHONPATH": str(ROOT)},
     )
+
+
+def test_the_cli_refuses_an_unimportable_mixed_environment_before_any_write(tmp_path):
+    ws = tmp_path / "ws"
+    mix = "envs=[{target: calculator, max_turns: 3}, {target: 'no_such_pkg_q.envs:Game', max_turns: 3}]"
+    proc = _laminar_run(ws, mix)
     assert proc.returncode == 2, proc.stderr[-2000:]
     line = proc.stderr.strip().splitlines()[-1]
     assert line.startswith("laminar: config error: envs[1].target: plug-in 'no_such_pkg_q.envs:Game' ")
@@ -301,23 +306,7 @@ def test_the_cli_refuses_an_unimportable_mixed_environment_before_any_write(tmp_
 
 def test_the_cli_refuses_an_unimportable_environment_before_any_write(tmp_path):
     ws = tmp_path / "ws"
-    proc = subprocess.run(
-        [
-            sys.executable,
-            "-m",
-            "flows.cli",
-            "run",
-            "--workspace",
-            str(ws),
-            "env.target=no_such_pkg_q.envs:Game",
-        ]
-        + ["env.max_turns=3"],
-        cwd=ROOT,
-        capture_output=True,
-        text=True,
-        timeout=300,
-        env={**__import__("os").environ, "PYTHONPATH": str(ROOT)},
-    )
+    proc = _laminar_run(ws, "env.target=no_such_pkg_q.envs:Game", "env.max_turns=3")
     assert proc.returncode == 2, proc.stderr[-2000:]
     line = proc.stderr.strip().splitlines()[-1]
     assert line.startswith("laminar: config error: env.target: plug-in 'no_such_pkg_q.envs:Game' ")
