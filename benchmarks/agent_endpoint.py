@@ -129,9 +129,18 @@ def run_tiny(mode, tok, model, prompts, args) -> dict:
 
     eng = Engine(model, tok, EngineOptions(max_new_tokens=48, capacity=64, seed=0))
     runner = wrap_engine(eng, tiny_env(mode, 8), tok)
-    tool_agent.LATENCY.clear()
+    trajs, out = timed(runner, tiny_requests(prompts, args.episodes), tool_agent.LATENCY)
+    out["tool_calls"] = sum(t.tool_calls for t in trajs)
+    out["tokens"] = {f"{t.prompt.prompt_id}|{t.sample_idx}": list(t.response_tokens) for t in trajs}
+    return out
+
+
+def timed(runner, reqs, latency: list) -> tuple[list, dict]:
+    """``runner.generate(reqs)`` timed, then closed: (the trajectories, wall seconds, turns, turns/s,
+    end reasons, and the agents' request latency quantiles from ``latency``, cleared first)."""
+    latency.clear()
     t0 = time.perf_counter()
-    trajs = runner.generate(tiny_requests(prompts, args.episodes))
+    trajs = runner.generate(reqs)
     wall = time.perf_counter() - t0
     runner.close()
     turns = sum(t.turns for t in trajs)
@@ -139,15 +148,12 @@ def run_tiny(mode, tok, model, prompts, args) -> dict:
         "wall_s": wall,
         "turns": turns,
         "turns_per_s": turns / wall,
-        "tool_calls": sum(t.tool_calls for t in trajs),
         "reasons": sorted({t.end_reason for t in trajs}),
-        "tokens": {f"{t.prompt.prompt_id}|{t.sample_idx}": list(t.response_tokens) for t in trajs},
     }
-    lat = tool_agent.LATENCY
-    if lat:
-        q = statistics.quantiles(lat, n=10)
-        out.update(request_p50_ms=1000 * statistics.median(lat), request_p90_ms=1000 * q[8])
-    return out
+    if latency:
+        q = statistics.quantiles(latency, n=10)
+        out.update(request_p50_ms=1000 * statistics.median(latency), request_p90_ms=1000 * q[8])
+    return trajs, out
 
 
 def engine(kind, tok, model, new_tokens):
@@ -168,23 +174,8 @@ def run_once(kind, mode, tok, model, args) -> dict:
         runner = wrap_engine(eng, cfg, tok)
     else:
         runner = EpisodeEngine(eng, InProcess(tok), tok, EpisodeLimits(max_turns=TURNS, tool_workers=workers))
-    lat = _module().LATENCY  # the agent runs from the imported module, not __main__
-    lat.clear()
-    t0 = time.perf_counter()
-    trajs = runner.generate(requests(tok, args.episodes))
-    wall = time.perf_counter() - t0
-    runner.close()
-    turns = sum(t.turns for t in trajs)
-    out = {
-        "wall_s": wall,
-        "turns": turns,
-        "turns_per_s": turns / wall,
-        "reasons": sorted({t.end_reason for t in trajs}),
-    }
-    if lat:
-        q = statistics.quantiles(lat, n=10)
-        out.update(request_p50_ms=1000 * statistics.median(lat), request_p90_ms=1000 * q[8])
-    return out
+    # the agent runs from the imported module, not __main__
+    return timed(runner, requests(tok, args.episodes), _module().LATENCY)[1]
 
 
 def _module():
