@@ -41,9 +41,18 @@ from benchmarks.calculator_rl import (  # noqa: E402
     first_last,
     mean_sd,
 )
+from benchmarks.calculator_episodes import mix_lines, mix_result, run_mix  # noqa: E402
 from benchmarks.pipeline_run import run_pipeline, run_summary  # noqa: E402
 
 ARMS = {"agent": ["recipe=agent_calc"], "calculator": ["env=calculator"]}
+# the must-show mix: the example agent 0.7 and the in-process calculator 0.3 in one RL run, over the
+# agent arm's curated pool (run in place in its workspace: every stage before RL from cache)
+MIX = (
+    "envs=[{name: agent, target: 'examples.agents.react_calc:solve', weight: 0.7, max_turns: 4, "
+    "tool_timeout_s: 30.0}, "
+    "{name: calculator, target: calculator, weight: 0.3, max_turns: 4, tool_timeout_s: 5.0}]"
+)
+MIX_WEIGHTS = (("agent", 0.7), ("calculator", 0.3))
 
 
 def run_seed(seed: int, args, common: list[str]) -> dict:
@@ -197,6 +206,9 @@ def markdown(res: dict) -> str:
             if r:
                 st = ", ".join(f"{k} {v:.0f}" for k, v in r["stage_seconds"].items() if v >= 1)
                 lines.append(f"| {arm} | {s} | {r['run']['wall_s']:.0f} | {st} |")
+    if "mix" in res:
+        lines += ["", f"## The agent 0.7 / the calculator 0.3 in one RL run (seed {res['mix']['seed']})", ""]
+        lines += mix_lines(res["mix"], MIX_WEIGHTS)
     return "\n".join(lines) + "\n"
 
 
@@ -248,6 +260,8 @@ def main() -> None:
     ap.add_argument("--keep", action="store_true", help="run in the workspaces as they are (cached stages)")
     ap.add_argument("--run-arms", nargs="+", choices=list(ARMS), default=list(ARMS),
                     help="the arms to run; the others are collected from their workspaces")  # fmt: skip
+    ap.add_argument("--mix", type=int, metavar="SEED", default=None,
+                    help="then the agent 0.7 / calculator 0.3 mix in place in agent-sSEED")  # fmt: skip
     ap.add_argument("--out", type=Path, required=True, help="path without extension")
     ap.add_argument("overrides", nargs="*", help="laminar run overrides for both arms")
     args = ap.parse_args()
@@ -266,6 +280,13 @@ def main() -> None:
         for arm, row in run_seed(seed, args, common).items():
             res["rows"][arm][str(seed)] = row
             print(arm, seed, json.dumps({r: round(row[r]["long_accuracy"], 3) for r, _ in EVALS}), flush=True)
+        write(res, args.out)
+    if args.mix is not None:
+        ws = args.workspaces / f"agent-s{args.mix}"
+        rec = run_mix(
+            ws, args.mix, args.levels, args.max_new_tokens, base=[*ARMS["agent"], *args.overrides], mix=MIX
+        )
+        res["mix"] = {"seed": args.mix, **mix_result(ws, rec, args.long_levels)}
         write(res, args.out)
     print(markdown(res))
 

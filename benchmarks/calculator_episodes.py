@@ -58,15 +58,12 @@ def arm(ws: Path, long_levels: list[str]) -> dict:
     return row
 
 
-def run_mix(ws: Path, seed: int, levels: list[int], max_new_tokens: int) -> dict:
-    """``laminar run`` in ``ws`` in place with the two environments mixed (``MIX``)."""
-    overrides = [
-        f"seed={seed}",
-        "threads=1",
-        "env=calculator",
-        *common_overrides(levels, max_new_tokens),
-        MIX,
-    ]
+def run_mix(
+    ws: Path, seed: int, levels: list[int], max_new_tokens: int, base=("env=calculator",), mix=MIX
+) -> dict:
+    """``laminar run`` in ``ws`` in place with the environments of ``mix`` (an ``envs=[...]`` override)
+    over the ``base`` overrides the workspace's run had (so every stage before RL comes from cache)."""
+    overrides = [f"seed={seed}", "threads=1", *base, *common_overrides(levels, max_new_tokens), mix]
     return run_pipeline(
         ws, overrides, record="bench_mix.json", log="bench_mix_stdout.log", resume=True, fresh=False
     )
@@ -84,8 +81,14 @@ def mix_result(ws: Path, rec: dict, long_levels: list[str]) -> dict:
     import yaml
 
     group_size = yaml.safe_load((ws / "runs" / rec["run_id"] / "config.yaml").read_text())["rl"]["group_size"]
-    held = stages["eval_rl"]["metrics"]["arith_heldout"]
+    metrics = stages["eval_rl"]["metrics"]
+    held = metrics.get("arith_heldout@all", metrics["arith_heldout"])
     by_level = dict(sorted(held["by_level"].items(), key=lambda kv: int(kv[0])))
+    per_env_eval = {
+        k.split("@", 1)[1]: {"accuracy": v["accuracy"], "by_level": v["by_level"]}
+        for k, v in metrics.items()
+        if k.startswith("arith_heldout@")
+    }
     summary = {}
     for n in names:
         groups = [h.get(f"env/{n}/groups", 0.0) for h in per_step]
@@ -113,6 +116,7 @@ def mix_result(ws: Path, rec: dict, long_levels: list[str]) -> dict:
             "long_accuracy": statistics.fmean(by_level[lv] for lv in long_levels),
             "by_level": by_level,
         },
+        "eval_rl_per_env": per_env_eval,
     }
 
 
@@ -144,27 +148,31 @@ def markdown(res: dict) -> str:
         vals = [h.get("episode/tool_calls", 0.0) or 0.0 for h in res[a]["rl_history"]]
         lines.append(f"| {a} | {statistics.fmean(vals[:5]):.2f} | {statistics.fmean(vals[-5:]):.2f} |")
     if "mix" in res:
-        m = res["mix"]
         lines += ["", "## Part 5: calculator 0.7 / single_turn 0.3 in one run", ""]
-        lines.append(
-            "| env | weight | trained share | trained groups | per-step share min..max | "
-            "accuracy first 5 / last 5 | tool calls/ep first 5 / last 5 | turns/ep last 5 |"
-        )
-        lines.append("|---|---|---|---|---|---|---|---|")
-        for n, w in (("calculator", 0.7), ("single_turn", 0.3)):
-            e = m["per_env"][n]
-            lines.append(
-                f"| {n} | {w} | {m['trained_shares'][n]:.3f} | {e['trained_groups']:.0f} | "
-                f"{e['group_share_min_step']:.3f}..{e['group_share_max_step']:.3f} | "
-                f"{e['accuracy_first5']:.2f} / {e['accuracy_last5']:.2f} | "
-                f"{e['tool_calls_first5']:.2f} / {e['tool_calls_last5']:.2f} | {e['turns_last5']:.2f} |"
-            )
-        ev = m["eval_rl"]
-        lines.append(
-            f"\nHeld-out after the mixed RL (eval under env=calculator): all {ev['accuracy']:.3f}, "
-            f"long {ev['long_accuracy']:.3f}."
-        )
+        lines += mix_lines(res["mix"], (("calculator", 0.7), ("single_turn", 0.3)))
     return "\n".join(lines) + "\n"
+
+
+def mix_lines(m: dict, weights) -> list[str]:
+    """The table of a mixed run (``mix_result``) for the environments ``weights`` ((name, weight), ...)."""
+    lines = [
+        "| env | weight | trained share | trained groups | per-step share min..max | "
+        "accuracy first 5 / last 5 | tool calls/ep first 5 / last 5 | turns/ep last 5 |",
+        "|---|---|---|---|---|---|---|---|",
+    ]
+    for n, w in weights:
+        e = m["per_env"][n]
+        lines.append(
+            f"| {n} | {w} | {m['trained_shares'][n]:.3f} | {e['trained_groups']:.0f} | "
+            f"{e['group_share_min_step']:.3f}..{e['group_share_max_step']:.3f} | "
+            f"{e['accuracy_first5']:.2f} / {e['accuracy_last5']:.2f} | "
+            f"{e['tool_calls_first5']:.2f} / {e['tool_calls_last5']:.2f} | {e['turns_last5']:.2f} |"
+        )
+    ev = m["eval_rl"]
+    lines.append(f"\nHeld-out after the mixed RL: all {ev['accuracy']:.3f}, long {ev['long_accuracy']:.3f}.")
+    for n, e in sorted(m.get("eval_rl_per_env", {}).items()):
+        lines.append(f"- under `{n}`: all {e['accuracy']:.3f}")
+    return lines
 
 
 def main() -> None:

@@ -252,7 +252,7 @@ def cmd_status(args) -> int:
     from core.workspace import Workspace
     from tasks.plan import plan
 
-    cfg = _load(_with_model(args.overrides, args.workspace))
+    cfg = _load(_with_model(args.overrides, args.workspace), preflight=True)
     for p in plan(cfg, Workspace.at(args.workspace)):
         print(f"{p.stage:<12} {p.status:<7} {p.reason}")
     return 0
@@ -612,10 +612,24 @@ def _unknown_options(sub: argparse.ArgumentParser, rest: list[str]) -> None:
             raise SystemExit(2)
 
 
+def _plugins_from_cwd() -> None:
+    """Plug-ins named by import path (``env.target=my_pkg.agents:solve``) import from the directory
+    ``laminar`` runs in, as under ``python -m``: the installed console script puts only its own
+    ``bin/`` on ``sys.path``. Appended, so an installed package wins over a same-named local module,
+    and exported in ``PYTHONPATH`` for the processes a run starts (Ray workers, stage subprocesses)."""
+    cwd = os.getcwd()
+    if cwd not in sys.path and "" not in sys.path:
+        sys.path.append(cwd)
+    paths = [p for p in os.environ.get("PYTHONPATH", "").split(os.pathsep) if p]
+    if cwd not in paths:
+        os.environ["PYTHONPATH"] = os.pathsep.join([*paths, cwd])
+
+
 def main(argv: list[str] | None = None) -> int:
     """Options may come before, between or after the overrides (`laminar run data=math --until select x=1`);
     global options (``--workspace``) also before the subcommand (`laminar --workspace ws status`)."""
     argv = list(sys.argv[1:] if argv is None else argv)
+    _plugins_from_cwd()
     parser, commands = _parser()
     front, rest = _split_global(argv)
     if rest and rest[0] in commands:
