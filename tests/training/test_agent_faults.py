@@ -1,0 +1,248 @@
+"""Agent faults at the level of an RL run (issue 52): agents that raise, hang past their timeout, open
+100 clients they never close, send malformed requests or requests without the token run beside good
+agents in one run of the real rollout manager, in sync mode and in partial mode (asynchronous: groups
+overtake the hanging one). Each fault ends only its own episode, with its reason (or gets a 4xx and
+its episode goes on); the run finishes; every group issued is trained once or is still in flight at
+the end (none lost, none twice); no agent session outlives its episode.
+
+The scenario (``fault_run``) is also ``benchmarks/agent_faults.py``'s, which tabulates it."""
+
+from __future__ import annotations
+
+import threading
+import time
+from dataclasses import dataclass, field
+
+import pytest
+
+from conf.schema import EnvConfig, RLConfig
+from generation.model import build_char_tokenizer, encode_problem
+from generation.records import PromptItem, Trajectory
+from tests.environments import agent_fixtures as fx
+from tests.environments.episode_helpers import CALL, teach
+from tests.training.rl_fakes import Verdict, saved_model
+from training.rl.drivers.local import LocalDriver
+from training.rl.manager import ManagerSettings, RolloutManager
+from training.rl.sections import RLSections
+from training.rl.stage import objective_params
+
+EPISODE_TIMEOUT_S = 12.0
+"""The hanging agent's episode ends this long after its start (``agent_timeout``); every other agent's
+episode ends well within it, also on a loaded machine."""
+IDLE_S = 2.0
+"""The endpoint closes a connection idle this long (the leaked clients' connections)."""
+REASONS = {"raise": "agent_error", "hang": "agent_timeout"}
+"""The end reason of each fault that ends its episode; the others (and good agents) end ``answer``."""
+STATUSES = {
+    "leak": [200] * fx.LEAKED_CLIENTS,
+    "malformed": [400] * len(fx.MALFORMED_BODIES),
+    "noauth": [401, 401],
+    "good": [],
+}
+"""What each agent that answers saw before its two good requests (200, 200)."""
+
+
+class Ordered:
+    """The prompt source: the pool in its order (faults first), then again."""
+
+    def __init__(self, prompts):
+        self.prompts, self.position = list(prompts), 0
+
+    def take(self, n):
+        out = [self.prompts[(self.position + i) % len(self.prompts)] for i in range(n)]
+        self.position += n
+        return out
+
+    def observe(self, groups):
+        pass
+
+    def step_counts(self):
+        return {}
+
+
+class EndsWithThree:
+    def verify_batch(self, texts, answers):
+        return [Verdict(t.strip().endswith("3")) for t in texts]
+
+
+def taught_episode(tok, steps: int = 200):
+    """The tiny model taught (a few hundred SFT steps) the whole tool episode a good agent runs: call
+    ``calc: 1+2``, then answer ``3`` after the result line ``= 3``."""
+    rows = []
+    for i in range(12):
+        problem = list(encode_problem(tok, "{problem}\n", f"{i % 4}+{i % 3}"))
+        turns = [
+            *tok(CALL, add_special_tokens=False)["input_ids"],
+            tok.eos_token_id,
+            *tok("\n= 3\n3", add_special_tokens=False)["input_ids"],
+            tok.eos_token_id,
+        ]
+        rows.append(problem + turns)
+    return teach(tok, rows, steps=steps, lr=3e-3)
+
+
+def fault_prompts(tok, n_good: int) -> list[PromptItem]:
+    """One prompt per fault (id ``KIND-0``) then ``n_good`` good ones (``good-I``)."""
+    ids = [f"{k}-0" for k in fx.FAULT_KINDS] + [f"good-{i}" for i in range(n_good)]
+    return [
+        PromptItem(p, f"{i % 4}+{i % 3}", "3", encode_problem(tok, "{problem}\n", f"{i % 4}+{i % 3}"), 1)
+        for i, p in enumerate(ids)
+    ]
+
+
+@dataclass
+class FaultRun:
+    """What a run of the scenario left: the driver (its manager, its engine and the agents' hub), the
+    groups the trainer took (uid, group) in order, every trajectory that finished (trained or not), the
+    history and the wall seconds."""
+
+    driver: LocalDriver
+    trained: list = field(default_factory=list)
+    finished: list[Trajectory] = field(default_factory=list)
+    history: list = field(default_factory=list)
+    wall: float = 0.0
+
+
+def fault_run(folder, mode: str, *, steps: int = 3, prompts_per_step: int = 4, group_size: int = 2,
+              seed: int = 0) -> FaultRun:  # fmt: skip
+    """The scenario: the tiny model taught the good agent's tool episode (``taught_episode``), the
+    ``faulty`` agent on one prompt per fault and good ones for the rest of ``steps`` batches, one
+    in-process rollout under the real rollout manager in ``mode`` (``sync``: the local driver as it
+    is; ``partial``: the same loop with the manager deciding as for ``rl.mode=partial``: interrupts at
+    each update, no batches)."""
+    tok = build_char_tokenizer()
+    prompts = fault_prompts(tok, steps * prompts_per_step - len(fx.FAULT_KINDS))
+    kw = dict(steps=steps, prompts_per_step=prompts_per_step, group_size=group_size, lr=1e-3,
+              max_new_tokens=12, temperature=0.5, rollout_capacity=8, chunk_steps=4,
+              micro_batch_tokens=0)  # fmt: skip
+    rl = RLConfig(mode="sync", runtime="local", **kw)
+    env = EnvConfig(
+        target="tests.environments.agent_fixtures:faulty",
+        max_turns=3,
+        tool_timeout_s=60.0,  # the agent's time between two requests: longer than its episode's limit
+        params={"episode_timeout_s": EPISODE_TIMEOUT_S, "request_timeout_s": 60.0, "idle_timeout_s": IDLE_S},
+    )
+    params = objective_params(rl)
+    model_dir = saved_model(folder, taught_episode(tok), tok)
+    driver = LocalDriver(model_dir, prompts, EndsWithThree(), params, RLSections(rl, seed=seed, env=env),
+                         device="cpu", source=lambda cursor, policy: Ordered(prompts))  # fmt: skip
+    if mode != "sync":  # the local driver's loop under another mode's decisions
+        driver.rl = RLConfig(mode=mode, runtime="ray", **kw)
+        driver.settings = ManagerSettings.from_config(driver.rl, params)
+    run = FaultRun(driver)
+    next_batch, step_done = RolloutManager.next_batch, RolloutManager.step_done
+
+    def spy_batch(manager):
+        groups = next_batch(manager)
+        run.trained.extend(groups)
+        return groups
+
+    def spy_done(manager, name, finished, status, pulled):
+        finished = list(finished)
+        run.finished.extend(finished)
+        return step_done(manager, name, finished, status, pulled)
+
+    mp = pytest.MonkeyPatch()
+    mp.setattr(RolloutManager, "next_batch", spy_batch)
+    mp.setattr(RolloutManager, "step_done", spy_done)
+    t0 = time.monotonic()
+    try:
+        run.history = driver.run().history
+    finally:
+        run.wall = time.monotonic() - t0
+        mp.undo()
+    return run
+
+
+def unfinished_uids(manager: RolloutManager) -> set[int]:
+    """Groups issued and not completed when the run ended: in flight, or waiting in the buffer."""
+    uids = {q.group_uid for q in manager.in_flight()}
+    return uids | set(manager.buffer.partial) | set(manager.buffer.ready)
+
+
+def check_groups(run: FaultRun, steps: int, prompts_per_step: int) -> None:
+    """Every group issued is trained exactly once, whole, or is still unfinished: none lost, none twice."""
+    m = run.driver.manager
+    uids = [u for u, _ in run.trained]
+    assert len(uids) == len(set(uids)) == steps * prompts_per_step
+    assert m.trained_uids == uids
+    assert all(len(g.trajectories) == m.s.group_size for _, g in run.trained)
+    rest = unfinished_uids(m)
+    assert not rest & set(uids)
+    assert set(uids) | rest == set(range(m.queue.next_uid)), "a group was lost"
+    assert m.buffer.stats.duplicates == 0
+
+
+def check_episodes(run: FaultRun) -> None:
+    """Each episode ends with its agent's reason; the faults that answer saw their 4xx (or 200s), then
+    ran two good turns; good agents' episodes are whole tool episodes."""
+    assert run.finished
+    for t in run.finished:
+        kind = fx.fault_of(t.prompt.prompt_id)
+        assert t.end_reason == REASONS.get(kind, "answer"), (kind, t.end_reason, t.env_state)
+        if kind == "raise":
+            assert t.env_state["error"] == "RuntimeError: fault: the agent broke"
+        elif kind == "hang":
+            assert t.turns == 1 and t.env_state["requests"] == 1
+        else:
+            assert t.env_state["result"]["statuses"] == STATUSES[kind] + [200, 200], kind
+            assert t.turns == 2 and t.tool_calls == 1 and 0 in t.loss_mask  # call, result, answer
+            assert t.env_state["mismatches"] == 0 and t.env_state["requests"] == 2
+
+
+def check_metrics(run: FaultRun) -> None:
+    """``episode/agent_failed`` counts exactly the raising and hanging episodes the trainer took."""
+    failed = sum(
+        t.end_reason in ("agent_error", "agent_timeout") for _, g in run.trained for t in g.trajectories
+    )
+    per_step = [d.as_dict() for d in run.history]
+    counted = sum(d["episode/agent_failed"] * d["trained_trajectories"] for d in per_step)
+    assert round(counted) == failed
+    assert all(d["episode/agent_mismatch"] == 0.0 and d["episode/failed"] == 0.0 for d in per_step)
+
+
+def server_threads() -> int:
+    """The endpoint's connection threads alive now (one per open connection)."""
+    return sum("process_request_thread" in t.name for t in threading.enumerate())
+
+
+def connections_closed(timeout: float) -> bool:
+    """Whether every endpoint connection closes within ``timeout`` seconds."""
+    deadline = time.monotonic() + timeout
+    while server_threads() and time.monotonic() < deadline:
+        time.sleep(0.1)
+    return server_threads() == 0
+
+
+STEPS, PER_STEP = 3, 4
+
+
+@pytest.mark.parametrize("mode", ["sync", "partial"])
+def test_faulty_agents_end_only_their_own_episodes_and_every_other_group_trains_once(tmp_path, mode):
+    run = fault_run(tmp_path, mode, steps=STEPS, prompts_per_step=PER_STEP)
+    assert len(run.history) == STEPS
+    check_groups(run, STEPS, PER_STEP)
+    check_episodes(run)
+    check_metrics(run)
+    uids = [u for u, _ in run.trained]
+    if mode == "sync":  # each batch waits for its slowest episode: groups train in the order issued
+        assert uids == sorted(uids)
+    else:  # groups issued after the hanging one trained before it: the run did not wait for it
+        assert uids != sorted(uids) and uids.index(1) > uids.index(2), uids
+    kinds = {fx.fault_of(g.prompt_id) for _, g in run.trained}
+    assert kinds == {*fx.FAULT_KINDS, "good"}  # every fault reached the trainer, beside good groups
+    engine = run.driver.engine
+    assert engine.env_errors == 0  # no fault reached the episode runner as a crash
+    hub, in_flight = engine.env.hub, len(run.driver.manager.in_flight())
+    if mode == "sync":  # nothing is in flight after the last update: every session has ended
+        assert in_flight == 0 and hub.live() == 0
+    assert hub.live() <= in_flight  # the sessions left are the episodes still running, no other
+    assert len(run.finished) <= hub.started <= len(run.finished) + in_flight  # none restarted
+    # the leaked clients are still held, yet the endpoint closed their idle connections
+    assert len(fx.LEAKED) == 2 * fx.LEAKED_CLIENTS and connections_closed(2 * IDLE_S), server_threads()
+    fx.LEAKED.clear()
+    engine.close()
+    assert hub.live() == 0
+    assert run.wall < 120, (
+        run.wall
+    )  # bounded: the hanging agent costs its 12 s, never a request timeout (60 s)
