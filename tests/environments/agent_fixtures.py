@@ -289,3 +289,29 @@ async def faulty(client, task):
         except openai.APIStatusError as e:
             statuses.append(e.status_code)
     return await calc_twice(client, task, statuses)
+
+
+REFUSED = "FORBIDDEN"
+"""A message text the raising chat template of ``test_agent_faults`` refuses (``raise_exception``)."""
+
+
+async def template_refused(client, task):
+    """Requests the model's chat template refuses (a message with ``REFUSED``) as the first request and
+    as a later one, each followed by a good one: the statuses it saw."""
+    statuses, user = [], {"role": "user", "content": task["prompt"]}
+    for msgs in ([{"role": "user", "content": REFUSED}], [user]):
+        try:
+            r = await client.chat.completions.create(model="m", messages=msgs)
+            statuses.append(200)
+        except openai.APIStatusError as e:
+            statuses.append(e.status_code)
+    history = [user, _dump(r.choices[0].message)]
+    for text in (REFUSED, "Go on."):
+        try:
+            await client.chat.completions.create(
+                model="m", messages=[*history, {"role": "user", "content": text}]
+            )
+            statuses.append(200)
+        except openai.APIStatusError as e:
+            statuses.append(e.status_code)
+    return {"statuses": statuses}

@@ -246,3 +246,83 @@ def test_faulty_agents_end_only_their_own_episodes_and_every_other_group_trains_
     assert run.wall < 120, (
         run.wall
     )  # bounded: the hanging agent costs its 12 s, never a request timeout (60 s)
+
+
+# ------------------------------------------------------------------ the endpoint's fixes, one at a time
+def _session_env(**params):
+    """An agent environment (its agent never asks) with its endpoint started and one live session."""
+    from environments.registry import make_environment
+
+    cfg = EnvConfig(target="tests.environments.agent_fixtures:silent", max_turns=2, params=params)
+    env = make_environment(cfg, build_char_tokenizer())
+    env.endpoint  # noqa: B018 - started, as the first reset starts it
+    return env, env.hub.open({"prompt": "x", "prompt_id": "p"})
+
+
+def test_malformed_bodies_get_a_400_and_reach_no_session():
+    """A field of the wrong type (``tool_calls: 5``, ``stream_options: "x"``, a tool schema that is no
+    object), JSON nested too deep or a Content-Length that is no number: a 400 (before the fix, the
+    handler thread raised and the client saw its connection dropped, no answer)."""
+    import socket
+
+    import httpx
+
+    env, s = _session_env(request_timeout_s=1.0)
+    url = env.endpoint.base_url(s.sid) + "/chat/completions"
+    auth = {"Authorization": f"Bearer {env.hub.token}", "Content-Type": "application/json"}
+    try:
+        with httpx.Client(trust_env=False, timeout=10.0) as http:
+            for name, body in fx.MALFORMED_BODIES.items():
+                r = http.post(url, content=body, headers=auth)
+                assert r.status_code == 400 and "malformed request" in r.json()["error"]["message"], name
+        assert s.call is None and s.end is None and env.endpoint.requests == len(fx.MALFORMED_BODIES)
+        with socket.create_connection(("127.0.0.1", env.endpoint.port), timeout=10) as raw:
+            head = f"POST /s/{s.sid}/v1/chat/completions HTTP/1.1\r\nHost: x\r\n"
+            raw.sendall(
+                f"{head}Authorization: Bearer {env.hub.token}\r\nContent-Length: ten\r\n\r\n".encode()
+            )
+            assert raw.recv(4096).split(b"\r\n")[0].endswith(b" 400 Bad Request")
+    finally:
+        env.close()
+
+
+def test_a_request_the_chat_template_refuses_gets_a_400_and_the_episode_goes_on():
+    """A chat template that raises (``raise_exception``, as many do for roles out of order) on the
+    first request or on a later one: the agent hears a 400 and goes on; before the fix, the first
+    request's error stopped the rollout (out of ``reset``) and a later one's restarted the episode."""
+    from environments.registry import wrap_engine
+    from generation.records import GenRequest
+    from tests.environments.bpe import CHAT_TEMPLATE, bpe_tokenizer
+
+    tok = bpe_tokenizer()
+    refuse = "{% for m in messages %}{% if '" + fx.REFUSED + "' in m.content %}"
+    tok.chat_template = refuse + "{{ raise_exception('refused') }}{% endif %}{% endfor %}" + CHAT_TEMPLATE
+    cfg = EnvConfig(
+        target="tests.environments.agent_fixtures:template_refused", max_turns=3, tool_timeout_s=20.0
+    )
+    runner = wrap_engine(fx.Scripted(tok, ["fine", "done"]), cfg, tok)
+    item = PromptItem("q0", "What is 4 * 5?", "20", tuple(tok("What is 4 * 5?")["input_ids"]))
+    try:
+        (t,) = runner.generate([GenRequest(item, 0, 0)])
+        assert t.end_reason == "answer" and t.env_state["result"]["statuses"] == [400, 200, 400, 200]
+        assert t.turns == 2 and runner.env_errors == 0 and runner.env.hub.started == 1  # never restarted
+    finally:
+        runner.close()
+
+
+def test_an_idle_connection_is_closed_though_its_client_is_kept():
+    """A client that never closes its connection holds no endpoint thread past ``idle_timeout_s``
+    (before the fix, each held one for as long as the client lived); the client still works after."""
+    import httpx
+
+    env, s = _session_env(idle_timeout_s=0.5)
+    try:
+        http = httpx.Client(
+            trust_env=False, timeout=10.0, headers={"Authorization": f"Bearer {env.hub.token}"}
+        )
+        assert http.get(env.endpoint.base_url(s.sid) + "/models").status_code == 200
+        assert server_threads() == 1 and connections_closed(5.0)
+        assert http.get(env.endpoint.base_url(s.sid) + "/models").status_code == 200  # it reconnects
+        http.close()
+    finally:
+        env.close()
