@@ -1,0 +1,168 @@
+"""Agent faults in an RL run, as a table (issue 52's must-show): the scenario of
+``tests/training/test_agent_faults.py`` (``fault_run``): agents that raise, hang past their timeout,
+open 100 clients they never close, send malformed requests, or send requests without the token, beside
+good agents, in one run of the real rollout manager (the local driver's loop, one in-process rollout,
+the tiny model taught the good agents' tool episode), in ``sync`` and ``partial`` mode.
+
+Per mode and fault: the groups issued and trained, the episodes that finished and their end reasons,
+the HTTP statuses the agents saw (counted) and the median seconds from an agent's start to its end;
+per mode: the good groups trained exactly once (of those issued), groups trained twice or lost, live
+sessions at the end and once the rollout closed, whether every endpoint connection then closed (the
+leaked clients still held), the run's wall seconds. A correctness table, not a speed benchmark.
+
+    PYTHONPATH=$PWD .venv/bin/python benchmarks/agent_faults.py [--modes sync partial] [--steps 3]
+        [--per-step 4] [--out benchmarks/results/agents/agent_faults_2026-12-06]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import sys
+import tempfile
+from collections import Counter
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT))
+
+from tests.environments import agent_fixtures as fx  # noqa: E402
+from tests.training.test_agent_faults import (  # noqa: E402
+    EPISODE_TIMEOUT_S,
+    IDLE_S,
+    FaultRun,
+    connections_closed,
+    fault_run,
+    unfinished_uids,
+)
+
+KINDS = (*fx.FAULT_KINDS, "good")
+
+
+def statuses_seen(t) -> Counter:
+    """The HTTP statuses an episode's agent saw: those it returned (the faults that answer), else one
+    200 per request it made (an agent that raised or hung returns none)."""
+    result = t.env_state.get("result") if isinstance(t.env_state, dict) else None
+    if isinstance(result, dict) and "statuses" in result:
+        return Counter(result["statuses"])
+    return Counter({200: t.env_state.get("requests", 0)})
+
+
+def table(run: FaultRun) -> dict:
+    """The per-fault rows and the run's totals."""
+    m = run.driver.manager
+    trained = Counter(u for u, _ in run.trained)
+    issued = {u: fx.fault_of(p) for u, p in issued_prompts(run).items()}
+    rest = unfinished_uids(m)
+    rows = {}
+    for kind in KINDS:
+        eps = [t for t in run.finished if fx.fault_of(t.prompt.prompt_id) == kind]
+        seen = sum((statuses_seen(t) for t in eps), Counter())
+        secs = [
+            s.ended_at - (s.deadline - EPISODE_TIMEOUT_S)
+            for s in run.sessions
+            if fx.fault_of(s.task["prompt_id"]) == kind and s.end is not None
+        ]
+        rows[kind] = {
+            "groups_issued": sum(k == kind for k in issued.values()),
+            "groups_trained": sum(trained[u] for u, k in issued.items() if k == kind),
+            "episodes": len(eps),
+            "end_reasons": dict(Counter(t.end_reason for t in eps)),
+            "http_statuses": {str(k): v for k, v in sorted(seen.items())},
+            "agent_seconds_median": round(statistics.median(secs), 2) if secs else None,
+        }
+    good = [u for u, k in issued.items() if k == "good"]
+    return {
+        "rows": rows,
+        "good_groups_issued": len(good),
+        "good_groups_trained_once": sum(trained[u] == 1 for u in good),
+        "good_groups_unfinished_at_end": sum(u in rest for u in good),
+        "groups_trained_twice": sum(n > 1 for n in trained.values()),
+        "groups_lost": len(set(issued) - set(trained) - rest),
+        "updates": len(run.history),
+        "env_errors": run.driver.engine.env_errors,
+        "live_sessions_at_end": run.driver.engine.env.hub.live(),
+        "wall_s": round(run.wall, 1),
+    }
+
+
+def close(run: FaultRun, out: dict) -> None:
+    """Close the run's rollout (the local driver leaves it open) with the leaked clients still held:
+    what is left after it (live sessions, open endpoint connections after ``2 * IDLE_S`` s)."""
+    run.driver.engine.close()
+    out["live_sessions_after_close"] = run.driver.engine.env.hub.live()
+    out["connections_closed_after_idle"] = connections_closed(2 * IDLE_S)
+    fx.LEAKED.clear()
+
+
+def issued_prompts(run: FaultRun) -> dict[int, str]:
+    """group uid -> prompt id of every group issued (the sessions' tasks carry the prompt ids; a group
+    whose episodes never opened a session is still queued, and counted as unfinished)."""
+    out = {t.group_uid: t.prompt.prompt_id for t in run.finished}
+    for q in run.driver.manager.in_flight():
+        out.setdefault(q.group_uid, q.prompt.prompt_id)
+    return out
+
+
+def markdown(results: dict, args) -> str:
+    lines = [
+        "# Agent faults in an RL run (issue 52), 2026-12-06",
+        "",
+        f"`python benchmarks/agent_faults.py --steps {args.steps} --per-step {args.per_step}`: "
+        f"{args.steps} updates of {args.per_step} groups x 2 episodes; one prompt per fault, good "
+        f"prompts for the rest; `episode_timeout_s` {EPISODE_TIMEOUT_S:g}, `idle_timeout_s` {IDLE_S:g}; "
+        "the tiny model taught the good agent's tool episode; one in-process rollout under the real "
+        "rollout manager. 2 cores shared with six benchmark runs: seconds are loaded-machine seconds.",
+        "",
+    ]
+    for mode, r in results.items():
+        lines += [
+            f"## {mode}",
+            "",
+            "| agent | groups issued | groups trained | episodes | end reasons | HTTP statuses seen | "
+            "agent s (median) |",
+            "|---|---|---|---|---|---|---|",
+        ]
+        for kind, row in r["rows"].items():
+            reasons = ", ".join(f"{k} {v}" for k, v in row["end_reasons"].items())
+            statuses = ", ".join(f"{k} x{v}" for k, v in row["http_statuses"].items())
+            lines.append(
+                f"| {kind} | {row['groups_issued']} | {row['groups_trained']} | {row['episodes']} | "
+                f"{reasons} | {statuses} | {row['agent_seconds_median']} |"
+            )
+        lines += [
+            "",
+            f"Good groups trained exactly once: {r['good_groups_trained_once']} of {r['good_groups_issued']} "
+            f"issued ({r['good_groups_unfinished_at_end']} still in flight at the end); groups trained "
+            f"twice: {r['groups_trained_twice']}; groups lost: {r['groups_lost']}; updates {r['updates']}; "
+            f"environment errors {r['env_errors']}; live sessions at the end {r['live_sessions_at_end']} "
+            f"(the episodes in flight), {r['live_sessions_after_close']} once the rollout closed; every "
+            f"endpoint connection closed within {2 * IDLE_S:g} s after (the leaked clients still held): "
+            f"{r['connections_closed_after_idle']}; run wall {r['wall_s']} s.",
+            "",
+        ]
+    return "\n".join(lines)
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--modes", nargs="+", default=["sync", "partial"], choices=["sync", "partial"])
+    ap.add_argument("--steps", type=int, default=3)
+    ap.add_argument("--per-step", type=int, default=4)
+    ap.add_argument("--out", default=str(ROOT / "benchmarks/results/agents/agent_faults_2026-12-06"))
+    args = ap.parse_args()
+    results = {}
+    for mode in args.modes:
+        with tempfile.TemporaryDirectory() as folder:
+            run = fault_run(folder, mode, steps=args.steps, prompts_per_step=args.per_step)
+            results[mode] = table(run)
+            close(run, results[mode])
+        print(mode, json.dumps(results[mode], indent=1), flush=True)
+        out = Path(args.out)
+        out.with_suffix(".json").write_text(json.dumps(results, indent=1) + "\n")
+        out.with_suffix(".md").write_text(markdown(results, args))
+
+
+if __name__ == "__main__":
+    main()
