@@ -107,12 +107,14 @@ class FaultRun:
 
 
 def fault_run(folder, mode: str, *, steps: int = 3, prompts_per_step: int = 4, group_size: int = 2,
-              seed: int = 0, model_dir=None) -> FaultRun:  # fmt: skip
-    """The scenario: the tiny model taught the good agent's tool episode (``taught_episode``), the
-    ``faulty`` agent on one prompt per fault and good ones for the rest of ``steps`` batches, one
-    in-process rollout under the real rollout manager in ``mode`` (``sync``: the local driver as it
-    is; ``partial``: the same loop with the manager deciding as for ``rl.mode=partial``: interrupts at
-    each update, no batches)."""
+              seed: int = 0, model_dir=None, ray: bool = False) -> FaultRun:  # fmt: skip
+    """The scenario: the tiny model taught the good agent's tool episode (``taught_episode``; or the
+    one in ``model_dir``), the ``faulty`` agent on one prompt per fault and good ones for the rest of
+    ``steps`` batches, one in-process rollout under the real rollout manager in ``mode`` (``sync``:
+    the local driver as it is; ``partial``: the same loop with the manager deciding as for
+    ``rl.mode=partial``: interrupts at each update, no batches); with ``ray``, the Ray runtime
+    (``LaminarRuntime``, two rollout actors, any mode): its sessions are in the actors, not in
+    ``sessions``."""
     tok = build_char_tokenizer()
     prompts = fault_prompts(tok, steps * prompts_per_step - len(fx.FAULT_KINDS))
     kw = dict(steps=steps, prompts_per_step=prompts_per_step, group_size=group_size, lr=1e-3,
@@ -127,9 +129,20 @@ def fault_run(folder, mode: str, *, steps: int = 3, prompts_per_step: int = 4, g
     )
     params = objective_params(rl)
     model_dir = model_dir or saved_model(folder, taught_episode(tok), tok)
-    driver = LocalDriver(model_dir, prompts, EndsWithThree(), params, RLSections(rl, seed=seed, env=env),
-                         device="cpu", source=lambda cursor, policy: Ordered(prompts))  # fmt: skip
-    if mode != "sync":  # the local driver's loop under another mode's decisions
+    source = lambda cursor, policy: Ordered(prompts)  # noqa: E731
+    if ray:
+        from conf.schema import ClusterConfig
+        from training.rl.drivers.ray import LaminarRuntime
+
+        sections = RLSections(RLConfig(mode=mode, runtime="ray", max_staleness=4, **kw), seed=seed,
+                              cluster=ClusterConfig(rollouts=2, actor_threads=1), env=env)  # fmt: skip
+        driver = LaminarRuntime(
+            model_dir, prompts, EndsWithThree(), params, sections, device="cpu", source=source
+        )
+    else:
+        driver = LocalDriver(model_dir, prompts, EndsWithThree(), params, RLSections(rl, seed=seed, env=env),
+                             device="cpu", source=source)  # fmt: skip
+    if mode != "sync" and not ray:  # the local driver's loop under another mode's decisions
         driver.rl = RLConfig(mode=mode, runtime="ray", **kw)
         driver.settings = ManagerSettings.from_config(driver.rl, params)
     run = FaultRun(driver)
@@ -182,12 +195,18 @@ def check_groups(run: FaultRun, steps: int, prompts_per_step: int) -> None:
     assert m.buffer.stats.duplicates == 0
 
 
-def check_episodes(run: FaultRun) -> None:
+def check_episodes(run: FaultRun, moved: bool = False) -> list[Trajectory]:
     """Each episode ends with its agent's reason; the faults that answer saw their 4xx (or 200s), then
-    ran two good turns; good agents' episodes are whole tool episodes."""
+    ran two good turns; good agents' episodes are whole tool episodes. With ``moved`` (laminar's
+    repack), an episode may also end ``env_error``: moved twice, its one restart spent (docs/agents.md,
+    "Repack and resume"); those are returned."""
     assert run.finished
+    spent = []
     for t in run.finished:
         kind = fx.fault_of(t.prompt.prompt_id)
+        if moved and t.end_reason == "env_error":
+            spent.append(t)
+            continue
         assert t.end_reason == REASONS.get(kind, "answer"), (kind, t.end_reason, t.env_state)
         if kind == "raise":
             assert t.env_state["error"] == "RuntimeError: fault: the agent broke"
@@ -197,6 +216,7 @@ def check_episodes(run: FaultRun) -> None:
             assert t.env_state["result"]["statuses"] == STATUSES[kind] + [200, 200], kind
             assert t.turns == 2 and t.tool_calls == 1 and 0 in t.loss_mask  # call, result, answer
             assert t.env_state["mismatches"] == 0 and t.env_state["requests"] == 2
+    return spent
 
 
 def check_metrics(run: FaultRun) -> None:
@@ -207,7 +227,9 @@ def check_metrics(run: FaultRun) -> None:
     per_step = [d.as_dict() for d in run.history]
     counted = sum(d["episode/agent_failed"] * d["trained_trajectories"] for d in per_step)
     assert round(counted) == failed
-    assert all(d["episode/agent_mismatch"] == 0.0 and d["episode/failed"] == 0.0 for d in per_step)
+    assert all(d["episode/agent_mismatch"] == 0.0 for d in per_step)
+    spent = sum(t.end_reason == "env_error" for _, g in run.trained for t in g.trajectories)
+    assert round(sum(d["episode/failed"] * d["trained_trajectories"] for d in per_step)) == spent
 
 
 def server_threads() -> int:
@@ -356,3 +378,27 @@ def test_an_idle_connection_is_closed_though_its_client_is_kept():
         http.close()
     finally:
         env.close()
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("mode", ["partial", "laminar"])
+def test_faulty_agents_on_the_ray_runtime(tmp_path, local_ray, episode_model, mode):
+    """The same scenario on the Ray runtime (two rollout actors; the agents run in the actors'
+    processes): every fault ends only its own episode with its reason and every group issued is
+    trained once or still in flight. In laminar mode repack moves long-tail episodes between the
+    actors (a hanging agent's episode is one): a moved episode restarts from its prompt once, and
+    one moved twice ends ``env_error`` (counted in ``episode/failed``), never trained twice."""
+    steps = 6
+    run = fault_run(tmp_path, mode, steps=steps, prompts_per_step=PER_STEP, model_dir=episode_model,
+                    ray=True)  # fmt: skip
+    fx.LEAKED.clear()
+    assert len(run.history) == steps
+    check_groups(run, steps, PER_STEP)
+    spent = check_episodes(run, moved=mode == "laminar")
+    check_metrics(run)
+    m, uids = run.driver.manager, [u for u, _ in run.trained]
+    assert run.driver.summary["trained_uids"] == uids
+    assert {fx.fault_of(g.prompt_id) for _, g in run.trained} >= {*fx.FAULT_KINDS, "good"} - {"hang"}
+    assert 1 in uids or 1 in unfinished_uids(m)  # the hanging group: trained, or the run did not wait
+    print(f"{mode}: {dict(m.counts)} trained {uids} unfinished {sorted(unfinished_uids(m))} "
+          f"moved twice {[(t.prompt.prompt_id, t.group_uid) for t in spent]} {run.wall:.1f} s")  # fmt: skip
