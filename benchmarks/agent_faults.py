@@ -73,7 +73,7 @@ def table(run: FaultRun) -> dict:
             "agent_seconds_median": round(statistics.median(secs), 2) if secs else None,
         }
     good = [u for u, k in issued.items() if k == "good"]
-    return {
+    out = {
         "rows": rows,
         "good_groups_issued": len(good),
         "good_groups_trained_once": sum(trained[u] == 1 for u in good),
@@ -81,15 +81,21 @@ def table(run: FaultRun) -> dict:
         "groups_trained_twice": sum(n > 1 for n in trained.values()),
         "groups_lost": len(set(issued) - set(trained) - rest),
         "updates": len(run.history),
-        "env_errors": run.driver.engine.env_errors,
-        "live_sessions_at_end": run.driver.engine.env.hub.live(),
+        "repacks": m.counts.get("repacks", 0),
         "wall_s": round(run.wall, 1),
     }
+    if hasattr(run.driver, "engine"):  # in process: the episode runner and the agents' hub are here
+        out.update(
+            env_errors=run.driver.engine.env_errors, live_sessions_at_end=run.driver.engine.env.hub.live()
+        )
+    return out
 
 
 def close(run: FaultRun, out: dict) -> None:
     """Close the run's rollout (the local driver leaves it open) with the leaked clients still held:
     what is left after it (live sessions, open endpoint connections after ``2 * IDLE_S`` s)."""
+    if not hasattr(run.driver, "engine"):  # the Ray runtime: its rollout actors are gone with the run
+        return
     run.driver.engine.close()
     out["live_sessions_after_close"] = run.driver.engine.env.hub.live()
     out["connections_closed_after_idle"] = connections_closed(2 * IDLE_S)
@@ -112,8 +118,9 @@ def markdown(results: dict, args) -> str:
         f"`python benchmarks/agent_faults.py --steps {args.steps} --per-step {args.per_step}`: "
         f"{args.steps} updates of {args.per_step} groups x 2 episodes; one prompt per fault, good "
         f"prompts for the rest; `episode_timeout_s` {EPISODE_TIMEOUT_S:g}, `idle_timeout_s` {IDLE_S:g}; "
-        "the tiny model taught the good agent's tool episode; one in-process rollout under the real "
-        "rollout manager. 2 cores shared with six benchmark runs: seconds are loaded-machine seconds.",
+        "the tiny model taught the good agent's tool episode; the real rollout manager with one "
+        "in-process rollout (`sync`, `partial`) or on the Ray runtime with two rollout actors (`ray-*`). "
+        "2 cores shared with six benchmark runs: seconds are loaded-machine seconds.",
         "",
     ]
     for mode, r in results.items():
@@ -127,35 +134,61 @@ def markdown(results: dict, args) -> str:
         for kind, row in r["rows"].items():
             reasons = ", ".join(f"{k} {v}" for k, v in row["end_reasons"].items())
             statuses = ", ".join(f"{k} x{v}" for k, v in row["http_statuses"].items())
+            secs = "-" if row["agent_seconds_median"] is None else row["agent_seconds_median"]
             lines.append(
                 f"| {kind} | {row['groups_issued']} | {row['groups_trained']} | {row['episodes']} | "
-                f"{reasons} | {statuses} | {row['agent_seconds_median']} |"
+                f"{reasons} | {statuses} | {secs} |"
             )
-        lines += [
-            "",
+        text = (
             f"Good groups trained exactly once: {r['good_groups_trained_once']} of {r['good_groups_issued']} "
             f"issued ({r['good_groups_unfinished_at_end']} still in flight at the end); groups trained "
             f"twice: {r['groups_trained_twice']}; groups lost: {r['groups_lost']}; updates {r['updates']}; "
-            f"environment errors {r['env_errors']}; live sessions at the end {r['live_sessions_at_end']} "
-            f"(the episodes in flight), {r['live_sessions_after_close']} once the rollout closed; every "
-            f"endpoint connection closed within {2 * IDLE_S:g} s after (the leaked clients still held): "
-            f"{r['connections_closed_after_idle']}; run wall {r['wall_s']} s.",
-            "",
-        ]
+            f"repacks {r['repacks']}; run wall {r['wall_s']} s."
+        )
+        if "env_errors" in r:
+            text += (
+                f" Environment errors {r['env_errors']}; live sessions at the end "
+                f"{r['live_sessions_at_end']} (the episodes in flight), {r['live_sessions_after_close']} "
+                f"once the rollout closed; every endpoint connection closed within {2 * IDLE_S:g} s after "
+                f"(the leaked clients still held): {r['connections_closed_after_idle']}."
+            )
+        else:
+            text += (
+                " (Ray: the agents run in the rollout actors, whose sessions and seconds are not read here.)"
+            )
+        lines += ["", text, ""]
     return "\n".join(lines)
+
+
+def start_ray() -> None:
+    """A local Ray instance as the tests start it (``tests/conftest.py``'s ``local_ray``)."""
+    import ray
+
+    from training.rl.drivers.ray import actor_env
+
+    if not ray.is_initialized():
+        ray.init(address="local", num_cpus=2, include_dashboard=False, logging_level="WARNING",
+                 runtime_env={"env_vars": actor_env(1)})  # fmt: skip
 
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--modes", nargs="+", default=["sync", "partial"], choices=["sync", "partial"])
+    ap.add_argument("--modes", nargs="+", default=["sync", "partial", "ray-laminar"],
+                    choices=["sync", "partial", "ray-partial", "ray-laminar"])  # fmt: skip
     ap.add_argument("--steps", type=int, default=3)
     ap.add_argument("--per-step", type=int, default=4)
     ap.add_argument("--out", default=str(ROOT / "benchmarks/results/agents/agent_faults_2026-12-06"))
     args = ap.parse_args()
     results = {}
     for mode in args.modes:
+        ray = mode.startswith("ray-")
+        if ray:
+            start_ray()
         with tempfile.TemporaryDirectory() as folder:
-            run = fault_run(folder, mode, steps=args.steps, prompts_per_step=args.per_step)
+            steps, per_step = args.steps, args.per_step
+            run = fault_run(
+                folder, mode.removeprefix("ray-"), steps=steps, prompts_per_step=per_step, ray=ray
+            )
             results[mode] = table(run)
             close(run, results[mode])
         print(mode, json.dumps(results[mode], indent=1), flush=True)

@@ -1,9 +1,11 @@
 """Agent faults at the level of an RL run (issue 52): agents that raise, hang past their timeout, open
 100 clients they never close, send malformed requests or requests without the token run beside good
-agents in one run of the real rollout manager, in sync mode and in partial mode (asynchronous: groups
-overtake the hanging one). Each fault ends only its own episode, with its reason (or gets a 4xx and
-its episode goes on); the run finishes; every group issued is trained once or is still in flight at
-the end (none lost, none twice); no agent session outlives its episode.
+agents in one run of the real rollout manager: sync and partial with an in-process rollout (partial:
+groups overtake the hanging one), partial and laminar on the Ray runtime (slow). Each fault ends only
+its own episode, with its reason (or gets a 4xx and its episode goes on); the run finishes; every
+group issued is trained once or is still in flight at the end (none lost, none twice); no agent
+session, agent thread or endpoint connection outlives its episode. Then the endpoint fixes the
+scenario needed, one test each (each fails on the base commit).
 
 The scenario (``fault_run``) is also ``benchmarks/agent_faults.py``'s, which tabulates it."""
 
