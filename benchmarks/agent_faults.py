@@ -1,8 +1,9 @@
 """Agent faults in an RL run, as a table (issue 52's must-show): the scenario of
-``tests/training/test_agent_faults.py`` (``fault_run``): agents that raise, hang past their timeout,
-open 100 clients they never close, send malformed requests, or send requests without the token, beside
-good agents, in one run of the real rollout manager (the local driver's loop, one in-process rollout,
-the tiny model taught the good agents' tool episode), in ``sync`` and ``partial`` mode.
+``tests/training/test_agent_faults.py`` (``fault_run``): agents that raise, hang past their timeout (asleep,
+or blocking their own thread), open 100 clients they never close, send malformed requests, or send requests
+without the token, beside good agents, in one run of the real rollout manager (the local driver's loop, one
+in-process rollout, the tiny model taught the good agents' tool episode) in ``sync`` and ``partial`` mode,
+or on the Ray runtime (two rollout actors) in ``ray-partial`` or ``ray-laminar`` mode.
 
 Per mode and fault: the groups issued and trained, the episodes that finished and their end reasons,
 the HTTP statuses the agents saw (counted) and the median seconds from an agent's start to its end;
@@ -10,7 +11,7 @@ per mode: the good groups trained exactly once (of those issued), groups trained
 sessions at the end and once the rollout closed, whether every endpoint connection then closed (the
 leaked clients still held), the run's wall seconds. A correctness table, not a speed benchmark.
 
-    PYTHONPATH=$PWD .venv/bin/python benchmarks/agent_faults.py [--modes sync partial] [--steps 3]
+    PYTHONPATH=$PWD .venv/bin/python benchmarks/agent_faults.py [--modes sync partial ray-laminar] [--steps 3]
         [--per-step 4] [--out benchmarks/results/agents/agent_faults_2026-12-06]
 """
 

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import time
 
 import openai
 
@@ -185,7 +186,7 @@ async def sampling_probe(client, task):
 
 
 # ------------------------------------------------------------------------------------------- faults
-FAULT_KINDS = ("raise", "hang", "leak", "malformed", "noauth")
+FAULT_KINDS = ("raise", "hang", "block", "leak", "malformed", "noauth")
 """The faults ``faulty`` plays, by the prefix of a task's ``prompt_id`` (any other prefix: a good agent)."""
 LEAKED_CLIENTS = 100
 LEAKED: list = []
@@ -263,10 +264,11 @@ async def _leak(client) -> list[int]:
 
 
 async def faulty(client, task):
-    """By ``fault_of(task["prompt_id"])``: ``raise`` raises after its first request; ``hang`` sleeps
-    past any timeout after it; ``leak`` opens ``LEAKED_CLIENTS`` clients it never closes; ``malformed``
-    posts ``MALFORMED_BODIES`` with the token; ``noauth`` posts without the token and with a wrong
-    one. The last three then run ``calc_twice`` (with the statuses they saw), as ``good`` does."""
+    """By ``fault_of(task["prompt_id"])``: ``raise`` raises after its first request; ``hang`` sleeps past any
+    timeout after it; ``block`` blocks its thread (``time.sleep``, ``params["block_s"]``); ``leak`` opens
+    ``LEAKED_CLIENTS`` clients it never closes; ``malformed`` posts ``MALFORMED_BODIES`` with the token;
+    ``noauth`` posts without the token and with a wrong one. The last three then run ``calc_twice`` (with the
+    statuses they saw), as ``good`` does."""
     kind = fault_of(task["prompt_id"])
     msgs = [{"role": "user", "content": task["prompt"]}]
     if kind == "raise":
@@ -275,6 +277,9 @@ async def faulty(client, task):
     if kind == "hang":
         await client.chat.completions.create(model="m", messages=msgs)
         await asyncio.sleep(3600)
+    if kind == "block":  # a synchronous call that blocks its thread (and its event loop) past the timeout
+        await client.chat.completions.create(model="m", messages=msgs)
+        time.sleep(task["params"].get("block_s", 3600))
     statuses: list[int] = []
     if kind == "leak":
         statuses = await _leak(client)
