@@ -158,6 +158,13 @@ def markdown(results: dict, args) -> str:
                 " (Ray: the agents run in the rollout actors, whose sessions and seconds are not read here.)"
             )
         lines += ["", text, ""]
+    lines += [
+        "Under laminar, repack moves long-tail episodes between the rollout actors, and a hanging or "
+        "blocking agent's episode is one: a moved episode restarts from its prompt (a fresh agent run); "
+        "one moved twice ends `env_error` (counted in `episode/failed`) instead of `agent_timeout` "
+        '(docs/agents.md, "Repack and resume"). Which episodes repack moves varies from run to run.',
+        "",
+    ]
     return "\n".join(lines)
 
 
