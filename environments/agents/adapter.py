@@ -48,6 +48,9 @@ class AgentParams(BaseModel):
     request_timeout_s: float = Field(120.0, gt=0, le=3_600)
     """How long a request waits for the policy's turn (504 after), and ``reset`` for the first one."""
     max_request_bytes: int = Field(4 << 20, ge=1024, le=1 << 30)
+    idle_timeout_s: float = Field(60.0, gt=0, le=86_400)
+    """A connection on which a client sends nothing this long is closed (an agent that never closes
+    its clients holds no server thread past it); a request waiting for its turn is not idle."""
     model_name: str = "laminar-policy"
     """The model id ``/v1/models`` lists."""
     agent_params: dict[str, Any] = Field(default_factory=dict)
@@ -117,7 +120,8 @@ class AgentEnvironment:
         with self._lock:
             if self._endpoint is None:
                 p = self.params
-                self._endpoint = Endpoint(self.hub, p.model_name, p.request_timeout_s, p.max_request_bytes)
+                self._endpoint = Endpoint(self.hub, p.model_name, p.request_timeout_s, p.max_request_bytes,
+                                          idle_timeout_s=p.idle_timeout_s)  # fmt: skip
                 self.hub.client_factory = _client(self.hub, self._endpoint, p.request_timeout_s + 5.0)
                 self.hub.client_factory(None)  # imports openai and httpx now, not in the first episode
             return self._endpoint
@@ -146,7 +150,7 @@ class AgentEnvironment:
                 return prompt.prompt_tokens, {"session": s.sid, "ended": reason, "error": detail}
             try:
                 tokens = self._first(s, ev, prompt)
-            except ValueError as e:  # refused, or the template refused it: the agent hears why
+            except Exception as e:  # noqa: BLE001 - refused, or the template raised: the agent hears why
                 s.reply(ev, error=_refusal(e))
                 continue
             return tokens, self._state(s)
@@ -174,7 +178,7 @@ class AgentEnvironment:
             try:
                 obs, tool_msgs = self._next(s, ev)
                 break
-            except ValueError as e:
+            except Exception as e:  # noqa: BLE001 - refused, or the template raised: the agent hears why
                 s.reply(ev, error=_refusal(e))
                 ev = s.next_event(max(0.0, s.deadline - time.monotonic()))
                 if not isinstance(ev, Call):
@@ -332,8 +336,10 @@ class AgentEnvironment:
         return reply
 
 
-def _refusal(e: ValueError) -> tuple[int, str]:
-    """The 4xx a request gets: a ``RequestError``'s own; anything else the chat template raised."""
+def _refusal(e: Exception) -> tuple[int, str]:
+    """The 4xx a request gets: a ``RequestError``'s own; a 400 for anything else rendering it raised
+    (a chat template's ``raise_exception``, say for roles out of order, is a jinja2 error, no
+    ``ValueError``), which ends no episode and stops no rollout."""
     if isinstance(e, RequestError):
         return e.status, str(e)
     return 400, f"cannot render the messages: {e}"

@@ -40,6 +40,8 @@ IGNORED = {
 CHAT_FIELDS = {"messages", "tools", "tool_choice", "stop", "max_tokens", "max_completion_tokens",
                "temperature", "top_p", "n", "logprobs", "top_logprobs", "stream", "frequency_penalty",
                "presence_penalty", "response_format"}  # fmt: skip
+IDLE_TIMEOUT_S = 60.0
+"""A keep-alive connection that sends nothing this long is closed (a waiting request is not idle)."""
 MAX_N = 16
 """Choices per request at most."""
 COMPLETION_FIELDS = {"prompt", "stop", "max_tokens", "temperature", "top_p", "n", "logprobs", "stream",
@@ -114,6 +116,14 @@ def parse_request(kind: str, body) -> dict:
     if fmt is not None and (not isinstance(fmt, dict) or fmt.get("type") != "text"):
         raise RequestError("response_format other than {'type': 'text'} is not supported")
     tools = canonical_tools(body.get("tools"))
+    for t in tools:  # what the tool-call parsers read of a schema: an object, its properties, its required
+        schema = t["function"].get("parameters")
+        if schema is not None and not (
+            isinstance(schema, dict)
+            and isinstance(schema.get("properties", {}), dict)
+            and isinstance(schema.get("required", []), list)
+        ):
+            raise RequestError(f"tools: {t['function']['name']!r}: parameters must be a JSON schema object")
     if choice == "none":
         tools_for_calls = []
     else:
@@ -224,11 +234,14 @@ class Endpoint:
     """The HTTP server on ``127.0.0.1`` (``port``; 0: a free one), in front of ``hub``'s sessions (or of
     a ``sessionless`` hub that serves every request itself: ``environments.agents.serve``)."""
 
-    def __init__(self, hub, model: str, request_timeout_s: float, max_request_bytes: int, port: int = 0):
+    def __init__(self, hub, model: str, request_timeout_s: float, max_request_bytes: int, port: int = 0,
+                 idle_timeout_s: float | None = IDLE_TIMEOUT_S):  # fmt: skip
         self.hub, self.model = hub, model
         self.request_timeout_s, self.max_request_bytes = request_timeout_s, max_request_bytes
         self.requests = self.refused = 0
-        handler = type("Handler", (_Handler,), {"endpoint": self})
+        # a connection idle this long (no request line, headers or body arriving) is closed, so a client
+        # that never closes its connections cannot hold the server's threads and sockets for good
+        handler = type("Handler", (_Handler,), {"endpoint": self, "timeout": idle_timeout_s})
         self.server = _Server(("127.0.0.1", port), handler)
         self.port = self.server.server_address[1]
         self.thread = threading.Thread(target=self.server.serve_forever, name="laminar-endpoint", daemon=True)
@@ -290,7 +303,12 @@ class _Handler(BaseHTTPRequestHandler):
         self._send(200, {"object": "list", "data": [model]})
 
     def do_POST(self) -> None:
-        length = int(self.headers.get("Content-Length") or -1)
+        try:
+            length = int(self.headers.get("Content-Length") or -1)
+        except ValueError:
+            self.close_connection = True
+            self._send(400, _error(400, "malformed request: Content-Length must be an integer"))
+            return
         if length < 0 or length > self.endpoint.max_request_bytes:
             self.close_connection = True
             if 0 < length <= 64 << 20:  # read it, so the client hears the 413 instead of a reset
@@ -311,9 +329,11 @@ class _Handler(BaseHTTPRequestHandler):
         self.endpoint.requests += 1
         try:
             req = parse_request(kinds[route], json.loads(raw or b"null"))
-        except ValueError as e:
+        except (ValueError, TypeError, AttributeError, RecursionError) as e:
+            # a field of the wrong type, or JSON nested too deep: a 400, never a dropped connection
             status = getattr(e, "status", 400)
-            self._send(status, _error(status, f"malformed request: {e}" if status == 400 else str(e)))
+            detail = str(e) if isinstance(e, ValueError) else f"{type(e).__name__}: {e}"
+            self._send(status, _error(status, f"malformed request: {detail}" if status == 400 else detail))
             return
         self._serve(sid, req)
 

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import time
 
 import openai
 
@@ -182,3 +183,140 @@ async def sampling_probe(client, task):
             "lps": [x.logprob for x in r.choices[0].logprobs.content],
         }
     return {"statuses": statuses, "messages": messages, "lps": []}
+
+
+# ------------------------------------------------------------------------------------------- faults
+FAULT_KINDS = ("raise", "hang", "block", "leak", "malformed", "noauth")
+"""The faults ``faulty`` plays, by the prefix of a task's ``prompt_id`` (any other prefix: a good agent)."""
+LEAKED_CLIENTS = 100
+LEAKED: list = []
+"""The clients ``leak`` opened, held (as a framework that caches its clients holds them): their
+connections stay open until the endpoint closes them (the test clears it)."""
+MALFORMED_BODIES = {
+    "bad_json": b'{"messages": [',
+    "not_utf8": b"\xff\xfe\x00",
+    "wrong_types": b'{"messages": "hi", "temperature": "hot"}',
+    "tool_calls_not_a_list": b'{"messages": [{"role": "assistant", "content": "x", "tool_calls": 5}]}',
+    "stream_options_a_string": b'{"messages": [{"role": "user", "content": "x"}], "stream_options": "x"}',
+    "nested_too_deep": b"[" * 100_000 + b"]" * 100_000,
+    "tool_schema_not_an_object": b'{"messages": [{"role": "user", "content": "x"}], "tools": [{"type": '
+    b'"function", "function": {"name": "calc", "parameters": 5}}]}',
+}
+"""Request bodies a broken client sends (each must get a 400 and change nothing)."""
+
+
+def fault_of(prompt_id: str) -> str:
+    """The fault a prompt id stands for (``FAULT_KINDS``), or ``good``."""
+    kind = prompt_id.split("-")[0]
+    return kind if kind in FAULT_KINDS else "good"
+
+
+async def calc_twice(client, task, statuses=None):
+    """A good agent: asks with the ``calc`` tool, runs the call the model makes (any call answers
+    ``3``; no call: it asks for the answer), asks again and returns that turn's text (with the HTTP
+    statuses the agent saw, ``statuses``)."""
+    msgs = [{"role": "user", "content": task["prompt"]}]
+    r = await client.chat.completions.create(model="m", messages=msgs, tools=[CALC])
+    m = r.choices[0].message
+    msgs.append(_dump(m))
+    for c in m.tool_calls or []:
+        msgs.append({"role": "tool", "tool_call_id": c.id, "content": "3"})
+    if not m.tool_calls:
+        msgs.append({"role": "user", "content": "Answer."})
+    r = await client.chat.completions.create(model="m", messages=msgs, tools=[CALC])
+    return {"answer": r.choices[0].message.content or "", "calls": len(m.tool_calls or []),
+            "statuses": [*(statuses or []), 200, 200]}  # fmt: skip
+
+
+async def _raw_status(client, body: bytes, token: bool) -> int:
+    """The HTTP status of ``body`` posted raw to the session's chat route (with or without the token);
+    0 when the server drops the connection without an answer."""
+    import httpx
+
+    headers = {"Content-Type": "application/json"}
+    if token:
+        headers["Authorization"] = f"Bearer {client.api_key}"
+    async with httpx.AsyncClient(verify=False, trust_env=False, timeout=30.0) as raw:
+        try:
+            r = await raw.post(f"{client.base_url}chat/completions", content=body, headers=headers)
+        except httpx.TransportError:
+            return 0
+        return r.status_code
+
+
+async def _leak(client) -> list[int]:
+    """``LEAKED_CLIENTS`` new clients on the session's base URL, each listing the models over its own
+    connection, none ever closed (and all kept in ``LEAKED``)."""
+    import httpx
+
+    clients = [
+        openai.AsyncOpenAI(
+            base_url=str(client.base_url),
+            api_key=client.api_key,
+            max_retries=0,
+            http_client=httpx.AsyncClient(verify=False, trust_env=False, timeout=30.0),
+        )
+        for _ in range(LEAKED_CLIENTS)
+    ]
+    LEAKED.extend(clients)
+    replies = await asyncio.gather(*(c.models.with_raw_response.list() for c in clients))
+    return [r.status_code for r in replies]
+
+
+async def faulty(client, task):
+    """By ``fault_of(task["prompt_id"])``: ``raise`` raises after its first request; ``hang`` sleeps past any
+    timeout after it; ``block`` blocks its thread (``time.sleep``, ``params["block_s"]``); ``leak`` opens
+    ``LEAKED_CLIENTS`` clients it never closes; ``malformed`` posts ``MALFORMED_BODIES`` with the token;
+    ``noauth`` posts without the token and with a wrong one. The last three then run ``calc_twice`` (with the
+    statuses they saw), as ``good`` does."""
+    kind = fault_of(task["prompt_id"])
+    msgs = [{"role": "user", "content": task["prompt"]}]
+    if kind == "raise":
+        await client.chat.completions.create(model="m", messages=msgs)
+        raise RuntimeError("fault: the agent broke")
+    if kind == "hang":
+        await client.chat.completions.create(model="m", messages=msgs)
+        await asyncio.sleep(3600)
+    if kind == "block":  # a synchronous call that blocks its thread (and its event loop) past the timeout
+        await client.chat.completions.create(model="m", messages=msgs)
+        time.sleep(task["params"].get("block_s", 3600))
+    statuses: list[int] = []
+    if kind == "leak":
+        statuses = await _leak(client)
+    elif kind == "malformed":
+        statuses = [await _raw_status(client, body, token=True) for body in MALFORMED_BODIES.values()]
+    elif kind == "noauth":
+        statuses = [await _raw_status(client, b'{"messages": [{"role": "user", "content": "x"}]}', False)]
+        wrong = client.with_options(api_key="wrong")
+        try:
+            await wrong.chat.completions.create(model="m", messages=msgs)
+            statuses.append(200)
+        except openai.APIStatusError as e:
+            statuses.append(e.status_code)
+    return await calc_twice(client, task, statuses)
+
+
+REFUSED = "FORBIDDEN"
+"""A message text the raising chat template of ``test_agent_faults`` refuses (``raise_exception``)."""
+
+
+async def template_refused(client, task):
+    """Requests the model's chat template refuses (a message with ``REFUSED``) as the first request and
+    as a later one, each followed by a good one: the statuses it saw."""
+    statuses, user = [], {"role": "user", "content": task["prompt"]}
+    for msgs in ([{"role": "user", "content": REFUSED}], [user]):
+        try:
+            r = await client.chat.completions.create(model="m", messages=msgs)
+            statuses.append(200)
+        except openai.APIStatusError as e:
+            statuses.append(e.status_code)
+    history = [user, _dump(r.choices[0].message)]
+    for text in (REFUSED, "Go on."):
+        try:
+            await client.chat.completions.create(
+                model="m", messages=[*history, {"role": "user", "content": text}]
+            )
+            statuses.append(200)
+        except openai.APIStatusError as e:
+            statuses.append(e.status_code)
+    return {"statuses": statuses}
