@@ -276,28 +276,36 @@ class PolicyServer:
         self.waiting.extend(_Row(job, i) for i in range(req["n"]))
 
     def _sample(self, rows: list[_Row], logits: torch.Tensor) -> torch.Tensor:
-        """Each row's next token from its logits [B, V], under its own request's settings; records
-        the token and its log-prob and whether the row ended. The tokens [B], on the model's device."""
+        """Each row's next token from its logits [B, V], under its own request's settings (greedy rows
+        by one argmax, sampled rows by one tempered softmax and one draw, each cut to its own nucleus);
+        records the token, its log-prob and whether the row ended. The tokens [B], on the model's device."""
         logits = logits.float().cpu()
-        out = []
-        for i, row in enumerate(rows):
-            job = row.job
-            logp = _sampling_logprobs(logits[i], job.temperature, job.top_p)
-            if job.temperature == 0:
-                tok = int(torch.argmax(logp))
-            else:
-                tok = int(torch.multinomial(logp.exp(), 1, generator=self.generator))
+        toks, lps = logits.argmax(-1), torch.zeros(len(rows))
+        hot = [i for i, r in enumerate(rows) if r.job.temperature != 0]
+        if hot:
+            at = torch.tensor(hot, dtype=torch.long)
+            temps = torch.tensor([rows[i].job.temperature for i in hot], dtype=torch.float32)
+            logp = torch.log_softmax(logits[at] / temps[:, None], -1)
+            for j, i in enumerate(hot):
+                if rows[i].job.top_p < 1.0:
+                    logp[j] = _nucleus(logp[j], rows[i].job.top_p)
+            drawn = torch.multinomial(logp.exp(), 1, generator=self.generator)
+            toks[at], lps[at] = drawn[:, 0], logp.gather(1, drawn)[:, 0]
+        for row, tok, lp in zip(rows, toks.tolist(), lps.tolist()):
             row.tokens.append(tok)
-            row.lps.append(float(logp[tok]))
-            stop = job.call.request["stop"]
-            if tok == self.eos:
-                row.ended = True
-            elif stop and any(s in self.tokenizer.decode(row.tokens, skip_special_tokens=True) for s in stop):
-                row.ended = row.hit = True
-            else:
-                row.ended = len(row.tokens) >= job.cap
-            out.append(tok)
-        return torch.tensor(out, dtype=torch.long, device=self.batch.device)
+            row.lps.append(lp)
+            self._end(row, tok)
+        return toks.to(self.batch.device)
+
+    def _end(self, row: _Row, tok: int) -> None:
+        """Whether ``row`` ended with ``tok``: EOS, a stop string in its text (``hit``), or its cap."""
+        stop = row.job.call.request["stop"]
+        if tok == self.eos:
+            row.ended = True
+        elif stop and any(s in self.tokenizer.decode(row.tokens, skip_special_tokens=True) for s in stop):
+            row.ended = row.hit = True
+        else:
+            row.ended = len(row.tokens) >= row.job.cap
 
     def _retire(self) -> None:
         """Ended rows leave the batch; a request whose rows all ended is answered."""
@@ -357,12 +365,16 @@ def _sampling_logprobs(logits: torch.Tensor, temperature: float, top_p: float) -
         out = torch.full_like(logits, float("-inf"))
         out[int(torch.argmax(logits))] = 0.0
         return out
-    logp = torch.log_softmax(logits / temperature, -1)
-    if top_p < 1.0:
-        order = torch.argsort(logp, descending=True)
-        mass = torch.cumsum(logp[order].exp(), 0)
-        drop = order[1:][mass[:-1] >= top_p]  # every token after the nucleus reached top_p
-        logp = logp.clone()
-        logp[drop] = float("-inf")
-        logp = torch.log_softmax(logp, -1)
-    return logp
+    return _nucleus(torch.log_softmax(logits / temperature, -1), top_p)
+
+
+def _nucleus(logp: torch.Tensor, top_p: float) -> torch.Tensor:
+    """``logp`` [V] cut to its ``top_p`` nucleus and renormalized (itself when ``top_p`` is 1)."""
+    if top_p >= 1.0:
+        return logp
+    order = torch.argsort(logp, descending=True)
+    mass = torch.cumsum(logp[order].exp(), 0)
+    drop = order[1:][mass[:-1] >= top_p]  # every token after the nucleus reached top_p
+    logp = logp.clone()
+    logp[drop] = float("-inf")
+    return torch.log_softmax(logp, -1)

@@ -133,6 +133,26 @@ def test_the_nucleus_keeps_the_most_likely_tokens_up_to_top_p():
     assert _sampling_logprobs(logits, 1.0, 1.0).exp().tolist() == pytest.approx([0.5, 0.3, 0.15, 0.05])
 
 
+def test_the_batched_sampler_draws_each_row_from_its_own_distribution(server):
+    """One ``_sample`` over rows of mixed settings: each row's log-prob is that of its token under its
+    own ``_sampling_logprobs`` (greedy rows: the argmax, log-prob 0; a tiny nucleus: the argmax)."""
+    from environments.agents.serve import _Job, _Row
+
+    settings = [(0.0, 1.0), (1.0, 1.0), (0.5, 0.9), (2.0, 1e-9), (1.0, 0.3), (0.0, 0.5)]
+    calls = [type("C", (), {"request": {"stop": []}})() for _ in settings]
+    rows = [_Row(_Job(c, [1], 10, t, p, [None]), 0) for c, (t, p) in zip(calls, settings)]
+    logits = torch.randn(len(rows), len(server.tokenizer), generator=torch.Generator().manual_seed(0)) * 3
+    for _ in range(20):
+        toks = server._sample(rows, logits).tolist()
+    for row, lg, (t, p) in zip(rows, logits, settings):
+        want = _sampling_logprobs(lg, t, p)
+        assert row.lps == pytest.approx([float(want[tok]) for tok in row.tokens], abs=1e-5)
+        assert all(torch.isfinite(want[tok]) for tok in row.tokens) and len(row.tokens) == 20
+    argmax = int(logits[0].argmax())
+    assert rows[0].tokens == [argmax] * 20 and rows[0].lps == [0.0] * 20 and toks[0] == argmax
+    assert rows[3].tokens == [int(logits[3].argmax())] * 20 and len(set(rows[1].tokens)) > 1
+
+
 def test_the_cli_serves_a_checkpoint_folder(tmp_path):
     """``laminar serve-policy FOLDER --seconds S``: prints the base URL and the token, answers a real
     client, and stops after S seconds."""
