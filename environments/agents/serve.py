@@ -256,7 +256,8 @@ class PolicyServer:
             self._retire()
 
     def _prepare(self, call) -> None:
-        """A request's prompt ids and settings, as ``n`` waiting rows (or its 400)."""
+        """A request's prompt ids and settings, as ``n`` waiting rows (or its 400: a prompt past the
+        context, or one the chat template refuses to render, ends only its own request)."""
         req = call.request
         try:
             if req["kind"] == "chat":
@@ -268,6 +269,9 @@ class PolicyServer:
                 raise RequestError(f"the prompt has {len(ids)} tokens; the model's context is {self.context}")
         except RequestError as e:
             self._reply(call, error=(e.status, str(e)))
+            return
+        except Exception as e:  # e.g. a chat template that raises on this conversation
+            self._reply(call, error=(400, f"the prompt could not be rendered: {type(e).__name__}: {e}"))
             return
         cap = min(req["max_tokens"] or self.max_tokens, self.max_tokens, room)
         temperature = 1.0 if req["temperature"] is None else float(req["temperature"])
@@ -316,7 +320,11 @@ class PolicyServer:
         for row in rows:
             if row.ended:
                 job = row.job
-                job.choices[row.index] = self._choice(row)
+                try:
+                    job.choices[row.index] = self._choice(row)
+                except Exception as e:  # a reply that cannot be parsed fails its own request only
+                    self._reply(job.call, error=(500, f"no reply could be built: {type(e).__name__}: {e}"))
+                    continue
                 if all(c is not None for c in job.choices):
                     self._reply(job.call, {"prompt_tokens": len(job.ids), "choices": job.choices})
 

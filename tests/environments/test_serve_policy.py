@@ -154,8 +154,8 @@ def test_the_batched_sampler_draws_each_row_from_its_own_distribution(server):
 
 
 def test_the_cli_serves_a_checkpoint_folder(tmp_path):
-    """``laminar serve-policy FOLDER --seconds S``: prints the base URL and the token, answers a real
-    client, and stops after S seconds."""
+    """``laminar serve-policy FOLDER --seconds S --max-batch B``: prints the base URL and the token,
+    answers a real client, and stops after S seconds; ``--max-batch 0`` is refused."""
     from generation.model import save_model
 
     tok = bpe_tokenizer()
@@ -164,6 +164,9 @@ def test_the_cli_serves_a_checkpoint_folder(tmp_path):
     cmd = [sys.executable, "-m", "flows.cli", "serve-policy", str(folder), "--seconds", "90",
            "--max-tokens", "4", "--workspace", str(tmp_path / "ws")]  # fmt: skip
     env = {**os.environ, "PYTHONPATH": str(ROOT)}
+    bad = subprocess.run(cmd + ["--max-batch", "0"], cwd=ROOT, capture_output=True, text=True, env=env)
+    assert bad.returncode == 2 and "--max-batch >= 1" in bad.stderr
+    cmd += ["--max-batch", "3"]
     proc = subprocess.Popen(cmd, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env)
     try:
         lines = {}
@@ -173,6 +176,7 @@ def test_the_cli_serves_a_checkpoint_folder(tmp_path):
             if "OPENAI_API_KEY" in lines:
                 break
         assert lines["OPENAI_BASE_URL"].startswith("http://127.0.0.1:")
+        assert any(k.startswith("# serving") and "3 rows batched" in k for k in lines)
 
         async def ask():
             c = openai.AsyncOpenAI(
@@ -378,19 +382,34 @@ def test_an_abandoned_request_frees_its_row():
 
 
 def test_errors_are_still_4xx_and_end_only_their_own_request(untied):
-    """A prompt past the model's context is a 400 from the decoder, while a request beside it is
-    served; ``max_batch`` below 1 is refused."""
+    """A prompt past the model's context, and a conversation the chat template refuses, are each a 400
+    from the decoder while a request beside them is served; ``max_batch`` below 1 is refused."""
+    from environments.agents.chat import ChatFormat
+
+    class Strict(ChatFormat):
+        def first(self, messages, tools, prompt=None):
+            if messages[-1]["content"] == "boom":
+                raise RuntimeError("the template refuses this conversation")
+            return super().first(messages, tools, prompt)
+
+    srv = PolicyServer(untied.model, untied.tokenizer, max_tokens=8)
+    srv.format = Strict(untied.tokenizer)
 
     async def go():
-        c = _client(untied)
+        c = _client(srv)
         long = c.completions.create(model="m", prompt="What is 4 * 5? " * 400, max_tokens=4)
-        fine = c.completions.create(model="m", prompt="What is", max_tokens=4)
-        out = await asyncio.gather(long, fine, return_exceptions=True)
+        boom = c.chat.completions.create(model="m", messages=[{"role": "user", "content": "boom"}])
+        fine = c.chat.completions.create(model="m", messages=MSGS, max_tokens=4)
+        out = await asyncio.gather(long, boom, fine, return_exceptions=True)
         await c.close()
         return out
 
-    bad, good = asyncio.run(go())
-    assert isinstance(bad, openai.BadRequestError) and "context is 1024" in str(bad)
-    assert good.usage.completion_tokens == 4
+    try:
+        long, boom, fine = asyncio.run(go())
+    finally:
+        srv.close()
+    assert isinstance(long, openai.BadRequestError) and "context is 1024" in str(long)
+    assert isinstance(boom, openai.BadRequestError) and "refuses this conversation" in str(boom)
+    assert fine.usage.completion_tokens == 4
     with pytest.raises(ValueError, match="max_batch"):
         PolicyServer(untied.model, untied.tokenizer, max_batch=0)
