@@ -163,6 +163,7 @@ class PolicyServer:
         pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else self.eos
         self.batch = _Batch(self.model, pad if pad is not None else 0, next(model.parameters()).device)
         self.waiting: collections.deque[_Row] = collections.deque()
+        self.joining: list[_Row] = []  # rows between the queue and the batch (their prefill)
         self.steps = self.peak_rows = self.dropped_rows = 0
         self.cond = threading.Condition()
         self.inbox: list = []  # calls posted, not yet in the decoder
@@ -245,8 +246,10 @@ class PolicyServer:
                 self._prepare(call)
         free = self.max_batch - len(self.batch.rows)
         if free > 0 and self.waiting:
-            rows = [self.waiting.popleft() for _ in range(min(free, len(self.waiting)))]
-            self.batch.next[-len(rows) :] = self._sample(rows, self.batch.join(rows))
+            self.joining = [self.waiting.popleft() for _ in range(min(free, len(self.waiting)))]
+            rows, logits = self.joining, self.batch.join(self.joining)
+            self.joining = []
+            self.batch.next[-len(rows) :] = self._sample(rows, logits)
             self._retire()
         if self.batch.rows:
             rows = self.batch.rows
@@ -338,10 +341,11 @@ class PolicyServer:
         self.dropped_rows += before - len(self.waiting) - len(self.batch.rows)
 
     def _fail(self, message: str) -> None:
-        """Every request in the batch or the queue is answered with a 500 ``message``."""
-        jobs = {id(r.job): r.job for r in [*self.batch.rows, *self.waiting]}
+        """Every request in the batch, joining it or in the queue is answered with a 500 ``message``."""
+        jobs = {id(r.job): r.job for r in [*self.batch.rows, *self.joining, *self.waiting]}
         self.batch.reset()
         self.waiting.clear()
+        self.joining = []
         for job in jobs.values():
             self._reply(job.call, error=(500, message))
 

@@ -413,3 +413,36 @@ def test_errors_are_still_4xx_and_end_only_their_own_request(untied):
     assert fine.usage.completion_tokens == 4
     with pytest.raises(ValueError, match="max_batch"):
         PolicyServer(untied.model, untied.tokenizer, max_batch=0)
+
+
+def test_a_failed_forward_fails_its_batch_and_the_server_goes_on(untied):
+    """A forward that raises (here: a prefill of a prompt holding one token) answers the rows it was
+    computing with a 500; the decoder keeps serving the requests after it."""
+    tok = untied.tokenizer
+    bad = tok("zebra")["input_ids"][0]
+
+    class Flaky(torch.nn.Module):
+        def __init__(self, inner):
+            super().__init__()
+            self.inner, self.config = inner, inner.config
+
+        def forward(self, input_ids, **kw):
+            if input_ids.shape[1] > 1 and bool((input_ids == bad).any()):
+                raise RuntimeError("simulated: out of memory")
+            return self.inner(input_ids=input_ids, **kw)
+
+    srv = PolicyServer(Flaky(untied.model), tok, max_tokens=6)
+
+    async def go():
+        c = _client(srv)
+        with pytest.raises(openai.InternalServerError, match="out of memory") as err:
+            await c.completions.create(model="m", prompt="zebra", max_tokens=4)
+        r = await c.completions.create(model="m", prompt="What is", max_tokens=4, temperature=0)
+        await c.close()
+        return err.value.status_code, r
+
+    try:
+        status, r = asyncio.run(go())
+    finally:
+        srv.close()
+    assert status == 500 and r.usage.completion_tokens == 4 and srv.active() == 0
