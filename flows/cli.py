@@ -144,6 +144,9 @@ def _serve_policy_command(sub: argparse._SubParsersAction) -> None:
     sp.add_argument("--port", type=int, default=0, help="loopback port (default 0: a free one)")
     sp.add_argument("--max-tokens", type=int, default=256, help="the longest completion (default 256)")
     sp.add_argument("--seed", type=int, default=0, help="the sampler's seed (default 0)")
+    sp.add_argument(
+        "--max-batch", type=int, default=32, help="the most rows (choices) decoding together (default 32)"
+    )
     sp.add_argument("--seconds", type=float, default=None, help="stop after this long (default: Ctrl-C)")
     _workspace_arg(sp)
 
@@ -153,8 +156,11 @@ def cmd_serve_policy(args) -> int:
     from tasks.checkpoint_eval import EvalInputError
     from tasks.serve_policy import serve_policy
 
-    if args.max_tokens < 1 or not 0 <= args.port <= 65535:
-        print("laminar: serve-policy needs --max-tokens >= 1 and --port in [0, 65535]", file=sys.stderr)
+    if args.max_tokens < 1 or args.max_batch < 1 or not 0 <= args.port <= 65535:
+        print(
+            "laminar: serve-policy needs --max-tokens >= 1, --max-batch >= 1 and --port in [0, 65535]",
+            file=sys.stderr,
+        )
         return 2
     _quiet_transformers()
     try:
@@ -165,6 +171,7 @@ def cmd_serve_policy(args) -> int:
             max_tokens=args.max_tokens,
             seed=args.seed,
             seconds=args.seconds,
+            max_batch=args.max_batch,
             say=lambda line: print(line, flush=True),
         )
     except EvalInputError as err:

@@ -10,8 +10,9 @@ from core.workspace import Workspace
 
 
 def serve_policy(ws: Workspace, spec: str, *, port: int, max_tokens: int, seed: int, seconds: float | None,
-                 say=print) -> None:  # fmt: skip
-    """Serve ``spec``'s model until interrupted (or for ``seconds``); ``say`` gets the base URL and
+                 max_batch: int = 32, say=print) -> None:  # fmt: skip
+    """Serve ``spec``'s model until interrupted (or for ``seconds``), decoding up to ``max_batch``
+    rows (choices of concurrent requests) together; ``say`` gets the base URL and
     the bearer token as ``OPENAI_BASE_URL=...`` and ``OPENAI_API_KEY=...`` lines (an ``openai``
     client reads both from the environment)."""
     from environments.agents.serve import PolicyServer
@@ -20,8 +21,8 @@ def serve_policy(ws: Workspace, spec: str, *, port: int, max_tokens: int, seed: 
 
     ref = resolve_checkpoint(ws, spec)
     model, tokenizer = load_model(ref.path)
-    server = PolicyServer(model, tokenizer, port=port, max_tokens=max_tokens, seed=seed)
-    say(f"# serving {ref.sha256[:12]} ({ref.path}) on loopback; Ctrl-C stops it")
+    server = PolicyServer(model, tokenizer, port=port, max_tokens=max_tokens, seed=seed, max_batch=max_batch)
+    say(f"# serving {ref.sha256[:12]} ({ref.path}) on loopback, {max_batch} rows batched; Ctrl-C stops it")
     say(f"OPENAI_BASE_URL={server.base_url}")
     say(f"OPENAI_API_KEY={server.token}")
     try:
