@@ -11,6 +11,7 @@ The scenario (``fault_run``) is also ``benchmarks/agent_faults.py``'s, which tab
 
 from __future__ import annotations
 
+import socket
 import threading
 import time
 from dataclasses import dataclass, field
@@ -294,12 +295,14 @@ def test_faulty_agents_end_only_their_own_episodes_and_every_other_group_trains_
     if mode == "sync":  # nothing is in flight after the last update: every session and agent has ended
         assert in_flight == 0 and hub.live() == 0 and all(s.end is not None for s in run.sessions)
         assert agents_ended(run, 5.0)
+        with pytest.raises(ConnectionRefusedError):  # the run closed its endpoint when it ended
+            socket.create_connection(("127.0.0.1", engine.env._endpoint.port), timeout=5).close()
     assert hub.live() <= in_flight  # the sessions left are the episodes still running, no other
     assert len(run.finished) <= hub.started <= len(run.finished) + in_flight  # none restarted
     assert len(fx.LEAKED) >= 2 * fx.LEAKED_CLIENTS  # the leaked clients are still held
     if mode == "sync":  # yet the endpoint closed their idle connections (and every other)
         assert connections_closed(2 * IDLE_S), server_threads()
-    engine.close()  # the episodes still in flight (partial) end with their rollout
+    engine.close()  # idempotent: the local driver closed it when its run ended
     assert hub.live() == 0 and all(s.end is not None for s in run.sessions) and agents_ended(run, 5.0)
     assert connections_closed(2 * IDLE_S), server_threads()
     fx.LEAKED.clear()
@@ -323,7 +326,6 @@ def test_malformed_bodies_get_a_400_and_reach_no_session():
     """A field of the wrong type (``tool_calls: 5``, ``stream_options: "x"``, a tool schema that is no
     object), JSON nested too deep or a Content-Length that is no number: a 400 (before the fix, the
     handler thread raised and the client saw its connection dropped, no answer)."""
-    import socket
 
     import httpx
 

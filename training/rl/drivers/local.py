@@ -107,6 +107,14 @@ class LocalDriver:
     # ------------------------------------------------------------------------------------------ run
     def run(self) -> RLResult:
         self._build()
+        try:
+            return self._loop()
+        finally:  # an episode environment's endpoint, tool pool and agents end with the run
+            close = getattr(self.engine, "close", None)
+            if close is not None:
+                close()
+
+    def _loop(self) -> RLResult:
         m, last = self.manager, time.perf_counter()
         while m.version < self.rl.steps:
             if m.next_batch():
