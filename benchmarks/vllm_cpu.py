@@ -389,9 +389,19 @@ def engine_samples(model, tok, items, new_tokens: int, dtype: str) -> list:
     return [(list(t.response_tokens), list(t.behaviour_logprobs)) for t in out]
 
 
+def engine_tps(model, tok, items, new_tokens: int, dtype: str, repeats: int) -> float:
+    """The engine's decode tokens/s over ``items`` with ``model`` cast to ``dtype`` in place (the
+    caller casts it back): one warm-up, then the best of ``repeats`` (``engine_smollm2``'s engine side)."""
+    from benchmarks.engine_smollm2 import _best_seconds, engine_side
+
+    run = engine_side(model.to(getattr(torch, dtype)), tok, items, new_tokens)
+    run()  # warm-up (and the native kernels' build, once per machine)
+    return len(items) * new_tokens / _best_seconds(run, repeats)
+
+
 def decode_rows(name, model, tok, template, vllm: dict, args, result, save) -> None:
     """Per batch size: vLLM (each started dtype) and the engine (fp32, bf16), alternating who goes first."""
-    from benchmarks.engine_smollm2 import SMOLLM2_TEMPLATE, engine_tps, prompts
+    from benchmarks.engine_smollm2 import SMOLLM2_TEMPLATE, prompts
 
     table = result["models"][name].setdefault("batches", {})
     for i, batch in enumerate(args.batches):

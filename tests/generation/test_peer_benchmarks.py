@@ -74,3 +74,21 @@ def test_decode_table_log_prob_gap_aligns_the_sampled_tokens(tmp_path):
     assert gap["abs_diff_max"] < 1e-4
     shifted = [(t, b[1:] + b[:1]) for t, b in samples]  # log-probs one token off
     assert vllm_cpu.logprob_gap(model, shifted, [list(p.prompt_tokens) for p in items])["abs_diff_max"] > 1e-3
+
+
+def test_decode_table_times_the_engine_in_both_dtypes_and_leaves_the_cast_to_the_caller(tmp_path):
+    """``engine_tps`` (the engine's column of the decode table) runs on the helpers
+    ``benchmarks/engine_smollm2.py`` has now: a rename there broke the table once, unseen by any test."""
+    import torch
+
+    from benchmarks import vllm_cpu
+    from benchmarks.engine_smollm2 import prompts
+    from generation.model import load_model
+
+    torch.set_num_threads(1)
+    model, tok = load_model(vllm_cpu.build_dir("tiny_vllm", tmp_path / "m"), "cpu")
+    items = prompts(tok, "{problem}\n", 2)
+    for dtype in ("float32", "bfloat16"):
+        assert vllm_cpu.engine_tps(model.eval(), tok, items, 4, dtype, 1) > 0
+        assert next(model.parameters()).dtype == getattr(torch, dtype)
+        model.float()
