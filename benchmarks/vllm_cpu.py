@@ -295,11 +295,12 @@ def decode_worker(argv: list[str]) -> None:
         if req["op"] == "quit":
             break
         if req["op"] == "decode":
-            run(req["prompts"], req["new_tokens"])  # warm-up
+            lp = req.get("logprobs")  # 0: each sampled token's log-prob, as an RL rollout needs
+            run(req["prompts"], req["new_tokens"], lp)  # warm-up
             best, n = float("inf"), 0
             for _ in range(req["repeats"]):
                 t = time.perf_counter()
-                outs = run(req["prompts"], req["new_tokens"])
+                outs = run(req["prompts"], req["new_tokens"], lp)
                 best = min(best, time.perf_counter() - t)
                 n = sum(len(o.outputs[0].token_ids) for o in outs)
             proto.write(json.dumps({"seconds": best, "tokens": n}) + "\n")
@@ -414,7 +415,11 @@ def decode_rows(name, model, tok, template, vllm: dict, args, result, save) -> N
         for key, dtype in sides if i % 2 == 0 else sides[::-1]:
             if key.startswith("vllm"):
                 r = vllm[dtype].ask(
-                    op="decode", prompts=ids, new_tokens=args.new_tokens, repeats=args.repeats
+                    op="decode",
+                    prompts=ids,
+                    new_tokens=args.new_tokens,
+                    repeats=args.repeats,
+                    logprobs=0 if args.vllm_logprobs else None,
                 )
                 assert r["tokens"] == batch * args.new_tokens, r
                 row[key] = r["tokens"] / r["seconds"]
@@ -471,6 +476,7 @@ def decode_table(args) -> None:
         "batches": args.batches,
         "vllm_dtypes": args.vllm_dtypes,
         "enforce_eager": not args.compile,
+        "vllm_logprobs": args.vllm_logprobs,
         "uptime_start": uptime(),
         "models": {},
     }
@@ -518,6 +524,11 @@ def decode_table_args(argv: list[str]):
     ap.add_argument("--mismatch-prompts", type=int, default=16)
     ap.add_argument(
         "--compile", action="store_true", help="let vLLM compile the model (default: enforce_eager)"
+    )
+    ap.add_argument(
+        "--vllm-logprobs",
+        action="store_true",
+        help="vLLM returns each sampled token's log-prob, as the engine does (what RL needs)",
     )
     ap.add_argument("--resume", action="store_true", help="keep --out's rows, measure only the missing")
     ap.add_argument("--out", default=None)
