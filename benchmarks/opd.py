@@ -72,12 +72,9 @@ def run_rl(cfg, paths: dict[str, Path], out: Path) -> tuple[list[dict], list[flo
     from evaluation.stages import in_run_evaluator
     from generation.model import load_tokenizer
     from generation.setup import setup_torch
-    from rewards.compose import Reward
     from rewards.verdicts import open_verdict
-    from tasks.stages.common import file_benchmarks, template
+    from tasks.stages.common import file_benchmarks
     from tasks.stages.evaluate import eval_templates, open_judges
-    from training.rl.sections import RLSections
-    from training.rl.stage import rl
 
     setup_torch(cfg.threads, cfg.seed)
     clock: list[float] = []
@@ -97,22 +94,43 @@ def run_rl(cfg, paths: dict[str, Path], out: Path) -> tuple[list[dict], list[flo
             judges=open_judges(cfg, stack, verifier),
             sandbox=cfg.sandbox,
         )
-        result = rl(
-            paths["rft"],
-            paths["selection"] / "prompts.parquet",
-            RLSections.of(cfg),  # the config's teacher section included
-            template=template(cfg),
-            device="cpu",
-            out_dir=out,
-            reward=Reward.of(verifier, cfg.reward, None, template(cfg), sandbox=cfg.sandbox),
-            history_path=paths["selection"] / "history.parquet",
-            evaluate=evaluate,
+        result = rl_from_base(
+            cfg,
+            paths,
+            out,
+            verifier,
+            evaluate,
             on_metrics=lambda m: (
                 clock.append(time.perf_counter() - start),
                 cpu.append(time.process_time() - cpu0),
             ),
         )
     return [m.as_dict() for m in result.history], clock, cpu
+
+
+def rl_from_base(cfg, paths: dict[str, Path], out: Path, verifier, evaluate, on_metrics, **extra):
+    """``training.rl.stage.rl`` in process from the base run's inputs (``copy_inputs``): its RFT
+    checkpoint on its selected prompts and HIVE history, rewarded by ``cfg.reward`` through
+    ``verifier`` (``RLSections.of(cfg)``: the config's teacher section included); ``extra``: more of
+    ``rl``'s keywords."""
+    from rewards.compose import Reward
+    from tasks.stages.common import template
+    from training.rl.sections import RLSections
+    from training.rl.stage import rl
+
+    return rl(
+        paths["rft"],
+        paths["selection"] / "prompts.parquet",
+        RLSections.of(cfg),
+        template=template(cfg),
+        device="cpu",
+        out_dir=out,
+        reward=Reward.of(verifier, cfg.reward, None, template(cfg), sandbox=cfg.sandbox),
+        history_path=paths["selection"] / "history.parquet",
+        evaluate=evaluate,
+        on_metrics=on_metrics,
+        **extra,
+    )
 
 
 def reach(

@@ -23,13 +23,12 @@ import statistics
 import sys
 import tempfile
 import time
-from contextlib import ExitStack
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
-from benchmarks.opd import BASE_INPUTS, base_run, copy_inputs  # noqa: E402
+from benchmarks.opd import BASE_INPUTS, base_run, copy_inputs, rl_from_base  # noqa: E402
 
 
 def level_evaluator(cfg, paths: dict[str, Path], verifier, level: str):
@@ -74,27 +73,19 @@ def run_rl(cfg, paths: dict[str, Path], out: Path, level: str) -> dict:
     """One RL run: its held-out curves, the final accuracies, its seconds and ReLIFT's counters."""
     from generation.model import load_model
     from generation.setup import setup_torch
-    from rewards.compose import Reward
     from rewards.verdicts import open_verdict
-    from tasks.stages.common import template
-    from training.rl.sections import RLSections
-    from training.rl.stage import rl
 
     setup_torch(cfg.threads, cfg.seed)
     clock: list[float] = []
     start = time.perf_counter()
-    with open_verdict(cfg.reward, cfg.eval.verifier_timeout_s, cfg.sandbox) as verifier, ExitStack():
+    with open_verdict(cfg.reward, cfg.eval.verifier_timeout_s, cfg.sandbox) as verifier:
         evaluate = level_evaluator(cfg, paths, verifier, level)
-        result = rl(
-            paths["rft"],
-            paths["selection"] / "prompts.parquet",
-            RLSections.of(cfg),
-            template=template(cfg),
-            device="cpu",
-            out_dir=out,
-            reward=Reward.of(verifier, cfg.reward, None, template(cfg), sandbox=cfg.sandbox),
-            history_path=paths["selection"] / "history.parquet",
-            evaluate=evaluate,
+        result = rl_from_base(
+            cfg,
+            paths,
+            out,
+            verifier,
+            evaluate,
             on_metrics=lambda m: clock.append(time.perf_counter() - start),
             dart_data=paths["rft_data"] / "rft.parquet",
         )
