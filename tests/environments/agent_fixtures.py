@@ -148,15 +148,19 @@ class Scripted:
             base = (r.prompt.prompt_id.split("|")[0], r.group_uid, r.sample_idx)
             i = self.turn_of.get(base, 0)
             self.turn_of[base] = i + 1
-            text = self.script[min(i, len(self.script) - 1)]
-            toks = tuple(self.tokenizer(text, add_special_tokens=False)["input_ids"]) + (
-                self.tokenizer.eos_token_id,
-            )
+            toks, text = self.turn(i)
             self.sampled[request_key(r)] = toks
             lps = (-0.5,) * len(toks)
             args = (r.prompt, r.sample_idx, toks, lps, self.version, True, text, 0.1, r.group_uid)
             out.append(Trajectory("trajectory", *args))
         return out
+
+    def turn(self, i: int) -> tuple[tuple[int, ...], str]:
+        """The tokens and text of an episode's turn ``i``: the script's text (its last one repeated),
+        tokenized, then EOS."""
+        text = self.script[min(i, len(self.script) - 1)]
+        ids = self.tokenizer(text, add_special_tokens=False)["input_ids"]
+        return (*ids, self.tokenizer.eos_token_id), text
 
     def extract(self, include_queued=True, only=None):
         rows, self.rows = self.rows, []

@@ -14,8 +14,7 @@ from environments.registry import make_environment, wrap_engine
 from environments.tool_use import ToolCall
 from generation.engine import Engine
 from generation.model import build_char_tokenizer, build_tiny_model, encode_problem
-from generation.records import GenRequest, PromptItem, Trajectory
-from generation.sampler import request_key
+from generation.records import GenRequest, PromptItem
 from tests.environments import agent_fixtures as fx
 from tests.environments.bpe import CHAT_TEMPLATE, bpe_tokenizer
 from tests.environments.test_agents import _consumed_matches, _training_row
@@ -44,18 +43,9 @@ def _env(target=EXAMPLE, **kw) -> EnvConfig:
 class Replay(fx.Scripted):
     """``fx.Scripted`` whose turns are token sequences (a demonstration's turns, replayed)."""
 
-    def step(self, max_steps):
-        out, rows, self.rows = [], self.rows, []
-        for r in rows:
-            base = (r.prompt.prompt_id.split("|")[0], r.group_uid, r.sample_idx)
-            i = self.turn_of.get(base, 0)
-            self.turn_of[base] = i + 1
-            toks = self.script[i]
-            self.sampled[request_key(r)] = toks
-            text = self.tokenizer.decode(list(toks), skip_special_tokens=True)
-            args = (r.prompt, r.sample_idx, toks, (-0.5,) * len(toks), 0, True, text, 0.1, r.group_uid)
-            out.append(Trajectory("trajectory", *args))
-        return out
+    def turn(self, i: int) -> tuple[tuple[int, ...], str]:
+        toks = self.script[i]
+        return toks, self.tokenizer.decode(list(toks), skip_special_tokens=True)
 
 
 def _bpe(template: str):
