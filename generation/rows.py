@@ -31,6 +31,37 @@ from generation.records import GenRequest, Partial, Trajectory
 from generation.sampler import row_key
 
 
+def merge_rows(cache, attn: torch.Tensor, new_cache, new_attn: torch.Tensor) -> torch.Tensor:
+    """Append ``new_cache``'s rows after ``cache``'s (in place, layer by layer), left-padding the
+    narrower of the two along the sequence axis so that every row's newest cached token stays in the
+    last column; returns the merged attention mask (``attn`` over ``new_attn``, padding 0)."""
+    width = max(attn.shape[1], new_attn.shape[1])
+
+    def lpad(x: torch.Tensor, dim: int) -> torch.Tensor:
+        missing = width - x.shape[dim]
+        if missing == 0:
+            return x
+        shape = list(x.shape)
+        shape[dim] = missing
+        return torch.cat([x.new_zeros(shape), x], dim=dim)
+
+    for old, nl in zip(cache.layers, new_cache.layers):
+        old.keys = torch.cat([lpad(old.keys, 2), lpad(nl.keys, 2)], dim=0)
+        old.values = torch.cat([lpad(old.values, 2), lpad(nl.values, 2)], dim=0)
+    return torch.cat([lpad(attn, 1), lpad(new_attn, 1)], dim=0)
+
+
+def select_rows(cache, attn: torch.Tensor, keep: torch.Tensor) -> torch.Tensor:
+    """Keep the rows ``keep`` (batch indices) of ``cache`` (in place) and cut the leading columns no
+    kept row attends to; returns the kept rows' attention mask."""
+    attn = attn.index_select(0, keep)
+    first = int(attn.any(0).int().argmax())  # first column some remaining row attends to
+    for layer in cache.layers:  # narrow first (a view), so only kept columns are copied
+        layer.keys = layer.keys[:, :, first:].index_select(0, keep)
+        layer.values = layer.values[:, :, first:].index_select(0, keep)
+    return attn[:, first:]
+
+
 @dataclass
 class Row:
     request: GenRequest
@@ -123,21 +154,7 @@ class DynamicRows:
             self._cache = cache
             self._attn = st["attn"]
         else:
-            t_old, t_new = self._attn.shape[1], st["attn"].shape[1]
-            width = max(t_old, t_new)
-
-            def lpad(x: torch.Tensor, dim: int) -> torch.Tensor:
-                missing = width - x.shape[dim]
-                if missing == 0:
-                    return x
-                shape = list(x.shape)
-                shape[dim] = missing
-                return torch.cat([x.new_zeros(shape), x], dim=dim)
-
-            for old, nl in zip(self._cache.layers, cache.layers):
-                old.keys = torch.cat([lpad(old.keys, 2), lpad(nl.keys, 2)], dim=0)
-                old.values = torch.cat([lpad(old.values, 2), lpad(nl.values, 2)], dim=0)
-            self._attn = torch.cat([lpad(self._attn, 1), lpad(st["attn"], 1)], dim=0)
+            self._attn = merge_rows(self._cache, self._attn, cache, st["attn"])
         self._next = torch.cat([self._next, st["next"]])
         self._pos = torch.cat([self._pos, st["pos"]])
         self._plen = torch.cat([self._plen, st["plen"]])
@@ -228,12 +245,7 @@ class DynamicRows:
 
     def _select(self, keep: torch.Tensor) -> None:
         """Keep rows ``keep`` (batch index selection) and trim leading all-padding columns."""
-        attn = self._attn.index_select(0, keep)
-        first = int(attn.any(0).int().argmax())  # first column some remaining row attends to
-        for layer in self._cache.layers:  # narrow first (a view), so only kept columns are copied
-            layer.keys = layer.keys[:, :, first:].index_select(0, keep)
-            layer.values = layer.values[:, :, first:].index_select(0, keep)
-        self._attn = attn[:, first:]
+        self._attn = select_rows(self._cache, self._attn, keep)
         for name in ("_next", "_pos", "_plen", "_ngen", "_toks", "_lps", "_ent", "_keys", "_lastv"):
             setattr(self, name, getattr(self, name).index_select(0, keep))
 

@@ -30,6 +30,7 @@ import torch
 
 from environments.agents.chat import RequestError, message_format
 from environments.agents.server import Endpoint
+from generation.rows import merge_rows, select_rows
 
 
 @dataclass(eq=False)
@@ -62,7 +63,8 @@ class _Batch:
     """The running rows' KV cache: one ``DynamicCache`` whose columns are left-padded so that every
     row's newest cached token sits in the last column (``attn`` [B, T] marks the real columns,
     ``pos`` [B] is each pending token's position id), as in ``generation.rows.DynamicRows``. The cache
-    holds each row's prompt and every sampled token but the last, which is pending in ``next`` [B]."""
+    holds each row's prompt and every sampled token but the last, which is pending in ``next`` [B].
+    Rows join and leave through the engine's own ``merge_rows`` and ``select_rows``."""
 
     def __init__(self, model, pad_id: int, device):
         self.model, self.pad_id, self.device = model, pad_id, device
@@ -100,18 +102,8 @@ class _Batch:
     def _merge(self, cache, attn: torch.Tensor) -> None:
         if self.cache is None:
             self.cache, self.attn = cache, attn
-            return
-        width = max(self.attn.shape[1], attn.shape[1])
-
-        def lpad(x: torch.Tensor, dim: int) -> torch.Tensor:
-            shape = list(x.shape)
-            shape[dim] = width - x.shape[dim]
-            return torch.cat([x.new_zeros(shape), x], dim=dim) if shape[dim] else x
-
-        for old, new in zip(self.cache.layers, cache.layers):
-            old.keys = torch.cat([lpad(old.keys, 2), lpad(new.keys, 2)], dim=0)
-            old.values = torch.cat([lpad(old.values, 2), lpad(new.values, 2)], dim=0)
-        self.attn = torch.cat([lpad(self.attn, 1), lpad(attn, 1)], dim=0)
+        else:
+            self.attn = merge_rows(self.cache, self.attn, cache, attn)
 
     def step(self) -> torch.Tensor:
         """Feed every row's pending token: the logits [B, V] of the next one."""
@@ -129,12 +121,7 @@ class _Batch:
             self.reset()
             return
         idx = torch.tensor(keep, dtype=torch.long, device=self.device)
-        attn = self.attn.index_select(0, idx)
-        first = int(attn.any(0).int().argmax())
-        for layer in self.cache.layers:
-            layer.keys = layer.keys[:, :, first:].index_select(0, idx)
-            layer.values = layer.values[:, :, first:].index_select(0, idx)
-        self.attn = attn[:, first:]
+        self.attn = select_rows(self.cache, self.attn, idx)
         self.next, self.pos = self.next.index_select(0, idx), self.pos.index_select(0, idx)
         self.rows = [self.rows[i] for i in keep]
 
