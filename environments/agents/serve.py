@@ -88,10 +88,7 @@ class _Batch:
         if len(unique) < len(seqs):
             at = {s: i for i, s in enumerate(unique)}
             pick = torch.tensor([at[s] for s in seqs], dtype=torch.long, device=self.device)
-            for layer in cache.layers:
-                layer.keys = layer.keys.index_select(0, pick)
-                layer.values = layer.values.index_select(0, pick)
-            attn, logits = attn.index_select(0, pick), logits.index_select(0, pick)
+            attn, logits = select_rows(cache, attn, pick), logits.index_select(0, pick)
         pos = torch.tensor([len(s) for s in seqs], dtype=torch.long, device=self.device)
         self._merge(cache, attn)
         self.rows.extend(rows)
