@@ -8,6 +8,7 @@ import re
 from fractions import Fraction
 
 from environments.base import ToolError
+from core import pyast
 
 MAX_CHARS = 200
 MAX_MAGNITUDE = 10**18
@@ -30,7 +31,7 @@ def evaluate(expression: str) -> Fraction:
     if len(text) > MAX_CHARS:
         raise ToolError(f"expression longer than {MAX_CHARS} characters")
     try:
-        tree = ast.parse(text, mode="eval")
+        tree = pyast.parse(text, mode="eval")
     except SyntaxError:
         raise ToolError("not an expression") from None
     return _walk(tree.body)

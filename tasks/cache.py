@@ -15,6 +15,7 @@ from dataclasses import dataclass
 from collections.abc import Iterable
 from functools import cache
 from pathlib import Path
+from core import pyast
 
 ROOT = Path(__file__).resolve().parent.parent
 """The tree whose library sources are fingerprinted (tests point it at an edited copy)."""
@@ -49,7 +50,7 @@ def _module_file(name: str, root: Path) -> Path | None:
 
 
 def _imports(path: Path, module: str) -> set[str]:
-    tree = ast.parse(path.read_text(), filename=str(path))
+    tree = pyast.parse(path.read_text(), filename=str(path))
     package = module if path.name == "__init__.py" else module.rpartition(".")[0]
     found: set[str] = set()
     for node in ast.walk(tree):
@@ -138,7 +139,7 @@ def _named_imports(path: Path) -> set[str]:
     ``from a import b`` read as ``a`` and ``a.b``; imports for type annotations only (``if
     TYPE_CHECKING:``) run nothing and are left out."""
     found: set[str] = set()
-    todo: list[ast.AST] = [ast.parse(path.read_text(), filename=str(path))]
+    todo: list[ast.AST] = [pyast.parse(path.read_text(), filename=str(path))]
     while todo:
         node = todo.pop()
         if _type_checking_block(node):

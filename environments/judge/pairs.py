@@ -11,6 +11,7 @@ import builtins
 import math
 import operator
 from dataclasses import dataclass
+from core import pyast
 
 OPS = {ast.Eq: "eq", ast.NotEq: "ne", ast.Is: "is", ast.IsNot: "is_not", ast.Lt: "lt", ast.LtE: "le"}
 MIRROR = {ast.Lt: ast.Gt, ast.Gt: ast.Lt, ast.LtE: ast.GtE, ast.GtE: ast.LtE}
@@ -88,7 +89,7 @@ def defined_names(prefix: str) -> set[str]:
     """Top-level names the (trusted) prefix defines: a test's call to one of these, other than the
     entry point, is the prefix's helper, not the program."""
     try:
-        tree = ast.parse(prefix)
+        tree = pyast.parse(prefix)
     except SyntaxError:
         return set()
     out = set()
@@ -103,7 +104,7 @@ def defined_names(prefix: str) -> set[str]:
 def pair_test(src: str, entry: str | None, prefix_names: set[str]) -> PairTest | None:
     """``src`` as pairs, or None when it is of another shape (module docstring)."""
     try:
-        tree = ast.parse(src)
+        tree = pyast.parse(src)
     except SyntaxError:
         return None
     body, alias = _unwrap_check(tree.body)

@@ -4,7 +4,6 @@ reads each run's output only as plain data and decides."""
 
 from __future__ import annotations
 
-import ast
 import marshal
 from dataclasses import dataclass
 from functools import cache
@@ -14,6 +13,7 @@ from conf.schema import SandboxConfig
 from environments import sandbox
 from environments.judge import plain
 from environments.judge.pairs import PairTest, defined_names, pair_test
+from core import pyast
 
 HERE = Path(__file__).parent
 MAX_ROUNDS = 8
@@ -111,7 +111,7 @@ class Rounds:
         }
         files = {"_judge_plain.py": script("plain.py"), "checks.bin": marshal.dumps(job)}
         out = sandbox.run(script("run_checks.py"), files=files, timeout_s=self.timeout_s, config=self.config)
-        lines = [ast.literal_eval(x) for x in out.stdout.splitlines() if x.startswith("{")]
+        lines = [pyast.literal_eval(x) for x in out.stdout.splitlines() if x.startswith("{")]
         if not lines or "pending" not in lines[-1] or not out.ok:
             raise Failed("check_failed")
         for line in lines[:-1]:
@@ -137,7 +137,7 @@ def read_results(stdout: str, n: int) -> list[dict]:
     out: list[dict | None] = [None] * n
     for line in stdout.splitlines():
         try:
-            rec = ast.literal_eval(line) if line.startswith("{") else None
+            rec = pyast.literal_eval(line) if line.startswith("{") else None
         except (ValueError, TypeError, SyntaxError, MemoryError, RecursionError):
             continue
         i = rec.get("i") if type(rec) is dict else None
