@@ -9,6 +9,7 @@ import sys
 from pathlib import Path
 
 import pytest
+import yaml
 
 ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT))
@@ -35,7 +36,8 @@ def test_trl_peer_model_mode_takes_the_recipes_sizes_and_refuses_a_bad_folder(tm
     (tmp_path / "model.safetensors").write_bytes(b"")
     args = _args(model=["smollm2", str(tmp_path)], group_size=4)
     trl_peer.resolve_inputs(_Parser(), args)
-    assert (args.prompts_per_step, args.group_size, args.max_new_tokens) == (4, 4, 24)
+    rl = yaml.safe_load((ROOT / "conf/recipe/smollm2_arith.yaml").read_text())["rl"]
+    assert (args.prompts_per_step, args.group_size, args.max_new_tokens) == (rl["prompts_per_step"], 4, 24)
     assert args.model_dir == tmp_path
 
 
