@@ -359,8 +359,8 @@ class Engine(EngineBase):
         return sample(logits, self.temperature, keys, t)
 
     def _prefill(self, seqs: list[list[int]]):
-        """``model_calls.prefill`` of ``seqs`` (only the last position's logits on CUDA)."""
-        return model_calls.prefill(self.model, seqs, self.pad_id, self.device, last_only=self._cuda)
+        """``model_calls.prefill`` of ``seqs`` (only the last position's logits)."""
+        return model_calls.prefill(self.model, seqs, self.pad_id, self.device)
 
     def _left_padded(self, seqs) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         return model_calls.left_padded(seqs, self.pad_id, self.device)

@@ -7,6 +7,7 @@ weights replaced strictly, a trajectory decoded into its record, HIVE's prompt e
 
 from __future__ import annotations
 
+import inspect
 from collections.abc import Mapping, Sequence
 
 import numpy as np
@@ -28,23 +29,35 @@ def left_padded(seqs, pad_id: int, device) -> tuple[torch.Tensor, torch.Tensor, 
     return ids, attn, (attn.cumsum(-1) - 1).clamp(min=0)
 
 
-def prefill(model, seqs: list[list[int]], pad_id: int, device, last_only: bool):
+def last_logits_only(model) -> dict:
+    """The keyword that makes ``model``'s forward compute only the last position's logits
+    (``logits_to_keep=1``), or none when its forward takes no such argument. A prefill needs no
+    other position's logits, and the full [B, T, V] tensor is most of a large-vocabulary model's
+    prefill (SmolLM2 at 64 x 64 prompt tokens, bf16, one thread: 2.4-2.6 s with it, 1.6-2.0 s
+    without); fp32 logits at the last position are bit-identical either way."""
+    forward = getattr(model, "forward", None)
+    try:
+        params = inspect.signature(forward).parameters
+    except (TypeError, ValueError):
+        return {}
+    return {"logits_to_keep": 1} if "logits_to_keep" in params else {}
+
+
+def prefill(model, seqs: list[list[int]], pad_id: int, device):
     """One left-padded forward of ``model`` over ``seqs``: (fresh DynamicCache, attention mask [B, W],
-    logits at each row's last position [B, V]). Padded columns' keys/values are zeroed. ``last_only``:
-    only the last position's logits are computed (on CUDA, where a 150k vocabulary makes the full
-    [B, T, V] tensor gigabytes)."""
+    logits at each row's last position [B, V]), only that position's logits computed
+    (``last_logits_only``). Padded columns' keys/values are zeroed."""
     from transformers import DynamicCache
 
     ids, attn, positions = left_padded(seqs, pad_id, device)
     cache = DynamicCache()
-    extra = {"logits_to_keep": 1} if last_only else {}
     logits = model(
         input_ids=ids,
         attention_mask=attn,
         position_ids=positions,
         past_key_values=cache,
         use_cache=True,
-        **extra,
+        **last_logits_only(model),
     ).logits[:, -1, :]
     if not bool(attn.all()):
         pad = (attn == 0)[:, None, :, None]

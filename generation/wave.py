@@ -17,6 +17,7 @@ import contextlib
 
 import torch
 
+from generation.model_calls import last_logits_only
 from generation.records import Partial, Trajectory
 from generation.sampler import row_keys, sample
 
@@ -127,6 +128,7 @@ class Wave:
                 position_ids=positions,
                 past_key_values=cache,
                 use_cache=True,
+                **last_logits_only(e.model),
             )
             .logits[:, -1, :]
             .index_select(0, of_row_dev)

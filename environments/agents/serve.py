@@ -84,7 +84,7 @@ class _Batch:
 
         seqs = [tuple(r.job.ids) for r in rows]
         unique = list(dict.fromkeys(seqs))
-        cache, attn, logits = prefill(self.model, [list(s) for s in unique], self.pad_id, self.device, True)
+        cache, attn, logits = prefill(self.model, [list(s) for s in unique], self.pad_id, self.device)
         if len(unique) < len(seqs):
             at = {s: i for i, s in enumerate(unique)}
             pick = torch.tensor([at[s] for s in seqs], dtype=torch.long, device=self.device)

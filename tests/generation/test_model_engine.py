@@ -86,3 +86,24 @@ def test_load_weights_changes_version_and_outputs(tmp_path):
     assert all(t.version == 7 for t in trajs)
     # all-zero weights: uniform next-token distribution over the vocabulary
     assert abs(trajs[0].behaviour_logprobs[0] + torch.log(torch.tensor(float(len(tok)))).item()) < 1e-4
+
+
+def test_a_prefill_computes_only_the_last_positions_logits(tmp_path):
+    """Every layout's prefill asks the model for the last position's logits only (``logits_to_keep``):
+    the lm_head never sees more than one position a row, and a forward without that argument is
+    called without it."""
+    model, tok = _tiny(tmp_path)
+    seen = []
+    model.lm_head.register_forward_hook(lambda mod, args, out: seen.append(tuple(args[0].shape)))
+    for waves in (True, False):
+        seen.clear()
+        Engine(model, tok, EngineOptions(capacity=4), waves=waves).generate(_requests(tok), 6, 1.0, seed=0)
+        assert seen and max(s[1] for s in seen) == 1, (waves, seen[:3])
+    from generation.model_calls import last_logits_only
+
+    class NoKeep(torch.nn.Module):
+        def forward(self, input_ids, attention_mask=None):
+            return input_ids
+
+    assert last_logits_only(model) == {"logits_to_keep": 1}
+    assert last_logits_only(NoKeep()) == {}
