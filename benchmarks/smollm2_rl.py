@@ -5,6 +5,10 @@ log, which holds the timings ``history.jsonl`` leaves out) generation and traini
 
     .venv/bin/python benchmarks/smollm2_rl.py --workspace WS --log run.log \\
         --out benchmarks/results/smollm2/x.json
+
+``--summary OUT.md A.json B.json ...`` tabulates collected runs (one row pair per run, the mean gain)
+and plots their per-step curves beside the ``.md`` (``.png``): training-batch accuracy with the
+in-run held-out points, and mean response length.
 """
 
 from __future__ import annotations
@@ -78,7 +82,54 @@ def collect(ws: Path, log: Path | None, run_id: str | None = None) -> dict:
     }
 
 
+def summary(out: Path, runs: list[Path]) -> None:
+    """``out`` (markdown) and ``out.png`` for the collected ``runs`` (``collect``'s JSON files)."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    rows = [
+        "| run | held-out | level 1 | level 2 | level 3 | mean length | truncated | most common answer |",
+        "|---|---|---|---|---|---|---|---|",
+    ]
+    gains = []
+    fig, (acc_ax, len_ax) = plt.subplots(1, 2, figsize=(11, 4))
+    for path in runs:
+        d = json.loads(path.read_text())
+        for key, label in (("as_shipped", "as shipped"), ("after_rl", "after RL")):
+            e, top = d[key], d[f"answers_{key}"]["top_predictions"][0]
+            lv = e["by_level"]
+            rows.append(
+                f"| {path.stem} {label} | {e['accuracy']:.3f} | {lv['1']:.3f} | {lv['2']:.3f} "
+                f"| {lv['3']:.3f} | {e['mean_length']:.1f} | {e['truncation_rate']:.0%} "
+                f"| {top[0] if top[0] is not None else 'none readable'} ({top[1]:.0%}) |"
+            )
+        gains.append(d["after_rl"]["accuracy"] - d["as_shipped"]["accuracy"])
+        steps = [s["step"] for s in d["steps"]]
+        line = acc_ax.plot(steps, [s["accuracy"] for s in d["steps"]], alpha=0.6, label=path.stem)[0]
+        held = [(s["step"], v) for s in d["steps"] for k, v in s.items() if k.startswith("eval_")]
+        held = [(0, d["as_shipped"]["accuracy"]), *held, (steps[-1], d["after_rl"]["accuracy"])]
+        acc_ax.plot(*zip(*held), "o--", color=line.get_color())
+        len_ax.plot(steps, [s["response_length"] for s in d["steps"]], color=line.get_color())
+    acc_ax.set(xlabel="RL step", ylabel="accuracy", title="batch accuracy (line), held-out (dots)")
+    len_ax.set(xlabel="RL step", ylabel="tokens", title="mean response length")
+    acc_ax.legend(fontsize=7)
+    fig.tight_layout()
+    fig.savefig(out.with_suffix(".png"), dpi=90)
+    mean = sum(gains) / len(gains)
+    rows.append("")
+    rows.append(
+        f"Mean held-out gain over {len(gains)} runs: {mean * 100:+.1f} points "
+        f"({', '.join(f'{g * 100:+.1f}' for g in gains)})."
+    )
+    out.write_text("\n".join(rows) + "\n")
+
+
 def main() -> None:
+    if len(sys.argv) > 2 and sys.argv[1] == "--summary":
+        summary(Path(sys.argv[2]), [Path(x) for x in sys.argv[3:]])
+        return
     ap = argparse.ArgumentParser()
     ap.add_argument("--workspace", required=True)
     ap.add_argument("--log", default=None)
