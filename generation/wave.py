@@ -17,7 +17,6 @@ import contextlib
 
 import torch
 
-from generation.model_calls import last_logits_only
 from generation.records import Partial, Trajectory
 from generation.sampler import row_keys, sample
 
@@ -108,7 +107,6 @@ class Wave:
     joins = False
 
     def __init__(self, engine, rows: list):
-        from transformers import DynamicCache
 
         e = self.e = engine
         self._rows = rows
@@ -117,22 +115,10 @@ class Wave:
         of_row = torch.tensor(
             [unique.setdefault(tuple(r.prompt.prompt_tokens), len(unique)) for r in requests]
         )
-        input_ids, attn, positions = e._left_padded(list(unique))
-        plen, bsz, m = input_ids.shape[1], len(requests), e.max_new_tokens
+        cache, attn, logits = e._prefill(list(unique))
+        plen, bsz, m = attn.shape[1], len(requests), e.max_new_tokens
         of_row_dev = of_row.to(e.device)
-        cache = DynamicCache()
-        logits = (
-            e.model(
-                input_ids=input_ids,
-                attention_mask=attn,
-                position_ids=positions,
-                past_key_values=cache,
-                use_cache=True,
-                **last_logits_only(e.model),
-            )
-            .logits[:, -1, :]
-            .index_select(0, of_row_dev)
-        )
+        logits = logits.index_select(0, of_row_dev)
         # the static cache: the token fed at step t (t >= 1) writes column plen + t - 1; the last
         # sampled token is never fed
         width = plen + m - 1
@@ -146,7 +132,7 @@ class Wave:
         self.keys = row_keys(e.seed, requests)
         self.emitted = torch.zeros(bsz, dtype=torch.bool)
         pad_rows = attn.index_select(0, of_row_dev) == 0
-        step_pos = positions[:, -1].index_select(0, of_row_dev)
+        step_pos = (attn.sum(-1) - 1).index_select(0, of_row_dev)  # each prompt's last position
         self.shards = []
         for i, rows in enumerate(shard_rows(bsz, e.device, e.decode_threads)):
             rows_dev = rows.to(e.device)
