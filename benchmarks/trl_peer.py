@@ -20,8 +20,9 @@ machine and load sits in one table.
 ``laminar model fetch smollm2`` writes) on ``recipe=smollm2_arith``'s task: the pool of its arithmetic
 levels through the chat template with the recipe's answer-format prompt, its reward (the verifier plus
 the format term, ``rewards.compose.Reward``: the same object scores both sides), LoRA for RL (the same
-rank, alpha and modules: TRL gets them as its ``peft_config``), 4 prompts x 8 completions, 24 new
-tokens, lr 2e-4 (the recipe's sizes; ``--prompts-per-step`` etc. override them). TRL gets the prompt as
+rank, alpha and modules: TRL gets them as its ``peft_config``), 16 prompts x 8 completions, 24 new
+tokens, lr 2e-4 and the recipe's KL coefficient (TRL's ``beta``, the same k3 estimator in the loss;
+the recipe's sizes; ``--prompts-per-step`` etc. override them). TRL gets the prompt as
 a chat message and applies the same template; ``prompt_mismatches`` counts prompts whose token ids
 differ from the project's (0 expected). Also reported: update tokens/s (generated tokens over the
 time outside generation: scoring, log-probs, backward, optimizer).
@@ -267,7 +268,7 @@ def trl_config(args, cfg, out_dir: str):
         lr_scheduler_type="constant",
         warmup_steps=0,
         optim="adamw_torch",
-        beta=0.0,
+        beta=cfg.rl.kl_coef or 0.0,  # the recipe's k3 KL to the reference, in the loss (none by default)
         loss_type="grpo",
         scale_rewards="group",
         epsilon=0.2,
