@@ -107,7 +107,6 @@ class Wave:
     joins = False
 
     def __init__(self, engine, rows: list):
-
         e = self.e = engine
         self._rows = rows
         requests = [r.request for r in rows]
