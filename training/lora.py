@@ -13,6 +13,7 @@ scaling (``generation.adapter`` merges them on the rollouts).
 
 from __future__ import annotations
 
+import json
 import sys
 from pathlib import Path
 
@@ -20,7 +21,7 @@ import numpy as np
 import torch
 
 from conf.schema import LoraConfig
-from generation.adapter import SCALING_KEY, base_dir, base_reference, is_adapter_dir
+from generation.adapter import ADAPTER_CONFIG, SCALING_KEY, base_dir, base_reference, is_adapter_dir
 from generation.model import check_adapter_weights, load_model, load_tokenizer, save_model
 
 
@@ -119,6 +120,19 @@ def save_trained(model, tokenizer, out_dir: str | Path) -> None:
     readme = Path(out_dir) / "README.md"  # PEFT's model card template: nothing the pipeline reads
     if readme.exists():
         readme.unlink()
+    canonical_adapter_config(Path(out_dir) / ADAPTER_CONFIG)
+
+
+def canonical_adapter_config(path: Path) -> None:
+    """Rewrite a PEFT ``adapter_config.json`` with its module sets sorted. PEFT holds
+    ``target_modules`` (and ``exclude_modules``) as sets and writes them in set order, which follows the
+    process's string-hash seed: the same adapter got a different file, so a different artifact sha256,
+    in every process. PEFT reads the sorted list back as the same set."""
+    cfg = json.loads(path.read_text())
+    for key in ("target_modules", "exclude_modules"):
+        if isinstance(cfg.get(key), list):
+            cfg[key] = sorted(cfg[key])
+    path.write_text(json.dumps(cfg, indent=2, sort_keys=True))
 
 
 def lora_scaling(model) -> float:

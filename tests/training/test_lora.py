@@ -93,6 +93,25 @@ def test_sft_trains_only_the_adapter_and_writes_a_peft_folder(dirs, tmp_path):
     np.testing.assert_allclose(sequence_logprobs(load_model(out)[0], seq), trained, atol=1e-5)
 
 
+def test_a_saved_adapter_config_is_the_same_bytes_in_every_process(dirs, tmp_path):
+    """PEFT writes ``target_modules`` in set order, which follows the process's string-hash seed; the
+    saved file lists them sorted, so an adapter's folder (and artifact sha256) does not depend on it.
+    Seven modules: an unsorted set order passes by chance once in 5,040 processes."""
+    from peft import PeftModel
+
+    from training.lora import load_trainable, save_trained
+
+    cfg = LoraConfig(enabled=True, rank=4)
+    assert len(cfg.target_modules) == 7
+    model, tok, _ = load_trainable(dirs[0], cfg, "warmup", seed=0)
+    save_trained(model, tok, tmp_path / "a")
+    saved = json.loads((tmp_path / "a" / "adapter_config.json").read_text())
+    assert saved["target_modules"] == sorted(cfg.target_modules)
+    # PEFT reads the sorted list back as the same adapter
+    again = PeftModel.from_pretrained(load_model(dirs[0])[0], str(tmp_path / "a"))
+    assert again.peft_config["default"].target_modules == set(cfg.target_modules)
+
+
 def test_sft_optimizer_state_covers_only_adapter_parameters(dirs):
     from training.lora import load_trainable
     from training.rl.trainer import PolicyTrainer
