@@ -183,6 +183,9 @@ def test_micro_batches_give_the_gradient_of_one_batch(algorithm):
     assert len(micro_batches(lengths, torch.arange(12), 40)) >= 3
     a, b = whole.update(groups), split.update(groups)
     assert a.loss == pytest.approx(b.loss, abs=1e-5) and a.grad_norm == pytest.approx(b.grad_norm, rel=1e-4)
+    # the token-mean diagnostics too, whatever the loss's weights of the micro-batches (seq_mean: sequences)
+    for k in ("entropy", "sampler_logprob_gap"):
+        assert a.metrics[k] == pytest.approx(b.metrics[k], rel=1e-5), k
     for (name, x), (_, y) in zip(whole.model.named_parameters(), split.model.named_parameters()):
         # the accumulated gradient (left in .grad by the step); Adam would blow float noise up to lr
         assert torch.allclose(x.grad, y.grad, atol=1e-6, rtol=1e-4), name

@@ -339,7 +339,8 @@ def _minibatch_mean(per_chunk: list[dict[str, float]]) -> dict[str, float]:
 
 
 def _diagnostics(pbatch: PolicyBatch, logits: torch.Tensor, temperature: float) -> dict[str, float]:
-    """A micro-batch's mean token entropy and mean |proximal - behaviour| log-prob gap."""
+    """A micro-batch's mean token entropy and mean |proximal - behaviour| log-prob gap (weighted by the
+    micro-batch's share of the minibatch's tokens: ``_backward_rows``)."""
     with torch.no_grad():
         m = pbatch.mask
         denom = m.sum().clamp_min(1)
@@ -689,8 +690,10 @@ class PolicyTrainer:
             share = micro_share(pbatch.mask, inp.mask[idx], self.params.loss_agg) if counts else 0.0
             self._backward(loss * share, boundary=j == len(mbs) - 1)
             part_loss += float(loss.detach()) * share
-            mb_metrics.update(_diagnostics(pbatch, logits, self.temperature))
             accumulate(metrics, mb_metrics, share)
+            # token means over the whole minibatch, whatever the micro-batching and the loss's weights
+            tokens = float(pbatch.mask.sum() / inp.mask[idx].sum().clamp(min=1)) if counts else 0.0
+            accumulate(metrics, _diagnostics(pbatch, logits, self.temperature), tokens)
         return metrics, part_loss
 
     def publish(self) -> WeightsUpdate:
