@@ -692,7 +692,7 @@ class PolicyTrainer:
             part_loss += float(loss.detach()) * share
             accumulate(metrics, mb_metrics, share)
             # token means over the whole minibatch, whatever the micro-batching and the loss's weights
-            tokens = float(pbatch.mask.sum() / inp.mask[idx].sum().clamp(min=1)) if counts else 0.0
+            tokens = micro_share(pbatch.mask, inp.mask[idx], "token_mean") if counts else 0.0
             accumulate(metrics, _diagnostics(pbatch, logits, self.temperature), tokens)
         return metrics, part_loss
 
